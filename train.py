@@ -1,0 +1,392 @@
+"""Fine-tune a transformer text classifier and measure where the time and memory go.
+
+The same script runs on a CPU, one GPU, several GPUs (DDP, FSDP) and in fp16/bf16; only the
+Accelerate config changes:
+
+    python train.py                                    # embedded MiniLM-L6 on the embedded tweets
+    accelerate launch --config_file accelerate_configs/ddp_fp16.yaml train.py --model roberta-base --dataset glue/sst2
+
+Every run writes runs/<run-name>/record.json (settings, environment, stage timing per rank,
+throughput, memory, accuracy) and steps.jsonl; docs/RECORD.md describes them.
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+
+import evaluate
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+from accelerate.utils import (ProjectConfiguration, TorchDynamoPlugin, broadcast_object_list, gather_object,
+                             parse_flag_from_env, set_seed)
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from trainscope import environment, summary, trackers
+from trainscope.data import build_dataloaders, load_classification_data, redact_url
+from trainscope.errors import UserError, exit_with
+from trainscope.memory import GIB, peak_rss_bytes
+from trainscope.modeling import build_model, build_optimizer, build_tokenizer
+from trainscope.records import RunRecord, now_iso, read_steps
+from trainscope.settings import Settings, parse_settings
+from trainscope.timing import STAGES, StageTimer, make_clock
+
+METRIC_MODULE = str(Path(__file__).parent / "trainscope" / "metrics" / "classification")
+KEEP_CHECKPOINTS = 2
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    (settings,) = parse_settings(argv=argv, description=__doc__)
+    try:
+        train(settings)
+    except UserError as error:
+        exit_with(error, code=2)
+    except (NonFiniteLoss, torch.OutOfMemoryError) as error:
+        exit_with(error, code=1)
+
+
+def train(settings: Settings) -> dict:
+    # ---------------------------------------------------------------- launch and settings
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator() reads it
+    environment.refuse_independent_runs(state.num_processes)
+    set_seed(settings.seed)
+    torch.backends.cuda.matmul.allow_tf32 = settings.tf32
+    torch.backends.cudnn.allow_tf32 = settings.tf32
+    run_dir = resolve_run_dir(settings, state)
+
+    # ---------------------------------------------------------------- data and model
+    tokenizer = build_tokenizer(settings)
+    data = load_classification_data(settings, tokenizer, state.main_process_first)
+    train_batches = math.ceil(len(data.train) / settings.per_device_batch_size)
+    if train_batches < state.num_processes:
+        raise UserError(
+            f"{len(data.train)} training rows make {train_batches} batches of {settings.per_device_batch_size}, "
+            f"fewer than the {state.num_processes} processes: lower --per-device-batch-size or use more data"
+        )
+    model, model_facts = build_model(settings, data.label_names, tokenizer)
+
+    # ---------------------------------------------------------------- accelerator
+    tracker_names = trackers.trackers_for(settings.report_to)
+    on_cuda = state.device.type == "cuda"
+    pin_memory = on_cuda if settings.pin_memory is None else settings.pin_memory
+    accelerator = Accelerator(
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        log_with=tracker_names or None,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=settings.seed, non_blocking=pin_memory
+        ),
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor") if settings.compile else None,
+    )
+    precision = environment.effective_precision(accelerator)
+    if accelerator.mixed_precision not in ("no", precision):
+        accelerator.print(
+            f"warning: {accelerator.mixed_precision} was requested but {accelerator.device.type} runs {precision}; "
+            f"recorded as {precision}"
+        )
+
+    train_loader, validation_loader, test_loader = build_dataloaders(
+        data, tokenizer, settings, pin_memory=pin_memory,
+        pad_to_multiple_of=8 if on_cuda and precision in ("fp16", "bf16") else None,
+    )
+    optimizer = build_optimizer(model, settings, accelerator.device)
+    steps_per_epoch = math.ceil(
+        math.ceil(len(data.train) / (settings.per_device_batch_size * accelerator.num_processes))
+        / settings.gradient_accumulation_steps
+    )
+    total_steps = settings.max_steps or settings.epochs * steps_per_epoch
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    # Accelerate steps a prepared scheduler once per process for every optimizer step.
+    scheduler = get_scheduler(
+        settings.lr_scheduler, optimizer,
+        num_warmup_steps=int(settings.warmup_fraction * total_steps) * accelerator.num_processes,
+        num_training_steps=total_steps * accelerator.num_processes,
+    )
+    model, optimizer, train_loader, validation_loader, test_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, validation_loader, test_loader, scheduler
+    )
+    metric = evaluate.load(METRIC_MODULE)
+
+    # ---------------------------------------------------------------- run record and trackers
+    record = RunRecord(run_dir) if accelerator.is_main_process else None
+    resumed = load_checkpoint(accelerator, run_dir, record) if settings.resume else None
+    recorded_settings = {**asdict(settings), "dataset": redact_url(settings.dataset), "model": redact_url(settings.model)}
+    init_kwargs, tracker_facts = trackers.init_kwargs(tracker_names, run_dir.name, run_dir)
+    env = environment.describe(accelerator, precision)
+    clock, timing_mode = make_clock(settings.timing, accelerator.device)
+    env["timing_mode"] = timing_mode
+    if record:
+        record.update(
+            run_name=run_dir.name, status="running", created=record.data.get("created", now_iso()),
+            settings=recorded_settings, environment=env, model=model_facts,
+            data={"labels": data.label_names, "text_columns": data.text_columns,
+                  "label_column": data.label_column, **data.provenance},
+            trackers=tracker_facts, plan={"optimizer_steps": total_steps, "steps_per_epoch": steps_per_epoch,
+                                          "epochs": epochs, "global_batch_size": settings.per_device_batch_size
+                                          * accelerator.num_processes * settings.gradient_accumulation_steps},
+            resumed_from=record.data.get("resumed_from", []) + ([resumed["checkpoint"]] if resumed else []),
+        )
+    if tracker_names:
+        accelerator.init_trackers(settings.model.split("/")[-1], config=trackers.flat_config(recorded_settings),
+                                  init_kwargs=init_kwargs)
+
+    # ---------------------------------------------------------------- the timed loop
+    timer = StageTimer(clock, accelerator.device)
+    step = resumed["step"] if resumed else 0
+    start_epoch = resumed["epoch"] if resumed else 0
+    skip_batches = resumed["batches_in_epoch"] if resumed else 0
+    counts = resumed["counts"] if resumed else {p: {"samples": 0, "tokens": 0, "optimizer_steps": 0,
+                                                    "micro_batches": 0} for p in ("warmup", "steady")}
+    skipped_steps = resumed["skipped_steps"] if resumed else 0
+    if resumed:
+        timer.restore(resumed["timer"])
+    evaluations = []
+    interval_losses, interval_samples = [], 0
+    interval_tokens = torch.zeros((), device=accelerator.device, dtype=torch.long)
+    phase_tokens = {p: torch.zeros_like(interval_tokens) for p in counts}
+    progress = tqdm(total=total_steps, initial=step, desc="training", unit="step",
+                    disable=not accelerator.is_local_main_process)
+    model.train()
+    timer.start()
+    if step >= settings.timing_warmup_steps:
+        timer.set_phase("steady")
+    try:
+        for epoch in range(start_epoch, epochs):
+            train_loader.set_epoch(epoch)
+            loader = accelerator.skip_first_batches(train_loader, skip_batches) if skip_batches else train_loader
+            batches_in_epoch, skip_batches = skip_batches, 0
+            batches = iter(loader)
+            while step < total_steps:
+                with timer("data"):
+                    batch = next(batches, None)
+                if batch is None:
+                    break
+                batches_in_epoch += 1
+                phase = timer.phase
+                with accelerator.accumulate(model):
+                    with timer("forward"):
+                        labels = batch.pop("labels")
+                        logits = model(**batch).logits
+                    with timer("backward"):
+                        loss = F.cross_entropy(logits.float(), labels)
+                        accelerator.backward(loss)
+                    with timer("optimizer"):
+                        if accelerator.sync_gradients and settings.max_grad_norm:
+                            accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                # Kept on the device: reading them (.item()) is a sync point, done only at log steps.
+                interval_losses.append(loss.detach())
+                tokens = batch["attention_mask"].sum()
+                interval_tokens += tokens
+                phase_tokens[phase] += tokens
+                counts[phase]["samples"] += labels.shape[0]
+                interval_samples += labels.shape[0]
+                counts[phase]["micro_batches"] += 1
+                if not accelerator.sync_gradients:
+                    continue
+                step += 1
+                counts[phase]["optimizer_steps"] += 1
+                skipped_steps += int(optimizer.step_was_skipped)
+                progress.update(1)
+                last_step = step == total_steps
+                if step % settings.log_every == 0 or last_step:
+                    line = log_step(accelerator, timer, step, epoch, interval_losses, interval_tokens,
+                                    interval_samples, scheduler.get_last_lr()[0])
+                    interval_losses, interval_tokens, interval_samples = [], torch.zeros_like(interval_tokens), 0
+                    progress.set_postfix(loss=f"{line['loss']:.4f}")
+                    if record:
+                        record.append_step(line)
+                    accelerator.log({"train/loss": line["loss"], "train/lr": line["lr"]}, step=step)
+                if step == settings.timing_warmup_steps:
+                    timer.set_phase("steady")
+                if settings.save_every and step % settings.save_every == 0 and not last_step:
+                    save_checkpoint(accelerator, run_dir, timer, {
+                        "step": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
+                        "counts": counts, "skipped_steps": skipped_steps})
+            with timer("eval"):
+                scores = evaluate_split(model, validation_loader, accelerator, metric)
+            evaluations.append({"epoch": epoch, "step": step, **scores})
+            accelerator.log({f"validation/{k}": v for k, v in scores.items()}, step=step)
+            if step >= total_steps:
+                break
+        with timer("eval"):
+            test_scores = evaluate_split(model, test_loader, accelerator, metric)
+        timer.stop()
+    except torch.OutOfMemoryError:
+        fail(record, accelerator, f"out of memory at --per-device-batch-size {settings.per_device_batch_size} "
+             f"(step {step + 1}): halve it and double --gradient-accumulation-steps, or add "
+             "--gradient-checkpointing, a bf16/fp16 config or --lora", torch.OutOfMemoryError)
+    except NonFiniteLoss as error:
+        fail(record, accelerator, str(error), NonFiniteLoss)
+    finally:
+        progress.close()
+
+    # ---------------------------------------------------------------- results
+    for phase, tokens in phase_tokens.items():
+        counts[phase]["tokens"] += tokens.item()
+    rank_summary = {
+        "rank": accelerator.process_index,
+        "timing": timer.summary(),
+        "counts": counts,
+        "memory": {**timer.memory_summary(), "peak_rss_gib": peak_rss_bytes() / GIB},
+    }
+    per_rank = gather_object([rank_summary])
+    result = {
+        "world_size": accelerator.num_processes,
+        "optimizer_steps": step,
+        "skipped_steps": skipped_steps,
+        "timing": {
+            "mode": timing_mode,
+            "warmup_steps": min(settings.timing_warmup_steps, step),
+            "across_ranks": {phase: summary.combine_ranks(per_rank, phase) for phase in ("run", "steady", "warmup")},
+            "per_rank": per_rank,
+        },
+        "throughput": summary.throughput(per_rank, "steady" if counts["steady"]["optimizer_steps"] else "warmup"),
+        "memory": summary.memory_across_ranks(per_rank),
+        "validation": evaluations,
+        "test": test_scores,
+        "final_train_loss": last_logged_loss(record),
+        "wall_s": per_rank[0]["timing"]["run"]["wall_s"],
+    }
+    if record:
+        record.update(status="complete", finished=now_iso(), summary=result)
+        print_table(result, env, run_dir)
+    accelerator.end_training()
+    return result
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
+    """runs/<run-name>, named the same on every process, checked (not created) before any work."""
+    name = settings.run_name
+    if name is None:
+        stamp = [datetime.now().strftime("%Y%m%d-%H%M%S")]
+        broadcast_object_list(stamp)  # the main process's clock names the run for everybody
+        model = settings.model.rstrip("/").split("/")[-1].split(":")[-1]
+        dataset = settings.dataset.rstrip("/").split("/")[-1].split(":")[-1].split(".")[0]
+        precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").replace("no", "fp32")
+        name = f"{model}-{dataset}-{precision}-{state.num_processes}p-{stamp[0]}"
+    run_dir = Path(settings.output_dir) / name
+    if settings.resume:
+        if not (run_dir / "checkpoints").is_dir() or not any((run_dir / "checkpoints").iterdir()):
+            raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every?)")
+    elif run_dir.exists():
+        if not settings.overwrite:
+            raise UserError(f"{run_dir} already exists: pass --overwrite, --resume or another --run-name")
+        state.wait_for_everyone()
+        if state.is_main_process:
+            shutil.rmtree(run_dir)
+    return run_dir
+
+
+def log_step(accelerator, timer, step, epoch, losses, tokens, samples, lr) -> dict:
+    """One step line: mean loss over the interval and all ranks, this rank's stage seconds since the last line."""
+    # Gathered before any check, so every rank sees the same losses and stops together.
+    gathered = accelerator.gather(torch.stack(losses).float()).view(accelerator.num_processes, -1)
+    finite = torch.isfinite(gathered).all(dim=0)
+    if not bool(finite.all()):  # sync point (log steps only)
+        first = int((~finite).nonzero()[0])
+        raise NonFiniteLoss(
+            f"loss became {gathered[:, first].tolist()} at optimizer step {step - len(losses) + first + 1}: "
+            "lower --learning-rate, keep --max-grad-norm, or use bf16 instead of fp16"
+        )
+    token_count = accelerator.reduce(tokens, reduction="sum").item()
+    return {"step": step, "epoch": epoch, "loss": gathered.mean().item(), "lr": lr, "micro_batches": len(losses),
+            "samples": samples * accelerator.num_processes, "tokens": token_count,
+            "stage_s": timer.take_interval(), "time": time.time()}
+
+
+@torch.no_grad()
+def evaluate_split(model, loader, accelerator, metric) -> dict:
+    """Accuracy, macro-F1 and mean loss over a whole split, gathered from every process."""
+    model.eval()
+    loss_sum, count = torch.zeros((), device=accelerator.device), 0
+    for batch in loader:
+        labels = batch.pop("labels")
+        logits = model(**batch).logits
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        predictions, references, losses = accelerator.gather_for_metrics((logits.argmax(-1), labels, losses))
+        metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
+        loss_sum += losses.sum()
+        count += losses.numel()
+    model.train()
+    return {**metric.compute(), "loss": loss_sum.item() / count}
+
+
+def save_checkpoint(accelerator, run_dir: Path, timer: StageTimer, loop_state: dict) -> None:
+    """Accelerate save_state, plus each rank's loop position and timing so far; keeps the latest two."""
+    directory = run_dir / "checkpoints" / f"step_{loop_state['step']:08d}"
+    accelerator.save_state(str(directory))
+    loop_state = {**loop_state, "timer": timer.state_dict()}
+    (directory / f"loop_state_rank{accelerator.process_index}.json").write_text(json.dumps(loop_state))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for old in sorted((run_dir / "checkpoints").glob("step_*"))[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old)
+
+
+def load_checkpoint(accelerator, run_dir: Path, record: RunRecord | None) -> dict:
+    directory = max((run_dir / "checkpoints").glob("step_*"))
+    accelerator.load_state(str(directory))
+    loop_state = json.loads((directory / f"loop_state_rank{accelerator.process_index}.json").read_text())
+    if record:
+        record.data = json.loads(record.path.read_text())
+        record.truncate_steps(after_step=loop_state["step"])
+    accelerator.print(f"resuming {run_dir.name} from {directory.name}")
+    return {**loop_state, "checkpoint": directory.name}
+
+
+def last_logged_loss(record: RunRecord | None) -> float | None:
+    if record is None:
+        return None
+    steps = read_steps(record.directory)
+    return steps[-1]["loss"] if steps else None
+
+
+def fail(record, accelerator, message: str, kind) -> None:
+    if record:
+        record.update(status="failed", finished=now_iso(), error=message)
+    accelerator.end_training()
+    raise kind(message)
+
+
+def print_table(result: dict, env: dict, run_dir: Path) -> None:
+    run = result["timing"]["across_ranks"]["run"]
+    rows = [f"{'stage':<10} {'seconds':>9} {'share':>7}" + ("  (median / max over ranks)" if result["world_size"] > 1 else "")]
+    for stage in (*STAGES, "other"):
+        seconds, share = run["seconds"][stage], run["shares"][stage]
+        extra = f"  max {seconds['max']:.2f}s" if result["world_size"] > 1 else ""
+        rows.append(f"{stage:<10} {seconds['median']:>9.2f} {share['median']:>7.1%}{extra}")
+    rows.append(f"{'wall':<10} {run['wall_s']['median']:>9.2f}")
+    throughput = result["throughput"]
+    memory = result["memory"]
+    peak = (f"{memory['max_allocated_gib']['max']:.2f} GiB allocated" if "max_allocated_gib" in memory
+            else f"{memory['peak_rss_gib']['max']:.2f} GiB RSS")
+    test = result["test"]
+    rows += [
+        f"throughput {throughput['samples_per_s']:.1f} samples/s, {throughput['tokens_per_s']:.0f} tokens/s "
+        f"({env['world_size']} x {env['device_name']}, {env['effective_precision']}, timing: {env['timing_mode']})",
+        f"peak memory {peak}",
+        f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}",
+        f"record: {run_dir / 'record.json'}",
+    ]
+    print("\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

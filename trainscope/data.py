@@ -1,0 +1,351 @@
+"""Data: a name or path -> labelled, tokenized, cached train/validation/test splits -> DataLoaders.
+
+Every script builds its data here, so a loader sweep or a DataParallel comparison measures exactly
+what train.py trains on.
+"""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import datasets
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict
+from datasets.fingerprint import Hasher
+from transformers import DataCollatorWithPadding
+
+from trainscope import embedded, hub
+from trainscope.errors import UserError
+from trainscope.settings import EMBEDDED_DATASET
+
+TEXT_COLUMNS = ("text", "sentence", "content", "review", "tweet", "document", "comment", "body")
+TEXT_PAIRS = (("sentence1", "sentence2"), ("question", "sentence"), ("premise", "hypothesis"), ("question1", "question2"))
+LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "target", "category")
+VALIDATION_SPLITS = ("validation", "valid", "dev", "val")
+FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+TOKENIZATION_VERSION = 1  # bump when tokenize() changes, so cached splits are rebuilt
+
+
+@dataclass
+class ClassificationData:
+    """Tokenized splits with their provenance, ready for `build_dataloaders`."""
+
+    train: Dataset
+    validation: Dataset
+    test: Dataset
+    label_names: list[str]
+    text_columns: list[str]
+    label_column: str
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def redact_url(url: str) -> str:
+    """Drop user:password@ and query strings (signed URLs, tokens) from a URL before it is recorded."""
+    parsed = urlparse(url)
+    if not parsed.scheme or parsed.scheme == "file":
+        return url
+    netloc = parsed.hostname or ""
+    if parsed.port:
+        netloc += f":{parsed.port}"
+    return parsed._replace(netloc=netloc, query="", fragment="").geturl()
+
+
+def _builder_for(path: str) -> tuple[str, dict]:
+    suffix = Path(urlparse(path).path).suffix.lower()
+    if suffix not in FILE_BUILDERS:
+        raise UserError(f"cannot read {redact_url(path)!r}: supported files are {', '.join(FILE_BUILDERS)}")
+    kwargs = {"sep": "\t"} if suffix == ".tsv" else {}
+    return FILE_BUILDERS[suffix], kwargs
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).suffix.lower() in FILE_BUILDERS
+
+
+def load_raw(settings) -> tuple[DatasetDict, dict]:
+    """Load the source named by --dataset; return its splits and a description for the record."""
+    name, config = settings.dataset, settings.dataset_config
+    if name == EMBEDDED_DATASET:
+        path = embedded.tweets_csv()
+        raw = datasets.load_dataset("csv", data_files=str(path), encoding=embedded.TWEETS_ENCODING)
+        return raw, {"kind": "embedded", "name": name, "path": str(path)}
+    if name.startswith("embedded:"):
+        raise UserError(f"unknown embedded dataset {name!r}: the embedded dataset is {EMBEDDED_DATASET}")
+    if "://" in name:  # fsspec URL: s3://, gs://, https://, ...
+        builder, kwargs = _builder_for(name)
+        raw = _load(builder, data_files=name, encoding=settings.data_encoding, **kwargs)
+        return raw, {"kind": "url", "name": redact_url(name)}
+    local = Path(name).expanduser()
+    if local.is_file():
+        builder, kwargs = _builder_for(str(local))
+        raw = _load(builder, data_files=str(local), encoding=settings.data_encoding, **kwargs)
+        return raw, {"kind": "file", "name": str(local)}
+    if local.is_dir():
+        if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
+            raw = datasets.load_from_disk(str(local))
+        else:
+            raw = _load(str(local), config)
+        return raw, {"kind": "directory", "name": str(local), "config": config}
+    if config is None and local.parent.is_dir() and str(local.parent) not in ("", "."):
+        # `some/dir/config` with a local dataset directory: the local twin of hub `name/config`.
+        return _load(str(local.parent), local.name), {"kind": "directory", "name": str(local.parent), "config": local.name}
+    if _looks_like_path(name):
+        raise UserError(f"no such dataset file or directory: {name}")
+    return _load_from_hub(name, config)
+
+
+def _load_from_hub(name: str, config: str | None) -> tuple[DatasetDict, dict]:
+    offline = hub.use_offline_mode_if_unreachable()
+    candidates = [(name, config)]
+    parts = name.split("/")
+    if config is None and len(parts) == 3:
+        candidates = [("/".join(parts[:2]), parts[2])]
+    elif config is None and len(parts) == 2:
+        candidates.append((parts[0], parts[1]))  # glue/sst2 = dataset glue, configuration sst2
+    errors = []
+    for repo, repo_config in candidates:
+        try:
+            raw = datasets.load_dataset(repo, repo_config)
+            return raw, {"kind": "hub", "name": repo, "config": repo_config, "offline": offline}
+        except (FileNotFoundError, ConnectionError, ValueError) as error:
+            errors.append(f"{repo}{'/' + repo_config if repo_config else ''}: {str(error).splitlines()[0]}")
+    where = "in the local Hugging Face cache (the Hub is unreachable)" if offline else "on the Hub"
+    raise UserError(
+        f"dataset {name!r} was not found {where} ({'; '.join(errors)}); pass a local file or directory, "
+        f"or {EMBEDDED_DATASET}"
+    )
+
+
+def _load(builder: str, config: str | None = None, **kwargs) -> DatasetDict:
+    try:
+        return datasets.load_dataset(builder, config, **kwargs)
+    except (FileNotFoundError, ValueError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read dataset {redact_url(str(kwargs.get('data_files', builder)))}: {str(error).splitlines()[0]}") from None
+    except Exception as error:  # parser errors (pandas, pyarrow) name the broken row
+        if type(error).__module__.split(".")[0] in ("pandas", "pyarrow", "datasets"):
+            raise UserError(f"cannot parse dataset {redact_url(str(kwargs.get('data_files', builder)))}: {str(error).splitlines()[0]}") from None
+        raise
+
+
+# ---------------------------------------------------------------- columns and labels
+
+
+def detect_columns(features: datasets.Features, text_column: str | None, label_column: str | None):
+    """Return (text columns, label column), detected where not given."""
+    names = list(features)
+    if label_column is None:
+        label_column = next((c for c in LABEL_COLUMNS if c in features), None)
+        if label_column is None:
+            raise UserError(f"no label column found among {names}: pass --label-column")
+    elif label_column not in features:
+        raise UserError(f"label column {label_column!r} is not in the data (columns: {names})")
+
+    if text_column is not None:
+        text_columns = [c.strip() for c in text_column.split(",")]
+        missing = [c for c in text_columns if c not in features]
+        if missing or len(text_columns) > 2:
+            raise UserError(f"--text-column {text_column!r} must name one or two of the columns {names}")
+        return text_columns, label_column
+    for pair in TEXT_PAIRS:
+        if all(c in features for c in pair):
+            return list(pair), label_column
+    for candidate in TEXT_COLUMNS:
+        if candidate in features:
+            return [candidate], label_column
+    strings = [c for c, f in features.items() if c != label_column and getattr(f, "dtype", None) in ("string", "large_string")]
+    if len(strings) == 1:
+        return strings, label_column
+    raise UserError(f"cannot tell which column holds the text among {names}: pass --text-column")
+
+
+def encode_labels(raw: DatasetDict, label_column: str) -> tuple[DatasetDict, list[str]]:
+    """Give every split integer labels 0..K-1 under a shared ClassLabel; drop unlabelled rows (-1).
+
+    String labels are mapped in sorted order; integer labels keep their values. The mapping is
+    returned as the class names and recorded.
+    """
+    feature = raw["train"].features[label_column]
+    if isinstance(feature, ClassLabel):
+        names = list(feature.names)
+    else:
+        dtype = getattr(feature, "dtype", None)
+        values = set()
+        for split in raw.values():
+            values.update(split.unique(label_column))
+        values.discard(None)
+        if dtype in ("string", "large_string"):
+            names = sorted(values)
+            raw = raw.cast_column(label_column, ClassLabel(names=names))
+        elif dtype is not None and dtype.startswith(("int", "uint")):
+            labelled = sorted(v for v in values if v >= 0)
+            if not labelled:
+                raise UserError(f"label column {label_column!r} has no labelled rows")
+            names = [str(i) for i in range(max(labelled) + 1)]
+        else:
+            raise UserError(
+                f"label column {label_column!r} holds {dtype or type(feature).__name__} values; classification "
+                "needs integer or string labels"
+            )
+    raw = raw.filter(lambda labels: [v is not None and v >= 0 for v in labels], input_columns=label_column,
+                     batched=True, desc="dropping unlabelled rows")
+    return raw, names
+
+
+# ---------------------------------------------------------------- splits
+
+
+def make_splits(raw: DatasetDict, label_column: str, settings) -> tuple[dict[str, Dataset], dict]:
+    """train/validation/test, carving what the source lacks out of train (fixed seed, stratified)."""
+    splits = {"train": raw["train"]}
+    origin = {"train": "source split 'train'"}
+    validation_name = next((s for s in VALIDATION_SPLITS if s in raw and len(raw[s]) > 0), None)
+    if "test" in raw and len(raw["test"]) > 0:
+        splits["test"], origin["test"] = raw["test"], "source split 'test'"
+    if validation_name:
+        splits["validation"], origin["validation"] = raw[validation_name], f"source split '{validation_name}'"
+    for split, fraction in (("test", settings.test_fraction), ("validation", settings.validation_fraction)):
+        if split in splits:
+            continue
+        train = splits["train"]
+        if len(train) < 10:
+            raise UserError(f"only {len(train)} labelled training rows: too few to hold out a {split} split")
+        stratify = label_column if _stratifiable(train, label_column, fraction) else None
+        parts = train.train_test_split(test_size=fraction, seed=settings.seed, stratify_by_column=stratify)
+        splits["train"], splits[split] = parts["train"], parts["test"]
+        origin["train"] = "source split 'train' less the held-out splits"
+        origin[split] = f"{fraction:.0%} of train, seed {settings.seed}{', stratified' if stratify else ''}"
+    return splits, origin
+
+
+def _stratifiable(train: Dataset, label_column: str, fraction: float) -> bool:
+    counts = {}
+    for label in train[label_column]:
+        counts[label] = counts.get(label, 0) + 1
+    return min(counts.values()) >= 2 and round(len(train) * fraction) >= len(counts)
+
+
+def subsample(split: Dataset, limit: int | None, seed: int) -> Dataset:
+    """A fixed-seed random subset: sources are often sorted by label, so a head would be one class."""
+    if limit is None or limit >= len(split):
+        return split
+    return split.shuffle(seed=seed).select(range(limit))
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+def tokenize(split: Dataset, tokenizer, text_columns: list[str], label_column: str, max_seq_length: int):
+    """Tokenize a split once; a second run with the same inputs loads it from the datasets cache.
+
+    Returns (dataset, cached). The fingerprint is ours (source fingerprint, tokenizer, length,
+    columns), so the cache hit is known before `map` and does not hinge on pickling the tokenizer.
+    """
+    fingerprint = Hasher.hash(
+        [split._fingerprint, tokenizer.name_or_path, type(tokenizer).__name__, len(tokenizer),
+         text_columns, label_column, max_seq_length, TOKENIZATION_VERSION]
+    )
+    cache_dir = Path(split.cache_files[0]["filename"]).parent if split.cache_files else None
+    cached = bool(cache_dir and (cache_dir / f"cache-{fingerprint}.arrow").exists())
+
+    def encode(batch):
+        texts = [[str(t) if t is not None else "" for t in batch[c]] for c in text_columns]
+        encoded = tokenizer(*texts, truncation=True, max_length=max_seq_length)
+        encoded["labels"] = batch[label_column]
+        return encoded
+
+    datasets.enable_progress_bars()  # the one step worth a bar: it can take minutes on a large corpus
+    try:
+        tokenized = split.map(
+            encode, batched=True, remove_columns=split.column_names, new_fingerprint=fingerprint,
+            desc="tokenizing",
+        )
+    finally:
+        datasets.disable_progress_bars()
+    keep = [c for c in (*MODEL_INPUTS, "labels") if c in tokenized.column_names]
+    return tokenized.select_columns(keep), cached
+
+
+def load_classification_data(settings, tokenizer, main_process_first) -> ClassificationData:
+    """--dataset -> tokenized train/validation/test; the main process tokenizes first, the rest read its cache."""
+    datasets.disable_progress_bars()  # casts, filters and splits take a second; no bars for them
+    with main_process_first():
+        raw, source = load_raw(settings)
+        if isinstance(raw, Dataset):
+            raw = DatasetDict({"train": raw})
+        elif "train" not in raw and len(raw) == 1:  # a single unnamed split is the training data
+            raw = DatasetDict({"train": next(iter(raw.values()))})
+        if "train" not in raw:
+            raise UserError(f"the dataset has no 'train' split (splits: {list(raw)})")
+        text_columns, label_column = detect_columns(raw["train"].features, settings.text_column, settings.label_column)
+        raw, label_names = encode_labels(raw, label_column)
+        splits, origin = make_splits(raw, label_column, settings)
+        present = set(splits["train"].unique(label_column))
+        if len(present) < 2:
+            raise UserError(
+                f"the training data holds one class only ({label_names[present.pop()] if present else 'none'}): "
+                "classification needs at least two"
+            )
+        limits = {"train": settings.max_train_samples, "validation": settings.max_eval_samples,
+                  "test": settings.max_test_samples}
+        tokenized, cached = {}, {}
+        for split, limit in limits.items():
+            subset = subsample(splits[split], limit, settings.seed)
+            tokenized[split], cached[split] = tokenize(
+                subset, tokenizer, text_columns, label_column, settings.max_seq_length
+            )
+    provenance = {
+        "source": source,
+        "splits": {s: {"rows": len(tokenized[s]), "origin": origin[s], "tokenization_cached": cached[s]}
+                   for s in tokenized},
+    }
+    return ClassificationData(
+        train=tokenized["train"], validation=tokenized["validation"], test=tokenized["test"],
+        label_names=label_names, text_columns=text_columns, label_column=label_column, provenance=provenance,
+    )
+
+
+# ---------------------------------------------------------------- loaders
+
+
+def build_collator(tokenizer, settings, pad_to_multiple_of: int | None = None):
+    if settings.pad_to_max_length:
+        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=settings.max_seq_length)
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def loader_options(settings, pin_memory: bool) -> dict:
+    """DataLoader keyword arguments for the worker settings (PyTorch rejects some combinations)."""
+    options = {"num_workers": settings.num_workers, "pin_memory": pin_memory}
+    if settings.num_workers > 0:
+        options["persistent_workers"] = settings.persistent_workers
+        if settings.prefetch_factor is not None:
+            options["prefetch_factor"] = settings.prefetch_factor
+    return options
+
+
+def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory: bool = False,
+                      pad_to_multiple_of: int | None = None):
+    """Train (shuffled), validation and test DataLoaders with the same collate and worker settings."""
+    collate = build_collator(tokenizer, settings, pad_to_multiple_of)
+    options = loader_options(settings, pin_memory)
+    # tokenizers' own threads fight the workers' processes for the same cores
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    train = torch.utils.data.DataLoader(
+        data.train, batch_size=settings.per_device_batch_size, shuffle=True, collate_fn=collate, **options
+    )
+    evaluation = [
+        torch.utils.data.DataLoader(
+            split, batch_size=settings.resolved_eval_batch_size, shuffle=False, collate_fn=collate, **options
+        )
+        for split in (data.validation, data.test)
+    ]
+    return train, *evaluation

