@@ -264,7 +264,7 @@ def train(settings: Settings) -> dict:
     if record:
         record.update(status="complete", finished=now_iso(), summary=result)
         print_table(result, env, run_dir)
-    accelerator.end_training()
+    shut_down(accelerator)
     return result
 
 
@@ -358,10 +358,25 @@ def last_logged_loss(record: RunRecord | None) -> float | None:
     return steps[-1]["loss"] if steps else None
 
 
+def shut_down(accelerator) -> None:
+    """End trackers and the process group on every rank together.
+
+    Gloo's worker threads free the last collective's tensors, which takes the GIL; the process
+    group's destructor, run when the DDP model is freed, joins those threads while holding the GIL
+    (pytorch/pytorch#56297) and can wait forever. Sleeping releases the GIL so they finish first.
+    """
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.num_processes > 1:
+        time.sleep(0.2)
+
+
 def fail(record, accelerator, message: str, kind) -> None:
     if record:
         record.update(status="failed", finished=now_iso(), error=message)
     accelerator.end_training()
+    if accelerator.num_processes > 1:
+        time.sleep(0.2)  # see shut_down()
     raise kind(message)
 
 

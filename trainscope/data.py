@@ -59,12 +59,16 @@ def redact_url(url: str) -> str:
     return parsed._replace(netloc=netloc, query="", fragment="").geturl()
 
 
-def _builder_for(path: str) -> tuple[str, dict]:
+def _builder_for(path: str, encoding: str) -> tuple[str, dict]:
+    """The datasets builder for a file and its options; text formats take an encoding."""
     suffix = Path(urlparse(path).path).suffix.lower()
     if suffix not in FILE_BUILDERS:
         raise UserError(f"cannot read {redact_url(path)!r}: supported files are {', '.join(FILE_BUILDERS)}")
-    kwargs = {"sep": "\t"} if suffix == ".tsv" else {}
-    return FILE_BUILDERS[suffix], kwargs
+    builder = FILE_BUILDERS[suffix]
+    kwargs = {"encoding": encoding} if builder in ("csv", "json") else {}
+    if suffix == ".tsv":
+        kwargs["sep"] = "\t"
+    return builder, kwargs
 
 
 def _looks_like_path(name: str) -> bool:
@@ -81,13 +85,13 @@ def load_raw(settings) -> tuple[DatasetDict, dict]:
     if name.startswith("embedded:"):
         raise UserError(f"unknown embedded dataset {name!r}: the embedded dataset is {EMBEDDED_DATASET}")
     if "://" in name:  # fsspec URL: s3://, gs://, https://, ...
-        builder, kwargs = _builder_for(name)
-        raw = _load(builder, data_files=name, encoding=settings.data_encoding, **kwargs)
+        builder, kwargs = _builder_for(name, settings.data_encoding)
+        raw = _load(builder, data_files=name, **kwargs)
         return raw, {"kind": "url", "name": redact_url(name)}
     local = Path(name).expanduser()
     if local.is_file():
-        builder, kwargs = _builder_for(str(local))
-        raw = _load(builder, data_files=str(local), encoding=settings.data_encoding, **kwargs)
+        builder, kwargs = _builder_for(str(local), settings.data_encoding)
+        raw = _load(builder, data_files=str(local), **kwargs)
         return raw, {"kind": "file", "name": str(local)}
     if local.is_dir():
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
@@ -95,6 +99,8 @@ def load_raw(settings) -> tuple[DatasetDict, dict]:
         else:
             raw = _load(str(local), config)
         return raw, {"kind": "directory", "name": str(local), "config": config}
+    if Path(name).suffix.lower() in FILE_BUILDERS:
+        raise UserError(f"no such dataset file: {name}")
     if config is None and local.parent.is_dir() and str(local.parent) not in ("", "."):
         # `some/dir/config` with a local dataset directory: the local twin of hub `name/config`.
         return _load(str(local.parent), local.name), {"kind": "directory", "name": str(local.parent), "config": local.name}

