@@ -138,7 +138,7 @@ def train(settings: Settings) -> dict:
             resumed_from=record.data.get("resumed_from", []) + ([resumed["checkpoint"]] if resumed else []),
         )
     if tracker_names:
-        accelerator.init_trackers(settings.model.split("/")[-1], config=trackers.flat_config(recorded_settings),
+        accelerator.init_trackers("trainscope", config=trackers.flat_config(recorded_settings),
                                   init_kwargs=init_kwargs)
 
     # ---------------------------------------------------------------- the timed loop

@@ -28,7 +28,7 @@ def cpu_env(**extra) -> dict:
 
 
 def config_processes(config: Path) -> int:
-    return int(yaml.safe_load(config.read_text()).get("num_processes", 1))
+    return int(yaml.safe_load(config.read_text()).get("num_processes", 1)) if config.exists() else 1
 
 
 def launch(script: str, args: list[str], config: Path | None = None, env: dict | None = None,

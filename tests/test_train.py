@@ -60,13 +60,16 @@ def test_plain_launches_run_the_same_script(launcher, runs):
 
 
 def test_loss_falls_on_the_embedded_data(runs):
-    result = launch("train.py", [*TINY, "--max-train-samples", "1024", "--output-dir", str(runs),
-                                 "--run-name", "learn", "--log-every", "8"], launcher="python")
+    """The pretrained embedded MiniLM learns the embedded tweets within 48 steps."""
+    result = launch("train.py", ["--max-train-samples", "768", "--max-eval-samples", "128", "--max-test-samples",
+                                 "64", "--per-device-batch-size", "16", "--max-seq-length", "48", "--log-every", "8",
+                                 "--report-to", "none", "--output-dir", str(runs), "--run-name", "learn"],
+                    launcher="python")
     assert_ok(result)
     losses = [line["loss"] for line in read_steps(runs / "learn")]
-    assert len(losses) == 8
-    assert losses[-1] < losses[0] - 0.02, losses
-    assert read_record(runs / "learn")["summary"]["validation"][0]["loss"] < 1.0986  # below chance, ln 3
+    assert len(losses) == 6
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.1, losses
+    assert read_record(runs / "learn")["summary"]["validation"][0]["loss"] < 1.0986 - 0.1  # ln 3: chance
 
 
 def test_record_holds_settings_environment_data_and_step_lines(runs):

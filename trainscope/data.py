@@ -343,14 +343,20 @@ def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory:
     """Train (shuffled), validation and test DataLoaders with the same collate and worker settings."""
     collate = build_collator(tokenizer, settings, pad_to_multiple_of)
     options = loader_options(settings, pin_memory)
+    # Each new iterator draws a worker seed; from the global generator that draw would shift the
+    # dropout masks of everything after it (a resumed run creates one iterator more than the
+    # uninterrupted run). Loaders get their own generators.
+    generator = lambda: torch.Generator().manual_seed(settings.seed)  # noqa: E731
     # tokenizers' own threads fight the workers' processes for the same cores
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     train = torch.utils.data.DataLoader(
-        data.train, batch_size=settings.per_device_batch_size, shuffle=True, collate_fn=collate, **options
+        data.train, batch_size=settings.per_device_batch_size, shuffle=True, collate_fn=collate,
+        generator=generator(), **options
     )
     evaluation = [
         torch.utils.data.DataLoader(
-            split, batch_size=settings.resolved_eval_batch_size, shuffle=False, collate_fn=collate, **options
+            split, batch_size=settings.resolved_eval_batch_size, shuffle=False, collate_fn=collate,
+            generator=generator(), **options
         )
         for split in (data.validation, data.test)
     ]
