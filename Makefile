@@ -15,7 +15,13 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 CPU_SUBSET := --max-train-samples 4000 --max-eval-samples 1000 --max-test-samples 2000
 TRAIN_ARGS ?= $(if $(HAS_GPU),,$(CPU_SUBSET))
 
-.PHONY: help setup train test bench-overhead clean
+WORKERS ?= 0 1 2 3 4 5 6 7 8 9 10
+REPEATS ?= 3
+DATASET ?= embedded:tweets
+LOADER_MODES ?= pretokenized on-the-fly
+SWEEP_ARGS ?=
+
+.PHONY: help setup train test bench-overhead sweep-workers clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -35,6 +41,9 @@ train: setup ## fine-tune the embedded MiniLM-L6 on the embedded tweets on whate
 
 test: setup ## run the test suite (CPU only; launches every config in accelerate_configs/)
 	$(PY) -m pytest -q tests
+
+sweep-workers: setup ## DataLoader num_workers sweep with a plot -> results/loaders/ (WORKERS, REPEATS, DATASET, LOADER_MODES)
+	$(PY) loaders_bench.py --workers $(WORKERS) --repeats $(REPEATS) --dataset $(DATASET) --modes $(LOADER_MODES) $(SWEEP_ARGS)
 
 bench-overhead: setup ## cost of stage timing: train.py's loop vs a bare loop -> benchmarks/timing_overhead.*
 	$(PY) -m trainscope.benchmarks.overhead $(ARGS)

@@ -32,6 +32,7 @@ from transformers import get_scheduler
 from trainscope import environment, summary, trackers
 from trainscope.data import build_dataloaders, load_classification_data, redact_url
 from trainscope.errors import UserError, exit_with
+from trainscope.loop import train_step
 from trainscope.memory import GIB, peak_rss_bytes
 from trainscope.modeling import build_model, build_optimizer, build_tokenizer
 from trainscope.records import RunRecord, now_iso, read_steps
@@ -174,21 +175,10 @@ def train(settings: Settings) -> dict:
                     break
                 batches_in_epoch += 1
                 phase = timer.phase
-                with accelerator.accumulate(model):
-                    with timer("forward"):
-                        labels = batch.pop("labels")
-                        logits = model(**batch).logits
-                    with timer("backward"):
-                        loss = F.cross_entropy(logits.float(), labels)
-                        accelerator.backward(loss)
-                    with timer("optimizer"):
-                        if accelerator.sync_gradients and settings.max_grad_norm:
-                            accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
+                loss, labels = train_step(accelerator, model, batch, optimizer, scheduler, timer,
+                                          settings.max_grad_norm)
                 # Kept on the device: reading them (.item()) is a sync point, done only at log steps.
-                interval_losses.append(loss.detach())
+                interval_losses.append(loss)
                 tokens = batch["attention_mask"].sum()
                 interval_tokens += tokens
                 phase_tokens[phase] += tokens

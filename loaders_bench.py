@@ -1,0 +1,445 @@
+"""How long does a pass over every training batch take as DataLoader num_workers grows?
+
+PyTorch's DataLoader default is num_workers=0: batches are loaded in the training process itself,
+one after the other. This sweep builds the data exactly as train.py does (same dataset,
+tokenization, collate) and times full passes for each setting, repeated, in up to four modes:
+
+  pretokenized  the train.py pipeline: cached token ids, padded per batch by the collate function
+  device-copy   the same plus the copy of every batch to the device (pinned + non-blocking if asked)
+  on-the-fly    raw text, tokenized inside the collate function (in the workers), as pipelines that
+                do not pre-tokenize do: real work per batch, where parallel workers pay off
+  in-training   a few real training steps per setting (train.py's model and step): the data stage's
+                share of step time, i.e. how long the device waits for data
+
+    python loaders_bench.py --workers 0 1 2 4 --repeats 3 --modes pretokenized on-the-fly
+
+Writes <output-dir>/loaders.{json,csv,png,pdf} and prints the knee (the fewest workers within
+--knee-tolerance of the best) with the flags to use.
+"""
+
+import contextlib
+import csv
+import itertools
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+
+import torch
+from transformers.hf_argparser import HfArg
+
+from trainscope import environment
+from trainscope.data import build_collator, load_classification_data, load_raw, loader_options
+from trainscope.errors import UserError, exit_with
+from trainscope.records import write_json_atomic
+from trainscope.settings import Settings, parse_settings
+
+MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
+MAX_WORKERS = 64
+PYTORCH_DEFAULT_WORKERS = 0
+
+
+@dataclass
+class SweepSettings:
+    workers: list[int] = HfArg(default_factory=lambda: list(range(11)),
+                               help="num_workers values to time (default 0 to 10).")
+    repeats: int = HfArg(default=3, help="Timed passes per setting; median, min and max are reported.")
+    modes: list[str] = HfArg(default_factory=lambda: ["pretokenized", "on-the-fly"],
+                             help=f"Any of {', '.join(MODES)}.")
+    pin_memory_values: list[str] = HfArg(default_factory=lambda: ["auto"],
+                                         help="pin_memory values to sweep: true, false, auto (on with CUDA).")
+    persistent_workers_values: list[str] = HfArg(default_factory=lambda: ["false"],
+                                                 help="persistent_workers values to sweep: true, false.")
+    prefetch_factors: list[int] = HfArg(default_factory=lambda: [2],
+                                        help="prefetch_factor values to sweep (used when num_workers > 0).")
+    batch_sizes: list[int] | None = HfArg(default=None,
+                                          help="Batch sizes to sweep; default --per-device-batch-size.")
+    passes: int = HfArg(default=1, help="Passes per loader; with --persistent-workers the second pass "
+                        "shows what keeping workers alive saves.")
+    train_steps: int = HfArg(default=8, help="Timed training steps per setting in the in-training mode "
+                             "(after 2 untimed ones).")
+    knee_tolerance: float = HfArg(default=0.05, help="The knee is the fewest workers within this fraction "
+                                  "of the best median.")
+    results_dir: str = HfArg(default="results/loaders", help="Where the results and the plot go.")
+    processes_per_node: int = HfArg(default=1, help="Training processes that will share this machine's "
+                                    "cores (the CPU budget per process is usable cores / this).")
+
+    def validate(self):
+        if not self.workers:
+            raise UserError("--workers needs at least one value")
+        if any(w < 0 for w in self.workers):
+            raise UserError(f"--workers must be 0 or more, got {self.workers}")
+        if max(self.workers) > MAX_WORKERS:
+            raise UserError(f"--workers above {MAX_WORKERS} is not a sane DataLoader setting, got {max(self.workers)}")
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            raise UserError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+        bad_pin = [p for p in self.pin_memory_values if p not in ("true", "false", "auto")]
+        if bad_pin:
+            raise UserError(f"--pin-memory-values takes true, false or auto, got {bad_pin}")
+        bad_persistent = [p for p in self.persistent_workers_values if p not in ("true", "false")]
+        if bad_persistent:
+            raise UserError(f"--persistent-workers-values takes true or false, got {bad_persistent}")
+        for flag, values in (("prefetch-factors", self.prefetch_factors), ("batch-sizes", self.batch_sizes or [1])):
+            if any(v <= 0 for v in values):
+                raise UserError(f"--{flag} must be positive, got {values}")
+        for flag, value in (("repeats", self.repeats), ("passes", self.passes), ("train-steps", self.train_steps),
+                            ("processes-per-node", self.processes_per_node)):
+            if value < 1:
+                raise UserError(f"--{flag} must be at least 1, got {value}")
+
+
+# ---------------------------------------------------------------- timing one pass
+
+
+def time_passes(loader, passes: int = 1, to_device=None, synchronize=None) -> list[dict]:
+    """Iterate `loader` `passes` times; per pass: wall time, first-batch latency, batches, samples.
+
+    The first batch's latency holds the worker start-up (a fresh iterator forks its workers);
+    the steady rate is measured over the remaining batches.
+    """
+    results = []
+    for _ in range(passes):
+        started = time.perf_counter()
+        first = None
+        batches = samples = 0
+        for batch in loader:
+            if to_device is not None:
+                batch = to_device(batch)
+            if first is None:
+                if synchronize:
+                    synchronize()
+                first = time.perf_counter() - started
+            batches += 1
+            samples += len(batch["labels"]) if isinstance(batch, Mapping) else len(batch)
+        if synchronize:
+            synchronize()
+        wall = time.perf_counter() - started
+        steady = wall - (first or 0.0)
+        results.append({
+            "pass_s": wall, "first_batch_s": first, "batches": batches, "samples": samples,
+            "batches_per_s": batches / wall if wall > 0 else None,
+            "samples_per_s": samples / wall if wall > 0 else None,
+            "steady_batches_per_s": (batches - 1) / steady if batches > 1 and steady > 0 else None,
+        })
+    return results
+
+
+def device_copier(device: torch.device, non_blocking: bool):
+    def to_device(batch):
+        return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+    return to_device
+
+
+class TokenizingCollator:
+    """Collate raw rows by tokenizing them: the on-the-fly mode's per-batch work, done in the workers."""
+
+    def __init__(self, tokenizer, text_columns, label_column, max_length, label_ids):
+        self.tokenizer, self.text_columns, self.label_column = tokenizer, text_columns, label_column
+        self.max_length, self.label_ids = max_length, label_ids
+
+    def __call__(self, rows):
+        texts = [[str(row[c]) for row in rows] for c in self.text_columns]
+        batch = self.tokenizer(*texts, truncation=True, max_length=self.max_length, padding=True,
+                               return_tensors="pt")
+        batch["labels"] = torch.tensor([self.label_ids(row[self.label_column]) for row in rows])
+        return dict(batch)
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+def settings_grid(sweep: SweepSettings, settings: Settings):
+    batch_sizes = sweep.batch_sizes or [settings.per_device_batch_size]
+    for mode, batch_size, pin, persistent, prefetch, workers in itertools.product(
+            sweep.modes, batch_sizes, sweep.pin_memory_values, sweep.persistent_workers_values,
+            sweep.prefetch_factors, sweep.workers):
+        yield {"mode": mode, "batch_size": batch_size, "pin_memory_setting": pin,
+               "persistent_workers": persistent == "true", "prefetch_factor": prefetch, "num_workers": workers}
+
+
+def make_loader(dataset, collate, batch_size, point, settings, pin_memory, seed):
+    loader_settings = _replace(settings, num_workers=point["num_workers"],
+                               prefetch_factor=point["prefetch_factor"] if point["num_workers"] else None,
+                               persistent_workers=point["persistent_workers"] and point["num_workers"] > 0)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
+                                       generator=torch.Generator().manual_seed(seed),
+                                       **loader_options(loader_settings, pin_memory))
+
+
+def _replace(settings, **changes):
+    return Settings(**{**asdict(settings), **changes})
+
+
+def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
+    from trainscope.modeling import build_tokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = build_tokenizer(settings)
+    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
+    raw_train = None
+    if "on-the-fly" in sweep.modes:
+        raw_train = raw_training_rows(settings, data)
+    trainer = InTraining(settings, data, tokenizer, device) if "in-training" in sweep.modes else None
+
+    cores = environment.usable_cores()
+    budget = max(1, cores // sweep.processes_per_node)
+    if max(sweep.workers) > budget:
+        print(f"warning: up to {max(sweep.workers)} workers but {cores} usable cores / "
+              f"{sweep.processes_per_node} process(es) = {budget} per training process: above that, workers "
+              "compete with each other and with the training process", file=sys.stderr)
+    print(f"PyTorch's DataLoader default is num_workers={PYTORCH_DEFAULT_WORKERS}: batches load in the "
+          "training process, one after the other.")
+
+    rows = []
+    grid = list(settings_grid(sweep, settings))
+    for index, point in enumerate(grid, 1):
+        pin_memory = device.type == "cuda" if point["pin_memory_setting"] == "auto" else point["pin_memory_setting"] == "true"
+        if point["mode"] == "on-the-fly":
+            dataset, collate = raw_train
+        else:
+            dataset, collate = data.train, build_collator(tokenizer, settings)
+        for repeat in range(sweep.repeats):
+            base = {**point, "pin_memory": pin_memory, "repeat": repeat}
+            if point["mode"] == "in-training":
+                rows.append({**base, **trainer.measure(point, pin_memory, sweep.train_steps)})
+                continue
+            loader = make_loader(dataset, collate, point["batch_size"], point, settings, pin_memory, settings.seed)
+            to_device = device_copier(device, pin_memory) if point["mode"] == "device-copy" else None
+            synchronize = torch.cuda.synchronize if device.type == "cuda" and to_device else None
+            for pass_index, timing in enumerate(time_passes(loader, sweep.passes, to_device, synchronize)):
+                rows.append({**base, "pass": pass_index, **timing})
+            del loader
+        last = [r for r in rows if all(r[k] == point[k] for k in point)]
+        metric = "data_share" if point["mode"] == "in-training" else "pass_s"
+        print(f"[{index}/{len(grid)}] {point['mode']:<12} workers={point['num_workers']:<2} "
+              f"batch={point['batch_size']} pin={pin_memory} prefetch={point['prefetch_factor']}: "
+              f"median {metric} {statistics.median(r[metric] for r in last):.4f}", flush=True)
+
+    return {
+        "benchmark": "loaders", "benchmark_version": 1, "date": date.today().isoformat(),
+        "machine": {"device": str(device), "device_name": environment.device_name(device),
+                    "usable_cores": cores, "cpu_count": os.cpu_count(),
+                    "processes_per_node": sweep.processes_per_node, "cpu_budget_per_process": budget,
+                    "torch": torch.__version__},
+        "pytorch_default_num_workers": PYTORCH_DEFAULT_WORKERS,
+        "settings": asdict(settings), "sweep": asdict(sweep),
+        "dataset_rows": len(data.train),
+        "rows": rows,
+        "summary": summarize(rows, sweep.knee_tolerance),
+    }
+
+
+def raw_training_rows(settings, data):
+    """The training split as raw text rows (same rows as the tokenized split) with a tokenizing collate."""
+    from trainscope.data import encode_labels, make_splits, subsample
+    from trainscope.modeling import build_tokenizer
+    from datasets import DatasetDict
+
+    raw, _ = load_raw(settings)
+    if not isinstance(raw, DatasetDict) or "train" not in raw:
+        raw = DatasetDict({"train": raw if not isinstance(raw, DatasetDict) else next(iter(raw.values()))})
+    raw, names = encode_labels(raw, data.label_column)
+    splits, _ = make_splits(raw, data.label_column, settings)
+    train = subsample(splits["train"], settings.max_train_samples, settings.seed)
+    train = train.select_columns([*data.text_columns, data.label_column])
+    collate = TokenizingCollator(build_tokenizer(settings), data.text_columns, data.label_column,
+                                 settings.max_seq_length, label_ids=int)
+    return train, collate
+
+
+class InTraining:
+    """A few real training steps per setting: train.py's model, optimizer and step, timed by stage."""
+
+    def __init__(self, settings, data, tokenizer, device):
+        from accelerate import Accelerator, DataLoaderConfiguration
+
+        from trainscope.modeling import build_model, build_optimizer
+        from transformers import get_scheduler
+
+        self.settings, self.data, self.tokenizer = settings, data, tokenizer
+        self.accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=device.type == "cuda"))
+        model, _ = build_model(settings, data.label_names, tokenizer)
+        optimizer = build_optimizer(model, settings, self.accelerator.device)
+        scheduler = get_scheduler("constant", optimizer)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+
+    def measure(self, point, pin_memory, steps) -> dict:
+        from trainscope.loop import train_step
+        from trainscope.timing import StageTimer, make_clock
+
+        loader = make_loader(self.data.train, build_collator(self.tokenizer, self.settings), point["batch_size"],
+                             point, self.settings, pin_memory, self.settings.seed)
+        loader = self.accelerator.prepare(loader)
+        clock, _ = make_clock("sync", self.accelerator.device)
+        timer = StageTimer(clock, self.accelerator.device, track_memory=False)
+        batches = iter(itertools.cycle(loader)) if len(loader) < steps + 2 else iter(loader)
+        timer.start()
+        for step in range(steps + 2):
+            if step == 2:
+                timer.set_phase("steady")  # worker start-up and first steps are not the steady state
+            with timer("data"):
+                batch = next(batches)
+            train_step(self.accelerator, self.model, batch, self.optimizer, self.scheduler, timer,
+                       self.settings.max_grad_norm)
+        timer.stop()
+        steady = timer.summary()["steady"]
+        self.accelerator._dataloaders.clear()
+        return {"data_share": steady["shares"]["data"], "data_s": steady["seconds"]["data"],
+                "step_s": steady["wall_s"] / steps, "first_steps_s": timer.summary()["warmup"]["wall_s"]}
+
+
+# ---------------------------------------------------------------- summary (pure)
+
+
+def setting_key(row) -> tuple:
+    return (row["mode"], row["batch_size"], row["pin_memory"], row["persistent_workers"], row["prefetch_factor"],
+            row["num_workers"])
+
+
+def summarize(rows: list[dict], knee_tolerance: float) -> dict:
+    """Per setting: median/min/max of the pass time (or data share); per curve: best, knee, speed-up."""
+    groups = {}
+    for row in rows:
+        if row.get("pass", 0) == 0 or row["mode"] == "in-training":
+            groups.setdefault(setting_key(row), []).append(row)
+    settings = []
+    for key, group in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0][:5])) + (kv[0][5],)):
+        metric = "data_share" if key[0] == "in-training" else "pass_s"
+        values = [r[metric] for r in group]
+        entry = {"mode": key[0], "batch_size": key[1], "pin_memory": key[2], "persistent_workers": key[3],
+                 "prefetch_factor": key[4], "num_workers": key[5], "metric": metric,
+                 "median": statistics.median(values),
+                 "min": min(values), "max": max(values), "repeats": len(values)}
+        if metric == "pass_s":
+            entry["median_first_batch_s"] = statistics.median(r["first_batch_s"] for r in group)
+            entry["median_samples_per_s"] = statistics.median(r["samples_per_s"] for r in group)
+            entry["median_batches_per_s"] = statistics.median(r["batches_per_s"] for r in group)
+        else:
+            entry["median_step_s"] = statistics.median(r["step_s"] for r in group)
+        settings.append(entry)
+    curves = {}
+    for entry in settings:
+        curves.setdefault(curve_name(entry), []).append(entry)
+    return {"settings": settings, "curves": {name: knee(points, knee_tolerance) for name, points in curves.items()}}
+
+
+def curve_name(entry) -> str:
+    return (f"{entry['mode']} (batch {entry['batch_size']}, pin {'on' if entry['pin_memory'] else 'off'}, "
+            f"persistent {'on' if entry['persistent_workers'] else 'off'}, prefetch {entry['prefetch_factor']})")
+
+
+def knee(points: list[dict], tolerance: float) -> dict:
+    """Best setting, the fewest workers within `tolerance` of it, and speed-ups over the default (0)."""
+    points = sorted(points, key=lambda p: p["num_workers"])
+    best = min(points, key=lambda p: p["median"])
+    limit = best["median"] * (1 + tolerance) if best["median"] > 0 else tolerance
+    knee_point = next(p for p in points if p["median"] <= limit)
+    default = next((p for p in points if p["num_workers"] == PYTORCH_DEFAULT_WORKERS), None)
+    result = {"best_workers": best["num_workers"], "best_median": best["median"],
+              "knee_workers": knee_point["num_workers"], "knee_median": knee_point["median"],
+              "metric": best["metric"], "flags": train_flags(knee_point)}
+    if default is not None:
+        result["default_median"] = default["median"]
+        if best["metric"] == "pass_s" and best["median"] > 0:
+            result["best_speedup_over_default"] = default["median"] / best["median"]
+            result["knee_speedup_over_default"] = default["median"] / knee_point["median"]
+    return result
+
+
+def train_flags(entry: dict) -> str:
+    """The train.py flags that reproduce a sweep setting."""
+    flags = [f"--num-workers {entry['num_workers']}", f"--per-device-batch-size {entry['batch_size']}"]
+    flags.append("--pin-memory" if entry["pin_memory"] else "--pin-memory false")
+    if entry["num_workers"] > 0:
+        flags.append(f"--prefetch-factor {entry['prefetch_factor']}")
+        if entry["persistent_workers"]:
+            flags.append("--persistent-workers")
+    return " ".join(flags)
+
+
+# ---------------------------------------------------------------- output
+
+
+def write_outputs(report: dict, results_dir: Path) -> list[Path]:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(results_dir / "loaders.json", report)
+    columns = sorted({k for row in report["rows"] for k in row})
+    with open(results_dir / "loaders.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(report["rows"])
+    plot(report, results_dir / "loaders")
+    return [results_dir / f"loaders.{suffix}" for suffix in ("json", "csv", "png", "pdf")]
+
+
+def plot(report: dict, stem: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = report["summary"]["settings"]
+    has_training = any(s["metric"] == "data_share" for s in settings)
+    has_passes = any(s["metric"] == "pass_s" for s in settings)
+    panels = [p for p, present in (("pass_s", has_passes), ("data_share", has_training)) if present]
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    for axis, metric in zip(axes[0], panels):
+        curves = {}
+        for entry in settings:
+            if entry["metric"] == metric:
+                curves.setdefault(curve_name(entry), []).append(entry)
+        for name, points in curves.items():
+            points.sort(key=lambda p: p["num_workers"])
+            x = [p["num_workers"] for p in points]
+            scale = 100 if metric == "data_share" else 1
+            line, = axis.plot(x, [p["median"] * scale for p in points], marker="o", label=name)
+            axis.fill_between(x, [p["min"] * scale for p in points], [p["max"] * scale for p in points],
+                              alpha=0.2, color=line.get_color())
+        axis.set_xlabel("num_workers (PyTorch default: 0)")
+        axis.set_ylabel("pass over all training batches (s)" if metric == "pass_s" else "data share of step time (%)")
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    machine = report["machine"]
+    figure.suptitle(f"DataLoader sweep: {report['dataset_rows']} rows, {machine['device_name']}, "
+                    f"{machine['usable_cores']} cores (median, min-max band)", fontsize=9)
+    figure.tight_layout()
+    for suffix in ("png", "pdf"):
+        figure.savefig(f"{stem}.{suffix}", dpi=150)
+    plt.close(figure)
+
+
+def print_recommendations(report: dict) -> None:
+    for name, curve in report["summary"]["curves"].items():
+        if curve["metric"] == "pass_s":
+            speedup = curve.get("knee_speedup_over_default")
+            gain = f", {speedup:.2f}x the default's speed" if speedup else ""
+            print(f"{name}: best {curve['best_workers']} workers ({curve['best_median']:.3f} s/pass); "
+                  f"knee {curve['knee_workers']} workers ({curve['knee_median']:.3f} s{gain})")
+        else:
+            print(f"{name}: data share {curve['default_median']:.1%} with 0 workers, "
+                  f"{curve['knee_median']:.1%} with {curve['knee_workers']} (knee)" if "default_median" in curve else
+                  f"{name}: knee {curve['knee_workers']} workers, data share {curve['knee_median']:.1%}")
+        print(f"  use: {curve['flags']}")
+
+
+def main(argv=None) -> None:
+    settings, sweep = parse_settings(SweepSettings, argv=argv, description=__doc__)
+    warnings.filterwarnings("ignore", message=".*This DataLoader will create.*")
+    try:
+        report = run_sweep(settings, sweep)
+    except UserError as error:
+        exit_with(error)
+    paths = write_outputs(report, Path(sweep.results_dir))
+    print_recommendations(report)
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""loaders_bench.py: the pass timer against a known per-item cost, the summary, and the make target."""
+
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+import loaders_bench
+from conftest import ROOT, cpu_env, run_command
+
+ITEM_S = 0.005
+
+
+class SleepyDataset(torch.utils.data.Dataset):
+    """Each item costs a known ITEM_S seconds of waiting (not CPU), like reading from slow storage."""
+
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, index):
+        time.sleep(ITEM_S)
+        return index
+
+
+def collate(items):
+    return {"labels": torch.tensor(items)}
+
+
+def one_pass(workers: int) -> dict:
+    loader = torch.utils.data.DataLoader(SleepyDataset(), batch_size=10, num_workers=workers, collate_fn=collate)
+    return loaders_bench.time_passes(loader)[0]
+
+
+def test_pass_time_matches_the_known_cost_and_two_workers_halve_it():
+    expected = 200 * ITEM_S
+    serial = one_pass(0)
+    assert serial["batches"] == 20 and serial["samples"] == 200
+    assert expected <= serial["pass_s"] < expected * 1.35
+    parallel = one_pass(2)
+    # steady rate doubles; the whole pass pays the workers' start-up once (first-batch latency)
+    assert parallel["steady_batches_per_s"] == pytest.approx(2 * serial["steady_batches_per_s"], rel=0.3)
+    assert parallel["pass_s"] - parallel["first_batch_s"] < 0.65 * (serial["pass_s"] - serial["first_batch_s"])
+    assert parallel["first_batch_s"] > serial["first_batch_s"]
+
+
+def test_summary_finds_best_knee_and_speedup():
+    rows = []
+    for workers, seconds in ((0, 10.0), (1, 5.2), (2, 4.1), (3, 4.0), (4, 4.05)):
+        for repeat, jitter in enumerate((0.0, 0.1, -0.1)):
+            rows.append({"mode": "pretokenized", "batch_size": 32, "pin_memory": False, "persistent_workers": False,
+                         "prefetch_factor": 2, "num_workers": workers, "repeat": repeat, "pass": 0,
+                         "pass_s": seconds + jitter, "first_batch_s": 0.1, "samples_per_s": 1.0,
+                         "batches_per_s": 1.0})
+    summary = loaders_bench.summarize(rows, knee_tolerance=0.05)
+    assert len(summary["settings"]) == 5
+    three = next(s for s in summary["settings"] if s["num_workers"] == 3)
+    assert (three["median"], three["min"], three["max"]) == (4.0, 3.9, 4.1)
+    (curve,) = summary["curves"].values()
+    assert curve["best_workers"] == 3 and curve["knee_workers"] == 2  # 4.1 is within 5% of 4.0
+    assert curve["best_speedup_over_default"] == pytest.approx(2.5)
+    assert curve["flags"].startswith("--num-workers 2 ")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workers", "-1"], "must be 0 or more"),
+    (["--workers", "0", "500"], "not a sane DataLoader setting"),
+    (["--modes", "telepathy"], "unknown mode"),
+    (["--repeats", "0"], "at least 1"),
+])
+def test_bad_input_exits_2(argv, message):
+    result = run_command([sys.executable, str(ROOT / "loaders_bench.py"), *argv])
+    assert result.returncode == 2
+    assert message in result.stderr.strip().splitlines()[-1]
+
+
+def test_make_sweep_workers_writes_results_and_plot(tmp_path):
+    results = tmp_path / "loaders"
+    result = run_command(["make", "-s", "sweep-workers", "WORKERS=0 1", "REPEATS=2",
+                          "LOADER_MODES=pretokenized on-the-fly in-training",
+                          f"SWEEP_ARGS=--results-dir {results} --model embedded:tiny-bert --max-train-samples 96 "
+                          "--per-device-batch-size 16 --train-steps 2"], env=cpu_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    for suffix in ("json", "csv", "png", "pdf"):
+        assert (results / f"loaders.{suffix}").stat().st_size > 0
+    report = json.loads((results / "loaders.json").read_text())
+    # one row per setting and repeat: 3 modes x 2 worker counts x 2 repeats
+    assert len(report["rows"]) == 12
+    assert {(r["mode"], r["num_workers"]) for r in report["rows"]} == {
+        (m, w) for m in ("pretokenized", "on-the-fly", "in-training") for w in (0, 1)}
+    passes = [r for r in report["rows"] if r["mode"] != "in-training"]
+    assert all(r["batches"] == 6 and r["samples"] == 96 for r in passes)
+    assert all(0 <= r["data_share"] <= 1 for r in report["rows"] if r["mode"] == "in-training")
+    assert report["machine"]["usable_cores"] >= 1 and report["pytorch_default_num_workers"] == 0
+    assert "num_workers=0" in result.stdout and "use: --num-workers" in result.stdout
