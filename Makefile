@@ -20,8 +20,9 @@ REPEATS ?= 3
 DATASET ?= embedded:tweets
 LOADER_MODES ?= pretokenized on-the-fly
 SWEEP_ARGS ?=
+DP_ARGS ?=
 
-.PHONY: help setup train test bench-overhead sweep-workers clean
+.PHONY: help setup train test bench-overhead sweep-workers compare-dp clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -44,6 +45,9 @@ test: setup ## run the test suite (CPU only; launches every config in accelerate
 
 sweep-workers: setup ## DataLoader num_workers sweep with a plot -> results/loaders/ (WORKERS, REPEATS, DATASET, LOADER_MODES)
 	$(PY) loaders_bench.py --workers $(WORKERS) --repeats $(REPEATS) --dataset $(DATASET) --modes $(LOADER_MODES) $(SWEEP_ARGS)
+
+compare-dp: setup ## nn.DataParallel vs DDP on the same model, data and steps -> results/compare_dp/ (DP_ARGS)
+	$(PY) compare_dp.py $(DP_ARGS)
 
 bench-overhead: setup ## cost of stage timing: train.py's loop vs a bare loop -> benchmarks/timing_overhead.*
 	$(PY) -m trainscope.benchmarks.overhead $(ARGS)

@@ -31,6 +31,7 @@ from transformers import get_scheduler
 
 from trainscope import environment, summary, trackers
 from trainscope.data import build_dataloaders, load_classification_data, redact_url
+from trainscope.distributed import settle_collectives
 from trainscope.errors import UserError, exit_with
 from trainscope.loop import train_step
 from trainscope.memory import GIB, peak_rss_bytes
@@ -349,16 +350,11 @@ def last_logged_loss(record: RunRecord | None) -> float | None:
 
 
 def shut_down(accelerator) -> None:
-    """End trackers and the process group on every rank together.
-
-    Gloo's worker threads free the last collective's tensors, which takes the GIL; the process
-    group's destructor, run when the DDP model is freed, joins those threads while holding the GIL
-    (pytorch/pytorch#56297) and can wait forever. Sleeping releases the GIL so they finish first.
-    """
+    """End trackers and the process group on every rank together (see trainscope.distributed)."""
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.num_processes > 1:
-        time.sleep(0.2)
+        settle_collectives()
 
 
 def fail(record, accelerator, message: str, kind) -> None:
@@ -366,7 +362,7 @@ def fail(record, accelerator, message: str, kind) -> None:
         record.update(status="failed", finished=now_iso(), error=message)
     accelerator.end_training()
     if accelerator.num_processes > 1:
-        time.sleep(0.2)  # see shut_down()
+        settle_collectives()
     raise kind(message)
 
 
