@@ -33,9 +33,11 @@ from trainscope import environment, summary, trackers
 from trainscope.data import build_dataloaders, load_classification_data, redact_url
 from trainscope.distributed import settle_collectives
 from trainscope.errors import UserError, exit_with
-from trainscope.loop import train_step
+from trainscope.flops import mfu, training_flops
+from trainscope.loop import LoopState, train_step
 from trainscope.memory import GIB, peak_rss_bytes
 from trainscope.modeling import build_model, build_optimizer, build_tokenizer
+from trainscope.profiling import build_profiler
 from trainscope.records import RunRecord, now_iso, read_steps
 from trainscope.settings import Settings, parse_settings
 from trainscope.timing import STAGES, StageTimer, make_clock
@@ -115,6 +117,7 @@ def train(settings: Settings) -> dict:
         num_warmup_steps=int(settings.warmup_fraction * total_steps) * accelerator.num_processes,
         num_training_steps=total_steps * accelerator.num_processes,
     )
+    model_config = model.config  # before prepare() wraps it (DDP, FSDP, compile)
     model, optimizer, train_loader, validation_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, validation_loader, test_loader, scheduler
     )
@@ -144,81 +147,61 @@ def train(settings: Settings) -> dict:
                                   init_kwargs=init_kwargs)
 
     # ---------------------------------------------------------------- the timed loop
-    timer = StageTimer(clock, accelerator.device)
-    step = resumed["step"] if resumed else 0
-    start_epoch = resumed["epoch"] if resumed else 0
-    skip_batches = resumed["batches_in_epoch"] if resumed else 0
-    counts = resumed["counts"] if resumed else {p: {"samples": 0, "tokens": 0, "optimizer_steps": 0,
-                                                    "micro_batches": 0} for p in ("warmup", "steady")}
-    skipped_steps = resumed["skipped_steps"] if resumed else 0
+    profiler = build_profiler(settings, run_dir, accelerator.device, accelerator.process_index)
+    timer = StageTimer(clock, accelerator.device, profiler_labels=profiler.enabled)
+    state = LoopState(accelerator.device, resumed)
     if resumed:
         timer.restore(resumed["timer"])
-    evaluations = []
-    interval_losses, interval_samples = [], 0
-    interval_tokens = torch.zeros((), device=accelerator.device, dtype=torch.long)
-    phase_tokens = {p: torch.zeros_like(interval_tokens) for p in counts}
-    progress = tqdm(total=total_steps, initial=step, desc="training", unit="step",
+    progress = tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
                     disable=not accelerator.is_local_main_process)
     model.train()
     timer.start()
-    if step >= settings.timing_warmup_steps:
-        timer.set_phase("steady")
+    timer.set_phase("steady" if state.step >= settings.timing_warmup_steps else "warmup")
     try:
-        for epoch in range(start_epoch, epochs):
-            train_loader.set_epoch(epoch)
-            loader = accelerator.skip_first_batches(train_loader, skip_batches) if skip_batches else train_loader
-            batches_in_epoch, skip_batches = skip_batches, 0
-            batches = iter(loader)
-            while step < total_steps:
-                with timer("data"):
-                    batch = next(batches, None)
-                if batch is None:
+        with profiler:
+            for epoch in range(state.epoch, epochs):
+                skip = state.start_epoch(epoch)
+                train_loader.set_epoch(epoch)
+                batches = iter(accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
+                while state.step < total_steps:
+                    with timer("data"):
+                        batch = next(batches, None)
+                    if batch is None:
+                        break
+                    phase = timer.phase
+                    flops = training_flops(model_config, *batch["input_ids"].shape)  # from shapes: no sync
+                    loss, labels = train_step(accelerator, model, batch, optimizer, scheduler, timer,
+                                              settings.max_grad_norm)
+                    state.add_micro_batch(phase, loss, labels, batch["attention_mask"], flops)
+                    if not accelerator.sync_gradients:
+                        continue
+                    state.end_step(phase, optimizer.step_was_skipped)
+                    profiler.step()
+                    progress.update(1)
+                    last_step = state.step == total_steps
+                    if state.step % settings.log_every == 0 or last_step:
+                        line = log_step(accelerator, timer, state, scheduler.get_last_lr()[0])
+                        progress.set_postfix(loss=f"{line['loss']:.4f}")
+                        if record:
+                            record.append_step(line)
+                        accelerator.log({"train/loss": line["loss"], "train/lr": line["lr"]}, step=state.step)
+                    if state.step == settings.timing_warmup_steps:
+                        timer.set_phase("steady")
+                    if settings.save_every and state.step % settings.save_every == 0 and not last_step:
+                        save_checkpoint(accelerator, run_dir, timer, state.checkpoint())
+                with timer("eval"):
+                    scores = evaluate_split(model, validation_loader, accelerator, metric)
+                state.evaluations.append({"epoch": epoch, "step": state.step, **scores})
+                accelerator.log({f"validation/{k}": v for k, v in scores.items()}, step=state.step)
+                if state.step >= total_steps:
                     break
-                batches_in_epoch += 1
-                phase = timer.phase
-                loss, labels = train_step(accelerator, model, batch, optimizer, scheduler, timer,
-                                          settings.max_grad_norm)
-                # Kept on the device: reading them (.item()) is a sync point, done only at log steps.
-                interval_losses.append(loss)
-                tokens = batch["attention_mask"].sum()
-                interval_tokens += tokens
-                phase_tokens[phase] += tokens
-                counts[phase]["samples"] += labels.shape[0]
-                interval_samples += labels.shape[0]
-                counts[phase]["micro_batches"] += 1
-                if not accelerator.sync_gradients:
-                    continue
-                step += 1
-                counts[phase]["optimizer_steps"] += 1
-                skipped_steps += int(optimizer.step_was_skipped)
-                progress.update(1)
-                last_step = step == total_steps
-                if step % settings.log_every == 0 or last_step:
-                    line = log_step(accelerator, timer, step, epoch, interval_losses, interval_tokens,
-                                    interval_samples, scheduler.get_last_lr()[0])
-                    interval_losses, interval_tokens, interval_samples = [], torch.zeros_like(interval_tokens), 0
-                    progress.set_postfix(loss=f"{line['loss']:.4f}")
-                    if record:
-                        record.append_step(line)
-                    accelerator.log({"train/loss": line["loss"], "train/lr": line["lr"]}, step=step)
-                if step == settings.timing_warmup_steps:
-                    timer.set_phase("steady")
-                if settings.save_every and step % settings.save_every == 0 and not last_step:
-                    save_checkpoint(accelerator, run_dir, timer, {
-                        "step": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                        "counts": counts, "skipped_steps": skipped_steps})
             with timer("eval"):
-                scores = evaluate_split(model, validation_loader, accelerator, metric)
-            evaluations.append({"epoch": epoch, "step": step, **scores})
-            accelerator.log({f"validation/{k}": v for k, v in scores.items()}, step=step)
-            if step >= total_steps:
-                break
-        with timer("eval"):
-            test_scores = evaluate_split(model, test_loader, accelerator, metric)
-        timer.stop()
+                test_scores = evaluate_split(model, test_loader, accelerator, metric)
+            timer.stop()
+        snapshot = profiler.save_memory_snapshot()
     except torch.OutOfMemoryError:
         fail(record, accelerator, f"out of memory at --per-device-batch-size {settings.per_device_batch_size} "
-             f"(step {step + 1}): halve it and double --gradient-accumulation-steps, or add "
+             f"(step {state.step + 1}): halve it and double --gradient-accumulation-steps, or add "
              "--gradient-checkpointing, a bf16/fp16 config or --lora", torch.OutOfMemoryError)
     except NonFiniteLoss as error:
         fail(record, accelerator, str(error), NonFiniteLoss)
@@ -226,31 +209,34 @@ def train(settings: Settings) -> dict:
         progress.close()
 
     # ---------------------------------------------------------------- results
-    for phase, tokens in phase_tokens.items():
-        counts[phase]["tokens"] += tokens.item()
+    state.finish()
     rank_summary = {
         "rank": accelerator.process_index,
         "timing": timer.summary(),
-        "counts": counts,
+        "counts": state.counts,
         "memory": {**timer.memory_summary(), "peak_rss_gib": peak_rss_bytes() / GIB},
     }
     per_rank = gather_object([rank_summary])
+    throughput = summary.throughput(per_rank, "steady" if state.counts["steady"]["optimizer_steps"] else "warmup")
     result = {
         "world_size": accelerator.num_processes,
-        "optimizer_steps": step,
-        "skipped_steps": skipped_steps,
+        "optimizer_steps": state.step,
+        "skipped_steps": state.skipped_steps,
         "timing": {
             "mode": timing_mode,
-            "warmup_steps": min(settings.timing_warmup_steps, step),
+            "warmup_steps": min(settings.timing_warmup_steps, state.step),
             "across_ranks": {phase: summary.combine_ranks(per_rank, phase) for phase in ("run", "steady", "warmup")},
             "per_rank": per_rank,
         },
-        "throughput": summary.throughput(per_rank, "steady" if counts["steady"]["optimizer_steps"] else "warmup"),
+        "throughput": throughput,
+        "mfu": mfu(throughput["tflops_per_device"], env["device_name"], precision),
         "memory": summary.memory_across_ranks(per_rank),
-        "validation": evaluations,
+        "validation": state.evaluations,
         "test": test_scores,
         "final_train_loss": last_logged_loss(record),
         "wall_s": per_rank[0]["timing"]["run"]["wall_s"],
+        "profile": {"directory": str(run_dir / "profile"), "top_operators": profiler.top_operators,
+                    "memory_snapshot": str(snapshot) if snapshot else None} if profiler.enabled else None,
     }
     if record:
         record.update(status="complete", finished=now_iso(), summary=result)
@@ -285,21 +271,26 @@ def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
     return run_dir
 
 
-def log_step(accelerator, timer, step, epoch, losses, tokens, samples, lr) -> dict:
-    """One step line: mean loss over the interval and all ranks, this rank's stage seconds since the last line."""
+def log_step(accelerator, timer, state: LoopState, lr: float) -> dict:
+    """One step line: mean loss over the interval and all ranks; this rank's stage seconds and TFLOP/s."""
+    interval = state.take_interval()
+    losses = interval["losses"]
     # Gathered before any check, so every rank sees the same losses and stops together.
     gathered = accelerator.gather(torch.stack(losses).float()).view(accelerator.num_processes, -1)
     finite = torch.isfinite(gathered).all(dim=0)
     if not bool(finite.all()):  # sync point (log steps only)
         first = int((~finite).nonzero()[0])
         raise NonFiniteLoss(
-            f"loss became {gathered[:, first].tolist()} at optimizer step {step - len(losses) + first + 1}: "
+            f"loss became {gathered[:, first].tolist()} at optimizer step {state.step - len(losses) + first + 1}: "
             "lower --learning-rate, keep --max-grad-norm, or use bf16 instead of fp16"
         )
-    token_count = accelerator.reduce(tokens, reduction="sum").item()
-    return {"step": step, "epoch": epoch, "loss": gathered.mean().item(), "lr": lr, "micro_batches": len(losses),
-            "samples": samples * accelerator.num_processes, "tokens": token_count,
-            "stage_s": timer.take_interval(), "time": time.time()}
+    stage_seconds = timer.take_interval()
+    return {"step": state.step, "epoch": state.epoch, "loss": gathered.mean().item(), "lr": lr,
+            "micro_batches": len(losses), "samples": interval["samples"] * accelerator.num_processes,
+            "tokens": accelerator.reduce(interval["tokens"], reduction="sum").item(),
+            "stage_s": stage_seconds, "wall_s": interval["wall_s"],
+            "tflops_per_device": interval["flops"] / interval["wall_s"] / 1e12 if interval["flops"] else None,
+            "time": time.time()}
 
 
 @torch.no_grad()
@@ -382,10 +373,18 @@ def print_table(result: dict, env: dict, run_dir: Path) -> None:
     rows += [
         f"throughput {throughput['samples_per_s']:.1f} samples/s, {throughput['tokens_per_s']:.0f} tokens/s "
         f"({env['world_size']} x {env['device_name']}, {env['effective_precision']}, timing: {env['timing_mode']})",
+        f"model FLOPs {throughput['tflops_per_device'] or 0:.3f} TFLOP/s per device, MFU "
+        + (f"{result['mfu']:.1%}" if result["mfu"] is not None else f"unknown (no peak for {env['device_name']})"),
         f"peak memory {peak}",
         f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}",
         f"record: {run_dir / 'record.json'}",
     ]
+    if result["profile"]:
+        rows.append(f"profile: {result['profile']['directory']} (tensorboard --logdir, or open a .pt.trace.json "
+                    "in ui.perfetto.dev); top operators by self time:")
+        for op in result["profile"]["top_operators"][:8]:
+            seconds = op["self_device_s"] if op["self_device_s"] is not None else op["self_cpu_s"]
+            rows.append(f"  {seconds * 1e3:9.2f} ms  {op['calls']:6d}x  {op['name']}")
     print("\n".join(rows), flush=True)
 
 

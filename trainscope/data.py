@@ -349,10 +349,17 @@ def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory:
     generator = lambda: torch.Generator().manual_seed(settings.seed)  # noqa: E731
     # tokenizers' own threads fight the workers' processes for the same cores
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    train = torch.utils.data.DataLoader(
-        data.train, batch_size=settings.per_device_batch_size, shuffle=True, collate_fn=collate,
-        generator=generator(), **options
-    )
+    if settings.group_by_length:
+        # transformers' sampler: random megabatches, sorted by length inside, longest batch first
+        from transformers.trainer_pt_utils import LengthGroupedSampler
+
+        lengths = [len(ids) for ids in data.train["input_ids"]]
+        sampler = LengthGroupedSampler(settings.per_device_batch_size, lengths=lengths, generator=generator())
+        train = torch.utils.data.DataLoader(data.train, batch_size=settings.per_device_batch_size, sampler=sampler,
+                                            collate_fn=collate, generator=generator(), **options)
+    else:
+        train = torch.utils.data.DataLoader(data.train, batch_size=settings.per_device_batch_size, shuffle=True,
+                                            collate_fn=collate, generator=generator(), **options)
     evaluation = [
         torch.utils.data.DataLoader(
             split, batch_size=settings.resolved_eval_batch_size, shuffle=False, collate_fn=collate,

@@ -97,6 +97,10 @@ class Settings:
         default=None, help="Page-locked host batches for faster, non-blocking copies; default on with CUDA."
     )
     persistent_workers: bool = HfArg(default=False, help="Keep DataLoader workers alive between epochs.")
+    group_by_length: bool = HfArg(
+        default=False,
+        help="Batch sequences of similar length together (less padding; order is random between groups).",
+    )
     prefetch_factor: int | None = HfArg(
         default=None, help="Batches each worker loads ahead (needs --num-workers > 0); PyTorch's default is 2."
     )
@@ -123,6 +127,17 @@ class Settings:
         default=2, help="First optimizer steps recorded apart (start-up, allocator warm-up) from the steady state."
     )
     tf32: bool = HfArg(default=False, help="Allow TF32 matmuls on Ampere+ GPUs in fp32 runs (recorded).")
+    profile: bool = HfArg(
+        default=False,
+        help="Trace a window of optimizer steps with torch.profiler into <run>/profile (TensorBoard and "
+        "Chrome-trace JSON, stages labelled); the top operators go into the record.",
+    )
+    profile_wait: int = HfArg(default=2, help="Steps skipped before the profiler warms up.")
+    profile_warmup: int = HfArg(default=1, help="Steps the profiler runs but discards.")
+    profile_active: int = HfArg(default=3, help="Steps traced.")
+    memory_snapshot: bool = HfArg(
+        default=False, help="With --profile on CUDA: save the allocator history (pytorch.org/memory_viz)."
+    )
 
     # ---- output ----
     output_dir: str = HfArg(default="runs", help="Where run records go: <output-dir>/<run-name>/.")
@@ -161,6 +176,13 @@ class Settings:
                 raise UserError(f"--{flag} must be a positive integer, got {value}")
         if self.num_workers < 0:
             raise UserError(f"--num-workers must be 0 or more, got {self.num_workers}")
+        for flag, value in (("profile-wait", self.profile_wait), ("profile-warmup", self.profile_warmup)):
+            if value < 0:
+                raise UserError(f"--{flag} must be 0 or more, got {value}")
+        if self.profile_active < 1:
+            raise UserError(f"--profile-active must be at least 1, got {self.profile_active}")
+        if self.memory_snapshot and not self.profile:
+            raise UserError("--memory-snapshot needs --profile")
         if self.timing_warmup_steps < 0:
             raise UserError(f"--timing-warmup-steps must be 0 or more, got {self.timing_warmup_steps}")
         if self.prefetch_factor is not None and self.num_workers == 0:

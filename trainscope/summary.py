@@ -27,6 +27,7 @@ def throughput(per_rank: list[dict], phase: str) -> dict:
     wall = max(rank["timing"][phase]["wall_s"] - rank["timing"][phase]["seconds"]["eval"] for rank in per_rank)
     samples = sum(rank["counts"][phase]["samples"] for rank in per_rank)
     tokens = sum(rank["counts"][phase]["tokens"] for rank in per_rank)
+    flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank)
     steps = per_rank[0]["counts"][phase]["optimizer_steps"]
     return {
         "samples": samples,
@@ -36,6 +37,8 @@ def throughput(per_rank: list[dict], phase: str) -> dict:
         "samples_per_s": samples / wall if wall > 0 else None,
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "step_s": wall / steps if steps else None,
+        # model FLOPs (PaLM formula, padded tokens) per device per second
+        "tflops_per_device": flops / wall / len(per_rank) / 1e12 if wall > 0 and flops else None,
     }
 
 

@@ -117,11 +117,13 @@ class StageTimer:
     Misuse raises: a stage inside a stage, an unknown stage, timing outside start()/stop().
     """
 
-    def __init__(self, clock=None, device: torch.device | None = None, track_memory: bool = True):
+    def __init__(self, clock=None, device: torch.device | None = None, track_memory: bool = True,
+                 profiler_labels: bool = False):
         self.clock = clock or HostClock()
         self.device = device or torch.device("cpu")
         self._synchronize = synchronizer(self.device)
         self.track_memory = track_memory and self.device.type == "cuda"
+        self.profiler_labels = profiler_labels  # record_function(<stage>) spans for torch.profiler
         self.phase = PHASES[0]
         self.stage_seconds = {phase: defaultdict(float) for phase in PHASES}
         self.stage_calls = {phase: defaultdict(int) for phase in PHASES}
@@ -207,7 +209,11 @@ class StageTimer:
             memory.__enter__()
         begin = self.clock.mark()
         try:
-            yield
+            if self.profiler_labels:
+                with torch.profiler.record_function(stage):
+                    yield
+            else:
+                yield
         finally:
             end = self.clock.mark()
             if memory:
