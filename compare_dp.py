@@ -406,6 +406,16 @@ def latex(report: dict) -> str:
 
 
 def plot(report: dict, stem: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = plot_figure(report)
+    for suffix in ("png", "pdf"):
+        figure.savefig(f"{stem}.{suffix}", dpi=150)
+    plt.close(figure)
+
+
+def plot_figure(report: dict):
+    """Throughput per variant and peak memory per device (DataParallel's device-0 imbalance shows)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -431,9 +441,7 @@ def plot(report: dict, stem: Path) -> None:
         if result.get("status") != "measured":
             speed.annotate(f"{name}: not measurable here", xy=(0.02, 0.95), xycoords="axes fraction", fontsize=8)
     figure.tight_layout()
-    for suffix in ("png", "pdf"):
-        figure.savefig(f"{stem}.{suffix}", dpi=150)
-    plt.close(figure)
+    return figure
 
 
 # ---------------------------------------------------------------- main

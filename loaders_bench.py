@@ -379,6 +379,16 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
 
 
 def plot(report: dict, stem: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = plot_figure(report)
+    for suffix in ("png", "pdf"):
+        figure.savefig(f"{stem}.{suffix}", dpi=150)
+    plt.close(figure)
+
+
+def plot_figure(report: dict):
+    """Time per pass against num_workers (median, min-max band), one line per mode; data share in training."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -410,9 +420,7 @@ def plot(report: dict, stem: Path) -> None:
     figure.suptitle(f"DataLoader sweep: {report['dataset_rows']} rows, {machine['device_name']}, "
                     f"{machine['usable_cores']} cores (median, min-max band)", fontsize=9)
     figure.tight_layout()
-    for suffix in ("png", "pdf"):
-        figure.savefig(f"{stem}.{suffix}", dpi=150)
-    plt.close(figure)
+    return figure
 
 
 def print_recommendations(report: dict) -> None:
