@@ -150,6 +150,10 @@ class Report:
         self.book = book
         self.markdown: list[str] = []
         self.files: list[Path] = []
+        self.figure_runs: dict[str, list[dict]] = {}  # figure name -> the records it shows
+
+    def shows(self, name: str, records):
+        self.figure_runs.setdefault(name, []).extend(records)
 
     def section(self, title: str):
         self.markdown += [f"## {title}", ""]
@@ -198,6 +202,7 @@ def time_section(report: Report, found: reporting.Collected):
     axis.set_title(f"{breakdown['run']}: {breakdown['wall_s']:.1f} s on {breakdown['world_size']} x "
                    f"{breakdown['device']} ({breakdown['precision']})", fontsize=9)
     report.figure(figure, "time_breakdown", "Share of wall time per category")
+    report.shows("time_breakdown", [record])
     rows = [[c["name"], num(c["seconds"]), num(c["percent"], 1) + "%"] for c in breakdown["categories"]]
     rows += [[f"  stage: {s['name']}", num(s["seconds"]), num(s["percent"], 1) + "%"] for s in breakdown["stages"]]
     rows.append(["wall time", num(breakdown["wall_s"]), "100.0%"])
@@ -255,6 +260,7 @@ def amp_section(report: Report, found: reporting.Collected):
     axis.grid(alpha=0.3)
     axis.legend()
     report.figure(figure, "amp_loss", "Training loss, FP32 and mixed precision")
+    report.shows("amp_loss", runs.values())
     table_rows = [[r["run"], r["precision"], num(r["validation_accuracy"], 4), num(r["test_accuracy"], 4),
                    num(r["wall_s"], 1), num(r["samples_per_s"], 1), f"{num(r['peak_memory_gib'])} ({r['memory_kind']})",
                    num(r["speedup"], 3), num(r["memory_ratio"], 3)] for r in rows]
@@ -304,6 +310,7 @@ def ckpt_section(report: Report, found: reporting.Collected):
     memory_axis.set_ylabel(f"peak memory GiB ({rows[0]['memory_kind']})")
     figure.tight_layout()
     report.figure(figure, "ckpt", "Activation checkpointing: time and memory")
+    report.shows("ckpt", runs.values())
     report.table(Table("Activation checkpointing off and on", ["run", "checkpointing", "s/step", "peak GiB",
                                                                 "step ratio", "memory ratio"],
                        [[r["run"], "on" if r["gradient_checkpointing"] else "off", num(r["step_s"], 3),
@@ -360,6 +367,7 @@ def matrix_section(report: Report, found: reporting.Collected):
     axis.legend(fontsize=8)
     axis.tick_params(axis="x", labelsize=8)
     report.figure(figure, "matrix", "Stage time per step for each variant")
+    report.shows("matrix", runs.values())
     report.table(Table("Variants (same seed and steps)", ["run", "precision", "processes", "samples/s", "speed-up",
                                                           "s/step", "test acc", "peak GiB"],
                        [[r["run"], r["precision"], str(r["world_size"]), num(r["samples_per_s"], 1),
@@ -376,6 +384,33 @@ def matrix_section(report: Report, found: reporting.Collected):
         report.table(Table("Speed-up attribution: per-step stage seconds against the first variant",
                            ["comparison", "stage", "before s", "after s", "change s", "share of change"],
                            attribution_rows, "attribution", align="llrrrr"))
+
+
+# ---------------------------------------------------------------- W&B
+
+
+def log_figures_to_wandb(report: Report, out: Path) -> list[str]:
+    """Add each figure to the W&B runs it shows, for runs that used W&B (offline ones stay offline)."""
+    by_run = {}
+    for name, records in report.figure_runs.items():
+        for record in records:
+            if "wandb" in (record.get("trackers") or {}):
+                by_run.setdefault(record["path"], (record, []))[1].append(name)
+    logged = []
+    for path, (record, names) in by_run.items():
+        previous = sorted(Path(path).glob("wandb/*run-*"))
+        if not previous:
+            continue
+        import wandb
+
+        run_id = previous[-1].name.rsplit("-", 1)[-1]
+        run = wandb.init(project="trainscope", id=run_id, resume="allow", dir=path,
+                         mode=record["trackers"]["wandb"]["mode"],
+                         settings=wandb.Settings(x_disable_meta=True, disable_git=True, save_code=False, silent=True))
+        run.log({f"report/{name}": wandb.Image(str(out / f"{name}.png")) for name in names})
+        run.finish()
+        logged.append(record["run_name"])
+    return logged
 
 
 # ---------------------------------------------------------------- main
@@ -408,6 +443,8 @@ def build(runs: Path, results: Path, out: Path) -> Report:
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
+    for run_name in log_figures_to_wandb(report, out):
+        print(f"logged the report's figures to W&B run {run_name}")
     return report
 
 

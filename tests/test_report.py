@@ -132,3 +132,18 @@ def test_report_without_inputs_is_refused(tmp_path):
         report.main(["--runs", str(tmp_path / "a"), "--results", str(tmp_path / "b"), "--out", str(tmp_path / "c")])
     assert exit_info.value.code == 2
     assert not (tmp_path / "c").exists()
+
+
+def test_figures_go_to_the_wandb_run_that_used_it(tmp_path):
+    runs = tmp_path / "runs"
+    completed = run_command([sys.executable, str(ROOT / "train.py"), *TINY.split()[:-4], "--report-to", "wandb",
+                             "--output-dir", str(runs / "profile"), "--run-name", "default"],
+                            env=cpu_env(WANDB_MODE="offline"))
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    out = tmp_path / "reports"
+    completed = run_command([sys.executable, str(ROOT / "report.py"), "--runs", str(runs), "--results",
+                             str(tmp_path / "none"), "--out", str(out)], env=cpu_env(WANDB_MODE="offline"))
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "logged the report's figures to W&B run default" in completed.stdout
+    images = [p for p in (runs / "profile" / "default" / "wandb").rglob("*.png") if "media" in p.parts]
+    assert images and any("time_breakdown" in image.name for image in images)
