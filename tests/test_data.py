@@ -207,3 +207,14 @@ def test_dataloaders_pad_dynamically_and_honour_worker_settings(tokenizer):
     fixed = settings_for("--max-train-samples", "64", "--pad-to-max-length", "--max-seq-length", "48")
     data = load_classification_data(fixed, tokenizer, contextlib.nullcontext)
     assert {b["input_ids"].shape[1] for b in build_dataloaders(data, tokenizer, fixed)[0]} == {48}
+
+
+def test_fsspec_urls_load(tokenizer):
+    import fsspec
+
+    with fsspec.filesystem("memory").open("memory://bucket/tweets.csv", "w") as handle:
+        handle.write("text,label\n" + "".join(f"row number {i},{'a' if i % 2 else 'b'}\n" for i in range(60)))
+    data = load_classification_data(settings_for("--dataset", "memory://bucket/tweets.csv"), tokenizer,
+                                    contextlib.nullcontext)
+    assert data.label_names == ["a", "b"] and len(data.train) == 48
+    assert data.provenance["source"] == {"kind": "url", "name": "memory://bucket/tweets.csv"}
