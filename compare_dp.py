@@ -437,9 +437,9 @@ def plot_figure(report: dict):
     memory.set_ylabel("peak memory (GiB)")
     memory.set_title("per device")
     memory.tick_params(axis="x", labelsize=7)
-    for name, result in report["results"].items():
-        if result.get("status") != "measured":
-            speed.annotate(f"{name}: not measurable here", xy=(0.02, 0.95), xycoords="axes fraction", fontsize=8)
+    missing = [name for name, result in report["results"].items() if result.get("status") != "measured"]
+    if missing:
+        speed.set_xlabel(f"not measurable here: {', '.join(missing)}", fontsize=8)
     figure.tight_layout()
     return figure
 

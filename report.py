@@ -339,6 +339,8 @@ def batch_section(report: Report, found: reporting.Collected):
         twin.plot([r["batch_size"] for r in fitted], [r["peak_memory_gib"] for r in fitted], marker="s",
                   color="tab:orange")
         twin.set_ylabel(f"peak memory GiB ({fitted[0]['memory_kind']})", color="tab:orange")
+        axis.set_ylim(bottom=0)
+        twin.set_ylim(bottom=0)
         report.figure(figure, "batch", "Throughput and memory against batch size")
     report.table(Table("Batch-size sweep", ["batch", "status", "samples/s", "s/step", "peak GiB"],
                        [[str(r["batch_size"]), r["status"], num(r.get("samples_per_s"), 1), num(r.get("step_s"), 3),
@@ -347,6 +349,10 @@ def batch_section(report: Report, found: reporting.Collected):
     report.text(f"Largest batch that fits: {sweep.get('largest_fitting_batch') or advice.get('largest_swept_that_fits')}"
                 f" ({sweep['largest_search']}). Fastest: {advice.get('fastest_batch_size')}. Keeping the effective "
                 f"batch of {advice.get('effective_batch')}: `{advice.get('flags', 'no swept batch divides it')}`.")
+    speeds = [r["samples_per_s"] for r in fitted if r.get("samples_per_s")]
+    if len(speeds) > 1 and max(speeds) < 1.1 * min(speeds):
+        report.text(f"Throughput stays within {100 * (max(speeds) / min(speeds) - 1):.0f}% across the sweep (one run per "
+                    "batch size): here the batch size buys memory headroom or convergence behaviour, not speed.")
 
 
 def matrix_section(report: Report, found: reporting.Collected):
