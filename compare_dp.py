@@ -39,6 +39,7 @@ from trainscope.errors import UserError, exit_with
 from trainscope.memory import GIB, peak_rss_bytes
 from trainscope.modeling import build_model, build_tokenizer
 from trainscope.records import write_json_atomic
+from trainscope.reporting import save_figure
 from trainscope.settings import Settings, parse_settings
 
 ROOT = Path(__file__).resolve().parent
@@ -337,7 +338,7 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
         (results_dir / f"{diff['from']}_to_{diff['to']}.diff").write_text(diff["diff"] + "\n")
     (results_dir / "compare_dp.md").write_text(markdown(report))
     (results_dir / "compare_dp.tex").write_text(latex(report))
-    plot(report, results_dir / "compare_dp")
+    save_figure(plot_figure(report), results_dir / "compare_dp")
     return sorted(results_dir.iterdir())
 
 
@@ -403,15 +404,6 @@ def latex(report: dict) -> str:
               rf"\caption{{DataParallel vs DDP on {report['machine']['device_name'].replace('_', ' ')}.}}",
               r"\label{tab:compare-dp}", r"\end{table}"]
     return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, stem: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    figure = plot_figure(report)
-    for suffix in ("png", "pdf"):
-        figure.savefig(f"{stem}.{suffix}", dpi=150)
-    plt.close(figure)
 
 
 def plot_figure(report: dict):

@@ -37,6 +37,7 @@ from trainscope import environment
 from trainscope.data import build_collator, load_classification_data, load_raw, loader_options
 from trainscope.errors import UserError, exit_with
 from trainscope.records import write_json_atomic
+from trainscope.reporting import save_figure
 from trainscope.settings import Settings, parse_settings
 
 MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
@@ -374,17 +375,8 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(report["rows"])
-    plot(report, results_dir / "loaders")
+    save_figure(plot_figure(report), results_dir / "loaders")
     return [results_dir / f"loaders.{suffix}" for suffix in ("json", "csv", "png", "pdf")]
-
-
-def plot(report: dict, stem: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    figure = plot_figure(report)
-    for suffix in ("png", "pdf"):
-        figure.savefig(f"{stem}.{suffix}", dpi=150)
-    plt.close(figure)
 
 
 def plot_figure(report: dict):

@@ -1,5 +1,6 @@
 """Report rows: pure functions from run records and sweep results to table rows. No plotting, no I/O
-except `collect`, which finds and reads the records (skipping what is not one, with a warning)."""
+except `collect`, which finds and reads the records (skipping what is not one, with a warning), and
+`save_figure`, which writes a figure the scripts have drawn."""
 
 import json
 import sys
@@ -18,6 +19,17 @@ EXPERIMENTS = {  # folder under runs/ -> the make target that produces it
 }
 RESULTS = {"loaders": ("loaders/loaders.json", "make sweep-workers"),
            "compare_dp": ("compare_dp/compare_dp.json", "make compare-dp")}
+
+
+def save_figure(figure, stem: Path) -> list[Path]:
+    """Write a matplotlib figure as stem.png and stem.pdf and close it."""
+    import matplotlib.pyplot as plt
+
+    paths = [Path(f"{stem}.{suffix}") for suffix in ("png", "pdf")]
+    for path in paths:
+        figure.savefig(path, dpi=150)
+    plt.close(figure)
+    return paths
 
 
 @dataclass
