@@ -18,7 +18,7 @@ TRAIN_ARGS ?= $(if $(HAS_GPU),,$(CPU_SUBSET))
 WORKERS ?= 0 1 2 3 4 5 6 7 8 9 10
 REPEATS ?= 3
 DATASET ?= embedded:tweets
-LOADER_MODES ?= pretokenized on-the-fly
+LOADER_MODES ?= pretokenized on-the-fly in-training
 SWEEP_ARGS ?=
 DP_ARGS ?=
 # Experiments: the same seed and steps in every variant; on a CPU a subset of the corpus.

@@ -63,6 +63,21 @@ def test_summary_finds_best_knee_and_speedup():
     assert curve["flags"].startswith("--num-workers 2 ")
 
 
+def test_in_training_knee_counts_points_of_step_time():
+    rows = []
+    for workers, share in ((0, 0.004), (1, 0.003), (2, 0.002), (3, 0.10), (4, 0.001)):
+        rows.append({"mode": "in-training", "batch_size": 32, "pin_memory": False, "persistent_workers": False,
+                     "prefetch_factor": 2, "num_workers": workers, "repeat": 0, "pass": 0,
+                     "data_share": share, "step_s": 1.0})
+    (curve,) = loaders_bench.summarize(rows, knee_tolerance=0.05)["curves"].values()
+    # 0.4% of step time is within 5 points of the lowest 0.1%: more workers cannot buy anything
+    assert curve["best_workers"] == 4 and curve["knee_workers"] == 0
+    assert curve["flags"].startswith("--num-workers 0 ")
+    (curve,) = loaders_bench.summarize([{**r, "data_share": r["data_share"] + (0.3 if r["num_workers"] == 0 else 0)}
+                                        for r in rows], knee_tolerance=0.05)["curves"].values()
+    assert curve["knee_workers"] == 1  # a loader-bound default (30%) is not within 5 points of 0.1%
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--workers", "-1"], "must be 0 or more"),
     (["--workers", "0", "500"], "not a sane DataLoader setting"),
@@ -80,7 +95,7 @@ def test_make_sweep_workers_writes_results_and_plot(tmp_path):
     result = run_command(["make", "-s", "sweep-workers", "WORKERS=0 1", "REPEATS=2",
                           "LOADER_MODES=pretokenized on-the-fly in-training",
                           f"SWEEP_ARGS=--results-dir {results} --model embedded:tiny-bert --max-train-samples 96 "
-                          "--per-device-batch-size 16 --train-steps 2"], env=cpu_env())
+                          "--per-device-batch-size 16 --train-steps 6"], env=cpu_env())  # 8 steps > 6 batches: a second epoch
     assert result.returncode == 0, result.stderr[-3000:]
     for suffix in ("json", "csv", "png", "pdf"):
         assert (results / f"loaders.{suffix}").stat().st_size > 0
