@@ -391,8 +391,8 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(report["rows"])
-    save_figure(plot_figure(report), results_dir / "loaders")
-    return [results_dir / f"loaders.{suffix}" for suffix in ("json", "csv", "png", "pdf")]
+    return [results_dir / "loaders.json", results_dir / "loaders.csv",
+            *save_figure(plot_figure(report), results_dir / "loaders")]
 
 
 def plot_figure(report: dict):

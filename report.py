@@ -167,13 +167,9 @@ class Report:
         self.text(reporting.missing(experiment))
 
     def figure(self, figure, name: str, caption: str):
-        for suffix in ("png", "pdf"):
-            path = self.out / f"{name}.{suffix}"
-            figure.savefig(path, dpi=150, bbox_inches="tight")
-            self.files.append(path)
         self.markdown += [f"![{caption}]({name}.png)", ""]
         self.book.image(figure)
-        plt.close(figure)
+        self.files += reporting.save_figure(figure, self.out / name, bbox_inches="tight")
 
     def table(self, table: Table):
         path = self.out / f"{table.label}.tex"

@@ -92,10 +92,11 @@ def test_bad_input_exits_2(argv, message):
 
 def test_make_sweep_workers_writes_results_and_plot(tmp_path):
     results = tmp_path / "loaders"
+    # 6 batches and 2 + 6 in-training steps: the in-training mode goes on into a second epoch
     result = run_command(["make", "-s", "sweep-workers", "WORKERS=0 1", "REPEATS=2",
                           "LOADER_MODES=pretokenized on-the-fly in-training",
                           f"SWEEP_ARGS=--results-dir {results} --model embedded:tiny-bert --max-train-samples 96 "
-                          "--per-device-batch-size 16 --train-steps 6"], env=cpu_env())  # 8 steps > 6 batches: a second epoch
+                          "--per-device-batch-size 16 --train-steps 6"], env=cpu_env())
     assert result.returncode == 0, result.stderr[-3000:]
     for suffix in ("json", "csv", "png", "pdf"):
         assert (results / f"loaders.{suffix}").stat().st_size > 0

@@ -21,13 +21,13 @@ RESULTS = {"loaders": ("loaders/loaders.json", "make sweep-workers"),
            "compare_dp": ("compare_dp/compare_dp.json", "make compare-dp")}
 
 
-def save_figure(figure, stem: Path) -> list[Path]:
+def save_figure(figure, stem: Path, **savefig_options) -> list[Path]:
     """Write a matplotlib figure as stem.png and stem.pdf and close it."""
     import matplotlib.pyplot as plt
 
     paths = [Path(f"{stem}.{suffix}") for suffix in ("png", "pdf")]
     for path in paths:
-        figure.savefig(path, dpi=150)
+        figure.savefig(path, dpi=150, **savefig_options)
     plt.close(figure)
     return paths
 
