@@ -94,6 +94,8 @@ class SweepSettings:
                             ("processes-per-node", self.processes_per_node)):
             if value < 1:
                 raise UserError(f"--{flag} must be at least 1, got {value}")
+        if not 0 <= self.knee_tolerance < 1:  # checked up front: a sweep must not end without its knee
+            raise UserError(f"--knee-tolerance must be at least 0 and below 1, got {self.knee_tolerance}")
 
 
 # ---------------------------------------------------------------- timing one pass

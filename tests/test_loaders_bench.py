@@ -83,6 +83,7 @@ def test_in_training_knee_counts_points_of_step_time():
     (["--workers", "0", "500"], "not a sane DataLoader setting"),
     (["--modes", "telepathy"], "unknown mode"),
     (["--repeats", "0"], "at least 1"),
+    (["--knee-tolerance", "-0.1"], "--knee-tolerance must be at least 0"),
 ])
 def test_bad_input_exits_2(argv, message):
     result = run_command([sys.executable, str(ROOT / "loaders_bench.py"), *argv])
