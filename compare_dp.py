@@ -5,41 +5,44 @@ the output): one device; torch.nn.DataParallel (one process, the batch scattered
 outputs gathered on GPU 0); DDP with plain torch.distributed (one process per device, each with its
 own shard of every global batch, gradients all-reduced). Same model, seed, global batch, samples and
 optimizer steps; dropout is off so the three compute the same function and their losses can be
-compared step by step.
+compared step by step. The first --warmup-steps steps (allocations, DataParallel's replicas, the
+process group's first collectives) are outside the timed window; DDP's time is its slowest rank's.
 
-    python compare_dp.py [--steps 20 --global-batch-size 32 --ddp-processes 2] [train.py data/model flags]
+Fair hardware: on GPUs, one device against N devices (efficiency = speed-up / N). On a CPU there
+are no extra devices, only the same cores: one process with all of them as threads against N
+processes with cores/N threads each, so the question is how well DDP uses the same cores.
+Rounds alternate the variants; each comparison is a median of per-round ratios with a verdict.
+
+    python compare_dp.py [--steps 20 --global-batch-size 32 --ddp-processes 2 --rounds 5] [train.py flags]
 
 DataParallel needs at least two CUDA devices; with fewer it is reported as not measurable here.
-DDP runs as processes on whatever is there (NCCL on GPUs, gloo on CPU). Writes
-<results-dir>/compare_dp.{json,md,tex,png,pdf} and the two diffs.
+Writes <results-dir>/compare_dp.{json,md,tex,png,pdf} and the two diffs.
 """
 
 import contextlib
 import difflib
+import gc
 import inspect
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import date
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers.hf_argparser import HfArg
 
-from trainscope import environment
+from trainscope import bench, environment, launching, startup
 from trainscope.data import build_collator, load_classification_data
 from trainscope.distributed import destroy_process_group
-from trainscope.errors import UserError, exit_with
-from trainscope.memory import GIB, peak_rss_bytes
+from trainscope.errors import UserError, exit_with, redacted_output
+from trainscope.figures import compare_dp_figure, compare_dp_rows, save_figure
+from trainscope.memory import GIB, CudaMemoryProbe, peak_rss_bytes
 from trainscope.modeling import build_model, build_tokenizer
-from trainscope.records import write_json_atomic
-from trainscope.reporting import save_figure
+from trainscope.records import read_record, write_text_atomic
 from trainscope.settings import Settings, parse_settings
 
 ROOT = Path(__file__).resolve().parent
@@ -58,13 +61,17 @@ ANCHORS = [
     {"what": "NeMo BERT 4B, 16 nodes (128 A100)", "gpus": 128, "speedup_over_8": 12.71, "efficiency": 12.71 / 16,
      "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html"},
 ]
+ASSUMED_COMPUTE_STEP_S = 0.1
 
 
 @dataclass
 class CompareSettings:
-    steps: int = HfArg(default=20, help="Optimizer steps in every loop (one pass over steps x global batch samples).")
-    global_batch_size: int = HfArg(default=32, help="Samples per optimizer step, summed over devices.")
+    steps: int = HfArg(default=20, help="Timed optimizer steps in every loop (after the warm-up steps).")
+    warmup_steps: int = HfArg(default=2, help="Untimed first steps of every loop (allocations, lazy set-up).")
+    global_batch_size: int = HfArg(default=32, help="Samples per optimizer step, summed over devices; rounded "
+                                   "to the nearest multiple of the DDP process count when it does not divide.")
     ddp_processes: int | None = HfArg(default=None, help="DDP processes; default: the GPU count, or 2 on a CPU.")
+    rounds: int = HfArg(default=5, help="Alternating rounds of the variants (median, min-max, verdict).")
     results_dir: str = HfArg(default="results/compare_dp", help="Where results, tables, plot and diffs go.")
     projection_gpus: list[int] = HfArg(default_factory=lambda: [1, 2, 4, 8, 16],
                                        help="GPU counts for the DDP step-time projection.")
@@ -74,13 +81,20 @@ class CompareSettings:
     latency_us: float = HfArg(default=10.0, help="Per-hop latency in microseconds for --bandwidth-gbs.")
     overlap: float = HfArg(default=0.0, help="Share of the all-reduce hidden behind backward (DDP buckets); "
                            "0 assumes none, the pessimistic bound.")
+    gpu_record: str | None = HfArg(default=None, help="A run record (record.json or its folder) of a GPU run: the "
+                                   "projection takes its measured steady step time as the compute per step.")
+    assumed_compute_step_s: float = HfArg(default=ASSUMED_COMPUTE_STEP_S, help="Compute seconds per step assumed "
+                                          "by the projection when no --gpu-record is given (said so in the output).")
     role: str = HfArg(default="compare", help="Internal: 'ddp-worker' runs one DDP process.")
     result_file: str | None = HfArg(default=None, help="Internal: where a DDP worker writes its result.")
 
     def validate(self):
-        for flag, value in (("steps", self.steps), ("global-batch-size", self.global_batch_size)):
+        for flag, value in (("steps", self.steps), ("global-batch-size", self.global_batch_size),
+                            ("rounds", self.rounds)):
             if value < 1:
                 raise UserError(f"--{flag} must be at least 1, got {value}")
+        if self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps must be 0 or more, got {self.warmup_steps}")
         if self.ddp_processes is not None and self.ddp_processes < 1:
             raise UserError(f"--ddp-processes must be at least 1, got {self.ddp_processes}")
         unknown = [name for name in self.interconnect if name not in INTERCONNECTS]
@@ -90,19 +104,21 @@ class CompareSettings:
             raise UserError(f"--overlap must be between 0 and 1, got {self.overlap}")
         if any(n < 1 for n in self.projection_gpus):
             raise UserError("--projection-gpus must be positive")
+        if self.assumed_compute_step_s <= 0:
+            raise UserError("--assumed-compute-step-s must be positive")
 
 
 # ---------------------------------------------------------------- the three loops
 
 
-def single_device(model, dataset, collate, global_batch, lr, seed):
+def single_device(model, dataset, collate, global_batch, lr, seed, warmup):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device)
     sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
     loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch, sampler=sampler,
                                          collate_fn=collate, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, started = [], time.perf_counter()
+    clock = StepClock(warmup, [device])
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
@@ -111,12 +127,11 @@ def single_device(model, dataset, collate, global_batch, lr, seed):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    synchronize(device)
-    return finish(losses, started, [device])
+        clock.step(loss)
+    return clock.finish()
 
 
-def data_parallel(model, dataset, collate, global_batch, lr, seed, min_gpus=2):
+def data_parallel(model, dataset, collate, global_batch, lr, seed, warmup, min_gpus=2):
     if torch.cuda.device_count() < min_gpus:
         raise NotMeasurable(f"nn.DataParallel needs at least {min_gpus} CUDA devices; "
                             f"this machine has {torch.cuda.device_count()}")
@@ -126,7 +141,7 @@ def data_parallel(model, dataset, collate, global_batch, lr, seed, min_gpus=2):
     loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch, sampler=sampler,
                                          collate_fn=collate, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, started = [], time.perf_counter()
+    clock = StepClock(warmup, devices_of(model))
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
@@ -135,12 +150,11 @@ def data_parallel(model, dataset, collate, global_batch, lr, seed, min_gpus=2):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    synchronize(device)
-    return finish(losses, started, devices_of(model))
+        clock.step(loss)
+    return clock.finish()
 
 
-def distributed_data_parallel(model, dataset, collate, global_batch, lr, seed):
+def distributed_data_parallel(model, dataset, collate, global_batch, lr, seed, warmup):
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu")
@@ -149,7 +163,7 @@ def distributed_data_parallel(model, dataset, collate, global_batch, lr, seed):
     loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch // world, sampler=sampler,
                                          collate_fn=collate, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, started = [], time.perf_counter()
+    clock = StepClock(warmup, [device], barrier=torch.distributed.barrier)  # all ranks start timing together
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
@@ -158,12 +172,12 @@ def distributed_data_parallel(model, dataset, collate, global_batch, lr, seed):
         loss.backward()  # DDP all-reduces (averages) gradients in buckets during backward
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    synchronize(device)
-    result = finish(losses, started, [device])
+        clock.step(loss)
+    result = clock.finish()
     result["world_size"] = world
     result["losses"] = average_over_ranks(result["losses"], device)  # each rank saw its own shard
     result["per_rank_wall_s"] = gather_floats(result["wall_s"], device)
+    result["wall_s"] = max(result["per_rank_wall_s"])  # the step ends when the slowest rank's does
     destroy_process_group()
     return result
 
@@ -175,26 +189,52 @@ class NotMeasurable(Exception):
     """The hardware here cannot run this variant; reported, never faked."""
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class StepClock:
+    """Times the steps after `warmup`; the device memory peaks are reset when the loop starts, so a peak
+    belongs to this loop alone (not to one run before it in the same process)."""
+
+    def __init__(self, warmup: int, devices: list[torch.device], barrier=None):
+        self.warmup, self.devices, self.barrier = warmup, devices, barrier
+        self.probes = [CudaMemoryProbe(d) for d in devices if d.type == "cuda"]
+        gc.collect()
+        if self.probes:
+            torch.cuda.empty_cache()  # the parent's cached blocks from the previous loop
+        for probe in self.probes:
+            probe.reset()
+        self.losses, self.steps, self.started = [], 0, None
+        if warmup == 0:
+            self._start()
+
+    def _start(self):
+        synchronize(self.devices)
+        if self.barrier is not None:
+            self.barrier()
+        self.started = time.perf_counter()
+
+    def step(self, loss) -> None:
+        self.steps += 1
+        if self.steps > self.warmup:
+            self.losses.append(loss.detach())
+        if self.steps == self.warmup:
+            self._start()
+
+    def finish(self) -> dict:
+        """Wall time of the timed steps, their losses and each device's peak memory."""
+        synchronize(self.devices)
+        wall = time.perf_counter() - self.started
+        memory = {str(p.device): p.read()[0] / GIB for p in self.probes} or {"cpu (peak RSS)": peak_rss_bytes() / GIB}
+        return {"wall_s": wall, "losses": torch.stack(self.losses).float().cpu().tolist(), "peak_memory_gib": memory}
+
+
+def synchronize(devices) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def devices_of(model) -> list[torch.device]:
     ids = getattr(model, "device_ids", None) or []
     return [torch.device("cuda", i) for i in ids] or [next(model.parameters()).device]
-
-
-def finish(losses, started, devices) -> dict:
-    """Wall time, per-step losses and per-device peak memory of a finished loop."""
-    wall = time.perf_counter() - started
-    memory = {}
-    for device in devices:
-        if device.type == "cuda":
-            memory[str(device)] = torch.cuda.max_memory_allocated(device) / GIB
-        else:
-            memory["cpu (peak RSS)"] = peak_rss_bytes() / GIB
-    return {"wall_s": wall, "losses": torch.stack(losses).float().cpu().tolist(), "peak_memory_gib": memory}
 
 
 def average_over_ranks(values: list[float], device) -> list[float]:
@@ -210,14 +250,21 @@ def gather_floats(value: float, device) -> list[float]:
     return [t.item() for t in gathered]
 
 
+def divisible_batch(global_batch: int, processes: int) -> int:
+    """The multiple of `processes` nearest to `global_batch` (the larger one on a tie, never 0)."""
+    below = max(processes, global_batch // processes * processes)
+    above = below + processes
+    return below if global_batch - below < above - global_batch else above
+
+
 def prepare_inputs(settings: Settings, compare: CompareSettings):
-    """Model (dropout off) and exactly steps x global-batch training rows, built as train.py builds them."""
+    """Model (dropout off) and exactly (warm-up + steps) x global-batch training rows, built as train.py builds them."""
     tokenizer = build_tokenizer(settings)
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
-    needed = compare.steps * compare.global_batch_size
+    needed = (compare.warmup_steps + compare.steps) * compare.global_batch_size
     if len(data.train) < needed:
-        raise UserError(f"{compare.steps} steps of {compare.global_batch_size} need {needed} training rows; the "
-                        f"data has {len(data.train)}: lower --steps or raise --max-train-samples")
+        raise UserError(f"{compare.warmup_steps} + {compare.steps} steps of {compare.global_batch_size} need {needed} "
+                        f"training rows; the data has {len(data.train)}: lower --steps or raise --max-train-samples")
     dataset = data.train.select(range(needed))
     collate = build_collator(tokenizer, settings)
 
@@ -234,10 +281,12 @@ def prepare_inputs(settings: Settings, compare: CompareSettings):
 
 def run_variant(loop, settings, compare, fresh_model, dataset, collate, **extra) -> dict:
     model, facts = fresh_model()
-    result = loop(model, dataset, collate, compare.global_batch_size, settings.learning_rate, settings.seed, **extra)
+    result = loop(model, dataset, collate, compare.global_batch_size, settings.learning_rate, settings.seed,
+                  compare.warmup_steps, **extra)
     samples = compare.steps * compare.global_batch_size
     result.update(status="measured", samples=samples, samples_per_s=samples / result["wall_s"],
                   step_s=result["wall_s"] / compare.steps, final_loss=result["losses"][-1],
+                  threads=torch.get_num_threads(),
                   gradient_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
     return result
 
@@ -246,31 +295,27 @@ def run_variant(loop, settings, compare, fresh_model, dataset, collate, **extra)
 
 
 def ddp_worker(settings, compare) -> None:
+    startup.configure_process(settings)  # cores / processes threads each (torchrun sets LOCAL_WORLD_SIZE)
     fresh_model, dataset, collate = prepare_inputs(settings, compare)
     result = run_variant(distributed_data_parallel, settings, compare, fresh_model, dataset, collate)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(compare.result_file).write_text(json.dumps(result))
 
 
-def launch_ddp(processes: int, argv: list[str]) -> dict:
+def launch_ddp(processes: int, argv: list[str], global_batch: int) -> dict:
     """torchrun one worker per device: plain torch.distributed, no Accelerate, so the set-up is visible."""
     with tempfile.TemporaryDirectory() as scratch:
         result_file = Path(scratch) / "ddp.json"
         torchrun = str(Path(sys.executable).parent / "torchrun")
         command = [torchrun, "--standalone", "--nproc_per_node", str(processes), str(ROOT / "compare_dp.py"),
-                   *argv, "--role", "ddp-worker", "--result-file", str(result_file)]
-        threads = max(1, environment.usable_cores() // processes)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        env.pop("ACCELERATE_USE_CPU", None)
-        completed = subprocess.run(command, env=env, capture_output=True, text=True)
+                   *argv, "--global-batch-size", str(global_batch), "--role", "ddp-worker",
+                   "--result-file", str(result_file)]
+        env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+        completed = launching.run_captured(command, env)
         if completed.returncode != 0:
             tail = "\n".join(completed.stderr.strip().splitlines()[-15:])
             raise RuntimeError(f"the DDP workers failed (exit {completed.returncode}):\n{tail}")
-        result = json.loads(result_file.read_text())
-        result["threads_per_process"] = threads
-        return result
-
-
+        return json.loads(result_file.read_text())
 # ---------------------------------------------------------------- analysis (pure)
 
 
@@ -310,20 +355,43 @@ def project_ddp(compute_step_s: float, gradient_bytes: float, per_device_batch: 
     return rows
 
 
-def compare_results(results: dict) -> dict:
-    """Scaling efficiency against the single device, and how closely the losses agree."""
+def hardware(gpus: int, processes: int, cores: int) -> dict:
+    """What each variant runs on, and by how much more hardware DDP runs than the single device."""
+    if gpus:
+        return {"kind": "gpu", "single": "1 GPU", "ddp": f"{processes} GPUs", "data_parallel": f"{gpus} GPUs",
+                "ddp_hardware_ratio": processes, "data_parallel_hardware_ratio": gpus,
+                "note": "one GPU against N GPUs: scaling efficiency = speed-up / N"}
+    threads = max(1, cores // processes)
+    return {"kind": "cpu", "single": f"1 process x {cores} threads", "ddp": f"{processes} processes x {threads} thread(s)",
+            "ddp_hardware_ratio": 1, "note": (
+                f"the same {cores} cores on both sides: 1 process x {cores} threads against {processes} processes x "
+                f"{threads} thread(s). This measures how well DDP uses the same cores (its communication and "
+                "bookkeeping against intra-op threading), not what adding devices buys: efficiency = speed-up.")}
+
+
+def summarize_variant(rounds: list[dict]) -> dict:
+    first = rounds[0]
+    return {**{k: v for k, v in first.items() if k not in ("wall_s", "samples_per_s", "step_s")}, "status": "measured",
+            "rounds": [{k: r[k] for k in ("wall_s", "samples_per_s", "step_s", "peak_memory_gib") if k in r}
+                       | ({"per_rank_wall_s": r["per_rank_wall_s"]} if "per_rank_wall_s" in r else {}) for r in rounds],
+            "wall_s": bench.spread([r["wall_s"] for r in rounds]), "samples_per_s": bench.spread([r["samples_per_s"] for r in rounds]),
+            "step_s": bench.spread([r["step_s"] for r in rounds])}
+
+
+def compare_results(results: dict, rounds: list[dict], machine: dict) -> dict:
+    """Per variant against the single device: speed ratios per round with a verdict, efficiency on an
+    equal hardware budget, and how closely the losses agree."""
     single = results["single"]
     comparison = {}
     for name in ("data_parallel", "ddp"):
-        result = results[name]
-        if result.get("status") != "measured":
+        if results[name].get("status") != "measured":
             continue
-        devices = result.get("world_size") or max(1, len(result["peak_memory_gib"]))
-        speedup = result["samples_per_s"] / single["samples_per_s"]
+        speed = bench.compare(bench.pair_ratios(rounds, name, "single", "samples_per_s"))
+        ratio = machine[f"{name}_hardware_ratio"]
         comparison[name] = {
-            "devices": devices, "speedup": speedup, "scaling_efficiency": speedup / devices,
-            "max_abs_loss_difference": max(abs(a - b) for a, b in zip(single["losses"], result["losses"])),
-            "final_loss_difference": result["final_loss"] - single["final_loss"],
+            "speed": speed, "hardware_ratio": ratio, "scaling_efficiency": speed["median_ratio"] / ratio,
+            "max_abs_loss_difference": max(abs(a - b) for a, b in zip(single["losses"], results[name]["losses"])),
+            "final_loss_difference": results[name]["final_loss"] - single["final_loss"],
         }
     return comparison
 
@@ -333,48 +401,31 @@ def compare_results(results: dict) -> dict:
 
 def write_outputs(report: dict, results_dir: Path) -> list[Path]:
     results_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(results_dir / "compare_dp.json", report)
+    paths = bench.write_results(results_dir / "compare_dp", report, markdown(report))
     for diff in report["code_changes"]:
-        (results_dir / f"{diff['from']}_to_{diff['to']}.diff").write_text(diff["diff"] + "\n")
-    (results_dir / "compare_dp.md").write_text(markdown(report))
-    (results_dir / "compare_dp.tex").write_text(latex(report))
-    save_figure(plot_figure(report), results_dir / "compare_dp")
-    return sorted(results_dir.iterdir())
+        path = results_dir / f"{diff['from']}_to_{diff['to']}.diff"
+        write_text_atomic(path, diff["diff"] + "\n")
+        paths.append(path)
+    write_text_atomic(results_dir / "compare_dp.tex", latex(report))
+    return [*paths, results_dir / "compare_dp.tex", *save_figure(compare_dp_figure(report), results_dir / "compare_dp")]
 
 
-def table_rows(report: dict) -> list[dict]:
-    """One row per variant: what the Markdown and LaTeX tables show."""
-    rows = []
-    for name, label in (("single", "single device"), ("data_parallel", "nn.DataParallel"), ("ddp", "DDP")):
-        result = report["results"][name]
-        if result.get("status") != "measured":
-            rows.append({"variant": label, "status": result.get("reason", "not measured")})
-            continue
-        comparison = report["comparison"].get(name, {})
-        rows.append({
-            "variant": label, "devices": comparison.get("devices", 1), "wall_s": result["wall_s"],
-            "samples_per_s": result["samples_per_s"], "efficiency": comparison.get("scaling_efficiency", 1.0),
-            "peak_memory": ", ".join(f"{k} {v:.2f}" for k, v in result["peak_memory_gib"].items()),
-            "final_loss": result["final_loss"],
-        })
-    return rows
-
-
-def markdown(report: dict) -> str:
-    machine = report["machine"]
-    lines = [f"# DataParallel vs DDP", "",
-             f"{report['date']}, {machine['device_name']} x {machine['device_count'] or 1}, "
-             f"{machine['usable_cores']} usable cores, torch {machine['torch']}. "
-             f"{report['compare']['steps']} steps of global batch {report['compare']['global_batch_size']}, "
-             f"model {report['settings']['model']}.", "",
-             "| variant | devices | wall s (epoch) | samples/s | scaling efficiency | peak memory GiB | final loss |",
-             "|---|---:|---:|---:|---:|---|---:|"]
-    for row in table_rows(report):
+def markdown(report: dict) -> list[str]:
+    compare = report["compare"]
+    lines = ["# DataParallel vs DDP", "",
+             f"{report['machine']['device_name']}: {report['machine']['hardware']['note']}",
+             f"{compare['steps']} timed steps (after {compare['warmup_steps']} untimed) of global batch "
+             f"{report['global_batch_size']}, {compare['rounds']} alternating rounds, model {report['settings']['model']}."
+             + (f" {report['global_batch_note']}" if report.get("global_batch_note") else ""), "",
+             "| variant | runs on | wall s (median) | samples/s (median, min-max) | speed vs single | verdict | "
+             "scaling efficiency | peak memory GiB | final loss |", "|---|---|---:|---:|---:|---|---:|---|---:|"]
+    for row in compare_dp_rows(report):
         if "status" in row:
-            lines.append(f"| {row['variant']} | not measurable here: {row['status']} ||||||")
-        else:
-            lines.append(f"| {row['variant']} | {row['devices']} | {row['wall_s']:.2f} | {row['samples_per_s']:.1f} | "
-                         f"{row['efficiency']:.1%} | {row['peak_memory']} | {row['final_loss']:.4f} |")
+            lines.append(f"| {row['variant']} | not measurable here: {row['status']} ||||||||")
+            continue
+        lines.append(f"| {row['variant']} | {row['runs_on']} | {row['wall_s']:.2f} | {row['samples_per_s']:.1f} "
+                     f"({row['samples_per_s_min']:.1f}-{row['samples_per_s_max']:.1f}) | {row['speed']} | {row['verdict']} | "
+                     f"{row['efficiency']:.1%} | {row['peak_memory']} | {row['final_loss']:.4f} |")
     lines += ["", "## Code changes from the single-device loop", ""]
     for diff in report["code_changes"]:
         lines += [f"{diff['to']}: {diff['changed_lines']} changed lines (+{diff['added']} -{diff['removed']})", "",
@@ -388,52 +439,22 @@ def markdown(report: dict) -> str:
     lines += ["", "Published anchors:"]
     lines += [f"- {a['what']}: {a['speedup_over_8']}x one node, {a['efficiency']:.0%} efficiency ({a['source']})"
               for a in ANCHORS]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def latex(report: dict) -> str:
-    lines = [r"\begin{table}[t]", r"\centering", r"\begin{tabular}{lrrrrr}", r"\toprule",
-             r"Variant & Devices & Wall (s) & Samples/s & Efficiency & Final loss \\", r"\midrule"]
-    for row in table_rows(report):
+    lines = [r"\begin{table}[t]", r"\centering", r"\begin{tabular}{llrrrr}", r"\toprule",
+             r"Variant & Runs on & Samples/s & Speed-up & Efficiency & Final loss \\", r"\midrule"]
+    for row in compare_dp_rows(report):
         if "status" in row:
             lines.append(rf"{row['variant']} & \multicolumn{{5}}{{l}}{{not measurable here}} \\")
         else:
-            lines.append(rf"{row['variant']} & {row['devices']} & {row['wall_s']:.2f} & {row['samples_per_s']:.1f} & "
+            lines.append(rf"{row['variant']} & {row['runs_on']} & {row['samples_per_s']:.1f} & {row['speed_median']:.3f} & "
                          rf"{100 * row['efficiency']:.1f}\% & {row['final_loss']:.4f} \\")
     lines += [r"\bottomrule", r"\end{tabular}",
-              rf"\caption{{DataParallel vs DDP on {report['machine']['device_name'].replace('_', ' ')}.}}",
-              r"\label{tab:compare-dp}", r"\end{table}"]
+              rf"\caption{{DataParallel vs DDP on {report['machine']['device_name'].replace('_', ' ')} "
+              rf"(median of {report['compare']['rounds']} rounds).}}", r"\label{tab:compare-dp}", r"\end{table}"]
     return "\n".join(lines) + "\n"
-
-
-def plot_figure(report: dict):
-    """Throughput per variant and peak memory per device (DataParallel's device-0 imbalance shows)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in table_rows(report) if "status" not in r]
-    figure, (speed, memory) = plt.subplots(1, 2, figsize=(10, 3.8))
-    speed.bar([r["variant"] for r in rows], [r["samples_per_s"] for r in rows], color="tab:blue")
-    speed.set_ylabel("samples/s")
-    speed.set_title("throughput")
-    labels, values = [], []
-    for name in ("single", "data_parallel", "ddp"):
-        result = report["results"][name]
-        if result.get("status") == "measured":
-            for device, gib in result["peak_memory_gib"].items():
-                labels.append(f"{name}\n{device}")
-                values.append(gib)
-    memory.bar(labels, values, color="tab:orange")
-    memory.set_ylabel("peak memory (GiB)")
-    memory.set_title("per device")
-    memory.tick_params(axis="x", labelsize=7)
-    missing = [name for name, result in report["results"].items() if result.get("status") != "measured"]
-    if missing:
-        speed.set_xlabel(f"not measurable here: {', '.join(missing)}", fontsize=8)
-    figure.tight_layout()
-    return figure
 
 
 # ---------------------------------------------------------------- main
@@ -441,69 +462,88 @@ def plot_figure(report: dict):
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    settings, compare = parse_settings(CompareSettings, argv=argv, description=__doc__)
-    if compare.role == "ddp-worker":
-        return ddp_worker(settings, compare)
-    try:
-        report = compare_all(settings, compare, argv)
-    except UserError as error:
-        exit_with(error)
-    for path in write_outputs(report, Path(compare.results_dir)):
-        print(f"wrote {path}")
-    print((Path(compare.results_dir) / "compare_dp.md").read_text())
+    with redacted_output():
+        settings, compare = parse_settings(CompareSettings, argv=argv, description=__doc__)
+        if compare.role == "ddp-worker":
+            return ddp_worker(settings, compare)
+        try:
+            report = compare_all(settings, compare, argv)
+        except UserError as error:
+            exit_with(error)
+        for path in write_outputs(report, Path(compare.results_dir)):
+            print(f"wrote {path}")
+        print((Path(compare.results_dir) / "compare_dp.md").read_text())
+
+
+def plan_batch(compare: CompareSettings, processes: int) -> tuple[int, str | None]:
+    batch = divisible_batch(compare.global_batch_size, processes)
+    if batch == compare.global_batch_size:
+        return batch, None
+    return batch, (f"--global-batch-size {compare.global_batch_size} does not split over {processes} DDP processes: "
+                   f"using {batch}, the nearest multiple.")
 
 
 def compare_all(settings, compare, argv) -> dict:
     gpus = torch.cuda.device_count()
     processes = compare.ddp_processes or (gpus if gpus else 2)
-    if compare.global_batch_size % processes:
-        raise UserError(f"--global-batch-size {compare.global_batch_size} does not split over "
-                        f"{processes} DDP processes")
+    global_batch, note = plan_batch(compare, processes)
+    if note:
+        print(f"note: {note}", flush=True)
+    compare.global_batch_size = global_batch
+    threads = startup.configure_process(settings)  # the single process gets every core as threads
     fresh_model, dataset, collate = prepare_inputs(settings, compare)
-    results = {"single": run_variant(single_device, settings, compare, fresh_model, dataset, collate)}
-    print(f"single device: {results['single']['samples_per_s']:.1f} samples/s", flush=True)
-    try:
-        results["data_parallel"] = run_variant(data_parallel, settings, compare, fresh_model, dataset, collate)
-    except NotMeasurable as reason:
-        results["data_parallel"] = {"status": "not measurable here", "reason": str(reason)}
-    print(f"DataParallel: {results['data_parallel'].get('samples_per_s', results['data_parallel'].get('reason'))}")
-    results["ddp"] = launch_ddp(processes, argv)
+    arms = {"single": lambda i: run_variant(single_device, settings, compare, fresh_model, dataset, collate),
+            "ddp": lambda i: launch_ddp(processes, argv, global_batch)}
+    if gpus >= 2:
+        arms["data_parallel"] = lambda i: run_variant(data_parallel, settings, compare, fresh_model, dataset, collate)
+    rounds = bench.alternate(arms, compare.rounds)
+    results = {name: summarize_variant([r[name] for r in rounds]) for name in arms}
+    results.setdefault("data_parallel", {"status": "not measurable here", "reason": (
+        f"nn.DataParallel needs at least 2 CUDA devices; this machine has {gpus}")})
     results["ddp"]["backend"] = "nccl" if gpus else "gloo"
-    print(f"DDP x{processes}: {results['ddp']['samples_per_s']:.1f} samples/s", flush=True)
+    machine = {"device_name": environment.device_name(torch.device("cuda" if gpus else "cpu")), "device_count": gpus,
+               "usable_cores": threads["usable_cores"], "hardware": hardware(gpus, processes, threads["usable_cores"])}
+    machine.update({k: v for k, v in machine["hardware"].items() if k.endswith("hardware_ratio")})
+    return {
+        "benchmark": "compare_dp", "benchmark_version": 2, "machine": machine, "settings": asdict(settings),
+        "compare": {k: v for k, v in asdict(compare).items() if k not in ("role", "result_file")},
+        "global_batch_size": global_batch, "global_batch_note": note,
+        "results": results, "comparison": compare_results(results, rounds, machine),
+        "code_changes": [code_diff(single_device, data_parallel), code_diff(single_device, distributed_data_parallel)],
+        "projection": projection(compare, results["single"], processes),
+        "note_one_gpu": ("With one GPU, DDP runs a single process (world size 1: no all-reduce traffic, only its "
+                         "bookkeeping) and DataParallel cannot run; scaling needs two or more devices."
+                         if gpus == 1 else None),
+    }
 
-    single = results["single"]
+
+def projection(compare: CompareSettings, single: dict, processes: int) -> dict:
+    """The N-GPU projection: compute per step from a measured GPU record, or an assumption said as such."""
+    if compare.gpu_record:
+        record = read_record(Path(compare.gpu_record).parent if compare.gpu_record.endswith(".json") else compare.gpu_record)
+        throughput = record["summary"]["throughput"]
+        compute, per_device = throughput["step_s"], record["plan"]["global_batch_size"] // record["summary"]["world_size"]
+        source = (f"the measured steady step of {record['run_name']} ({compute:.4f} s at batch {per_device} per device on "
+                  f"{record['environment']['device_name']}, {record['environment']['effective_precision']})")
+    else:
+        compute, per_device = compare.assumed_compute_step_s, compare.global_batch_size
+        source = (f"an ASSUMED {compute:.3f} s of compute per step at batch {per_device} (no --gpu-record given: this "
+                  "CPU's step time says nothing about a GPU's)")
     presets = {name: INTERCONNECTS[name] for name in compare.interconnect}
     if compare.bandwidth_gbs:
         presets["custom"] = {"bandwidth_gbs": compare.bandwidth_gbs, "latency_us": compare.latency_us,
                              "what": "--bandwidth-gbs / --latency-us"}
-    device = torch.device("cuda" if gpus else "cpu")
-    projection = {
+    return {
+        "compute_step_s": compute, "compute_source": "gpu_record" if compare.gpu_record else "assumed",
         "assumptions": (
-            f"Weak scaling: every GPU keeps the measured single-device step ({single['step_s']:.4f} s at batch "
-            f"{compare.global_batch_size} on {environment.device_name(device)}) and all-reduces "
-            f"{single['gradient_bytes'] / 1e6:.1f} MB of gradients per step with a ring "
-            f"(2(N-1)/N x bytes / bandwidth + 2(N-1) x latency); {compare.overlap:.0%} of it hidden behind "
-            "backward. Ignores stragglers, the data loader, and compute slowing under contention."),
-        "interconnects": {name: {**preset, "rows": project_ddp(single["step_s"], single["gradient_bytes"],
-                                                                compare.global_batch_size, compare.projection_gpus,
-                                                                preset["bandwidth_gbs"], preset["latency_us"],
-                                                                compare.overlap)}
+            f"Weak scaling: every GPU computes a step in {source} and all-reduces {single['gradient_bytes'] / 1e6:.1f} MB "
+            f"of gradients per step with a ring (2(N-1)/N x bytes / bandwidth + 2(N-1) x latency); {compare.overlap:.0%} "
+            "of it hidden behind backward. Ignores stragglers, the data loader, and compute slowing under contention."),
+        "interconnects": {name: {**preset, "rows": project_ddp(compute, single["gradient_bytes"], per_device,
+                                                                compare.projection_gpus, preset["bandwidth_gbs"],
+                                                                preset["latency_us"], compare.overlap)}
                           for name, preset in presets.items()},
         "anchors": ANCHORS,
-    }
-    return {
-        "benchmark": "compare_dp", "benchmark_version": 1, "date": date.today().isoformat(),
-        "machine": {"device_name": environment.device_name(device), "device_count": gpus,
-                    "usable_cores": environment.usable_cores(), "torch": torch.__version__},
-        "settings": asdict(settings), "compare": {k: v for k, v in asdict(compare).items()
-                                                  if k not in ("role", "result_file")},
-        "results": results,
-        "comparison": compare_results(results),
-        "code_changes": [code_diff(single_device, data_parallel), code_diff(single_device, distributed_data_parallel)],
-        "projection": projection,
-        "note_one_gpu": ("With one GPU, DDP runs a single process (world size 1: no all-reduce traffic, only its "
-                         "bookkeeping) and DataParallel cannot run; scaling needs two or more devices."
-                         if gpus == 1 else None),
     }
 
 

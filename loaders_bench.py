@@ -13,12 +13,16 @@ tokenization, collate) and times full passes for each setting, repeated, in up t
 
     python loaders_bench.py --workers 0 1 2 4 --repeats 3 --modes pretokenized on-the-fly
 
-Writes <output-dir>/loaders.{json,csv,png,pdf} and prints the knee (the fewest workers within
---knee-tolerance of the best) with the flags to use.
+Repeats alternate the order of the settings (0 1 2 ... then ... 2 1 0), so drift hits all of them
+alike. Writes <results-dir>/loaders.{json,md,csv,png,pdf} with provenance and prints the knee (the
+fewest workers within --knee-tolerance of the best) with the flags to use and a verdict: is the
+knee faster than PyTorch's default (0 workers) in every repeat, slower, or within noise?
 """
 
 import contextlib
 import csv
+import dataclasses
+import io
 import itertools
 import os
 import statistics
@@ -26,18 +30,17 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from datetime import date
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from transformers.hf_argparser import HfArg
 
-from trainscope import environment
-from trainscope.data import build_collator, load_classification_data, load_raw, loader_options
-from trainscope.errors import UserError, exit_with
-from trainscope.records import write_json_atomic
-from trainscope.reporting import save_figure
+from trainscope import bench, environment, startup
+from trainscope.data import build_collator, labelled_splits, load_classification_data, loader_options
+from trainscope.errors import UserError, exit_with, redacted_output
+from trainscope.figures import loader_curve_name, loaders_figure, save_figure
+from trainscope.records import write_text_atomic
 from trainscope.settings import Settings, parse_settings
 
 MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
@@ -183,15 +186,13 @@ def _replace(settings, **changes):
 def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
     from trainscope.modeling import build_tokenizer
 
+    threads = startup.configure_process(settings)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = build_tokenizer(settings)
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
-    raw_train = None
-    if "on-the-fly" in sweep.modes:
-        raw_train = raw_training_rows(settings, data)
+    raw_train = raw_training_rows(settings, data) if "on-the-fly" in sweep.modes else None
     trainer = InTraining(settings, data, tokenizer, device) if "in-training" in sweep.modes else None
-
-    cores = environment.usable_cores()
+    cores = threads["usable_cores"]
     budget = max(1, cores // sweep.processes_per_node)
     if max(sweep.workers) > budget:
         print(f"warning: up to {max(sweep.workers)} workers but {cores} usable cores / "
@@ -199,38 +200,20 @@ def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
               "compete with each other and with the training process", file=sys.stderr)
     print(f"PyTorch's DataLoader default is num_workers={PYTORCH_DEFAULT_WORKERS}: batches load in the "
           "training process, one after the other.")
-
-    rows = []
     grid = list(settings_grid(sweep, settings))
-    for index, point in enumerate(grid, 1):
-        pin_memory = device.type == "cuda" if point["pin_memory_setting"] == "auto" else point["pin_memory_setting"] == "true"
-        if point["mode"] == "on-the-fly":
-            dataset, collate = raw_train
-        else:
-            dataset, collate = data.train, build_collator(tokenizer, settings)
-        for repeat in range(sweep.repeats):
-            base = {**point, "pin_memory": pin_memory, "repeat": repeat}
-            if point["mode"] == "in-training":
-                rows.append({**base, **trainer.measure(point, pin_memory, sweep.train_steps)})
-                continue
-            loader = make_loader(dataset, collate, point["batch_size"], point, settings, pin_memory, settings.seed)
-            to_device = device_copier(device, pin_memory) if point["mode"] == "device-copy" else None
-            synchronize = torch.cuda.synchronize if device.type == "cuda" and to_device else None
-            for pass_index, timing in enumerate(time_passes(loader, sweep.passes, to_device, synchronize)):
-                rows.append({**base, "pass": pass_index, **timing})
-            del loader
-        last = [r for r in rows if all(r[k] == point[k] for k in point)]
-        metric = "data_share" if point["mode"] == "in-training" else "pass_s"
-        print(f"[{index}/{len(grid)}] {point['mode']:<12} workers={point['num_workers']:<2} "
-              f"batch={point['batch_size']} pin={pin_memory} prefetch={point['prefetch_factor']}: "
-              f"median {metric} {statistics.median(r[metric] for r in last):.4f}", flush=True)
-
+    rows = []
+    for repeat in range(sweep.repeats):
+        for index, point in enumerate(bench.round_order(grid, repeat), 1):
+            rows += measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, trainer, device)
+            metric = "data_share" if point["mode"] == "in-training" else "pass_s"
+            print(f"[repeat {repeat + 1}/{sweep.repeats}, {index}/{len(grid)}] {point['mode']:<12} "
+                  f"workers={point['num_workers']:<2} batch={point['batch_size']} prefetch={point['prefetch_factor']}: "
+                  f"{metric} {rows[-1][metric]:.4f}", flush=True)
     return {
-        "benchmark": "loaders", "benchmark_version": 1, "date": date.today().isoformat(),
+        "benchmark": "loaders", "benchmark_version": 2,
         "machine": {"device": str(device), "device_name": environment.device_name(device),
-                    "usable_cores": cores, "cpu_count": os.cpu_count(),
-                    "processes_per_node": sweep.processes_per_node, "cpu_budget_per_process": budget,
-                    "torch": torch.__version__},
+                    "usable_cores": cores, "cpu_count": os.cpu_count(), "torch_threads": threads["torch_threads"],
+                    "processes_per_node": sweep.processes_per_node, "cpu_budget_per_process": budget},
         "pytorch_default_num_workers": PYTORCH_DEFAULT_WORKERS,
         "settings": asdict(settings), "sweep": asdict(sweep),
         "dataset_rows": len(data.train),
@@ -239,18 +222,24 @@ def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
     }
 
 
-def raw_training_rows(settings, data):
-    """The training split as raw text rows (same rows as the tokenized split) with a tokenizing collate."""
-    from trainscope.data import encode_labels, make_splits, subsample
-    from trainscope.modeling import build_tokenizer
-    from datasets import DatasetDict
+def measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, trainer, device) -> list[dict]:
+    """The rows of one setting in one repeat: a training measurement or one row per timed pass."""
+    pin_memory = device.type == "cuda" if point["pin_memory_setting"] == "auto" else point["pin_memory_setting"] == "true"
+    base = {**point, "pin_memory": pin_memory, "repeat": repeat}
+    if point["mode"] == "in-training":
+        return [{**base, **trainer.measure(point, pin_memory, sweep.train_steps)}]
+    dataset, collate = raw_train if point["mode"] == "on-the-fly" else (data.train, build_collator(tokenizer, settings))
+    loader = make_loader(dataset, collate, point["batch_size"], point, settings, pin_memory, settings.seed)
+    to_device = device_copier(device, pin_memory) if point["mode"] == "device-copy" else None
+    synchronize = torch.cuda.synchronize if device.type == "cuda" and to_device else None
+    return [{**base, "pass": i, **timing} for i, timing in enumerate(time_passes(loader, sweep.passes, to_device, synchronize))]
 
-    raw, _ = load_raw(settings)
-    if not isinstance(raw, DatasetDict) or "train" not in raw:
-        raw = DatasetDict({"train": raw if not isinstance(raw, DatasetDict) else next(iter(raw.values()))})
-    raw, names = encode_labels(raw, data.label_column)
-    splits, _ = make_splits(raw, data.label_column, settings)
-    train = subsample(splits["train"], settings.max_train_samples, settings.seed)
+
+def raw_training_rows(settings, data):
+    """The training split as raw text rows (the same rows as the tokenized split) with a tokenizing collate."""
+    from trainscope.modeling import build_tokenizer
+
+    train = labelled_splits(settings).subset("train", settings)
     train = train.select_columns([*data.text_columns, data.label_column])
     collate = TokenizingCollator(build_tokenizer(settings), data.text_columns, data.label_column,
                                  settings.max_seq_length, label_ids=int)
@@ -263,14 +252,14 @@ class InTraining:
     def __init__(self, settings, data, tokenizer, device):
         from accelerate import Accelerator, DataLoaderConfiguration
 
-        from trainscope.modeling import build_model, build_optimizer
-        from transformers import get_scheduler
+        from trainscope.modeling import build_model, build_optimizer, build_scheduler
 
         self.settings, self.data, self.tokenizer = settings, data, tokenizer
         self.accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=device.type == "cuda"))
         model, _ = build_model(settings, data.label_names, tokenizer)
         optimizer = build_optimizer(model, settings, self.accelerator.device)
-        scheduler = get_scheduler("constant", optimizer)
+        constant = dataclasses.replace(settings, lr_scheduler="constant_with_warmup")
+        scheduler = build_scheduler(constant, optimizer, training_steps=1, warmup_steps=0)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
 
     def measure(self, point, pin_memory, steps) -> dict:
@@ -281,7 +270,7 @@ class InTraining:
                              point, self.settings, pin_memory, self.settings.seed)
         loader = self.accelerator.prepare(loader)
         clock, _ = make_clock("sync", self.accelerator.device)
-        timer = StageTimer(clock, self.accelerator.device, track_memory=False)
+        timer = StageTimer(clock, self.accelerator.device, memory=False)
         batches = endless(loader)
         timer.start()
         for step in range(steps + 2):
@@ -336,13 +325,25 @@ def summarize(rows: list[dict], knee_tolerance: float) -> dict:
         settings.append(entry)
     curves = {}
     for entry in settings:
-        curves.setdefault(curve_name(entry), []).append(entry)
-    return {"settings": settings, "curves": {name: knee(points, knee_tolerance) for name, points in curves.items()}}
+        curves.setdefault(loader_curve_name(entry), []).append(entry)
+    summaries = {name: knee(points, knee_tolerance) for name, points in curves.items()}
+    for name, curve in summaries.items():
+        curve["knee_against_default"] = knee_verdict(rows, name, curve)
+    return {"settings": settings, "curves": summaries}
 
 
-def curve_name(entry) -> str:
-    return (f"{entry['mode']} (batch {entry['batch_size']}, pin {'on' if entry['pin_memory'] else 'off'}, "
-            f"persistent {'on' if entry['persistent_workers'] else 'off'}, prefetch {entry['prefetch_factor']})")
+def knee_verdict(rows: list[dict], curve: str, summary: dict) -> dict | None:
+    """The knee's speed over the default (0 workers), per repeat: pass time or step time, default / knee."""
+    if summary["knee_workers"] == PYTORCH_DEFAULT_WORKERS or "default_median" not in summary:
+        return None
+    time_key = "pass_s" if summary["metric"] == "pass_s" else "step_s"
+    by_repeat = {}
+    for row in rows:
+        if loader_curve_name(row) == curve and row.get("pass", 0) == 0:
+            by_repeat.setdefault(row["repeat"], {})[row["num_workers"]] = row[time_key]
+    ratios = [r[PYTORCH_DEFAULT_WORKERS] / r[summary["knee_workers"]] for r in by_repeat.values()
+              if PYTORCH_DEFAULT_WORKERS in r and summary["knee_workers"] in r]
+    return bench.compare(ratios) if ratios else None
 
 
 def knee(points: list[dict], tolerance: float) -> dict:
@@ -387,50 +388,30 @@ def train_flags(entry: dict) -> str:
 
 def write_outputs(report: dict, results_dir: Path) -> list[Path]:
     results_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(results_dir / "loaders.json", report)
+    paths = bench.write_results(results_dir / "loaders", report, markdown(report))
     columns = sorted({k for row in report["rows"] for k in row})
-    with open(results_dir / "loaders.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(report["rows"])
-    return [results_dir / "loaders.json", results_dir / "loaders.csv",
-            *save_figure(plot_figure(report), results_dir / "loaders")]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(report["rows"])
+    write_text_atomic(results_dir / "loaders.csv", buffer.getvalue())
+    return [*paths, results_dir / "loaders.csv", *save_figure(loaders_figure(report), results_dir / "loaders")]
 
 
-def plot_figure(report: dict):
-    """Time per pass against num_workers (median, min-max band), one line per mode; data share in training."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    settings = report["summary"]["settings"]
-    has_training = any(s["metric"] == "data_share" for s in settings)
-    has_passes = any(s["metric"] == "pass_s" for s in settings)
-    panels = [p for p, present in (("pass_s", has_passes), ("data_share", has_training)) if present]
-    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-    for axis, metric in zip(axes[0], panels):
-        curves = {}
-        for entry in settings:
-            if entry["metric"] == metric:
-                curves.setdefault(curve_name(entry), []).append(entry)
-        for name, points in curves.items():
-            points.sort(key=lambda p: p["num_workers"])
-            x = [p["num_workers"] for p in points]
-            scale = 100 if metric == "data_share" else 1
-            line, = axis.plot(x, [p["median"] * scale for p in points], marker="o", label=name)
-            axis.fill_between(x, [p["min"] * scale for p in points], [p["max"] * scale for p in points],
-                              alpha=0.2, color=line.get_color())
-        axis.set_xlabel("num_workers (PyTorch default: 0)")
-        axis.set_ylabel("pass over all training batches (s)" if metric == "pass_s" else "data share of step time (%)")
-        axis.set_ylim(bottom=0)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+def markdown(report: dict) -> list[str]:
     machine = report["machine"]
-    figure.suptitle(f"DataLoader sweep: {report['dataset_rows']} rows, {machine['device_name']}, "
-                    f"{machine['usable_cores']} cores (median, min-max band)", fontsize=9)
-    figure.tight_layout()
-    return figure
+    lines = ["# DataLoader num_workers sweep", "",
+             f"{report['dataset_rows']} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
+             f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch threads; "
+             f"{report['sweep']['repeats']} repeats in alternating order.", "",
+             "| curve | knee (workers) | best (workers) | knee vs default (0 workers) | verdict | flags |",
+             "|---|---:|---:|---:|---|---|"]
+    for name, curve in report["summary"]["curves"].items():
+        against = curve.get("knee_against_default")
+        lines.append(f"| {name} | {curve['knee_workers']} | {curve['best_workers']} | "
+                     f"{bench.ratio_text(against) if against else 'the knee is the default'} | "
+                     f"{against['verdict'] if against else ''} | `{curve['flags']}` |")
+    return lines
 
 
 def print_recommendations(report: dict) -> None:
@@ -445,19 +426,23 @@ def print_recommendations(report: dict) -> None:
                        if "default_median" in curve else "")
             print(f"{name}: data share {default}lowest {curve['best_median']:.1%} with {curve['best_workers']}; "
                   f"knee {curve['knee_workers']} workers ({curve['knee_median']:.1%})")
+        against = curve.get("knee_against_default")
+        if against:
+            print(f"  knee against the default: {bench.describe(against)}")
         print(f"  use: {curve['flags']}")
 
 
 def main(argv=None) -> None:
-    settings, sweep = parse_settings(SweepSettings, argv=argv, description=__doc__)
-    warnings.filterwarnings("ignore", message=".*This DataLoader will create.*")
-    try:
-        report = run_sweep(settings, sweep)
-    except UserError as error:
-        exit_with(error)
-    paths = write_outputs(report, Path(sweep.results_dir))
-    print_recommendations(report)
-    print("wrote " + ", ".join(str(p) for p in paths))
+    with redacted_output():
+        settings, sweep = parse_settings(SweepSettings, argv=argv, description=__doc__)
+        warnings.filterwarnings("ignore", message=".*This DataLoader will create.*")
+        try:
+            report = run_sweep(settings, sweep)
+        except UserError as error:
+            exit_with(error)
+        paths = write_outputs(report, Path(sweep.results_dir))
+        print_recommendations(report)
+        print("wrote " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

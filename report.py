@@ -1,13 +1,16 @@
 """Every figure and table from what has been run: reports/report.md, reports/report.pdf and the parts.
 
 Reads the run records under --runs (runs/profile, runs/amp, runs/ckpt, runs/batch, runs/matrix and
-any other run) and the sweep results under --results (loaders/, compare_dp/). Rows come from the
-pure functions in trainscope.reporting; this script only formats them: PNG and PDF figures,
-booktabs LaTeX tables, one Markdown report and one PDF report (matplotlib, no TeX needed).
+any other run, with each experiment's comparison.json) and the results under --results (loaders/,
+compare_dp/, ddp_cost/, tune/). Rows come from the pure functions in trainscope.reporting; this script
+only formats them: PNG and PDF figures, booktabs LaTeX tables, one Markdown report and one PDF report
+(matplotlib, no TeX needed). Every figure is followed by the health warnings of the runs it shows.
 An experiment that has not been run becomes a line naming the make target that produces it; a
-corrupt or foreign record is skipped with a warning naming the file.
+corrupt, foreign or unknown-schema record is skipped with a one-line reason, listed in the report.
+reports/inputs.json lists every file read with its sha256, and the report's provenance.
 
     python report.py [--runs runs] [--results results] [--out reports]
+    python report.py --advise RUN_FOLDER          # what to try next for one run (no report written)
 """
 
 import argparse
@@ -22,8 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backends.backend_pdf import PdfPages  # noqa: E402
 
-from trainscope import reporting  # noqa: E402
-from trainscope.records import write_json_atomic  # noqa: E402
+from trainscope import bench, figures, provenance, reporting  # noqa: E402
+from trainscope.records import write_json_atomic, write_text_atomic  # noqa: E402
 
 LATEX_SPECIALS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
@@ -152,28 +155,35 @@ class Report:
         self.files: list[Path] = []
         self.figure_runs: dict[str, list[dict]] = {}  # figure name -> the records it shows
 
-    def shows(self, name: str, records):
-        self.figure_runs.setdefault(name, []).extend(records)
-
-    def section(self, title: str):
+    def begin(self, title: str, inputs, experiment: str) -> bool:
+        """Open a section; when its inputs are missing, say which make target produces them and return False."""
         self.markdown += [f"## {title}", ""]
         self.book.heading(title)
+        if not inputs:
+            self.text(reporting.missing(experiment))
+            return False
+        return True
 
     def text(self, line: str):
         self.markdown += [line, ""]
         self.book.text(line)
 
-    def missing(self, experiment: str):
-        self.text(reporting.missing(experiment))
-
-    def figure(self, figure, name: str, caption: str):
+    def figure(self, figure, name: str, caption: str, records=()):
+        """A figure, then the health warnings of the runs it shows."""
         self.markdown += [f"![{caption}]({name}.png)", ""]
         self.book.image(figure)
-        self.files += reporting.save_figure(figure, self.out / name, bbox_inches="tight")
+        self.files += figures.save_figure(figure, self.out / name, bbox_inches="tight")
+        self.figure_runs.setdefault(name, []).extend(records)
+        self.warnings(records)
+
+    def warnings(self, records):
+        lines = reporting.warnings_of(records)
+        if lines:
+            self.text("Warnings for these figures:\n" + "\n".join(f"- {line}" for line in lines))
 
     def table(self, table: Table):
         path = self.out / f"{table.label}.tex"
-        path.write_text(table.latex())
+        write_text_atomic(path, table.latex())
         self.files.append(path)
         self.markdown += [f"**{table.title}** (LaTeX: `{path.name}`)", "", table.markdown(), ""]
         self.book.table(table)
@@ -183,11 +193,22 @@ class Report:
         self.book.text(text, size=6, monospace=True)
 
 
+def ranged(value, bounds, digits=2) -> str:
+    """'12.34 (12.01-12.80)': a median with its min-max over rounds."""
+    if value is None:
+        return "n/a"
+    return num(value, digits) + (f" ({num(bounds[0], digits)}-{num(bounds[1], digits)})" if bounds and bounds[0] != bounds[1] else "")
+
+
+def speed_cells(row: dict) -> list[str]:
+    speed = row.get("speed")
+    return [bench.ratio_text(speed), speed["verdict"]] if speed else ["baseline", ""]
+
+
 def time_section(report: Report, found: reporting.Collected):
-    report.section("Where the time went")
-    record = reporting.pick_profile_run(found)
-    if record is None:
-        return report.missing("profile")
+    record = reporting.pick_breakdown_run(found)
+    if not report.begin("Where the time went", record, "profile"):
+        return
     breakdown = reporting.time_breakdown(record)
     if "profile" not in found.runs:
         report.text(f"From run `{breakdown['run']}` ({reporting.missing('profile')})")
@@ -196,95 +217,102 @@ def time_section(report: Report, found: reporting.Collected):
     axis.pie([c["seconds"] for c in shown], labels=[f"{c['name']}\n{c['percent']:.1f}%" for c in shown],
              startangle=90, counterclock=False, wedgeprops={"linewidth": 1, "edgecolor": "white"})
     axis.set_title(f"{breakdown['run']}: {breakdown['wall_s']:.1f} s on {breakdown['world_size']} x "
-                   f"{breakdown['device']} ({breakdown['precision']})", fontsize=9)
-    report.figure(figure, "time_breakdown", "Share of wall time per category")
-    report.shows("time_breakdown", [record])
+                   f"{breakdown['device']} ({breakdown['precision']}, profiler off)", fontsize=9)
+    report.figure(figure, "time_breakdown", "Share of wall time per category", [record])
     rows = [[c["name"], num(c["seconds"]), num(c["percent"], 1) + "%"] for c in breakdown["categories"]]
     rows += [[f"  stage: {s['name']}", num(s["seconds"]), num(s["percent"], 1) + "%"] for s in breakdown["stages"]]
     rows.append(["wall time", num(breakdown["wall_s"]), "100.0%"])
-    report.table(Table("Where the time went (median over ranks): the five categories, then the stages",
+    report.table(Table("Where the time went (median over ranks, profiler off): the five categories, then the stages",
                        ["category / stage", "seconds", "share"], rows, "time_breakdown"))
-    top = (record["summary"].get("profile") or {}).get("top_operators")
-    if top:
-        rows = [[op["name"][:60], str(op["calls"]), num((op["self_device_s"] if op["self_device_s"] is not None
-                                                         else op["self_cpu_s"]) * 1e3)] for op in top[:10]]
-        report.table(Table("Top operators by self time (torch.profiler window)", ["operator", "calls", "ms"],
-                           rows, "top_operators"))
+    top_operators_part(report, found)
+
+
+def top_operators_part(report: Report, found: reporting.Collected):
+    profiled = found.runs.get("profile", {}).get("profiled-r0")
+    top = ((profiled or {}).get("summary", {}).get("profile") or {}).get("top_operators")
+    if not top:
+        return
+    rows = [[op["name"][:60], str(op["calls"]), num((op["self_device_s"] if op["self_device_s"] is not None
+                                                     else op["self_cpu_s"]) * 1e3)] for op in top[:10]]
+    report.table(Table("Top operators by self time (torch.profiler window of a separate, profiled run)",
+                       ["operator", "calls", "ms"], rows, "top_operators"))
+    overhead = (found.comparisons.get("profile") or {}).get("profiler_overhead")
+    if overhead:
+        window = profiled["summary"]["profile"]["window"]
+        report.text(f"Profiler overhead on the traced steps {window['first_step']}-{window['last_step']}: profiled / "
+                    f"unprofiled step time {overhead['total_ratio']:.2f}x (per step {overhead['median']:.2f}x, "
+                    f"{overhead['min']:.2f}-{overhead['max']:.2f}); the same steps and batches in both runs.")
 
 
 def loaders_section(report: Report, found: reporting.Collected):
-    import loaders_bench
-
-    report.section("DataLoader num_workers")
     sweep = found.results.get("loaders")
-    if sweep is None:
-        return report.missing("loaders")
+    if not report.begin("DataLoader num_workers", sweep, "loaders"):
+        return
     machine = sweep["machine"]
     report.text(f"{machine['device_name']}, {machine['usable_cores']} usable cores "
-                f"({machine['cpu_budget_per_process']} per training process), {sweep['dataset_rows']} training rows. "
-                f"PyTorch's default is num_workers={sweep['pytorch_default_num_workers']} (loading in the training "
-                "process).")
-    report.figure(loaders_bench.plot_figure(sweep), "loaders", "Pass time against num_workers")
+                f"({machine['cpu_budget_per_process']} per training process), {sweep['dataset_rows']} training rows, "
+                f"{sweep['sweep']['repeats']} repeats in alternating order. PyTorch's default is num_workers="
+                f"{sweep['pytorch_default_num_workers']} (loading in the training process).")
+    report.figure(figures.loaders_figure(sweep), "loaders", "Pass time against num_workers")
     rows = []
     for s in sweep["summary"]["settings"]:
-        unit = "s/pass" if s["metric"] == "pass_s" else "data share"
-        value = num(s["median"], 3) if s["metric"] == "pass_s" else num(s["median"], 1, percent=True)
-        low = num(s["min"], 3) if s["metric"] == "pass_s" else num(s["min"], 1, percent=True)
-        high = num(s["max"], 3) if s["metric"] == "pass_s" else num(s["max"], 1, percent=True)
+        passes = s["metric"] == "pass_s"
+        cell = (lambda v: num(v, 3)) if passes else (lambda v: num(v, 1, percent=True))
         rows.append([s["mode"], str(s["batch_size"]), "on" if s["pin_memory"] else "off", str(s["num_workers"]),
-                     f"{value} ({unit})", f"{low} - {high}", num(s.get("median_first_batch_s"), 3)])
+                     f"{cell(s['median'])} ({'s/pass' if passes else 'data share'})", f"{cell(s['min'])} - {cell(s['max'])}",
+                     num(s.get("median_first_batch_s"), 3)])
     report.table(Table("DataLoader sweep: median over repeats, min - max", ["mode", "batch", "pin", "workers",
                        "median", "range", "first batch s"], rows, "loaders", align="lrlrrrr"))
     for name, curve in sweep["summary"]["curves"].items():
+        against = curve.get("knee_against_default")
         report.text(f"- {name}: knee at {curve['knee_workers']} workers, best {curve['best_workers']}"
-                    + (f", {curve['knee_speedup_over_default']:.2f}x the default" if
-                       curve.get("knee_speedup_over_default") else "") + f" (`{curve['flags']}`)")
+                    + (f"; knee against the default: {bench.describe(against)}" if against else "")
+                    + f" (`{curve['flags']}`)")
 
 
 def amp_section(report: Report, found: reporting.Collected):
-    report.section("Mixed precision vs FP32")
-    runs = found.runs.get("amp")
-    if not runs:
-        return report.missing("amp")
-    rows = reporting.amp_rows(runs)
+    comparison, runs = found.comparisons.get("amp"), found.runs.get("amp", {})
+    if not report.begin("Mixed precision vs FP32", comparison and runs, "amp"):
+        return
+    records = reporting.first_round_runs(comparison, runs)
     figure, axis = plt.subplots(figsize=(7, 4))
-    for name, (steps, losses) in reporting.loss_curves(runs).items():
-        precision = runs[name]["environment"]["effective_precision"]
-        axis.plot(steps, losses, marker=".", label=f"{name} ({precision})")
+    for name, (steps, losses) in reporting.loss_curves(records).items():
+        axis.plot(steps, losses, marker=".", label=f"{name} ({records[name]['environment']['effective_precision']})")
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("training loss")
     axis.grid(alpha=0.3)
     axis.legend()
-    report.figure(figure, "amp_loss", "Training loss, FP32 and mixed precision")
-    report.shows("amp_loss", runs.values())
-    table_rows = [[r["run"], r["precision"], num(r["validation_accuracy"], 4), num(r["test_accuracy"], 4),
-                   num(r["wall_s"], 1), num(r["samples_per_s"], 1), f"{num(r['peak_memory_gib'])} ({r['memory_kind']})",
-                   num(r["speedup"], 3), num(r["memory_ratio"], 3)] for r in rows]
-    report.table(Table("Mixed precision vs FP32 (ratios to the FP32 run)",
-                       ["run", "precision", "val acc", "test acc", "wall s", "samples/s", "peak GiB",
-                        "speed-up", "memory ratio"], table_rows, "amp", align="llrrrrrrr"))
-    for r in rows:
-        if r["requested_precision"] not in ("no", r["precision"]):
-            report.text(f"`{r['run']}` asked for {r['requested_precision']} but ran {r['precision']} on this device.")
+    report.figure(figure, "amp_loss", "Training loss, FP32 and mixed precision", list(records.values()))
+    rows = reporting.arm_rows(comparison)
+    table_rows = [[r["arm"], r.get("precision", "-"), num(r.get("validation_accuracy"), 4), num(r.get("test_accuracy"), 4),
+                   num(r.get("samples_per_s"), 1), num(r.get("peak_memory_gib")), *speed_cells(r)] for r in rows]
+    report.table(Table("Mixed precision vs FP32 (one run each, same seed, steps and threads)",
+                       ["config", "precision", "val acc", "test acc", "samples/s", "peak GiB", "speed vs fp32", "verdict"],
+                       table_rows, "amp", align="llrrrrrl"))
+    for name, against in comparison["comparisons"].items():
+        by_interval = against.get("speed_by_interval")
+        if by_interval:
+            report.text(f"`{name}` against `{comparison['baseline']}`, per logged interval (the same steps and batches): "
+                        f"{bench.describe(by_interval)}.")
 
 
 def dp_section(report: Report, found: reporting.Collected):
-    import compare_dp
-
-    report.section("DataParallel vs DDP")
     result = found.results.get("compare_dp")
-    if result is None:
-        return report.missing("compare_dp")
-    report.figure(compare_dp.plot_figure(result), "compare_dp", "Throughput and per-device memory")
+    if not report.begin("DataParallel vs DDP", result, "compare_dp"):
+        return
+    report.text(result["machine"]["hardware"]["note"])
+    report.figure(figures.compare_dp_figure(result), "compare_dp", "Throughput and per-device memory")
     rows = []
-    for row in compare_dp.table_rows(result):
+    for row in figures.compare_dp_rows(result):
         if "status" in row:
             rows.append([row["variant"], "not measurable here", "", "", "", ""])
         else:
-            rows.append([row["variant"], str(row["devices"]), num(row["wall_s"]), num(row["samples_per_s"], 1),
-                         num(row["efficiency"], 1, percent=True), num(row["final_loss"], 4)])
-    report.table(Table(f"DataParallel vs DDP on {result['machine']['device_name']}",
-                       ["variant", "devices", "wall s", "samples/s", "efficiency", "final loss"], rows, "compare_dp"))
+            rows.append([row["variant"], row["runs_on"], ranged(row["samples_per_s"], (row["samples_per_s_min"],
+                         row["samples_per_s_max"]), 1), row["speed"], row["verdict"], num(row["final_loss"], 4)])
+    report.table(Table(f"DataParallel vs DDP on {result['machine']['device_name']} ({result['compare']['rounds']} "
+                       "alternating rounds)", ["variant", "runs on", "samples/s", "speed vs single", "verdict",
+                                               "final loss"], rows, "compare_dp", align="llrrll"))
+    reconcile_with_matrix(report, result, found.comparisons.get("matrix"))
     for diff in result["code_changes"]:
         report.text(f"From `single_device` to `{diff['to']}`: {diff['changed_lines']} changed lines "
                     f"(+{diff['added']} -{diff['removed']}).")
@@ -292,98 +320,114 @@ def dp_section(report: Report, found: reporting.Collected):
     report.text(result["projection"]["assumptions"])
 
 
+def reconcile_with_matrix(report: Report, result: dict, matrix: dict | None):
+    """compare_dp.py and `make matrix` both ask what DDP gives here: show both answers and why they differ."""
+    ddp = result["comparison"].get("ddp")
+    against = ((matrix or {}).get("comparisons") or {}).get("ddp", {}).get("speed")
+    if not (ddp and against):
+        return
+    report.text(f"The same question twice: compare_dp.py's bare loops put DDP at {bench.describe(ddp['speed'])}; "
+                f"`make matrix` (train.py, `ddp` against `{matrix['baseline']}`) at {bench.describe(against)}. Both give "
+                "the two sides the same cores; they differ in what they time: compare_dp.py times the loop alone "
+                "(no Accelerate, dropout off, a fixed global batch split over the processes), the matrix times "
+                "train.py's steady steps with the per-process batch kept (each DDP step trains twice the samples).")
+
+
+def arm_table(report: Report, comparison: dict, title: str, label: str):
+    rows = []
+    for r in reporting.arm_rows(comparison):
+        if r["status"] != "complete":
+            rows.append([r["arm"], f"{r['config']} {r['flags']}".strip(), f"skipped: {r['reason']}", "", "", "", ""])
+            continue
+        rows.append([r["arm"], f"{r['config']} {r['flags']}".strip(), ranged(r["samples_per_s"], r["samples_per_s_range"], 1),
+                     ranged(r["step_s"], r["step_s_range"], 3), *speed_cells(r), num(r["peak_memory_gib"])])
+    report.table(Table(title, ["arm", "config + flags", "samples/s", "s/step", "speed vs baseline", "verdict",
+                               "peak GiB"], rows, label, align="llrrrlr"))
+
+
 def ckpt_section(report: Report, found: reporting.Collected):
-    report.section("Activation checkpointing")
-    runs = found.runs.get("ckpt")
-    if not runs:
-        return report.missing("ckpt")
-    rows = reporting.ckpt_rows(runs)
+    comparison, runs = found.comparisons.get("ckpt"), found.runs.get("ckpt", {})
+    if not report.begin("Activation checkpointing", comparison and runs, "ckpt"):
+        return
+    rows = [r for r in reporting.arm_rows(comparison) if r["status"] == "complete"]
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(8, 3.5))
-    labels = [r["run"] for r in rows]
-    time_axis.bar(labels, [r["step_s"] for r in rows], color="tab:blue")
-    time_axis.set_ylabel("seconds per optimizer step")
+    labels = [r["arm"] for r in rows]
+    time_axis.bar(labels, [r["step_s"] for r in rows], yerr=_errors(rows, "step_s"), capsize=4, color="tab:blue")
+    time_axis.set_ylabel("seconds per optimizer step (median, min-max)")
     memory_axis.bar(labels, [r["peak_memory_gib"] for r in rows], color="tab:orange")
     memory_axis.set_ylabel(f"peak memory GiB ({rows[0]['memory_kind']})")
     figure.tight_layout()
-    report.figure(figure, "ckpt", "Activation checkpointing: time and memory")
-    report.shows("ckpt", runs.values())
-    report.table(Table("Activation checkpointing off and on", ["run", "checkpointing", "s/step", "peak GiB",
-                                                                "step ratio", "memory ratio"],
-                       [[r["run"], "on" if r["gradient_checkpointing"] else "off", num(r["step_s"], 3),
-                         num(r["peak_memory_gib"]), num(r.get("step_ratio"), 3), num(r.get("memory_ratio"), 3)]
-                        for r in rows], "ckpt"))
+    report.figure(figure, "ckpt", "Activation checkpointing: time and memory",
+                  list(reporting.first_round_runs(comparison, runs).values()))
+    arm_table(report, comparison, f"Activation checkpointing off and on ({comparison['rounds']} alternating rounds)", "ckpt")
+    for name, against in comparison["comparisons"].items():
+        report.text(f"`{name}`: memory {against['memory_ratio']['median']:.2f}x the baseline's, speed "
+                    f"{bench.describe(against['speed'])}.")
     if rows[0]["memory_kind"] == "peak RSS":
         report.text("On a CPU the memory column is the process's peak RSS, which includes the Python runtime and "
                     "libraries; activation savings show in full as device memory on a GPU.")
 
 
+def _errors(rows: list[dict], metric: str) -> list[list[float]]:
+    return [[r[metric] - r[f"{metric}_range"][0] for r in rows], [r[f"{metric}_range"][1] - r[metric] for r in rows]]
+
+
 def batch_section(report: Report, found: reporting.Collected):
-    report.section("Batch size")
-    sweep = found.results.get("batch_sweep")
-    if sweep is None:
-        return report.missing("batch")
-    rows = reporting.batch_rows(sweep)
-    fitted = [r for r in rows if r["status"] == "complete"]
-    if fitted:
+    comparison = found.comparisons.get("batch")
+    if not report.begin("Batch size", comparison, "batch"):
+        return
+    rows = sorted([r for r in reporting.arm_rows(comparison) if r["status"] == "complete"], key=lambda r: int(r["arm"][2:]))
+    if rows:
         figure, axis = plt.subplots(figsize=(7, 4))
-        axis.plot([r["batch_size"] for r in fitted], [r["samples_per_s"] for r in fitted], marker="o",
-                  color="tab:blue")
+        sizes = [int(r["arm"][2:]) for r in rows]
+        axis.errorbar(sizes, [r["samples_per_s"] for r in rows], yerr=_errors(rows, "samples_per_s"), marker="o",
+                      capsize=4, color="tab:blue")
         axis.set_xscale("log", base=2)
         axis.set_xlabel("per-device batch size")
-        axis.set_ylabel("samples/s", color="tab:blue")
+        axis.set_ylabel("samples/s (median, min-max)", color="tab:blue")
         twin = axis.twinx()
-        twin.plot([r["batch_size"] for r in fitted], [r["peak_memory_gib"] for r in fitted], marker="s",
-                  color="tab:orange")
-        twin.set_ylabel(f"peak memory GiB ({fitted[0]['memory_kind']})", color="tab:orange")
+        twin.plot(sizes, [r["peak_memory_gib"] for r in rows], marker="s", color="tab:orange")
+        twin.set_ylabel(f"peak memory GiB ({rows[0]['memory_kind']})", color="tab:orange")
         axis.set_ylim(bottom=0)
         twin.set_ylim(bottom=0)
-        report.figure(figure, "batch", "Throughput and memory against batch size")
-    report.table(Table("Batch-size sweep", ["batch", "status", "samples/s", "s/step", "peak GiB"],
-                       [[str(r["batch_size"]), r["status"], num(r.get("samples_per_s"), 1), num(r.get("step_s"), 3),
-                         num(r.get("peak_memory_gib"))] for r in rows], "batch", align="rlrrr"))
-    advice = sweep.get("recommendation") or {}
-    report.text(f"Largest batch that fits: {sweep.get('largest_fitting_batch') or advice.get('largest_swept_that_fits')}"
-                f" ({sweep['largest_search']}). Fastest: {advice.get('fastest_batch_size')}. Keeping the effective "
-                f"batch of {advice.get('effective_batch')}: `{advice.get('flags', 'no swept batch divides it')}`.")
-    speeds = [r["samples_per_s"] for r in fitted if r.get("samples_per_s")]
-    if len(speeds) > 1 and max(speeds) < 1.1 * min(speeds):
-        report.text(f"Throughput stays within {100 * (max(speeds) / min(speeds) - 1):.0f}% across the sweep (one run per "
-                    "batch size): here the batch size buys memory headroom or convergence behaviour, not speed.")
+        report.figure(figure, "batch", "Throughput and memory against batch size",
+                      list(reporting.first_round_runs(comparison, found.runs.get("batch", {})).values()))
+    arm_table(report, comparison, f"Batch-size sweep ({comparison['rounds']} alternating rounds; baseline: the "
+              "configured batch)", "batch")
+    advice = comparison.get("recommendation") or {}
+    report.text(f"Largest batch that fits: {comparison.get('largest_fitting_batch') or advice.get('largest_swept_that_fits')}"
+                f" ({comparison.get('search')}). Fastest: {advice.get('fastest_batch_size')} "
+                f"({advice.get('fastest_verdict')} against the baseline). Keeping the effective batch of "
+                f"{advice.get('effective_batch')}: `{advice.get('flags', 'no swept batch divides it')}`.")
 
 
 def matrix_section(report: Report, found: reporting.Collected):
-    report.section("Configs and switches side by side")
-    runs = found.runs.get("matrix")
-    if not runs:
-        return report.missing("matrix")
-    order = [v["variant"] for v in (found.results.get("matrix") or {}).get("variants", [])]
-    rows = reporting.matrix_rows(runs, order)
+    comparison, runs = found.comparisons.get("matrix"), found.runs.get("matrix", {})
+    if not report.begin("Configs and switches side by side", comparison and runs, "matrix"):
+        return
+    records = reporting.first_round_runs(comparison, runs)
+    names = list(records)
     stages = ("data", "forward", "backward", "optimizer", "other")
+    per_step = {name: reporting.stage_seconds_per_step(records[name]) for name in names}
     figure, axis = plt.subplots(figsize=(8, 4))
-    bottom = [0.0] * len(rows)
+    bottom = [0.0] * len(names)
     for stage in stages:
-        values = [r[f"{stage}_s_per_step"] for r in rows]
-        axis.bar([r["run"] for r in rows], values, bottom=bottom, label=stage)
+        values = [per_step[n][stage] for n in names]
+        axis.bar(names, values, bottom=bottom, label=stage)
         bottom = [b + v for b, v in zip(bottom, values)]
-    axis.set_ylabel("seconds per optimizer step (steady)")
+    axis.set_ylabel("seconds per optimizer step (steady, first round)")
     axis.legend(fontsize=8)
     axis.tick_params(axis="x", labelsize=8)
-    report.figure(figure, "matrix", "Stage time per step for each variant")
-    report.shows("matrix", runs.values())
-    report.table(Table("Variants (same seed and steps)", ["run", "precision", "processes", "samples/s", "speed-up",
-                                                          "s/step", "test acc", "peak GiB"],
-                       [[r["run"], r["precision"], str(r["world_size"]), num(r["samples_per_s"], 1),
-                         num(r["speedup"], 3), num(r["step_s"], 3), num(r["test_accuracy"], 4),
-                         num(r["peak_memory_gib"])] for r in rows], "matrix", align="llrrrrrr"))
-    baseline = runs[rows[0]["run"]]
+    report.figure(figure, "matrix", "Stage time per step for each variant", list(records.values()))
+    arm_table(report, comparison, f"Variants (same seed and steps, {comparison['rounds']} alternating rounds)", "matrix")
     attribution_rows = []
-    for row in rows[1:]:
-        for part in reporting.attribution(baseline, runs[row["run"]]):
-            attribution_rows.append([f"{rows[0]['run']} -> {row['run']}", part["stage"],
-                                     num(part["baseline_s"], 4), num(part["other_s"], 4), f"{part['delta_s']:+.4f}",
+    for name in names[1:]:
+        for part in reporting.attribution(records[names[0]], records[name]):
+            attribution_rows.append([f"{names[0]} -> {name}", part["stage"], num(part["baseline_s"], 4),
+                                     num(part["other_s"], 4), f"{part['delta_s']:+.4f}",
                                      num(part["share_of_change"], 1, percent=True)])
     if attribution_rows:
-        report.table(Table("Speed-up attribution: per-step stage seconds against the first variant",
+        report.table(Table("Speed-up attribution: per-step stage seconds against the first variant (first round)",
                            ["comparison", "stage", "before s", "after s", "change s", "share of change"],
                            attribution_rows, "attribution", align="llrrrr"))
 
@@ -417,9 +461,13 @@ def log_figures_to_wandb(report: Report, out: Path) -> list[str]:
 
 # ---------------------------------------------------------------- main
 
+SECTIONS = [time_section, loaders_section, amp_section, dp_section, ckpt_section, batch_section, matrix_section]
+
 
 def build(runs: Path, results: Path, out: Path) -> Report:
     found = reporting.collect(runs, results)
+    for line in found.skipped:
+        print(f"warning: skipped {line}", file=sys.stderr)
     # Built beside the old report and swapped in at the end: a failure leaves the old one whole.
     staging = out.with_name(f".{out.name}.building")
     if staging.exists():
@@ -429,19 +477,21 @@ def build(runs: Path, results: Path, out: Path) -> Report:
     report = Report(staging, book)
     report.markdown += ["# trainscope report", ""]
     book.heading("trainscope report", size=18)
-    report.text(f"Built {date.today().isoformat()} from {runs} and {results}.")
-    for section in (time_section, loaders_section, amp_section, dp_section, ckpt_section, batch_section,
-                    matrix_section):
+    report.text(f"Built {date.today().isoformat()} from {runs} and {results}: {len(found.inputs)} input files, listed "
+                "with their sha256 in inputs.json.")
+    for section in SECTIONS:
         section(report, found)
-    if found.warnings:
-        report.section("Skipped inputs")
-        for warning in found.warnings:
-            report.text(f"- {warning}")
+    if found.skipped:
+        report.begin("Skipped inputs", True, "")
+        for line in found.skipped:
+            report.text(f"- {line}")
+    block = provenance.collect(inputs=found.inputs)
+    report.markdown += provenance.markdown(block)
     book.close()
-    (staging / "report.md").write_text("\n".join(report.markdown))
-    write_json_atomic(staging / "inputs.json", {"runs": {k: sorted(v) for k, v in found.runs.items()},
-                                                "results": {k: v is not None for k, v in found.results.items()},
-                                                "warnings": found.warnings})
+    write_text_atomic(staging / "report.md", "\n".join(report.markdown) + "\n")
+    write_json_atomic(staging / "inputs.json", {"provenance": block, "skipped": found.skipped,
+                                                "runs": {k: sorted(v) for k, v in found.runs.items()},
+                                                "results": {k: v is not None for k, v in found.results.items()}})
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
@@ -453,7 +503,7 @@ def build(runs: Path, results: Path, out: Path) -> Report:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="runs", help="run records (default runs/)")
-    parser.add_argument("--results", default="results", help="sweep results (default results/)")
+    parser.add_argument("--results", default="results", help="sweep and benchmark results (default results/)")
     parser.add_argument("--out", default="reports", help="output folder, replaced (default reports/)")
     args = parser.parse_args(argv)
     if not Path(args.runs).is_dir() and not Path(args.results).is_dir():

@@ -4,12 +4,12 @@ Every script builds its data here, so a loader sweep or a DataParallel compariso
 what train.py trains on.
 """
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 import datasets
+import numpy as np
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict
 from datasets.fingerprint import Hasher
@@ -17,6 +17,7 @@ from transformers import DataCollatorWithPadding
 
 from trainscope import embedded, hub
 from trainscope.errors import UserError
+from trainscope.records import redact
 from trainscope.settings import EMBEDDED_DATASET
 
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "tweet", "document", "comment", "body")
@@ -25,6 +26,7 @@ LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "target", "category")
 VALIDATION_SPLITS = ("validation", "valid", "dev", "val")
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+INDEX_COLUMN_PREFIX = "__index_level_"  # pandas' index, written into parquet files: never text or label
 TOKENIZATION_VERSION = 1  # bump when tokenize() changes, so cached splits are rebuilt
 
 
@@ -40,30 +42,20 @@ class ClassificationData:
     label_column: str
     provenance: dict = field(default_factory=dict)
 
-    @property
-    def num_labels(self) -> int:
-        return len(self.label_names)
+    def record_facts(self) -> dict:
+        """The run record's `data` block."""
+        return {"labels": self.label_names, "text_columns": self.text_columns, "label_column": self.label_column,
+                **self.provenance}
 
 
 # ---------------------------------------------------------------- loading
-
-
-def redact_url(url: str) -> str:
-    """Drop user:password@ and query strings (signed URLs, tokens) from a URL before it is recorded."""
-    parsed = urlparse(url)
-    if not parsed.scheme or parsed.scheme == "file":
-        return url
-    netloc = parsed.hostname or ""
-    if parsed.port:
-        netloc += f":{parsed.port}"
-    return parsed._replace(netloc=netloc, query="", fragment="").geturl()
 
 
 def _builder_for(path: str, encoding: str) -> tuple[str, dict]:
     """The datasets builder for a file and its options; text formats take an encoding."""
     suffix = Path(urlparse(path).path).suffix.lower()
     if suffix not in FILE_BUILDERS:
-        raise UserError(f"cannot read {redact_url(path)!r}: supported files are {', '.join(FILE_BUILDERS)}")
+        raise UserError(f"cannot read {redact(path)!r}: supported files are {', '.join(FILE_BUILDERS)}")
     builder = FILE_BUILDERS[suffix]
     kwargs = {"encoding": encoding} if builder in ("csv", "json") else {}
     if suffix == ".tsv":
@@ -87,7 +79,7 @@ def load_raw(settings) -> tuple[DatasetDict, dict]:
     if "://" in name:  # fsspec URL: s3://, gs://, https://, ...
         builder, kwargs = _builder_for(name, settings.data_encoding)
         raw = _load(builder, data_files=name, **kwargs)
-        return raw, {"kind": "url", "name": redact_url(name)}
+        return raw, {"kind": "url", "name": redact(name)}
     local = Path(name).expanduser()
     if local.is_file():
         builder, kwargs = _builder_for(str(local), settings.data_encoding)
@@ -110,7 +102,6 @@ def load_raw(settings) -> tuple[DatasetDict, dict]:
 
 
 def _load_from_hub(name: str, config: str | None) -> tuple[DatasetDict, dict]:
-    offline = hub.use_offline_mode_if_unreachable()
     candidates = [(name, config)]
     parts = name.split("/")
     if config is None and len(parts) == 3:
@@ -118,12 +109,13 @@ def _load_from_hub(name: str, config: str | None) -> tuple[DatasetDict, dict]:
     elif config is None and len(parts) == 2:
         candidates.append((parts[0], parts[1]))  # glue/sst2 = dataset glue, configuration sst2
     errors = []
-    for repo, repo_config in candidates:
-        try:
-            raw = datasets.load_dataset(repo, repo_config)
-            return raw, {"kind": "hub", "name": repo, "config": repo_config, "offline": offline}
-        except (FileNotFoundError, ConnectionError, ValueError) as error:
-            errors.append(f"{repo}{'/' + repo_config if repo_config else ''}: {str(error).splitlines()[0]}")
+    with hub.offline_if_unreachable() as offline:
+        for repo, repo_config in candidates:
+            try:
+                raw = datasets.load_dataset(repo, repo_config)
+                return raw, {"kind": "hub", "name": repo, "config": repo_config, "offline": offline}
+            except (FileNotFoundError, ConnectionError, ValueError) as error:
+                errors.append(f"{repo}{'/' + repo_config if repo_config else ''}: {str(error).splitlines()[0]}")
     where = "in the local Hugging Face cache (the Hub is unreachable)" if offline else "on the Hub"
     raise UserError(
         f"dataset {name!r} was not found {where} ({'; '.join(errors)}); pass a local file or directory, "
@@ -135,18 +127,24 @@ def _load(builder: str, config: str | None = None, **kwargs) -> DatasetDict:
     try:
         return datasets.load_dataset(builder, config, **kwargs)
     except (FileNotFoundError, ValueError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read dataset {redact_url(str(kwargs.get('data_files', builder)))}: {str(error).splitlines()[0]}") from None
+        raise UserError(f"cannot read dataset {redact(str(kwargs.get('data_files', builder)))}: {_first_line(error)}") from None
     except Exception as error:  # parser errors (pandas, pyarrow) name the broken row
         if type(error).__module__.split(".")[0] in ("pandas", "pyarrow", "datasets"):
-            raise UserError(f"cannot parse dataset {redact_url(str(kwargs.get('data_files', builder)))}: {str(error).splitlines()[0]}") from None
+            raise UserError(f"cannot parse dataset {redact(str(kwargs.get('data_files', builder)))}: {_first_line(error)}") from None
         raise
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error, redacted: library errors quote the URL they could not open."""
+    return redact((str(error).strip().splitlines() or [type(error).__name__])[0])
 
 
 # ---------------------------------------------------------------- columns and labels
 
 
 def detect_columns(features: datasets.Features, text_column: str | None, label_column: str | None):
-    """Return (text columns, label column), detected where not given."""
+    """Return (text columns, label column), detected where not given. pandas index columns never count."""
+    features = {name: feature for name, feature in features.items() if not name.startswith(INDEX_COLUMN_PREFIX)}
     names = list(features)
     if label_column is None:
         label_column = next((c for c in LABEL_COLUMNS if c in features), None)
@@ -174,36 +172,69 @@ def detect_columns(features: datasets.Features, text_column: str | None, label_c
 
 
 def encode_labels(raw: DatasetDict, label_column: str) -> tuple[DatasetDict, list[str]]:
-    """Give every split integer labels 0..K-1 under a shared ClassLabel; drop unlabelled rows (-1).
+    """Give every split integer labels 0..K-1 under one shared ClassLabel (so splits can be stratified).
 
-    String labels are mapped in sorted order; integer labels keep their values. The mapping is
-    returned as the class names and recorded.
+    String labels map to their sorted order, booleans to False=0/True=1, integers keep their values
+    when they are 0..K-1 and map to their sorted order otherwise. A missing label (None, or -1 as in
+    unlabelled test splits) stays missing here and is dropped by `drop_unusable_rows`. The class
+    names are the mapping, recorded with the run.
     """
     feature = raw["train"].features[label_column]
     if isinstance(feature, ClassLabel):
-        names = list(feature.names)
-    else:
-        dtype = getattr(feature, "dtype", None)
-        values = set()
-        for split in raw.values():
-            values.update(split.unique(label_column))
-        values.discard(None)
-        if dtype in ("string", "large_string"):
-            names = sorted(values)
-            raw = raw.cast_column(label_column, ClassLabel(names=names))
-        elif dtype is not None and dtype.startswith(("int", "uint")):
-            labelled = sorted(v for v in values if v >= 0)
-            if not labelled:
-                raise UserError(f"label column {label_column!r} has no labelled rows")
-            names = [str(i) for i in range(max(labelled) + 1)]
+        return raw, list(feature.names)
+    dtype = getattr(feature, "dtype", None)
+    values = set()
+    for split in raw.values():
+        values.update(v for v in split.unique(label_column) if v is not None)
+    if dtype in ("string", "large_string"):
+        names = sorted(values)
+        ids = {name: i for i, name in enumerate(names)}
+    elif dtype == "bool":
+        names, ids = ["False", "True"], {False: 0, True: 1}
+    elif dtype is not None and dtype.startswith(("int", "uint")):
+        labelled = sorted(v for v in values if v >= 0)
+        if not labelled:
+            raise UserError(f"label column {label_column!r} has no labelled rows")
+        if labelled == list(range(len(labelled))):
+            names, ids = [str(v) for v in labelled], {v: v for v in labelled}
         else:
-            raise UserError(
-                f"label column {label_column!r} holds {dtype or type(feature).__name__} values; classification "
-                "needs integer or string labels"
-            )
-    raw = raw.filter(lambda labels: [v is not None and v >= 0 for v in labels], input_columns=label_column,
-                     batched=True, desc="dropping unlabelled rows")
+            names, ids = [str(v) for v in labelled], {v: i for i, v in enumerate(labelled)}
+    else:
+        raise UserError(
+            f"label column {label_column!r} holds {dtype or type(feature).__name__} values; classification "
+            "needs integer, boolean or string labels"
+        )
+    missing = -1  # ClassLabel's own value for "no label"
+
+    def to_ids(labels):
+        return {label_column: [ids.get(v, missing) if v is not None else missing for v in labels]}
+
+    features = raw["train"].features.copy()
+    features[label_column] = ClassLabel(names=names)
+    raw = raw.map(to_ids, input_columns=label_column, batched=True, features=features, desc="encoding labels")
     return raw, names
+
+
+def drop_unusable_rows(raw: DatasetDict, text_columns: list[str], label_column: str) -> tuple[DatasetDict, dict]:
+    """Drop rows without a label or with an empty text; return the data and {split: {reason: rows}}."""
+    dropped = {}
+
+    def usable(batch):
+        keep = []
+        for index, label in enumerate(batch[label_column]):
+            empty = any(batch[c][index] is None or not str(batch[c][index]).strip() for c in text_columns)
+            keep.append(label is not None and label >= 0 and not empty)
+        return keep
+
+    kept = {}
+    for name, split in raw.items():
+        missing = int((_label_array(split, label_column) < 0).sum())  # encode_labels made missing labels -1
+        filtered = split.filter(usable, batched=True, input_columns=None, desc="dropping unusable rows")
+        empty = len(split) - len(filtered) - missing
+        if missing or empty:
+            dropped[name] = {"rows_in": len(split), "missing_label": missing, "empty_text": empty}
+        kept[name] = filtered
+    return DatasetDict(kept), dropped
 
 
 # ---------------------------------------------------------------- splits
@@ -232,11 +263,14 @@ def make_splits(raw: DatasetDict, label_column: str, settings) -> tuple[dict[str
     return splits, origin
 
 
+def _label_array(split: Dataset, label_column: str) -> np.ndarray:
+    """The label column as one numpy array (iterating a datasets Column row by row takes seconds)."""
+    return np.asarray(split.select_columns([label_column]).with_format("numpy")[:][label_column])
+
+
 def _stratifiable(train: Dataset, label_column: str, fraction: float) -> bool:
-    counts = {}
-    for label in train[label_column]:
-        counts[label] = counts.get(label, 0) + 1
-    return min(counts.values()) >= 2 and round(len(train) * fraction) >= len(counts)
+    _, counts = np.unique(_label_array(train, label_column), return_counts=True)
+    return counts.min() >= 2 and round(len(train) * fraction) >= len(counts)
 
 
 def subsample(split: Dataset, limit: int | None, seed: int) -> Dataset:
@@ -280,43 +314,81 @@ def tokenize(split: Dataset, tokenizer, text_columns: list[str], label_column: s
     return tokenized.select_columns(keep), cached
 
 
+@dataclass
+class LabelledSplits:
+    """Raw-text train/validation/test with integer labels, before subsampling and tokenization."""
+
+    splits: dict
+    origin: dict
+    label_names: list[str]
+    text_columns: list[str]
+    label_column: str
+    source: dict
+    dropped: dict
+
+    def subset(self, split: str, settings) -> Dataset:
+        limits = {"train": settings.max_train_samples, "validation": settings.max_eval_samples,
+                  "test": settings.max_test_samples}
+        return subsample(self.splits[split], limits[split], settings.seed)
+
+
+def labelled_splits(settings) -> LabelledSplits:
+    """--dataset -> labelled raw-text splits: columns detected, labels encoded, unusable rows dropped,
+    missing splits carved from train."""
+    raw, source = load_raw(settings)
+    raw = _training_splits(raw)
+    text_columns, label_column = detect_columns(raw["train"].features, settings.text_column, settings.label_column)
+    raw, label_names = encode_labels(raw, label_column)
+    raw, dropped = drop_unusable_rows(raw, text_columns, label_column)
+    splits, origin = make_splits(raw, label_column, settings)
+    present = set(splits["train"].unique(label_column))
+    if len(present) < 2:
+        raise UserError(
+            f"the training data holds one class only ({label_names[present.pop()] if present else 'none'}): "
+            "classification needs at least two"
+        )
+    return LabelledSplits(splits, origin, label_names, text_columns, label_column, source, dropped)
+
+
 def load_classification_data(settings, tokenizer, main_process_first) -> ClassificationData:
     """--dataset -> tokenized train/validation/test; the main process tokenizes first, the rest read its cache."""
     datasets.disable_progress_bars()  # casts, filters and splits take a second; no bars for them
     with main_process_first():
-        raw, source = load_raw(settings)
-        if isinstance(raw, Dataset):
-            raw = DatasetDict({"train": raw})
-        elif "train" not in raw and len(raw) == 1:  # a single unnamed split is the training data
-            raw = DatasetDict({"train": next(iter(raw.values()))})
-        if "train" not in raw:
-            raise UserError(f"the dataset has no 'train' split (splits: {list(raw)})")
-        text_columns, label_column = detect_columns(raw["train"].features, settings.text_column, settings.label_column)
-        raw, label_names = encode_labels(raw, label_column)
-        splits, origin = make_splits(raw, label_column, settings)
-        present = set(splits["train"].unique(label_column))
-        if len(present) < 2:
-            raise UserError(
-                f"the training data holds one class only ({label_names[present.pop()] if present else 'none'}): "
-                "classification needs at least two"
-            )
-        limits = {"train": settings.max_train_samples, "validation": settings.max_eval_samples,
-                  "test": settings.max_test_samples}
+        labelled = labelled_splits(settings)
         tokenized, cached = {}, {}
-        for split, limit in limits.items():
-            subset = subsample(splits[split], limit, settings.seed)
-            tokenized[split], cached[split] = tokenize(
-                subset, tokenizer, text_columns, label_column, settings.max_seq_length
-            )
+        for split in ("train", "validation", "test"):
+            tokenized[split], cached[split] = tokenize(labelled.subset(split, settings), tokenizer,
+                                                       labelled.text_columns, labelled.label_column,
+                                                       settings.max_seq_length)
     provenance = {
-        "source": source,
-        "splits": {s: {"rows": len(tokenized[s]), "origin": origin[s], "tokenization_cached": cached[s]}
+        "source": labelled.source,
+        "splits": {s: {"rows": len(tokenized[s]), "origin": labelled.origin[s], "tokenization_cached": cached[s]}
                    for s in tokenized},
+        "dropped_rows": labelled.dropped,
     }
     return ClassificationData(
         train=tokenized["train"], validation=tokenized["validation"], test=tokenized["test"],
-        label_names=label_names, text_columns=text_columns, label_column=label_column, provenance=provenance,
+        label_names=labelled.label_names, text_columns=labelled.text_columns, label_column=labelled.label_column,
+        provenance=provenance,
     )
+
+
+def _training_splits(raw) -> DatasetDict:
+    """A DatasetDict with a 'train' split (a lone unnamed split is the training data)."""
+    if isinstance(raw, Dataset):
+        raw = DatasetDict({"train": raw})
+    elif "train" not in raw and len(raw) == 1:
+        raw = DatasetDict({"train": next(iter(raw.values()))})
+    if "train" not in raw:
+        raise UserError(f"the dataset has no 'train' split (splits: {list(raw)})")
+    return raw
+
+
+def dropped_rows_lines(dropped: dict) -> list[str]:
+    """One line per split that lost rows, for the console."""
+    return [f"dropped {d['missing_label'] + d['empty_text']} of {d['rows_in']} rows from {split}: "
+            f"{d['missing_label']} without a label, {d['empty_text']} with an empty text"
+            for split, d in dropped.items()]
 
 
 # ---------------------------------------------------------------- loaders
@@ -347,8 +419,6 @@ def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory:
     # dropout masks of everything after it (a resumed run creates one iterator more than the
     # uninterrupted run). Loaders get their own generators.
     generator = lambda: torch.Generator().manual_seed(settings.seed)  # noqa: E731
-    # tokenizers' own threads fight the workers' processes for the same cores
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if settings.group_by_length:
         # transformers' sampler: random megabatches, sorted by length inside, longest batch first
         from transformers.trainer_pt_utils import LengthGroupedSampler

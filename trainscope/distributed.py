@@ -22,3 +22,13 @@ def destroy_process_group() -> None:
 
     settle_collectives()
     torch.distributed.destroy_process_group()
+
+
+def shut_down(accelerator, wait: bool = True) -> None:
+    """End trackers and the process group on every rank. `wait=False` on a failure path, where the
+    other ranks may never reach a barrier."""
+    if wait:
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.num_processes > 1:
+        settle_collectives()

@@ -1,13 +1,14 @@
-"""What the run really ran on: versions, device, topology and the precision actually in effect."""
+"""What the run really ran on: versions, device, topology, CPU threads and the precision in effect."""
 
+import math
 import os
 import platform
-import subprocess
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from trainscope import precision
 from trainscope.errors import UserError
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "datasets", "evaluate")
@@ -38,24 +39,6 @@ def refuse_independent_runs(num_processes: int, environ=None) -> None:
         )
 
 
-def effective_precision(accelerator) -> str:
-    """The dtype autocast really produces on this device: 'fp16', 'bf16', 'tf32' or 'fp32'.
-
-    Accelerate accepts mixed_precision=fp16 on a CPU and silently runs fp32; a matmul under the same
-    autocast context that wraps the model's forward tells the truth.
-    """
-    a = torch.ones(8, 8, device=accelerator.device)
-    with accelerator.autocast():
-        dtype = (a @ a).dtype
-    if dtype == torch.float16:
-        return "fp16"
-    if dtype == torch.bfloat16:
-        return "bf16"
-    if accelerator.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "fp32"
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -70,12 +53,55 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity), not the machine's core count."""
+def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
+    """The container's CPU quota in cores (cgroup v2 `cpu.max`: "<quota> <period>"), None when unlimited."""
     try:
-        return len(os.sched_getaffinity(0))
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a container CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return max(1, min(cores, math.ceil(limit))) if limit else cores
+
+
+def local_processes(environ=None) -> int:
+    """Processes of this launch on this node (torchrun and accelerate launch export LOCAL_WORLD_SIZE)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def apply_thread_budget(setting: str, environ=None) -> dict:
+    """Set this process's intra-op threads from --threads and say what was set and why.
+
+    auto: usable cores / local processes (the budget); a number: that many (source user);
+    launcher: keep what OMP_NUM_THREADS gave torch (source launcher).
+    """
+    environ = os.environ if environ is None else environ
+    cores, processes = usable_cores(), local_processes(environ)
+    budget = max(1, cores // processes)
+    if setting == "launcher":
+        source = "launcher"
+    else:
+        source = "auto" if setting == "auto" else "user"
+        torch.set_num_threads(budget if setting == "auto" else int(setting))
+    return {"torch_threads": torch.get_num_threads(), "threads_source": source, "thread_budget": budget,
+            "usable_cores": cores, "local_processes": processes, "omp_num_threads": environ.get("OMP_NUM_THREADS")}
+
+
+def cpu_capability() -> str:
+    """The widest vector ISA torch's CPU kernels use here (e.g. AVX2, AVX512), plus native bf16 units."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    native = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in precision.cpu_flags()]
+    return capability + (f" + {', '.join(native)}" if native else ", no native bf16")
 
 
 def package_versions() -> dict:
@@ -88,35 +114,28 @@ def package_versions() -> dict:
     return versions
 
 
-def project_commit() -> str | None:
-    try:
-        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                                capture_output=True, text=True, timeout=5)
-        return result.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def describe(accelerator, precision: str) -> dict:
-    """The environment block of a run record."""
+def describe(accelerator, effective: str, threads: dict) -> dict:
+    """The environment block of a run record (provenance is a block of its own)."""
     state = accelerator.state
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": package_versions(),
-        "trainscope_commit": project_commit(),
         "device": str(accelerator.device),
         "device_name": device_name(accelerator.device),
         "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "cuda": torch.version.cuda,
-        "usable_cores": usable_cores(),
-        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": cpu_capability(),
+        "cpu_native_bf16": precision.cpu_native_bf16(),
+        "usable_cores": threads["usable_cores"],
+        "torch_threads": threads["torch_threads"],
+        "threads": threads,
         "world_size": accelerator.num_processes,
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", 1)) or 1),
         "distributed_type": str(state.distributed_type).split(".")[-1],
         "backend": state.backend,
         "requested_precision": accelerator.mixed_precision,
-        "effective_precision": precision,
-        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "effective_precision": effective,
+        "tf32_in_effect": precision.tf32_in_effect(),
         "fsdp_requested": os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
     }

@@ -1,20 +1,98 @@
-"""One kind of error for bad input: a one-line message that names the fix."""
+"""Errors the user reads: one line, once, from whichever rank failed, with secrets redacted.
 
+* `UserError`: bad input or an impossible setting; the message says what to do.
+* `exit_with`: prints `error: <message>` and exits. In a launch of several processes every rank
+  that fails reports its first error, but a message that another rank of the same launch already
+  printed is not printed again (every rank usually hits the same validation error).
+* `redacted_output`: the scripts' stdout and stderr pass through `records.redact`, so a URL with
+  credentials never reaches the console: not in errors, warnings, progress lines or tracebacks.
+"""
+
+import contextlib
+import hashlib
+import io
 import os
 import sys
+import tempfile
+from pathlib import Path
+
+from trainscope.records import redact, secret_values
 
 
 class UserError(Exception):
     """Bad input or an impossible setting. The message is one line and says what to do."""
 
 
-def exit_with(error: BaseException, code: int = 2) -> None:
-    """Print `error: <message>` once (from the first process of a launch) and exit with `code`.
+def one_line(error: BaseException) -> str:
+    """The error's message, or its note when one was added (`add_note`), folded to one line."""
+    notes = getattr(error, "__notes__", None)
+    text = notes[-1] if notes else (str(error) or type(error).__name__)
+    return " ".join(text.split())
 
-    Every process of a multi-process launch reaches the same validation, so every process exits;
-    only one prints, so the user reads the message once.
-    """
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
-        message = " ".join(str(error).split())  # keep it one line
-        print(f"error: {message}", file=sys.stderr, flush=True)
+
+def _launch_id(environ) -> str | None:
+    """Identifies one multi-process launch (the same on all its ranks), or None for a single process."""
+    if int(environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return environ.get("TORCHELASTIC_RUN_ID") or f"{environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
+
+
+def first_to_report(message: str, environ=None) -> bool:
+    """True for the first rank of this launch to report `message`, False for the others."""
+    environ = os.environ if environ is None else environ
+    launch = _launch_id(environ)
+    if launch is None:
+        return True
+    folder = Path(tempfile.gettempdir()) / "trainscope-errors" / hashlib.sha256(launch.encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / hashlib.sha256(message.encode()).hexdigest()[:16]
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def exit_with(error: BaseException, code: int = 2, environ=None) -> None:
+    """Print `error: <message>` (once per distinct message across a launch's ranks) and exit with `code`."""
+    environ = os.environ if environ is None else environ
+    message = redact(one_line(error))
+    if first_to_report(message, environ):
+        rank = f"(rank {environ['RANK']}) " if int(environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
+        print(f"error: {rank}{message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+class _RedactingStream(io.TextIOBase):
+    """A text stream that redacts what it writes and forwards everything else to the wrapped stream."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._secrets = secret_values()
+
+    def write(self, text):
+        self._stream.write(redact(text, self._secrets))
+        return len(text)
+
+    def flush(self):
+        self._stream.flush()
+
+    def isatty(self):
+        return self._stream.isatty()
+
+    def fileno(self):
+        return self._stream.fileno()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def redacted_output():
+    """Redact sys.stdout and sys.stderr (tracebacks and warnings included) inside the block."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _RedactingStream(sys.stdout), _RedactingStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved

@@ -16,18 +16,42 @@ MFU = achieved FLOP/s / the device's dense peak for the precision in effect (pea
 vendor datasheets, dense, no sparsity). An unknown device has no MFU rather than a guessed one.
 """
 
-# Dense peak TFLOP/s by device-name substring, most specific first. Datasheet values (NVIDIA
-# H100/H200/A100/L4/A10 datasheets; V100 has no TF32 or bf16 units).
-PEAK_TFLOPS = [
-    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
-    ("H100 NVL", {"fp32": 60.0, "tf32": 418.0, "bf16": 835.0, "fp16": 835.0}),
-    ("H100", {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0}),  # SXM5
-    ("H200", {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0}),
-    ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
-    ("L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}),
-    ("A10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}),
-    ("V100", {"fp32": 15.7, "fp16": 125.0}),
-]
+# Dense peak TFLOP/s (no 2:4 sparsity: datasheets print sparse tensor figures with an asterisk;
+# dense is half) per precision, from NVIDIA's datasheets: H100 and H200 (SXM, PCIe, NVL), A100
+# (the same peaks for SXM and PCIe, 40 and 80 GB), L4, L40, L40S, A10, HGX B200, V100 (no TF32 or
+# bf16 units), and the Ada whitepaper for the RTX 4090 (fp16/bf16 with fp32 accumulate, as in
+# training). Keys are the tokens of the normalized device name (see `device_tokens`); the entry with
+# the most matching tokens wins, so "L40" never matches "L40S" and "H100 PCIe" beats "H100".
+# A10G (AWS) has no vendor datasheet: unknown, no MFU.
+PEAK_TFLOPS = {
+    ("h100",): {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},  # SXM5 ("H100 80GB HBM3")
+    ("h100", "pcie"): {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5},
+    ("h100", "nvl"): {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+    ("h200",): {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},  # SXM
+    ("h200", "nvl"): {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+    ("a100",): {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    ("l4",): {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
+    ("l40",): {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp16": 181.0},
+    ("l40s",): {"fp32": 91.6, "tf32": 183.0, "bf16": 366.0, "fp16": 366.0},
+    ("a10",): {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
+    ("b200",): {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0},
+    ("rtx", "4090"): {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2},
+    ("v100",): {"fp32": 15.7, "fp16": 125.0},
+}
+_VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro"}
+
+
+def device_tokens(device_name: str) -> tuple[str, ...]:
+    """'NVIDIA A100-SXM4-80GB' -> ('a100', 'sxm4', '80gb'): lower case, dashes split, vendor words dropped."""
+    words = device_name.lower().replace("-", " ").replace("_", " ").split()
+    return tuple(w for w in words if w not in _VENDOR_WORDS)
+
+
+def peak_entry(device_name: str) -> tuple | None:
+    """The table key for a device: every token of the key is a token of the name; most tokens wins."""
+    tokens = set(device_tokens(device_name))
+    matches = [key for key in PEAK_TFLOPS if set(key) <= tokens]
+    return max(matches, key=len) if matches else None
 
 
 def matmul_parameters(layers: int, hidden: int, intermediate: int) -> int:
@@ -60,10 +84,8 @@ def training_flops(config, batch_size: int, sequence_length: int) -> int | None:
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
     """Dense peak TFLOP/s of `device_name` in `precision` ('fp32', 'tf32', 'bf16', 'fp16'); None if unknown."""
-    for fragment, peaks in PEAK_TFLOPS:
-        if fragment.lower() in device_name.lower():
-            return peaks.get(precision)
-    return None
+    key = peak_entry(device_name)
+    return PEAK_TFLOPS[key].get(precision) if key else None
 
 
 def mfu(achieved_tflops: float | None, device_name: str, precision: str) -> float | None:

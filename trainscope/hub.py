@@ -1,10 +1,12 @@
 """Hub access that fails fast: offline, a hub name resolves from the local cache or ends in one line.
 
 Without this, every hub lookup on a machine with no network retries for about 25 seconds before
-giving up. One short TCP probe decides instead; when the Hub is unreachable the libraries are put
-in their own offline mode (HF_HUB_OFFLINE), so cached models and datasets still load.
+giving up. One short TCP probe decides instead. Offline mode is switched on only around the one
+load call that needs the Hub (`offline_if_unreachable`) and restored after it: a process-wide
+switch would also make `datasets` refuse fsspec URLs (memory://, s3://, https://) loaded later.
 """
 
+import contextlib
 import os
 import socket
 from functools import lru_cache
@@ -28,17 +30,19 @@ def hub_reachable(timeout_s: float = 2.0) -> bool:
         return False
 
 
-def use_offline_mode_if_unreachable() -> bool:
-    """Switch huggingface_hub, datasets and transformers to offline mode when the Hub is unreachable.
-
-    Returns True when working offline. Child processes (DataLoader workers) inherit the variable.
-    """
+@contextlib.contextmanager
+def offline_if_unreachable():
+    """Inside the block, huggingface_hub, transformers and datasets work from the local cache when the Hub
+    is unreachable (yields True then); their offline switches are restored on the way out."""
     if hub_reachable():
-        return False
-    os.environ["HF_HUB_OFFLINE"] = "1"
+        yield False
+        return
     import datasets.config
     import huggingface_hub.constants
 
-    huggingface_hub.constants.HF_HUB_OFFLINE = True
-    datasets.config.HF_HUB_OFFLINE = True
-    return True
+    saved = huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield True
+    finally:
+        huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved

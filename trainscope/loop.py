@@ -1,28 +1,42 @@
-"""The training step every script shares, so a sweep measures exactly what train.py runs."""
+"""The training step every script shares (so a sweep measures exactly what train.py runs), the
+loop's counters, and evaluation."""
 
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+METRIC_MODULE = str(Path(__file__).parent / "metrics" / "classification")
 
-def train_step(accelerator, model, batch, optimizer, scheduler, timer, max_grad_norm: float | None):
+
+def train_step(accelerator, model, batch, optimizer, scheduler, stage, max_grad_norm: float | None,
+               skips=None, calibration=None):
     """One micro-batch: forward, loss + backward, then clipping and the optimizer step when the
     gradients synchronize (Accelerate skips the step inside an accumulation window).
 
+    `stage` is the timer (`with stage("forward"): ...`); `skips` a precision.SkippedSteps; with a
+    `calibration` (communication.Calibration), this step's backward runs without DDP's all-reduce
+    and the gradients are all-reduced once afterwards, timed apart: the same update, measured.
     Returns (loss, labels), still on the device: reading the loss is left to log steps.
     """
     with accelerator.accumulate(model):
-        with timer("forward"):
+        with stage("forward"):
             labels = batch.pop("labels")
             logits = model(**batch).logits
-        with timer("backward"):
+        with stage("backward"):
             loss = F.cross_entropy(logits.float(), labels)
-            accelerator.backward(loss)
-        with timer("optimizer"):
+            if calibration is not None and accelerator.sync_gradients:
+                calibration.backward(accelerator, model, loss)
+            else:
+                accelerator.backward(loss)
+        with stage("optimizer"):
             if accelerator.sync_gradients and max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            if skips is not None:
+                skips.before_step()
             optimizer.step()
+            if skips is not None:
+                skips.after_step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
     return loss.detach(), labels
@@ -43,7 +57,8 @@ class LoopState:
         self.batches_in_epoch = checkpoint.get("batches_in_epoch", 0)
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
         self.counts = checkpoint.get("counts") or {
-            phase: {"samples": 0, "tokens": 0, "optimizer_steps": 0, "micro_batches": 0, "flops": 0}
+            phase: {"samples": 0, "tokens": 0, "optimizer_steps": 0, "micro_batches": 0, "flops": 0,
+                    "padded_tokens": 0}
             for phase in ("warmup", "steady")}
         self.evaluations = []
         self._phase_tokens = {phase: torch.zeros((), device=device, dtype=torch.long) for phase in self.counts}
@@ -54,7 +69,6 @@ class LoopState:
         self.interval_tokens = torch.zeros((), device=self.device, dtype=torch.long)
         self.interval_samples = 0
         self.interval_flops = 0
-        self.interval_started = time.perf_counter()
 
     def start_epoch(self, epoch: int) -> int:
         """Returns how many batches of this epoch a resumed run skips."""
@@ -74,17 +88,16 @@ class LoopState:
         counts["samples"] += labels.shape[0]
         counts["micro_batches"] += 1
         counts["flops"] += flops or 0
+        counts["padded_tokens"] = counts.get("padded_tokens", 0) + attention_mask.numel()  # shape: no sync
 
-    def end_step(self, phase: str, skipped: bool):
+    def end_step(self, phase: str):
         self.step += 1
         self.counts[phase]["optimizer_steps"] += 1
-        self.skipped_steps += int(skipped)
 
     def take_interval(self) -> dict:
-        """The micro-batches since the last step line, and the host time they took."""
+        """The micro-batches since the last step line."""
         interval = {"losses": self.interval_losses, "tokens": self.interval_tokens,
-                    "samples": self.interval_samples, "flops": self.interval_flops,
-                    "wall_s": time.perf_counter() - self.interval_started}
+                    "samples": self.interval_samples, "flops": self.interval_flops}
         self._reset_interval()
         return interval
 
@@ -98,3 +111,27 @@ class LoopState:
         self.finish()
         return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
                 "skipped_steps": self.skipped_steps, "counts": self.counts}
+
+
+def load_metric():
+    """Accuracy and macro-F1 through `evaluate`, from the module shipped in the package (offline)."""
+    import evaluate  # imported here: it pulls in transformers' pipelines, seconds a failed start need not pay
+
+    return evaluate.load(METRIC_MODULE)
+
+
+@torch.no_grad()
+def evaluate_split(model, loader, accelerator, metric) -> dict:
+    """Accuracy, macro-F1 and mean loss over a whole split, gathered from every process."""
+    model.eval()
+    loss_sum, count = torch.zeros((), device=accelerator.device), 0
+    for batch in loader:
+        labels = batch.pop("labels")
+        logits = model(**batch).logits
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        predictions, references, losses = accelerator.gather_for_metrics((logits.argmax(-1), labels, losses))
+        metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
+        loss_sum += losses.sum()
+        count += losses.numel()
+    model.train()
+    return {**metric.compute(), "loss": loss_sum.item() / count}

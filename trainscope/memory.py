@@ -1,5 +1,6 @@
-"""Peak memory: device allocator peaks on accelerators, peak resident set size on a CPU."""
+"""Peak memory: device allocator peaks on CUDA, peak resident set size on a CPU."""
 
+import gc
 import resource
 import sys
 
@@ -14,42 +15,51 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def _cuda_peaks(device: torch.device) -> tuple[int, int]:
-    # The nested form skips the flattening that max_memory_allocated() does on every call:
-    # this runs at every stage boundary. Allocator statistics are kept on the host when work is
-    # enqueued, so reading them does not wait for the GPU.
-    stats = torch.cuda.memory_stats_as_nested_dict(device)
-    if not stats:
-        return 0, 0
-    return stats["allocated_bytes"]["all"]["peak"], stats["reserved_bytes"]["all"]["peak"]
+class CudaMemoryProbe:
+    """The allocator's peak allocated and reserved bytes since the last reset: one call each.
 
-
-class PeakMemory:
-    """`with PeakMemory(device) as peak: ...` then `peak.allocated_bytes`, `peak.reserved_bytes`.
-
-    Resets the device's peak counters on entry (as accelerate's TorchTracemalloc does) and reads them
-    on exit; the peaks from before the reset are kept in `before_*`, so nested or consecutive uses
-    can still report a whole-run peak. On a CPU there is no resettable counter: both stay None and `rss_bytes` holds the
-    process's lifetime peak RSS.
+    `memory_stats_as_nested_dict` is one C call (max_memory_allocated() flattens the whole
+    statistics dict on every call). Allocator statistics are kept on the host when work is
+    enqueued, so neither call waits for the GPU.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.on_cuda = device.type == "cuda"
-        self.allocated_bytes: int | None = None
-        self.reserved_bytes: int | None = None
-        self.rss_bytes: int | None = None
-        self.before_allocated_bytes = self.before_reserved_bytes = 0
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> tuple[int, int]:
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+        if not stats:
+            return 0, 0
+        return stats["allocated_bytes"]["all"]["peak"], stats["reserved_bytes"]["all"]["peak"]
+
+
+class PeakMemory:
+    """`with PeakMemory(device) as peak: ...` then `peak.allocated_gib` (None on a CPU).
+
+    On entry the device's caches are emptied and its peak counters reset (as accelerate's
+    TorchTracemalloc does), so the figure belongs to the block alone, not to whatever ran before.
+    On a CPU there is no resettable counter: `rss_gib` holds the process's lifetime peak RSS.
+    """
+
+    def __init__(self, device: torch.device, probe=None):
+        self.device = device
+        self.probe = probe if probe is not None else (CudaMemoryProbe(device) if device.type == "cuda" else None)
+        self.allocated_gib = self.reserved_gib = self.rss_gib = None
 
     def __enter__(self):
-        if self.on_cuda:
-            self.before_allocated_bytes, self.before_reserved_bytes = _cuda_peaks(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.probe is not None:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.probe.reset()
         return self
 
     def __exit__(self, *exc):
-        if self.on_cuda:
-            self.allocated_bytes, self.reserved_bytes = _cuda_peaks(self.device)
-        else:
-            self.rss_bytes = peak_rss_bytes()
+        if self.probe is not None:
+            allocated, reserved = self.probe.read()
+            self.allocated_gib, self.reserved_gib = allocated / GIB, reserved / GIB
+        self.rss_gib = peak_rss_bytes() / GIB
         return False

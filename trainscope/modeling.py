@@ -1,5 +1,7 @@
 """Model: a name or path -> tokenizer and sequence classifier, with optional LoRA and checkpointing."""
 
+import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -7,12 +9,16 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from trainscope import embedded, hub
 from trainscope.errors import UserError
+from trainscope.records import redact
 from trainscope.settings import EMBEDDED_MODEL
 
 TINY_MODEL = "embedded:tiny-bert"
 EMBEDDED_MODELS = (EMBEDDED_MODEL, TINY_MODEL)
 # Architectures peft has no default LoRA targets for.
 EXTRA_LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"]}
+# Models whose position ids start after the padding index (fairseq's convention): fewer usable positions.
+PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "data2vec-text",
+                            "roberta-prelayernorm")
 
 
 def _is_local(name: str) -> bool:
@@ -21,15 +27,16 @@ def _is_local(name: str) -> bool:
 
 def _from_hub_or_path(load, name: str, what: str, **kwargs):
     """Run a from_pretrained-style loader; a missing model becomes one line that says what to do."""
-    offline = False if _is_local(name) else hub.use_offline_mode_if_unreachable()
-    if name.startswith((".", "/", "~")) and not _is_local(name):
+    local = _is_local(name)
+    if name.startswith((".", "/", "~")) and not local:
         raise UserError(f"no such {what} directory: {name}")
-    try:
-        return load(str(Path(name).expanduser()) if _is_local(name) else name, **kwargs)
-    except (OSError, ValueError) as error:
-        where = "in the local Hugging Face cache (the Hub is unreachable)" if offline else "on the Hub or on disk"
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"{what} {name!r} not found {where}: {first_line}") from None
+    with contextlib.nullcontext(False) if local else hub.offline_if_unreachable() as offline:
+        try:
+            return load(str(Path(name).expanduser()) if local else name, **kwargs)
+        except (OSError, ValueError) as error:
+            where = "in the local Hugging Face cache (the Hub is unreachable)" if offline else "on the Hub or on disk"
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UserError(redact(f"{what} {name!r} not found {where}: {first_line}")) from None
 
 
 def build_tokenizer(settings):
@@ -48,9 +55,41 @@ def build_tokenizer(settings):
     )
 
 
+def sequence_limit(settings) -> int | None:
+    """Token positions the model can embed (None when its configuration does not say)."""
+    if settings.model in EMBEDDED_MODELS or settings.architecture_only:
+        config, _ = _config_for(settings, 2, ["0", "1"])
+    else:
+        config = _from_hub_or_path(AutoConfig.from_pretrained, settings.model, "model configuration",
+                                   trust_remote_code=settings.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is None:
+        return None
+    if config.model_type in PADDING_OFFSET_POSITIONS:
+        positions -= (config.pad_token_id or 0) + 1
+    return int(positions)
+
+
+def transformer_layer_classes(model) -> list[str]:
+    """Class names of the model's repeated blocks: what FSDP shards one by one.
+
+    The model's own `_no_split_modules` where it declares them; otherwise the class of the items of
+    its longest ModuleList (DistilBERT's TransformerBlock declares nothing).
+    """
+    declared = [name for name in (getattr(model, "_no_split_modules", None) or []) if "Embedding" not in name]
+    if declared:
+        return sorted(declared)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    return [type(max(lists, key=len)[0]).__name__]
+
+
 def _config_for(settings, num_labels: int, label_names: list[str]):
     labels = {"num_labels": num_labels, "id2label": dict(enumerate(label_names)),
               "label2id": {n: i for i, n in enumerate(label_names)}}
+    if settings.model == EMBEDDED_MODEL:
+        return AutoConfig.from_pretrained(embedded.minilm_dir(), **labels), "embedded MiniLM-L6 configuration"
     if settings.model == TINY_MODEL:
         values = embedded.bundled_architecture("tiny-bert")
         return AutoConfig.for_model(values.pop("model_type"), **values, **labels), "embedded tiny-bert configuration"
@@ -143,3 +182,44 @@ def build_optimizer(model, settings, device: torch.device):
     return torch.optim.AdamW(
         optimizer_groups(model, settings.weight_decay), lr=settings.learning_rate, fused=fused
     )
+
+
+def compile_stats() -> dict:
+    """torch.compile so far in this process: distinct graphs compiled and seconds spent compiling."""
+    import torch._dynamo.utils as dynamo_utils
+
+    return {"graphs": int(dynamo_utils.counters["stats"]["unique_graphs"]),
+            "compile_s": float(dynamo_utils.calculate_time_spent().get("total_wall_time", 0.0))}
+
+
+def fsdp_wrap_rule(model, accelerator) -> list[str] | None:
+    """In FSDP runs, the layer classes sharded one by one (None in other runs).
+
+    Accelerate's transformer wrap policy takes them from the model's `_no_split_modules`; for a model
+    that declares none it would shard only the root, so trainscope names the repeated block instead.
+    """
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None:
+        return None
+    declared = sorted(getattr(model, "_no_split_modules", None) or [])
+    if not plugin.transformer_cls_names_to_wrap and not declared:
+        plugin.transformer_cls_names_to_wrap = transformer_layer_classes(model)
+    return list(plugin.transformer_cls_names_to_wrap or declared)
+
+
+def build_scheduler(settings, optimizer, training_steps: int, warmup_steps: int):
+    """Linear warm-up, then linear or cosine decay or a constant rate: the schedules of transformers'
+    get_scheduler, as torch LambdaLR factors (importing transformers.optimization costs seconds per process)."""
+    kind = settings.lr_scheduler
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        if kind == "constant_with_warmup":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, training_steps - warmup_steps)
+        if kind == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        return max(0.0, 1.0 - progress)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

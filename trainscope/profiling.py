@@ -1,4 +1,4 @@
-"""torch.profiler over a window of steps, and CUDA memory snapshots, behind one object.
+"""torch.profiler over a window of steps, and CUDA memory snapshots over a window of steps.
 
 The trace handler writes `*.pt.trace.json` files: TensorBoard's profiler plugin reads the folder
 (`tensorboard --logdir runs/<run>/profile`) and each file opens as a Chrome trace in
@@ -6,7 +6,6 @@ chrome://tracing or https://ui.perfetto.dev. The timer labels every stage with
 `record_function(<stage>)`, so the trace shows data / forward / backward / optimizer / eval spans.
 """
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -31,22 +30,18 @@ class NoProfiler:
     def step(self):
         pass
 
-    def save_memory_snapshot(self):
-        return None
-
 
 class StepProfiler:
     """torch.profiler with a wait / warm-up / active schedule over optimizer steps."""
 
     enabled = True
 
-    def __init__(self, directory: Path, device: torch.device, wait: int, warmup: int, active: int,
-                 memory_snapshot: bool = False, rank: int = 0):
+    def __init__(self, directory: Path, device: torch.device, wait: int, warmup: int, active: int, rank: int = 0):
         self.directory = Path(directory)
         self.device = device
         self.rank = rank
         self.top_operators: list[dict] = []
-        self.memory_snapshot = memory_snapshot and device.type == "cuda"
+        self.window = {"first_step": wait + warmup + 1, "last_step": wait + warmup + active}
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -61,8 +56,6 @@ class StepProfiler:
 
     def __enter__(self):
         self.directory.mkdir(parents=True, exist_ok=True)
-        if self.memory_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.profiler.__enter__()
         return self
 
@@ -75,15 +68,6 @@ class StepProfiler:
     def _trace_ready(self, profiler):
         torch.profiler.tensorboard_trace_handler(str(self.directory), worker_name=f"rank{self.rank}")(profiler)
         self.top_operators = top_operators(profiler.key_averages(), self.device)
-
-    def save_memory_snapshot(self) -> Path | None:
-        """Write the CUDA allocator history (open it at https://pytorch.org/memory_viz)."""
-        if not self.memory_snapshot:
-            return None
-        path = self.directory / f"memory_snapshot_rank{self.rank}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)
-        return path
 
 
 def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) -> list[dict]:
@@ -110,10 +94,59 @@ def build_profiler(settings, run_dir: Path, device: torch.device, rank: int):
     if not settings.profile:
         return NoProfiler()
     return StepProfiler(run_dir / "profile", device, settings.profile_wait, settings.profile_warmup,
-                        settings.profile_active, settings.memory_snapshot, rank)
+                        settings.profile_active, rank)
 
 
-@contextlib.contextmanager
-def labelled(stage: str):
-    with torch.profiler.record_function(stage):
-        yield
+class MemorySnapshot:
+    """The CUDA allocator history over a window of optimizer steps (open it at https://pytorch.org/memory_viz).
+
+    Recording starts when step `after_step` has finished (the end of the timing warm-up) and the
+    snapshot is written once `steps` more steps have finished, or at the end of a shorter run;
+    `window` says which steps it covers. `backend` is torch.cuda.memory (a fake in tests).
+    """
+
+    def __init__(self, path: Path, after_step: int, steps: int, backend=None):
+        self.path = Path(path)
+        self.start_after, self.steps = after_step, steps
+        self.backend = backend if backend is not None else torch.cuda.memory
+        self.window = None
+        self._recording = False
+
+    def step_finished(self, step: int) -> None:
+        if step == self.start_after and self.window is None:
+            self.backend._record_memory_history(max_entries=100_000)
+            self._recording = True
+            self.window = {"first_step": step + 1, "last_step": None}
+        elif self._recording and step == self.start_after + self.steps:
+            self._dump(step)
+
+    def finish(self, last_step: int) -> dict | None:
+        if self._recording:
+            self._dump(last_step)
+        return {**self.window, "path": str(self.path)} if self.window and self.window["last_step"] else None
+
+    def _dump(self, step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.backend._dump_snapshot(str(self.path))
+        self.backend._record_memory_history(enabled=None)
+        self._recording = False
+        self.window["last_step"] = step
+
+
+class NoSnapshot:
+    """The do-nothing stand-in without --memory-snapshot or off CUDA."""
+
+    window = None
+
+    def step_finished(self, step: int) -> None:
+        pass
+
+    def finish(self, last_step: int) -> None:
+        return None
+
+
+def build_memory_snapshot(settings, run_dir: Path, device: torch.device, rank: int):
+    if not (settings.memory_snapshot and device.type == "cuda"):
+        return NoSnapshot()
+    return MemorySnapshot(run_dir / "memory" / f"snapshot_rank{rank}.pickle", settings.timing_warmup_steps,
+                          settings.memory_snapshot_steps)

@@ -1,25 +1,36 @@
-"""Run records: the contract every other script reads. See docs/RECORD.md for the schema.
+"""Run records and every file trainscope writes: the one place that redacts, writes atomically and
+checks schemas. See docs/RECORD.md for the run-record schema.
 
 runs/<run-name>/
-  record.json    settings, environment, data, model, status, summary (rewritten atomically)
-  steps.jsonl    one JSON line per logged optimizer step
+  record.json    settings, environment, provenance, data, model, status, warnings, summary
+  steps.jsonl    one JSON line per logged optimizer step (appended with one write call each)
   checkpoints/   Accelerate save_state folders (with --save-every)
-Only the main process writes. Secrets never land here: values of the environment's credentials
-are scrubbed from everything written, and URLs lose their user:password@ and query strings.
+Only the main process writes. Secrets never land here or on the console: `redact` removes the
+values of the environment's credentials and, from every URL, user:password@, query strings and
+fragments (signed URLs, tokens). Writers (train.py, sweeps, comparisons, benchmarks, reports) all
+go through `write_json_atomic` / `write_text_atomic` / `RunRecord`, which apply it.
 """
 
 import json
 import os
 import re
+import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 RECORD_FILE = "record.json"
 STEPS_FILE = "steps.jsonl"
+# What a complete record must hold for the readers (report, advisor, tune) to use it.
+REQUIRED_COMPLETE = ("run_name", "settings", "environment", "summary")
+REQUIRED_SUMMARY = ("world_size", "timing", "throughput", "memory", "test")
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|AUTH", re.I)
 _SECRET_VALUE_MIN_LENGTH = 8
+# scheme://[userinfo@]rest[?query][#fragment]; rest stops at white space and quotes
+_URL = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<userinfo>[^\s/@'\"<>]*@)?"
+                  r"(?P<rest>[^\s?#'\"<>]*)(?P<query>\?[^\s#'\"<>]*)?(?P<fragment>#[^\s'\"<>]*)?")
 
 
 def now_iso() -> str:
@@ -33,13 +44,20 @@ def secret_values(environ=None) -> list[str]:
     return sorted(values, key=len, reverse=True)
 
 
+def redact(text: str, secrets: list[str] | None = None) -> str:
+    """`text` without credential values and without URL credentials, query strings or fragments."""
+    if "://" in text:
+        text = _URL.sub(lambda m: m["scheme"] + m["rest"], text)
+    for secret in secret_values() if secrets is None else secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
 def scrub(value, secrets: list[str] | None = None):
-    """A copy of `value` (nested dicts, lists, strings) with every secret replaced by '***'."""
+    """A copy of `value` (nested dicts, lists, strings) with every string redacted."""
     secrets = secret_values() if secrets is None else secrets
     if isinstance(value, str):
-        for secret in secrets:
-            value = value.replace(secret, "***")
-        return value
+        return redact(value, secrets)
     if isinstance(value, dict):
         return {scrub(k, secrets): scrub(v, secrets) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -47,21 +65,28 @@ def scrub(value, secrets: list[str] | None = None):
     return value
 
 
-def write_json_atomic(path: Path, data) -> None:
-    """Write JSON to a temporary file beside `path`, then rename: readers never see half a file."""
+def _write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(scrub(data), handle, indent=2, sort_keys=False, default=str)
-            handle.write("\n")
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data) -> None:
+    _write_atomic(path, json.dumps(scrub(data), indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    _write_atomic(path, redact(text))
 
 
 class RunRecord:
@@ -85,35 +110,72 @@ class RunRecord:
         write_json_atomic(self.path, self.data)
 
     def append_step(self, line: dict) -> None:
-        with open(self.steps_path, "a") as handle:
-            handle.write(json.dumps(scrub(line, self._secrets), default=str) + "\n")
+        """One write call per line on an append-only descriptor: a kill loses at most this line."""
+        data = (json.dumps(scrub(line, self._secrets), default=str) + "\n").encode()
+        fd = os.open(self.steps_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
 
     def truncate_steps(self, after_step: int) -> None:
         """Drop step lines past `after_step` (written after the checkpoint a resumed run restarts from)."""
         if not self.steps_path.exists():
             return
         kept = [line for line in read_steps(self.directory) if line["step"] <= after_step]
-        temporary = self.steps_path.with_suffix(".tmp")
-        temporary.write_text("".join(json.dumps(line) + "\n" for line in kept))
-        os.replace(temporary, self.steps_path)
+        _write_atomic(self.steps_path, "".join(json.dumps(line) + "\n" for line in kept))
 
 
-def read_record(directory: Path) -> dict:
-    """Load and check a run record; raises ValueError naming the file when it is not one of ours."""
-    path = Path(directory) / RECORD_FILE
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not a readable run record ({error})") from None
+def check_schema(record, path: Path) -> dict:
+    """The record itself if it is one of ours in a schema this trainscope reads; else ValueError, one line."""
     if not isinstance(record, dict) or "schema_version" not in record:
         raise ValueError(f"{path}: not a trainscope run record (no schema_version)")
-    if record["schema_version"] > SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {record['schema_version']} is newer than this trainscope reads")
+    version = record["schema_version"]
+    if isinstance(version, bool) or version not in READABLE_SCHEMAS:
+        raise ValueError(f"{path}: schema_version {version!r} is not one this trainscope reads "
+                         f"({', '.join(map(str, READABLE_SCHEMAS))})")
+    if record.get("status") == "complete":
+        missing = [k for k in REQUIRED_COMPLETE if k not in record]
+        summary = record.get("summary")
+        if not missing and isinstance(summary, dict):
+            missing = [f"summary.{k}" for k in REQUIRED_SUMMARY if k not in summary]
+        elif not missing:
+            missing = ["summary (not an object)"]
+        if missing:
+            raise ValueError(f"{path}: marked complete but lacks {', '.join(missing)}")
     return record
 
 
-def read_steps(directory: Path) -> list[dict]:
+def read_record(directory: Path) -> dict:
+    """Load and check a run record; raises ValueError naming the file when it is not one we can read."""
+    path = Path(directory) / RECORD_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable run record ({' '.join(str(error).split())})") from None
+    return check_schema(record, path)
+
+
+def read_steps(directory: Path, problems: list | None = None) -> list[dict]:
+    """Step lines; a line that is not JSON (the one a killed run was writing) is skipped with a warning,
+    appended to `problems` when given, else printed."""
     path = Path(directory) / STEPS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = []
+    for number, text in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+            if not isinstance(line, dict) or "step" not in line:
+                raise ValueError("no step")
+        except ValueError:
+            message = f"skipped {path}:{number}: not a complete step line (a run killed while writing it?)"
+            if problems is None:
+                print(f"warning: {message}", file=sys.stderr)
+            else:
+                problems.append(message)
+            continue
+        lines.append(line)
+    return lines

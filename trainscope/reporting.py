@@ -1,13 +1,17 @@
-"""Report rows: pure functions from run records and sweep results to table rows. No plotting, no I/O
-except `collect`, which finds and reads the records (skipping what is not one, with a warning), and
-`save_figure`, which writes a figure the scripts have drawn."""
+"""Report rows: pure functions from run records and results to table rows. No plotting and no I/O,
+except `collect`, which finds and reads the inputs: every record and results file it reads is listed
+with its sha256 (the report's provenance), and what it cannot use is skipped with a one-line reason.
+
+Inputs: <runs>/<experiment>/<run>/record.json (+ steps.jsonl) and <runs>/<experiment>/comparison.json
+for the experiments below; <results>/loaders/loaders.json and <results>/compare_dp/compare_dp.json.
+"""
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainscope.records import read_record, read_steps
+from trainscope.summary import peak_memory
 from trainscope.timing import CATEGORIES, STAGES
 
 EXPERIMENTS = {  # folder under runs/ -> the make target that produces it
@@ -16,71 +20,78 @@ EXPERIMENTS = {  # folder under runs/ -> the make target that produces it
     "ckpt": "make ckpt-compare",
     "batch": "make batch-sweep",
     "matrix": "make matrix",
+    "tune": "make tune",
 }
 RESULTS = {"loaders": ("loaders/loaders.json", "make sweep-workers"),
-           "compare_dp": ("compare_dp/compare_dp.json", "make compare-dp")}
-
-
-def save_figure(figure, stem: Path, **savefig_options) -> list[Path]:
-    """Write a matplotlib figure as stem.png and stem.pdf and close it."""
-    import matplotlib.pyplot as plt
-
-    paths = [Path(f"{stem}.{suffix}") for suffix in ("png", "pdf")]
-    for path in paths:
-        figure.savefig(path, dpi=150, **savefig_options)
-    plt.close(figure)
-    return paths
+           "compare_dp": ("compare_dp/compare_dp.json", "make compare-dp"),
+           "ddp_cost": ("ddp_cost/ddp_cost.json", "make ddp-cost"),
+           "tune": ("tune/tune.json", "make tune")}
 
 
 @dataclass
 class Collected:
-    runs: dict = field(default_factory=dict)        # experiment -> {run name: record (with "steps")}
-    other_runs: list = field(default_factory=list)  # complete records outside the experiment folders
-    results: dict = field(default_factory=dict)     # loaders / compare_dp / batch_sweep -> parsed JSON
-    warnings: list = field(default_factory=list)
+    runs: dict = field(default_factory=dict)          # experiment -> {run name: record (with "steps")}
+    other_runs: list = field(default_factory=list)    # complete records outside the experiment folders
+    comparisons: dict = field(default_factory=dict)   # experiment -> comparison.json
+    results: dict = field(default_factory=dict)       # loaders / compare_dp / ... -> parsed JSON
+    inputs: list = field(default_factory=list)        # every file read, for the digests
+    skipped: list = field(default_factory=list)       # one line per input that could not be used
 
 
 def collect(runs_dir: Path, results_dir: Path) -> Collected:
-    """Read every run record under runs_dir and the sweep results under results_dir."""
+    """Read every run record under runs_dir, the experiments' comparisons and the results under results_dir."""
     found = Collected()
-    for path in sorted(Path(runs_dir).rglob("record.json")) if Path(runs_dir).exists() else []:
-        try:
-            record = read_record(path.parent)
-        except ValueError as error:
-            found.warnings.append(f"skipped {error}")
-            continue
-        if record.get("status") != "complete":
-            found.warnings.append(f"skipped {path}: status {record.get('status')!r}, not complete")
-            continue
-        record["steps"] = read_steps(path.parent)
-        record["path"] = str(path.parent)
-        experiment = path.parent.parent.name if path.parent.parent != Path(runs_dir) else None
-        if experiment in EXPERIMENTS:
-            found.runs.setdefault(experiment, {})[path.parent.name] = record
-        else:
-            found.other_runs.append(record)
+    runs_dir, results_dir = Path(runs_dir), Path(results_dir)
+    for path in sorted(runs_dir.rglob("record.json")) if runs_dir.exists() else []:
+        _collect_record(found, path, runs_dir)
+    for experiment in EXPERIMENTS:
+        comparison = _read_json(runs_dir / experiment / "comparison.json", found)
+        if comparison is not None:
+            found.comparisons[experiment] = comparison
     for name, (relative, _) in RESULTS.items():
-        found.results[name] = _read_json(Path(results_dir) / relative, found.warnings)
-    found.results["batch_sweep"] = _read_json(Path(runs_dir) / "batch" / "sweep.json", found.warnings)
-    found.results["matrix"] = _read_json(Path(runs_dir) / "matrix" / "matrix.json", found.warnings)
-    for warning in found.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+        found.results[name] = _read_json(results_dir / relative, found)
     return found
 
 
-def _read_json(path: Path, warnings: list):
+def _collect_record(found: Collected, path: Path, runs_dir: Path) -> None:
+    try:
+        record = read_record(path.parent)
+    except ValueError as error:
+        found.skipped.append(str(error))
+        return
+    if record.get("status") != "complete":
+        found.skipped.append(f"{path}: status {record.get('status')!r}, not complete")
+        return
+    record["steps"] = read_steps(path.parent, found.skipped)
+    record["path"] = str(path.parent)
+    found.inputs += [path] + ([path.parent / "steps.jsonl"] if (path.parent / "steps.jsonl").exists() else [])
+    experiment = path.parent.parent.name if path.parent.parent != runs_dir else None
+    if experiment in EXPERIMENTS:
+        found.runs.setdefault(experiment, {})[path.parent.name] = record
+    else:
+        found.other_runs.append(record)
+
+
+def _read_json(path: Path, found: Collected):
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        warnings.append(f"skipped {path}: not readable JSON ({error})")
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        found.skipped.append(f"{path}: not readable JSON ({' '.join(str(error).split())})")
         return None
+    found.inputs.append(path)
+    return value
 
 
 def missing(experiment: str) -> str:
     target = EXPERIMENTS.get(experiment) or RESULTS[experiment][1]
     return f"Not run yet: `{target}` produces it."
+
+
+def warnings_of(records) -> list[str]:
+    """'run: [code] message' lines for the records a figure shows."""
+    return [f"{r['run_name']}: [{w['code']}] {w['message']}" for r in records for w in r.get("warnings", [])]
 
 
 # ---------------------------------------------------------------- where the time went
@@ -100,11 +111,14 @@ def time_breakdown(record: dict) -> dict:
             "precision": record["environment"]["effective_precision"]}
 
 
-def pick_profile_run(found: Collected) -> dict | None:
-    """The `make profile` run, else the newest complete run anywhere."""
-    if found.runs.get("profile"):
-        return next(iter(found.runs["profile"].values()))
-    candidates = found.other_runs + [r for runs in found.runs.values() for r in runs.values()]
+def pick_breakdown_run(found: Collected) -> dict | None:
+    """The time breakdown comes from a run without the profiler: `make profile`'s default run, else the
+    newest complete run anywhere that did not profile."""
+    profile_runs = found.runs.get("profile", {})
+    if "default-r0" in profile_runs:
+        return profile_runs["default-r0"]
+    candidates = [r for r in found.other_runs + [r for runs in found.runs.values() for r in runs.values()]
+                  if not r["settings"].get("profile")]
     return max(candidates, key=lambda r: r.get("finished", ""), default=None)
 
 
@@ -113,38 +127,42 @@ def pick_profile_run(found: Collected) -> dict | None:
 
 def run_row(record: dict) -> dict:
     summary = record["summary"]
-    memory = summary["memory"]
-    peak = memory.get("max_allocated_gib") or memory["peak_rss_gib"]
     validation = summary["validation"][-1] if summary["validation"] else {}
+    peak, kind = peak_memory(summary["memory"])
     return {
         "run": record["run_name"],
         "precision": record["environment"]["effective_precision"],
         "requested_precision": record["environment"]["requested_precision"],
         "world_size": summary["world_size"],
+        "threads": record["environment"].get("torch_threads"),
         "validation_accuracy": validation.get("accuracy"),
         "test_accuracy": summary["test"]["accuracy"],
         "test_macro_f1": summary["test"]["macro_f1"],
         "wall_s": summary["wall_s"],
         "samples_per_s": summary["throughput"]["samples_per_s"],
         "step_s": summary["throughput"]["step_s"],
-        "peak_memory_gib": peak["max"],
-        "memory_kind": "max allocated" if "max_allocated_gib" in memory else "peak RSS",
+        "peak_memory_gib": peak,
+        "memory_kind": kind,
         "final_train_loss": summary["final_train_loss"],
     }
 
 
-def amp_rows(runs: dict) -> list[dict]:
-    """fp32 first, then each mixed-precision run with its ratios to fp32."""
-    rows = [run_row(r) for r in runs.values()]
-    rows.sort(key=lambda r: (r["precision"] not in ("fp32", "tf32"), r["run"]))
-    if not rows:
-        return []
-    baseline = rows[0]
-    for row in rows:
-        row["speedup"] = row["samples_per_s"] / baseline["samples_per_s"]
-        row["wall_ratio"] = row["wall_s"] / baseline["wall_s"]
-        row["memory_ratio"] = row["peak_memory_gib"] / baseline["peak_memory_gib"]
-        row["test_accuracy_delta"] = row["test_accuracy"] - baseline["test_accuracy"]
+def arm_rows(comparison: dict) -> list[dict]:
+    """One row per arm of an experiment: medians and ranges over rounds, the verdict against the baseline."""
+    rows = []
+    for name, arm in comparison["arms"].items():
+        row = {"arm": name, "config": arm["config"], "flags": " ".join(arm["flags"]), "status": arm["status"]}
+        if arm["status"] != "complete":
+            rows.append({**row, "reason": arm["reason"]})
+            continue
+        against = comparison["comparisons"].get(name, {})
+        row.update({k: arm[k] for k in ("precision", "world_size", "memory_kind", "warnings")})
+        for metric in ("samples_per_s", "step_s", "peak_memory_gib", "test_accuracy", "validation_accuracy"):
+            row[metric] = arm[metric]["median"] if arm.get(metric) else None
+            row[f"{metric}_range"] = (arm[metric]["min"], arm[metric]["max"]) if arm.get(metric) else None
+        row["speed"] = against.get("speed")
+        row["memory_ratio"] = against["memory_ratio"]["median"] if against.get("memory_ratio") else None
+        rows.append(row)
     return rows
 
 
@@ -152,22 +170,6 @@ def loss_curves(runs: dict) -> dict:
     """Run name -> (steps, training losses), from each run's step lines."""
     return {name: ([line["step"] for line in r["steps"]], [line["loss"] for line in r["steps"]])
             for name, r in runs.items()}
-
-
-def ckpt_rows(runs: dict) -> list[dict]:
-    rows = [run_row(r) for name, r in sorted(runs.items(), key=lambda kv: kv[0] != "off")]
-    for row, record in zip(rows, [runs[r["run"]] for r in rows]):
-        row["gradient_checkpointing"] = record["settings"]["gradient_checkpointing"]
-    if len(rows) >= 2:
-        off = rows[0]
-        for row in rows:
-            row["step_ratio"] = row["step_s"] / off["step_s"]
-            row["memory_ratio"] = row["peak_memory_gib"] / off["peak_memory_gib"]
-    return rows
-
-
-def batch_rows(sweep: dict | None) -> list[dict]:
-    return [row for row in (sweep or {}).get("rows", [])]
 
 
 def stage_seconds_per_step(record: dict) -> dict:
@@ -192,14 +194,7 @@ def attribution(baseline: dict, other: dict) -> list[dict]:
             for stage in before]
 
 
-def matrix_rows(runs: dict, order: list[str] | None = None) -> list[dict]:
-    names = [n for n in (order or []) if n in runs] + sorted(n for n in runs if n not in (order or []))
-    rows = []
-    for name in names:
-        row = run_row(runs[name])
-        row.update({f"{stage}_s_per_step": value for stage, value in stage_seconds_per_step(runs[name]).items()})
-        rows.append(row)
-    if rows:
-        for row in rows:
-            row["speedup"] = row["samples_per_s"] / rows[0]["samples_per_s"]
-    return rows
+def first_round_runs(comparison: dict, runs: dict) -> dict:
+    """arm -> its first round's record (the run a figure of per-run detail shows)."""
+    return {name: runs[arm["runs"][0]] for name, arm in comparison["arms"].items()
+            if arm["status"] == "complete" and arm["runs"][0] in runs}

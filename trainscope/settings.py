@@ -4,7 +4,7 @@ Flags are the field names with dashes (`--per-device-batch-size 32`); underscore
 Topology and precision are not here: they come from the `accelerate launch --config_file` YAML.
 """
 
-import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -126,7 +126,18 @@ class Settings:
     timing_warmup_steps: int = HfArg(
         default=2, help="First optimizer steps recorded apart (start-up, allocator warm-up) from the steady state."
     )
-    tf32: bool = HfArg(default=False, help="Allow TF32 matmuls on Ampere+ GPUs in fp32 runs (recorded).")
+    tf32: bool = HfArg(
+        default=False,
+        help="Allow TF32 matmuls on Ampere+ GPUs in fp32 runs. Off means off: trainscope re-applies it after "
+        "Accelerate's set-up (whose --compile path turns TF32 on) and records what was in effect.",
+    )
+    threads: str = HfArg(
+        default="auto",
+        help="Intra-op CPU threads of each process: auto (the cores this process may use, from its CPU affinity, "
+        "divided by the processes on this node), a number, or launcher (keep what OMP_NUM_THREADS says). "
+        "accelerate launch exports OMP_NUM_THREADS=1 (its --num_cpu_threads_per_process, default 1 unless the "
+        "config says use_cpu), which would run a CPU job on one core; auto overrides it. Recorded with its source.",
+    )
     profile: bool = HfArg(
         default=False,
         help="Trace a window of optimizer steps with torch.profiler into <run>/profile (TensorBoard and "
@@ -136,7 +147,42 @@ class Settings:
     profile_warmup: int = HfArg(default=1, help="Steps the profiler runs but discards.")
     profile_active: int = HfArg(default=3, help="Steps traced.")
     memory_snapshot: bool = HfArg(
-        default=False, help="With --profile on CUDA: save the allocator history (pytorch.org/memory_viz)."
+        default=False,
+        help="On CUDA: record the allocator history over --memory-snapshot-steps optimizer steps after the "
+        "timing warm-up and save it for pytorch.org/memory_viz (the record says which steps).",
+    )
+    memory_snapshot_steps: int = HfArg(default=3, help="Optimizer steps the memory snapshot covers.")
+    memory_every: int = HfArg(
+        default=10,
+        help="On CUDA, read per-stage allocator peaks on every Nth optimizer step (one reset and one read per "
+        "stage); 1 reads them every step, which costs time on fast GPUs.",
+    )
+
+    # ---- DDP (multi-process runs; passed to DistributedDataParallel through Accelerate) ----
+    ddp_bucket_cap_mb: float | None = HfArg(
+        default=None, help="DDP gradient bucket size in MB (PyTorch's default: 25). Smaller buckets start "
+        "all-reducing earlier in backward; larger ones send fewer, bigger messages.",
+    )
+    ddp_gradient_as_bucket_view: bool = HfArg(
+        default=False, help="DDP: gradients are views into the all-reduce buckets (saves a copy and memory)."
+    )
+    ddp_static_graph: bool = HfArg(
+        default=False, help="DDP: the set of used parameters is the same every step (enables optimizations)."
+    )
+    ddp_find_unused_parameters: bool = HfArg(
+        default=False, help="DDP: look for parameters without gradients each step (needed only for such models)."
+    )
+    ddp_comm_hook: Literal["none", "fp16", "bf16"] = HfArg(
+        default="none", help="DDP gradient compression hook: all-reduce gradients in fp16 or bf16 (half the bytes)."
+    )
+    measure_communication: Literal["auto", "on", "off"] = HfArg(
+        default="auto",
+        help="In multi-process runs, measure the all-reduce time backward waits for (exposed communication) with "
+        "a few calibration steps whose backward skips the all-reduce (no_sync) and one all-reduce of the same "
+        "gradients; auto: on whenever there are several processes.",
+    )
+    communication_samples: int = HfArg(
+        default=3, help="Calibration steps (no_sync backward plus a separate all-reduce) per multi-process run."
     )
 
     # ---- output ----
@@ -147,6 +193,11 @@ class Settings:
         default="wandb",
         help="Trackers through Accelerate. W&B runs offline when it has no API key or no network.",
     )
+    tracker_group: str | None = HfArg(
+        default=None,
+        help="W&B group for this run, so runs of one experiment overlay in one W&B view (the AMP comparison "
+        "sets it); also recorded.",
+    )
     save_every: int | None = HfArg(
         default=None, help="Save a resumable checkpoint (Accelerate save_state) every N optimizer steps."
     )
@@ -156,6 +207,10 @@ class Settings:
 
     def validate(self) -> None:
         """Refuse impossible settings with one line each, before anything is loaded or written."""
+        self._validate_numbers()
+        self._validate_combinations()
+
+    def _validate_numbers(self) -> None:
         positive = {
             "per-device-batch-size": self.per_device_batch_size,
             "eval-batch-size": self.eval_batch_size,
@@ -170,6 +225,9 @@ class Settings:
             "max-test-samples": self.max_test_samples,
             "lora-r": self.lora_r,
             "prefetch-factor": self.prefetch_factor,
+            "memory-snapshot-steps": self.memory_snapshot_steps,
+            "memory-every": self.memory_every,
+            "communication-samples": self.communication_samples,
         }
         for flag, value in positive.items():
             if value is not None and value <= 0:
@@ -181,21 +239,37 @@ class Settings:
                 raise UserError(f"--{flag} must be 0 or more, got {value}")
         if self.profile_active < 1:
             raise UserError(f"--profile-active must be at least 1, got {self.profile_active}")
-        if self.memory_snapshot and not self.profile:
-            raise UserError("--memory-snapshot needs --profile")
+        for flag, value in (("learning-rate", self.learning_rate), ("weight-decay", self.weight_decay),
+                            ("max-grad-norm", self.max_grad_norm), ("lora-dropout", self.lora_dropout),
+                            ("warmup-fraction", self.warmup_fraction), ("ddp-bucket-cap-mb", self.ddp_bucket_cap_mb),
+                            ("validation-fraction", self.validation_fraction), ("test-fraction", self.test_fraction)):
+            if value is not None and not math.isfinite(value):
+                raise UserError(f"--{flag} must be a finite number, got {value}")
+        if self.learning_rate <= 0:
+            raise UserError(f"--learning-rate must be positive, got {self.learning_rate}")
+        if self.weight_decay < 0:
+            raise UserError(f"--weight-decay must be 0 or more, got {self.weight_decay}")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise UserError(f"--max-grad-norm must be 0 (off) or more, got {self.max_grad_norm}")
+        if self.ddp_bucket_cap_mb is not None and self.ddp_bucket_cap_mb <= 0:
+            raise UserError(f"--ddp-bucket-cap-mb must be positive, got {self.ddp_bucket_cap_mb}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise UserError(f"--warmup-fraction must be in [0, 1), got {self.warmup_fraction}")
+        for flag, value in (("validation-fraction", self.validation_fraction), ("test-fraction", self.test_fraction)):
+            if not 0 < value < 0.5:
+                raise UserError(f"--{flag} must be between 0 and 0.5, got {value}")
+        if self.threads not in ("auto", "launcher") and not (self.threads.isdigit() and int(self.threads) > 0):
+            raise UserError(f"--threads takes auto, launcher or a positive number, got {self.threads!r}")
+
+    def _validate_combinations(self) -> None:
         if self.timing_warmup_steps < 0:
             raise UserError(f"--timing-warmup-steps must be 0 or more, got {self.timing_warmup_steps}")
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise UserError("--prefetch-factor needs --num-workers > 0 (workers are what prefetch)")
         if self.persistent_workers and self.num_workers == 0:
             raise UserError("--persistent-workers needs --num-workers > 0")
-        for flag, value in (("validation-fraction", self.validation_fraction), ("test-fraction", self.test_fraction)):
-            if not 0 < value < 0.5:
-                raise UserError(f"--{flag} must be between 0 and 0.5, got {value}")
-        if self.learning_rate <= 0:
-            raise UserError(f"--learning-rate must be positive, got {self.learning_rate}")
-        if not 0 <= self.warmup_fraction < 1:
-            raise UserError(f"--warmup-fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.resume and not self.run_name:
             raise UserError("--resume needs --run-name of the run to continue")
         if self.resume and self.overwrite:
@@ -233,6 +307,3 @@ def parse_settings(*extra_dataclasses, argv: list[str] | None = None, descriptio
         parser.error(str(error))
     return tuple(parsed)
 
-
-def settings_dict(settings) -> dict:
-    return dataclasses.asdict(settings)

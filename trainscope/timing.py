@@ -11,6 +11,10 @@ Two clocks charge each stage its device time instead:
   events have completed (polled without blocking, or all at once at a log step).
 
 On a CPU, work is synchronous and both are the host clock. Time is `time.perf_counter`.
+
+On CUDA every stage is also an NVTX range (an Nsight Systems timeline shows data / forward /
+backward / optimizer / eval), and on sampled steps the allocator's peak per stage is read with one
+reset and one read (`memory.CudaMemoryProbe`).
 """
 
 import time
@@ -19,7 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
-from trainscope.memory import GIB, PeakMemory
+from trainscope.memory import GIB, CudaMemoryProbe
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval")
 ALL_STAGES = (*STAGES, "other")
@@ -101,6 +105,15 @@ def make_clock(mode: str, device: torch.device):
     return EventClock(device), "events"
 
 
+class Nvtx:
+    """NVTX ranges on CUDA (visible in Nsight Systems); a do-nothing stand-in elsewhere."""
+
+    def __init__(self, device: torch.device, push=None, pop=None):
+        enabled = device.type == "cuda" or push is not None
+        self.push = (push or torch.cuda.nvtx.range_push) if enabled else (lambda name: None)
+        self.pop = (pop or torch.cuda.nvtx.range_pop) if enabled else (lambda: None)
+
+
 class StageTimer:
     """Times stages and the run's wall clock, kept apart from any formatting.
 
@@ -117,22 +130,29 @@ class StageTimer:
     Misuse raises: a stage inside a stage, an unknown stage, timing outside start()/stop().
     """
 
-    def __init__(self, clock=None, device: torch.device | None = None, track_memory: bool = True,
-                 profiler_labels: bool = False):
+    def __init__(self, clock=None, device: torch.device | None = None, memory=None,
+                 profiler_labels: bool = False, nvtx: Nvtx | None = None):
         self.clock = clock or HostClock()
         self.device = device or torch.device("cpu")
         self._synchronize = synchronizer(self.device)
-        self.track_memory = track_memory and self.device.type == "cuda"
+        # per-stage allocator peaks: a probe with reset() and read() -> (allocated, reserved) bytes;
+        # by default CUDA's, none elsewhere; False: none
+        if memory is None:
+            memory = CudaMemoryProbe(self.device) if self.device.type == "cuda" else False
+        self.memory = memory or None
+        self.sample_memory = self.memory is not None  # switched per step by the caller (--memory-every)
         self.profiler_labels = profiler_labels  # record_function(<stage>) spans for torch.profiler
+        self.nvtx = nvtx or Nvtx(self.device)
         self.phase = PHASES[0]
         self.stage_seconds = {phase: defaultdict(float) for phase in PHASES}
         self.stage_calls = {phase: defaultdict(int) for phase in PHASES}
         self.wall_seconds = {phase: 0.0 for phase in PHASES}
-        self.peak_allocated_bytes = defaultdict(int)  # per stage, max over the run (CUDA only)
+        self.peak_allocated_bytes = defaultdict(int)  # per stage, max over the sampled steps (CUDA only)
         self.peak_reserved_bytes = defaultdict(int)
         self.run_peak_allocated_bytes = 0
         self.run_peak_reserved_bytes = 0
         self._interval = defaultdict(float)
+        self._interval_started = None
         self._pending = deque()
         self._active = None
         self._phase_started = None
@@ -149,7 +169,7 @@ class StageTimer:
         if self._running:
             raise RuntimeError("timer already started")
         self._running = True
-        self._phase_started = self._host_now()
+        self._phase_started = self._interval_started = self._host_now()
 
     def set_phase(self, phase: str):
         if phase not in PHASES:
@@ -172,6 +192,7 @@ class StageTimer:
         self.flush()
         self.wall_seconds[self.phase] += now - self._phase_started
         self._running = False
+        self._fold_run_peak()
 
     def restore(self, state: dict):
         """Add the totals of an earlier, checkpointed part of the same run (see `state_dict`)."""
@@ -204,9 +225,10 @@ class StageTimer:
         if self._active is not None:
             raise RuntimeError(f"stage {stage!r} started inside stage {self._active!r}: stages do not nest")
         self._active = stage
-        memory = PeakMemory(self.device) if self.track_memory else None
-        if memory:
-            memory.__enter__()
+        sampling = self.memory is not None and self.sample_memory
+        if sampling:
+            self.memory.reset()
+        self.nvtx.push(stage)
         begin = self.clock.mark()
         try:
             if self.profiler_labels:
@@ -216,20 +238,33 @@ class StageTimer:
                 yield
         finally:
             end = self.clock.mark()
-            if memory:
-                memory.__exit__(None, None, None)
-                self._record_memory(stage, memory)
+            self.nvtx.pop()
+            if sampling:
+                self._record_memory(stage, *self.memory.read())
             self._active = None
             self._pending.append((self.phase, stage, begin, end))
             self._resolve(block=False)
 
-    def _record_memory(self, stage: str, memory: PeakMemory):
-        self.peak_allocated_bytes[stage] = max(self.peak_allocated_bytes[stage], memory.allocated_bytes)
-        self.peak_reserved_bytes[stage] = max(self.peak_reserved_bytes[stage], memory.reserved_bytes)
-        self.run_peak_allocated_bytes = max(
-            self.run_peak_allocated_bytes, memory.allocated_bytes, memory.before_allocated_bytes)
-        self.run_peak_reserved_bytes = max(
-            self.run_peak_reserved_bytes, memory.reserved_bytes, memory.before_reserved_bytes)
+    def set_memory_sampling(self, on: bool):
+        """Sample per-stage peaks from now on (or stop). Switching on first folds the peak of the
+        unsampled steps since the last reset into the whole-run peak (one read)."""
+        if self.memory is None:
+            return
+        if on and not self.sample_memory:
+            self._fold_run_peak()
+        self.sample_memory = on
+
+    def _fold_run_peak(self):
+        if self.memory is not None:
+            allocated, reserved = self.memory.read()
+            self.run_peak_allocated_bytes = max(self.run_peak_allocated_bytes, allocated)
+            self.run_peak_reserved_bytes = max(self.run_peak_reserved_bytes, reserved)
+
+    def _record_memory(self, stage: str, allocated: int, reserved: int):
+        self.peak_allocated_bytes[stage] = max(self.peak_allocated_bytes[stage], allocated)
+        self.peak_reserved_bytes[stage] = max(self.peak_reserved_bytes[stage], reserved)
+        self.run_peak_allocated_bytes = max(self.run_peak_allocated_bytes, allocated)
+        self.run_peak_reserved_bytes = max(self.run_peak_reserved_bytes, reserved)
 
     def _resolve(self, block: bool):
         while self._pending:
@@ -249,10 +284,14 @@ class StageTimer:
         self._resolve(block=True)
 
     def take_interval(self) -> dict:
-        """Stage seconds since the last call (flushes first); for per-step log lines."""
+        """{stage_s: stage seconds, wall_s: wall seconds} since the last call (or start), from this one
+        clock; for per-step log lines. Flushes first."""
+        now = self._host_now()
         self.flush()
-        interval = {stage: self._interval.get(stage, 0.0) for stage in STAGES}
+        interval = {"stage_s": {stage: self._interval.get(stage, 0.0) for stage in STAGES},
+                    "wall_s": now - self._interval_started}
         self._interval.clear()
+        self._interval_started = now
         return interval
 
     # ---- results
@@ -269,8 +308,8 @@ class StageTimer:
         return phases
 
     def memory_summary(self) -> dict:
-        """Per-stage and whole-run device memory peaks in GiB (empty on a CPU)."""
-        if not self.track_memory:
+        """Per-stage and whole-run device memory peaks in GiB (empty without a probe, as on a CPU)."""
+        if self.memory is None:
             return {}
         return {
             "stage_peak_allocated_gib": {s: b / GIB for s, b in self.peak_allocated_bytes.items()},

@@ -9,6 +9,8 @@ import os
 import socket
 from urllib.parse import urlparse
 
+from trainscope.records import scrub
+
 WANDB_DEFAULT_HOST = "https://api.wandb.ai"
 
 
@@ -47,7 +49,7 @@ def trackers_for(report_to: str) -> list[str]:
     return {"none": [], "wandb": ["wandb"], "tensorboard": ["tensorboard"], "all": ["wandb", "tensorboard"]}[report_to]
 
 
-def init_kwargs(trackers: list[str], run_name: str, run_dir) -> tuple[dict, dict]:
+def init_kwargs(trackers: list[str], run_name: str, run_dir, group: str | None = None) -> tuple[dict, dict]:
     """Per-tracker init kwargs for `accelerator.init_trackers`, and what to record about them."""
     kwargs, facts = {}, {}
     if "wandb" in trackers:
@@ -55,20 +57,21 @@ def init_kwargs(trackers: list[str], run_name: str, run_dir) -> tuple[dict, dict
 
         mode = wandb_mode()
         kwargs["wandb"] = {
-            "name": run_name, "dir": str(run_dir), "mode": mode,
+            "name": run_name, "dir": str(run_dir), "mode": mode, "group": group,
             # no command line, git remote or code snapshot: they can carry tokens
             "settings": wandb.Settings(x_disable_meta=True, disable_git=True, save_code=False, silent=True),
         }
-        facts["wandb"] = {"mode": mode}
+        facts["wandb"] = {"mode": mode, "group": group}
     if "tensorboard" in trackers:
         facts["tensorboard"] = {"logdir": str(run_dir / "tensorboard")}
     return kwargs, facts
 
 
 def flat_config(settings: dict) -> dict:
-    """Tracker configs take scalars: lists become comma-joined strings, None becomes 'none'."""
+    """Tracker configs take scalars: lists become comma-joined strings, None becomes 'none'; redacted
+    like everything trainscope writes."""
     flat = {}
-    for key, value in settings.items():
+    for key, value in scrub(settings).items():
         if isinstance(value, (list, tuple)):
             value = ",".join(map(str, value))
         flat[key] = "none" if value is None else value

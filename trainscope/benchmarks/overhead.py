@@ -1,52 +1,50 @@
 """What stage timing costs: train.py's timed loop against a bare loop over the same steps.
 
-Both run as fresh processes with the same model, data, seed, batch size and optimizer steps,
-built by the same builders. The bare loop has no timer, no per-stage memory reads, no log lines
-and no progress bar: it is what a user would write without trainscope. Runs alternate
-(bare, timed, bare, timed, ...) so drift on a noisy machine hits both alike; the result is the
-median of the per-pair ratios of steady-state training samples/s (warm-up steps excluded in both).
+Both are launched by the README's command (`accelerate launch`), get trainscope's thread budget and
+are built by the same builders with the same model, data, seed, batch size and optimizer steps. The
+bare loop has no timer, no per-stage memory reads, no log lines and no progress bar: it is what a
+user writes without trainscope. Rounds alternate the order (bare, timed, then timed, bare, ...) and
+the result per timing clock is the median of per-round ratios of steady-state training samples/s
+(warm-up steps excluded in both) with their range and a verdict. On CUDA a third arm reads the
+per-stage allocator peaks at every step (--memory-every 1), to show what they cost.
 
     python -m trainscope.benchmarks.overhead [--pairs 5] [--modes events sync] [train.py flags]
 
-Writes benchmarks/timing_overhead.json and .md.
+Writes benchmarks/timing_overhead.{json,md}.
 """
 
 import argparse
+import contextlib
 import json
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
-from trainscope import environment
-from trainscope.records import write_json_atomic
+from trainscope import bench, launching
+from trainscope.records import read_record
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = launching.ROOT
 DEFAULT_TRAIN_ARGS = ["--max-train-samples", "1280", "--per-device-batch-size", "16", "--max-seq-length", "64",
                       "--max-steps", "40", "--timing-warmup-steps", "5", "--max-eval-samples", "32",
                       "--max-test-samples", "32", "--report-to", "none"]
-TARGETS = {"host": 0.02, "events": 0.01, "sync": 0.03}
+TARGETS = {"host": 0.02, "events": 0.01, "sync": 0.03, "memory-every-step": 0.01}
 
 
 def bare_loop(argv: list[str]) -> None:
     """The loop a user writes without instrumentation; prints steady-state samples/s as JSON."""
-    import contextlib
-
     import torch.nn.functional as F
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import set_seed
 
+    from trainscope import startup
     from trainscope.data import build_dataloaders, load_classification_data
-    from trainscope.modeling import build_model, build_optimizer, build_tokenizer
+    from trainscope.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
     from trainscope.settings import parse_settings
-    from transformers import get_scheduler
 
     (settings,) = parse_settings(argv=argv)
+    startup.configure_process(settings)
     set_seed(settings.seed)
     tokenizer = build_tokenizer(settings)
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
@@ -56,9 +54,7 @@ def bare_loop(argv: list[str]) -> None:
         use_seedable_sampler=True, data_seed=settings.seed, non_blocking=on_cuda))
     train_loader, _, _ = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)
     optimizer = build_optimizer(model, settings, accelerator.device)
-    scheduler = get_scheduler(settings.lr_scheduler, optimizer,
-                              num_warmup_steps=int(settings.warmup_fraction * settings.max_steps),
-                              num_training_steps=settings.max_steps)
+    scheduler = build_scheduler(settings, optimizer, settings.max_steps, int(settings.warmup_fraction * settings.max_steps))
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     model.train()
     samples, step, started = 0, 0, None
@@ -82,26 +78,67 @@ def bare_loop(argv: list[str]) -> None:
             samples += labels.shape[0]
     if on_cuda:
         torch.cuda.synchronize()
-    print(json.dumps({"samples_per_s": samples / (time.perf_counter() - started)}))
+    print(json.dumps({"samples_per_s": samples / (time.perf_counter() - started), "threads": torch.get_num_threads()}))
 
 
-def timed_run(train_args: list[str], mode: str, output_dir: Path, name: str) -> float:
-    command = [sys.executable, str(ROOT / "train.py"), *train_args, "--timing", mode,
-               "--output-dir", str(output_dir), "--run-name", name]
-    subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
-    record = json.loads((output_dir / name / "record.json").read_text())
-    return record["summary"]["throughput"]["samples_per_s"]
+def bare_run(train_args: list[str]) -> dict:
+    command = [launching.ACCELERATE, "launch", "-m", "trainscope.benchmarks.overhead", "--bare", *train_args]
+    result = launching.run_captured(command, launching.training_env())
+    if result.returncode != 0:
+        raise SystemExit(f"error: the bare loop failed: {launching.failure_reason(result)}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def bare_run(train_args: list[str]) -> float:
-    command = [sys.executable, "-m", "trainscope.benchmarks.overhead", "--bare", *train_args]
-    result = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
-    return json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
+def timed_run(train_args: list[str], output_dir: Path, name: str) -> dict:
+    result = launching.run_training([*train_args, "--output-dir", str(output_dir), "--run-name", name], echo=False)
+    if result.returncode != 0:
+        raise SystemExit(f"error: train.py failed: {launching.failure_reason(result)}")
+    record = read_record(output_dir / name)
+    return {"samples_per_s": record["summary"]["throughput"]["samples_per_s"],
+            "threads": record["environment"]["torch_threads"]}
+
+
+def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path) -> dict:
+    on_gpu = torch.cuda.is_available()
+    arms = {"bare": lambda i: bare_run(train_args)}
+    for mode in modes:
+        label = mode if on_gpu else "host"
+        arms[label] = lambda i, mode=mode, label=label: timed_run([*train_args, "--timing", mode], scratch, f"{label}-{i}")
+    if on_gpu:
+        arms["memory-every-step"] = lambda i: timed_run([*train_args, "--timing", modes[0], "--memory-every", "1"],
+                                                        scratch, f"memory-{i}")
+    rounds = bench.alternate(arms, pairs)
+    results = {}
+    for label in [a for a in arms if a != "bare"]:
+        comparison = bench.compare(bench.pair_ratios(rounds, label, "bare", "samples_per_s"))
+        overhead = 1 - comparison["median_ratio"]
+        results[label] = {**comparison, "overhead": overhead, "target_overhead": TARGETS[label],
+                          "meets_target": overhead <= TARGETS[label],
+                          "samples_per_s": bench.spread([r[label]["samples_per_s"] for r in rounds])}
+    return {"rounds": rounds, "bare_samples_per_s": bench.spread([r["bare"]["samples_per_s"] for r in rounds]),
+            "threads": sorted({r[a]["threads"] for r in rounds for a in arms}), "results": results}
+
+
+def markdown(report: dict) -> list[str]:
+    lines = ["# Stage-timing overhead", "", f"train.py flags: `{' '.join(report['train_args'])}`; both arms by "
+             f"`accelerate launch`; {len(report['rounds'])} alternating rounds; torch threads per process: "
+             f"{', '.join(map(str, report['threads']))}.", "",
+             "| timing clock | bare samples/s (median) | train.py samples/s (median) | ratio train.py / bare "
+             "(median, min-max) | verdict | overhead (median) | target |", "|---|---:|---:|---:|---|---:|---|"]
+    for label, r in report["results"].items():
+        lines.append(f"| {label} | {report['bare_samples_per_s']['median']:.2f} | {r['samples_per_s']['median']:.2f} | "
+                     f"{bench.ratio_text(r)} | {r['verdict']} | {r['overhead']:+.2%} | <= {r['target_overhead']:.0%} "
+                     f"{'met' if r['meets_target'] else 'NOT met'} |")
+    lines += ["", "A ratio range that straddles 1 means the cost of timing is within this machine's run-to-run "
+              "noise: the overhead figure is then an upper bound, not a measurement."]
+    if not torch.cuda.is_available():
+        lines += ["", "GPU (events <= 1%, sync <= 3%, per-stage memory statistics every step): not measured on GPU."]
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=5, help="bare/timed pairs per timing mode (default 5)")
+    parser.add_argument("--pairs", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--modes", nargs="+", default=None, choices=["events", "sync"],
                         help="timing modes to measure (default: both on a GPU, the host clock on a CPU)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "timing_overhead"),
@@ -113,58 +150,13 @@ def main() -> None:
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     train_args = [*DEFAULT_TRAIN_ARGS, *train_args]
-    on_gpu = torch.cuda.is_available()
-    modes = args.modes or (["events", "sync"] if on_gpu else ["events"])
-    results = {}
+    modes = args.modes or (["events", "sync"] if torch.cuda.is_available() else ["events"])
     with tempfile.TemporaryDirectory() as scratch:
-        for mode in modes:
-            label = mode if on_gpu else "host"
-            pairs = []
-            for i in range(args.pairs):
-                bare = bare_run(train_args)
-                timed = timed_run(train_args, mode, Path(scratch), f"{mode}-{i}")
-                pairs.append({"bare_samples_per_s": bare, "timed_samples_per_s": timed, "ratio": timed / bare})
-                print(f"{label} pair {i + 1}/{args.pairs}: bare {bare:.2f}, timed {timed:.2f} samples/s, "
-                      f"ratio {timed / bare:.4f}", flush=True)
-            ratio = statistics.median(p["ratio"] for p in pairs)
-            results[label] = {
-                "pairs": pairs, "median_ratio": ratio, "overhead": 1 - ratio,
-                "median_bare_samples_per_s": statistics.median(p["bare_samples_per_s"] for p in pairs),
-                "median_timed_samples_per_s": statistics.median(p["timed_samples_per_s"] for p in pairs),
-                "target_overhead": TARGETS[label], "meets_target": 1 - ratio <= TARGETS[label],
-            }
-    device = torch.device("cuda" if on_gpu else "cpu")
-    report = {
-        "benchmark": "timing_overhead", "benchmark_version": 1, "date": date.today().isoformat(),
-        "machine": {"device_name": environment.device_name(device), "usable_cores": environment.usable_cores(),
-                    "torch": torch.__version__, "packages": environment.package_versions()},
-        "train_args": train_args, "results": results,
-    }
-    out = Path(args.out)
-    write_json_atomic(out.with_suffix(".json"), report)
-    out.with_suffix(".md").write_text(markdown(report, on_gpu))
-    print(out.with_suffix(".md").read_text())
-
-
-def markdown(report: dict, on_gpu: bool) -> str:
-    machine = report["machine"]
-    lines = [
-        "# Stage-timing overhead",
-        "",
-        f"{report['date']}, {machine['device_name']}, {machine['usable_cores']} usable cores, torch {machine['torch']}.",
-        f"train.py flags: `{' '.join(report['train_args'])}`",
-        "",
-        "| timing clock | bare samples/s (median) | train.py samples/s (median) | median ratio | overhead | target |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for label, r in report["results"].items():
-        lines.append(f"| {label} | {r['median_bare_samples_per_s']:.2f} | {r['median_timed_samples_per_s']:.2f} | "
-                     f"{r['median_ratio']:.4f} | {r['overhead']:+.2%} | <= {r['target_overhead']:.0%} "
-                     f"{'met' if r['meets_target'] else 'NOT met'} |")
-    if not on_gpu:
-        lines += ["", "GPU (events <= 1%, sync <= 3%): not measured on GPU."]
-    lines += ["", "Ratios are per bare/timed pair run back to back; a ratio above 1 means the two are within noise."]
-    return "\n".join(lines) + "\n"
+        report = {"benchmark": "timing_overhead", "benchmark_version": 2, "train_args": train_args,
+                  **measure(train_args, modes, args.pairs, Path(scratch))}
+    for path in bench.write_results(Path(args.out), report, markdown(report)):
+        print(f"wrote {path}")
+    print(Path(args.out).with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":

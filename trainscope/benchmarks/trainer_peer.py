@@ -1,11 +1,16 @@
-"""train.py against the HF transformers.Trainer: same model, data, batch size, precision and steps.
+"""train.py against the HF transformers.Trainer: same model, data, batches, batch size, precision, steps.
 
-Both are built from the same builders (tokenizer, tokenized splits, model) and run as fresh
-processes, interleaved (Trainer, train.py, Trainer, ...). Each reports steady-state training
-samples/s over the same optimizer steps (the first --timing-warmup-steps excluded, no evaluation):
-train.py from its run record, the Trainer through a callback that starts the clock at the end of
-the warm-up steps and stops it after the last. The result is the median of per-pair ratios
-train.py / Trainer (above 1: train.py is faster).
+Three arms, all launched the way a user launches them and all with trainscope's thread budget:
+
+  trainer      `accelerate launch -m trainscope.benchmarks.trainer_peer --trainer` (a Trainer script)
+  accelerate   `accelerate launch [--config_file C] train.py`  (the README's command)
+  python       `python train.py`
+
+The Trainer gets train.py's own DataLoader (same collate, same sampler seed through Accelerate's
+seedable sampler, last partial batch kept by both), so both see the same samples in the same order;
+the benchmark checks it by comparing the non-padding tokens of every logged interval. Each arm
+reports steady-state training samples/s and tokens/s (first --timing-warmup-steps excluded, no
+evaluation). Rounds alternate the order of the arms; the verdicts come from per-round ratios.
 
     python -m trainscope.benchmarks.trainer_peer [--pairs 5] [--precision bf16] [train.py flags]
 
@@ -15,53 +20,67 @@ Writes benchmarks/trainer_peer.{json,md}.
 import argparse
 import contextlib
 import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
-from trainscope import environment
-from trainscope.records import write_json_atomic
+from trainscope import bench, launching
+from trainscope.records import read_record, read_steps
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = launching.ROOT
 DEFAULT_ARGS = ["--max-train-samples", "1600", "--per-device-batch-size", "32", "--max-steps", "30",
                 "--timing-warmup-steps", "5", "--max-eval-samples", "32", "--max-test-samples", "32",
-                "--report-to", "none", "--log-every", "10"]
-CONFIG_FOR = {("cpu", "fp32"): "cpu", ("cuda", "fp32"): "single_gpu", ("cuda", "bf16"): "bf16",
+                "--report-to", "none", "--log-every", "5"]
+CONFIG_FOR = {("cpu", "fp32"): None, ("cuda", "fp32"): "single_gpu", ("cuda", "bf16"): "bf16",
               ("cuda", "fp16"): "fp16", ("cpu", "bf16"): "bf16"}
+GOAL = 1.05  # train.py by its documented launcher against the Trainer
 
 
 def trainer_loop(argv: list[str], precision: str) -> None:
-    """Fine-tune with transformers.Trainer; print steady-state samples/s as JSON."""
+    """Fine-tune with transformers.Trainer on train.py's own loader; print steady-state figures as JSON."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from trainscope.data import build_collator, load_classification_data
+    from trainscope import startup
+    from trainscope.data import build_dataloaders, load_classification_data
     from trainscope.modeling import build_model, build_tokenizer
     from trainscope.settings import parse_settings
 
     (settings,) = parse_settings(argv=argv)
+    startup.configure_process(settings)  # the same thread budget as train.py
     tokenizer = build_tokenizer(settings)
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
     torch.manual_seed(settings.seed)
     model, _ = build_model(settings, data.label_names, tokenizer)
-    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    on_cuda = torch.cuda.is_available()
+    loader = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)[0]
+
+    class PeerTrainer(Trainer):
+        tokens = None
+
+        def get_train_dataloader(self):
+            return self.accelerator.prepare(loader)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            mask = inputs["attention_mask"].sum()  # on the device: read at log steps only, as train.py does
+            self.tokens = mask if self.tokens is None else self.tokens + mask
+            return super().training_step(model, inputs, num_items_in_batch)
 
     class SteadyClock(TrainerCallback):
         started = finished = None
+        tokens_at = {}
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == settings.timing_warmup_steps:
-                synchronize()
-                self.started = time.perf_counter()
-            if state.global_step == settings.max_steps:
-                synchronize()
-                self.finished = time.perf_counter()
+            step = state.global_step
+            if step == settings.timing_warmup_steps or step == settings.max_steps:
+                if on_cuda:
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                self.started, self.finished = (now, None) if step == settings.timing_warmup_steps else (self.started, now)
+            if step % settings.log_every == 0 or step in (settings.timing_warmup_steps, settings.max_steps):
+                self.tokens_at[step] = int(trainer.tokens.item())  # sync point: log steps and the window's ends
 
     clock = SteadyClock()
     with tempfile.TemporaryDirectory() as scratch:
@@ -71,38 +90,99 @@ def trainer_loop(argv: list[str], precision: str) -> None:
             lr_scheduler_type=settings.lr_scheduler, warmup_steps=int(settings.warmup_fraction * settings.max_steps),
             max_grad_norm=settings.max_grad_norm or 0.0, logging_steps=settings.log_every, report_to=[],
             save_strategy="no", eval_strategy="no", dataloader_num_workers=settings.num_workers,
-            dataloader_pin_memory=torch.cuda.is_available(), seed=settings.seed, optim="adamw_torch_fused",
-            bf16=precision == "bf16", fp16=precision == "fp16", tf32=settings.tf32 if torch.cuda.is_available() else None,
-            disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
-        )
-        trainer = Trainer(model=model, args=arguments, train_dataset=data.train,
-                          data_collator=build_collator(tokenizer, settings), callbacks=[clock])
+            dataloader_pin_memory=on_cuda, seed=settings.seed, data_seed=settings.seed, optim="adamw_torch_fused",
+            bf16=precision == "bf16", fp16=precision == "fp16", tf32=settings.tf32 if on_cuda else None,
+            disable_tqdm=True, use_cpu=not on_cuda, dataloader_drop_last=False)
+        trainer = PeerTrainer(model=model, args=arguments, train_dataset=data.train, callbacks=[clock])
         trainer.train()
-    samples = (settings.max_steps - settings.timing_warmup_steps) * settings.per_device_batch_size
-    print(json.dumps({"samples_per_s": samples / (clock.finished - clock.started)}))
+    seconds = clock.finished - clock.started
+    steady_steps = settings.max_steps - settings.timing_warmup_steps
+    tokens = clock.tokens_at[settings.max_steps] - clock.tokens_at[settings.timing_warmup_steps]
+    print(json.dumps({"samples_per_s": steady_steps * settings.per_device_batch_size / seconds,
+                      "tokens_per_s": tokens / seconds, "threads": torch.get_num_threads(),
+                      "tokens_at": clock.tokens_at}))
 
 
-def run_trainer(train_args: list[str], precision: str) -> float:
-    command = [sys.executable, "-m", "trainscope.benchmarks.trainer_peer", "--trainer", "--precision", precision,
-               *train_args]
-    result = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
-    return json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
+def run_trainer(train_args: list[str], precision: str, config: str | None) -> dict:
+    command = [launching.ACCELERATE, "launch", *(["--config_file", str(launching.config_path(config))] if config else []),
+               "-m", "trainscope.benchmarks.trainer_peer", "--trainer", "--precision", precision, *train_args]
+    result = launching.run_captured(command, launching.training_env())
+    if result.returncode != 0:
+        raise SystemExit(f"error: the Trainer arm failed: {launching.failure_reason(result)}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_train_py(train_args: list[str], config: str, output_dir: Path, name: str) -> dict:
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    command = [accelerate, "launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
-               str(ROOT / "train.py"), *train_args, "--output-dir", str(output_dir), "--run-name", name]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1"} if not torch.cuda.is_available() else None
-    subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT, env=env)
-    record = json.loads((output_dir / name / "record.json").read_text())
-    return {"samples_per_s": record["summary"]["throughput"]["samples_per_s"],
-            "effective_precision": record["environment"]["effective_precision"]}
+def run_train_py(train_args: list[str], config: str | None, launcher: str, output_dir: Path, name: str) -> dict:
+    result = launching.run_training([*train_args, "--output-dir", str(output_dir), "--run-name", name], config,
+                                    launcher, echo=False)
+    if result.returncode != 0:
+        raise SystemExit(f"error: train.py ({launcher}) failed: {launching.failure_reason(result)}")
+    record = read_record(output_dir / name)
+    throughput = record["summary"]["throughput"]
+    steps = read_steps(output_dir / name)
+    cumulative, tokens_at = 0, {}
+    for line in steps:
+        cumulative += line["tokens"]
+        tokens_at[str(line["step"])] = cumulative
+    return {"samples_per_s": throughput["samples_per_s"], "tokens_per_s": throughput["tokens_per_s"],
+            "threads": record["environment"]["torch_threads"], "tokens_at": tokens_at,
+            "effective_precision": record["environment"]["effective_precision"],
+            "warnings": [w["code"] for w in record.get("warnings", [])]}
+
+
+def same_batches(rounds: list[dict]) -> bool:
+    """Both trainers counted the same non-padding tokens at every step train.py logged: the same batches."""
+    return all(all(str(step) in r["trainer"]["tokens_at"] and r["trainer"]["tokens_at"][str(step)] == tokens
+                   for step, tokens in r["accelerate"]["tokens_at"].items()) for r in rounds)
+
+
+def measure(args, train_args: list[str]) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = CONFIG_FOR[(device, args.precision)]
+    with tempfile.TemporaryDirectory() as scratch:
+        arms = {"trainer": lambda i: run_trainer(train_args, args.precision, config),
+                "accelerate": lambda i: run_train_py(train_args, config, "accelerate", Path(scratch), f"a{i}"),
+                "python": lambda i: run_train_py(train_args, config, "python", Path(scratch), f"p{i}")}
+        if config is not None:
+            arms.pop("python")  # a precision needs its config: python train.py runs fp32 only
+        rounds = bench.alternate(arms, args.pairs)
+    comparisons = {"accelerate_over_trainer": bench.compare(bench.pair_ratios(rounds, "accelerate", "trainer", "samples_per_s")),
+                   "accelerate_over_trainer_tokens": bench.compare(bench.pair_ratios(rounds, "accelerate", "trainer", "tokens_per_s"))}
+    if "python" in arms:
+        comparisons["accelerate_over_python"] = bench.compare(bench.pair_ratios(rounds, "accelerate", "python", "samples_per_s"))
+    return {"benchmark": "trainer_peer", "benchmark_version": 2, "precision": args.precision,
+            "accelerate_config": config, "train_args": train_args, "rounds": rounds,
+            "arms": {name: {"samples_per_s": bench.spread([r[name]["samples_per_s"] for r in rounds]),
+                            "tokens_per_s": bench.spread([r[name]["tokens_per_s"] for r in rounds]),
+                            "threads": sorted({r[name]["threads"] for r in rounds})} for name in arms},
+            "same_batches": same_batches(rounds), "comparisons": comparisons, "goal": GOAL,
+            "meets_goal": comparisons["accelerate_over_trainer"]["min_ratio"] >= GOAL}
+
+
+def markdown(report: dict) -> list[str]:
+    c = report["comparisons"]
+    lines = ["# train.py against transformers.Trainer", "",
+             f"Precision {report['precision']} (config {report['accelerate_config'] or 'none'}); flags "
+             f"`{' '.join(report['train_args'])}`; {len(report['rounds'])} alternating rounds; same batches in "
+             f"both trainers: **{'yes' if report['same_batches'] else 'NO'}** (non-padding tokens per logged interval).",
+             "", "| arm | samples/s (median, min-max) | tokens/s (median) | threads |", "|---|---:|---:|---:|"]
+    for name, arm in report["arms"].items():
+        s = arm["samples_per_s"]
+        lines.append(f"| {name} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
+                     f"{arm['tokens_per_s']['median']:.0f} | {', '.join(map(str, arm['threads']))} |")
+    lines += ["", "| comparison | ratio (median, min-max) | verdict |", "|---|---:|---|"]
+    for name, comparison in c.items():
+        lines.append(f"| {name.replace('_', ' ')} | {bench.ratio_text(comparison)} | {comparison['verdict']} |")
+    lines += ["", f"Goal: accelerate launch train.py >= {report['goal']}x the Trainer in every round: "
+              f"{'met' if report['meets_goal'] else 'not met'}."]
+    if not torch.cuda.is_available():
+        lines += ["", "GPU: not measured on GPU."]
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=5, help="Trainer/train.py pairs (default 5)")
+    parser.add_argument("--pairs", type=int, default=5, help="alternating rounds of all arms (default 5)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                         help="precision of both (train.py gets the matching Accelerate config)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "trainer_peer"),
@@ -113,53 +193,14 @@ def main() -> None:
         return trainer_loop(train_args, args.precision)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if (device.type, args.precision) not in CONFIG_FOR:
-        parser.error(f"{args.precision} cannot run on {device.type}")
-    config = CONFIG_FOR[(device.type, args.precision)]
-    train_args = [*DEFAULT_ARGS, *train_args]
-    pairs = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for i in range(args.pairs):
-            trainer = run_trainer(train_args, args.precision)
-            ours = run_train_py(train_args, config, Path(scratch), f"peer-{i}")
-            pairs.append({"trainer_samples_per_s": trainer, "train_py_samples_per_s": ours["samples_per_s"],
-                          "ratio": ours["samples_per_s"] / trainer})
-            print(f"pair {i + 1}/{args.pairs}: Trainer {trainer:.2f}, train.py {ours['samples_per_s']:.2f} samples/s, "
-                  f"ratio {pairs[-1]['ratio']:.4f}", flush=True)
-    ratio = statistics.median(p["ratio"] for p in pairs)
-    report = {
-        "benchmark": "trainer_peer", "benchmark_version": 1, "date": date.today().isoformat(),
-        "machine": {"device_name": environment.device_name(device), "usable_cores": environment.usable_cores(),
-                    "torch": torch.__version__, "packages": environment.package_versions()},
-        "precision": args.precision, "effective_precision": ours["effective_precision"],
-        "accelerate_config": config, "train_args": train_args, "pairs": pairs,
-        "median_ratio": ratio, "target": 1.0, "meets_target": ratio >= 1.0,
-        "median_trainer_samples_per_s": statistics.median(p["trainer_samples_per_s"] for p in pairs),
-        "median_train_py_samples_per_s": statistics.median(p["train_py_samples_per_s"] for p in pairs),
-    }
-    out = Path(args.out)
-    write_json_atomic(out.with_suffix(".json"), report)
-    out.with_suffix(".md").write_text(markdown(report, device))
-    print(out.with_suffix(".md").read_text())
-
-
-def markdown(report: dict, device: torch.device) -> str:
-    machine = report["machine"]
-    lines = ["# train.py against transformers.Trainer", "",
-             f"{report['date']}, {machine['device_name']}, {machine['usable_cores']} usable cores, torch "
-             f"{machine['torch']}, transformers {machine['packages']['transformers']}, precision "
-             f"{report['effective_precision']} (config {report['accelerate_config']}).",
-             f"Flags: `{' '.join(report['train_args'])}`", "",
-             "| pair | Trainer samples/s | train.py samples/s | ratio |", "|---:|---:|---:|---:|"]
-    for i, pair in enumerate(report["pairs"], 1):
-        lines.append(f"| {i} | {pair['trainer_samples_per_s']:.2f} | {pair['train_py_samples_per_s']:.2f} | "
-                     f"{pair['ratio']:.4f} |")
-    lines += ["", f"Median ratio train.py / Trainer: **{report['median_ratio']:.4f}** (target >= 1.0: "
-              f"{'met' if report['meets_target'] else 'NOT met'})."]
-    if device.type == "cpu":
-        lines += ["", "GPU: not measured on GPU."]
-    return "\n".join(lines) + "\n"
+    if (("cuda" if torch.cuda.is_available() else "cpu"), args.precision) not in CONFIG_FOR:
+        parser.error(f"{args.precision} cannot run on this device")
+    report = measure(args, [*DEFAULT_ARGS, *train_args])
+    for path in bench.write_results(Path(args.out), report, markdown(report)):
+        print(f"wrote {path}")
+    print(Path(args.out).with_suffix(".md").read_text())
+    print(f"median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""The one entry through which trainscope's own code runs a training: the README's command.
+
+    accelerate launch [--config_file accelerate_configs/<config>.yaml] train.py [flags]
+    python train.py [flags]
+
+Benchmarks, experiments and `make tune` call `run_training`, so what they measure is exactly what a
+user runs. `plan` decides, from the devices present, whether a config can run here at all: a
+2-process DDP config on a machine with one GPU is skipped with its reason instead of crashing.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = ROOT / "train.py"
+CONFIGS = ROOT / "accelerate_configs"
+PYTHON = sys.executable
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+
+
+def config_path(name: str) -> Path:
+    """accelerate_configs/<name>.yaml (a path is taken as it is)."""
+    path = Path(name)
+    return path if path.suffix in (".yaml", ".yml") else CONFIGS / f"{name}.yaml"
+
+
+def config_facts(config: Path | None) -> dict:
+    """What a config asks for: processes, distributed type, precision, CPU only."""
+    values = yaml.safe_load(Path(config).read_text()) if config else {}
+    return {"num_processes": int(values.get("num_processes", 1)), "distributed_type": values.get("distributed_type", "NO"),
+            "mixed_precision": values.get("mixed_precision", "no"), "use_cpu": bool(values.get("use_cpu", False))}
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass
+class Plan:
+    config: str
+    runnable: bool
+    reason: str | None = None
+    on_cpu: bool = False  # runs with ACCELERATE_USE_CPU=1
+
+
+def plan(config: str, gpus: int | None = None) -> Plan:
+    """Can `config` run on this machine, and how? Without GPUs every config runs on the CPU (DDP over
+    gloo); with GPUs, a config needs as many of them as it has processes."""
+    gpus = cuda_devices() if gpus is None else gpus
+    facts = config_facts(config_path(config))
+    if gpus == 0 or facts["use_cpu"]:
+        return Plan(config, True, on_cpu=True)
+    if facts["num_processes"] > gpus:
+        return Plan(config, False, f"needs {facts['num_processes']} GPUs (one per process), {gpus} present")
+    return Plan(config, True)
+
+
+def train_command(train_args: list[str], config: str | None = None, launcher: str = "accelerate") -> list[str]:
+    if launcher == "python":
+        return [PYTHON, str(TRAIN_SCRIPT), *train_args]
+    return [ACCELERATE, "launch", *(["--config_file", str(config_path(config))] if config else []),
+            str(TRAIN_SCRIPT), *train_args]
+
+
+def training_env(on_cpu: bool | None = None, extra: dict | None = None) -> dict:
+    """The environment of a launched training: ACCELERATE_USE_CPU=1 where it must run on the CPU."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
+    if on_cpu if on_cpu is not None else cuda_devices() == 0:
+        env["ACCELERATE_USE_CPU"] = "1"
+    return env
+
+
+def run_training(train_args: list[str], config: str | None = None, launcher: str = "accelerate",
+                 env: dict | None = None, timeout: float | None = None, echo: bool = True) -> subprocess.CompletedProcess:
+    """Run train.py by the documented command; output captured. On timeout the whole launch
+    (launcher and workers) is killed."""
+    command = train_command(train_args, config, launcher)
+    if echo:
+        print("$ " + " ".join(Path(command[0]).name if i == 0 else part for i, part in enumerate(command)), flush=True)
+    return run_captured(command, env if env is not None else training_env(), timeout)
+
+
+def run_captured(command: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        return subprocess.CompletedProcess(command, -signal.SIGKILL, stdout, stderr + f"\nerror: timed out after {timeout} s")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def failure_reason(result: subprocess.CompletedProcess) -> str:
+    """The run's own `error:` line, else the last line of its output."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    if errors:
+        return errors[-1][len("error: "):]
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit status {result.returncode}"

@@ -1,0 +1,88 @@
+"""The precision a run really computes in, and the fp16 loss scaler's skipped steps.
+
+* `effective_precision`: what autocast really produces (Accelerate runs fp16 as fp32 on a CPU).
+* TF32: Accelerate's set-up turns TF32 matmuls on by itself when a dynamo backend is set on CUDA
+  (accelerate/state.py), so trainscope re-applies `--tf32` after `Accelerator()` and reads back
+  what is in effect instead of trusting what it asked for.
+* bf16 on a CPU is native only with AVX512-BF16 or AMX; elsewhere torch emulates it, slowly.
+* `SkippedSteps`: with a GradScaler and a fused optimizer, Accelerate's `step_was_skipped` never
+  turns true (the fused kernel skips the update itself, so the optimizer's step is always called).
+  A skipped step is the one whose `update()` backed the scale off; the count stays on the device
+  and is read only at log steps.
+"""
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+def effective_precision(accelerator) -> str:
+    """'fp16', 'bf16', 'tf32' or 'fp32': a matmul under the autocast that wraps the forward tells."""
+    a = torch.ones(8, 8, device=accelerator.device)
+    with accelerator.autocast():
+        dtype = (a @ a).dtype
+    if dtype == torch.float16:
+        return "fp16"
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if accelerator.device.type == "cuda" and tf32_in_effect():
+        return "tf32"
+    return "fp32"
+
+
+def tf32_in_effect() -> bool:
+    """Whether fp32 matmuls or convolutions on CUDA may run as TF32 right now."""
+    return bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+
+
+def enforce_tf32(requested: bool) -> bool:
+    """Set the TF32 flags to what --tf32 asked; returns True when something had changed them."""
+    changed = tf32_in_effect() != requested or torch.backends.cuda.matmul.allow_tf32 != torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = requested
+    torch.backends.cudnn.allow_tf32 = requested
+    return changed
+
+
+@lru_cache(maxsize=1)
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_native_bf16(flags: frozenset | None = None) -> bool | None:
+    """True with AVX512-BF16 or AMX-BF16, False without, None when the CPU flags cannot be read."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags:
+        return None
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+class SkippedSteps:
+    """Optimizer steps the loss scaler skipped (inf/NaN gradients), counted without a device sync.
+
+    Call `before_step()` after backward and `after_step()` after the optimizer step (GradScaler's
+    `step` + `update`); read `total()` at log steps only: it is a sync point.
+    """
+
+    def __init__(self, scaler, device: torch.device):
+        self.scaler = scaler
+        self.count = torch.zeros((), dtype=torch.long, device=device) if scaler is not None else None
+        self._scale_before = None
+
+    def before_step(self) -> None:
+        scale = getattr(self.scaler, "_scale", None)  # set by the scaler's first scale(loss)
+        self._scale_before = scale.clone() if scale is not None else None
+
+    def after_step(self) -> None:
+        if self._scale_before is not None:
+            self.count += (self.scaler._scale < self._scale_before).long()  # update() halves it on overflow
+            self._scale_before = None
+
+    def total(self) -> int:
+        return int(self.count.item()) if self.count is not None else 0  # .item() is a sync point
