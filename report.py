@@ -210,8 +210,8 @@ def time_section(report: Report, found: reporting.Collected):
     if not report.begin("Where the time went", record, "profile"):
         return
     breakdown = reporting.time_breakdown(record)
-    if "profile" not in found.runs:
-        report.text(f"From run `{breakdown['run']}` ({reporting.missing('profile')})")
+    report.text(f"From run `{breakdown['run']}`, which ran without the profiler"
+                + ("." if "profile" in found.runs else f" ({reporting.missing('profile')})"))
     figure, axis = plt.subplots(figsize=(6.5, 4.5))
     shown = [c for c in breakdown["categories"] if c["percent"] > 0]
     axis.pie([c["seconds"] for c in shown], labels=[f"{c['name']}\n{c['percent']:.1f}%" for c in shown],

@@ -61,7 +61,7 @@ def train(settings: Settings) -> dict:
 
     # ---------------------------------------------------------------- the timed loop
     # Stages: `data` around next(batches) below; `forward`, `backward` (loss + backward) and `optimizer`
-    # inside train_step (trainscope/loop.py); `eval` around the evaluations below; the rest is `other`.
+    # inside train_step (trainscope/loop.py); `eval` in metrics.evaluation() below; the rest is `other`.
     model.train()
     metrics.start()
     try:
@@ -79,11 +79,11 @@ def train(settings: Settings) -> dict:
                                               settings.max_grad_norm, metrics.skips, metrics.calibration())
                     if metrics.micro_batch(batch, loss, labels) and metrics.checkpoint_due():
                         metrics.save_checkpoint()
-                with metrics.stage("eval"):
+                with metrics.evaluation():
                     metrics.validation(epoch, evaluate_split(model, validation_loader, accelerator, metric))
                 if metrics.done:
                     break
-            with metrics.stage("eval"):
+            with metrics.evaluation():
                 test_scores = evaluate_split(model, test_loader, accelerator, metric)
     except torch.OutOfMemoryError as error:
         error.add_note(f"out of memory at --per-device-batch-size {settings.per_device_batch_size} (step "

@@ -1,28 +1,45 @@
-"""Shared helpers: launch the scripts exactly as the README does, on the tiny model, on the CPU."""
+"""Shared helpers: launch the scripts exactly as the README does, on the tiny model, on the CPU; run
+train.py in this process where the launcher is not what a test is about; check that no test leaves
+the process changed."""
 
+import contextlib
+import io
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch._dynamo  # noqa: F401  importing it sets TORCHINDUCTOR_CACHE_DIR: before any test looks at the environment
 import yaml
+
+from trainscope.launching import kill_tree
+
+# Tests run on two workers of a 2-core machine: OpenMP threads that spin while waiting would take the
+# other worker's core (a 25 s run took 150 s). Set before torch runs its first parallel region.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
-# A few seconds a run: 2-layer BERT of width 32, small slices of the embedded tweets.
+# A few seconds a run: 2-layer BERT of width 32, small slices of the embedded tweets. The thread-budget
+# tests launch with TINY (--threads auto); behaviour tests add ONE_THREAD so two test workers do not
+# oversubscribe the cores.
 TINY = [
     "--model", "embedded:tiny-bert", "--max-train-samples", "256", "--max-eval-samples", "64",
     "--max-test-samples", "64", "--per-device-batch-size", "16", "--learning-rate", "3e-3",
     "--report-to", "none", "--log-every", "2",
 ]
+ONE_THREAD = ["--threads", "1"]
 
 
 def cpu_env(**extra) -> dict:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    """The tests' environment: CPU only (GPUs hidden, so a GPU machine runs the same tests), no launcher threads set."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("OMP_NUM_THREADS", None)
     env.update(extra)
     return env
 
@@ -33,10 +50,9 @@ def config_processes(config: Path) -> int:
 
 def launch(script: str, args: list[str], config: Path | None = None, env: dict | None = None,
            cwd: Path = ROOT, timeout: int = 600, launcher: str = "accelerate") -> subprocess.CompletedProcess:
-    """`accelerate launch [--config_file X] script args`, `python script args` or torchrun."""
+    """`accelerate launch [--config_file X] script args` (the README's command), `python script args` or torchrun."""
     if launcher == "accelerate":
         command = [ACCELERATE, "launch"] + (["--config_file", str(config)] if config else [])
-        command += ["--num_cpu_threads_per_process", "1"] if config and config_processes(config) > 1 else []
     elif launcher == "python":
         command = [sys.executable]
     else:
@@ -52,10 +68,36 @@ def run_command(command: list[str], cwd: Path = ROOT, env: dict | None = None, t
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process.pid)
         stdout, stderr = process.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(command)}\n{stderr[-3000:]}") from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """train.py's main() in this process (no launcher, no imports to pay again): exit code and output.
+
+    What a run changes process-wide is put back: torch threads, TF32 flags, Accelerate's state.
+    """
+    import train
+    from accelerate.state import AcceleratorState
+
+    threads, tf32 = torch.get_num_threads(), (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    environ = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            train.main(args)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.set_num_threads(threads)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def read_record(run_dir: Path) -> dict:
@@ -70,6 +112,39 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
 
 
+def error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert lines, f"no error line in:\n{result.stderr[-3000:]}"
+    return lines[-1]
+
+
 @pytest.fixture
 def runs(tmp_path) -> Path:
     return tmp_path / "runs"
+
+
+def _process_state() -> dict:
+    import datasets
+    import datasets.config
+    import huggingface_hub.constants
+
+    return {"environment": {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "cwd": os.getcwd(), "torch threads": torch.get_num_threads(),
+            "default dtype": torch.get_default_dtype(),
+            "TF32 flags": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+            "datasets progress bars": datasets.is_progress_bar_enabled(),
+            "datasets offline": datasets.config.HF_HUB_OFFLINE,
+            "huggingface_hub offline": huggingface_hub.constants.HF_HUB_OFFLINE}
+
+
+@pytest.fixture(autouse=True)
+def process_left_as_found():
+    """Every test leaves the process as it found it (environment, library switches, threads, dtype, cwd)."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = [name for name in before if before[name] != after[name]]
+    if "environment" in changed:
+        keys = {k for k in before["environment"].keys() | after["environment"].keys()
+                if before["environment"].get(k) != after["environment"].get(k)}
+        changed[changed.index("environment")] = f"environment ({', '.join(sorted(keys))})"
+    assert not changed, f"the test changed process state: {', '.join(changed)}"

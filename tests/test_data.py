@@ -9,8 +9,9 @@ import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from trainscope import embedded
+from trainscope import hub
 from trainscope.data import (
-    build_dataloaders, detect_columns, encode_labels, load_classification_data, load_raw, make_splits, redact_url,
+    build_dataloaders, detect_columns, encode_labels, load_classification_data, load_raw, make_splits,
 )
 from trainscope.errors import UserError
 from trainscope.modeling import build_tokenizer
@@ -75,18 +76,49 @@ def test_detect_columns():
         detect_columns(Features({"a": Value("string"), "b": Value("string"), "label": Value("int64")}), None, None)
 
 
-def test_string_labels_map_to_sorted_ids_and_unlabelled_rows_are_dropped():
-    raw = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": ["pos", "neg", "neu", "pos"]})})
-    encoded, names = encode_labels(raw, "label")
-    assert names == ["neg", "neu", "pos"]
-    assert encoded["train"]["label"] == [2, 0, 1, 2]
-    assert isinstance(encoded["train"].features["label"], ClassLabel)
-    ints = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": [0, 2, -1, 1]})})
-    encoded, names = encode_labels(ints, "label")
-    assert names == ["0", "1", "2"] and encoded["train"]["label"] == [0, 2, 1]
+@pytest.mark.parametrize("labels,names,ids", [
+    (["pos", "neg", "neu", "pos"], ["neg", "neu", "pos"], [2, 0, 1, 2]),
+    ([0, 2, -1, 1], ["0", "1", "2"], [0, 2, -1, 1]),       # -1: no label (dropped later)
+    ([5, 3, 5, 1], ["1", "3", "5"], [2, 1, 2, 0]),          # star ratings: mapped in sorted order
+    ([True, False, True, None], ["False", "True"], [1, 0, 1, -1]),
+])
+def test_labels_of_every_type_become_one_classlabel(labels, names, ids):
+    raw = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": labels})})
+    encoded, got = encode_labels(raw, "label")
+    assert got == names and list(encoded["train"]["label"]) == ids
+    assert isinstance(encoded["train"].features["label"], ClassLabel)  # what stratified splitting needs
+
+
+def test_float_labels_are_refused():
     floats = DatasetDict({"train": Dataset.from_dict({"text": ["a"], "label": [0.5]})})
-    with pytest.raises(UserError, match="integer or string labels"):
+    with pytest.raises(UserError, match="integer, boolean or string labels"):
         encode_labels(floats, "label")
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "csv"])
+def test_integer_labels_in_a_local_file_train_with_stratified_splits(tmp_path, tokenizer, suffix):
+    import pandas as pd
+
+    frame = pd.DataFrame({"sentence": [f"sentence number {i}" for i in range(90)], "label": [i % 3 for i in range(90)]})
+    frame.index = [f"row-{i}" for i in range(90)]  # pandas writes a string index column into parquet
+    path = tmp_path / f"data.{suffix}"
+    frame.to_parquet(path) if suffix == "parquet" else frame.to_csv(path, index=False)
+    data = load_classification_data(settings_for("--dataset", str(path)), tokenizer, contextlib.nullcontext)
+    assert data.label_names == ["0", "1", "2"] and data.text_columns == ["sentence"]
+    assert "stratified" in data.provenance["splits"]["test"]["origin"]
+    assert Counter(data.test["labels"]) == {0: 3, 1: 3, 2: 3}
+
+
+def test_rows_without_a_label_or_text_are_dropped_and_counted(tmp_path, tokenizer):
+    rows = [(f"tweet {i}", "good" if i % 2 else "bad") for i in range(200)]
+    rows[5] = ("", "good")
+    rows[7] = ("   ", "bad")
+    rows[9] = ("no label here", "")
+    write_csv(tmp_path / "holes.csv", rows)
+    data = load_classification_data(settings_for("--dataset", str(tmp_path / "holes.csv")), tokenizer,
+                                    contextlib.nullcontext)
+    assert data.provenance["dropped_rows"] == {"train": {"rows_in": 200, "missing_label": 1, "empty_text": 2}}
+    assert len(data.train) + len(data.validation) + len(data.test) == 197
 
 
 def test_missing_splits_are_carved_with_a_fixed_seed():
@@ -145,7 +177,7 @@ def test_saved_dataset_directory_loads(tmp_path, tokenizer):
                 ).save_to_disk(str(tmp_path / "saved"))
     data = load_classification_data(settings_for("--dataset", str(tmp_path / "saved")), tokenizer,
                                     contextlib.nullcontext)
-    assert data.num_labels == 2
+    assert len(data.label_names) == 2
 
 
 def test_tokenization_is_cached_for_the_second_run(tmp_path, tokenizer):
@@ -182,16 +214,27 @@ def test_bad_data_ends_in_one_line(tmp_path, tokenizer, case, message):
     assert "\n" not in str(error.value)
 
 
-def test_unknown_hub_name_offline_is_one_clear_line(monkeypatch, tokenizer):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_unknown_hub_name_offline_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
     with pytest.raises(UserError, match="not found in the local Hugging Face cache"):
         load_raw(settings_for("--dataset", "no-such-owner/no-such-dataset"))
 
 
-def test_urls_lose_credentials_before_they_are_recorded():
-    assert redact_url("https://user:hunter2@host.example/data.csv?token=abc") == "https://host.example/data.csv"
-    assert redact_url("s3://bucket/key.parquet") == "s3://bucket/key.parquet"
-    assert redact_url("/local/path.csv") == "/local/path.csv"
+def test_offline_mode_is_switched_on_for_one_hub_call_only_so_fsspec_urls_still_load(monkeypatch, tokenizer):
+    """The order that failed: a hub lookup with the Hub unreachable, then a remote (fsspec) dataset."""
+    import datasets.config
+    import fsspec
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    with pytest.raises(UserError):
+        load_raw(settings_for("--dataset", "no-such-owner/no-such-dataset"))
+    assert datasets.config.HF_HUB_OFFLINE is False and huggingface_hub.constants.HF_HUB_OFFLINE is False
+    with fsspec.filesystem("memory").open("memory://after-hub/tweets.csv", "w") as handle:
+        handle.write("text,label\n" + "".join(f"row number {i},{'a' if i % 2 else 'b'}\n" for i in range(60)))
+    data = load_classification_data(settings_for("--dataset", "memory://after-hub/tweets.csv"), tokenizer,
+                                    contextlib.nullcontext)
+    assert len(data.label_names) == 2
 
 
 def test_dataloaders_pad_dynamically_and_honour_worker_settings(tokenizer):

@@ -3,8 +3,9 @@ import json
 import pytest
 from transformers import AutoConfig
 
-from conftest import TINY, assert_ok, launch, read_record, read_steps
+from conftest import ONE_THREAD, TINY, assert_ok, read_record, read_steps, run_in_process
 from trainscope import embedded, flops
+from trainscope.profiling import MemorySnapshot
 
 
 def test_flops_per_token_by_hand_for_bert_base_and_minilm():
@@ -19,43 +20,81 @@ def test_flops_read_the_model_configuration():
     minilm = AutoConfig.from_pretrained(embedded.minilm_dir())
     assert flops.encoder_shape(minilm) == (6, 384, 1536)
     assert flops.training_flops(minilm, batch_size=32, sequence_length=128) == 32 * 128 * 67_239_936
-    distilbert = AutoConfig.for_model(**{k: v for k, v in embedded.bundled_architecture(
-        "distilbert-base-uncased").items()})
+    distilbert = AutoConfig.for_model(**embedded.bundled_architecture("distilbert-base-uncased"))
     assert flops.encoder_shape(distilbert) == (6, 768, 3072)
 
 
-def test_peak_table_and_mfu():
-    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
-    assert flops.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
-    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "tf32") == 495.0
-    assert flops.peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5
-    assert flops.mfu(494.5, "NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(0.5)
-    # unknown device or precision: no MFU rather than a guess
+@pytest.mark.parametrize("name,precision,peak", [
+    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA L40", "bf16", 181.0), ("NVIDIA L40S", "bf16", 366.0),
+    ("NVIDIA A10", "bf16", 125.0), ("NVIDIA A10G", "bf16", None),
+    ("NVIDIA A100-PCIE-40GB", "bf16", 312.0), ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 80GB HBM3", "bf16", 989.5), ("NVIDIA H100 NVL", "bf16", 835.5),
+    ("NVIDIA H200", "bf16", 989.5), ("NVIDIA H200 NVL", "bf16", 835.5), ("NVIDIA B200", "bf16", 2250.0),
+    ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("Tesla V100-SXM2-16GB", "bf16", None),
+    ("AMD EPYC 7B13", "fp32", None),
+])
+def test_peaks_come_from_an_exact_table_never_a_substring(name, precision, peak):
+    assert flops.peak_tflops(name, precision) == peak
+
+
+def test_mfu_is_none_rather_than_a_guess():
+    assert flops.mfu(494.75, "NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(0.5)
     assert flops.mfu(1.0, "AMD EPYC 7B13", "fp32") is None
-    assert flops.mfu(1.0, "Tesla V100-SXM2-16GB", "bf16") is None
+    assert flops.mfu(None, "NVIDIA H100 80GB HBM3", "bf16") is None
 
 
-def test_profile_writes_a_trace_with_the_stage_labels(runs):
-    result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "prof", "--profile",
-                                 "--profile-wait", "1", "--profile-warmup", "1", "--profile-active", "2"],
-                    launcher="python")
+def test_profile_writes_a_trace_with_the_stage_labels_and_says_which_steps(runs):
+    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "prof", "--profile",
+                             "--profile-wait", "1", "--profile-warmup", "1", "--profile-active", "2"])
     assert_ok(result)
     traces = list((runs / "prof" / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1
-    events = json.loads(traces[0].read_text())["traceEvents"]
-    names = {event.get("name") for event in events}
+    names = {event.get("name") for event in json.loads(traces[0].read_text())["traceEvents"]}
     assert {"data", "forward", "backward", "optimizer"} <= names
-    profile = read_record(runs / "prof")["summary"]["profile"]
-    assert profile["top_operators"] and all(op["self_cpu_s"] >= 0 for op in profile["top_operators"])
-    assert not {"forward", "backward"} & {op["name"] for op in profile["top_operators"]}
+    record = read_record(runs / "prof")
+    profile = record["summary"]["profile"]
+    assert profile["window"] == {"first_step": 3, "last_step": 4}
+    assert profile["top_operators"] and not {"forward", "backward"} & {op["name"] for op in profile["top_operators"]}
+    assert "profiler_on" in [w["code"] for w in record["warnings"]]
     assert "top operators by self time" in result.stdout
 
 
 def test_records_carry_flops_and_say_mfu_is_unknown_on_this_cpu(runs):
-    assert_ok(launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "flops"], launcher="python"))
+    assert_ok(run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "flops", "--max-steps", "4"]))
     summary = read_record(runs / "flops")["summary"]
-    counts = summary["timing"]["per_rank"][0]["counts"]
-    assert counts["steady"]["flops"] > 0
-    assert summary["throughput"]["tflops_per_device"] > 0
-    assert summary["mfu"] is None
+    assert summary["timing"]["per_rank"][0]["counts"]["steady"]["flops"] > 0
+    assert summary["throughput"]["tflops_per_device"] > 0 and summary["mfu"] is None
     assert all(line["tflops_per_device"] > 0 for line in read_steps(runs / "flops"))
+
+
+class FakeAllocator:
+    def __init__(self):
+        self.calls = []
+
+    def _record_memory_history(self, **kwargs):
+        self.calls.append(("stop" if kwargs.get("enabled", True) is None else "start"))
+
+    def _dump_snapshot(self, path):
+        self.calls.append("dump")
+        open(path, "w").close()
+
+
+def test_the_memory_snapshot_covers_a_window_after_warmup(tmp_path):
+    allocator = FakeAllocator()
+    snapshot = MemorySnapshot(tmp_path / "snap.pickle", after_step=2, steps=3, backend=allocator)
+    for step in range(1, 11):
+        snapshot.step_finished(step)
+        if step == 2:
+            assert allocator.calls == ["start"]
+    assert allocator.calls == ["start", "dump", "stop"]
+    assert snapshot.finish(10) == {"first_step": 3, "last_step": 5, "path": str(tmp_path / "snap.pickle")}
+
+
+def test_a_run_shorter_than_the_window_still_writes_what_it_recorded(tmp_path):
+    allocator = FakeAllocator()
+    snapshot = MemorySnapshot(tmp_path / "snap.pickle", after_step=0, steps=5, backend=allocator)
+    for step in range(0, 3):
+        snapshot.step_finished(step)
+    assert snapshot.finish(2) == {"first_step": 1, "last_step": 2, "path": str(tmp_path / "snap.pickle")}
+    assert allocator.calls == ["start", "dump", "stop"]

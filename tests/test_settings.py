@@ -1,9 +1,14 @@
 import dataclasses
+import io
+import subprocess
+import sys
 
 import pytest
+import torch
 
+from trainscope import environment
 from trainscope.environment import launcher_world_size, refuse_independent_runs
-from trainscope.errors import UserError
+from trainscope.errors import UserError, exit_with, first_to_report, redacted_output
 from trainscope.settings import Settings, parse_settings
 from trainscope.trackers import flat_config, wandb_mode
 
@@ -16,6 +21,8 @@ def test_every_flag_has_help(capsys):
     for field in dataclasses.fields(Settings):
         assert f"--{field.name.replace('_', '-')}" in text
         assert field.metadata.get("help"), f"{field.name} has no help"
+    # --threads says how it relates to what the launcher sets
+    assert "OMP_NUM_THREADS" in text and "--num_cpu_threads_per_process" in text
 
 
 def test_dashes_and_underscores_both_work():
@@ -34,6 +41,12 @@ def test_dashes_and_underscores_both_work():
     (["--timing", "sometimes"], "invalid choice"),
     (["--test-fraction", "0.7"], "test-fraction must be between"),
     (["--run-name", "../escape"], "plain directory name"),
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm must be a finite number"),
+    (["--warmup-fraction", "1.0"], "--warmup-fraction must be in [0, 1)"),
+    (["--ddp-bucket-cap-mb", "0"], "--ddp-bucket-cap-mb must be positive"),
+    (["--threads", "0"], "--threads takes auto, launcher or a positive number"),
+    (["--memory-every", "0"], "--memory-every must be a positive integer"),
 ])
 def test_bad_settings_exit_2_with_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -65,3 +78,54 @@ def test_wandb_goes_offline_without_key_or_network():
 
 def test_tracker_config_is_flat_scalars():
     assert flat_config({"a": None, "b": ["x", "y"], "c": 3}) == {"a": "none", "b": "x,y", "c": 3}
+
+
+def test_thread_budget_is_usable_cores_over_local_processes():
+    saved = torch.get_num_threads()
+    try:
+        cores = environment.usable_cores()
+        facts = environment.apply_thread_budget("auto", {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
+        assert facts["thread_budget"] == max(1, cores // 2) == torch.get_num_threads()
+        assert facts["threads_source"] == "auto" and facts["omp_num_threads"] == "1"
+        assert environment.apply_thread_budget("1", {})["threads_source"] == "user" and torch.get_num_threads() == 1
+        torch.set_num_threads(cores)
+        kept = environment.apply_thread_budget("launcher", {})
+        assert kept["torch_threads"] == cores and kept["threads_source"] == "launcher"
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_container_cpu_quota_caps_the_usable_cores(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert environment.cgroup_cpu_limit(tmp_path / "cpu.max") == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert environment.cgroup_cpu_limit(tmp_path / "cpu.max") is None
+    assert environment.cgroup_cpu_limit(tmp_path / "missing") is None
+
+
+def test_each_rank_reports_its_first_error_once_per_distinct_message(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    launch = {"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "run-a"}
+    assert first_to_report("same validation error", {**launch, "RANK": "0"})
+    assert not first_to_report("same validation error", {**launch, "RANK": "1"})  # already printed
+    assert first_to_report("rank 1 ran out of memory", {**launch, "RANK": "1"})  # a different error is printed
+    assert first_to_report("same validation error", {**launch, "RANK": "0", "TORCHELASTIC_RUN_ID": "run-b"})
+    assert first_to_report("single process", {})
+
+
+def test_exit_with_names_the_rank_in_a_multi_process_launch(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        exit_with(UserError("bad https://u:secret@h/x.csv"), 2, {"WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "x"})
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: (rank 1) bad https://h/x.csv\n"
+
+
+def test_console_output_is_redacted_tracebacks_included():
+    code = ("from trainscope.errors import redacted_output\n"
+            "with redacted_output():\n"
+            "    print('reading https://user:hunter2@host/data.csv?token=abc')\n"
+            "    raise RuntimeError('cannot open https://user:hunter2@host/data.csv')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1 and "RuntimeError: cannot open https://host/data.csv" in result.stderr
+    assert "hunter2" not in result.stdout + result.stderr and "token=abc" not in result.stdout

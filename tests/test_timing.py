@@ -3,56 +3,69 @@ import time
 import pytest
 import torch
 
-from trainscope.timing import ALL_STAGES, CATEGORIES, STAGES, HostClock, StageTimer, make_clock, stage_table
+from trainscope.timing import ALL_STAGES, CATEGORIES, HostClock, Nvtx, StageTimer, make_clock, stage_table
 
-TOLERANCE_S = 0.03  # sleep() overshoots by scheduler noise; never undershoots
+# sleep() never undershoots; on a loaded 2-core machine it can overshoot by tens of milliseconds, so
+# delays are long and the upper bound is relative.
+DELAY_S = 0.25
 
 
-def test_sleep_in_a_stage_is_measured_within_tolerance():
+def test_a_delay_in_a_stage_is_charged_to_that_stage_and_nothing_else():
     timer = StageTimer()
     timer.start()
     with timer("forward"):
-        time.sleep(0.2)
+        time.sleep(DELAY_S)
+    with timer("data"):
+        pass
     timer.stop()
-    measured = timer.summary()["run"]["seconds"]["forward"]
-    assert 0.2 <= measured < 0.2 + TOLERANCE_S
+    seconds = timer.summary()["run"]["seconds"]
+    assert DELAY_S <= seconds["forward"] < 1.5 * DELAY_S
+    assert seconds["data"] < 0.1 * DELAY_S and seconds["other"] < 0.1 * DELAY_S
 
 
-def test_time_outside_stages_is_other_and_stages_sum_to_wall():
+def test_time_outside_stages_is_other():
     timer = StageTimer()
     timer.start()
     with timer("data"):
-        time.sleep(0.05)
-    time.sleep(0.1)  # in no stage
-    with timer("optimizer"):
-        time.sleep(0.05)
+        time.sleep(DELAY_S / 5)
+    time.sleep(DELAY_S)  # in no stage
     timer.stop()
-    run = timer.summary()["run"]
-    assert 0.1 <= run["seconds"]["other"] < 0.1 + TOLERANCE_S
-    assert sum(run["seconds"].values()) == pytest.approx(run["wall_s"], abs=1e-9)
-    assert sum(run["shares"].values()) == pytest.approx(1.0)
-    assert sum(run["category_seconds"].values()) == pytest.approx(run["wall_s"])
-    assert run["category_seconds"]["other"] == pytest.approx(run["seconds"]["optimizer"] + run["seconds"]["other"])
+    seconds = timer.summary()["run"]["seconds"]
+    assert DELAY_S <= seconds["other"] < 1.5 * DELAY_S
+    assert seconds["data"] < DELAY_S
 
 
 def test_warmup_steps_are_recorded_apart_from_the_steady_state():
     timer = StageTimer()
     timer.start()
     with timer("forward"):
-        time.sleep(0.1)
+        time.sleep(DELAY_S)
     timer.set_phase("steady")
-    with timer("forward"):
-        time.sleep(0.03)
-    with timer("forward"):
-        time.sleep(0.03)
+    for _ in range(2):
+        with timer("forward"):
+            time.sleep(DELAY_S / 5)
     timer.stop()
     summary = timer.summary()
-    assert summary["warmup"]["seconds"]["forward"] == pytest.approx(0.1, abs=TOLERANCE_S)
-    assert summary["steady"]["seconds"]["forward"] == pytest.approx(0.06, abs=TOLERANCE_S)
-    assert timer.stage_calls["steady"]["forward"] == 2
-    assert summary["run"]["wall_s"] == pytest.approx(summary["warmup"]["wall_s"] + summary["steady"]["wall_s"])
-    for phase in ("warmup", "steady", "run"):
-        assert sum(summary[phase]["shares"].values()) == pytest.approx(1.0)
+    assert DELAY_S <= summary["warmup"]["seconds"]["forward"] < 1.5 * DELAY_S
+    assert 2 * DELAY_S / 5 <= summary["steady"]["seconds"]["forward"] < DELAY_S
+    assert timer.stage_calls["steady"]["forward"] == 2 and timer.stage_calls["warmup"]["forward"] == 1
+
+
+def test_a_step_line_interval_takes_stages_and_wall_from_one_clock():
+    timer = StageTimer()
+    timer.start()
+    with timer("forward"):
+        time.sleep(DELAY_S / 5)
+    time.sleep(DELAY_S / 5)
+    first = timer.take_interval()
+    with timer("backward"):
+        time.sleep(DELAY_S / 5)
+    second = timer.take_interval()
+    timer.stop()
+    assert first["stage_s"]["forward"] >= DELAY_S / 5 and first["stage_s"]["backward"] == 0
+    assert first["wall_s"] >= first["stage_s"]["forward"] + DELAY_S / 5
+    assert second["stage_s"]["forward"] == 0 and second["wall_s"] >= second["stage_s"]["backward"]
+    assert second["wall_s"] < first["wall_s"]  # the interval restarted, it did not accumulate
 
 
 @pytest.mark.parametrize("misuse", ["nested", "unknown", "other", "not_started", "summary_early", "double_start"])
@@ -86,13 +99,9 @@ def test_misuse_raises(misuse):
 class FakeEvent:
     """A device event whose completion the test controls, like a CUDA event still in the queue."""
 
-    def __init__(self, device_clock):
-        self.device_clock = device_clock
-        self.at = None
+    def __init__(self, at):
+        self.at = at
         self.done = False
-
-    def elapsed(self, end):
-        return end.at - self.at
 
 
 class FakeEventClock:
@@ -104,14 +113,13 @@ class FakeEventClock:
         self.waited = 0
 
     def mark(self):
-        event = FakeEvent(self)
-        event.at = self.device_now
+        event = FakeEvent(self.device_now)
         self.events.append(event)
         return event
 
     @staticmethod
     def elapsed(start, end):
-        return start.elapsed(end)
+        return end.at - start.at
 
     @staticmethod
     def ready(event):
@@ -141,8 +149,58 @@ def test_event_mode_defers_reading_until_events_complete_and_charges_device_time
     assert timer.stage_calls["warmup"]["backward"] == 0
     interval = timer.take_interval()  # a log step: flushes, waiting for the device
     assert clock.waited == 1
-    assert interval == {"data": 0.0, "forward": 5.0, "backward": 7.0, "optimizer": 1.0, "eval": 0.0}
-    assert timer.take_interval()["forward"] == 0.0
+    assert interval["stage_s"] == {"data": 0.0, "forward": 5.0, "backward": 7.0, "optimizer": 1.0, "eval": 0.0}
+    assert timer.take_interval()["stage_s"]["forward"] == 0.0
+
+
+class CountingProbe:
+    """A device allocator stand-in: peaks the test sets, resets and reads counted."""
+
+    def __init__(self):
+        self.resets = self.reads = 0
+        self.allocated = self.reserved = 0
+
+    def reset(self):
+        self.resets += 1
+        self.allocated = self.reserved = 0
+
+    def read(self):
+        self.reads += 1
+        return self.allocated, self.reserved
+
+
+def test_per_stage_memory_costs_one_reset_and_one_read_and_only_on_sampled_steps():
+    probe = CountingProbe()
+    timer = StageTimer(memory=probe)
+    timer.start()
+    for stage, peak in (("data", 10), ("forward", 300), ("backward", 500), ("optimizer", 200)):
+        with timer(stage):
+            probe.allocated, probe.reserved = peak, peak * 2
+    assert (probe.resets, probe.reads) == (4, 4)
+    timer.set_memory_sampling(False)  # an unsampled step: no allocator calls at all
+    with timer("forward"):
+        probe.allocated, probe.reserved = 900, 1800  # a peak between samples
+    assert (probe.resets, probe.reads) == (4, 4)
+    timer.set_memory_sampling(True)  # one read folds the unsampled steps' peak into the run's
+    assert (probe.resets, probe.reads) == (4, 5)
+    timer.stop()
+    assert timer.peak_allocated_bytes["backward"] == 500 and timer.peak_allocated_bytes["forward"] == 300
+    assert timer.run_peak_allocated_bytes == 900 and timer.run_peak_reserved_bytes == 1800
+
+
+def test_stages_are_nvtx_ranges_where_nvtx_is_given():
+    pushed, popped = [], []
+    timer = StageTimer(nvtx=Nvtx(torch.device("cpu"), push=pushed.append, pop=lambda: popped.append(1)))
+    timer.start()
+    with timer("data"):
+        pass
+    with pytest.raises(KeyError):
+        with timer("forward"):
+            raise KeyError("a failing stage still closes its range")
+    timer.stop()
+    assert pushed == ["data", "forward"] and len(popped) == 2
+    quiet = Nvtx(torch.device("cpu"))  # elsewhere than CUDA: no-ops
+    assert quiet.push("data") is None and quiet.pop() is None
 
 
 def test_cpu_gets_the_host_clock_in_both_modes():
@@ -166,28 +224,24 @@ def test_state_dict_and_restore_continue_the_totals():
     first = StageTimer()
     first.start()
     with first("forward"):
-        time.sleep(0.02)
+        time.sleep(DELAY_S / 5)
     first.set_phase("steady")
     with first("forward"):
-        time.sleep(0.02)
+        time.sleep(DELAY_S / 5)
     state = first.state_dict()
     second = StageTimer()
     second.restore(state)
     assert second.phase == "steady"
     second.start()
     with second("forward"):
-        time.sleep(0.02)
+        time.sleep(DELAY_S / 5)
     second.stop()
     assert second.stage_calls["steady"]["forward"] == 2
-    assert second.summary()["run"]["seconds"]["forward"] == pytest.approx(0.06, abs=TOLERANCE_S)
+    assert 3 * DELAY_S / 5 <= second.summary()["run"]["seconds"]["forward"] < 1.5 * 3 * DELAY_S / 5
 
 
-def test_stage_table_derives_the_five_categories_exactly():
+def test_the_five_categories_are_sums_of_stages():
     table = stage_table({"data": 1, "forward": 2, "backward": 3, "optimizer": 0.5, "eval": 1.5}, wall_seconds=10)
-    assert table["seconds"]["other"] == pytest.approx(2.0)
     assert table["category_seconds"] == pytest.approx(
         {"data loading": 1, "forward": 2, "loss+backward": 3, "evaluation": 1.5, "other": 2.5})
-    assert set(table["shares"]) == set(ALL_STAGES)
-    assert set(CATEGORIES) == {"data loading", "forward", "loss+backward", "evaluation", "other"}
     assert sorted(s for stages in CATEGORIES.values() for s in stages) == sorted(ALL_STAGES)
-    assert set(STAGES) < set(ALL_STAGES)

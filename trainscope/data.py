@@ -4,6 +4,7 @@ Every script builds its data here, so a loader sweep or a DataParallel compariso
 what train.py trains on.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -283,6 +284,17 @@ def subsample(split: Dataset, limit: int | None, seed: int) -> Dataset:
 # ---------------------------------------------------------------- tokenization
 
 
+@contextlib.contextmanager
+def progress_bars(enabled: bool):
+    """datasets' progress bars on or off inside the block, as they were after it."""
+    before = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if enabled else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if before else datasets.disable_progress_bars)()
+
+
 def tokenize(split: Dataset, tokenizer, text_columns: list[str], label_column: str, max_seq_length: int):
     """Tokenize a split once; a second run with the same inputs loads it from the datasets cache.
 
@@ -302,14 +314,11 @@ def tokenize(split: Dataset, tokenizer, text_columns: list[str], label_column: s
         encoded["labels"] = batch[label_column]
         return encoded
 
-    datasets.enable_progress_bars()  # the one step worth a bar: it can take minutes on a large corpus
-    try:
+    with progress_bars(True):  # the one step worth a bar: it can take minutes on a large corpus
         tokenized = split.map(
             encode, batched=True, remove_columns=split.column_names, new_fingerprint=fingerprint,
             desc="tokenizing",
         )
-    finally:
-        datasets.disable_progress_bars()
     keep = [c for c in (*MODEL_INPUTS, "labels") if c in tokenized.column_names]
     return tokenized.select_columns(keep), cached
 
@@ -352,8 +361,8 @@ def labelled_splits(settings) -> LabelledSplits:
 
 def load_classification_data(settings, tokenizer, main_process_first) -> ClassificationData:
     """--dataset -> tokenized train/validation/test; the main process tokenizes first, the rest read its cache."""
-    datasets.disable_progress_bars()  # casts, filters and splits take a second; no bars for them
-    with main_process_first():
+    # casts, filters and splits take a second; no bars for them
+    with main_process_first(), progress_bars(False):
         labelled = labelled_splits(settings)
         tokenized, cached = {}, {}
         for split in ("train", "validation", "test"):

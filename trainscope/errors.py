@@ -14,6 +14,7 @@ import io
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 from trainscope.records import redact, secret_values
@@ -89,10 +90,18 @@ class _RedactingStream(io.TextIOBase):
 
 @contextlib.contextmanager
 def redacted_output():
-    """Redact sys.stdout and sys.stderr (tracebacks and warnings included) inside the block."""
+    """Redact sys.stdout and sys.stderr inside the block, warnings included. An exception that escapes
+    the block is printed here, redacted, and ends the process with status 1 as Python's own handler
+    would (which would print it after the streams are restored, unredacted)."""
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _RedactingStream(sys.stdout), _RedactingStream(sys.stderr)
     try:
         yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise SystemExit(1) from None
     finally:
         sys.stdout, sys.stderr = saved

@@ -92,7 +92,7 @@ def _compile(settings, env, summary):
     recompiles = (summary.get("compile") or {}).get("recompiles") or 0
     if recompiles > 0:
         return [warning("recompiles", f"torch.compile recompiled {recompiles} times (new input shapes): "
-                        "compile time leaked into training steps; use --length-buckets or --pad-to-max-length")]
+                        "compile time leaked into training steps; --pad-to-max-length gives one shape")]
     return []
 
 

@@ -94,10 +94,28 @@ def run_captured(command: list[str], env: dict, timeout: float | None = None) ->
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process.pid)
         stdout, stderr = process.communicate()
         return subprocess.CompletedProcess(command, -signal.SIGKILL, stdout, stderr + f"\nerror: timed out after {timeout} s")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launch and every process under it: torchrun starts its workers in sessions of their own,
+    so killing the launcher's process group leaves them running."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=10)
 
 
 def failure_reason(result: subprocess.CompletedProcess) -> str:

@@ -34,6 +34,9 @@ def _from_hub_or_path(load, name: str, what: str, **kwargs):
         try:
             return load(str(Path(name).expanduser()) if local else name, **kwargs)
         except (OSError, ValueError) as error:
+            if "trust_remote_code" in str(error):
+                raise UserError(f"{what} {redact(name)!r} runs its own code on loading: pass --trust-remote-code "
+                                "only if you trust it") from None
             where = "in the local Hugging Face cache (the Hub is unreachable)" if offline else "on the Hub or on disk"
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UserError(redact(f"{what} {name!r} not found {where}: {first_line}")) from None
@@ -60,7 +63,7 @@ def sequence_limit(settings) -> int | None:
     if settings.model in EMBEDDED_MODELS or settings.architecture_only:
         config, _ = _config_for(settings, 2, ["0", "1"])
     else:
-        config = _from_hub_or_path(AutoConfig.from_pretrained, settings.model, "model configuration",
+        config = _from_hub_or_path(AutoConfig.from_pretrained, settings.model, "model",
                                    trust_remote_code=settings.trust_remote_code)
     positions = getattr(config, "max_position_embeddings", None)
     if positions is None:
@@ -135,7 +138,7 @@ def build_model(settings, label_names: list[str], tokenizer):
     if settings.gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise UserError(f"{type(model).__name__} does not support --gradient-checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     facts = {"class": type(model).__name__, "model_type": model.config.model_type, "weights": weights,
              "parameters": sum(p.numel() for p in model.parameters())}
     if settings.lora:

@@ -39,7 +39,7 @@ def git_state() -> dict:
         return {"commit": None, "dirty": None, "changed": []}
     status = _git("status", "--porcelain", "--untracked-files=normal") or ""
     changed = [line[3:] for line in status.splitlines() if line[3:] and not line[3:].startswith(OUTPUT_FOLDERS)]
-    return {"commit": commit.strip(), "dirty": bool(changed), "changed": changed[:20]}
+    return {"commit": commit.strip(), "dirty": bool(changed), "changed": changed}
 
 
 def launch_command(pid: int | None = None) -> str:

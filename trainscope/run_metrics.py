@@ -12,6 +12,7 @@ or into a module this one calls, never into train.py.
     result = metrics.finish(test_scores)      # or metrics.fail(error) on the way out
 """
 
+import contextlib
 from dataclasses import asdict
 
 import torch
@@ -51,6 +52,7 @@ class RunMetrics:
         self.loop = LoopState(device)
         self.communication = communication.NoCommunication()
         self.env, self.progress, self._last_loss, self._graphs_after_first_step = {}, None, None, None
+        self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
 
     # ---------------------------------------------------------------- opening
 
@@ -171,6 +173,15 @@ class RunMetrics:
         self.accelerator.log({"train/loss": line["loss"], "train/lr": line["lr"]}, step=self.loop.step)
         self.progress.set_postfix(loss=f"{line['loss']:.4f}")
 
+    @contextlib.contextmanager
+    def evaluation(self):
+        """The `eval` stage; with --compile, graphs compiled in it (eval mode) are told apart from recompiles."""
+        before = modeling.compile_stats()["graphs"] if self.settings.compile else 0
+        with self.stage("eval"):
+            yield
+        if self.settings.compile:
+            self._evaluation_graphs += modeling.compile_stats()["graphs"] - before
+
     def validation(self, epoch: int, scores: dict) -> None:
         self.loop.evaluations.append({"epoch": epoch, "step": self.loop.step, **scores})
         self.accelerator.log({f"validation/{k}": v for k, v in scores.items()}, step=self.loop.step)
@@ -236,8 +247,8 @@ class RunMetrics:
         stats = modeling.compile_stats()
         first = self._graphs_after_first_step
         return {"dynamic": not self.settings.pad_to_max_length, "compile_s": stats["compile_s"],
-                "graphs": stats["graphs"], "graphs_after_first_step": first,
-                "recompiles": max(0, stats["graphs"] - first) if first is not None else None}
+                "graphs": stats["graphs"], "graphs_after_first_step": first, "evaluation_graphs": self._evaluation_graphs,
+                "recompiles": max(0, stats["graphs"] - first - self._evaluation_graphs) if first is not None else None}
 
 
 def table_lines(result: dict, env: dict, run_dir, warnings: list[dict]) -> list[str]:

@@ -1,0 +1,68 @@
+"""Every health warning fires on a record planted with its condition and stays silent on a clean one."""
+
+import copy
+
+import pytest
+
+from trainscope import health
+
+CLEAN = {
+    "settings": {"profile": False, "tf32": False, "compile": False, "memory_every": 10},
+    "environment": {
+        "device": "cpu", "device_name": "AMD EPYC", "cpu_capability": "AVX2, no native bf16", "cpu_native_bf16": False,
+        "requested_precision": "no", "effective_precision": "fp32", "tf32_in_effect": False,
+        "threads": {"torch_threads": 2, "thread_budget": 2, "usable_cores": 2, "local_processes": 1,
+                    "threads_source": "auto"},
+        "requested_max_seq_length": 128, "model_sequence_limit": 512,
+    },
+    "summary": {"throughput": {"optimizer_steps": 40}, "mfu": None, "compile": None,
+                "timing": {"across_ranks": {"run": {"shares": {"eval": {"median": 0.2}}}}}},
+}
+
+
+def planted(**changes):
+    record = copy.deepcopy(CLEAN)
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        target = record
+        for key in parents:
+            target = target[key]
+        target[leaf] = value
+    return record
+
+
+def test_a_clean_record_has_no_warnings():
+    assert health.check(CLEAN) == []
+
+
+@pytest.mark.parametrize("changes,code", [
+    ({"environment__threads__torch_threads": 1}, "threads_below_budget"),
+    ({"environment__threads__torch_threads": 4}, "threads_above_budget"),
+    ({"settings__profile": True}, "profiler_on"),
+    ({"environment__effective_precision": "bf16"}, "bf16_emulated"),
+    ({"environment__requested_precision": "fp16"}, "fp16_unavailable"),
+    ({"environment__tf32_in_effect": True}, "tf32_implicit"),
+    ({"summary__compile": {"recompiles": 3}}, "recompiles"),
+    ({"environment__device": "cuda:0", "settings__memory_every": 1, "summary__mfu": 0.4}, "stage_memory_every_step"),
+    ({"summary__timing": {"across_ranks": {"run": {"shares": {"eval": {"median": 0.7}}}}}}, "eval_dominates"),
+    ({"summary__throughput": {"optimizer_steps": 3}}, "few_steady_steps"),
+    ({"environment__device": "cuda:0", "environment__device_name": "NVIDIA A10G"}, "mfu_unknown"),
+    ({"environment__requested_max_seq_length": 4096}, "max_seq_length_clamped"),
+])
+def test_each_condition_raises_its_warning(changes, code):
+    warnings = health.check(planted(**changes))
+    assert [w["code"] for w in warnings] == [code]
+    assert warnings[0]["message"] and "\n" not in warnings[0]["message"]
+
+
+def test_bf16_on_a_cpu_with_native_units_is_not_called_emulated():
+    assert health.check(planted(environment__effective_precision="bf16", environment__cpu_native_bf16=True)) == []
+
+
+def test_tf32_asked_for_is_not_a_warning():
+    assert health.check(planted(environment__tf32_in_effect=True, settings__tf32=True)) == []
+
+
+def test_unknown_codes_are_refused():
+    with pytest.raises(ValueError):
+        health.warning("made_up", "x")

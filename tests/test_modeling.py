@@ -1,0 +1,87 @@
+"""Model building: the remote-code gate, sequence limits, FSDP wrap rules, the learning-rate schedule."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from trainscope import embedded, modeling
+from trainscope.errors import UserError
+from trainscope.settings import parse_settings
+
+CUSTOM_CONFIG = '''
+from pathlib import Path
+from transformers import BertConfig
+Path({marker!r}).write_text("ran")  # transformers runs a copy of this file from its module cache
+class CustomConfig(BertConfig):
+    model_type = "custom-bert"
+'''
+
+
+def settings_for(*args):
+    (settings,) = parse_settings(argv=list(args))
+    return settings
+
+
+def custom_model_dir(tmp_path):
+    """A model folder whose configuration is code of its own (auto_map), as hub repos with custom code have."""
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    values = embedded.bundled_architecture("tiny-bert")
+    values.update(model_type="custom-bert", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (folder / "config.json").write_text(json.dumps(values))
+    (folder / "configuration_custom.py").write_text(CUSTOM_CONFIG.format(marker=str(tmp_path / "marker")))
+    return folder
+
+
+def test_code_in_a_model_runs_only_with_trust_remote_code(tmp_path):
+    folder = custom_model_dir(tmp_path)
+    with pytest.raises(UserError, match="pass --trust-remote-code only if you trust it"):
+        modeling.sequence_limit(settings_for("--model", str(folder)))
+    assert not (tmp_path / "marker").exists()
+    assert modeling.sequence_limit(settings_for("--model", str(folder), "--trust-remote-code")) == 512
+    assert (tmp_path / "marker").read_text() == "ran"
+
+
+@pytest.mark.parametrize("name,limit", [("roberta-base", 512), ("bert-base-uncased", 512),
+                                        ("distilbert-base-uncased", 512), ("embedded:tiny-bert", 512)])
+def test_sequence_limits_count_usable_positions(name, limit):
+    # RoBERTa has 514 position embeddings, two of them taken by the padding offset
+    assert modeling.sequence_limit(settings_for("--model", name, "--architecture-only")) == limit
+
+
+def small(name: str):
+    values = dict(embedded.bundled_architecture(name))
+    model_type = values.pop("model_type")
+    shrink = {"distilbert": {"n_layers": 2, "dim": 32, "hidden_dim": 64, "n_heads": 2}}.get(
+        model_type, {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2})
+    return AutoModelForSequenceClassification.from_config(AutoConfig.for_model(model_type, **{**values, **shrink}))
+
+
+@pytest.mark.parametrize("name,layer", [("roberta-base", "RobertaLayer"), ("bert-base-uncased", "BertLayer"),
+                                        ("distilbert-base-uncased", "TransformerBlock"), ("tiny-bert", "BertLayer")])
+def test_fsdp_shards_each_bundled_architecture_layer_by_layer(name, layer):
+    model = small(name)
+    assert modeling.transformer_layer_classes(model) == [layer]
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=None)
+    wrapped = modeling.fsdp_wrap_rule(model, SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
+    assert layer in wrapped
+    if name.startswith("distilbert"):  # declares no _no_split_modules: accelerate would shard only the root
+        assert plugin.transformer_cls_names_to_wrap == ["TransformerBlock"]
+    assert modeling.fsdp_wrap_rule(model, SimpleNamespace(state=SimpleNamespace())) is None  # not an FSDP run
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant_with_warmup"])
+def test_the_schedule_matches_transformers_get_scheduler(kind):
+    from transformers import get_scheduler
+
+    ours_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ours = modeling.build_scheduler(settings_for("--lr-scheduler", kind), ours_optimizer, 20, 4)
+    theirs = get_scheduler(kind, theirs_optimizer, num_warmup_steps=4, num_training_steps=20)
+    for _ in range(22):
+        assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr())
+        ours_optimizer.step(), theirs_optimizer.step()
+        ours.step(), theirs.step()
