@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers.hf_argparser import HfArg
 
 from trainscope import bench, environment, launching, startup
+from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
 from trainscope.data import build_collator, load_classification_data
 from trainscope.distributed import destroy_process_group
 from trainscope.errors import UserError, exit_with, redacted_output
@@ -46,13 +47,6 @@ from trainscope.records import read_record, write_text_atomic
 from trainscope.settings import Settings, parse_settings
 
 ROOT = Path(__file__).resolve().parent
-# All-reduce bus bandwidth (GB/s, per GPU) and per-hop latency (us) that NCCL reaches in practice;
-# assumptions for the projection, overridable with --bandwidth-gbs / --latency-us.
-INTERCONNECTS = {
-    "nvlink": {"bandwidth_gbs": 350.0, "latency_us": 5.0, "what": "NVLink 4 / NVSwitch (H100 SXM node)"},
-    "pcie": {"bandwidth_gbs": 20.0, "latency_us": 10.0, "what": "PCIe Gen4 x16 through the host, no NVLink"},
-    "infiniband": {"bandwidth_gbs": 45.0, "latency_us": 8.0, "what": "InfiniBand NDR 400 Gb/s between nodes"},
-}
 # Published multi-node data-parallel scaling, for scale: NVIDIA NeMo, 4B-parameter BERT on a DGX
 # SuperPOD (8 x A100 80GB per node), tokens/s relative to one node.
 ANCHORS = [
@@ -85,6 +79,8 @@ class CompareSettings:
                                    "projection takes its measured steady step time as the compute per step.")
     assumed_compute_step_s: float = HfArg(default=ASSUMED_COMPUTE_STEP_S, help="Compute seconds per step assumed "
                                           "by the projection when no --gpu-record is given (said so in the output).")
+    ddp_cost: str | None = HfArg(default=None, help="A `make ddp-cost` comparison.json: the projection adds a row "
+                                 "with the all-reduce bandwidth measured there.")
     role: str = HfArg(default="compare", help="Internal: 'ddp-worker' runs one DDP process.")
     result_file: str | None = HfArg(default=None, help="Internal: where a DDP worker writes its result.")
 
@@ -329,17 +325,6 @@ def code_diff(before, after) -> dict:
             "changed_lines": added + removed, "diff": "\n".join(diff)}
 
 
-def ring_allreduce_seconds(gradient_bytes: float, gpus: int, bandwidth_gbs: float, latency_us: float) -> float:
-    """Ring all-reduce time: 2(N-1) steps, each moving 1/N of the buffer over one link.
-
-    T = 2(N-1)/N * S / B + 2(N-1) * alpha   (Patarasuk & Yuan 2009; the NCCL performance notes
-    define bus bandwidth the same way). One GPU communicates nothing.
-    """
-    if gpus <= 1:
-        return 0.0
-    return 2 * (gpus - 1) / gpus * gradient_bytes / (bandwidth_gbs * 1e9) + 2 * (gpus - 1) * latency_us * 1e-6
-
-
 def project_ddp(compute_step_s: float, gradient_bytes: float, per_device_batch: int, gpus: list[int],
                 bandwidth_gbs: float, latency_us: float, overlap: float) -> list[dict]:
     """DDP step time for N GPUs at a fixed per-device batch (weak scaling).
@@ -530,6 +515,10 @@ def projection(compare: CompareSettings, single: dict, processes: int) -> dict:
         source = (f"an ASSUMED {compute:.3f} s of compute per step at batch {per_device} (no --gpu-record given: this "
                   "CPU's step time says nothing about a GPU's)")
     presets = {name: INTERCONNECTS[name] for name in compare.interconnect}
+    measured = json.loads(Path(compare.ddp_cost).read_text()).get("ring_model") if compare.ddp_cost else None
+    if measured:
+        presets["measured"] = {"bandwidth_gbs": measured["measured_bus_bandwidth_gbs"], "latency_us": 0.0,
+                               "what": f"the bus bandwidth make ddp-cost measured ({measured['world_size']} processes)"}
     if compare.bandwidth_gbs:
         presets["custom"] = {"bandwidth_gbs": compare.bandwidth_gbs, "latency_us": compare.latency_us,
                              "what": "--bandwidth-gbs / --latency-us"}

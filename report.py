@@ -15,6 +15,7 @@ reports/inputs.json lists every file read with its sha256, and the report's prov
 
 import argparse
 import shutil
+import statistics
 import sys
 from datetime import date
 from pathlib import Path
@@ -432,6 +433,48 @@ def matrix_section(report: Report, found: reporting.Collected):
                            attribution_rows, "attribution", align="llrrrr"))
 
 
+def ddp_cost_section(report: Report, found: reporting.Collected):
+    comparison, runs = found.comparisons.get("ddp_cost"), found.runs.get("ddp_cost", {})
+    if not report.begin("What DDP communication costs", comparison and runs, "ddp_cost"):
+        return
+    records = reporting.first_round_runs(comparison, runs)
+    default = (records.get("default") or {}).get("summary", {}).get("communication") or {}
+    if default.get("measured"):
+        step = records["default"]["summary"]["throughput"]["step_s"]
+        compute = statistics.median(r["compute_s"] for r in default["per_rank"])
+        report.text(f"Where a DDP step goes with DDP's defaults ({default['world_size']} processes, first round): "
+                    f"{step * 1e3:.1f} ms per step, of which exposed communication {default['exposed_s'] * 1e3:.1f} ms "
+                    f"({default['exposed_share']:.1%}); the same all-reduce alone takes {default['total_allreduce_s'] * 1e3:.1f} ms "
+                    f"({default['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth), so {default['overlap']:.0%} of it hides behind "
+                    f"backward. Compute (forward and backward without the all-reduce): {compute * 1e3:.1f} ms per rank.")
+    report.figure(figures.ddp_cost_figure(comparison), "ddp_cost", "Step time and exposed communication by DDP setting",
+                  list(records.values()))
+    rows = []
+    for r in figures.ddp_cost_rows(comparison):
+        if "skipped" in r:
+            rows.append([r["setting"], r["flags"], f"skipped: {r['skipped']}", "", "", "", "", ""])
+            continue
+        rows.append([r["setting"], r["flags"], ranged(r["step_s"], r["step_s_range"], 3), *speed_cells(r),
+                     num((r["exposed_s"] or 0) * 1e3, 1) if r["exposed_s"] is not None else "n/a",
+                     num((r["total_allreduce_s"] or 0) * 1e3, 1) if r["total_allreduce_s"] is not None else "n/a",
+                     num(r["overlap"], 0, percent=True)])
+    report.table(Table(f"DDP settings against DDP's defaults ({comparison['rounds']} alternating rounds)",
+                       ["setting", "flags", "s/step", "speed vs default", "verdict", "exposed ms", "all-reduce ms",
+                        "overlap"], rows, "ddp_cost", align="llrrlrrr"))
+    best = comparison.get("best") or {}
+    report.text(f"Best setting here: `{best.get('setting')}`" + (f" (`{' '.join(best['flags'])}`), "
+                f"{bench.describe(best['speed'])}" if best.get("speed") else ": no setting was faster than DDP's "
+                "defaults outside noise") + ".")
+    ring = comparison.get("ring_model")
+    if ring:
+        report.text(f"The measured all-reduce of {ring['gradient_bytes'] / 1e6:.1f} MB over {ring['world_size']} processes "
+                    f"took {ring['measured_s'] * 1e3:.1f} ms ({ring['measured_bus_bandwidth_gbs']:.2f} GB/s); the ring "
+                    "model with compare_dp.py's presets predicts "
+                    + ", ".join(f"{name} {p['model_s'] * 1e3:.2f} ms (measured {p['measured_over_model']:.0f}x)"
+                                for name, p in ring["presets"].items())
+                    + ". `compare_dp.py --ddp-cost` projects with the measured bandwidth beside the presets.")
+
+
 # ---------------------------------------------------------------- W&B
 
 
@@ -461,7 +504,8 @@ def log_figures_to_wandb(report: Report, out: Path) -> list[str]:
 
 # ---------------------------------------------------------------- main
 
-SECTIONS = [time_section, loaders_section, amp_section, dp_section, ckpt_section, batch_section, matrix_section]
+SECTIONS = [time_section, loaders_section, amp_section, dp_section, ddp_cost_section, ckpt_section, batch_section,
+            matrix_section]
 
 
 def build(runs: Path, results: Path, out: Path) -> Report:

@@ -47,6 +47,7 @@ def test_dashes_and_underscores_both_work():
     (["--ddp-bucket-cap-mb", "0"], "--ddp-bucket-cap-mb must be positive"),
     (["--threads", "0"], "--threads takes auto, launcher or a positive number"),
     (["--memory-every", "0"], "--memory-every must be a positive integer"),
+    (["--ddp-static-graph", "--gradient-accumulation-steps", "2"], "--ddp-static-graph with --gradient-accumulation"),
 ])
 def test_bad_settings_exit_2_with_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

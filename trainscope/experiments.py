@@ -28,6 +28,13 @@ from trainscope.summary import peak_memory
 SWITCHES = {"ckpt": ["--gradient-checkpointing"], "compile": ["--compile"], "lora": ["--lora"],
             "events": ["--timing", "events"], "sync": ["--timing", "sync"], "tf32": ["--tf32"]}
 SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
+COMMUNICATION_FIGURES = ("exposed_s", "exposed_share", "total_allreduce_s", "overlap", "bus_bandwidth_gbs",
+                         "allreduces_per_optimizer_step", "allreduce_bytes_per_step", "gradient_bytes")
+# The DDP settings `make ddp-cost` compares with DDP's defaults (25 MB buckets, no flags, no compression).
+DDP_SETTINGS = {"default": [], "bucket1": ["--ddp-bucket-cap-mb", "1"], "bucket5": ["--ddp-bucket-cap-mb", "5"],
+                "bucket100": ["--ddp-bucket-cap-mb", "100"], "bucket_view": ["--ddp-gradient-as-bucket-view"],
+                "static_graph": ["--ddp-static-graph"], "fp16_hook": ["--ddp-comm-hook", "fp16"],
+                "bf16_hook": ["--ddp-comm-hook", "bf16"]}
 
 
 class ExperimentFailed(Exception):
@@ -61,7 +68,9 @@ def headline(record: dict) -> dict:
     summary = record["summary"]
     validation = summary["validation"][-1] if summary["validation"] else {}
     peak, kind = peak_memory(summary["memory"])
+    communication = summary.get("communication") or {}
     return {"run": record["run_name"], "samples_per_s": summary["throughput"]["samples_per_s"],
+            "communication": {k: communication.get(k) for k in COMMUNICATION_FIGURES} if communication.get("measured") else None,
             "tokens_per_s": summary["throughput"]["tokens_per_s"], "step_s": summary["throughput"]["step_s"],
             "peak_memory_gib": peak, "memory_kind": kind, "test_accuracy": summary["test"]["accuracy"],
             "validation_accuracy": validation.get("accuracy"), "validation_loss": validation.get("loss"),
@@ -298,6 +307,42 @@ def recommend(summary: dict, effective_batch: int) -> dict:
     return result
 
 
+def ddp_cost(args, train_args: list[str]) -> dict:
+    """DDP's settings against its defaults: step time, exposed communication, the best setting here."""
+    from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
+
+    runs = Path(args.runs)
+    names = args.settings or list(DDP_SETTINGS)
+    plan = launching.plan(args.config)
+    arms = [Arm(name, args.config, DDP_SETTINGS[name], None if plan.runnable else plan.reason)
+            for name in (["default"] + [n for n in names if n != "default"])]
+    for arm in arms:
+        if arm.name == "bf16_hook" and plan.on_cpu and arm.skipped is None:
+            arm.skipped = "gloo cannot all-reduce bf16 (the bf16 hook needs NCCL or XCCL)"
+    summary = experiment(runs, "ddp_cost", arms, [*train_args, "--communication-samples", str(args.samples)], args.rounds)
+    results = {arm.name: [headline(read_record(runs / run)) for run in summary["arms"][arm.name]["runs"]]
+               for arm in arms if arm.skipped is None}
+    summary["communication"] = {name: {k: bench.spread([r["communication"][k] for r in rows if r["communication"]])
+                                       for k in COMMUNICATION_FIGURES if all(r["communication"] for r in rows)}
+                                for name, rows in results.items()}
+    faster = [n for n, c in summary["comparisons"].items() if c["speed"]["verdict"] == "faster"]
+    best = max(faster, key=lambda n: summary["comparisons"][n]["speed"]["median_ratio"]) if faster else "default"
+    summary["best"] = {"setting": best, "flags": DDP_SETTINGS[best],
+                       "speed": summary["comparisons"].get(best, {}).get("speed")}
+    measured = summary["communication"].get("default", {})
+    if measured.get("total_allreduce_s"):
+        world, size = launching.config_facts(launching.config_path(args.config))["num_processes"], measured["gradient_bytes"]["median"]
+        seconds = measured["total_allreduce_s"]["median"]
+        summary["ring_model"] = {"gradient_bytes": size, "world_size": world, "measured_s": seconds,
+                                 "measured_bus_bandwidth_gbs": measured["bus_bandwidth_gbs"]["median"],
+                                 "presets": {name: {"model_s": ring_allreduce_seconds(size, world, p["bandwidth_gbs"], p["latency_us"]),
+                                                    "measured_over_model": seconds / ring_allreduce_seconds(
+                                                        size, world, p["bandwidth_gbs"], p["latency_us"])}
+                                             for name, p in INTERCONNECTS.items()}}
+    write(runs, "ddp_cost", summary, train_args, args.rounds)
+    return summary
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = root.add_subparsers(dest="command", required=True)
@@ -315,10 +360,15 @@ def parser() -> argparse.ArgumentParser:
     amp_parser.add_argument("--configs", nargs="+", default=["cpu", "bf16"], help="configs; the first is the baseline")
     amp_parser.add_argument("--group", help="W&B group (default: amp-<runs folder>)")
     profile_parser = commands.add_parser("profile", help="a run without and a run with the profiler")
+    cost = commands.add_parser("ddp-cost", help="DDP settings against DDP's defaults: exposed communication, speed")
+    cost.add_argument("--settings", nargs="+", choices=list(DDP_SETTINGS), help="settings (default: all)")
+    cost.add_argument("--samples", type=int, default=5, help="communication calibration steps per run (default 5)")
     find = commands.add_parser("find-batch", help=argparse.SUPPRESS)
     find.add_argument("--start", type=int, required=True)
-    for sub, rounds in ((compare, 5), (matrix, 5), (batch, 3), (amp_parser, None), (profile_parser, None)):
+    for sub, rounds in ((compare, 5), (matrix, 5), (batch, 3), (amp_parser, None), (profile_parser, None), (cost, 3)):
         sub.add_argument("--runs", required=True, help="where the runs and comparison.{json,md} go")
+        if sub is cost:
+            sub.add_argument("--config", default="ddp", help="Accelerate config of the DDP runs (default ddp)")
         if sub in (compare, batch, profile_parser):
             sub.add_argument("--config", default="cpu", help="Accelerate config name or path")
         if rounds:
@@ -340,6 +390,7 @@ def main(argv=None) -> None:
         "batch-sweep": lambda: batch_sweep(args, train_args),
         "amp": lambda: amp(args, train_args),
         "profile": lambda: profile(args, train_args),
+        "ddp-cost": lambda: ddp_cost(args, train_args),
         "find-batch": lambda: find_batch(args.start, train_args),
     }
     try:

@@ -120,3 +120,47 @@ def loaders_figure(report: dict):
                     f"{machine['usable_cores']} cores (median, min-max band)", fontsize=9)
     figure.tight_layout()
     return figure
+
+
+# ---------------------------------------------------------------- DDP communication cost
+
+BUCKET_SETTINGS = {"bucket1": 1, "bucket5": 5, "default": 25, "bucket100": 100}
+
+
+def ddp_cost_rows(comparison: dict) -> list[dict]:
+    """One row per DDP setting: step time, its verdict against DDP's defaults, exposed and total communication."""
+    rows = []
+    for name, arm in comparison["arms"].items():
+        if arm["status"] != "complete":
+            rows.append({"setting": name, "flags": " ".join(arm["flags"]), "skipped": arm["reason"]})
+            continue
+        figures = comparison.get("communication", {}).get(name, {})
+        speed = comparison["comparisons"].get(name, {}).get("speed")
+        pick = lambda key: figures[key]["median"] if key in figures else None  # noqa: E731
+        rows.append({"setting": name, "flags": " ".join(arm["flags"]), "step_s": arm["step_s"]["median"],
+                     "step_s_range": (arm["step_s"]["min"], arm["step_s"]["max"]), "speed": speed,
+                     "exposed_s": pick("exposed_s"), "exposed_share": pick("exposed_share"),
+                     "total_allreduce_s": pick("total_allreduce_s"), "overlap": pick("overlap")})
+    return rows
+
+
+def ddp_cost_figure(comparison: dict):
+    """Step time and exposed communication against the bucket size; the flag settings at 25 MB beside them."""
+    plt = _pyplot()
+    rows = {r["setting"]: r for r in ddp_cost_rows(comparison) if "skipped" not in r}
+    figure, (steps, exposed) = plt.subplots(1, 2, figsize=(10, 3.8))
+    buckets = [(mb, rows[name]) for name, mb in BUCKET_SETTINGS.items() if name in rows]
+    for axis, key, label, scale in ((steps, "step_s", "seconds per optimizer step (median)", 1),
+                                    (exposed, "exposed_s", "exposed communication per step (ms, median)", 1e3)):
+        axis.plot([mb for mb, _ in buckets], [(r[key] or 0) * scale for _, r in buckets], marker="o", label="bucket size")
+        for name, row in rows.items():
+            if name not in BUCKET_SETTINGS:
+                axis.scatter([25], [(row[key] or 0) * scale], marker="s", label=name)
+        axis.set_xscale("log")
+        axis.set_xlabel("DDP bucket size (MB)")
+        axis.set_ylabel(label)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    steps.legend(fontsize=7)
+    figure.tight_layout()
+    return figure

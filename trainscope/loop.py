@@ -1,6 +1,7 @@
 """The training step every script shares (so a sweep measures exactly what train.py runs), the
 loop's counters, and evaluation."""
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -20,15 +21,17 @@ def train_step(accelerator, model, batch, optimizer, scheduler, stage, max_grad_
     Returns (loss, labels), still on the device: reading the loss is left to log steps.
     """
     with accelerator.accumulate(model):
-        with stage("forward"):
-            labels = batch.pop("labels")
-            logits = model(**batch).logits
-        with stage("backward"):
-            loss = F.cross_entropy(logits.float(), labels)
-            if calibration is not None and accelerator.sync_gradients:
-                calibration.backward(accelerator, model, loss)
-            else:
-                accelerator.backward(loss)
+        measured = calibration is not None and accelerator.sync_gradients
+        with calibration.measuring(model) if measured else contextlib.nullcontext():  # sync points: these steps only
+            with stage("forward"):
+                labels = batch.pop("labels")
+                logits = model(**batch).logits
+            with stage("backward"):
+                loss = F.cross_entropy(logits.float(), labels)
+                if measured:
+                    calibration.backward(accelerator, loss)
+                else:
+                    accelerator.backward(loss)
         with stage("optimizer"):
             if accelerator.sync_gradients and max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)

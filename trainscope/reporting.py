@@ -20,12 +20,11 @@ EXPERIMENTS = {  # folder under runs/ -> the make target that produces it
     "ckpt": "make ckpt-compare",
     "batch": "make batch-sweep",
     "matrix": "make matrix",
+    "ddp_cost": "make ddp-cost",
     "tune": "make tune",
 }
 RESULTS = {"loaders": ("loaders/loaders.json", "make sweep-workers"),
-           "compare_dp": ("compare_dp/compare_dp.json", "make compare-dp"),
-           "ddp_cost": ("ddp_cost/ddp_cost.json", "make ddp-cost"),
-           "tune": ("tune/tune.json", "make tune")}
+           "compare_dp": ("compare_dp/compare_dp.json", "make compare-dp")}
 
 
 @dataclass

@@ -62,7 +62,7 @@ class RunMetrics:
         self.loop = LoopState(self.accelerator.device, resumed)
         if resumed:
             self.timer.restore(resumed["timer"])
-        self.communication = communication.build(self.settings, self.accelerator, model)
+        self.communication = communication.build(self.settings, self.accelerator, model, self.plan["optimizer_steps"])
         self.env = {**environment.describe(self.accelerator, effective_precision(self.accelerator), self.launch.threads),
                     "timing_mode": self.timing_mode, **self.launch.environment_facts(),
                     "ddp": self.communication.settings_in_effect()}
@@ -215,7 +215,7 @@ class RunMetrics:
     def _rank_summary(self) -> dict:
         return {"rank": self.accelerator.process_index, "timing": self.timer.summary(), "counts": self.loop.counts,
                 "memory": {**self.timer.memory_summary(), "peak_rss_gib": peak_rss_bytes() / GIB},
-                "communication": self.communication.rank_summary(self.timer)}
+                "communication": self.communication.rank_summary(self.loop.counts)}
 
     def _summary(self, per_rank: list[dict], test_scores: dict, snapshot: dict | None) -> dict:
         phase = "steady" if self.loop.counts["steady"]["optimizer_steps"] else "warmup"

@@ -264,6 +264,9 @@ class Settings:
             raise UserError(f"--threads takes auto, launcher or a positive number, got {self.threads!r}")
 
     def _validate_combinations(self) -> None:
+        if self.ddp_static_graph and self.gradient_accumulation_steps > 1:
+            raise UserError("--ddp-static-graph with --gradient-accumulation-steps > 1: DDP records its static graph "
+                            "on the first iteration, which accumulation runs without all-reduce (no_sync); use one")
         if self.timing_warmup_steps < 0:
             raise UserError(f"--timing-warmup-steps must be 0 or more, got {self.timing_warmup_steps}")
         if self.prefetch_factor is not None and self.num_workers == 0:
