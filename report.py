@@ -26,8 +26,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backends.backend_pdf import PdfPages  # noqa: E402
 
-from trainscope import bench, figures, provenance, reporting  # noqa: E402
-from trainscope.records import write_json_atomic, write_text_atomic  # noqa: E402
+from trainscope import advisor, bench, figures, provenance, reporting  # noqa: E402
+from trainscope.records import read_record, write_json_atomic, write_text_atomic  # noqa: E402
 
 LATEX_SPECIALS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
@@ -475,6 +475,24 @@ def ddp_cost_section(report: Report, found: reporting.Collected):
                     + ". `compare_dp.py --ddp-cost` projects with the measured bandwidth beside the presets.")
 
 
+def optimization_section(report: Report, found: reporting.Collected):
+    """The homework's 'propose one way to optimize', from the measured shares of the report's main run."""
+    record = reporting.pick_breakdown_run(found)
+    if not report.begin("Optimization: what to try next", record, "profile"):
+        return
+    suggestions = advisor.advise(record)
+    report.text(f"From run `{record['run_name']}` (`python report.py --advise {record['path']}`); each bound is "
+                "Amdahl's law on the measured share it would shrink. `make tune` tries them and keeps what is faster.")
+    report.code("\n".join(advisor.lines(suggestions[:6])))
+    tune = found.comparisons.get("tune")
+    if tune:
+        report.table(Table("make tune: each suggestion against the baseline, then the kept ones together",
+                           ["trial", "flags", "bound", "speed (wall)", "verdict", "result"],
+                           [[t["name"], " ".join(t["flags"]), num(t.get("bound")), t["speed_text"], t["verdict"],
+                             t["result"]] for t in tune["trials"]], "tune", align="llrrll"))
+        report.text(f"Kept: `{tune['final_command']}`. {tune['summary']}")
+
+
 # ---------------------------------------------------------------- W&B
 
 
@@ -504,8 +522,8 @@ def log_figures_to_wandb(report: Report, out: Path) -> list[str]:
 
 # ---------------------------------------------------------------- main
 
-SECTIONS = [time_section, loaders_section, amp_section, dp_section, ddp_cost_section, ckpt_section, batch_section,
-            matrix_section]
+SECTIONS = [time_section, optimization_section, loaders_section, amp_section, dp_section, ddp_cost_section,
+            ckpt_section, batch_section, matrix_section]
 
 
 def build(runs: Path, results: Path, out: Path) -> Report:
@@ -544,12 +562,29 @@ def build(runs: Path, results: Path, out: Path) -> Report:
     return report
 
 
+def advise(run: str) -> None:
+    """Print the ranked suggestions for one run (its folder or its record.json)."""
+    folder = Path(run).parent if run.endswith(".json") else Path(run)
+    try:
+        record = read_record(folder)
+        if record.get("status") != "complete":
+            raise ValueError(f"{folder / 'record.json'}: status {record.get('status')!r}; advice needs a complete run")
+    except ValueError as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        sys.exit(2)
+    print(f"What to try next for {record['run_name']} (ranked; bounds from the measured shares):")
+    print("\n".join(advisor.lines(advisor.advise(record))))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="runs", help="run records (default runs/)")
     parser.add_argument("--results", default="results", help="sweep and benchmark results (default results/)")
     parser.add_argument("--out", default="reports", help="output folder, replaced (default reports/)")
+    parser.add_argument("--advise", metavar="RUN", help="print what to try next for one run (its folder) and stop")
     args = parser.parse_args(argv)
+    if args.advise:
+        return advise(args.advise)
     if not Path(args.runs).is_dir() and not Path(args.results).is_dir():
         parser.error(f"neither {args.runs} nor {args.results} exists: run experiments first (make experiments)")
     build(Path(args.runs), Path(args.results), Path(args.out))

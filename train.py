@@ -49,6 +49,8 @@ def train(settings: Settings) -> dict:
         data, tokenizer, settings, pin_memory=startup.pin_memory(settings, accelerator.device.type == "cuda"),
         pad_to_multiple_of=8 if accelerator.device.type == "cuda" and precision in ("fp16", "bf16") else None)
     optimizer = build_optimizer(model, settings, accelerator.device)
+    model_facts["optimizer"] = {"name": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
+                                "foreach": bool(optimizer.defaults.get("foreach"))}
     # Accelerate steps a prepared scheduler once per process for every optimizer step.
     scheduler = build_scheduler(settings, optimizer, plan["optimizer_steps"] * accelerator.num_processes,
                                 int(settings.warmup_fraction * plan["optimizer_steps"]) * accelerator.num_processes)

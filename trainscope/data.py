@@ -441,9 +441,15 @@ def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory:
                                             collate_fn=collate, generator=generator(), **options)
     evaluation = [
         torch.utils.data.DataLoader(
-            split, batch_size=settings.resolved_eval_batch_size, shuffle=False, collate_fn=collate,
-            generator=generator(), **options
+            by_length(split) if settings.group_by_length else split, batch_size=settings.resolved_eval_batch_size,
+            shuffle=False, collate_fn=collate, generator=generator(), **options
         )
         for split in (data.validation, data.test)
     ]
     return train, *evaluation
+
+
+def by_length(split: Dataset) -> Dataset:
+    """The split sorted by sequence length: evaluation scores do not depend on the order, padding does."""
+    lengths = [len(ids) for ids in split["input_ids"]]
+    return split.select(sorted(range(len(lengths)), key=lengths.__getitem__))

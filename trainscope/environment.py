@@ -138,4 +138,12 @@ def describe(accelerator, effective: str, threads: dict) -> dict:
         "effective_precision": effective,
         "tf32_in_effect": precision.tf32_in_effect(),
         "fsdp_requested": os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
+        "device_memory_gib": device_memory_gib(accelerator.device),
     }
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """Total memory of a CUDA device (None elsewhere): what "memory near the limit" is measured against."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 1024**3

@@ -44,9 +44,11 @@ class ExperimentFailed(Exception):
 @dataclass
 class Arm:
     name: str
-    config: str
+    config: str | None
     flags: list = field(default_factory=list)
     skipped: str | None = None  # why this arm cannot run here
+    launcher: str = "accelerate"
+    script: Path = launching.TRAIN_SCRIPT
 
 
 # ---------------------------------------------------------------- running arms in rounds
@@ -55,11 +57,13 @@ class Arm:
 def run_arm(arm: Arm, train_args: list[str], runs: Path, round_index: int) -> dict:
     """One train.py run of an arm; its record's headline figures."""
     name = f"{arm.name}-r{round_index}"
-    plan = launching.plan(arm.config)
+    on_cpu = launching.plan(arm.config).on_cpu if arm.config else None
     result = launching.run_training([*train_args, *arm.flags, "--output-dir", str(runs), "--run-name", name,
-                                     "--overwrite"], config=arm.config, env=launching.training_env(plan.on_cpu))
+                                     "--overwrite"], config=arm.config, launcher=arm.launcher,
+                                    env=launching.training_env(on_cpu), script=arm.script)
     if result.returncode != 0:
-        raise ExperimentFailed(f"{name} ({arm.config} {' '.join(arm.flags)}) failed: {launching.failure_reason(result)}")
+        raise ExperimentFailed(f"{name} ({arm.config or 'no config'} {' '.join(arm.flags)}) failed: "
+                               f"{launching.failure_reason(result)}")
     return headline(read_record(runs / name))
 
 
@@ -69,7 +73,7 @@ def headline(record: dict) -> dict:
     validation = summary["validation"][-1] if summary["validation"] else {}
     peak, kind = peak_memory(summary["memory"])
     communication = summary.get("communication") or {}
-    return {"run": record["run_name"], "samples_per_s": summary["throughput"]["samples_per_s"],
+    return {"run": record["run_name"], "wall_s": summary["wall_s"], "samples_per_s": summary["throughput"]["samples_per_s"],
             "communication": {k: communication.get(k) for k in COMMUNICATION_FIGURES} if communication.get("measured") else None,
             "tokens_per_s": summary["throughput"]["tokens_per_s"], "step_s": summary["throughput"]["step_s"],
             "peak_memory_gib": peak, "memory_kind": kind, "test_accuracy": summary["test"]["accuracy"],

@@ -63,11 +63,13 @@ def plan(config: str, gpus: int | None = None) -> Plan:
     return Plan(config, True)
 
 
-def train_command(train_args: list[str], config: str | None = None, launcher: str = "accelerate") -> list[str]:
+def train_command(train_args: list[str], config: str | None = None, launcher: str = "accelerate",
+                  script: Path = TRAIN_SCRIPT) -> list[str]:
+    """The documented command; `script` is train.py unless a caller runs a wrapper of it (tests do)."""
     if launcher == "python":
-        return [PYTHON, str(TRAIN_SCRIPT), *train_args]
+        return [PYTHON, str(script), *train_args]
     return [ACCELERATE, "launch", *(["--config_file", str(config_path(config))] if config else []),
-            str(TRAIN_SCRIPT), *train_args]
+            str(script), *train_args]
 
 
 def training_env(on_cpu: bool | None = None, extra: dict | None = None) -> dict:
@@ -79,10 +81,11 @@ def training_env(on_cpu: bool | None = None, extra: dict | None = None) -> dict:
 
 
 def run_training(train_args: list[str], config: str | None = None, launcher: str = "accelerate",
-                 env: dict | None = None, timeout: float | None = None, echo: bool = True) -> subprocess.CompletedProcess:
+                 env: dict | None = None, timeout: float | None = None, echo: bool = True,
+                 script: Path = TRAIN_SCRIPT) -> subprocess.CompletedProcess:
     """Run train.py by the documented command; output captured. On timeout the whole launch
     (launcher and workers) is killed."""
-    command = train_command(train_args, config, launcher)
+    command = train_command(train_args, config, launcher, script)
     if echo:
         print("$ " + " ".join(Path(command[0]).name if i == 0 else part for i, part in enumerate(command)), flush=True)
     return run_captured(command, env if env is not None else training_env(), timeout)

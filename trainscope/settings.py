@@ -99,7 +99,8 @@ class Settings:
     persistent_workers: bool = HfArg(default=False, help="Keep DataLoader workers alive between epochs.")
     group_by_length: bool = HfArg(
         default=False,
-        help="Batch sequences of similar length together (less padding; order is random between groups).",
+        help="Batch sequences of similar length together (less padding): training batches come from random "
+        "megabatches sorted inside, the evaluation splits are sorted by length (their scores do not depend on order).",
     )
     prefetch_factor: int | None = HfArg(
         default=None, help="Batches each worker loads ahead (needs --num-workers > 0); PyTorch's default is 2."

@@ -1,0 +1,110 @@
+"""The GPU path's logic, checked on the CPU: launch plans, the compile set-up, per-loop memory, the
+batch-size search in its own process, and make gpu-check without a GPU."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import compare_dp
+from conftest import ROOT, cpu_env, run_command
+from trainscope import launching
+
+
+@pytest.mark.parametrize("config,gpus,runnable,on_cpu", [
+    ("ddp", 1, False, False), ("ddp", 2, True, False), ("ddp", 0, True, True), ("ddp_fp16", 1, False, False),
+    ("single_gpu", 1, True, False), ("cpu", 4, True, True), ("fsdp", 8, True, False),
+])
+def test_runs_are_planned_from_the_devices_present(config, gpus, runnable, on_cpu):
+    plan = launching.plan(config, gpus=gpus)
+    assert (plan.runnable, plan.on_cpu) == (runnable, on_cpu)
+    if not runnable:
+        assert plan.reason == f"needs 2 GPUs (one per process), {gpus} present"
+
+
+def test_a_planned_run_that_fails_fails_the_experiment(tmp_path):
+    completed = run_command([sys.executable, "-m", "trainscope.experiments", "matrix", "--runs", str(tmp_path / "m"),
+                             "--rounds", "1", "--variants", "cpu", "--", "--model", "embedded:tiny-bert",
+                             "--dataset", str(tmp_path / "missing.csv")], env=cpu_env())
+    assert completed.returncode == 1
+    assert completed.stderr.strip().splitlines()[-1].startswith("error: cpu-r0 (cpu ) failed:")
+
+
+def test_compile_uses_dynamic_shapes_whatever_the_launcher_exports(monkeypatch, tmp_path):
+    """accelerate launch exports ACCELERATE_DYNAMO_USE_DYNAMIC=False: every new padded length would recompile."""
+    from accelerate.state import AcceleratorState
+
+    from trainscope import startup
+    from trainscope.settings import parse_settings
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # start-up enforces --tf32
+    try:
+        for flags, dynamic in (([], True), (["--pad-to-max-length"], False)):
+            (settings,) = parse_settings(argv=["--compile", "--report-to", "none", *flags])
+            launch = startup.Launch(state=None, settings=settings, threads={}, run_dir=tmp_path,
+                                    requested_max_seq_length=128, model_sequence_limit=512)
+            launch.state = type("State", (), {"device": torch.device("cpu")})()
+            accelerator = startup.build_accelerator(settings, launch)
+            assert accelerator.state.dynamo_plugin.dynamic is dynamic
+            assert accelerator.state.dynamo_plugin.backend.value.lower() == "inductor"
+            AcceleratorState._reset_state(reset_partial_state=True)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+class CountingProbe:
+    device = "cuda:0"
+
+    def __init__(self):
+        self.resets, self.reads = 0, 0
+
+    def reset(self):
+        self.resets += 1
+
+    def read(self):
+        self.reads += 1
+        return 3 * 1024**3, 4 * 1024**3
+
+
+def test_each_loop_starts_from_a_reset_peak():
+    """compare_dp.py: a loop's peak is its own, not the one of the loop the same process ran before."""
+    probe = CountingProbe()
+    clock = compare_dp.StepClock(warmup=0, devices=[torch.device("cpu")], probes=[probe])
+    assert probe.resets == 1 and probe.reads == 0
+    clock.step(torch.tensor(1.0))
+    assert list(clock.finish()["peak_memory_gib"].values()) == [3.0]
+
+
+def test_the_batch_size_search_runs_in_a_child_launched_with_the_config():
+    command = [launching.ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"), "-m",
+               "trainscope.experiments", "find-batch", "--start", "8", "--", "--model", "embedded:tiny-bert",
+               "--max-seq-length", "32", "--report-to", "none"]
+    completed = run_command(command, env=cpu_env())
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"largest_batch": 8}  # a CPU never runs out
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path):
+    completed = run_command([sys.executable, "-m", "trainscope.gpu_check", "--out", str(tmp_path / "gpu")], env=cpu_env())
+    assert completed.returncode == 0
+    assert completed.stdout.strip().splitlines() == [completed.stdout.strip()]
+    assert "no usable CUDA device" in completed.stdout and "nothing written" in completed.stdout
+    assert not (tmp_path / "gpu").exists()
+
+
+def test_gpu_check_plans_every_check_by_the_documented_commands():
+    from trainscope import gpu_check
+
+    names = [step["name"] for step in gpu_check.plan()]
+    assert names == ["timing-events", "timing-sync", "precision-fp32", "precision-tf32", "precision-bf16",
+                     "precision-fp16", "compile-bf16", "overhead", "loaders", "compare-dp"]
+    configs = {step["name"]: step.get("config") for step in gpu_check.plan()}
+    assert configs["precision-bf16"] == "bf16" and configs["precision-fp16"] == "fp16"
+    assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert gpu_check.verdicts({"precision-fp32": {"throughput": {"samples_per_s": 100}},
+                               "precision-tf32": {"throughput": {"samples_per_s": 250}},
+                               "precision-bf16": {"throughput": {"samples_per_s": 400}}})["bf16_over_fp32"] == 4.0
