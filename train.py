@@ -18,7 +18,8 @@ from trainscope import startup
 from trainscope.data import build_dataloaders, load_classification_data
 from trainscope.errors import UserError, exit_with, redacted_output
 from trainscope.loop import evaluate_split, load_metric, train_step
-from trainscope.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer, fsdp_wrap_rule
+from trainscope.modeling import (build_model, build_optimizer, build_scheduler, build_tokenizer, fsdp_wrap_rule,
+                                 optimizer_facts)
 from trainscope.run_metrics import NonFiniteLoss, RunMetrics
 from trainscope.settings import Settings, parse_settings
 
@@ -43,14 +44,10 @@ def train(settings: Settings) -> dict:
     plan = startup.plan_steps(settings, len(data.train), launch.state.num_processes)
     model, model_facts = build_model(settings, data.label_names, tokenizer)
     accelerator = startup.build_accelerator(settings, launch)
-    model_facts["fsdp_wrap"] = fsdp_wrap_rule(model, accelerator)
-    precision = accelerator.mixed_precision
     train_loader, validation_loader, test_loader = build_dataloaders(
-        data, tokenizer, settings, pin_memory=startup.pin_memory(settings, accelerator.device.type == "cuda"),
-        pad_to_multiple_of=8 if accelerator.device.type == "cuda" and precision in ("fp16", "bf16") else None)
+        data, tokenizer, settings, **startup.loader_options(settings, accelerator))
     optimizer = build_optimizer(model, settings, accelerator.device)
-    model_facts["optimizer"] = {"name": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
-                                "foreach": bool(optimizer.defaults.get("foreach"))}
+    model_facts.update(optimizer=optimizer_facts(optimizer), fsdp_wrap=fsdp_wrap_rule(model, accelerator))
     # Accelerate steps a prepared scheduler once per process for every optimizer step.
     scheduler = build_scheduler(settings, optimizer, plan["optimizer_steps"] * accelerator.num_processes,
                                 int(settings.warmup_fraction * plan["optimizer_steps"]) * accelerator.num_processes)
@@ -87,14 +84,8 @@ def train(settings: Settings) -> dict:
                     break
             with metrics.evaluation():
                 test_scores = evaluate_split(model, test_loader, accelerator, metric)
-    except torch.OutOfMemoryError as error:
-        error.add_note(f"out of memory at --per-device-batch-size {settings.per_device_batch_size} (step "
-                       f"{metrics.loop.step + 1}): halve it and double --gradient-accumulation-steps, or add "
-                       "--gradient-checkpointing, a bf16/fp16 config or --lora")
-        metrics.fail(error)
-        raise
-    except NonFiniteLoss as error:
-        metrics.fail(error)
+    except (torch.OutOfMemoryError, NonFiniteLoss) as error:
+        metrics.fail(error)  # the record says failed, with the one line the user reads; trackers end
         raise
 
     # ---------------------------------------------------------------- summary

@@ -1,6 +1,5 @@
 """The advisor's rules on planted records, and make tune's closed loop."""
 
-import copy
 import json
 import sys
 
@@ -101,6 +100,19 @@ def test_exposed_communication_suggests_buckets_compression_and_accumulation():
     found = advisor.advise(record(summary__communication=block))
     assert {"ddp_buckets", "ddp_compression", "ddp_accumulation"} <= set(rules(found))
     assert next(s for s in found if s.rule == "ddp_buckets").bound == pytest.approx(1.25)
+
+
+def test_a_warning_whose_fix_is_a_rule_is_one_item_ranked_first():
+    planted = record(environment__threads={"torch_threads": 1, "thread_budget": 2, "usable_cores": 2,
+                                           "local_processes": 1, "threads_source": "user"},
+                     warnings=[{"code": "threads_below_budget", "message": "1 torch threads, budget 2"}])
+    (only,) = advisor.advise(planted)
+    assert only.rule == "threads" and only.fix_first and only.bound > 1 and "budget 2" in only.evidence
+
+
+def test_tune_writes_the_final_command_with_each_flag_once():
+    assert tune.merge_flags(["--threads", "1", "--lora", "--max-steps", "8"], ["--threads", "auto", "--num-workers", "1"]) \
+        == ["--lora", "--max-steps", "8", "--threads", "auto", "--num-workers", "1"]
 
 
 def test_warnings_come_first_whatever_the_bounds():

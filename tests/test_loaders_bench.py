@@ -1,14 +1,13 @@
 """loaders_bench.py: the pass timer against a known per-item cost, the summary, and the make target."""
 
 import json
-import sys
 import time
 
 import pytest
 import torch
 
 import loaders_bench
-from conftest import ROOT, cpu_env, run_command
+from conftest import cpu_env, run_command
 
 ITEM_S = 0.02
 ITEMS = 100

@@ -6,26 +6,8 @@ import torch
 from trainscope import precision
 
 
-def scaled_steps(planted_inf_at: set[int], steps: int = 6, fused: bool = True):
-    """Train a tiny model with a CPU GradScaler and a fused AdamW; plant inf gradients at some steps."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
-    skips = precision.SkippedSteps(scaler, torch.device("cpu"))
-    weights = []
-    for step in range(steps):
-        loss = model(torch.randn(8, 4)).pow(2).mean()
-        scaler.scale(loss).backward()
-        if step in planted_inf_at:
-            model.weight.grad[0, 0] = float("inf")
-        skips.before_step()
-        scaler.step(optimizer)
-        scaler.update()
-        skips.after_step()
-        optimizer.zero_grad(set_to_none=True)
-        weights.append(model.weight.detach().clone())
-    return skips, weights
+def scaled_steps(planted_inf_at: set[int], steps: int = 6):
+    return precision.planted_overflow_run(torch.device("cpu"), planted_inf_at, steps)
 
 
 def test_loss_scaler_skips_are_counted_with_a_fused_optimizer():

@@ -22,7 +22,7 @@ def built(tmp_path_factory):
     runs, results, out = root / "runs", root / "results", root / "reports"
     common = [f"RUNS={runs}", f"RESULTS={results}", f"EXP_ARGS={TINY}", f"SPEED_ARGS={TINY} --max-steps 6",
               f"AMP_ARGS={TINY} --max-steps 6", "ROUNDS=1"]
-    for target in (["profile"], ["matrix", "MATRIX_VARIANTS=cpu ddp"],
+    for target in (["profile"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"],
                    ["report", f"REPORT_ARGS=--out {out}"]):
         completed = run_command(["make", "-s", *target, *common], env=cpu_env(), timeout=900)
         assert completed.returncode == 0, f"make {target}: {completed.stderr[-3000:]}"
@@ -56,7 +56,7 @@ def test_warnings_are_printed_beside_the_figures_they_concern(built):
     _, _, out = built
     text = (out / "report.md").read_text()
     matrix_part = text.split("## Configs and switches side by side")[1].split("## ")[0]
-    assert "Warnings for these figures" in matrix_part and "ddp-r0: [few_steady_steps]" in matrix_part
+    assert "Warnings for these figures" in matrix_part and "cpu+ckpt-r0: [few_steady_steps]" in matrix_part
 
 
 def tabular_rows(tex: str):
@@ -89,11 +89,13 @@ def test_the_amp_table_shows_what_the_records_hold():
     assert float(cells[4]) == pytest.approx(bf16["throughput"]["samples_per_s"], abs=0.06)
 
 
-def test_the_matrix_runs_ddp_and_reports_against_the_first_variant(built):
-    runs, _, _ = built
+def test_the_matrix_reports_each_variant_against_the_first(built):
+    runs, _, out = built
     comparison = json.loads((runs / "matrix" / "comparison.json").read_text())
-    assert comparison["baseline"] == "cpu" and comparison["arms"]["ddp"]["world_size"] == 2
-    assert comparison["comparisons"]["ddp"]["speed"]["pairs"] == 1
+    assert comparison["baseline"] == "cpu" and comparison["arms"]["cpu+ckpt"]["flags"] == ["--gradient-checkpointing"]
+    assert comparison["comparisons"]["cpu+ckpt"]["speed"]["pairs"] == 1
+    assert comparison["comparisons"]["cpu+ckpt"]["speed"]["verdict"] == "too few pairs"
+    assert "cpu -> cpu+ckpt" in (out / "attribution.tex").read_text()
     assert comparison["provenance"]["command"].startswith("python -m trainscope.experiments matrix")
 
 
@@ -101,7 +103,7 @@ def test_inputs_json_lists_every_input_with_its_digest(built):
     runs, _, out = built
     inputs = json.loads((out / "inputs.json").read_text())["provenance"]["inputs"]
     recorded = {entry["path"]: entry["sha256"] for entry in inputs}
-    record = runs / "matrix" / "ddp-r0" / "record.json"
+    record = runs / "matrix" / "cpu+ckpt-r0" / "record.json"
     assert recorded[str(record)] == provenance.sha256(record)
     assert str(runs / "matrix" / "comparison.json") in recorded
     assert len(recorded) == len(list(runs.rglob("record.json"))) * 2 + len(list(runs.rglob("comparison.json")))
@@ -128,7 +130,7 @@ def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built,
     for name, content in broken.items():
         (partial / "matrix" / name).mkdir()
         (partial / "matrix" / name / "record.json").write_text(content)
-    with open(partial / "matrix" / "ddp-r0" / "steps.jsonl", "a") as handle:
+    with open(partial / "matrix" / "cpu+ckpt-r0" / "steps.jsonl", "a") as handle:
         handle.write('{"step": 99, "lo')  # a killed run's last line
     out = tmp_path / "reports"
     completed = run_command([sys.executable, str(ROOT / "report.py"), "--runs", str(partial), "--results",

@@ -1,5 +1,4 @@
 import dataclasses
-import io
 import subprocess
 import sys
 
@@ -8,7 +7,7 @@ import torch
 
 from trainscope import environment
 from trainscope.environment import launcher_world_size, refuse_independent_runs
-from trainscope.errors import UserError, exit_with, first_to_report, redacted_output
+from trainscope.errors import UserError, exit_with, first_to_report
 from trainscope.settings import Settings, parse_settings
 from trainscope.trackers import flat_config, wandb_mode
 

@@ -69,7 +69,13 @@ def advise(record: dict) -> list[Suggestion]:
     """Every suggestion the record supports: health warnings first, then by bound, largest first."""
     facts = steady(record)
     found = [s for rule in RULES for s in rule(facts)]
-    found += [fix_first(w) for w in record.get("warnings", [])]
+    for warning in record.get("warnings", []):
+        fix = fix_first(warning)
+        same = next((s for s in found if fix.flags and s.flags == fix.flags), None)
+        if same:  # the rule's suggestion is the fix: one item, ranked first, with the rule's bound
+            same.fix_first, same.evidence = True, f"{same.evidence}; {fix.evidence}"
+        else:
+            found.append(fix)
     return sorted(found, key=lambda s: (not s.fix_first, -(s.bound or 1.0)))
 
 

@@ -59,24 +59,10 @@ def device_slug(name: str) -> str:
 
 def scaler_check() -> dict:
     """fp16 on CUDA: a real GradScaler, the fused AdamW and planted inf gradients; the skips counted."""
-    from trainscope.precision import SkippedSteps
+    from trainscope.precision import planted_overflow_run
 
-    device = torch.device("cuda")
-    model = torch.nn.Linear(256, 16, device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    scaler = torch.amp.GradScaler("cuda")
-    skips, planted = SkippedSteps(scaler, device), {3, 7, 11}
-    for step in range(16):
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = model(torch.randn(64, 256, device=device)).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        if step in planted:
-            model.weight.grad[0, 0] = float("inf")
-        skips.before_step()
-        scaler.step(optimizer)
-        scaler.update()
-        skips.after_step()
-        optimizer.zero_grad(set_to_none=True)
+    planted = {3, 7, 11}
+    skips, _ = planted_overflow_run(torch.device("cuda"), planted)
     return {"planted": len(planted), "counted": skips.total(), "ok": skips.total() == len(planted)}
 
 

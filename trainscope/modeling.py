@@ -187,6 +187,12 @@ def build_optimizer(model, settings, device: torch.device):
     )
 
 
+def optimizer_facts(optimizer) -> dict:
+    """What the record says of the optimizer (the advisor reads whether it is fused)."""
+    return {"name": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
+            "foreach": bool(optimizer.defaults.get("foreach"))}
+
+
 def compile_stats() -> dict:
     """torch.compile so far in this process: distinct graphs compiled and seconds spent compiling."""
     import torch._dynamo.utils as dynamo_utils

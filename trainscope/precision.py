@@ -86,3 +86,27 @@ class SkippedSteps:
 
     def total(self) -> int:
         return int(self.count.item()) if self.count is not None else 0  # .item() is a sync point
+
+
+def planted_overflow_run(device: torch.device, planted: set[int], steps: int = 16, fused: bool = True):
+    """A tiny fp16-scaled training loop (GradScaler, fused AdamW) with inf gradients planted at `planted`
+    steps: returns the SkippedSteps counter and the weights after every step. Tests run it on the CPU,
+    make gpu-check on CUDA."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**8, growth_interval=1000)
+    skips, weights = SkippedSteps(scaler, device), []
+    for step in range(steps):
+        with torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16):
+            loss = model(torch.randn(16, 64, device=device)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if step in planted:
+            model.weight.grad[0, 0] = float("inf")
+        skips.before_step()
+        scaler.step(optimizer)
+        scaler.update()
+        skips.after_step()
+        optimizer.zero_grad(set_to_none=True)
+        weights.append(model.weight.detach().clone())
+    return skips, weights

@@ -189,7 +189,12 @@ class RunMetrics:
     # ---------------------------------------------------------------- the end
 
     def fail(self, error: BaseException) -> None:
-        """Mark the run failed with the error's one line, end trackers and the process group."""
+        """Mark the run failed with the error's one line, end trackers and the process group. Out of memory
+        gets a note naming the batch size and what to try (the user's one line)."""
+        if isinstance(error, torch.OutOfMemoryError):
+            error.add_note(f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
+                           f"{self.loop.step + 1}): halve it and double --gradient-accumulation-steps, or add "
+                           "--gradient-checkpointing, a bf16/fp16 config or --lora")
         if self.progress is not None:
             self.progress.close()
         if self.record and self.record.path.exists():

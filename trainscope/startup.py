@@ -132,3 +132,11 @@ def plan_steps(settings: Settings, train_rows: int, processes: int) -> dict:
     return {"optimizer_steps": total, "steps_per_epoch": steps_per_epoch,
             "epochs": math.ceil(total / steps_per_epoch),
             "global_batch_size": settings.per_device_batch_size * processes * settings.gradient_accumulation_steps}
+
+
+def loader_options(settings: Settings, accelerator) -> dict:
+    """build_dataloaders' keyword arguments for this device and precision: pinned host memory on CUDA,
+    sequences padded to multiples of 8 (tensor-core shapes) in mixed precision on CUDA."""
+    on_cuda = accelerator.device.type == "cuda"
+    return {"pin_memory": pin_memory(settings, on_cuda),
+            "pad_to_multiple_of": 8 if on_cuda and accelerator.mixed_precision in ("fp16", "bf16") else None}

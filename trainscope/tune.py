@@ -87,8 +87,22 @@ def tune(args, train_args: list[str]) -> dict:
     return summarize(args, train_args, suggestions, trials, untried, final_flags, time.monotonic() - started)
 
 
+def merge_flags(base: list[str], extra: list[str]) -> list[str]:
+    """`base` with `extra` applied: a flag given in `extra` replaces its earlier value in `base`."""
+    def pairs(flags):
+        out, i = [], 0
+        while i < len(flags):
+            takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+            out.append(flags[i:i + 2] if takes_value else flags[i:i + 1])
+            i += 2 if takes_value else 1
+        return out
+    overridden = {pair[0] for pair in pairs(extra)}
+    return [f for pair in pairs(base) if pair[0] not in overridden for f in pair] + list(extra)
+
+
 def summarize(args, train_args, suggestions, trials, untried, final_flags, elapsed) -> dict:
-    command = " ".join(launching.train_command([*train_args, *final_flags], args.config)[1:])
+    config = f"--config_file accelerate_configs/{args.config}.yaml " if args.config else ""
+    command = f"launch {config}train.py " + " ".join(merge_flags(train_args, final_flags))
     best = max((t for t in trials if t["verdict"] == "faster" and t["same_result"]),
                key=lambda t: t["speed"]["median_ratio"], default=None)
     text = (f"Best: {best['name']} ({' '.join(best['flags'])}) {best['speed_text']}, faster outside noise with the same "

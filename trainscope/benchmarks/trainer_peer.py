@@ -41,7 +41,7 @@ GOAL = 1.05  # train.py by its documented launcher against the Trainer
 
 def trainer_loop(argv: list[str], precision: str) -> None:
     """Fine-tune with transformers.Trainer on train.py's own loader; print steady-state figures as JSON."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from trainscope import startup
     from trainscope.data import build_dataloaders, load_classification_data
@@ -84,16 +84,8 @@ def trainer_loop(argv: list[str], precision: str) -> None:
 
     clock = SteadyClock()
     with tempfile.TemporaryDirectory() as scratch:
-        arguments = TrainingArguments(
-            output_dir=scratch, per_device_train_batch_size=settings.per_device_batch_size,
-            max_steps=settings.max_steps, learning_rate=settings.learning_rate, weight_decay=settings.weight_decay,
-            lr_scheduler_type=settings.lr_scheduler, warmup_steps=int(settings.warmup_fraction * settings.max_steps),
-            max_grad_norm=settings.max_grad_norm or 0.0, logging_steps=settings.log_every, report_to=[],
-            save_strategy="no", eval_strategy="no", dataloader_num_workers=settings.num_workers,
-            dataloader_pin_memory=on_cuda, seed=settings.seed, data_seed=settings.seed, optim="adamw_torch_fused",
-            bf16=precision == "bf16", fp16=precision == "fp16", tf32=settings.tf32 if on_cuda else None,
-            disable_tqdm=True, use_cpu=not on_cuda, dataloader_drop_last=False)
-        trainer = PeerTrainer(model=model, args=arguments, train_dataset=data.train, callbacks=[clock])
+        trainer = PeerTrainer(model=model, args=training_arguments(settings, precision, scratch, on_cuda),
+                              train_dataset=data.train, callbacks=[clock])
         trainer.train()
     seconds = clock.finished - clock.started
     steady_steps = settings.max_steps - settings.timing_warmup_steps
@@ -101,6 +93,21 @@ def trainer_loop(argv: list[str], precision: str) -> None:
     print(json.dumps({"samples_per_s": steady_steps * settings.per_device_batch_size / seconds,
                       "tokens_per_s": tokens / seconds, "threads": torch.get_num_threads(),
                       "tokens_at": clock.tokens_at}))
+
+
+def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):
+    """The Trainer's arguments for train.py's settings: same steps, schedule, clipping, seeds, optimizer."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=scratch, per_device_train_batch_size=settings.per_device_batch_size,
+        max_steps=settings.max_steps, learning_rate=settings.learning_rate, weight_decay=settings.weight_decay,
+        lr_scheduler_type=settings.lr_scheduler, warmup_steps=int(settings.warmup_fraction * settings.max_steps),
+        max_grad_norm=settings.max_grad_norm or 0.0, logging_steps=settings.log_every, report_to=[],
+        save_strategy="no", eval_strategy="no", dataloader_num_workers=settings.num_workers,
+        dataloader_pin_memory=on_cuda, seed=settings.seed, data_seed=settings.seed, optim="adamw_torch_fused",
+        bf16=precision == "bf16", fp16=precision == "fp16", tf32=settings.tf32 if on_cuda else None,
+        disable_tqdm=True, use_cpu=not on_cuda, dataloader_drop_last=False)
 
 
 def run_trainer(train_args: list[str], precision: str, config: str | None) -> dict:
@@ -199,7 +206,7 @@ def main() -> None:
     for path in bench.write_results(Path(args.out), report, markdown(report)):
         print(f"wrote {path}")
     print(Path(args.out).with_suffix(".md").read_text())
-    print(f"median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
+    print("median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
           file=sys.stderr)
 
 
