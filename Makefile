@@ -37,10 +37,10 @@ AMP_ARGS ?= $(if $(HAS_GPU),$(EXP_ARGS),--max-train-samples 800 --per-device-bat
 BASE_CONFIG ?= $(if $(HAS_GPU),single_gpu,cpu)
 MATRIX_VARIANTS ?= $(if $(HAS_GPU),single_gpu bf16 fp16 ddp ddp_fp16 single_gpu+ckpt bf16+compile,cpu ddp cpu+ckpt cpu+compile)
 BATCH_SIZES ?= 8 16 32 64 128
-BATCH_ROUNDS ?= 3
+BATCH_ROUNDS ?= 5
 REPORT_ARGS ?=
 DDP_COST_ARGS ?= $(SPEED_ARGS) --max-steps 20
-DDP_COST_ROUNDS ?= 3
+DDP_COST_ROUNDS ?= 5
 # make tune: the README's main command, shortened to a proxy of 30 steps that keeps its evaluation (on a CPU).
 TUNE_ARGS ?= $(TRAIN_ARGS) $(if $(HAS_GPU),,--max-steps 30) --report-to none
 TUNE_BUDGET ?= 1200

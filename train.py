@@ -84,7 +84,7 @@ def train(settings: Settings) -> dict:
                     break
             with metrics.evaluation():
                 test_scores = evaluate_split(model, test_loader, accelerator, metric)
-    except (torch.OutOfMemoryError, NonFiniteLoss) as error:
+    except Exception as error:  # out of memory, a non-finite loss, or anything unforeseen: never left "running"
         metrics.fail(error)  # the record says failed, with the one line the user reads; trackers end
         raise
 

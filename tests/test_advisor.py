@@ -194,6 +194,9 @@ def test_tune_keeps_workers_for_a_planted_slow_loader(tmp_path, slow_script):
     assert trial["verdict"] == "faster" and trial["same_result"]
     assert result["final_flags"] == ["--num-workers", "1"] and "--num-workers 1" in result["final_command"]
     assert result["provenance"]["commit"] and "Final command" in (tmp_path / "tune" / "comparison.md").read_text()
+    # round 0's baseline is the run the advice came from: 3 baseline and 3 trial runs in all
+    assert sorted(p.name for p in (tmp_path / "tune").glob("*-r*")) == [f"{n}-r{i}" for n in ("baseline", "s1")
+                                                                         for i in range(3)]
 
 
 def test_tune_honours_its_budget_and_says_what_it_did_not_try(tmp_path, slow_script):
@@ -202,4 +205,4 @@ def test_tune_honours_its_budget_and_says_what_it_did_not_try(tmp_path, slow_scr
     result = json.loads((tmp_path / "tune" / "comparison.json").read_text())
     assert result["trials"] == [] and result["final_flags"] == []
     assert any(n["why"] == "over the time budget" and n["flags"] == ["--num-workers", "1"] for n in result["not_tried"])
-    assert len(list((tmp_path / "tune").glob("*-r*"))) == 1  # only the baseline ran
+    assert [p.name for p in (tmp_path / "tune").glob("*-r*")] == ["baseline-r0"]  # only the baseline ran

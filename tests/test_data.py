@@ -261,3 +261,21 @@ def test_fsspec_urls_load(tokenizer):
                                     contextlib.nullcontext)
     assert data.label_names == ["a", "b"] and len(data.train) == 48
     assert data.provenance["source"] == {"kind": "url", "name": "memory://bucket/tweets.csv"}
+
+
+def test_group_by_length_pads_less_in_training_and_evaluation(tokenizer):
+    def padded_positions(loader):
+        return sum(batch["input_ids"].numel() for batch in loader)
+
+    flags = ["--max-train-samples", "512", "--max-eval-samples", "256", "--max-test-samples", "256",
+             "--per-device-batch-size", "16"]
+    plain, grouped = settings_for(*flags), settings_for(*flags, "--group-by-length")
+    data = load_classification_data(plain, tokenizer, contextlib.nullcontext)
+    real = sum(len(ids) for ids in data.train["input_ids"])
+    loaders = build_dataloaders(data, tokenizer, plain), build_dataloaders(data, tokenizer, grouped)
+    for index in range(3):  # train, validation, test
+        assert padded_positions(loaders[1][index]) < 0.8 * padded_positions(loaders[0][index])
+    assert padded_positions(loaders[1][0]) >= real  # the same rows, just less padding
+    for index in range(3):  # the same samples, in another order
+        labels = [sorted(label for b in loaders[which][index] for label in b["labels"].tolist()) for which in (0, 1)]
+        assert labels[0] == labels[1]

@@ -184,7 +184,7 @@ def test_figures_go_to_the_wandb_run_that_used_it(tmp_path):
     ("ckpt-compare", "-m trainscope.experiments compare --runs runs/ckpt --config cpu --rounds 5 --arm off= "
                      "--arm on=--gradient-checkpointing --"),
     ("batch-sweep", "-m trainscope.experiments batch-sweep --config cpu --runs runs/batch --batch-sizes 8 16 32 64 128 "
-                    "--rounds 3 --"),
+                    "--rounds 5 --"),
     ("amp-compare", "-m trainscope.experiments amp --runs runs/amp --configs cpu bf16 --"),
 ])
 def test_the_experiment_targets_run_the_experiments_module(target, expected):

@@ -180,7 +180,7 @@ def interval_ratios(baseline_run: Path, other_run: Path) -> list[float]:
 def amp(args, train_args: list[str]) -> dict:
     """One long run per precision (accuracy and loss curves, one W&B group); speed paired by log interval."""
     runs = Path(args.runs)
-    group = args.group or f"amp-{runs.resolve().name}"
+    group = args.group or "amp"
     arms = [Arm(config, config, ["--tracker-group", group], None if launching.plan(config).runnable
                 else launching.plan(config).reason) for config in args.configs]
     summary = experiment(runs, "amp", arms, train_args, rounds=1)
@@ -362,14 +362,14 @@ def parser() -> argparse.ArgumentParser:
                        help="on a GPU, find the largest batch that fits by halving from this (0: skip)")
     amp_parser = commands.add_parser("amp", help="fp32 and mixed precision: one long run each")
     amp_parser.add_argument("--configs", nargs="+", default=["cpu", "bf16"], help="configs; the first is the baseline")
-    amp_parser.add_argument("--group", help="W&B group (default: amp-<runs folder>)")
+    amp_parser.add_argument("--group", default=None, help="W&B group of both runs (default: amp)")
     profile_parser = commands.add_parser("profile", help="a run without and a run with the profiler")
     cost = commands.add_parser("ddp-cost", help="DDP settings against DDP's defaults: exposed communication, speed")
     cost.add_argument("--settings", nargs="+", choices=list(DDP_SETTINGS), help="settings (default: all)")
     cost.add_argument("--samples", type=int, default=5, help="communication calibration steps per run (default 5)")
     find = commands.add_parser("find-batch", help=argparse.SUPPRESS)
     find.add_argument("--start", type=int, required=True)
-    for sub, rounds in ((compare, 5), (matrix, 5), (batch, 3), (amp_parser, None), (profile_parser, None), (cost, 3)):
+    for sub, rounds in ((compare, 5), (matrix, 5), (batch, 5), (amp_parser, None), (profile_parser, None), (cost, 5)):
         sub.add_argument("--runs", required=True, help="where the runs and comparison.{json,md} go")
         if sub is cost:
             sub.add_argument("--config", default="ddp", help="Accelerate config of the DDP runs (default ddp)")

@@ -35,9 +35,12 @@ def trial_arm(name: str, suggestion_flags: list, config: str | None, args) -> Ar
     return Arm(name, config, list(suggestion_flags), launcher=args.launcher, script=Path(args.script))
 
 
-def measure(arms: list[Arm], train_args: list[str], runs: Path, rounds: int) -> list[dict]:
-    """Rounds of every arm, alternating order; each round: {arm: headline figures}."""
-    return bench.alternate({arm.name: (lambda i, arm=arm: run_arm(arm, train_args, runs, i)) for arm in arms}, rounds)
+def measure(arms: list[Arm], train_args: list[str], runs: Path, rounds: int, first: dict | None = None) -> list[dict]:
+    """Rounds of every arm, alternating order; each round: {arm: headline figures}. `first`: the baseline's
+    figures for round 0, from the run made just before it (the baseline comes first in round 0 anyway)."""
+    def run(arm, i):
+        return first if (first is not None and arm.name == "baseline" and i == 0) else run_arm(arm, train_args, runs, i)
+    return bench.alternate({arm.name: (lambda i, arm=arm: run(arm, i)) for arm in arms}, rounds)
 
 
 def judge(rounds: list[dict], name: str) -> dict:
@@ -53,10 +56,11 @@ def judge(rounds: list[dict], name: str) -> dict:
 
 
 def plan_trials(suggestions: list, run_s: float, remaining_s: float, rounds: int, most: int) -> tuple[list, list]:
-    """How many suggestions fit the budget: a round of baseline + k trials, then a combined round set."""
+    """How many suggestions fit the budget: rounds of baseline + k trials (round 0's baseline already ran),
+    then, for two or more, the kept ones together."""
     candidates = [s for s in suggestions if s.flags or s.config][:most]
     for k in range(len(candidates), 0, -1):
-        cost = rounds * (1 + k) * run_s + (rounds * 2 * run_s if k > 1 else 0)
+        cost = (rounds * (1 + k) - 1) * run_s + (rounds * 2 * run_s if k > 1 else 0)
         if cost <= remaining_s:
             return candidates[:k], candidates[k:]
     return [], candidates
@@ -65,14 +69,14 @@ def plan_trials(suggestions: list, run_s: float, remaining_s: float, rounds: int
 def tune(args, train_args: list[str]) -> dict:
     runs, started = Path(args.runs), time.monotonic()
     baseline = trial_arm("baseline", [], args.config, args)
-    first = run_arm(Arm("advice", args.config, [], launcher=args.launcher, script=Path(args.script)), train_args, runs, 0)
+    first = run_arm(baseline, train_args, runs, 0)  # advice comes from it; it is also round 0's baseline
     run_s = time.monotonic() - started
     suggestions = advisor.advise(read_record(runs / first["run"]))
     tried, untried = plan_trials(suggestions, run_s, args.budget - run_s, args.rounds, args.max_suggestions)
     print(f"baseline run took {run_s:.0f} s; trying {len(tried)} suggestion(s) within the {args.budget:.0f} s budget",
           flush=True)
     arms = [baseline] + [trial_arm(f"s{i + 1}", s.flags, s.config or args.config, args) for i, s in enumerate(tried)]
-    rounds = measure(arms, train_args, runs, args.rounds) if tried else []
+    rounds = measure(arms, train_args, runs, args.rounds, first) if tried else []
     trials = [{"name": f"s{i + 1}", "rule": s.rule, "change": s.change, "flags": s.flags, "config": s.config,
                "bound": s.bound, "changes_result": s.changes_result, **judge(rounds, f"s{i + 1}")}
               for i, s in enumerate(tried)]

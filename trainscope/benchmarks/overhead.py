@@ -129,8 +129,8 @@ def markdown(report: dict) -> list[str]:
         lines.append(f"| {label} | {report['bare_samples_per_s']['median']:.2f} | {r['samples_per_s']['median']:.2f} | "
                      f"{bench.ratio_text(r)} | {r['verdict']} | {r['overhead']:+.2%} | <= {r['target_overhead']:.0%} "
                      f"{'met' if r['meets_target'] else 'NOT met'} |")
-    lines += ["", "A ratio range that straddles 1 means the cost of timing is within this machine's run-to-run "
-              "noise: the overhead figure is then an upper bound, not a measurement."]
+    lines += ["", "When the ratios straddle 1, timing costs less than this machine's run-to-run noise can show; "
+              "1 - the lowest ratio bounds what it can cost."]
     if not torch.cuda.is_available():
         lines += ["", "GPU (events <= 1%, sync <= 3%, per-stage memory statistics every step): not measured on GPU."]
     return lines

@@ -1,0 +1,101 @@
+"""train.py launched exactly as the README says, under every shipped config and launcher (subprocesses)."""
+
+import statistics
+
+import pytest
+
+from conftest import CONFIGS, ROOT, TINY, assert_ok, config_processes, cpu_env, launch, read_record, read_steps
+from trainscope.environment import usable_cores
+
+EXPECTED_PRECISION = {"fp16": "fp32", "ddp_fp16": "fp32", "bf16": "bf16", "fsdp": "bf16"}
+
+
+@pytest.fixture(scope="module")
+def config_runs(tmp_path_factory):
+    """Each shipped config launched once by its documented command; tests read the records."""
+    cache = {}
+
+    def run(stem: str):
+        if stem not in cache:
+            config = ROOT / "accelerate_configs" / f"{stem}.yaml"
+            runs = tmp_path_factory.mktemp(stem)
+            result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "r"], config=config)
+            cache[stem] = (result, runs / "r")
+        return cache[stem]
+
+    return run
+
+
+def check_record(run_dir, world_size):
+    record = read_record(run_dir)
+    assert record["status"] == "complete" and record["schema_version"] == 2
+    summary = record["summary"]
+    assert summary["world_size"] == world_size == record["environment"]["world_size"]
+    assert sorted(r["rank"] for r in summary["timing"]["per_rank"]) == list(range(world_size))
+    assert summary["throughput"]["samples_per_s"] > 0 and summary["throughput"]["tokens_per_s"] > 0
+    assert summary["optimizer_steps"] == record["plan"]["optimizer_steps"]
+    assert record["environment"]["timing_mode"] == "host"
+    assert read_steps(run_dir)[-1]["step"] == summary["optimizer_steps"]
+    return record
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_config_launches_as_documented(config, config_runs):
+    result, run_dir = config_runs(config.stem)
+    assert_ok(result)
+    world_size = config_processes(config)
+    record = check_record(run_dir, world_size)
+    env = record["environment"]
+    assert env["effective_precision"] == EXPECTED_PRECISION.get(config.stem, "fp32")
+    # the launcher's OMP_NUM_THREADS does not decide: each process gets its share of the usable cores
+    assert env["threads"]["threads_source"] == "auto"
+    assert env["torch_threads"] == env["threads"]["thread_budget"] == usable_cores() // world_size
+    command = record["provenance"]["command"]
+    assert command.startswith("accelerate launch --config_file") and f"{config.stem}.yaml" in command
+    if config.stem in ("fp16", "ddp_fp16"):
+        assert "fp16 was requested but cpu runs fp32" in result.stdout + result.stderr
+        assert "fp16_unavailable" in [w["code"] for w in record["warnings"]]
+    if config.stem == "bf16" and env["cpu_native_bf16"] is False:
+        assert "bf16_emulated" in [w["code"] for w in record["warnings"]]
+    if world_size > 1:
+        assert env["distributed_type"] == "MULTI_CPU" and env["backend"] == "gloo"
+
+
+def test_cpu_and_bf16_configs_train_with_the_same_threads(config_runs):
+    """The AMP comparison compares precisions, not thread counts (accelerate launch gives cpu.yaml the
+    physical cores and bf16.yaml one thread)."""
+    threads = [read_record(config_runs(stem)[1])["environment"]["torch_threads"] for stem in ("cpu", "bf16")]
+    assert threads[0] == threads[1] == usable_cores()
+
+
+def test_ranks_combine_into_median_and_max(config_runs):
+    record = read_record(config_runs("ddp")[1])
+    per_rank = record["summary"]["timing"]["per_rank"]
+    combined = record["summary"]["timing"]["across_ranks"]["run"]
+    for stage in ("forward", "backward", "data"):
+        values = [r["timing"]["run"]["seconds"][stage] for r in per_rank]
+        assert combined["seconds"][stage] == {"median": pytest.approx(statistics.median(values)),
+                                              "max": pytest.approx(max(values))}
+
+
+@pytest.mark.parametrize("launcher", ["python", "accelerate"])
+def test_plain_launches_use_every_usable_core(launcher, runs):
+    result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "plain"], launcher=launcher)
+    assert_ok(result)
+    record = check_record(runs / "plain", 1)
+    assert record["environment"]["torch_threads"] == usable_cores()  # accelerate launch exported OMP_NUM_THREADS=1
+    assert record["provenance"]["command"].split()[0] == ("python" if launcher == "python" else "accelerate")
+
+
+def test_a_plain_torchrun_of_two_processes_is_refused(runs):
+    result = launch("train.py", [*TINY, "--output-dir", str(runs)], launcher="torchrun",
+                    env={k: v for k, v in cpu_env().items() if k != "ACCELERATE_USE_CPU"})
+    assert result.returncode != 0
+    assert "independent single-process runs" in result.stderr
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_an_unknown_config_file_fails(runs):
+    result = launch("train.py", [*TINY, "--output-dir", str(runs)], config=ROOT / "accelerate_configs" / "nope.yaml")
+    assert result.returncode != 0
+    assert not runs.exists()
