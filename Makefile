@@ -41,6 +41,8 @@ BATCH_ROUNDS ?= 5
 REPORT_ARGS ?=
 DDP_COST_ARGS ?= $(SPEED_ARGS) --max-steps 20
 DDP_COST_ROUNDS ?= 5
+# DDP settings to compare with the defaults (empty: all of them; see trainscope/experiments.py DDP_SETTINGS).
+DDP_SETTINGS ?=
 # make tune: the README's main command, shortened to a proxy of 30 steps that keeps its evaluation (on a CPU).
 TUNE_ARGS ?= $(TRAIN_ARGS) $(if $(HAS_GPU),,--max-steps 30) --report-to none
 TUNE_BUDGET ?= 1200
@@ -96,7 +98,7 @@ profile: setup ## the time breakdown (a run without the profiler) and the top op
 	$(EXPERIMENTS) profile --runs $(RUNS)/profile --config $(BASE_CONFIG) -- $(EXP_ARGS)
 
 ddp-cost: setup ## what DDP communication costs: bucket sizes, flags, compression hooks against DDP's defaults -> runs/ddp_cost/
-	$(EXPERIMENTS) ddp-cost --runs $(RUNS)/ddp_cost --rounds $(DDP_COST_ROUNDS) -- $(DDP_COST_ARGS)
+	$(EXPERIMENTS) ddp-cost --runs $(RUNS)/ddp_cost --rounds $(DDP_COST_ROUNDS) $(if $(DDP_SETTINGS),--settings $(DDP_SETTINGS)) -- $(DDP_COST_ARGS)
 
 tune: setup ## the advisor's suggestions for the main command tried against it; keeps what is faster (TUNE_BUDGET s) -> runs/tune/
 	$(PY) -m trainscope.tune --runs $(RUNS)/tune --budget $(TUNE_BUDGET) $(if $(CONFIG),--config $(CONFIG)) -- $(TUNE_ARGS)
