@@ -206,9 +206,15 @@ def speed_cells(row: dict) -> list[str]:
     return [bench.ratio_text(speed), speed["verdict"]] if speed else ["baseline", ""]
 
 
-def time_section(report: Report, found: reporting.Collected):
+def open_on_main_run(report: Report, found: reporting.Collected, title: str) -> dict | None:
+    """Open a section about the report's main run (the unprofiled one); None when there is no such run."""
     record = reporting.pick_breakdown_run(found)
-    if not report.begin("Where the time went", record, "profile"):
+    return record if report.begin(title, record, "profile") else None
+
+
+def time_section(report: Report, found: reporting.Collected):
+    record = open_on_main_run(report, found, "Where the time went")
+    if record is None:
         return
     breakdown = reporting.time_breakdown(record)
     report.text(f"From run `{breakdown['run']}`, which ran without the profiler"
@@ -477,8 +483,8 @@ def ddp_cost_section(report: Report, found: reporting.Collected):
 
 def optimization_section(report: Report, found: reporting.Collected):
     """The homework's 'propose one way to optimize', from the measured shares of the report's main run."""
-    record = reporting.pick_breakdown_run(found)
-    if not report.begin("Optimization: what to try next", record, "profile"):
+    record = open_on_main_run(report, found, "Optimization: what to try next")
+    if record is None:
         return
     suggestions = advisor.advise(record)
     report.text(f"From run `{record['run_name']}` (`python report.py --advise {record['path']}`); each bound is "
@@ -526,6 +532,21 @@ SECTIONS = [time_section, optimization_section, loaders_section, amp_section, dp
             ckpt_section, batch_section, matrix_section]
 
 
+def write_section(report: Report, found: reporting.Collected, section) -> None:
+    """One section; a results file of another shape (an older trainscope's, a hand-edited one) skips the
+    section with its reason instead of ending the report. Its markdown is taken back; the PDF says why."""
+    start = len(report.markdown)
+    try:
+        section(report, found)
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        name = section.__name__.removesuffix("_section")
+        why = f"{type(error).__name__}: {error}"
+        del report.markdown[start:]
+        found.skipped.append(f"section {name}: its inputs lack what it reads ({why})")
+        print(f"warning: skipped section {name}: {why}", file=sys.stderr)
+        report.book.text(f"(section {name} skipped: {why})")
+
+
 def build(runs: Path, results: Path, out: Path) -> Report:
     found = reporting.collect(runs, results)
     for line in found.skipped:
@@ -542,7 +563,7 @@ def build(runs: Path, results: Path, out: Path) -> Report:
     report.text(f"Built {date.today().isoformat()} from {runs} and {results}: {len(found.inputs)} input files, listed "
                 "with their sha256 in inputs.json.")
     for section in SECTIONS:
-        section(report, found)
+        write_section(report, found, section)
     if found.skipped:
         report.begin("Skipped inputs", True, "")
         for line in found.skipped:

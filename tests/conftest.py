@@ -148,3 +148,14 @@ def process_left_as_found():
                 if before["environment"].get(k) != after["environment"].get(k)}
         changed[changed.index("environment")] = f"environment ({', '.join(sorted(keys))})"
     assert not changed, f"the test changed process state: {', '.join(changed)}"
+
+
+def plant(record: dict, **changes) -> dict:
+    """`record` with symptoms planted in place: keyword names are key paths joined by `__` (a__b -> record[a][b])."""
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        target = record
+        for key in parents:
+            target = target[key]
+        target[leaf] = value
+    return record

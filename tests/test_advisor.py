@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import report
-from conftest import ROOT, TINY, cpu_env, run_command
+from conftest import ROOT, TINY, cpu_env, plant, run_command
 from trainscope import advisor, tune
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval", "other")
@@ -30,13 +30,7 @@ def record(shares=None, run_shares=None, **changes) -> dict:
         "summary": {"timing": {"across_ranks": {"steady": table(shares), "run": table(run_shares)}},
                     "throughput": {"tokens": 1000, "padded_tokens": 1010}, "memory": {}, "mfu": None},
     }
-    for path, value in changes.items():
-        *parents, leaf = path.split("__")
-        target = planted
-        for key in parents:
-            target = target[key]
-        target[leaf] = value
-    return planted
+    return plant(planted, **changes)
 
 
 def rules(found) -> list[str]:

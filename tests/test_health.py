@@ -4,6 +4,7 @@ import copy
 
 import pytest
 
+from conftest import plant
 from trainscope import health
 
 CLEAN = {
@@ -21,14 +22,7 @@ CLEAN = {
 
 
 def planted(**changes):
-    record = copy.deepcopy(CLEAN)
-    for path, value in changes.items():
-        *parents, leaf = path.split("__")
-        target = record
-        for key in parents:
-            target = target[key]
-        target[leaf] = value
-    return record
+    return plant(copy.deepcopy(CLEAN), **changes)
 
 
 def test_a_clean_record_has_no_warnings():

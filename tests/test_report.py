@@ -146,6 +146,21 @@ def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built,
     assert "Traceback" not in completed.stderr
 
 
+def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_on(built, tmp_path):
+    runs, _, _ = built
+    results = tmp_path / "results"
+    (results / "compare_dp").mkdir(parents=True)
+    (results / "compare_dp" / "compare_dp.json").write_text(json.dumps({"machine": {"device_name": "cpu"}}))
+    out = tmp_path / "reports"
+    completed = run_command([sys.executable, str(ROOT / "report.py"), "--runs", str(runs), "--results", str(results),
+                             "--out", str(out)], env=cpu_env())
+    assert completed.returncode == 0, completed.stderr
+    text = (out / "report.md").read_text()
+    assert "section dp: its inputs lack what it reads (KeyError: 'hardware')" in text.split("## Skipped inputs")[1]
+    assert "## DataParallel vs DDP" not in text and "## Configs and switches side by side" in text
+    assert "Traceback" not in completed.stderr
+
+
 def test_report_without_inputs_is_refused(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         report.main(["--runs", str(tmp_path / "a"), "--results", str(tmp_path / "b"), "--out", str(tmp_path / "c")])

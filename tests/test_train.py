@@ -134,8 +134,8 @@ def test_non_finite_loss_stops_the_run_naming_the_step(runs):
     assert record["status"] == "failed" and "at optimizer step" in record["error"]
 
 
-def test_out_of_memory_names_the_batch_size_and_what_to_try(runs, monkeypatch):
-    # A CPU cannot run out of memory on cue: make the loss raise torch's OutOfMemoryError at step 3.
+def fail_loss_at_step(monkeypatch, step: int, error: Exception) -> None:
+    """The training loss raises `error` on its `step`-th call (monkeypatch puts it back)."""
     import trainscope.loop
 
     calls = {"n": 0}
@@ -143,11 +143,16 @@ def test_out_of_memory_names_the_batch_size_and_what_to_try(runs, monkeypatch):
 
     def cross_entropy(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if calls["n"] == step:
+            raise error
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainscope.loop.F, "cross_entropy", cross_entropy)
+
+
+def test_out_of_memory_names_the_batch_size_and_what_to_try(runs, monkeypatch):
+    # A CPU cannot run out of memory on cue: make the loss raise torch's OutOfMemoryError at step 3.
+    fail_loss_at_step(monkeypatch, 3, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "oom"])
     assert result.returncode == 1
     line = error_line(result)
@@ -157,18 +162,7 @@ def test_out_of_memory_names_the_batch_size_and_what_to_try(runs, monkeypatch):
 
 
 def test_an_unforeseen_failure_marks_the_run_failed_and_prints_a_traceback(runs, monkeypatch):
-    import trainscope.loop
-
-    calls = {"n": 0}
-    real = trainscope.loop.F.cross_entropy
-
-    def cross_entropy(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise ValueError("a bug at https://user:secret@host/x")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainscope.loop.F, "cross_entropy", cross_entropy)
+    fail_loss_at_step(monkeypatch, 3, ValueError("a bug at https://user:secret@host/x"))
     result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "bug"])
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "ValueError: a bug at https://host/x" in result.stderr
