@@ -16,8 +16,8 @@ HAS_GPU := $(shell test -x $(PY) && $(PY) -c "import torch; print(1 if torch.cud
 CPU_SUBSET := --max-train-samples 4000 --max-eval-samples 1000 --max-test-samples 2000
 TRAIN_ARGS ?= $(if $(HAS_GPU),,$(CPU_SUBSET))
 
-WORKERS ?= 0 1 2 3 4 5 6 7 8 9 10
-REPEATS ?= 3
+WORKERS ?= 0 1 2 3 4 6 8 10
+REPEATS ?= 5
 DATASET ?= embedded:tweets
 LOADER_MODES ?= pretokenized on-the-fly in-training
 SWEEP_ARGS ?=
