@@ -118,7 +118,7 @@ bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by 
 	$(PY) -m trainscope.benchmarks.overhead $(ARGS)
 
 bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
-	$(EXPERIMENTS) compare --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds 3 --arm eager= --arm compiled=--compile \
+	$(EXPERIMENTS) compare --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) --arm eager= --arm compiled=--compile \
 		-- $(COMPILE_ARGS)
 
 gpu-check: setup ## the GPU path on one GPU in under 9 minutes -> benchmarks/gpu/<device>.* (one line and nothing written without a GPU)
