@@ -11,7 +11,7 @@ tokenization, collate) and times full passes for each setting, repeated, in up t
   in-training   a few real training steps per setting (train.py's model and step): the data stage's
                 share of step time, i.e. how long the device waits for data
 
-    python loaders_bench.py --workers 0 1 2 4 --repeats 3 --modes pretokenized on-the-fly
+    python loaders_bench.py --workers 0 1 2 4 --repeats 5 --modes pretokenized on-the-fly
 
 Repeats alternate the order of the settings (0 1 2 ... then ... 2 1 0), so drift hits all of them
 alike. Writes <results-dir>/loaders.{json,md,csv,png,pdf} with provenance and prints the knee (the
@@ -52,7 +52,8 @@ PYTORCH_DEFAULT_WORKERS = 0
 class SweepSettings:
     workers: list[int] = HfArg(default_factory=lambda: list(range(11)),
                                help="num_workers values to time (default 0 to 10).")
-    repeats: int = HfArg(default=3, help="Timed passes per setting; median, min and max are reported.")
+    repeats: int = HfArg(default=5, help="Timed passes per setting, in alternating order; median, min and max are "
+                         "reported, and a verdict against the default needs 5.")
     modes: list[str] = HfArg(default_factory=lambda: ["pretokenized", "on-the-fly"],
                              help=f"Any of {', '.join(MODES)}.")
     pin_memory_values: list[str] = HfArg(default_factory=lambda: ["auto"],

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -15,6 +16,15 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path):
     write_json_atomic(tmp_path / "r.json", {"a": 2})
     assert json.loads((tmp_path / "r.json").read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_written_file_gets_the_permissions_the_umask_gives(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
 
 
 def test_failed_write_keeps_the_previous_record(tmp_path):
