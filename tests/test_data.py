@@ -198,6 +198,7 @@ def test_tokenization_is_cached_for_the_second_run(tmp_path, tokenizer):
     ("one_class", "one class only"),
     ("no_label", "no label column"),
     ("bad_suffix", "supported files are"),
+    ("empty", "no rows came from it"),
 ])
 def test_bad_data_ends_in_one_line(tmp_path, tokenizer, case, message):
     if case == "missing":
@@ -206,6 +207,9 @@ def test_bad_data_ends_in_one_line(tmp_path, tokenizer, case, message):
         dataset = str(write_csv(tmp_path / "one.csv", labelled_rows(40, labels=("same",))))
     elif case == "no_label":
         dataset = str(write_csv(tmp_path / "nolabel.csv", [(f"t{i}", i) for i in range(20)], header=("text", "n")))
+    elif case == "empty":
+        dataset = str(tmp_path / "empty.jsonl")
+        (tmp_path / "empty.jsonl").write_text("")
     else:
         dataset = str(tmp_path / "data.xlsx")
         (tmp_path / "data.xlsx").write_text("x")

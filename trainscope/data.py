@@ -13,6 +13,7 @@ import datasets
 import numpy as np
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict
+from datasets.arrow_writer import SchemaInferenceError
 from datasets.fingerprint import Hasher
 from transformers import DataCollatorWithPadding
 
@@ -124,15 +125,38 @@ def _load_from_hub(name: str, config: str | None) -> tuple[DatasetDict, dict]:
     )
 
 
+NO_ROWS = "no rows came from it (is the file there, and not empty?)"
+
+
 def _load(builder: str, config: str | None = None, **kwargs) -> DatasetDict:
     try:
         return datasets.load_dataset(builder, config, **kwargs)
     except (FileNotFoundError, ValueError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read dataset {redact(str(kwargs.get('data_files', builder)))}: {_first_line(error)}") from None
     except Exception as error:  # parser errors (pandas, pyarrow) name the broken row
-        if type(error).__module__.split(".")[0] in ("pandas", "pyarrow", "datasets"):
-            raise UserError(f"cannot parse dataset {redact(str(kwargs.get('data_files', builder)))}: {_first_line(error)}") from None
-        raise
+        where = redact(str(kwargs.get("data_files", builder)))
+        if isinstance(error, StopIteration):  # the json builder on an empty file
+            raise UserError(f"cannot read dataset {where}: {NO_ROWS}") from None
+        if type(error).__module__.split(".")[0] not in ("pandas", "pyarrow", "datasets"):
+            raise
+        missing = _cause(error, (FileNotFoundError, PermissionError))  # a generation error around a file not there
+        if missing is not None:
+            raise UserError(f"cannot read dataset {where}: {_first_line(missing)}") from None
+        if _cause(error, (SchemaInferenceError,)) is not None:
+            # zero rows to infer a schema from: an empty file, or a remote one the server did not send
+            raise UserError(f"cannot read dataset {where}: {NO_ROWS}") from None
+        raise UserError(f"cannot parse dataset {where}: {_first_line(error)}") from None
+
+
+def _cause(error: BaseException, kinds: tuple) -> BaseException | None:
+    """The first error of `kinds` in the chain of causes and contexts of `error`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kinds):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _first_line(error: BaseException) -> str:
