@@ -17,6 +17,16 @@ import yaml
 
 from trainscope.launching import kill_tree
 
+# The files that launch the most processes, longest first: two workers take whole files in collection
+# order, so starting with the long ones leaves no worker idle at the end (the others are seconds each).
+LONGEST_FIRST = ("test_launches.py", "test_train.py", "test_report.py", "test_communication.py", "test_advisor.py",
+                 "test_benchmarks.py", "test_secrets.py", "test_compare_dp.py", "test_loaders_bench.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: file order kept
+
 # Tests run on two workers of a 2-core machine: OpenMP threads that spin while waiting would take the
 # other worker's core (a 25 s run took 150 s). Set before torch runs its first parallel region.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
