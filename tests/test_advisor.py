@@ -2,6 +2,7 @@
 
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -193,10 +194,13 @@ def test_tune_keeps_workers_for_a_planted_slow_loader(tmp_path, slow_script):
                                                                          for i in range(3)]
 
 
-def test_tune_honours_its_budget_and_says_what_it_did_not_try(tmp_path, slow_script):
-    completed = run_tune(tmp_path / "tune", slow_script, "--budget", "5")
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads((tmp_path / "tune" / "comparison.json").read_text())
-    assert result["trials"] == [] and result["final_flags"] == []
-    assert any(n["why"] == "over the time budget" and n["flags"] == ["--num-workers", "1"] for n in result["not_tried"])
-    assert [p.name for p in (tmp_path / "tune").glob("*-r*")] == ["baseline-r0"]  # only the baseline ran
+def test_tune_plans_only_the_trials_its_budget_holds():
+    # what each plan costs, in runs of the baseline's length: rounds x (baseline + k) - round 0's baseline,
+    # plus rounds x 2 for the kept ones together when k >= 2
+    ideas = [SimpleNamespace(flags=[f"--flag{i}"], config=None) for i in range(3)]
+    advice_only = SimpleNamespace(flags=[], config=None)  # nothing to run: never planned
+    plan = lambda remaining, most=3: tune.plan_trials([advice_only, *ideas], 10.0, remaining, 3, most)  # noqa: E731
+    assert plan(5) == ([], ideas) and plan(49.9) == ([], ideas)
+    assert plan(50) == (ideas[:1], ideas[1:]) and plan(139) == (ideas[:1], ideas[1:])
+    assert plan(140) == (ideas[:2], ideas[2:]) and plan(169) == (ideas[:2], ideas[2:]) and plan(170) == (ideas, [])
+    assert plan(1e6, most=2) == (ideas[:2], [])
