@@ -158,7 +158,7 @@ build = data.build_collator
 def build_collator(*args, **kwargs):
     collate = build(*args, **kwargs)
     def slow(rows):
-        time.sleep(0.03)  # a slow loader: storage that makes every batch wait
+        time.sleep(0.06)  # a slow loader: storage that makes every batch wait
         return collate(rows)
     return slow
 data.build_collator = build_collator
