@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-import tempfile
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -65,19 +65,14 @@ def scrub(value, secrets: list[str] | None = None):
     return value
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _write_atomic(path: Path, text: str) -> None:
     """Write to a temporary file beside `path`, then rename: readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    # Opened with 0666 so the umask decides the permissions, as for any written file (mkstemp would give 0600).
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a written file gets the usual permissions
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
