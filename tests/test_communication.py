@@ -6,7 +6,7 @@ from conftest import ONE_THREAD, ROOT, TINY, assert_ok, launch, read_record, rea
 from trainscope import communication
 
 DDP = ROOT / "accelerate_configs" / "ddp.yaml"
-DELAY_S = 0.05
+DELAY_S = 0.1  # long enough to stand clear of scheduling noise on a loaded 2-core machine
 ARGS = [*TINY, *ONE_THREAD, "--max-train-samples", "512", "--max-steps", "16", "--log-every", "1",
         "--communication-samples", "5"]
 WRAPPER = '''import os, sys, time
