@@ -17,6 +17,7 @@ import torch
 from trainscope import startup
 from trainscope.data import build_dataloaders, load_classification_data
 from trainscope.errors import UserError, exit_with, redacted_output
+from trainscope.lifecycle import RunLifecycle
 from trainscope.loop import evaluate_split, load_metric, train_step
 from trainscope.modeling import (build_model, build_optimizer, build_scheduler, build_tokenizer, fsdp_wrap_rule,
                                  optimizer_facts)
@@ -33,19 +34,21 @@ def main(argv: list[str] | None = None) -> None:
             exit_with(error, code=2)
         except (NonFiniteLoss, torch.OutOfMemoryError) as error:
             exit_with(error, code=1)
+        except KeyboardInterrupt:  # before the run could handle it: nothing was recorded yet
+            exit_with(UserError("interrupted while starting: no run was recorded"), code=130)
 
 
 def train(settings: Settings) -> dict:
     # ---------------------------------------------------------------- set-up
-    launch = startup.start(settings)  # process group, CPU threads, seed, TF32, sequence limit, run folder
-    settings = launch.settings
+    started = startup.start(settings)  # process group, CPU threads, seed, TF32, sequence limit, run folder
+    settings = started.settings
     tokenizer = build_tokenizer(settings)
-    data = load_classification_data(settings, tokenizer, launch.state.main_process_first)
-    plan = startup.plan_steps(settings, len(data.train), launch.state.num_processes)
+    data = load_classification_data(settings, tokenizer, started.state.main_process_first)
+    plan = startup.plan_steps(settings, len(data.train), started.state.num_processes)
     model, model_facts = build_model(settings, data.label_names, tokenizer)
-    accelerator = startup.build_accelerator(settings, launch)
+    accelerator = startup.build_accelerator(settings, started)
     train_loader, validation_loader, test_loader = build_dataloaders(
-        data, tokenizer, settings, **startup.loader_options(settings, accelerator))
+        data, tokenizer, settings, **startup.device_loader_options(settings, accelerator))
     optimizer = build_optimizer(model, settings, accelerator.device)
     model_facts.update(optimizer=optimizer_facts(optimizer), fsdp_wrap=fsdp_wrap_rule(model, accelerator))
     # Accelerate steps a prepared scheduler once per process for every optimizer step.
@@ -55,41 +58,40 @@ def train(settings: Settings) -> dict:
     model, optimizer, train_loader, validation_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, validation_loader, test_loader, scheduler)
     metric = load_metric()
-    metrics = RunMetrics(accelerator, launch, plan, model_config, scheduler)
-    metrics.open(model_facts, data.record_facts(), model)  # resumes from a checkpoint with --resume
+    metrics = RunMetrics(accelerator, started, plan, model_config, scheduler)  # measures and summarizes
+    metrics.attach(model)
+    run = RunLifecycle(accelerator, started, plan)  # the record; resume, checkpoints, signals, the ending
+    run.open(metrics, model_facts, data.record_facts())
 
     # ---------------------------------------------------------------- the timed loop
     # Stages: `data` around next(batches) below; `forward`, `backward` (loss + backward) and `optimizer`
     # inside train_step (trainscope/loop.py); `eval` in metrics.evaluation() below; the rest is `other`.
+    # run.check() and run.step_finished() are where a Ctrl-C or SIGTERM stops the run, its state whole.
     model.train()
-    metrics.start()
-    try:
+    with run.ending():  # interrupted, failed or complete: the record says which
+        metrics.start()
         with metrics.profiler:
             for epoch in range(metrics.loop.epoch, plan["epochs"]):
-                skip = metrics.loop.start_epoch(epoch)
-                train_loader.set_epoch(epoch)
-                batches = iter(accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
+                batches = run.batches(train_loader, epoch)
                 while not metrics.done:
+                    run.check()
                     with metrics.stage("data"):
                         batch = next(batches, None)
                     if batch is None:
                         break
                     loss, labels = train_step(accelerator, model, batch, optimizer, scheduler, metrics.stage,
                                               settings.max_grad_norm, metrics.skips, metrics.calibration())
-                    if metrics.micro_batch(batch, loss, labels) and metrics.checkpoint_due():
-                        metrics.save_checkpoint()
+                    if metrics.micro_batch(batch, loss, labels):
+                        run.step_finished()  # step line, checkpoint when due, the stop vote
                 with metrics.evaluation():
-                    metrics.validation(epoch, evaluate_split(model, validation_loader, accelerator, metric))
+                    run.evaluated(epoch, evaluate_split(model, validation_loader, accelerator, metric, run.check))
                 if metrics.done:
                     break
             with metrics.evaluation():
-                test_scores = evaluate_split(model, test_loader, accelerator, metric)
-    except Exception as error:  # out of memory, a non-finite loss, or anything unforeseen: never left "running"
-        metrics.fail(error)  # the record says failed, with the one line the user reads; trackers end
-        raise
+                test_scores = evaluate_split(model, test_loader, accelerator, metric, run.check)
 
-    # ---------------------------------------------------------------- summary
-    return metrics.finish(test_scores)  # gathers every rank, writes the record, prints the table
+        # ---------------------------------------------------------------- summary
+        return run.finish(test_scores)  # gathers every rank, writes the record, prints the table
 
 
 if __name__ == "__main__":

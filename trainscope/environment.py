@@ -39,6 +39,37 @@ def refuse_independent_runs(num_processes: int, environ=None) -> None:
         )
 
 
+def accelerator_available() -> bool:
+    """Whether this torch can use a GPU or another accelerator (what Accelerate would pick over the CPU)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def cpu_bf16_matmul(threads: int, size: int = 1024, repeats: int = 3) -> dict | None:
+    """Speed of a size x size matmul in bf16 autocast against fp32 on this CPU, at the run's threads: the
+    factor behind the advisor's bf16 estimate. Measured only where bf16 is native (AVX512-BF16 or AMX);
+    a few tenths of a second, at start-up."""
+    if not precision.cpu_native_bf16():
+        return None
+    import time
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+
+    def best(autocast: bool) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first one warms the kernels up
+            started = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                a @ b
+            times.append(time.perf_counter() - started)
+        return min(times[1:])
+
+    fp32, bf16 = best(False), best(True)
+    return {"size": size, "threads": threads, "fp32_s": fp32, "bf16_s": bf16, "speedup": fp32 / bf16}
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -127,6 +158,7 @@ def describe(accelerator, effective: str, threads: dict) -> dict:
         "cuda": torch.version.cuda,
         "cpu_capability": cpu_capability(),
         "cpu_native_bf16": precision.cpu_native_bf16(),
+        "cpu_bf16_matmul": cpu_bf16_matmul(threads["torch_threads"]) if accelerator.device.type == "cpu" else None,
         "usable_cores": threads["usable_cores"],
         "torch_threads": threads["torch_threads"],
         "threads": threads,

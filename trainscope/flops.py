@@ -93,3 +93,29 @@ def mfu(achieved_tflops: float | None, device_name: str, precision: str) -> floa
     if peak is None or achieved_tflops is None:
         return None
     return achieved_tflops / peak
+
+
+def padding_flops_share(shape: dict | None, tokens: int | None, padded_tokens: int | None, samples: int | None,
+                        padded_squares: int | None, training: bool = True) -> float | None:
+    """At most this share of the model FLOPs went to padding positions (None when it cannot be told).
+
+    Padded FLOPs, exactly: a N P + b L d Q, with P the positions processed (sum of batch x padded length)
+    and Q the sum of batch x padded length squared (the attention term), a = 6, b = 12 for training and
+    a = 2, b = 4 for a forward pass (PaLM Appendix B). Real FLOPs are at least a N R + b L d R^2 / n for R
+    real tokens in n sequences: by Jensen, the sum of squared lengths is at least R^2 / n. So padding took
+    at most 1 - real / padded of the FLOPs: an upper bound that removing every padding position could save.
+    """
+    if not (shape and tokens and padded_tokens and samples and padded_squares):
+        return None
+    a, b = (6, 12) if training else (2, 4)
+    n = matmul_parameters(shape["layers"], shape["hidden"], shape["intermediate"])
+    attention = shape["layers"] * shape["hidden"]
+    padded = a * n * padded_tokens + b * attention * padded_squares
+    real_at_least = a * n * tokens + b * attention * tokens ** 2 / samples
+    return max(0.0, 1.0 - real_at_least / padded)
+
+
+def shape_facts(config) -> dict | None:
+    """The encoder's shape for the run record ({layers, hidden, intermediate}), or None."""
+    shape = encoder_shape(config)
+    return dict(zip(("layers", "hidden", "intermediate"), shape)) if shape else None

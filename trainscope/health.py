@@ -1,139 +1,225 @@
-"""Health warnings: conditions under which a run's figures are doubtful, as {code, message} items.
+"""Health warnings: conditions under which a run's figures are doubtful. One registry entry per warning.
 
-`check(record)` is pure: it reads the record's settings, environment and summary (what is absent is
-not checked) and returns the warnings in a fixed order. train.py stores them in the record's
-`warnings` list and prints them at the end of the run; the report prints them beside every figure
-taken from that run, and the advisor ranks them first.
+Each entry is defined once, with `@register`: its code, what it means, the check (a function of the
+record's typed view that returns the message, or None), the fix the advisor offers (text and, where
+the fix is a flag, the flags) and whether the condition is known when the run starts. Everything
+reads this registry: the warnings printed when a run starts (`at_start`) and at its end, the record's
+`warnings` list, the report (beside every figure drawn from the run) and the advisor (warnings first).
+
+    health.check(record) -> [{code, message}]    # pure, in registry order; what is absent is not checked
+
+A new warning is one function here, decorated with its code, meaning and fix.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trainscope.flops import peak_tflops
+from trainscope.record_view import RunView
 
 # Fewer steady steps than this and a steady-state figure rests on too few samples.
 MIN_STEADY_STEPS = 10
 # Evaluation above this share of wall time: the run measures evaluation more than training.
 EVAL_SHARE_LIMIT = 0.5
+# trainscope's exposed communication and DDP's own (comm - overlap) may differ by this much (relative to
+# the larger) plus COMMUNICATION_FLOOR_S before the two instruments are said to disagree.
+COMMUNICATION_TOLERANCE = 0.5
+COMMUNICATION_FLOOR_S = 0.005
 
-CODES = {
-    "threads_below_budget": "fewer torch threads than the cores this process may use",
-    "threads_above_budget": "more torch threads than this process's share of the cores (oversubscribed)",
-    "profiler_on": "the profiler was on while stages were timed",
-    "bf16_emulated": "bf16 on a CPU without native bf16 (AVX512-BF16 / AMX): emulated and slow",
-    "fp16_unavailable": "fp16 was requested but the device ran another precision",
-    "recompiles": "torch.compile recompiled during the run",
-    "tf32_implicit": "TF32 matmuls were in effect without --tf32",
-    "eval_dominates": "evaluation took most of the wall time",
-    "few_steady_steps": "too few steady-state steps for a steady-state figure",
-    "stage_memory_every_step": "per-stage memory statistics read at every step cost time on CUDA",
-    "mfu_unknown": "no datasheet peak for this GPU: no MFU",
-    "max_seq_length_clamped": "--max-seq-length was above what the model's position embeddings allow",
-}
+
+@dataclass(frozen=True)
+class Check:
+    code: str
+    meaning: str
+    condition: Callable[[RunView], str | None]
+    fix: str
+    flags: tuple[str, ...] = ()
+    at_start: bool = False  # decided by the settings and the environment alone
+
+
+REGISTRY: dict[str, Check] = {}
+
+
+def register(code: str, meaning: str, fix: str, flags: tuple[str, ...] = (), at_start: bool = False):
+    def add(condition):
+        REGISTRY[code] = Check(code, meaning, condition, fix, tuple(flags), at_start)
+        return condition
+    return add
 
 
 def warning(code: str, message: str) -> dict:
-    if code not in CODES:
+    if code not in REGISTRY:
         raise ValueError(f"unknown warning code {code!r}")
     return {"code": code, "message": " ".join(message.split())}
 
 
-def check(record: dict) -> list[dict]:
-    """Every warning the record's conditions call for."""
-    settings = record.get("settings") or {}
-    env = record.get("environment") or {}
-    summary = record.get("summary") or {}
+def check(record: dict, at_start: bool = False) -> list[dict]:
+    """Every warning the record's conditions call for (with `at_start`, only those known at start-up)."""
+    view = RunView(record)
     found = []
-    for rule in (_threads, _profiler, _precision, _tf32, _compile, _memory_statistics, _evaluation, _steady,
-                 _mfu, _sequence_length):
-        found += rule(settings, env, summary)
+    for entry in REGISTRY.values():
+        if at_start and not entry.at_start:
+            continue
+        message = entry.condition(view)
+        if message:
+            found.append(warning(entry.code, message))
     return found
 
 
-def _threads(settings, env, summary):
-    threads = env.get("threads")
-    if not threads:
-        return []
-    have, budget = threads["torch_threads"], threads["thread_budget"]
-    where = (f"{have} torch threads, budget {budget} ({threads['usable_cores']} usable cores / "
-             f"{threads['local_processes']} processes on this node; source: {threads['threads_source']})")
-    if have < budget:
-        return [warning("threads_below_budget", f"{where}: the run used less CPU than it could, so its speed "
-                        "understates the machine (--threads auto sets the budget)")]
-    if have > budget:
-        return [warning("threads_above_budget", f"{where}: processes compete for cores, so speed varies "
-                        "and understates the machine")]
-    return []
+def fix_for(code: str) -> Check | None:
+    return REGISTRY.get(code)
 
 
-def _profiler(settings, env, summary):
-    if settings.get("profile"):
-        return [warning("profiler_on", "--profile traced steps while stages were timed: the traced steps are "
-                        "slower; take stage shares from a run without --profile")]
-    return []
+# ---------------------------------------------------------------- the warnings, in the order they are listed
 
 
-def _precision(settings, env, summary):
-    found = []
-    effective, requested = env.get("effective_precision"), env.get("requested_precision")
-    if effective == "bf16" and str(env.get("device", "")).startswith("cpu") and env.get("cpu_native_bf16") is False:
-        found.append(warning("bf16_emulated", f"bf16 autocast on {env.get('device_name', 'this CPU')} "
-                             f"({env.get('cpu_capability', 'no AVX512-BF16/AMX')}) is emulated in software: its "
-                             "speed says nothing about bf16 on a GPU or a CPU with AMX"))
-    if requested == "fp16" and effective not in (None, "fp16"):
-        found.append(warning("fp16_unavailable", f"fp16 was requested but {env.get('device', 'the device')} "
-                             f"ran {effective}: figures are {effective} figures"))
-    return found
+def _threads_where(t: dict) -> str:
+    return (f"{t['torch_threads']} torch threads, budget {t['thread_budget']} ({t['usable_cores']} usable cores / "
+            f"{t['local_processes']} processes on this node; source: {t['threads_source']})")
 
 
-def _tf32(settings, env, summary):
-    if env.get("tf32_in_effect") and not settings.get("tf32"):
-        return [warning("tf32_implicit", "TF32 matmuls were in effect although --tf32 was not given: an 'fp32' "
-                        "figure is a TF32 figure")]
-    return []
+@register("threads_below_budget", "fewer torch threads than the cores this process may use",
+          "give each process its share of the cores", ("--threads", "auto"), at_start=True)
+def _threads_below(view: RunView):
+    t = view.threads
+    if t and t["torch_threads"] < t["thread_budget"]:
+        return (f"{_threads_where(t)}: the run used less CPU than it could, so its speed understates the machine "
+                "(--threads auto sets the budget)")
 
 
-def _compile(settings, env, summary):
-    recompiles = (summary.get("compile") or {}).get("recompiles") or 0
-    if recompiles > 0:
-        return [warning("recompiles", f"torch.compile recompiled {recompiles} times (new input shapes): "
-                        "compile time leaked into training steps; --pad-to-max-length gives one shape")]
-    return []
+@register("threads_above_budget", "more torch threads than this process's share of the cores (oversubscribed)",
+          "stop the processes oversubscribing the cores", ("--threads", "auto"), at_start=True)
+def _threads_above(view: RunView):
+    t = view.threads
+    if t and t["torch_threads"] > t["thread_budget"]:
+        return f"{_threads_where(t)}: processes compete for cores, so speed varies and understates the machine"
 
 
-def _memory_statistics(settings, env, summary):
-    if str(env.get("device", "")).startswith("cuda") and settings.get("memory_every") == 1:
-        return [warning("stage_memory_every_step", "--memory-every 1 reads the allocator at every stage "
-                        "boundary: a few percent of step time on fast GPUs")]
-    return []
+@register("ran_on_cpu", "a multi-process GPU config ran as DDP over gloo on the CPU (no usable GPU)",
+          "run the config on a machine with GPUs, or use accelerate_configs/ddp.yaml on a CPU", at_start=True)
+def _ran_on_cpu(view: RunView):
+    fallback = view.env.get("cpu_fallback")
+    if fallback:
+        requested = fallback.get("requested_precision", "no")
+        return (f"a {fallback['processes']}-process launch ({'FSDP, ' if fallback.get('fsdp_requested') else ''}"
+                f"precision {requested}) found no usable GPU: it ran as DDP over gloo on the CPU "
+                f"({view.world_size} processes, {view.precision}); its figures are CPU figures")
 
 
-def _evaluation(settings, env, summary):
-    shares = (((summary.get("timing") or {}).get("across_ranks") or {}).get("run") or {}).get("shares") or {}
-    eval_share = (shares.get("eval") or {}).get("median")
-    if eval_share is not None and eval_share > EVAL_SHARE_LIMIT:
-        return [warning("eval_dominates", f"evaluation took {eval_share:.0%} of wall time: the time breakdown "
-                        "describes evaluation more than training (--max-eval-samples, --max-test-samples)")]
-    return []
+@register("profiler_on", "the profiler was on while stages were timed",
+          "time without --profile (profile in a separate run)", at_start=True)
+def _profiler(view: RunView):
+    if view.setting("profile"):
+        return ("--profile traced steps while stages were timed: the traced steps are slower; take stage shares "
+                "from a run without --profile")
 
 
-def _steady(settings, env, summary):
-    throughput = summary.get("throughput")
-    if not throughput:
-        return []
-    steps = throughput.get("optimizer_steps") or 0
-    if steps < MIN_STEADY_STEPS:
-        return [warning("few_steady_steps", f"only {steps} steady-state optimizer steps (at least "
-                        f"{MIN_STEADY_STEPS} wanted): throughput rests on few samples")]
-    return []
+@register("memory_snapshot_on", "the CUDA allocator history was recorded for a window of steps",
+          "take speed figures from a run without --memory-snapshot", at_start=True)
+def _memory_snapshot(view: RunView):
+    if view.setting("memory_snapshot") and view.on_cuda:
+        return ("--memory-snapshot recorded the allocator history over a window of steps, which slows them: "
+                "those steps are kept out of the steady figures (phase `snapshot`), but compare speed from a run "
+                "without it")
 
 
-def _mfu(settings, env, summary):
-    if str(env.get("device", "")).startswith("cuda") and "mfu" in summary and summary["mfu"] is None:
-        return [warning("mfu_unknown", f"{env.get('device_name')} is not in the datasheet peak table "
-                        "(trainscope/flops.py) for this precision: MFU is not computed rather than guessed")]
-    return []
+@register("bf16_emulated", "bf16 on a CPU without native bf16 (AVX512-BF16 / AMX): emulated and slow",
+          "compare speed in fp32 on this CPU (bf16 is emulated here); measure bf16 on a GPU or on a CPU with "
+          "AVX512-BF16 or AMX", at_start=True)
+def _bf16_emulated(view: RunView):
+    if view.precision == "bf16" and view.on_cpu and view.env.get("cpu_native_bf16") is False:
+        return (f"bf16 autocast on {view.device_name} ({view.env.get('cpu_capability', 'no AVX512-BF16/AMX')}) is "
+                "emulated in software: its speed says nothing about bf16 on a GPU or on a CPU with AVX512-BF16 or AMX")
 
 
-def _sequence_length(settings, env, summary):
-    limit = env.get("model_sequence_limit")
-    requested = env.get("requested_max_seq_length")
+@register("fp16_unavailable", "fp16 was requested but the device ran another precision",
+          "use a config whose precision this device runs (fp16 needs CUDA)", at_start=True)
+def _fp16_unavailable(view: RunView):
+    effective = view.precision
+    if view.requested_precision == "fp16" and effective not in (None, "fp16"):
+        return f"fp16 was requested but {view.device or 'the device'} ran {effective}: figures are {effective} figures"
+
+
+@register("tf32_implicit", "TF32 matmuls were in effect without --tf32",
+          "ask for TF32 explicitly, or keep true fp32: an implicit TF32 figure is mislabeled", ("--tf32",),
+          at_start=True)
+def _tf32(view: RunView):
+    if view.env.get("tf32_in_effect") and not view.setting("tf32"):
+        return "TF32 matmuls were in effect although --tf32 was not given: an 'fp32' figure is a TF32 figure"
+
+
+@register("stage_memory_every_step", "per-stage memory statistics read at every step cost time on CUDA",
+          "sample per-stage memory every 10 steps", ("--memory-every", "10"), at_start=True)
+def _memory_statistics(view: RunView):
+    if view.on_cuda and view.setting("memory_every") == 1:
+        return "--memory-every 1 reads the allocator at every stage boundary: a few percent of step time on fast GPUs"
+
+
+@register("max_seq_length_clamped", "--max-seq-length was above what the model's position embeddings allow",
+          "lower --max-seq-length to the model's limit", at_start=True)
+def _sequence_length(view: RunView):
+    limit, requested = view.env.get("model_sequence_limit"), view.env.get("requested_max_seq_length")
     if limit is not None and requested is not None and requested > limit:
-        return [warning("max_seq_length_clamped", f"--max-seq-length {requested} is above the model's {limit} "
-                        f"positions: sequences were truncated to {limit}")]
-    return []
+        return f"--max-seq-length {requested} is above the model's {limit} positions: sequences were truncated to {limit}"
+
+
+@register("recompiles", "torch.compile recompiled during the run", "give torch.compile one input shape",
+          ("--pad-to-max-length",))
+def _compile(view: RunView):
+    recompiles = (view.compile or {}).get("recompiles") or 0
+    if recompiles > 0:
+        return (f"torch.compile recompiled {recompiles} times (new input shapes): compile time leaked into training "
+                "steps; --pad-to-max-length gives one shape")
+
+
+@register("eval_dominates", "evaluation took most of the wall time", "evaluate on fewer samples",
+          ("--max-eval-samples", "1000", "--max-test-samples", "1000"))
+def _evaluation(view: RunView):
+    share = view.shares("run").get("eval")
+    if share is not None and share > EVAL_SHARE_LIMIT:
+        return (f"evaluation took {share:.0%} of wall time: the time breakdown describes evaluation more than "
+                "training (--max-eval-samples, --max-test-samples)")
+
+
+@register("few_steady_steps", "too few steady-state steps for a steady-state figure",
+          "run more steps (--max-steps) so the steady phase has enough samples")
+def _steady(view: RunView):
+    if not view.throughput:
+        return None
+    steps = view.optimizer_steps_timed or 0
+    if steps < MIN_STEADY_STEPS:
+        return (f"only {steps} steady-state optimizer steps (at least {MIN_STEADY_STEPS} wanted): throughput rests on "
+                "few samples")
+
+
+@register("mfu_unknown", "no datasheet peak for this GPU: no MFU",
+          "add the device's datasheet peak to trainscope/flops.py")
+def _mfu(view: RunView):
+    if view.on_cuda and "mfu" in view.summary and view.mfu is None:
+        known = peak_tflops(view.device_name, view.precision or "fp32")
+        return (f"{view.device_name} is not in the datasheet peak table (trainscope/flops.py) for {view.precision}: "
+                "MFU is not computed rather than guessed") if known is None else None
+
+
+@register("comm_exposed_above_total", "exposed communication measured above the all-reduce's own duration",
+          "re-measure with more --communication-samples on a quieter machine")
+def _exposed_above_total(view: RunView):
+    block = view.communication or {}
+    exposed, total = block.get("exposed_s"), block.get("total_allreduce_s")
+    if block.get("measured") and exposed is not None and total and exposed > total:
+        return (f"exposed communication {exposed * 1e3:.1f} ms is more than the all-reduce of the same buckets alone "
+                f"({total * 1e3:.1f} ms): backward waited for more than communication (contention for the cores, or "
+                f"noise); overlap is reported as measured ({block.get('overlap') or 0:.0%}), not clamped")
+
+
+@register("comm_instruments_disagree", "trainscope's exposed communication disagrees with DDP's own figure",
+          "re-measure with more --communication-samples and steps; read both figures in the record")
+def _instruments_disagree(view: RunView):
+    block = view.communication or {}
+    ours, theirs = block.get("exposed_s"), block.get("ddp_exposed_s")
+    if not block.get("measured") or ours is None or theirs is None:
+        return None
+    if abs(ours - theirs) > COMMUNICATION_TOLERANCE * max(ours, theirs) + COMMUNICATION_FLOOR_S:
+        return (f"exposed communication {ours * 1e3:.1f} ms by trainscope's calibration against {theirs * 1e3:.1f} ms "
+                f"by DDP's own logger (comm - overlap, steady iterations): they differ by more than "
+                f"{COMMUNICATION_TOLERANCE:.0%} + {COMMUNICATION_FLOOR_S * 1e3:.0f} ms, so neither is trusted alone")

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from trainscope.timing import PHASES
+
 METRIC_MODULE = str(Path(__file__).parent / "metrics" / "classification")
 
 
@@ -61,9 +63,13 @@ class LoopState:
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
         self.counts = checkpoint.get("counts") or {
             phase: {"samples": 0, "tokens": 0, "optimizer_steps": 0, "micro_batches": 0, "flops": 0,
-                    "padded_tokens": 0}
-            for phase in ("warmup", "steady")}
+                    "padded_tokens": 0, "padded_squares": 0}
+            for phase in PHASES}
+        for phase in PHASES:  # a checkpoint of an older run may lack a phase
+            self.counts.setdefault(phase, {"samples": 0, "tokens": 0, "optimizer_steps": 0, "micro_batches": 0,
+                                           "flops": 0, "padded_tokens": 0, "padded_squares": 0})
         self.evaluations = []
+        self.micro_batches_in_step = 0
         self._phase_tokens = {phase: torch.zeros((), device=device, dtype=torch.long) for phase in self.counts}
         self._reset_interval()
 
@@ -91,11 +97,20 @@ class LoopState:
         counts["samples"] += labels.shape[0]
         counts["micro_batches"] += 1
         counts["flops"] += flops or 0
-        counts["padded_tokens"] = counts.get("padded_tokens", 0) + attention_mask.numel()  # shape: no sync
+        # positions the kernels process, and batch x length^2 (the attention term): from shapes, no sync
+        counts["padded_tokens"] = counts.get("padded_tokens", 0) + attention_mask.numel()
+        counts["padded_squares"] = counts.get("padded_squares", 0) + attention_mask.numel() * attention_mask.shape[-1]
+        self.micro_batches_in_step += 1
 
     def end_step(self, phase: str):
         self.step += 1
         self.counts[phase]["optimizer_steps"] += 1
+        self.micro_batches_in_step = 0
+
+    @property
+    def at_step_boundary(self) -> bool:
+        """No micro-batch of the coming optimizer step trained yet: a checkpoint here is whole."""
+        return self.micro_batches_in_step == 0
 
     def take_interval(self) -> dict:
         """The micro-batches since the last step line."""
@@ -124,17 +139,29 @@ def load_metric():
 
 
 @torch.no_grad()
-def evaluate_split(model, loader, accelerator, metric) -> dict:
-    """Accuracy, macro-F1 and mean loss over a whole split, gathered from every process."""
+def evaluate_split(model, loader, accelerator, metric, between_batches=None) -> dict:
+    """Accuracy, macro-F1 and mean loss over a whole split, gathered from every process, and the token
+    positions it processed (`positions`: real, padded, batch x length^2, samples; summed over ranks).
+    `between_batches` is called after every batch (a run's stop check)."""
     model.eval()
     loss_sum, count = torch.zeros((), device=accelerator.device), 0
+    real = torch.zeros((), dtype=torch.long, device=accelerator.device)  # read once, at the end
+    padded = squares = samples = 0  # from shapes: no sync
     for batch in loader:
         labels = batch.pop("labels")
+        mask = batch["attention_mask"]
+        real += mask.sum()
+        padded, squares, samples = padded + mask.numel(), squares + mask.numel() * mask.shape[-1], samples + mask.shape[0]
         logits = model(**batch).logits
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         predictions, references, losses = accelerator.gather_for_metrics((logits.argmax(-1), labels, losses))
         metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
         loss_sum += losses.sum()
         count += losses.numel()
+        if between_batches is not None:
+            between_batches()
     model.train()
-    return {**metric.compute(), "loss": loss_sum.item() / count}
+    local = torch.stack([real, *(torch.tensor(v, device=real.device) for v in (padded, squares, samples))])
+    tokens, padded, squares, samples = accelerator.reduce(local, reduction="sum").tolist()
+    return {**metric.compute(), "loss": loss_sum.item() / count,
+            "positions": {"tokens": tokens, "padded_tokens": padded, "padded_squares": squares, "samples": samples}}

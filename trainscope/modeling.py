@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from trainscope import embedded, hub
 from trainscope.errors import UserError
+from trainscope.flops import shape_facts
 from trainscope.records import redact
 from trainscope.settings import EMBEDDED_MODEL
 
@@ -140,7 +141,7 @@ def build_model(settings, label_names: list[str], tokenizer):
             raise UserError(f"{type(model).__name__} does not support --gradient-checkpointing")
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     facts = {"class": type(model).__name__, "model_type": model.config.model_type, "weights": weights,
-             "parameters": sum(p.numel() for p in model.parameters())}
+             "parameters": sum(p.numel() for p in model.parameters()), "shape": shape_facts(model.config)}
     if settings.lora:
         model, facts["lora"] = apply_lora(model, settings)
     facts["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -6,6 +6,7 @@ chrome://tracing or https://ui.perfetto.dev. The timer labels every stage with
 `record_function(<stage>)`, so the trace shows data / forward / backward / optimizer / eval spans.
 """
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -100,9 +101,11 @@ def build_profiler(settings, run_dir: Path, device: torch.device, rank: int):
 class MemorySnapshot:
     """The CUDA allocator history over a window of optimizer steps (open it at https://pytorch.org/memory_viz).
 
-    Recording starts when step `after_step` has finished (the end of the timing warm-up) and the
-    snapshot is written once `steps` more steps have finished, or at the end of a shorter run;
-    `window` says which steps it covers. `backend` is torch.cuda.memory (a fake in tests).
+    Recording starts when step `after_step` has finished (the end of the timing warm-up) and stops once
+    `steps` more steps have finished (or at the end of a shorter run): the snapshot is then taken into
+    memory, and pickled to `path` only by `finish`, after the timed loop. Recording slows the steps it
+    covers, so they form the timer's `snapshot` phase (`covers`), kept out of the steady figures.
+    `backend` is torch.cuda.memory (a stand-in in tests).
     """
 
     def __init__(self, path: Path, after_step: int, steps: int, backend=None):
@@ -111,6 +114,10 @@ class MemorySnapshot:
         self.backend = backend if backend is not None else torch.cuda.memory
         self.window = None
         self._recording = False
+        self._taken = None
+
+    def covers(self, step: int) -> bool:
+        return self.start_after < step <= self.start_after + self.steps
 
     def step_finished(self, step: int) -> None:
         if step == self.start_after and self.window is None:
@@ -118,16 +125,21 @@ class MemorySnapshot:
             self._recording = True
             self.window = {"first_step": step + 1, "last_step": None}
         elif self._recording and step == self.start_after + self.steps:
-            self._dump(step)
+            self._take(step)
 
     def finish(self, last_step: int) -> dict | None:
+        """Stop recording if the run ended inside the window, and write the snapshot (after the timed loop)."""
         if self._recording:
-            self._dump(last_step)
+            self._take(last_step)
+        if self._taken is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "wb") as handle:
+                pickle.dump(self._taken, handle)  # what torch.cuda.memory._dump_snapshot writes
+            self._taken = None
         return {**self.window, "path": str(self.path)} if self.window and self.window["last_step"] else None
 
-    def _dump(self, step: int) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.backend._dump_snapshot(str(self.path))
+    def _take(self, step: int) -> None:
+        self._taken = self.backend._snapshot()
         self.backend._record_memory_history(enabled=None)
         self._recording = False
         self.window["last_step"] = step
@@ -137,6 +149,9 @@ class NoSnapshot:
     """The do-nothing stand-in without --memory-snapshot or off CUDA."""
 
     window = None
+
+    def covers(self, step: int) -> bool:
+        return False
 
     def step_finished(self, step: int) -> None:
         pass

@@ -23,7 +23,7 @@ from trainscope.settings import Settings
 
 
 @dataclass
-class Launch:
+class Startup:
     """What start-up found and decided, for the rest of the run."""
 
     state: PartialState
@@ -32,10 +32,11 @@ class Launch:
     run_dir: Path
     requested_max_seq_length: int
     model_sequence_limit: int | None
+    cpu_fallback: dict | None = None  # a multi-process launch without a usable GPU, run over gloo on the CPU
 
     def environment_facts(self) -> dict:
         return {"requested_max_seq_length": self.requested_max_seq_length,
-                "model_sequence_limit": self.model_sequence_limit}
+                "model_sequence_limit": self.model_sequence_limit, "cpu_fallback": self.cpu_fallback}
 
 
 def configure_process(settings: Settings) -> dict:
@@ -45,7 +46,8 @@ def configure_process(settings: Settings) -> dict:
     return environment.apply_thread_budget(settings.threads)
 
 
-def start(settings: Settings) -> Launch:
+def start(settings: Settings) -> Startup:
+    fallback = cpu_fallback()
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator() reads it
     environment.refuse_independent_runs(state.num_processes)
     threads = configure_process(settings)
@@ -53,11 +55,24 @@ def start(settings: Settings) -> Launch:
     precision.enforce_tf32(settings.tf32)
     requested = settings.max_seq_length
     limit = modeling.sequence_limit(settings)
-    if limit is not None and requested > limit:
-        state.print(f"warning: --max-seq-length {requested} is above the model's {limit} positions: using {limit}")
+    if limit is not None and requested > limit:  # said by the max_seq_length_clamped warning when the run opens
         settings = dataclasses.replace(settings, max_seq_length=limit)
     run_dir = resolve_run_dir(settings, state)
-    return Launch(state, settings, threads, run_dir, requested, limit)
+    return Startup(state, settings, threads, run_dir, requested, limit, fallback)
+
+
+def cpu_fallback(environ=None) -> dict | None:
+    """A multi-process launch (a GPU config such as ddp_fp16.yaml) on a machine without a usable accelerator
+    runs as DDP over gloo on the CPU, as ACCELERATE_USE_CPU=1 would make it, instead of N separate runs.
+    Sets ACCELERATE_USE_CPU for this process (Accelerate reads it) and returns what ran instead."""
+    environ = os.environ if environ is None else environ
+    processes = environment.launcher_world_size(environ)
+    if processes < 2 or parse_flag_from_env("ACCELERATE_USE_CPU") or environment.accelerator_available():
+        return None
+    environ["ACCELERATE_USE_CPU"] = "1"
+    return {"processes": processes, "requested_precision": environ.get("ACCELERATE_MIXED_PRECISION", "no"),
+            "fsdp_requested": environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
+            "reason": "no usable GPU or other accelerator"}
 
 
 def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
@@ -94,14 +109,14 @@ def ddp_kwargs(settings: Settings) -> DistributedDataParallelKwargs:
     return DistributedDataParallelKwargs(**options)
 
 
-def build_accelerator(settings: Settings, launch: Launch) -> Accelerator:
+def build_accelerator(settings: Settings, started: Startup) -> Accelerator:
     """The Accelerator for this run; topology and precision come from the launch's config."""
-    on_cuda = launch.state.device.type == "cuda"
+    on_cuda = started.state.device.type == "cuda"
     accelerator = Accelerator(
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         log_with=trackers.trackers_for(settings.report_to) or None,
-        project_config=ProjectConfiguration(project_dir=str(launch.run_dir),
-                                            logging_dir=str(launch.run_dir / "tensorboard")),
+        project_config=ProjectConfiguration(project_dir=str(started.run_dir),
+                                            logging_dir=str(started.run_dir / "tensorboard")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=settings.seed,
                                                   non_blocking=pin_memory(settings, on_cuda)),
         # dynamic shapes: with dynamic padding every new sequence length would recompile otherwise
@@ -134,7 +149,7 @@ def plan_steps(settings: Settings, train_rows: int, processes: int) -> dict:
             "global_batch_size": settings.per_device_batch_size * processes * settings.gradient_accumulation_steps}
 
 
-def loader_options(settings: Settings, accelerator) -> dict:
+def device_loader_options(settings: Settings, accelerator) -> dict:
     """build_dataloaders' keyword arguments for this device and precision: pinned host memory on CUDA,
     sequences padded to multiples of 8 (tensor-core shapes) in mixed precision on CUDA."""
     on_cuda = accelerator.device.type == "cuda"

@@ -29,11 +29,13 @@ def throughput(per_rank: list[dict], phase: str) -> dict:
     tokens = sum(rank["counts"][phase]["tokens"] for rank in per_rank)
     flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank)
     padded = sum(rank["counts"][phase].get("padded_tokens") or 0 for rank in per_rank)
+    squares = sum(rank["counts"][phase].get("padded_squares") or 0 for rank in per_rank)
     steps = per_rank[0]["counts"][phase]["optimizer_steps"]
     return {
         "samples": samples,
         "tokens": tokens,
         "padded_tokens": padded or None,  # positions the kernels processed, padding included
+        "padded_squares": squares or None,  # sum of batch x padded length^2: the attention term of the FLOPs
         "optimizer_steps": steps,
         "train_wall_s": wall,
         "samples_per_s": samples / wall if wall > 0 else None,
@@ -48,10 +50,3 @@ def memory_across_ranks(per_rank: list[dict]) -> dict:
     keys = sorted({k for rank in per_rank for k, v in rank["memory"].items() if isinstance(v, (int, float))})
     return {k: across_ranks([rank["memory"][k] for rank in per_rank if k in rank["memory"]]) for k in keys}
 
-
-def peak_memory(memory: dict) -> tuple[float, str]:
-    """The one peak-memory figure to show for a run: (GiB, kind), the device allocator's max over ranks
-    where there is one (CUDA), else the processes' peak RSS."""
-    if "max_allocated_gib" in memory:
-        return memory["max_allocated_gib"]["max"], "max allocated"
-    return memory["peak_rss_gib"]["max"], "peak RSS"

@@ -35,7 +35,9 @@ CATEGORIES = {
     "evaluation": ("eval",),
     "other": ("optimizer", "other"),
 }
-PHASES = ("warmup", "steady")
+# warmup: the first --timing-warmup-steps; snapshot: steps a CUDA memory snapshot records (slower, kept apart);
+# steady: the rest, where throughput comes from.
+PHASES = ("warmup", "steady", "snapshot")
 
 
 class HostClock:
@@ -194,13 +196,17 @@ class StageTimer:
         self._running = False
         self._fold_run_peak()
 
+    @property
+    def running(self) -> bool:
+        return self._running
+
     def restore(self, state: dict):
         """Add the totals of an earlier, checkpointed part of the same run (see `state_dict`)."""
         for phase in PHASES:
-            self.wall_seconds[phase] += state["wall_seconds"][phase]
-            for stage, seconds in state["stage_seconds"][phase].items():
+            self.wall_seconds[phase] += state["wall_seconds"].get(phase, 0.0)
+            for stage, seconds in state["stage_seconds"].get(phase, {}).items():
                 self.stage_seconds[phase][stage] += seconds
-            for stage, calls in state["stage_calls"][phase].items():
+            for stage, calls in state["stage_calls"].get(phase, {}).items():
                 self.stage_calls[phase][stage] += calls
         self.phase = state["phase"]
 

@@ -1,0 +1,291 @@
+"""The one typed view of a run record: every reader (report, advisor, tune, experiments, benchmarks,
+health checks) asks `RunView` for the figures it needs; the record's raw keys appear only here and in
+the writer (trainscope.run_metrics / trainscope.lifecycle). docs/RECORD.md describes the keys.
+
+A view tolerates a partial record (a header without a summary, an interrupted run's partial summary):
+what is absent reads as None or empty.
+
+    view = RunView(read_record(run_dir))
+    view.samples_per_s, view.shares("steady")["forward"], view.peak_memory, view.communication
+"""
+
+TRAINING_STAGES = ("data", "forward", "backward", "optimizer", "other")
+
+
+class RunView:
+    def __init__(self, record: dict):
+        self.record = record
+
+    # ---------------------------------------------------------------- identity and conditions
+
+    @property
+    def name(self) -> str:
+        return self.record.get("run_name", "?")
+
+    @property
+    def path(self) -> str | None:
+        return self.record.get("path")  # set by the report's reader
+
+    @property
+    def status(self) -> str | None:
+        return self.record.get("status")
+
+    @property
+    def finished(self) -> str:
+        return self.record.get("finished") or ""
+
+    @property
+    def settings(self) -> dict:
+        return self.record.get("settings") or {}
+
+    def setting(self, name: str, default=None):
+        return self.settings.get(name, default)
+
+    @property
+    def env(self) -> dict:
+        return self.record.get("environment") or {}
+
+    @property
+    def device(self) -> str:
+        return str(self.env.get("device", ""))
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.startswith("cpu")
+
+    @property
+    def device_name(self) -> str:
+        return self.env.get("device_name", "?")
+
+    @property
+    def precision(self) -> str | None:
+        return self.env.get("effective_precision")
+
+    @property
+    def requested_precision(self) -> str | None:
+        return self.env.get("requested_precision")
+
+    @property
+    def threads(self) -> dict:
+        return self.env.get("threads") or {}
+
+    @property
+    def backend(self) -> str | None:
+        return self.env.get("backend")
+
+    @property
+    def model_facts(self) -> dict:
+        return self.record.get("model") or {}
+
+    @property
+    def plan(self) -> dict:
+        return self.record.get("plan") or {}
+
+    @property
+    def warnings(self) -> list[dict]:
+        return self.record.get("warnings") or []
+
+    @property
+    def warning_codes(self) -> list[str]:
+        return [w["code"] for w in self.warnings]
+
+    @property
+    def steps(self) -> list[dict]:
+        return self.record.get("steps") or []  # attached by the report's reader
+
+    # ---------------------------------------------------------------- the summary
+
+    @property
+    def summary(self) -> dict:
+        return self.record.get("summary") or {}
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.summary.get("partial"))
+
+    @property
+    def world_size(self) -> int:
+        return self.summary.get("world_size") or self.env.get("world_size") or 1
+
+    def timing(self, phase: str) -> dict:
+        """Across-rank stage table of a phase (run, steady, warmup, ...)."""
+        return ((self.summary.get("timing") or {}).get("across_ranks") or {}).get(phase) or {}
+
+    @property
+    def per_rank(self) -> list[dict]:
+        return (self.summary.get("timing") or {}).get("per_rank") or []
+
+    @property
+    def steady_phase(self) -> str:
+        """'steady' when the run had steady steps, else 'run'."""
+        steady = self.timing("steady")
+        return "steady" if steady and steady["wall_s"]["median"] > 0 else "run"
+
+    def shares(self, phase: str | None = None) -> dict:
+        """Stage shares of a phase, median over ranks (default: the steady phase)."""
+        table = self.timing(phase or self.steady_phase)
+        return {stage: value["median"] for stage, value in (table.get("shares") or {}).items()}
+
+    def stage_seconds(self, phase: str = "run") -> dict:
+        table = self.timing(phase)
+        return {stage: value["median"] for stage, value in (table.get("seconds") or {}).items()}
+
+    def category_seconds(self, phase: str = "run") -> dict:
+        table = self.timing(phase)
+        return {name: value["median"] for name, value in (table.get("category_seconds") or {}).items()}
+
+    def wall_median(self, phase: str = "run") -> float | None:
+        table = self.timing(phase)
+        return table["wall_s"]["median"] if table else None
+
+    def stage_seconds_per_step(self) -> dict:
+        """Training stages per optimizer step (steady phase, median over ranks)."""
+        phase = self.steady_phase
+        steps = self.optimizer_steps_timed or self.summary.get("optimizer_steps") or 1
+        seconds = self.stage_seconds(phase)
+        return {stage: seconds.get(stage, 0.0) / steps for stage in TRAINING_STAGES}
+
+    @property
+    def wall_s(self) -> float | None:
+        return self.summary.get("wall_s")
+
+    @property
+    def eval_s(self) -> float:
+        """Evaluation seconds of the whole run (median over ranks)."""
+        return self.stage_seconds("run").get("eval", 0.0)
+
+    @property
+    def throughput(self) -> dict:
+        return self.summary.get("throughput") or {}
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.throughput.get("samples_per_s")
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.throughput.get("tokens_per_s")
+
+    @property
+    def step_s(self) -> float | None:
+        return self.throughput.get("step_s")
+
+    @property
+    def optimizer_steps_timed(self) -> int | None:
+        return self.throughput.get("optimizer_steps")
+
+    @property
+    def padding(self) -> dict:
+        """Real and padded token positions of the steady training phase, and of evaluation where recorded."""
+        evaluation = self.summary.get("evaluation_tokens") or {}
+        return {"train_tokens": self.throughput.get("tokens"), "train_padded": self.throughput.get("padded_tokens"),
+                "train_samples": self.throughput.get("samples"),
+                "train_padded_squares": self.throughput.get("padded_squares"),
+                "eval_tokens": evaluation.get("tokens"), "eval_padded": evaluation.get("padded_tokens"),
+                "eval_samples": evaluation.get("samples"), "eval_padded_squares": evaluation.get("padded_squares")}
+
+    def run_counts(self) -> dict:
+        """Samples, real tokens and optimizer steps trained over the whole run, all ranks."""
+        totals = {"samples": 0, "tokens": 0, "optimizer_steps": 0}
+        for rank in self.per_rank:
+            for phase, counts in (rank.get("counts") or {}).items():
+                totals["samples"] += counts.get("samples", 0)
+                totals["tokens"] += counts.get("tokens", 0)
+                if rank is self.per_rank[0]:
+                    totals["optimizer_steps"] += counts.get("optimizer_steps", 0)
+        return totals
+
+    @property
+    def train_wall_s(self) -> float | None:
+        """The whole run's wall time less evaluation (median over ranks)."""
+        wall = self.wall_median("run")
+        return None if wall is None else wall - self.eval_s
+
+    @property
+    def memory(self) -> dict:
+        return self.summary.get("memory") or {}
+
+    @property
+    def peak_memory(self) -> tuple[float | None, str]:
+        """The one peak-memory figure to show: (GiB, kind), the device allocator's max over ranks where there
+        is one (CUDA), else the processes' peak RSS."""
+        memory = self.memory
+        if "max_allocated_gib" in memory:
+            return memory["max_allocated_gib"]["max"], "max allocated"
+        if "peak_rss_gib" in memory:
+            return memory["peak_rss_gib"]["max"], "peak RSS"
+        return None, "unknown"
+
+    @property
+    def max_allocated_gib(self) -> float | None:
+        return (self.memory.get("max_allocated_gib") or {}).get("max")
+
+    @property
+    def device_memory_gib(self) -> float | None:
+        return self.env.get("device_memory_gib")
+
+    @property
+    def validation(self) -> list[dict]:
+        return self.summary.get("validation") or []
+
+    @property
+    def last_validation(self) -> dict:
+        return self.validation[-1] if self.validation else {}
+
+    @property
+    def test(self) -> dict:
+        return self.summary.get("test") or {}
+
+    @property
+    def mfu(self) -> float | None:
+        return self.summary.get("mfu")
+
+    @property
+    def compile(self) -> dict | None:
+        return self.summary.get("compile")
+
+    @property
+    def profile(self) -> dict | None:
+        return self.summary.get("profile")
+
+    @property
+    def communication(self) -> dict | None:
+        return self.summary.get("communication")
+
+    @property
+    def losses(self) -> tuple[list[int], list[float]]:
+        return [line["step"] for line in self.steps], [line["loss"] for line in self.steps]
+
+    # ---------------------------------------------------------------- what readers compare
+
+    def headline(self) -> dict:
+        """The figures an experiment or `make tune` compares, from one run record."""
+        peak, kind = self.peak_memory
+        communication = self.communication or {}
+        counts = self.run_counts()
+        return {"run": self.name, "wall_s": self.wall_s, "samples_per_s": self.samples_per_s,
+                "tokens_per_s": self.tokens_per_s, "step_s": self.step_s,
+                "train_wall_s": self.train_wall_s, "eval_s": self.eval_s,
+                "train_tokens": counts["tokens"], "train_samples": counts["samples"],
+                "communication": ({k: communication.get(k) for k in COMMUNICATION_FIGURES}
+                                  if communication.get("measured") else None),
+                "peak_memory_gib": peak, "memory_kind": kind, "test_accuracy": self.test.get("accuracy"),
+                "validation_accuracy": self.last_validation.get("accuracy"),
+                "validation_loss": self.last_validation.get("loss"),
+                "precision": self.precision, "world_size": self.world_size, "warnings": self.warning_codes,
+                "seed": self.setting("seed")}
+
+
+COMMUNICATION_FIGURES = ("exposed_s", "exposed_share", "total_allreduce_s", "overlap", "bus_bandwidth_gbs",
+                         "allreduces_per_optimizer_step", "allreduce_bytes_per_step", "gradient_bytes",
+                         "ddp_exposed_s", "ddp_overlap")
+
+
+def warning_lines(records) -> list[str]:
+    """'run: [code] message' lines for the records a figure shows."""
+    return [f"{RunView(r).name}: [{w['code']}] {w['message']}" for r in records for w in RunView(r).warnings]
+
