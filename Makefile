@@ -45,7 +45,7 @@ DDP_COST_ROUNDS ?= 5
 DDP_SETTINGS ?=
 # make tune: the README's main command, shortened to a proxy of 30 steps that keeps its evaluation (on a CPU).
 TUNE_ARGS ?= $(TRAIN_ARGS) $(if $(HAS_GPU),,--max-steps 30) --report-to none
-TUNE_BUDGET ?= 1200
+TUNE_BUDGET ?= 2400
 COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-samples 64 --max-test-samples 64 \
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
@@ -56,7 +56,7 @@ EXPERIMENTS = $(PY) -m trainscope.experiments
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  variables: CONFIG=accelerate_configs/<x>.yaml ARGS='<train.py flags>' RUNS=runs RESULTS=results ROUNDS=$(ROUNDS)"
-	@echo "  the committed report: make experiments RUNS=benchmarks/runs RESULTS=benchmarks && make report RUNS=benchmarks/runs RESULTS=benchmarks"
+	@echo "  the committed report: make report (on a clone without runs/ or results/), or make report RUNS=benchmarks/runs RESULTS=benchmarks"
 
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -84,8 +84,7 @@ amp-compare: setup ## the same run in fp32 and mixed precision (fp16 on GPUs, bf
 	$(EXPERIMENTS) amp --runs $(RUNS)/amp --configs $(AMP_CONFIGS) -- $(AMP_ARGS)
 
 ckpt-compare: setup ## activation checkpointing off and on, alternating rounds: step time and peak memory -> runs/ckpt/
-	$(EXPERIMENTS) compare --runs $(RUNS)/ckpt --config $(BASE_CONFIG) --rounds $(ROUNDS) --arm off= \
-		--arm on=--gradient-checkpointing -- $(SPEED_ARGS)
+	$(EXPERIMENTS) ckpt --runs $(RUNS)/ckpt --config $(BASE_CONFIG) --rounds $(ROUNDS) -- $(SPEED_ARGS)
 
 batch-sweep: setup ## throughput and memory against batch size; largest batch that fits; best one -> runs/batch/
 	$(EXPERIMENTS) batch-sweep --config $(BASE_CONFIG) --runs $(RUNS)/batch --batch-sizes $(BATCH_SIZES) \
@@ -106,8 +105,9 @@ tune: setup ## the advisor's suggestions for the main command tried against it; 
 advise: setup ## what to try next for one run: make advise RUN=runs/<run-name>
 	$(PY) report.py --advise $(RUN)
 
-report: setup ## every figure and table from what has been run -> reports/ (report.md, report.pdf, inputs.json)
-	$(PY) report.py --runs $(RUNS) --results $(RESULTS) $(REPORT_ARGS)
+report: setup ## every figure and table from runs/ and results/ (a fresh clone: the committed benchmarks/) -> reports/
+	$(PY) report.py $(if $(filter command line environment,$(origin RUNS)),--runs $(RUNS)) \
+		$(if $(filter command line environment,$(origin RESULTS)),--results $(RESULTS)) $(REPORT_ARGS)
 
 experiments: profile amp-compare ckpt-compare batch-sweep matrix ddp-cost sweep-workers compare-dp ## run every experiment the report shows
 
@@ -118,8 +118,7 @@ bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by 
 	$(PY) -m trainscope.benchmarks.overhead $(ARGS)
 
 bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
-	$(EXPERIMENTS) compare --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) --arm eager= --arm compiled=--compile \
-		-- $(COMPILE_ARGS)
+	$(EXPERIMENTS) compile --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) -- $(COMPILE_ARGS)
 
 gpu-check: setup ## the GPU path on one GPU in under 9 minutes -> benchmarks/gpu/<device>.* (one line and nothing written without a GPU)
 	$(PY) -m trainscope.gpu_check

@@ -40,11 +40,13 @@ from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
 from trainscope.data import build_collator, load_classification_data
 from trainscope.distributed import destroy_process_group
 from trainscope.errors import UserError, exit_with, redacted_output
-from trainscope.figures import compare_dp_figure, compare_dp_rows, save_figure
+from trainscope.experiments.data_parallel import figure, projection_table, results_table
 from trainscope.memory import GIB, CudaMemoryProbe, peak_rss_bytes
 from trainscope.modeling import build_model, build_tokenizer
+from trainscope.record_view import RunView
 from trainscope.records import read_record, write_text_atomic
 from trainscope.settings import Settings, parse_settings
+from trainscope.tables import save_figure
 
 ROOT = Path(__file__).resolve().parent
 # Published multi-node data-parallel scaling, for scale: NVIDIA NeMo, 4B-parameter BERT on a DGX
@@ -371,7 +373,7 @@ def compare_results(results: dict, rounds: list[dict], machine: dict) -> dict:
     for name in ("data_parallel", "ddp"):
         if results[name].get("status") != "measured":
             continue
-        speed = bench.compare(bench.pair_ratios(rounds, name, "single", "samples_per_s"))
+        speed = bench.compare_rounds(rounds, name, "single", "samples_per_s")
         ratio = machine[f"{name}_hardware_ratio"]
         comparison[name] = {
             "speed": speed, "hardware_ratio": ratio, "scaling_efficiency": speed["median_ratio"] / ratio,
@@ -391,8 +393,8 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
         path = results_dir / f"{diff['from']}_to_{diff['to']}.diff"
         write_text_atomic(path, diff["diff"] + "\n")
         paths.append(path)
-    write_text_atomic(results_dir / "compare_dp.tex", latex(report))
-    return [*paths, results_dir / "compare_dp.tex", *save_figure(compare_dp_figure(report), results_dir / "compare_dp")]
+    write_text_atomic(results_dir / "compare_dp.tex", results_table(report).latex())
+    return [*paths, results_dir / "compare_dp.tex", *save_figure(figure(report), results_dir / "compare_dp")]
 
 
 def markdown(report: dict) -> list[str]:
@@ -400,46 +402,17 @@ def markdown(report: dict) -> list[str]:
     lines = ["# DataParallel vs DDP", "",
              f"{report['machine']['device_name']}: {report['machine']['hardware']['note']}",
              f"{compare['steps']} timed steps (after {compare['warmup_steps']} untimed) of global batch "
-             f"{report['global_batch_size']}, {compare['rounds']} alternating rounds, model {report['settings']['model']}."
-             + (f" {report['global_batch_note']}" if report.get("global_batch_note") else ""), "",
-             "| variant | runs on | wall s (median) | samples/s (median, min-max) | speed vs single | verdict | "
-             "scaling efficiency | peak memory GiB | final loss |", "|---|---|---:|---:|---:|---|---:|---|---:|"]
-    for row in compare_dp_rows(report):
-        if "status" in row:
-            lines.append(f"| {row['variant']} | not measurable here: {row['status']} ||||||||")
-            continue
-        lines.append(f"| {row['variant']} | {row['runs_on']} | {row['wall_s']:.2f} | {row['samples_per_s']:.1f} "
-                     f"({row['samples_per_s_min']:.1f}-{row['samples_per_s_max']:.1f}) | {row['speed']} | {row['verdict']} | "
-                     f"{row['efficiency']:.1%} | {row['peak_memory']} | {row['final_loss']:.4f} |")
-    lines += ["", "## Code changes from the single-device loop", ""]
+             f"{report['global_batch_size']}, {compare['rounds']} alternating rounds, model {report['settings']['model']}; "
+             f"verdicts: {bench.METHOD}." + (f" {report['global_batch_note']}" if report.get("global_batch_note") else ""),
+             "", *results_table(report).markdown_lines(), "", "## Code changes from the single-device loop", ""]
     for diff in report["code_changes"]:
         lines += [f"{diff['to']}: {diff['changed_lines']} changed lines (+{diff['added']} -{diff['removed']})", "",
                   "```diff", diff["diff"], "```", ""]
     lines += ["## Projected DDP scaling", "", report["projection"]["assumptions"], "",
-              "| interconnect | GPUs | step s | all-reduce s | samples/s | efficiency |", "|---|---:|---:|---:|---:|---:|"]
-    for name, preset in report["projection"]["interconnects"].items():
-        for row in preset["rows"]:
-            lines.append(f"| {name} | {row['gpus']} | {row['step_s']:.4f} | {row['allreduce_s']:.4f} | "
-                         f"{row['samples_per_s']:.1f} | {row['efficiency']:.1%} |")
-    lines += ["", "Published anchors:"]
+              *projection_table(report).markdown_lines(), "", "Published anchors:"]
     lines += [f"- {a['what']}: {a['speedup_over_8']}x one node, {a['efficiency']:.0%} efficiency ({a['source']})"
               for a in ANCHORS]
     return lines
-
-
-def latex(report: dict) -> str:
-    lines = [r"\begin{table}[t]", r"\centering", r"\begin{tabular}{llrrrr}", r"\toprule",
-             r"Variant & Runs on & Samples/s & Speed-up & Efficiency & Final loss \\", r"\midrule"]
-    for row in compare_dp_rows(report):
-        if "status" in row:
-            lines.append(rf"{row['variant']} & \multicolumn{{5}}{{l}}{{not measurable here}} \\")
-        else:
-            lines.append(rf"{row['variant']} & {row['runs_on']} & {row['samples_per_s']:.1f} & {row['speed_median']:.3f} & "
-                         rf"{100 * row['efficiency']:.1f}\% & {row['final_loss']:.4f} \\")
-    lines += [r"\bottomrule", r"\end{tabular}",
-              rf"\caption{{DataParallel vs DDP on {report['machine']['device_name'].replace('_', ' ')} "
-              rf"(median of {report['compare']['rounds']} rounds).}}", r"\label{tab:compare-dp}", r"\end{table}"]
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- main
@@ -505,11 +478,11 @@ def compare_all(settings, compare, argv) -> dict:
 def projection(compare: CompareSettings, single: dict, processes: int) -> dict:
     """The N-GPU projection: compute per step from a measured GPU record, or an assumption said as such."""
     if compare.gpu_record:
-        record = read_record(Path(compare.gpu_record).parent if compare.gpu_record.endswith(".json") else compare.gpu_record)
-        throughput = record["summary"]["throughput"]
-        compute, per_device = throughput["step_s"], record["plan"]["global_batch_size"] // record["summary"]["world_size"]
-        source = (f"the measured steady step of {record['run_name']} ({compute:.4f} s at batch {per_device} per device on "
-                  f"{record['environment']['device_name']}, {record['environment']['effective_precision']})")
+        view = RunView(read_record(Path(compare.gpu_record).parent if compare.gpu_record.endswith(".json")
+                                   else compare.gpu_record))
+        compute, per_device = view.step_s, view.plan["global_batch_size"] // view.world_size
+        source = (f"the measured steady step of {view.name} ({compute:.4f} s at batch {per_device} per device on "
+                  f"{view.device_name}, {view.precision})")
     else:
         compute, per_device = compare.assumed_compute_step_s, compare.global_batch_size
         source = (f"an ASSUMED {compute:.3f} s of compute per step at batch {per_device} (no --gpu-record given: this "

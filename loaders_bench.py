@@ -37,11 +37,12 @@ import torch
 from transformers.hf_argparser import HfArg
 
 from trainscope import bench, environment, startup
-from trainscope.data import build_collator, labelled_splits, load_classification_data, loader_options
+from trainscope.data import build_collator, labelled_splits, load_classification_data, worker_options
 from trainscope.errors import UserError, exit_with, redacted_output
-from trainscope.figures import loader_curve_name, loaders_figure, save_figure
+from trainscope.experiments.loaders import curve_name, figure, knee_table
 from trainscope.records import write_text_atomic
 from trainscope.settings import Settings, parse_settings
+from trainscope.tables import save_figure
 
 MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
 MAX_WORKERS = 64
@@ -172,16 +173,12 @@ def settings_grid(sweep: SweepSettings, settings: Settings):
 
 
 def make_loader(dataset, collate, batch_size, point, settings, pin_memory, seed):
-    loader_settings = _replace(settings, num_workers=point["num_workers"],
-                               prefetch_factor=point["prefetch_factor"] if point["num_workers"] else None,
-                               persistent_workers=point["persistent_workers"] and point["num_workers"] > 0)
+    loader_settings = dataclasses.replace(settings, num_workers=point["num_workers"],
+                                          prefetch_factor=point["prefetch_factor"] if point["num_workers"] else None,
+                                          persistent_workers=point["persistent_workers"] and point["num_workers"] > 0)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
                                        generator=torch.Generator().manual_seed(seed),
-                                       **loader_options(loader_settings, pin_memory))
-
-
-def _replace(settings, **changes):
-    return Settings(**{**asdict(settings), **changes})
+                                       **worker_options(loader_settings, pin_memory))
 
 
 def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
@@ -326,7 +323,7 @@ def summarize(rows: list[dict], knee_tolerance: float) -> dict:
         settings.append(entry)
     curves = {}
     for entry in settings:
-        curves.setdefault(loader_curve_name(entry), []).append(entry)
+        curves.setdefault(curve_name(entry), []).append(entry)
     summaries = {name: knee(points, knee_tolerance) for name, points in curves.items()}
     for name, curve in summaries.items():
         curve["knee_against_default"] = knee_verdict(rows, name, curve)
@@ -334,17 +331,19 @@ def summarize(rows: list[dict], knee_tolerance: float) -> dict:
 
 
 def knee_verdict(rows: list[dict], curve: str, summary: dict) -> dict | None:
-    """The knee's speed over the default (0 workers), per repeat: pass time or step time, default / knee."""
+    """The knee against the default (0 workers), repeat by repeat: pass time or step time (lower is faster)."""
     if summary["knee_workers"] == PYTORCH_DEFAULT_WORKERS or "default_median" not in summary:
         return None
     time_key = "pass_s" if summary["metric"] == "pass_s" else "step_s"
     by_repeat = {}
     for row in rows:
-        if loader_curve_name(row) == curve and row.get("pass", 0) == 0:
+        if curve_name(row) == curve and row.get("pass", 0) == 0:
             by_repeat.setdefault(row["repeat"], {})[row["num_workers"]] = row[time_key]
-    ratios = [r[PYTORCH_DEFAULT_WORKERS] / r[summary["knee_workers"]] for r in by_repeat.values()
-              if PYTORCH_DEFAULT_WORKERS in r and summary["knee_workers"] in r]
-    return bench.compare(ratios) if ratios else None
+    both = [r for r in by_repeat.values() if PYTORCH_DEFAULT_WORKERS in r and summary["knee_workers"] in r]
+    if not both:
+        return None
+    return bench.compare_samples([r[PYTORCH_DEFAULT_WORKERS] for r in both], [r[summary["knee_workers"]] for r in both],
+                                 higher_is_better=False)
 
 
 def knee(points: list[dict], tolerance: float) -> dict:
@@ -396,23 +395,16 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
     writer.writeheader()
     writer.writerows(report["rows"])
     write_text_atomic(results_dir / "loaders.csv", buffer.getvalue())
-    return [*paths, results_dir / "loaders.csv", *save_figure(loaders_figure(report), results_dir / "loaders")]
+    return [*paths, results_dir / "loaders.csv", *save_figure(figure(report), results_dir / "loaders")]
 
 
 def markdown(report: dict) -> list[str]:
     machine = report["machine"]
-    lines = ["# DataLoader num_workers sweep", "",
-             f"{report['dataset_rows']} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
-             f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch threads; "
-             f"{report['sweep']['repeats']} repeats in alternating order.", "",
-             "| curve | knee (workers) | best (workers) | knee vs default (0 workers) | verdict | flags |",
-             "|---|---:|---:|---:|---|---|"]
-    for name, curve in report["summary"]["curves"].items():
-        against = curve.get("knee_against_default")
-        lines.append(f"| {name} | {curve['knee_workers']} | {curve['best_workers']} | "
-                     f"{bench.ratio_text(against) if against else 'the knee is the default'} | "
-                     f"{against['verdict'] if against else ''} | `{curve['flags']}` |")
-    return lines
+    return ["# DataLoader num_workers sweep", "",
+            f"{report['dataset_rows']} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
+            f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch threads; "
+            f"{report['sweep']['repeats']} repeats in alternating order; verdicts: {bench.METHOD}.", "",
+            *knee_table(report).markdown_lines()]
 
 
 def print_recommendations(report: dict) -> None:

@@ -1,21 +1,27 @@
-"""The one benchmark harness: alternating rounds, pair ratios, a verdict against noise, provenance.
+"""The one benchmark harness: alternating rounds, a stated test with an effect size, provenance.
 
 Every comparison trainscope publishes (bench-overhead, bench-trainer, the loader sweep, compare_dp.py,
-the experiments, make tune) runs its arms through `alternate`, reduces each pair to a ratio and
-judges the ratios with `verdict`:
+the experiments, make tune) runs its arms through `alternate` and judges them with `compare_samples`:
 
 * rounds alternate the order of the arms (A B, then B A, ...: ABBA over two rounds), so a machine
   that drifts slower or faster during the benchmark hits every arm alike;
-* each round gives one ratio per compared pair of arms (e.g. candidate speed / baseline speed);
-* the verdict comes from the spread of those ratios, not from their median: *faster* when every
-  ratio is above 1, *slower* when every ratio is below 1, *within noise* when they straddle 1.
-  With fewer than `MIN_PAIRS` pairs there is no verdict ("too few pairs").
+* the verdict comes from a stated test, as Google Benchmark's compare.py decides: a two-sided
+  Mann-Whitney U test of the two arms' measurements (exact permutation distribution of the rank sum,
+  ties as mid-ranks), at ALPHA = 0.05, *and* a minimum effect (asv's idea of a factor): the median of
+  the per-round speed ratios must be at least 1 + MIN_EFFECT (faster) or at most 1 / (1 + MIN_EFFECT)
+  (slower). Anything else is *within noise*. With fewer than `MIN_PAIRS` rounds: *too few pairs*
+  (4 against 4 is the fewest whose best p-value, 0.029, can pass 0.05; 5 are asked).
+* several trials against one baseline (make tune) correct their p-values for their number (Holm 1979)
+  before judging, and `make tune` adds rounds while a trial is undecided, as Chromium's Pinpoint adds
+  runs while its answer is unknown.
 
 Results files are written by `write_results`: JSON and Markdown with the provenance header
 (commit, dirty tree, exact command, date, machine, threads, packages) and redaction applied by the
 record layer.
 """
 
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -25,7 +31,10 @@ from trainscope import provenance
 from trainscope.records import write_json_atomic, write_text_atomic
 
 MIN_PAIRS = 5
-VERDICTS = ("faster", "slower", "within noise", "too few pairs")
+ALPHA = 0.05
+MIN_EFFECT = 0.03  # a speed ratio within 3% of 1 is no change worth acting on, however significant
+METHOD = f"two-sided Mann-Whitney U, alpha {ALPHA}, minimum effect {MIN_EFFECT:.0%}"
+EXACT_LIMIT = 200_000  # combinations enumerated for the exact p-value; beyond: the normal approximation
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:
@@ -33,7 +42,8 @@ def round_order(names: list[str], round_index: int) -> list[str]:
     return list(names) if round_index % 2 == 0 else list(reversed(names))
 
 
-def alternate(arms: dict[str, Callable[[int], dict]], rounds: int, log: Callable[[str], None] = print) -> list[dict]:
+def alternate(arms: dict[str, Callable[[int], dict]], rounds: int, log: Callable[[str], None] = print,
+              first_round: int = 0) -> list[dict]:
     """Run every arm once per round, alternating the order; returns one {arm: result} per round.
 
     An arm is called with the round index and returns a dict of measurements (e.g. samples_per_s).
@@ -41,13 +51,12 @@ def alternate(arms: dict[str, Callable[[int], dict]], rounds: int, log: Callable
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     results = []
-    for index in range(rounds):
+    for index in range(first_round, first_round + rounds):
         measured = {}
         for name in round_order(list(arms), index):
             started = time.perf_counter()
             measured[name] = arms[name](index)
-            log(f"round {index + 1}/{rounds} {name}: " + _brief(measured[name])
-                + f" ({time.perf_counter() - started:.0f} s)")
+            log(f"round {index + 1} {name}: " + _brief(measured[name]) + f" ({time.perf_counter() - started:.0f} s)")
         results.append(measured)
     return results
 
@@ -56,26 +65,90 @@ def _brief(result: dict) -> str:
     return ", ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
-def pair_ratios(rounds: list[dict], candidate: str, baseline: str, metric: str) -> list[float]:
-    """candidate[metric] / baseline[metric] in every round."""
-    return [r[candidate][metric] / r[baseline][metric] for r in rounds]
+# ---------------------------------------------------------------- the test
 
 
-def verdict(ratios: list[float], min_pairs: int = MIN_PAIRS) -> str:
-    """faster / slower / within noise from the spread of pair ratios (higher ratio = better)."""
-    if len(ratios) < min_pairs:
+def mann_whitney_p(x: list[float], y: list[float]) -> float:
+    """Two-sided p-value of the Mann-Whitney U test (Wilcoxon rank-sum) for samples x and y.
+
+    Exact: the rank sum of x under every assignment of the pooled mid-ranks to the two samples
+    (ties keep their mid-ranks), when there are at most EXACT_LIMIT assignments; else the normal
+    approximation with a tie correction. p = P(|W - E W| >= |w - E W|) under the null hypothesis that
+    both samples come from one distribution.
+    """
+    n, m = len(x), len(y)
+    if n == 0 or m == 0:
+        return 1.0
+    pooled = sorted((v, i) for i, v in enumerate(list(x) + list(y)))
+    ranks = [0.0] * (n + m)
+    i = 0
+    while i < n + m:
+        j = i
+        while j + 1 < n + m and pooled[j + 1][0] == pooled[i][0]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[pooled[k][1]] = (i + j) / 2 + 1
+        i = j + 1
+    observed, expected = sum(ranks[:n]), n * (n + m + 1) / 2
+    distance = abs(observed - expected) - 1e-9
+    if math.comb(n + m, n) <= EXACT_LIMIT:
+        sums = [sum(c) for c in itertools.combinations(ranks, n)]
+        return sum(abs(s - expected) >= distance for s in sums) / len(sums)
+    ties = sum(c ** 3 - c for c in _tie_counts(ranks))
+    variance = n * m / 12 * ((n + m + 1) - ties / ((n + m) * (n + m - 1)))
+    z = distance / math.sqrt(variance) if variance > 0 else 0.0
+    return math.erfc(z / math.sqrt(2))
+
+
+def _tie_counts(ranks: list[float]) -> list[int]:
+    counts = {}
+    for r in ranks:
+        counts[r] = counts.get(r, 0) + 1
+    return [c for c in counts.values() if c > 1]
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of several p-values tested together (Holm 1979): the k-th smallest is
+    multiplied by (m - k + 1), and adjusted values never decrease in that order."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    adjusted, running = [0.0] * len(p_values), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def verdict(median_ratio: float, p_value: float, pairs: int, min_pairs: int = MIN_PAIRS,
+            alpha: float = ALPHA, min_effect: float = MIN_EFFECT) -> str:
+    """faster / slower / within noise / too few pairs, from the test and the effect (higher ratio = faster)."""
+    if pairs < min_pairs:
         return "too few pairs"
-    if min(ratios) > 1:
+    if p_value < alpha and median_ratio >= 1 + min_effect:
         return "faster"
-    if max(ratios) < 1:
+    if p_value < alpha and median_ratio <= 1 / (1 + min_effect):
         return "slower"
     return "within noise"
 
 
-def compare(ratios: list[float], min_pairs: int = MIN_PAIRS) -> dict:
-    """Median with min-max of the pair ratios, and the verdict they support."""
-    return {"pairs": len(ratios), "ratios": ratios, "median_ratio": statistics.median(ratios),
-            "min_ratio": min(ratios), "max_ratio": max(ratios), "verdict": verdict(ratios, min_pairs)}
+def compare_samples(baseline: list[float], candidate: list[float], higher_is_better: bool = True,
+                    min_pairs: int = MIN_PAIRS, p_value: float | None = None) -> dict:
+    """The candidate arm against the baseline: per-round speed ratios (candidate over baseline, inverted
+    for times), their median with min-max, the test's p-value (or a corrected one passed in) and the
+    verdict they support."""
+    pairs = min(len(baseline), len(candidate))
+    ratios = [(c / b if higher_is_better else b / c) for b, c in zip(baseline, candidate)]
+    p = mann_whitney_p(list(baseline), list(candidate)) if p_value is None else p_value
+    median = statistics.median(ratios)
+    return {"pairs": pairs, "ratios": ratios, "median_ratio": median, "min_ratio": min(ratios),
+            "max_ratio": max(ratios), "p_value": p, "test": METHOD,
+            "verdict": verdict(median, p, pairs, min_pairs)}
+
+
+def compare_rounds(rounds: list[dict], candidate: str, baseline: str, metric: str, higher_is_better: bool = True,
+                   min_pairs: int = MIN_PAIRS) -> dict:
+    """`compare_samples` of one metric of two arms measured in the same alternating rounds."""
+    return compare_samples([r[baseline][metric] for r in rounds], [r[candidate][metric] for r in rounds],
+                           higher_is_better, min_pairs)
 
 
 def spread(values: list[float]) -> dict:
@@ -84,13 +157,14 @@ def spread(values: list[float]) -> dict:
 
 
 def ratio_text(comparison: dict) -> str:
-    """'1.0037 (0.9940-1.0160, 5 pairs)': the median pair ratio with its range."""
+    """'1.0037 (0.9940-1.0160, 5 pairs, p 0.69)': the median pair ratio with its range and the test's p."""
+    p = comparison.get("p_value")
     return (f"{comparison['median_ratio']:.4f} ({comparison['min_ratio']:.4f}-{comparison['max_ratio']:.4f}, "
-            f"{comparison['pairs']} pairs)")
+            f"{comparison['pairs']} pairs" + (f", p {p:.2g}" if p is not None else "") + ")")
 
 
 def describe(comparison: dict) -> str:
-    """'1.0037 (0.9940-1.0160, 5 pairs): within noise' for the console."""
+    """'1.0037 (0.9940-1.0160, 5 pairs, p 0.69): within noise' for the console."""
     return f"{ratio_text(comparison)}: {comparison['verdict']}"
 
 
@@ -102,3 +176,10 @@ def write_results(stem: Path, report: dict, markdown_lines: list[str], inputs: l
     text = "\n".join([*markdown_lines, "", *provenance.markdown(report["provenance"])]) + "\n"
     write_text_atomic(stem.with_suffix(".md"), text)
     return [stem.with_suffix(".json"), stem.with_suffix(".md")]
+
+
+def publish(stem: Path, report: dict, markdown_lines: list[str]) -> None:
+    """Write a benchmark's results files and show them: the paths, then the Markdown."""
+    for path in write_results(Path(stem), report, markdown_lines):
+        print(f"wrote {path}")
+    print(Path(stem).with_suffix(".md").read_text())

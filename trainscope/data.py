@@ -281,10 +281,10 @@ def make_splits(raw: DatasetDict, label_column: str, settings) -> tuple[dict[str
         if len(train) < 10:
             raise UserError(f"only {len(train)} labelled training rows: too few to hold out a {split} split")
         stratify = label_column if _stratifiable(train, label_column, fraction) else None
-        parts = train.train_test_split(test_size=fraction, seed=settings.seed, stratify_by_column=stratify)
+        parts = train.train_test_split(test_size=fraction, seed=settings.resolved_data_seed, stratify_by_column=stratify)
         splits["train"], splits[split] = parts["train"], parts["test"]
         origin["train"] = "source split 'train' less the held-out splits"
-        origin[split] = f"{fraction:.0%} of train, seed {settings.seed}{', stratified' if stratify else ''}"
+        origin[split] = f"{fraction:.0%} of train, seed {settings.resolved_data_seed}{', stratified' if stratify else ''}"
     return splits, origin
 
 
@@ -362,7 +362,7 @@ class LabelledSplits:
     def subset(self, split: str, settings) -> Dataset:
         limits = {"train": settings.max_train_samples, "validation": settings.max_eval_samples,
                   "test": settings.max_test_samples}
-        return subsample(self.splits[split], limits[split], settings.seed)
+        return subsample(self.splits[split], limits[split], settings.resolved_data_seed)
 
 
 def labelled_splits(settings) -> LabelledSplits:
@@ -433,7 +433,7 @@ def build_collator(tokenizer, settings, pad_to_multiple_of: int | None = None):
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
 
-def loader_options(settings, pin_memory: bool) -> dict:
+def worker_options(settings, pin_memory: bool) -> dict:
     """DataLoader keyword arguments for the worker settings (PyTorch rejects some combinations)."""
     options = {"num_workers": settings.num_workers, "pin_memory": pin_memory}
     if settings.num_workers > 0:
@@ -447,7 +447,7 @@ def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory:
                       pad_to_multiple_of: int | None = None):
     """Train (shuffled), validation and test DataLoaders with the same collate and worker settings."""
     collate = build_collator(tokenizer, settings, pad_to_multiple_of)
-    options = loader_options(settings, pin_memory)
+    options = worker_options(settings, pin_memory)
     # Each new iterator draws a worker seed; from the global generator that draw would shift the
     # dropout masks of everything after it (a resumed run creates one iterator more than the
     # uninterrupted run). Loaders get their own generators.

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from trainscope import bench, launching
+from trainscope.record_view import RunView
 from trainscope.records import read_record
 
 ROOT = launching.ROOT
@@ -81,8 +82,9 @@ def run_step(step: dict, scratch: Path) -> dict:
                                         step["config"], echo=False)
         figures = {"exit": result.returncode}
         if result.returncode == 0:
-            summary = read_record(scratch / step["name"])["summary"]
-            figures.update({k: summary[k] for k in ("throughput", "mfu", "memory", "compile", "timing")})
+            view = RunView(read_record(scratch / step["name"]))
+            figures.update(throughput=view.throughput, mfu=view.mfu, memory=view.memory, compile=view.compile,
+                           timing=view.summary.get("timing"))
         else:
             figures["error"] = launching.failure_reason(result)
     return {"name": step["name"], "seconds": time.monotonic() - started, **figures}

@@ -1,30 +1,20 @@
-"""Report rows: pure functions from run records and results to table rows. No plotting and no I/O,
-except `collect`, which finds and reads the inputs: every record and results file it reads is listed
-with its sha256 (the report's provenance), and what it cannot use is skipped with a one-line reason.
+"""Report inputs and the rows every section shares: pure functions from run records (read through
+trainscope.record_view) and results to table rows. No plotting and no I/O, except `collect`, which finds
+and reads the inputs: every record and results file it reads is listed with its sha256 (the report's
+provenance), and what it cannot use is skipped with a one-line reason.
 
-Inputs: <runs>/<experiment>/<run>/record.json (+ steps.jsonl) and <runs>/<experiment>/comparison.json
-for the experiments below; <results>/loaders/loaders.json and <results>/compare_dp/compare_dp.json.
+Inputs: <runs>/<folder>/<run>/record.json (+ steps.jsonl) and <runs>/<folder>/comparison.json for the
+experiments declared with a folder; <results>/<path> for those declared with a results file
+(trainscope.experiments).
 """
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainscope.record_view import RunView
 from trainscope.records import read_record, read_steps
-from trainscope.summary import peak_memory
 from trainscope.timing import CATEGORIES, STAGES
-
-EXPERIMENTS = {  # folder under runs/ -> the make target that produces it
-    "profile": "make profile",
-    "amp": "make amp-compare",
-    "ckpt": "make ckpt-compare",
-    "batch": "make batch-sweep",
-    "matrix": "make matrix",
-    "ddp_cost": "make ddp-cost",
-    "tune": "make tune",
-}
-RESULTS = {"loaders": ("loaders/loaders.json", "make sweep-workers"),
-           "compare_dp": ("compare_dp/compare_dp.json", "make compare-dp")}
 
 
 @dataclass
@@ -32,27 +22,29 @@ class Collected:
     runs: dict = field(default_factory=dict)          # experiment -> {run name: record (with "steps")}
     other_runs: list = field(default_factory=list)    # complete records outside the experiment folders
     comparisons: dict = field(default_factory=dict)   # experiment -> comparison.json
-    results: dict = field(default_factory=dict)       # loaders / compare_dp / ... -> parsed JSON
+    results: dict = field(default_factory=dict)       # experiment -> its results file, parsed
     inputs: list = field(default_factory=list)        # every file read, for the digests
     skipped: list = field(default_factory=list)       # one line per input that could not be used
 
 
-def collect(runs_dir: Path, results_dir: Path) -> Collected:
-    """Read every run record under runs_dir, the experiments' comparisons and the results under results_dir."""
+def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
+    """Read every run record under runs_dir, the declared experiments' comparisons and results files."""
     found = Collected()
     runs_dir, results_dir = Path(runs_dir), Path(results_dir)
+    folders = {e.folder: e.name for e in experiments if e.folder}
     for path in sorted(runs_dir.rglob("record.json")) if runs_dir.exists() else []:
-        _collect_record(found, path, runs_dir)
-    for experiment in EXPERIMENTS:
-        comparison = _read_json(runs_dir / experiment / "comparison.json", found)
-        if comparison is not None:
-            found.comparisons[experiment] = comparison
-    for name, (relative, _) in RESULTS.items():
-        found.results[name] = _read_json(results_dir / relative, found)
+        _collect_record(found, path, runs_dir, folders)
+    for experiment in experiments:
+        if experiment.folder:
+            comparison = _read_json(runs_dir / experiment.folder / "comparison.json", found)
+            if comparison is not None:
+                found.comparisons[experiment.name] = comparison
+        if experiment.results:
+            found.results[experiment.name] = _read_json(results_dir / experiment.results, found)
     return found
 
 
-def _collect_record(found: Collected, path: Path, runs_dir: Path) -> None:
+def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict) -> None:
     try:
         record = read_record(path.parent)
     except ValueError as error:
@@ -64,9 +56,9 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path) -> None:
     record["steps"] = read_steps(path.parent, found.skipped)
     record["path"] = str(path.parent)
     found.inputs += [path] + ([path.parent / "steps.jsonl"] if (path.parent / "steps.jsonl").exists() else [])
-    experiment = path.parent.parent.name if path.parent.parent != runs_dir else None
-    if experiment in EXPERIMENTS:
-        found.runs.setdefault(experiment, {})[path.parent.name] = record
+    folder = path.parent.parent.name if path.parent.parent != runs_dir else None
+    if folder in folders:
+        found.runs.setdefault(folders[folder], {})[path.parent.name] = record
     else:
         found.other_runs.append(record)
 
@@ -83,67 +75,34 @@ def _read_json(path: Path, found: Collected):
     return value
 
 
-def missing(experiment: str) -> str:
-    target = EXPERIMENTS.get(experiment) or RESULTS[experiment][1]
-    return f"Not run yet: `{target}` produces it."
-
-
-def warnings_of(records) -> list[str]:
-    """'run: [code] message' lines for the records a figure shows."""
-    return [f"{r['run_name']}: [{w['code']}] {w['message']}" for r in records for w in r.get("warnings", [])]
-
-
 # ---------------------------------------------------------------- where the time went
 
 
 def time_breakdown(record: dict) -> dict:
     """The five categories and the finer stages of a run (median over ranks), seconds and % of wall."""
-    run = record["summary"]["timing"]["across_ranks"]["run"]
-    wall = run["wall_s"]["median"]
-    categories = [{"name": name, "seconds": run["category_seconds"][name]["median"]} for name in CATEGORIES]
-    stages = [{"name": stage, "seconds": run["seconds"][stage]["median"]} for stage in (*STAGES, "other")]
+    view = RunView(record)
+    seconds = view.category_seconds("run")
+    categories = [{"name": name, "seconds": seconds[name]} for name in CATEGORIES]
+    stages = [{"name": stage, "seconds": view.stage_seconds("run")[stage]} for stage in (*STAGES, "other")]
     total = sum(c["seconds"] for c in categories)
     for row in categories + stages:
         row["percent"] = 100 * row["seconds"] / total if total else 0.0
-    return {"run": record["run_name"], "wall_s": wall, "categories": categories, "stages": stages,
-            "world_size": record["summary"]["world_size"], "device": record["environment"]["device_name"],
-            "precision": record["environment"]["effective_precision"]}
+    return {"run": view.name, "wall_s": view.wall_median("run"), "categories": categories, "stages": stages,
+            "world_size": view.world_size, "device": view.device_name, "precision": view.precision}
 
 
 def pick_breakdown_run(found: Collected) -> dict | None:
-    """The time breakdown comes from a run without the profiler: `make profile`'s default run, else the
-    newest complete run anywhere that did not profile."""
+    """The report's main run: `make profile`'s unprofiled default run, else the newest complete run
+    anywhere that did not profile."""
     profile_runs = found.runs.get("profile", {})
     if "default-r0" in profile_runs:
         return profile_runs["default-r0"]
     candidates = [r for r in found.other_runs + [r for runs in found.runs.values() for r in runs.values()]
-                  if not r["settings"].get("profile")]
-    return max(candidates, key=lambda r: r.get("finished", ""), default=None)
+                  if not RunView(r).setting("profile")]
+    return max(candidates, key=lambda r: RunView(r).finished, default=None)
 
 
 # ---------------------------------------------------------------- runs side by side
-
-
-def run_row(record: dict) -> dict:
-    summary = record["summary"]
-    validation = summary["validation"][-1] if summary["validation"] else {}
-    peak, kind = peak_memory(summary["memory"])
-    return {
-        "run": record["run_name"],
-        "precision": record["environment"]["effective_precision"],
-        "requested_precision": record["environment"]["requested_precision"],
-        "world_size": summary["world_size"],
-        "threads": record["environment"].get("torch_threads"),
-        "validation_accuracy": validation.get("accuracy"),
-        "test_accuracy": summary["test"]["accuracy"],
-        "test_macro_f1": summary["test"]["macro_f1"],
-        "wall_s": summary["wall_s"],
-        "samples_per_s": summary["throughput"]["samples_per_s"],
-        "step_s": summary["throughput"]["step_s"],
-        "peak_memory_gib": peak,
-        "memory_kind": kind,
-        "final_train_loss": summary["final_train_loss"],
-    }
 
 
 def arm_rows(comparison: dict) -> list[dict]:
@@ -165,27 +124,12 @@ def arm_rows(comparison: dict) -> list[dict]:
     return rows
 
 
-def loss_curves(runs: dict) -> dict:
-    """Run name -> (steps, training losses), from each run's step lines."""
-    return {name: ([line["step"] for line in r["steps"]], [line["loss"] for line in r["steps"]])
-            for name, r in runs.items()}
-
-
-def stage_seconds_per_step(record: dict) -> dict:
-    """Training stages per optimizer step (steady phase, median over ranks)."""
-    summary = record["summary"]
-    phase = "steady" if summary["timing"]["across_ranks"]["steady"]["wall_s"]["median"] > 0 else "run"
-    steps = summary["throughput"]["optimizer_steps"] or summary["optimizer_steps"]
-    seconds = summary["timing"]["across_ranks"][phase]["seconds"]
-    return {stage: seconds[stage]["median"] / steps for stage in ("data", "forward", "backward", "optimizer", "other")}
-
-
 def attribution(baseline: dict, other: dict) -> list[dict]:
     """Which stage got faster or slower, by how much, from `baseline` to `other` (per optimizer step).
 
     The deltas add up to the change in step time; `share` is each stage's part of that change.
     """
-    before, after = stage_seconds_per_step(baseline), stage_seconds_per_step(other)
+    before, after = RunView(baseline).stage_seconds_per_step(), RunView(other).stage_seconds_per_step()
     total = sum(after.values()) - sum(before.values())
     return [{"stage": stage, "baseline_s": before[stage], "other_s": after[stage],
              "delta_s": after[stage] - before[stage],

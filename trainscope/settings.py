@@ -117,7 +117,12 @@ class Settings:
     )
     warmup_fraction: float = HfArg(default=0.1, help="Share of optimizer steps spent warming the learning rate up.")
     max_grad_norm: float | None = HfArg(default=1.0, help="Clip the gradient norm to this value; 0 turns it off.")
-    seed: int = HfArg(default=42, help="Seed for weights, data order, splits and dropout.")
+    seed: int = HfArg(default=42, help="Seed for weights, data order and dropout (and the data, unless --data-seed).")
+    data_seed: int | None = HfArg(
+        default=None,
+        help="Seed of the held-out validation/test splits and the --max-*-samples subsets; default: --seed. make tune "
+        "varies --seed with this fixed, so its seed-to-seed spread is the training's own, on the same data.",
+    )
     log_every: int = HfArg(default=10, help="Write a step line (loss, lr, stage seconds) every N optimizer steps.")
     timing: Literal["events", "sync"] = HfArg(
         default="events",
@@ -289,6 +294,10 @@ class Settings:
             raise UserError("--resume and --overwrite contradict each other: choose one")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
             raise UserError(f"--run-name must be a plain directory name, got {self.run_name!r}")
+
+    @property
+    def resolved_data_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
 
     @property
     def resolved_eval_batch_size(self) -> int:

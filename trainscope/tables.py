@@ -1,4 +1,5 @@
-"""The one table layer: Markdown and booktabs LaTeX tables, the PDF book, and the report's section writer.
+"""The one table layer: Markdown and booktabs LaTeX tables, the PDF book, the report's section writer, and
+saving a figure as PNG and PDF.
 
 Every script and report that shows a table builds a `Table` (headers and string cells, computed from
 rows elsewhere) and asks it for Markdown or LaTeX; the report draws the same tables into its PDF.
@@ -82,7 +83,7 @@ class PdfBook:
     def __init__(self, path: Path):
         from matplotlib.backends.backend_pdf import PdfPages
 
-        self.plt = _pyplot()
+        self.plt = pyplot()
         self.pdf = PdfPages(path)
         self.page = None
         self._new_page()
@@ -179,7 +180,6 @@ class ReportWriter:
 
     def figure(self, figure, name: str, caption: str, records=()):
         """A figure, then the health warnings of the runs it shows."""
-        from trainscope.figures import save_figure
         from trainscope.record_view import warning_lines
 
         self.markdown += [f"![{caption}]({name}.png)", ""]
@@ -204,10 +204,23 @@ class ReportWriter:
         self.book.text(text, size=6, monospace=True)
 
 
-def _pyplot():
+# ---------------------------------------------------------------- figures
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(figure, stem: Path, **savefig_options) -> list[Path]:
+    """Write a matplotlib figure as stem.png and stem.pdf and close it."""
+    paths = [Path(f"{stem}.{suffix}") for suffix in ("png", "pdf")]
+    for path in paths:
+        figure.savefig(path, dpi=150, **savefig_options)
+    pyplot().close(figure)
+    return paths

@@ -1,19 +1,23 @@
 """make tune: run the baseline, ask the advisor, try its suggestions, keep what is measurably faster.
 
-    python -m trainscope.tune --runs runs/tune [--budget 1200] [--rounds 3] [--max-suggestions 3] \\
-        [--config C] -- [train.py flags: the baseline command]
+    python -m trainscope.tune --runs runs/tune [--budget 2400] [--seeds 3] [--min-rounds 3] [--max-rounds 6] \\
+        [--max-suggestions 3] [--config C] -- [train.py flags: the baseline command]
 
-1. The baseline (the README's main command with the given flags) runs once; the advisor reads its
-   record (trainscope.advisor).
-2. The suggestions that are flags or a config, top first, are tried one at a time: rounds (3 by
-   default, a verdict needs at least 3 pairs here, against 5 for published benchmarks) of
-   [baseline, suggestion 1, suggestion 2, ...] in alternating order, the same seed and steps. For
-   each: the bound the advisor predicted, the measured speed-up of the whole timed run (training and
-   evaluation: baseline wall / trial wall, median with min-max over rounds), the verdict, and whether
-   the training result stayed the same (validation loss within TOLERANCE of the baseline's).
-3. A suggestion is kept when it is faster outside noise and its result stayed the same; two or more
-   kept ones are then tried together against the baseline the same way.
-4. The budget (seconds) decides how many suggestions are tried: what does not fit is listed as not tried.
+1. The baseline (the README's main command with the given flags) runs once; the advisor reads its record
+   (trainscope.advisor). It runs again with `--seeds` - 1 other seeds (the data held fixed with --data-seed):
+   the seed-to-seed spread of validation accuracy and loss, what "the same result" is judged against.
+2. The suggestions that are flags or a config, top first, are tried against the baseline in alternating
+   rounds (baseline and every undecided trial in each round, the order reversed every other round), the same
+   seed and steps. Each trial is judged on the *same work*: its timed wall time with the training part scaled
+   to the baseline's real (non-padding) tokens, so a change to what a step holds (accumulation, batch size,
+   length grouping) is neither favoured nor punished by it. The test (trainscope.bench): two-sided Mann-Whitney
+   U against the baseline's runs, p-values Holm-corrected for the number of trials, alpha 0.05, and a minimum
+   effect of 3%. Rounds start at --min-rounds and are added, up to --max-rounds, while a trial is undecided,
+   as Chromium's Pinpoint adds runs while its answer is unknown; a decided trial leaves the rounds.
+3. A trial is kept when it is faster and its validation accuracy and loss lie within the seed spread of the
+   baseline's (the same result); two or more kept ones are then tried together against the baseline.
+4. The budget (seconds) decides how many suggestions are tried and how many rounds run: what does not fit
+   is listed as not tried, a trial still undecided when the budget ends is "within noise".
 Writes <runs>/comparison.{json,md} with provenance; the report's Optimization section shows it.
 """
 
@@ -21,74 +25,177 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainscope import advisor, bench, launching
-from trainscope.experiments import Arm, ExperimentFailed, run_arm
+from trainscope.experiments.base import Arm, ExperimentFailed, run_arm, split_args
+from trainscope.experiments.optimization import tune_table
 from trainscope.records import read_record
 
-TOLERANCE = 0.05  # validation loss, absolute: the same result within run-to-run noise of these short runs
-MIN_PAIRS = 3  # tune spends its budget on more trials: a verdict from 3 alternating pairs (the harness asks 5)
+MIN_ROUNDS, MAX_ROUNDS = 3, 6
 
 
-def trial_arm(name: str, suggestion_flags: list, config: str | None, args) -> Arm:
-    return Arm(name, config, list(suggestion_flags), launcher=args.launcher, script=Path(args.script))
+@dataclass
+class Trial:
+    """One arm against the baseline and what its rounds measured."""
+
+    name: str
+    arm: Arm
+    suggestion: object = None          # the advisor's Suggestion (None for the kept ones together)
+    runs: list = field(default_factory=list)  # headline figures, one per round it took part in
+    rounds: list = field(default_factory=list)  # indices of those rounds
+    decided: bool = False
 
 
-def measure(arms: list[Arm], train_args: list[str], runs: Path, rounds: int, first: dict | None = None) -> list[dict]:
-    """Rounds of every arm, alternating order; each round: {arm: headline figures}. `first`: the baseline's
-    figures for round 0, from the run made just before it (the baseline comes first in round 0 anyway)."""
-    def run(arm, i):
-        return first if (first is not None and arm.name == "baseline" and i == 0) else run_arm(arm, train_args, runs, i)
-    return bench.alternate({arm.name: (lambda i, arm=arm: run(arm, i)) for arm in arms}, rounds)
+def work_seconds(run: dict, reference_tokens: float) -> float:
+    """A run's timed wall time for the same work as the baseline: evaluation as measured, training scaled to
+    the baseline's real tokens (the identity when a change leaves what a step holds alone)."""
+    return run["eval_s"] + run["train_wall_s"] * reference_tokens / run["train_tokens"]
 
 
-def judge(rounds: list[dict], name: str) -> dict:
-    """The trial against the baseline: speed of the whole timed run, and whether it learned the same."""
-    speed = bench.compare([r["baseline"]["wall_s"] / r[name]["wall_s"] for r in rounds], MIN_PAIRS)
-    throughput = bench.compare([r[name]["samples_per_s"] / r["baseline"]["samples_per_s"] for r in rounds], MIN_PAIRS)
-    deltas = [r[name]["validation_loss"] - r["baseline"]["validation_loss"] for r in rounds
-              if r[name]["validation_loss"] is not None and r["baseline"]["validation_loss"] is not None]
-    same = bool(deltas) and abs(statistics.median(deltas)) <= TOLERANCE
-    return {"speed": speed, "training_throughput": throughput, "validation_loss_delta": bench.spread(deltas) if deltas else None,
-            "same_result": same, "speed_text": bench.ratio_text(speed), "verdict": speed["verdict"],
-            "result": ("same (validation loss within %.2f)" % TOLERANCE) if same else "changed"}
+def judge_all(trials: list[Trial], baseline_runs: list[dict], min_rounds: int) -> dict[str, dict]:
+    """Every trial against the baseline on the same work, Holm-corrected over the trials: {name: comparison}."""
+    reference = statistics.median(r["train_tokens"] for r in baseline_runs)
+    base = [work_seconds(r, reference) for r in baseline_runs]
+    raw = {t.name: bench.mann_whitney_p(base, [work_seconds(r, reference) for r in t.runs]) for t in trials}
+    adjusted = dict(zip(raw, bench.holm(list(raw.values()))))
+    judged = {}
+    for t in trials:
+        mine = [work_seconds(r, reference) for r in t.runs]
+        paired = [baseline_runs[i] for i in t.rounds]  # the baseline runs of the rounds this trial took part in
+        comparison = bench.compare_samples([work_seconds(r, reference) for r in paired], mine, higher_is_better=False,
+                                           min_pairs=min_rounds, p_value=adjusted[t.name])
+        comparison.update(p_raw=raw[t.name], p_value=adjusted[t.name], correction=f"Holm over {len(trials)} trial(s)")
+        judged[t.name] = comparison
+    return judged
 
 
-def plan_trials(suggestions: list, run_s: float, remaining_s: float, rounds: int, most: int) -> tuple[list, list]:
-    """How many suggestions fit the budget: rounds of baseline + k trials (round 0's baseline already ran),
-    then, for two or more, the kept ones together."""
+def seed_spread(runs: list[dict]) -> dict | None:
+    """Validation accuracy and loss across the baseline's seeds: their ranges are the tolerance of "same"."""
+    values = [(r["validation_accuracy"], r["validation_loss"]) for r in runs if r["validation_loss"] is not None]
+    if len(values) < 2:
+        return None
+    accuracy, loss = zip(*values)
+    return {"seeds": [r["seed"] for r in runs], "validation_accuracy": bench.spread(list(accuracy)),
+            "validation_loss": bench.spread(list(loss)), "accuracy_range": max(accuracy) - min(accuracy),
+            "loss_range": max(loss) - min(loss)}
+
+
+def same_result(trial_runs: list[dict], baseline_runs: list[dict], spread: dict | None) -> tuple[bool | None, str]:
+    """Whether the trial learned the same as the baseline: its median validation accuracy and loss within the
+    seed-to-seed range of the baseline's (None when no spread was measured)."""
+    if spread is None:
+        return None, "unknown: no seed spread measured (--seeds 1 or the budget)"
+    accuracy = statistics.median(r["validation_accuracy"] for r in trial_runs) - statistics.median(
+        r["validation_accuracy"] for r in baseline_runs)
+    loss = statistics.median(r["validation_loss"] for r in trial_runs) - statistics.median(
+        r["validation_loss"] for r in baseline_runs)
+    same = abs(accuracy) <= spread["accuracy_range"] and abs(loss) <= spread["loss_range"]
+    text = (f"validation accuracy {accuracy:+.4f}, loss {loss:+.4f} against seed ranges {spread['accuracy_range']:.4f}"
+            f" / {spread['loss_range']:.4f}")
+    return same, ("same" if same else "changed") + f" ({text})"
+
+
+class Tuner:
+    """Runs the rounds: the baseline and the undecided trials, alternating, within the budget."""
+
+    def __init__(self, args, train_args: list[str], started: float):
+        self.args, self.train_args, self.started = args, train_args, started
+        self.runs = Path(args.runs)
+        self.baseline = Arm("baseline", args.config, [], launcher=args.launcher, script=Path(args.script))
+        self.baseline_runs: list[dict] = []
+        self.run_s: dict[str, float] = {}
+
+    def remaining(self) -> float:
+        return self.args.budget - (time.monotonic() - self.started)
+
+    def run(self, arm: Arm, round_index: int, extra: list[str] = ()) -> dict:
+        began = time.monotonic()
+        result = run_arm(arm, self.train_args, self.runs, round_index, list(extra))
+        self.run_s[arm.name] = time.monotonic() - began
+        return result
+
+    def rounds(self, trials: list[Trial], first_round: int) -> dict[str, dict]:
+        """Rounds until every trial is decided, the cap is reached or the next round would overrun the budget.
+        Round indices go on from `first_round` (the baseline's runs of earlier rounds are kept)."""
+        index = first_round
+        judged = {}
+        while True:
+            live = [t for t in trials if not t.decided]
+            done = index - first_round
+            cost = sum(self.run_s.get(t.name, self.run_s["baseline"]) for t in live) + self.run_s["baseline"]
+            if not live or done >= self.args.max_rounds or (done >= self.args.min_rounds and cost > self.remaining()):
+                return judged or judge_all(trials, self.baseline_runs, self.args.min_rounds)
+            arms = {"baseline": None, **{t.name: t for t in live}}
+            for name in bench.round_order(list(arms), index):
+                if name == "baseline":
+                    if len(self.baseline_runs) <= index:
+                        self.baseline_runs.append(self.run(self.baseline, index))
+                else:
+                    arms[name].runs.append(self.run(arms[name].arm, index))
+                    arms[name].rounds.append(index)
+            index += 1
+            judged = judge_all(trials, self.baseline_runs, self.args.min_rounds)
+            for t in live:
+                t.decided = judged[t.name]["verdict"] in ("faster", "slower")
+
+
+def plan_trials(suggestions: list, run_s: float, remaining_s: float, seeds: int, min_rounds: int,
+                most: int) -> tuple[list, list]:
+    """How many suggestions the budget holds at the least: the extra seeds, `min_rounds` rounds of baseline
+    and trials (round 0's baseline already ran), and for two or more the kept ones together; more rounds
+    are added later only while the budget lasts."""
     candidates = [s for s in suggestions if s.flags or s.config][:most]
     for k in range(len(candidates), 0, -1):
-        cost = (rounds * (1 + k) - 1) * run_s + (rounds * 2 * run_s if k > 1 else 0)
+        cost = ((seeds - 1) + min_rounds * (1 + k) - 1 + (min_rounds * 2 if k > 1 else 0)) * run_s
         if cost <= remaining_s:
             return candidates[:k], candidates[k:]
     return [], candidates
 
 
 def tune(args, train_args: list[str]) -> dict:
-    runs, started = Path(args.runs), time.monotonic()
-    baseline = trial_arm("baseline", [], args.config, args)
-    first = run_arm(baseline, train_args, runs, 0)  # advice comes from it; it is also round 0's baseline
-    run_s = time.monotonic() - started
-    suggestions = advisor.advise(read_record(runs / first["run"]))
-    tried, untried = plan_trials(suggestions, run_s, args.budget - run_s, args.rounds, args.max_suggestions)
-    print(f"baseline run took {run_s:.0f} s; trying {len(tried)} suggestion(s) within the {args.budget:.0f} s budget",
-          flush=True)
-    arms = [baseline] + [trial_arm(f"s{i + 1}", s.flags, s.config or args.config, args) for i, s in enumerate(tried)]
-    rounds = measure(arms, train_args, runs, args.rounds, first) if tried else []
-    trials = [{"name": f"s{i + 1}", "rule": s.rule, "change": s.change, "flags": s.flags, "config": s.config,
-               "bound": s.bound, "changes_result": s.changes_result, **judge(rounds, f"s{i + 1}")}
-              for i, s in enumerate(tried)]
-    kept = [t for t in trials if t["verdict"] == "faster" and t["same_result"]]
+    started = time.monotonic()
+    tuner = Tuner(args, train_args, started)
+    tuner.baseline_runs.append(tuner.run(tuner.baseline, 0))  # the advice comes from it; round 0's baseline
+    suggestions = advisor.advise(read_record(tuner.runs / tuner.baseline_runs[0]["run"]))
+    tried, untried = plan_trials(suggestions, tuner.run_s["baseline"], tuner.remaining(), args.seeds,
+                                 args.min_rounds, args.max_suggestions)
+    seed = tuner.baseline_runs[0]["seed"]
+    seeds = [tuner.baseline_runs[0]] + [
+        tuner.run(Arm(f"seed{seed + i}", args.config, [], launcher=args.launcher, script=Path(args.script)), 0,
+                  ["--seed", str(seed + i), "--data-seed", str(seed)]) for i in range(1, args.seeds)]
+    spread = seed_spread(seeds)
+    print(f"baseline run took {tuner.run_s['baseline']:.0f} s; trying {len(tried)} suggestion(s) within the "
+          f"{args.budget:.0f} s budget", flush=True)
+    trials = [Trial(f"s{i + 1}", trial_arm(f"s{i + 1}", s, args), s) for i, s in enumerate(tried)]
+    judged = tuner.rounds(trials, 0) if trials else {}
+    results = [trial_result(t, judged[t.name], tuner.baseline_runs, spread) for t in trials]
+    kept = [r for r in results if r["verdict"] == "faster" and r["same_result"]]
     if len(kept) > 1:
-        together = trial_arm("kept", [f for t in kept for f in t["flags"]], args.config, args)
-        combined = measure([baseline, together], train_args, runs, args.rounds)
-        trials.append({"name": "kept", "rule": "together", "change": "the kept suggestions together",
-                       "flags": together.flags, "config": args.config, "bound": None, **judge(combined, "kept")})
-    final_flags = trials[-1]["flags"] if len(kept) > 1 and trials[-1]["verdict"] == "faster" else (
-        max(kept, key=lambda t: t["speed"]["median_ratio"])["flags"] if kept else [])
-    return summarize(args, train_args, suggestions, trials, untried, final_flags, time.monotonic() - started)
+        together = Trial("kept", Arm("kept", next((r["config"] for r in kept if r["config"]), args.config),
+                                     [f for r in kept for f in r["flags"]], launcher=args.launcher,
+                                     script=Path(args.script)))
+        judged = tuner.rounds([together], len(tuner.baseline_runs))
+        results.append(trial_result(together, judged["kept"], [tuner.baseline_runs[i] for i in together.rounds], spread))
+    return summarize(args, train_args, suggestions, results, untried, spread, time.monotonic() - started)
+
+
+def trial_arm(name: str, suggestion, args) -> Arm:
+    return Arm(name, suggestion.config or args.config, list(suggestion.flags), launcher=args.launcher,
+               script=Path(args.script))
+
+
+def trial_result(trial: Trial, speed: dict, baseline_runs: list[dict], spread: dict | None) -> dict:
+    same, text = same_result(trial.runs, baseline_runs, spread)
+    s = trial.suggestion
+    return {"name": trial.name, "rule": s.rule if s else "together",
+            "change": s.change if s else "the kept suggestions together", "flags": trial.arm.flags,
+            "config": trial.arm.config, "gain": s.gain if s else None, "gain_kind": s.gain_kind if s else None,
+            "gain_text": s.gain_text() if s else None, "changes_result": s.changes_result if s else None,
+            "runs": [r["run"] for r in trial.runs], "pairs": len(trial.runs), "speed": speed,
+            "verdict": speed["verdict"], "same_result": same, "result": text,
+            "tokens_per_run": statistics.median(r["train_tokens"] for r in trial.runs)}
 
 
 def merge_flags(base: list[str], extra: list[str]) -> list[str]:
@@ -104,51 +211,69 @@ def merge_flags(base: list[str], extra: list[str]) -> list[str]:
     return [f for pair in pairs(base) if pair[0] not in overridden for f in pair] + list(extra)
 
 
-def summarize(args, train_args, suggestions, trials, untried, final_flags, elapsed) -> dict:
-    config = f"--config_file accelerate_configs/{args.config}.yaml " if args.config else ""
-    command = f"launch {config}train.py " + " ".join(merge_flags(train_args, final_flags))
-    best = max((t for t in trials if t["verdict"] == "faster" and t["same_result"]),
-               key=lambda t: t["speed"]["median_ratio"], default=None)
-    text = (f"Best: {best['name']} ({' '.join(best['flags'])}) {best['speed_text']}, faster outside noise with the same "
-            "result." if best else "No suggestion was faster outside noise with the same result: the baseline stands; "
-            "the rejected trials above are the evidence.")
+def summarize(args, train_args, suggestions, trials, untried, spread, elapsed) -> dict:
+    kept = [t for t in trials if t["verdict"] == "faster" and t["same_result"]]
+    final = (trials[-1] if trials and trials[-1]["name"] == "kept" and trials[-1] in kept
+             else max(kept, key=lambda t: t["speed"]["median_ratio"], default=None))
+    config = final["config"] if final else args.config
+    command = (f"accelerate launch {f'--config_file accelerate_configs/{config}.yaml ' if config else ''}train.py "
+               + " ".join(merge_flags(train_args, final["flags"] if final else [])))
+    text = (f"Best: {final['name']} ({' '.join(final['flags']) or 'config ' + str(final['config'])}) "
+            f"{bench.describe(final['speed'])} on the same work, with the same result." if final else
+            "No suggestion was faster on the same work with the same result: the baseline stands; the rejected "
+            "trials above are the evidence.")
     return {"experiment": "tune", "baseline_args": train_args, "budget_s": args.budget, "elapsed_s": elapsed,
-            "rounds": args.rounds, "tolerance": TOLERANCE, "suggestions": [s.to_dict() for s in suggestions],
-            "trials": trials, "not_tried": [{"change": s.change, "flags": s.flags, "why": "over the time budget"}
-                                             for s in untried]
+            "min_rounds": args.min_rounds, "max_rounds": args.max_rounds, "method": method_text(spread),
+            "seed_spread": spread, "suggestions": [s.to_dict() for s in suggestions], "trials": trials,
+            "not_tried": [{"change": s.change, "flags": s.flags, "why": "over the time budget"} for s in untried]
             + [{"change": s.change, "flags": [], "why": "not a flag or config (see the advice)"}
                for s in suggestions if not (s.flags or s.config)],
-            "final_flags": final_flags, "final_command": f"accelerate {command}", "summary": text}
+            "final_flags": final["flags"] if final else [], "final_config": config, "final_command": command,
+            "summary": text}
+
+
+def method_text(spread: dict | None) -> str:
+    same = (f"validation accuracy and loss within the baseline's seed-to-seed range (seeds {spread['seeds']}: "
+            f"accuracy {spread['accuracy_range']:.4f}, loss {spread['loss_range']:.4f})" if spread else
+            "unknown (no seed spread measured)")
+    return (f"Speed on the same work (training scaled to the baseline's real tokens, evaluation as measured); "
+            f"test: {bench.METHOD}, p-values Holm-corrected over the trials; rounds added while a trial is undecided. "
+            f"Same result: {same}.")
 
 
 def markdown(result: dict) -> list[str]:
-    lines = ["# make tune", "", f"Baseline flags: `{' '.join(result['baseline_args'])}`; {result['rounds']} alternating "
-             f"rounds; budget {result['budget_s']:.0f} s, used {result['elapsed_s']:.0f} s; same result = validation "
-             f"loss within {result['tolerance']} of the baseline's.", "",
-             "| trial | flags | predicted bound | speed, whole run (median, min-max) | verdict | result |",
-             "|---|---|---:|---:|---|---|"]
-    for t in result["trials"]:
-        lines.append(f"| {t['name']}: {t['change']} | `{' '.join(t['flags'])}` | "
-                     f"{'%.2fx' % t['bound'] if t.get('bound') else '-'} | {t['speed_text']} | {t['verdict']} | {t['result']} |")
-    lines += ["", result["summary"], "", f"Final command: `{result['final_command']}`", ""]
+    lines = ["# make tune", "", f"Baseline flags: `{' '.join(result['baseline_args'])}`; {result['min_rounds']}-"
+             f"{result['max_rounds']} alternating rounds per trial; budget {result['budget_s']:.0f} s, used "
+             f"{result['elapsed_s']:.0f} s.", "", result["method"], "", *tune_table(result).markdown_lines(), "",
+             result["summary"], "", f"Final command: `{result['final_command']}`", ""]
+    lines += [f"- {t['name']}: {t['pairs']} pairs, p {t['speed']['p_raw']:.3g} raw, {t['speed']['p_value']:.3g} "
+              f"Holm-adjusted; runs {', '.join(t['runs'])}" for t in result["trials"]]
     lines += [f"- not tried: {n['change']} ({n['why']})" for n in result["not_tried"]]
     return lines
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", required=True, help="where the runs and comparison.{json,md} go")
-    parser.add_argument("--budget", type=float, default=1200, help="seconds for the whole tuning (default 1200)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per trial (default 3)")
+    parser.add_argument("--budget", type=float, default=2400, help="seconds for the whole tuning (default 2400)")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="seeds of the baseline for the seed-to-seed spread of its result (default 3; 1: unknown)")
+    parser.add_argument("--min-rounds", type=int, default=MIN_ROUNDS, help=f"rounds every trial gets (default {MIN_ROUNDS})")
+    parser.add_argument("--max-rounds", type=int, default=MAX_ROUNDS,
+                        help=f"rounds at most, added while a trial is undecided (default {MAX_ROUNDS})")
     parser.add_argument("--max-suggestions", type=int, default=3, help="suggestions to try at most (default 3)")
     parser.add_argument("--config", default=None, help="Accelerate config of every run (default: none, as make train)")
     parser.add_argument("--launcher", default="accelerate", choices=["accelerate", "python"], help="how runs are launched")
     parser.add_argument("--script", default=str(launching.TRAIN_SCRIPT), help=argparse.SUPPRESS)
-    argv = sys.argv[1:] if argv is None else argv
-    ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    args = parser.parse_args(ours)
-    if args.budget <= 0 or args.rounds < 1 or args.max_suggestions < 1:
-        parser.error("--budget must be positive, --rounds and --max-suggestions at least 1")
+    return parser
+
+
+def main(argv=None) -> None:
+    ours, train_args = split_args(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(ours)
+    if args.budget <= 0 or args.seeds < 1 or args.max_suggestions < 1 or not 1 <= args.min_rounds <= args.max_rounds:
+        parser().error("--budget must be positive, --seeds and --max-suggestions at least 1, and "
+                       "1 <= --min-rounds <= --max-rounds")
     try:
         result = tune(args, train_args)
     except ExperimentFailed as error:

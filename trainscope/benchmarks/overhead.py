@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from trainscope import bench, launching
+from trainscope.record_view import RunView
 from trainscope.records import read_record
+from trainscope.tables import Table, num
 
 ROOT = launching.ROOT
 DEFAULT_TRAIN_ARGS = ["--max-train-samples", "1280", "--per-device-batch-size", "16", "--max-seq-length", "64",
@@ -93,9 +95,8 @@ def timed_run(train_args: list[str], output_dir: Path, name: str) -> dict:
     result = launching.run_training([*train_args, "--output-dir", str(output_dir), "--run-name", name], echo=False)
     if result.returncode != 0:
         raise SystemExit(f"error: train.py failed: {launching.failure_reason(result)}")
-    record = read_record(output_dir / name)
-    return {"samples_per_s": record["summary"]["throughput"]["samples_per_s"],
-            "threads": record["environment"]["torch_threads"]}
+    view = RunView(read_record(output_dir / name))
+    return {"samples_per_s": view.samples_per_s, "threads": view.threads["torch_threads"]}
 
 
 def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path) -> dict:
@@ -110,7 +111,7 @@ def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path) 
     rounds = bench.alternate(arms, pairs)
     results = {}
     for label in [a for a in arms if a != "bare"]:
-        comparison = bench.compare(bench.pair_ratios(rounds, label, "bare", "samples_per_s"))
+        comparison = bench.compare_rounds(rounds, label, "bare", "samples_per_s")
         overhead = 1 - comparison["median_ratio"]
         results[label] = {**comparison, "overhead": overhead, "target_overhead": TARGETS[label],
                           "meets_target": overhead <= TARGETS[label],
@@ -120,17 +121,17 @@ def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path) 
 
 
 def markdown(report: dict) -> list[str]:
+    table = Table("train.py against a bare loop", ["timing clock", "bare samples/s (median)",
+                  "train.py samples/s (median)", "ratio train.py / bare", "verdict", "overhead (median)", "target"],
+                  [[label, num(report["bare_samples_per_s"]["median"]), num(r["samples_per_s"]["median"]),
+                    bench.ratio_text(r), r["verdict"], f"{r['overhead']:+.2%}",
+                    f"<= {r['target_overhead']:.0%} {'met' if r['meets_target'] else 'NOT met'}"]
+                   for label, r in report["results"].items()], "timing_overhead", align="lrrrlrl")
     lines = ["# Stage-timing overhead", "", f"train.py flags: `{' '.join(report['train_args'])}`; both arms by "
              f"`accelerate launch`; {len(report['rounds'])} alternating rounds; torch threads per process: "
-             f"{', '.join(map(str, report['threads']))}.", "",
-             "| timing clock | bare samples/s (median) | train.py samples/s (median) | ratio train.py / bare "
-             "(median, min-max) | verdict | overhead (median) | target |", "|---|---:|---:|---:|---|---:|---|"]
-    for label, r in report["results"].items():
-        lines.append(f"| {label} | {report['bare_samples_per_s']['median']:.2f} | {r['samples_per_s']['median']:.2f} | "
-                     f"{bench.ratio_text(r)} | {r['verdict']} | {r['overhead']:+.2%} | <= {r['target_overhead']:.0%} "
-                     f"{'met' if r['meets_target'] else 'NOT met'} |")
-    lines += ["", "When the ratios straddle 1, timing costs less than this machine's run-to-run noise can show; "
-              "1 - the lowest ratio bounds what it can cost."]
+             f"{', '.join(map(str, report['threads']))}; verdicts: {bench.METHOD}.", "", *table.markdown_lines(), "",
+             "Within noise, timing costs less than this machine's run-to-run noise can show; 1 - the lowest ratio "
+             "bounds what it can cost."]
     if not torch.cuda.is_available():
         lines += ["", "GPU (events <= 1%, sync <= 3%, per-stage memory statistics every step): not measured on GPU."]
     return lines
@@ -154,9 +155,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         report = {"benchmark": "timing_overhead", "benchmark_version": 2, "train_args": train_args,
                   **measure(train_args, modes, args.pairs, Path(scratch))}
-    for path in bench.write_results(Path(args.out), report, markdown(report)):
-        print(f"wrote {path}")
-    print(Path(args.out).with_suffix(".md").read_text())
+    bench.publish(Path(args.out), report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 from trainscope import bench, launching
+from trainscope.record_view import RunView
 from trainscope.records import read_record, read_steps
+from trainscope.tables import Table, spread_cell
 
 ROOT = launching.ROOT
 DEFAULT_ARGS = ["--max-train-samples", "1600", "--per-device-batch-size", "32", "--max-steps", "30",
@@ -124,17 +126,15 @@ def run_train_py(train_args: list[str], config: str | None, launcher: str, outpu
                                     launcher, echo=False)
     if result.returncode != 0:
         raise SystemExit(f"error: train.py ({launcher}) failed: {launching.failure_reason(result)}")
-    record = read_record(output_dir / name)
-    throughput = record["summary"]["throughput"]
+    view = RunView(read_record(output_dir / name))
     steps = read_steps(output_dir / name)
     cumulative, tokens_at = 0, {}
     for line in steps:
         cumulative += line["tokens"]
         tokens_at[str(line["step"])] = cumulative
-    return {"samples_per_s": throughput["samples_per_s"], "tokens_per_s": throughput["tokens_per_s"],
-            "threads": record["environment"]["torch_threads"], "tokens_at": tokens_at,
-            "effective_precision": record["environment"]["effective_precision"],
-            "warnings": [w["code"] for w in record.get("warnings", [])]}
+    return {"samples_per_s": view.samples_per_s, "tokens_per_s": view.tokens_per_s,
+            "threads": view.threads["torch_threads"], "tokens_at": tokens_at, "effective_precision": view.precision,
+            "warnings": view.warning_codes}
 
 
 def same_batches(rounds: list[dict]) -> bool:
@@ -153,10 +153,10 @@ def measure(args, train_args: list[str]) -> dict:
         if config is not None:
             arms.pop("python")  # a precision needs its config: python train.py runs fp32 only
         rounds = bench.alternate(arms, args.pairs)
-    comparisons = {"accelerate_over_trainer": bench.compare(bench.pair_ratios(rounds, "accelerate", "trainer", "samples_per_s")),
-                   "accelerate_over_trainer_tokens": bench.compare(bench.pair_ratios(rounds, "accelerate", "trainer", "tokens_per_s"))}
+    comparisons = {"accelerate_over_trainer": bench.compare_rounds(rounds, "accelerate", "trainer", "samples_per_s"),
+                   "accelerate_over_trainer_tokens": bench.compare_rounds(rounds, "accelerate", "trainer", "tokens_per_s")}
     if "python" in arms:
-        comparisons["accelerate_over_python"] = bench.compare(bench.pair_ratios(rounds, "accelerate", "python", "samples_per_s"))
+        comparisons["accelerate_over_python"] = bench.compare_rounds(rounds, "accelerate", "python", "samples_per_s")
     return {"benchmark": "trainer_peer", "benchmark_version": 2, "precision": args.precision,
             "accelerate_config": config, "train_args": train_args, "rounds": rounds,
             "arms": {name: {"samples_per_s": bench.spread([r[name]["samples_per_s"] for r in rounds]),
@@ -167,21 +167,19 @@ def measure(args, train_args: list[str]) -> dict:
 
 
 def markdown(report: dict) -> list[str]:
-    c = report["comparisons"]
+    arms = Table("Arms", ["arm", "samples/s (median, min-max)", "tokens/s (median)", "threads"],
+                 [[name, spread_cell(arm["samples_per_s"]), f"{arm['tokens_per_s']['median']:.0f}",
+                   ", ".join(map(str, arm["threads"]))] for name, arm in report["arms"].items()], "trainer_peer_arms")
+    comparisons = Table("Comparisons", ["comparison", "ratio (median, min-max)", "verdict"],
+                        [[name.replace("_", " "), bench.ratio_text(c), c["verdict"]]
+                         for name, c in report["comparisons"].items()], "trainer_peer", align="lrl")
     lines = ["# train.py against transformers.Trainer", "",
              f"Precision {report['precision']} (config {report['accelerate_config'] or 'none'}); flags "
              f"`{' '.join(report['train_args'])}`; {len(report['rounds'])} alternating rounds; same batches in "
-             f"both trainers: **{'yes' if report['same_batches'] else 'NO'}** (non-padding tokens per logged interval).",
-             "", "| arm | samples/s (median, min-max) | tokens/s (median) | threads |", "|---|---:|---:|---:|"]
-    for name, arm in report["arms"].items():
-        s = arm["samples_per_s"]
-        lines.append(f"| {name} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
-                     f"{arm['tokens_per_s']['median']:.0f} | {', '.join(map(str, arm['threads']))} |")
-    lines += ["", "| comparison | ratio (median, min-max) | verdict |", "|---|---:|---|"]
-    for name, comparison in c.items():
-        lines.append(f"| {name.replace('_', ' ')} | {bench.ratio_text(comparison)} | {comparison['verdict']} |")
-    lines += ["", f"Goal: accelerate launch train.py >= {report['goal']}x the Trainer in every round: "
-              f"{'met' if report['meets_goal'] else 'not met'}."]
+             f"both trainers: **{'yes' if report['same_batches'] else 'NO'}** (non-padding tokens per logged interval); "
+             f"verdicts: {bench.METHOD}.", "", *arms.markdown_lines(), "", *comparisons.markdown_lines(), "",
+             f"Goal: accelerate launch train.py >= {report['goal']}x the Trainer in every round: "
+             f"{'met' if report['meets_goal'] else 'not met'}."]
     if not torch.cuda.is_available():
         lines += ["", "GPU: not measured on GPU."]
     return lines
@@ -203,9 +201,7 @@ def main() -> None:
     if (("cuda" if torch.cuda.is_available() else "cpu"), args.precision) not in CONFIG_FOR:
         parser.error(f"{args.precision} cannot run on this device")
     report = measure(args, [*DEFAULT_ARGS, *train_args])
-    for path in bench.write_results(Path(args.out), report, markdown(report)):
-        print(f"wrote {path}")
-    print(Path(args.out).with_suffix(".md").read_text())
+    bench.publish(Path(args.out), report, markdown(report))
     print("median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
           file=sys.stderr)
 

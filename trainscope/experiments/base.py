@@ -1,0 +1,179 @@
+"""What every experiment shares: its declaration, arms launched by the README's command in alternating
+rounds, the comparison of each arm with the baseline, and its results file.
+
+Every arm gets the same seed, data, steps and launcher; rounds alternate the order of the arms
+(trainscope.bench), and each comparison with the first arm (the baseline) is a median of per-round
+ratios with min-max and a verdict. A config that cannot run here (a 2-process DDP config with one GPU)
+is skipped with its reason; a run that was planned and fails stops the experiment with a non-zero exit.
+"""
+
+import argparse
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainscope import bench, launching, reporting
+from trainscope.record_view import RunView
+from trainscope.records import read_record
+from trainscope.tables import Table, num, ranged
+
+
+class ExperimentFailed(Exception):
+    """A planned run failed: the experiment stops and says which and why."""
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One experiment, declared once: how it runs and what the report shows of it.
+
+    name     its subcommand (`python -m trainscope.experiments NAME`) and key
+    title    its report section's heading
+    target   the make target that produces its inputs (what the report says when they are missing)
+    folder   its runs' folder under --runs (experiments made of train.py runs), or None
+    results  its results file under --results (scripts that write their own), or None
+    arguments(parser)   adds its options (None: it has no subcommand, e.g. a script's results)
+    run(args, train_args)   runs it and writes <runs>/<folder>/comparison.{json,md}
+    section(report, found)  writes its report section (trainscope.tables.ReportWriter, reporting.Collected)
+    """
+
+    name: str
+    title: str
+    target: str
+    section: Callable
+    folder: str | None = None
+    results: str | None = None
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    run: Callable | None = None
+    help: str = ""
+
+    def missing(self) -> str:
+        return f"Not run yet: `{self.target}` produces it."
+
+
+@dataclass
+class Arm:
+    name: str
+    config: str | None
+    flags: list = field(default_factory=list)
+    skipped: str | None = None  # why this arm cannot run here
+    launcher: str = "accelerate"
+    script: Path = launching.TRAIN_SCRIPT
+
+
+def planned_arm(name: str, config: str, flags: list[str]) -> Arm:
+    """An arm of `config`, skipped with the reason when this machine cannot run the config."""
+    plan = launching.plan(config)
+    return Arm(name, config, list(flags), None if plan.runnable else plan.reason)
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(our flags, train.py flags): everything after `--` goes to train.py."""
+    return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+
+
+# ---------------------------------------------------------------- running arms in rounds
+
+
+def run_arm(arm: Arm, train_args: list[str], runs: Path, round_index: int, extra: list[str] = ()) -> dict:
+    """One train.py run of an arm; its record's headline figures."""
+    name = f"{arm.name}-r{round_index}"
+    on_cpu = launching.plan(arm.config).on_cpu if arm.config else None
+    result = launching.run_training([*train_args, *arm.flags, *extra, "--output-dir", str(runs), "--run-name", name,
+                                     "--overwrite"], config=arm.config, launcher=arm.launcher,
+                                    env=launching.training_env(on_cpu), script=arm.script)
+    if result.returncode != 0:
+        raise ExperimentFailed(f"{name} ({arm.config or 'no config'} {' '.join(arm.flags)}) failed: "
+                               f"{launching.failure_reason(result)}")
+    return RunView(read_record(runs / name)).headline()
+
+
+def run_rounds(arms: list[Arm], train_args: list[str], runs: Path, rounds: int) -> dict:
+    """Every runnable arm once per round, alternating order; the figures of each run, by arm."""
+    runnable = [arm for arm in arms if arm.skipped is None]
+    measured = bench.alternate({arm.name: (lambda i, arm=arm: run_arm(arm, train_args, runs, i)) for arm in runnable},
+                               rounds)
+    return {arm.name: [r[arm.name] for r in measured] for arm in runnable}
+
+
+ARM_FIGURES = ("samples_per_s", "tokens_per_s", "step_s", "peak_memory_gib", "test_accuracy", "validation_accuracy")
+
+
+def summarize(arms: list[Arm], results: dict, baseline: str) -> dict:
+    """Per arm: spreads of its figures; per other arm: speed against the baseline with a verdict."""
+    summary = {"baseline": baseline, "arms": {}, "comparisons": {}}
+    for arm in arms:
+        entry = {"config": arm.config, "flags": arm.flags}
+        if arm.skipped:
+            summary["arms"][arm.name] = {**entry, "status": "skipped", "reason": arm.skipped}
+            continue
+        rows = results[arm.name]
+        entry.update(status="complete", runs=[r["run"] for r in rows], precision=rows[0]["precision"],
+                     world_size=rows[0]["world_size"], memory_kind=rows[0]["memory_kind"],
+                     warnings=sorted({w for r in rows for w in r["warnings"]}))
+        for metric in ARM_FIGURES:
+            values = [r[metric] for r in rows if r[metric] is not None]
+            entry[metric] = bench.spread(values) if values else None
+        summary["arms"][arm.name] = entry
+    if baseline in results:
+        for name, rows in results.items():
+            if name != baseline:
+                base = results[baseline]
+                summary["comparisons"][name] = {
+                    "speed": bench.compare_samples([b["samples_per_s"] for b in base], [r["samples_per_s"] for r in rows]),
+                    "memory_ratio": bench.spread([r["peak_memory_gib"] / b["peak_memory_gib"] for r, b in zip(rows, base)])}
+    return summary
+
+
+def arm_table(comparison: dict, title: str, label: str) -> Table:
+    """An experiment's table: every arm's samples/s and step time (median, min-max over rounds), its speed
+    against the baseline with the verdict, and its peak memory."""
+    rows = []
+    for r in reporting.arm_rows(comparison):
+        what = f"{r['config']} {r['flags']}".strip()
+        if r["status"] != "complete":
+            rows.append([r["arm"], what, f"skipped: {r['reason']}", "", "", "", ""])
+            continue
+        rows.append([r["arm"], what, ranged(r["samples_per_s"], r["samples_per_s_range"], 1),
+                     ranged(r["step_s"], r["step_s_range"], 3), *speed_cells(r), num(r["peak_memory_gib"])])
+    return Table(title, ["arm", "config + flags", "samples/s", "s/step", "speed vs baseline", "verdict", "peak GiB"],
+                 rows, label, align="llrrrlr")
+
+
+def speed_cells(row: dict) -> list[str]:
+    speed = row.get("speed")
+    return [bench.ratio_text(speed), speed["verdict"]] if speed else ["baseline", ""]
+
+
+def errors(rows: list[dict], metric: str) -> list[list[float]]:
+    """Error bars (median to min, median to max) of a metric for matplotlib."""
+    return [[r[metric] - r[f"{metric}_range"][0] for r in rows], [r[f"{metric}_range"][1] - r[metric] for r in rows]]
+
+
+def write(runs: Path, experiment: str, summary: dict, train_args: list[str], rounds: int) -> None:
+    report = {"experiment": experiment, "rounds": rounds, "train_args": train_args, **summary}
+    table = arm_table(summary, f"Experiment: {experiment}", experiment)
+    lines = [f"# Experiment: {experiment}", "", f"train.py flags: `{shlex.join(train_args)}`; {rounds} alternating "
+             f"round(s); each arm against the baseline arm ({bench.METHOD}).", "", *table.markdown_lines()]
+    bench.write_results(runs / "comparison", report, lines)
+
+
+def experiment(runs: Path, name: str, arms: list[Arm], train_args: list[str], rounds: int) -> dict:
+    """Run the arms in alternating rounds, summarize them against the first and write comparison.{json,md}."""
+    for arm in arms:
+        if arm.skipped:
+            print(f"skipped {arm.name}: {arm.skipped}", flush=True)
+    results = run_rounds(arms, train_args, runs, rounds)
+    summary = summarize(arms, results, arms[0].name)
+    write(runs, name, summary, train_args, rounds)
+    print((runs / "comparison.md").read_text())
+    return summary
+
+
+def runs_option(parser: argparse.ArgumentParser, rounds: int | None = 5, config: str | None = "cpu") -> None:
+    """The options every experiment of train.py runs has: --runs, and --rounds / --config where it takes them."""
+    parser.add_argument("--runs", required=True, help="where the runs and comparison.{json,md} go")
+    if rounds:
+        parser.add_argument("--rounds", type=int, default=rounds, help=f"alternating rounds (default {rounds})")
+    if config:
+        parser.add_argument("--config", default=config, help=f"Accelerate config name or path (default {config})")

@@ -1,0 +1,165 @@
+"""make batch-sweep: samples/s and peak memory against the batch size, the largest batch that fits, the fastest,
+and the accumulation that keeps the user's effective batch.
+
+On a GPU the largest batch that fits is searched in a child process launched with the config (its
+precision), so nothing stays allocated in the orchestrating process: `find-batch` is that child.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from trainscope import launching, reporting
+from trainscope.experiments.base import (Experiment, ExperimentFailed, arm_table, errors, experiment, planned_arm,
+                                         runs_option, write)
+from trainscope.tables import pyplot
+
+SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
+
+
+def arguments(parser) -> None:
+    runs_option(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="batch sizes")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run (2 of them timing warm-up)")
+    parser.add_argument("--search-from", type=int, default=4096,
+                        help="on a GPU, find the largest batch that fits by halving from this (0: skip)")
+
+
+def run(args, train_args: list[str]) -> dict:
+    """Samples/s and peak memory against the batch size, the user's batch as the baseline arm."""
+    from trainscope.settings import parse_settings
+
+    if args.steps < 3 or min(args.batch_sizes) < 1:
+        raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
+    (user,) = parse_settings(argv=train_args)
+    largest = None
+    if launching.cuda_devices() and args.search_from:
+        largest = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], args.search_from)
+        print(f"largest batch that fits (find_executable_batch_size from {args.search_from}): {largest}")
+    sizes = sorted(args.batch_sizes, key=lambda b: (b != user.per_device_batch_size, b))
+    arms = [planned_arm(f"bs{b}", args.config, ["--per-device-batch-size", str(b), "--gradient-accumulation-steps", "1",
+                                                "--max-steps", str(args.steps), "--log-every", str(args.steps)])
+            for b in sizes]
+    for arm, b in zip(arms, sizes):
+        if largest and b > largest and arm.skipped is None:
+            arm.skipped = f"above the largest batch that fits ({largest})"
+    summary = experiment(Path(args.runs), "batch", arms, [*train_args, *SMALL_EVAL], args.rounds)
+    summary.update(largest_fitting_batch=largest, search=(
+        "find_executable_batch_size" if largest is not None
+        else "no device-memory limit to search on a CPU: the largest swept batch stands"),
+        recommendation=recommend(summary, user.per_device_batch_size * user.gradient_accumulation_steps))
+    write(Path(args.runs), "batch", summary, [*train_args, *SMALL_EVAL], args.rounds)
+    return summary
+
+
+def recommend(summary: dict, effective_batch: int) -> dict:
+    """Fastest batch (with its verdict against the baseline), and the fastest that keeps the user's
+    effective batch through gradient accumulation."""
+    fitted = {int(n[2:]): a for n, a in summary["arms"].items() if a["status"] == "complete"}
+    if not fitted:
+        return {}
+    fastest = max(fitted, key=lambda b: fitted[b]["samples_per_s"]["median"])
+    comparison = summary["comparisons"].get(f"bs{fastest}", {}).get("speed")
+    result = {"fastest_batch_size": fastest, "fastest_verdict": comparison["verdict"] if comparison else "baseline",
+              "largest_swept_that_fits": max(fitted), "effective_batch": effective_batch}
+    dividing = [b for b in fitted if effective_batch % b == 0]
+    if dividing:
+        keep = max(dividing, key=lambda b: fitted[b]["samples_per_s"]["median"])
+        result.update(keep_effective_batch_size=keep, gradient_accumulation_steps=effective_batch // keep,
+                      flags=f"--per-device-batch-size {keep} --gradient-accumulation-steps {effective_batch // keep}")
+    return result
+
+
+def largest_fitting_batch(config: str, train_args: list[str], start: int) -> int:
+    """The largest batch whose training steps fit in device memory, found in a child process launched with
+    the config (its precision), so nothing stays allocated here."""
+    command = [launching.ACCELERATE, "launch", "--config_file", str(launching.config_path(config)), "-m",
+               "trainscope.experiments", "find-batch", "--start", str(start), "--", *train_args]
+    result = launching.run_captured(command, launching.training_env())
+    if result.returncode != 0:
+        raise ExperimentFailed(f"the batch-size search failed: {launching.failure_reason(result)}")
+    return json.loads(result.stdout.strip().splitlines()[-1])["largest_batch"]
+
+
+def find_batch(args, train_args: list[str]) -> None:
+    """The child of `largest_fitting_batch`: Accelerate's find_executable_batch_size lowers the batch on every
+    out-of-memory error; each try trains two steps on full-length (worst-case) sequences."""
+    import dataclasses
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import find_executable_batch_size
+
+    from trainscope import startup
+    from trainscope.loop import train_step
+    from trainscope.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
+    from trainscope.settings import parse_settings
+
+    (settings,) = parse_settings(argv=train_args)
+    startup.configure_process(settings)
+    tokenizer = build_tokenizer(settings)
+    accelerator = Accelerator()  # precision and device from the launch's config
+
+    @find_executable_batch_size(starting_batch_size=args.start)
+    def two_steps(batch_size):
+        accelerator.free_memory()
+        trial = dataclasses.replace(settings, per_device_batch_size=batch_size)
+        model, _ = build_model(trial, ["0", "1"], tokenizer)
+        optimizer = build_optimizer(model, trial, accelerator.device)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(trial, optimizer, 2, 0))
+        shape = (batch_size, trial.max_seq_length)
+        for _ in range(2):
+            batch = {"input_ids": torch.randint(1000, 2000, shape, device=accelerator.device),
+                     "attention_mask": torch.ones(shape, dtype=torch.long, device=accelerator.device),
+                     "labels": torch.zeros(batch_size, dtype=torch.long, device=accelerator.device)}
+            train_step(accelerator, model, batch, optimizer, scheduler, _untimed, trial.max_grad_norm)
+        del model, optimizer, scheduler
+        return batch_size
+
+    print(json.dumps({"largest_batch": two_steps()}))
+
+
+def _untimed(stage: str):
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def find_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--start", type=int, required=True)
+
+
+def section(report, found: reporting.Collected) -> None:
+    comparison = found.comparisons.get(EXPERIMENT.name)
+    if not report.begin(EXPERIMENT.title, comparison, EXPERIMENT.missing()):
+        return
+    rows = sorted([r for r in reporting.arm_rows(comparison) if r["status"] == "complete"], key=lambda r: int(r["arm"][2:]))
+    if rows:
+        figure, axis = pyplot().subplots(figsize=(7, 4))
+        sizes = [int(r["arm"][2:]) for r in rows]
+        axis.errorbar(sizes, [r["samples_per_s"] for r in rows], yerr=errors(rows, "samples_per_s"), marker="o",
+                      capsize=4, color="tab:blue")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("per-device batch size")
+        axis.set_ylabel("samples/s (median, min-max)", color="tab:blue")
+        twin = axis.twinx()
+        twin.plot(sizes, [r["peak_memory_gib"] for r in rows], marker="s", color="tab:orange")
+        twin.set_ylabel(f"peak memory GiB ({rows[0]['memory_kind']})", color="tab:orange")
+        axis.set_ylim(bottom=0)
+        twin.set_ylim(bottom=0)
+        report.figure(figure, "batch", "Throughput and memory against batch size",
+                      list(reporting.first_round_runs(comparison, found.runs.get(EXPERIMENT.name, {})).values()))
+    report.table(arm_table(comparison, f"Batch-size sweep ({comparison['rounds']} alternating rounds; baseline: the "
+                           "configured batch)", "batch"))
+    advice = comparison.get("recommendation") or {}
+    report.text(f"Largest batch that fits: {comparison.get('largest_fitting_batch') or advice.get('largest_swept_that_fits')}"
+                f" ({comparison.get('search')}). Fastest: {advice.get('fastest_batch_size')} "
+                f"({advice.get('fastest_verdict')} against the baseline). Keeping the effective batch of "
+                f"{advice.get('effective_batch')}: `{advice.get('flags', 'no swept batch divides it')}`.")
+
+
+EXPERIMENT = Experiment(name="batch-sweep", title="Batch size", target="make batch-sweep", folder="batch",
+                        section=section, arguments=arguments, run=run,
+                        help="throughput and memory against batch size")
+FIND_BATCH = Experiment(name="find-batch", title="", target="", section=None, arguments=find_batch_arguments,
+                        run=find_batch, help=argparse.SUPPRESS)

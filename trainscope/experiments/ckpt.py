@@ -1,0 +1,43 @@
+"""make ckpt-compare: activation checkpointing off and on, in alternating rounds: step time and peak memory."""
+
+from pathlib import Path
+
+from trainscope import bench, reporting
+from trainscope.experiments.base import Experiment, arm_table, errors, experiment, planned_arm, runs_option
+from trainscope.tables import pyplot
+
+ARMS = {"off": [], "on": ["--gradient-checkpointing"]}
+
+
+def run(args, train_args: list[str]) -> dict:
+    arms = [planned_arm(name, args.config, flags) for name, flags in ARMS.items()]
+    return experiment(Path(args.runs), "ckpt", arms, train_args, args.rounds)
+
+
+def section(report, found: reporting.Collected) -> None:
+    comparison, runs = found.comparisons.get("ckpt"), found.runs.get("ckpt", {})
+    if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
+        return
+    rows = [r for r in reporting.arm_rows(comparison) if r["status"] == "complete"]
+    figure, (time_axis, memory_axis) = pyplot().subplots(1, 2, figsize=(8, 3.5))
+    labels = [r["arm"] for r in rows]
+    time_axis.bar(labels, [r["step_s"] for r in rows], yerr=errors(rows, "step_s"), capsize=4, color="tab:blue")
+    time_axis.set_ylabel("seconds per optimizer step (median, min-max)")
+    memory_axis.bar(labels, [r["peak_memory_gib"] for r in rows], color="tab:orange")
+    memory_axis.set_ylabel(f"peak memory GiB ({rows[0]['memory_kind']})")
+    figure.tight_layout()
+    report.figure(figure, "ckpt", "Activation checkpointing: time and memory",
+                  list(reporting.first_round_runs(comparison, runs).values()))
+    report.table(arm_table(comparison, f"Activation checkpointing off and on ({comparison['rounds']} alternating rounds)",
+                           "ckpt"))
+    for name, against in comparison["comparisons"].items():
+        report.text(f"`{name}`: memory {against['memory_ratio']['median']:.2f}x the baseline's, speed "
+                    f"{bench.describe(against['speed'])}.")
+    if rows[0]["memory_kind"] == "peak RSS":
+        report.text("On a CPU the memory column is the process's peak RSS, which includes the Python runtime and "
+                    "libraries; activation savings show in full as device memory on a GPU.")
+
+
+EXPERIMENT = Experiment(name="ckpt", title="Activation checkpointing", target="make ckpt-compare", folder="ckpt",
+                        section=section, arguments=runs_option, run=run,
+                        help="activation checkpointing off and on: step time and peak memory")

@@ -1,0 +1,32 @@
+"""make bench-compile: --compile against eager on the tiny model: compile time, recompiles, speed."""
+
+from pathlib import Path
+
+from trainscope import reporting
+from trainscope.experiments.base import Experiment, arm_table, experiment, planned_arm, runs_option
+from trainscope.record_view import RunView
+
+ARMS = {"eager": [], "compiled": ["--compile"]}
+
+
+def run(args, train_args: list[str]) -> dict:
+    arms = [planned_arm(name, args.config, flags) for name, flags in ARMS.items()]
+    return experiment(Path(args.runs), "compile", arms, train_args, args.rounds)
+
+
+def section(report, found: reporting.Collected) -> None:
+    comparison, runs = found.comparisons.get("compile"), found.runs.get("compile", {})
+    if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
+        return
+    report.table(arm_table(comparison, f"--compile against eager ({comparison['rounds']} alternating rounds)", "compile"))
+    compiled = [RunView(runs[name]).compile for name in comparison["arms"].get("compiled", {}).get("runs", [])
+                if name in runs]
+    if compiled:
+        seconds = sorted(c["compile_s"] for c in compiled)
+        report.text(f"Compile time {seconds[0]:.1f}-{seconds[-1]:.1f} s (outside the timed steady phase), recompiles "
+                    f"{sorted({c['recompiles'] for c in compiled})} with dynamic shapes.")
+
+
+EXPERIMENT = Experiment(name="compile", title="torch.compile against eager", target="make bench-compile",
+                        folder="compile", section=section, arguments=runs_option, run=run,
+                        help="--compile against eager: compile time, recompiles, speed")

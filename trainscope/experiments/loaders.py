@@ -1,0 +1,81 @@
+"""The DataLoader num_workers sweep (loaders_bench.py, `make sweep-workers`): its figure, tables and report
+section. The script writes <results>/loaders/loaders.json; the report and the script draw the same rows."""
+
+from trainscope import bench, reporting
+from trainscope.experiments.base import Experiment
+from trainscope.tables import Table, num, pyplot
+
+
+def curve_name(entry: dict) -> str:
+    return (f"{entry['mode']} (batch {entry['batch_size']}, pin {'on' if entry['pin_memory'] else 'off'}, "
+            f"persistent {'on' if entry['persistent_workers'] else 'off'}, prefetch {entry['prefetch_factor']})")
+
+
+def figure(report: dict):
+    """Time per pass against num_workers (median, min-max band), one line per mode; data share in training."""
+    settings = report["summary"]["settings"]
+    panels = [m for m in ("pass_s", "data_share") if any(s["metric"] == m for s in settings)]
+    drawn, axes = pyplot().subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    for axis, metric in zip(axes[0], panels):
+        curves = {}
+        for entry in settings:
+            if entry["metric"] == metric:
+                curves.setdefault(curve_name(entry), []).append(entry)
+        scale = 100 if metric == "data_share" else 1
+        for name, points in curves.items():
+            points.sort(key=lambda p: p["num_workers"])
+            x = [p["num_workers"] for p in points]
+            line, = axis.plot(x, [p["median"] * scale for p in points], marker="o", label=name)
+            axis.fill_between(x, [p["min"] * scale for p in points], [p["max"] * scale for p in points],
+                              alpha=0.2, color=line.get_color())
+        axis.set_xlabel("num_workers (PyTorch default: 0)")
+        axis.set_ylabel("pass over all training batches (s)" if metric == "pass_s" else "data share of step time (%)")
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    machine = report["machine"]
+    drawn.suptitle(f"DataLoader sweep: {report['dataset_rows']} rows, {machine['device_name']}, "
+                   f"{machine['usable_cores']} cores (median, min-max band)", fontsize=9)
+    drawn.tight_layout()
+    return drawn
+
+
+def settings_table(report: dict) -> Table:
+    rows = []
+    for s in report["summary"]["settings"]:
+        passes = s["metric"] == "pass_s"
+        cell = (lambda v: num(v, 3)) if passes else (lambda v: num(v, 1, percent=True))
+        rows.append([s["mode"], str(s["batch_size"]), "on" if s["pin_memory"] else "off", str(s["num_workers"]),
+                     f"{cell(s['median'])} ({'s/pass' if passes else 'data share'})", f"{cell(s['min'])} - {cell(s['max'])}",
+                     num(s.get("median_first_batch_s"), 3)])
+    return Table("DataLoader sweep: median over repeats, min - max", ["mode", "batch", "pin", "workers", "median",
+                 "range", "first batch s"], rows, "loaders", align="lrlrrrr")
+
+
+def knee_table(report: dict) -> Table:
+    rows = []
+    for name, curve in report["summary"]["curves"].items():
+        against = curve.get("knee_against_default")
+        rows.append([name, str(curve["knee_workers"]), str(curve["best_workers"]),
+                     bench.ratio_text(against) if against else "the knee is the default",
+                     against["verdict"] if against else "", f"`{curve['flags']}`"])
+    return Table("The knee of each curve against PyTorch's default (0 workers)", ["curve", "knee (workers)",
+                 "best (workers)", "knee vs default", "verdict", "flags"], rows, "loaders_knee", align="lrrrll")
+
+
+def section(report, found: reporting.Collected) -> None:
+    sweep = found.results.get("loaders")
+    if not report.begin(EXPERIMENT.title, sweep, EXPERIMENT.missing()):
+        return
+    machine = sweep["machine"]
+    report.text(f"{machine['device_name']}, {machine['usable_cores']} usable cores "
+                f"({machine['cpu_budget_per_process']} per training process), {sweep['dataset_rows']} training rows, "
+                f"{sweep['sweep']['repeats']} repeats in alternating order. PyTorch's default is num_workers="
+                f"{sweep['pytorch_default_num_workers']} (loading in the training process).")
+    report.figure(figure(sweep), "loaders", "Pass time against num_workers")
+    report.table(settings_table(sweep))
+    report.table(knee_table(sweep))
+
+
+EXPERIMENT = Experiment(name="loaders", title="DataLoader num_workers", target="make sweep-workers",
+                        results="loaders/loaders.json", section=section)

@@ -1,0 +1,38 @@
+"""The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, and
+what `make tune` (trainscope.tune) measured when it tried them."""
+
+from trainscope import advisor, reporting
+from trainscope.experiments.base import Experiment
+from trainscope.record_view import RunView
+from trainscope.tables import Table
+
+
+def section(report, found: reporting.Collected) -> None:
+    record = reporting.pick_breakdown_run(found)
+    if not report.begin(EXPERIMENT.title, record, "Not run yet: `make profile` produces the main run."):
+        return
+    view = RunView(record)
+    report.text(f"From run `{view.name}` (`python report.py --advise {view.path}`): each 'at most' is Amdahl's law "
+                "on the measured share the change would shrink; an 'estimate' states its factor. `make tune` tries "
+                "them and keeps what is faster.")
+    report.code("\n".join(advisor.lines(advisor.advise(record)[:6])))
+    tune = found.comparisons.get("tune")
+    if tune:
+        report.table(tune_table(tune))
+        report.text(f"Kept: `{tune['final_command']}`. {tune['summary']}")
+        report.text(tune.get("method", ""))
+
+
+def tune_table(result: dict) -> Table:
+    """Each trial against the baseline: its predicted gain, the measured speed, the verdict, pairs, result."""
+    from trainscope.bench import ratio_text
+
+    rows = [[t["name"], " ".join(t["flags"]) or (f"config {t['config']}" if t.get("config") else ""),
+             t.get("gain_text") or "-", ratio_text(t["speed"]), t["verdict"], t["result"]] for t in result["trials"]]
+    return Table("make tune: each suggestion against the baseline, then the kept ones together",
+                 ["trial", "change", "predicted", "speed (same work)", "verdict", "result"], rows, "tune",
+                 align="lllrll")
+
+
+EXPERIMENT = Experiment(name="tune", title="Optimization: what to try next", target="make tune", folder="tune",
+                        section=section)
