@@ -7,7 +7,8 @@ from trainscope.records import (
     SCHEMA_VERSION, RunRecord, read_record, read_steps, redact, scrub, secret_values, write_json_atomic,
     write_text_atomic,
 )
-from trainscope.summary import peak_memory, throughput
+from trainscope.record_view import RunView
+from trainscope.summary import throughput
 from trainscope.timing import stage_table
 
 
@@ -133,5 +134,9 @@ def test_global_throughput_is_every_rank_over_the_slowest_and_leaves_evaluation_
 
 
 def test_peak_memory_prefers_the_device_allocator():
-    assert peak_memory({"peak_rss_gib": {"max": 3.0}}) == (3.0, "peak RSS")
-    assert peak_memory({"peak_rss_gib": {"max": 3.0}, "max_allocated_gib": {"max": 1.5}}) == (1.5, "max allocated")
+    def peak(memory):
+        return RunView({"summary": {"memory": memory}}).peak_memory
+
+    assert peak({"peak_rss_gib": {"max": 3.0}}) == (3.0, "peak RSS")
+    assert peak({"peak_rss_gib": {"max": 3.0}, "max_allocated_gib": {"max": 1.5}}) == (1.5, "max allocated")
+    assert peak({}) == (None, "unknown")  # a partial record without memory figures
