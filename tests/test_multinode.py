@@ -1,8 +1,10 @@
 """Several machines: the README's two-node command run on one host (machine ranks 0 and 1 meeting at
-127.0.0.1), and how a run counts its machines."""
+127.0.0.1), how a run counts its machines, and the SLURM batch script that launches it on a cluster."""
 
+import os
 import re
 import socket
+import stat
 import subprocess
 import time
 
@@ -12,6 +14,7 @@ from conftest import ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, read_record
 from trainscope.environment import machine_count
 from trainscope.launching import kill_tree
 
+SBATCH = ROOT / "docs" / "slurm" / "train.sbatch"
 # 8 steps put two communication calibration steps (4 and 6) after the 2 warm-up steps.
 SHORT = [*TINY, *ONE_THREAD, "--max-steps", "8", "--communication-samples", "2"]
 
@@ -101,3 +104,71 @@ def test_an_existing_run_is_refused_on_every_machine(tmp_path):
 ], ids=["node0", "node1", "one-node-ddp", "mpi", "plain", "empty"])
 def test_every_rank_counts_the_machines(environ, machines):
     assert machine_count(environ) == machines
+
+
+# ---------------------------------------------------------------- the SLURM batch script
+
+FAKE_SLURM = {
+    # the allocation's hosts, in SLURM_NODEID order
+    "scontrol": 'printf "gpu-a17\\ngpu-b03\\n"\n',
+    # one task per node, each with its own SLURM_NODEID, as `srun` in a --ntasks-per-node=1 job
+    "srun": 'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node SLURM_PROCID=$node "$@" || exit; done\n',
+    # records what each task launched: its arguments, one a line, and the variables torchrun reads
+    "accelerate": 'printf "%s\\n" "$@" > "$FAKE_OUT/launch-$SLURM_NODEID"\n'
+                  'echo "$PET_SIGNALS_TO_HANDLE $TORCH_ELASTIC_SHUTDOWN_TIMEOUT $SRUN_CPUS_PER_TASK" '
+                  '> "$FAKE_OUT/env-$SLURM_NODEID"\n',
+}
+
+
+def submit(tmp_path, *args: str) -> dict[int, list[str]]:
+    """Run the batch script as sbatch would on a two-node job of 8 GPUs a node, with srun, scontrol and
+    accelerate replaced by recorders; the arguments each node's `accelerate` received."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_OUT": str(out), "SLURM_JOB_NAME": "trainscope",
+           "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-a17,gpu-b03",
+           "SLURM_CPUS_PER_TASK": "32", "SLURM_GPUS_ON_NODE": "8"}
+    result = subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    return {node: (out / f"launch-{node}").read_text().splitlines() for node in (0, 1)}
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_the_slurm_script_is_valid_bash_with_the_pieces_a_cluster_needs():
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+    text = SBATCH.read_text()
+    directives = re.findall(r"^#SBATCH (\S+)", text, flags=re.M)
+    assert re.fullmatch(r"--signal=USR1@\d+", [d for d in directives if d.startswith("--signal")][0])
+    assert "--ntasks-per-node=1" in directives
+    assert re.search(r"^srun bash -c 'exec accelerate launch", text, flags=re.M)
+    assert '--machine_rank "$SLURM_NODEID"' in text
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
+    assert '--save-on-interrupt' in text and '--run-name "$RUN_NAME"' in text
+
+
+def test_the_slurm_script_launches_every_node_with_its_own_rank(tmp_path):
+    launches = submit(tmp_path, "--model", "roberta-base", "--dataset", "glue/sst2")
+    for node, argv in launches.items():
+        assert argv[:3] == ["launch", "--config_file", "accelerate_configs/ddp.yaml"]
+        assert option(argv, "--machine_rank") == str(node)  # expanded by the task, not the batch shell
+        assert option(argv, "--num_machines") == "2" and option(argv, "--num_processes") == "16"
+        assert option(argv, "--main_process_ip") == "gpu-a17" and option(argv, "--main_process_port") == "29500"
+        assert argv[argv.index("train.py"):] == [
+            "train.py", "--output-dir", "runs", "--run-name", "trainscope-4242", "--save-on-interrupt",
+            "--model", "roberta-base", "--dataset", "glue/sst2"]
+        assert (tmp_path / "out" / f"env-{node}").read_text().split() == [
+            "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "100", "32"]
+
+
+def test_a_requeued_slurm_job_resumes_from_its_checkpoint(tmp_path):
+    (tmp_path / "runs" / "trainscope-4242" / "checkpoints" / "step_00000040").mkdir(parents=True)
+    for argv in submit(tmp_path, "--model", "roberta-base").values():
+        assert argv[argv.index("--save-on-interrupt"):] == ["--save-on-interrupt", "--resume", "--model", "roberta-base"]
