@@ -110,6 +110,20 @@ def local_processes(environ=None) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
+def machine_count(environ=None) -> int:
+    """Machines (nodes) in this launch, the same on every rank: torchrun's node count GROUP_WORLD_SIZE
+    (accelerate launch runs torchrun), else processes / processes per node (Accelerate sets WORLD_SIZE and
+    LOCAL_WORLD_SIZE for MPI launches), else 1."""
+    environ = os.environ if environ is None else environ
+    nodes = environ.get("GROUP_WORLD_SIZE", "")
+    if nodes.isdigit() and int(nodes) > 0:
+        return int(nodes)
+    world, local = environ.get("WORLD_SIZE", ""), environ.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(local) > 0:
+        return max(1, math.ceil(int(world) / int(local)))
+    return 1
+
+
 def apply_thread_budget(setting: str, environ=None) -> dict:
     """Set this process's intra-op threads from --threads and say what was set and why.
 
@@ -163,7 +177,7 @@ def describe(accelerator, effective: str, threads: dict) -> dict:
         "torch_threads": threads["torch_threads"],
         "threads": threads,
         "world_size": accelerator.num_processes,
-        "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", 1)) or 1),
+        "num_machines": machine_count(),
         "distributed_type": str(state.distributed_type).split(".")[-1],
         "backend": state.backend,
         "requested_precision": accelerator.mixed_precision,
