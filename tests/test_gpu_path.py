@@ -2,6 +2,7 @@
 batch-size search in its own process, and make gpu-check without a GPU."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -108,3 +109,41 @@ def test_gpu_check_plans_every_check_by_the_documented_commands():
     assert gpu_check.verdicts({"precision-fp32": {"throughput": {"samples_per_s": 100}},
                                "precision-tf32": {"throughput": {"samples_per_s": 250}},
                                "precision-bf16": {"throughput": {"samples_per_s": 400}}})["bf16_over_fp32"] == 4.0
+
+
+def launched_processes(command: list[str], monkeypatch, gpus: int) -> tuple[bool, int]:
+    """What `accelerate launch` makes of `command` on a host with `gpus` CUDA devices and no default config:
+    (multi-GPU?, processes), decided by accelerate's own launch validation (nothing is started)."""
+    import accelerate.commands.launch as accelerate_launch
+
+    assert command[:2] == [launching.ACCELERATE, "launch"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(accelerate_launch, "default_config_file", "/nonexistent/default_config.yaml")
+    args, _, _ = accelerate_launch._validate_launch_command(accelerate_launch.launch_command_parser().parse_args(command[2:]))
+    return bool(args.multi_gpu), args.num_processes
+
+
+def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypatch, tmp_path):
+    """Without a config `accelerate launch` starts one process per visible GPU; the bare loop then prints one
+    rank's samples/s while train.py reports the global figure, and their ratio is off by the GPU count.
+    Both arms' command lines are recorded (nothing is launched) and put to accelerate's launch validation on
+    a faked 4-GPU host. Only a GPU run confirms the measured ratio itself: not measured on GPU."""
+    from trainscope.benchmarks import overhead
+
+    launched = []
+
+    def recording_run_captured(command, env, timeout=None):
+        launched.append(command)
+        stdout = json.dumps({"samples_per_s": 100.0, "threads": 1}) if "--bare" in command else ""
+        return subprocess.CompletedProcess(command, 0, stdout, "")
+
+    monkeypatch.setattr(launching, "run_captured", recording_run_captured)
+    monkeypatch.setattr(overhead, "read_record", lambda run: {"summary": {"throughput": {"samples_per_s": 99.0}},
+                                                              "environment": {"torch_threads": 1}})
+    overhead.measure(["--max-steps", "8"], ["events"], pairs=1, scratch=tmp_path)
+    bare = [c for c in launched if "--bare" in c]
+    timed = [c for c in launched if str(launching.TRAIN_SCRIPT) in c]
+    assert len(bare) == 1 and len(timed) == 1 and len(launched) == 2
+    for command in launched:
+        assert launched_processes(command, monkeypatch, gpus=4) == (False, 1)
