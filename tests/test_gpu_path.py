@@ -147,3 +147,81 @@ def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypat
     assert len(bare) == 1 and len(timed) == 1 and len(launched) == 2
     for command in launched:
         assert launched_processes(command, monkeypatch, gpus=4) == (False, 1)
+
+
+def planted_out_of_memory(fits_up_to: int, tried: list[int]):
+    """A trial that records its batch size and runs out of device memory above `fits_up_to`, as CUDA says it."""
+    def trial(batch_size: int) -> None:
+        tried.append(batch_size)
+        if batch_size > fits_up_to:
+            raise torch.OutOfMemoryError("CUDA out of memory. planted")
+    return trial
+
+
+@pytest.mark.parametrize("start,fits_up_to,tried", [
+    (4096, 1000, [4096, 2048, 1024, 512]), (64, 64, [64]), (48, 13, [48, 24, 12]), (8, 1, [8, 4, 2, 1]),
+])
+def test_the_batch_size_search_tries_only_halvings_and_lands_on_the_largest_that_fits(start, fits_up_to, tried):
+    """Accelerate's own reduction multiplies by 0.9 (from 4096: 3686, 3317, ...). What a real CUDA
+    out-of-memory error does to the allocator between tries is for a GPU run to show."""
+    from trainscope import batch_search
+
+    sizes = []
+    assert batch_search.search(planted_out_of_memory(fits_up_to, sizes), start) == tried[-1]
+    assert sizes == tried
+
+
+def test_the_batch_size_search_lets_errors_other_than_out_of_memory_through():
+    from trainscope import batch_search
+
+    sizes = []
+
+    def broken(batch_size):
+        sizes.append(batch_size)
+        raise RuntimeError("a bug in the trial, not a full device")
+
+    with pytest.raises(RuntimeError, match="a bug in the trial"):
+        batch_search.search(broken, 64)
+    assert sizes == [64]
+
+
+def test_the_search_child_halves_from_its_start(monkeypatch, capsys):
+    """`python -m trainscope.experiments find-batch` (what largest_fitting_batch launches) in this process, on
+    the tiny model, its training step replaced by one that runs out of memory above 10 samples."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    from trainscope import experiments, loop
+
+    sizes = []
+    out_of_memory = planted_out_of_memory(10, sizes)
+    monkeypatch.setattr(loop, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"])))
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+    try:
+        experiments.main(["find-batch", "--start", "64", "--", "--model", "embedded:tiny-bert", "--max-seq-length",
+                          "16", "--report-to", "none", "--threads", "1"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+    assert sizes == [64, 32, 16, 8, 8]  # the fitting size trains both steps
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"largest_batch": 8}
+
+
+def test_the_batch_size_search_refuses_a_multi_process_config_before_launching_anything(monkeypatch, capsys, tmp_path):
+    """An out-of-memory error on one rank sends it back to rebuild while the other ranks wait in an
+    all-reduce: the search would hang. The hang itself needs 2 GPUs to show: not measured on GPU."""
+    from trainscope import experiments
+
+    launched = []
+    monkeypatch.setattr(launching, "cuda_devices", lambda: 2)
+    monkeypatch.setattr(launching, "run_captured", lambda command, *a, **k: launched.append(command)
+                        or subprocess.CompletedProcess(command, 1, "", "error: launched"))
+    with pytest.raises(SystemExit) as exited:
+        experiments.main(["batch-sweep", "--config", "ddp", "--runs", str(tmp_path / "batch"), "--search-from", "64",
+                          "--", "--model", "embedded:tiny-bert", "--report-to", "none"])
+    assert exited.value.code == 1 and launched == []
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: the batch-size search runs one process")
