@@ -225,3 +225,60 @@ def test_the_batch_size_search_refuses_a_multi_process_config_before_launching_a
     assert exited.value.code == 1 and launched == []
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: the batch-size search runs one process")
+
+
+class Stop(Exception):
+    """Ends a loop at the first call a test was waiting for."""
+
+
+def test_each_ddp_worker_binds_its_own_gpu_before_it_joins_the_process_group(monkeypatch):
+    """compare_dp.py's DDP worker of local rank 1 on a faked CUDA host: it makes cuda:1 its current device,
+    then starts NCCL bound to it. Unbound, every rank's current device is cuda:0 (barrier() warns, CUDA
+    contexts land on GPU 0). That NCCL really forms its communicator on each rank's GPU: not measured on GPU."""
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+
+    def init_process_group(*args, **kwargs):
+        calls.append(("init_process_group", args, kwargs))
+        raise Stop
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    with pytest.raises(Stop):
+        compare_dp.distributed_data_parallel(None, None, None, 32, 1e-3, 0, 0)
+    cuda1 = torch.device("cuda", 1)
+    assert calls == [("set_device", cuda1), ("init_process_group", (), {"backend": "nccl", "device_id": cuda1})]
+
+
+def test_a_worker_on_the_cpu_binds_nothing_and_uses_gloo(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(device))
+    assert compare_dp.worker_device(1, cuda_available=False) == torch.device("cpu")
+    compare_dp.bind(torch.device("cpu"))
+    assert calls == []
+    assert compare_dp.process_group_arguments(torch.device("cpu")) == {"backend": "gloo"}
+    assert compare_dp.worker_device(3, cuda_available=True) == torch.device("cuda", 3)
+
+
+def test_the_parent_hands_its_cached_gpu_memory_back_before_the_ddp_workers_start(monkeypatch):
+    """The parent ran DataParallel over every GPU; its allocator keeps those blocks cached while the DDP
+    workers (other processes) need the memory. The order is checked with stand-ins; how much memory the
+    workers really get back: not measured on GPU."""
+    import gc
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc.collect") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def run_captured(command, env, timeout=None):
+        calls.append("launch")
+        result_file = command[command.index("--result-file") + 1]
+        with open(result_file, "w") as out:
+            json.dump({"world_size": 2}, out)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(launching, "run_captured", run_captured)
+    assert compare_dp.launch_ddp(2, [], 32) == {"world_size": 2}
+    assert calls == ["gc.collect", "empty_cache", "launch"]
