@@ -1,9 +1,11 @@
-"""The GPU path's logic, checked on the CPU: launch plans, the compile set-up, per-loop memory, the
-batch-size search in its own process, and make gpu-check without a GPU."""
+"""The GPU path's logic, checked on the CPU: launch plans (one process without a config), the compile
+set-up, per-loop memory, the batch-size search (halving, one process, in its own process), DDP workers
+binding their GPU, and make gpu-check's plan without a GPU."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,15 +102,58 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path
 def test_gpu_check_plans_every_check_by_the_documented_commands():
     from trainscope import gpu_check
 
-    names = [step["name"] for step in gpu_check.plan()]
+    steps = gpu_check.plan(gpus=2)
+    names = [step["name"] for step in steps]
     assert names == ["timing-events", "timing-sync", "precision-fp32", "precision-tf32", "precision-bf16",
-                     "precision-fp16", "compile-bf16", "overhead", "loaders", "compare-dp"]
-    configs = {step["name"]: step.get("config") for step in gpu_check.plan()}
+                     "precision-fp16", "compile-bf16", "memory-snapshot", "batch-search", "overhead", "loaders",
+                     "compare-dp", "ddp-compile", "ddp-communication-memory"]
+    configs = {step["name"]: step.get("config") for step in steps}
     assert configs["precision-bf16"] == "bf16" and configs["precision-fp16"] == "fp16"
     assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert gpu_check.verdicts({"precision-fp32": {"throughput": {"samples_per_s": 100}},
                                "precision-tf32": {"throughput": {"samples_per_s": 250}},
                                "precision-bf16": {"throughput": {"samples_per_s": 400}}})["bf16_over_fp32"] == 4.0
+
+
+def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_runs():
+    """What the plan runs for each new check, and that a 2-GPU check is skipped with its reason on one GPU.
+    The checks themselves need a GPU: not measured on GPU."""
+    from trainscope import gpu_check
+
+    by_name = {step["name"]: step for step in gpu_check.plan(gpus=1)}
+    search = by_name["batch-search"]["command"]
+    experiments_flags, train_flags = search[:search.index("--")], search[search.index("--") + 1:]
+    assert experiments_flags[1:4] == ["-m", "trainscope.experiments", "batch-sweep"]
+    config = experiments_flags[experiments_flags.index("--config") + 1]
+    assert launching.config_facts(launching.config_path(config))["num_processes"] == 1  # the search refuses more
+    assert int(experiments_flags[experiments_flags.index("--search-from") + 1]) > 0
+    assert "--runs" in experiments_flags and "--model" in train_flags
+    snapshot = by_name["memory-snapshot"]
+    assert snapshot["config"] == "single_gpu" and {"--memory-snapshot", "--max-steps"} <= set(snapshot["args"])
+    assert snapshot["args"][snapshot["args"].index("--max-steps") + 1] == "20"
+    assert by_name["ddp-compile"]["config"] == "ddp" and "--compile" in by_name["ddp-compile"]["args"]
+    assert by_name["ddp-communication-memory"]["config"] == "ddp"
+    for name in ("ddp-compile", "ddp-communication-memory"):
+        assert by_name[name]["skipped"].startswith("needs 2 GPUs")
+    assert not [name for name, step in by_name.items() if step.get("skipped") and not name.startswith("ddp-")]
+    assert not [step for step in gpu_check.plan(gpus=2) if step.get("skipped")]
+    assert all(step["confirms"] for step in by_name.values())  # what only a GPU run will confirm, per check
+    checks = [gpu_check.run_step(step, Path("/nonexistent")) for step in by_name.values() if step.get("skipped")]
+    report = {"device": "NVIDIA H100 80GB HBM3", "driver": None, "seconds": 0.0, "checks": checks, "verdicts": {},
+              "scaler": {"planted": 3, "counted": 3}, "plan": list(by_name.values())}
+    lines = gpu_check.markdown(report)
+    assert "| ddp-compile | 0 | skipped: needs 2 GPUs (one per process), 1 present |" in lines
+    assert f"- batch-search: {by_name['batch-search']['confirms']}" in lines
+
+
+def test_gpu_check_dry_run_lists_what_only_a_gpu_run_confirms(capsys, monkeypatch):
+    from trainscope import gpu_check
+
+    monkeypatch.setattr(launching, "cuda_devices", lambda: 1)
+    gpu_check.main(["--dry-run"])
+    out = capsys.readouterr().out
+    assert out.count("confirms: ") == len(gpu_check.plan(gpus=1)) + 1  # every check, and the in-process scaler check
+    assert "ddp-compile: skipped (needs 2 GPUs" in out and "--memory-snapshot" in out and "--search-from" in out
 
 
 def launched_processes(command: list[str], monkeypatch, gpus: int) -> tuple[bool, int]:
