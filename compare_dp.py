@@ -153,9 +153,10 @@ def data_parallel(model, dataset, collate, global_batch, lr, seed, warmup, min_g
 
 
 def distributed_data_parallel(model, dataset, collate, global_batch, lr, seed, warmup):
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = worker_device(int(os.environ["LOCAL_RANK"]), torch.cuda.is_available())
+    bind(device)  # before the process group: NCCL and barrier() work on the current device
+    torch.distributed.init_process_group(**process_group_arguments(device))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu")
     model = torch.nn.parallel.DistributedDataParallel(model.to(device), device_ids=[device] if device.index is not None else None)
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch // world, sampler=sampler,
@@ -222,6 +223,23 @@ class StepClock:
         wall = time.perf_counter() - self.started
         memory = {str(p.device): p.read()[0] / GIB for p in self.probes} or {"cpu (peak RSS)": peak_rss_bytes() / GIB}
         return {"wall_s": wall, "losses": torch.stack(self.losses).float().cpu().tolist(), "peak_memory_gib": memory}
+
+
+def worker_device(local_rank: int, cuda_available: bool) -> torch.device:
+    """A DDP worker's device: the GPU of its local rank (one per process), else the CPU."""
+    return torch.device("cuda", local_rank) if cuda_available else torch.device("cpu")
+
+
+def bind(device: torch.device) -> None:
+    """Make a worker's GPU its current device. Unbound, every rank's current device is cuda:0: barrier()
+    has to guess a device (and warns), and what names no device (a CUDA context) can land on GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def process_group_arguments(device: torch.device) -> dict:
+    """init_process_group's arguments: NCCL bound to the worker's GPU (device_id), gloo on a CPU."""
+    return {"backend": "nccl", "device_id": device} if device.type == "cuda" else {"backend": "gloo"}
 
 
 def synchronize(devices) -> None:
@@ -302,6 +320,9 @@ def ddp_worker(settings, compare) -> None:
 
 def launch_ddp(processes: int, argv: list[str], global_batch: int) -> dict:
     """torchrun one worker per device: plain torch.distributed, no Accelerate, so the set-up is visible."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # this process's cached blocks (DataParallel's, on every GPU) would crowd the workers
     with tempfile.TemporaryDirectory() as scratch:
         result_file = Path(scratch) / "ddp.json"
         torchrun = str(Path(sys.executable).parent / "torchrun")

@@ -25,13 +25,17 @@ def test_flops_read_the_model_configuration():
 
 
 @pytest.mark.parametrize("name,precision,peak", [
-    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA L40", "bf16", 181.0), ("NVIDIA L40S", "bf16", 366.0),
+    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA L40", "bf16", 181.05), ("NVIDIA L40S", "bf16", 362.05),
+    ("NVIDIA L40S", "tf32", 183.0), ("NVIDIA L40S", "fp16", 362.05),
     ("NVIDIA A10", "bf16", 125.0), ("NVIDIA A10G", "bf16", None),
     ("NVIDIA A100-PCIE-40GB", "bf16", 312.0), ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
     ("NVIDIA A100-SXM4-40GB", "fp32", 19.5), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
     ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 80GB HBM3", "bf16", 989.5), ("NVIDIA H100 NVL", "bf16", 835.5),
     ("NVIDIA H200", "bf16", 989.5), ("NVIDIA H200 NVL", "bf16", 835.5), ("NVIDIA B200", "bf16", 2250.0),
-    ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("Tesla V100-SXM2-16GB", "bf16", None),
+    ("NVIDIA B200", "tf32", 1125.0), ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("Tesla V100-SXM2-16GB", "bf16", None),
+    ("Tesla V100-SXM2-32GB", "fp16", 125.0), ("Tesla V100-SXM2-16GB", "fp32", 15.7),
+    ("Tesla V100-PCIE-16GB", "fp16", 112.0), ("Tesla V100-PCIE-32GB", "fp32", 14.0),
+    ("Tesla V100-FHHL-16GB", "fp16", None),  # the 150 W card: no figure in the table, so no MFU
     ("AMD EPYC 7B13", "fp32", None),
 ])
 def test_peaks_come_from_an_exact_table_never_a_substring(name, precision, peak):

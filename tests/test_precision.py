@@ -1,5 +1,8 @@
 """Precision logic that matters on GPUs, checked on the CPU: loss-scaler skips, TF32, native bf16."""
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -54,3 +57,63 @@ def test_tf32_switched_on_behind_the_users_back_is_switched_off_and_reported(tf3
 ])
 def test_native_bf16_comes_from_the_cpu_flags(flags, native):
     assert precision.cpu_native_bf16(flags) is native
+
+
+class TinyClassifier(torch.nn.Module):
+    """Answers like a transformers classifier (an output with .logits), as train_step expects."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 2)
+
+    def forward(self, features):
+        return SimpleNamespace(logits=self.linear(features))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fused):
+    """trainscope.loop.train_step (train.py's step) with Accelerate's AcceleratedOptimizer around AdamW and
+    a GradScaler: Accelerate patches the optimizer's step to learn whether GradScaler called it, and
+    runs scaler.update() inside its own step. On CUDA, Accelerator(mixed_precision="fp16") builds the
+    scaler itself; it makes none on a CPU, so a CPU GradScaler is handed to the Accelerator here. That
+    a CUDA scaler and the fused CUDA kernel skip the same steps: not measured on GPU."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+
+    from trainscope.loop import train_step
+
+    planted, steps = {1, 4}, 6
+    try:
+        accelerator = Accelerator(cpu=True)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+        torch.manual_seed(0)
+        model = TinyClassifier()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused))
+        assert isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is accelerator.scaler
+        skips = precision.SkippedSteps(accelerator.scaler, accelerator.device)
+        step_now = {"step": 0}
+
+        def plant_inf(grad):
+            if step_now["step"] in planted:
+                grad = grad.clone()
+                grad[0, 0] = float("inf")
+            return grad
+
+        model.linear.weight.register_hook(plant_inf)
+        updated, accelerate_says_skipped = [], []
+        for step in range(steps):
+            step_now["step"] = step
+            before = model.linear.weight.detach().clone()
+            batch = {"features": torch.randn(8, 16), "labels": torch.randint(0, 2, (8,))}
+            train_step(accelerator, model, batch, optimizer, SimpleNamespace(step=lambda: None),
+                       lambda stage: contextlib.nullcontext(), max_grad_norm=None, skips=skips)
+            updated.append(not torch.equal(before, model.linear.weight))
+            accelerate_says_skipped.append(optimizer.step_was_skipped)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert skips.total() == len(planted)
+    assert updated == [step not in planted for step in range(steps)]  # the planted steps really were skipped
+    # With the fused optimizer GradScaler always calls its step (the kernel skips the update itself), so
+    # Accelerate's flag never turns; without fusing, GradScaler skips the call and the flag tells.
+    assert accelerate_says_skipped == ([False] * steps if fused else [step in planted for step in range(steps)])

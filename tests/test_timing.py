@@ -3,7 +3,7 @@ import time
 import pytest
 import torch
 
-from trainscope.timing import ALL_STAGES, CATEGORIES, HostClock, Nvtx, StageTimer, make_clock, stage_table
+from trainscope.timing import ALL_STAGES, CATEGORIES, EventClock, HostClock, Nvtx, StageTimer, make_clock, stage_table
 
 # sleep() never undershoots; on a loaded 2-core machine it can overshoot by tens of milliseconds, so
 # delays are long and the upper bound is relative.
@@ -151,6 +151,60 @@ def test_event_mode_defers_reading_until_events_complete_and_charges_device_time
     assert clock.waited == 1
     assert interval["stage_s"] == {"data": 0.0, "forward": 5.0, "backward": 7.0, "optimizer": 1.0, "eval": 0.0}
     assert timer.take_interval()["stage_s"]["forward"] == 0.0
+
+
+class PlantedEvent:
+    """Stands in for torch.Event, which this CPU build cannot record (its CPU backend has no events).
+    record() stamps the device time the test planted; the event completes when the test says or when
+    waited on; elapsed_time() answers in milliseconds, as CUDA's does."""
+
+    device_now_s = 0.0
+    made = []
+
+    def __init__(self, device=None, *, enable_timing=False):
+        self.device, self.enable_timing = device, enable_timing
+        self.recorded_at_s, self.done = None, False
+        PlantedEvent.made.append(self)
+
+    def record(self, stream=None):
+        self.recorded_at_s = PlantedEvent.device_now_s
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+    def elapsed_time(self, end):
+        assert self.enable_timing and end.enable_timing, "CUDA refuses elapsed_time without enable_timing"
+        return (end.recorded_at_s - self.recorded_at_s) * 1000.0
+
+
+def test_events_mode_builds_timing_events_on_the_device_and_charges_stages_in_seconds(monkeypatch):
+    """The events clock as train.py builds it for CUDA (make_clock, StageTimer), through EventClock's own
+    code; only torch.Event and the device synchronize are stand-ins. That real CUDA events measure the
+    kernels' time: not measured on GPU."""
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(PlantedEvent, "made", [])
+    monkeypatch.setattr(PlantedEvent, "device_now_s", 0.0)
+    monkeypatch.setattr(torch, "Event", PlantedEvent)
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
+    clock, mode = make_clock("events", device)
+    assert isinstance(clock, EventClock) and mode == "events"
+    timer = StageTimer(clock, device, memory=False, nvtx=Nvtx(device, push=lambda name: None, pop=lambda: None))
+    timer.start()
+    with timer("forward"):
+        PlantedEvent.device_now_s += 0.250  # the device spends 250 ms; the host returns at once
+    with timer("backward"):
+        PlantedEvent.device_now_s += 0.500
+    assert timer.stage_calls["warmup"]["forward"] == 0  # the events have not completed: nothing read yet
+    timer.stop()  # waits for the pending events
+    seconds = timer.summary()["run"]["seconds"]
+    assert seconds["forward"] == pytest.approx(0.250) and seconds["backward"] == pytest.approx(0.500)
+    assert len(PlantedEvent.made) == 4  # one event per stage boundary
+    assert all(event.device == device and event.enable_timing for event in PlantedEvent.made)
+    assert synchronized == [device, device]  # the wall clock's start and stop, nothing per stage
 
 
 class CountingProbe:

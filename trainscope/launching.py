@@ -3,6 +3,8 @@
     accelerate launch [--config_file accelerate_configs/<config>.yaml] train.py [flags]
     python train.py [flags]
 
+Without a config the launch is pinned to one process (`--num_processes 1`): see `accelerate_launch`.
+
 Benchmarks, experiments and `make tune` call `run_training`, so what they measure is exactly what a
 user runs. `plan` decides, from the devices present, whether a config can run here at all: a
 2-process DDP config on a machine with one GPU is skipped with its reason instead of crashing.
@@ -63,13 +65,21 @@ def plan(config: str, gpus: int | None = None) -> Plan:
     return Plan(config, True)
 
 
+def accelerate_launch(config: str | None = None) -> list[str]:
+    """`accelerate launch --config_file <config>`, or `accelerate launch --num_processes 1` without one.
+
+    With no config and no default config, accelerate 1.15 starts one process per visible GPU
+    (`_validate_launch_command` in accelerate/commands/launch.py): a run meant as one process would
+    turn into DDP on a multi-GPU host and report a global figure next to a single process's."""
+    return [ACCELERATE, "launch", *(["--config_file", str(config_path(config))] if config else ["--num_processes", "1"])]
+
+
 def train_command(train_args: list[str], config: str | None = None, launcher: str = "accelerate",
                   script: Path = TRAIN_SCRIPT) -> list[str]:
     """The documented command; `script` is train.py unless a caller runs a wrapper of it (tests do)."""
     if launcher == "python":
         return [PYTHON, str(script), *train_args]
-    return [ACCELERATE, "launch", *(["--config_file", str(config_path(config))] if config else []),
-            str(script), *train_args]
+    return [*accelerate_launch(config), str(script), *train_args]
 
 
 def training_env(on_cpu: bool | None = None, extra: dict | None = None) -> dict:

@@ -1,7 +1,9 @@
 """What stage timing costs: train.py's timed loop against a bare loop over the same steps.
 
-Both are launched by the README's command (`accelerate launch`), get trainscope's thread budget and
-are built by the same builders with the same model, data, seed, batch size and optimizer steps. The
+Both are launched by the README's command (`accelerate launch`, pinned to one process: on a multi-GPU
+host a launch without a config runs on every GPU, and the bare loop would print one rank's samples/s
+against train.py's global figure), get trainscope's thread budget and are built by the same builders
+with the same model, data, seed, batch size and optimizer steps. The
 bare loop has no timer, no per-stage memory reads, no log lines and no progress bar: it is what a
 user writes without trainscope. Rounds alternate the order (bare, timed, then timed, bare, ...) and
 the result per timing clock is the median of per-round ratios of steady-state training samples/s
@@ -84,7 +86,7 @@ def bare_loop(argv: list[str]) -> None:
 
 
 def bare_run(train_args: list[str]) -> dict:
-    command = [launching.ACCELERATE, "launch", "-m", "trainscope.benchmarks.overhead", "--bare", *train_args]
+    command = [*launching.accelerate_launch(), "-m", "trainscope.benchmarks.overhead", "--bare", *train_args]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise SystemExit(f"error: the bare loop failed: {launching.failure_reason(result)}")
@@ -128,7 +130,7 @@ def markdown(report: dict) -> list[str]:
                     f"<= {r['target_overhead']:.0%} {'met' if r['meets_target'] else 'NOT met'}"]
                    for label, r in report["results"].items()], "timing_overhead", align="lrrrlrl")
     lines = ["# Stage-timing overhead", "", f"train.py flags: `{' '.join(report['train_args'])}`; both arms by "
-             f"`accelerate launch`; {len(report['rounds'])} alternating rounds; torch threads per process: "
+             f"`accelerate launch --num_processes 1`; {len(report['rounds'])} alternating rounds; torch threads per process: "
              f"{', '.join(map(str, report['threads']))}; verdicts: {bench.METHOD}.", "", *table.markdown_lines(), "",
              "Within noise, timing costs less than this machine's run-to-run noise can show; 1 - the lowest ratio "
              "bounds what it can cost."]

@@ -113,8 +113,8 @@ def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):
 
 
 def run_trainer(train_args: list[str], precision: str, config: str | None) -> dict:
-    command = [launching.ACCELERATE, "launch", *(["--config_file", str(launching.config_path(config))] if config else []),
-               "-m", "trainscope.benchmarks.trainer_peer", "--trainer", "--precision", precision, *train_args]
+    command = [*launching.accelerate_launch(config), "-m", "trainscope.benchmarks.trainer_peer", "--trainer",
+               "--precision", precision, *train_args]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise SystemExit(f"error: the Trainer arm failed: {launching.failure_reason(result)}")

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from trainscope import launching, reporting
+from trainscope import batch_search, launching, reporting
 from trainscope.experiments.base import (Experiment, ExperimentFailed, arm_table, errors, experiment, planned_arm,
                                          runs_option, write)
 from trainscope.tables import pyplot
@@ -22,7 +22,8 @@ def arguments(parser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="batch sizes")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run (2 of them timing warm-up)")
     parser.add_argument("--search-from", type=int, default=4096,
-                        help="on a GPU, find the largest batch that fits by halving from this (0: skip)")
+                        help="on a GPU, find the largest batch that fits by halving from this (0: skip); "
+                        "single-process configs only")
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -35,7 +36,7 @@ def run(args, train_args: list[str]) -> dict:
     largest = None
     if launching.cuda_devices() and args.search_from:
         largest = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], args.search_from)
-        print(f"largest batch that fits (find_executable_batch_size from {args.search_from}): {largest}")
+        print(f"largest batch that fits (halving from {args.search_from}): {largest}")
     sizes = sorted(args.batch_sizes, key=lambda b: (b != user.per_device_batch_size, b))
     arms = [planned_arm(f"bs{b}", args.config, ["--per-device-batch-size", str(b), "--gradient-accumulation-steps", "1",
                                                 "--max-steps", str(args.steps), "--log-every", str(args.steps)])
@@ -45,7 +46,7 @@ def run(args, train_args: list[str]) -> dict:
             arm.skipped = f"above the largest batch that fits ({largest})"
     summary = experiment(Path(args.runs), "batch", arms, [*train_args, *SMALL_EVAL], args.rounds)
     summary.update(largest_fitting_batch=largest, search=(
-        "find_executable_batch_size" if largest is not None
+        "find_executable_batch_size, halving" if largest is not None
         else "no device-memory limit to search on a CPU: the largest swept batch stands"),
         recommendation=recommend(summary, user.per_device_batch_size * user.gradient_accumulation_steps))
     write(Path(args.runs), "batch", summary, [*train_args, *SMALL_EVAL], args.rounds)
@@ -71,10 +72,12 @@ def recommend(summary: dict, effective_batch: int) -> dict:
 
 
 def largest_fitting_batch(config: str, train_args: list[str], start: int) -> int:
-    """The largest batch whose training steps fit in device memory, found in a child process launched with
-    the config (its precision), so nothing stays allocated here."""
-    command = [launching.ACCELERATE, "launch", "--config_file", str(launching.config_path(config)), "-m",
-               "trainscope.experiments", "find-batch", "--start", str(start), "--", *train_args]
+    """The largest batch (halving from `start`) whose training steps fit in device memory, found in a child
+    process launched with the config (its precision), so nothing stays allocated here. A multi-process
+    config is refused before anything is launched (see trainscope.batch_search)."""
+    batch_search.refuse_multi_process(config, launching.config_facts(launching.config_path(config))["num_processes"])
+    command = [*launching.accelerate_launch(config), "-m", "trainscope.experiments", "find-batch",
+               "--start", str(start), "--", *train_args]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise ExperimentFailed(f"the batch-size search failed: {launching.failure_reason(result)}")
@@ -82,13 +85,12 @@ def largest_fitting_batch(config: str, train_args: list[str], start: int) -> int
 
 
 def find_batch(args, train_args: list[str]) -> None:
-    """The child of `largest_fitting_batch`: Accelerate's find_executable_batch_size lowers the batch on every
-    out-of-memory error; each try trains two steps on full-length (worst-case) sequences."""
+    """The child of `largest_fitting_batch`: batch_search.search halves the batch on every out-of-memory
+    error; each try trains two steps on full-length (worst-case) sequences."""
     import dataclasses
 
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import find_executable_batch_size
 
     from trainscope import startup
     from trainscope.loop import train_step
@@ -99,8 +101,8 @@ def find_batch(args, train_args: list[str]) -> None:
     startup.configure_process(settings)
     tokenizer = build_tokenizer(settings)
     accelerator = Accelerator()  # precision and device from the launch's config
+    batch_search.refuse_multi_process("this launch", accelerator.num_processes)
 
-    @find_executable_batch_size(starting_batch_size=args.start)
     def two_steps(batch_size):
         accelerator.free_memory()
         trial = dataclasses.replace(settings, per_device_batch_size=batch_size)
@@ -114,9 +116,8 @@ def find_batch(args, train_args: list[str]) -> None:
                      "labels": torch.zeros(batch_size, dtype=torch.long, device=accelerator.device)}
             train_step(accelerator, model, batch, optimizer, scheduler, _untimed, trial.max_grad_norm)
         del model, optimizer, scheduler
-        return batch_size
 
-    print(json.dumps({"largest_batch": two_steps()}))
+    print(json.dumps({"largest_batch": batch_search.search(two_steps, args.start)}))
 
 
 def _untimed(stage: str):
