@@ -209,7 +209,7 @@ def _exposed_above_total(view: RunView):
     if block.get("measured") and exposed is not None and total and exposed > total:
         return (f"exposed communication {exposed * 1e3:.1f} ms is more than the all-reduce of the same buckets alone "
                 f"({total * 1e3:.1f} ms): backward waited for more than communication (contention for the cores, or "
-                f"noise); overlap is reported as measured ({block.get('overlap') or 0:.0%}), not clamped")
+                "noise); the figures are reported as measured, not clamped")
 
 
 @register("comm_instruments_disagree", "trainscope's exposed communication disagrees with DDP's own figure",

@@ -18,22 +18,23 @@ def train_step(accelerator, model, batch, optimizer, scheduler, stage, max_grad_
     gradients synchronize (Accelerate skips the step inside an accumulation window).
 
     `stage` is the timer (`with stage("forward"): ...`); `skips` a precision.SkippedSteps; with a
-    `calibration` (communication.Calibration), this step's backward runs without DDP's all-reduce
-    and the gradients are all-reduced once afterwards, timed apart: the same update, measured.
+    `calibration` (communication.Calibration), the micro-batch first runs once more without DDP's
+    all-reduce, with the timer paused (trainscope.communication), and the real pass is timed around its
+    forward and backward: the same update, measured.
     Returns (loss, labels), still on the device: reading the loss is left to log steps.
     """
+    labels = batch.pop("labels")
     with accelerator.accumulate(model):
         measured = calibration is not None and accelerator.sync_gradients
-        with calibration.measuring(model) if measured else contextlib.nullcontext():  # sync points: these steps only
+        if measured:
+            with stage.paused():  # outside every timed figure; sync points: calibration steps only
+                calibration.unsynced_pass(lambda: accelerator.backward(classification_loss(model(**batch).logits, labels)))
+        with calibration.synced_pass() if measured else contextlib.nullcontext():
             with stage("forward"):
-                labels = batch.pop("labels")
                 logits = model(**batch).logits
             with stage("backward"):
-                loss = F.cross_entropy(logits.float(), labels)
-                if measured:
-                    calibration.backward(accelerator, loss)
-                else:
-                    accelerator.backward(loss)
+                loss = classification_loss(logits, labels)
+                accelerator.backward(loss)
         with stage("optimizer"):
             if accelerator.sync_gradients and max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -45,6 +46,11 @@ def train_step(accelerator, model, batch, optimizer, scheduler, stage, max_grad_
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
     return loss.detach(), labels
+
+
+def classification_loss(logits, labels):
+    """Cross-entropy in fp32, whatever precision the logits come in."""
+    return F.cross_entropy(logits.float(), labels)
 
 
 class LoopState:

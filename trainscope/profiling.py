@@ -21,6 +21,7 @@ class NoProfiler:
 
     enabled = False
     top_operators: list = []
+    communication = None
 
     def __enter__(self):
         return self
@@ -42,6 +43,7 @@ class StepProfiler:
         self.device = device
         self.rank = rank
         self.top_operators: list[dict] = []
+        self.communication = None  # what the trace says of DDP's all-reduces (trainscope.communication)
         self.window = {"first_step": wait + warmup + 1, "last_step": wait + warmup + active}
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -69,6 +71,9 @@ class StepProfiler:
     def _trace_ready(self, profiler):
         torch.profiler.tensorboard_trace_handler(str(self.directory), worker_name=f"rank{self.rank}")(profiler)
         self.top_operators = top_operators(profiler.key_averages(), self.device)
+        from trainscope.communication import from_trace
+
+        self.communication = from_trace(profiler.events())
 
 
 def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) -> list[dict]:

@@ -280,9 +280,9 @@ class RunView:
                 "seed": self.setting("seed")}
 
 
-COMMUNICATION_FIGURES = ("exposed_s", "exposed_share", "total_allreduce_s", "overlap", "bus_bandwidth_gbs",
-                         "allreduces_per_optimizer_step", "allreduce_bytes_per_step", "gradient_bytes",
-                         "ddp_exposed_s", "ddp_overlap")
+COMMUNICATION_FIGURES = ("exposed_s", "exposed_share", "total_allreduce_s", "window_s", "overlap", "compute_s",
+                         "bus_bandwidth_gbs", "allreduces_per_optimizer_step", "allreduce_bytes_per_step",
+                         "gradient_bytes", "ddp_exposed_s", "ddp_comm_s", "ddp_overlap", "measurement_s")
 
 
 def warning_lines(records) -> list[str]:

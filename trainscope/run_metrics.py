@@ -91,7 +91,7 @@ class RunMetrics:
 
     def calibration(self):
         """The communication calibration for the coming micro-batch, or None (see trainscope.communication)."""
-        return self.communication.calibration_for(self.loop.step + 1, self.timer.phase)
+        return self.communication.calibration_for(self.loop.step + 1)
 
     def micro_batch(self, batch: dict, loss, labels) -> bool:
         """Count one trained micro-batch; True when it completed an optimizer step."""
@@ -103,6 +103,7 @@ class RunMetrics:
         self.loop.end_step(phase)
         step = self.loop.step
         self.profiler.step()
+        self.communication.step_ended(step)
         self.snapshot.step_finished(step)  # takes the snapshot at the end of its window (phase `snapshot`)
         if step == 1 and self.settings.compile:
             self._graphs_after_first_step = modeling.compile_stats()["graphs"]
@@ -191,7 +192,8 @@ class RunMetrics:
     def _rank_summary(self) -> dict:
         return {"rank": self.accelerator.process_index, "timing": self.timer.summary(), "counts": self.loop.counts,
                 "memory": {**self.timer.memory_summary(), "peak_rss_gib": peak_rss_bytes() / GIB},
-                "communication": self.communication.rank_summary(self.loop.counts)}
+                "measurement_s": self.timer.paused_seconds,
+                "communication": self.communication.rank_summary(self.loop.counts, self.profiler.communication)}
 
     def _summary(self, per_rank: list[dict], test_scores: dict | None, snapshot: dict | None) -> dict:
         phase = "steady" if self.loop.counts["steady"]["optimizer_steps"] else "warmup"

@@ -153,6 +153,8 @@ class StageTimer:
         self.peak_reserved_bytes = defaultdict(int)
         self.run_peak_allocated_bytes = 0
         self.run_peak_reserved_bytes = 0
+        self.paused_seconds = 0.0
+        self.paused_peak_allocated_bytes = 0
         self._interval = defaultdict(float)
         self._interval_started = None
         self._pending = deque()
@@ -220,6 +222,29 @@ class StageTimer:
         return {"phase": self.phase, "wall_seconds": wall,
                 "stage_seconds": {p: dict(s) for p, s in self.stage_seconds.items()},
                 "stage_calls": {p: dict(c) for p, c in self.stage_calls.items()}}
+
+    @contextmanager
+    def paused(self):
+        """Time that belongs to no figure (a measurement's own work): the wall clocks of the phase and the
+        step line skip it, and on CUDA its allocations stay out of the run's memory peak (read apart, as
+        `paused_peak_allocated_bytes`)."""
+        if self._active is not None:
+            raise RuntimeError(f"paused() inside stage {self._active!r}")
+        if not self._running:
+            raise RuntimeError("paused() outside start()/stop()")
+        began = self._host_now()
+        self.flush()
+        self._fold_run_peak()
+        try:
+            yield
+        finally:
+            if self.memory is not None:
+                self.paused_peak_allocated_bytes = max(self.paused_peak_allocated_bytes, self.memory.read()[0])
+                self.memory.reset()  # the run's own peak goes on from here, without the pause's allocations
+            elapsed = self._host_now() - began
+            self._phase_started += elapsed
+            self._interval_started += elapsed
+            self.paused_seconds += elapsed
 
     # ---- stages
     @contextmanager
@@ -322,6 +347,7 @@ class StageTimer:
             "stage_peak_reserved_gib": {s: b / GIB for s, b in self.peak_reserved_bytes.items()},
             "max_allocated_gib": self.run_peak_allocated_bytes / GIB,
             "max_reserved_gib": self.run_peak_reserved_bytes / GIB,
+            "measurement_peak_allocated_gib": self.paused_peak_allocated_bytes / GIB,
         }
 
 
