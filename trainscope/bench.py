@@ -31,6 +31,7 @@ from trainscope import provenance
 from trainscope.records import write_json_atomic, write_text_atomic
 
 MIN_PAIRS = 5
+MIN_DECIDABLE = 4  # the fewest pairs whose exact two-sided p-value (2/70 = 0.029) can pass ALPHA
 ALPHA = 0.05
 MIN_EFFECT = 0.03  # a speed ratio within 3% of 1 is no change worth acting on, however significant
 METHOD = f"two-sided Mann-Whitney U, alpha {ALPHA}, minimum effect {MIN_EFFECT:.0%}"

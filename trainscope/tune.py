@@ -54,7 +54,7 @@ def work_seconds(run: dict, reference_tokens: float) -> float:
     return run["eval_s"] + run["train_wall_s"] * reference_tokens / run["train_tokens"]
 
 
-def judge_all(trials: list[Trial], baseline_runs: list[dict], min_rounds: int) -> dict[str, dict]:
+def judge_all(trials: list[Trial], baseline_runs: list[dict]) -> dict[str, dict]:
     """Every trial against the baseline on the same work, Holm-corrected over the trials: {name: comparison}."""
     reference = statistics.median(r["train_tokens"] for r in baseline_runs)
     base = [work_seconds(r, reference) for r in baseline_runs]
@@ -65,7 +65,7 @@ def judge_all(trials: list[Trial], baseline_runs: list[dict], min_rounds: int) -
         mine = [work_seconds(r, reference) for r in t.runs]
         paired = [baseline_runs[i] for i in t.rounds]  # the baseline runs of the rounds this trial took part in
         comparison = bench.compare_samples([work_seconds(r, reference) for r in paired], mine, higher_is_better=False,
-                                           min_pairs=min_rounds, p_value=adjusted[t.name])
+                                           min_pairs=bench.MIN_DECIDABLE, p_value=adjusted[t.name])
         comparison.update(p_raw=raw[t.name], p_value=adjusted[t.name], correction=f"Holm over {len(trials)} trial(s)")
         judged[t.name] = comparison
     return judged
@@ -126,7 +126,7 @@ class Tuner:
             done = index - first_round
             cost = sum(self.run_s.get(t.name, self.run_s["baseline"]) for t in live) + self.run_s["baseline"]
             if not live or done >= self.args.max_rounds or (done >= self.args.min_rounds and cost > self.remaining()):
-                return judged or judge_all(trials, self.baseline_runs, self.args.min_rounds)
+                return judged or judge_all(trials, self.baseline_runs)
             arms = {"baseline": None, **{t.name: t for t in live}}
             for name in bench.round_order(list(arms), index):
                 if name == "baseline":
@@ -136,7 +136,7 @@ class Tuner:
                     arms[name].runs.append(self.run(arms[name].arm, index))
                     arms[name].rounds.append(index)
             index += 1
-            judged = judge_all(trials, self.baseline_runs, self.args.min_rounds)
+            judged = judge_all(trials, self.baseline_runs)
             for t in live:
                 t.decided = judged[t.name]["verdict"] in ("faster", "slower")
 
