@@ -18,21 +18,48 @@ def test_rounds_alternate_the_order_of_the_arms():
     assert len(rounds) == 4 and set(rounds[0]) == {"a", "b", "c"}
 
 
-@pytest.mark.parametrize("ratios,verdict", [
-    ([1.02, 1.05, 1.01, 1.03, 1.04], "faster"),
-    ([0.97, 0.99, 0.95, 0.98, 0.96], "slower"),
-    ([0.985, 1.016, 0.994, 1.004, 1.001], "within noise"),  # what a median of 1.0037 hid
-    ([1.5, 1.6], "too few pairs"),
+@pytest.mark.parametrize("baseline,candidate,verdict", [
+    ([10.0, 10.1, 9.9, 10.2, 10.0], [10.6, 10.8, 10.5, 10.7, 10.9], "faster"),   # every round above, 6% apart
+    ([10.0, 10.1, 9.9, 10.2, 10.0], [9.2, 9.3, 9.4, 9.1, 9.5], "slower"),
+    ([10.0, 10.1, 9.9, 10.2, 10.0], [9.9, 10.2, 10.0, 10.1, 9.95], "within noise"),  # straddling
+    ([10.0, 10.01, 10.0, 10.02, 10.01], [10.1, 10.11, 10.1, 10.12, 10.13], "within noise"),  # real, but 1% < 3%
+    ([10.0, 10.1, 9.9], [15.0, 15.1, 14.9], "too few pairs"),  # 1.5x, but 3 against 3 cannot pass 0.05
 ])
-def test_the_verdict_comes_from_the_spread_not_the_median(ratios, verdict):
-    comparison = bench.compare(ratios)
+def test_the_verdict_needs_the_test_and_the_minimum_effect(baseline, candidate, verdict):
+    comparison = bench.compare_samples(baseline, candidate)
     assert comparison["verdict"] == verdict
-    assert comparison["min_ratio"] == min(ratios) and comparison["max_ratio"] == max(ratios)
+    assert comparison["min_ratio"] == min(c / b for b, c in zip(baseline, candidate))
+    assert comparison["test"] == bench.METHOD and 0 < comparison["p_value"] <= 1
 
 
-def test_pair_ratios_pair_each_round():
-    rounds = [{"new": {"s": 12.0}, "old": {"s": 10.0}}, {"new": {"s": 9.0}, "old": {"s": 10.0}}]
-    assert bench.pair_ratios(rounds, "new", "old", "s") == [1.2, 0.9]
+def test_times_are_compared_the_other_way_round():
+    seconds = bench.compare_samples([2.0, 2.1, 1.9, 2.0, 2.05], [1.0, 1.05, 0.95, 1.0, 1.02], higher_is_better=False)
+    assert seconds["verdict"] == "faster" and seconds["median_ratio"] == pytest.approx(2.0, rel=0.05)
+
+
+@pytest.mark.parametrize("x,y,p", [
+    ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], 2 / 252),   # separated: the smallest exact two-sided p of 5 against 5
+    ([1, 2, 3, 4, 6], [5, 7, 8, 9, 10], 4 / 252),   # one swap: rank sum 16, two arrangements per tail
+    ([1, 2, 3], [4, 5, 6], 0.1),                    # 3 against 3 can never pass 0.05
+    ([1, 2, 3, 4], [5, 6, 7, 8], 2 / 70),
+    ([1, 3, 5, 7, 9], [2, 4, 6, 8, 10], 0.6905),
+])
+def test_the_exact_mann_whitney_p_value_matches_its_tables(x, y, p):
+    assert bench.mann_whitney_p(x, y) == pytest.approx(p, abs=1e-4)
+    assert bench.mann_whitney_p(y, x) == pytest.approx(p, abs=1e-4)  # two-sided
+
+
+def test_ties_keep_their_mid_ranks_and_large_samples_take_the_normal_approximation():
+    assert bench.mann_whitney_p([1, 1, 1], [1, 1, 1]) == 1.0
+    x = list(range(40))  # C(80, 40) arrangements: approximated
+    near, far = bench.mann_whitney_p(x, [v + 5 for v in x]), bench.mann_whitney_p(x, [v + 30 for v in x])
+    # by hand: x's rank sum 1432.5 against 1620 expected; 35 tied pairs; sd 103.9; z 1.805
+    assert near == pytest.approx(0.0711, abs=5e-4) and 0 < far < 1e-6
+
+
+def test_holm_multiplies_the_kth_smallest_by_m_minus_k_and_never_decreases():
+    assert bench.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert bench.holm([0.5]) == [0.5] and bench.holm([0.6, 0.9]) == pytest.approx([1.0, 1.0])
 
 
 def test_results_files_carry_provenance_and_are_redacted(tmp_path, monkeypatch):
@@ -66,13 +93,20 @@ def test_outputs_do_not_make_the_tree_dirty_but_code_does():
         code.unlink(missing_ok=True)
 
 
-def test_the_command_of_a_launched_run_is_its_launchers():
+def test_the_command_of_a_launched_run_is_its_launchers(tmp_path):
     code = "from trainscope import provenance; print(provenance.launch_command())"
     direct = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert direct.startswith("python -c")
-    # a parent process that is a launcher names the command
-    parent = subprocess.Popen(["sleep", "30"])
+    # a parent whose program is named accelerate (as `accelerate launch` is) is named as the command
+    launcher = tmp_path / "accelerate"
+    launcher.write_text(f"#!{sys.executable}\nimport time; time.sleep(30)\n")
+    launcher.chmod(0o755)
+    parent = subprocess.Popen([str(launcher), "launch", "--config_file", "x.yaml", "train.py", "--lora"])
     try:
-        assert provenance.launch_command(pid=parent.pid).startswith("python")  # `sleep` is not a launcher
+        import time
+
+        time.sleep(0.5)  # let it exec
+        assert provenance.launch_command(pid=parent.pid) == "accelerate launch --config_file x.yaml train.py --lora"
     finally:
         parent.kill()
+        parent.wait()

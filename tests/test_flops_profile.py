@@ -1,4 +1,6 @@
 import json
+import pickle
+import time
 
 import pytest
 from transformers import AutoConfig
@@ -73,26 +75,49 @@ def test_records_carry_flops_and_say_mfu_is_unknown_on_this_cpu(runs):
 
 
 class FakeAllocator:
-    def __init__(self):
-        self.calls = []
+    """torch.cuda.memory's snapshot calls, recorded; taking the snapshot can be given a planted cost."""
+
+    def __init__(self, take_s: float = 0.0):
+        self.calls, self.take_s = [], take_s
 
     def _record_memory_history(self, **kwargs):
         self.calls.append(("stop" if kwargs.get("enabled", True) is None else "start"))
 
-    def _dump_snapshot(self, path):
-        self.calls.append("dump")
-        open(path, "w").close()
+    def _snapshot(self):
+        time.sleep(self.take_s)
+        self.calls.append("take")
+        return {"segments": [], "device_traces": [[{"action": "alloc"}]]}
 
 
-def test_the_memory_snapshot_covers_a_window_after_warmup(tmp_path):
-    allocator = FakeAllocator()
-    snapshot = MemorySnapshot(tmp_path / "snap.pickle", after_step=2, steps=3, backend=allocator)
+def test_the_memory_snapshot_covers_a_window_after_warmup_and_is_written_after_the_loop(tmp_path):
+    allocator, path = FakeAllocator(), tmp_path / "snap.pickle"
+    snapshot = MemorySnapshot(path, after_step=2, steps=3, backend=allocator)
     for step in range(1, 11):
         snapshot.step_finished(step)
         if step == 2:
             assert allocator.calls == ["start"]
-    assert allocator.calls == ["start", "dump", "stop"]
-    assert snapshot.finish(10) == {"first_step": 3, "last_step": 5, "path": str(tmp_path / "snap.pickle")}
+    assert allocator.calls == ["start", "take", "stop"] and not path.exists()  # nothing pickled inside the loop
+    assert [step for step in range(1, 11) if snapshot.covers(step)] == [3, 4, 5]
+    assert snapshot.finish(10) == {"first_step": 3, "last_step": 5, "path": str(path)}
+    assert pickle.loads(path.read_bytes())["device_traces"] == [[{"action": "alloc"}]]
+
+
+def test_the_snapshot_window_and_taking_the_snapshot_stay_out_of_the_steady_figures(runs, monkeypatch):
+    """A planted 0.5 s to take the snapshot lands in the `snapshot` phase with the window's steps; steady
+    throughput never sees it. (On CUDA the recording also slows the window's steps: make gpu-check runs it.)"""
+    import trainscope.run_metrics as run_metrics
+
+    monkeypatch.setattr(run_metrics, "build_memory_snapshot", lambda settings, run_dir, device, rank: MemorySnapshot(
+        run_dir / "memory" / "snapshot_rank0.pickle", settings.timing_warmup_steps, 3, backend=FakeAllocator(0.5)))
+    assert_ok(run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "snap", "--max-steps", "12"]))
+    summary = read_record(runs / "snap")["summary"]
+    counts = summary["timing"]["per_rank"][0]["counts"]
+    assert (counts["warmup"]["optimizer_steps"], counts["snapshot"]["optimizer_steps"],
+            counts["steady"]["optimizer_steps"]) == (2, 3, 7)
+    across = summary["timing"]["across_ranks"]
+    assert across["snapshot"]["wall_s"]["median"] >= 0.5 > across["steady"]["wall_s"]["median"]
+    assert summary["throughput"]["optimizer_steps"] == 7 and summary["memory_snapshot"]["first_step"] == 3
+    assert (runs / "snap" / "memory" / "snapshot_rank0.pickle").exists()
 
 
 def test_a_run_shorter_than_the_window_still_writes_what_it_recorded(tmp_path):
@@ -101,4 +126,4 @@ def test_a_run_shorter_than_the_window_still_writes_what_it_recorded(tmp_path):
     for step in range(0, 3):
         snapshot.step_finished(step)
     assert snapshot.finish(2) == {"first_step": 1, "last_step": 2, "path": str(tmp_path / "snap.pickle")}
-    assert allocator.calls == ["start", "dump", "stop"]
+    assert allocator.calls == ["start", "take", "stop"] and (tmp_path / "snap.pickle").exists()

@@ -42,6 +42,14 @@ def test_a_clean_record_has_no_warnings():
     ({"summary__throughput": {"optimizer_steps": 3}}, "few_steady_steps"),
     ({"environment__device": "cuda:0", "environment__device_name": "NVIDIA A10G"}, "mfu_unknown"),
     ({"environment__requested_max_seq_length": 4096}, "max_seq_length_clamped"),
+    ({"environment__cpu_fallback": {"processes": 2, "requested_precision": "fp16"},
+      "environment__requested_precision": "no"}, "ran_on_cpu"),
+    ({"environment__device": "cuda:0", "environment__device_name": "NVIDIA H100 80GB HBM3",
+      "settings__memory_snapshot": True}, "memory_snapshot_on"),
+    ({"summary__communication": {"measured": True, "exposed_s": 0.2, "total_allreduce_s": 0.1, "ddp_exposed_s": 0.18}},
+     "comm_exposed_above_total"),
+    ({"summary__communication": {"measured": True, "exposed_s": 0.015, "total_allreduce_s": 0.3,
+                                 "ddp_exposed_s": 0.25}}, "comm_instruments_disagree"),
 ])
 def test_each_condition_raises_its_warning(changes, code):
     warnings = health.check(planted(**changes))
@@ -55,6 +63,13 @@ def test_bf16_on_a_cpu_with_native_units_is_not_called_emulated():
 
 def test_tf32_asked_for_is_not_a_warning():
     assert health.check(planted(environment__tf32_in_effect=True, settings__tf32=True)) == []
+
+
+def test_every_warning_is_one_registry_entry_with_its_fix_and_the_start_ones_are_said_at_start():
+    for entry in health.REGISTRY.values():
+        assert entry.meaning and entry.fix and callable(entry.condition)
+    started = planted(environment__threads__torch_threads=1, summary__compile={"recompiles": 3})
+    assert [w["code"] for w in health.check(started, at_start=True)] == ["threads_below_budget"]  # recompiles: at the end
 
 
 def test_unknown_codes_are_refused():

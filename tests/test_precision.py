@@ -29,9 +29,19 @@ def test_no_skips_without_overflow_and_no_counter_without_a_scaler():
     assert none.total() == 0 and none.count is None
 
 
-def test_the_count_stays_on_the_device_until_read():
-    skips, _ = scaled_steps({0})
-    assert isinstance(skips.count, torch.Tensor) and skips.count.device.type == "cpu"
+def test_counting_a_skip_reads_nothing_back_from_the_device(monkeypatch):
+    """Counting is tensor arithmetic on the device: no .item() (a sync point on a GPU) until total() is read."""
+    reads = []
+    real_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or real_item(self))
+    skips = precision.SkippedSteps(torch.amp.GradScaler("cpu", init_scale=2.0**8), torch.device("cpu"))
+    skips.scaler._scale = torch.tensor(256.0)
+    for scale in (128.0, 128.0, 64.0):  # update() backed off twice
+        skips.before_step()
+        skips.scaler._scale = torch.tensor(scale)
+        skips.after_step()
+    assert reads == [] and isinstance(skips.count, torch.Tensor)
+    assert skips.total() == 2 and reads == [1]
 
 
 @pytest.fixture

@@ -299,3 +299,35 @@ def test_the_five_categories_are_sums_of_stages():
     assert table["category_seconds"] == pytest.approx(
         {"data loading": 1, "forward": 2, "loss+backward": 3, "evaluation": 1.5, "other": 2.5})
     assert sorted(s for stages in CATEGORIES.values() for s in stages) == sorted(ALL_STAGES)
+
+
+def test_a_paused_span_belongs_to_no_figure_and_keeps_its_memory_out_of_the_run_peak():
+    class Probe:
+        def __init__(self):
+            self.current, self.peak = 0, 0
+
+        def reset(self):
+            self.peak = self.current
+
+        def read(self):
+            return self.peak, self.peak
+
+    probe = Probe()
+    timer = StageTimer(HostClock(), memory=probe)
+    timer.start()
+    with timer("forward"):
+        probe.peak = 100
+        time.sleep(0.05)
+    with timer.paused():
+        probe.peak = 1000  # the measurement's own buffers
+        time.sleep(0.3)
+    with pytest.raises(RuntimeError):
+        with timer("backward"):
+            with timer.paused():
+                pass
+    timer.stop()
+    steady_and_warmup = timer.summary()["run"]
+    assert steady_and_warmup["wall_s"] < 0.25 and timer.paused_seconds >= 0.3
+    assert steady_and_warmup["seconds"]["other"] < 0.2  # the pause is not charged to `other`
+    memory = timer.memory_summary()
+    assert memory["max_allocated_gib"] * 1024**3 == 100 and memory["measurement_peak_allocated_gib"] * 1024**3 == 1000

@@ -140,6 +140,7 @@ class RunLifecycle:
         self.peers = gather_object([(accelerator.process_index, socket.gethostname(), os.getpid())])
         self.metrics = None
         self.progress = None
+        self.saved_step = None  # the step of the last checkpoint written (the same on every rank)
 
     # ---------------------------------------------------------------- opening
 
@@ -201,13 +202,21 @@ class RunLifecycle:
             self.progress.set_postfix(loss=f"{line['loss']:.4f}")
         every = self.settings.save_every
         if every and metrics.loop.step % every == 0 and not metrics.done:
-            checkpoints.save(self.accelerator, self.run_dir, metrics.checkpoint_state())
+            self.save_checkpoint()
         if self.vote is not None:
             agreed = self.vote.post_and_read(self.signals.received or 0)
             if agreed:
                 raise Interrupted(agreed)
         else:
             self.check()
+
+    def save_checkpoint(self) -> str:
+        """A checkpoint of this step (the one already written when --save-every just did)."""
+        step = self.metrics.loop.step
+        if self.saved_step != step:
+            self.saved_checkpoint = checkpoints.save(self.accelerator, self.run_dir, self.metrics.checkpoint_state()).name
+            self.saved_step = step
+        return self.saved_checkpoint
 
     def evaluated(self, epoch: int, scores: dict) -> None:
         scores = self.metrics.validation(epoch, scores)
@@ -247,7 +256,7 @@ class RunLifecycle:
         self.progress and self.progress.close()
         checkpoint = None
         if self.settings.save_on_interrupt and self.metrics is not None and step > 0:
-            checkpoint = checkpoints.save(self.accelerator, self.run_dir, self.metrics.checkpoint_state()).name
+            checkpoint = self.save_checkpoint()
         if self.vote is not None:
             self.vote.settle()
         result, warnings = self._partial_summary(gather=True)

@@ -1,0 +1,183 @@
+"""Runs that end badly still leave a true record: Ctrl-C, SIGTERM to one rank, a killed rank, a second Ctrl-C,
+and --save-on-interrupt with --resume continuing with the same losses."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, read_record, read_steps
+from trainscope.launching import kill_tree
+
+DDP = ROOT / "accelerate_configs" / "ddp.yaml"
+# Every batch waits 30 ms in the loader: a run long enough to be interrupted in its middle, on any machine.
+SLOW = '''import sys, time
+sys.path.insert(0, {root!r})
+{patch}
+import trainscope.data as data
+build = data.build_collator
+def build_collator(*args, **kwargs):
+    collate = build(*args, **kwargs)
+    return lambda rows: (time.sleep(0.03), collate(rows))[1]
+data.build_collator = build_collator
+import train
+train.main(sys.argv[1:])
+'''
+ARGS = [*TINY, *ONE_THREAD, "--max-train-samples", "4096", "--log-every", "5", "--epochs", "3"]
+
+
+# Writing a checkpoint takes 10 s: an ending slow enough for a second Ctrl-C to arrive in it.
+SLOW_SAVE = '''import trainscope.checkpoints as checkpoints
+save = checkpoints.save
+checkpoints.save = lambda *args, **kwargs: (time.sleep(10), save(*args, **kwargs))[1]'''
+
+
+@pytest.fixture(scope="module")
+def slow_script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("endings") / "slow_train.py"
+    path.write_text(SLOW.format(root=str(ROOT), patch=""))
+    return path
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=cpu_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_for_steps(run_dir: Path, lines: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the run has written `lines` step lines (it is in the middle of training)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "steps.jsonl").exists() and len(read_steps(run_dir)) >= lines:
+            return
+        assert process.poll() is None, f"the run ended early with {process.returncode}"
+        time.sleep(0.1)
+    raise AssertionError(f"no {lines} step lines in {timeout} s")
+
+
+def finish(process: subprocess.Popen, timeout: float = 120) -> int:
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(process.pid)
+        raise AssertionError("the run did not end after the signal") from None
+
+
+def ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The training processes under an `accelerate launch`, by rank."""
+    found = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "RANK" in child.environ() and any("slow_train.py" in part for part in child.cmdline()):
+                found[int(child.environ()["RANK"])] = child
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def assert_partial(record: dict, step_at_least: int) -> None:
+    summary = record["summary"]
+    assert summary["partial"] is True and summary["optimizer_steps"] >= step_at_least
+    assert summary["throughput"]["samples_per_s"] > 0 and summary["timing"]["across_ranks"]["run"]["wall_s"]["median"] > 0
+
+
+def test_ctrl_c_of_a_single_process_records_the_interruption_and_exits_130(slow_script, tmp_path):
+    runs = tmp_path / "runs"
+    process = start([sys.executable, str(slow_script), *ARGS, "--output-dir", str(runs), "--run-name", "one"],
+                    tmp_path / "log")
+    wait_for_steps(runs / "one", 2, process)
+    process.send_signal(signal.SIGINT)
+    assert finish(process) == 130
+    record = read_record(runs / "one")
+    assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGINT"
+    assert record["interruption"]["step"] >= 10 and record["interruption"]["checkpoint"] is None
+    assert_partial(record, 10)
+    log = (tmp_path / "log").read_text()
+    assert "Traceback" not in log and "interrupted by SIGINT after optimizer step" in log
+
+
+def test_a_second_ctrl_c_exits_at_once_and_still_marks_the_record(tmp_path):
+    script, runs = tmp_path / "slow_train.py", tmp_path / "runs"
+    script.write_text(SLOW.format(root=str(ROOT), patch=SLOW_SAVE))
+    process = start([sys.executable, str(script), *ARGS, "--output-dir", str(runs), "--run-name", "twice",
+                     "--save-on-interrupt"], tmp_path / "log")
+    wait_for_steps(runs / "twice", 2, process)
+    process.send_signal(signal.SIGINT)  # the run stops and starts its 10 s checkpoint
+    time.sleep(1.5)  # more than the window in which a launcher's forwarded copy of the same Ctrl-C is ignored
+    asked = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    assert finish(process, timeout=30) == 130 and time.monotonic() - asked < 5  # not after the checkpoint
+    record = read_record(runs / "twice")
+    assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGINT"
+    assert record["interruption"]["forced"] is True and not list((runs / "twice" / "checkpoints").glob("step_*"))
+
+
+def test_ctrl_c_of_a_ddp_launch_stops_every_rank_at_the_same_step(slow_script, tmp_path):
+    runs = tmp_path / "runs"
+    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(slow_script), *ARGS, "--output-dir",
+                      str(runs), "--run-name", "ddp"], tmp_path / "log")
+    wait_for_steps(runs / "ddp", 2, launcher)
+    launcher.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does to the launcher; it forwards to the ranks
+    finish(launcher)
+    record = read_record(runs / "ddp")
+    assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGINT"
+    assert_partial(record, 10)
+    assert record["summary"]["ranks_summarized"] == [0, 1]  # both ranks stopped together and were summarized
+
+
+def test_sigterm_to_one_rank_stops_both_and_is_recorded(slow_script, tmp_path):
+    runs = tmp_path / "runs"
+    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(slow_script), *ARGS, "--output-dir",
+                      str(runs), "--run-name", "term"], tmp_path / "log")
+    wait_for_steps(runs / "term", 2, launcher)
+    ranks(launcher)[1].send_signal(signal.SIGTERM)  # as a scheduler pre-empting one node would
+    finish(launcher)
+    record = read_record(runs / "term")
+    assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGTERM"
+    assert record["interruption"]["received_here"] is False  # rank 0 stopped because rank 1 voted to
+    assert_partial(record, 10)
+
+
+def test_a_killed_rank_leaves_a_failed_record_naming_it(slow_script, tmp_path):
+    runs = tmp_path / "runs"
+    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(slow_script), *ARGS, "--output-dir",
+                      str(runs), "--run-name", "killed"], tmp_path / "log")
+    wait_for_steps(runs / "killed", 2, launcher)
+    victim = ranks(launcher)[1]
+    victim.send_signal(signal.SIGKILL)
+    finish(launcher)
+    record = read_record(runs / "killed")
+    assert record["status"] == "failed" and record["failed_at_step"] >= 10
+    assert record["lost_ranks"] == [f"rank 1 (pid {victim.pid})"] and f"rank 1 (pid {victim.pid}) disappeared" in record["error"]
+    assert_partial(record, 10)
+    assert record["summary"]["ranks_summarized"] == [0]  # only the survivor could be summarized
+
+
+def test_save_on_interrupt_then_resume_gives_the_same_losses_as_an_uninterrupted_run(slow_script, tmp_path):
+    runs = tmp_path / "runs"
+    args = [*ARGS, "--max-steps", "40", "--output-dir", str(runs), "--log-every", "1"]
+    whole = subprocess.run([sys.executable, str(slow_script), *args, "--run-name", "whole"], cwd=ROOT, env=cpu_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    process = start([sys.executable, str(slow_script), *args, "--run-name", "cut", "--save-on-interrupt"],
+                    tmp_path / "log")
+    wait_for_steps(runs / "cut", 12, process)
+    process.send_signal(signal.SIGINT)
+    assert finish(process) == 130
+    interruption = read_record(runs / "cut")["interruption"]
+    assert interruption["checkpoint"] == f"step_{interruption['step']:08d}"
+    resumed = subprocess.run([sys.executable, str(slow_script), *args, "--run-name", "cut", "--resume"], cwd=ROOT,
+                             env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    record = read_record(runs / "cut")
+    assert record["status"] == "complete" and record["resumed_from"] == [interruption["checkpoint"]]
+    losses = lambda run: {line["step"]: line["loss"] for line in read_steps(runs / run)}  # noqa: E731
+    assert losses("cut") == pytest.approx(losses("whole"), rel=1e-5) and len(losses("cut")) == 40
+    assert json.loads((runs / "cut" / "record.json").read_text())["summary"]["test"] == pytest.approx(
+        read_record(runs / "whole")["summary"]["test"])
