@@ -6,6 +6,7 @@ import pytest
 
 from conftest import CONFIGS, ROOT, TINY, assert_ok, config_processes, cpu_env, launch, read_record, read_steps
 from trainscope.environment import usable_cores
+from trainscope.records import SCHEMA_VERSION
 
 EXPECTED_PRECISION = {"fp16": "fp32", "ddp_fp16": "fp32", "bf16": "bf16", "fsdp": "bf16"}
 
@@ -28,7 +29,7 @@ def config_runs(tmp_path_factory):
 
 def check_record(run_dir, world_size):
     record = read_record(run_dir)
-    assert record["status"] == "complete" and record["schema_version"] == 2
+    assert record["status"] == "complete" and record["schema_version"] == SCHEMA_VERSION
     summary = record["summary"]
     assert summary["world_size"] == world_size == record["environment"]["world_size"]
     assert sorted(r["rank"] for r in summary["timing"]["per_rank"]) == list(range(world_size))
@@ -52,8 +53,8 @@ def test_every_config_launches_as_documented(config, config_runs):
     assert env["torch_threads"] == env["threads"]["thread_budget"] == usable_cores() // world_size
     command = record["provenance"]["command"]
     assert command.startswith("accelerate launch --config_file") and f"{config.stem}.yaml" in command
-    if config.stem in ("fp16", "ddp_fp16"):
-        assert "fp16 was requested but cpu runs fp32" in result.stdout + result.stderr
+    if config.stem in ("fp16", "ddp_fp16"):  # said when the run starts, and recorded
+        assert "warning [fp16_unavailable]: fp16 was requested but cpu" in result.stdout + result.stderr
         assert "fp16_unavailable" in [w["code"] for w in record["warnings"]]
     if config.stem == "bf16" and env["cpu_native_bf16"] is False:
         assert "bf16_emulated" in [w["code"] for w in record["warnings"]]
@@ -87,15 +88,34 @@ def test_plain_launches_use_every_usable_core(launcher, runs):
     assert record["provenance"]["command"].split()[0] == ("python" if launcher == "python" else "accelerate")
 
 
-def test_a_plain_torchrun_of_two_processes_is_refused(runs):
+def test_the_missions_gpu_config_on_a_machine_without_a_gpu_runs_as_ddp_over_gloo_and_says_so(runs):
+    """`accelerate launch --config_file accelerate_configs/ddp_fp16.yaml train.py`, no environment variable."""
+    environment = {k: v for k, v in cpu_env().items() if k != "ACCELERATE_USE_CPU"}
+    result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "mission"],
+                    config=ROOT / "accelerate_configs" / "ddp_fp16.yaml", env=environment)
+    assert_ok(result)
+    record = check_record(runs / "mission", 2)
+    env = record["environment"]
+    assert (env["distributed_type"], env["backend"], env["effective_precision"]) == ("MULTI_CPU", "gloo", "fp32")
+    assert env["cpu_fallback"]["processes"] == 2 and env["cpu_fallback"]["requested_precision"] == "fp16"
+    assert {"ran_on_cpu", "fp16_unavailable"} <= {w["code"] for w in record["warnings"]}
+    assert record["summary"]["communication"]["measured"] is True
+    assert (result.stdout + result.stderr).count("warning [ran_on_cpu]") == 2  # at the start and in the table
+
+
+def test_a_launch_that_would_train_n_times_over_is_refused(runs):
+    """A plain torchrun on a CPU-only machine falls back to DDP over gloo; told not to (ACCELERATE_USE_CPU=false),
+    Accelerate would make N independent single-process runs: refused."""
     result = launch("train.py", [*TINY, "--output-dir", str(runs)], launcher="torchrun",
-                    env={k: v for k, v in cpu_env().items() if k != "ACCELERATE_USE_CPU"})
-    assert result.returncode != 0
-    assert "independent single-process runs" in result.stderr
+                    env={**cpu_env(), "ACCELERATE_USE_CPU": "false"})
+    assert result.returncode == 1  # torchrun's status when its workers fail; each worker exited 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "independent single-process runs" in errors[0]  # once, not once per rank
     assert not runs.exists() or not any(runs.iterdir())
 
 
-def test_an_unknown_config_file_fails(runs):
+def test_an_unknown_config_file_fails_before_anything_runs(runs):
     result = launch("train.py", [*TINY, "--output-dir", str(runs)], config=ROOT / "accelerate_configs" / "nope.yaml")
-    assert result.returncode != 0
+    assert result.returncode == 1
+    assert "nope.yaml` does not exist" in result.stderr.strip().splitlines()[-1]  # accelerate's own last line
     assert not runs.exists()

@@ -4,6 +4,7 @@ committed inputs."""
 import json
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 import report
 from conftest import ROOT, cpu_env, run_command
 from trainscope import provenance
+from trainscope.experiments import REGISTRY, SECTIONS
 
 TINY = ("--model embedded:tiny-bert --max-train-samples 256 --max-eval-samples 64 --max-test-samples 64 "
         "--per-device-batch-size 16 --learning-rate 3e-3 --report-to none --log-every 2 --threads 1")
@@ -32,15 +34,16 @@ def built(tmp_path_factory):
 def test_every_section_is_there_or_names_its_make_target(built):
     runs, _, out = built
     text = (out / "report.md").read_text()
-    for heading in ("Where the time went", "DataLoader num_workers", "Mixed precision vs FP32",
-                    "DataParallel vs DDP", "Activation checkpointing", "Batch size", "Configs and switches"):
-        assert f"## {heading}" in text
+    for experiment in SECTIONS:  # every declared experiment has its section, in the registry's order
+        assert f"## {experiment.title}" in text
+    headings = [line[3:] for line in text.splitlines() if line.startswith("## ")]
+    assert headings[:len(SECTIONS)] == [e.title for e in SECTIONS]
     for target in ("make sweep-workers", "make compare-dp", "make batch-sweep", "make ckpt-compare",
-                   "make amp-compare"):
+                   "make amp-compare", "make ddp-cost", "make bench-compile"):
         assert f"Not run yet: `{target}` produces it." in text
     for name in ("time_breakdown", "matrix"):
         assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.pdf").exists()
-    assert not list(out.parent.glob(".reports.building"))
+    assert not list(out.parent.glob(".reports.building*"))
 
 
 def test_the_time_breakdown_comes_from_the_run_without_the_profiler(built):
@@ -156,7 +159,8 @@ def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_o
                              "--out", str(out)], env=cpu_env())
     assert completed.returncode == 0, completed.stderr
     text = (out / "report.md").read_text()
-    assert "section dp: its inputs lack what it reads (KeyError: 'hardware')" in text.split("## Skipped inputs")[1]
+    assert ("section data_parallel: its inputs lack what it reads (KeyError: 'hardware')"
+            in text.split("## Skipped inputs")[1])
     assert "## DataParallel vs DDP" not in text and "## Configs and switches side by side" in text
     assert "Traceback" not in completed.stderr
 
@@ -168,17 +172,22 @@ def test_report_without_inputs_is_refused(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-def test_the_committed_report_is_rebuilt_from_committed_inputs(tmp_path):
-    """reports/ holds what `make report RUNS=benchmarks/runs RESULTS=benchmarks` builds on a fresh clone."""
-    out = tmp_path / "reports"
-    completed = run_command([sys.executable, str(ROOT / "report.py"), "--runs", str(ROOT / "benchmarks" / "runs"),
-                             "--results", str(ROOT / "benchmarks"), "--out", str(out)], env=cpu_env())
+def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean_tree(tmp_path):
+    """`git clone ... && make report`: no runs/ or results/ there, so the committed benchmarks; every LaTeX table
+    comes out as committed, and provenance says the tree was clean (the report's scratch folder is ignored).
+    (make report runs `python report.py` without --runs or --results unless they are given: checked below.)"""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    committed = {p.name: p.read_text() for p in (clone / "reports").glob("*.tex")}
+    completed = run_command([sys.executable, "report.py"], cwd=clone, env=cpu_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
-    committed = sorted(p.name for p in (ROOT / "reports").glob("*.tex"))
-    assert committed and committed == sorted(p.name for p in out.glob("*.tex"))
-    for name in committed:
-        assert (out / name).read_text() == (ROOT / "reports" / name).read_text(), name
-    assert "Not run yet" not in (out / "report.md").read_text()
+    assert completed.stdout.splitlines()[0].startswith("No runs/ or results/ here yet: building the committed report")
+    rebuilt = {p.name: p.read_text() for p in (clone / "reports").glob("*.tex")}
+    assert committed and rebuilt == committed
+    inputs = json.loads((clone / "reports" / "inputs.json").read_text())
+    assert inputs["provenance"]["dirty"] is False and inputs["provenance"]["changed"] == []
+    assert "Not run yet" not in (clone / "reports" / "report.md").read_text()
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout == ""
 
 
 def test_figures_go_to_the_wandb_run_that_used_it(tmp_path):
@@ -195,15 +204,19 @@ def test_figures_go_to_the_wandb_run_that_used_it(tmp_path):
     assert images and any("time_breakdown" in image.name for image in images)
 
 
-@pytest.mark.parametrize("target,expected", [
-    ("ckpt-compare", "-m trainscope.experiments compare --runs runs/ckpt --config cpu --rounds 5 --arm off= "
-                     "--arm on=--gradient-checkpointing --"),
-    ("batch-sweep", "-m trainscope.experiments batch-sweep --config cpu --runs runs/batch --batch-sizes 8 16 32 64 128 "
-                    "--rounds 5 --"),
-    ("amp-compare", "-m trainscope.experiments amp --runs runs/amp --configs cpu bf16 --"),
-])
-def test_the_experiment_targets_run_the_experiments_module(target, expected):
-    """What `make -n` prints: the targets the report tests do not run end to end (they share its code)."""
-    completed = run_command(["make", "-n", target], env=cpu_env())
+@pytest.mark.parametrize("experiment", [e for e in REGISTRY if e.run is not None and e.target],
+                         ids=lambda e: e.name)
+def test_each_experiments_make_target_runs_its_declaration_into_its_folder(experiment):
+    """The Makefile line and the declaration agree: the target runs the experiment's subcommand, writing under
+    its folder, so the report finds what the target made."""
+    completed = run_command(["make", "-n", experiment.target.split()[-1], "RUNS=R"], env=cpu_env())
     command = " ".join(completed.stdout.replace("\\\n", " ").split())
-    assert completed.returncode == 0 and expected in command, command
+    assert completed.returncode == 0
+    assert f"-m trainscope.experiments {experiment.name} " in command and f"--runs R/{experiment.folder} " in command
+
+
+def test_make_report_passes_no_inputs_unless_asked():
+    plain = run_command(["make", "-n", "report"], env=cpu_env()).stdout
+    assert "report.py" in plain and "--runs" not in plain and "--results" not in plain
+    asked = run_command(["make", "-n", "report", "RUNS=r", "RESULTS=s"], env=cpu_env()).stdout
+    assert "--runs r" in asked and "--results s" in asked

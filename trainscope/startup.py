@@ -62,12 +62,13 @@ def start(settings: Settings) -> Startup:
 
 
 def cpu_fallback(environ=None) -> dict | None:
-    """A multi-process launch (a GPU config such as ddp_fp16.yaml) on a machine without a usable accelerator
-    runs as DDP over gloo on the CPU, as ACCELERATE_USE_CPU=1 would make it, instead of N separate runs.
-    Sets ACCELERATE_USE_CPU for this process (Accelerate reads it) and returns what ran instead."""
+    """A multi-process launch (a GPU config such as ddp_fp16.yaml, or a plain torchrun) on a machine without a
+    usable accelerator runs as DDP over gloo on the CPU, as ACCELERATE_USE_CPU=1 would make it, instead of N
+    separate runs. Sets ACCELERATE_USE_CPU for this process (Accelerate reads it) and returns what ran instead.
+    An ACCELERATE_USE_CPU the user set is theirs to keep (multi-process `accelerate launch` sets none)."""
     environ = os.environ if environ is None else environ
     processes = environment.launcher_world_size(environ)
-    if processes < 2 or parse_flag_from_env("ACCELERATE_USE_CPU") or environment.accelerator_available():
+    if processes < 2 or "ACCELERATE_USE_CPU" in environ or environment.accelerator_available():
         return None
     environ["ACCELERATE_USE_CPU"] = "1"
     return {"processes": processes, "requested_precision": environ.get("ACCELERATE_MIXED_PRECISION", "no"),
