@@ -4,6 +4,8 @@ import json
 import sys
 
 from conftest import cpu_env, run_command
+from trainscope import bench
+from trainscope.benchmarks import trainer_peer
 
 TINY = ["--model", "embedded:tiny-bert", "--max-train-samples", "256", "--per-device-batch-size", "16",
         "--max-steps", "8", "--timing-warmup-steps", "2", "--threads", "1"]
@@ -21,8 +23,7 @@ def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path):
     # every arm ran with the same threads, the Trainer included
     assert {arm["threads"][0] for arm in report["arms"].values()} == {1}
     ratio = report["comparisons"]["accelerate_over_trainer"]
-    assert ratio["median_ratio"] == round_["accelerate"]["samples_per_s"] / round_["trainer"]["samples_per_s"]
-    assert ratio["verdict"] == "too few pairs"  # one round decides nothing
+    assert ratio["verdict"] == "too few pairs" and ratio["test"] == bench.METHOD  # one round decides nothing
     assert report["provenance"]["commit"] and "not measured on GPU" in out.with_suffix(".md").read_text()
 
 
@@ -35,4 +36,14 @@ def test_overhead_benchmark_pairs_a_bare_loop_with_train_py(tmp_path):
     (round_,) = report["rounds"]
     assert round_["bare"]["samples_per_s"] > 0 and round_["host"]["samples_per_s"] > 0
     assert round_["bare"]["threads"] == round_["host"]["threads"]
-    assert report["results"]["host"]["median_ratio"] == round_["host"]["samples_per_s"] / round_["bare"]["samples_per_s"]
+    host = report["results"]["host"]
+    assert host["verdict"] == "too few pairs" and host["target_overhead"] == 0.02 and "p_value" in host
+
+
+def test_same_batches_catches_a_trainer_that_saw_other_batches():
+    accelerate = {"tokens_at": {"5": 900, "10": 1800}}
+    same = [{"accelerate": accelerate, "trainer": {"tokens_at": {"5": 900, "10": 1800, "2": 300}}}]
+    shifted = [{"accelerate": accelerate, "trainer": {"tokens_at": {"5": 900, "10": 1795}}}]
+    missing = [{"accelerate": accelerate, "trainer": {"tokens_at": {"5": 900}}}]
+    assert trainer_peer.same_batches(same) and not trainer_peer.same_batches(shifted)
+    assert not trainer_peer.same_batches(missing)

@@ -177,7 +177,9 @@ def test_saved_dataset_directory_loads(tmp_path, tokenizer):
                 ).save_to_disk(str(tmp_path / "saved"))
     data = load_classification_data(settings_for("--dataset", str(tmp_path / "saved")), tokenizer,
                                     contextlib.nullcontext)
-    assert len(data.label_names) == 2
+    assert data.label_names == ["bad", "good"]  # string labels in sorted order
+    assert len(data.train) + len(data.validation) + len(data.test) == len(rows)  # every saved row, split once
+    assert data.record_facts()["source"]["kind"] != "hub"
 
 
 def test_tokenization_is_cached_for_the_second_run(tmp_path, tokenizer):
