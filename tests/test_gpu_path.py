@@ -47,7 +47,7 @@ def test_compile_uses_dynamic_shapes_whatever_the_launcher_exports(monkeypatch, 
     try:
         for flags, dynamic in (([], True), (["--pad-to-max-length"], False)):
             (settings,) = parse_settings(argv=["--compile", "--report-to", "none", *flags])
-            launch = startup.Launch(state=None, settings=settings, threads={}, run_dir=tmp_path,
+            launch = startup.Startup(state=None, settings=settings, threads={}, run_dir=tmp_path,
                                     requested_max_seq_length=128, model_sequence_limit=512)
             launch.state = type("State", (), {"device": torch.device("cpu")})()
             accelerator = startup.build_accelerator(settings, launch)

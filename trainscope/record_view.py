@@ -74,6 +74,11 @@ class RunView:
         return self.env.get("threads") or {}
 
     @property
+    def torch_threads(self) -> int | None:
+        """The intra-op threads each process used (schema 1 records have it at the top of the environment)."""
+        return self.threads.get("torch_threads", self.env.get("torch_threads"))
+
+    @property
     def backend(self) -> str | None:
         return self.env.get("backend")
 

@@ -98,7 +98,7 @@ def timed_run(train_args: list[str], output_dir: Path, name: str) -> dict:
     if result.returncode != 0:
         raise SystemExit(f"error: train.py failed: {launching.failure_reason(result)}")
     view = RunView(read_record(output_dir / name))
-    return {"samples_per_s": view.samples_per_s, "threads": view.threads["torch_threads"]}
+    return {"samples_per_s": view.samples_per_s, "threads": view.torch_threads}
 
 
 def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path) -> dict:

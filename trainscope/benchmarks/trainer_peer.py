@@ -133,7 +133,7 @@ def run_train_py(train_args: list[str], config: str | None, launcher: str, outpu
         cumulative += line["tokens"]
         tokens_at[str(line["step"])] = cumulative
     return {"samples_per_s": view.samples_per_s, "tokens_per_s": view.tokens_per_s,
-            "threads": view.threads["torch_threads"], "tokens_at": tokens_at, "effective_precision": view.precision,
+            "threads": view.torch_threads, "tokens_at": tokens_at, "effective_precision": view.precision,
             "warnings": view.warning_codes}
 
 
