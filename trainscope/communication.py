@@ -288,9 +288,9 @@ def combine(per_rank: list[dict], throughput: dict) -> dict | None:
         return None
     counts = {k: ranks[0].get(k) for k in ("allreduces_per_optimizer_step", "allreduces_per_micro_batch")}
     samples = min(len(r["samples"]) for r in ranks)
-    if samples == 0:
+    if samples == 0:  # DDP's own figures and the trace's stand without a calibration
         return {"measured": False, "reason": "no calibration step ran (--measure-communication off, or too few "
-                "steady steps)", **counts}
+                "steady steps)", **counts, **ddp_figures(ranks), **trace_figures(ranks)}
     step_s = throughput.get("step_s") or 0.0
     per_sample = [sample_figures([r["samples"][i] for r in ranks]) for i in range(samples)]
     rows = [rank_row(per_rank[index]["rank"], [s["ranks"][index] for s in per_sample], step_s)
@@ -366,13 +366,15 @@ def ddp_figures(ranks: list[dict]) -> dict:
 
 
 def trace_figures(ranks: list[dict]) -> dict:
-    """The profiler trace's figures (median over ranks), when the run was profiled."""
+    """The profiler trace's figures, when the run was profiled: the wait after backward's last operation on the
+    rank that waited least (on the others it holds the wait for that one, as in DDP's figures), the
+    collectives' time as the median over ranks."""
     traces = [r.get("trace") for r in ranks if r.get("trace")]
     if not traces:
         return {}
-    pick = lambda key: statistics.median(t[key] for t in traces) if all(t.get(key) is not None for t in traces) else None  # noqa: E731
-    return {"trace_exposed_s": pick("exposed_s"), "trace_allreduce_s": pick("allreduce_s"),
-            "trace_steps": traces[0].get("steps")}
+    exposed = [t["exposed_s"] for t in traces if t.get("exposed_s") is not None]
+    return {"trace_exposed_s": min(exposed) if exposed else None,
+            "trace_allreduce_s": statistics.median(t["allreduce_s"] for t in traces), "trace_steps": traces[0].get("steps")}
 
 
 def from_trace(events) -> dict | None:
@@ -402,7 +404,7 @@ def table_lines(block: dict | None) -> list[str]:
     if not block:
         return []
     if not block.get("measured"):
-        return [f"communication: not measured ({block.get('reason')})"]
+        return [f"communication: not measured ({block.get('reason')})", *instrument_lines(block)]
     line = (f"communication: exposed {block['exposed_s'] * 1e3:.1f} ms per step"
             + (f" ({block['exposed_share']:.1%} of the step)" if block["exposed_share"] is not None else "")
             + f", the buckets' all-reduces alone {block['total_allreduce_s'] * 1e3:.1f} ms"
@@ -410,6 +412,15 @@ def table_lines(block: dict | None) -> list[str]:
                if block["overlap"] is not None else "")
             + f", {block['allreduces_per_optimizer_step']:.1f} all-reduces per step")
     lines = [line]
+    lines += instrument_lines(block)
+    lines += [f"straggler: rank {s['rank']} computes {s['excess_s'] * 1e3:.1f} ms per step above the median rank"
+              for s in block["stragglers"]]
+    return lines
+
+
+def instrument_lines(block: dict) -> list[str]:
+    """DDP's own logger and the trace, beside trainscope's figures (or alone, with measuring off)."""
+    lines = []
     if block.get("ddp_exposed_s") is not None:
         lines.append(f"  DDP's own logger: exposed {block['ddp_exposed_s'] * 1e3:.1f} ms, overlap "
                      f"{block['ddp_overlap']:.0%} of its {block['ddp_comm_s'] * 1e3:.0f} ms window (steady iterations "
@@ -417,6 +428,4 @@ def table_lines(block: dict | None) -> list[str]:
     if block.get("trace_exposed_s") is not None:
         lines.append(f"  profiler trace: exposed {block['trace_exposed_s'] * 1e3:.1f} ms, collectives "
                      f"{block['trace_allreduce_s'] * 1e3:.1f} ms per traced step")
-    lines += [f"straggler: rank {s['rank']} computes {s['excess_s'] * 1e3:.1f} ms per step above the median rank"
-              for s in block["stragglers"]]
     return lines
