@@ -11,12 +11,17 @@ TINY = ["--model", "embedded:tiny-bert", "--max-train-samples", "256", "--per-de
         "--max-steps", "8", "--timing-warmup-steps", "2", "--threads", "1"]
 
 
+def one_round_of(module: str, out) -> dict:
+    """`python -m trainscope.benchmarks.<module> --pairs 1` on the tiny model; its results file."""
+    completed = run_command([sys.executable, "-m", f"trainscope.benchmarks.{module}", "--pairs", "1", "--out", str(out),
+                             *TINY], env=cpu_env())
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(out.with_suffix(".json").read_text())
+
+
 def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path):
     out = tmp_path / "peer"
-    completed = run_command([sys.executable, "-m", "trainscope.benchmarks.trainer_peer", "--pairs", "1",
-                             "--out", str(out), *TINY], env=cpu_env())
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    report = json.loads(out.with_suffix(".json").read_text())
+    report = one_round_of("trainer_peer", out)
     (round_,) = report["rounds"]
     assert set(round_) == {"trainer", "accelerate", "python"}
     assert report["same_batches"] is True  # the Trainer saw train.py's batches, step for step
@@ -28,11 +33,7 @@ def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path):
 
 
 def test_overhead_benchmark_pairs_a_bare_loop_with_train_py(tmp_path):
-    out = tmp_path / "overhead"
-    completed = run_command([sys.executable, "-m", "trainscope.benchmarks.overhead", "--pairs", "1",
-                             "--out", str(out), *TINY], env=cpu_env())
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    report = json.loads(out.with_suffix(".json").read_text())
+    report = one_round_of("overhead", tmp_path / "overhead")
     (round_,) = report["rounds"]
     assert round_["bare"]["samples_per_s"] > 0 and round_["host"]["samples_per_s"] > 0
     assert round_["bare"]["threads"] == round_["host"]["threads"]

@@ -15,7 +15,6 @@ per-stage allocator peaks at every step (--memory-every 1), to show what they co
 Writes benchmarks/timing_overhead.{json,md}.
 """
 
-import argparse
 import contextlib
 import json
 import tempfile
@@ -140,13 +139,9 @@ def markdown(report: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=5, help="alternating rounds (default 5)")
+    parser = bench.driver_parser(__doc__, ROOT / "benchmarks" / "timing_overhead", "--bare")
     parser.add_argument("--modes", nargs="+", default=None, choices=["events", "sync"],
                         help="timing modes to measure (default: both on a GPU, the host clock on a CPU)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "timing_overhead"),
-                        help="results path without suffix (default benchmarks/timing_overhead)")
-    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     args, train_args = parser.parse_known_args()
     if args.bare:
         return bare_loop(train_args)

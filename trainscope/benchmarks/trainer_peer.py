@@ -17,7 +17,6 @@ evaluation). Rounds alternate the order of the arms; the verdicts come from per-
 Writes benchmarks/trainer_peer.{json,md}.
 """
 
-import argparse
 import contextlib
 import json
 import sys
@@ -186,13 +185,9 @@ def markdown(report: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=5, help="alternating rounds of all arms (default 5)")
+    parser = bench.driver_parser(__doc__, ROOT / "benchmarks" / "trainer_peer", "--trainer")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                         help="precision of both (train.py gets the matching Accelerate config)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "trainer_peer"),
-                        help="results path without suffix (default benchmarks/trainer_peer)")
-    parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     args, train_args = parser.parse_known_args()
     if args.trainer:
         return trainer_loop(train_args, args.precision)

@@ -170,6 +170,14 @@ def experiment(runs: Path, name: str, arms: list[Arm], train_args: list[str], ro
     return summary
 
 
+def fixed_arms(name: str, arms: dict[str, list[str]]) -> Callable:
+    """The run of an experiment whose arms are fixed flags on one config (the first arm is the baseline)."""
+    def run(args, train_args: list[str]) -> dict:
+        planned = [planned_arm(arm, args.config, flags) for arm, flags in arms.items()]
+        return experiment(Path(args.runs), name, planned, train_args, args.rounds)
+    return run
+
+
 def runs_option(parser: argparse.ArgumentParser, rounds: int | None = 5, config: str | None = "cpu") -> None:
     """The options every experiment of train.py runs has: --runs, and --rounds / --config where it takes them."""
     parser.add_argument("--runs", required=True, help="where the runs and comparison.{json,md} go")

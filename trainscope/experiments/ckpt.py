@@ -1,17 +1,10 @@
 """make ckpt-compare: activation checkpointing off and on, in alternating rounds: step time and peak memory."""
 
-from pathlib import Path
-
 from trainscope import bench, reporting
-from trainscope.experiments.base import Experiment, arm_table, errors, experiment, planned_arm, runs_option
+from trainscope.experiments.base import Experiment, arm_table, errors, fixed_arms, runs_option
 from trainscope.tables import pyplot
 
 ARMS = {"off": [], "on": ["--gradient-checkpointing"]}
-
-
-def run(args, train_args: list[str]) -> dict:
-    arms = [planned_arm(name, args.config, flags) for name, flags in ARMS.items()]
-    return experiment(Path(args.runs), "ckpt", arms, train_args, args.rounds)
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -39,5 +32,5 @@ def section(report, found: reporting.Collected) -> None:
 
 
 EXPERIMENT = Experiment(name="ckpt", title="Activation checkpointing", target="make ckpt-compare", folder="ckpt",
-                        section=section, arguments=runs_option, run=run,
+                        section=section, arguments=runs_option, run=fixed_arms("ckpt", ARMS),
                         help="activation checkpointing off and on: step time and peak memory")

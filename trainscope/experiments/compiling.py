@@ -1,17 +1,10 @@
 """make bench-compile: --compile against eager on the tiny model: compile time, recompiles, speed."""
 
-from pathlib import Path
-
 from trainscope import reporting
-from trainscope.experiments.base import Experiment, arm_table, experiment, planned_arm, runs_option
+from trainscope.experiments.base import Experiment, arm_table, fixed_arms, runs_option
 from trainscope.record_view import RunView
 
 ARMS = {"eager": [], "compiled": ["--compile"]}
-
-
-def run(args, train_args: list[str]) -> dict:
-    arms = [planned_arm(name, args.config, flags) for name, flags in ARMS.items()]
-    return experiment(Path(args.runs), "compile", arms, train_args, args.rounds)
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -28,5 +21,5 @@ def section(report, found: reporting.Collected) -> None:
 
 
 EXPERIMENT = Experiment(name="compile", title="torch.compile against eager", target="make bench-compile",
-                        folder="compile", section=section, arguments=runs_option, run=run,
+                        folder="compile", section=section, arguments=runs_option, run=fixed_arms("compile", ARMS),
                         help="--compile against eager: compile time, recompiles, speed")
