@@ -83,8 +83,9 @@ def plan(gpus: int | None = None) -> list[dict]:
                   "confirms": "torch.compile under DDP over NCCL: compile time, recompiles, speed per GPU"})
     steps.append({"name": "ddp-communication-memory", "config": "ddp",
                   "args": [*MODEL, "--max-steps", "40", "--measure-communication", "on", "--memory-every", "1"],
-                  "confirms": "what the communication calibration's separate all-reduce adds to each GPU's "
-                              "per-stage peak memory, and its exposed time over NCCL"})
+                  "confirms": "the communication calibration's extra pass and bucket replay stay out of each GPU's "
+                              "peak memory (read apart as measurement_peak_allocated_gib), and exposed communication "
+                              "over NCCL agrees with DDP's own logger"})
     for step in steps:
         if "config" in step:
             verdict = launching.plan(step["config"], max(gpus, 1))

@@ -305,14 +305,17 @@ class RunLifecycle:
             print(f"warning: no partial summary ({one_line(error)})", file=sys.stderr, flush=True)
             return None, []
 
-    def _lost_peers(self) -> list[str]:
-        """Ranks of this host whose process no longer exists ('rank 1 (pid 4242)')."""
+    def _lost_peers(self, patience_s: float = 2.0) -> list[str]:
+        """Ranks of this host whose process no longer exists ('rank 1 (pid 4242)'). A killed process closes its
+        sockets while it is still exiting, so the connection error can come first: look again for a moment."""
         here, me = socket.gethostname(), self.accelerator.process_index
-        lost = []
-        for rank, host, pid in self.peers:
-            if rank != me and host == here and not _alive(pid):
-                lost.append(f"rank {rank} (pid {pid})")
-        return lost
+        deadline = time.monotonic() + patience_s
+        while True:
+            lost = [f"rank {rank} (pid {pid})" for rank, host, pid in self.peers
+                    if rank != me and host == here and not _alive(pid)]
+            if lost or time.monotonic() > deadline:
+                return lost
+            time.sleep(0.1)
 
     def _record_of_a_lost_main(self, lost: list[str]) -> RunRecord | None:
         """When the main process is the one gone, the lowest surviving rank of its host writes the failure."""
