@@ -28,22 +28,18 @@ from trainscope.tables import PdfBook, ReportWriter
 
 ROOT = Path(__file__).resolve().parent
 COMMITTED = (ROOT / "benchmarks" / "runs", ROOT / "benchmarks")
-SECTION_BUGS = (KeyError, TypeError, ValueError, IndexError)  # what a results file of another shape raises
-
-
 def write_section(report: ReportWriter, found: reporting.Collected, experiment) -> None:
-    """One section. A results file of another shape (an older trainscope's, a hand-edited one) skips the
-    section with its reason instead of ending the report; an error in trainscope itself (anything else)
-    ends it with its traceback. The section's markdown is taken back; the PDF says why."""
-    start = len(report.markdown)
-    try:
+    """One section. A comparison or results file of another shape (an older trainscope's, a hand-edited one)
+    skips the section with its reason, checked before the section runs; an error inside a section is a bug
+    in trainscope and ends the report with its traceback."""
+    why = experiment.unreadable(found)
+    if why is None:
         experiment.section(report, found)
-    except SECTION_BUGS as error:
-        why = f"{type(error).__name__}: {error}"
-        del report.markdown[start:]
-        found.skipped.append(f"section {experiment.name}: its inputs lack what it reads ({why})")
-        print(f"warning: skipped section {experiment.name}: {why}", file=sys.stderr)
-        report.book.text(f"(section {experiment.name} skipped: {why})")
+        return
+    found.skipped.append(f"section {experiment.name}: {why}")
+    print(f"warning: skipped section {experiment.name}: {why}", file=sys.stderr)
+    report.begin(experiment.title, True, "")
+    report.text(f"(skipped: {why})")
 
 
 def build(runs: Path, results: Path, out: Path, source_line: str = "") -> ReportWriter:

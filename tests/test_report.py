@@ -159,10 +159,26 @@ def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_o
                              "--out", str(out)], env=cpu_env())
     assert completed.returncode == 0, completed.stderr
     text = (out / "report.md").read_text()
-    assert ("section data_parallel: its inputs lack what it reads (KeyError: 'hardware')"
-            in text.split("## Skipped inputs")[1])
-    assert "## DataParallel vs DDP" not in text and "## Configs and switches side by side" in text
+    assert ("section data_parallel: its inputs lack benchmark, compare, results, comparison, code_changes, "
+            "projection" in text.split("## Skipped inputs")[1])
+    assert "(skipped: its inputs lack" in text.split("## DataParallel vs DDP")[1].split("## ")[0]
+    assert "## Configs and switches side by side" in text
     assert "Traceback" not in completed.stderr
+
+
+def test_a_bug_in_a_section_ends_the_report_instead_of_passing_for_a_foreign_input(built, tmp_path, monkeypatch):
+    import dataclasses
+
+    runs, results, _ = built
+
+    def broken(report_writer, found):
+        raise KeyError("a bug in trainscope")
+
+    monkeypatch.setattr(report, "SECTIONS", [dataclasses.replace(e, section=broken) if e.name == "matrix" else e
+                                             for e in report.SECTIONS])
+    with pytest.raises(KeyError, match="a bug in trainscope"):
+        report.build(runs, results, tmp_path / "reports")
+    assert not (tmp_path / "reports").exists() and not list(tmp_path.glob(".reports.building*"))
 
 
 def test_report_without_inputs_is_refused(tmp_path):

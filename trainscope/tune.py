@@ -216,7 +216,7 @@ def summarize(args, train_args, suggestions, trials, untried, spread, elapsed) -
     final = (trials[-1] if trials and trials[-1]["name"] == "kept" and trials[-1] in kept
              else max(kept, key=lambda t: t["speed"]["median_ratio"], default=None))
     config = final["config"] if final else args.config
-    command = (f"accelerate launch {f'--config_file accelerate_configs/{config}.yaml ' if config else ''}train.py "
+    command = (f"accelerate launch {launching.config_argument(config) + ' ' if config else ''}train.py "
                + " ".join(merge_flags(train_args, final["flags"] if final else [])))
     text = (f"Best: {final['name']} ({' '.join(final['flags']) or 'config ' + str(final['config'])}) "
             f"{bench.describe(final['speed'])} on the same work, with the same result." if final else

@@ -110,4 +110,5 @@ def reconcile_with_matrix(report, result: dict, matrix: dict | None) -> None:
 
 
 EXPERIMENT = Experiment(name="data_parallel", title="DataParallel vs DDP", target="make compare-dp",
-                        results="compare_dp/compare_dp.json", section=section)
+                        results="compare_dp/compare_dp.json", section=section,
+                        needs=("benchmark", "machine", "compare", "results", "comparison", "code_changes", "projection"))

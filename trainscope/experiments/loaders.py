@@ -78,4 +78,5 @@ def section(report, found: reporting.Collected) -> None:
 
 
 EXPERIMENT = Experiment(name="loaders", title="DataLoader num_workers", target="make sweep-workers",
-                        results="loaders/loaders.json", section=section)
+                        results="loaders/loaders.json", section=section,
+                        needs=("benchmark", "machine", "sweep", "summary", "dataset_rows", "pytorch_default_num_workers"))
