@@ -133,19 +133,26 @@ class RunLifecycle:
         self.settings, self.run_dir = started.settings, started.run_dir
         self.world = accelerator.num_processes
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
-        self.signals = StopSignals(self._exit_at_once)
-        self.signals.install()
         self.vote = StopVote(accelerator.state.backend) if self.world > 1 else None
         # Every rank's host and pid, to name a rank that disappears (one collective, at start).
         self.peers = gather_object([(accelerator.process_index, socket.gethostname(), os.getpid())])
         self.metrics = None
         self.progress = None
         self.saved_step = None  # the step of the last checkpoint written (the same on every rank)
+        self.signals = StopSignals(self._exit_at_once)
+        self.signals.install()  # from here to the end of ending(), or until open() fails
 
     # ---------------------------------------------------------------- opening
 
     def open(self, metrics, model_facts: dict, data_facts: dict) -> None:
         """Resume if asked, write the record's header, say the warnings known now, start trackers and progress."""
+        try:
+            self._open(metrics, model_facts, data_facts)
+        except BaseException:
+            self.signals.restore()
+            raise
+
+    def _open(self, metrics, model_facts: dict, data_facts: dict) -> None:
         self.metrics = metrics
         resumed = checkpoints.load_latest(self.accelerator, self.run_dir) if self.settings.resume else None
         metrics.resume_from(resumed)
