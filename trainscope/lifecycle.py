@@ -260,7 +260,8 @@ class RunLifecycle:
 
     def _interrupted(self, signum: int) -> None:
         name, step = signal.Signals(signum).name, self.metrics.loop.step if self.metrics else 0
-        self.progress and self.progress.close()
+        if self.progress is not None:
+            self.progress.close()
         checkpoint = None
         if self.settings.save_on_interrupt and self.metrics is not None and step > 0:
             checkpoint = self.save_checkpoint()
@@ -288,7 +289,7 @@ class RunLifecycle:
             error.add_note(f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
                            f"{step + 1}): halve it and double --gradient-accumulation-steps, or add "
                            "--gradient-checkpointing, a bf16/fp16 config or --lora")
-        lost = self._lost_peers() if self.world > 1 else []
+        lost = self._lost_peers() if self.world > 1 and lost_a_peer(error) else []
         if lost:
             error.add_note(f"{', '.join(lost)} disappeared: {one_line(error)}")
         if self.progress is not None:
@@ -345,6 +346,16 @@ class RunLifecycle:
                 "checkpoint": None, "forced": True})
         print(f"\n{signal.Signals(signum).name} again: exiting at once", file=sys.stderr, flush=True)
         os._exit(exit_code(signum))
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether an error is a collective that lost its peers (a closed connection, a timeout), as gloo and NCCL
+    report it, rather than one every rank raised alike (a non-finite loss, out of memory)."""
+    if isinstance(error, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(word in text for word in ("connection", "gloo", "nccl", "timed out",
+                                                                              "timeout", "broken pipe"))
 
 
 def _alive(pid: int) -> bool:
