@@ -236,3 +236,19 @@ def test_make_report_passes_no_inputs_unless_asked():
     assert "report.py" in plain and "--runs" not in plain and "--results" not in plain
     asked = run_command(["make", "-n", "report", "RUNS=r", "RESULTS=s"], env=cpu_env()).stdout
     assert "--runs r" in asked and "--results s" in asked
+
+
+def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_records():
+    from trainscope.reporting import rejudged
+
+    speeds = {"base": [10.0, 10.2, 9.9, 10.1, 10.0], "new": [10.2, 10.4, 10.1, 10.3, 10.2]}  # 2%: all pairs above 1
+    records = {f"{arm}-r{i}": {"summary": {"throughput": {"samples_per_s": v}}}
+               for arm, values in speeds.items() for i, v in enumerate(values)}
+    old = {"baseline": "base", "arms": {arm: {"status": "complete", "runs": [f"{arm}-r{i}" for i in range(5)]}
+                                        for arm in speeds},
+           "comparisons": {"new": {"speed": {"verdict": "faster", "median_ratio": 1.02}}}}  # the old sign rule's
+    speed = rejudged(old, records)["comparisons"]["new"]["speed"]
+    assert speed["verdict"] == "within noise" and speed["test"].startswith("two-sided Mann-Whitney U")  # under 3%
+    partial = {k: v for k, v in records.items() if k != "new-r4"}  # a run missing: the written verdict stands
+    kept = {"baseline": "base", "arms": old["arms"], "comparisons": {"new": {"speed": {"verdict": "faster"}}}}
+    assert rejudged(kept, partial)["comparisons"]["new"]["speed"] == {"verdict": "faster"}
