@@ -23,6 +23,7 @@ from pathlib import Path
 
 from trainscope import advisor, provenance, reporting
 from trainscope.experiments import SECTIONS
+from trainscope.record_view import RunView
 from trainscope.records import read_record, write_json_atomic, write_text_atomic
 from trainscope.tables import PdfBook, ReportWriter
 
@@ -84,11 +85,11 @@ def log_figures_to_wandb(report: ReportWriter, out: Path) -> list[str]:
     """Add each figure to the W&B runs it shows, for runs that used W&B (offline ones stay offline)."""
     by_run = {}
     for name, records in report.figure_runs.items():
-        for record in records:
-            if "wandb" in (record.get("trackers") or {}):
-                by_run.setdefault(record["path"], (record, []))[1].append(name)
+        for view in map(RunView, records):
+            if "wandb" in view.trackers:
+                by_run.setdefault(view.path, (view, []))[1].append(name)
     logged = []
-    for path, (record, names) in by_run.items():
+    for path, (view, names) in by_run.items():
         previous = sorted(Path(path).glob("wandb/*run-*"))
         if not previous:
             continue
@@ -96,11 +97,11 @@ def log_figures_to_wandb(report: ReportWriter, out: Path) -> list[str]:
 
         run_id = previous[-1].name.rsplit("-", 1)[-1]
         run = wandb.init(project="trainscope", id=run_id, resume="allow", dir=path,
-                         mode=record["trackers"]["wandb"]["mode"],
+                         mode=view.trackers["wandb"]["mode"],
                          settings=wandb.Settings(x_disable_meta=True, disable_git=True, save_code=False, silent=True))
         run.log({f"report/{name}": wandb.Image(str(out / f"{name}.png")) for name in names})
         run.finish()
-        logged.append(record["run_name"])
+        logged.append(view.name)
     return logged
 
 
@@ -109,12 +110,12 @@ def advise(run: str) -> None:
     folder = Path(run).parent if run.endswith(".json") else Path(run)
     try:
         record = read_record(folder)
-        if record.get("status") != "complete":
-            raise ValueError(f"{folder / 'record.json'}: status {record.get('status')!r}; advice needs a complete run")
+        if RunView(record).status != "complete":
+            raise ValueError(f"{folder / 'record.json'}: status {RunView(record).status!r}; advice needs a complete run")
     except ValueError as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         sys.exit(2)
-    print(f"What to try next for {record['run_name']} (ranked; 'at most' from the measured shares, 'estimate' with "
+    print(f"What to try next for {RunView(record).name} (ranked; 'at most' from the measured shares, 'estimate' with "
           "its factor):")
     print("\n".join(advisor.lines(advisor.advise(record))))
 

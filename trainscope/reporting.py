@@ -50,8 +50,8 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict)
     except ValueError as error:
         found.skipped.append(str(error))
         return
-    if record.get("status") != "complete":
-        found.skipped.append(f"{path}: status {record.get('status')!r}, not complete")
+    if RunView(record).status != "complete":
+        found.skipped.append(f"{path}: status {RunView(record).status!r}, not complete")
         return
     record["steps"] = read_steps(path.parent, found.skipped)
     record["path"] = str(path.parent)
