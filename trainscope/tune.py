@@ -114,6 +114,9 @@ class Tuner:
         began = time.monotonic()
         result = run_arm(arm, self.train_args, self.runs, round_index, list(extra))
         self.run_s[arm.name] = time.monotonic() - began
+        print(f"round {round_index + 1} {arm.name}: wall {result['wall_s']:.1f} s (training {result['train_wall_s']:.1f} s "
+              f"for {result['train_tokens']} tokens, evaluation {result['eval_s']:.1f} s), validation loss "
+              f"{result['validation_loss']:.4f}; {self.remaining():.0f} s of the budget left", flush=True)
         return result
 
     def rounds(self, trials: list[Trial], first_round: int) -> dict[str, dict]:
