@@ -120,7 +120,7 @@ bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by 
 bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
 	$(EXPERIMENTS) compile --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) -- $(COMPILE_ARGS)
 
-gpu-check: setup ## the GPU path on one GPU in under 9 minutes -> benchmarks/gpu/<device>.* (one line and nothing written without a GPU)
+gpu-check: setup ## what only a GPU can confirm, on the GPUs present (--dry-run lists it) -> benchmarks/gpu/<device>.* (one line and nothing written without a GPU)
 	$(PY) -m trainscope.gpu_check
 
 clean: ## remove runs/, results/ and caches (keeps .venv)

@@ -39,14 +39,13 @@ from transformers.hf_argparser import HfArg
 from trainscope import bench, environment, startup
 from trainscope.data import build_collator, labelled_splits, load_classification_data, worker_options
 from trainscope.errors import UserError, exit_with, redacted_output
-from trainscope.experiments.loaders import curve_name, figure, knee_table
+from trainscope.experiments.loaders import PYTORCH_DEFAULT_WORKERS, curve_name, figure, knee_table, knee_verdict
 from trainscope.records import write_text_atomic
 from trainscope.settings import Settings, parse_settings
 from trainscope.tables import save_figure
 
 MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
 MAX_WORKERS = 64
-PYTORCH_DEFAULT_WORKERS = 0
 
 
 @dataclass
@@ -328,22 +327,6 @@ def summarize(rows: list[dict], knee_tolerance: float) -> dict:
     for name, curve in summaries.items():
         curve["knee_against_default"] = knee_verdict(rows, name, curve)
     return {"settings": settings, "curves": summaries}
-
-
-def knee_verdict(rows: list[dict], curve: str, summary: dict) -> dict | None:
-    """The knee against the default (0 workers), repeat by repeat: pass time or step time (lower is faster)."""
-    if summary["knee_workers"] == PYTORCH_DEFAULT_WORKERS or "default_median" not in summary:
-        return None
-    time_key = "pass_s" if summary["metric"] == "pass_s" else "step_s"
-    by_repeat = {}
-    for row in rows:
-        if curve_name(row) == curve and row.get("pass", 0) == 0:
-            by_repeat.setdefault(row["repeat"], {})[row["num_workers"]] = row[time_key]
-    both = [r for r in by_repeat.values() if PYTORCH_DEFAULT_WORKERS in r and summary["knee_workers"] in r]
-    if not both:
-        return None
-    return bench.compare_samples([r[PYTORCH_DEFAULT_WORKERS] for r in both], [r[summary["knee_workers"]] for r in both],
-                                 higher_is_better=False)
 
 
 def knee(points: list[dict], tolerance: float) -> dict:

@@ -23,27 +23,24 @@ from pathlib import Path
 
 from trainscope import advisor, provenance, reporting
 from trainscope.experiments import SECTIONS
+from trainscope.record_view import RunView
 from trainscope.records import read_record, write_json_atomic, write_text_atomic
 from trainscope.tables import PdfBook, ReportWriter
 
 ROOT = Path(__file__).resolve().parent
 COMMITTED = (ROOT / "benchmarks" / "runs", ROOT / "benchmarks")
-SECTION_BUGS = (KeyError, TypeError, ValueError, IndexError)  # what a results file of another shape raises
-
-
 def write_section(report: ReportWriter, found: reporting.Collected, experiment) -> None:
-    """One section. A results file of another shape (an older trainscope's, a hand-edited one) skips the
-    section with its reason instead of ending the report; an error in trainscope itself (anything else)
-    ends it with its traceback. The section's markdown is taken back; the PDF says why."""
-    start = len(report.markdown)
-    try:
+    """One section. A comparison or results file of another shape (an older trainscope's, a hand-edited one)
+    skips the section with its reason, checked before the section runs; an error inside a section is a bug
+    in trainscope and ends the report with its traceback."""
+    why = experiment.unreadable(found)
+    if why is None:
         experiment.section(report, found)
-    except SECTION_BUGS as error:
-        why = f"{type(error).__name__}: {error}"
-        del report.markdown[start:]
-        found.skipped.append(f"section {experiment.name}: its inputs lack what it reads ({why})")
-        print(f"warning: skipped section {experiment.name}: {why}", file=sys.stderr)
-        report.book.text(f"(section {experiment.name} skipped: {why})")
+        return
+    found.skipped.append(f"section {experiment.name}: {why}")
+    print(f"warning: skipped section {experiment.name}: {why}", file=sys.stderr)
+    report.begin(experiment.title, True, "")
+    report.text(f"(skipped: {why})")
 
 
 def build(runs: Path, results: Path, out: Path, source_line: str = "") -> ReportWriter:
@@ -88,11 +85,11 @@ def log_figures_to_wandb(report: ReportWriter, out: Path) -> list[str]:
     """Add each figure to the W&B runs it shows, for runs that used W&B (offline ones stay offline)."""
     by_run = {}
     for name, records in report.figure_runs.items():
-        for record in records:
-            if "wandb" in (record.get("trackers") or {}):
-                by_run.setdefault(record["path"], (record, []))[1].append(name)
+        for view in map(RunView, records):
+            if "wandb" in view.trackers:
+                by_run.setdefault(view.path, (view, []))[1].append(name)
     logged = []
-    for path, (record, names) in by_run.items():
+    for path, (view, names) in by_run.items():
         previous = sorted(Path(path).glob("wandb/*run-*"))
         if not previous:
             continue
@@ -100,11 +97,11 @@ def log_figures_to_wandb(report: ReportWriter, out: Path) -> list[str]:
 
         run_id = previous[-1].name.rsplit("-", 1)[-1]
         run = wandb.init(project="trainscope", id=run_id, resume="allow", dir=path,
-                         mode=record["trackers"]["wandb"]["mode"],
+                         mode=view.trackers["wandb"]["mode"],
                          settings=wandb.Settings(x_disable_meta=True, disable_git=True, save_code=False, silent=True))
         run.log({f"report/{name}": wandb.Image(str(out / f"{name}.png")) for name in names})
         run.finish()
-        logged.append(record["run_name"])
+        logged.append(view.name)
     return logged
 
 
@@ -113,12 +110,12 @@ def advise(run: str) -> None:
     folder = Path(run).parent if run.endswith(".json") else Path(run)
     try:
         record = read_record(folder)
-        if record.get("status") != "complete":
-            raise ValueError(f"{folder / 'record.json'}: status {record.get('status')!r}; advice needs a complete run")
+        if RunView(record).status != "complete":
+            raise ValueError(f"{folder / 'record.json'}: status {RunView(record).status!r}; advice needs a complete run")
     except ValueError as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         sys.exit(2)
-    print(f"What to try next for {record['run_name']} (ranked; 'at most' from the measured shares, 'estimate' with "
+    print(f"What to try next for {RunView(record).name} (ranked; 'at most' from the measured shares, 'estimate' with "
           "its factor):")
     print("\n".join(advisor.lines(advisor.advise(record))))
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -144,7 +145,8 @@ def _process_state() -> dict:
             "TF32 flags": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
             "datasets progress bars": datasets.is_progress_bar_enabled(),
             "datasets offline": datasets.config.HF_HUB_OFFLINE,
-            "huggingface_hub offline": huggingface_hub.constants.HF_HUB_OFFLINE}
+            "huggingface_hub offline": huggingface_hub.constants.HF_HUB_OFFLINE,
+            "signal handlers": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}}
 
 
 @pytest.fixture(autouse=True)

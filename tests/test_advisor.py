@@ -200,8 +200,9 @@ def planted_runs(monkeypatch, speed: dict, tokens: dict | None = None, noise: fl
         factor = speed.get(name, 1.0) * rng.lognormvariate(0, noise)
         trained = tokens.get(name, 1.0) * 10_000
         accuracy = 0.65 + (0.004 * (int(name[4:]) - 42) if name.startswith("seed") else 0.0)
-        return {"run": f"{name}-r{round_index}", "eval_s": 5.0 / factor,
-                "train_wall_s": 10.0 * trained / 10_000 / factor, "train_tokens": trained,
+        train_wall = 10.0 * trained / 10_000 / factor
+        return {"run": f"{name}-r{round_index}", "eval_s": 5.0 / factor, "wall_s": 5.0 / factor + train_wall,
+                "train_wall_s": train_wall, "train_tokens": trained,
                 "validation_accuracy": accuracy, "validation_loss": 0.9 - accuracy / 10,
                 "seed": int(name[4:]) if name.startswith("seed") else 42}
 

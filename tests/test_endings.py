@@ -175,3 +175,16 @@ def test_a_killed_rank_leaves_a_failed_record_naming_it(slow_script, tmp_path):
     assert record["lost_ranks"] == [f"rank 1 (pid {victim.pid})"] and f"rank 1 (pid {victim.pid}) disappeared" in record["error"]
     assert_partial(record, 10)
     assert record["summary"]["ranks_summarized"] == [0]  # only the survivor could be summarized
+
+
+def test_only_a_collectives_lost_connection_sends_a_rank_looking_for_a_dead_peer():
+    import torch
+
+    from trainscope.lifecycle import lost_a_peer
+    from trainscope.run_metrics import NonFiniteLoss
+
+    assert lost_a_peer(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5000"))
+    assert lost_a_peer(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7)"))
+    assert not lost_a_peer(NonFiniteLoss("loss became [nan, nan] at optimizer step 12"))  # every rank raises it
+    assert not lost_a_peer(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not lost_a_peer(ValueError("a connection string"))  # not a collective's error

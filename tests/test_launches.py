@@ -13,14 +13,17 @@ EXPECTED_PRECISION = {"fp16": "fp32", "ddp_fp16": "fp32", "bf16": "bf16", "fsdp"
 
 @pytest.fixture(scope="module")
 def config_runs(tmp_path_factory):
-    """Each shipped config launched once by its documented command; tests read the records."""
+    """Each shipped config launched once by its documented command, as on a laptop without a GPU: no
+    ACCELERATE_USE_CPU (multi-process configs fall back to DDP over gloo on their own); tests read the records."""
     cache = {}
+    laptop = {k: v for k, v in cpu_env().items() if k != "ACCELERATE_USE_CPU"}
 
     def run(stem: str):
         if stem not in cache:
             config = ROOT / "accelerate_configs" / f"{stem}.yaml"
             runs = tmp_path_factory.mktemp(stem)
-            result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "r"], config=config)
+            result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "r"], config=config,
+                            env=laptop)
             cache[stem] = (result, runs / "r")
         return cache[stem]
 
@@ -58,8 +61,14 @@ def test_every_config_launches_as_documented(config, config_runs):
         assert "fp16_unavailable" in [w["code"] for w in record["warnings"]]
     if config.stem == "bf16" and env["cpu_native_bf16"] is False:
         assert "bf16_emulated" in [w["code"] for w in record["warnings"]]
-    if world_size > 1:
+    if world_size > 1:  # a GPU config on a machine without a GPU: real DDP over gloo, and said so
         assert env["distributed_type"] == "MULTI_CPU" and env["backend"] == "gloo"
+        assert env["cpu_fallback"]["processes"] == world_size and "ran_on_cpu" in [w["code"] for w in record["warnings"]]
+        assert (result.stdout + result.stderr).count("warning [ran_on_cpu]") == 2  # at the start and in the table
+        if config.stem != "fsdp":
+            assert record["summary"]["communication"]["measured"] is True
+    else:
+        assert env["cpu_fallback"] is None
 
 
 def test_cpu_and_bf16_configs_train_with_the_same_threads(config_runs):
@@ -88,19 +97,11 @@ def test_plain_launches_use_every_usable_core(launcher, runs):
     assert record["provenance"]["command"].split()[0] == ("python" if launcher == "python" else "accelerate")
 
 
-def test_the_missions_gpu_config_on_a_machine_without_a_gpu_runs_as_ddp_over_gloo_and_says_so(runs):
-    """`accelerate launch --config_file accelerate_configs/ddp_fp16.yaml train.py`, no environment variable."""
-    environment = {k: v for k, v in cpu_env().items() if k != "ACCELERATE_USE_CPU"}
-    result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "mission"],
-                    config=ROOT / "accelerate_configs" / "ddp_fp16.yaml", env=environment)
-    assert_ok(result)
-    record = check_record(runs / "mission", 2)
-    env = record["environment"]
-    assert (env["distributed_type"], env["backend"], env["effective_precision"]) == ("MULTI_CPU", "gloo", "fp32")
-    assert env["cpu_fallback"]["processes"] == 2 and env["cpu_fallback"]["requested_precision"] == "fp16"
+def test_the_missions_command_on_a_machine_without_a_gpu(config_runs):
+    """`accelerate launch --config_file accelerate_configs/ddp_fp16.yaml train.py`: world size 2, fp32, both said."""
+    record = read_record(config_runs("ddp_fp16")[1])
+    assert record["environment"]["cpu_fallback"]["requested_precision"] == "fp16"
     assert {"ran_on_cpu", "fp16_unavailable"} <= {w["code"] for w in record["warnings"]}
-    assert record["summary"]["communication"]["measured"] is True
-    assert (result.stdout + result.stderr).count("warning [ran_on_cpu]") == 2  # at the start and in the table
 
 
 def test_a_launch_that_would_train_n_times_over_is_refused(runs):

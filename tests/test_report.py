@@ -159,10 +159,26 @@ def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_o
                              "--out", str(out)], env=cpu_env())
     assert completed.returncode == 0, completed.stderr
     text = (out / "report.md").read_text()
-    assert ("section data_parallel: its inputs lack what it reads (KeyError: 'hardware')"
-            in text.split("## Skipped inputs")[1])
-    assert "## DataParallel vs DDP" not in text and "## Configs and switches side by side" in text
+    assert ("section data_parallel: its inputs lack benchmark, compare, results, comparison, code_changes, "
+            "projection" in text.split("## Skipped inputs")[1])
+    assert "(skipped: its inputs lack" in text.split("## DataParallel vs DDP")[1].split("## ")[0]
+    assert "## Configs and switches side by side" in text
     assert "Traceback" not in completed.stderr
+
+
+def test_a_bug_in_a_section_ends_the_report_instead_of_passing_for_a_foreign_input(built, tmp_path, monkeypatch):
+    import dataclasses
+
+    runs, results, _ = built
+
+    def broken(report_writer, found):
+        raise KeyError("a bug in trainscope")
+
+    monkeypatch.setattr(report, "SECTIONS", [dataclasses.replace(e, section=broken) if e.name == "matrix" else e
+                                             for e in report.SECTIONS])
+    with pytest.raises(KeyError, match="a bug in trainscope"):
+        report.build(runs, results, tmp_path / "reports")
+    assert not (tmp_path / "reports").exists() and not list(tmp_path.glob(".reports.building*"))
 
 
 def test_report_without_inputs_is_refused(tmp_path):
@@ -220,3 +236,19 @@ def test_make_report_passes_no_inputs_unless_asked():
     assert "report.py" in plain and "--runs" not in plain and "--results" not in plain
     asked = run_command(["make", "-n", "report", "RUNS=r", "RESULTS=s"], env=cpu_env()).stdout
     assert "--runs r" in asked and "--results s" in asked
+
+
+def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_records():
+    from trainscope.reporting import rejudged
+
+    speeds = {"base": [10.0, 10.2, 9.9, 10.1, 10.0], "new": [10.2, 10.4, 10.1, 10.3, 10.2]}  # 2%: all pairs above 1
+    records = {f"{arm}-r{i}": {"summary": {"throughput": {"samples_per_s": v}}}
+               for arm, values in speeds.items() for i, v in enumerate(values)}
+    old = {"baseline": "base", "arms": {arm: {"status": "complete", "runs": [f"{arm}-r{i}" for i in range(5)]}
+                                        for arm in speeds},
+           "comparisons": {"new": {"speed": {"verdict": "faster", "median_ratio": 1.02}}}}  # the old sign rule's
+    speed = rejudged(old, records)["comparisons"]["new"]["speed"]
+    assert speed["verdict"] == "within noise" and speed["test"].startswith("two-sided Mann-Whitney U")  # under 3%
+    partial = {k: v for k, v in records.items() if k != "new-r4"}  # a run missing: the written verdict stands
+    kept = {"baseline": "base", "arms": old["arms"], "comparisons": {"new": {"speed": {"verdict": "faster"}}}}
+    assert rejudged(kept, partial)["comparisons"]["new"]["speed"] == {"verdict": "faster"}

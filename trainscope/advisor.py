@@ -21,7 +21,7 @@ what is measurably faster.
 
 from dataclasses import asdict, dataclass, field
 
-from trainscope import health
+from trainscope import health, launching
 from trainscope.flops import padding_flops_share, peak_tflops
 from trainscope.record_view import RunView
 
@@ -261,7 +261,7 @@ def lines(suggestions: list[Suggestion]) -> list[str]:
     """The ranked list for the console and the report."""
     out = []
     for rank, s in enumerate(suggestions, 1):
-        what = " ".join(s.flags) or (f"--config_file accelerate_configs/{s.config}.yaml" if s.config else "")
+        what = " ".join(s.flags) or (launching.config_argument(s.config) if s.config else "")
         out.append(f"{rank}. {s.change}" + (f" (`{what}`)" if what else "") + f" -- {s.gain_text()}, "
                    f"confidence {s.confidence}.")
         out.append(f"   evidence: {s.evidence}" + (f"; changes: {s.changes_result}" if s.changes_result else ""))

@@ -32,6 +32,12 @@ def config_path(name: str) -> Path:
     return path if path.suffix in (".yaml", ".yml") else CONFIGS / f"{name}.yaml"
 
 
+def config_argument(name: str) -> str:
+    """`--config_file accelerate_configs/<name>.yaml` as a user types it (relative to the repository)."""
+    path = config_path(name)
+    return f"--config_file {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
+
+
 def config_facts(config: Path | None) -> dict:
     """What a config asks for: processes, distributed type, precision, CPU only."""
     values = yaml.safe_load(Path(config).read_text()) if config else {}

@@ -133,19 +133,26 @@ class RunLifecycle:
         self.settings, self.run_dir = started.settings, started.run_dir
         self.world = accelerator.num_processes
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
-        self.signals = StopSignals(self._exit_at_once)
-        self.signals.install()
         self.vote = StopVote(accelerator.state.backend) if self.world > 1 else None
         # Every rank's host and pid, to name a rank that disappears (one collective, at start).
         self.peers = gather_object([(accelerator.process_index, socket.gethostname(), os.getpid())])
         self.metrics = None
         self.progress = None
         self.saved_step = None  # the step of the last checkpoint written (the same on every rank)
+        self.signals = StopSignals(self._exit_at_once)
+        self.signals.install()  # from here to the end of ending(), or until open() fails
 
     # ---------------------------------------------------------------- opening
 
     def open(self, metrics, model_facts: dict, data_facts: dict) -> None:
         """Resume if asked, write the record's header, say the warnings known now, start trackers and progress."""
+        try:
+            self._open(metrics, model_facts, data_facts)
+        except BaseException:
+            self.signals.restore()
+            raise
+
+    def _open(self, metrics, model_facts: dict, data_facts: dict) -> None:
         self.metrics = metrics
         resumed = checkpoints.load_latest(self.accelerator, self.run_dir) if self.settings.resume else None
         metrics.resume_from(resumed)
@@ -253,7 +260,8 @@ class RunLifecycle:
 
     def _interrupted(self, signum: int) -> None:
         name, step = signal.Signals(signum).name, self.metrics.loop.step if self.metrics else 0
-        self.progress and self.progress.close()
+        if self.progress is not None:
+            self.progress.close()
         checkpoint = None
         if self.settings.save_on_interrupt and self.metrics is not None and step > 0:
             checkpoint = self.save_checkpoint()
@@ -281,7 +289,7 @@ class RunLifecycle:
             error.add_note(f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
                            f"{step + 1}): halve it and double --gradient-accumulation-steps, or add "
                            "--gradient-checkpointing, a bf16/fp16 config or --lora")
-        lost = self._lost_peers() if self.world > 1 else []
+        lost = self._lost_peers() if self.world > 1 and lost_a_peer(error) else []
         if lost:
             error.add_note(f"{', '.join(lost)} disappeared: {one_line(error)}")
         if self.progress is not None:
@@ -338,6 +346,16 @@ class RunLifecycle:
                 "checkpoint": None, "forced": True})
         print(f"\n{signal.Signals(signum).name} again: exiting at once", file=sys.stderr, flush=True)
         os._exit(exit_code(signum))
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether an error is a collective that lost its peers (a closed connection, a timeout), as gloo and NCCL
+    report it, rather than one every rank raised alike (a non-finite loss, out of memory)."""
+    if isinstance(error, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(word in text for word in ("connection", "gloo", "nccl", "timed out",
+                                                                              "timeout", "broken pipe"))
 
 
 def _alive(pid: int) -> bool:

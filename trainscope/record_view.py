@@ -91,6 +91,10 @@ class RunView:
         return self.record.get("plan") or {}
 
     @property
+    def trackers(self) -> dict:
+        return self.record.get("trackers") or {}
+
+    @property
     def warnings(self) -> list[dict]:
         return self.record.get("warnings") or []
 

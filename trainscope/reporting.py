@@ -38,7 +38,7 @@ def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
         if experiment.folder:
             comparison = _read_json(runs_dir / experiment.folder / "comparison.json", found)
             if comparison is not None:
-                found.comparisons[experiment.name] = comparison
+                found.comparisons[experiment.name] = rejudged(comparison, found.runs.get(experiment.name, {}))
         if experiment.results:
             found.results[experiment.name] = _read_json(results_dir / experiment.results, found)
     return found
@@ -50,8 +50,8 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict)
     except ValueError as error:
         found.skipped.append(str(error))
         return
-    if record.get("status") != "complete":
-        found.skipped.append(f"{path}: status {record.get('status')!r}, not complete")
+    if RunView(record).status != "complete":
+        found.skipped.append(f"{path}: status {RunView(record).status!r}, not complete")
         return
     record["steps"] = read_steps(path.parent, found.skipped)
     record["path"] = str(path.parent)
@@ -61,6 +61,25 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict)
         found.runs.setdefault(folders[folder], {})[path.parent.name] = record
     else:
         found.other_runs.append(record)
+
+
+def rejudged(comparison: dict, records: dict) -> dict:
+    """The comparison with every arm's speed judged again by today's test (trainscope.bench) from the runs'
+    own records, when they are all there: a committed comparison made under an older rule reads the same
+    as a new one. An arm whose runs are missing keeps the verdict it was written with."""
+    from trainscope import bench
+
+    arms = comparison.get("arms") if isinstance(comparison, dict) else None
+    baseline = (arms or {}).get(comparison.get("baseline"), {}) if arms else {}
+    speeds = lambda arm: [RunView(records[r]).samples_per_s for r in arm.get("runs", []) if r in records]  # noqa: E731
+    base = speeds(baseline) if baseline.get("status") == "complete" else []
+    if not base or len(base) != len(baseline["runs"]):
+        return comparison
+    for name, against in (comparison.get("comparisons") or {}).items():
+        mine = speeds(arms.get(name, {}))
+        if len(mine) == len(arms[name].get("runs", [])) == len(base):
+            against["speed"] = bench.compare_samples(base, mine)
+    return comparison
 
 
 def _read_json(path: Path, found: Collected):

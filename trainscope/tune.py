@@ -114,6 +114,9 @@ class Tuner:
         began = time.monotonic()
         result = run_arm(arm, self.train_args, self.runs, round_index, list(extra))
         self.run_s[arm.name] = time.monotonic() - began
+        print(f"round {round_index + 1} {arm.name}: wall {result['wall_s']:.1f} s (training {result['train_wall_s']:.1f} s "
+              f"for {result['train_tokens']} tokens, evaluation {result['eval_s']:.1f} s), validation loss "
+              f"{result['validation_loss']:.4f}; {self.remaining():.0f} s of the budget left", flush=True)
         return result
 
     def rounds(self, trials: list[Trial], first_round: int) -> dict[str, dict]:
@@ -216,7 +219,7 @@ def summarize(args, train_args, suggestions, trials, untried, spread, elapsed) -
     final = (trials[-1] if trials and trials[-1]["name"] == "kept" and trials[-1] in kept
              else max(kept, key=lambda t: t["speed"]["median_ratio"], default=None))
     config = final["config"] if final else args.config
-    command = (f"accelerate launch {f'--config_file accelerate_configs/{config}.yaml ' if config else ''}train.py "
+    command = (f"accelerate launch {launching.config_argument(config) + ' ' if config else ''}train.py "
                + " ".join(merge_flags(train_args, final["flags"] if final else [])))
     text = (f"Best: {final['name']} ({' '.join(final['flags']) or 'config ' + str(final['config'])}) "
             f"{bench.describe(final['speed'])} on the same work, with the same result." if final else

@@ -46,9 +46,19 @@ class Experiment:
     arguments: Callable[[argparse.ArgumentParser], None] | None = None
     run: Callable | None = None
     help: str = ""
+    needs: tuple[str, ...] = ("experiment", "baseline", "arms", "comparisons", "rounds")  # keys its input holds
 
     def missing(self) -> str:
         return f"Not run yet: `{self.target}` produces it."
+
+    def unreadable(self, found) -> str | None:
+        """Why this experiment's comparison or results file cannot feed its section (an older trainscope's or a
+        hand-edited one), or None."""
+        source = found.results.get(self.name) if self.results else found.comparisons.get(self.name)
+        if source is None:
+            return None
+        lacking = [key for key in self.needs if key not in source] if isinstance(source, dict) else ["an object"]
+        return f"its inputs lack {', '.join(lacking)}" if lacking else None
 
 
 @dataclass

@@ -131,6 +131,7 @@ def section(report, found: reporting.Collected) -> None:
     default = RunView(records["default"]).communication if "default" in records else None
     if default and default.get("measured"):
         report.text(summary_text(RunView(records["default"])))
+    report.text(agreement_text(runs))
     report.figure(figure(comparison, records.get("default")), "ddp_cost",
                   "Where a DDP step goes, per setting; compute and wait per rank", list(records.values()))
     report.table(settings_table(comparison))
@@ -146,6 +147,20 @@ def section(report, found: reporting.Collected) -> None:
                     + ", ".join(f"{name} {p['model_s'] * 1e3:.2f} ms (measured {p['measured_over_model']:.0f}x)"
                                 for name, p in ring["presets"].items())
                     + ". `compare_dp.py --ddp-cost` projects with the measured bandwidth beside the presets.")
+
+
+def agreement_text(runs: dict) -> str:
+    """How often trainscope's exposed communication and DDP's own agreed, over every run of the study."""
+    views = [RunView(record) for record in runs.values() if (RunView(record).communication or {}).get("measured")]
+    disagree = [v.name for v in views if "comm_instruments_disagree" in v.warning_codes]
+    above = [v.name for v in views if "comm_exposed_above_total" in v.warning_codes]
+    return (f"The two instruments -- trainscope's calibration pair and DDP's own logger -- agree within the stated "
+            f"tolerance in {len(views) - len(disagree)} of {len(views)} runs"
+            + (f" (not in {', '.join(sorted(disagree))})" if disagree else "")
+            + f"; the exposed figure is above the buckets' all-reduces alone in {len(above)}. The calibration pair is "
+            "the difference of two passes' times, so its per-run spread is that of a forward + backward; DDP's "
+            "logger times only the wait at the end of backward and is the steadier of the two, while the pair also "
+            "counts what DDP's all-reduces cost the compute running beside them.")
 
 
 def summary_text(view: RunView) -> str:

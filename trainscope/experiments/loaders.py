@@ -5,6 +5,8 @@ from trainscope import bench, reporting
 from trainscope.experiments.base import Experiment
 from trainscope.tables import Table, num, pyplot
 
+PYTORCH_DEFAULT_WORKERS = 0
+
 
 def curve_name(entry: dict) -> str:
     return (f"{entry['mode']} (batch {entry['batch_size']}, pin {'on' if entry['pin_memory'] else 'off'}, "
@@ -52,10 +54,27 @@ def settings_table(report: dict) -> Table:
                  "range", "first batch s"], rows, "loaders", align="lrlrrrr")
 
 
+def knee_verdict(rows: list[dict], curve: str, summary: dict) -> dict | None:
+    """The knee against the default (0 workers), repeat by repeat: pass time or step time (lower is faster)."""
+    if summary["knee_workers"] == PYTORCH_DEFAULT_WORKERS or "default_median" not in summary:
+        return None
+    time_key = "pass_s" if summary["metric"] == "pass_s" else "step_s"
+    by_repeat = {}
+    for row in rows:
+        if curve_name(row) == curve and row.get("pass", 0) == 0:
+            by_repeat.setdefault(row["repeat"], {})[row["num_workers"]] = row[time_key]
+    both = [r for r in by_repeat.values() if PYTORCH_DEFAULT_WORKERS in r and summary["knee_workers"] in r]
+    if not both:
+        return None
+    return bench.compare_samples([r[PYTORCH_DEFAULT_WORKERS] for r in both], [r[summary["knee_workers"]] for r in both],
+                                 higher_is_better=False)
+
+
 def knee_table(report: dict) -> Table:
+    """The knee of each curve against the default, judged by today's test from the sweep's own rows."""
     rows = []
     for name, curve in report["summary"]["curves"].items():
-        against = curve.get("knee_against_default")
+        against = knee_verdict(report["rows"], name, curve) if report.get("rows") else curve.get("knee_against_default")
         rows.append([name, str(curve["knee_workers"]), str(curve["best_workers"]),
                      bench.ratio_text(against) if against else "the knee is the default",
                      against["verdict"] if against else "", f"`{curve['flags']}`"])
@@ -78,4 +97,5 @@ def section(report, found: reporting.Collected) -> None:
 
 
 EXPERIMENT = Experiment(name="loaders", title="DataLoader num_workers", target="make sweep-workers",
-                        results="loaders/loaders.json", section=section)
+                        results="loaders/loaders.json", section=section,
+                        needs=("benchmark", "machine", "sweep", "summary", "dataset_rows", "pytorch_default_num_workers"))

@@ -28,7 +28,7 @@ def parse_variant(variant: str) -> Arm:
     if unknown:
         raise ExperimentFailed(f"unknown switch(es) {unknown} in {variant!r}: choose from {', '.join(SWITCHES)}")
     if not launching.config_path(config).exists():
-        raise ExperimentFailed(f"no accelerate_configs/{config}.yaml for variant {variant!r}")
+        raise ExperimentFailed(f"no {launching.config_path(config)} for variant {variant!r}")
     plan = launching.plan(config)
     return Arm(variant, config, [flag for s in switches for flag in SWITCHES[s]], None if plan.runnable else plan.reason)
 

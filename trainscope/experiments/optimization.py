@@ -35,4 +35,4 @@ def tune_table(result: dict) -> Table:
 
 
 EXPERIMENT = Experiment(name="tune", title="Optimization: what to try next", target="make tune", folder="tune",
-                        section=section)
+                        section=section, needs=("experiment", "trials", "final_command", "summary"))
