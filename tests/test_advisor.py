@@ -232,7 +232,9 @@ def test_tune_keeps_a_planted_one_and_a_half_times_faster_change_and_rejects_thr
     for name in ("s2", "s3", "s4"):  # no-ops: undecided, so they took every round, and are not kept
         assert trials[name]["verdict"] == "within noise" and trials[name]["pairs"] == 6
     assert result["final_flags"] == ["--fast"] and "--fast" in result["final_command"]
-    assert result["seed_spread"]["seeds"] == [42, 43, 44] and result["seed_spread"]["accuracy_range"] == pytest.approx(0.008)
+    assert result["seed_spread"]["seeds"] == [42, 43, 44]
+    low, high = result["seed_spread"]["accuracy_interval"]  # accuracies 0.650, 0.654, 0.658: s = 0.004, t(2) = 4.303
+    assert (low, high) == pytest.approx((0.654 - 4.303 * 0.004 * (4 / 3) ** 0.5, 0.654 + 4.303 * 0.004 * (4 / 3) ** 0.5))
     assert "Mann-Whitney U" in result["method"] and "Holm" in result["method"] and "seed" in result["method"]
 
 
@@ -275,6 +277,20 @@ def test_a_faster_change_that_learns_something_else_is_not_kept(monkeypatch):
     result = tune.tune(tune_args(), [])
     (trial,) = result["trials"]
     assert trial["verdict"] == "faster" and trial["same_result"] is False and result["final_flags"] == []
+
+
+def test_same_result_is_the_seeds_prediction_interval_and_it_is_calibrated():
+    """A change that alters nothing, with 3 seeds of noise: called 'changed' about 5% of the time by the 95%
+    prediction interval -- the 3 seeds' bare range would call a quarter of them changed."""
+    rng = random.Random(3)
+    trials, outside_interval, outside_range = 4000, 0, 0
+    for _ in range(trials):
+        seeds = [rng.gauss(0.65, 0.01) for _ in range(3)]
+        change = rng.gauss(0.65, 0.01)  # one more run of the same training, another seed's luck
+        low, high = tune.bench.prediction_interval(seeds)
+        outside_interval += not low <= change <= high
+        outside_range += abs(change - seeds[0]) > max(seeds) - min(seeds)
+    assert 0.03 < outside_interval / trials < 0.07 and outside_range / trials > 0.2
 
 
 def test_without_a_seed_spread_the_result_is_unknown_and_nothing_is_kept(monkeypatch):

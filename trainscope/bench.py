@@ -153,6 +153,26 @@ def compare_rounds(rounds: list[dict], candidate: str, baseline: str, metric: st
                            higher_is_better, min_pairs)
 
 
+# Student's t, two-sided 95% (0.975 quantile), by degrees of freedom (standard tables); 1.96 beyond 30.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t_975(df: int) -> float:
+    """The two-sided 95% Student's t quantile for `df` degrees of freedom (the next smaller tabled df: wider)."""
+    if df < 1:
+        raise ValueError("a t quantile needs at least one degree of freedom")
+    return 1.96 if df > 30 else T_975[max(d for d in T_975 if d <= df)]
+
+
+def prediction_interval(values: list[float]) -> tuple[float, float]:
+    """The 95% prediction interval of one more measurement like `values` (normal, unknown variance):
+    mean +- t(n-1) * s * sqrt(1 + 1/n). Where a new value falls outside it, it is not like the others."""
+    n, mean = len(values), statistics.fmean(values)
+    half = t_975(n - 1) * statistics.stdev(values) * math.sqrt(1 + 1 / n)
+    return mean - half, mean + half
+
+
 def spread(values: list[float]) -> dict:
     """Median with min and max of repeated measurements of one arm."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}

@@ -14,8 +14,9 @@
    U against the baseline's runs, p-values Holm-corrected for the number of trials, alpha 0.05, and a minimum
    effect of 3%. Rounds start at --min-rounds and are added, up to --max-rounds, while a trial is undecided,
    as Chromium's Pinpoint adds runs while its answer is unknown; a decided trial leaves the rounds.
-3. A trial is kept when it is faster and its validation accuracy and loss lie within the seed spread of the
-   baseline's (the same result); two or more kept ones are then tried together against the baseline.
+3. A trial is kept when it is faster and its validation accuracy and loss lie within the seed-to-seed spread of
+   the baseline's: inside the 95% prediction interval of one more seed, mean +- t(n-1) s sqrt(1 + 1/n) over the
+   seeds (the same result); two or more kept ones are then tried together against the baseline.
 4. The budget (seconds) decides how many suggestions are tried and how many rounds run: what does not fit
    is listed as not tried, a trial still undecided when the budget ends is "within noise".
 Writes <runs>/comparison.{json,md} with provenance; the report's Optimization section shows it.
@@ -72,29 +73,31 @@ def judge_all(trials: list[Trial], baseline_runs: list[dict]) -> dict[str, dict]
 
 
 def seed_spread(runs: list[dict]) -> dict | None:
-    """Validation accuracy and loss across the baseline's seeds: their ranges are the tolerance of "same"."""
+    """Validation accuracy and loss across the baseline's seeds, and the 95% prediction interval of one more seed's
+    (trainscope.bench.prediction_interval): what "the same result" is judged against."""
     values = [(r["validation_accuracy"], r["validation_loss"]) for r in runs if r["validation_loss"] is not None]
     if len(values) < 2:
         return None
-    accuracy, loss = zip(*values)
-    return {"seeds": [r["seed"] for r in runs], "validation_accuracy": bench.spread(list(accuracy)),
-            "validation_loss": bench.spread(list(loss)), "accuracy_range": max(accuracy) - min(accuracy),
-            "loss_range": max(loss) - min(loss)}
+    accuracy, loss = map(list, zip(*values))
+    return {"seeds": [r["seed"] for r in runs], "validation_accuracy": bench.spread(accuracy),
+            "validation_loss": bench.spread(loss), "accuracy_interval": bench.prediction_interval(accuracy),
+            "loss_interval": bench.prediction_interval(loss)}
 
 
 def same_result(trial_runs: list[dict], baseline_runs: list[dict], spread: dict | None) -> tuple[bool | None, str]:
-    """Whether the trial learned the same as the baseline: its median validation accuracy and loss within the
-    seed-to-seed range of the baseline's (None when no spread was measured)."""
+    """Whether the trial learned the same as the baseline: its median validation accuracy and loss inside the
+    95% prediction interval of one more baseline seed (None when no spread was measured)."""
     if spread is None:
         return None, "unknown: no seed spread measured (--seeds 1 or the budget)"
-    accuracy = statistics.median(r["validation_accuracy"] for r in trial_runs) - statistics.median(
-        r["validation_accuracy"] for r in baseline_runs)
-    loss = statistics.median(r["validation_loss"] for r in trial_runs) - statistics.median(
-        r["validation_loss"] for r in baseline_runs)
-    same = abs(accuracy) <= spread["accuracy_range"] and abs(loss) <= spread["loss_range"]
-    text = (f"validation accuracy {accuracy:+.4f}, loss {loss:+.4f} against seed ranges {spread['accuracy_range']:.4f}"
-            f" / {spread['loss_range']:.4f}")
-    return same, ("same" if same else "changed") + f" ({text})"
+    accuracy = statistics.median(r["validation_accuracy"] for r in trial_runs)
+    loss = statistics.median(r["validation_loss"] for r in trial_runs)
+    (a_low, a_high), (l_low, l_high) = spread["accuracy_interval"], spread["loss_interval"]
+    same = a_low <= accuracy <= a_high and l_low <= loss <= l_high
+    text = (f"validation accuracy {accuracy:.4f} in [{a_low:.4f}, {a_high:.4f}], loss {loss:.4f} in "
+            f"[{l_low:.4f}, {l_high:.4f}]" if same else
+            f"validation accuracy {accuracy:.4f} against [{a_low:.4f}, {a_high:.4f}], loss {loss:.4f} against "
+            f"[{l_low:.4f}, {l_high:.4f}]")
+    return same, ("same" if same else "changed") + f" ({text}: the seeds' 95% prediction interval)"
 
 
 class Tuner:
@@ -236,8 +239,9 @@ def summarize(args, train_args, suggestions, trials, untried, spread, elapsed) -
 
 
 def method_text(spread: dict | None) -> str:
-    same = (f"validation accuracy and loss within the baseline's seed-to-seed range (seeds {spread['seeds']}: "
-            f"accuracy {spread['accuracy_range']:.4f}, loss {spread['loss_range']:.4f})" if spread else
+    same = (f"validation accuracy and loss inside the 95% prediction interval of one more baseline seed (seeds "
+            f"{spread['seeds']}: accuracy [{spread['accuracy_interval'][0]:.4f}, {spread['accuracy_interval'][1]:.4f}], "
+            f"loss [{spread['loss_interval'][0]:.4f}, {spread['loss_interval'][1]:.4f}])" if spread else
             "unknown (no seed spread measured)")
     return (f"Speed on the same work (training scaled to the baseline's real tokens, evaluation as measured); "
             f"test: {bench.METHOD}, p-values Holm-corrected over the trials; rounds added while a trial is undecided. "
