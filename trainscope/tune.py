@@ -31,7 +31,7 @@ from pathlib import Path
 
 from trainscope import advisor, bench, launching
 from trainscope.experiments.base import Arm, ExperimentFailed, run_arm, split_args
-from trainscope.experiments.optimization import tune_table
+from trainscope.experiments.optimization import change_of, tune_table
 from trainscope.records import read_record
 
 MIN_ROUNDS, MAX_ROUNDS = 3, 6
@@ -224,7 +224,7 @@ def summarize(args, train_args, suggestions, trials, untried, spread, elapsed) -
     config = final["config"] if final else args.config
     command = (f"accelerate launch {launching.config_argument(config) + ' ' if config else ''}train.py "
                + " ".join(merge_flags(train_args, final["flags"] if final else [])))
-    text = (f"Best: {final['name']} ({' '.join(final['flags']) or 'config ' + str(final['config'])}) "
+    text = (f"Best: {final['name']} ({change_of(final)}) "
             f"{bench.describe(final['speed'])} on the same work, with the same result." if final else
             "No suggestion was faster on the same work with the same result: the baseline stands; the rejected "
             "trials above are the evidence.")

@@ -23,11 +23,17 @@ def section(report, found: reporting.Collected) -> None:
         report.text(tune.get("method", ""))
 
 
+def change_of(trial: dict) -> str:
+    """A trial's change as a user types it: the config it launches with, then its flags."""
+    parts = ([f"config {trial['config']}"] if trial.get("config") else []) + ([" ".join(trial["flags"])] if trial["flags"] else [])
+    return ", ".join(parts)
+
+
 def tune_table(result: dict) -> Table:
     """Each trial against the baseline: its predicted gain, the measured speed, the verdict, pairs, result."""
     from trainscope.bench import ratio_text
 
-    rows = [[t["name"], " ".join(t["flags"]) or (f"config {t['config']}" if t.get("config") else ""),
+    rows = [[t["name"], change_of(t),
              t.get("gain_text") or "-", ratio_text(t["speed"]), t["verdict"], t["result"]] for t in result["trials"]]
     return Table("make tune: each suggestion against the baseline, then the kept ones together",
                  ["trial", "change", "predicted", "speed (same work)", "verdict", "result"], rows, "tune",
