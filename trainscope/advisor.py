@@ -125,26 +125,29 @@ def padding(view: RunView) -> list[Suggestion]:
     run_shares = view.shares("run")
     train_share = run_shares.get("forward", 0.0) + run_shares.get("backward", 0.0)
     eval_share = run_shares.get("eval", 0.0)
+    waste = 1 - pad["train_tokens"] / pad["train_padded"]
     train_saved = padding_flops_share(shape, pad["train_tokens"], pad["train_padded"], pad["train_samples"],
                                       pad["train_padded_squares"], training=True)
     eval_saved = padding_flops_share(shape, pad["eval_tokens"], pad["eval_padded"], pad["eval_samples"],
                                      pad["eval_padded_squares"], training=False)
-    if train_saved is None:
-        return []
-    # Without the evaluation's own token counts, its padding is assumed to be training's: then an estimate.
+    assumed = []
+    if train_saved is None:  # a record without the model's shape: the FLOPs share taken as the positions' share
+        train_saved = waste
+        assumed.append("padding's FLOPs share taken as its share of positions (the record lacks the model's shape)")
+    if eval_saved is None:
+        assumed.append("evaluation padded like training (its token counts are not recorded)")
     gain = amdahl(train_share * train_saved + eval_share * (train_saved if eval_saved is None else eval_saved))
     if gain < MIN_GAIN:
         return []
-    waste = 1 - pad["train_tokens"] / pad["train_padded"]
+    flops = "" if shape is None else f", {train_saved:.0%} of training FLOPs at most"
     evidence = (f"{waste:.0%} of the training token positions are padding ({pad['train_tokens']} real of "
-                f"{pad['train_padded']}), {train_saved:.0%} of training FLOPs at most; forward and backward take "
-                f"{train_share:.0%} of the wall time, evaluation {eval_share:.0%}")
+                f"{pad['train_padded']}){flops}; forward and backward take {train_share:.0%} of the wall time, "
+                f"evaluation {eval_share:.0%}")
     if eval_saved is not None:
         evidence += f" ({1 - pad['eval_tokens'] / pad['eval_padded']:.0%} of its positions padding)"
     return [Suggestion("padding", "batch sequences of similar length (and evaluate in length order)", evidence,
-                       ["--group-by-length"], gain=gain, gain_kind="bound" if eval_saved is not None else "estimate",
-                       factor=None if eval_saved is not None else "evaluation padded like training (not recorded)",
-                       confidence="high",
+                       ["--group-by-length"], gain=gain, gain_kind="estimate" if assumed else "bound",
+                       factor="; ".join(assumed) or None, confidence="high",
                        changes_result="training batches are grouped by length (the same samples, another order)")]
 
 

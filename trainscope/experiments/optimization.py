@@ -1,7 +1,7 @@
 """The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, and
 what `make tune` (trainscope.tune) measured when it tried them."""
 
-from trainscope import advisor, reporting
+from trainscope import advisor, bench, reporting
 from trainscope.experiments.base import Experiment
 from trainscope.record_view import RunView
 from trainscope.tables import Table
@@ -19,7 +19,11 @@ def section(report, found: reporting.Collected) -> None:
     tune = found.comparisons.get("tune")
     if tune:
         report.table(tune_table(tune))
-        report.text(f"Kept: `{tune['final_command']}`. {tune['summary']}")
+        kept = [t for t in tune["trials"] if t["verdict"] == "faster" and t["same_result"]]
+        best = max(kept, key=lambda t: t["speed"]["median_ratio"], default=None)
+        report.text(f"Final command: `{tune['final_command']}`. " + (
+            f"Best: {best['name']} ({change_of(best)}), {bench.describe(best['speed'])} on the same work with the same "
+            "result." if best else "No trial was faster with the same result: the baseline stands."))
         report.text(tune.get("method", ""))
 
 
@@ -31,10 +35,8 @@ def change_of(trial: dict) -> str:
 
 def tune_table(result: dict) -> Table:
     """Each trial against the baseline: its predicted gain, the measured speed, the verdict, pairs, result."""
-    from trainscope.bench import ratio_text
-
-    rows = [[t["name"], change_of(t),
-             t.get("gain_text") or "-", ratio_text(t["speed"]), t["verdict"], t["result"]] for t in result["trials"]]
+    rows = [[t["name"], change_of(t), t.get("gain_text") or "-", bench.ratio_text(t["speed"]), t["verdict"], t["result"]]
+            for t in result["trials"]]
     return Table("make tune: each suggestion against the baseline, then the kept ones together",
                  ["trial", "change", "predicted", "speed (same work)", "verdict", "result"], rows, "tune",
                  align="lllrll")
