@@ -27,6 +27,11 @@ COMMUNICATION_TOLERANCE = 0.5
 COMMUNICATION_FLOOR_S = 0.005
 
 
+def instruments_agree(a: float, b: float) -> bool:
+    """Two instruments' readings of one time agree: within COMMUNICATION_TOLERANCE of the larger plus the floor."""
+    return abs(a - b) <= COMMUNICATION_TOLERANCE * max(a, b) + COMMUNICATION_FLOOR_S
+
+
 @dataclass(frozen=True)
 class Check:
     code: str
@@ -219,7 +224,7 @@ def _instruments_disagree(view: RunView):
     ours, theirs = block.get("exposed_s"), block.get("ddp_exposed_s")
     if not block.get("measured") or ours is None or theirs is None:
         return None
-    if abs(ours - theirs) > COMMUNICATION_TOLERANCE * max(ours, theirs) + COMMUNICATION_FLOOR_S:
+    if not instruments_agree(ours, theirs):
         return (f"exposed communication {ours * 1e3:.1f} ms by trainscope's calibration against {theirs * 1e3:.1f} ms "
                 f"by DDP's own logger (comm - overlap, steady iterations): they differ by more than "
                 f"{COMMUNICATION_TOLERANCE:.0%} + {COMMUNICATION_FLOOR_S * 1e3:.0f} ms, so neither is trusted alone")
