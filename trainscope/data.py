@@ -289,8 +289,9 @@ def make_splits(raw: DatasetDict, label_column: str, settings) -> tuple[dict[str
 
 
 def _label_array(split: Dataset, label_column: str) -> np.ndarray:
-    """The label column as one numpy array (iterating a datasets Column row by row takes seconds)."""
-    return np.asarray(split.select_columns([label_column]).with_format("numpy")[:][label_column])
+    """The label column as one numpy array, read as Arrow through the split's indices (row by row takes seconds,
+    the numpy format a third of a second on a shuffled 30,000-row split)."""
+    return split.select_columns([label_column]).with_format("arrow")[:].column(label_column).to_numpy()
 
 
 def _stratifiable(train: Dataset, label_column: str, fraction: float) -> bool:
