@@ -1,4 +1,5 @@
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -331,3 +332,28 @@ def test_a_paused_span_belongs_to_no_figure_and_keeps_its_memory_out_of_the_run_
     assert steady_and_warmup["seconds"]["other"] < 0.2  # the pause is not charged to `other`
     memory = timer.memory_summary()
     assert memory["max_allocated_gib"] * 1024**3 == 100 and memory["measurement_peak_allocated_gib"] * 1024**3 == 1000
+
+
+def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_first(tmp_path):
+    """Two ranks (or two runs on one machine) evaluate at once: `evaluate`'s default cache file has one name for
+    all of them, and the second waited a second on the first one's lock per split, charged to `eval`."""
+    import subprocess
+    import sys
+
+    from trainscope.loop import load_metric
+
+    holder = subprocess.Popen(  # another process that has started its evaluation and holds on to it
+        [sys.executable, "-c", "import sys, time; from trainscope.loop import load_metric; m = load_metric(); "
+         "m.add_batch(predictions=[0], references=[0]); print('holding', flush=True); time.sleep(30)"],
+        cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        metric = load_metric()
+        started = time.perf_counter()
+        metric.add_batch(predictions=[1, 2], references=[1, 0])
+        waited = time.perf_counter() - started
+        assert metric.compute()["accuracy"] == 0.5
+    finally:
+        holder.kill()
+        holder.wait()
+    assert waited < 0.5  # a lock wait is evaluate's one-second timeout; an in-memory batch takes milliseconds

@@ -138,10 +138,12 @@ class LoopState:
 
 
 def load_metric():
-    """Accuracy and macro-F1 through `evaluate`, from the module shipped in the package (offline)."""
+    """Accuracy and macro-F1 through `evaluate`, from the module shipped in the package (offline), kept in memory:
+    its default cache file has one name for every process, so a second process (another rank, another run on the
+    machine) waited for the first one's file lock, a second per evaluated split charged to `eval`."""
     import evaluate  # imported here: it pulls in transformers' pipelines, seconds a failed start need not pay
 
-    return evaluate.load(METRIC_MODULE)
+    return evaluate.load(METRIC_MODULE, keep_in_memory=True)
 
 
 @torch.no_grad()
