@@ -60,9 +60,11 @@ help: ## list the targets
 
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -r requirements-embedded.txt
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q --no-compile -r requirements.txt
+	$(PY) -m pip install -q --no-compile --no-deps -r requirements-embedded.txt
+	@# bytecode on every core at once (pip compiles one file after another); like pip, skip files that do not compile
+	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))") >/dev/null || true
 	touch $@
 
 setup: $(VENV)/.installed ## create .venv (reusing an installed torch) with everything trainscope needs
