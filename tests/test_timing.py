@@ -1,9 +1,12 @@
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from trainscope.loop import load_metric
 from trainscope.timing import ALL_STAGES, CATEGORIES, EventClock, HostClock, Nvtx, StageTimer, make_clock, stage_table
 
 # sleep() never undershoots; on a loaded 2-core machine it can overshoot by tens of milliseconds, so
@@ -334,16 +337,11 @@ def test_a_paused_span_belongs_to_no_figure_and_keeps_its_memory_out_of_the_run_
     assert memory["max_allocated_gib"] * 1024**3 == 100 and memory["measurement_peak_allocated_gib"] * 1024**3 == 1000
 
 
-def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_first(tmp_path):
+def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_first():
     """Two ranks (or two runs on one machine) evaluate at once: `evaluate`'s default cache file has one name for
     all of them, and the second waited a second on the first one's lock per split, charged to `eval`."""
-    import subprocess
-    import sys
-
-    from trainscope.loop import load_metric
-
     holder = subprocess.Popen(  # another process that has started its evaluation and holds on to it
-        [sys.executable, "-c", "import sys, time; from trainscope.loop import load_metric; m = load_metric(); "
+        [sys.executable, "-c", "import time; from trainscope.loop import load_metric; m = load_metric(); "
          "m.add_batch(predictions=[0], references=[0]); print('holding', flush=True); time.sleep(30)"],
         cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, text=True)
     try:
