@@ -198,6 +198,13 @@ def test_a_planted_disagreement_between_the_instruments_is_a_warning():
     assert health.instruments_agree(0.0134, 0.0081) and not health.instruments_agree(0.040, 0.010)
     assert "comm_instruments_disagree" not in warned(0.093, 0.061)
     assert "comm_exposed_above_total" in warned(1.2, 1.1)
+    # the profiler trace is held to DDP's figure the same way, with or without trainscope's calibration
+    def trace_warned(trace, ddp):
+        record = {"summary": {"communication": {"measured": False, "trace_exposed_s": trace, "ddp_exposed_s": ddp}}}
+        return [w["message"] for w in health.check(record) if w["code"] == "comm_instruments_disagree"]
+
+    assert "250.0 ms by the profiler trace against 15.0 ms by DDP" in " ".join(trace_warned(0.250, 0.015))
+    assert trace_warned(0.093, 0.061) == []
 
 
 def test_the_trace_reads_the_wait_after_backwards_last_operation_and_the_collectives():

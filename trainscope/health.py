@@ -217,14 +217,17 @@ def _exposed_above_total(view: RunView):
                 "noise); the figures are reported as measured, not clamped")
 
 
-@register("comm_instruments_disagree", "trainscope's exposed communication disagrees with DDP's own figure",
+@register("comm_instruments_disagree",
+          "trainscope's exposed communication (its calibration, or the profiler trace) disagrees with DDP's own figure",
           "re-measure with more --communication-samples and steps; read both figures in the record")
 def _instruments_disagree(view: RunView):
     block = view.communication or {}
-    ours, theirs = block.get("exposed_s"), block.get("ddp_exposed_s")
-    if not block.get("measured") or ours is None or theirs is None:
-        return None
-    if not instruments_agree(ours, theirs):
-        return (f"exposed communication {ours * 1e3:.1f} ms by trainscope's calibration against {theirs * 1e3:.1f} ms "
+    theirs = block.get("ddp_exposed_s")
+    readings = (("trainscope's calibration", block.get("exposed_s") if block.get("measured") else None),
+                ("the profiler trace", block.get("trace_exposed_s")))
+    off = [f"{ours * 1e3:.1f} ms by {name}" for name, ours in readings
+           if ours is not None and theirs is not None and not instruments_agree(ours, theirs)]
+    if off:
+        return (f"exposed communication {' and '.join(off)} against {theirs * 1e3:.1f} ms "
                 f"by DDP's own logger (comm - overlap, steady iterations): they differ by more than "
                 f"{COMMUNICATION_TOLERANCE:.0%} + {COMMUNICATION_FLOOR_S * 1e3:.0f} ms, so neither is trusted alone")
