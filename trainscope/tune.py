@@ -31,7 +31,7 @@ from pathlib import Path
 
 from trainscope import advisor, bench, launching
 from trainscope.experiments.base import Arm, ExperimentFailed, run_arm, split_args
-from trainscope.experiments.optimization import change_of, tune_table
+from trainscope.experiments.optimization import final_text, final_trial, tune_table
 from trainscope.records import read_record
 
 MIN_ROUNDS, MAX_ROUNDS = 3, 6
@@ -218,16 +218,10 @@ def merge_flags(base: list[str], extra: list[str]) -> list[str]:
 
 
 def summarize(args, train_args, suggestions, trials, untried, spread, elapsed) -> dict:
-    kept = [t for t in trials if t["verdict"] == "faster" and t["same_result"]]
-    final = (trials[-1] if trials and trials[-1]["name"] == "kept" and trials[-1] in kept
-             else max(kept, key=lambda t: t["speed"]["median_ratio"], default=None))
+    final = final_trial(trials)
     config = final["config"] if final else args.config
     command = (f"accelerate launch {launching.config_argument(config) + ' ' if config else ''}train.py "
                + " ".join(merge_flags(train_args, final["flags"] if final else [])))
-    text = (f"Best: {final['name']} ({change_of(final)}) "
-            f"{bench.describe(final['speed'])} on the same work, with the same result." if final else
-            "No suggestion was faster on the same work with the same result: the baseline stands; the rejected "
-            "trials above are the evidence.")
     return {"experiment": "tune", "baseline_args": train_args, "budget_s": args.budget, "elapsed_s": elapsed,
             "min_rounds": args.min_rounds, "max_rounds": args.max_rounds, "method": method_text(spread),
             "seed_spread": spread, "suggestions": [s.to_dict() for s in suggestions], "trials": trials,
@@ -235,7 +229,7 @@ def summarize(args, train_args, suggestions, trials, untried, spread, elapsed) -
             + [{"change": s.change, "flags": [], "why": "not a flag or config (see the advice)"}
                for s in suggestions if not (s.flags or s.config)],
             "final_flags": final["flags"] if final else [], "final_config": config, "final_command": command,
-            "summary": text}
+            "summary": final_text(final)}
 
 
 def method_text(spread: dict | None) -> str:

@@ -19,12 +19,25 @@ def section(report, found: reporting.Collected) -> None:
     tune = found.comparisons.get("tune")
     if tune:
         report.table(tune_table(tune))
-        kept = [t for t in tune["trials"] if t["verdict"] == "faster" and t["same_result"]]
-        best = max(kept, key=lambda t: t["speed"]["median_ratio"], default=None)
-        report.text(f"Final command: `{tune['final_command']}`. " + (
-            f"Best: {best['name']} ({change_of(best)}), {bench.describe(best['speed'])} on the same work with the same "
-            "result." if best else "No trial was faster with the same result: the baseline stands."))
+        report.text(f"Final command: `{tune['final_command']}`. {final_text(final_trial(tune['trials']))}")
         report.text(tune.get("method", ""))
+
+
+def final_trial(trials: list[dict]) -> dict | None:
+    """What `make tune` keeps: the kept changes tried together where that trial is itself kept, else the
+    fastest trial that was faster with the same result (None: the baseline stands)."""
+    kept = [t for t in trials if t["verdict"] == "faster" and t["same_result"]]
+    if trials and trials[-1]["name"] == "kept" and trials[-1] in kept:
+        return trials[-1]
+    return max(kept, key=lambda t: t["speed"]["median_ratio"], default=None)
+
+
+def final_text(final: dict | None) -> str:
+    if final is None:
+        return ("No suggestion was faster on the same work with the same result: the baseline stands; the rejected "
+                "trials above are the evidence.")
+    return (f"Best: {final['name']} ({change_of(final)}), {bench.describe(final['speed'])} on the same work with the "
+            "same result.")
 
 
 def change_of(trial: dict) -> str:
