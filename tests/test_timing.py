@@ -337,6 +337,46 @@ def test_a_paused_span_belongs_to_no_figure_and_keeps_its_memory_out_of_the_run_
     assert memory["max_allocated_gib"] * 1024**3 == 100 and memory["measurement_peak_allocated_gib"] * 1024**3 == 1000
 
 
+class AllocatorProbe:
+    """An allocator's peak counter: `allocate(level)` sets what is allocated, the peak follows it up, and reset()
+    brings the peak down to what is allocated now (as torch.cuda.reset_peak_memory_stats does)."""
+
+    def __init__(self):
+        self.current = self.peak = 0
+
+    def allocate(self, level: int) -> None:
+        self.current = level
+        self.peak = max(self.peak, level)
+
+    def reset(self):
+        self.peak = self.current
+
+    def read(self):
+        return self.peak, self.peak
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_paused_span_reads_its_own_peak_not_the_backward_before_it(sampled):
+    """A backward peaking at 10 (then freed down to 2), a calibration pause peaking at 3: the pause reads 3,
+    the run's peak stays 10, whether or not the step's stages were sampled (--memory-every)."""
+    probe = AllocatorProbe()
+    timer = StageTimer(HostClock(), memory=probe)
+    timer.set_memory_sampling(sampled)
+    timer.start()
+    with timer("backward"):
+        probe.allocate(10)
+        probe.allocate(2)
+    with timer.paused():
+        probe.allocate(3)
+        probe.allocate(2)
+    with timer("optimizer"):
+        probe.allocate(4)
+    timer.stop()
+    memory = timer.memory_summary()
+    assert memory["measurement_peak_allocated_gib"] * 1024**3 == 3
+    assert memory["max_allocated_gib"] * 1024**3 == 10
+
+
 def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_first():
     """Two ranks (or two runs on one machine) evaluate at once: `evaluate`'s default cache file has one name for
     all of them, and the second waited a second on the first one's lock per split, charged to `eval`."""

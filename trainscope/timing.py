@@ -227,7 +227,8 @@ class StageTimer:
     def paused(self):
         """Time that belongs to no figure (a measurement's own work): the wall clocks of the phase and the
         step line skip it, and on CUDA its allocations stay out of the run's memory peak (read apart, as
-        `paused_peak_allocated_bytes`)."""
+        `paused_peak_allocated_bytes`). The pause's peak is its own: the allocator's peak counter is folded into
+        the run's peak and reset on entry, or the pause would read the peak of the backward before it."""
         if self._active is not None:
             raise RuntimeError(f"paused() inside stage {self._active!r}")
         if not self._running:
@@ -235,6 +236,8 @@ class StageTimer:
         began = self._host_now()
         self.flush()
         self._fold_run_peak()
+        if self.memory is not None:
+            self.memory.reset()
         try:
             yield
         finally:
