@@ -39,9 +39,26 @@ def test_flops_read_the_model_configuration():
     ("Tesla V100-PCIE-16GB", "fp16", 112.0), ("Tesla V100-PCIE-32GB", "fp32", 14.0),
     ("Tesla V100-FHHL-16GB", "fp16", None),  # the 150 W card: no figure in the table, so no MFU
     ("AMD EPYC 7B13", "fp32", None),
+    # another part than the full card: a MIG slice, a laptop part, a D variant (no peak known for them here)
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", None), ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "tf32", None),
+    ("NVIDIA GeForce RTX 4090 Laptop GPU", "bf16", None), ("NVIDIA GeForce RTX 4090 D", "bf16", None),
 ])
 def test_peaks_come_from_an_exact_table_never_a_substring(name, precision, peak):
     assert flops.peak_tflops(name, precision) == peak
+
+
+@pytest.mark.parametrize("name,why", [
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "MIG slice"), ("NVIDIA GeForce RTX 4090 Laptop GPU", "laptop part"),
+    ("NVIDIA GeForce RTX 4090 D", "D variant"),
+])
+def test_a_variant_without_a_peak_says_why_in_its_warning(name, why):
+    from trainscope import health
+
+    record = {"settings": {}, "environment": {"device": "cuda:0", "device_name": name, "effective_precision": "bf16"},
+              "summary": {"mfu": None}}
+    (warning,) = health.check(record)
+    assert warning["code"] == "mfu_unknown" and why in warning["message"] and "not computed" in warning["message"]
+    assert flops.variant_reason("NVIDIA H100 80GB HBM3") is None and flops.variant_reason("AMD EPYC 7B13") is None
 
 
 def test_mfu_is_none_rather_than_a_guess():

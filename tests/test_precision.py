@@ -127,3 +127,50 @@ def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fu
     # With the fused optimizer GradScaler always calls its step (the kernel skips the update itself), so
     # Accelerate's flag never turns; without fusing, GradScaler skips the call and the flag tells.
     assert accelerate_says_skipped == ([False] * steps if fused else [step in planted for step in range(steps)])
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch, tf32_flags):
+    """A CUDA device of a given compute capability for this CPU-only torch: its properties and the calls that
+    read them are replaced; torch's own is_bf16_supported / is_tf32_supported logic runs on them."""
+    def install(major: int, minor: int = 0, name: str = "Tesla V100-SXM2-16GB"):
+        properties = SimpleNamespace(major=major, minor=minor, name=name, total_memory=16 * 1024**3)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return install
+
+
+@pytest.mark.parametrize("major,native", [(7, False), (8, True), (9, True)])
+def test_a_gpu_before_ampere_has_neither_native_bf16_nor_tf32(stand_in_gpu, major, native):
+    stand_in_gpu(major)
+    torch.backends.cuda.matmul.allow_tf32 = True  # --tf32
+    facts = precision.cuda_precision_facts()
+    assert facts == {"gpu_compute_capability": f"{major}.0", "gpu_native_bf16": native, "tf32_supported": native,
+                     "tf32_in_effect": native}
+    assert precision.precision_name(torch.float32, "cuda") == ("tf32" if native else "fp32")
+    assert precision.precision_name(torch.bfloat16, "cuda") == "bf16"
+
+
+def test_a_v100_run_asked_for_bf16_and_tf32_is_recorded_as_emulated_bf16_and_fp32_with_warnings(stand_in_gpu):
+    """The environment block of a bf16 run with --tf32 on a stand-in V100 (compute capability 7.0), through
+    environment.describe, then the health checks on it. On a real V100: not measured on GPU."""
+    from trainscope import environment, health
+
+    stand_in_gpu(7)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    accelerator = SimpleNamespace(device=torch.device("cuda", 0), num_processes=1, mixed_precision="bf16",
+                                  state=SimpleNamespace(distributed_type="DistributedType.NO", backend=None))
+    threads = {"torch_threads": 2, "thread_budget": 2, "usable_cores": 2, "local_processes": 1, "threads_source": "auto"}
+    env = environment.describe(accelerator, precision.precision_name(torch.bfloat16, "cuda"), threads)
+    assert (env["effective_precision"], env["gpu_native_bf16"], env["tf32_in_effect"]) == ("bf16", False, False)
+    record = {"settings": {"tf32": True, "memory_every": 10}, "environment": env, "summary": {}}
+    warnings = {w["code"]: w["message"] for w in health.check(record, at_start=True)}
+    assert set(warnings) == {"gpu_bf16_emulated", "tf32_unsupported"}
+    assert "compute capability 7.0" in warnings["gpu_bf16_emulated"] and "emulated" in warnings["gpu_bf16_emulated"]
+    assert "no TF32 units" in warnings["tf32_unsupported"]
+    stand_in_gpu(8, name="NVIDIA A100-SXM4-80GB")
+    env = environment.describe(accelerator, "bf16", threads)
+    assert health.check({**record, "environment": env}, at_start=True) == []

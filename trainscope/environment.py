@@ -185,6 +185,7 @@ def describe(accelerator, effective: str, threads: dict) -> dict:
         "tf32_in_effect": precision.tf32_in_effect(),
         "fsdp_requested": os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
         "device_memory_gib": device_memory_gib(accelerator.device),
+        **(precision.cuda_precision_facts() if accelerator.device.type == "cuda" else {}),
     }
 
 

@@ -70,6 +70,14 @@ PEAK_TFLOPS = {
     ("v100", "pcie"): {"fp32": 14.0, "fp16": 112.0},
 }
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro"}
+# Words of a device name that make it another part than the full card a key names; a key matches such a name
+# only when it has the word itself (an entry for that exact part, with its source). None is known here, so
+# these parts have no peak and no MFU, and the record says why (`variant_reason`).
+_MIG = ("a MIG slice has a fraction of the GPU's SMs (a 1g slice is one of its 7 compute slices), so the full GPU's peak "
+        "would understate its MFU up to 7x")
+_LAPTOP = "a laptop part runs at lower clocks and power than the desktop card of the same name"
+VARIANT_WORDS = {"mig": _MIG, "laptop": _LAPTOP, "mobile": _LAPTOP,
+                 "d": "a D variant has fewer SMs than the card of the same number (RTX 4090 D: 114 of 128)"}
 
 
 def device_tokens(device_name: str) -> tuple[str, ...]:
@@ -79,10 +87,20 @@ def device_tokens(device_name: str) -> tuple[str, ...]:
 
 
 def peak_entry(device_name: str) -> tuple | None:
-    """The table key for a device: every token of the key is a token of the name; most tokens wins."""
+    """The table key for a device: every token of the key is a token of the name, and every variant word of
+    the name (MIG, laptop, D) is one of the key's; most tokens wins."""
     tokens = set(device_tokens(device_name))
-    matches = [key for key in PEAK_TFLOPS if set(key) <= tokens]
+    variants = tokens & set(VARIANT_WORDS)
+    matches = [key for key in PEAK_TFLOPS if set(key) <= tokens and variants <= set(key)]
     return max(matches, key=len) if matches else None
+
+
+def variant_reason(device_name: str) -> str | None:
+    """Why a MIG slice, laptop part or D variant has no peak here (None for any other name)."""
+    if peak_entry(device_name) is not None:
+        return None
+    words = [word for word in device_tokens(device_name) if word in VARIANT_WORDS]
+    return VARIANT_WORDS[words[0]] if words else None
 
 
 def matmul_parameters(layers: int, hidden: int, intermediate: int) -> int:

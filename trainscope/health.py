@@ -14,7 +14,7 @@ A new warning is one function here, decorated with its code, meaning and fix.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainscope.flops import peak_tflops
+from trainscope.flops import peak_tflops, variant_reason
 from trainscope.record_view import RunView
 
 # Fewer steady steps than this and a steady-state figure rests on too few samples.
@@ -153,6 +153,24 @@ def _tf32(view: RunView):
         return "TF32 matmuls were in effect although --tf32 was not given: an 'fp32' figure is a TF32 figure"
 
 
+@register("gpu_bf16_emulated", "bf16 on a GPU without native bf16 (compute capability below 8.0): emulated and slow",
+          "use fp16 on this GPU (accelerate_configs/fp16.yaml); measure bf16 on an Ampere or later GPU", at_start=True)
+def _gpu_bf16_emulated(view: RunView):
+    if view.precision == "bf16" and view.on_cuda and view.env.get("gpu_native_bf16") is False:
+        return (f"bf16 autocast on {view.device_name} (compute capability {view.env.get('gpu_compute_capability', '?')}, "
+                "no bf16 tensor cores) is emulated: its speed and memory say nothing about bf16 on an Ampere or later "
+                "GPU; fp16 is this GPU's fast precision")
+
+
+@register("tf32_unsupported", "--tf32 on a GPU without TF32 units: the matmuls ran in fp32",
+          "drop --tf32 on this GPU (TF32 needs compute capability 8.0, Ampere or later)", at_start=True)
+def _tf32_unsupported(view: RunView):
+    if view.setting("tf32") and view.on_cuda and view.env.get("tf32_supported") is False:
+        return (f"--tf32 was given but {view.device_name} (compute capability "
+                f"{view.env.get('gpu_compute_capability', '?')}) has no TF32 units: matmuls ran in fp32, and the "
+                "record says fp32")
+
+
 @register("stage_memory_every_step", "per-stage memory statistics read at every step cost time on CUDA",
           "sample per-stage memory every 10 steps", ("--memory-every", "10"), at_start=True)
 def _memory_statistics(view: RunView):
@@ -201,9 +219,9 @@ def _steady(view: RunView):
           "add the device's datasheet peak to trainscope/flops.py")
 def _mfu(view: RunView):
     if view.on_cuda and "mfu" in view.summary and view.mfu is None:
-        known = peak_tflops(view.device_name, view.precision or "fp32")
-        return (f"{view.device_name} is not in the datasheet peak table (trainscope/flops.py) for {view.precision}: "
-                "MFU is not computed rather than guessed") if known is None else None
+        known, variant = peak_tflops(view.device_name, view.precision or "fp32"), variant_reason(view.device_name)
+        return (f"{view.device_name} is not in the datasheet peak table (trainscope/flops.py) for {view.precision}"
+                f"{f' ({variant})' if variant else ''}: MFU is not computed rather than guessed") if known is None else None
 
 
 @register("comm_exposed_above_total", "exposed communication measured above the all-reduce's own duration",

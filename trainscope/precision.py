@@ -22,18 +22,47 @@ def effective_precision(accelerator) -> str:
     a = torch.ones(8, 8, device=accelerator.device)
     with accelerator.autocast():
         dtype = (a @ a).dtype
-    if dtype == torch.float16:
+    return precision_name(dtype, accelerator.device.type)
+
+
+def precision_name(matmul_dtype: torch.dtype, device_type: str) -> str:
+    """The name of what a matmul computed in: TF32 only on a CUDA device with TF32 units and the flags on."""
+    if matmul_dtype == torch.float16:
         return "fp16"
-    if dtype == torch.bfloat16:
+    if matmul_dtype == torch.bfloat16:
         return "bf16"
-    if accelerator.device.type == "cuda" and tf32_in_effect():
+    if device_type == "cuda" and tf32_in_effect() and cuda_tf32_supported():
         return "tf32"
     return "fp32"
 
 
 def tf32_in_effect() -> bool:
-    """Whether fp32 matmuls or convolutions on CUDA may run as TF32 right now."""
+    """Whether fp32 matmuls or convolutions on CUDA may run as TF32 right now (the flags; a GPU without TF32
+    units ignores them: see `cuda_tf32_supported`)."""
     return bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+
+
+def cuda_native_bf16() -> bool:
+    """Whether the current CUDA device computes bf16 natively: compute capability 8.0 and up (Ampere on).
+    Before it (V100, T4) torch and Accelerate still accept bf16 autocast (`is_bf16_supported()` counts
+    emulation by default), and it runs emulated. torch 2.13's `is_bf16_supported(including_emulation=False)`
+    is exactly the capability rule (ROCm: always)."""
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def cuda_tf32_supported() -> bool:
+    """Whether the current CUDA device has TF32 units (Ampere on): on a V100 the TF32 flags change nothing
+    and its fp32 matmuls stay fp32. `torch.cuda.is_tf32_supported` (torch 2.13)."""
+    return bool(torch.cuda.is_tf32_supported())
+
+
+def cuda_precision_facts() -> dict:
+    """The environment's GPU precision keys (on the current CUDA device): compute capability, native bf16,
+    TF32 units, and whether TF32 is really in effect (the flags on a GPU that has the units)."""
+    major, minor = torch.cuda.get_device_capability()
+    tf32_units = cuda_tf32_supported()
+    return {"gpu_compute_capability": f"{major}.{minor}", "gpu_native_bf16": cuda_native_bf16(),
+            "tf32_supported": tf32_units, "tf32_in_effect": tf32_in_effect() and tf32_units}
 
 
 def enforce_tf32(requested: bool) -> bool:
