@@ -68,6 +68,8 @@ $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	touch $@
 
 setup: $(VENV)/.installed ## create .venv (reusing an installed torch) with everything trainscope needs
+	@# a GPU host (nvidia-smi answers) whose torch cannot see the GPU: a warning naming the CUDA build to install
+	@if nvidia-smi >/dev/null 2>&1; then $(PY) -m trainscope.gpu_check --torch-check; fi
 
 train: setup ## fine-tune the embedded MiniLM-L6 on the embedded tweets on whatever hardware is here
 	$(LAUNCH) train.py $(TRAIN_ARGS) $(ARGS)
@@ -122,8 +124,10 @@ bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by 
 bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
 	$(EXPERIMENTS) compile --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) -- $(COMPILE_ARGS)
 
-gpu-check: setup ## what only a GPU can confirm, on the GPUs present (--dry-run lists it) -> benchmarks/gpu/<device>.* (one line and nothing written without a GPU)
-	$(PY) -m trainscope.gpu_check
+# `make gpu-check --dry-run` (make's -n) runs the plan's dry run (a `+` line runs under -n) instead of only echoing it.
+GPU_CHECK_DRY_RUN = $(findstring n,$(firstword -$(MAKEFLAGS)))
+gpu-check: setup ## what only a GPU can confirm, within ARGS=--budget (540 s) -> benchmarks/gpu/<device>.* (ARGS=--dry-run, or --dry-run: the plan)
+	$(if $(GPU_CHECK_DRY_RUN),+)$(PY) -m trainscope.gpu_check $(if $(GPU_CHECK_DRY_RUN),--dry-run) $(ARGS)
 
 clean: ## remove runs/, results/ and caches (keeps .venv)
 	rm -rf runs results .pytest_cache

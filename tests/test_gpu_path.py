@@ -3,8 +3,10 @@ set-up, per-loop memory, the batch-size search (halving, one process, in its own
 binding their GPU, and make gpu-check's plan without a GPU."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,28 +93,111 @@ def test_the_batch_size_search_runs_in_a_child_launched_with_the_config():
     assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"largest_batch": 8}  # a CPU never runs out
 
 
-def test_gpu_check_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path):
-    completed = run_command([sys.executable, "-m", "trainscope.gpu_check", "--out", str(tmp_path / "gpu")], env=cpu_env())
-    assert completed.returncode == 0
-    assert completed.stdout.strip().splitlines() == [completed.stdout.strip()]
-    assert "no usable CUDA device" in completed.stdout and "nothing written" in completed.stdout
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from trainscope import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_check, "nvidia_smi", lambda *args: None)  # no NVIDIA driver either
+    gpu_check.main(["--out", str(tmp_path / "gpu")])  # returns: exit status 0
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines() == [out.strip()] and err == ""
+    assert "no usable CUDA device" in out and "nothing written" in out
     assert not (tmp_path / "gpu").exists()
+
+
+@pytest.mark.parametrize("make_flags,ran", [
+    (["--dry-run"], "-m trainscope.gpu_check --dry-run --gpus 2"), (["-n"], "-m trainscope.gpu_check --dry-run --gpus 2"),
+    ([], "-m trainscope.gpu_check --gpus 2"),
+])
+def test_make_gpu_check_dry_run_runs_the_plans_dry_run(make_flags, ran):
+    """`make gpu-check --dry-run` is make's -n, which only echoes recipes: the recipe's `+` line runs the plan's
+    own dry run instead (ARGS reach it). PY=echo shows what ran: its output is the command without `echo`."""
+    completed = run_command(["make", "-s", "gpu-check", *make_flags, "PY=echo", "ARGS=--gpus 2"], env=cpu_env())
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert ran in [line.strip() for line in completed.stdout.splitlines()]
+
+
+SINGLE_GPU_CHECKS = ["precision-fp32", "timing-sync", "precision-tf32", "precision-bf16", "precision-fp16",
+                     "compile-bf16", "memory-snapshot", "batch-search"]
+TWO_GPU_CHECKS = ["ddp-compile", "ddp-communication-memory", "ddp-fp16", "ddp-comm-hook-fp16", "ddp-comm-hook-bf16",
+                  "ddp-profile", "fsdp2"]
+COMPARISONS = ["overhead", "loaders", "compare-dp"]
 
 
 def test_gpu_check_plans_every_check_by_the_documented_commands():
     from trainscope import gpu_check
 
     steps = gpu_check.plan(gpus=2)
-    names = [step["name"] for step in steps]
-    assert names == ["timing-events", "timing-sync", "precision-fp32", "precision-tf32", "precision-bf16",
-                     "precision-fp16", "compile-bf16", "memory-snapshot", "batch-search", "overhead", "loaders",
-                     "compare-dp", "ddp-compile", "ddp-communication-memory"]
+    assert [step["name"] for step in steps] == [*SINGLE_GPU_CHECKS, *TWO_GPU_CHECKS, *COMPARISONS]
     configs = {step["name"]: step.get("config") for step in steps}
     assert configs["precision-bf16"] == "bf16" and configs["precision-fp16"] == "fp16"
     assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert gpu_check.verdicts({"precision-fp32": {"throughput": {"samples_per_s": 100}},
                                "precision-tf32": {"throughput": {"samples_per_s": 250}},
                                "precision-bf16": {"throughput": {"samples_per_s": 400}}})["bf16_over_fp32"] == 4.0
+
+
+def flag_value(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_every_comparison_in_the_plan_has_enough_rounds_and_every_check_a_timeout(gpus):
+    """--pairs 3, --rounds 3 and --repeats 2 gave "too few pairs" verdicts: at least bench.MIN_PAIRS now. The
+    batch search's sweep has one batch size, one arm: nothing is compared, so one round is all it runs."""
+    from trainscope import bench, gpu_check
+
+    steps = gpu_check.plan(gpus=gpus)
+    for step in steps:
+        assert 0 < step["estimate_s"] <= step["timeout_s"] and step["estimate"], step["name"]
+        command = step.get("command") or []
+        rounds = [int(flag_value(command, flag)) for flag in ("--pairs", "--rounds", "--repeats") if flag in command]
+        arms = command[command.index("--batch-sizes") + 1:command.index("--steps")] if "--batch-sizes" in command else None
+        if arms is not None and len(arms) == 1:
+            continue
+        assert all(r >= bench.MIN_PAIRS for r in rounds), (step["name"], rounds)
+    assert {name for name in COMPARISONS} <= {step["name"] for step in steps if step.get("command")}
+
+
+def test_one_h100s_plan_is_estimated_within_the_budget_and_the_budget_within_ten_minutes():
+    """The durations are estimates from assumed launch and step times (not measured on GPU): what is checked is
+    that the plan's arithmetic holds them under the default budget, and the budget under 10 minutes."""
+    from trainscope import gpu_check
+
+    one = gpu_check.plan(gpus=1)
+    assert [step["name"] for step in one if step.get("skipped")] == TWO_GPU_CHECKS
+    assert gpu_check.planned_seconds(one) <= gpu_check.DEFAULT_BUDGET_S < 600
+    assert gpu_check.planned_seconds(gpu_check.plan(gpus=2)) > gpu_check.planned_seconds(one)
+    overhead = next(step["command"] for step in one if step["name"] == "overhead")
+    steady = int(flag_value(overhead, "--max-steps")) - int(flag_value(overhead, "--timing-warmup-steps"))
+    assert flag_value(overhead, "--model") == "roberta-base" and steady * gpu_check.ASSUMED_STEP_S["fp32"] >= 4.0
+
+
+def test_the_compile_check_runs_with_dynamic_shapes():
+    """--pad-to-max-length made every batch one shape (dynamic=False): the check claimed dynamic shapes."""
+    from trainscope import gpu_check
+    from trainscope.settings import parse_settings
+
+    step = next(step for step in gpu_check.plan(gpus=1) if step["name"] == "compile-bf16")
+    (settings,) = parse_settings(argv=step["args"])
+    assert settings.compile and not settings.pad_to_max_length  # the record's compile.dynamic is not pad_to_max_length
+    padded = [step for step in gpu_check.plan(gpus=1) if step["name"].startswith("precision-")]
+    assert all("--pad-to-max-length" in step["args"] for step in padded)  # the speed comparisons: one shape
+
+
+def test_the_two_gpu_plan_adds_fsdp2_fp16_ddp_both_compression_hooks_and_the_profiler():
+    from trainscope import gpu_check
+
+    by_name = {step["name"]: step for step in gpu_check.plan(gpus=2)}
+    assert launching.config_facts(launching.config_path(by_name["fsdp2"]["config"]))["distributed_type"] == "FSDP"
+    assert "fsdp_version: 2" in launching.config_path("fsdp").read_text()
+    assert launching.config_facts(launching.config_path(by_name["ddp-fp16"]["config"]))["mixed_precision"] == "fp16"
+    for hook in ("fp16", "bf16"):
+        assert flag_value(by_name[f"ddp-comm-hook-{hook}"]["args"], "--ddp-comm-hook") == hook
+    assert "--profile" in by_name["ddp-profile"]["args"]
+    for name in TWO_GPU_CHECKS:
+        facts = launching.config_facts(launching.config_path(by_name[name]["config"]))
+        assert facts["num_processes"] == 2 and not facts["use_cpu"] and not by_name[name].get("skipped")
 
 
 def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_runs():
@@ -133,27 +218,164 @@ def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_run
     assert snapshot["args"][snapshot["args"].index("--max-steps") + 1] == "20"
     assert by_name["ddp-compile"]["config"] == "ddp" and "--compile" in by_name["ddp-compile"]["args"]
     assert by_name["ddp-communication-memory"]["config"] == "ddp"
-    for name in ("ddp-compile", "ddp-communication-memory"):
+    for name in TWO_GPU_CHECKS:
         assert by_name[name]["skipped"].startswith("needs 2 GPUs")
-    assert not [name for name, step in by_name.items() if step.get("skipped") and not name.startswith("ddp-")]
-    assert not [step for step in gpu_check.plan(gpus=2) if step.get("skipped")]
     assert all(step["confirms"] for step in by_name.values())  # what only a GPU run will confirm, per check
     checks = [gpu_check.run_step(step, Path("/nonexistent")) for step in by_name.values() if step.get("skipped")]
-    report = {"device": "NVIDIA H100 80GB HBM3", "driver": None, "seconds": 0.0, "checks": checks, "verdicts": {},
+    report = {"device": "NVIDIA H100 80GB HBM3", "driver": None, "gpus": 1, "budget_s": 540.0, "seconds": 0.0,
+              "status": "complete", "checks": checks, "not_run": [], "verdicts": {},
               "scaler": {"planted": 3, "counted": 3}, "plan": list(by_name.values())}
     lines = gpu_check.markdown(report)
-    assert "| ddp-compile | 0 | skipped: needs 2 GPUs (one per process), 1 present |" in lines
+    estimate = by_name["ddp-compile"]["estimate_s"]
+    assert f"| ddp-compile | {estimate:.0f} |  | 0 | skipped: needs 2 GPUs (one per process), 1 present |" in lines
     assert f"- batch-search: {by_name['batch-search']['confirms']}" in lines
 
 
-def test_gpu_check_dry_run_lists_what_only_a_gpu_run_confirms(capsys, monkeypatch):
+def test_gpu_check_dry_run_shows_the_plan_for_n_gpus_with_estimates_and_the_total(capsys):
     from trainscope import gpu_check
 
-    monkeypatch.setattr(launching, "cuda_devices", lambda: 1)
-    gpu_check.main(["--dry-run"])
+    gpu_check.main(["--dry-run", "--gpus", "2"])
     out = capsys.readouterr().out
-    assert out.count("confirms: ") == len(gpu_check.plan(gpus=1)) + 1  # every check, and the in-process scaler check
-    assert "ddp-compile: skipped (needs 2 GPUs" in out and "--memory-snapshot" in out and "--search-from" in out
+    assert out.count("confirms: ") == len(gpu_check.plan(gpus=2)) + 1  # every check, and the in-process scaler check
+    assert "fsdp2 (estimate " in out and "timeout " in out and "--memory-snapshot" in out and "--search-from" in out
+    total = gpu_check.planned_seconds(gpu_check.plan(gpus=2))
+    assert f"total estimated for 2 GPUs: {total:.0f} s" in out and "not measured on GPU" in out
+    assert "over the budget by these estimates" in out  # two GPUs' checks do not all fit 540 s
+    gpu_check.main(["--dry-run", "--gpus", "1"])
+    out = capsys.readouterr().out
+    assert "ddp-compile: skipped (needs 2 GPUs" in out and "over the budget" not in out
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_checks_run_within_the_budget_each_written_as_it_finishes():
+    """A stand-in runner advances a stand-in clock by each check's seconds: a check whose estimate does not fit
+    what is left is skipped as over the budget, a running one gets what is left as its timeout, and the report
+    is written after every check (a snapshot per write)."""
+    from trainscope import gpu_check
+
+    clock, writes, given = FakeClock(), [], {}
+    steps = [{"name": name, "estimate_s": estimate, "timeout_s": 3 * estimate}
+             for name, estimate in (("a", 100), ("b", 200), ("c", 300), ("d", 50), ("e", 10))]
+    steps.insert(2, {"name": "two-gpus", "estimate_s": 20, "timeout_s": 60, "skipped": "needs 2 GPUs"})
+
+    def runner(step, timeout):
+        given[step["name"]] = timeout
+        clock.now += {"a": 120, "b": 150, "d": 60, "e": 5}[step["name"]]
+        return {"name": step["name"], "seconds": 0.0, "exit": 0}
+
+    report = gpu_check.execute(steps, {}, lambda r: writes.append(json.loads(json.dumps(r))), 400, runner, clock,
+                               before=lambda: {"planted": 3, "counted": 3, "ok": True})
+    assert given == {"a": 300, "b": 280, "d": 130, "e": 30}  # min(its timeout, the budget left)
+    outcomes = {c["name"]: c.get("skipped", "ran") for c in report["checks"]}
+    assert outcomes["c"] == "over the budget (estimated 300 s, 130 s of the 400 s left)"
+    assert outcomes["two-gpus"] == "needs 2 GPUs" and outcomes["e"] == "ran"
+    assert [len(w["checks"]) for w in writes] == [0, 1, 2, 3, 4, 5, 6, 6]  # scaler, every check, then complete
+    assert writes[0]["status"] == "running" and writes[0]["not_run"] == [step["name"] for step in steps]
+    assert writes[-1]["status"] == "complete" and writes[-1]["not_run"] == [] and report["seconds"] == 335
+
+
+def sleeping_tree(pids: Path) -> list[str]:
+    """A launch with a child: bash, which writes its own and its child's pid to `pids`, both sleeping a minute."""
+    return ["bash", "-c", f"echo $$ > {pids}; sleep 60 & echo $! >> {pids}; wait"]
+
+
+def alive(pids: Path) -> list[int]:
+    import psutil
+
+    def running(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    return [pid for pid in map(int, pids.read_text().split()) if running(pid)]
+
+
+def test_a_launch_past_its_timeout_is_killed_with_its_children(tmp_path):
+    started = time.monotonic()
+    result = launching.run_captured(sleeping_tree(tmp_path / "pids"), os.environ, timeout=1)
+    assert result.returncode == -9 and "error: timed out after 1 s" in result.stderr
+    assert time.monotonic() - started < 15 and len((tmp_path / "pids").read_text().split()) == 2
+    assert alive(tmp_path / "pids") == []
+
+
+def test_a_signal_during_a_check_kills_its_launch_and_keeps_what_finished(tmp_path):
+    """SIGTERM (as `timeout` or a scheduler sends it) while the second check's launch runs: the launch and its
+    child are killed, the results files hold the first check and say interrupted, the handlers are restored."""
+    import signal
+    import threading
+
+    from trainscope import bench, gpu_check
+
+    steps = [{"name": "first", "estimate_s": 1, "timeout_s": 60, "confirms": "x"},
+             {"name": "hung", "estimate_s": 1, "timeout_s": 60, "confirms": "y"},
+             {"name": "never", "estimate_s": 1, "timeout_s": 60, "confirms": "z"}]
+    stem = tmp_path / "gpu" / "device"
+    report = {"device": "stand-in", "driver": None, "gpus": 1, "plan": steps}
+
+    def runner(step, timeout):
+        if step["name"] == "hung":
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            launching.run_captured(sleeping_tree(tmp_path / "pids"), os.environ, timeout)
+        return {"name": step["name"], "seconds": 0.1, "exit": 0}
+
+    def write(current):
+        bench.write_results(stem, current, gpu_check.markdown({**current, "verdicts": {}}))
+
+    with pytest.raises(gpu_check.Interrupted):
+        gpu_check.execute(steps, report, write, 540, runner)
+    written = json.loads(stem.with_suffix(".json").read_text())
+    assert written["status"] == "interrupted" and written["interrupted"] == {"signal": "SIGTERM", "during": "hung"}
+    assert [c["name"] for c in written["checks"]] == ["first"] and written["not_run"] == ["hung", "never"]
+    assert "interrupted by SIGTERM during hung" in stem.with_suffix(".md").read_text()
+    assert alive(tmp_path / "pids") == []
+
+
+def stand_in_nvidia_smi(tmp_path, monkeypatch, cuda: str = "12.8") -> None:
+    """An `nvidia-smi` on PATH that answers as a driver of CUDA `cuda` does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n"
+                   'case "$1" in --query-gpu=*) echo 570.86.15 ;; *) echo "| NVIDIA-SMI 570.86.15    Driver Version: '
+                   f'570.86.15    CUDA Version: {cuda}     |" ;; esac\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_a_cpu_only_torch_on_a_gpu_host_fails_naming_the_cuda_build_to_install(tmp_path, monkeypatch, capsys):
+    """This torch is a CPU-only build; with a driver answering it used to print one line and exit 0."""
+    from trainscope import gpu_check
+
+    stand_in_nvidia_smi(tmp_path, monkeypatch, cuda="12.9")
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main(["--out", str(tmp_path / "gpu")])
+    assert exited.value.code == 1 and not (tmp_path / "gpu").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the NVIDIA driver answers (nvidia-smi: CUDA 12.9)")
+    assert "CPU-only" in err[0] and err[0].endswith(
+        f"pip install torch=={torch.__version__.split('+')[0]}+cu128 --index-url https://download.pytorch.org/whl/cu128")
+    gpu_check.main(["--torch-check"])  # make setup: the same sentence, as a warning
+    assert capsys.readouterr().err.startswith("warning: the NVIDIA driver answers")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden on purpose (make test): not the torch's fault
+    gpu_check.main(["--out", str(tmp_path / "gpu")])
+    assert "no usable CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("driver,tag", [((12, 4), None), ((12, 6), "cu126"), ((12, 9), "cu128"), ((13, 1), "cu130")])
+def test_the_cuda_build_is_the_newest_the_driver_runs(driver, tag):
+    from trainscope import gpu_check
+
+    assert gpu_check.cuda_wheel_tag(driver) == tag
+    message = gpu_check.cuda_torch_command(f"CUDA Version: {driver[0]}.{driver[1]}", "2.13.0+cpu", None, environ={})
+    assert ("update the NVIDIA driver" in message) is (tag is None)
 
 
 def launched_processes(command: list[str], monkeypatch, gpus: int) -> tuple[bool, int]:
@@ -186,12 +408,39 @@ def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypat
     monkeypatch.setattr(launching, "run_captured", recording_run_captured)
     monkeypatch.setattr(overhead, "read_record", lambda run: {"summary": {"throughput": {"samples_per_s": 99.0}},
                                                               "environment": {"torch_threads": 1}})
-    overhead.measure(["--max-steps", "8"], ["events"], pairs=1, scratch=tmp_path)
+    measured = overhead.measure(["--max-steps", "8"], ["events"], pairs=1, scratch=tmp_path)
+    assert measured["results"]["host"]["verdict"] == "too few pairs"
+    assert measured["results"]["host"]["meets_target"] is None  # a target is not judged on one pair
     bare = [c for c in launched if "--bare" in c]
     timed = [c for c in launched if str(launching.TRAIN_SCRIPT) in c]
     assert len(bare) == 1 and len(timed) == 1 and len(launched) == 2
     for command in launched:
         assert launched_processes(command, monkeypatch, gpus=4) == (False, 1)
+
+
+@pytest.mark.parametrize("modes,arms", [(["events"], {"bare", "events"}),
+                                         (["events", "memory-every-step"], {"bare", "events", "memory-every-step"})])
+def test_the_overhead_arms_are_the_modes_asked_for_and_judged_from_five_pairs(monkeypatch, tmp_path, modes, arms):
+    """On a stand-in GPU host: gpu-check's `--modes events` runs two arms (the memory-statistics arm only when
+    asked), and with bench.MIN_PAIRS pairs the target is judged. Real GPU ratios: not measured on GPU."""
+    from trainscope import bench
+    from trainscope.benchmarks import overhead
+
+    launched = []
+
+    def run_captured(command, env, timeout=None):
+        launched.append(command)
+        return subprocess.CompletedProcess(command, 0, json.dumps({"samples_per_s": 100.0, "threads": 1}), "")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launching, "run_captured", run_captured)
+    monkeypatch.setattr(launching, "run_training", lambda args, *a, **k: launched.append(args)
+                        or subprocess.CompletedProcess(args, 0, "", ""))
+    monkeypatch.setattr(overhead, "read_record", lambda run: {"summary": {"throughput": {"samples_per_s": 99.5}},
+                                                              "environment": {"torch_threads": 1}})
+    measured = overhead.measure(["--max-steps", "8"], modes, pairs=bench.MIN_PAIRS, scratch=tmp_path)
+    assert set(measured["rounds"][0]) == arms and len(launched) == len(arms) * bench.MIN_PAIRS
+    assert all(result["meets_target"] is True for result in measured["results"].values())  # 0.5% <= 1%
 
 
 def planted_out_of_memory(fits_up_to: int, tried: list[int]):

@@ -108,6 +108,10 @@ def run_training(train_args: list[str], config: str | None = None, launcher: str
 
 
 def run_captured(command: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run `command` in a session of its own, output captured. Past `timeout` the whole launch is killed
+    and the result ends in `error: timed out after N s`. An exception while waiting (Ctrl-C's
+    KeyboardInterrupt, a signal handler's exception) kills it too before going on: in its own session
+    the launch never sees the terminal's Ctrl-C and would run on, orphaned."""
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
@@ -115,7 +119,12 @@ def run_captured(command: list[str], env: dict, timeout: float | None = None) ->
     except subprocess.TimeoutExpired:
         kill_tree(process.pid)
         stdout, stderr = process.communicate()
-        return subprocess.CompletedProcess(command, -signal.SIGKILL, stdout, stderr + f"\nerror: timed out after {timeout} s")
+        return subprocess.CompletedProcess(command, -signal.SIGKILL, stdout,
+                                           stderr + f"\nerror: timed out after {timeout:.0f} s")
+    except BaseException:
+        kill_tree(process.pid)
+        process.communicate()
+        raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
