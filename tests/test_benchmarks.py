@@ -39,6 +39,7 @@ def test_overhead_benchmark_pairs_a_bare_loop_with_train_py(tmp_path):
     assert round_["bare"]["threads"] == round_["host"]["threads"]
     host = report["results"]["host"]
     assert host["verdict"] == "too few pairs" and host["target_overhead"] == 0.02 and "p_value" in host
+    assert host["meets_target"] is None and "not judged (too few pairs)" in (tmp_path / "overhead.md").read_text()
 
 
 def test_same_batches_catches_a_trainer_that_saw_other_batches():

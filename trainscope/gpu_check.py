@@ -30,8 +30,8 @@ fit in what is left is skipped ("over the budget"), and no launch may run past t
 rewritten (atomically) after every check, so a time limit, Ctrl-C or a hung launch keeps what was measured;
 on SIGINT or SIGTERM the running launch is killed and the results say `interrupted`.
 
-Durations are estimates from each check's workload (launches, steps, precision) and the ASSUMED_* figures
-below, which are assumptions for one H100, not measurements: not measured on GPU.
+Durations are estimates from each check's workload (launches, steps, precision) and the ASSUMED_* figures of
+trainscope/gpu_check.py, which are assumptions for one H100, not measurements: not measured on GPU.
 """
 
 import argparse
