@@ -337,6 +337,39 @@ def test_a_signal_during_a_check_kills_its_launch_and_keeps_what_finished(tmp_pa
     assert alive(tmp_path / "pids") == []
 
 
+def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_failed_one(monkeypatch, tmp_path, capsys):
+    """main() on a stand-in one-GPU host whose checks are stand-ins: every check's result reaches the files, a
+    2-GPU check is listed as skipped, a failed check fails the command in one line after the rest ran."""
+    from trainscope import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(gpu_check, "nvidia_smi", lambda *args: None)
+    monkeypatch.setattr(gpu_check, "scaler_check", lambda: {"planted": 3, "counted": 3, "ok": True})
+    ran = []
+
+    def run_step(step, scratch, timeout):
+        ran.append((step["name"], timeout))
+        failed = step["name"] == "memory-snapshot"
+        return {"name": step["name"], "estimate_s": step["estimate_s"], "timeout_s": timeout, "seconds": 1.0,
+                "exit": 1 if failed else 0, **({"error": "planted failure"} if failed else {})}
+
+    monkeypatch.setattr(gpu_check, "run_step", run_step)
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main(["--out", str(tmp_path)])
+    assert exited.value.code == 1
+    stem = tmp_path / "nvidia-h100-80gb-hbm3"
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: memory-snapshot failed: see {stem}.md"]
+    written = json.loads((tmp_path / "nvidia-h100-80gb-hbm3.json").read_text())
+    assert written["status"] == "complete" and written["not_run"] == [] and written["provenance"]["commit"]
+    assert [c["name"] for c in written["checks"]] == [*SINGLE_GPU_CHECKS, *TWO_GPU_CHECKS, *COMPARISONS]
+    assert [name for name, _ in ran] == [*SINGLE_GPU_CHECKS, *COMPARISONS]
+    assert all(0 < timeout <= 540 for _, timeout in ran)
+    markdown = (tmp_path / "nvidia-h100-80gb-hbm3.md").read_text()
+    assert "| memory-snapshot |" in markdown and "failed: planted failure" in markdown and "Status: complete." in markdown
+
+
 def stand_in_nvidia_smi(tmp_path, monkeypatch, cuda: str = "12.8") -> None:
     """An `nvidia-smi` on PATH that answers as a driver of CUDA `cuda` does."""
     bin_dir = tmp_path / "bin"

@@ -176,7 +176,8 @@ def plan(gpus: int | None = None) -> list[dict]:
         ASSUMED_SCRIPT_S + points * ASSUMED_LOADER_POINT_S,
         f"{points} settings x repeats at {ASSUMED_LOADER_POINT_S:g} s", "where pinned memory and workers hide the "
         "copy to the device"))
-    dp_round = ASSUMED_DP_LOOP_S * (2 if gpus > 1 else 1) + ASSUMED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if gpus > 1 else 0)
+    several = gpus > 1  # DataParallel's loop, and a second DDP process
+    dp_round = ASSUMED_DP_LOOP_S * (2 if several else 1) + ASSUMED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if several else 0)
     steps.append(command_check("compare-dp", [sys.executable, "compare_dp.py", "--rounds", str(pairs),
                                               "--results-dir", "{out}"], ASSUMED_SCRIPT_S + pairs * dp_round,
                                f"{pairs} rounds of the in-process loops and a DDP launch",
@@ -429,7 +430,8 @@ def cuda_torch_command(smi_output: str | None, torch_version: str = torch.__vers
     The build: the newest of TORCH_CUDA_BUILDS not newer than the CUDA version the driver states (`cu128` for a
     driver of CUDA 12.9); a driver older than every build is to be updated first."""
     environ = os.environ if environ is None else environ
-    if smi_output is None or torch.cuda.is_available() or environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+    hidden = environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1")
+    if smi_output is None or hidden or torch.cuda.is_available():
         return None
     driver_cuda = driver_cuda_version(smi_output)
     driver = f"CUDA {driver_cuda[0]}.{driver_cuda[1]}" if driver_cuda else "no CUDA version stated"
@@ -441,8 +443,8 @@ def cuda_torch_command(smi_output: str | None, torch_version: str = torch.__vers
     tag = cuda_wheel_tag(driver_cuda) if driver_cuda else None
     advice = ""
     if tag is None:
-        tag = "cu{}{}".format(*TORCH_CUDA_BUILDS[0])
-        advice = f"update the NVIDIA driver to one of CUDA {TORCH_CUDA_BUILDS[0][0]}.{TORCH_CUDA_BUILDS[0][1]} or later, then "
+        (major, minor), tag = TORCH_CUDA_BUILDS[0], "cu{}{}".format(*TORCH_CUDA_BUILDS[0])
+        advice = f"update the NVIDIA driver to one of CUDA {major}.{minor} or later, then "
     what = "is a CPU-only build" if built_for is None else f"is built for CUDA {torch_cuda}, newer than the driver"
     return (f"the NVIDIA driver answers (nvidia-smi: {driver}) but torch {torch_version} {what}: {advice}install "
             f"the CUDA build: {python_shown()} -m pip install torch=={torch_version.split('+')[0]}+{tag} "
@@ -468,8 +470,8 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float) -> None:
             over.append(step["name"])
         else:
             left -= step["estimate_s"]
-    print(f"total estimated for {gpus} GPU{'s' if gpus > 1 else ''}: {total:.0f} s ({total / 60:.1f} min) against a budget of "
-          f"{budget_s:.0f} s; estimates from assumed launch and step times on one H100, not measured on GPU")
+    print(f"total estimated for {gpus} GPU{'s' if gpus > 1 else ''}: {total:.0f} s ({total / 60:.1f} min) against a "
+          f"budget of {budget_s:.0f} s; estimates from assumed launch and step times on one H100, not measured on GPU")
     if over:
         print(f"over the budget by these estimates (skipped when run): {', '.join(over)}; --budget "
               f"{total + 30:.0f} would hold them all")
@@ -479,8 +481,8 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu"), help="results folder (default benchmarks/gpu)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
-                        help=f"seconds for all the checks (default {DEFAULT_BUDGET_S:.0f}: one H100 within 10 minutes); "
-                        "a check whose estimate does not fit in what is left is skipped, and no launch runs past it")
+                        help=f"seconds for all the checks (default {DEFAULT_BUDGET_S:.0f}: one H100 within 10 "
+                        "minutes); a check whose estimate does not fit in what is left is skipped, and no launch runs past it")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the checks, their commands, estimates and timeouts, and the total; run nothing")
     parser.add_argument("--gpus", type=int, default=None,
@@ -494,7 +496,8 @@ def main(argv=None) -> None:
     if args.budget <= 0:
         parser().error("--budget must be positive")
     if args.gpus is not None and (not args.dry_run or args.gpus < 1):
-        parser().error("--gpus plans for that many GPUs (at least 1) with --dry-run; a real check uses the GPUs present")
+        parser().error("--gpus plans for that many GPUs (at least 1) with --dry-run; a real check uses the GPUs "
+                       "present")
     if args.torch_check:  # make setup: a warning, since CPU work still runs with this torch
         missing = cuda_torch_command(nvidia_smi())
         if missing:
@@ -516,13 +519,18 @@ def main(argv=None) -> None:
     name, gpus = torch.cuda.get_device_name(0), launching.cuda_devices()
     steps = plan(gpus)
     stem = Path(args.out) / device_slug(name)
-    report = {"benchmark": "gpu_check", "benchmark_version": 2, "device": name, "driver": driver_version(), "gpus": gpus,
-              "plan": steps, "assumed": {"launch_s": ASSUMED_LAUNCH_S, "step_s": ASSUMED_STEP_S,
+    report = {"benchmark": "gpu_check", "benchmark_version": 2, "device": name, "driver": driver_version(),
+              "gpus": gpus, "plan": steps, "assumed": {"launch_s": ASSUMED_LAUNCH_S, "step_s": ASSUMED_STEP_S,
                                          "compile_s": ASSUMED_COMPILE_S, "planned_s": planned_seconds(steps)}}
+
+    shown = []
 
     def write(current: dict) -> None:
         current["verdicts"] = verdicts({c["name"]: c for c in current["checks"]})
         bench.write_results(stem, current, markdown(current))
+        for check in current["checks"][len(shown):]:  # what finished since the last write, as the file says it
+            print(f"  {check['name']}: {outcome(check)} ({check['seconds']:.0f} s)", flush=True)
+            shown.append(check["name"])
 
     print(f"gpu-check: {len(steps)} checks on {gpus} x {name}, budget {args.budget:.0f} s; results after every check "
           f"in {stem}.md", flush=True)
@@ -535,8 +543,9 @@ def main(argv=None) -> None:
             execute(steps, report, write, args.budget, runner, started=started, before=scaler_check)
         except Interrupted as stop:
             done = len([c for c in report["checks"] if not c.get("skipped")])
-            exit_with(UserError(f"{stop} during {report['interrupted']['during']}: its launch was killed; the {done} "
-                                f"checks that finished are in {stem}.json and .md"), code=128 + stop.signum)
+            exit_with(UserError(f"{stop} during {report['interrupted']['during']}, which was stopped (its launch "
+                                f"killed); the {done} checks that finished are in {stem}.json and .md"),
+                      code=128 + stop.signum)
     failed = [c["name"] for c in report["checks"] if not c.get("skipped") and c.get("exit", 0) != 0]
     print(f"wrote {stem}.json and {stem}.md")
     if failed or not report["scaler"].get("ok"):
