@@ -14,7 +14,7 @@ import torch
 
 import compare_dp
 from conftest import ROOT, cpu_env, run_command
-from trainscope import launching
+from trainscope import bench, launching
 
 
 @pytest.mark.parametrize("config,gpus,runnable,on_cpu", [
@@ -157,6 +157,35 @@ def test_every_comparison_in_the_plan_has_enough_rounds_and_every_check_a_timeou
             continue
         assert all(r >= bench.MIN_PAIRS for r in rounds), (step["name"], rounds)
     assert {name for name in COMPARISONS} <= {step["name"] for step in steps if step.get("command")}
+
+
+def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
+    """A misspelt flag would cost a GPU check its launch: each command's own flags and its train.py flags are
+    parsed here as the script parses them (nothing is run)."""
+    import loaders_bench
+    from trainscope import experiments, gpu_check
+    from trainscope.benchmarks import overhead
+    from trainscope.settings import parse_settings
+
+    for step in gpu_check.plan(gpus=2):
+        if "args" in step:
+            parse_settings(argv=step["args"])
+            continue
+        command = [part.replace("{out}", "/tmp/out") for part in step["command"]]
+        if step["name"] == "batch-search":
+            ours, train_args = experiments.split_args(command[3:])
+            assert experiments.parser().parse_args(ours).command == "batch-sweep"
+            parse_settings(argv=train_args)
+        elif step["name"] == "overhead":
+            parser = bench.driver_parser("", Path("/tmp/out"), "--bare")
+            parser.add_argument("--modes", nargs="+")
+            args, train_args = parser.parse_known_args(command[3:])
+            assert args.pairs >= bench.MIN_PAIRS and args.modes == ["events"]
+            parse_settings(argv=[*overhead.DEFAULT_TRAIN_ARGS, *train_args])
+        elif step["name"] == "loaders":
+            parse_settings(loaders_bench.SweepSettings, argv=command[2:])[1].validate()
+        else:
+            parse_settings(compare_dp.CompareSettings, argv=command[2:])[1].validate()
 
 
 def test_one_h100s_plan_is_estimated_within_the_budget_and_the_budget_within_ten_minutes():
