@@ -16,8 +16,8 @@ length 128 unless said otherwise) and writes benchmarks/gpu/<device>.{json,md} w
    halving from --search-from on one process);
 6. the DataLoader sweep with the copy to the device;
 7. single device vs DataParallel vs DDP (what one GPU can and cannot show);
-8. with two GPUs: DDP with --compile, and a DDP run whose communication calibration's memory is
-   read; with fewer, both are reported as skipped with their reason.
+8. with two GPUs: DDP with --compile, and a DDP run whose per-step communication is measured on
+   device time (CUDA events); with fewer, both are reported as skipped with their reason.
 
 Every check says what only a GPU run confirms (`--dry-run` lists them). How long it all takes:
 not measured on GPU.
@@ -83,9 +83,9 @@ def plan(gpus: int | None = None) -> list[dict]:
                   "confirms": "torch.compile under DDP over NCCL: compile time, recompiles, speed per GPU"})
     steps.append({"name": "ddp-communication-memory", "config": "ddp",
                   "args": [*MODEL, "--max-steps", "40", "--measure-communication", "on", "--memory-every", "1"],
-                  "confirms": "the communication calibration's extra pass and bucket replay stay out of each GPU's "
-                              "peak memory (read apart as measurement_peak_allocated_gib), and exposed communication "
-                              "over NCCL agrees with DDP's own logger"})
+                  "confirms": "exposed communication over NCCL, measured on every step with CUDA events on the "
+                              "compute stream, agrees with DDP's own logger on the same iterations; the one read of "
+                              "DDP's buckets stays out of each GPU's peak memory (measurement_peak_allocated_gib)"})
     for step in steps:
         if "config" in step:
             verdict = launching.plan(step["config"], max(gpus, 1))
