@@ -45,17 +45,17 @@ def slow_link(state, bucket):
     threading.Thread(target=finish, daemon=True).start()
     return late
 
-build = DistributedDataParallel.__init__
+wrap = DistributedDataParallel.__init__
 def __init__(self, *args, **kwargs):
-    build(self, *args, **kwargs)
+    wrap(self, *args, **kwargs)
     self.register_comm_hook(None, slow_link)
 DistributedDataParallel.__init__ = __init__'''
 # Compute delays: rank 1's forward is DELAY_S slower (a straggler), and on every rank backward pauses DELAY_S below
 # the encoder, before the embeddings' gradients (the last ones): compute, on both ranks alike.
 SLOW_COMPUTE = '''import trainscope.modeling as modeling
-build = modeling.build_model
+build_model_as_usual = modeling.build_model
 def build_model(*args, **kwargs):
-    model, facts = build(*args, **kwargs)
+    model, facts = build_model_as_usual(*args, **kwargs)
     if os.environ["RANK"] == "1":
         model.register_forward_pre_hook(lambda *_: time.sleep({delay}))
     def pause_backward(module, inputs, output):
@@ -70,15 +70,11 @@ modeling.build_model = build_model'''
 def ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("communication")
     runs = root / "runs"
-    scripts = {}
-    for name, patch in (("slow_link", SLOW_LINK), ("slow_compute", SLOW_COMPUTE)):
-        scripts[name] = root / f"{name}.py"
-        scripts[name].write_text(WRAPPER.format(root=str(ROOT), patch=patch.format(delay=DELAY_S)))
+    planted = root / "planted.py"  # a slow link, a straggler and a pause in compute, in one run
+    planted.write_text(WRAPPER.format(root=str(ROOT), patch="\n".join((SLOW_LINK, SLOW_COMPUTE)).format(delay=DELAY_S)))
     # the default run is profiled (steps 4-9): the trace is a third instrument of the same steps
     plans = {"default": ("train.py", ["--profile", "--profile-wait", "2", "--profile-active", "6"]),
-             "off": ("train.py", ["--measure-communication", "off"]),
-             "slow_link": (scripts["slow_link"], []),
-             "slow_compute": (scripts["slow_compute"], ["--ddp-static-graph"]),
+             "planted": (planted, ["--ddp-static-graph"]),
              "flags": ("train.py", ["--ddp-bucket-cap-mb", "100", "--ddp-gradient-as-bucket-view",
                                     "--ddp-comm-hook", "fp16", "--gradient-accumulation-steps", "2",
                                     "--max-train-samples", "1024"])}
@@ -125,45 +121,32 @@ def test_the_profiler_trace_is_a_third_instrument_of_the_same_steps(ddp_runs):
     assert "profiler trace: exposed" in " ".join(communication.table_lines(found))
 
 
-def test_measuring_off_registers_nothing_and_measuring_changes_nothing_learned(ddp_runs):
-    off = block(ddp_runs, "off")
-    assert off["measured"] is False and read_record(ddp_runs / "off")["environment"]["ddp"]["comm_hook_in_ddp"] is None
-    assert off["ddp_exposed_s"] > 0  # DDP's own logger stands alone
-    measured, plain = read_steps(ddp_runs / "default"), read_steps(ddp_runs / "off")
-    assert [line["loss"] for line in measured] == pytest.approx([line["loss"] for line in plain], rel=1e-6)
-    assert read_record(ddp_runs / "default")["summary"]["test"] == pytest.approx(read_record(ddp_runs / "off")["summary"]["test"])
-
-
-def test_a_slow_link_is_exposed_by_its_last_buckets_delay_and_lengthens_each_buckets_transfer(ddp_runs):
-    slow, default = block(ddp_runs, "slow_link"), block(ddp_runs, "default")
-    assert read_record(ddp_runs / "slow_link")["environment"]["ddp"]["comm_hook_in_ddp"] == "slow_link"
-    # backward hides the early buckets' delays behind the rest of backward, never the last one's
-    assert slow["exposed_s"] - default["exposed_s"] == pytest.approx(DELAY_S, rel=0.2)
-    assert slow["exposed_resolved"] and slow["exposed_interval"][0] > 0.8 * DELAY_S
+def test_planted_delays_show_where_they_belong_link_as_communication_compute_and_straggler_not(ddp_runs):
+    """One run, three planted effects of DELAY_S each: every bucket's all-reduce completes late (a slow link), rank 1
+    computes its forward late (a straggler), and every rank pauses in backward before its last gradients (compute)."""
+    planted, default = block(ddp_runs, "planted"), block(ddp_runs, "default")
+    in_effect = read_record(ddp_runs / "planted")["environment"]["ddp"]
+    assert in_effect["comm_hook_in_ddp"] == "slow_link" and in_effect["static_graph"] is True
+    # the link: backward hides the early buckets' delays behind the rest of backward, never the last one's; the
+    # compute pause and the straggler's delay are not in the exposure (else it would be 2-3 delays)
+    assert planted["exposed_s"] - default["exposed_s"] == pytest.approx(DELAY_S, rel=0.2)
+    assert planted["exposed_resolved"] and planted["exposed_interval"][0] > 0.8 * DELAY_S
+    assert planted["ddp_exposed_s"] - default["ddp_exposed_s"] == pytest.approx(DELAY_S, rel=0.2)  # DDP's logger too
     # each bucket's all-reduce timed alone through DDP's path (the hook) carries its delay
-    assert slow["transfer_s"] - default["transfer_s"] == pytest.approx(DELAY_S * slow["buckets"], rel=0.2)
-    assert all(t >= 0.8 * DELAY_S for t in slow["transfer_bucket_s"])
-    assert slow["ddp_exposed_s"] - default["ddp_exposed_s"] == pytest.approx(DELAY_S, rel=0.2)  # DDP's logger too
-    assert slow["agreement"]["ddp"]["verdict"] == "agree"
-
-
-def test_a_compute_delay_is_not_communication_and_a_slower_rank_is_a_straggler_not_communication(ddp_runs):
-    slow, default = block(ddp_runs, "slow_compute"), block(ddp_runs, "default")
-    assert read_record(ddp_runs / "slow_compute")["environment"]["ddp"]["static_graph"] is True
-    # the planted compute really ran: backward per step is longer by the pause on every rank ...
+    assert planted["transfer_s"] - default["transfer_s"] == pytest.approx(DELAY_S * planted["buckets"], rel=0.2)
+    assert all(t >= 0.8 * DELAY_S for t in planted["transfer_bucket_s"])
+    # the compute pause really ran: backward per step is longer by it (and by the link's exposure) on every rank
     backward = {name: RunView(read_record(ddp_runs / name)).stage_seconds_per_step()["backward"]
-                for name in ("slow_compute", "default")}
-    assert backward["slow_compute"] - backward["default"] > 0.8 * DELAY_S
-    # ... and the exposure (the last rank to arrive) holds neither the pause nor the straggler's delay
-    assert slow["exposed_s"] - default["exposed_s"] < 0.2 * DELAY_S
+                for name in ("planted", "default")}
+    assert backward["planted"] - backward["default"] > 1.6 * DELAY_S
     # rank 1 arrives last: rank 0 waits for it, which is wait, not communication
-    (straggler,) = slow["stragglers"]
+    (straggler,) = planted["stragglers"]
     assert straggler["rank"] == 1 and straggler["excess_s"] == pytest.approx(DELAY_S, rel=0.2)
-    waits = {row["rank"]: row["wait_s"] for row in slow["per_rank"]}
+    waits = {row["rank"]: row["wait_s"] for row in planted["per_rank"]}
     assert waits[0] == pytest.approx(DELAY_S, rel=0.2) and waits[1] < 0.2 * DELAY_S
-    assert slow["slowest_rank"] == 0  # rank 0's backward waited longest: for rank 1
-    assert "straggler: rank 1" in " ".join(communication.table_lines(slow))
-    assert slow["agreement"]["ddp"]["verdict"] == "agree"  # DDP's logger on each rank says the same
+    assert planted["slowest_rank"] == 0  # rank 0's backward waited longest: for rank 1, then for the link
+    assert "straggler: rank 1" in " ".join(communication.table_lines(planted))
+    assert planted["agreement"]["ddp"]["verdict"] == "agree"  # DDP's logger on each rank says the same
 
 
 def test_ddp_flags_reach_ddp_compression_halves_the_bytes_and_accumulation_the_all_reduces(ddp_runs):
@@ -254,6 +237,35 @@ def test_a_delay_planted_in_the_all_reduce_is_exposed_and_one_planted_in_compute
     _, compute = measured(paused)
     assert compute["exposed_s"] < 0.2 * DELAY_S
     assert compute["agreement"]["ddp"]["verdict"] == "agree"
+
+
+def test_measuring_changes_nothing_learned_and_measuring_off_registers_nothing(gloo):
+    trained = {}
+    for measure in (True, False):
+        ddp = one_rank_ddp()
+        settings = types.SimpleNamespace(ddp_comm_hook="none", measure_communication="auto", communication_samples=1)
+        accelerator = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"),
+                                            state=types.SimpleNamespace(backend="gloo"))
+        found = communication.Communication(settings, accelerator, ddp, measure)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        for step in range(1, 5):
+            loss = ddp(torch.randn(32, 128)).square().mean()
+            with found.backward(True):
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            found.step_ended(step, "steady")
+        trained[measure] = [p.detach().clone() for p in ddp.parameters()]
+        assert found.settings_in_effect()["comm_hook_in_ddp"] is None  # DDP's logging data: no hook, either way
+        if not measure:
+            assert found.handles == [] and found.layout is None  # no hook, no read of the buckets
+            mine = found.rank_summary({"steady": {"optimizer_steps": 4, "micro_batches": 4}}, final=True)
+            assert mine["transfer"] is None and all(e["exposed_s"] is None for e in mine["steps"])
+            off = communication.combine([{"rank": 0, "communication": mine}], {"step_s": 1.0})
+            assert off["measured"] is False and off["ddp_exposed_s"] is not None  # DDP's logger stands alone
+            assert communication.table_lines(off)[0].startswith("communication: not measured (--measure-communication off)")
+    assert all(torch.equal(a, b) for a, b in zip(trained[True], trained[False]))
 
 
 class StandInEvents:
@@ -449,3 +461,39 @@ def test_a_compiled_ddp_model_is_measured_like_the_plain_one(gloo):
     plain = communication.build(types.SimpleNamespace(**{**vars(settings), "ddp_comm_hook": "none"}), accelerator,
                                 torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)))
     assert plain.settings_in_effect()["comm_hook_in_ddp"] is None  # our hooks are autograd hooks, not comm hooks
+
+
+def test_the_ddp_cost_report_says_what_its_figures_show_and_never_an_impossible_one():
+    from trainscope.experiments import ddp_cost
+
+    def record(name, exposed, interval, verdict="agree"):
+        clear = interval[0] > 0 and interval[1] - interval[0] <= exposed
+        return {"run_name": name, "summary": {"throughput": {"step_s": 0.5}, "communication": {
+            "measured": True, "method": "direct", "world_size": 2, "exposed_s": exposed, "exposed_interval": interval,
+            "exposed_resolved": clear, "exposed_share": exposed / 0.5 if clear else None, "transfer_s": 0.080,
+            "overlap": 0.6, "window_s": 0.2, "bus_bandwidth_gbs": 1.0, "ddp_exposed_s": exposed, "ddp_overlap": 0.6,
+            "hidden_share": 1 - exposed / 0.080 if clear else None,
+            "per_rank": [{"rank": 0, "exposed_s": exposed + 0.01, "wait_s": 0.01}, {"rank": 1, "exposed_s": exposed, "wait_s": 0.0}],
+            "agreement": {"ddp": {"verdict": verdict}}}}}
+
+    runs = {"default-r0": record("default-r0", 0.040, [0.038, 0.042]),
+            "default-r1": record("default-r1", 0.040, [0.037, 0.043], verdict="disagree"),
+            "bucket1-r0": record("bucket1-r0", 0.030, [0.001, 0.060]), "bucket1-r1": record("bucket1-r1", 0.030, [0.020, 0.040])}
+    arm = lambda name: {"status": "complete", "config": "ddp", "flags": [], "runs": [f"{name}-r0", f"{name}-r1"],  # noqa: E731
+                        "precision": "fp32", "world_size": 2, "memory_kind": "peak RSS", "warnings": [],
+                        "step_s": {"median": 0.5, "min": 0.49, "max": 0.51, "n": 2}}
+    comparison = {"rounds": 2, "baseline": "default", "arms": {"default": arm("default"), "bucket1": arm("bucket1")},
+                  "comparisons": {"bucket1": {"speed": {"verdict": "within noise", "median_ratio": 1.0, "min_ratio": 0.99,
+                                                        "max_ratio": 1.01, "p_value": 1.0, "pairs": 2}}}}
+    rows = {r["setting"]: r for r in ddp_cost.rows(comparison, runs)}
+    parts = ddp_cost.stacked(rows["default"])
+    assert sum(parts.values()) == pytest.approx(0.5) and parts["exposed"] == 0.040 and parts["hidden"] == pytest.approx(0.040)
+    assert ddp_cost.stacked(rows["bucket1"]) is None  # one round unresolved: no split of its step
+    assert ddp_cost.exposed_cell(rows["bucket1"]) == "not resolved: 1-60" and rows["bucket1"]["hidden_share"] is None
+    assert ddp_cost.agreement_cell(rows["default"]) == "1 of 2 agree"
+    text = ddp_cost.summary_text(RunView(runs["default-r0"]))
+    # every number in the sentence is the figure's: 1 - 40/80 of the transfer hides, 40 ms = 8.0% of 500 ms
+    assert "exposed communication 40.0 ms (8.0%)" in text and "50% of the transfer hides behind backward" in text
+    unresolved = ddp_cost.summary_text(RunView(runs["bucket1-r0"]))
+    assert "not resolved: between 1.0 and 60.0 ms" in unresolved and "hides behind backward" not in unresolved
+    assert "`bucket1` 2 of 2 agree, exposed time resolved in 1 of 2 rounds" in ddp_cost.agreement_text(list(rows.values()))

@@ -588,14 +588,15 @@ def ddp_figures(ids: list[int], ranks: list[dict]) -> dict:
 def ddp_agreement(ids: list[int], ranks: list[dict]) -> dict:
     """trainscope's exposed time and overlap against DDP's logger on exactly the iterations DDP sampled (warm-up
     ones too: both instruments saw the same iteration): per iteration the median over ranks of the per-rank
-    difference, judged by `agreement`."""
+    difference, judged by `agreement` with the tolerance scaled by DDP's exposure (its least rank per iteration)."""
     ours = [{e["iteration"]: e for e in r["steps"] if e.get("exposed_s") is not None} for r in ranks]
     theirs = [by_iteration(r) for r in ranks]
     paired = sorted(set.intersection(*(set(o) & set(t) for o, t in zip(ours, theirs))))
     if not paired:
         return {"pairs": 0, "verdict": "undecided", "iterations": []}
     differences = [statistics.median(o[i]["exposed_s"] - t[i]["exposed_s"] for o, t in zip(ours, theirs)) for i in paired]
-    quantity = statistics.median(statistics.median(t[i]["exposed_s"] for t in theirs) for i in paired)
+    # the tolerance's scale: DDP's exposure (least over ranks: the others' excess is wait, not communication)
+    quantity = statistics.median(min(t[i]["exposed_s"] for t in theirs) for i in paired)
     result = {**agreement(differences, time_tolerance(quantity)), "iterations": paired, "ddp_exposed_s": quantity}
     windows = [i for i in paired if all(o[i]["overlap"] is not None for o in ours)]
     if windows:
@@ -639,7 +640,7 @@ def trace_agreement(ids: list[int], ranks: list[dict]) -> dict | None:
     if not paired:
         return {"pairs": 0, "verdict": "undecided", "steps": []}
     differences = [statistics.median(t[s]["exposed_s"] - o[s]["exposed_s"] for o, t in zip(ours, traces)) for s in paired]
-    quantity = statistics.median(statistics.median(o[s]["exposed_s"] for o in ours) for s in paired)
+    quantity = statistics.median(min(o[s]["exposed_s"] for o in ours) for s in paired)
     return {**agreement(differences, time_tolerance(quantity)), "steps": paired}
 
 
