@@ -204,7 +204,7 @@ def step_times(clock, marks: dict) -> dict:
 class Communication:
     def __init__(self, settings, accelerator, ddp, measure: bool, clock=None):
         self.accelerator, self.ddp, self.measure = accelerator, ddp, measure
-        self.world, self.kind = accelerator.num_processes, settings.ddp_comm_hook
+        self.kind = settings.ddp_comm_hook
         self.repetitions = settings.communication_samples
         device = accelerator.device
         self.synchronize = synchronizer(device) or (lambda: None)
