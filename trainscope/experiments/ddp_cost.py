@@ -68,7 +68,7 @@ def aggregate(rows: list[dict | None]) -> dict:
 
 def ring_model(measured: dict, config: str) -> dict | None:
     """The measured transfer against the ring model's time for the same bytes with compare_dp.py's presets."""
-    transfer = measured.get("transfer_s") or measured.get("total_allreduce_s")  # schema 3 comparisons: the latter
+    transfer = measured.get("transfer_s")
     if not transfer or not measured.get("allreduce_bytes_per_step") or not measured.get("bus_bandwidth_gbs"):
         return None
     world = launching.config_facts(launching.config_path(config))["num_processes"]
