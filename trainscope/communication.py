@@ -509,8 +509,8 @@ def rank_rows(ids: list[int], ranks: list[dict], rows: list[dict]) -> list[dict]
     for index, (rank, measured) in enumerate(zip(ids, ranks)):
         own = [e["exposed_s"] for e in measured_steps(measured).values()]
         overlaps = [e["overlap"] for e in measured_steps(measured).values() if e["overlap"] is not None]
-        out.append({"rank": rank, **{f"exposed_{k}" if k != "median" else "exposed_s": v
-                                    for k, v in spread_of(own).items() if k != "n"}, "steps": len(own),
+        out.append({"rank": rank, "exposed_s": statistics.median(own), "exposed_min": min(own), "exposed_max": max(own),
+                    "steps": len(own),
                     "wait_s": statistics.median(row["waits"][index] for row in rows),
                     "overlap": statistics.median(overlaps) if overlaps else None})
     return out
