@@ -80,7 +80,7 @@ def train(settings: Settings) -> dict:
                     if batch is None:
                         break
                     loss, labels = train_step(accelerator, model, batch, optimizer, scheduler, metrics.stage,
-                                              settings.max_grad_norm, metrics.skips, metrics.calibration())
+                                              settings.max_grad_norm, metrics.skips, metrics.communication)
                     if metrics.micro_batch(batch, loss, labels):
                         run.step_finished()  # step line, checkpoint when due, the stop vote
                 with metrics.evaluation():

@@ -139,12 +139,29 @@ def test_a_cpu_with_native_bf16_gets_bf16_with_the_measured_matmul_speed_up():
 
 
 def test_exposed_communication_rules_follow_the_backend():
-    block = {"measured": True, "exposed_share": 0.2, "exposed_s": 0.05, "total_allreduce_s": 0.1}
+    block = {"measured": True, "method": "direct", "exposed_s": 0.05, "exposed_interval": [0.045, 0.056],
+             "exposed_resolved": True, "exposed_share": 0.2, "transfer_s": 0.1}
     nccl = advisor.advise(record(summary__communication=block, environment__backend="nccl"))
     assert {"ddp_buckets", "ddp_compression", "ddp_accumulation"} <= set(rules(nccl))
     assert next(s for s in nccl if s.rule == "ddp_buckets").gain == pytest.approx(1.25)
     gloo = advisor.advise(record(summary__communication=block, environment__backend="gloo"))
     assert rules(gloo) == ["ddp_accumulation"]  # no NCCL argument on gloo
+
+
+def test_an_unresolved_exposed_time_bounds_no_gain():
+    """An interval that includes 0 (or spans more than the time) is no share of anything, whatever its median."""
+    unresolved = {"measured": True, "method": "direct", "exposed_s": 0.05, "exposed_interval": [0.0, 0.3],
+                  "exposed_resolved": False, "exposed_share": 0.2, "transfer_s": 0.1}
+    assert not {"ddp_buckets", "ddp_accumulation"} & set(rules(advisor.advise(
+        record(summary__communication=unresolved, environment__backend="nccl"))))
+    # a schema 3 two-pass estimate whose calibration spread crossed zero, as the committed ddp_cost runs' did
+    old = {"measured": True, "exposed_s": 0.3, "exposed_share": 0.2, "total_allreduce_s": 0.4,
+           "exposed_spread": {"median": 0.3, "min": -0.160, "max": 0.5, "n": 10}}
+    timed = {"tokens": 1000, "padded_tokens": 1010, "samples": 32, "padded_squares": 32000, "step_s": 1.5}
+    assert "ddp_accumulation" not in rules(advisor.advise(record(summary__communication=old, summary__throughput=timed)))
+    resolved_old = {**old, "exposed_spread": {"median": 0.3, "min": 0.25, "max": 0.35, "n": 10}}
+    assert "ddp_accumulation" in rules(advisor.advise(record(summary__communication=resolved_old,
+                                                             summary__throughput=timed)))
 
 
 def test_a_warning_whose_fix_is_a_rule_is_one_item_ranked_first():

@@ -233,12 +233,17 @@ def gpu_batch(view: RunView) -> list[Suggestion]:
 
 
 def communication(view: RunView) -> list[Suggestion]:
-    block = view.communication or {}
-    share = block.get("exposed_share")
-    if not block.get("measured") or not share or share <= 0 or amdahl(share) < MIN_GAIN:
+    """Only a resolved exposed time (measured per step, its interval clear of 0) bounds a gain."""
+    figures = view.communication_figures or {}
+    share = figures.get("exposed_share")
+    if not figures.get("resolved") or not share or share <= 0 or amdahl(share) < MIN_GAIN:
         return []
-    evidence = (f"exposed communication {block['exposed_s'] * 1e3:.1f} ms, {share:.1%} of the step; the same buckets' "
-                f"all-reduces alone {block['total_allreduce_s'] * 1e3:.1f} ms on {view.backend}")
+    interval, transfer = figures.get("exposed_interval"), figures.get("transfer_s")
+    evidence = (f"exposed communication {figures['exposed_s'] * 1e3:.1f} ms"
+                + (f" (95% interval {interval[0] * 1e3:.1f}-{interval[1] * 1e3:.1f})" if interval else "")
+                + f", {share:.1%} of the step"
+                + (f"; the same buckets' all-reduces alone {transfer * 1e3:.1f} ms" if transfer else "")
+                + f" on {view.backend}")
     found = []
     if view.backend in ("nccl", "xccl"):  # bucket timing and compression pay off where the link is the limit
         found.append(Suggestion("ddp_buckets", "smaller buckets start the all-reduce earlier in backward (more overlap)",

@@ -18,7 +18,7 @@ sequence length 128 unless said otherwise) and writes benchmarks/gpu/<device>.{j
 4. torch.compile in bf16 with dynamic shapes (per-batch padding): compile time, recompiles, MFU (goal >= 40%);
 5. a memory snapshot (--memory-snapshot) and the batch-size search (make batch-sweep's path, halving from
    --search-from on one process);
-6. with two GPUs: DDP with --compile, the communication calibration's memory, DDP in fp16, the fp16 and bf16
+6. with two GPUs: DDP with --compile, DDP's per-step communication on device time (CUDA events) against its own logger, DDP in fp16, the fp16 and bf16
    compression hooks over NCCL, the profiler under DDP, and FSDP2; with fewer, skipped with their reason;
 7. the cost of --timing events against a bare loop (make bench-overhead; target 1%), the DataLoader sweep
    with the copy to the device, and single device vs DataParallel vs DDP: alternating comparisons of
@@ -143,9 +143,9 @@ def plan(gpus: int | None = None) -> list[dict]:
                                 extra=ASSUMED_COMPILE_S))
     steps.append(training_check("ddp-communication-memory", "ddp",
                                 [*MODEL, "--measure-communication", "on", "--memory-every", "1"], 40, "fp32",
-                                "the communication calibration's extra pass and bucket replay stay out of each GPU's "
-                                "peak memory (read apart as measurement_peak_allocated_gib, the pause's own peak), and "
-                                "exposed communication over NCCL agrees with DDP's own logger"))
+                                "exposed communication over NCCL, measured on every step with CUDA events on the "
+                                "compute stream, agrees with DDP's own logger on the same iterations; the one read of "
+                                "DDP's buckets stays out of each GPU's peak memory (measurement_peak_allocated_gib)"))
     steps.append(training_check("ddp-fp16", "ddp_fp16", MODEL, 50, "fp16",
                                 "DDP in fp16 over NCCL (accelerate_configs/ddp_fp16.yaml): the loss scaler's skipped "
                                 "steps on every rank, speed per GPU"))

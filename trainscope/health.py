@@ -21,15 +21,6 @@ from trainscope.record_view import RunView
 MIN_STEADY_STEPS = 10
 # Evaluation above this share of wall time: the run measures evaluation more than training.
 EVAL_SHARE_LIMIT = 0.5
-# trainscope's exposed communication and DDP's own (comm - overlap) may differ by this much (relative to
-# the larger) plus COMMUNICATION_FLOOR_S before the two instruments are said to disagree.
-COMMUNICATION_TOLERANCE = 0.5
-COMMUNICATION_FLOOR_S = 0.005
-
-
-def instruments_agree(a: float, b: float) -> bool:
-    """Two instruments' readings of one time agree: within COMMUNICATION_TOLERANCE of the larger plus the floor."""
-    return abs(a - b) <= COMMUNICATION_TOLERANCE * max(a, b) + COMMUNICATION_FLOOR_S
 
 
 @dataclass(frozen=True)
@@ -224,28 +215,67 @@ def _mfu(view: RunView):
                 f"{f' ({variant})' if variant else ''}: MFU is not computed rather than guessed") if known is None else None
 
 
+def _comm_transfer(block: dict):
+    return block.get("transfer_s", block.get("total_allreduce_s"))  # schema 3 named it total_allreduce_s
+
+
+@register("comm_not_resolved", "the exposed communication's interval includes 0 or spans more than the time itself",
+          "run more steps, on a quieter machine")
+def _exposed_not_resolved(view: RunView):
+    block = view.communication or {}
+    interval = block.get("exposed_interval")
+    if block.get("measured") and block.get("method") and not block.get("exposed_resolved"):
+        where = (f"between {max(0.0, interval[0]) * 1e3:.1f} and {interval[1] * 1e3:.1f} ms" if interval else
+                 f"too few steps for a 95% interval ({block.get('steps')})")
+        return (f"exposed communication not resolved over {block.get('steps')} steady steps: {where} per step; no "
+                "share of the step is given")
+
+
 @register("comm_exposed_above_total", "exposed communication measured above the all-reduce's own duration",
-          "re-measure with more --communication-samples on a quieter machine")
+          "re-measure on a quieter machine: backward waited for more than the transfer alone takes")
 def _exposed_above_total(view: RunView):
     block = view.communication or {}
-    exposed, total = block.get("exposed_s"), block.get("total_allreduce_s")
-    if block.get("measured") and exposed is not None and total and exposed > total:
+    exposed, total = block.get("exposed_s"), _comm_transfer(block)
+    if block.get("measured") and block.get("exposed_resolved", True) and exposed is not None and total and exposed > total:
         return (f"exposed communication {exposed * 1e3:.1f} ms is more than the all-reduce of the same buckets alone "
                 f"({total * 1e3:.1f} ms): backward waited for more than communication (contention for the cores, or "
-                "noise); the figures are reported as measured, not clamped")
+                "noise); the figures are reported as measured, not clamped, and no hidden share is given")
+
+
+def _verdicts(block: dict, verdict: str) -> list[str]:
+    """'<what> by <instrument> (median difference, interval, tolerance)' for each comparison with this verdict."""
+    found = []
+    for name, agreed in (("DDP's own logger", (block.get("agreement") or {}).get("ddp")),
+                         ("the profiler trace", (block.get("agreement") or {}).get("trace"))):
+        for what, result, scale, unit in (("exposed time", agreed, 1e3, " ms"),
+                                          ("overlap", (agreed or {}).get("overlap"), 100, " points")):
+            if result and result.get("verdict") == verdict and not result.get("pairs"):
+                found.append(f"{what} against {name}: no paired steps")
+            elif result and result.get("verdict") == verdict:
+                interval = result.get("interval")
+                found.append(f"{what} against {name}: median difference {result['median_difference'] * scale:+.1f}{unit}"
+                             + (f", 95% interval {interval[0] * scale:+.1f} to {interval[1] * scale:+.1f}" if interval
+                                else ", too few pairs for a 95% interval")
+                             + f", tolerance +-{result['tolerance'] * scale:.1f}{unit}, {result['pairs']} paired steps")
+    return found
 
 
 @register("comm_instruments_disagree",
-          "trainscope's exposed communication (its calibration, or the profiler trace) disagrees with DDP's own figure",
-          "re-measure with more --communication-samples and steps; read both figures in the record")
+          "trainscope's per-step communication figures disagree with DDP's own logger (or the profiler trace) on "
+          "the same steps",
+          "read both instruments' figures in the record; re-measure with more steps")
 def _instruments_disagree(view: RunView):
-    block = view.communication or {}
-    theirs = block.get("ddp_exposed_s")
-    readings = (("trainscope's calibration", block.get("exposed_s") if block.get("measured") else None),
-                ("the profiler trace", block.get("trace_exposed_s")))
-    off = [f"{ours * 1e3:.1f} ms by {name}" for name, ours in readings
-           if ours is not None and theirs is not None and not instruments_agree(ours, theirs)]
-    if off:
-        return (f"exposed communication {' and '.join(off)} against {theirs * 1e3:.1f} ms "
-                f"by DDP's own logger (comm - overlap, steady iterations): they differ by more than "
-                f"{COMMUNICATION_TOLERANCE:.0%} + {COMMUNICATION_FLOOR_S * 1e3:.0f} ms, so neither is trusted alone")
+    found = _verdicts(view.communication or {}, "disagree")
+    if found:
+        return ("the instruments disagree beyond the tolerance stated before measuring (the 95% interval of the "
+                f"median paired difference lies outside it): {'; '.join(found)}; neither figure is trusted alone")
+
+
+@register("comm_instruments_undecided",
+          "trainscope's per-step communication figures could not be shown to agree with DDP's own logger (or the trace)",
+          "run more steps: DDP's logger samples iterations 1-10, then every 100th")
+def _instruments_undecided(view: RunView):
+    found = _verdicts(view.communication or {}, "undecided")
+    if found:
+        return ("agreement with a second instrument not shown (too few paired steps, or paired differences too spread "
+                f"to tell against the tolerance): {'; '.join(found)}")

@@ -13,27 +13,23 @@ METRIC_MODULE = str(Path(__file__).parent / "metrics" / "classification")
 
 
 def train_step(accelerator, model, batch, optimizer, scheduler, stage, max_grad_norm: float | None,
-               skips=None, calibration=None):
+               skips=None, communication=None):
     """One micro-batch: forward, loss + backward, then clipping and the optimizer step when the
     gradients synchronize (Accelerate skips the step inside an accumulation window).
 
-    `stage` is the timer (`with stage("forward"): ...`); `skips` a precision.SkippedSteps; with a
-    `calibration` (communication.Calibration), the micro-batch first runs once more without DDP's
-    all-reduce, with the timer paused (trainscope.communication), and the real pass is timed around its
-    forward and backward: the same update, measured.
+    `stage` is the timer (`with stage("forward"): ...`); `skips` a precision.SkippedSteps; `communication`
+    (trainscope.communication) stamps a synchronizing backward's end the moment `accelerator.backward`
+    returns, DDP's all-reduces done: the exposed communication of the step, measured on the step itself.
     Returns (loss, labels), still on the device: reading the loss is left to log steps.
     """
     labels = batch.pop("labels")
     with accelerator.accumulate(model):
-        measured = calibration is not None and accelerator.sync_gradients
-        if measured:
-            with stage.paused():  # outside every timed figure; sync points: calibration steps only
-                calibration.unsynced_pass(lambda: accelerator.backward(classification_loss(model(**batch).logits, labels)))
-        with calibration.synced_pass() if measured else contextlib.nullcontext():
-            with stage("forward"):
-                logits = model(**batch).logits
-            with stage("backward"):
-                loss = classification_loss(logits, labels)
+        with stage("forward"):
+            logits = model(**batch).logits
+        with stage("backward"):
+            loss = classification_loss(logits, labels)
+            with (communication.backward(accelerator.sync_gradients) if communication is not None
+                  else contextlib.nullcontext()):
                 accelerator.backward(loss)
         with stage("optimizer"):
             if accelerator.sync_gradients and max_grad_norm:

@@ -73,7 +73,8 @@ class StepProfiler:
         self.top_operators = top_operators(profiler.key_averages(), self.device)
         from trainscope.communication import from_trace
 
-        self.communication = from_trace(profiler.events())
+        found = from_trace(profiler.events())  # per traced `backward` span, in order
+        self.communication = {**self.window, **found} if found else None
 
 
 def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) -> list[dict]:

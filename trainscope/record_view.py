@@ -266,6 +266,45 @@ class RunView:
         return self.summary.get("communication")
 
     @property
+    def communication_figures(self) -> dict | None:
+        """The communication block's headline figures, whatever schema measured them, physical or not given.
+
+        Schema 4 measures every step directly (trainscope.communication). Schema 3 and earlier estimated the
+        exposed time as the difference of two passes: that estimate reads as a time with the interval of its
+        calibration samples, and is `resolved` only when the interval excludes 0 and spans no more than the time
+        itself; its overlap (1 - exposed / window) and its agreement with DDP's logger (other steps) are not given.
+        """
+        block = self.communication
+        if not block:
+            return None
+        old = block.get("method") is None
+        figures = {key: block.get(key) for key in ("measured", "world_size", "bus_bandwidth_gbs", "allreduce_bytes_per_step",
+                                                    "allreduces_per_optimizer_step", "gradient_bytes", "buckets",
+                                                    "ddp_exposed_s", "ddp_comm_s", "ddp_overlap", "measurement_s")}
+        figures["method"] = "two-pass estimate (schema 3)" if old else block["method"]
+        if not block.get("measured"):
+            return {**figures, "reason": block.get("reason"), "resolved": False, "agreement": None}
+        exposed = block.get("exposed_s")
+        if old:
+            spread = block.get("exposed_spread") or {}
+            interval = (spread["min"], spread["max"]) if "min" in spread else None
+            transfer, overlap, per_rank = block.get("total_allreduce_s"), None, None
+            agreed = None  # the two instruments sampled different steps: not comparable
+        else:
+            interval = tuple(block["exposed_interval"]) if block.get("exposed_interval") else None
+            transfer, overlap = block.get("transfer_s"), block.get("overlap")
+            per_rank = [{"rank": r["rank"], "exposed_s": r["exposed_s"], "wait_s": r["wait_s"]}
+                        for r in block.get("per_rank") or []]
+            agreed = ((block.get("agreement") or {}).get("ddp") or {}).get("verdict")
+        clear = exposed is not None and resolved(exposed, interval)
+        share = block.get("exposed_share") if not old else exposed / self.step_s if exposed and self.step_s else None
+        return {**figures, "exposed_s": exposed if clear else None, "exposed_interval": interval, "resolved": clear,
+                "exposed_share": share if clear else None, "transfer_s": transfer,
+                "hidden_share": 1 - exposed / transfer if clear and transfer and exposed <= transfer else None,
+                "overlap": overlap if overlap is not None and 0 <= overlap <= 1 else None, "window_s": block.get("window_s"),
+                "per_rank": per_rank, "stragglers": block.get("stragglers") or [], "agreement": agreed}
+
+    @property
     def losses(self) -> tuple[list[int], list[float]]:
         return [line["step"] for line in self.steps], [line["loss"] for line in self.steps]
 
@@ -274,13 +313,15 @@ class RunView:
     def headline(self) -> dict:
         """The figures an experiment or `make tune` compares, from one run record."""
         peak, kind = self.peak_memory
-        communication = self.communication or {}
+        communication = self.communication_figures or {}
         counts = self.run_counts()
         return {"run": self.name, "wall_s": self.wall_s, "samples_per_s": self.samples_per_s,
                 "tokens_per_s": self.tokens_per_s, "step_s": self.step_s,
                 "train_wall_s": self.train_wall_s, "eval_s": self.eval_s,
                 "train_tokens": counts["tokens"], "train_samples": counts["samples"],
-                "communication": ({k: communication.get(k) for k in COMMUNICATION_FIGURES}
+                "communication": ({**{k: communication.get(k) for k in COMMUNICATION_FIGURES},
+                                   "resolved": communication["resolved"], "exposed_interval": communication["exposed_interval"],
+                                   "agreement": communication["agreement"], "method": communication["method"]}
                                   if communication.get("measured") else None),
                 "peak_memory_gib": peak, "memory_kind": kind, "test_accuracy": self.test.get("accuracy"),
                 "validation_accuracy": self.last_validation.get("accuracy"),
@@ -289,9 +330,16 @@ class RunView:
                 "seed": self.setting("seed")}
 
 
-COMMUNICATION_FIGURES = ("exposed_s", "exposed_share", "total_allreduce_s", "window_s", "overlap", "compute_s",
+# The numeric communication figures an experiment sets side by side (RunView.communication_figures).
+COMMUNICATION_FIGURES = ("exposed_s", "exposed_share", "transfer_s", "hidden_share", "window_s", "overlap",
                          "bus_bandwidth_gbs", "allreduces_per_optimizer_step", "allreduce_bytes_per_step",
                          "gradient_bytes", "ddp_exposed_s", "ddp_comm_s", "ddp_overlap", "measurement_s")
+
+
+def resolved(value: float, interval) -> bool:
+    """A measured time is resolved when its interval excludes 0 and spans no more than the time itself; else it is
+    reported as "not resolved: between low and high"."""
+    return interval is not None and interval[0] > 0 and interval[1] - interval[0] <= value
 
 
 def warning_lines(records) -> list[str]:

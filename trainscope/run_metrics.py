@@ -57,7 +57,7 @@ class RunMetrics:
 
     def attach(self, model) -> None:
         """The communication measurement of the prepared model (a do-nothing one unless it is DDP)."""
-        self.communication = communication.build(self.settings, self.accelerator, model, self.plan["optimizer_steps"])
+        self.communication = communication.build(self.settings, self.accelerator, model)
 
     def resume_from(self, resumed: dict | None) -> None:
         """Continue the counters and timing totals of a checkpointed part of the same run."""
@@ -89,10 +89,6 @@ class RunMetrics:
     def done(self) -> bool:
         return self.loop.step >= self.plan["optimizer_steps"]
 
-    def calibration(self):
-        """The communication calibration for the coming micro-batch, or None (see trainscope.communication)."""
-        return self.communication.calibration_for(self.loop.step + 1)
-
     def micro_batch(self, batch: dict, loss, labels) -> bool:
         """Count one trained micro-batch; True when it completed an optimizer step."""
         phase = self.timer.phase
@@ -103,7 +99,7 @@ class RunMetrics:
         self.loop.end_step(phase)
         step = self.loop.step
         self.profiler.step()
-        self.communication.step_ended(step)
+        self.communication.step_ended(step, phase, paused=self.timer.paused)
         self.snapshot.step_finished(step)  # takes the snapshot at the end of its window (phase `snapshot`)
         if step == 1 and self.settings.compile:
             self._graphs_after_first_step = modeling.compile_stats()["graphs"]
@@ -148,6 +144,7 @@ class RunMetrics:
                 "samples": interval["samples"] * world,
                 "tokens": self.accelerator.reduce(interval["tokens"], reduction="sum").item(),
                 "stage_s": timing["stage_s"], "wall_s": wall, "skipped_steps": self._skipped_total(),
+                "exposed_communication_s": self.communication.take_interval(),
                 "tflops_per_device": interval["flops"] / wall / 1e12 if interval["flops"] and wall > 0 else None,
                 "time": now_iso()}
 
@@ -181,7 +178,7 @@ class RunMetrics:
         snapshot = self.snapshot.finish(self.loop.step)  # written now, outside the timed steps
         self.loop.finish()
         self.loop.skipped_steps = self._skipped_total() if gather else self.loop.skipped_steps
-        mine = self._rank_summary()
+        mine = self._rank_summary(final=gather and not partial)
         per_rank = gather_object([mine]) if gather else [mine]
         result = self._summary(per_rank, self.evaluated(test_scores) if test_scores else None, snapshot)
         if partial:
@@ -189,11 +186,13 @@ class RunMetrics:
         warnings = health.check({"settings": asdict(self.settings), "environment": self.env, "summary": result})
         return result, warnings
 
-    def _rank_summary(self) -> dict:
+    def _rank_summary(self, final: bool = False) -> dict:
+        """This rank's figures. `final`: every rank finished the run and is here, so the communication measurement
+        times its buckets' transfer now (a collective), after the memory peaks were read."""
+        memory = {**self.timer.memory_summary(), "peak_rss_gib": peak_rss_bytes() / GIB}
         return {"rank": self.accelerator.process_index, "timing": self.timer.summary(), "counts": self.loop.counts,
-                "memory": {**self.timer.memory_summary(), "peak_rss_gib": peak_rss_bytes() / GIB},
-                "measurement_s": self.timer.paused_seconds,
-                "communication": self.communication.rank_summary(self.loop.counts, self.profiler.communication)}
+                "memory": memory, "measurement_s": self.timer.paused_seconds,
+                "communication": self.communication.rank_summary(self.loop.counts, self.profiler.communication, final)}
 
     def _summary(self, per_rank: list[dict], test_scores: dict | None, snapshot: dict | None) -> dict:
         phase = "steady" if self.loop.counts["steady"]["optimizer_steps"] else "warmup"

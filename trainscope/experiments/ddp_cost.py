@@ -1,9 +1,10 @@
 """make ddp-cost: what DDP communication costs here, and which bucket size, flag or compression hook hides it.
 
-Each DDP setting runs against DDP's defaults in alternating rounds; every run measures its communication in
-the run (trainscope.communication: exposed and total all-reduce time, beside DDP's own figures). The
-report shows, per setting, where a step goes (compute / exposed communication / the rest) and, per rank,
-compute and the wait at the collective, so a straggler shows at a glance.
+Each DDP setting runs against DDP's defaults (no communication hook: the reducer's built-in all-reduce) in
+alternating rounds; every run measures its communication on every step (trainscope.communication: exposed
+time, overlap, the buckets' transfer alone, beside DDP's own logger on the same iterations). The report
+shows, per setting, a step split into the rest / the transfer hidden behind backward / exposed communication,
+and per rank the exposure and the wait for a straggler; every sentence is computed from the figures it cites.
 """
 
 import statistics
@@ -16,7 +17,7 @@ from trainscope.record_view import COMMUNICATION_FIGURES, RunView
 from trainscope.records import read_record
 from trainscope.tables import Table, num, pyplot, ranged
 
-# The DDP settings compared with DDP's defaults (25 MB buckets, no flags, no compression).
+# The DDP settings compared with DDP's defaults (25 MB buckets, no flags, no communication hook).
 SETTINGS = {"default": [], "bucket1": ["--ddp-bucket-cap-mb", "1"], "bucket5": ["--ddp-bucket-cap-mb", "5"],
             "bucket100": ["--ddp-bucket-cap-mb", "100"], "bucket_view": ["--ddp-gradient-as-bucket-view"],
             "static_graph": ["--ddp-static-graph"], "fp16_hook": ["--ddp-comm-hook", "fp16"],
@@ -26,7 +27,8 @@ SETTINGS = {"default": [], "bucket1": ["--ddp-bucket-cap-mb", "1"], "bucket5": [
 def arguments(parser) -> None:
     runs_option(parser, config="ddp")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), help="settings (default: all)")
-    parser.add_argument("--samples", type=int, default=5, help="communication calibration steps per run (default 5)")
+    parser.add_argument("--samples", type=int, default=5,
+                        help="times each bucket's all-reduce is timed alone after training, per run (default 5)")
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -37,12 +39,10 @@ def run(args, train_args: list[str]) -> dict:
         if arm.name == "bf16_hook" and launching.plan(args.config).on_cpu and arm.skipped is None:
             arm.skipped = "gloo cannot all-reduce bf16 (the bf16 hook needs NCCL or XCCL)"
     summary = experiment(runs, "ddp_cost", arms, [*train_args, "--communication-samples", str(args.samples)], args.rounds)
-    results = {arm.name: [RunView(read_record(runs / run)).headline() for run in summary["arms"][arm.name]["runs"]]
+    results = {arm.name: [RunView(read_record(runs / run)).headline()["communication"]
+                          for run in summary["arms"][arm.name]["runs"]]
                for arm in arms if arm.skipped is None}
-    summary["communication"] = {name: {k: bench.spread([r["communication"][k] for r in rows])
-                                       for k in COMMUNICATION_FIGURES
-                                       if all(r["communication"] and r["communication"].get(k) is not None for r in rows)}
-                                for name, rows in results.items()}
+    summary["communication"] = {name: aggregate(rows) for name, rows in results.items()}
     faster = [n for n, c in summary["comparisons"].items() if c["speed"]["verdict"] == "faster"]
     best = max(faster, key=lambda n: summary["comparisons"][n]["speed"]["median_ratio"]) if faster else "default"
     summary["best"] = {"setting": best, "flags": SETTINGS[best], "speed": summary["comparisons"].get(best, {}).get("speed")}
@@ -51,12 +51,28 @@ def run(args, train_args: list[str]) -> dict:
     return summary
 
 
+def aggregate(rows: list[dict | None]) -> dict:
+    """One setting's communication over its rounds (rows: RunView.headline()'s communication figures): every
+    figure as {median, min, max, n} where every round has it; the exposed time only where every round resolved it,
+    else the range its rounds allow; how many rounds' instruments agreed."""
+    rows = [r for r in rows if r]
+    out = {k: bench.spread([r[k] for r in rows]) for k in COMMUNICATION_FIGURES
+           if rows and all(r.get(k) is not None for r in rows)}
+    intervals = [r["exposed_interval"] for r in rows if r.get("exposed_interval")]
+    out["rounds"], out["resolved_rounds"] = len(rows), sum(1 for r in rows if r.get("resolved"))
+    out["exposed_range"] = [max(0.0, min(i[0] for i in intervals)), max(i[1] for i in intervals)] if intervals else None
+    out["verdicts"] = [r.get("agreement") for r in rows]
+    out["method"] = rows[0].get("method") if rows else None
+    return out
+
+
 def ring_model(measured: dict, config: str) -> dict | None:
-    """The measured all-reduce against the ring model's time for the same bytes with compare_dp.py's presets."""
-    if not measured.get("total_allreduce_s"):
+    """The measured transfer against the ring model's time for the same bytes with compare_dp.py's presets."""
+    transfer = measured.get("transfer_s")
+    if not transfer or not measured.get("allreduce_bytes_per_step") or not measured.get("bus_bandwidth_gbs"):
         return None
     world = launching.config_facts(launching.config_path(config))["num_processes"]
-    size, seconds = measured["allreduce_bytes_per_step"]["median"], measured["total_allreduce_s"]["median"]
+    size, seconds = measured["allreduce_bytes_per_step"]["median"], transfer["median"]
     presets = {}
     for name, p in INTERCONNECTS.items():
         model = ring_allreduce_seconds(size, world, p["bandwidth_gbs"], p["latency_us"])
@@ -65,62 +81,126 @@ def ring_model(measured: dict, config: str) -> dict | None:
             "measured_bus_bandwidth_gbs": measured["bus_bandwidth_gbs"]["median"], "presets": presets}
 
 
-def rows(comparison: dict) -> list[dict]:
+def setting_figures(comparison: dict, runs: dict) -> dict:
+    """arm -> its communication over rounds: from the runs' own records where they are all here (so the figures
+    are read by today's rules, schema 3 estimates included), else as the comparison wrote them."""
+    found = {}
+    for name, arm in comparison["arms"].items():
+        if arm["status"] != "complete":
+            continue
+        if all(run in runs for run in arm["runs"]):
+            found[name] = aggregate([RunView(runs[run]).headline()["communication"] for run in arm["runs"]])
+        else:
+            found[name] = comparison.get("communication", {}).get(name, {})
+    return found
+
+
+def rows(comparison: dict, runs: dict | None = None) -> list[dict]:
     """One row per DDP setting: step time, its verdict against DDP's defaults, the communication figures."""
+    figures = setting_figures(comparison, runs or {})
     out = []
     for row in reporting.arm_rows(comparison):
         if row["status"] != "complete":
             out.append({"setting": row["arm"], "flags": row["flags"], "skipped": row["reason"]})
             continue
-        figures = comparison.get("communication", {}).get(row["arm"], {})
-        pick = lambda key: figures[key]["median"] if key in figures else None  # noqa: E731
+        found = figures.get(row["arm"], {})
+        pick = lambda key: found[key]["median"] if key in found else None  # noqa: E731
+        rounds = found.get("rounds") or 0
         out.append({"setting": row["arm"], "flags": row["flags"], "step_s": row["step_s"],
                     "step_s_range": row["step_s_range"], "speed": row["speed"],
-                    **{key: pick(key) for key in ("exposed_s", "exposed_share", "total_allreduce_s", "overlap",
-                                                  "compute_s", "ddp_exposed_s", "ddp_overlap")}})
+                    "resolved": bool(rounds) and found.get("resolved_rounds") == rounds,
+                    "resolved_rounds": found.get("resolved_rounds") or 0,
+                    "exposed_range": found.get("exposed_range"), "rounds": rounds, "method": found.get("method"),
+                    "verdicts": found.get("verdicts") or [],
+                    **{key: pick(key) for key in ("exposed_s", "exposed_share", "transfer_s", "hidden_share", "overlap",
+                                                  "ddp_exposed_s", "ddp_overlap", "bus_bandwidth_gbs")}})
     return out
 
 
-def figure(comparison: dict, default_record: dict | None):
-    """Per setting, a step split into compute / exposed communication / the rest (stacked, median over rounds);
-    per rank of the defaults' first round, compute and the wait at the collective."""
-    measured = [r for r in rows(comparison) if "skipped" not in r and r["compute_s"] is not None]
+def stacked(row: dict) -> dict | None:
+    """A setting's step split into the rest, the transfer hidden behind backward, and exposed communication
+    (seconds, median over rounds); None where the exposed time is not resolved."""
+    if not row["resolved"] or row["exposed_s"] is None or not row["step_s"]:
+        return None
+    exposed = row["exposed_s"]
+    hidden = min(max(0.0, (row["transfer_s"] or 0.0) - exposed), max(0.0, row["step_s"] - exposed))
+    return {"rest": max(0.0, row["step_s"] - exposed - hidden), "hidden": hidden, "exposed": exposed}
+
+
+def figure(comparison: dict, runs: dict, default_record: dict | None):
+    """Per setting, a step stacked as the rest / the transfer hidden behind backward / exposed communication
+    (medians over rounds; a setting whose exposed time is not resolved is one hatched bar); per rank of the
+    defaults' first round, the communication's exposure and the wait for the last rank to arrive."""
+    measured = [r for r in rows(comparison, runs) if "skipped" not in r and r["step_s"]]
     drawn, (steps, ranks) = pyplot().subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     names = [r["setting"] for r in measured]
-    compute = [r["compute_s"] for r in measured]
-    exposed = [max(0.0, r["exposed_s"] or 0.0) for r in measured]
-    rest = [max(0.0, r["step_s"] - c - e) for r, c, e in zip(measured, compute, exposed)]
-    steps.bar(names, compute, label="compute (forward + backward, no all-reduce)", color="tab:blue")
-    steps.bar(names, exposed, bottom=compute, label="exposed communication", color="tab:red")
-    steps.bar(names, rest, bottom=[c + e for c, e in zip(compute, exposed)], label="the rest (optimizer, data, ...)",
-              color="tab:gray")
+    parts = [stacked(r) for r in measured]
+    rest = [p["rest"] if p else 0.0 for p in parts]
+    hidden = [p["hidden"] if p else 0.0 for p in parts]
+    exposed = [p["exposed"] if p else 0.0 for p in parts]
+    if any(parts):
+        steps.bar(names, rest, label="the rest of the step (no transfer beside it)", color="tab:blue")
+        steps.bar(names, hidden, bottom=rest, label="transfer hidden behind backward", color="tab:green")
+        steps.bar(names, exposed, bottom=[a + b for a, b in zip(rest, hidden)], label="exposed communication",
+                  color="tab:red")
+    unresolved = [r["step_s"] if p is None else 0.0 for r, p in zip(measured, parts)]
+    if any(unresolved):
+        steps.bar(names, unresolved, label="step; communication not resolved", color="none", edgecolor="tab:gray",
+                  hatch="//")
     steps.set_ylabel("seconds per optimizer step (median)")
     steps.tick_params(axis="x", labelsize=7)
-    steps.legend(fontsize=7)
-    per_rank = ((RunView(default_record).communication or {}).get("per_rank") or []) if default_record else []
-    labels = [f"rank {r['rank']}" for r in per_rank]
-    ranks.bar(labels, [r["compute_s"] for r in per_rank], label="compute", color="tab:blue")
-    ranks.bar(labels, [r["wait_s"] for r in per_rank], bottom=[r["compute_s"] for r in per_rank],
-              label="wait for the slowest rank", color="tab:orange")
-    ranks.set_ylabel("seconds per calibration step (defaults)")
-    ranks.legend(fontsize=7)
+    steps.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    figures = RunView(default_record).communication_figures if default_record else None
+    per_rank = (figures or {}).get("per_rank") or []
+    if per_rank and figures.get("resolved"):
+        labels = [f"rank {r['rank']}" for r in per_rank]
+        ranks.bar(labels, [figures["exposed_s"]] * len(per_rank), label="exposed communication", color="tab:red")
+        ranks.bar(labels, [r["wait_s"] for r in per_rank], bottom=[figures["exposed_s"]] * len(per_rank),
+                  label="wait for the last rank to arrive", color="tab:orange")
+        ranks.set_ylabel("seconds per step, median (defaults)")
+        ranks.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    else:
+        ranks.text(0.5, 0.5, "per rank: not measured per step\n(" + ((figures or {}).get("method") or "no record") + ")",
+                   ha="center", va="center", fontsize=8, transform=ranks.transAxes)
+        ranks.set_axis_off()
     drawn.tight_layout()
     return drawn
 
 
-def settings_table(comparison: dict) -> Table:
+def exposed_cell(row: dict) -> str:
+    """The exposed time as a physical figure: the median over rounds where every round resolved it, else the
+    range the rounds allow (never below 0)."""
+    if row["resolved"]:
+        return num(row["exposed_s"] * 1e3, 1)
+    if row["exposed_range"]:
+        low, high = row["exposed_range"]
+        return f"not resolved: {low * 1e3:.0f}-{high * 1e3:.0f}"
+    return "n/a"
+
+
+def agreement_cell(row: dict) -> str:
+    """How many rounds' exposed time agreed with DDP's logger on the same iterations."""
+    verdicts = [v for v in row["verdicts"] if v]
+    if not verdicts:
+        return "not compared" + (" (schema 3: other steps)" if row["method"] and "schema 3" in row["method"] else "")
+    return f"{verdicts.count('agree')} of {row['rounds']} agree"
+
+
+def settings_table(comparison: dict, runs: dict | None = None) -> Table:
     cells = []
-    for r in rows(comparison):
+    for r in rows(comparison, runs):
         if "skipped" in r:
-            cells.append([r["setting"], r["flags"], f"skipped: {r['skipped']}", "", "", "", "", "", "", ""])
+            cells.append([r["setting"], r["flags"], f"skipped: {r['skipped']}", "", "", "", "", "", "", "", "", ""])
             continue
         ms = lambda v: num(v * 1e3, 1) if v is not None else "n/a"  # noqa: E731
         cells.append([r["setting"], r["flags"], ranged(r["step_s"], r["step_s_range"], 3), *speed_cells(r),
-                      ms(r["exposed_s"]), ms(r["ddp_exposed_s"]), ms(r["total_allreduce_s"]),
+                      exposed_cell(r), ms(r["ddp_exposed_s"]), agreement_cell(r), ms(r["transfer_s"]),
+                      num(r["hidden_share"] if r["resolved"] else None, 0, percent=True),
                       num(r["overlap"], 0, percent=True), num(r["ddp_overlap"], 0, percent=True)])
     return Table(f"DDP settings against DDP's defaults ({comparison['rounds']} alternating rounds)",
                  ["setting", "flags", "s/step", "speed vs default", "verdict", "exposed ms", "DDP's exposed ms",
-                  "all-reduce ms", "overlap", "DDP's overlap"], cells, "ddp_cost", align="llrrlrrrrr")
+                  "agreement", "transfer ms", "hidden", "overlap", "DDP's overlap"], cells, "ddp_cost",
+                 align="llrrlrrlrrrr")
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -128,13 +208,12 @@ def section(report, found: reporting.Collected) -> None:
     if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
         return
     records = reporting.first_round_runs(comparison, runs)
-    default = RunView(records["default"]).communication if "default" in records else None
-    if default and default.get("measured"):
+    if "default" in records:
         report.text(summary_text(RunView(records["default"])))
-    report.text(agreement_text(runs))
-    report.figure(figure(comparison, records.get("default")), "ddp_cost",
-                  "Where a DDP step goes, per setting; compute and wait per rank", list(records.values()))
-    report.table(settings_table(comparison))
+    report.text(agreement_text(rows(comparison, runs)))
+    report.figure(figure(comparison, runs, records.get("default")), "ddp_cost",
+                  "Where a DDP step goes, per setting; the exposure and the wait per rank", list(records.values()))
+    report.table(settings_table(comparison, runs))
     best = comparison.get("best") or {}
     report.text(f"Best setting here: `{best.get('setting')}`" + (f" (`{' '.join(best['flags'])}`), "
                 f"{bench.describe(best['speed'])}" if best.get("speed") else ": no setting was faster than DDP's "
@@ -149,30 +228,49 @@ def section(report, found: reporting.Collected) -> None:
                     + ". `compare_dp.py --ddp-cost` projects with the measured bandwidth beside the presets.")
 
 
-def agreement_text(runs: dict) -> str:
-    """How often trainscope's exposed communication and DDP's own agreed, over every run of the study."""
-    views = [RunView(record) for record in runs.values() if (RunView(record).communication or {}).get("measured")]
-    disagree = [v.name for v in views if "comm_instruments_disagree" in v.warning_codes]
-    above = [v.name for v in views if "comm_exposed_above_total" in v.warning_codes]
-    return (f"The two instruments -- trainscope's calibration pair and DDP's own logger -- agree within the stated "
-            f"tolerance in {len(views) - len(disagree)} of {len(views)} runs"
-            + (f" (not in {', '.join(sorted(disagree))})" if disagree else "")
-            + f"; the exposed figure is above the buckets' all-reduces alone in {len(above)}. The calibration pair is "
-            "the difference of two passes' times, so its per-run spread is that of a forward + backward; DDP's "
-            "logger times only the wait at the end of backward and is the steadier of the two, while the pair also "
-            "counts what DDP's all-reduces cost the compute running beside them.")
+def agreement_text(setting_rows: list[dict]) -> str:
+    """Per setting, whether the exposed time agreed with DDP's logger on the same iterations, and whether it was
+    resolved at all: computed from the rows the table shows."""
+    parts = []
+    for r in setting_rows:
+        if "skipped" in r:
+            continue
+        parts.append(f"`{r['setting']}` {agreement_cell(r)}, exposed time resolved in {r['resolved_rounds']} of "
+                     f"{r['rounds']} rounds")
+    return ("Per setting, trainscope's per-step exposed time against DDP's own logger on the iterations DDP sampled "
+            "(agree: the 95% interval of the median paired difference within +-max(30%, 15 ms)): " + "; ".join(parts)
+            + ". Runs measured by the two-pass estimate of schema 3 are not compared (the instruments sampled other "
+            "steps) and their exposed time is shown only where its interval resolves it.")
 
 
 def summary_text(view: RunView) -> str:
-    block = view.communication
-    compute = statistics.median(r["compute_s"] for r in block["per_rank"])
-    ddp = (f"; DDP's own logger, over its steady iterations, puts the exposed part at {block['ddp_exposed_s'] * 1e3:.1f} "
-           f"ms and its overlap at {block['ddp_overlap']:.0%}" if block.get("ddp_exposed_s") is not None else "")
-    return (f"Where a DDP step goes with DDP's defaults ({block['world_size']} processes, first round): "
-            f"{view.step_s * 1e3:.1f} ms per step, of which exposed communication {block['exposed_s'] * 1e3:.1f} ms "
-            f"({block['exposed_share']:.1%}); the same buckets' all-reduces alone take {block['total_allreduce_s'] * 1e3:.1f} "
-            f"ms ({block['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth), so {block['overlap']:.0%} of it hides behind "
-            f"backward{ddp}. Compute (forward and backward without the all-reduce): {compute * 1e3:.1f} ms per rank.")
+    """The defaults' first round in words, each number the one its figure shows."""
+    figures = view.communication_figures
+    if not figures or not figures.get("measured"):
+        return "DDP's defaults, first round: communication not measured."
+    head = f"Where a DDP step goes with DDP's defaults ({figures['world_size']} processes, first round, {figures['method']}): "
+    step = f"{view.step_s * 1e3:.1f} ms per step" if view.step_s else "step time unknown"
+    transfer = figures.get("transfer_s")
+    if not figures["resolved"]:
+        low, high = figures["exposed_interval"] or (0.0, 0.0)
+        text = (f"{step}; exposed communication not resolved: between {max(0.0, low) * 1e3:.1f} and {high * 1e3:.1f} ms "
+                "per step, so no share of the step or of the transfer is given")
+    else:
+        text = (f"{step}, of which exposed communication {figures['exposed_s'] * 1e3:.1f} ms "
+                f"({figures['exposed_share']:.1%})")
+        if transfer:
+            text += (f"; the same buckets' all-reduces alone take {transfer * 1e3:.1f} ms"
+                     + (f" ({figures['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth)" if figures.get("bus_bandwidth_gbs") else "")
+                     + (f", so {figures['hidden_share']:.0%} of the transfer hides behind backward"
+                        if figures.get("hidden_share") is not None else
+                        ", more than the exposed time allows to hide (exposed above the transfer: contention)"))
+        if figures.get("overlap") is not None:
+            text += f"; the compute overlaps {figures['overlap']:.0%} of the communication window"
+    if figures.get("ddp_exposed_s") is not None:
+        text += (f". DDP's own logger, over its steady iterations, puts the exposed part at "
+                 f"{figures['ddp_exposed_s'] * 1e3:.1f} ms and its overlap at {figures['ddp_overlap']:.0%}"
+                 + (f" ({figures['agreement']} on the same iterations)" if figures.get("agreement") else ""))
+    return head + text + "."
 
 
 EXPERIMENT = Experiment(name="ddp-cost", title="What DDP communication costs", target="make ddp-cost",
