@@ -14,6 +14,7 @@ from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
 from trainscope.experiments.base import Experiment, experiment, planned_arm, runs_option, speed_cells, write
 from trainscope.record_view import COMMUNICATION_FIGURES, RunView
 from trainscope.records import read_record
+from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot, ranged
 
 # The DDP settings compared with DDP's defaults (25 MB buckets, no flags, no compression).
@@ -135,10 +136,7 @@ def section(report, found: reporting.Collected) -> None:
     report.figure(figure(comparison, records.get("default")), "ddp_cost",
                   "Where a DDP step goes, per setting; compute and wait per rank", list(records.values()))
     report.table(settings_table(comparison))
-    best = comparison.get("best") or {}
-    report.text(f"Best setting here: `{best.get('setting')}`" + (f" (`{' '.join(best['flags'])}`), "
-                f"{bench.describe(best['speed'])}" if best.get("speed") else ": no setting was faster than DDP's "
-                "defaults outside noise") + ".")
+    report.text(f"Best setting here: {best_text(comparison.get('best') or {})}.")
     ring = comparison.get("ring_model")
     if ring:
         report.text(f"The measured all-reduce of {ring['gradient_bytes'] / 1e6:.1f} MB over {ring['world_size']} processes "
@@ -147,6 +145,32 @@ def section(report, found: reporting.Collected) -> None:
                     + ", ".join(f"{name} {p['model_s'] * 1e3:.2f} ms (measured {p['measured_over_model']:.0f}x)"
                                 for name, p in ring["presets"].items())
                     + ". `compare_dp.py --ddp-cost` projects with the measured bandwidth beside the presets.")
+
+
+def best_text(best: dict) -> str:
+    return f"`{best.get('setting')}`" + (f" (`{' '.join(best['flags'])}`), {bench.describe(best['speed'])}"
+                                         if best.get("speed") else ": no setting was faster than DDP's defaults outside noise")
+
+
+def headline(found: reporting.Collected) -> Headline | None:
+    """What communication costs a step with DDP's defaults (the section's first sentence) and the best setting."""
+    comparison, runs = found.comparisons.get(EXPERIMENT.name), found.runs.get(EXPERIMENT.name, {})
+    if not (comparison and runs):
+        return None
+    default = reporting.first_round_runs(comparison, runs).get("default")
+    view = RunView(default) if default else None
+    best = comparison.get("best") or {}
+    cost = (f"with DDP's defaults ({view.communication['world_size']} processes): {step_text(view)}; "
+            if view and (view.communication or {}).get("measured") else "")
+    return Headline(f"{cost}best setting: {best_text(best)}",
+                    best["speed"]["verdict"] if best.get("speed") else "the defaults stand")
+
+
+def step_text(view: RunView) -> str:
+    """'1854.6 ms per step, of which exposed communication 50.7 ms (2.7%)'."""
+    block = view.communication
+    return (f"{view.step_s * 1e3:.1f} ms per step, of which exposed communication {block['exposed_s'] * 1e3:.1f} ms "
+            f"({block['exposed_share']:.1%})")
 
 
 def agreement_text(runs: dict) -> str:
@@ -169,12 +193,11 @@ def summary_text(view: RunView) -> str:
     ddp = (f"; DDP's own logger, over its steady iterations, puts the exposed part at {block['ddp_exposed_s'] * 1e3:.1f} "
            f"ms and its overlap at {block['ddp_overlap']:.0%}" if block.get("ddp_exposed_s") is not None else "")
     return (f"Where a DDP step goes with DDP's defaults ({block['world_size']} processes, first round): "
-            f"{view.step_s * 1e3:.1f} ms per step, of which exposed communication {block['exposed_s'] * 1e3:.1f} ms "
-            f"({block['exposed_share']:.1%}); the same buckets' all-reduces alone take {block['total_allreduce_s'] * 1e3:.1f} "
+            f"{step_text(view)}; the same buckets' all-reduces alone take {block['total_allreduce_s'] * 1e3:.1f} "
             f"ms ({block['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth), so {block['overlap']:.0%} of it hides behind "
             f"backward{ddp}. Compute (forward and backward without the all-reduce): {compute * 1e3:.1f} ms per rank.")
 
 
 EXPERIMENT = Experiment(name="ddp-cost", title="What DDP communication costs", target="make ddp-cost",
-                        folder="ddp_cost", section=section, arguments=arguments, run=run,
+                        folder="ddp_cost", section=section, headline=headline, arguments=arguments, run=run,
                         help="DDP settings against DDP's defaults: exposed communication, speed")
