@@ -37,7 +37,12 @@ def test_every_section_is_there_or_names_its_make_target(built):
     for experiment in SECTIONS:  # every declared experiment has its section, in the registry's order
         assert f"## {experiment.title}" in text
     headings = [line[3:] for line in text.splitlines() if line.startswith("## ")]
-    assert headings[:len(SECTIONS)] == [e.title for e in SECTIONS]
+    assert headings[:len(SECTIONS) + 1] == ["At a glance"] + [e.title for e in SECTIONS]
+    glance = text.split("## At a glance")[1].split("\n## ")[0]  # one answer per section, in the same order
+    rows = [line.split(" | ")[0][2:] for line in glance.splitlines() if line.startswith("| ")][1:]
+    assert rows == [e.title for e in SECTIONS]
+    assert "takes the most" in glance.split("| Where the time went |")[1].splitlines()[0]  # its headline
+    assert "| What DDP communication costs | Not run yet: `make ddp-cost` produces it. |" in glance
     for target in ("make sweep-workers", "make compare-dp", "make batch-sweep", "make ckpt-compare",
                    "make amp-compare", "make ddp-cost", "make bench-compile"):
         assert f"Not run yet: `{target}` produces it." in text

@@ -8,7 +8,6 @@ rows elsewhere) and asks it for Markdown or LaTeX; the report draws the same tab
     table.markdown(); table.latex()
 """
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,12 +95,14 @@ class Font:
     def line(self) -> float:
         return self.size * LEADING
 
+    def advances(self) -> "Advances":
+        if self not in _ADVANCES:
+            _ADVANCES[self] = Advances(self)
+        return _ADVANCES[self]
+
     def width(self, text: str) -> float:
-        """Points that `text` takes on one line (a word at a time: kerning across a space is nil)."""
-        if not text:
-            return 0.0
-        words = text.split(" ")
-        return (sum(_advance(word, self) for word in words) + (len(words) - 1) * _advance(" ", self)) * 1.01 + 0.5
+        """Points that `text` takes on one line."""
+        return self.advances().width(text)
 
     def baseline(self, top: float, index: int) -> float:
         """The baseline of line `index` of a block whose top is `top` (points from the page's bottom)."""
@@ -113,26 +114,58 @@ class Font:
         return FontProperties(family=self.family, weight=self.weight, style=self.style, size=self.size)
 
 
-@functools.lru_cache(maxsize=None)
-def _advance(text: str, font: Font) -> float:
-    from matplotlib.textpath import TextToPath
+class Advances(dict):
+    """A font's advance (points) of each word measured, measured once; a line is its words' advances and its
+    spaces' (kerning across a space is nil), with the margin."""
 
-    return TextToPath().get_text_width_height_descent(text, font.properties(), ismath=False)[0] if text else 0.0
+    MARGIN = (1.01, 0.5)  # times, plus points
+
+    SCALE = 100.0  # the size (points at 72 dpi) measured at, as matplotlib's TextToPath does
+
+    def __init__(self, font: Font):
+        from matplotlib.font_manager import findfont, get_font
+
+        super().__init__()
+        self.face = get_font(findfont(font.properties()))
+        self.scale = font.size / self.SCALE
+        self.space = self[" "]
+
+    def __missing__(self, word: str) -> float:
+        from matplotlib.ft2font import LoadFlags
+
+        self.face.set_size(self.SCALE, 72)  # the face is shared: sized on every use, as matplotlib does
+        self.face.set_text(word, 0.0, flags=LoadFlags.NO_HINTING)
+        value = self[word] = self.face.get_width_height()[0] / 64 * self.scale
+        return value
+
+    def fits(self, raw: float, width: float) -> bool:
+        """Whether a line of `raw` advances fits `width`, the margin added."""
+        return raw * self.MARGIN[0] + self.MARGIN[1] <= width + 1e-6
+
+    def raw(self, text: str) -> float:
+        words = text.split(" ")
+        return sum(self[word] for word in words if word) + (len(words) - 1) * self.space
+
+    def width(self, text: str) -> float:
+        return self.raw(text) * self.MARGIN[0] + self.MARGIN[1] if text else 0.0
+
+
+_ADVANCES: dict[Font, Advances] = {}
 
 
 def wrap(text: str, width: float, font: Font) -> list[str]:
     """The lines of `text` within `width` points: words whole where they fit, a word wider than a line broken
     (after a '/', '-', '_', ',' or '=' near its end where there is one); a line's indent kept and a list
     item's text hung under its first word."""
-    lines = []
+    advances, lines = font.advances(), []
     for paragraph in text.split("\n"):
         body = paragraph.lstrip(" ")
         indent = paragraph[:len(paragraph) - len(body)]
         hang = indent + ("  " if body.startswith(("- ", "* ")) else "")
-        limit = max(width - font.width(hang), font.size)
-        prefix, words = indent, []
+        limit = max(width - advances.width(hang), font.size)
+        prefix, words, used = indent, [], advances.raw(indent)
         for word in body.split():
-            if font.width(word) > limit + 1e-6:  # alone it is too wide: it goes on lines of its own pieces
+            if not advances.fits(advances[word], limit):  # alone it is too wide: lines of its own pieces
                 if words:
                     lines.append(prefix + " ".join(words))
                     prefix, words = hang, []
@@ -140,9 +173,11 @@ def wrap(text: str, width: float, font: Font) -> list[str]:
                 for piece in whole:
                     lines.append(prefix + piece)
                     prefix = hang
-            elif words and font.width(prefix + " ".join([*words, word])) > width + 1e-6:
+                used = advances.raw(prefix)
+            elif words and not advances.fits(used + advances.space + advances[word], width):
                 lines.append(prefix + " ".join(words))
-                prefix, words = hang, []
+                prefix, words, used = hang, [], advances.raw(hang)
+            used += (advances.space if words else 0.0) + advances[word]
             words.append(word)
         lines.append(prefix + " ".join(words))
     return lines
@@ -278,7 +313,8 @@ class Lines(Block):
         return self._frame() + len(self.lines(width)) * self.font.line
 
     def smallest(self, width: float) -> float:
-        return self._frame() + min(2, len(self.lines(width))) * self.font.line
+        lines = len(self.lines(width))
+        return self._frame() + (2 if lines >= 4 else lines) * self.font.line  # split() leaves two on each side
 
     def split(self, width: float, room: float):
         lines = self.lines(width)
@@ -394,12 +430,11 @@ class TableLayout:
 
 
 class TableBlock(Block):
-    """A Table drawn booktabs-style: its title above; every cell wrapped within its column; a column as wide as
-    its longest text where the page allows, else the widest columns wrapped first (none narrower than its
-    longest word, up to a limit past which a word breaks); right-aligned columns as Table.align says. A table
-    whose words do not fit a portrait page goes on a landscape one; wider still, it splits into groups of
-    columns, the first column repeated. Rows split across pages, the header repeated under the title
-    '(continued)'; never one row alone."""
+    """A Table drawn booktabs-style: its title above; every cell wrapped within its column; columns as wide as
+    their longest text where the page allows, else as `widths` shares the page out (none narrower than its
+    longest word, up to a limit past which a word breaks); right-aligned columns as Table.align says (a
+    table too wide for a portrait page: `table_blocks`). A long table goes on over pages, its header
+    repeated under its title '(continued)', never one row alone; a short one moves to the next page whole."""
 
     PAD_X, PAD_Y, WORD_LIMIT, STEPS = 3.0, 2.0, 96.0, 48
     WHOLE = 12  # rows: a table this short is never split (it goes to the next page whole)
@@ -446,7 +481,8 @@ class TableBlock(Block):
 
         def count(c: int, k: int) -> list[int]:  # lines per cell of column c at widening k
             if (c, k) not in counted:
-                counted[c, k] = [len(wrap(text, width_of(c, k) - 2 * self.PAD_X, font)) for text, font in self._cells(c)]
+                inner = width_of(c, k) - 2 * self.PAD_X
+                counted[c, k] = [len(wrap(text, inner, font)) for text, font in self._cells(c)]
             return counted[c, k]
 
         steps = [0] * len(natural)
@@ -502,6 +538,8 @@ class TableBlock(Block):
         return self._head(width) + sum(self._row_height(rows[r]) for r in self.rows)
 
     def smallest(self, width: float) -> float:
+        if len(self.table.rows) <= self.WHOLE:
+            return self.height(width)
         rows = self.layout(width).rows
         return self._head(width) + sum(self._row_height(rows[r]) for r in list(self.rows)[:2])
 
@@ -570,8 +608,9 @@ def table_blocks(table: Table, font: Font, portrait: float, landscape: float) ->
             current = [0]
         current.append(column)
     groups.append(current)
-    return [TableBlock(_columns(table, group), font, landscape=True,
-                       part=f" (columns {group[1] + 1}-{group[-1] + 1} of {len(table.headers)})")
+    named = lambda group: (f"column {group[1] + 1}" if len(group) == 2  # noqa: E731
+                           else f"columns {group[1] + 1}-{group[-1] + 1}")
+    return [TableBlock(_columns(table, group), font, landscape=True, part=f" ({named(group)} of {len(table.headers)})")
             for group in groups]
 
 
@@ -641,7 +680,8 @@ class PdfBook:
         return out
 
     def layout(self) -> list[tuple[bool, list]]:
-        """Pages as (landscape, [(block, top offset)]) and the anchors' pages."""
+        """Pages as (landscape, [(block, its top's offset under the margin)]); each anchored heading's page
+        noted in `anchors`."""
         pages: list[tuple[bool, list]] = []
         blocks = self._blocks()
         used = 0.0
@@ -656,7 +696,8 @@ class PdfBook:
                 if pages and pages[-1][1]:
                     new_page(False)
                 continue
-            following = next((b for b in blocks[index + 1:] if not b.keep_with_next), None) if block.keep_with_next else None
+            following = (next((b for b in blocks[index + 1:] if not b.keep_with_next), None) if block.keep_with_next
+                         else None)
             landscape = (following or block).landscape
             if not pages or pages[-1][0] != landscape:
                 if pages and not pages[-1][1]:

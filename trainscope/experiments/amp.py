@@ -81,8 +81,9 @@ def headline(found: reporting.Collected) -> Headline | None:
     for name, against in comparison["comparisons"].items():
         speed = against.get("speed_by_interval") or against["speed"]
         warned = comparison["arms"][name].get("warnings") or []
-        parts.append(f"`{name}` against `{comparison['baseline']}`, {PER_INTERVAL if against.get('speed_by_interval') else 'the whole run'}: "
-                     f"{bench.ratio_text(speed)}" + (f" (warned: {', '.join(warned)})" if warned else ""))
+        how = PER_INTERVAL if against.get("speed_by_interval") else "the whole run"
+        parts.append(f"`{name}` against `{comparison['baseline']}`, {how}: {bench.ratio_text(speed)}"
+                     + (f" (warned: {', '.join(warned)})" if warned else ""))
         verdicts[name] = speed["verdict"]
     if not parts:
         return Headline(f"only `{comparison['baseline']}` ran", "nothing compared")

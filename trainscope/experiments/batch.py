@@ -160,7 +160,8 @@ def section(report, found: reporting.Collected) -> None:
 
 
 def largest(comparison: dict):
-    return comparison.get("largest_fitting_batch") or (comparison.get("recommendation") or {}).get("largest_swept_that_fits")
+    advice = comparison.get("recommendation") or {}
+    return comparison.get("largest_fitting_batch") or advice.get("largest_swept_that_fits")
 
 
 def keeping(advice: dict) -> str:
