@@ -11,6 +11,7 @@ import pytest
 
 import report
 from conftest import ROOT, cpu_env, run_command
+from test_report_pdf import check_report
 from trainscope import provenance
 from trainscope.experiments import REGISTRY, SECTIONS
 
@@ -195,7 +196,8 @@ def test_report_without_inputs_is_refused(tmp_path):
 
 def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean_tree(tmp_path):
     """`git clone ... && make report`: no runs/ or results/ there, so the committed benchmarks; every LaTeX table
-    comes out as committed, and provenance says the tree was clean (the report's scratch folder is ignored).
+    comes out as committed, the PDF reads cleanly (test_report_pdf), and provenance says the tree was clean (the
+    report's scratch folder is ignored).
     (make report runs `python report.py` without --runs or --results unless they are given: checked below.)"""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -208,6 +210,7 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     inputs = json.loads((clone / "reports" / "inputs.json").read_text())
     assert inputs["provenance"]["dirty"] is False and inputs["provenance"]["changed"] == []
     assert "Not run yet" not in (clone / "reports" / "report.md").read_text()
+    check_report(clone / "reports" / "report.pdf", [e.title for e in SECTIONS])  # its PDF reads as a person reads it
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone, capture_output=True,
                             text=True).stdout.splitlines()
     assert status and all(line[3:].startswith("reports/") for line in status)  # only the report's own outputs
