@@ -2,6 +2,7 @@
 page's edge, no two words drawn over each other, no text across its table cell's edges, no heading at the
 foot of a page; and the first page's answers on the pages they name."""
 
+import ctypes
 import json
 import re
 from collections import Counter
@@ -29,14 +30,15 @@ class Word:
     page: int
     text: str
     box: list            # tight: the ink (left, bottom, right, top), points from the page's bottom left
-    bottom: float        # the font's descent line (the same for every glyph of a line)
+    baseline: float
     size: float
     page_size: tuple
 
 
 def drawn_words(path: Path) -> list[Word]:
-    """Every word drawn in the PDF: glyphs in drawing order, a word ending at a space, a line's end, or a
-    glyph that starts left of the one before (text drawn back over itself) or far right of it."""
+    """Every word drawn in the PDF: glyphs in drawing order on one baseline, a word ending at a space, a line's
+    end, or a glyph that starts left of the one before (text drawn back over itself) or far right of it (a
+    ligature's letters share one box)."""
     document = pypdfium2.PdfDocument(str(path))
     words = []
     for number in range(len(document)):
@@ -49,15 +51,16 @@ def drawn_words(path: Path) -> list[Word]:
                 current = None
                 continue
             box, size = list(text.get_charbox(index)), pdfium.FPDFText_GetFontSize(text, index)
-            bottom = text.get_charbox(index, loose=True)[1]
+            x, y = ctypes.c_double(), ctypes.c_double()
+            pdfium.FPDFText_GetCharOrigin(text, index, ctypes.byref(x), ctypes.byref(y))
             last = current.box if current else None
-            if (current and abs(bottom - current.bottom) < 0.5 and box[0] >= current.last[0] - 0.01
+            if (current and abs(y.value - current.baseline) < 0.5 and box[0] >= current.last[0] - 0.01
                     and (abs(box[0] - current.last[0]) < 0.01 or -0.3 * size <= box[0] - current.last[2] < 0.5 * size)):
                 current.text += char
                 current.box = [min(last[0], box[0]), min(last[1], box[1]), max(last[2], box[2]), max(last[3], box[3])]
                 current.last = box
             else:
-                current = Word(number, char, box, bottom, size, page.get_size())
+                current = Word(number, char, box, y.value, size, page.get_size())
                 current.last = box
                 words.append(current)
     return words
@@ -98,8 +101,8 @@ def overlapping(words: list[Word]) -> list[str]:
 def lines_of(words: list[Word], page: int) -> list[list[Word]]:
     """A page's lines of text, top to bottom, without its footer (the page number under the margin)."""
     lines: dict[float, list[Word]] = {}
-    for word in (w for w in words if w.page == page and w.bottom > 36):
-        key = next((k for k in lines if abs(k - word.bottom) < 0.5), word.bottom)
+    for word in (w for w in words if w.page == page and w.baseline > 36):
+        key = next((k for k in lines if abs(k - word.baseline) < 0.5), word.baseline)
         lines.setdefault(key, []).append(word)
     return [sorted(lines[k], key=lambda w: w.box[0]) for k in sorted(lines, reverse=True)]
 
@@ -155,7 +158,7 @@ def planted_report(out: Path, filler: int = 0) -> tuple[PdfBook, ReportWriter]:
     for n, block in enumerate([lambda: report.table(long_table), lambda: report.table(wide_table),
                                lambda: report.code("\n".join(f"line {i}: " + "x" * (40 * i) for i in range(5))),
                                lambda: report.figure(pyplot().subplots(figsize=(12, 3))[0], "planted", "A figure")]):
-        section(report, f"Planted section {n}", 40 + 60 * n)
+        section(report, f"Planted findings {n}", 40 + 60 * n)
         block()
     foot(report, filler)
     report.close()
@@ -231,7 +234,7 @@ def test_a_report_of_long_cells_reads_as_a_person_reads_it(planted):
     # the heading that would have fit alone at the foot of its page went to the next one with its text
     kept = next(page for page in text if "Kept with its text" in text[page] and page)
     assert lines_of(words, kept)[0][0].size >= HEADING_SIZE
-    assert lines_of(words, kept - 1)[-1][0].bottom > 43.2 + 24
+    assert lines_of(words, kept - 1)[-1][0].baseline > 43.2 + 24
 
 
 def test_the_first_page_names_each_answer_and_the_page_its_section_is_on(planted):
