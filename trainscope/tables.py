@@ -347,18 +347,17 @@ class PageBreak(Block):
 class Figure(Block):
     """A figure rendered once at 200 dpi (its tight bounding box), drawn at its own size or narrowed to the
     page's width, shrunk (to 3/4 at most) to fit what is left of a page, its caption under it. A figure so
-    wide that its text would shrink below 4/5 on the page is laid out again narrower for the page (its
-    own size restored after, for its own files)."""
+    wide that its text would shrink below 4/5 on the page is laid out narrower for the page before it is
+    rendered (its own size restored after, for its own files)."""
 
     DPI, GAP, SHRINK, NARROWEST = 200, 4.0, 0.75, 0.8
     TALLEST = 8.0 / POINT  # of a portrait page's 10.5 inches: room for its caption and a heading
 
     def __init__(self, figure, caption: str, page_width: float = 0.0, scale: float = 1.0):
         if figure is not None:
-            self.pixels = self._render(figure)
-            wide = self.pixels.shape[1] / self.DPI / POINT
-            if page_width and page_width / wide < self.NARROWEST:
-                self.pixels = self._narrowed(figure, page_width / self.NARROWEST / wide)
+            wide = figure.get_size_inches()[0] / POINT  # about its tight width, known before it is drawn
+            factor = page_width / self.NARROWEST / wide if page_width else 1.0
+            self.pixels = self._narrowed(figure, factor) if factor < 1 else self._render(figure)
         self.caption, self.scale = caption, scale
         self.space_after = 8.0
 
@@ -368,7 +367,7 @@ class Figure(Block):
         from matplotlib.image import imread
 
         buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=self.DPI, bbox_inches="tight")
+        figure.savefig(buffer, format="png", dpi=self.DPI, bbox_inches="tight", pil_kwargs={"compress_level": 0})
         buffer.seek(0)
         return (imread(buffer)[..., :3] * 255).round().astype("uint8")
 
