@@ -35,10 +35,14 @@ def write_section(report: ReportWriter, found: reporting.Collected, experiment) 
     in trainscope and ends the report with its traceback."""
     why = experiment.unreadable(found)
     if why is None:
+        headline = experiment.headline(found) if experiment.headline else None
+        report.answer(experiment.title, headline or (experiment.missing() if experiment.headline else
+                                                     "(no headline declared: see its section)"))
         experiment.section(report, found)
         return
     found.skipped.append(f"section {experiment.name}: {why}")
     print(f"warning: skipped section {experiment.name}: {why}", file=sys.stderr)
+    report.answer(experiment.title, f"(skipped: {why})")
     report.begin(experiment.title, True, "")
     report.text(f"(skipped: {why})")
 
@@ -55,18 +59,17 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
     try:
         book = PdfBook(staging / "report.pdf")
         report = ReportWriter(staging, book)
-        report.markdown += ["# trainscope report", ""]
-        book.heading("trainscope report", size=18)
-        report.text(f"Built {date.today().isoformat()} from {runs} and {results}{source_line}: {len(found.inputs)} "
-                    "input files, listed with their sha256 in inputs.json.")
+        report.title("trainscope report", f"Built {date.today().isoformat()} from {runs} and {results}{source_line}: "
+                     f"{len(found.inputs)} input files, listed with their sha256 in inputs.json.")
+        report.answers_page()
         for experiment in SECTIONS:
             write_section(report, found, experiment)
         if found.skipped:
             report.begin("Skipped inputs", True, "")
             for line in found.skipped:
                 report.text(f"- {line}")
-        report.markdown += provenance.markdown(block)
-        book.close()
+        report.appendix(provenance.markdown(block))
+        report.close()
         write_text_atomic(staging / "report.md", "\n".join(report.markdown) + "\n")
         write_json_atomic(staging / "inputs.json", {"provenance": block, "skipped": found.skipped,
                                                     "runs": {k: sorted(v) for k, v in found.runs.items()},

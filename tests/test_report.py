@@ -11,6 +11,7 @@ import pytest
 
 import report
 from conftest import ROOT, cpu_env, run_command
+from test_report_pdf import check_report
 from trainscope import provenance
 from trainscope.experiments import REGISTRY, SECTIONS
 
@@ -37,7 +38,12 @@ def test_every_section_is_there_or_names_its_make_target(built):
     for experiment in SECTIONS:  # every declared experiment has its section, in the registry's order
         assert f"## {experiment.title}" in text
     headings = [line[3:] for line in text.splitlines() if line.startswith("## ")]
-    assert headings[:len(SECTIONS)] == [e.title for e in SECTIONS]
+    assert headings[:len(SECTIONS) + 1] == ["At a glance"] + [e.title for e in SECTIONS]
+    glance = text.split("## At a glance")[1].split("\n## ")[0]  # one answer per section, in the same order
+    rows = [line.split(" | ")[0][2:] for line in glance.splitlines() if line.startswith("| ")][1:]
+    assert rows == [e.title for e in SECTIONS]
+    assert "takes the most" in glance.split("| Where the time went |")[1].splitlines()[0]  # its headline
+    assert "| What DDP communication costs | Not run yet: `make ddp-cost` produces it. |" in glance
     for target in ("make sweep-workers", "make compare-dp", "make batch-sweep", "make ckpt-compare",
                    "make amp-compare", "make ddp-cost", "make bench-compile"):
         assert f"Not run yet: `{target}` produces it." in text
@@ -190,7 +196,8 @@ def test_report_without_inputs_is_refused(tmp_path):
 
 def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean_tree(tmp_path):
     """`git clone ... && make report`: no runs/ or results/ there, so the committed benchmarks; every LaTeX table
-    comes out as committed, and provenance says the tree was clean (the report's scratch folder is ignored).
+    comes out as committed, the PDF reads cleanly (test_report_pdf), and provenance says the tree was clean (the
+    report's scratch folder is ignored).
     (make report runs `python report.py` without --runs or --results unless they are given: checked below.)"""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -203,6 +210,7 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     inputs = json.loads((clone / "reports" / "inputs.json").read_text())
     assert inputs["provenance"]["dirty"] is False and inputs["provenance"]["changed"] == []
     assert "Not run yet" not in (clone / "reports" / "report.md").read_text()
+    check_report(clone / "reports" / "report.pdf", [e.title for e in SECTIONS])  # its PDF reads as a person reads it
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone, capture_output=True,
                             text=True).stdout.splitlines()
     assert status and all(line[3:].startswith("reports/") for line in status)  # only the report's own outputs

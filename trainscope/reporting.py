@@ -17,6 +17,16 @@ from trainscope.records import read_record, read_steps
 from trainscope.timing import CATEGORIES, STAGES
 
 
+@dataclass(frozen=True)
+class Headline:
+    """A section's answer at a glance: its headline figure and its verdict, worded by the functions its section
+    words them with. The report prints it under the section's heading and, with the section's page, on its
+    first page (trainscope.experiments.base.Experiment.headline declares it)."""
+
+    text: str
+    verdict: str
+
+
 @dataclass
 class Collected:
     runs: dict = field(default_factory=dict)          # experiment -> {run name: record (with "steps")}

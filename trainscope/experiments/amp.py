@@ -6,9 +6,10 @@ from pathlib import Path
 
 from trainscope import bench, reporting
 from trainscope.experiments.base import (Experiment, experiment, planned_arm, runs_option, speed_cells,
-                                         write)
+                                         verdicts_text, write)
 from trainscope.record_view import RunView
 from trainscope.records import read_steps
+from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot
 
 
@@ -63,12 +64,34 @@ def section(report, found: reporting.Collected) -> None:
     for name, against in comparison["comparisons"].items():
         by_interval = against.get("speed_by_interval")
         if by_interval:
-            report.text(f"`{name}` against `{comparison['baseline']}`, per logged interval (the same steps and batches): "
+            report.text(f"`{name}` against `{comparison['baseline']}`, {PER_INTERVAL} (the same steps and batches): "
                         f"{bench.describe(by_interval)}.")
 
 
+PER_INTERVAL = "per logged interval"
+
+
+def headline(found: reporting.Collected) -> Headline | None:
+    """Mixed precision's speed against fp32: per logged interval where measured (the section's sentence), else
+    the whole run's (its table's cell); the runs' warnings named."""
+    comparison, runs = found.comparisons.get("amp"), found.runs.get("amp", {})
+    if not (comparison and runs):
+        return None
+    parts, verdicts = [], {}
+    for name, against in comparison["comparisons"].items():
+        speed = against.get("speed_by_interval") or against["speed"]
+        warned = comparison["arms"][name].get("warnings") or []
+        how = PER_INTERVAL if against.get("speed_by_interval") else "the whole run"
+        parts.append(f"`{name}` against `{comparison['baseline']}`, {how}: {bench.ratio_text(speed)}"
+                     + (f" (warned: {', '.join(warned)})" if warned else ""))
+        verdicts[name] = speed["verdict"]
+    if not parts:
+        return Headline(f"only `{comparison['baseline']}` ran", "nothing compared")
+    return Headline("; ".join(parts), verdicts_text(verdicts))
+
+
 EXPERIMENT = Experiment(name="amp", title="Mixed precision vs FP32", target="make amp-compare", folder="amp",
-                        section=section, arguments=arguments, run=run,
+                        section=section, headline=headline, arguments=arguments, run=run,
                         help="fp32 and mixed precision: one long run each")
 
 

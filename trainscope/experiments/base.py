@@ -16,6 +16,7 @@ from pathlib import Path
 from trainscope import bench, launching, reporting
 from trainscope.record_view import RunView
 from trainscope.records import read_record
+from trainscope.reporting import Headline
 from trainscope.tables import Table, num, ranged
 
 
@@ -35,6 +36,8 @@ class Experiment:
     arguments(parser)   adds its options (None: it has no subcommand, e.g. a script's results)
     run(args, train_args)   runs it and writes <runs>/<folder>/comparison.{json,md}
     section(report, found)  writes its report section (trainscope.tables.ReportWriter, reporting.Collected)
+    headline(found)  its answer on the report's first page: a reporting.Headline worded by the functions the
+                     section uses, or None when its inputs are missing (the page then names its make target)
     """
 
     name: str
@@ -47,6 +50,7 @@ class Experiment:
     run: Callable | None = None
     help: str = ""
     needs: tuple[str, ...] = ("experiment", "baseline", "arms", "comparisons", "rounds")  # keys its input holds
+    headline: Callable | None = None
 
     def missing(self) -> str:
         return f"Not run yet: `{self.target}` produces it."
@@ -153,6 +157,29 @@ def arm_table(comparison: dict, title: str, label: str) -> Table:
 def speed_cells(row: dict) -> list[str]:
     speed = row.get("speed")
     return [bench.ratio_text(speed), speed["verdict"]] if speed else ["baseline", ""]
+
+
+def verdicts_text(verdicts: dict[str, str]) -> str:
+    """One arm's verdict as it is; several grouped by verdict: 'slower: ckpt, compile; within noise: ddp'."""
+    if len(verdicts) == 1:
+        return next(iter(verdicts.values()))
+    grouped: dict[str, list[str]] = {}
+    for name, verdict in verdicts.items():
+        grouped.setdefault(verdict, []).append(name)
+    return "; ".join(f"{verdict}: {', '.join(names)}" for verdict, names in grouped.items())
+
+
+def arms_headline(comparison: dict | None, runs: dict | None = None, said=lambda name, against: "") -> Headline | None:
+    """An experiment's answer: every arm's speed against the baseline as its table gives it (bench.ratio_text),
+    with what `said(name, against)` adds, and the verdicts; None when it has not been run."""
+    if not (comparison and (runs is None or runs)):
+        return None
+    compared = {name: against for name, against in comparison["comparisons"].items() if against.get("speed")}
+    if not compared:
+        return Headline(f"only the baseline `{comparison['baseline']}` ran", "nothing compared")
+    return Headline(f"speed against `{comparison['baseline']}`: " + "; ".join(
+        f"`{name}` {bench.ratio_text(against['speed'])}{said(name, against)}" for name, against in compared.items()),
+                    verdicts_text({name: against["speed"]["verdict"] for name, against in compared.items()}))
 
 
 def errors(rows: list[dict], metric: str) -> list[list[float]]:

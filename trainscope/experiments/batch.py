@@ -9,9 +9,10 @@ import argparse
 import json
 from pathlib import Path
 
-from trainscope import batch_search, launching, reporting
+from trainscope import batch_search, bench, launching, reporting
 from trainscope.experiments.base import (Experiment, ExperimentFailed, arm_table, errors, experiment, planned_arm,
                                          runs_option, write)
+from trainscope.reporting import Headline
 from trainscope.tables import pyplot
 
 SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
@@ -153,14 +154,38 @@ def section(report, found: reporting.Collected) -> None:
     report.table(arm_table(comparison, f"Batch-size sweep ({comparison['rounds']} alternating rounds; baseline: the "
                            "configured batch)", "batch"))
     advice = comparison.get("recommendation") or {}
-    report.text(f"Largest batch that fits: {comparison.get('largest_fitting_batch') or advice.get('largest_swept_that_fits')}"
-                f" ({comparison.get('search')}). Fastest: {advice.get('fastest_batch_size')} "
-                f"({advice.get('fastest_verdict')} against the baseline). Keeping the effective batch of "
-                f"{advice.get('effective_batch')}: `{advice.get('flags', 'no swept batch divides it')}`.")
+    report.text(f"Largest batch that fits: {largest(comparison)} ({comparison.get('search')}). Fastest: "
+                f"{advice.get('fastest_batch_size')} ({advice.get('fastest_verdict')} against the baseline). Keeping "
+                f"the effective batch of {advice.get('effective_batch')}: `{keeping(advice)}`.")
+
+
+def largest(comparison: dict):
+    advice = comparison.get("recommendation") or {}
+    return comparison.get("largest_fitting_batch") or advice.get("largest_swept_that_fits")
+
+
+def keeping(advice: dict) -> str:
+    return advice.get("flags", "no swept batch divides it")
+
+
+def headline(found: reporting.Collected) -> Headline | None:
+    """The fastest batch against the configured one (as the table gives it), the largest that fits, and the
+    flags that keep the effective batch: the section's closing sentence."""
+    comparison = found.comparisons.get(EXPERIMENT.name)
+    if not comparison:
+        return None
+    advice = comparison.get("recommendation") or {}
+    if not advice:
+        return Headline("no batch size completed", "nothing compared")
+    speed = (comparison["comparisons"].get(f"bs{advice['fastest_batch_size']}") or {}).get("speed")
+    fastest = (f"{advice['fastest_batch_size']}, {bench.ratio_text(speed)} against the configured "
+               f"{comparison['baseline'][2:]}" if speed else f"the configured {advice['fastest_batch_size']}")
+    return Headline(f"fastest: {fastest}; largest that fits: {largest(comparison)}; keeping the effective batch of "
+                    f"{advice['effective_batch']}: `{keeping(advice)}`", advice["fastest_verdict"])
 
 
 EXPERIMENT = Experiment(name="batch-sweep", title="Batch size", target="make batch-sweep", folder="batch",
-                        section=section, arguments=arguments, run=run,
+                        section=section, headline=headline, arguments=arguments, run=run,
                         help="throughput and memory against batch size")
 FIND_BATCH = Experiment(name="find-batch", title="", target="", section=None, arguments=find_batch_arguments,
                         run=find_batch, help=argparse.SUPPRESS)

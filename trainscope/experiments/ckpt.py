@@ -1,7 +1,7 @@
 """make ckpt-compare: activation checkpointing off and on, in alternating rounds: step time and peak memory."""
 
 from trainscope import bench, reporting
-from trainscope.experiments.base import Experiment, arm_table, errors, fixed_arms, runs_option
+from trainscope.experiments.base import Experiment, arm_table, arms_headline, errors, fixed_arms, runs_option
 from trainscope.tables import pyplot
 
 ARMS = {"off": [], "on": ["--gradient-checkpointing"]}
@@ -24,13 +24,21 @@ def section(report, found: reporting.Collected) -> None:
     report.table(arm_table(comparison, f"Activation checkpointing off and on ({comparison['rounds']} alternating rounds)",
                            "ckpt"))
     for name, against in comparison["comparisons"].items():
-        report.text(f"`{name}`: memory {against['memory_ratio']['median']:.2f}x the baseline's, speed "
-                    f"{bench.describe(against['speed'])}.")
+        report.text(f"`{name}`: {memory_text(against)}, speed {bench.describe(against['speed'])}.")
     if rows[0]["memory_kind"] == "peak RSS":
         report.text("On a CPU the memory column is the process's peak RSS, which includes the Python runtime and "
                     "libraries; activation savings show in full as device memory on a GPU.")
 
 
+def memory_text(against: dict) -> str:
+    return f"memory {against['memory_ratio']['median']:.2f}x the baseline's"
+
+
+def headline(found: reporting.Collected):
+    return arms_headline(found.comparisons.get("ckpt"), found.runs.get("ckpt", {}),
+                         lambda name, against: f", {memory_text(against)}")
+
+
 EXPERIMENT = Experiment(name="ckpt", title="Activation checkpointing", target="make ckpt-compare", folder="ckpt",
-                        section=section, arguments=runs_option, run=fixed_arms("ckpt", ARMS),
+                        section=section, headline=headline, arguments=runs_option, run=fixed_arms("ckpt", ARMS),
                         help="activation checkpointing off and on: step time and peak memory")

@@ -1,7 +1,7 @@
 """make bench-compile: --compile against eager on the tiny model: compile time, recompiles, speed."""
 
 from trainscope import reporting
-from trainscope.experiments.base import Experiment, arm_table, fixed_arms, runs_option
+from trainscope.experiments.base import Experiment, arm_table, arms_headline, fixed_arms, runs_option
 from trainscope.record_view import RunView
 
 ARMS = {"eager": [], "compiled": ["--compile"]}
@@ -12,14 +12,30 @@ def section(report, found: reporting.Collected) -> None:
     if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
         return
     report.table(arm_table(comparison, f"--compile against eager ({comparison['rounds']} alternating rounds)", "compile"))
-    compiled = [RunView(runs[name]).compile for name in comparison["arms"].get("compiled", {}).get("runs", [])
-                if name in runs]
+    compiled = compile_blocks(comparison, runs)
     if compiled:
-        seconds = sorted(c["compile_s"] for c in compiled)
-        report.text(f"Compile time {seconds[0]:.1f}-{seconds[-1]:.1f} s (outside the timed steady phase), recompiles "
+        report.text(f"Compile time {compile_time(compiled)} (outside the timed steady phase), recompiles "
                     f"{sorted({c['recompiles'] for c in compiled})} with dynamic shapes.")
 
 
+def compile_blocks(comparison: dict, runs: dict) -> list[dict]:
+    return [RunView(runs[name]).compile for name in comparison["arms"].get("compiled", {}).get("runs", [])
+            if name in runs]
+
+
+def compile_time(compiled: list[dict]) -> str:
+    seconds = sorted(c["compile_s"] for c in compiled)
+    return f"{seconds[0]:.1f}-{seconds[-1]:.1f} s"
+
+
+def headline(found: reporting.Collected):
+    comparison, runs = found.comparisons.get("compile"), found.runs.get("compile", {})
+    compiled = compile_blocks(comparison, runs) if comparison else []
+    return arms_headline(comparison, runs, lambda name, against: (f", compile time {compile_time(compiled)}"
+                                                                  if name == "compiled" and compiled else ""))
+
+
 EXPERIMENT = Experiment(name="compile", title="torch.compile against eager", target="make bench-compile",
-                        folder="compile", section=section, arguments=runs_option, run=fixed_arms("compile", ARMS),
+                        folder="compile", section=section, headline=headline, arguments=runs_option,
+                        run=fixed_arms("compile", ARMS),
                         help="--compile against eager: compile time, recompiles, speed")

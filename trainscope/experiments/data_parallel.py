@@ -2,7 +2,8 @@
 file gives, shared by the script (its own Markdown and LaTeX) and the report's section."""
 
 from trainscope import bench, reporting
-from trainscope.experiments.base import Experiment
+from trainscope.experiments.base import Experiment, verdicts_text
+from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot, ranged
 
 VARIANTS = (("single", "single device"), ("data_parallel", "nn.DataParallel"), ("ddp", "DDP"))
@@ -91,6 +92,21 @@ def figure(result: dict):
     return drawn
 
 
+def headline(found: reporting.Collected) -> Headline | None:
+    """Each variant's speed against the single device, as the results table gives it."""
+    result = found.results.get("data_parallel")
+    if not result:
+        return None
+    parts, verdicts = [], {}
+    for row in rows(result):
+        if "status" in row:
+            parts.append(f"{row['variant']}: not measurable here")
+        elif row["verdict"]:
+            parts.append(f"{row['variant']} ({row['runs_on']}) against the single device: {row['speed']}")
+            verdicts[row["variant"]] = row["verdict"]
+    return Headline("; ".join(parts), verdicts_text(verdicts) if verdicts else "nothing compared")
+
+
 def section(report, found: reporting.Collected) -> None:
     result = found.results.get("data_parallel")
     if not report.begin(EXPERIMENT.title, result, EXPERIMENT.missing()):
@@ -120,5 +136,5 @@ def reconcile_with_matrix(report, result: dict, matrix: dict | None) -> None:
 
 
 EXPERIMENT = Experiment(name="data_parallel", title="DataParallel vs DDP", target="make compare-dp",
-                        results="compare_dp/compare_dp.json", section=section,
+                        results="compare_dp/compare_dp.json", section=section, headline=headline,
                         needs=("benchmark", "machine", "compare", "results", "comparison", "code_changes", "projection"))

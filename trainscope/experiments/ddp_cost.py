@@ -15,6 +15,7 @@ from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
 from trainscope.experiments.base import Experiment, experiment, planned_arm, runs_option, speed_cells, write
 from trainscope.record_view import COMMUNICATION_FIGURES, RunView
 from trainscope.records import read_record
+from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot, ranged
 
 # The DDP settings compared with DDP's defaults (25 MB buckets, no flags, no communication hook).
@@ -214,10 +215,7 @@ def section(report, found: reporting.Collected) -> None:
     report.figure(figure(comparison, runs, records.get("default")), "ddp_cost",
                   "Where a DDP step goes, per setting; the exposure and the wait per rank", list(records.values()))
     report.table(settings_table(comparison, runs))
-    best = comparison.get("best") or {}
-    report.text(f"Best setting here: `{best.get('setting')}`" + (f" (`{' '.join(best['flags'])}`), "
-                f"{bench.describe(best['speed'])}" if best.get("speed") else ": no setting was faster than DDP's "
-                "defaults outside noise") + ".")
+    report.text(f"Best setting here: {best_text(comparison.get('best') or {})}.")
     ring = comparison.get("ring_model")
     if ring:
         report.text(f"The measured all-reduce of {ring['gradient_bytes'] / 1e6:.1f} MB over {ring['world_size']} processes "
@@ -249,15 +247,9 @@ def summary_text(view: RunView) -> str:
     if not figures or not figures.get("measured"):
         return "DDP's defaults, first round: communication not measured."
     head = f"Where a DDP step goes with DDP's defaults ({figures['world_size']} processes, first round, {figures['method']}): "
-    step = f"{view.step_s * 1e3:.1f} ms per step" if view.step_s else "step time unknown"
     transfer = figures.get("transfer_s")
-    if not figures["resolved"]:
-        low, high = figures["exposed_interval"] or (0.0, 0.0)
-        text = (f"{step}; exposed communication not resolved: between {max(0.0, low) * 1e3:.1f} and {high * 1e3:.1f} ms "
-                "per step, so no share of the step or of the transfer is given")
-    else:
-        text = (f"{step}, of which exposed communication {figures['exposed_s'] * 1e3:.1f} ms "
-                f"({figures['exposed_share']:.1%})")
+    text = step_text(view)
+    if figures["resolved"]:
         if transfer:
             text += (f"; the same buckets' all-reduces alone take {transfer * 1e3:.1f} ms"
                      + (f" ({figures['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth)" if figures.get("bus_bandwidth_gbs") else "")
@@ -273,6 +265,37 @@ def summary_text(view: RunView) -> str:
     return head + text + "."
 
 
+def best_text(best: dict) -> str:
+    return f"`{best.get('setting')}`" + (f" (`{' '.join(best['flags'])}`), {bench.describe(best['speed'])}"
+                                         if best.get("speed") else ": no setting was faster than DDP's defaults outside noise")
+
+
+def headline(found: reporting.Collected) -> Headline | None:
+    """What communication costs a step with DDP's defaults (the section's first sentence) and the best setting."""
+    comparison, runs = found.comparisons.get(EXPERIMENT.name), found.runs.get(EXPERIMENT.name, {})
+    if not (comparison and runs):
+        return None
+    default = reporting.first_round_runs(comparison, runs).get("default")
+    view = RunView(default) if default else None
+    best = comparison.get("best") or {}
+    figures = view.communication_figures if view else None
+    cost = (f"with DDP's defaults ({figures['world_size']} processes): {step_text(view)}; "
+            if figures and figures.get("measured") else "")
+    return Headline(f"{cost}best setting: {best_text(best)}",
+                    best["speed"]["verdict"] if best.get("speed") else "the defaults stand")
+
+
+def step_text(view: RunView) -> str:
+    """'1854.6 ms per step, of which exposed communication 50.7 ms (2.7%)', or the interval where it is not resolved."""
+    figures = view.communication_figures
+    step = f"{view.step_s * 1e3:.1f} ms per step" if view.step_s else "step time unknown"
+    if not figures["resolved"]:
+        low, high = figures["exposed_interval"] or (0.0, 0.0)
+        return (f"{step}; exposed communication not resolved: between {max(0.0, low) * 1e3:.1f} and {high * 1e3:.1f} "
+                "ms per step, so no share of the step or of the transfer is given")
+    return f"{step}, of which exposed communication {figures['exposed_s'] * 1e3:.1f} ms ({figures['exposed_share']:.1%})"
+
+
 EXPERIMENT = Experiment(name="ddp-cost", title="What DDP communication costs", target="make ddp-cost",
-                        folder="ddp_cost", section=section, arguments=arguments, run=run,
+                        folder="ddp_cost", section=section, headline=headline, arguments=arguments, run=run,
                         help="DDP settings against DDP's defaults: exposed communication, speed")

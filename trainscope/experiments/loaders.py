@@ -3,6 +3,7 @@ section. The script writes <results>/loaders/loaders.json; the report and the sc
 
 from trainscope import bench, reporting
 from trainscope.experiments.base import Experiment
+from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot
 
 PYTORCH_DEFAULT_WORKERS = 0
@@ -70,16 +71,37 @@ def knee_verdict(rows: list[dict], curve: str, summary: dict) -> dict | None:
                                  higher_is_better=False)
 
 
+KNEE_IS_DEFAULT = "the knee is the default"
+
+
+def knees(report: dict) -> list[tuple[str, dict, dict | None]]:
+    """(curve, its summary, its knee against the default judged by today's test from the sweep's own rows)."""
+    return [(name, curve, knee_verdict(report["rows"], name, curve) if report.get("rows")
+             else curve.get("knee_against_default")) for name, curve in report["summary"]["curves"].items()]
+
+
 def knee_table(report: dict) -> Table:
-    """The knee of each curve against the default, judged by today's test from the sweep's own rows."""
+    """The knee of each curve against the default."""
     rows = []
-    for name, curve in report["summary"]["curves"].items():
-        against = knee_verdict(report["rows"], name, curve) if report.get("rows") else curve.get("knee_against_default")
+    for name, curve, against in knees(report):
         rows.append([name, str(curve["knee_workers"]), str(curve["best_workers"]),
-                     bench.ratio_text(against) if against else "the knee is the default",
+                     bench.ratio_text(against) if against else KNEE_IS_DEFAULT,
                      against["verdict"] if against else "", f"`{curve['flags']}`"])
     return Table("The knee of each curve against PyTorch's default (0 workers)", ["curve", "knee (workers)",
                  "best (workers)", "knee vs default", "verdict", "flags"], rows, "loaders_knee", align="lrrrll")
+
+
+def headline(found: reporting.Collected) -> Headline | None:
+    """Each curve's knee against PyTorch's default, as the knee table gives it."""
+    sweep = found.results.get("loaders")
+    if not sweep:
+        return None
+    mode = lambda name: name.split(" (")[0]  # noqa: E731  the curve's loading mode
+    parts = [f"{mode(name)}: knee at {curve['knee_workers']} workers, {bench.ratio_text(against)} against "
+             f"{PYTORCH_DEFAULT_WORKERS}" if against else f"{mode(name)}: {KNEE_IS_DEFAULT} ({PYTORCH_DEFAULT_WORKERS} workers)"
+             for name, curve, against in knees(sweep)]
+    verdicts = [f"{mode(name)}: {against['verdict']}" for name, _, against in knees(sweep) if against]
+    return Headline("; ".join(parts), "; ".join(verdicts) or KNEE_IS_DEFAULT)
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -97,5 +119,5 @@ def section(report, found: reporting.Collected) -> None:
 
 
 EXPERIMENT = Experiment(name="loaders", title="DataLoader num_workers", target="make sweep-workers",
-                        results="loaders/loaders.json", section=section,
+                        results="loaders/loaders.json", section=section, headline=headline,
                         needs=("benchmark", "machine", "sweep", "summary", "dataset_rows", "pytorch_default_num_workers"))

@@ -7,7 +7,8 @@ skipped with their reason; the first variant is the baseline.
 from pathlib import Path
 
 from trainscope import launching, reporting
-from trainscope.experiments.base import Arm, Experiment, ExperimentFailed, arm_table, experiment, runs_option
+from trainscope.experiments.base import (Arm, Experiment, ExperimentFailed, arm_table, arms_headline, experiment,
+                                         runs_option)
 from trainscope.record_view import RunView
 from trainscope.tables import Table, num, pyplot
 
@@ -65,6 +66,10 @@ def section(report, found: reporting.Collected) -> None:
                            cells, "attribution", align="llrrrr"))
 
 
+def headline(found: reporting.Collected):
+    return arms_headline(found.comparisons.get("matrix"), found.runs.get("matrix", {}))
+
+
 EXPERIMENT = Experiment(name="matrix", title="Configs and switches side by side", target="make matrix",
-                        folder="matrix", section=section, arguments=arguments, run=run,
+                        folder="matrix", section=section, headline=headline, arguments=arguments, run=run,
                         help="train.py under each config and switch")

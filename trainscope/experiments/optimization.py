@@ -4,6 +4,7 @@ what `make tune` (trainscope.tune) measured when it tried them."""
 from trainscope import advisor, bench, reporting
 from trainscope.experiments.base import Experiment
 from trainscope.record_view import RunView
+from trainscope.reporting import Headline
 from trainscope.tables import Table
 
 
@@ -32,12 +33,34 @@ def final_trial(trials: list[dict]) -> dict | None:
     return max(kept, key=lambda t: t["speed"]["median_ratio"], default=None)
 
 
+NONE_KEPT = "No suggestion was faster on the same work with the same result: the baseline stands"
+
+
 def final_text(final: dict | None) -> str:
     if final is None:
-        return ("No suggestion was faster on the same work with the same result: the baseline stands; the rejected "
-                "trials above are the evidence.")
+        return f"{NONE_KEPT}; the rejected trials above are the evidence."
     return (f"Best: {final['name']} ({change_of(final)}), {bench.describe(final['speed'])} on the same work with the "
             "same result.")
+
+
+def headline(found: reporting.Collected) -> Headline | None:
+    """What `make tune` kept and how much faster it is (the section's final trial, in its words); before
+    `make tune`, the advisor's first suggestion."""
+    record = reporting.pick_breakdown_run(found)
+    if record is None:
+        return None
+    tune = found.comparisons.get("tune")
+    if tune:
+        final = final_trial(tune["trials"])
+        if final is None:
+            return Headline(NONE_KEPT, "nothing kept")
+        return Headline(f"{final['name']} ({change_of(final)}): {bench.ratio_text(final['speed'])} on the same work "
+                        "with the same result", f"{final['verdict']}, kept")
+    suggestions = advisor.advise(record)
+    if not suggestions:
+        return Headline(advisor.lines([])[0], "nothing to try")
+    return Headline(f"first suggestion: {suggestions[0].change} -- {suggestions[0].gain_text()}",
+                    f"not tried yet: `{EXPERIMENT.target}` tries it")
 
 
 def change_of(trial: dict) -> str:
@@ -56,4 +79,4 @@ def tune_table(result: dict) -> Table:
 
 
 EXPERIMENT = Experiment(name="tune", title="Optimization: what to try next", target="make tune", folder="tune",
-                        section=section, needs=("experiment", "trials", "final_command", "summary"))
+                        section=section, headline=headline, needs=("experiment", "trials", "final_command", "summary"))

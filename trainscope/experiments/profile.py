@@ -11,6 +11,7 @@ from trainscope import bench, reporting
 from trainscope.experiments.base import Arm, Experiment, experiment, runs_option, write
 from trainscope.record_view import RunView
 from trainscope.records import read_record, read_steps
+from trainscope.reporting import Headline
 from trainscope.run_metrics import operator_rows
 from trainscope.tables import Table, num
 
@@ -45,12 +46,27 @@ def section(report, found: reporting.Collected) -> None:
     report.text(f"From run `{breakdown['run']}`, which ran without the profiler"
                 + ("." if "profile" in found.runs else f" ({EXPERIMENT.missing()})"))
     report.figure(pie(breakdown), "time_breakdown", "Share of wall time per category", [record])
-    rows = [[c["name"], num(c["seconds"]), num(c["percent"], 1) + "%"] for c in breakdown["categories"]]
-    rows += [[f"  stage: {s['name']}", num(s["seconds"]), num(s["percent"], 1) + "%"] for s in breakdown["stages"]]
+    rows = [[c["name"], num(c["seconds"]), share(c)] for c in breakdown["categories"]]
+    rows += [[f"  stage: {s['name']}", num(s["seconds"]), share(s)] for s in breakdown["stages"]]
     rows.append(["wall time", num(breakdown["wall_s"]), "100.0%"])
     report.table(Table("Where the time went (median over ranks, profiler off): the five categories, then the stages",
                        ["category / stage", "seconds", "share"], rows, "time_breakdown"))
     top_operators(report, found)
+
+
+def share(row: dict) -> str:
+    return num(row["percent"], 1) + "%"
+
+
+def headline(found: reporting.Collected) -> Headline | None:
+    """The five categories' shares of the wall time, largest first, as the section's table gives them."""
+    record = reporting.pick_breakdown_run(found)
+    if record is None:
+        return None
+    breakdown = reporting.time_breakdown(record)
+    ordered = sorted(breakdown["categories"], key=lambda c: -c["seconds"])
+    return Headline(", ".join(f"{c['name']} {share(c)}" for c in ordered) + f" of {num(breakdown['wall_s'])} s "
+                    f"(run `{breakdown['run']}`, profiler off)", f"{ordered[0]['name']} takes the most")
 
 
 def pie(breakdown: dict):
@@ -83,5 +99,6 @@ def top_operators(report, found: reporting.Collected) -> None:
 
 EXPERIMENT = Experiment(
     name="profile", title="Where the time went", target="make profile", folder="profile", section=section,
+    headline=headline,
     arguments=lambda parser: runs_option(parser, rounds=None), run=run,
     help="a run without and a run with the profiler: the time breakdown and the top operators")

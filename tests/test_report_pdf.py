@@ -1,0 +1,278 @@
+"""The report's PDF read as a person reads it, from the drawn glyphs' own boxes (pypdfium2): no word past a
+page's edge, no two words drawn over each other, no text across its table cell's edges, no heading at the
+foot of a page; and the first page's answers on the pages they name."""
+
+import ctypes
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pypdfium2
+import pypdfium2.raw as pdfium
+import pytest
+
+import report as report_script
+from conftest import ROOT
+from trainscope import reporting
+from trainscope.experiments import SECTIONS, optimization
+from trainscope.records import read_record
+from trainscope.tables import PdfBook, ReportWriter, Table, pyplot
+
+EDGE = 18.0         # points (a quarter inch): no glyph this close to a page's edge
+HEADING_SIZE = 12   # points: text this large is a heading
+TOLERANCE = 0.3     # points: glyph boxes meeting by less than this do not overlap
+
+
+@dataclass
+class Word:
+    page: int
+    text: str
+    box: list            # tight: the ink (left, bottom, right, top), points from the page's bottom left
+    baseline: float
+    size: float
+    page_size: tuple
+
+
+def drawn_words(path: Path) -> list[Word]:
+    """Every word drawn in the PDF: glyphs in drawing order on one baseline, a word ending at a space, a line's
+    end, or a glyph that starts left of the one before (text drawn back over itself) or far right of it (a
+    ligature's letters share one box)."""
+    document = pypdfium2.PdfDocument(str(path))
+    words = []
+    for number in range(len(document)):
+        page = document[number]
+        text = page.get_textpage()
+        current = None
+        for index in range(text.count_chars()):
+            char = glyph(text, index)
+            if not char.strip() or pdfium.FPDFText_IsGenerated(text, index):
+                current = None
+                continue
+            box, size = list(text.get_charbox(index)), pdfium.FPDFText_GetFontSize(text, index)
+            x, y = ctypes.c_double(), ctypes.c_double()
+            pdfium.FPDFText_GetCharOrigin(text, index, ctypes.byref(x), ctypes.byref(y))
+            last = current.box if current else None
+            if (current and abs(y.value - current.baseline) < 0.5 and box[0] >= current.last[0] - 0.01
+                    and (abs(box[0] - current.last[0]) < 0.01 or -0.3 * size <= box[0] - current.last[2] < 0.5 * size)):
+                current.text += char
+                current.box = [min(last[0], box[0]), min(last[1], box[1]), max(last[2], box[2]), max(last[3], box[3])]
+                current.last = box
+            else:
+                current = Word(number, char, box, y.value, size, page.get_size())
+                current.last = box
+                words.append(current)
+    return words
+
+
+def glyph(text, index: int) -> str:
+    """The character drawn (PDFium reads a hyphen ending a line as a soft hyphen)."""
+    char = text.get_text_range(index, 1)
+    return "-" if char in ("\ufffe", "\x02") else char
+
+
+def chars_of(path: Path, page: int) -> list[tuple[str, list]]:
+    """(glyph, tight box) of every glyph drawn on a page."""
+    text = pypdfium2.PdfDocument(str(path))[page].get_textpage()
+    return [(glyph(text, i), list(text.get_charbox(i))) for i in range(text.count_chars())
+            if glyph(text, i).strip() and not pdfium.FPDFText_IsGenerated(text, i)]
+
+
+def past_the_edge(words: list[Word]) -> list[str]:
+    return [f"page {w.page + 1}: {w.text!r} at {[round(v) for v in w.box]}" for w in words
+            if min(w.box[0], w.box[1]) < EDGE or w.box[2] > w.page_size[0] - EDGE or w.box[3] > w.page_size[1] - EDGE]
+
+
+def overlapping(words: list[Word]) -> list[str]:
+    found = []
+    for page in {w.page for w in words}:
+        on_page = sorted((w for w in words if w.page == page), key=lambda w: w.box[0])
+        for index, a in enumerate(on_page):
+            for b in on_page[index + 1:]:
+                if b.box[0] >= a.box[2] - TOLERANCE:
+                    break
+                if (min(a.box[2], b.box[2]) - max(a.box[0], b.box[0]) > TOLERANCE
+                        and min(a.box[3], b.box[3]) - max(a.box[1], b.box[1]) > TOLERANCE):
+                    found.append(f"page {page + 1}: {a.text!r} over {b.text!r}")
+    return found
+
+
+def lines_of(words: list[Word], page: int) -> list[list[Word]]:
+    """A page's lines of text, top to bottom, without its footer (the page number under the margin)."""
+    lines: dict[float, list[Word]] = {}
+    for word in (w for w in words if w.page == page and w.baseline > 36):
+        key = next((k for k in lines if abs(k - word.baseline) < 0.5), word.baseline)
+        lines.setdefault(key, []).append(word)
+    return [sorted(lines[k], key=lambda w: w.box[0]) for k in sorted(lines, reverse=True)]
+
+
+def headings_ending_a_page(words: list[Word]) -> list[str]:
+    """Headings with nothing of their section under them on their page."""
+    ending = []
+    for page in sorted({w.page for w in words}):
+        lines = lines_of(words, page)
+        if lines and all(w.size >= HEADING_SIZE for w in lines[-1]):
+            ending.append(f"page {page + 1}: {' '.join(w.text for w in lines[-1])!r}")
+    return ending
+
+
+def squeeze(text: str) -> str:
+    return re.sub(r"\s+", "", text.replace("`", "").replace("**", ""))
+
+
+# ---------------------------------------------------------------- a report of planted long cells
+
+
+LONG = ("a cell of many words that cannot fit on one line of its column and must wrap within it, "
+        "with a path/that/has/no/spaces/at/all/and/runs/on/much/further/than/any/column/is/wide")
+
+
+def planted_tune(tune: dict) -> dict:
+    """The committed `make tune` comparison with longer texts in its cells and a trial of long flags."""
+    first = tune["trials"][0]
+    long_trial = {**tune["trials"][1], "name": "s3", "config": None,
+                  "flags": ["--max-seq-length-of-the-training-batches-when-grouped-by-length=128"],
+                  "gain_text": f"{first['gain_text']} and {LONG}", "result": f"{first['result']}; {LONG}"}
+    return {**tune, "trials": [*tune["trials"][:2], long_trial, tune["trials"][-1]]}
+
+
+def planted_report(out: Path, filler: int = 0) -> tuple[PdfBook, ReportWriter]:
+    """The Optimization section on the committed main run and a planted `make tune` result; sections around a
+    long table that must continue, a table too wide for a portrait page, a code block of long lines and a
+    figure; then, on a page of its own, `filler` lines and a heading that fits alone under them."""
+    book = PdfBook(out / "report.pdf")
+    report = ReportWriter(out, book)
+    report.title("planted report", "Long cells, a long table, a wide table, headings at the foot of pages.")
+    report.answers_page()
+    main_run = ROOT / "benchmarks" / "runs" / "profile" / "default-r0"
+    record = {**read_record(main_run), "path": str(main_run)}
+    tune = planted_tune(json.loads((ROOT / "benchmarks" / "runs" / "tune" / "comparison.json").read_text()))
+    found = reporting.Collected(runs={"profile": {"default-r0": record}}, comparisons={"tune": tune})
+    report_script.write_section(report, found, optimization.EXPERIMENT)
+    long_table = Table("A long table", ["run", "what", "seconds", "verdict"],
+                       [[f"r{n}", LONG if n % 9 == 0 else f"row {n}", f"{n * 1.2345:.4f}", "within noise"]
+                        for n in range(40)], "long", align="llrl")
+    wide_table = Table("A wide table", [f"column number {c}" for c in range(14)],
+                       [[f"{r}.{c} wide-cells-of-long-words-{c}" for c in range(14)] for r in range(3)], "wide")
+    for n, block in enumerate([lambda: report.table(long_table), lambda: report.table(wide_table),
+                               lambda: report.code("\n".join(f"line {i}: " + "x" * (40 * i) for i in range(5))),
+                               lambda: report.figure(pyplot().subplots(figsize=(12, 3))[0], "planted", "A figure")]):
+        section(report, f"Planted findings {n}", 40 + 60 * n)
+        block()
+    foot(report, filler)
+    report.close()
+    return book, report
+
+
+def section(report: ReportWriter, title: str, words: int):
+    report.answer(title, reporting.Headline(f"{title}: " + " ".join(["a figure"] * (words // 8)), "planted"))
+    report.begin(title, True, "")
+    report.text(" ".join(f"word{i}" for i in range(words)))
+
+
+def foot(report: ReportWriter, filler: int):
+    """A page of `filler` lines, then a section."""
+    report.book.page_break()
+    report.text("\n".join(f"filler {i}" for i in range(filler)))
+    section(report, "Kept with its text", 60)
+
+
+def filler_for_a_heading_at_the_foot(tmp_path: Path) -> int:
+    """The filler lines after which a heading fits at the foot of a page alone, but not with its text (laid
+    out, not drawn)."""
+    for filler in range(40, 90):
+        book = PdfBook(tmp_path / "probe.pdf")
+        report = ReportWriter(tmp_path, book)
+        foot(report, filler)
+        pages = book.layout()
+        width, height = book._content(False)
+        used = sum(block.height(width) for block, _ in pages[0][1])
+        if len(pages[0][1]) == 1 and height - used >= book.blocks[2].height(width):  # the filler alone
+            return filler
+    raise AssertionError("no filler puts a heading at the foot of a page")
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("planted")
+    return (out / "report.pdf", *planted_report(out, filler_for_a_heading_at_the_foot(out)))
+
+
+def test_a_report_of_long_cells_reads_as_a_person_reads_it(planted):
+    """Built in this process from planted inputs; every check is on what the PDF draws."""
+    path, book, _ = planted
+    words = drawn_words(path)
+    assert len(words) > 1000
+    assert not past_the_edge(words)
+    assert not overlapping(words)
+    assert not headings_ending_a_page(words)
+
+    # every table cell holds exactly its own text, every glyph inside its edges
+    cells = [(canvas.number - 1, cell) for canvas in book.pages for cell in canvas.cells]
+    assert len(cells) > 200
+    glyphs = {page: chars_of(path, page) for page in {page for page, _ in cells}}
+    for page, cell in cells:
+        x0, y0, x1, y1 = cell["rect"]
+        inside = [(char, box) for char, box in glyphs[page]
+                  if x0 <= (box[0] + box[2]) / 2 <= x1 and y0 <= (box[1] + box[3]) / 2 <= y1]
+        assert Counter(char for char, _ in inside) == Counter(cell["text"].replace(" ", "")), (page + 1, cell)
+        for char, box in inside:
+            assert x0 - TOLERANCE <= box[0] and box[2] <= x1 + TOLERANCE, (page + 1, char, box, cell)
+            assert y0 - TOLERANCE <= box[1] and box[3] <= y1 + TOLERANCE, (page + 1, char, box, cell)
+        if cell["align"] == "r" and inside:  # numbers end at the cell's right padding
+            assert max(box[2] for _, box in inside) > x1 - 4.5, (page + 1, cell)
+
+    text = {page: " ".join(w.text for w in words if w.page == page) for page in {w.page for w in words}}
+    # the long table goes on over pages, its header repeated under its title '(continued)'
+    continued = [page for page, line in text.items() if "A long table (continued)" in line]
+    assert continued and all("run what seconds verdict" in text[page] for page in continued)
+    # the wide table gets a landscape page (or its columns split), never a cell past the edge
+    wide = [page for page, line in text.items() if "A wide table" in line]
+    assert wide and all(words_on[0].page_size[0] > words_on[0].page_size[1]
+                        for words_on in ([w for w in words if w.page == page] for page in wide))
+    # the heading that would have fit alone at the foot of its page went to the next one with its text
+    kept = next(page for page in text if "Kept with its text" in text[page] and page)
+    assert lines_of(words, kept)[0][0].size >= HEADING_SIZE
+    assert lines_of(words, kept - 1)[-1][0].baseline > 43.2 + 24
+
+
+def test_the_first_page_names_each_answer_and_the_page_its_section_is_on(planted):
+    path, book, report = planted
+    words = drawn_words(path)
+    first = squeeze(" ".join(w.text for w in words if w.page == 0))
+    assert first.startswith(squeeze("planted report")) and "Ataglance" in first
+    for title, headline in report.answers.items():
+        page = book.anchors[title]
+        drawn = squeeze(" ".join(w.text for w in words if w.page in (page - 1, page)))
+        heading = squeeze(" ".join(w.text for w in words if w.page == page - 1 and w.size >= HEADING_SIZE))
+        assert squeeze(title) in heading, (title, page)
+        assert squeeze(f"In short: {headline.text}. Verdict: {headline.verdict}.") in drawn, title
+        assert squeeze(headline.text) in first and squeeze(headline.verdict) in first
+    # the page column, read down the first page, is where each section's heading is drawn
+    assert page_column(words) == [book.anchors[title] for title in report.answers]
+    assert "(no headline declared" not in first
+
+
+def check_report(path: Path, titles: list[str]) -> None:
+    words = drawn_words(path)
+    assert not past_the_edge(words)
+    assert not overlapping(words)
+    assert not headings_ending_a_page(words)
+    first = squeeze(" ".join(w.text for w in words if w.page == 0))
+    assert "Ataglance" in first and all(squeeze(title) in first for title in titles)
+    headings = {squeeze(" ".join(w.text for w in line)): page + 1 for page in range(1, max(w.page for w in words) + 1)
+                for line in lines_of(words, page) if all(w.size >= HEADING_SIZE for w in line)}
+    assert all(squeeze(title) in headings for title in titles), (titles, headings)
+    assert page_column(words) == [headings[squeeze(title)] for title in titles]
+
+
+def page_column(words: list[Word]) -> list[int]:
+    """The numbers at the right edge of the first page's table, top to bottom."""
+    return [int(line[-1].text) for line in lines_of(words, 0)
+            if line[-1].text.isdigit() and line[-1].box[2] > line[-1].page_size[0] - 43.2 - 5]
+
+
+def test_the_committed_report_reads_as_a_person_reads_it():
+    """reports/report.pdf as committed: the same checks, and a first page of one answer per section."""
+    check_report(ROOT / "reports" / "report.pdf", [e.title for e in SECTIONS])
