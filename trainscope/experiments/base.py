@@ -35,6 +35,8 @@ class Experiment:
     arguments(parser)   adds its options (None: it has no subcommand, e.g. a script's results)
     run(args, train_args)   runs it and writes <runs>/<folder>/comparison.{json,md}
     section(report, found)  writes its report section (trainscope.tables.ReportWriter, reporting.Collected)
+    rejudge(comparison, records)  judges a comparison again from its runs' records (default: every arm's speed
+                            against the baseline's, trainscope.reporting.rejudged)
     """
 
     name: str
@@ -47,6 +49,7 @@ class Experiment:
     run: Callable | None = None
     help: str = ""
     needs: tuple[str, ...] = ("experiment", "baseline", "arms", "comparisons", "rounds")  # keys its input holds
+    rejudge: Callable | None = None  # (comparison, its runs' records) -> the comparison judged by today's rules
 
     def missing(self) -> str:
         return f"Not run yet: `{self.target}` produces it."
