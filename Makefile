@@ -52,6 +52,8 @@ TUNE_ROUNDS ?= 6
 # final flags and config; 5 rounds take about 25 minutes on 2 CPU cores (3.5 min fp32, 1 min tuned, per round).
 CONFIRM_ARGS ?= $(TRAIN_ARGS) --report-to none
 CONFIRM_ROUNDS ?= 5
+# The command to confirm: make tune's final one (empty), or stated, e.g. "--tuned-config bf16 --tuned-flags=--group-by-length"
+CONFIRM_TUNED ?=
 COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-samples 64 --max-test-samples 64 \
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
@@ -111,8 +113,8 @@ tune: setup ## the advisor's suggestions for the main command tried against it; 
 	$(PY) -m trainscope.tune --runs $(RUNS)/tune --budget $(TUNE_BUDGET) --rounds $(TUNE_ROUNDS) $(if $(CONFIG),--config $(CONFIG)) -- $(TUNE_ARGS)
 
 tune-confirm: setup ## make tune's final command against make train's on the full job, paired seeds (about 25 min on 2 CPU cores) -> runs/tune_confirm/
-	$(EXPERIMENTS) tune-confirm --runs $(RUNS)/tune_confirm --tune $(RUNS)/tune/comparison.json --rounds $(CONFIRM_ROUNDS) \
-		$(if $(CONFIG),--config $(CONFIG)) -- $(CONFIRM_ARGS)
+	$(EXPERIMENTS) tune-confirm --runs $(RUNS)/tune_confirm $(or $(CONFIRM_TUNED),--tune $(RUNS)/tune/comparison.json) \
+		--rounds $(CONFIRM_ROUNDS) $(if $(CONFIG),--config $(CONFIG)) -- $(CONFIRM_ARGS)
 
 advise: setup ## what to try next for one run: make advise RUN=runs/<run-name>
 	$(PY) report.py --advise $(RUN)

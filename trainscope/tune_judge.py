@@ -235,7 +235,7 @@ def equivalence_text(result: dict, trial_runs: list[dict]) -> str:
         return f"same over {n} seeds: every 90% interval inside its margin (widest: {metric_text(widest, metrics[widest])})"
     if verdict == "changed":
         name = next(m for m in metrics if metrics[m]["verdict"] == "changed")
-        return f"changed over {n} seeds: {metric_text(name, metrics[name])}"
+        return f"changed over {n} seeds: {metric_text(name, metrics[name])}" + _steps_text(trial_runs, changed=True)
     open_ = [m for m in metrics if metrics[m]["verdict"] == "undecided"]
     if n < 2:  # no interval: show the metric furthest from zero for its margin
         name = max(open_, key=lambda m: abs(metrics[m]["mean"]) / metrics[m]["margin"])
@@ -251,12 +251,15 @@ def equivalence_text(result: dict, trial_runs: list[dict]) -> str:
     return f"undecided over {n} seeds: {metric_text(name, entry)}; {why}" + _steps_text(trial_runs)
 
 
-def _steps_text(trial_runs: list[dict]) -> str:
+def _steps_text(trial_runs: list[dict], changed: bool = False) -> str:
     """For runs that stop inside their first epoch: how many more steps make one (the arms of a change to the
-    order train on different samples until then)."""
+    order train on different samples until then, so a change shown on them may not hold for the whole job)."""
     done, epoch = next(((r.get("optimizer_steps"), r.get("steps_per_epoch")) for r in trial_runs), (None, None))
     if not (done and epoch and done < epoch):
         return ""
+    if changed:
+        return (f" -- on runs of {done} of an epoch's {epoch} steps, where a change to the order trains on other "
+                "samples; make tune-confirm judges the full job")
     return (f"; or train longer: these runs stop after {done} of an epoch's {epoch} steps ({epoch - done} more for "
             "one epoch; make tune-confirm judges the full job)")
 
