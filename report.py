@@ -22,7 +22,7 @@ from datetime import date
 from pathlib import Path
 
 from trainscope import advisor, provenance, reporting
-from trainscope.experiments import SECTIONS
+from trainscope.experiments import REGISTRY, SECTIONS
 from trainscope.record_view import RunView
 from trainscope.records import read_record, write_json_atomic, write_text_atomic
 from trainscope.tables import PdfBook, ReportWriter
@@ -48,7 +48,7 @@ def write_section(report: ReportWriter, found: reporting.Collected, experiment) 
 
 
 def build(runs: Path, results: Path, out: Path, source_line: str = "") -> ReportWriter:
-    found = reporting.collect(runs, results, SECTIONS)
+    found = reporting.collect(runs, results, REGISTRY)  # sections read inputs of experiments without one too
     for line in found.skipped:
         print(f"warning: skipped {line}", file=sys.stderr)
     block = provenance.collect(inputs=found.inputs)  # before anything is written: the tree as it was

@@ -110,9 +110,3 @@ def test_the_command_of_a_launched_run_is_its_launchers(tmp_path):
     finally:
         parent.kill()
         parent.wait()
-
-
-def test_the_prediction_interval_uses_students_t_from_its_table():
-    low, high = bench.prediction_interval([1.0, 2.0, 3.0])  # mean 2, s 1, t(2) = 4.303, sqrt(4/3)
-    assert (low, high) == pytest.approx((2 - 4.303 * (4 / 3) ** 0.5, 2 + 4.303 * (4 / 3) ** 0.5))
-    assert bench.t_975(11) == bench.t_975(10) == 2.228 and bench.t_975(100) == 1.96

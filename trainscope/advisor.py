@@ -4,12 +4,14 @@ Every rule reads the record's typed view and either stays silent or returns a `S
 change (train.py flags, or an Accelerate config), the evidence from the record, the gain and a
 confidence. A gain is one of two kinds, and the advice says which:
 
-* **at most** (`gain_kind="bound"`): Amdahl's law on a measured share and nothing else (Amdahl 1967). A
-  change that removes a part taking a share `s` of the time can speed the whole up by at most
-  1 / (1 - s); the padding bound counts the FLOPs spent on padding positions from the record's token
-  counts and the model's shape (trainscope.flops).
+* **at most** (`gain_kind="bound"`): Amdahl's law on a measured time share and nothing else (Amdahl 1967).
+  A change that removes a part taking a share `s` of the time can speed the whole up by at most
+  1 / (1 - s).
 * **estimate** (`gain_kind="estimate"`): Amdahl's law with an assumed or separately measured factor for
-  the part that changes (bf16 matmuls k times faster, a fused optimizer 3x); the factor is stated.
+  the part that changes (bf16 matmuls k times faster, a fused optimizer 3x); the factor is stated. The
+  padding gain is one: it counts the matmul FLOPs spent on padding positions from the record's token counts
+  and the model's shape (trainscope.flops), and takes time as proportional to them -- no measured share says
+  what padding costs, and attention's softmax, mask and dropout tensors shrink more than the matmuls.
 
 Rules fire only for the hardware in the record: no kernel-launch argument on a CPU, no NCCL argument on
 gloo. Rules stay silent when their gain is below MIN_GAIN. Health warnings of the record come first,
@@ -130,7 +132,9 @@ def padding(view: RunView) -> list[Suggestion]:
                                       pad["train_padded_squares"], training=True)
     eval_saved = padding_flops_share(shape, pad["eval_tokens"], pad["eval_padded"], pad["eval_samples"],
                                      pad["eval_padded_squares"], training=False)
-    assumed = []
+    # No time share of padding is measured: the saving is the FLOPs share taken as a time share, an estimate.
+    assumed = ["forward, backward and evaluation time taken as proportional to their matmul FLOPs (softmax, mask and "
+               "dropout tensors, not counted, shrink more)"]
     if train_saved is None:  # a record without the model's shape: the FLOPs share taken as the positions' share
         train_saved = waste
         assumed.append("padding's FLOPs share taken as its share of positions (the record lacks the model's shape)")
@@ -139,16 +143,29 @@ def padding(view: RunView) -> list[Suggestion]:
     gain = amdahl(train_share * train_saved + eval_share * (train_saved if eval_saved is None else eval_saved))
     if gain < MIN_GAIN:
         return []
-    flops = "" if shape is None else f", {train_saved:.0%} of training FLOPs at most"
+    flops = "" if shape is None else f", {train_saved:.0%} of the training matmul FLOPs"
     evidence = (f"{waste:.0%} of the training token positions are padding ({pad['train_tokens']} real of "
                 f"{pad['train_padded']}){flops}; forward and backward take {train_share:.0%} of the wall time, "
                 f"evaluation {eval_share:.0%}")
     if eval_saved is not None:
         evidence += f" ({1 - pad['eval_tokens'] / pad['eval_padded']:.0%} of its positions padding)"
     return [Suggestion("padding", "batch sequences of similar length (and evaluate in length order)", evidence,
-                       ["--group-by-length"], gain=gain, gain_kind="estimate" if assumed else "bound",
-                       factor="; ".join(assumed) or None, confidence="high",
-                       changes_result="training batches are grouped by length (the same samples, another order)")]
+                       ["--group-by-length"], gain=gain, gain_kind="estimate", factor="; ".join(assumed),
+                       confidence="high", changes_result=order_change(view, "grouped by length")
+                       + "; evaluation in length order (the same samples)")]
+
+
+def order_change(view: RunView, how: str) -> str:
+    """What reordering the training batches alters in what is learned: the samples themselves when the run stops
+    inside an epoch (--max-steps), since it trains on the ones the new order puts first."""
+    partial = view.partial_epoch
+    if partial is None:
+        return f"training batches {how}: the same samples, another order"
+    steps, epoch = partial
+    where = (f"shorter than an epoch ({steps} of {epoch} steps)" if steps < epoch else
+             f"not a whole number of epochs ({steps} steps of {epoch} each)")
+    return (f"training batches {how}: different samples -- the run is {where}, so it trains on those the new order "
+            "puts first")
 
 
 def evaluation(view: RunView) -> list[Suggestion]:

@@ -12,8 +12,11 @@ the experiments, make tune) runs its arms through `alternate` and judges them wi
   (slower). Anything else is *within noise*. With fewer than `MIN_PAIRS` rounds: *too few pairs*
   (4 against 4 is the fewest whose best p-value, 0.029, can pass 0.05; 5 are asked).
 * several trials against one baseline (make tune) correct their p-values for their number (Holm 1979)
-  before judging, and `make tune` adds rounds while a trial is undecided, as Chromium's Pinpoint adds
-  runs while its answer is unknown.
+  before judging; make tune runs a fixed number of rounds per trial (one look), so the error rate is the
+  test's own (trainscope.tune_judge).
+* "the same result" is an equivalence test, not the absence of a difference: Schuirmann's two one-sided
+  tests on paired differences against a margin stated before measuring (`equivalence`), with Student's t
+  computed here (`t_cdf`, `t_quantile`), not taken from a table.
 
 Results files are written by `write_results`: JSON and Markdown with the provenance header
 (commit, dirty tree, exact command, date, machine, threads, packages) and redaction applied by the
@@ -21,6 +24,7 @@ record layer.
 """
 
 import argparse
+import functools
 import itertools
 import math
 import statistics
@@ -32,7 +36,7 @@ from trainscope import provenance
 from trainscope.records import write_json_atomic, write_text_atomic
 
 MIN_PAIRS = 5
-MIN_DECIDABLE = 4  # the fewest pairs whose exact two-sided p-value (2/70 = 0.029) can pass ALPHA
+MIN_DECIDABLE = 4  # the fewest pairs whose exact two-sided p-value (2/70 = 0.029) can pass ALPHA (min_rounds)
 ALPHA = 0.05
 MIN_EFFECT = 0.03  # a speed ratio within 3% of 1 is no change worth acting on, however significant
 METHOD = f"two-sided Mann-Whitney U, alpha {ALPHA}, minimum effect {MIN_EFFECT:.0%}"
@@ -94,12 +98,54 @@ def mann_whitney_p(x: list[float], y: list[float]) -> float:
     observed, expected = sum(ranks[:n]), n * (n + m + 1) / 2
     distance = abs(observed - expected) - 1e-9
     if math.comb(n + m, n) <= EXACT_LIMIT:
+        if len(set(ranks)) == n + m:  # no ties: the null distribution depends on n and m only (cached)
+            return _exact_p(n, m, round(observed))
         sums = [sum(c) for c in itertools.combinations(ranks, n)]
         return sum(abs(s - expected) >= distance for s in sums) / len(sums)
     ties = sum(c ** 3 - c for c in _tie_counts(ranks))
     variance = n * m / 12 * ((n + m + 1) - ties / ((n + m) * (n + m - 1)))
     z = distance / math.sqrt(variance) if variance > 0 else 0.0
     return math.erfc(z / math.sqrt(2))
+
+
+@functools.lru_cache(maxsize=None)
+def _rank_sum_counts(n: int, m: int) -> tuple[int, ...]:
+    """How many n-subsets of the ranks 1..n+m have each rank sum, from the smallest, n(n+1)/2, upwards: the
+    exact null distribution of the Wilcoxon rank sum without ties (Mann & Whitney 1947), counted by dynamic
+    programming instead of enumerating the subsets."""
+    top = sum(range(m + 1, n + m + 1))
+    ways = [[0] * (top + 1) for _ in range(n + 1)]  # ways[j][s]: j ranks chosen so far, summing to s
+    ways[0][0] = 1
+    for rank in range(1, n + m + 1):
+        for j in range(min(rank, n), 0, -1):
+            row, below = ways[j], ways[j - 1]
+            for s in range(top, rank - 1, -1):
+                row[s] += below[s - rank]
+    return tuple(ways[n][n * (n + 1) // 2:])
+
+
+@functools.lru_cache(maxsize=None)
+def _exact_p(n: int, m: int, rank_sum: int) -> float:
+    """Two-sided exact p of an integer rank sum of n against m without ties (`_rank_sum_counts`)."""
+    expected, low = n * (n + m + 1) / 2, n * (n + 1) // 2
+    distance = abs(rank_sum - expected) - 1e-9
+    tail = sum(c for s, c in enumerate(_rank_sum_counts(n, m), low) if abs(s - expected) >= distance)
+    return tail / math.comb(n + m, n)
+
+
+def smallest_p(n: int, m: int | None = None) -> float:
+    """The smallest two-sided exact Mann-Whitney p-value of n against m measurements (m = n by default):
+    both extreme arrangements, 2 / C(n + m, n). A test at level `a` can say anything only where this is below a."""
+    return 2 / math.comb(n + (n if m is None else m), n)
+
+
+def min_rounds(level: float) -> int:
+    """The fewest alternating rounds (n against n) whose smallest exact p-value is below `level`: 4 for 0.05, 5
+    for 0.05/2 to 0.05/6 (Holm's first threshold over up to 6 tests), 6 for 0.05/7 to 0.05/23."""
+    n = 1
+    while smallest_p(n) >= level:
+        n += 1
+    return n
 
 
 def _tie_counts(ranks: list[float]) -> list[int]:
@@ -153,24 +199,118 @@ def compare_rounds(rounds: list[dict], candidate: str, baseline: str, metric: st
                            higher_is_better, min_pairs)
 
 
-# Student's t, two-sided 95% (0.975 quantile), by degrees of freedom (standard tables); 1.96 beyond 30.
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+# ---------------------------------------------------------------- Student's t and equivalence
 
 
-def t_975(df: int) -> float:
-    """The two-sided 95% Student's t quantile for `df` degrees of freedom (the next smaller tabled df: wider)."""
-    if df < 1:
-        raise ValueError("a t quantile needs at least one degree of freedom")
-    return 1.96 if df > 30 else T_975[max(d for d in T_975 if d <= df)]
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with an integer number of degrees of freedom, exactly, by the finite series of
+    Abramowitz & Stegun 26.7.3 (theta = atan(t / sqrt(df)); odd df: the arctangent series, even df: the sine series)."""
+    if df < 1 or int(df) != df:
+        raise ValueError("Student's t here needs a whole number of degrees of freedom, at least 1")
+    theta = math.atan(abs(t) / math.sqrt(df))
+    cos2, sin = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2:  # A = 2/pi (theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...)), df - 2 powers in all
+        term, total = 1.0, 1.0 if df > 1 else 0.0
+        for k in range(1, (df - 1) // 2):
+            term *= cos2 * (2 * k) / (2 * k + 1)
+            total += term
+        inside = 2 / math.pi * (theta + sin * math.cos(theta) * total)
+    else:  # A = sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...), up to cos^(df - 2)
+        term, total = 1.0, 1.0
+        for k in range(1, df // 2):
+            term *= cos2 * (2 * k - 1) / (2 * k)
+            total += term
+        inside = sin * total
+    return 0.5 + math.copysign(inside / 2, t)
 
 
-def prediction_interval(values: list[float]) -> tuple[float, float]:
-    """The 95% prediction interval of one more measurement like `values` (normal, unknown variance):
-    mean +- t(n-1) * s * sqrt(1 + 1/n). Where a new value falls outside it, it is not like the others."""
-    n, mean = len(values), statistics.fmean(values)
-    half = t_975(n - 1) * statistics.stdev(values) * math.sqrt(1 + 1 / n)
-    return mean - half, mean + half
+def t_pdf(t: float, df: int) -> float:
+    """Student's t density: Gamma((df + 1) / 2) / (sqrt(df pi) Gamma(df / 2)) (1 + t^2 / df)^(-(df + 1) / 2)."""
+    log_scale = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_scale - (df + 1) / 2 * math.log1p(t * t / df))
+
+
+@functools.lru_cache(maxsize=4096)
+def t_quantile(p: float, df: int) -> float:
+    """The Student's t quantile: the t with P(T <= t) = p, to 1e-12, by Newton's method on `t_cdf` from the
+    normal quantile with its first Cornish-Fisher term (z + (z^3 + z) / 4 df, Abramowitz & Stegun 26.7.5), kept
+    inside a bracket that bisection narrows where a Newton step would leave it."""
+    if not 0 < p < 1:
+        raise ValueError("a quantile needs 0 < p < 1")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    if p == 0.5:
+        return 0.0
+    z = statistics.NormalDist().inv_cdf(p)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        low, high = high, 2 * high
+    t = min(max(z + (z ** 3 + z) / (4 * df), low), high)
+    for _ in range(200):
+        error = t_cdf(t, df) - p
+        if error == 0 or high - low < 1e-12 * t:
+            break
+        low, high = (t, high) if error < 0 else (low, t)
+        step = t - error / t_pdf(t, df)
+        t = step if low < step < high else (low + high) / 2
+    return t
+
+
+EQUIVALENCE_ALPHA = 0.05  # each one-sided test: a 90% confidence interval inside the margin
+EQUIVALENCE_POWER = 0.8   # the power the seeds needed are sized for
+
+
+def equivalence(differences: list[float], margin: float, alpha: float = EQUIVALENCE_ALPHA,
+                power: float = EQUIVALENCE_POWER) -> dict:
+    """Two one-sided tests (Schuirmann 1987) of paired differences against +-margin, with its three answers:
+
+    * "same": the (1 - 2 alpha) t interval of the mean difference lies inside (-margin, +margin) -- both
+      one-sided nulls (difference <= -margin, difference >= +margin) rejected at alpha;
+    * "changed": the interval lies wholly outside [-margin, +margin] -- the difference is shown to exceed the margin;
+    * "undecided": anything else (fewer than 2 differences included). Then `needed` is the number of pairs that
+      would show equivalence with the given power at the observed mean and SD (Chow, Shao & Wang, Sample Size
+      Calculations in Clinical Research, 2008, 3.2.3: n = (t_{1-alpha} + t_{1-beta/2})^2 s^2 / (margin - |mean|)^2,
+      with t at n - 1 degrees of freedom), None where no number would (|mean| at or beyond the margin).
+    """
+    n = len(differences)
+    result = {"n": n, "margin": margin, "alpha": alpha, "confidence": 1 - 2 * alpha, "mean": None, "sd": None,
+              "interval": None, "verdict": "undecided", "needed": None}
+    if n == 0:
+        return result
+    mean = math.fsum(differences) / n
+    result["mean"] = mean
+    if n < 2:
+        return result
+    sd = math.sqrt(math.fsum((d - mean) ** 2 for d in differences) / (n - 1))
+    half = t_quantile(1 - alpha, n - 1) * sd / math.sqrt(n)
+    low, high = mean - half, mean + half
+    result.update(sd=sd, interval=[low, high])
+    if -margin < low and high < margin:
+        result["verdict"] = "same"
+    elif low > margin or high < -margin:
+        result["verdict"] = "changed"
+    else:
+        result["needed"] = pairs_for_equivalence(mean, sd, margin, alpha, power)
+    return result
+
+
+def pairs_for_equivalence(mean: float, sd: float, margin: float, alpha: float = EQUIVALENCE_ALPHA,
+                          power: float = EQUIVALENCE_POWER, most: int = 1000) -> int | None:
+    """The fewest pairs n with (t_{1-alpha, n-1} + t_{1-(1-power)/2, n-1}) sd / sqrt(n) <= margin - |mean|
+    (`equivalence`'s sample size; the left side falls as n grows, so bisection finds it); None where
+    |mean| >= margin or more than `most` would be needed."""
+    room = margin - abs(mean)
+
+    def enough(n: int) -> bool:
+        return (t_quantile(1 - alpha, n - 1) + t_quantile(1 - (1 - power) / 2, n - 1)) * sd / math.sqrt(n) <= room
+
+    if room <= 0 or not enough(most):
+        return None
+    low, high = 1, most  # enough(high), and n = 1 has no interval
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if enough(middle) else (middle, high)
+    return high
 
 
 def spread(values: list[float]) -> dict:

@@ -325,9 +325,23 @@ class RunView:
                                   if communication.get("measured") else None),
                 "peak_memory_gib": peak, "memory_kind": kind, "test_accuracy": self.test.get("accuracy"),
                 "validation_accuracy": self.last_validation.get("accuracy"),
-                "validation_loss": self.last_validation.get("loss"),
+                "validation_loss": self.last_validation.get("loss"), "test_loss": self.test.get("loss"),
                 "precision": self.precision, "world_size": self.world_size, "warnings": self.warning_codes,
-                "seed": self.setting("seed")}
+                "seed": self.setting("seed"), "data_seed": self.data_seed,
+                "optimizer_steps": self.plan.get("optimizer_steps"), "steps_per_epoch": self.plan.get("steps_per_epoch")}
+
+    @property
+    def data_seed(self) -> int | None:
+        """The seed of the data split and subsets: --data-seed, else --seed (trainscope.settings)."""
+        data_seed = self.setting("data_seed")
+        return self.setting("seed") if data_seed is None else data_seed
+
+    @property
+    def partial_epoch(self) -> tuple[int, int] | None:
+        """(optimizer steps planned, steps in an epoch) when the run stops inside an epoch (--max-steps not a
+        whole number of epochs): it trains on a subset of the data that depends on the order. None otherwise."""
+        steps, epoch = self.plan.get("optimizer_steps"), self.plan.get("steps_per_epoch")
+        return (steps, epoch) if steps and epoch and steps % epoch else None
 
 
 # The numeric communication figures an experiment sets side by side (RunView.communication_figures).

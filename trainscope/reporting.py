@@ -48,7 +48,8 @@ def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
         if experiment.folder:
             comparison = _read_json(runs_dir / experiment.folder / "comparison.json", found)
             if comparison is not None:
-                found.comparisons[experiment.name] = rejudged(comparison, found.runs.get(experiment.name, {}))
+                found.comparisons[experiment.name] = (experiment.rejudge or rejudged)(
+                    comparison, found.runs.get(experiment.name, {}))
         if experiment.results:
             found.results[experiment.name] = _read_json(results_dir / experiment.results, found)
     return found

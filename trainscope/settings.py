@@ -121,7 +121,8 @@ class Settings:
     data_seed: int | None = HfArg(
         default=None,
         help="Seed of the held-out validation/test splits and the --max-*-samples subsets; default: --seed. make tune "
-        "varies --seed with this fixed, so its seed-to-seed spread is the training's own, on the same data.",
+        "runs round r of every arm with --seed S + r and this fixed, so each round pairs the arms on one seed and the "
+        "same data.",
     )
     log_every: int = HfArg(default=10, help="Write a step line (loss, lr, stage seconds) every N optimizer steps.")
     timing: Literal["events", "sync"] = HfArg(

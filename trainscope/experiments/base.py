@@ -38,6 +38,8 @@ class Experiment:
     section(report, found)  writes its report section (trainscope.tables.ReportWriter, reporting.Collected)
     headline(found)  its answer on the report's first page: a reporting.Headline worded by the functions the
                      section uses, or None when its inputs are missing (the page then names its make target)
+    rejudge(comparison, records)  judges a comparison again from its runs' records (default: every arm's speed
+                            against the baseline's, trainscope.reporting.rejudged)
     """
 
     name: str
@@ -51,6 +53,7 @@ class Experiment:
     help: str = ""
     needs: tuple[str, ...] = ("experiment", "baseline", "arms", "comparisons", "rounds")  # keys its input holds
     headline: Callable | None = None
+    rejudge: Callable | None = None  # (comparison, its runs' records) -> the comparison judged by today's rules
 
     def missing(self) -> str:
         return f"Not run yet: `{self.target}` produces it."

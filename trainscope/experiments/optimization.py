@@ -1,11 +1,14 @@
-"""The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, and
-what `make tune` (trainscope.tune) measured when it tried them."""
+"""The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what
+`make tune` (trainscope.tune) measured when it tried them -- judged again from its runs' records by today's
+rules (trainscope.tune_judge.rejudged) -- and what `make tune-confirm` measured on the full job."""
 
 from trainscope import advisor, bench, reporting
+from trainscope.experiments import tune_confirm
 from trainscope.experiments.base import Experiment
 from trainscope.record_view import RunView
 from trainscope.reporting import Headline
 from trainscope.tables import Table
+from trainscope.tune_judge import METRICS, NONE_KEPT, change_of, final_text, final_trial, rejudged
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -15,32 +18,31 @@ def section(report, found: reporting.Collected) -> None:
     view = RunView(record)
     report.text(f"From run `{view.name}` (`python report.py --advise {view.path}`): each 'at most' is Amdahl's law "
                 "on the measured share the change would shrink; an 'estimate' states its factor. `make tune` tries "
-                "them and keeps what is faster.")
+                "them and keeps what is faster with a result shown the same.")
     report.code("\n".join(advisor.lines(advisor.advise(record)[:6])))
     tune = found.comparisons.get("tune")
     if tune:
+        if tune.get("history"):
+            report.text(tune["history"])
         report.table(tune_table(tune))
+        report.table(equivalence_table(tune))
         report.text(f"Final command: `{tune['final_command']}`. {final_text(final_trial(tune['trials']))}")
         report.text(tune.get("method", ""))
+    confirm, why = found.comparisons.get("tune-confirm"), tune_confirm.EXPERIMENT.unreadable(found)
+    if confirm and why is None:
+        report.table(tune_confirm.confirm_table(confirm))
+        report.text("Result over the paired seeds (every metric): "
+                    f"{confirm['comparisons'][tune_confirm.TUNED]['equivalence']['text']}.")
+    else:
+        report.text("On the full job: `make tune-confirm` measures make tune's final command against make train's "
+                    + (f"(its result here is skipped: {why})." if why else "(not among these inputs)."))
 
 
-def final_trial(trials: list[dict]) -> dict | None:
-    """What `make tune` keeps: the kept changes tried together where that trial is itself kept, else the
-    fastest trial that was faster with the same result (None: the baseline stands)."""
-    kept = [t for t in trials if t["verdict"] == "faster" and t["same_result"]]
-    if trials and trials[-1]["name"] == "kept" and trials[-1] in kept:
-        return trials[-1]
-    return max(kept, key=lambda t: t["speed"]["median_ratio"], default=None)
-
-
-NONE_KEPT = "No suggestion was faster on the same work with the same result: the baseline stands"
-
-
-def final_text(final: dict | None) -> str:
-    if final is None:
-        return f"{NONE_KEPT}; the rejected trials above are the evidence."
-    return (f"Best: {final['name']} ({change_of(final)}), {bench.describe(final['speed'])} on the same work with the "
-            "same result.")
+def _ratio_cell(ratio: dict | None) -> str:
+    if not ratio:
+        return "-"
+    return (f"{ratio['median_ratio']:.3f} ({ratio['min_ratio']:.3f}-{ratio['max_ratio']:.3f}, p {ratio['p_value']:.2g} "
+            "raw)")
 
 
 def headline(found: reporting.Collected) -> Headline | None:
@@ -54,8 +56,8 @@ def headline(found: reporting.Collected) -> Headline | None:
         final = final_trial(tune["trials"])
         if final is None:
             return Headline(NONE_KEPT, "nothing kept")
-        return Headline(f"{final['name']} ({change_of(final)}): {bench.ratio_text(final['speed'])} on the same work "
-                        "with the same result", f"{final['verdict']}, kept")
+        return Headline(f"{final['name']} ({change_of(final)}): {bench.ratio_text(final['speed'])} on the same work, "
+                        f"result {final['result']}", f"{final['verdict']}, kept")
     suggestions = advisor.advise(record)
     if not suggestions:
         return Headline(advisor.lines([])[0], "nothing to try")
@@ -63,20 +65,46 @@ def headline(found: reporting.Collected) -> Headline | None:
                     f"not tried yet: `{EXPERIMENT.target}` tries it")
 
 
-def change_of(trial: dict) -> str:
-    """A trial's change as a user types it: the config it launches with, then its flags."""
-    parts = ([f"config {trial['config']}"] if trial.get("config") else []) + ([" ".join(trial["flags"])] if trial["flags"] else [])
-    return ", ".join(parts)
+def _speed_cell(speed: dict) -> str:
+    if not speed.get("pairs"):
+        return "-"
+    return (f"{speed['median_ratio']:.3f} ({speed['min_ratio']:.3f}-{speed['max_ratio']:.3f}), "
+            f"{speed['n_baseline']}/{speed['n_trial']} runs, p {speed['p_raw']:.2g} raw, {speed['p_value']:.2g} Holm")
 
 
 def tune_table(result: dict) -> Table:
-    """Each trial against the baseline: its predicted gain, the measured speed, the verdict, pairs, result."""
-    rows = [[t["name"], change_of(t), t.get("gain_text") or "-", bench.ratio_text(t["speed"]), t["verdict"], t["result"]]
-            for t in result["trials"]]
-    return Table("make tune: each suggestion against the baseline, then the kept ones together",
-                 ["trial", "change", "predicted", "speed (same work)", "verdict", "result"], rows, "tune",
-                 align="lllrll")
+    """Each trial against the baseline runs of its own rounds: its predicted gain, the speed on the same work
+    (n baseline / n trial, raw and Holm p), the verdict, the training-only and evaluation-only ratios, the result."""
+    tests = (result.get("design") or {}).get("tests", "?")
+    rows = [[t["name"], change_of(t), t.get("gain_text") or "-", _speed_cell(t["speed"]), t["verdict"],
+             _ratio_cell(t.get("training")), _ratio_cell(t.get("evaluation")),
+             (t.get("equivalence") or {}).get("verdict", t["result"])] for t in result["trials"]]
+    return Table(f"make tune: each suggestion, then the kept ones together, against the baseline runs of its own "
+                 f"rounds (Holm over {tests} tests, one look)",
+                 ["trial", "change", "predicted", "speed (same work)", "verdict", "training only", "evaluation only",
+                  "result"], rows, "tune", align="lllrlrrl")
+
+
+def equivalence_table(result: dict) -> Table:
+    """Each trial's paired differences (trial minus baseline, same seed) with their 90% interval, against the
+    margins stated before measuring."""
+    rows = []
+    for t in result["trials"]:
+        equivalence = t.get("equivalence") or {}
+        for metric in METRICS:
+            entry = (equivalence.get("metrics") or {}).get(metric)
+            if entry is None:
+                continue
+            interval = entry["interval"]
+            rows.append([t["name"], metric.replace("_", " "), f"{entry['mean']:+.4f}",
+                         f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "- (one seed)",
+                         f"+-{entry['margin']:g}", str(entry["n"]), entry["verdict"]
+                         + (f" ({entry['needed']} seeds would decide)" if entry.get("needed") else "")])
+    return Table("make tune: the same result? Paired differences (trial minus baseline, same seed), 90% interval, "
+                 "two one-sided tests", ["trial", "metric", "mean difference", "90% interval", "margin", "seeds",
+                                         "verdict"], rows, "tune_result", align="llrrrrl")
 
 
 EXPERIMENT = Experiment(name="tune", title="Optimization: what to try next", target="make tune", folder="tune",
-                        section=section, headline=headline, needs=("experiment", "trials", "final_command", "summary"))
+                        section=section, headline=headline, needs=("experiment", "trials", "final_command", "summary"),
+                        rejudge=rejudged)

@@ -1,0 +1,282 @@
+"""make tune's decision under simulation: the whole decision path (trainscope.tune.Tuner.decide: rounds, seeds,
+the judgement of trainscope.tune_judge, the kept ones together, Holm over the family) driven by simulated runs
+thousands of times, with the error rates and the power it states; the equivalence test's three answers; a
+committed make tune judged again; make tune-confirm on planted runs."""
+
+import itertools
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT
+from trainscope import bench, tune, tune_judge
+from trainscope.errors import UserError
+from trainscope.experiments import tune_confirm
+from trainscope.experiments.base import Arm
+from trainscope.tune_judge import Design
+
+REPETITIONS = 2000
+ALPHA = 0.05
+MONTE_CARLO_SE = math.sqrt(ALPHA * (1 - ALPHA) / REPETITIONS)  # 0.0049 at 2,000 repetitions
+
+
+class Machine:
+    """Simulated runs of a noisy, drifting machine: a run's time is its arm's work (divided by the planted speed-up)
+    times the machine's speed, a random walk over the runs (drift, 0.5% a run), times log-normal noise; its results
+    are the seed's luck (shared by every arm on that seed) plus a little run-to-run noise, and a planted shift.
+
+    The noise is 5%, over twice this machine's 2%: there the 3% minimum effect seldom stops a false verdict, so the
+    rates below are the test's and the design's own (a single no-op: about 4%, the exact test's 6-against-6 level;
+    three without Holm: about 12%)."""
+
+    def __init__(self, rng: random.Random, speed: dict | None = None, shift: dict | None = None, noise: float = 0.05,
+                 drift: float = 0.005, tokens: dict | None = None):
+        self.rng, self.speed, self.shift, self.noise, self.drift = rng, speed or {}, shift or {}, noise, drift
+        self.tokens = tokens or {}
+        self.level, self.luck = 0.0, {}
+
+    def __call__(self, arm: Arm, round_index: int, extra: list[str]) -> dict:
+        rng = self.rng
+        self.level += rng.gauss(0, self.drift)
+        seed = int(extra[extra.index("--seed") + 1])
+        luck = self.luck.setdefault(seed, rng.gauss(0, 0.01))
+        factor = math.exp(self.level + rng.gauss(0, self.noise)) / self.speed.get(arm.name, 1.0)
+        tokens = 10_000 * self.tokens.get(arm.name, 1.0)
+        shift, run_noise = self.shift.get(arm.name, 0.0), rng.gauss(0, 0.002)
+        accuracy = 0.65 + luck + shift + run_noise
+        return {"run": f"{arm.name}-r{round_index}", "seed": seed, "eval_s": 5.0 * factor,
+                "train_wall_s": 10.0 * factor * tokens / 10_000, "train_tokens": tokens, "wall_s": 15.0 * factor,
+                "validation_accuracy": accuracy, "test_accuracy": accuracy - run_noise / 2,
+                "validation_loss": 0.9 - (luck + shift) / 2 + run_noise, "test_loss": 0.92 - (luck + shift) / 2 - run_noise,
+                "optimizer_steps": 30, "steps_per_epoch": 125}
+
+
+def decide(machine: Machine, trials: int, rounds: int = tune_judge.ROUNDS) -> tuple[dict, object]:
+    """The real decision path with the simulated machine as its runner: (judged, the together trial or None)."""
+    design = Design(rounds=rounds, trials=trials)
+    tuner = tune.Tuner(machine, budget_s=math.inf, clock=lambda: 0.0, log=lambda line: None)
+    baseline = Arm("baseline", None)
+    arms = [tune.Trial(f"s{i + 1}", Arm(f"s{i + 1}", None, [f"--s{i + 1}"])) for i in range(trials)]
+    _, judged, together = tuner.decide(design, baseline, arms)
+    return judged, together
+
+
+def false_rate(trials: int, speed: dict, nulls: set[str], seed: int) -> tuple[float, dict, int]:
+    """Share of repetitions with a false faster/slower among the `nulls`, how often each trial was called faster,
+    and how often the kept ones together ran."""
+    rng = random.Random(seed)
+    false, faster, together_runs = 0, {}, 0
+    for _ in range(REPETITIONS):
+        judged, together = decide(Machine(rng, speed), trials)
+        together_runs += together is not None
+        false += any(judged[n]["verdict"] in ("faster", "slower") for n in nulls if n in judged)
+        for name, entry in judged.items():
+            faster[name] = faster.get(name, 0) + (entry["verdict"] == "faster")
+    return false / REPETITIONS, {k: v / REPETITIONS for k, v in faster.items()}, together_runs
+
+
+def test_one_no_op_trial_is_called_faster_or_slower_at_most_alpha_of_the_time():
+    """4.1% measured (looking after 4, 5 and 6 rounds instead, as make tune did: 6.5%, at the bound)."""
+    rate, _, _ = false_rate(1, {}, {"s1"}, seed=1)
+    assert rate <= ALPHA + 3 * MONTE_CARLO_SE
+
+
+def test_three_no_op_trials_and_the_kept_ones_together_keep_the_familys_error_rate():
+    """The global null: no change does anything. A false verdict anywhere in the family (three trials, and the
+    kept ones together when two were kept) in at most alpha of the repetitions (2.3% measured; without Holm
+    about three times one trial's rate)."""
+    rate, _, _ = false_rate(3, {}, {"s1", "s2", "s3", "kept"}, seed=2)
+    assert rate <= ALPHA + 3 * MONTE_CARLO_SE
+
+
+def test_the_kept_ones_together_are_inside_the_family_and_a_planted_one_point_three_is_found():
+    """Two changes really 1.3x faster, one no-op, and their combination planted as no faster than the baseline
+    (the changes cancel): the kept trial runs every time, and the false verdicts (the no-op's, the combination's)
+    stay at alpha (3.4% measured). The power for each 1.3x change (5% noise, drift, 6 rounds, Holm over 4 tests)
+    is 1.0 here: 6 against 6 separate completely and 2/924 passes 0.05/4."""
+    rate, faster, together_runs = false_rate(3, {"s1": 1.3, "s2": 1.3, "kept": 1.0}, {"s3", "kept"}, seed=3)
+    assert together_runs >= 0.99 * REPETITIONS
+    assert rate <= ALPHA + 3 * MONTE_CARLO_SE
+    assert faster["s1"] >= 0.99 and faster["s2"] >= 0.99
+
+
+def test_the_power_for_a_smaller_effect_on_this_machines_noise_has_a_floor():
+    """One trial 1.05x faster (just above the 3% minimum effect) at this machine's 2% noise: the power this design
+    has for it, stated as a floor (0.88 measured over 1,000 repetitions); 1.3x is found every time (above)."""
+    rng = random.Random(4)
+    found = sum(decide(Machine(rng, {"s1": 1.05}, noise=0.02), 1)[0]["s1"]["verdict"] == "faster" for _ in range(300))
+    assert found / 300 >= 0.7
+
+
+def test_each_trial_is_judged_against_the_baseline_runs_of_its_own_rounds_with_n_and_the_boundary():
+    judged, together = decide(Machine(random.Random(5), {"s1": 1.5, "s2": 1.5}), 2)
+    assert together is not None
+    assert judged["s1"]["rounds"] == list(range(6)) and judged["kept"]["rounds"] == list(range(6, 12))
+    speed = judged["kept"]["speed"]
+    assert (speed["n_baseline"], speed["n_trial"], speed["looks"]) == (6, 6, 1)
+    assert speed["correction"] == "Holm over 3 test(s)" and "one look after 6 rounds" in speed["boundary"]
+    assert judged["kept"]["equivalence"]["seeds"] == list(range(42, 48))  # the same seeds again, paired
+
+
+def test_a_trial_the_budget_cut_short_is_not_judged():
+    design = Design(rounds=6, trials=1)
+    measured = {"baseline": {}, "s1": {}}
+    machine = Machine(random.Random(6), {"s1": 2.0})
+    for r in range(4):
+        for arm in ("baseline", "s1"):
+            measured[arm][r] = machine(Arm(arm, None), r, design.flags(r))
+    (judged,) = tune_judge.judge(design, measured).values()
+    assert judged["verdict"] == "not judged: 4 of 6 rounds (the budget ended)" and not judged["keep"]
+
+
+def test_a_design_that_cannot_reach_significance_says_so():
+    assert Design(rounds=5, trials=3).reachable and not Design(rounds=4, trials=3).reachable
+    assert any("no speed verdict is possible (at least 5 rounds" in line for line in Design(rounds=4, trials=3).lines())
+    assert bench.min_rounds(0.05) == 4 and bench.min_rounds(0.05 / 4) == 5 and bench.min_rounds(0.05 / 7) == 6
+
+
+# ---------------------------------------------------------------- the same result: two one-sided tests
+
+
+def test_same_needs_the_interval_inside_the_margin_changed_wholly_outside():
+    same = bench.equivalence([0.01, 0.0, -0.005, 0.002, 0.004, -0.001], 0.01)
+    assert same["verdict"] == "same" and same["interval"][1] < 0.01
+    # by hand: mean 0.001667, sd 0.005086, t(0.95, 5) = 2.015048, half = 2.015048 * 0.005086 / sqrt(6) = 0.004184
+    assert same["interval"] == pytest.approx([0.001667 - 0.004184, 0.001667 + 0.004184], abs=1e-5)
+    assert bench.equivalence([0.031, 0.02, 0.04, 0.025, 0.03, 0.035], 0.01)["verdict"] == "changed"
+    wide = bench.equivalence([0.01, -0.01, 0.02, -0.015, 0.005, 0.0], 0.01)
+    assert wide["verdict"] == "undecided" and wide["needed"] > 6
+    # the seeds it asks for do decide it at the same mean and SD
+    n = wide["needed"]
+    half = lambda k: bench.t_quantile(0.95, k - 1) * wide["sd"] / math.sqrt(k)  # noqa: E731
+    assert abs(wide["mean"]) + half(n) < 0.01
+    assert bench.equivalence([0.5], 0.01)["verdict"] == "undecided"  # one seed: no spread
+    assert bench.equivalence([0.02, 0.03, 0.025], 0.01)["needed"] is None  # beyond the margin: no number of seeds
+
+
+def test_a_change_exactly_at_the_margin_is_called_same_at_most_alpha_of_the_time():
+    """TOST's size: a true difference equal to the margin is 'same' in at most 5% of the repetitions; a true
+    difference of zero with small noise is 'same' nearly always (its power)."""
+    rng = random.Random(8)
+    at_margin = sum(bench.equivalence([0.01 + rng.gauss(0, 0.004) for _ in range(6)], 0.01)["verdict"] == "same"
+                    for _ in range(REPETITIONS))
+    assert at_margin / REPETITIONS <= ALPHA + 3 * MONTE_CARLO_SE
+    none = sum(bench.equivalence([rng.gauss(0, 0.004) for _ in range(6)], 0.01)["verdict"] == "same"
+               for _ in range(500))
+    assert none / 500 >= 0.95
+
+
+def test_a_faster_change_that_learns_something_else_is_changed_and_one_too_noisy_is_undecided():
+    changed, _ = decide(Machine(random.Random(9), {"s1": 1.5}, shift={"s1": 0.05}), 1)
+    assert changed["s1"]["verdict"] == "faster" and changed["s1"]["same_result"] is False
+    assert changed["s1"]["result"].startswith("changed over 6 seeds: validation accuracy +0.04")  # +0.05 planted
+    # the trial's validation accuracy scattered about the baseline's by a planted +-2 points, mean under the margin
+    noisy = Machine(random.Random(10), {"s1": 1.5}, shift={"s1": 0.0})
+    offsets = [0.02, -0.02, 0.015, -0.012, 0.01, -0.008]
+
+    def scattered(arm, index, extra):
+        run = noisy(arm, index, extra)
+        return {**run, "validation_accuracy": run["validation_accuracy"] + (offsets[index] if arm.name == "s1" else 0.0)}
+
+    undecided, _ = decide(scattered, 1)
+    text = undecided["s1"]["result"]
+    assert undecided["s1"]["same_result"] is None and not undecided["s1"]["keep"]
+    assert text.startswith("undecided over 6 seeds: validation accuracy") and "seeds (" in text
+    assert "these runs stop after 30 of an epoch's 125 steps (95 more" in text
+
+
+def test_the_student_t_quantile_matches_the_tables():
+    for df, tabled in {1: 12.706, 2: 4.303, 4: 2.776, 5: 2.571, 10: 2.228, 30: 2.042}.items():
+        assert bench.t_quantile(0.975, df) == pytest.approx(tabled, abs=5e-4)
+    assert bench.t_quantile(0.95, 5) == pytest.approx(2.015, abs=5e-4) and bench.t_quantile(0.05, 5) < 0
+    assert bench.t_quantile(0.975, 10_000) == pytest.approx(1.960, abs=1e-3)
+    assert bench.t_cdf(0.0, 3) == 0.5 and bench.t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi
+    # scipy.stats.t.ppf's values (scipy is not a dependency: checked against them once, here as numbers)
+    for (p, df), quantile in {(0.9, 1): 3.0776835371752544, (0.999, 3): 10.214531852407383, (0.95, 7): 1.8945786050900062,
+                              (0.6, 8): 0.26192109674883235, (0.975, 29): 2.045229642132703,
+                              (0.999, 120): 3.15953874331711, (0.95, 1000): 1.6463788172854643}.items():
+        assert bench.t_quantile(p, df) == pytest.approx(quantile, rel=1e-10)
+
+
+def test_the_cached_rank_sum_distribution_is_the_enumerated_one():
+    rng = random.Random(11)
+    for _ in range(200):
+        n, m = rng.randint(1, 7), rng.randint(1, 7)
+        x, y = [rng.random() for _ in range(n)], [rng.random() + rng.choice([0, 0.4]) for _ in range(m)]
+        ranks = {v: i + 1 for i, v in enumerate(sorted(x + y))}
+        expected, observed = n * (n + m + 1) / 2, sum(ranks[v] for v in x)
+        sums = [sum(c) for c in itertools.combinations(range(1, n + m + 1), n)]
+        enumerated = sum(abs(s - expected) >= abs(observed - expected) - 1e-9 for s in sums) / len(sums)
+        assert bench.mann_whitney_p(x, y) == pytest.approx(enumerated, abs=1e-12)
+
+
+# ---------------------------------------------------------------- the committed make tune, judged again
+
+
+def test_a_committed_make_tune_is_judged_again_by_todays_rules():
+    """The committed runs, judged by the report: each trial against the baseline runs of its own rounds, 'same' only
+    where the equivalence test shows it. The earlier make tune committed here (adaptive rounds, every trial on seed
+    42) is judged at the rounds each trial took, and no result is 'same' from one seed."""
+    from trainscope import reporting
+    from trainscope.experiments import REGISTRY
+
+    found = reporting.collect(ROOT / "benchmarks" / "runs", ROOT / "benchmarks", [e for e in REGISTRY if e.name == "tune"])
+    result = found.comparisons["tune"]
+    assert "test" in result["design"] and "boundary" in result["design"] and "accuracy_margin" in result["design"]
+    for trial in result["trials"]:
+        speed = trial["speed"]
+        assert speed["n_baseline"] == speed["n_trial"] == len(trial["rounds"]) == len(trial["runs"])
+        assert [int(run.rsplit("-r", 1)[1]) for run in trial["runs"]] == trial["rounds"]
+        assert (trial["same_result"] is True) == (trial["equivalence"]["verdict"] == "same")
+    if "history" in result:
+        trials = {t["name"]: t for t in result["trials"]}
+        assert trials["kept"]["speed"]["n_baseline"] == 4 and trials["kept"]["rounds"] == [5, 6, 7, 8]
+        assert trials["kept"]["speed"]["p_raw"] == pytest.approx(2 / 70)  # its own 4 rounds, not the 9 baseline runs
+        assert all(t["equivalence"]["verdict"] == "undecided" for t in trials.values())
+        assert result["final_flags"] == [] and "the baseline stands" in result["summary"]
+
+
+# ---------------------------------------------------------------- make tune-confirm on planted runs
+
+
+def confirm_args(tmp_path, **overrides):
+    return SimpleNamespace(**{"runs": str(tmp_path / "confirm"), "rounds": 5, "config": None,
+                              "tune": str(tmp_path / "tune.json"), "tuned_flags": None, "tuned_config": None,
+                              "accuracy_margin": None, "loss_margin": None, **overrides})
+
+
+def test_tune_confirm_runs_both_commands_in_paired_rounds_and_judges_speed_and_result(tmp_path, monkeypatch):
+    (tmp_path / "tune.json").write_text(json.dumps({"final_flags": ["--group-by-length"], "final_config": "bf16",
+                                                    "design": {"accuracy_margin": 0.02, "loss_margin": 0.05}}))
+    machine, calls = Machine(random.Random(12), {"make-tune": 5.5}), []
+
+    def run_arm(arm, train_args, runs, round_index, extra=()):
+        calls.append((arm.name, arm.config, arm.flags, round_index, list(extra)))
+        figures = machine(arm, round_index, list(extra))
+        return {**figures, "samples_per_s": 4000 / figures["train_wall_s"], "tokens_per_s": 1.0, "step_s": 1.0,
+                "peak_memory_gib": 1.0, "memory_kind": "peak RSS", "precision": "fp32", "world_size": 1, "warnings": []}
+
+    monkeypatch.setattr(tune_confirm, "run_arm", run_arm)
+    report = tune_confirm.run(confirm_args(tmp_path), ["--max-train-samples", "4000"])
+    assert [(c[0], c[3]) for c in calls[:4]] == [("make-train", 0), ("make-tune", 0), ("make-tune", 1), ("make-train", 1)]
+    assert calls[1][1:3] == ("bf16", ["--group-by-length"]) and calls[1][4] == ["--seed", "42", "--data-seed", "42"]
+    against = report["comparisons"]["make-tune"]
+    assert against["speed"]["verdict"] == "faster" and against["speed"]["median_ratio"] == pytest.approx(5.5, rel=0.1)
+    assert against["whole_job"]["pairs"] == 5
+    assert against["equivalence"]["verdict"] == "same" and against["equivalence"]["margins"]["accuracy"] == 0.02
+    written = (tmp_path / "confirm" / "comparison.md").read_text()
+    assert "--config_file accelerate_configs/bf16.yaml train.py --max-train-samples 4000 --group-by-length" in written
+    assert "test accuracy" in written and "same" in written
+
+
+def test_tune_confirm_refuses_what_it_cannot_confirm(tmp_path):
+    with pytest.raises(UserError, match="no make tune result"):
+        tune_confirm.run(confirm_args(tmp_path), [])
+    (tmp_path / "tune.json").write_text(json.dumps({"final_flags": [], "final_config": None}))
+    with pytest.raises(UserError, match="kept no change"):
+        tune_confirm.run(confirm_args(tmp_path), [])
+    with pytest.raises(UserError, match="at least 5"):
+        tune_confirm.run(confirm_args(tmp_path, rounds=3, tuned_flags="--group-by-length"), [])
