@@ -1,6 +1,8 @@
 """Errors the user reads: one line, once, from whichever rank failed, with secrets redacted.
 
-* `UserError`: bad input or an impossible setting; the message says what to do.
+* `UserError`: bad input or an impossible setting; the message says what to do (exit status 2).
+* `Fault`: a fault of the run's surroundings -- a lost peer, a full disk, a collective that timed out:
+  one line that says what happened and what to do (exit status 1), never a traceback.
 * `exit_with`: prints `error: <message>` and exits. In a launch of several processes every rank
   that fails reports its first error, but a message that another rank of the same launch already
   printed is not printed again (every rank usually hits the same validation error).
@@ -22,6 +24,16 @@ from trainscope.records import redact, secret_values
 
 class UserError(Exception):
     """Bad input or an impossible setting. The message is one line and says what to do."""
+
+
+class Fault(Exception):
+    """A fault of the run's surroundings (a lost peer, a full disk, a collective that timed out). The message is
+    one line and says what to do. `rank`: the rank whose line it is, when another rank raised it; `caused_by`:
+    the peer whose failure or disappearance this rank's failure follows."""
+
+    def __init__(self, message: str, rank: int | None = None, caused_by: int | None = None):
+        super().__init__(message)
+        self.rank, self.caused_by = rank, caused_by
 
 
 def one_line(error: BaseException) -> str:
@@ -58,10 +70,20 @@ def exit_with(error: BaseException, code: int = 2, environ=None) -> None:
     """Print `error: <message>` (once per distinct message across a launch's ranks) and exit with `code`."""
     environ = os.environ if environ is None else environ
     message = redact(one_line(error))
+    tell_peers(message, getattr(error, "caused_by", None))
     if first_to_report(message, environ):
-        rank = f"(rank {environ['RANK']}) " if int(environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
+        origin = getattr(error, "rank", None)
+        origin = environ.get("RANK") if origin is None else origin
+        rank = f"(rank {origin}) " if int(environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
         print(f"error: {rank}{message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def tell_peers(message: str, caused_by: int | None = None) -> None:
+    """This rank's one line, for the other ranks of a multi-process run to name (trainscope.liveness)."""
+    from trainscope import liveness
+
+    liveness.publish_error(message, caused_by)
 
 
 class _RedactingStream(io.TextIOBase):
@@ -99,7 +121,8 @@ def redacted_output():
         yield
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException:
+    except BaseException as error:
+        tell_peers(one_line(error))
         traceback.print_exc()
         sys.stderr.flush()
         raise SystemExit(1) from None
