@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,6 +129,21 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert lines, f"no error line in:\n{result.stderr[-3000:]}"
     return lines[-1]
+
+
+def rank_tracebacks(log: str) -> list[str]:
+    """The exceptions of the tracebacks in a launch's output, less the launcher's own report (ChildFailedError)."""
+    raised = []
+    for block in log.split("Traceback (most recent call last):")[1:]:
+        last = next((line for line in block.splitlines() if line.strip() and not line.startswith(" ")), "")
+        if "ChildFailedError" not in last:
+            raised.append(last)
+    return raised
+
+
+def error_lines(log: str) -> list[str]:
+    """`error: ...` lines of a launch, also where a rank's line follows another rank's progress bar."""
+    return re.findall(r"error: .*", log)
 
 
 @pytest.fixture

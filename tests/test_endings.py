@@ -2,7 +2,6 @@
 killed rank, a rank that fails during evaluation, a second Ctrl-C, and --save-on-interrupt with --resume continuing
 with the same losses. (Faults that need no launch of their own: tests/test_faults.py.)"""
 
-import re
 import signal
 import socket
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, read_record, read_steps
+from conftest import ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, error_lines, rank_tracebacks, read_record, read_steps
 from trainscope.launching import kill_tree
 
 DDP = ROOT / "accelerate_configs" / "ddp.yaml"
@@ -108,21 +107,6 @@ def ranks(launcher: subprocess.Popen, script: str = "slow_train.py") -> dict[int
         except psutil.NoSuchProcess:
             pass
     return found
-
-
-def rank_tracebacks(log: str) -> list[str]:
-    """The exceptions of the tracebacks in a launch's output, less the launcher's own report (ChildFailedError)."""
-    raised = []
-    for block in log.split("Traceback (most recent call last):")[1:]:
-        last = next((line for line in block.splitlines() if line.strip() and not line.startswith(" ")), "")
-        if "ChildFailedError" not in last:
-            raised.append(last)
-    return raised
-
-
-def error_lines(log: str) -> list[str]:
-    """`error: ...` lines, also where a rank's line follows another rank's progress bar on the same line."""
-    return re.findall(r"error: .*", log)
 
 
 def assert_partial(record: dict, step_at_least: int) -> None:

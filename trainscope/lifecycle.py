@@ -45,7 +45,7 @@ from trainscope import checkpoints, health, provenance, trackers
 from trainscope.data import dropped_rows_lines
 from trainscope.distributed import shut_down
 from trainscope.errors import Fault, one_line
-from trainscope.liveness import collective_timed_out, lost_a_peer, root_cause  # noqa: F401  (lost_a_peer: tests)
+from trainscope.liveness import collective_timed_out, first_line, lost_a_peer, root_cause
 from trainscope.records import RunRecord, now_iso, read_record, write_prepared
 from trainscope.run_metrics import table_lines
 
@@ -449,18 +449,18 @@ class RunLifecycle:
             return Fault(cause.error, rank=cause.rank, caused_by=cause.rank), \
                 {"error": line, "failed_rank": cause.rank, "lost_ranks": vanished or None}
         if cause is not None:
-            line = f"{'; '.join(v.describe() for v in verdicts.values() if v.state == 'vanished')}: {one_line(error)}"
+            line = f"{'; '.join(v.describe() for v in verdicts.values() if v.state == 'vanished')}: {first_line(error)}"
             return Fault(line, caused_by=cause.rank), {"error": line, "failed_rank": cause.rank, "lost_ranks": vanished}
         unknown = [v for v in verdicts.values() if v.state == "unknown"]
         if unknown:
             line = (f"a collective failed and the other ranks' state is unknown ({unknown[0].reason}): "
-                    f"{one_line(error)}")
+                    f"{first_line(error)}")
         elif collective_timed_out(error):
             line = (f"a collective timed out after --distributed-timeout {self.settings.distributed_timeout} s with "
                     f"{'every rank alive' if verdicts else 'no peer to ask'}: a rank was in another collective or too "
-                    f"slow (raise --distributed-timeout for long checkpoints): {one_line(error)}")
+                    f"slow (raise --distributed-timeout for long checkpoints): {first_line(error)}")
         else:
-            line = f"a collective failed with every rank alive: {one_line(error)}"
+            line = f"a collective failed with every rank alive: {first_line(error)}"
         return Fault(line), {"error": line, "failed_rank": None, "lost_ranks": None}
 
     def _record_of_a_lost_main(self) -> RunRecord | None:

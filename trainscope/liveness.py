@@ -80,6 +80,12 @@ def collective_timed_out(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def first_line(error: BaseException) -> str:
+    """A store error's first line (c10d appends its C++ stack to the message)."""
+    lines = str(error).strip().splitlines()
+    return " ".join(lines[0].split())[:300].rstrip() if lines else type(error).__name__
+
+
 def default_store():
     """The default process group's store (the launcher's rendezvous store under torchrun), or None."""
     try:
@@ -146,7 +152,7 @@ class PeerWatch:
                 if self._on_lost is not None:
                     self._look()
             except Exception as error:  # the store is gone (its host ended): peers are unknown from now on
-                self.store_problem = " ".join(str(error).split())[:200] or type(error).__name__
+                self.store_problem = first_line(error)
                 return
 
     def _look(self) -> None:
@@ -234,7 +240,7 @@ class PeerWatch:
                     break
                 time.sleep(self.beat_s / 2)
         except Exception as error:
-            reason = "the launcher's store is unreachable: " + (" ".join(str(error).split())[:160] or type(error).__name__)
+            reason = f"the launcher's store is unreachable: {first_line(error)}"
             return {r: known.get(r) or Verdict(r, "unknown", reason=reason) for r in peers}
         found = {r: v if v.state != "silent" else Verdict(r, "vanished", where=self._where(self._store, r),
                                                             silent_s=v.silent_s) for r, v in found.items()}
@@ -268,10 +274,14 @@ def publish_error(line: str, caused_by: int | None = None) -> None:
 
 def root_cause(verdicts) -> "Verdict | None":
     """The peer whose failure ended the run: the lowest rank that failed of its own error, else the lowest that
-    failed or vanished."""
-    lost = sorted((v for v in verdicts if v.state in ("failed", "vanished")), key=lambda v: v.rank)
-    own = [v for v in lost if v.state == "failed" and v.caused_by is None]
-    return (own or lost or [None])[0]
+    vanished, else the lowest that failed because of another (whose cause was not found)."""
+    lost = sorted(verdicts, key=lambda v: v.rank)
+    for wanted in (lambda v: v.state == "failed" and v.caused_by is None, lambda v: v.state == "vanished",
+                   lambda v: v.state == "failed"):
+        found = [v for v in lost if wanted(v)]
+        if found:
+            return found[0]
+    return None
 
 
 def current() -> PeerWatch | None:

@@ -131,9 +131,9 @@ def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ
     if not (settings.save_every or settings.save_on_interrupt or settings.resume):
         return
     output = Path(settings.output_dir)
-    name = [f".trainscope-shared-{uuid.uuid4().hex}"]
-    broadcast_object_list(name)  # the main process's marker name
-    marker, created = output / name[0], not output.exists()
+    shared = [f".trainscope-shared-{uuid.uuid4().hex}", str(output.absolute())]
+    broadcast_object_list(shared)  # the main process's marker, and its folder as it names it
+    marker, created = output / shared[0], not output.exists()
     if state.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         marker.touch()
@@ -149,7 +149,7 @@ def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ
         flags = "/".join(f for f, on in (("--save-every", settings.save_every), ("--save-on-interrupt",
                                           settings.save_on_interrupt), ("--resume", settings.resume)) if on)
         raise UserError(f"{flags} on several machines needs --output-dir on a filesystem they all share: "
-                        f"{', '.join(blind)} cannot see {output} as the main process writes it (each machine "
+                        f"{', '.join(blind)} cannot see {shared[1]} as the main process writes it (each machine "
                         "would keep only its own part of a checkpoint)")
 
 
