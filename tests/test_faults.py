@@ -418,6 +418,14 @@ def test_a_peer_alive_is_alive_and_the_root_cause_is_the_peer_that_failed_first(
     assert root_cause(follower).rank == 2  # the vanished peer, not the rank that failed because of it
 
 
+def test_a_peer_that_beat_once_more_before_it_was_killed_is_not_called_alive(store):
+    """The heartbeat thread's last look predates the peer's last beat: that move is no sign of life now."""
+    main, killed = store.watch(0, world=2), store.watch(1, world=2)
+    main._last_seen[1] = (b"0", time.monotonic())  # the thread looked before the peer's last beats
+    killed.stop()
+    assert main.verdicts()[1].state == "vanished"
+
+
 def test_peers_cannot_be_told_when_the_store_is_gone(store):
     main, _ = store.watch(0, world=2), store.watch(1, world=2)
     del store.server  # the launcher's store ended (its host with it)
@@ -457,3 +465,10 @@ def test_the_record_written_from_the_heartbeat_thread_names_the_lost_peer_until_
 def test_a_rank_without_a_watch_publishes_nothing():
     assert liveness.current() is None
     liveness.publish_error("nothing to tell")  # a single process: no store, no error
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_in_one_line(saved_run, tmp_path):
+    run_dir = copy_of(saved_run, tmp_path)
+    line = assert_one_line(resume(run_dir, "--lora"), 2)  # LoRA's parameters are not the checkpoint's
+    assert "--resume: step_00000004 cannot be loaded into this run" in line and "resume with the settings" in line
+    assert read_record(run_dir)["status"] == "complete"

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict
+from datetime import timedelta
 
 import torch
 from tqdm.auto import tqdm
@@ -54,6 +55,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # than a verdict's patience (a rank holding the GIL in a long C call misses beats), well inside the 30 s
 # torchrun gives the survivors between its SIGTERM and SIGKILL.
 WATCH_SILENCE_S = 10.0
+# What a record says of how a run ended (and of its latest resume), dropped when it is resumed.
+ENDING_KEYS = ("finished", "interruption", "error", "failed_at_step", "failed_rank", "lost_ranks", "summary", "warnings",
+               "record_rebuilt", "checkpoints_skipped")
 
 
 def exit_code(signum: int) -> int:
@@ -145,11 +149,12 @@ class StopVote:
     same boundary. CPU tensors over a gloo group: no device synchronization (a gloo group beside NCCL where the
     run's own group is NCCL)."""
 
-    def __init__(self, backend: str | None):
+    def __init__(self, backend: str | None, timeout_s: float | None = None):
         import torch.distributed as dist
 
         self.dist = dist
-        self.group = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if backend not in (None, "gloo") else None
         self._pending = None
 
     def post_and_read(self, local: int) -> int:
@@ -187,7 +192,7 @@ class RunLifecycle:
         self.settings, self.run_dir = started.settings, started.run_dir
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
-        self.vote = StopVote(accelerator.state.backend) if self.world > 1 else None
+        self.vote = StopVote(accelerator.state.backend, self.settings.distributed_timeout) if self.world > 1 else None
         self.watch = started.watch
         self.metrics = None
         self.progress = None
@@ -238,6 +243,8 @@ class RunLifecycle:
                 self.record.data = read_record(self.run_dir)
             except ValueError as error:  # the checkpoint is whole: continue it, with a new record that says so
                 resume["record_rebuilt"] = one_line(error)
+            for key in ENDING_KEYS:  # how the part before ended: the resumed run says how it ends
+                self.record.data.pop(key, None)
             self.record.truncate_steps(after_step=resumed["step"])
             resume["checkpoints_skipped"] = self.started.checkpoints_skipped or None
         self.record.update(
@@ -363,6 +370,7 @@ class RunLifecycle:
         self._begin_ending()
         result, _ = self.metrics.summarize(test_scores)
         if self.record:
+            self._forget_a_failure_the_run_outlived()
             self.record.update(status="complete", finished=now_iso(), summary=result,
                                warnings=self._warnings(self.record, result))
             self.signals.prepare(self.record.path, None)  # complete stays complete, whatever comes now
@@ -374,6 +382,13 @@ class RunLifecycle:
             print(f"{signal.Signals(late).name} received after the run completed: its record is complete",
                   file=sys.stderr, flush=True)
         return result
+
+    def _forget_a_failure_the_run_outlived(self) -> None:
+        """The heartbeat thread wrote a failure (a peer silent for long, busy in a long call), yet every rank reached
+        this ending together: the failure was not one."""
+        with self.record.lock:
+            for key in ("error", "failed_at_step", "failed_rank", "lost_ranks"):
+                self.record.data.pop(key, None)
 
     def _stop_watch(self) -> None:
         if self.watch is not None:
@@ -394,6 +409,7 @@ class RunLifecycle:
         interruption = {"signal": name, "step": step, "checkpoint": checkpoint,
                         "received_here": self.signals.received == signum, "received_by": by}
         if self.record and self.record.path.exists():
+            self._forget_a_failure_the_run_outlived()
             self._write(self.record, status="interrupted", finished=now_iso(), interruption=interruption,
                         **({"summary": result, "warnings": self._warnings(self.record, result)} if result else {}))
             self.signals.prepare(self.record.path, None)  # written whole: a forced exit now leaves it so

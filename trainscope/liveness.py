@@ -158,7 +158,8 @@ class PeerWatch:
     def _look(self) -> None:
         """One look at the watched peers; the callback, once, for those found failed or silent for too long."""
         lost = [v if v.state != "vanished" or v.silent_s >= self._silence_s else None
-                for v in self._observe(self._thread_store, self._watched) if v.state in ("failed", "vanished")]
+                for v in self._observe(self._thread_store, self._watched, self._last_seen)
+                if v.state in ("failed", "vanished")]
         lost = [v for v in lost if v is not None]
         with self._lock:
             callback = self._on_lost
@@ -168,9 +169,10 @@ class PeerWatch:
             self.judged.update({v.rank: v for v in lost})
         callback(lost)
 
-    def _observe(self, store, ranks) -> list[Verdict]:
-        """Each rank's state now: `failed` when it published an error; `alive` when its beat moved since this
-        rank last looked; `vanished` when it has not moved for PATIENCE_S; else `silent` (not decided yet)."""
+    def _observe(self, store, ranks, seen: dict, since: float = 0.0) -> list[Verdict]:
+        """Each rank's state now: `failed` when it published an error; `alive` when its beat moved between two
+        looks taken after `since`; `vanished` when it has not moved for PATIENCE_S; else `silent` (not decided).
+        `seen`: rank -> (beat, when it was last seen to move), updated."""
         now = time.monotonic()
         published = int(store.add(self._key("errors", "count"), 0)) > 0  # one call, unless some rank failed
         failed = {r: json.loads(store.get(self._key("error", r)))
@@ -181,10 +183,12 @@ class PeerWatch:
             if rank in failed:
                 found.append(Verdict(rank, "failed", error=failed[rank]["line"], caused_by=failed[rank]["caused_by"]))
                 continue
-            previous = self._last_seen.get(rank)
+            previous = seen.get(rank)
             if previous is None or previous[0] != beat:
-                self._last_seen[rank] = (beat, now)
-                found.append(Verdict(rank, "alive") if previous is not None else Verdict(rank, "silent", silent_s=0.0))
+                # a move seen against an older look (before `since`) may be the last beat before a kill
+                moved = previous is not None and previous[1] >= since
+                seen[rank] = (beat, now)
+                found.append(Verdict(rank, "alive") if moved else Verdict(rank, "silent", silent_s=0.0))
                 continue
             silent = now - previous[1]
             found.append(Verdict(rank, "vanished", where=self._where(store, rank), silent_s=silent)
@@ -230,10 +234,12 @@ class PeerWatch:
             known = dict(self.judged)
         if len(known) == len(peers):
             return known
-        deadline = time.monotonic() + self.patience_s + self.beat_s
+        started = time.monotonic()
+        deadline, seen = started + self.patience_s + self.beat_s, dict(self._last_seen)  # the thread's looks so far
         try:
             while True:
-                found = {v.rank: v for v in self._observe(self._store, [r for r in peers if r not in known])}
+                found = {v.rank: v for v in self._observe(self._store, [r for r in peers if r not in known], seen,
+                                                          since=started)}
                 found.update(known)
                 undecided = [v for v in found.values() if v.state == "silent"]
                 if not undecided or time.monotonic() > deadline:
