@@ -227,12 +227,14 @@ class RecordingState:
 @pytest.mark.parametrize("environ, cpu, cuda, expected", [
     ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, False, True,
      {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)}),
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, False, True,
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, False, True,  # torchrun's
+     {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)}),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, False, True,  # the user's
      {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)}),
     ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True, True, {"timeout": timedelta(seconds=90)}),  # gloo on the CPU
     ({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False, False, {"timeout": timedelta(seconds=90)}),  # no GPU
     ({}, False, True, {}),  # one process: no group
-], ids=["nccl", "nccl-user-handling", "cpu", "no-gpu", "single"])
+], ids=["nccl", "nccl-torchrun", "nccl-user-handling", "cpu", "no-gpu", "single"])
 def test_the_process_group_is_opened_with_the_timeout_and_the_ranks_gpu(environ, cpu, cuda, expected, monkeypatch):
     monkeypatch.setattr(startup, "PartialState", RecordingState)
     monkeypatch.setattr(startup, "_cuda", lambda: cuda)
@@ -245,7 +247,7 @@ def test_the_process_group_is_opened_with_the_timeout_and_the_ranks_gpu(environ,
     state, facts = startup.open_process_group(settings, cpu=cpu)
     assert state.kwargs == expected and state.cpu is cpu
     if "device_id" in expected:  # the watchdog aborts the communicator and the run records the error
-        assert state.error_handling == environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        assert state.error_handling == ("3" if environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "3" else "2")
         assert facts == {"timeout_s": 90, "device_id": "cuda:1", "nccl_async_error_handling": state.error_handling}
     else:
         assert state.error_handling is None and facts == ({"timeout_s": 90, "device_id": None,

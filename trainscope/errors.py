@@ -4,8 +4,9 @@
 * `Fault`: a fault of the run's surroundings -- a lost peer, a full disk, a collective that timed out:
   one line that says what happened and what to do (exit status 1), never a traceback.
 * `exit_with`: prints `error: <message>` and exits. In a launch of several processes every rank
-  that fails reports its first error, but a message that another rank of the same launch already
-  printed is not printed again (every rank usually hits the same validation error).
+  that fails reports its first error, but a message that another rank of the same launch on the same
+  machine already printed is not printed again (every rank usually hits the same validation error;
+  a rank that fails because a peer failed reports the peer's line, under the peer's rank).
 * `redacted_output`: the scripts' stdout and stderr pass through `records.redact`, so a URL with
   credentials never reaches the console: not in errors, warnings, progress lines or tracebacks.
 """
@@ -44,10 +45,25 @@ def one_line(error: BaseException) -> str:
 
 
 def _launch_id(environ) -> str | None:
-    """Identifies one multi-process launch (the same on all its ranks), or None for a single process."""
+    """Identifies one multi-process launch on this machine (the same on all its local ranks), or None for a single
+    process. torchrun's run id is "none" and its port 29500 in every launch of a static rendezvous (what
+    `accelerate launch` starts), so the launcher process that started the ranks (their parent, with its start
+    time) tells one launch from the next."""
     if int(environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
-    return environ.get("TORCHELASTIC_RUN_ID") or f"{environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
+    parts = [environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR",
+                                                  "MASTER_PORT")]
+    return ":".join([*parts, _launcher_process()])
+
+
+def _launcher_process() -> str:
+    """This process's parent (torchrun's agent, mpirun's orted, slurmstepd) and when it started."""
+    parent = os.getppid()
+    try:
+        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: start time
+    except (OSError, IndexError):
+        started = ""
+    return f"{parent}@{started}"
 
 
 def first_to_report(message: str, environ=None) -> bool:

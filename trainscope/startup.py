@@ -99,19 +99,21 @@ def _cuda_device(index: int):
     return torch.device("cuda", index)
 
 
-# With NCCL, a collective that outlives the timeout is caught by the watchdog thread, which by default
-# (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) kills the process without a Python exception: no record would say so.
-# 2 aborts the communicator only, and the error reaches the training thread as an exception at its next
-# collective or wait, where the run records `failed`. A value the user set is kept.
+# With NCCL, a collective that outlives the timeout is caught by the watchdog thread, which in torchrun's
+# workers (it exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1) or by default (3) tears the process down without a
+# Python exception: no record would say so. 2 aborts the communicator only, and the error reaches the
+# training thread as an exception at its next collective or wait, where the run records `failed`. Another
+# value than torchrun's own 1 (0 or 3) is the user's and is kept.
 NCCL_ERROR_HANDLING = "2"
+LAUNCHER_NCCL_ERROR_HANDLING = ("", "1")
 
 
 def open_process_group(settings: Settings, cpu: bool, environ=None) -> tuple[PartialState, dict]:
     """Accelerate's process state, its group opened with our options; returns it and what the record says of it."""
     environ = os.environ if environ is None else environ
     options = process_group_options(settings, cpu, environ)
-    if "device_id" in options:
-        environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
+    if "device_id" in options and environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "") in LAUNCHER_NCCL_ERROR_HANDLING:
+        environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
     state = PartialState(cpu=cpu, **options)  # as Accelerator() reads it; the Accelerator reuses this group
     facts = {}
     if options:
