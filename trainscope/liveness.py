@@ -219,9 +219,11 @@ class PeerWatch:
     def publish_error(self, line: str, caused_by: int | None = None) -> None:
         """This rank's one line, for its peers to name (before it exits); `caused_by` when it only follows a
         peer's failure (the peers then name the root, not this rank). The first line published stays."""
+        from trainscope.records import redact  # the store is a network service: no credential goes there
+
         try:
             self._store.compare_set(self._key("error", self.rank), "",
-                                    json.dumps({"line": line, "caused_by": caused_by}))
+                                    json.dumps({"line": redact(line), "caused_by": caused_by}))
             self._store.add(self._key("errors", "count"), 1)
         except Exception:  # the store is gone: the peers will say `unknown`
             pass
