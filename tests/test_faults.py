@@ -190,6 +190,37 @@ def test_a_signal_during_a_checkpoint_stops_the_run_with_that_checkpoint_whole(r
     assert read_record(runs / "cut")["status"] == "complete"
 
 
+def test_a_full_disk_on_save_on_interrupt_still_stops_as_asked_and_says_what_was_not_kept(runs, monkeypatch):
+    import trainscope.data as data
+    from accelerate import Accelerator
+
+    build, loaded = data.build_collator, []
+
+    def build_collator(*args, **kwargs):
+        collate = build(*args, **kwargs)
+
+        def collate_and_interrupt(rows):
+            loaded.append(1)
+            if len(loaded) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return collate(rows)
+        return collate_and_interrupt
+
+    def save_state(self, output_dir):
+        Path(output_dir).mkdir(parents=True)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(data, "build_collator", build_collator)
+    monkeypatch.setattr(Accelerator, "save_state", save_state)
+    result = run_in_process([*TINY, *ONE_THREAD, "--max-steps", "20", "--save-on-interrupt", "--output-dir", str(runs),
+                             "--run-name", "cut"])
+    assert result.returncode == 143 and "Traceback" not in result.stderr
+    assert "no space left on the disk of" in error_line(result)
+    interruption = read_record(runs / "cut")["interruption"]
+    assert interruption["checkpoint"] is None and "no space left on the disk of" in interruption["checkpoint_error"]
+    assert no_partials(runs / "cut")
+
+
 # ---------------------------------------------------------------- collectives and the process group
 
 def test_a_collective_that_times_out_ends_in_one_line_and_a_failed_record(runs, monkeypatch):
@@ -303,6 +334,7 @@ def test_checkpoints_on_several_machines_need_one_shared_folder(shared, tmp_path
     """Each machine sees --output-dir; where they are not one folder (here: each its own), every machine would keep
     only its own part of each checkpoint: both refuse at start, with the same line (printed once per host)."""
     machines = TwoMachines()
+    monkeypatch.setattr(startup, "SHARED_WAIT_S", 0.3)
     monkeypatch.setattr(startup, "broadcast_object_list", machines.broadcast_object_list)
     monkeypatch.setattr(startup, "gather_object", machines.gather_object)
 

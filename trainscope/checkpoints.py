@@ -47,7 +47,7 @@ def save(accelerator, run_dir: Path, loop_state: dict) -> Path:
         (partial / loop_state_name(accelerator.process_index)).write_text(json.dumps(state))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            if directory.exists():  # a checkpoint of this step found unusable on resume and written again
+            if directory.exists():  # left by an earlier part of the run (an interrupt saved at this step)
                 shutil.rmtree(directory)
             partial.rename(directory)
             for old in sorted(checkpoints.glob("step_*"))[:-KEEP_CHECKPOINTS]:

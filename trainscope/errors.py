@@ -84,6 +84,12 @@ def first_to_report(message: str, environ=None) -> bool:
 
 def exit_with(error: BaseException, code: int = 2, environ=None) -> None:
     """Print `error: <message>` (once per distinct message across a launch's ranks) and exit with `code`."""
+    report(error, environ)
+    sys.exit(code)
+
+
+def report(error: BaseException, environ=None) -> None:
+    """`exit_with` without the exit: the line, said once, and told to the peers."""
     environ = os.environ if environ is None else environ
     message = redact(one_line(error))
     tell_peers(message, getattr(error, "caused_by", None))
@@ -92,7 +98,6 @@ def exit_with(error: BaseException, code: int = 2, environ=None) -> None:
         origin = environ.get("RANK") if origin is None else origin
         rank = f"(rank {origin}) " if int(environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
         print(f"error: {rank}{message}", file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 def tell_peers(message: str, caused_by: int | None = None) -> None:

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from trainscope import checkpoints, health, provenance, trackers
 from trainscope.data import dropped_rows_lines
 from trainscope.distributed import shut_down
-from trainscope.errors import Fault, one_line
+from trainscope.errors import Fault, one_line, report
 from trainscope.liveness import collective_timed_out, first_line, lost_a_peer, root_cause
 from trainscope.records import RunRecord, now_iso, read_record, write_prepared
 from trainscope.run_metrics import table_lines
@@ -341,15 +341,21 @@ class RunLifecycle:
         try:
             yield
         except Interrupted as stop:
-            self._interrupted(stop.signum, stop.rank)
+            try:
+                self._interrupted(stop.signum, stop.rank)
+            except BaseException as error:  # while it stopped: a peer lost in the last collectives
+                self._raise_failed(error)
             raise SystemExit(exit_code(stop.signum)) from None
         except BaseException as error:
-            raised = self._failed(error)
-            if raised is error:
-                raise
-            raise raised from None
+            self._raise_failed(error)
         finally:
             self.signals.restore()
+
+    def _raise_failed(self, error: BaseException):
+        raised = self._failed(error)
+        if raised is error:
+            raise error
+        raise raised from None
 
     def _begin_ending(self) -> None:
         """From here the training thread alone writes the record (the heartbeat thread stops watching)."""
@@ -400,14 +406,18 @@ class RunLifecycle:
         name, step = signal.Signals(signum).name, self.metrics.loop.step if self.metrics else 0
         if self.progress is not None:
             self.progress.close()
-        checkpoint = None
+        checkpoint, unsaved = None, None
         if self.settings.save_on_interrupt and self.metrics is not None and step > 0:
-            checkpoint = self.save_checkpoint()
+            try:
+                checkpoint = self.save_checkpoint()
+            except Fault as error:  # a full disk: the run still stops as asked, and says what was not kept
+                unsaved = error
         if self.vote is not None:
             self.vote.settle()
         result, _ = self._partial_summary(gather=True)
         interruption = {"signal": name, "step": step, "checkpoint": checkpoint,
-                        "received_here": self.signals.received == signum, "received_by": by}
+                        "received_here": self.signals.received == signum, "received_by": by,
+                        **({"checkpoint_error": one_line(unsaved)} if unsaved else {})}
         if self.record and self.record.path.exists():
             self._forget_a_failure_the_run_outlived()
             self._write(self.record, status="interrupted", finished=now_iso(), interruption=interruption,
@@ -419,6 +429,8 @@ class RunLifecycle:
                       "" if self.settings.save_on_interrupt else "; --save-on-interrupt would have kept a checkpoint")
             print(f"interrupted by {name} after optimizer step {step}: the record says so "
                   f"({self.run_dir / 'record.json'}){resume}", file=sys.stderr, flush=True)
+        if unsaved is not None:
+            report(unsaved)
         shut_down(self.accelerator, wait=False)
         self._stop_watch()
 

@@ -5,16 +5,19 @@ Every script that trains calls `start` first, so all of them run under the same 
 (the same thread budget above all: `accelerate launch` alone would give each process one thread).
 """
 
+import contextlib
 import dataclasses
 import math
 import os
 import shutil
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelKwargs, ProjectConfiguration,
                               TorchDynamoPlugin, broadcast_object_list, gather_object, parse_flag_from_env, set_seed)
@@ -83,20 +86,12 @@ def process_group_options(settings: Settings, cpu: bool, environ=None) -> dict:
         return {}
     options = {"timeout": timedelta(seconds=settings.distributed_timeout)}
     if not cpu and _cuda():
-        options["device_id"] = _cuda_device(int(environ.get("LOCAL_RANK", "0") or 0))
+        options["device_id"] = torch.device("cuda", int(environ.get("LOCAL_RANK", "0") or 0))
     return options
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
-
-
-def _cuda_device(index: int):
-    import torch
-
-    return torch.device("cuda", index)
 
 
 # With NCCL, a collective that outlives the timeout is caught by the watchdog thread, which in torchrun's
@@ -140,12 +135,13 @@ def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ
         output.mkdir(parents=True, exist_ok=True)
         marker.touch()
     state.wait_for_everyone()
-    seen = gather_object([(state.process_index, socket.gethostname(), marker.exists())])
+    seen = gather_object([(state.process_index, socket.gethostname(), _appears(marker))])
     state.wait_for_everyone()
     if state.is_main_process:
         marker.unlink(missing_ok=True)
         if created:
-            with_no_error(output.rmdir)
+            with contextlib.suppress(OSError):
+                output.rmdir()
     blind = [f"rank {rank} on {host}" for rank, host, sees in seen if not sees]
     if blind:
         flags = "/".join(f for f, on in (("--save-every", settings.save_every), ("--save-on-interrupt",
@@ -155,11 +151,16 @@ def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ
                         "would keep only its own part of a checkpoint)")
 
 
-def with_no_error(action) -> None:
-    try:
-        action()
-    except OSError:
-        pass
+SHARED_WAIT_S = 5.0  # a network filesystem may show another machine's new file a moment late
+
+
+def _appears(path: Path) -> bool:
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def choose_checkpoint(run_dir: Path, state: PartialState) -> tuple[Path, list]:
