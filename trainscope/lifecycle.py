@@ -194,6 +194,7 @@ class RunLifecycle:
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
         self.vote = StopVote(accelerator.state.backend, self.settings.distributed_timeout) if self.world > 1 else None
         self.watch = started.watch
+        self._verdicts = {}  # the peers' states, asked of the store when a collective failed
         self.metrics = None
         self.progress = None
         self.saved_step = None  # the step of the last checkpoint written (the same on every rank)
@@ -494,8 +495,7 @@ class RunLifecycle:
     def _record_of_a_lost_main(self) -> RunRecord | None:
         """When the main process vanished, one surviving rank that sees its record (the first to claim it in the
         store) writes the failure; none when the main process is alive or failed (it writes its own)."""
-        verdicts = getattr(self, "_verdicts", None) or {}
-        main = verdicts.get(0)
+        main = self._verdicts.get(0)
         if self.watch is None or main is None or main.state != "vanished":
             return None
         return self._claim_record()

@@ -23,6 +23,7 @@ Keys live under the default group's store prefix, so two launches, or two restar
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -117,7 +118,6 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._on_lost, self._watched, self._silence_s = None, (), patience_s
         self._last_seen: dict[int, tuple[bytes, float]] = {}
-        self.store_problem: str | None = None
         self.judged: dict[int, Verdict] = {}  # verdicts already reached (by the watch or by `verdicts`)
         self._store.set(self._key("who", rank), f"pid {os.getpid()} on {socket.gethostname()}")
         self._store.add(self._key("beat", rank), 1)
@@ -151,8 +151,7 @@ class PeerWatch:
                 self._thread_store.add(self._key("beat", self.rank), 1)
                 if self._on_lost is not None:
                     self._look()
-            except Exception as error:  # the store is gone (its host ended): peers are unknown from now on
-                self.store_problem = first_line(error)
+            except Exception:  # the store is gone (its host ended): peers are `unknown` from now on
                 return
 
     def _look(self) -> None:
@@ -167,7 +166,10 @@ class PeerWatch:
                 return
             self._on_lost = None
             self.judged.update({v.rank: v for v in lost})
-        callback(lost)
+        try:
+            callback(lost)
+        except Exception as error:  # the beat must go on: peers would take this rank for vanished
+            print(f"warning: a lost peer could not be recorded ({first_line(error)})", file=sys.stderr, flush=True)
 
     def _observe(self, store, ranks, seen: dict, since: float = 0.0) -> list[Verdict]:
         """Each rank's state now: `failed` when it published an error; `alive` when its beat moved between two
@@ -269,7 +271,7 @@ class PeerWatch:
         self.quiet()
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * STORE_TIMEOUT_S)
+            self._thread.join(timeout=1.0)  # a thread stuck on an unreachable store is a daemon: it ends with the process
         if _current is self:
             _current = None
 
