@@ -39,7 +39,7 @@ SLOW_SAVE = '''import trainscope.checkpoints as checkpoints
 save = checkpoints.save
 checkpoints.save = lambda *args, **kwargs: (time.sleep(10), save(*args, **kwargs))[1]'''
 
-# The test split's batches wait 0.5 s each and the first one leaves a marker per rank: a window in the final test
+# The test split's batches wait 0.3 s each and the first one leaves a marker per rank: a window in the final test
 # evaluation, after the last optimizer step's vote, for a signal to arrive in.
 SLOW_TEST = '''import pathlib, train
 evaluate, evaluations = train.evaluate_split, []
@@ -50,7 +50,7 @@ def evaluate_split(model, loader, accelerator, metric, between_batches=None):
     marker = pathlib.Path(sys.argv[sys.argv.index("--output-dir") + 1]) / f"test-evaluation-rank{accelerator.process_index}"
     def between():
         marker.touch()
-        time.sleep(0.5)
+        time.sleep(0.3)
         between_batches()
     return evaluate(model, loader, accelerator, metric, between)
 train.evaluate_split = evaluate_split'''
