@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from trainscope import startup
+from trainscope import liveness, startup
 from trainscope.data import build_dataloaders, load_classification_data
 from trainscope.errors import Fault, UserError, exit_with, redacted_output
 from trainscope.lifecycle import RunLifecycle
@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> None:
             exit_with(error, code=1)
         except KeyboardInterrupt:  # before the run could handle it: nothing was recorded yet
             exit_with(UserError("interrupted while starting: no run was recorded"), code=130)
+        except Exception as error:  # before the loop: a peer that failed or vanished, named through the store
+            fault = liveness.explain(error, settings.distributed_timeout)
+            if fault is None:
+                raise
+            exit_with(fault, code=1)
 
 
 def train(settings: Settings) -> dict:

@@ -457,6 +457,17 @@ def test_a_peer_that_beat_once_more_before_it_was_killed_is_not_called_alive(sto
     assert main.verdicts()[1].state == "vanished"
 
 
+def test_before_the_loop_a_collective_lost_to_a_failed_peer_is_its_one_line(store, monkeypatch):
+    """A rank that fails while loading the data leaves its peers in a collective (prepare, a barrier): they say its
+    line, not a traceback of a closed connection."""
+    main, erring = store.watch(0, world=2), store.watch(1, world=2)
+    monkeypatch.setattr(liveness, "_current", main)
+    erring.publish_error("no such dataset file: data/train.csv")
+    fault = liveness.explain(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"), 600)
+    assert str(fault) == "no such dataset file: data/train.csv" and fault.rank == 1
+    assert liveness.explain(ValueError("a bug"), 600) is None  # not a collective's: its traceback stays
+
+
 def test_peers_cannot_be_told_when_the_store_is_gone(store):
     main, _ = store.watch(0, world=2), store.watch(1, world=2)
     del store.server  # the launcher's store ended (its host with it)

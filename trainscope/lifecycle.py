@@ -46,7 +46,7 @@ from trainscope import checkpoints, health, provenance, trackers
 from trainscope.data import dropped_rows_lines
 from trainscope.distributed import shut_down
 from trainscope.errors import Fault, one_line, report
-from trainscope.liveness import collective_timed_out, first_line, lost_a_peer, root_cause
+from trainscope.liveness import explain_collective_failure, lost_a_peer, root_cause
 from trainscope.records import RunRecord, now_iso, read_record, write_prepared
 from trainscope.run_metrics import table_lines
 
@@ -469,28 +469,8 @@ class RunLifecycle:
 
     def _collective_failure(self, error: BaseException) -> tuple[BaseException, dict]:
         """A collective failed: which peer ended the run, and how, asked of the launcher's store."""
-        verdicts = self.watch.verdicts() if self.watch is not None else {}
-        self._verdicts = verdicts
-        cause = root_cause(verdicts.values())
-        vanished = [v.name for v in verdicts.values() if v.state == "vanished"]
-        if cause is not None and cause.state == "failed":
-            line = f"rank {cause.rank} failed: {cause.error}"
-            return Fault(cause.error, rank=cause.rank, caused_by=cause.rank), \
-                {"error": line, "failed_rank": cause.rank, "lost_ranks": vanished or None}
-        if cause is not None:
-            line = f"{'; '.join(v.describe() for v in verdicts.values() if v.state == 'vanished')}: {first_line(error)}"
-            return Fault(line, caused_by=cause.rank), {"error": line, "failed_rank": cause.rank, "lost_ranks": vanished}
-        unknown = [v for v in verdicts.values() if v.state == "unknown"]
-        if unknown:
-            line = (f"a collective failed and the other ranks' state is unknown ({unknown[0].reason}): "
-                    f"{first_line(error)}")
-        elif collective_timed_out(error):
-            line = (f"a collective timed out after --distributed-timeout {self.settings.distributed_timeout} s with "
-                    f"{'every rank alive' if verdicts else 'no peer to ask'}: a rank was in another collective or too "
-                    f"slow (raise --distributed-timeout for long checkpoints): {first_line(error)}")
-        else:
-            line = f"a collective failed with every rank alive: {first_line(error)}"
-        return Fault(line), {"error": line, "failed_rank": None, "lost_ranks": None}
+        self._verdicts = self.watch.verdicts() if self.watch is not None else {}
+        return explain_collective_failure(error, self._verdicts, self.settings.distributed_timeout)
 
     def _record_of_a_lost_main(self) -> RunRecord | None:
         """When the main process vanished, one surviving rank that sees its record (the first to claim it in the

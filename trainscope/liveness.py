@@ -296,3 +296,38 @@ def root_cause(verdicts) -> "Verdict | None":
 
 def current() -> PeerWatch | None:
     return _current
+
+
+def explain_collective_failure(error: BaseException, verdicts: dict, timeout_s: float):
+    """The one line of a collective that failed, from the peers' verdicts: the failed peer's own line (a Fault
+    under its rank), the peers that vanished, or why it cannot be told; and the record's failure fields."""
+    from trainscope.errors import Fault
+
+    cause = root_cause(verdicts.values())
+    vanished = [v for v in verdicts.values() if v.state == "vanished"]
+    if cause is not None and cause.state == "failed":
+        return Fault(cause.error, rank=cause.rank, caused_by=cause.rank), {
+            "error": f"rank {cause.rank} failed: {cause.error}", "failed_rank": cause.rank,
+            "lost_ranks": [v.name for v in vanished] or None}
+    if cause is not None:
+        line = f"{'; '.join(v.describe() for v in vanished)}: {first_line(error)}"
+        return Fault(line, caused_by=cause.rank), {"error": line, "failed_rank": cause.rank,
+                                                   "lost_ranks": [v.name for v in vanished]}
+    unknown = [v for v in verdicts.values() if v.state == "unknown"]
+    if unknown:
+        line = f"a collective failed and the other ranks' state is unknown ({unknown[0].reason}): {first_line(error)}"
+    elif collective_timed_out(error):
+        line = (f"a collective timed out after --distributed-timeout {timeout_s:g} s with "
+                f"{'every rank alive' if verdicts else 'no peer to ask'}: a rank was in another collective or too "
+                f"slow (raise --distributed-timeout for long checkpoints): {first_line(error)}")
+    else:
+        line = f"a collective failed with every rank alive: {first_line(error)}"
+    return Fault(line), {"error": line, "failed_rank": None, "lost_ranks": None}
+
+
+def explain(error: BaseException, timeout_s: float) -> BaseException | None:
+    """Outside the training loop (start-up, data, prepare): a collective that failed because a peer failed or
+    vanished, as its one-line Fault; None for any other error."""
+    if _current is None or not lost_a_peer(error):
+        return None
+    return explain_collective_failure(error, _current.verdicts(), timeout_s)[0]
