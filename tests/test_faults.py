@@ -114,6 +114,20 @@ def test_a_checkpoint_of_another_number_of_processes_is_refused_before_any_train
         {"checkpoint": "step_00000004", "problem": "loop_state_rank1.json (rank 1's part) is missing"}]
 
 
+@pytest.mark.parametrize("damage, problem", [
+    (lambda d: (d / "random_states_0.pkl").unlink(), "random_states_0.pkl (rank 0's random state) is missing"),
+    (lambda d: truncate(d / "scheduler.bin", 100), "scheduler.bin is unreadable (File is not a zip file)"),
+    (lambda d: (d / "loop_state_rank0.json").write_text("{"), "loop_state_rank0.json is unreadable"),
+    (lambda d: (d / "model.safetensors").unlink(), "it has no model weights"),
+    (lambda d: None, None),
+], ids=["random-state", "scheduler", "loop-state", "weights", "whole"])
+def test_a_checkpoint_is_checked_part_by_part(damage, problem, saved_run, tmp_path):
+    directory = shutil.copytree(step_dir(saved_run, 4), tmp_path / "step_00000004")
+    damage(directory)
+    found = checkpoints.problem(directory)
+    assert found == problem if problem is None else found.startswith(problem), found
+
+
 def test_a_corrupt_record_is_begun_again_and_the_run_resumes(saved_run, tmp_path):
     run_dir = copy_of(saved_run, tmp_path)
     (run_dir / "record.json").write_text('{"schema_version": 3, "status": "runn')  # cut short

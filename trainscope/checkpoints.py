@@ -120,22 +120,21 @@ def problem(directory: Path) -> str | None:
             return f"{path.name} is unreadable ({one_line(error)})"
     if not states:
         return "it has no loop_state_rank*.json"
-    world = max(state.get("world_size", 0) for state in states.values() if isinstance(state, dict)) or len(states)
-    for rank in range(world):
+    world = max((state.get("world_size", 0) for state in states.values() if isinstance(state, dict)), default=0)
+    for rank in range(world or len(states)):
         state = states.get(rank)
+        if state is None:
+            return f"{loop_state_name(rank)} (rank {rank}'s part) is missing"
         if not isinstance(state, dict) or "step" not in state:
-            return f"{loop_state_name(rank)} (rank {rank}'s part) is missing" if state is None else \
-                f"{loop_state_name(rank)} has no step"
-    if len({state["step"] for state in states.values()}) > 1:
+            return f"{loop_state_name(rank)} has no step"
+        if not (directory / f"random_states_{rank}.pkl").exists():
+            return f"random_states_{rank}.pkl (rank {rank}'s random state) is missing"
+    if len({state["step"] for state in states.values() if isinstance(state, dict)}) > 1:
         return "its ranks' parts are of different steps"
-    needed = [f"random_states_{rank}.pkl" for rank in range(world)]
     if not any(directory.glob("model*.safetensors")) and not any(directory.glob("pytorch_model*")):
         return "it has no model weights"
     if not any(directory.glob("optimizer*")):
         return "it has no optimizer state"
-    for name in needed:
-        if not (directory / name).exists():
-            return f"{name} (a rank's random state) is missing"
     for path in sorted(directory.iterdir()):
         trouble = _unreadable(path)
         if trouble:
