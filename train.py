@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from trainscope import startup
+from trainscope import liveness, startup
 from trainscope.data import build_dataloaders, load_classification_data
-from trainscope.errors import UserError, exit_with, redacted_output
+from trainscope.errors import Fault, UserError, exit_with, redacted_output
 from trainscope.lifecycle import RunLifecycle
 from trainscope.loop import evaluate_split, load_metric, train_step
 from trainscope.modeling import (build_model, build_optimizer, build_scheduler, build_tokenizer, fsdp_wrap_rule,
@@ -32,10 +32,15 @@ def main(argv: list[str] | None = None) -> None:
             train(settings)
         except UserError as error:
             exit_with(error, code=2)
-        except (NonFiniteLoss, torch.OutOfMemoryError) as error:
+        except (NonFiniteLoss, torch.OutOfMemoryError, Fault) as error:  # Fault: a lost peer, a full disk...
             exit_with(error, code=1)
         except KeyboardInterrupt:  # before the run could handle it: nothing was recorded yet
             exit_with(UserError("interrupted while starting: no run was recorded"), code=130)
+        except Exception as error:  # before the loop: a peer that failed or vanished, named through the store
+            fault = liveness.explain(error, settings.distributed_timeout)
+            if fault is None:
+                raise
+            exit_with(fault, code=1)
 
 
 def train(settings: Settings) -> dict:
@@ -66,7 +71,8 @@ def train(settings: Settings) -> dict:
     # ---------------------------------------------------------------- the timed loop
     # Stages: `data` around next(batches) below; `forward`, `backward` (loss + backward) and `optimizer`
     # inside train_step (trainscope/loop.py); `eval` in metrics.evaluation() below; the rest is `other`.
-    # run.check() and run.step_finished() are where a Ctrl-C or SIGTERM stops the run, its state whole.
+    # run.check(), run.step_finished() and run.between_batches() (evaluation) are where a Ctrl-C or SIGTERM
+    # stops the run, its state whole.
     model.train()
     with run.ending():  # interrupted, failed or complete: the record says which
         metrics.start()
@@ -84,14 +90,14 @@ def train(settings: Settings) -> dict:
                     if metrics.micro_batch(batch, loss, labels):
                         run.step_finished()  # step line, checkpoint when due, the stop vote
                 with metrics.evaluation():
-                    run.evaluated(epoch, evaluate_split(model, validation_loader, accelerator, metric, run.check))
+                    run.evaluated(epoch, evaluate_split(model, validation_loader, accelerator, metric, run.between_batches))
                 if metrics.done:
                     break
             with metrics.evaluation():
-                test_scores = evaluate_split(model, test_loader, accelerator, metric, run.check)
+                test_scores = evaluate_split(model, test_loader, accelerator, metric, run.between_batches)
 
         # ---------------------------------------------------------------- summary
-        return run.finish(test_scores)  # gathers every rank, writes the record, prints the table
+        return run.finish(test_scores)  # reads the last stop vote, gathers every rank, writes the record, the table
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,8 +22,8 @@ from trainscope.launching import kill_tree
 # The files that launch the most processes, longest first: two workers take whole files in collection
 # order, so starting with the long ones leaves no worker idle at the end (the others are seconds each).
 LONGEST_FIRST = ("test_launches.py", "test_communication.py", "test_endings.py", "test_train.py", "test_report.py",
-                 "test_multinode.py", "test_advisor.py", "test_benchmarks.py", "test_secrets.py", "test_compare_dp.py",
-                 "test_loaders_bench.py")
+                 "test_multinode.py", "test_faults.py", "test_advisor.py", "test_benchmarks.py", "test_secrets.py",
+                 "test_compare_dp.py", "test_loaders_bench.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -128,6 +129,21 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert lines, f"no error line in:\n{result.stderr[-3000:]}"
     return lines[-1]
+
+
+def rank_tracebacks(log: str) -> list[str]:
+    """The exceptions of the tracebacks in a launch's output, less the launcher's own report (ChildFailedError)."""
+    raised = []
+    for block in log.split("Traceback (most recent call last):")[1:]:
+        last = next((line for line in block.splitlines() if line.strip() and not line.startswith(" ")), "")
+        if "ChildFailedError" not in last:
+            raised.append(last)
+    return raised
+
+
+def error_lines(log: str) -> list[str]:
+    """`error: ...` lines of a launch, also where a rank's line follows another rank's progress bar."""
+    return re.findall(r"error: .*", log)
 
 
 @pytest.fixture

@@ -1,7 +1,10 @@
-"""Runs that end badly still leave a true record: Ctrl-C, SIGTERM to one rank, a killed rank, a second Ctrl-C,
-and --save-on-interrupt with --resume continuing with the same losses."""
+"""Runs that end badly still leave a true record: Ctrl-C, SIGTERM to one rank during the final test evaluation, a
+killed main process, a rank that fails during evaluation, a second Ctrl-C, and --save-on-interrupt with --resume continuing
+with the same losses. (Faults that need no launch of their own: tests/test_faults.py.)"""
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -10,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, read_record, read_steps
+from conftest import (ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, error_lines, rank_tracebacks, read_record, read_steps,
+                      run_in_process)
 from trainscope.launching import kill_tree
 
 DDP = ROOT / "accelerate_configs" / "ddp.yaml"
@@ -34,6 +38,33 @@ ARGS = [*TINY, *ONE_THREAD, "--max-train-samples", "4096", "--log-every", "5", "
 SLOW_SAVE = '''import trainscope.checkpoints as checkpoints
 save = checkpoints.save
 checkpoints.save = lambda *args, **kwargs: (time.sleep(10), save(*args, **kwargs))[1]'''
+
+# The test split's batches wait 0.3 s each and the first one leaves a marker per rank: a window in the final test
+# evaluation, after the last optimizer step's vote, for a signal to arrive in.
+SLOW_TEST = '''import pathlib, train
+evaluate, evaluations = train.evaluate_split, []
+def evaluate_split(model, loader, accelerator, metric, between_batches=None):
+    evaluations.append(loader)
+    if len(evaluations) == 1:  # the validation (at the end of the only epoch); then the final test
+        return evaluate(model, loader, accelerator, metric, between_batches)
+    marker = pathlib.Path(sys.argv[sys.argv.index("--output-dir") + 1]) / f"test-evaluation-rank{accelerator.process_index}"
+    def between():
+        marker.touch()
+        time.sleep(0.3)
+        between_batches()
+    return evaluate(model, loader, accelerator, metric, between)
+train.evaluate_split = evaluate_split'''
+
+# Rank 1 runs out of memory in the validation's first batch (a rank that errs: it does not vanish).
+OOM_IN_EVALUATION = '''import torch, train
+evaluate = train.evaluate_split
+def evaluate_split(model, loader, accelerator, metric, between_batches=None):
+    def between():
+        if accelerator.process_index == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        between_batches()
+    return evaluate(model, loader, accelerator, metric, between)
+train.evaluate_split = evaluate_split'''
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +99,12 @@ def finish(process: subprocess.Popen, timeout: float = 120) -> int:
         raise AssertionError("the run did not end after the signal") from None
 
 
-def ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+def ranks(launcher: subprocess.Popen, script: str = "slow_train.py") -> dict[int, psutil.Process]:
     """The training processes under an `accelerate launch`, by rank."""
     found = {}
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
-            if "RANK" in child.environ() and any("slow_train.py" in part for part in child.cmdline()):
+            if "RANK" in child.environ() and any(script in part for part in child.cmdline()):
                 found[int(child.environ()["RANK"])] = child
         except psutil.NoSuchProcess:
             pass
@@ -86,19 +117,31 @@ def assert_partial(record: dict, step_at_least: int) -> None:
     assert summary["throughput"]["samples_per_s"] > 0 and summary["timing"]["across_ranks"]["run"]["wall_s"]["median"] > 0
 
 
-def test_ctrl_c_of_a_single_process_records_the_interruption_and_exits_130(slow_script, tmp_path):
-    runs = tmp_path / "runs"
-    process = start([sys.executable, str(slow_script), *ARGS, "--output-dir", str(runs), "--run-name", "one"],
-                    tmp_path / "log")
-    wait_for_steps(runs / "one", 2, process)
-    process.send_signal(signal.SIGINT)
-    assert finish(process) == 130
+def test_ctrl_c_of_a_single_process_records_the_interruption_and_exits_130(runs, monkeypatch):
+    """In this process (no launch to pay for): SIGINT, as a terminal's Ctrl-C sends it, while the 12th batch loads."""
+    import trainscope.data as data
+
+    build, loaded = data.build_collator, []
+
+    def build_collator(*args, **kwargs):
+        collate = build(*args, **kwargs)
+
+        def collate_and_interrupt(rows):
+            loaded.append(len(rows))
+            if len(loaded) == 12:
+                os.kill(os.getpid(), signal.SIGINT)
+            return collate(rows)
+        return collate_and_interrupt
+
+    monkeypatch.setattr(data, "build_collator", build_collator)
+    result = run_in_process([*TINY, *ONE_THREAD, "--max-steps", "30", "--output-dir", str(runs), "--run-name", "one"])
+    assert result.returncode == 130
     record = read_record(runs / "one")
     assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGINT"
-    assert record["interruption"]["step"] >= 10 and record["interruption"]["checkpoint"] is None
+    step = record["interruption"]["step"]  # the batch in flight (Accelerate's loader loads one ahead) is trained
+    assert 10 <= step <= 12 and record["interruption"]["checkpoint"] is None
     assert_partial(record, 10)
-    log = (tmp_path / "log").read_text()
-    assert "Traceback" not in log and "interrupted by SIGINT after optimizer step" in log
+    assert "Traceback" not in result.stderr and f"interrupted by SIGINT after optimizer step {step}:" in result.stderr
 
 
 def test_a_second_ctrl_c_exits_at_once_and_still_marks_the_record(tmp_path):
@@ -149,32 +192,67 @@ def test_ctrl_c_of_a_ddp_launch_then_resume_gives_the_same_losses_as_an_uninterr
     assert record["summary"]["test"] == pytest.approx(read_record(runs / "whole")["summary"]["test"])
 
 
-def test_sigterm_to_one_rank_stops_both_and_is_recorded(slow_script, tmp_path):
-    runs = tmp_path / "runs"
-    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(slow_script), *ARGS, "--output-dir",
-                      str(runs), "--run-name", "term"], tmp_path / "log")
-    wait_for_steps(runs / "term", 2, launcher)
-    ranks(launcher)[1].send_signal(signal.SIGTERM)  # as a scheduler pre-empting one node would
-    finish(launcher)
+def test_sigterm_to_one_rank_during_the_final_test_evaluation_stops_both_and_is_recorded(tmp_path):
+    """After the last optimizer step's vote, the ranks vote between evaluation batches and once more before the
+    run is complete: a signal to one rank there is not lost."""
+    script, runs = tmp_path / "slow_test.py", tmp_path / "runs"
+    script.write_text(SLOW.format(root=str(ROOT), patch=SLOW_TEST))
+    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(script), *TINY, *ONE_THREAD,
+                      "--max-steps", "4", "--max-test-samples", "512", "--output-dir", str(runs), "--run-name", "term"],
+                     tmp_path / "log")
+    deadline = time.monotonic() + 120
+    while not (runs / "test-evaluation-rank1").exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+        time.sleep(0.05)
+    ranks(launcher, "slow_test.py")[1].send_signal(signal.SIGTERM)  # as a scheduler pre-empting one node would
+    assert finish(launcher) != 0
     record = read_record(runs / "term")
-    assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGTERM"
+    assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGTERM", record.get("status")
     assert record["interruption"]["received_here"] is False  # rank 0 stopped because rank 1 voted to
-    assert_partial(record, 10)
+    assert record["interruption"]["received_by"] == 1 and record["interruption"]["step"] == 4
+    assert_partial(record, 4)
+    log = (tmp_path / "log").read_text()
+    assert not rank_tracebacks(log) and "interrupted by SIGTERM after optimizer step 4" in log
 
 
-def test_a_killed_rank_leaves_a_failed_record_naming_it(slow_script, tmp_path):
+def test_a_killed_main_process_leaves_a_failed_record_naming_it(slow_script, tmp_path):
+    """Rank 0, the record's writer, is killed: rank 1 finds its heartbeat stopped in the launcher's store (which
+    torchrun's agent hosts, so it outlives rank 0), claims the record there and writes the failure."""
     runs = tmp_path / "runs"
     launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(slow_script), *ARGS, "--output-dir",
                       str(runs), "--run-name", "killed"], tmp_path / "log")
     wait_for_steps(runs / "killed", 2, launcher)
-    victim = ranks(launcher)[1]
+    victim = ranks(launcher)[0]
     victim.send_signal(signal.SIGKILL)
     finish(launcher)
     record = read_record(runs / "killed")
     assert record["status"] == "failed" and record["failed_at_step"] >= 10
-    assert record["lost_ranks"] == [f"rank 1 (pid {victim.pid})"] and f"rank 1 (pid {victim.pid}) disappeared" in record["error"]
+    # named through the launcher's store (its heartbeat stopped), not the local process table
+    name = f"rank 0 (pid {victim.pid} on {socket.gethostname()})"
+    assert record["lost_ranks"] == [name] and record["failed_rank"] == 0
+    assert record["error"].startswith(f"{name} vanished (no heartbeat for")
     assert_partial(record, 10)
-    assert record["summary"]["ranks_summarized"] == [0]  # only the survivor could be summarized
+    assert record["summary"]["ranks_summarized"] == [1]  # written by the survivor
+    log = (tmp_path / "log").read_text()
+    assert not rank_tracebacks(log) and [line for line in error_lines(log) if "(rank 1) rank 0 (pid" in line]
+
+
+def test_a_rank_that_errs_during_evaluation_is_named_with_its_error(tmp_path):
+    """Rank 1 runs out of memory in the validation: it says so in one line, and rank 0's record names rank 1 and its
+    error (it did not vanish), with the cause in one line and no traceback from either rank."""
+    script, runs = tmp_path / "oom.py", tmp_path / "runs"
+    script.write_text(SLOW.format(root=str(ROOT), patch=OOM_IN_EVALUATION))
+    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(script), *TINY, *ONE_THREAD,
+                      "--max-steps", "3", "--output-dir", str(runs), "--run-name", "oom"], tmp_path / "log")
+    assert finish(launcher) != 0
+    record = read_record(runs / "oom")
+    assert record["status"] == "failed" and record["failed_rank"] == 1 and record["lost_ranks"] is None
+    assert record["error"].startswith("rank 1 failed: out of memory at --per-device-batch-size 16")
+    assert record["failed_at_step"] == 3 and record["summary"]["ranks_summarized"] == [0]
+    log = (tmp_path / "log").read_text()
+    assert not rank_tracebacks(log), rank_tracebacks(log)
+    # one line: rank 0's is rank 1's own, printed once on this host
+    assert [line.split(":", 2)[1] for line in error_lines(log)] == [" (rank 1) out of memory at --per-device-batch-size 16 (step 4)"]
 
 
 def test_only_a_collectives_lost_connection_sends_a_rank_looking_for_a_dead_peer():

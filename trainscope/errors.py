@@ -1,9 +1,12 @@
 """Errors the user reads: one line, once, from whichever rank failed, with secrets redacted.
 
-* `UserError`: bad input or an impossible setting; the message says what to do.
+* `UserError`: bad input or an impossible setting; the message says what to do (exit status 2).
+* `Fault`: a fault of the run's surroundings -- a lost peer, a full disk, a collective that timed out:
+  one line that says what happened and what to do (exit status 1), never a traceback.
 * `exit_with`: prints `error: <message>` and exits. In a launch of several processes every rank
-  that fails reports its first error, but a message that another rank of the same launch already
-  printed is not printed again (every rank usually hits the same validation error).
+  that fails reports its first error, but a message that another rank of the same launch on the same
+  machine already printed is not printed again (every rank usually hits the same validation error;
+  a rank that fails because a peer failed reports the peer's line, under the peer's rank).
 * `redacted_output`: the scripts' stdout and stderr pass through `records.redact`, so a URL with
   credentials never reaches the console: not in errors, warnings, progress lines or tracebacks.
 """
@@ -24,6 +27,16 @@ class UserError(Exception):
     """Bad input or an impossible setting. The message is one line and says what to do."""
 
 
+class Fault(Exception):
+    """A fault of the run's surroundings (a lost peer, a full disk, a collective that timed out). The message is
+    one line and says what to do. `rank`: the rank whose line it is, when another rank raised it; `caused_by`:
+    the peer whose failure or disappearance this rank's failure follows."""
+
+    def __init__(self, message: str, rank: int | None = None, caused_by: int | None = None):
+        super().__init__(message)
+        self.rank, self.caused_by = rank, caused_by
+
+
 def one_line(error: BaseException) -> str:
     """The error's message, or its note when one was added (`add_note`), folded to one line."""
     notes = getattr(error, "__notes__", None)
@@ -32,10 +45,25 @@ def one_line(error: BaseException) -> str:
 
 
 def _launch_id(environ) -> str | None:
-    """Identifies one multi-process launch (the same on all its ranks), or None for a single process."""
+    """Identifies one multi-process launch on this machine (the same on all its local ranks), or None for a single
+    process. torchrun's run id is "none" and its port 29500 in every launch of a static rendezvous (what
+    `accelerate launch` starts), so the launcher process that started the ranks (their parent, with its start
+    time) tells one launch from the next."""
     if int(environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
-    return environ.get("TORCHELASTIC_RUN_ID") or f"{environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
+    parts = [environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR",
+                                                  "MASTER_PORT")]
+    return ":".join([*parts, _launcher_process()])
+
+
+def _launcher_process() -> str:
+    """This process's parent (torchrun's agent, mpirun's orted, slurmstepd) and when it started."""
+    parent = os.getppid()
+    try:
+        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: start time
+    except (OSError, IndexError):
+        started = ""
+    return f"{parent}@{started}"
 
 
 def first_to_report(message: str, environ=None) -> bool:
@@ -56,12 +84,27 @@ def first_to_report(message: str, environ=None) -> bool:
 
 def exit_with(error: BaseException, code: int = 2, environ=None) -> None:
     """Print `error: <message>` (once per distinct message across a launch's ranks) and exit with `code`."""
+    report(error, environ)
+    sys.exit(code)
+
+
+def report(error: BaseException, environ=None) -> None:
+    """`exit_with` without the exit: the line, said once, and told to the peers."""
     environ = os.environ if environ is None else environ
     message = redact(one_line(error))
+    tell_peers(message, getattr(error, "caused_by", None))
     if first_to_report(message, environ):
-        rank = f"(rank {environ['RANK']}) " if int(environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
+        origin = getattr(error, "rank", None)
+        origin = environ.get("RANK") if origin is None else origin
+        rank = f"(rank {origin}) " if int(environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
         print(f"error: {rank}{message}", file=sys.stderr, flush=True)
-    sys.exit(code)
+
+
+def tell_peers(message: str, caused_by: int | None = None) -> None:
+    """This rank's one line, for the other ranks of a multi-process run to name (trainscope.liveness)."""
+    from trainscope import liveness
+
+    liveness.publish_error(message, caused_by)
 
 
 class _RedactingStream(io.TextIOBase):
@@ -99,7 +142,8 @@ def redacted_output():
         yield
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException:
+    except BaseException as error:
+        tell_peers(one_line(error))
         traceback.print_exc()
         sys.stderr.flush()
         raise SystemExit(1) from None

@@ -177,6 +177,26 @@ def _sequence_length(view: RunView):
         return f"--max-seq-length {requested} is above the model's {limit} positions: sequences were truncated to {limit}"
 
 
+@register("checkpoint_skipped", "--resume passed over checkpoints it could not read and continued from an older one",
+          "keep --output-dir on a disk with room, and let saves finish (a killed or failed save is never used)",
+          at_start=True)
+def _checkpoint_skipped(view: RunView):
+    skipped = view.checkpoints_skipped
+    if skipped:
+        listed = "; ".join(f"{s['checkpoint']} ({s['problem']})" for s in skipped)
+        return (f"--resume could not use {listed}: it was removed and the run continued from an older checkpoint, "
+                "retraining the steps in between")
+
+
+@register("record_rebuilt", "the record of a resumed run was unreadable and began again from the checkpoint",
+          "do not edit record.json by hand; keep runs/ on a disk with room", at_start=True)
+def _record_rebuilt(view: RunView):
+    if view.record_rebuilt:
+        return (f"the run's record could not be read ({view.record_rebuilt}): the resumed run wrote a new one, so "
+                "it lacks what the earlier record said (its creation time, earlier resumes); the timing continues "
+                "from the checkpoint")
+
+
 @register("recompiles", "torch.compile recompiled during the run", "give torch.compile one input shape",
           ("--pad-to-max-length",))
 def _compile(view: RunView):

@@ -6,16 +6,25 @@ it down, so that every ending leaves a true record:
 * `complete`: the summary, the warnings, the end-of-run table.
 * `interrupted`: SIGINT (Ctrl-C), SIGTERM (torchrun stopping the survivors of a dead rank, SLURM or
   Kubernetes pre-emption) or SIGUSR1 (SLURM's warning before pre-emption, `#SBATCH --signal=USR1@120`).
-  Every rank handles them. The loop stops at the next boundary where the run's state is whole (before a
-  step's first micro-batch, after its optimizer step, between evaluation batches); with several
-  processes, the ranks first agree on the step (an asynchronous all-reduce on a CPU group, read one step
-  later: no rank stops while another waits in a collective, and no step waits for the vote). The record
-  gets the signal, the step reached and a partial summary; with --save-on-interrupt a checkpoint is
-  written first. The exit status is 128 + the signal (130 for SIGINT, 143 for SIGTERM). A second
-  signal (a second Ctrl-C) exits at once, marking the record interrupted without a summary.
-* `failed`: the one line the user read, the step reached and this rank's partial summary. A rank that
-  lost a peer (a collective error) names the rank that disappeared when it can tell (a process of the
-  same host that no longer exists); if the main process is the one gone, a surviving rank writes.
+  Every rank handles them; the handler only notes the signal, and the training thread says so at its
+  next boundary (a handler that printed could meet tqdm in the middle of its own write to stderr). The
+  loop stops at the next boundary where the run's state is whole (before a step's first micro-batch,
+  after its optimizer step, between evaluation batches); with several processes, the ranks first agree
+  on the step (an asynchronous all-reduce on a CPU group, read one boundary later: no rank stops while
+  another waits in a collective, and no step waits for the vote), at every step's end and between
+  evaluation batches, and once more, synchronously, before the run is declared complete, so that no
+  signal is lost. The record gets the signal, the step reached, the rank that received it and a partial
+  summary; with --save-on-interrupt a checkpoint is written first. The exit status is 128 + the signal
+  (130 for SIGINT, 143 for SIGTERM). A second signal (a second Ctrl-C) exits at once: the handler
+  writes a record prepared in advance by the training thread (interrupted, forced, no summary) with
+  system calls only, and leaves.
+* `failed`: the one line the user read, the step reached, the rank whose failure ended the run and this
+  rank's partial summary. A rank that fails publishes its line in the launcher's store; a rank that
+  loses a peer in a collective asks the store (trainscope.liveness) whether the peer failed (and names
+  its error), vanished (no heartbeat) or cannot be told ("unknown"), on any machine. If the main process
+  is the one gone, one surviving rank that sees the record, agreed through the store, writes. While the
+  run trains, the heartbeat thread writes the failure as soon as a peer fails or falls silent, so the
+  record says `failed` even when the training thread is stuck in a collective only a watchdog would end.
 
 Accelerate's own `set_trigger`/`check_trigger` agree across ranks too, but with a blocking all-reduce on
 the device at every check (a GPU sync per step); the vote here never stalls the device.
@@ -24,24 +33,31 @@ the device at every check (a GPU sync per step); the vote here never stalls the 
 import contextlib
 import os
 import signal
-import socket
 import sys
+import threading
 import time
 from dataclasses import asdict
-from pathlib import Path
+from datetime import timedelta
 
 import torch
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from trainscope import checkpoints, health, provenance, trackers
 from trainscope.data import dropped_rows_lines
 from trainscope.distributed import shut_down
-from trainscope.errors import one_line
-from trainscope.records import RunRecord, now_iso, read_record
+from trainscope.errors import Fault, one_line, report
+from trainscope.liveness import explain_collective_failure, lost_a_peer, root_cause
+from trainscope.records import RunRecord, now_iso, read_record, write_prepared
 from trainscope.run_metrics import table_lines
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# How long a watched peer may stay silent before the heartbeat thread writes the failure on its own. Longer
+# than a verdict's patience (a rank holding the GIL in a long C call misses beats), well inside the 30 s
+# torchrun gives the survivors between its SIGTERM and SIGKILL.
+WATCH_SILENCE_S = 10.0
+# What a record says of how a run ended (and of its latest resume), dropped when it is resumed.
+ENDING_KEYS = ("finished", "interruption", "error", "failed_at_step", "failed_rank", "lost_ranks", "summary", "warnings",
+               "record_rebuilt", "checkpoints_skipped")
 
 
 def exit_code(signum: int) -> int:
@@ -53,26 +69,32 @@ class Interrupted(Exception):
     """Raised at a boundary where the run's state is whole, once a stop signal has been received (and,
     with several processes, agreed on by every rank)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, rank: int = 0):
         super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        self.signum, self.rank = signum, rank
+
+
+# The forced exit's record is rendered in advance with these placeholders, filled in by the handler.
+_STEP_MARK, _FINISHED_MARK = "<trainscope:step>", "<trainscope:finished>"
 
 
 class StopSignals:
-    """SIGINT, SIGTERM and SIGUSR1 in this process: the first asks the run to stop; a second one, more than
-    DUPLICATE_S after the first, calls `at_once` (a launcher that forwards the terminal's Ctrl-C delivers
-    the same keystroke twice within milliseconds)."""
+    """SIGINT, SIGTERM and SIGUSR1 in this process. The handler only notes the first (the training thread
+    acts on it at its next boundary). A second one, more than DUPLICATE_S after the first (a launcher that
+    forwards the terminal's Ctrl-C delivers the same keystroke twice within milliseconds), exits at once:
+    a message and a record prepared by the training thread (`prepare`) are written with system calls only."""
 
     DUPLICATE_S = 1.0
 
-    def __init__(self, at_once):
-        self.at_once = at_once
+    def __init__(self):
         self.received: int | None = None
         self._first_at = None
         self._previous = {}
+        self._prepared = None  # (record path, {signal: record bytes with placeholders}, the step now)
+        self._messages = {s: f"\n{signal.Signals(s).name} again: exiting at once\n".encode() for s in STOP_SIGNALS}
 
     def install(self) -> None:
-        if not _main_thread():
+        if threading.current_thread() is not threading.main_thread():
             return
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
@@ -82,64 +104,104 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous = {}
 
+    def prepare(self, path, records: dict | None, step=None) -> None:
+        """What a forced exit writes: `records` by signal (bytes with the step and time left as placeholders)
+        and `step()`, the optimizer steps done; None: leave the record as it is (it already says how the run ended)."""
+        self._prepared = (str(path), records, step) if records else None
+
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received, self._first_at = signum, time.monotonic()
-            print(f"\n{signal.Signals(signum).name} received: stopping at the next step boundary and recording what "
-                  "was measured (send it again to exit at once)", file=sys.stderr, flush=True)
         elif time.monotonic() - self._first_at > self.DUPLICATE_S:
-            self.at_once(signum)
+            self._exit_at_once(signum)
+
+    def _exit_at_once(self, signum: int) -> None:
+        os.write(2, self._messages.get(signum, b"\nexiting at once\n"))
+        if self._prepared is not None:
+            path, records, step = self._prepared
+            finished = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()).encode()
+            data = records[signum].replace(f'"{_STEP_MARK}"'.encode(), str(step()).encode())
+            try:
+                write_prepared(path, data.replace(f'"{_FINISHED_MARK}"'.encode(), b'"' + finished + b'"'))
+            except OSError:
+                pass
+        os._exit(exit_code(signum))
 
 
-def _main_thread() -> bool:
-    import threading
+# The vote's value: the signal in the high bits, the lowest rank that received it in the low ones (MAX picks
+# the highest signal, and among the ranks that received it the lowest).
+_RANK_BITS = 24
 
-    return threading.current_thread() is threading.main_thread()
+
+def vote_value(signum: int, rank: int) -> int:
+    return (signum << _RANK_BITS) | ((1 << _RANK_BITS) - 1 - rank) if signum else 0
+
+
+def vote_of(value: int) -> tuple[int, int]:
+    """(signal, the lowest rank that received it) of an agreed vote value."""
+    return value >> _RANK_BITS, (1 << _RANK_BITS) - 1 - (value & ((1 << _RANK_BITS) - 1))
 
 
 class StopVote:
-    """Ranks agree on stopping without stalling a step: at the end of every optimizer step each rank posts
-    the signal it received (0 for none) in an asynchronous MAX all-reduce and reads the previous step's
-    result, which has long arrived. Every rank reads the same value at the same step. CPU tensors over a
-    gloo group: no device synchronization (a gloo group beside NCCL where the run's own group is NCCL)."""
+    """Ranks agree on stopping without stalling a step: at every boundary (an optimizer step's end, between
+    evaluation batches) each rank posts the signal it received (0 for none) in an asynchronous MAX all-reduce
+    and reads the previous boundary's result, which has long arrived. Every rank reads the same value at the
+    same boundary. CPU tensors over a gloo group: no device synchronization (a gloo group beside NCCL where the
+    run's own group is NCCL)."""
 
-    def __init__(self, backend: str | None):
+    def __init__(self, backend: str | None, timeout_s: float | None = None):
         import torch.distributed as dist
 
         self.dist = dist
-        self.group = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if backend not in (None, "gloo") else None
         self._pending = None
 
-    def post_and_read(self, local_signal: int) -> int:
-        agreed = 0
-        if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            agreed = int(flag.item())  # a CPU tensor: no device sync
-        flag = torch.tensor([local_signal], dtype=torch.int32)
+    def post_and_read(self, local: int) -> int:
+        agreed = self._read()
+        flag = torch.tensor([local], dtype=torch.int64)
         self._pending = (self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         return agreed
 
+    def _read(self) -> int:
+        if self._pending is None:
+            return 0
+        work, flag = self._pending
+        work.wait()
+        self._pending = None
+        return int(flag.item())  # a CPU tensor: no device sync
+
+    def conclude(self, local: int) -> int:
+        """The last vote, read: the pending one, and if it agreed on nothing, one more taken now (blocking,
+        once, at the run's end), so a signal received after the last boundary still stops the run."""
+        agreed = self._read()
+        if agreed:
+            return agreed
+        flag = torch.tensor([local], dtype=torch.int64)
+        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())
+
     def settle(self) -> None:
         """Wait for the last vote, so no collective is left in flight when the run ends."""
-        if self._pending is not None:
-            self._pending[0].wait()
-            self._pending = None
+        self._read()
 
 
 class RunLifecycle:
     def __init__(self, accelerator, started, plan: dict):
         self.accelerator, self.started, self.plan = accelerator, started, plan
         self.settings, self.run_dir = started.settings, started.run_dir
-        self.world = accelerator.num_processes
+        self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
-        self.vote = StopVote(accelerator.state.backend) if self.world > 1 else None
-        # Every rank's host and pid, to name a rank that disappears (one collective, at start).
-        self.peers = gather_object([(accelerator.process_index, socket.gethostname(), os.getpid())])
+        self.vote = StopVote(accelerator.state.backend, self.settings.distributed_timeout) if self.world > 1 else None
+        self.watch = started.watch
+        self._verdicts = {}  # the peers' states, asked of the store when a collective failed
         self.metrics = None
         self.progress = None
         self.saved_step = None  # the step of the last checkpoint written (the same on every rank)
-        self.signals = StopSignals(self._exit_at_once)
+        self._noticed = False
+        self._ended = False  # an ending has begun: the heartbeat thread no longer writes the record
+        self._ending_lock = threading.Lock()
+        self.signals = StopSignals()
         self.signals.install()  # from here to the end of ending(), or until open() fails
 
     # ---------------------------------------------------------------- opening
@@ -154,7 +216,7 @@ class RunLifecycle:
 
     def _open(self, metrics, model_facts: dict, data_facts: dict) -> None:
         self.metrics = metrics
-        resumed = checkpoints.load_latest(self.accelerator, self.run_dir) if self.settings.resume else None
+        resumed = checkpoints.load(self.accelerator, self.started.resume_from) if self.started.resume_from else None
         metrics.resume_from(resumed)
         env = metrics.environment()
         names = trackers.trackers_for(self.settings.report_to)
@@ -162,10 +224,13 @@ class RunLifecycle:
                                                           self.settings.tracker_group)
         if self.record:
             self._write_header(resumed, env, model_facts, data_facts, tracker_facts)
+            self._prepare_forced_exit()
             for warning in health.check(self.record.data, at_start=True):
                 print(f"warning [{warning['code']}]: {warning['message']}", flush=True)
             for line in dropped_rows_lines(data_facts.get("dropped_rows") or {}):
                 print(line, flush=True)
+        if self.watch is not None:  # the main process watches every peer; the others watch the main process
+            self.watch.watch(self._peer_lost, None if self.record else [0], silence_s=WATCH_SILENCE_S)
         if names:
             self.accelerator.init_trackers("trainscope", config=trackers.flat_config(asdict(self.settings)),
                                            init_kwargs=init_kwargs)
@@ -173,15 +238,35 @@ class RunLifecycle:
                              unit="step", disable=not self.accelerator.is_local_main_process)
 
     def _write_header(self, resumed, env, model_facts, data_facts, tracker_facts) -> None:
+        resume = {}
         if resumed:
-            self.record.data = read_record(self.run_dir)
+            try:
+                self.record.data = read_record(self.run_dir)
+            except ValueError as error:  # the checkpoint is whole: continue it, with a new record that says so
+                resume["record_rebuilt"] = one_line(error)
+            for key in ENDING_KEYS:  # how the part before ended: the resumed run says how it ends
+                self.record.data.pop(key, None)
             self.record.truncate_steps(after_step=resumed["step"])
+            resume["checkpoints_skipped"] = self.started.checkpoints_skipped or None
         self.record.update(
             run_name=self.run_dir.name, status="running", created=self.record.data.get("created", now_iso()),
             settings=asdict(self.settings), environment=env, provenance=provenance.collect(),
             model=model_facts, data=data_facts, trackers=tracker_facts, plan=self.plan,
             resumed_from=self.record.data.get("resumed_from", []) + ([resumed["checkpoint"]] if resumed else []),
+            **resume,
         )
+
+    def _prepare_forced_exit(self, **failure) -> None:
+        """The record a second signal writes (the handler may not build it): interrupted, forced, no summary; or,
+        once the run is failing, the failure."""
+        if failure:
+            records = {signum: self.record.render(status="failed", finished=_FINISHED_MARK, failed_at_step=_STEP_MARK,
+                                                  **failure) for signum in STOP_SIGNALS}
+        else:
+            records = {signum: self.record.render(status="interrupted", finished=_FINISHED_MARK, interruption={
+                "signal": signal.Signals(signum).name, "step": _STEP_MARK, "checkpoint": None, "forced": True,
+                "received_here": True, "received_by": self.rank}) for signum in STOP_SIGNALS}
+        self.signals.prepare(self.record.path, records, lambda: self.metrics.loop.step if self.metrics else 0)
 
     def batches(self, loader, epoch: int):
         """The epoch's batches, less those a resumed run already trained."""
@@ -191,11 +276,31 @@ class RunLifecycle:
 
     # ---------------------------------------------------------------- the loop's boundaries
 
+    def _notice(self) -> None:
+        """Say, once, from the training thread, that a signal was received (the handler does not print)."""
+        if self.signals.received and not self._noticed:
+            self._noticed = True
+            print(f"\n{signal.Signals(self.signals.received).name} received: stopping at the next step boundary "
+                  "and recording what was measured (send it again to exit at once)", file=sys.stderr, flush=True)
+
     def check(self) -> None:
         """A boundary inside the loop: a single process stops here if asked and its state is whole. With
-        several processes only the vote at a step's end stops the run (every rank at the same step)."""
+        several processes only the vote stops the run (every rank at the same boundary)."""
+        self._notice()
         if self.signals.received and self.world == 1 and self.metrics.loop.at_step_boundary:
             raise Interrupted(self.signals.received)
+
+    def between_batches(self) -> None:
+        """Between evaluation batches (the model is not changing): the same stop as at a step's end."""
+        self._notice()
+        if self.vote is not None:
+            self._vote(self.vote.post_and_read(vote_value(self.signals.received or 0, self.rank)))
+        else:
+            self.check()
+
+    def _vote(self, agreed: int) -> None:
+        if agreed:
+            raise Interrupted(*vote_of(agreed))
 
     def step_finished(self) -> None:
         """After an optimizer step: progress, the step line, a checkpoint when due, the stop vote."""
@@ -210,10 +315,9 @@ class RunLifecycle:
         every = self.settings.save_every
         if every and metrics.loop.step % every == 0 and not metrics.done:
             self.save_checkpoint()
+        self._notice()
         if self.vote is not None:
-            agreed = self.vote.post_and_read(self.signals.received or 0)
-            if agreed:
-                raise Interrupted(agreed)
+            self._vote(self.vote.post_and_read(vote_value(self.signals.received or 0, self.rank)))
         else:
             self.check()
 
@@ -238,68 +342,185 @@ class RunLifecycle:
         try:
             yield
         except Interrupted as stop:
-            self._interrupted(stop.signum)
+            try:
+                self._interrupted(stop.signum, stop.rank)
+            except BaseException as error:  # while it stopped: a peer lost in the last collectives
+                self._raise_failed(error)
             raise SystemExit(exit_code(stop.signum)) from None
         except BaseException as error:
-            self._failed(error)
-            raise
+            self._raise_failed(error)
         finally:
             self.signals.restore()
 
+    def _raise_failed(self, error: BaseException):
+        raised = self._failed(error)
+        if raised is error:
+            raise error
+        raise raised from None
+
+    def _begin_ending(self) -> None:
+        """From here the training thread alone writes the record (the heartbeat thread stops watching)."""
+        with self._ending_lock:
+            self._ended = True
+        if self.watch is not None:
+            self.watch.quiet()
+
     def finish(self, test_scores: dict) -> dict:
-        """Summarize every rank, write the complete record, print the table, end trackers and the group."""
+        """Read the last stop vote; summarize every rank, write the complete record, print the table, end
+        trackers and the group."""
         self.progress.close()
+        self._notice()
         if self.vote is not None:
-            self.vote.settle()
-        result, warnings = self.metrics.summarize(test_scores)
+            self._vote(self.vote.conclude(vote_value(self.signals.received or 0, self.rank)))
+        elif self.signals.received:
+            raise Interrupted(self.signals.received)
+        self._begin_ending()
+        result, _ = self.metrics.summarize(test_scores)
         if self.record:
-            self.record.update(status="complete", finished=now_iso(), summary=result, warnings=warnings)
+            self._forget_a_failure_the_run_outlived()
+            self.record.update(status="complete", finished=now_iso(), summary=result,
+                               warnings=self._warnings(self.record, result))
+            self.signals.prepare(self.record.path, None)  # complete stays complete, whatever comes now
             print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)
+        late = self.signals.received
         shut_down(self.accelerator)
+        self._stop_watch()
+        if late and not self._noticed:  # after every rank had agreed the run was complete
+            print(f"{signal.Signals(late).name} received after the run completed: its record is complete",
+                  file=sys.stderr, flush=True)
         return result
 
-    def _interrupted(self, signum: int) -> None:
+    def _forget_a_failure_the_run_outlived(self) -> None:
+        """The heartbeat thread wrote a failure (a peer silent for long, busy in a long call), yet every rank reached
+        this ending together: the failure was not one."""
+        with self.record.lock:
+            for key in ("error", "failed_at_step", "failed_rank", "lost_ranks"):
+                self.record.data.pop(key, None)
+
+    def _stop_watch(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+
+    def _interrupted(self, signum: int, by: int) -> None:
+        self._begin_ending()
+        self._notice()
         name, step = signal.Signals(signum).name, self.metrics.loop.step if self.metrics else 0
         if self.progress is not None:
             self.progress.close()
-        checkpoint = None
+        checkpoint, unsaved = None, None
         if self.settings.save_on_interrupt and self.metrics is not None and step > 0:
-            checkpoint = self.save_checkpoint()
+            try:
+                checkpoint = self.save_checkpoint()
+            except Fault as error:  # a full disk: the run still stops as asked, and says what was not kept
+                unsaved = error
         if self.vote is not None:
             self.vote.settle()
-        result, warnings = self._partial_summary(gather=True)
+        result, _ = self._partial_summary(gather=True)
         interruption = {"signal": name, "step": step, "checkpoint": checkpoint,
-                        "received_here": self.signals.received == signum}
+                        "received_here": self.signals.received == signum, "received_by": by,
+                        **({"checkpoint_error": one_line(unsaved)} if unsaved else {})}
         if self.record and self.record.path.exists():
-            self.record.update(status="interrupted", finished=now_iso(), interruption=interruption,
-                               **({"summary": result, "warnings": warnings} if result else {}))
+            self._forget_a_failure_the_run_outlived()
+            self._write(self.record, status="interrupted", finished=now_iso(), interruption=interruption,
+                        **({"summary": result, "warnings": self._warnings(self.record, result)} if result else {}))
+            self.signals.prepare(self.record.path, None)  # written whole: a forced exit now leaves it so
             if result:
                 print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)
             resume = (f"; continue with --resume --run-name {self.run_dir.name}" if checkpoint else
                       "" if self.settings.save_on_interrupt else "; --save-on-interrupt would have kept a checkpoint")
             print(f"interrupted by {name} after optimizer step {step}: the record says so "
                   f"({self.run_dir / 'record.json'}){resume}", file=sys.stderr, flush=True)
+        if unsaved is not None:
+            report(unsaved)
         shut_down(self.accelerator, wait=False)
+        self._stop_watch()
 
-    def _failed(self, error: BaseException) -> None:
-        """Mark the run failed with the error's one line, the step reached and this rank's partial summary.
-        Out of memory gets a note naming the batch size and what to try (the user's one line)."""
+    def _failed(self, error: BaseException) -> BaseException:
+        """Mark the run failed with the error's one line, the step reached, the rank it comes from and this
+        rank's partial summary; returns what the caller raises (the error, or its one-line Fault). Out of
+        memory gets a note naming the batch size and what to try (the user's one line)."""
+        self._begin_ending()
         step = self.metrics.loop.step if self.metrics else 0
         if isinstance(error, torch.OutOfMemoryError):
             error.add_note(f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
                            f"{step + 1}): halve it and double --gradient-accumulation-steps, or add "
                            "--gradient-checkpointing, a bf16/fp16 config or --lora")
-        lost = self._lost_peers() if self.world > 1 and lost_a_peer(error) else []
-        if lost:
-            error.add_note(f"{', '.join(lost)} disappeared: {one_line(error)}")
+        if lost_a_peer(error):
+            raised, failure = self._collective_failure(error)
+        else:
+            raised, failure = error, {"error": one_line(error), "failed_rank": self.rank, "lost_ranks": None}
+            if self.watch is not None:
+                self.watch.publish_error(one_line(error))  # before anything that could hang: the peers name it
         if self.progress is not None:
             self.progress.close()
-        record = self.record or self._record_of_a_lost_main(lost)
+        record = self.record or self._record_of_a_lost_main()
+        if self.record is not None:
+            self._prepare_forced_exit(**failure)
         if record is not None and record.path.exists():
-            result, warnings = self._partial_summary(gather=False)
-            record.update(status="failed", finished=now_iso(), error=one_line(error), failed_at_step=step,
-                          lost_ranks=lost or None, **({"summary": result, "warnings": warnings} if result else {}))
+            result, _ = self._partial_summary(gather=False)
+            self._write(record, status="failed", finished=now_iso(), failed_at_step=step, **failure,
+                        **({"summary": result, "warnings": self._warnings(record, result)} if result else {}))
+            self.signals.prepare(record.path, None)
         shut_down(self.accelerator, wait=False)
+        if self.watch is not None:
+            self.watch.publish_error(one_line(raised), getattr(raised, "caused_by", None))
+        self._stop_watch()
+        return raised
+
+    def _collective_failure(self, error: BaseException) -> tuple[BaseException, dict]:
+        """A collective failed: which peer ended the run, and how, asked of the launcher's store."""
+        self._verdicts = self.watch.verdicts() if self.watch is not None else {}
+        return explain_collective_failure(error, self._verdicts, self.settings.distributed_timeout)
+
+    def _record_of_a_lost_main(self) -> RunRecord | None:
+        """When the main process vanished, one surviving rank that sees its record (the first to claim it in the
+        store) writes the failure; none when the main process is alive or failed (it writes its own)."""
+        main = self._verdicts.get(0)
+        if self.watch is None or main is None or main.state != "vanished":
+            return None
+        return self._claim_record()
+
+    def _claim_record(self) -> RunRecord | None:
+        if not (self.run_dir / "record.json").exists() or not self.watch.claim("record"):
+            return None
+        record = RunRecord(self.run_dir)
+        try:
+            record.data = read_record(self.run_dir)
+        except ValueError:
+            return None
+        return record
+
+    def _peer_lost(self, verdicts) -> None:
+        """From the heartbeat thread, while the run trains: a watched peer failed or went silent. The failure is
+        written now -- the training thread may be stuck in a collective that only the NCCL watchdog would end --
+        and written again, with the partial summary, when the training thread reaches its own ending."""
+        cause = root_cause(verdicts)
+        with self._ending_lock:
+            if self._ended or cause is None:
+                return
+            record = self.record
+            if record is None:
+                if cause.rank != 0 or cause.state != "vanished":
+                    return
+                record = self._claim_record()
+                if record is None:
+                    return
+            line = f"rank {cause.rank} failed: {cause.error}" if cause.state == "failed" else cause.describe()
+            self._write(record, status="failed", finished=now_iso(), error=line,
+                        failed_at_step=self.metrics.loop.step if self.metrics else 0, failed_rank=cause.rank,
+                        lost_ranks=[v.name for v in verdicts if v.state == "vanished"] or None)
+
+    @staticmethod
+    def _warnings(record: RunRecord, summary: dict) -> list[dict]:
+        """The run's warnings, from the whole record (a resume's skipped checkpoints included) and its summary."""
+        return health.check({**record.data, "summary": summary})
+
+    def _write(self, record: RunRecord, **fields) -> None:
+        """A record update on an ending path: a full disk there says so in one line instead of hiding the cause."""
+        try:
+            record.update(**fields)
+        except OSError as error:
+            print(f"warning: the record could not be updated ({one_line(error)})", file=sys.stderr, flush=True)
 
     def _partial_summary(self, gather: bool) -> tuple[dict | None, list]:
         """What was measured so far; this rank's alone when the ranks cannot all be reached."""
@@ -312,63 +533,3 @@ class RunLifecycle:
                 return self._partial_summary(gather=False)
             print(f"warning: no partial summary ({one_line(error)})", file=sys.stderr, flush=True)
             return None, []
-
-    def _lost_peers(self, patience_s: float = 2.0) -> list[str]:
-        """Ranks of this host whose process no longer exists ('rank 1 (pid 4242)'). A killed process closes its
-        sockets while it is still exiting, so the connection error can come first: look again for a moment."""
-        here, me = socket.gethostname(), self.accelerator.process_index
-        deadline = time.monotonic() + patience_s
-        while True:
-            lost = [f"rank {rank} (pid {pid})" for rank, host, pid in self.peers
-                    if rank != me and host == here and not _alive(pid)]
-            if lost or time.monotonic() > deadline:
-                return lost
-            time.sleep(0.1)
-
-    def _record_of_a_lost_main(self, lost: list[str]) -> RunRecord | None:
-        """When the main process is the one gone, the lowest surviving rank of its host writes the failure."""
-        main_pid = next(pid for rank, _, pid in self.peers if rank == 0)
-        survivors = [rank for rank, host, pid in self.peers if host == socket.gethostname() and _alive(pid)]
-        if _alive(main_pid) or not survivors or min(survivors) != self.accelerator.process_index:
-            return None
-        record = RunRecord(self.run_dir)
-        try:
-            record.data = read_record(self.run_dir)
-        except ValueError:
-            return None
-        return record
-
-    def _exit_at_once(self, signum: int) -> None:
-        """A second signal: mark the record interrupted (no summary) and leave without cleaning up."""
-        if self.record is not None and self.record.path.exists():
-            self.record.update(status="interrupted", finished=now_iso(), interruption={
-                "signal": signal.Signals(signum).name, "step": self.metrics.loop.step if self.metrics else 0,
-                "checkpoint": None, "forced": True})
-        print(f"\n{signal.Signals(signum).name} again: exiting at once", file=sys.stderr, flush=True)
-        os._exit(exit_code(signum))
-
-
-def lost_a_peer(error: BaseException) -> bool:
-    """Whether an error is a collective that lost its peers (a closed connection, a timeout), as gloo and NCCL
-    report it, rather than one every rank raised alike (a non-finite loss, out of memory)."""
-    if isinstance(error, getattr(torch.distributed, "DistError", ())):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(word in text for word in ("connection", "gloo", "nccl", "timed out",
-                                                                              "timeout", "broken pipe"))
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process exists and is not a zombie (a killed rank stays one until its launcher reaps it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

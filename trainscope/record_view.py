@@ -35,6 +35,16 @@ class RunView:
         return self.record.get("finished") or ""
 
     @property
+    def checkpoints_skipped(self) -> list[dict]:
+        """Checkpoints --resume found unusable and passed over ({checkpoint, problem}), at the latest resume."""
+        return self.record.get("checkpoints_skipped") or []
+
+    @property
+    def record_rebuilt(self) -> str | None:
+        """Why the record a resumed run continued could not be read (the run then began a new one)."""
+        return self.record.get("record_rebuilt")
+
+    @property
     def settings(self) -> dict:
         return self.record.get("settings") or {}
 

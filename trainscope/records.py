@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import threading
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -83,6 +84,29 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def write_prepared(path: str, data: bytes) -> None:
+    """Replace the file `path` with `data` rendered earlier, with system calls only: no Python file object,
+    lock or allocation the interrupted code might be in the middle of, so a signal handler may call it. The
+    interrupted code's own unfinished temporary copies of the file are removed."""
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}.prepared")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    for leftover in os.listdir(folder or "."):
+        if leftover.startswith(f".{name}.{os.getpid()}."):
+            try:
+                os.unlink(os.path.join(folder, leftover))
+            except OSError:
+                pass
+
+
 def write_json_atomic(path: Path, data) -> None:
     _write_atomic(path, json.dumps(scrub(data), indent=2, sort_keys=False, default=str) + "\n")
 
@@ -98,6 +122,7 @@ class RunRecord:
         self.directory = Path(directory)
         self.data: dict = {"schema_version": SCHEMA_VERSION}
         self._secrets = secret_values()
+        self.lock = threading.RLock()  # the heartbeat thread may write a failure while the training thread writes
 
     @property
     def path(self) -> Path:
@@ -108,8 +133,14 @@ class RunRecord:
         return self.directory / STEPS_FILE
 
     def update(self, **fields) -> None:
-        self.data.update(fields)
-        write_json_atomic(self.path, self.data)
+        with self.lock:
+            self.data.update(fields)
+            write_json_atomic(self.path, self.data)
+
+    def render(self, **fields) -> bytes:
+        """The record as it would be written with `fields`, without writing it (for `write_prepared`)."""
+        with self.lock:
+            return (json.dumps(scrub({**self.data, **fields}, self._secrets), indent=2, default=str) + "\n").encode()
 
     def append_step(self, line: dict) -> None:
         """One write call per line on an append-only descriptor: a kill loses at most this line."""

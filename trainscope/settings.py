@@ -194,6 +194,13 @@ class Settings:
         default=3, help="Times each DDP bucket's all-reduce is timed alone after training (the transfer figure; the "
         "median over them is kept)."
     )
+    distributed_timeout: int = HfArg(
+        default=600,
+        help="Seconds a collective (an all-reduce, a barrier, a checkpoint's wait for rank 0) may wait for the other "
+        "processes before the run fails saying so (torch.distributed's timeout; NCCL's watchdog aborts at it). Raise it "
+        "when rank 0 needs longer than this to write a checkpoint of a large model. A peer that dies is named within "
+        "seconds whatever this says (heartbeats in the launcher's store).",
+    )
 
     # ---- output ----
     output_dir: str = HfArg(default="runs", help="Where run records go: <output-dir>/<run-name>/.")
@@ -247,6 +254,7 @@ class Settings:
             "memory-snapshot-steps": self.memory_snapshot_steps,
             "memory-every": self.memory_every,
             "communication-samples": self.communication_samples,
+            "distributed-timeout": self.distributed_timeout,
         }
         for flag, value in positive.items():
             if value is not None and value <= 0:

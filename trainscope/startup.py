@@ -5,20 +5,26 @@ Every script that trains calls `start` first, so all of them run under the same 
 (the same thread budget above all: `accelerate launch` alone would give each process one thread).
 """
 
+import contextlib
 import dataclasses
 import math
 import os
 import shutil
-from dataclasses import dataclass
-from datetime import datetime
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelKwargs, ProjectConfiguration,
-                              TorchDynamoPlugin, broadcast_object_list, parse_flag_from_env, set_seed)
+                              TorchDynamoPlugin, broadcast_object_list, gather_object, parse_flag_from_env, set_seed)
 
-from trainscope import environment, modeling, precision, trackers
+from trainscope import checkpoints, environment, modeling, precision, trackers
 from trainscope.errors import UserError
+from trainscope.liveness import PeerWatch
 from trainscope.settings import Settings
 
 
@@ -33,10 +39,15 @@ class Startup:
     requested_max_seq_length: int
     model_sequence_limit: int | None
     cpu_fallback: dict | None = None  # a multi-process launch without a usable GPU, run over gloo on the CPU
+    process_group: dict = field(default_factory=dict)  # how the process group was set up (timeout, device)
+    watch: PeerWatch | None = None  # peers' heartbeats and errors through the launcher's store (several processes)
+    resume_from: Path | None = None  # the checkpoint --resume continues from, chosen and checked at start
+    checkpoints_skipped: list = field(default_factory=list)  # newer checkpoints found unusable ({checkpoint, problem})
 
     def environment_facts(self) -> dict:
         return {"requested_max_seq_length": self.requested_max_seq_length,
-                "model_sequence_limit": self.model_sequence_limit, "cpu_fallback": self.cpu_fallback}
+                "model_sequence_limit": self.model_sequence_limit, "cpu_fallback": self.cpu_fallback,
+                "process_group": self.process_group or None}
 
 
 def configure_process(settings: Settings) -> dict:
@@ -48,7 +59,8 @@ def configure_process(settings: Settings) -> dict:
 
 def start(settings: Settings) -> Startup:
     fallback = cpu_fallback()
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator() reads it
+    state, group = open_process_group(settings, cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    watch = PeerWatch.start(state)  # from here a rank that fails is named by its peers, with its error
     environment.refuse_independent_runs(state.num_processes)
     threads = configure_process(settings)
     set_seed(settings.seed)
@@ -57,8 +69,108 @@ def start(settings: Settings) -> Startup:
     limit = modeling.sequence_limit(settings)
     if limit is not None and requested > limit:  # said by the max_seq_length_clamped warning when the run opens
         settings = dataclasses.replace(settings, max_seq_length=limit)
+    refuse_unshared_checkpoints(settings, state)
     run_dir = resolve_run_dir(settings, state)
-    return Startup(state, settings, threads, run_dir, requested, limit, fallback)
+    started = Startup(state, settings, threads, run_dir, requested, limit, fallback, group, watch)
+    if settings.resume:
+        started.resume_from, started.checkpoints_skipped = choose_checkpoint(run_dir, state)
+    return started
+
+
+def process_group_options(settings: Settings, cpu: bool, environ=None) -> dict:
+    """What `init_process_group` is given (through PartialState, which creates the group before the Accelerator):
+    the --distributed-timeout, and on CUDA the rank's own GPU as `device_id`, which binds the NCCL communicator
+    to it at once instead of guessing at the first collective. Nothing for a single process (no group)."""
+    environ = os.environ if environ is None else environ
+    if environment.launcher_world_size(environ) < 2:
+        return {}
+    options = {"timeout": timedelta(seconds=settings.distributed_timeout)}
+    if not cpu and _cuda():
+        options["device_id"] = torch.device("cuda", int(environ.get("LOCAL_RANK", "0") or 0))
+    return options
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+# With NCCL, a collective that outlives the timeout is caught by the watchdog thread, which in torchrun's
+# workers (it exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1) or by default (3) tears the process down without a
+# Python exception: no record would say so. 2 aborts the communicator only, and the error reaches the
+# training thread as an exception at its next collective or wait, where the run records `failed`. Another
+# value than torchrun's own 1 (0 or 3) is the user's and is kept.
+NCCL_ERROR_HANDLING = "2"
+LAUNCHER_NCCL_ERROR_HANDLING = ("", "1")
+
+
+def open_process_group(settings: Settings, cpu: bool, environ=None) -> tuple[PartialState, dict]:
+    """Accelerate's process state, its group opened with our options; returns it and what the record says of it."""
+    environ = os.environ if environ is None else environ
+    options = process_group_options(settings, cpu, environ)
+    if "device_id" in options and environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "") in LAUNCHER_NCCL_ERROR_HANDLING:
+        environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
+    state = PartialState(cpu=cpu, **options)  # as Accelerator() reads it; the Accelerator reuses this group
+    facts = {}
+    if options:
+        facts = {"timeout_s": settings.distributed_timeout,
+                 "device_id": str(options["device_id"]) if "device_id" in options else None,
+                 "nccl_async_error_handling": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") if "device_id" in options
+                 else None}
+    return state, facts
+
+
+def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ=None) -> None:
+    """On several machines, checkpoints need --output-dir on a filesystem they all share: each rank writes its
+    part of one folder, and --resume reads every part. Checked at start: the main process writes a marker that
+    every rank must see. Every rank refuses alike (before any other step that could make them disagree)."""
+    if environment.machine_count(environ) < 2 or state.num_processes < 2:
+        return
+    if not (settings.save_every or settings.save_on_interrupt or settings.resume):
+        return
+    output = Path(settings.output_dir)
+    shared = [f".trainscope-shared-{uuid.uuid4().hex}", str(output.absolute())]
+    broadcast_object_list(shared)  # the main process's marker, and its folder as it names it
+    marker, created = output / shared[0], not output.exists()
+    if state.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    state.wait_for_everyone()
+    seen = gather_object([(state.process_index, socket.gethostname(), _appears(marker))])
+    state.wait_for_everyone()
+    if state.is_main_process:
+        marker.unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):
+                output.rmdir()
+    blind = [f"rank {rank} on {host}" for rank, host, sees in seen if not sees]
+    if blind:
+        flags = "/".join(f for f, on in (("--save-every", settings.save_every), ("--save-on-interrupt",
+                                          settings.save_on_interrupt), ("--resume", settings.resume)) if on)
+        raise UserError(f"{flags} on several machines needs --output-dir on a filesystem they all share: "
+                        f"{', '.join(blind)} cannot see {shared[1]} as the main process writes it (each machine "
+                        "would keep only its own part of a checkpoint)")
+
+
+SHARED_WAIT_S = 5.0  # a network filesystem may show another machine's new file a moment late
+
+
+def _appears(path: Path) -> bool:
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def choose_checkpoint(run_dir: Path, state: PartialState) -> tuple[Path, list]:
+    """The checkpoint --resume continues from, checked on every rank before any data or model is loaded;
+    the newer ones found unusable are said, and removed once every rank has chosen."""
+    directory, skipped = checkpoints.choose(run_dir, state.num_processes)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        checkpoints.remove_unusable(run_dir, skipped)
+    return directory, skipped
 
 
 def cpu_fallback(environ=None) -> dict | None:
@@ -88,7 +200,7 @@ def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
         name = f"{model}-{dataset}-{precision_name}-{state.num_processes}p-{stamp[0]}"
     run_dir = Path(settings.output_dir) / name
     if settings.resume:
-        if not (run_dir / "checkpoints").is_dir() or not any((run_dir / "checkpoints").iterdir()):
+        if not any((run_dir / "checkpoints").glob("step_*")):
             raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every?)")
     elif run_dir.exists():
         if not settings.overwrite:
