@@ -99,17 +99,19 @@ def test_the_padding_bound_is_never_below_what_removing_the_padding_saves(seed):
     assert 0 < 1 - real / padded <= bound + 1e-12
 
 
-def test_evaluation_and_optimizer_rules_argue_from_kernel_launches_only_on_a_gpu():
+def test_the_evaluation_rule_argues_from_kernel_launches_only_on_a_gpu_and_the_fused_optimizer_on_both():
     evaluation_heavy = dict(run_shares={"eval": 0.4})
-    unfused = dict(shares={"optimizer": 0.3, "backward": 0.3}, model={"optimizer": {"name": "AdamW", "fused": False},
-                                                                      "shape": SHAPE})
-    assert advisor.advise(record(**evaluation_heavy)) == [] and advisor.advise(record(**unfused)) == []
+    unfused = dict(shares={"optimizer": 0.3, "backward": 0.3}, model={"optimizer": {"name": "AdamW", "fused": False,
+                                                                                    "foreach": True}, "shape": SHAPE})
+    assert advisor.advise(record(**evaluation_heavy)) == []
     gpu = {"environment__device": "cuda:0", "environment__device_name": "NVIDIA H100 80GB HBM3"}
     (evaluation,) = [s for s in advisor.advise(record(**evaluation_heavy, **gpu)) if s.rule == "evaluation"]
     assert evaluation.flags == ["--eval-batch-size", "128"] and evaluation.gain_kind == "estimate"
     assert "x1.25" in evaluation.factor
-    (optimizer,) = [s for s in advisor.advise(record(**unfused, **gpu)) if s.rule == "optimizer"]
-    assert optimizer.gain_kind == "estimate" and "x3" in optimizer.factor
+    for where in ({}, gpu):  # torch has a fused AdamW kernel for the CPU too
+        (optimizer,) = [s for s in advisor.advise(record(**unfused, **where)) if s.rule == "optimizer"]
+        assert optimizer.gain_kind == "estimate" and "x3" in optimizer.factor and "foreach" in optimizer.evidence
+        assert optimizer.flags == ["--optimizer-implementation", "fused"]
 
 
 def test_gpu_rules_precision_batch_and_memory_are_estimates():

@@ -20,6 +20,8 @@ API (stable; the step-time prediction reads it):
 * `machine_peak(device, shapes, ...) -> dict`: the record's block: every precision's rates and its peak.
 * `peak_of(block, precision) -> dict | None`: a block's peak for one precision (what a run's share is against).
 * `transformer_shapes(layers, hidden, intermediate, tokens)`: an encoder layer's forward GEMM shapes.
+* `matmul_rate(rates, shapes, weights)`: the rate of a set of shapes done one after the other (FLOP-weighted).
+* `cached(device, name, measure_now)`: another per-machine measurement cached beside the rates.
 
 The machine key: on a CPU the model name, a digest of its flags, torch's vector ISA, the torch version, the threads
 and the local processes; on a GPU its name, compute capability, driver, maximum and application SM clocks (from
@@ -172,22 +174,42 @@ def _entry(precision_name: str, shape: tuple) -> str:
     return f"{precision_name} {'x'.join(map(str, shape))}"
 
 
-def _read_cache(key: dict) -> dict:
+def _read_file(key: dict) -> dict:
     try:
         data = json.loads(_cache_path(key).read_text())
-        return data.get("rates", {}) if data.get("key") == key else {}
-    except (OSError, ValueError, AttributeError):
+        return data if isinstance(data, dict) and data.get("key") == key else {}
+    except (OSError, ValueError):
         return {}  # absent or unreadable: measured again, and rewritten whole
 
 
-def _store(key: dict, rates: dict[str, Rate]) -> None:
-    """Merge `rates` into the key's cache file (atomic; a concurrent writer's new entries may be lost: measured
-    again next time)."""
-    merged = {**_read_cache(key), **{name: r.to_dict() for name, r in rates.items()}}
+def _read_cache(key: dict, section: str = "rates") -> dict:
+    found = _read_file(key).get(section)
+    return found if isinstance(found, dict) else {}
+
+
+def _store(key: dict, rates: dict[str, Rate] | None = None, section: str = "rates", entries: dict | None = None) -> None:
+    """Merge `rates` (or `entries` of another section) into the key's cache file (atomic; a concurrent writer's new
+    entries may be lost: measured again next time)."""
+    data = _read_file(key) or {"key": key}
+    new = {name: r.to_dict() for name, r in (rates or {}).items()} if section == "rates" else (entries or {})
+    data[section] = {**(data.get(section) if isinstance(data.get(section), dict) else {}), **new}
     try:
-        write_json_atomic(_cache_path(key), {"key": key, "rates": merged})
+        write_json_atomic(_cache_path(key), data)
     except OSError:
         pass  # a read-only cache folder costs a measurement next time, nothing else
+
+
+def cached(device: torch.device, name: str, measure_now, processes: int | None = None, store: bool = True) -> dict:
+    """Another measurement of this machine at the run's threads -- one encoder layer profiled at the run's shapes
+    (trainscope.profiling.layer_breakdown) -- cached under `name` beside the matmul rates: from the cache, else
+    `measure_now()` (a JSON-able dict; None is not cached)."""
+    key = machine_key(device, processes=processes)
+    found = _read_cache(key, "probes").get(name)
+    if found is None:
+        found = measure_now()
+        if found is not None and store:
+            _store(key, section="probes", entries={name: {**found, "measured": now_iso()}})
+    return found
 
 
 # ---------------------------------------------------------------- measuring
@@ -317,6 +339,18 @@ def transformer_shapes(layers: int, hidden: int, intermediate: int, tokens: int)
     hidden, intermediate). `layers` does not change the shapes (every layer has the same)."""
     del layers
     return [(tokens, hidden, hidden), (tokens, intermediate, hidden), (tokens, hidden, intermediate)]
+
+
+TRANSFORMER_WEIGHTS = (4, 1, 1)  # Q, K, V and output projections share a shape; one feed-forward up, one down
+
+
+def matmul_rate(found: dict[tuple, Rate], shapes: list[tuple], weights=None) -> float | None:
+    """TFLOP/s of doing every shape (`weights[i]` times) once, one after the other: all their FLOPs over the sum of
+    their times at the measured rates (a FLOP-weighted harmonic mean)."""
+    weights = weights or (1,) * len(shapes)
+    flops = [w * 2 * s[0] * s[1] * s[2] for s, w in zip(shapes, weights)]
+    seconds = [f / (found[tuple(s)].tflops * 1e12) for f, s in zip(flops, shapes) if found[tuple(s)].tflops]
+    return sum(flops) / sum(seconds) / 1e12 if seconds and len(seconds) == len(shapes) else None
 
 
 def square(device: torch.device, environ=None) -> tuple:

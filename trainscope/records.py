@@ -19,8 +19,8 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMAS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_SCHEMAS = (1, 2, 3, 4)
 RECORD_FILE = "record.json"
 STEPS_FILE = "steps.jsonl"
 # What a complete record must hold for the readers (report, advisor, tune) to use it.
