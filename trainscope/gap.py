@@ -145,8 +145,10 @@ def rows(breakdown: dict, peak_tflops: float | None) -> list[dict]:
     window = breakdown["window_s"] or 0.0
     categories = breakdown["categories"]
     floor = breakdown["matmul_flops"] / (peak_tflops * 1e12) if peak_tflops else None
+    above = categories["matmul"] - floor if floor is not None else None
+    # below the floor the matmuls beat the measured peak: impossible, so not printed (above_measured_peak says why)
     out = [{"part": "matmuls at the measured peak (floor)", "seconds": floor},
-           {"part": "matmuls above the floor", "seconds": categories["matmul"] - floor if floor is not None else None}]
+           {"part": "matmuls above the floor", "seconds": above if above is None or above >= 0 else None}]
     out += [{"part": name, "seconds": categories[name]} for name in CATEGORIES if name != "matmul"]
     for row in out:
         row["share"] = row["seconds"] / window if row["seconds"] is not None and window else None
