@@ -422,10 +422,13 @@ def test_without_a_profile_the_gap_rules_are_estimates_from_one_layer_profiled_a
     assert "one encoder layer profiled apart at batch 32 x length 64" in found["dropout"].factor
 
 
-@pytest.mark.parametrize("rate,doubled,fires", [(0.05, 0.08, True), (0.05, 0.051, False)])
-def test_a_bigger_batch_is_suggested_where_the_matmuls_measured_faster_at_twice_the_tokens(rate, doubled, fires):
+@pytest.mark.parametrize("rate,doubled,spread,fires", [(0.05, 0.08, 0.1, True), (0.05, 0.051, 0.0, False),
+                                                     (0.05, 0.08, 0.3, False)])  # spreads overlap: not resolved
+def test_a_bigger_batch_is_suggested_where_the_matmuls_measured_faster_at_twice_the_tokens(rate, doubled, spread,
+                                                                                          fires):
     measured = {"peak_tflops": 0.1, "gap_estimate": {"floor_s": 4.0, "train_s": 9.8},
                 "run_shapes": {"tokens": 2048, "batch": 32, "length": 64, "tflops": rate, "tflops_doubled": doubled,
+                               "tflops_high": rate * (1 + spread), "tflops_doubled_low": doubled * (1 - spread),
                                "layer": None}}
     found = [s for s in advisor.advise(record(summary__measured_peak=measured, summary__wall_s=10.0))
              if s.rule == "batch_at_peak"]

@@ -387,13 +387,15 @@ def compile_fusion(view: RunView, found: dict | None) -> list[Suggestion]:
 
 def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
     """A bigger batch where this machine's matmuls measured faster at twice the run's tokens per micro-batch (its own
-    GEMM shapes, trainscope.peak): the matmul part of training at that measured factor (on a CPU; on a GPU the
-    memory-based rule `batch` speaks)."""
+    GEMM shapes, trainscope.peak), outside the two measurements' spreads: the matmul part of training at that
+    measured factor (on a CPU; on a GPU the memory-based rule `batch` speaks)."""
     measured = view.measured_peak or {}
     shapes, estimate = measured.get("run_shapes") or {}, measured.get("gap_estimate") or {}
     rate, doubled = shapes.get("tflops"), shapes.get("tflops_doubled")
     if view.on_cuda or not (rate and doubled and estimate.get("train_s")) or doubled / rate < BATCH_MIN_RATE_GAIN:
         return []
+    if (shapes.get("tflops_doubled_low") or doubled) <= (shapes.get("tflops_high") or rate):
+        return []  # the two rates' spreads overlap: not resolved
     matmul_s = estimate["floor_s"] * measured["peak_tflops"] / rate  # the model FLOPs at the run's measured rate
     train_share = estimate["train_s"] / (view.wall_s or estimate["train_s"])
     share = min(1.0, matmul_s / estimate["train_s"]) * train_share

@@ -344,12 +344,14 @@ def transformer_shapes(layers: int, hidden: int, intermediate: int, tokens: int)
 TRANSFORMER_WEIGHTS = (4, 1, 1)  # Q, K, V and output projections share a shape; one feed-forward up, one down
 
 
-def matmul_rate(found: dict[tuple, Rate], shapes: list[tuple], weights=None) -> float | None:
+def matmul_rate(found: dict[tuple, Rate], shapes: list[tuple], weights=None, which: str = "tflops") -> float | None:
     """TFLOP/s of doing every shape (`weights[i]` times) once, one after the other: all their FLOPs over the sum of
-    their times at the measured rates (a FLOP-weighted harmonic mean)."""
+    their times at the measured rates (a FLOP-weighted harmonic mean); `which`: "tflops" (the medians), "low" or
+    "high" (every shape at its slowest or fastest call: the spread of the whole)."""
     weights = weights or (1,) * len(shapes)
     flops = [w * 2 * s[0] * s[1] * s[2] for s, w in zip(shapes, weights)]
-    seconds = [f / (found[tuple(s)].tflops * 1e12) for f, s in zip(flops, shapes) if found[tuple(s)].tflops]
+    rates = [getattr(found[tuple(s)], which) for s in shapes]
+    seconds = [f / (r * 1e12) for f, r in zip(flops, rates) if r]
     return sum(flops) / sum(seconds) / 1e12 if seconds and len(seconds) == len(shapes) else None
 
 

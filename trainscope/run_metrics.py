@@ -282,9 +282,10 @@ class RunMetrics:
                                 processes=processes, store=store)
         except (RuntimeError, torch.OutOfMemoryError):
             return None
-        return {"batch": batch, "length": length, "tokens": batch * length, "layers": shape[0],
-                "tflops": peak.matmul_rate(found, shapes, peak.TRANSFORMER_WEIGHTS),
-                "tflops_doubled": peak.matmul_rate(found, doubled, peak.TRANSFORMER_WEIGHTS), "layer": layer}
+        rate = {f"{name}{suffix}": peak.matmul_rate(found, group, peak.TRANSFORMER_WEIGHTS, which)
+                for name, group in (("tflops", shapes), ("tflops_doubled", doubled))
+                for suffix, which in (("", "tflops"), ("_low", "low"), ("_high", "high"))}
+        return {"batch": batch, "length": length, "tokens": batch * length, "layers": shape[0], **rate, "layer": layer}
 
     def _compile_summary(self) -> dict | None:
         if not self.settings.compile:
