@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 
 from trainscope import health, launching
 from trainscope.flops import padding_flops_share, peak_tflops
-from trainscope.gap import CATEGORIES
 from trainscope.record_view import RunView
 
 MIN_GAIN = 1.02  # a gain below 2% is not worth a trial on a noisy machine

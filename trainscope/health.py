@@ -141,12 +141,14 @@ def _bf16_emulated(view: RunView):
           "train in fp32 on this CPU (accelerate_configs/cpu.yaml): its bf16 matmuls are not faster", at_start=True)
 def _bf16_not_faster(view: RunView):
     bf16 = view.cpu_bf16
-    if view.precision == "bf16" and view.on_cpu and bf16.get("faster") is False and bf16.get("native_by_flags") is not False:
+    native = bf16.get("native_by_flags")
+    if view.precision == "bf16" and view.on_cpu and bf16.get("faster") is False and native is not False:
         said = {True: f"although its flags list {', '.join(bf16.get('flags') or ['native bf16'])}",
-                None: "(its flags could not be read)"}[bf16.get("native_by_flags")]
-        return (f"bf16 matmuls on {view.device_name} {said} measured {bf16['speedup']:.2f}x fp32's at this run's threads "
-                f"(bf16 {(bf16.get('bf16_tflops') or 0) * 1e3:.0f} against fp32 {(bf16.get('fp32_tflops') or 0) * 1e3:.0f} "
-                "GFLOP/s): bf16 autocast is not buying speed here")
+                None: "(its flags could not be read)"}[native]
+        rates = [(bf16.get(k) or 0) * 1e3 for k in ("bf16_tflops", "fp32_tflops")]
+        return (f"bf16 matmuls on {view.device_name} {said} measured {bf16['speedup']:.2f}x fp32's at this run's "
+                f"threads (bf16 {rates[0]:.0f} against fp32 {rates[1]:.0f} GFLOP/s): bf16 autocast is not buying "
+                "speed here")
 
 
 @register("fp16_unavailable", "fp16 was requested but the device ran another precision",

@@ -187,7 +187,8 @@ def _read_cache(key: dict, section: str = "rates") -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _store(key: dict, rates: dict[str, Rate] | None = None, section: str = "rates", entries: dict | None = None) -> None:
+def _store(key: dict, rates: dict[str, Rate] | None = None, section: str = "rates",
+           entries: dict | None = None) -> None:
     """Merge `rates` (or `entries` of another section) into the key's cache file (atomic; a concurrent writer's new
     entries may be lost: measured again next time)."""
     data = _read_file(key) or {"key": key}

@@ -269,7 +269,8 @@ class RunMetrics:
         if not shape or not counts["samples"] or precision_name not in peak.precisions(device):
             return None
         batch = self.settings.per_device_batch_size
-        length = -(-counts["padded_tokens"] // counts["samples"] // 8) * 8 or 8  # mean padded length, up to a multiple of 8
+        # the mean padded length, up to a multiple of 8 (later runs of similar data hit the cache)
+        length = -(-counts["padded_tokens"] // counts["samples"] // 8) * 8 or 8
         shapes, doubled = (peak.transformer_shapes(*shape, tokens) for tokens in (batch * length, 2 * batch * length))
         store = self.accelerator.is_local_main_process
         dropout = modeling.dropout_facts(self.model_config)
@@ -297,7 +298,8 @@ class RunMetrics:
                 "recompiles": max(0, stats["graphs"] - first - self._evaluation_graphs) if first is not None else None}
 
 
-def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str, run_shapes: dict | None = None) -> dict | None:
+def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str,
+                  run_shapes: dict | None = None) -> dict | None:
     """The run against its machine's measured matmul peak for the precision in effect: the achieved model TFLOP/s
     (PaLM) per device as a share of that peak -- named apart from the datasheet MFU -- the gap estimate without a
     profile (trainscope.gap.estimate), and the rates and the layer measured at the run's own shapes (`run_shapes`).
