@@ -422,21 +422,32 @@ def test_without_a_profile_the_gap_rules_are_estimates_from_one_layer_profiled_a
     assert "one encoder layer profiled apart at batch 32 x length 64" in found["dropout"].factor
 
 
-@pytest.mark.parametrize("rate,doubled,spread,fires", [(0.05, 0.08, 0.1, True), (0.05, 0.051, 0.0, False),
-                                                     (0.05, 0.08, 0.3, False)])  # spreads overlap: not resolved
-def test_a_bigger_batch_is_suggested_where_the_matmuls_measured_faster_at_twice_the_tokens(rate, doubled, spread,
-                                                                                          fires):
+@pytest.mark.parametrize("rate,doubled,spread,optimizer,resolved", [
+    (0.05, 0.08, 0.1, 0.0, True),     # the matmuls alone
+    (0.05, 0.08, 0.3, 0.0, False),    # their spreads overlap: not resolved, and nothing else to gain
+    (0.05, 0.051, 0.0, 0.2, False),   # the optimizer's share alone: a fifth of the run, half as often
+    (0.05, 0.08, 0.1, 0.2, True),     # both
+])
+def test_a_bigger_batch_counts_faster_matmuls_at_twice_the_tokens_and_half_the_optimizer_steps(
+        rate, doubled, spread, optimizer, resolved):
     measured = {"peak_tflops": 0.1, "gap_estimate": {"floor_s": 4.0, "train_s": 9.8},
                 "run_shapes": {"tokens": 2048, "batch": 32, "length": 64, "tflops": rate, "tflops_doubled": doubled,
                                "tflops_high": rate * (1 + spread), "tflops_doubled_low": doubled * (1 - spread),
                                "layer": None}}
-    found = [s for s in advisor.advise(record(summary__measured_peak=measured, summary__wall_s=10.0))
-             if s.rule == "batch_at_peak"]
-    assert bool(found) is fires
-    if fires:
-        share = 4.0 * 0.1 / rate / 9.8 * 0.98  # the model's matmuls at the run's rate, of the run
-        assert found[0].gain == pytest.approx(1 / (1 - share + share / (doubled / rate)))
+    planted = record(run_shares={"optimizer": optimizer}, summary__measured_peak=measured, summary__wall_s=10.0)
+    found = [s for s in advisor.advise(planted) if s.rule == "batch_at_peak"]
+    matmul_share = 4.0 * 0.1 / rate / 9.8 * 0.98  # the model's matmuls at the run's rate, of the run
+    saved = (matmul_share * (1 - rate / doubled) if resolved else 0.0) + optimizer / 2
+    assert bool(found) is (saved > 0)
+    if found:
+        assert found[0].gain == pytest.approx(1 / (1 - saved)) and found[0].gain_kind == "estimate"
         assert found[0].flags == ["--per-device-batch-size", "64"] and "effective batch doubles" in found[0].changes_result
+    accumulating = plant(planted, settings__gradient_accumulation_steps=2)  # same effective batch: same steps
+    found = [s for s in advisor.advise(accumulating) if s.rule == "batch_at_peak"]
+    assert bool(found) is resolved
+    if found:
+        assert found[0].flags == ["--per-device-batch-size", "64", "--gradient-accumulation-steps", "1"]
+        assert found[0].changes_result is None
 
 
 @pytest.mark.parametrize("native,speedup,fires", [(False, 2.2, True), (True, 0.9, False), (None, 3.0, True)])

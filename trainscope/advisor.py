@@ -385,33 +385,45 @@ def compile_fusion(view: RunView, found: dict | None) -> list[Suggestion]:
 
 
 def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
-    """A bigger batch where this machine's matmuls measured faster at twice the run's tokens per micro-batch (its own
-    GEMM shapes, trainscope.peak), outside the two measurements' spreads: the matmul part of training at that
-    measured factor (on a CPU; on a GPU the memory-based rule `batch` speaks)."""
+    """A doubled per-device batch, on two pieces of evidence (on a CPU; on a GPU the memory-based rule `batch`
+    speaks): the matmuls at the run's own GEMM shapes against twice the tokens per micro-batch, measured on this
+    machine (trainscope.peak) and counted only outside the two rates' spreads; and, where the effective batch
+    doubles (no accumulation to halve), the optimizer stage's measured share, paid once per step and so half as often
+    for the same samples. An estimate: the matmul part is the model FLOPs at the run's measured rate."""
     measured = view.measured_peak or {}
     shapes, estimate = measured.get("run_shapes") or {}, measured.get("gap_estimate") or {}
     rate, doubled = shapes.get("tflops"), shapes.get("tflops_doubled")
-    if view.on_cuda or not (rate and doubled and estimate.get("train_s")) or doubled / rate < BATCH_MIN_RATE_GAIN:
+    if view.on_cuda or not (rate and doubled and estimate.get("train_s")):
         return []
-    if (shapes.get("tflops_doubled_low") or doubled) <= (shapes.get("tflops_high") or rate):
-        return []  # the two rates' spreads overlap: not resolved
+    batch, steps = view.setting("per_device_batch_size"), view.setting("gradient_accumulation_steps", 1)
+    halves_accumulation = steps % 2 == 0
+    resolved = (doubled / rate >= BATCH_MIN_RATE_GAIN
+                and (shapes.get("tflops_doubled_low") or doubled) > (shapes.get("tflops_high") or rate))
+    factor = doubled / rate if resolved else 1.0
     matmul_s = estimate["floor_s"] * measured["peak_tflops"] / rate  # the model FLOPs at the run's measured rate
     train_share = estimate["train_s"] / (view.wall_s or estimate["train_s"])
-    share = min(1.0, matmul_s / estimate["train_s"]) * train_share
-    batch, steps = view.setting("per_device_batch_size"), view.setting("gradient_accumulation_steps", 1)
-    flags = ["--per-device-batch-size", str(2 * batch)] + (["--gradient-accumulation-steps", str(steps // 2)]
-                                                           if steps % 2 == 0 else [])
-    gain = amdahl(share, doubled / rate)
+    matmul_share = min(1.0, matmul_s / estimate["train_s"]) * train_share
+    optimizer_share = 0.0 if halves_accumulation else view.shares("run").get("optimizer", 0.0)
+    saved = matmul_share * (1 - 1 / factor) + optimizer_share / 2
+    gain = 1.0 / max(1e-9, 1.0 - saved)
     if gain < MIN_GAIN:
         return []
-    text = (f"matmuls at the run's shapes ({shapes['tokens']} tokens per micro-batch: batch {shapes['batch']} x "
-            f"{shapes['length']}) measured {rate * 1e3:.0f} GFLOP/s, at twice the tokens {doubled * 1e3:.0f} GFLOP/s "
-            f"(peak {measured['peak_tflops'] * 1e3:.0f}); the model's matmuls at that rate are {share:.0%} of the run")
+    flags = ["--per-device-batch-size", str(2 * batch)] + (["--gradient-accumulation-steps", str(steps // 2)]
+                                                           if halves_accumulation else [])
+    parts = [f"matmuls at the run's shapes ({shapes['tokens']} tokens per micro-batch: batch {shapes['batch']} x "
+             f"{shapes['length']}) measured {rate * 1e3:.0f} GFLOP/s, at twice the tokens {doubled * 1e3:.0f} GFLOP/s"
+             + ("" if resolved else " (not apart from the first: counted as no faster)")
+             + f"; the model's matmuls at that rate are {matmul_share:.0%} of the run"]
+    if optimizer_share:
+        parts.append(f"the optimizer stage is {optimizer_share:.1%} of the run, once per step")
+    factors = [f"the matmuls x{factor:.2f}, measured at twice the tokens" if resolved else None,
+               "the optimizer half as often (one step per twice the samples)" if optimizer_share else None]
     return [Suggestion("batch_at_peak", f"double the per-device batch to {2 * batch}" +
-                       (" and halve accumulation" if steps % 2 == 0 else ""), text, flags, gain=gain,
-                       gain_kind="estimate", factor=f"the matmuls x{doubled / rate:.2f}, measured at twice the tokens",
-                       confidence="low", changes_result=None if steps % 2 == 0 else
-                       "the effective batch doubles (the learning rate is not scaled)")]
+                       (" and halve accumulation" if halves_accumulation else ""), "; ".join(parts), flags,
+                       gain=gain, gain_kind="estimate", factor="; ".join(f for f in factors if f), confidence="low",
+                       changes_result=None if halves_accumulation else
+                       "the effective batch doubles and the optimizer takes half the steps (the learning rate is "
+                       "not scaled)")]
 
 
 GAP_RULES = [attention_kernel, dropout, compile_fusion, batch_at_peak]
