@@ -230,7 +230,8 @@ def cpu_precision(view: RunView) -> list[Suggestion]:
         measured = (f"a {bf16.get('size')}x{bf16.get('size')} matmul at {bf16.get('threads')} threads ran "
                     f"{speedup:.2f}x faster in bf16 autocast than fp32 here")
     flags = (f"flags {', '.join(bf16['flags'])}" if bf16.get("flags") else
-             "no native-bf16 flag listed" if bf16.get("native_by_flags") is False else "flags unread")
+             {True: "native bf16 by its flags", False: "no native-bf16 flag listed", None: "flags unread"}[
+                 bf16.get("native_by_flags")])
     return [Suggestion("cpu_precision", "train in bf16 autocast (accelerate_configs/bf16.yaml): this CPU computes "
                        "bf16 faster than fp32", f"{view.env.get('cpu_capability')} ({flags}); {measured}; forward, "
                        f"backward and evaluation take {compute:.0%} of the wall time", config="bf16",
