@@ -273,6 +273,8 @@ def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops
                 len(times) < MIN_CALLS or first + sum(times) < SHAPE_BUDGET_S):
             times.append(_call_seconds(device, a, b))
         del a, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the operands' blocks back: the run's reserved-memory peak is not the benchmark's
     rates = [flops / t / 1e12 for t in times]
     return Rate(precision_name, tuple(shape), statistics.median(rates), min(rates), max(rates), len(times), now_iso(),
                 time.perf_counter() - started)

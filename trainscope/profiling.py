@@ -222,6 +222,9 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
             found = gap.categorize(profiler.events(), device.type == "cuda", ("forward", "backward"))
     except (RuntimeError, TypeError, ValueError):  # a block that wants more than hidden states (or FSDP shards)
         return None
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the copy's blocks back to the device
     return {**found, "batch": batch, "length": length, "width": width, "precision": precision_name}
 
 
