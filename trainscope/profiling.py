@@ -200,26 +200,30 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
     if width is None:
         return None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-    generator = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(batch, length, width, device=device, generator=generator, requires_grad=True)
-    try:
+
+    def profiled() -> dict:  # its tensors are freed when it returns
+        generator = torch.Generator(device=device).manual_seed(0)
+        hidden = torch.randn(batch, length, width, device=device, generator=generator, requires_grad=True)
         probe = copy.deepcopy(layer).to(device).train()
+
+        def step():
+            with record_function("forward"), (torch.autocast(device.type, dtype=dtype) if dtype
+                                              else contextlib.nullcontext()):
+                out = probe(hidden)
+                out = out[0] if isinstance(out, tuple) else out
+            with record_function("backward"):
+                out.float().sum().backward()
+
+        step()  # warm-up: kernels chosen, memory allocated
+        with torch.profiler.profile(activities=_activities(device), with_flops=True) as profiler:
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return gap.categorize(profiler.events(), device.type == "cuda", ("forward", "backward"))
+
+    try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-
-            def step():
-                with record_function("forward"), autocast:
-                    out = probe(hidden)
-                    out = out[0] if isinstance(out, tuple) else out
-                with record_function("backward"):
-                    out.float().sum().backward()
-
-            step()  # warm-up: kernels chosen, memory allocated
-            with torch.profiler.profile(activities=_activities(device), with_flops=True) as profiler:
-                step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            found = gap.categorize(profiler.events(), device.type == "cuda", ("forward", "backward"))
+            found = profiled()
     except (RuntimeError, TypeError, ValueError):  # a block that wants more than hidden states (or FSDP shards)
         return None
     finally:
