@@ -40,6 +40,8 @@ BATCH_SIZES ?= 8 16 32 64 128
 BATCH_ROUNDS ?= 5
 REPORT_ARGS ?=
 DDP_COST_ARGS ?= $(SPEED_ARGS) --max-steps 20
+# make profile also profiles under bf16.yaml: auto where this machine's bf16 matmuls measured faster (on/off to force)
+PROFILE_BF16 ?= auto
 DDP_COST_ROUNDS ?= 5
 # DDP settings to compare with the defaults (empty: all of them; see trainscope/experiments.py DDP_SETTINGS).
 DDP_SETTINGS ?=
@@ -105,8 +107,8 @@ batch-sweep: setup ## throughput and memory against batch size; largest batch th
 matrix: setup ## train.py under each config and switch, alternating rounds (configs this machine cannot run: skipped) -> runs/matrix/
 	$(EXPERIMENTS) matrix --runs $(RUNS)/matrix --rounds $(ROUNDS) --variants $(MATRIX_VARIANTS) -- $(SPEED_ARGS)
 
-profile: setup ## the time breakdown (a run without the profiler) and the top operators (a profiled run) -> runs/profile/
-	$(EXPERIMENTS) profile --runs $(RUNS)/profile --config $(BASE_CONFIG) -- $(EXP_ARGS)
+profile: setup ## the time breakdown (a run without the profiler), the top operators and the gap to the measured matmul peak (profiled runs, fp32 and bf16 where faster) -> runs/profile/
+	$(EXPERIMENTS) profile --runs $(RUNS)/profile --config $(BASE_CONFIG) --bf16 $(PROFILE_BF16) -- $(EXP_ARGS)
 
 ddp-cost: setup ## what DDP communication costs: bucket sizes, flags, compression hooks against DDP's defaults -> runs/ddp_cost/
 	$(EXPERIMENTS) ddp-cost --runs $(RUNS)/ddp_cost --rounds $(DDP_COST_ROUNDS) $(if $(DDP_SETTINGS),--settings $(DDP_SETTINGS)) -- $(DDP_COST_ARGS)

@@ -114,17 +114,19 @@ def test_the_padding_bound_is_never_below_what_removing_the_padding_saves(seed):
     assert 0 < 1 - real / padded <= bound + 1e-12
 
 
-def test_evaluation_and_optimizer_rules_argue_from_kernel_launches_only_on_a_gpu():
+def test_the_evaluation_rule_argues_from_kernel_launches_only_on_a_gpu_and_the_fused_optimizer_on_both():
     evaluation_heavy = dict(run_shares={"eval": 0.4})
-    unfused = dict(shares={"optimizer": 0.3, "backward": 0.3}, model={"optimizer": {"name": "AdamW", "fused": False},
-                                                                      "shape": SHAPE})
-    assert advisor.advise(record(**evaluation_heavy)) == [] and advisor.advise(record(**unfused)) == []
+    unfused = dict(shares={"optimizer": 0.3, "backward": 0.3}, model={"optimizer": {"name": "AdamW", "fused": False,
+                                                                                    "foreach": True}, "shape": SHAPE})
+    assert advisor.advise(record(**evaluation_heavy)) == []
     gpu = {"environment__device": "cuda:0", "environment__device_name": "NVIDIA H100 80GB HBM3"}
     (evaluation,) = [s for s in advisor.advise(record(**evaluation_heavy, **gpu)) if s.rule == "evaluation"]
     assert evaluation.flags == ["--eval-batch-size", "128"] and evaluation.gain_kind == "estimate"
     assert "x1.25" in evaluation.factor
-    (optimizer,) = [s for s in advisor.advise(record(**unfused, **gpu)) if s.rule == "optimizer"]
-    assert optimizer.gain_kind == "estimate" and "x3" in optimizer.factor
+    for where in ({}, gpu):  # torch has a fused AdamW kernel for the CPU too
+        (optimizer,) = [s for s in advisor.advise(record(**unfused, **where)) if s.rule == "optimizer"]
+        assert optimizer.gain_kind == "estimate" and "x3" in optimizer.factor and "foreach" in optimizer.evidence
+        assert optimizer.flags == ["--optimizer-implementation", "fused"]
 
 
 def test_gpu_rules_precision_batch_and_memory_are_estimates():
@@ -378,3 +380,109 @@ def test_tune_runs_the_advice_run_and_a_round_of_baseline_and_trial_by_the_docum
     assert completed.stdout.index("design: 1 trial(s), 1 alternating rounds") < completed.stdout.index("round 1 baseline")
     written = (tmp_path / "tune" / "comparison.md").read_text()
     assert result["provenance"]["commit"] and "Final command" in written and "two one-sided tests" in written
+
+# ---------------------------------------------------------------- the gap to the measured peak (trainscope.gap)
+
+MATH_ATTENTION = {"training": "MATH", "evaluation": "FLASH_ATTENTION", "attention_dropout": 0.1}
+
+
+def categories(**seconds) -> dict:
+    return {**{c: 0.0 for c in gap_categories()}, **{k.replace("_", " "): v for k, v in seconds.items()}}
+
+
+def gap_categories():
+    from trainscope.gap import CATEGORIES
+    return CATEGORIES
+
+
+def profiled(**changes) -> dict:
+    """A record whose profile put 10% of the traced steps in hidden dropout, 20% inside attention (2% its
+    dropout) and 30% in elementwise categories overall, under the math attention path."""
+    breakdown = {"window_s": 1.0, "basis": "self CPU time, main thread", "matmul_flops": 1e11, "matmul_s": 0.4,
+                 "categories": categories(matmul=0.4, attention=0.1, dropout=0.12, layer_norm=0.04,
+                                          activation=0.02, copies_and_casts=0.02, other_operators=0.3),
+                 "attention_total_s": 0.2, "attention_dropout_s": 0.02}
+    return record(**{"environment__sdpa_kernels": MATH_ATTENTION, "summary__profile": {"breakdown": breakdown},
+                      "model": {"optimizer": {"fused": True}, "shape": SHAPE, "dropout": {"hidden": 0.1, "attention": 0.1}},
+                      **changes})
+
+
+def test_gap_rules_fire_on_the_profiles_measured_shares_with_amdahl_bounds():
+    found = {s.rule: s for s in advisor.advise(profiled())}
+    training = 0.98  # the planted run spends 2% evaluating
+    attention, dropout = found["attention_kernel"], found["dropout"]
+    assert attention.flags == ["--attention-dropout", "0"] and attention.gain_kind == "bound"
+    assert attention.gain == pytest.approx(1 / (1 - 0.2 * training)) and "MATH" in attention.evidence
+    assert dropout.flags == ["--hidden-dropout", "0"] and dropout.gain_kind == "bound"
+    assert dropout.gain == pytest.approx(1 / (1 - 0.10 * training))  # attention's own dropout is not counted twice
+    assert "regularization" in attention.changes_result and "regularization" in dropout.changes_result
+    assert "compile" not in found  # 30 s of assumed compile time against a 10 s run: no gain left
+
+
+def test_the_compile_rule_counts_its_compile_time_against_a_long_runs_fusion():
+    long = profiled(summary__wall_s=600.0)
+    (fusion,) = [s for s in advisor.advise(long) if s.rule == "compile"]
+    elementwise = (0.1 + 0.12 + 0.04 + 0.02 + 0.02) * 0.98
+    assert fusion.gain == pytest.approx(1 / (1 - elementwise / 2 + 30 / 600)) and fusion.gain_kind == "estimate"
+    assert "compile time 30 s (assumed)" in fusion.factor and "dynamic shapes" in fusion.evidence
+    assert fusion.changes_result == "nothing"
+
+
+def test_the_fused_kernel_rule_needs_dropout_to_be_what_keeps_it_out():
+    assert "attention_kernel" not in rules(advisor.advise(profiled(environment__sdpa_kernels={
+        "training": "FLASH_ATTENTION", "evaluation": "FLASH_ATTENTION", "attention_dropout": 0.0})))
+    assert "attention_kernel" not in rules(advisor.advise(profiled(environment__sdpa_kernels={
+        "training": "MATH", "evaluation": "MATH", "attention_dropout": 0.1})))  # math either way: not dropout's doing
+    assert not {"attention_kernel", "dropout", "compile"} & set(rules(advisor.advise(
+        record(environment__sdpa_kernels=MATH_ATTENTION))))  # no gap measured at all: no gap rule
+
+
+def test_without_a_profile_the_gap_rules_are_estimates_from_one_layer_profiled_apart():
+    layer = {"window_s": 0.05, "batch": 32, "length": 64, "precision": "fp32", "attention_total_s": 0.01,
+             "attention_dropout_s": 0.001, "categories": categories(matmul=0.025, attention=0.004, dropout=0.006)}
+    estimated = record(environment__sdpa_kernels=MATH_ATTENTION, summary__measured_peak={
+        "peak_tflops": 0.2, "run_shapes": {"layer": layer}})
+    found = {s.rule: s for s in advisor.advise(estimated)}
+    compute = 0.35 + 0.5  # forward + backward of the planted run
+    assert found["attention_kernel"].gain_kind == "estimate"
+    assert found["attention_kernel"].gain == pytest.approx(1 / (1 - 0.2 * compute))
+    assert found["dropout"].gain == pytest.approx(1 / (1 - 0.1 * compute))
+    assert "one encoder layer profiled apart at batch 32 x length 64" in found["dropout"].factor
+
+
+@pytest.mark.parametrize("rate,doubled,spread,optimizer,resolved", [
+    (0.05, 0.08, 0.1, 0.0, True),     # the matmuls alone
+    (0.05, 0.08, 0.3, 0.0, False),    # their spreads overlap: not resolved, and nothing else to gain
+    (0.05, 0.051, 0.0, 0.2, False),   # the optimizer's share alone: a fifth of the run, half as often
+    (0.05, 0.08, 0.1, 0.2, True),     # both
+])
+def test_a_bigger_batch_counts_faster_matmuls_at_twice_the_tokens_and_half_the_optimizer_steps(
+        rate, doubled, spread, optimizer, resolved):
+    measured = {"peak_tflops": 0.1, "gap_estimate": {"floor_s": 4.0, "train_s": 9.8},
+                "run_shapes": {"tokens": 2048, "batch": 32, "length": 64, "tflops": rate, "tflops_doubled": doubled,
+                               "tflops_high": rate * (1 + spread), "tflops_doubled_low": doubled * (1 - spread),
+                               "layer": None}}
+    planted = record(run_shares={"optimizer": optimizer}, summary__measured_peak=measured, summary__wall_s=10.0)
+    found = [s for s in advisor.advise(planted) if s.rule == "batch_at_peak"]
+    matmul_share = 4.0 * 0.1 / rate / 9.8 * 0.98  # the model's matmuls at the run's rate, of the run
+    saved = (matmul_share * (1 - rate / doubled) if resolved else 0.0) + optimizer / 2
+    assert bool(found) is (saved > 0)
+    if found:
+        assert found[0].gain == pytest.approx(1 / (1 - saved)) and found[0].gain_kind == "estimate"
+        assert found[0].flags == ["--per-device-batch-size", "64"] and "effective batch doubles" in found[0].changes_result
+    accumulating = plant(planted, settings__gradient_accumulation_steps=2)  # same effective batch: same steps
+    found = [s for s in advisor.advise(accumulating) if s.rule == "batch_at_peak"]
+    assert bool(found) is resolved
+    if found:
+        assert found[0].flags == ["--per-device-batch-size", "64", "--gradient-accumulation-steps", "1"]
+        assert found[0].changes_result is None
+
+
+@pytest.mark.parametrize("native,speedup,fires", [(False, 2.2, True), (True, 0.9, False), (None, 3.0, True)])
+def test_bf16_advice_follows_the_measured_matmuls_whatever_the_flags_say(native, speedup, fires):
+    bf16 = {"flags": ["avx512_bf16"] if native else [], "native_by_flags": native, "fp32_tflops": 0.2,
+            "bf16_tflops": 0.2 * speedup, "speedup": speedup, "faster": speedup > 1}
+    found = [s for s in advisor.advise(record(environment__cpu_bf16=bf16)) if s.rule == "cpu_precision"]
+    assert bool(found) is fires
+    if fires:
+        assert f"x{speedup:.2f}" in found[0].factor and f"measured {speedup:.2f}x fp32's" in found[0].evidence

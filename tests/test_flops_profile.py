@@ -81,14 +81,39 @@ def test_profile_writes_a_trace_with_the_stage_labels_and_says_which_steps(runs)
     assert profile["top_operators"] and not {"forward", "backward"} & {op["name"] for op in profile["top_operators"]}
     assert "profiler_on" in [w["code"] for w in record["warnings"]]
     assert "top operators by self time" in result.stdout
+    # every operator's self time in one gap category: they add up to the traced steps, the matmuls' FLOPs counted
+    breakdown = profile["breakdown"]
+    assert sum(breakdown["categories"].values()) == pytest.approx(breakdown["window_s"], rel=1e-6)
+    assert breakdown["matmul_flops"] > 0 and breakdown["categories"]["matmul"] > 0
+    assert breakdown["categories"]["optimizer"] > 0 and breakdown["categories"]["layer norm"] > 0
 
 
-def test_records_carry_flops_and_say_mfu_is_unknown_on_this_cpu(runs):
-    assert_ok(run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "flops", "--max-steps", "4"]))
-    summary = read_record(runs / "flops")["summary"]
+def test_records_carry_flops_and_their_share_of_the_machines_measured_peak_not_a_datasheet_mfu(runs):
+    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "flops", "--max-steps", "4"])
+    assert_ok(result)
+    record = read_record(runs / "flops")
+    summary, environment = record["summary"], record["environment"]
     assert summary["timing"]["per_rank"][0]["counts"]["steady"]["flops"] > 0
-    assert summary["throughput"]["tflops_per_device"] > 0 and summary["mfu"] is None
+    assert summary["throughput"]["tflops_per_device"] > 0 and summary["mfu"] is None  # no datasheet for a CPU
     assert all(line["tflops_per_device"] > 0 for line in read_steps(runs / "flops"))
+    # the machine's own measured peak: every precision the CPU runs, at the model's shapes and the square, 1 thread
+    machine = environment["machine_peak"]
+    assert {"fp32", "bf16"} <= set(machine["precisions"]) and machine["key"]["threads"] == 1
+    fp32 = machine["precisions"]["fp32"]
+    assert [r["shape"] for r in fp32["rates"]][-1] == [256, 256, 256]  # the tests' small square (conftest)
+    assert [r["shape"] for r in fp32["rates"]][0] == [16 * 128, 32, 32]  # batch x --max-seq-length tokens, Q/K/V/O
+    measured = summary["measured_peak"]
+    assert measured["precision"] == "fp32" and measured["peak_tflops"] == fp32["peak_tflops"]
+    assert measured["share"] == pytest.approx(summary["throughput"]["tflops_per_device"] / fp32["peak_tflops"])
+    assert measured["gap_estimate"]["floor_share"] == pytest.approx(measured["share"])  # the same figure, two ways
+    assert environment["cpu_bf16"]["speedup"] == pytest.approx(
+        machine["precisions"]["bf16"]["peak_tflops"] / fp32["peak_tflops"])
+    shapes = measured["run_shapes"]  # the run's own shapes: batch x its mean padded length, and one layer there
+    assert shapes["batch"] == 16 and shapes["length"] % 8 == 0 and shapes["tflops"] > 0
+    assert shapes["layer"]["categories"]["matmul"] > 0 and shapes["layer"]["length"] == shapes["length"]
+    line = next(line for line in result.stdout.splitlines() if "measured fp32 matmul peak" in line)
+    assert f"{measured['share']:.1%} of this machine's measured fp32 matmul peak" in line
+    assert measured["key_id"] in line and "MFU" not in result.stdout
 
 
 class FakeAllocator:

@@ -76,6 +76,46 @@ def test_bf16_on_a_cpu_with_native_units_is_not_called_emulated():
     assert health.check(planted(environment__effective_precision="bf16", environment__cpu_native_bf16=True)) == []
 
 
+def _cpu_bf16(speedup: float, native: bool | None, flags=("avx512_bf16",)) -> dict:
+    return {"flags": list(flags) if native else [], "native_by_flags": native, "fp32_tflops": 0.2,
+            "bf16_tflops": 0.2 * speedup, "speedup": speedup, "faster": speedup > 1.0}
+
+
+@pytest.mark.parametrize("native,speedup,codes", [
+    (True, 0.6, ["bf16_not_faster"]),     # the flags say native, the timing says slower: the timing is said
+    (None, 0.3, ["bf16_not_faster"]),     # no flags to read (a container hiding /proc/cpuinfo): the timing decides
+    (False, 0.05, ["bf16_emulated"]),     # the flags already say emulated: one warning, not two
+    (True, 4.4, []),                      # native and faster: nothing to say
+])
+def test_bf16_detection_reads_the_flags_and_the_timing_together(native, speedup, codes):
+    record = planted(environment__effective_precision="bf16", environment__cpu_native_bf16=native,
+                     environment__cpu_bf16=_cpu_bf16(speedup, native))
+    warnings = health.check(record)
+    assert [w["code"] for w in warnings] == codes
+    if codes == ["bf16_not_faster"]:
+        assert f"{speedup:.2f}x fp32's" in warnings[0]["message"]
+    fp32 = planted(environment__cpu_native_bf16=native, environment__cpu_bf16=_cpu_bf16(speedup, native))
+    assert health.check(fp32) == []  # an fp32 run is not told about bf16 (the advisor's rule is)
+
+
+def _measured(peak: float, achieved: float, spread: float = 0.05, breakdown=None) -> dict:
+    return {"summary__measured_peak": {"precision": "fp32", "peak_tflops": peak, "spread": spread,
+                                       "achieved_tflops": achieved, "share": achieved / peak},
+            "summary__profile": {"breakdown": breakdown} if breakdown else None}
+
+
+@pytest.mark.parametrize("changes,fires", [
+    (_measured(0.2, 0.15), False),
+    (_measured(0.2, 0.205), False),  # inside the peak's own spread
+    (_measured(0.2, 0.3), True),     # the whole run faster than its matmuls can be: the peak was measured low
+    (_measured(0.2, 0.1, breakdown={"matmul_flops": 3e11, "matmul_s": 1.0}), True),   # the traced matmuls at 0.3
+    (_measured(0.2, 0.1, breakdown={"matmul_flops": 1.5e11, "matmul_s": 1.0}), False),
+])
+def test_the_measured_peak_is_checked_against_the_run_and_the_profiled_matmuls(changes, fires):
+    codes = [w["code"] for w in health.check(planted(**changes))]
+    assert codes == (["above_measured_peak"] if fires else [])
+
+
 def test_tf32_asked_for_is_not_a_warning():
     assert health.check(planted(environment__tf32_in_effect=True, settings__tf32=True)) == []
 

@@ -85,3 +85,40 @@ def test_the_schedule_matches_transformers_get_scheduler(kind):
         assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr())
         ours_optimizer.step(), theirs_optimizer.step()
         ours.step(), theirs.step()
+
+
+@pytest.mark.parametrize("model", ["embedded:tiny-bert", "embedded:minilm-l6"])
+def test_dropout_overrides_reach_the_built_model_and_its_attention_kernel(model):
+    """--hidden-dropout / --attention-dropout set the configuration before the model is built (from its
+    configuration, or from pretrained weights); with attention dropout 0 torch's fused CPU kernel can run."""
+    tokenizer = modeling.build_tokenizer(settings_for("--model", model))
+    built, facts = modeling.build_model(settings_for("--model", model, "--hidden-dropout", "0.25",
+                                                     "--attention-dropout", "0"), ["a", "b"], tokenizer)
+    assert facts["dropout"] == {"hidden": 0.25, "attention": 0.0}
+    assert facts["dropout_overrides"] == {"hidden_dropout_prob": 0.25, "attention_probs_dropout_prob": 0.0}
+    assert {m.p for m in built.modules() if isinstance(m, torch.nn.Dropout)} == {0.25, 0.0}
+    cpu = torch.device("cpu")
+    assert modeling.attention_kernels(built.config, "sdpa", cpu, "fp32")["training"] == "FLASH_ATTENTION"
+    built.config.attention_probs_dropout_prob = 0.1
+    assert modeling.attention_kernels(built.config, "sdpa", cpu, "bf16") == {
+        "training": "MATH", "evaluation": "FLASH_ATTENTION", "attention_dropout": 0.1}
+    assert modeling.attention_kernels(built.config, "eager", cpu, "fp32") is None
+    _, plain = modeling.build_model(settings_for("--model", model), ["a", "b"], tokenizer)
+    assert plain["dropout_overrides"] is None
+
+
+def test_a_dropout_override_the_model_cannot_take_is_one_line():
+    config = SimpleNamespace(model_type="odd", hidden_dropout_prob=0.1)
+    with pytest.raises(UserError, match="--attention-dropout: the odd configuration has none of"):
+        modeling.dropout_overrides(config, settings_for("--attention-dropout", "0"))
+
+
+@pytest.mark.parametrize("implementation,defaults", [("fused", {"fused": True}), ("foreach", {"foreach": True}),
+                                                     ("for-loop", {"foreach": False})])
+def test_the_optimizer_implementation_is_chosen_and_recorded(implementation, defaults):
+    model = torch.nn.Linear(4, 2)
+    optimizer = modeling.build_optimizer(model, settings_for("--optimizer-implementation", implementation),
+                                         torch.device("cpu"))
+    assert all(optimizer.defaults[k] == v for k, v in defaults.items())
+    facts = modeling.optimizer_facts(optimizer)
+    assert facts["fused"] is (implementation == "fused") and facts["foreach"] is (implementation == "foreach")

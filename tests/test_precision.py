@@ -69,6 +69,47 @@ def test_native_bf16_comes_from_the_cpu_flags(flags, native):
     assert precision.cpu_native_bf16(flags) is native
 
 
+# /proc/cpuinfo of an AWS Graviton3 (Neoverse V1) core as Linux prints it: no `flags` and no `model name`.
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop \
+sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd40
+CPU revision\t: 1
+""".replace("\\\n", "")
+X86_CPUINFO = """processor\t: 0
+model name\t: AMD EPYC 9B14
+flags\t\t: fpu vme de pse avx2 avx512f avx512bw avx512_bf16 avx512_vnni
+vmx flags\t: vnmi
+bugs\t\t: sysret_ss_attrs
+"""
+
+
+@pytest.mark.parametrize("text,native,flags,name", [
+    (ARM_CPUINFO, True, ["bf16", "svebf16"], "ARM CPU implementer 0x41 part 0xd40"),
+    (ARM_CPUINFO.replace(" svebf16", "").replace(" bf16", ""), False, [], "ARM CPU implementer 0x41 part 0xd40"),
+    (X86_CPUINFO, True, ["avx512_bf16"], "AMD EPYC 9B14"),
+    (X86_CPUINFO.replace(" avx512_bf16", ""), False, [], "AMD EPYC 9B14"),
+])
+def test_bf16_detection_reads_x86_flags_and_arm_features(tmp_path, text, native, flags, name):
+    from trainscope.environment import cpu_model_name
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(text)
+    found = precision.cpu_flags(cpuinfo)
+    assert precision.cpu_native_bf16(found) is native and cpu_model_name(cpuinfo) == name
+    assert "vnmi" not in found  # x86's `vmx flags` line is not the CPU's flags
+    # the flags and the timing recorded together; the timing is what says faster or not
+    block = {"precisions": {"fp32": {"peak_tflops": 0.2}, "bf16": {"peak_tflops": 0.9 if native else 0.01}}}
+    facts = precision.cpu_bf16(found, block)
+    assert facts["flags"] == flags and facts["native_by_flags"] is native
+    assert facts["speedup"] == pytest.approx(4.5 if native else 0.05) and facts["faster"] is native
+    assert precision.cpu_bf16(found, None)["faster"] is None  # unmeasured: not called slower
+
+
 class TinyClassifier(torch.nn.Module):
     """Answers like a transformers classifier (an output with .logits), as train_step expects."""
 

@@ -25,7 +25,7 @@ def built(tmp_path_factory):
     runs, results, out = root / "runs", root / "results", root / "reports"
     common = [f"RUNS={runs}", f"RESULTS={results}", f"EXP_ARGS={TINY}", f"SPEED_ARGS={TINY} --max-steps 6",
               f"AMP_ARGS={TINY} --max-steps 6", "ROUNDS=1"]
-    for target in (["profile"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"],
+    for target in (["profile", "PROFILE_BF16=off"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"],
                    ["report", f"REPORT_ARGS=--out {out}"]):
         completed = run_command(["make", "-s", *target, *common], env=cpu_env(), timeout=900)
         assert completed.returncode == 0, f"make {target}: {completed.stderr[-3000:]}"
@@ -57,8 +57,12 @@ def test_the_time_breakdown_comes_from_the_run_without_the_profiler(built):
     text = (out / "report.md").read_text()
     assert "From run `default-r0`, which ran without the profiler." in text
     pie_part = text.split("## Where the time went")[1].split("## ")[0]
-    assert "profiler_on" not in pie_part  # the pie's run did not profile
+    assert "profiler_on" not in pie_part.split("Top operators")[0]  # the pie's run did not profile
     assert "Top operators by self time" in pie_part and "Profiler overhead on the traced steps" in pie_part
+    # the gap to this machine's measured matmul peak: the unprofiled run's share, the profiled run's floor and gap
+    assert "Each run against this machine's measured matmul peak" in pie_part and "| default-r0 | fp32 |" in pie_part
+    assert "Where the gap to the measured fp32 matmul peak went (profiled-r0" in pie_part
+    assert "| matmuls at the measured peak (floor) |" in pie_part and (out / "peak_gap_default.png").exists()
 
 
 def test_warnings_are_printed_beside_the_figures_they_concern(built):

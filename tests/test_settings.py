@@ -47,6 +47,9 @@ def test_dashes_and_underscores_both_work():
     (["--threads", "0"], "--threads takes auto, launcher or a positive number"),
     (["--memory-every", "0"], "--memory-every must be a positive integer"),
     (["--ddp-static-graph", "--gradient-accumulation-steps", "2"], "--ddp-static-graph with --gradient-accumulation"),
+    (["--hidden-dropout", "1"], "--hidden-dropout must be in [0, 1)"),
+    (["--attention-dropout", "nan"], "--attention-dropout must be a finite number"),
+    (["--optimizer-implementation", "magic"], "invalid choice"),
 ])
 def test_bad_settings_exit_2_with_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -17,6 +17,12 @@ Rules fire only for the hardware in the record: no kernel-launch argument on a C
 gloo. Rules stay silent when their gain is below MIN_GAIN. Health warnings of the record come first,
 with the fix their registry entry (trainscope.health) offers.
 
+The gap rules (attention kernel, dropout, fusion through --compile, the batch against the measured peak) fire on
+where the time between the run and its machine's measured matmul peak went (trainscope.gap), never on names: with
+--profile, a category's share of the traced steps times the training share of the run -- measured, so its gain
+is a bound; without it, the category's share of one encoder layer profiled apart at the run's shapes times the
+forward + backward share of the run (summary.measured_peak.run_shapes) -- an estimate, which says so.
+
 `make tune` (trainscope.tune) takes the suggestions that carry flags or a config, tries them and keeps
 what is measurably faster.
 """
@@ -29,6 +35,14 @@ from trainscope.record_view import RunView
 
 MIN_GAIN = 1.02  # a gain below 2% is not worth a trial on a noisy machine
 NATIVE_BF16_MIN_SPEEDUP = 1.1  # a measured bf16 matmul speed-up below this is not worth a precision change
+# torch.compile (inductor) fuses chains of elementwise operators (dropout, layer norm, activations, casts, softmax)
+# into one pass over memory: their time assumed halved. Its compile time, assumed where the record has none (the
+# tiny 2-layer BERT took 9-13 s on machine A: make bench-compile), is counted against the gain.
+FUSION_FACTOR = 2.0
+ASSUMED_COMPILE_S = {"cpu": 30.0, "cuda": 40.0}
+ELEMENTWISE = ("attention", "dropout", "layer norm", "activation", "copies and casts")
+# A batch is worth doubling when the matmuls at twice the tokens measured at least this much faster.
+BATCH_MIN_RATE_GAIN = 1.05
 
 
 @dataclass
@@ -66,6 +80,7 @@ def advise(record: dict) -> list[Suggestion]:
     """Every suggestion the record supports: health warnings first, then by gain, largest first."""
     view = RunView(record)
     found = [s for rule in RULES for s in rule(view)]
+    found += [s for rule in GAP_RULES for s in rule(view, gap_evidence(view))]
     for warning in view.warnings:
         fix = fix_first(warning)
         same = next((s for s in found if fix.flags and s.flags == fix.flags), None)
@@ -183,13 +198,19 @@ def evaluation(view: RunView) -> list[Suggestion]:
 
 
 def optimizer(view: RunView) -> list[Suggestion]:
+    """The fused AdamW where the device has its kernel (CUDA, and the CPU since torch 2.4): one pass over every
+    parameter instead of one kernel per operation (foreach) or per tensor (for-loop). Fires on the optimizer stage's
+    measured share."""
     share = view.shares().get("optimizer", 0.0)
     facts = view.model_facts.get("optimizer") or {}
-    if not view.on_cuda or facts.get("fused", True) or amdahl(share, 3) < MIN_GAIN:
+    if not (view.on_cuda or view.on_cpu) or facts.get("fused", True) or amdahl(share, 3) < MIN_GAIN:
         return []
-    return [Suggestion("optimizer", "use the fused (or foreach) AdamW: one kernel per step instead of one per tensor",
-                       f"optimizer {share:.1%} of the steady step, {facts.get('name')} not fused", [],
-                       gain=amdahl(share, 3), gain_kind="estimate", factor="optimizer x3 when fused (assumed)")]
+    now = "foreach" if facts.get("foreach") else "for-loop"
+    return [Suggestion("optimizer", "use the fused AdamW: one kernel per step over every parameter",
+                       f"optimizer {share:.1%} of the steady step, {facts.get('name')} {now}, not fused",
+                       ["--optimizer-implementation", "fused"], gain=amdahl(share, 3), gain_kind="estimate",
+                       factor="optimizer x3 when fused (assumed)", changes_result="nothing (the same update, up to "
+                       "rounding)")]
 
 
 def gpu_precision(view: RunView) -> list[Suggestion]:
@@ -207,21 +228,30 @@ def gpu_precision(view: RunView) -> list[Suggestion]:
 
 
 def cpu_precision(view: RunView) -> list[Suggestion]:
-    """A CPU with AVX512-BF16 or AMX runs bf16 matmuls natively: suggest bf16 autocast, with the matmul
-    speed-up measured on this machine at start-up (environment.cpu_bf16_matmul)."""
-    measured = view.env.get("cpu_bf16_matmul") or {}
-    speedup = measured.get("speedup")
-    if not view.on_cpu or view.precision != "fp32" or not view.env.get("cpu_native_bf16") or not speedup:
+    """bf16 autocast on a CPU whose bf16 matmuls measured faster than fp32 at this run's threads (trainscope.peak),
+    whatever its flags say: the timing decides, the flags are reported beside it."""
+    bf16 = view.cpu_bf16
+    speedup = bf16.get("speedup")
+    if not view.on_cpu or view.precision != "fp32" or not speedup:
         return []
     run_shares = view.shares("run")
     compute = run_shares.get("forward", 0.0) + run_shares.get("backward", 0.0) + run_shares.get("eval", 0.0)
     gain = amdahl(compute, speedup)
     if speedup < NATIVE_BF16_MIN_SPEEDUP or gain < MIN_GAIN:
         return []
+    if bf16.get("bf16_tflops"):
+        measured = (f"bf16 matmuls measured {speedup:.2f}x fp32's here ({bf16['bf16_tflops'] * 1e3:.0f} against "
+                    f"{bf16['fp32_tflops'] * 1e3:.0f} GFLOP/s, the machine's measured peaks at {view.torch_threads} "
+                    "threads)")
+    else:  # a schema 3 record: a 1024^2 matmul timed at start-up
+        measured = (f"a {bf16.get('size')}x{bf16.get('size')} matmul at {bf16.get('threads')} threads ran "
+                    f"{speedup:.2f}x faster in bf16 autocast than fp32 here")
+    flags = (f"flags {', '.join(bf16['flags'])}" if bf16.get("flags") else
+             {True: "native bf16 by its flags", False: "no native-bf16 flag listed", None: "flags unread"}[
+                 bf16.get("native_by_flags")])
     return [Suggestion("cpu_precision", "train in bf16 autocast (accelerate_configs/bf16.yaml): this CPU computes "
-                       "bf16 natively", f"{view.env.get('cpu_capability')}; a {measured['size']}x{measured['size']} "
-                       f"matmul at {measured['threads']} threads ran {speedup:.2f}x faster in bf16 autocast than fp32 "
-                       f"here; forward, backward and evaluation take {compute:.0%} of the wall time", config="bf16",
+                       "bf16 faster than fp32", f"{view.env.get('cpu_capability')} ({flags}); {measured}; forward, "
+                       f"backward and evaluation take {compute:.0%} of the wall time", config="bf16",
                        gain=gain, gain_kind="estimate",
                        factor=f"all of forward, backward and evaluation x{speedup:.2f}, the measured matmul speed-up",
                        confidence="medium", changes_result="bf16 rounding (losses agree to about 1e-2)")]
@@ -280,6 +310,146 @@ def communication(view: RunView) -> list[Suggestion]:
 
 RULES = [data_loading, threads, padding, evaluation, optimizer, gpu_precision, cpu_precision, gpu_batch,
          communication]
+
+
+# ---------------------------------------------------------------- the gap rules (trainscope.gap)
+
+
+def gap_evidence(view: RunView) -> dict | None:
+    """Each gap category's share of the whole run and where it comes from: {shares, kind ("bound" from the run's
+    own profile, "estimate" from one layer profiled apart), text}. None when neither was recorded."""
+    breakdown = view.gap_breakdown
+    if breakdown and breakdown.get("window_s"):
+        training = 1.0 - view.shares("run").get("eval", 0.0)
+        window = breakdown["window_s"]
+        shares = {k: v / window * training for k, v in breakdown["categories"].items()}
+        shares["attention total"] = breakdown.get("attention_total_s", 0.0) / window * training
+        shares["attention dropout"] = breakdown.get("attention_dropout_s", 0.0) / window * training
+        return {"shares": shares, "kind": "bound",
+                "text": f"the profiled steps ({breakdown['basis']}) x training's {training:.0%} of the run"}
+    layer = ((view.measured_peak or {}).get("run_shapes") or {}).get("layer")
+    if layer and layer.get("window_s"):
+        run_shares = view.shares("run")
+        compute = run_shares.get("forward", 0.0) + run_shares.get("backward", 0.0)
+        window = layer["window_s"]
+        shares = {k: v / window * compute for k, v in layer["categories"].items()}
+        shares["attention total"] = layer.get("attention_total_s", 0.0) / window * compute
+        shares["attention dropout"] = layer.get("attention_dropout_s", 0.0) / window * compute
+        return {"shares": shares, "kind": "estimate",
+                "text": f"one encoder layer profiled apart at batch {layer['batch']} x length {layer['length']} "
+                        f"({layer['precision']}), its shares taken for forward + backward's {compute:.0%} of the run"}
+    return None
+
+
+def _gap_suggestion(rule, change, evidence_text, flags, share, found, changes_result, factor=None, confidence="medium"):
+    """A suggestion whose gain removes `share` of the run: at most (a measured share) or an estimate."""
+    gain = amdahl(share) if factor is None else amdahl(share, factor)
+    if gain < MIN_GAIN:
+        return []
+    kind = "bound" if found["kind"] == "bound" and factor is None else "estimate"
+    stated = None if kind == "bound" else "; ".join(x for x in (
+        f"the share from {found['text']}" if found["kind"] == "estimate" else None,
+        f"that time x{factor:g} (assumed)" if factor else "that time removed") if x)
+    return [Suggestion(rule, change, f"{evidence_text} ({found['text']})", flags, gain=gain, gain_kind=kind,
+                       factor=stated, confidence=confidence, changes_result=changes_result)]
+
+
+def attention_kernel(view: RunView, found: dict | None) -> list[Suggestion]:
+    """The math attention path where dropout on the attention weights is what keeps the fused kernel out (training
+    runs MATH, evaluation -- no dropout -- a fused one): everything inside attention is what the fused kernel
+    replaces, so its share bounds the gain."""
+    kernels = view.sdpa_kernels or {}
+    if not found or kernels.get("training") != "MATH" or kernels.get("evaluation") == "MATH" \
+            or not kernels.get("attention_dropout"):
+        return []
+    share = found["shares"].get("attention total", 0.0)
+    text = (f"training attention runs torch's {kernels['training']} path because of attention dropout "
+            f"{kernels['attention_dropout']:g} (evaluation, without dropout: {kernels['evaluation']}); everything "
+            f"inside attention (its matmuls, softmax, masking and dropout) is {share:.1%} of the run")
+    return _gap_suggestion("attention_kernel", "drop attention dropout so the fused attention kernel runs in training",
+                           text, ["--attention-dropout", "0"], share, found,
+                           "no dropout on the attention weights: less regularization")
+
+
+def dropout(view: RunView, found: dict | None) -> list[Suggestion]:
+    """Hidden dropout's masks (bernoulli, scaling, the masked multiply, forward and backward) on its measured share."""
+    hidden = ((view.model_facts.get("dropout") or {}).get("hidden"))
+    if not found or hidden == 0:
+        return []
+    share = found["shares"].get("dropout", 0.0) - found["shares"].get("attention dropout", 0.0)
+    text = f"dropout outside attention (hidden dropout {hidden if hidden is not None else '?'}) is {share:.1%} of the run"
+    return _gap_suggestion("dropout", "train without hidden dropout", text, ["--hidden-dropout", "0"], share, found,
+                           "no dropout on the hidden states: less regularization")
+
+
+def compile_fusion(view: RunView, found: dict | None) -> list[Suggestion]:
+    """torch.compile where elementwise time is large: fusion's assumed factor on that time, less the compile time
+    (measured where the record compiled, else assumed) over the run."""
+    if not found or view.setting("compile"):
+        return []
+    share = sum(found["shares"].get(c, 0.0) for c in ELEMENTWISE)
+    wall = view.wall_s or view.wall_median("run")
+    device = "cuda" if view.on_cuda else "cpu"
+    compile_s = ASSUMED_COMPILE_S[device]
+    if not wall or share <= 0:
+        return []
+    saved = share * (1 - 1 / FUSION_FACTOR)
+    gain = 1.0 / max(1e-9, 1.0 - saved + compile_s / wall)
+    if gain < MIN_GAIN:
+        return []
+    lengths = ("one shape (--pad-to-max-length)" if view.setting("pad_to_max_length") else
+               "dynamic shapes, since lengths vary (a new length can still recompile: the recompiles warning counts it)")
+    text = (f"elementwise work ({', '.join(ELEMENTWISE)}) is {share:.1%} of the run ({found['text']}); compiled with "
+            f"{lengths}")
+    return [Suggestion("compile", "compile the model (torch.compile fuses the elementwise operators)", text,
+                       ["--compile"], gain=gain, gain_kind="estimate",
+                       factor=f"elementwise time x1/{FUSION_FACTOR:g} (assumed), compile time {compile_s:.0f} s "
+                              f"(assumed) against a {wall:.0f} s run", confidence="low", changes_result="nothing")]
+
+
+def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
+    """A doubled per-device batch, on two pieces of evidence (on a CPU; on a GPU the memory-based rule `batch`
+    speaks): the matmuls at the run's own GEMM shapes against twice the tokens per micro-batch, measured on this
+    machine (trainscope.peak) and counted only outside the two rates' spreads; and, where the effective batch
+    doubles (no accumulation to halve), the optimizer stage's measured share, paid once per step and so half as often
+    for the same samples. An estimate: the matmul part is the model FLOPs at the run's measured rate."""
+    measured = view.measured_peak or {}
+    shapes, estimate = measured.get("run_shapes") or {}, measured.get("gap_estimate") or {}
+    rate, doubled = shapes.get("tflops"), shapes.get("tflops_doubled")
+    if view.on_cuda or not (rate and doubled and estimate.get("train_s")):
+        return []
+    batch, steps = view.setting("per_device_batch_size"), view.setting("gradient_accumulation_steps", 1)
+    halves_accumulation = steps % 2 == 0
+    resolved = (doubled / rate >= BATCH_MIN_RATE_GAIN
+                and (shapes.get("tflops_doubled_low") or doubled) > (shapes.get("tflops_high") or rate))
+    factor = doubled / rate if resolved else 1.0
+    matmul_s = estimate["floor_s"] * measured["peak_tflops"] / rate  # the model FLOPs at the run's measured rate
+    train_share = estimate["train_s"] / (view.wall_s or estimate["train_s"])
+    matmul_share = min(1.0, matmul_s / estimate["train_s"]) * train_share
+    optimizer_share = 0.0 if halves_accumulation else view.shares("run").get("optimizer", 0.0)
+    saved = matmul_share * (1 - 1 / factor) + optimizer_share / 2
+    gain = 1.0 / max(1e-9, 1.0 - saved)
+    if gain < MIN_GAIN:
+        return []
+    flags = ["--per-device-batch-size", str(2 * batch)] + (["--gradient-accumulation-steps", str(steps // 2)]
+                                                           if halves_accumulation else [])
+    parts = [f"matmuls at the run's shapes ({shapes['tokens']} tokens per micro-batch: batch {shapes['batch']} x "
+             f"{shapes['length']}) measured {rate * 1e3:.0f} GFLOP/s, at twice the tokens {doubled * 1e3:.0f} GFLOP/s"
+             + ("" if resolved else " (not apart from the first: counted as no faster)")
+             + f"; the model's matmuls at that rate are {matmul_share:.0%} of the run"]
+    if optimizer_share:
+        parts.append(f"the optimizer stage is {optimizer_share:.1%} of the run, once per step")
+    factors = [f"the matmuls x{factor:.2f}, measured at twice the tokens" if resolved else None,
+               "the optimizer half as often (one step per twice the samples)" if optimizer_share else None]
+    return [Suggestion("batch_at_peak", f"double the per-device batch to {2 * batch}" +
+                       (" and halve accumulation" if halves_accumulation else ""), "; ".join(parts), flags,
+                       gain=gain, gain_kind="estimate", factor="; ".join(f for f in factors if f), confidence="low",
+                       changes_result=None if halves_accumulation else
+                       "the effective batch doubles and the optimizer takes half the steps (the learning rate is "
+                       "not scaled)")]
+
+
+GAP_RULES = [attention_kernel, dropout, compile_fusion, batch_at_peak]
 
 
 def lines(suggestions: list[Suggestion]) -> list[str]:

@@ -47,41 +47,30 @@ def accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
-def cpu_bf16_matmul(threads: int, size: int = 1024, repeats: int = 3) -> dict | None:
-    """Speed of a size x size matmul in bf16 autocast against fp32 on this CPU, at the run's threads: the
-    factor behind the advisor's bf16 estimate. Measured only where bf16 is native (AVX512-BF16 or AMX);
-    a few tenths of a second, at start-up."""
-    if not precision.cpu_native_bf16():
-        return None
-    import time
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-
-    def best(autocast: bool) -> float:
-        times = []
-        for _ in range(repeats + 1):  # the first one warms the kernels up
-            started = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                a @ b
-            times.append(time.perf_counter() - started)
-        return min(times[1:])
-
-    fp32, bf16 = best(False), best(True)
-    return {"size": size, "threads": threads, "fp32_s": fp32, "bf16_s": bf16, "speedup": fp32 / bf16}
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-        except OSError:
-            pass
-        return platform.processor() or "cpu"
+        return cpu_model_name()
     return device.type
+
+
+def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """x86's `model name`; on ARM, where /proc/cpuinfo has none, the implementer and part codes (which name the core
+    design, e.g. 0x41 0xd40 for Arm Neoverse V1); else what the platform says."""
+    fields = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if ":" in line:
+                name, value = (part.strip() for part in line.split(":", 1))
+                fields.setdefault(name, value)
+    except OSError:
+        pass
+    if fields.get("model name"):
+        return fields["model name"]
+    if fields.get("CPU implementer") and fields.get("CPU part"):
+        return f"ARM CPU implementer {fields['CPU implementer']} part {fields['CPU part']}"
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
@@ -143,9 +132,9 @@ def apply_thread_budget(setting: str, environ=None) -> dict:
 
 
 def cpu_capability() -> str:
-    """The widest vector ISA torch's CPU kernels use here (e.g. AVX2, AVX512), plus native bf16 units."""
+    """The widest vector ISA torch's CPU kernels use here (e.g. AVX2, AVX512, SVE256), plus native bf16 units."""
     capability = torch.backends.cpu.get_cpu_capability()
-    native = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in precision.cpu_flags()]
+    native = sorted(precision.NATIVE_BF16_FLAGS & precision.cpu_flags())
     return capability + (f" + {', '.join(native)}" if native else ", no native bf16")
 
 
@@ -172,7 +161,6 @@ def describe(accelerator, effective: str, threads: dict) -> dict:
         "cuda": torch.version.cuda,
         "cpu_capability": cpu_capability(),
         "cpu_native_bf16": precision.cpu_native_bf16(),
-        "cpu_bf16_matmul": cpu_bf16_matmul(threads["torch_threads"]) if accelerator.device.type == "cpu" else None,
         "usable_cores": threads["usable_cores"],
         "torch_threads": threads["torch_threads"],
         "threads": threads,

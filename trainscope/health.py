@@ -128,6 +128,20 @@ def _bf16_emulated(view: RunView):
                 "emulated in software: its speed says nothing about bf16 on a GPU or on a CPU with AVX512-BF16 or AMX")
 
 
+@register("bf16_not_faster", "bf16 on a CPU whose bf16 matmuls measured no faster than fp32",
+          "train in fp32 on this CPU (accelerate_configs/cpu.yaml): its bf16 matmuls are not faster", at_start=True)
+def _bf16_not_faster(view: RunView):
+    bf16 = view.cpu_bf16
+    native = bf16.get("native_by_flags")
+    if view.precision == "bf16" and view.on_cpu and bf16.get("faster") is False and native is not False:
+        said = {True: f"although its flags list {', '.join(bf16.get('flags') or ['native bf16'])}",
+                None: "(its flags could not be read)"}[native]
+        rates = [(bf16.get(k) or 0) * 1e3 for k in ("bf16_tflops", "fp32_tflops")]
+        return (f"bf16 matmuls on {view.device_name} {said} measured {bf16['speedup']:.2f}x fp32's at this run's "
+                f"threads (bf16 {rates[0]:.0f} against fp32 {rates[1]:.0f} GFLOP/s): bf16 autocast is not buying "
+                "speed here")
+
+
 @register("fp16_unavailable", "fp16 was requested but the device ran another precision",
           "use a config whose precision this device runs (fp16 needs CUDA)", at_start=True)
 def _fp16_unavailable(view: RunView):
@@ -249,6 +263,27 @@ def _exposed_not_resolved(view: RunView):
                  f"too few steps for a 95% interval ({block.get('steps')})")
         return (f"exposed communication not resolved over {block.get('steps')} steady steps: {where} per step; no "
                 "share of the step is given")
+
+
+@register("above_measured_peak", "the run's matmuls measured faster than the machine's measured matmul peak",
+          "measure the peak again on a quiet machine (delete the trainscope cache folder named in the record)")
+def _above_measured_peak(view: RunView):
+    """The measured peak checked against a second instrument: the run's own model FLOP/s, and with --profile the
+    traced matmuls' rate (the profiler's FLOPs over their self time). Above the peak by more than its spread is
+    impossible for the one or the other."""
+    from trainscope.gap import matmul_rate
+
+    measured = view.measured_peak or {}
+    peak, spread = measured.get("peak_tflops"), measured.get("spread") or 0.0
+    if not peak:
+        return None
+    readings = [("the run's model FLOP/s", measured.get("achieved_tflops")),
+                ("the profiled matmuls", matmul_rate(view.gap_breakdown or {}))]
+    over = [f"{name} {rate * 1e3:.1f} GFLOP/s" for name, rate in readings if rate and rate > peak * (1 + spread)]
+    if over:
+        return (f"{' and '.join(over)} above this machine's measured {measured['precision']} matmul peak "
+                f"{peak * 1e3:.1f} GFLOP/s (+{spread:.0%}, its spread): the peak was measured low (a busy machine?) "
+                f"-- shares of it are overstated")
 
 
 @register("comm_exposed_above_total", "exposed communication measured above the all-reduce's own duration",

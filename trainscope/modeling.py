@@ -20,6 +20,10 @@ EXTRA_LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"]}
 # Models whose position ids start after the padding index (fairseq's convention): fewer usable positions.
 PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "data2vec-text",
                             "roberta-prelayernorm")
+# Configuration attributes that set dropout, by what they drop (BERT and RoBERTa, DistilBERT, GPT-2 style names).
+DROPOUT_ATTRIBUTES = {"hidden": ("hidden_dropout_prob", "dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+                                 "seq_classif_dropout", "classifier_dropout"),
+                      "attention": ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")}
 
 
 def _is_local(name: str) -> bool:
@@ -108,13 +112,33 @@ def _config_for(settings, num_labels: int, label_names: list[str]):
     return config, f"{settings.model} configuration"
 
 
+def dropout_overrides(config, settings) -> dict:
+    """The configuration attributes --hidden-dropout and --attention-dropout set ({} without them); a model whose
+    configuration has no such attribute is refused in one line."""
+    overrides = {}
+    for kind, value in (("hidden", settings.hidden_dropout), ("attention", settings.attention_dropout)):
+        if value is None:
+            continue
+        # classifier_dropout None means "as the hidden layers": left alone then
+        names = [n for n in DROPOUT_ATTRIBUTES[kind] if getattr(config, n, None) is not None]
+        if not names:
+            raise UserError(f"--{kind}-dropout: the {config.model_type} configuration has none of "
+                            f"{', '.join(DROPOUT_ATTRIBUTES[kind])}")
+        overrides.update(dict.fromkeys(names, value))
+    return overrides
+
+
 def build_model(settings, label_names: list[str], tokenizer):
     """Sequence classifier for `label_names`; returns (model, facts for the run record)."""
     num_labels = len(label_names)
     if settings.model.startswith("embedded:") and settings.model not in EMBEDDED_MODELS:
         raise UserError(f"unknown embedded model {settings.model!r}: choose one of {', '.join(EMBEDDED_MODELS)}")
+    dropout = {}
     if settings.architecture_only or settings.model == TINY_MODEL:
         config, source = _config_for(settings, num_labels, label_names)
+        dropout = dropout_overrides(config, settings)
+        for name, value in dropout.items():
+            setattr(config, name, value)
         model = AutoModelForSequenceClassification.from_config(
             config, attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code
         )
@@ -123,10 +147,13 @@ def build_model(settings, label_names: list[str], tokenizer):
         path = str(embedded.minilm_dir()) if settings.model == EMBEDDED_MODEL else settings.model
         labels = {"num_labels": num_labels, "id2label": dict(enumerate(label_names)),
                   "label2id": {n: i for i, n in enumerate(label_names)}}
+        if settings.hidden_dropout is not None or settings.attention_dropout is not None:
+            dropout = dropout_overrides(_from_hub_or_path(AutoConfig.from_pretrained, path, "model configuration",
+                                                          trust_remote_code=settings.trust_remote_code), settings)
         model = _from_hub_or_path(
             AutoModelForSequenceClassification.from_pretrained, path, "model",
             attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code,
-            **labels,
+            **labels, **dropout,  # configuration attributes given as keywords replace the saved ones
         )
         weights = "pretrained"
     if len(tokenizer) > model.config.vocab_size:
@@ -141,7 +168,8 @@ def build_model(settings, label_names: list[str], tokenizer):
             raise UserError(f"{type(model).__name__} does not support --gradient-checkpointing")
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     facts = {"class": type(model).__name__, "model_type": model.config.model_type, "weights": weights,
-             "parameters": sum(p.numel() for p in model.parameters()), "shape": shape_facts(model.config)}
+             "parameters": sum(p.numel() for p in model.parameters()), "shape": shape_facts(model.config),
+             "dropout": dropout_facts(model.config), "dropout_overrides": dropout or None}
     if settings.lora:
         model, facts["lora"] = apply_lora(model, settings)
     facts["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -180,12 +208,51 @@ def optimizer_groups(model, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def dropout_facts(config) -> dict:
+    """The model's dropout probabilities as built: {hidden, attention} (None where the configuration has none)."""
+    def first(names):
+        return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
+    return {"hidden": first(DROPOUT_ATTRIBUTES["hidden"]), "attention": first(DROPOUT_ATTRIBUTES["attention"])}
+
+
+FUSED_ADAMW_DEVICES = ("cuda", "cpu", "xpu", "mps")
+
+
 def build_optimizer(model, settings, device: torch.device):
-    """AdamW, fused where the device supports it (one kernel per step instead of one per tensor)."""
-    fused = device.type in ("cuda", "cpu", "xpu", "mps")
-    return torch.optim.AdamW(
-        optimizer_groups(model, settings.weight_decay), lr=settings.learning_rate, fused=fused
-    )
+    """AdamW in --optimizer-implementation: fused where the device has the kernel (one kernel per step instead of one
+    per tensor), else foreach; foreach; or the for-loop over tensors."""
+    implementation = getattr(settings, "optimizer_implementation", "fused")
+    if implementation == "fused" and device.type in FUSED_ADAMW_DEVICES:
+        choice = {"fused": True}
+    elif implementation == "for-loop":
+        choice = {"foreach": False}
+    else:
+        choice = {"foreach": True}
+    return torch.optim.AdamW(optimizer_groups(model, settings.weight_decay), lr=settings.learning_rate, **choice)
+
+
+def attention_kernels(config, attn_implementation: str, device: torch.device, precision_name: str) -> dict | None:
+    """The scaled-dot-product-attention kernel torch picks for this model's attention, in training (with its attention
+    dropout) and in evaluation (no dropout), asked of torch's own dispatcher (`torch._fused_sdp_choice`) with the
+    model's heads and head size in the precision in effect: on a CPU the fused flash kernel has no dropout, so
+    attention dropout in training runs the math path, which materializes the attention matrix. None for eager
+    attention or a model whose shape is not known."""
+    from torch.nn.attention import SDPBackend
+
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "dim", None)
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if attn_implementation != "sdpa" or not heads or not hidden or choose is None:
+        return None
+    dropout = dropout_facts(config)["attention"] or 0.0
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name, torch.float32)
+    q = torch.zeros(1, heads, 8, hidden // heads, device=device, dtype=dtype, requires_grad=True)
+    mask = torch.ones(1, 1, 8, 8, device=device, dtype=torch.bool)  # padding masks reach attention as a mask
+    try:
+        training, evaluation = (SDPBackend(choose(q, q, q, mask, p, False)).name for p in (dropout, 0.0))
+    except (RuntimeError, ValueError):
+        return None
+    return {"training": training, "evaluation": evaluation, "attention_dropout": dropout}
 
 
 def optimizer_facts(optimizer) -> dict:

@@ -4,7 +4,9 @@
 * TF32: Accelerate's set-up turns TF32 matmuls on by itself when a dynamo backend is set on CUDA
   (accelerate/state.py), so trainscope re-applies `--tf32` after `Accelerator()` and reads back
   what is in effect instead of trusting what it asked for.
-* bf16 on a CPU is native only with AVX512-BF16 or AMX; elsewhere torch emulates it, slowly.
+* bf16 on a CPU is native only with AVX512-BF16 or AMX (x86's `flags`), or BF16 / SVE-BF16 (ARM's `Features`);
+  elsewhere torch emulates it, slowly. The flags are one witness, the measured matmul peak (trainscope.peak) the
+  other: `cpu_bf16` records both, and a bf16 matmul measured slower than fp32 is said whatever the flags claim.
 * `SkippedSteps`: with a GradScaler and a fused optimizer, Accelerate's `step_was_skipped` never
   turns true (the fused kernel skips the update itself, so the optimizer's step is always called).
   A skipped step is the one whose `update()` backed the scale off; the count stays on the device
@@ -73,11 +75,19 @@ def enforce_tf32(requested: bool) -> bool:
     return changed
 
 
-@lru_cache(maxsize=1)
+# CPU flags that mean bf16 matmuls run natively: x86 (AVX512-BF16, AMX-BF16) and ARM (BF16 in AdvSIMD, SVE-BF16).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
+# A bf16 matmul measured below this many times fp32's is not faster (the bf16_not_faster warning).
+BF16_NOT_FASTER_BELOW = 1.0
+
+
+@lru_cache(maxsize=4)
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset:
+    """The CPU's feature flags: x86's `flags` line or ARM's `Features` line of /proc/cpuinfo (empty when unreadable)."""
     try:
         for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
+            name = line.split(":", 1)[0].strip()
+            if name in ("flags", "Features") and ":" in line:
                 return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -85,11 +95,24 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset:
 
 
 def cpu_native_bf16(flags: frozenset | None = None) -> bool | None:
-    """True with AVX512-BF16 or AMX-BF16, False without, None when the CPU flags cannot be read."""
+    """True with AVX512-BF16, AMX-BF16 (x86) or BF16 / SVE-BF16 (ARM), False without, None when the CPU flags cannot
+    be read. The flags only: `cpu_bf16` sets the measured matmuls beside them."""
     flags = cpu_flags() if flags is None else flags
     if not flags:
         return None
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    return bool(NATIVE_BF16_FLAGS & flags)
+
+
+def cpu_bf16(flags: frozenset, machine_peak: dict | None) -> dict:
+    """bf16 on this CPU, the flags and the timing together: {flags (the native-bf16 flags found), native_by_flags,
+    fp32_tflops, bf16_tflops, speedup (bf16 over fp32 measured peak, same threads), faster (speedup above
+    BF16_NOT_FASTER_BELOW, None unmeasured)}. The timing runs whatever the flags say, so it can correct them."""
+    rates = (machine_peak or {}).get("precisions") or {}
+    fp32, bf16 = (rates.get(p, {}).get("peak_tflops") for p in ("fp32", "bf16"))
+    speedup = bf16 / fp32 if fp32 and bf16 else None
+    return {"flags": sorted(NATIVE_BF16_FLAGS & flags), "native_by_flags": cpu_native_bf16(flags),
+            "fp32_tflops": fp32, "bf16_tflops": bf16, "speedup": speedup,
+            "faster": None if speedup is None else speedup > BF16_NOT_FASTER_BELOW}
 
 
 class SkippedSteps:

@@ -4,13 +4,18 @@ The trace handler writes `*.pt.trace.json` files: TensorBoard's profiler plugin 
 (`tensorboard --logdir runs/<run>/profile`) and each file opens as a Chrome trace in
 chrome://tracing or https://ui.perfetto.dev. The timer labels every stage with
 `record_function(<stage>)`, so the trace shows data / forward / backward / optimizer / eval spans.
+The profiler counts the matmuls' FLOPs (`with_flops`), and every operator's self time is put in a
+category (trainscope.gap): where the gap to the machine's measured matmul peak goes.
 """
 
+import contextlib
 import pickle
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
+from trainscope import gap
 from trainscope.timing import STAGES
 
 TOP_OPERATORS = 15
@@ -21,6 +26,7 @@ class NoProfiler:
 
     enabled = False
     top_operators: list = []
+    breakdown = None
     communication = None
 
     def __enter__(self):
@@ -43,6 +49,7 @@ class StepProfiler:
         self.device = device
         self.rank = rank
         self.top_operators: list[dict] = []
+        self.breakdown: dict | None = None  # self time per category and the matmuls' FLOPs (trainscope.gap)
         self.communication = None  # what the trace says of DDP's all-reduces (trainscope.communication)
         self.window = {"first_step": wait + warmup + 1, "last_step": wait + warmup + active}
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -54,6 +61,7 @@ class StepProfiler:
             on_trace_ready=self._trace_ready,
             record_shapes=True,
             profile_memory=True,
+            with_flops=True,  # the matmuls' FLOPs, from their shapes: the floor of the gap to the measured peak
             with_stack=False,
         )
 
@@ -71,6 +79,7 @@ class StepProfiler:
     def _trace_ready(self, profiler):
         torch.profiler.tensorboard_trace_handler(str(self.directory), worker_name=f"rank{self.rank}")(profiler)
         self.top_operators = top_operators(profiler.key_averages(), self.device)
+        self.breakdown = gap.categorize(profiler.events(), self.device.type == "cuda", STAGES)
         from trainscope.communication import from_trace
 
         found = from_trace(profiler.events())  # per traced `backward` span, in order
@@ -171,3 +180,61 @@ def build_memory_snapshot(settings, run_dir: Path, device: torch.device, rank: i
         return NoSnapshot()
     return MemorySnapshot(run_dir / "memory" / f"snapshot_rank{rank}.pickle", settings.timing_warmup_steps,
                           settings.memory_snapshot_steps)
+
+
+def first_layer(model):
+    """The first of the model's repeated blocks (its longest ModuleList), or None."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    return max(lists, key=len)[0] if lists else None
+
+
+def layer_breakdown(model, batch: int, length: int, precision_name: str, device: torch.device) -> dict | None:
+    """One encoder layer's forward and backward at the run's shapes, profiled apart: self time per category
+    (trainscope.gap.categorize) in training mode (its dropout on) and the run's precision -- the cheap estimate of
+    where a run's time goes without --profile. The layer is a copy (the model's weights, gradients and DDP hooks are
+    untouched), its input from a private generator, the random state forked (the run's dropout masks unchanged).
+    None when the model has no repeated block that takes hidden states alone (or it fails on them)."""
+    import copy
+
+    layer = first_layer(model)
+    width = next((m.in_features for m in layer.modules() if isinstance(m, torch.nn.Linear)), None) if layer else None
+    if width is None:
+        return None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name)
+
+    def profiled() -> dict:  # its tensors are freed when it returns
+        generator = torch.Generator(device=device).manual_seed(0)
+        hidden = torch.randn(batch, length, width, device=device, generator=generator, requires_grad=True)
+        probe = copy.deepcopy(layer).to(device).train()
+
+        def step():
+            with record_function("forward"), (torch.autocast(device.type, dtype=dtype) if dtype
+                                              else contextlib.nullcontext()):
+                out = probe(hidden)
+                out = out[0] if isinstance(out, tuple) else out
+            with record_function("backward"):
+                out.float().sum().backward()
+
+        step()  # warm-up: kernels chosen, memory allocated
+        with torch.profiler.profile(activities=_activities(device), with_flops=True) as profiler:
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return gap.categorize(profiler.events(), device.type == "cuda", ("forward", "backward"))
+
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            found = profiled()
+    except (RuntimeError, TypeError, ValueError):  # a block that wants more than hidden states (or FSDP shards)
+        return None
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the copy's blocks back to the device
+    return {**found, "batch": batch, "length": length, "width": width, "precision": precision_name}
+
+
+def _activities(device: torch.device) -> list:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities

@@ -264,12 +264,57 @@ class RunView:
         return self.summary.get("mfu")
 
     @property
+    def machine_peak(self) -> dict | None:
+        """The machine's measured matmul peak block (trainscope.peak.machine_peak; schema 5)."""
+        return self.env.get("machine_peak")
+
+    @property
+    def measured_peak(self) -> dict | None:
+        """The run against its machine's measured peak for the precision in effect: {precision, peak_tflops,
+        peak_shape, spread, measured, key_id, achieved_tflops, share, gap_estimate} (schema 5)."""
+        return self.summary.get("measured_peak")
+
+    @property
+    def peak_share(self) -> float | None:
+        """Achieved model TFLOP/s over this machine's measured matmul peak: not the datasheet MFU (`mfu`)."""
+        return (self.measured_peak or {}).get("share")
+
+    def measured_peak_tflops(self, precision: str | None = None) -> float | None:
+        """This machine's measured matmul peak in `precision` (default: the run's), from the environment's block."""
+        found = ((self.machine_peak or {}).get("precisions") or {}).get(precision or self.precision)
+        return found["peak_tflops"] if found else None
+
+    @property
+    def cpu_bf16(self) -> dict:
+        """bf16 on a CPU, the flags and the measured matmuls together: {flags, native_by_flags, fp32_tflops,
+        bf16_tflops, speedup, faster}. Schema 3 records had a 1024^2 matmul timing (`cpu_bf16_matmul`), read here
+        as the speed-up of the same name; {} where neither was recorded."""
+        if self.env.get("cpu_bf16"):
+            return self.env["cpu_bf16"]
+        old = self.env.get("cpu_bf16_matmul")
+        if old and old.get("speedup"):
+            return {"flags": [], "native_by_flags": self.env.get("cpu_native_bf16"), "speedup": old["speedup"],
+                    "faster": old["speedup"] > 1.0, "size": old.get("size"), "threads": old.get("threads")}
+        return {}
+
+    @property
+    def sdpa_kernels(self) -> dict | None:
+        """The attention kernel torch picks for this model in training and evaluation ({training, evaluation,
+        attention_dropout}), or None (eager attention, older records)."""
+        return self.env.get("sdpa_kernels")
+
+    @property
     def compile(self) -> dict | None:
         return self.summary.get("compile")
 
     @property
     def profile(self) -> dict | None:
         return self.summary.get("profile")
+
+    @property
+    def gap_breakdown(self) -> dict | None:
+        """With --profile: self time per category over the traced steps and the matmuls' FLOPs (trainscope.gap)."""
+        return (self.profile or {}).get("breakdown")
 
     @property
     def communication(self) -> dict | None:

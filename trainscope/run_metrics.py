@@ -19,11 +19,12 @@ from dataclasses import asdict
 import torch
 from accelerate.utils import gather_object
 
-from trainscope import communication, environment, health, modeling, summary
-from trainscope.flops import mfu, training_flops
+from trainscope import communication, environment, gap, health, modeling, peak, precision, summary
+from trainscope.flops import encoder_shape, mfu, training_flops
 from trainscope.loop import LoopState
 from trainscope.memory import GIB, peak_rss_bytes
 from trainscope.precision import SkippedSteps, effective_precision
+from trainscope import profiling
 from trainscope.profiling import build_memory_snapshot, build_profiler
 from trainscope.record_view import RunView
 from trainscope.records import now_iso
@@ -50,13 +51,17 @@ class RunMetrics:
         self.communication = communication.NoCommunication()
         self.evaluation_positions = {"tokens": 0, "padded_tokens": 0, "padded_squares": 0, "samples": 0}
         self.env: dict = {}
+        self.model = None
+        self.run_shapes: dict | None = None  # the matmuls and one layer measured at the run's shapes, after the loop
         self._last_loss, self._graphs_after_first_step = None, None
         self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
 
     # ---------------------------------------------------------------- before the loop
 
     def attach(self, model) -> None:
-        """The communication measurement of the prepared model (a do-nothing one unless it is DDP)."""
+        """The communication measurement of the prepared model (a do-nothing one unless it is DDP); the model is kept
+        for the measurements at the run's shapes after the loop (a copy of one layer is profiled, never the model)."""
+        self.model = model
         self.communication = communication.build(self.settings, self.accelerator, model)
 
     def resume_from(self, resumed: dict | None) -> None:
@@ -66,11 +71,38 @@ class RunMetrics:
             self.timer.restore(resumed["timer"])
 
     def environment(self) -> dict:
-        """The record's environment block: what the run really ran on and in (read once, after attach)."""
-        self.env = {**environment.describe(self.accelerator, effective_precision(self.accelerator), self.started.threads),
+        """The record's environment block: what the run really ran on and in (read once, after attach), with this
+        machine's measured matmul peak (trainscope.peak: cached, or measured now by every local process at once)."""
+        effective = effective_precision(self.accelerator)
+        self.env = {**environment.describe(self.accelerator, effective, self.started.threads),
                     "timing_mode": self.timing_mode, **self.started.environment_facts(),
-                    "ddp": self.communication.settings_in_effect()}
+                    "ddp": self.communication.settings_in_effect(),
+                    "machine_peak": self._machine_peak(),
+                    "sdpa_kernels": modeling.attention_kernels(self.model_config, self.settings.attn_implementation,
+                                                               self.accelerator.device, effective)}
+        if self.accelerator.device.type == "cpu":
+            self.env["cpu_bf16"] = precision.cpu_bf16(precision.cpu_flags(), self.env["machine_peak"])
         return self.env
+
+    def _machine_peak(self) -> dict:
+        """The measured peak at the model's GEMM shapes for a full micro-batch (batch x --max-seq-length tokens) and
+        a large square; outside every timed figure (before the loop starts). A failed measurement is recorded, not
+        fatal: the run is what it measures."""
+        shape = encoder_shape(self.model_config)
+        tokens = self.settings.per_device_batch_size * self.settings.max_seq_length
+        shapes = peak.transformer_shapes(*shape, tokens) if shape else []
+        several = self.accelerator.num_processes > 1
+        try:
+            return peak.machine_peak(self.accelerator.device, shapes, processes=self.started.threads["local_processes"],
+                                     together=self._any_rank if several else None,
+                                     store=self.accelerator.is_local_main_process)
+        except (RuntimeError, torch.OutOfMemoryError) as error:
+            return {"error": " ".join(str(error).split())[:300]}
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether any rank's flag is set (a collective; every rank calls it at the same point)."""
+        total = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
+        return bool(total.item())  # a sync point, once, before the loop
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps beside Accelerate's state: the loop's position and the timing so far."""
@@ -178,6 +210,8 @@ class RunMetrics:
         snapshot = self.snapshot.finish(self.loop.step)  # written now, outside the timed steps
         self.loop.finish()
         self.loop.skipped_steps = self._skipped_total() if gather else self.loop.skipped_steps
+        if gather and not partial:  # every rank at once, after the timed loop: outside every timed figure
+            self.run_shapes = self._measure_run_shapes()
         mine = self._rank_summary(final=gather and not partial)
         per_rank = gather_object([mine]) if gather else [mine]
         result = self._summary(per_rank, self.evaluated(test_scores) if test_scores else None, snapshot)
@@ -207,6 +241,7 @@ class RunMetrics:
             "throughput": throughput,
             "mfu": mfu(throughput["tflops_per_device"], self.env.get("device_name", ""),
                        self.env.get("effective_precision", "fp32")),
+            "measured_peak": measured_peak(self.env, throughput, per_rank, phase, self.run_shapes),
             "memory": summary.memory_across_ranks(per_rank),
             "validation": self.loop.evaluations,
             "test": test_scores,
@@ -214,11 +249,43 @@ class RunMetrics:
             "final_train_loss": self._last_loss,
             "wall_s": per_rank[0]["timing"]["run"]["wall_s"],
             "profile": ({"directory": str(self.run_dir / "profile"), "window": self.profiler.window,
-                         "top_operators": self.profiler.top_operators} if self.profiler.enabled else None),
+                         "top_operators": self.profiler.top_operators, "breakdown": self.profiler.breakdown}
+                        if self.profiler.enabled else None),
             "memory_snapshot": snapshot,
             "compile": self._compile_summary(),
             "communication": communication.combine(per_rank, throughput),
         }
+
+    def _measure_run_shapes(self) -> dict | None:
+        """The matmul rate at the run's own GEMM shapes (its batch x mean padded length of the timed steps) and at
+        twice the tokens, and one encoder layer's forward and backward profiled apart at those shapes (the gap's
+        estimate without --profile): from the machine's cache, measured now on a miss. None when unmeasurable."""
+        shape, counts = encoder_shape(self.model_config), self.loop.counts["steady"]
+        if not counts["samples"]:
+            counts = self.loop.counts["warmup"]
+        precision_name = self.env.get("effective_precision") or "fp32"
+        device, processes = self.accelerator.device, self.started.threads["local_processes"]
+        if not shape or not counts["samples"] or precision_name not in peak.precisions(device):
+            return None
+        batch = self.settings.per_device_batch_size
+        # the mean padded length, up to a multiple of 8 (later runs of similar data hit the cache)
+        length = -(-counts["padded_tokens"] // counts["samples"] // 8) * 8 or 8
+        shapes, doubled = (peak.transformer_shapes(*shape, tokens) for tokens in (batch * length, 2 * batch * length))
+        store = self.accelerator.is_local_main_process
+        dropout = modeling.dropout_facts(self.model_config)
+        name = (f"layer {self.model_config.model_type} {'x'.join(map(str, shape))} dropout {dropout['hidden']}/"
+                f"{dropout['attention']} {self.settings.attn_implementation} {precision_name} {batch}x{length}")
+        try:
+            found = peak.rates(device, precision_name, shapes + doubled, processes=processes, store=store)
+            layer = peak.cached(device, name, lambda: profiling.layer_breakdown(self.model, batch, length,
+                                                                                 precision_name, device),
+                                processes=processes, store=store)
+        except (RuntimeError, torch.OutOfMemoryError):
+            return None
+        rate = {f"{name}{suffix}": peak.matmul_rate(found, group, peak.TRANSFORMER_WEIGHTS, which)
+                for name, group in (("tflops", shapes), ("tflops_doubled", doubled))
+                for suffix, which in (("", "tflops"), ("_low", "low"), ("_high", "high"))}
+        return {"batch": batch, "length": length, "tokens": batch * length, "layers": shape[0], **rate, "layer": layer}
 
     def _compile_summary(self) -> dict | None:
         if not self.settings.compile:
@@ -228,6 +295,27 @@ class RunMetrics:
         return {"dynamic": not self.settings.pad_to_max_length, "compile_s": stats["compile_s"],
                 "graphs": stats["graphs"], "graphs_after_first_step": first, "evaluation_graphs": self._evaluation_graphs,
                 "recompiles": max(0, stats["graphs"] - first - self._evaluation_graphs) if first is not None else None}
+
+
+def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str,
+                  run_shapes: dict | None = None) -> dict | None:
+    """The run against its machine's measured matmul peak for the precision in effect: the achieved model TFLOP/s
+    (PaLM) per device as a share of that peak -- named apart from the datasheet MFU -- the gap estimate without a
+    profile (trainscope.gap.estimate), and the rates and the layer measured at the run's own shapes (`run_shapes`).
+    None when no peak was measured for that precision."""
+    precision_name = env.get("effective_precision") or "fp32"
+    found = peak.peak_of(env.get("machine_peak"), precision_name)
+    if not found:
+        return None
+    achieved = throughput.get("tflops_per_device")
+    stages = summary.combine_ranks(per_rank, phase)["seconds"]
+    flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank) / len(per_rank)
+    return {"precision": precision_name, "peak_tflops": found["peak_tflops"], "peak_shape": found["peak_shape"],
+            "spread": found["spread"], "measured": found["measured"], "key_id": env["machine_peak"].get("key_id"),
+            "achieved_tflops": achieved, "share": achieved / found["peak_tflops"] if achieved else None,
+            "gap_estimate": gap.estimate(flops, found["peak_tflops"], {k: v["median"] for k, v in stages.items()},
+                                         throughput.get("train_wall_s")),
+            "run_shapes": run_shapes}
 
 
 def table_lines(record: dict, run_dir) -> list[str]:
@@ -241,15 +329,16 @@ def table_lines(record: dict, run_dir) -> list[str]:
         rows.append(f"{stage:<10} {seconds['median']:>9.2f} {share['median']:>7.1%}"
                     + (f"  max {seconds['max']:.2f}s" if several else ""))
     rows.append(f"{'wall':<10} {run['wall_s']['median']:>9.2f}")
-    peak, kind = view.peak_memory
+    peak_memory, kind = view.peak_memory
     threads, test = view.threads, view.test
     rows += [
         f"throughput {view.samples_per_s or 0:.1f} samples/s, {view.tokens_per_s or 0:.0f} tokens/s "
         f"({view.env['world_size']} x {view.device_name}, {view.precision}, timing: {view.env['timing_mode']}, "
         f"{threads['torch_threads']} threads per process ({threads['threads_source']}))",
-        f"model FLOPs {view.throughput.get('tflops_per_device') or 0:.3f} TFLOP/s per device, MFU "
-        + (f"{view.mfu:.1%}" if view.mfu is not None else f"unknown (no peak for {view.device_name})"),
-        f"peak memory {peak:.2f} GiB ({kind})",
+        f"model FLOPs {view.throughput.get('tflops_per_device') or 0:.3f} TFLOP/s per device"
+        + (f", MFU {view.mfu:.1%} of the datasheet peak" if view.mfu is not None else ""),
+        peak_line(view),
+        f"peak memory {peak_memory:.2f} GiB ({kind})",
     ]
     if test:
         rows.append(f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}")
@@ -261,6 +350,20 @@ def table_lines(record: dict, run_dir) -> list[str]:
                  for op in operator_rows(view.profile["top_operators"][:8])]
     rows += [f"warning [{w['code']}]: {w['message']}" for w in view.warnings]
     return rows
+
+
+def peak_line(view: RunView) -> str:
+    """'X% of this machine's measured <precision> matmul peak (Y TFLOP/s, measured <when>, key ...)'."""
+    measured = view.measured_peak
+    if not measured or measured.get("share") is None:
+        why = (view.machine_peak or {}).get("error") or f"no {view.precision} peak measured"
+        return f"share of this machine's measured matmul peak unknown ({why})"
+    key = (view.machine_peak or {}).get("key") or {}
+    where = ", ".join(f"{k} {key[k]}" for k in ("threads", "processes", "driver") if key.get(k) is not None)
+    return (f"{measured['share']:.1%} of this machine's measured {measured['precision']} matmul peak "
+            f"({measured['peak_tflops']:.3f} TFLOP/s at {'x'.join(map(str, measured['peak_shape']))}, spread "
+            f"{measured['spread']:.0%}, measured {measured['measured']}, key {measured['key_id']}: {view.device_name}"
+            + (f", {where}" if where else "") + ")")
 
 
 def operator_rows(top_operators: list[dict]) -> list[dict]:

@@ -1,13 +1,18 @@
-"""make profile: where the time goes, from a run without the profiler, and the top operators from one with it.
+"""make profile: where the time goes, from a run without the profiler, and the top operators from one with it;
+the gap between the runs and this machine's measured matmul peak, per precision.
 
 The time breakdown (the report's pie chart and table) comes from the unprofiled run; the profiled run
 traces a window of steps (torch.profiler) for the top operators, and the two runs' step lines on the
-traced steps (the same steps, the same batches) give the profiler's own cost.
+traced steps (the same steps, the same batches) give the profiler's own cost. Where this machine runs bf16
+matmuls faster than fp32 (its measured peaks, trainscope.peak; always on a GPU), the same pair runs again under
+accelerate_configs/bf16.yaml: the gap table and figure (trainscope.gap) come per precision.
 """
 
 from pathlib import Path
 
-from trainscope import bench, reporting
+import torch
+
+from trainscope import bench, gap, launching, peak, reporting
 from trainscope.experiments.base import Arm, Experiment, experiment, runs_option, write
 from trainscope.record_view import RunView
 from trainscope.records import read_record, read_steps
@@ -20,11 +25,25 @@ def run(args, train_args: list[str]) -> dict:
     runs = Path(args.runs)
     flags = ["--log-every", "1"]
     arms = [Arm("default", args.config, flags), Arm("profiled", args.config, [*flags, "--profile"])]
+    if args.bf16 == "on" or (args.bf16 == "auto" and bf16_is_faster_here(args.config)):
+        arms += [Arm("bf16", "bf16", flags), Arm("bf16-profiled", "bf16", [*flags, "--profile"])]
     summary = experiment(runs, "profile", arms, train_args, rounds=1)
     window = RunView(read_record(runs / "profiled-r0")).profile["window"]
     summary["profiler_overhead"] = profiler_overhead(runs / "default-r0", runs / "profiled-r0", window)
     write(runs, "profile", summary, train_args, rounds=1)
     return summary
+
+
+def bf16_is_faster_here(config: str | None) -> bool:
+    """Whether the bf16 pair is worth running: on a GPU always (bf16 is what it trains in), on a CPU where this
+    machine's bf16 matmuls measured faster than its fp32 ones (emulated bf16 would take an hour here)."""
+    if config == "bf16" or not launching.plan("bf16").runnable:
+        return False
+    if launching.plan("bf16").on_cpu is False:
+        return True
+    cpu = torch.device("cpu")
+    rates = {p: peak.rate(cpu, p, peak.square(cpu), processes=1) for p in ("fp32", "bf16")}
+    return bool(rates["bf16"] and rates["bf16"].tflops > rates["fp32"].tflops)
 
 
 def profiler_overhead(default_run: Path, profiled_run: Path, window: dict) -> dict | None:
@@ -52,6 +71,7 @@ def section(report, found: reporting.Collected) -> None:
     report.table(Table("Where the time went (median over ranks, profiler off): the five categories, then the stages",
                        ["category / stage", "seconds", "share"], rows, "time_breakdown"))
     top_operators(report, found)
+    peak_gap(report, found)
 
 
 def share(row: dict) -> str:
@@ -97,8 +117,70 @@ def top_operators(report, found: reporting.Collected) -> None:
                     f"{overhead['min']:.2f}-{overhead['max']:.2f}); the same steps and batches in both runs.")
 
 
+def peak_gap(report, found: reporting.Collected) -> None:
+    """Per precision: the unprofiled run's share of this machine's measured matmul peak, and the profiled run's gap
+    table and figure (the floor, the matmuls above it, every other category)."""
+    runs = found.runs.get("profile", {})
+    pairs = [(name, runs.get(f"{name}-r0"), runs.get(f"{profiled}-r0")) for name, profiled in
+             (("default", "profiled"), ("bf16", "bf16-profiled"))]
+    pairs = [(name, plain, traced) for name, plain, traced in pairs if traced and RunView(traced).gap_breakdown]
+    if not pairs:
+        return
+    report.text("The gap to the machine's limit: achieved model FLOP/s (PaLM) over this machine's measured matmul "
+                "peak for the precision in effect (a benchmark of its own matmuls, trainscope.peak) -- not the "
+                "datasheet MFU. The floor is the profiled matmuls' FLOPs at that peak; everything above it is the gap.")
+    rows = []
+    for name, plain, traced in pairs:
+        view = RunView(plain or traced)
+        measured = view.measured_peak or {}
+        estimate = measured.get("gap_estimate") or {}
+        rows.append([view.name, view.precision, num((measured.get("peak_tflops") or 0) * 1e3, 0),
+                     num((measured.get("achieved_tflops") or 0) * 1e3, 0), num(measured.get("share"), 1, percent=True),
+                     num(estimate.get("floor_s")), num(estimate.get("train_s"))])
+    report.table(Table("Each run against this machine's measured matmul peak (steady training, profiler off; the "
+                       "floor is the model FLOPs at the peak, an estimate)",
+                       ["run", "precision", "peak GFLOP/s", "achieved GFLOP/s", "share of peak", "floor s",
+                        "training s"], rows, "peak_share"))
+    for name, plain, traced in pairs:
+        view = RunView(traced)
+        peak_tflops = view.measured_peak_tflops()
+        gap_rows = gap.rows(view.gap_breakdown, peak_tflops)
+        breakdown = view.gap_breakdown
+        rate = gap.matmul_rate(breakdown)
+        table_rows = [[r["part"], num(r["seconds"] * 1e3 if r["seconds"] is not None else None, 1),
+                       num(r["share"], 1, percent=True)] for r in gap_rows]
+        table_rows.append(["traced steps", num(breakdown["window_s"] * 1e3, 1), "100.0%"])
+        report.table(Table(f"Where the gap to the measured {view.precision} matmul peak went ({view.name}: "
+                           f"{breakdown['basis']} over the traced steps; the matmuls ran at "
+                           f"{num((rate or 0) * 1e3, 0)} GFLOP/s against a peak of {num((peak_tflops or 0) * 1e3, 0)})",
+                           ["part", "ms", "share"], table_rows, f"peak_gap_{name}"))
+        report.figure(gap_figure(view.name, view.precision, gap_rows), f"peak_gap_{name}",
+                      f"Where the traced steps' time went against the {view.precision} matmul floor", [traced])
+        attention = breakdown.get("attention_ops") or {}
+        if attention:
+            report.text(f"Attention in {view.name} ran as: " + ", ".join(f"`{op}` {s * 1e3:.1f} ms" for op, s in
+                                                                       list(attention.items())[:5]) + ".")
+
+
+def gap_figure(run: str, precision: str, gap_rows: list[dict]):
+    from trainscope.tables import pyplot
+
+    shown = [r for r in gap_rows if r["seconds"] is not None and r["seconds"] > 0]
+    figure, axis = pyplot().subplots(figsize=(6.5, 3.8))
+    axis.barh([r["part"] for r in shown][::-1], [r["seconds"] * 1e3 for r in shown][::-1],
+              color=["tab:green" if r["part"].endswith("(floor)") else "tab:gray" for r in shown][::-1])
+    axis.set_xlabel("ms over the traced steps (self time)")
+    axis.set_title(f"{run} ({precision}): the matmul floor and the gap", fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
 EXPERIMENT = Experiment(
     name="profile", title="Where the time went", target="make profile", folder="profile", section=section,
     headline=headline,
-    arguments=lambda parser: runs_option(parser, rounds=None), run=run,
-    help="a run without and a run with the profiler: the time breakdown and the top operators")
+    arguments=lambda parser: (runs_option(parser, rounds=None), parser.add_argument(
+        "--bf16", choices=["auto", "on", "off"], default="auto",
+        help="also the pair under accelerate_configs/bf16.yaml: auto where bf16 matmuls measured faster than fp32 "
+             "here (always on a GPU)")), run=run,
+    help="a run without and a run with the profiler (and the same in bf16 where it is faster here): the time "
+         "breakdown, the top operators and the gap to the measured matmul peak")

@@ -1,0 +1,105 @@
+"""Where the gap to the measured matmul peak goes (trainscope.gap): operators put in categories, on planted profiler
+events and on one real layer of the tiny model profiled apart."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from trainscope import embedded, gap, profiling
+
+
+def event(name, self_us, parent=None, seq=-1, flops=0, thread=1):
+    """A stand-in for torch.profiler's FunctionEvent with what categorize reads."""
+    e = SimpleNamespace(name=name, self_cpu_time_total=self_us, self_device_time_total=0, cpu_parent=parent,
+                        sequence_nr=seq, flops=flops, thread=thread, device_type="DeviceType.CPU",
+                        cpu_time_total=self_us)
+    return e
+
+
+def planted_step():
+    """One training step's operators: a linear, dropout, attention on the math path (with its own dropout), layer
+    norm, their backward nodes linked by sequence number, the optimizer stage, a cast; 1000 us of step overhead."""
+    step = event("ProfilerStep#3", 1000)
+    forward = event("forward", 100, step)
+    events = [step, forward]
+    linear = event("aten::linear", 10, forward, seq=1)
+    events += [linear, event("aten::addmm", 2000, linear, seq=1, flops=4e9)]
+    drop = event("aten::dropout", 5, forward, seq=2)
+    events += [drop, event("aten::bernoulli_", 300, drop, seq=2), event("aten::mul", 200, drop, seq=2)]
+    attention = event("aten::scaled_dot_product_attention", 5, forward, seq=3)
+    math = event("aten::_scaled_dot_product_attention_math", 5, attention, seq=3)
+    attention_drop = event("aten::dropout", 5, math, seq=4)
+    events += [attention, math, event("aten::bmm", 400, math, seq=3, flops=1e9), event("aten::_softmax", 150, math),
+               event("aten::where", 50, math), attention_drop, event("aten::mul", 90, attention_drop, seq=4)]
+    norm = event("aten::layer_norm", 5, forward, seq=5)
+    events += [norm, event("aten::native_layer_norm", 120, norm, seq=5)]
+    backward = event("backward", 50, step)
+    node = event("autograd::engine::evaluate_function: MulBackward0", 10, backward, seq=2)
+    inner = event("MulBackward0", 5, node, seq=2)
+    attention_node = event("autograd::engine::evaluate_function: MulBackward0", 10, backward, seq=4)
+    addmm_node = event("autograd::engine::evaluate_function: AddmmBackward0", 10, backward, seq=1)
+    events += [backward, node, inner, event("aten::mul", 180, inner), attention_node,
+               event("aten::mul", 60, attention_node), addmm_node, event("aten::mm", 3000, addmm_node, flops=8e9),
+               event("aten::sum", 70, addmm_node)]
+    optimizer = event("optimizer", 20, step)
+    events += [optimizer, event("aten::_fused_adamw_", 500, optimizer), event("aten::stack", 40, optimizer),
+               event("aten::to", 30, forward), event("other thread op", 9999, thread=2)]
+    return events
+
+
+def test_operators_take_the_category_of_what_they_serve_forward_and_backward():
+    found = gap.categorize(planted_step(), on_device=False, labels=("forward", "backward", "optimizer"))
+    seconds = {k: round(v * 1e6) for k, v in found["categories"].items()}
+    assert seconds["matmul"] == 10 + 2000 + 400 + 10 + 3000  # linear, addmm, the attention's bmm; AddmmBackward0, mm
+    assert seconds["dropout"] == 5 + 300 + 200 + 5 + 90 + 10 + 5 + 180 + 10 + 60  # masks, both dropouts' backward
+    assert seconds["attention"] == 5 + 5 + 150 + 50  # softmax and masking inside the math path
+    assert seconds["layer norm"] == 125 and seconds["optimizer"] == 500 + 40 and seconds["copies and casts"] == 30
+    assert seconds["other operators"] == 70  # the bias gradient's sum: not matmul time
+    assert seconds["outside operators"] == 1000 + 100 + 50 + 20  # the step and the stage spans
+    assert sum(seconds.values()) == 1000 + sum(round(e.self_cpu_time_total) for e in planted_step()[1:-1])
+    assert found["window_s"] == pytest.approx(1000e-6) and found["matmul_flops"] == 13e9  # one thread: the step's
+    assert found["attention_dropout_s"] * 1e6 == pytest.approx(5 + 90 + 10 + 60)
+    assert found["attention_total_s"] * 1e6 == pytest.approx(5 + 5 + 400 + 150 + 50 + 5 + 90 + 10 + 60)
+    assert list(found["attention_ops"])[0] == "aten::_softmax"
+
+
+def test_the_gap_rows_put_the_floor_under_the_matmuls_and_never_print_a_negative_time():
+    breakdown = {"window_s": 10.0, "matmul_flops": 4e12, "matmul_s": 5.0,
+                 "categories": {**dict.fromkeys(gap.CATEGORIES, 0.5), "matmul": 5.0}}
+    rows = {r["part"]: r for r in gap.rows(breakdown, peak_tflops=1.0)}
+    assert rows["matmuls at the measured peak (floor)"]["seconds"] == pytest.approx(4.0)
+    assert rows["matmuls above the floor"]["seconds"] == pytest.approx(1.0) and rows["dropout"]["share"] == 0.05
+    assert gap.matmul_rate(breakdown) == pytest.approx(0.8)
+    faster_than_peak = {r["part"]: r for r in gap.rows(breakdown, peak_tflops=0.5)}
+    assert faster_than_peak["matmuls above the floor"]["seconds"] is None  # 8 s of floor in 5 s: not printed
+    estimate = gap.estimate(4e12, 1.0, {"forward": 3.0, "backward": 4.0, "optimizer": 1.0, "data": 0.5, "other": 0.5},
+                            train_s=9.0)
+    assert estimate["floor_share"] == pytest.approx(4 / 9) and estimate["forward_backward_s"] == 7.0
+
+
+def tiny_model(hidden_dropout: float, attention_dropout: float):
+    values = {**embedded.bundled_architecture("tiny-bert"), "hidden_dropout_prob": hidden_dropout,
+              "attention_probs_dropout_prob": attention_dropout}
+    config = AutoConfig.for_model(values.pop("model_type"), **values, num_labels=3)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("attention_dropout", [0.1, 0.0])
+def test_one_layer_profiled_apart_shows_what_attention_dropout_costs_and_leaves_the_model_alone(attention_dropout):
+    """With attention dropout torch's fused CPU kernel cannot run: the math path (softmax, masking, dropout on the
+    attention matrix) shows; without it the fused kernel does. The model's weights, gradients and the run's random
+    state are as they were."""
+    torch.manual_seed(0)
+    model = tiny_model(0.1, attention_dropout)
+    weights, state = [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+    found = profiling.layer_breakdown(model, batch=4, length=16, precision_name="fp32", device=torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    assert found["matmul_flops"] > 0 and found["categories"]["dropout"] > 0 and found["width"] == 32
+    ops = " ".join(found["attention_ops"])
+    if attention_dropout:
+        assert "_scaled_dot_product_attention_math" in ops and found["attention_dropout_s"] > 0
+    else:
+        assert "flash_attention" in ops and found["attention_dropout_s"] == 0

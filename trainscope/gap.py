@@ -1,0 +1,177 @@
+"""Where the gap between a run and its machine's measured matmul peak goes: pure functions.
+
+The floor is the matmuls' FLOPs at the machine's measured peak for the precision in effect (trainscope.peak): the
+time the run would take if it did nothing but matmuls, each at the best rate this machine's matmuls reach. The
+gap is everything above the floor. Two ways to see it:
+
+* **From the profile** (`--profile`, `categorize`): every operator of the traced steps is put in one category by its
+  self time (CPU time on the main thread on a CPU; device time on a GPU) -- matmul, attention (softmax, masking and
+  the fused attention kernels), dropout, layer norm, activation, optimizer, copies and casts, communication, other
+  operators, and the time outside any operator (Python and the framework; on a GPU, device idle). An operator
+  whose own name does not say what it serves (a `mul`, a `where`) takes the category of the nearest enclosing
+  operator that does (`aten::dropout` around a `mul`), and a backward operator that of the forward operator it
+  differentiates (autograd's sequence number links them), so dropout's masks and their gradients are dropout's.
+  The matmuls' FLOPs are the profiler's own count (`with_flops`: mm, addmm, bmm, baddbmm); a fused attention
+  kernel's FLOPs are not counted (its time is in `attention`). Rows: the floor, the matmuls above it, and every
+  other category.
+* **Without the profile** (`estimate`): the model FLOPs (PaLM, trainscope.flops) at the measured peak against the
+  measured training time of the steady steps, split into forward + backward, optimizer, and data + other. An
+  estimate: it takes every model FLOP for a matmul at the peak rate.
+"""
+
+import re
+
+# The categories, in the order tables and figures show them.
+CATEGORIES = ("matmul", "attention", "dropout", "layer norm", "activation", "optimizer", "copies and casts",
+              "communication", "other operators", "outside operators")
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
+                        "aten::linear", "aten::_scaled_mm", "aten::mv", "aten::addmv", "aten::dot", "aten::vdot",
+                        "aten::convolution", "aten::_convolution", "aten::mkldnn_convolution"})
+COPY_OPS = frozenset({"aten::copy_", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone", "aten::copy",
+                      "aten::_copy_from", "aten::_copy_from_and_resize"})
+# Substrings of lower-cased operator names (with underscores removed, so a backward node's CamelCase name matches
+# too), first match wins. log_softmax is the loss, not attention.
+KEYWORDS = (
+    ("communication", ("allreduce", "allgather", "reducescatter", "gloo", "nccl", "c10d::", "recordparamcomms")),
+    ("optimizer", ("optimizer.", "fusedadam", "foreach", "fusedsgd", "clipgrad")),
+    ("attention", ("scaleddotproduct", "flashattention", "efficientattention", "cudnnattention", "safesoftmax",
+                   "aten::softmax", "softmaxbackward")),
+    ("dropout", ("dropout", "bernoulli")),
+    ("layer norm", ("layernorm", "rmsnorm", "groupnorm", "batchnorm")),
+    ("activation", ("gelu", "relu", "silu", "tanh", "sigmoid", "aten::glu", "mish")),
+)
+_BACKWARD_NODE = re.compile(r"^(autograd::engine::evaluate_function: )?(\w+::)*\w+Backward\d*$")
+
+
+def _keyword_category(name: str) -> str | None:
+    if name in MATMUL_OPS:
+        return "matmul"
+    if name in COPY_OPS:
+        return "copies and casts"
+    squashed = name.lower().replace("_", "")
+    if "logsoftmax" in squashed:
+        return None
+    for category, words in KEYWORDS:
+        if any(word in squashed for word in words):
+            return category
+    return None
+
+
+def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
+    """Self time per category over the traced steps, from torch.profiler's `events()` (FunctionEvents).
+
+    `labels`: record_function names that are spans, not operators (the stage names): their self time is time
+    outside operators, with the steps' own markers (ProfilerStep#N); a generic operator directly inside the
+    `optimizer` stage (clipping's norms, zero_grad) is the optimizer's. On a CPU only the main thread (the one that
+    ran the steps) counts; on a GPU every thread's CPU operators count by the device time they launched.
+    Returns {basis, window_s, categories: {name: seconds}, calls, matmul_flops, matmul_s, attention_ops,
+    attention_total_s, attention_dropout_s}: the last two are everything inside attention (its matmuls, softmax,
+    masking and dropout, forward and backward: what a fused kernel replaces) and the dropout inside it.
+    """
+    events = [e for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU")]
+    steps = [e for e in events if e.name.startswith("ProfilerStep#")]
+    main_thread = steps[0].thread if steps else None
+    if not on_device and main_thread is not None:
+        events = [e for e in events if e.thread == main_thread]
+    forward_by_sequence, forward_inside, memo, memo_inside = {}, {}, {}, {}
+
+    def own(event) -> str | None:
+        if event.name.startswith("ProfilerStep#") or event.name in labels:
+            return "outside operators"
+        return _keyword_category(event.name)
+
+    def category(event) -> str:
+        if id(event) in memo:
+            return memo[id(event)]
+        found = None
+        if _BACKWARD_NODE.match(event.name):  # a backward node: what its forward operator was
+            found = forward_by_sequence.get(event.sequence_nr) or _keyword_category(event.name.split(": ")[-1])
+        found = found or own(event)
+        if found is None:  # a generic operator: the nearest enclosing one that says what it serves
+            parent = event.cpu_parent
+            inherited = category(parent) if parent is not None else None
+            if parent is not None and parent.name == "optimizer" and "optimizer" in labels:
+                inherited = "optimizer"
+            # a matmul's other work (a bias gradient's sum) is not matmul time; a span is no operator
+            found = inherited if inherited not in (None, "matmul", "outside operators") else "other operators"
+        memo[id(event)] = found
+        return found
+
+    def inside_attention(event) -> bool:
+        if id(event) not in memo_inside:
+            if _BACKWARD_NODE.match(event.name):
+                found = forward_inside.get(event.sequence_nr, False)
+            else:
+                found = category(event) == "attention" or (
+                    event.cpu_parent is not None and inside_attention(event.cpu_parent))
+            memo_inside[id(event)] = found
+        return memo_inside[id(event)]
+
+    for event in events:  # the outermost forward operator of each autograd sequence number
+        if event.sequence_nr is not None and event.sequence_nr >= 0 and not _BACKWARD_NODE.match(event.name):
+            parent = event.cpu_parent
+            if parent is None or parent.sequence_nr != event.sequence_nr:
+                forward_by_sequence.setdefault(event.sequence_nr, category(event))
+                forward_inside.setdefault(event.sequence_nr, inside_attention(event))
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    calls = dict.fromkeys(CATEGORIES, 0)
+    flops = matmul_s = attention_total = attention_dropout = 0.0
+    attention_ops: dict[str, float] = {}
+    for event in events:
+        name = category(event)
+        self_us = (event.self_device_time_total if on_device else event.self_cpu_time_total) or 0.0
+        seconds[name] += self_us / 1e6
+        calls[name] += 1
+        if inside_attention(event):
+            attention_total += self_us / 1e6
+            attention_dropout += self_us / 1e6 if name == "dropout" else 0.0
+        if name == "matmul":
+            flops += getattr(event, "flops", 0) or 0
+            matmul_s += self_us / 1e6
+        if name == "attention" and event.name.startswith("aten::"):
+            attention_ops[event.name] = attention_ops.get(event.name, 0.0) + self_us / 1e6
+    window = sum(e.cpu_time_total for e in steps) / 1e6 if steps else sum(seconds.values())
+    if on_device:  # device time that no operator accounts for: the device waited
+        seconds["outside operators"] = max(0.0, window - sum(v for k, v in seconds.items() if k != "outside operators"))
+    return {"basis": "self device time" if on_device else "self CPU time, main thread", "window_s": window,
+            "categories": seconds, "calls": calls, "matmul_flops": flops, "matmul_s": matmul_s,
+            "attention_ops": dict(sorted(attention_ops.items(), key=lambda kv: -kv[1])),
+            "attention_total_s": attention_total, "attention_dropout_s": attention_dropout}
+
+
+def rows(breakdown: dict, peak_tflops: float | None) -> list[dict]:
+    """The gap table of a profiled window: the floor (the matmuls' FLOPs at the measured peak), the matmuls above it,
+    then every other category; seconds and share of the window. The matmul rows are None without a peak."""
+    window = breakdown["window_s"] or 0.0
+    categories = breakdown["categories"]
+    floor = breakdown["matmul_flops"] / (peak_tflops * 1e12) if peak_tflops else None
+    above = categories["matmul"] - floor if floor is not None else None
+    # below the floor the matmuls beat the measured peak: impossible, so not printed (above_measured_peak says why)
+    out = [{"part": "matmuls at the measured peak (floor)", "seconds": floor},
+           {"part": "matmuls above the floor", "seconds": above if above is None or above >= 0 else None}]
+    out += [{"part": name, "seconds": categories[name]} for name in CATEGORIES if name != "matmul"]
+    for row in out:
+        row["share"] = row["seconds"] / window if row["seconds"] is not None and window else None
+    return out
+
+
+def matmul_rate(breakdown: dict) -> float | None:
+    """TFLOP/s the traced matmuls achieved (profiler FLOPs over their self time)."""
+    if not breakdown.get("matmul_flops") or not breakdown.get("matmul_s"):
+        return None
+    return breakdown["matmul_flops"] / breakdown["matmul_s"] / 1e12
+
+
+def estimate(flops_per_device: float | None, peak_tflops: float | None, stage_seconds: dict,
+             train_s: float | None) -> dict | None:
+    """Without a profile: the model FLOPs at the measured peak (the floor) against the training time of the same
+    steps, split into forward + backward, optimizer, and data + other (one device's share of the work)."""
+    if not (flops_per_device and peak_tflops and train_s):
+        return None
+    floor = flops_per_device / (peak_tflops * 1e12)
+    return {"method": "estimate: model FLOPs (PaLM) at the measured peak against the measured steady stages",
+            "floor_s": floor, "train_s": train_s,
+            "forward_backward_s": stage_seconds.get("forward", 0.0) + stage_seconds.get("backward", 0.0),
+            "optimizer_s": stage_seconds.get("optimizer", 0.0),
+            "data_other_s": stage_seconds.get("data", 0.0) + stage_seconds.get("other", 0.0),
+            "floor_share": floor / train_s}

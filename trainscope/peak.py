@@ -1,0 +1,406 @@
+"""The machine's measured matmul peak: what this device's matmuls really reach, per precision, at the run's threads.
+
+A datasheet peak exists for a few GPUs and for no CPU; a measured one exists everywhere. A short benchmark
+times plain matmuls (`a @ b`) per precision the hardware runs -- fp32 and bf16 on a CPU (bf16 whatever the CPU
+flags say, so the timing can correct them; fp16 only where the flags say the CPU computes it), fp32, TF32, bf16 and
+fp16 on a GPU -- at the model's own GEMM shapes and one large square, and caches the rates per machine key.
+
+    key = peak.machine_key(torch.device("cpu"))              # what identifies the machine (see below)
+    rate = peak.rate(torch.device("cpu"), "bf16", (4096, 384, 1536))   # a Rate, from the cache or measured now
+    rate.tflops, rate.low, rate.high, rate.measured           # median, min and max over the timed calls, when
+    block = peak.machine_peak(device, peak.transformer_shapes(6, 384, 1536, tokens=4096))   # a run's block
+
+API (stable; the step-time prediction reads it):
+
+* `rate(device, precision, shape, threads=None, processes=None) -> Rate | None`: the measured TFLOP/s of an
+  (m, n, k) matmul -- an (m x k) by (k x n) product, 2 m n k FLOPs -- from the cache, measured on a miss; None
+  when the device does not run that precision. A shape too slow to time (below) has `skipped` set and the best
+  rate of a smaller shape.
+* `machine_key(device, threads=None, processes=None) -> dict` and `key_id(key) -> str`: the cache key.
+* `machine_peak(device, shapes, ...) -> dict`: the record's block: every precision's rates and its peak.
+* `peak_of(block, precision) -> dict | None`: a block's peak for one precision (what a run's share is against).
+* `transformer_shapes(layers, hidden, intermediate, tokens)`: an encoder layer's forward GEMM shapes.
+* `matmul_rate(rates, shapes, weights)`: the rate of a set of shapes done one after the other (FLOP-weighted).
+* `cached(device, name, measure_now)`: another per-machine measurement cached beside the rates.
+
+The machine key: on a CPU the model name, a digest of its flags, torch's vector ISA, the torch version, the threads
+and the local processes; on a GPU its name, compute capability, driver, maximum and application SM clocks (from
+NVML or nvidia-smi where available), the torch and CUDA versions and the local processes. Local processes share a
+machine's cores and memory bandwidth: `processes` is how many measure at once (train.py has every local process
+measure at the same time, so the rate is what each gets while the others run); a caller measuring alone passes 1.
+
+Cost: per (precision, shape) one warm-up call, then timed calls until MIN_CALLS have run and SHAPE_BUDGET_S has
+passed, at most MAX_CALLS. Shapes are measured smallest first after a probe of PROBE_SIDE^3, each one's time per
+call estimated at the best rate seen so far: a shape estimated above MAX_CALL_S is skipped, and that best rate
+stands for it (an emulated precision -- bf16 on a CPU without AVX512-BF16 or AMX, fp16 on most CPUs -- runs a
+2048^3 matmul in seconds to tens of seconds). About a second at 2 CPU threads on a miss; nothing on a hit.
+
+The cache: one JSON file per machine key under `$TRAINSCOPE_CACHE_DIR`, else `$XDG_CACHE_HOME/trainscope`, else
+`~/.cache/trainscope` (folder `peak/`); delete it to measure again. `TRAINSCOPE_PEAK_SQUARE` sets the large
+square's side (default 2048 on a CPU, 8192 on a GPU; the tests make it small).
+
+The inputs come from a private random generator: measuring never moves the run's own random state.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from trainscope import environment, precision
+from trainscope.records import now_iso, write_json_atomic
+
+CACHE_ENV = "TRAINSCOPE_CACHE_DIR"
+SQUARE_ENV = "TRAINSCOPE_PEAK_SQUARE"
+DEFAULT_SQUARE = {"cpu": 2048, "cuda": 8192}
+MIN_CALLS, MAX_CALLS = 3, 10
+SHAPE_BUDGET_S = 0.15
+MAX_CALL_S = 1.0
+PROBE_SIDE = 256
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPU_FP16_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})  # x86 flags of CPUs that compute fp16 matmuls natively
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One (precision, shape) measurement: TFLOP/s over the timed calls (median, min, max)."""
+
+    precision: str
+    shape: tuple          # (m, n, k): an (m x k) @ (k x n) matmul, 2 m n k FLOPs
+    tflops: float         # median over the timed calls
+    low: float
+    high: float
+    calls: int            # timed calls (after one warm-up call)
+    measured: str         # UTC ISO-8601 time of the measurement
+    seconds: float        # what measuring it cost, warm-up included
+    skipped: str | None = None  # why the shape was not timed (too slow at the probe's rate): tflops is the probe's
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the timed calls: how far one call's rate strays."""
+        return (self.high - self.low) / self.tflops if self.tflops else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shape": list(self.shape), "spread": self.spread}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Rate":
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**{**fields, "shape": tuple(fields["shape"])})
+
+
+# ---------------------------------------------------------------- what the hardware runs, and the key
+
+
+def precisions(device: torch.device, flags: frozenset | None = None) -> tuple[str, ...]:
+    """The precisions this device's matmuls run: on a CPU fp32 and bf16 (measured whatever the flags say, so the
+    timing tells native from emulated) and fp16 where the flags say native; on CUDA fp32, TF32 and bf16 from
+    compute capability 8.0, and fp16."""
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return ("fp32", "tf32", "bf16", "fp16") if major >= 8 else ("fp32", "fp16")
+    if device.type != "cpu":
+        return ("fp32",)
+    flags = precision.cpu_flags() if flags is None else flags
+    return ("fp32", "bf16") + (("fp16",) if CPU_FP16_FLAGS & flags else ())
+
+
+def _gpu_clocks(device: torch.device) -> dict:
+    """Driver and SM clocks of a GPU, from NVML (nvidia-ml-py) or nvidia-smi; {} when neither answers."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        return {"driver": driver.decode() if isinstance(driver, bytes) else driver,
+                "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                "application_clock_mhz": pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_SM)}
+    except Exception:  # no NVML binding or no NVML: ask nvidia-smi
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=driver_version,clocks.max.sm,"
+                              "clocks.applications.graphics", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        driver, max_clock, application = [part.strip() for part in out.split(",")]
+        return {"driver": driver, "max_sm_clock_mhz": max_clock, "application_clock_mhz": application}
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {}
+
+
+def machine_key(device: torch.device, threads: int | None = None, processes: int | None = None) -> dict:
+    """What a measured rate belongs to (see the module's docstring); `threads` default: torch's now, `processes`
+    default: this launch's local processes."""
+    processes = environment.local_processes() if processes is None else processes
+    common = {"device": device.type, "name": environment.device_name(device), "torch": torch.__version__,
+              "processes": processes}
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {**common, "capability": f"{major}.{minor}", "cuda": torch.version.cuda, **_gpu_clocks(device)}
+    flags = precision.cpu_flags()
+    return {**common, "flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12],
+            "isa": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "threads": torch.get_num_threads() if threads is None else threads}
+
+
+def key_id(key: dict) -> str:
+    """A short digest naming a machine key (the cache file's name)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cache_dir(environ=None) -> Path:
+    """$TRAINSCOPE_CACHE_DIR, else $XDG_CACHE_HOME/trainscope, else ~/.cache/trainscope."""
+    environ = os.environ if environ is None else environ
+    if environ.get(CACHE_ENV):
+        return Path(environ[CACHE_ENV]).expanduser()
+    base = Path(environ["XDG_CACHE_HOME"]).expanduser() if environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "trainscope"
+
+
+def _cache_path(key: dict) -> Path:
+    return cache_dir() / "peak" / f"{key_id(key)}.json"
+
+
+def _entry(precision_name: str, shape: tuple) -> str:
+    return f"{precision_name} {'x'.join(map(str, shape))}"
+
+
+def _read_file(key: dict) -> dict:
+    try:
+        data = json.loads(_cache_path(key).read_text())
+        return data if isinstance(data, dict) and data.get("key") == key else {}
+    except (OSError, ValueError):
+        return {}  # absent or unreadable: measured again, and rewritten whole
+
+
+def _read_cache(key: dict, section: str = "rates") -> dict:
+    found = _read_file(key).get(section)
+    return found if isinstance(found, dict) else {}
+
+
+def _store(key: dict, rates: dict[str, Rate] | None = None, section: str = "rates",
+           entries: dict | None = None) -> None:
+    """Merge `rates` (or `entries` of another section) into the key's cache file (atomic; a concurrent writer's new
+    entries may be lost: measured again next time)."""
+    data = _read_file(key) or {"key": key}
+    new = {name: r.to_dict() for name, r in (rates or {}).items()} if section == "rates" else (entries or {})
+    data[section] = {**(data.get(section) if isinstance(data.get(section), dict) else {}), **new}
+    try:
+        write_json_atomic(_cache_path(key), data)
+    except OSError:
+        pass  # a read-only cache folder costs a measurement next time, nothing else
+
+
+def cached(device: torch.device, name: str, measure_now, processes: int | None = None, store: bool = True) -> dict:
+    """Another measurement of this machine at the run's threads -- one encoder layer profiled at the run's shapes
+    (trainscope.profiling.layer_breakdown) -- cached under `name` beside the matmul rates: from the cache, else
+    `measure_now()` (a JSON-able dict; None is not cached)."""
+    key = machine_key(device, processes=processes)
+    found = _read_cache(key, "probes").get(name)
+    if found is None:
+        found = measure_now()
+        if found is not None and store:
+            _store(key, section="probes", entries={name: {**found, "measured": now_iso()}})
+    return found
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CUDA work is asynchronous: time the matmul, not its launch
+
+
+def _operands(device: torch.device, precision_name: str, shape: tuple):
+    m, n, k = shape
+    generator = torch.Generator(device=device).manual_seed(0)  # private: the run's random state is left alone
+    dtype = DTYPES[precision_name]
+    a = torch.randn(m, k, device=device, generator=generator).to(dtype)
+    b = torch.randn(k, n, device=device, generator=generator).to(dtype)
+    return a, b
+
+
+def _call_seconds(device: torch.device, a, b) -> float:
+    _synchronize(device)
+    started = time.perf_counter()
+    a @ b
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+class _Tf32:
+    """TF32 matmuls allowed for the duration of a tf32 measurement only, as they were afterwards."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.on
+        return self
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+        return False
+
+
+def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops: float | None = None) -> Rate:
+    """Time an (m, n, k) matmul in `precision_name` on `device` now, at torch's current threads (no cache).
+
+    Skipped when one call would take above MAX_CALL_S at `best_tflops` (the best rate seen on smaller shapes); a
+    warm-up call that itself took above MAX_CALL_S is the one measurement (calls 1: a slow, emulated path)."""
+    flops = 2 * shape[0] * shape[1] * shape[2]
+    started = time.perf_counter()
+    if best_tflops and flops / (best_tflops * 1e12) > MAX_CALL_S:
+        return Rate(precision_name, tuple(shape), best_tflops, best_tflops, best_tflops, 0, now_iso(), 0.0,
+                    skipped=f"about {flops / (best_tflops * 1e12):.1f} s per call at the best rate of a smaller "
+                            f"shape ({best_tflops * 1e3:.1f} GFLOP/s), which stands for it")
+    with _Tf32(precision_name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
+        a, b = _operands(device, precision_name, shape)
+        first = _call_seconds(device, a, b)  # warm-up: kernel selection, JIT, first touch of the output
+        times = [first] if first > MAX_CALL_S else []
+        while first <= MAX_CALL_S and len(times) < MAX_CALLS and (
+                len(times) < MIN_CALLS or first + sum(times) < SHAPE_BUDGET_S):
+            times.append(_call_seconds(device, a, b))
+        del a, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the operands' blocks back: the run's reserved-memory peak is not the benchmark's
+    rates = [flops / t / 1e12 for t in times]
+    return Rate(precision_name, tuple(shape), statistics.median(rates), min(rates), max(rates), len(times), now_iso(),
+                time.perf_counter() - started)
+
+
+class _Threads:
+    """torch's intra-op threads set to `threads` for a measurement, put back afterwards."""
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        if self.threads and self.threads != self.saved:
+            torch.set_num_threads(self.threads)
+        return self
+
+    def __exit__(self, *exc):
+        if torch.get_num_threads() != self.saved:
+            torch.set_num_threads(self.saved)
+        return False
+
+
+def rates(device: torch.device, precision_name: str, shapes: list[tuple], threads: int | None = None,
+          processes: int | None = None, store: bool = True, use_cache: bool = True) -> dict[tuple, Rate]:
+    """Rates of several shapes in one precision: from the cache (unless `use_cache` is false), the misses measured
+    now and stored (unless `store` is false: a process measuring beside its peers leaves the writing to one).
+
+    Misses are measured smallest first, after a probe of PROBE_SIDE^3; each shape's time per call is estimated at
+    the best rate seen so far, and a shape estimated above MAX_CALL_S is skipped (see `measure`)."""
+    shapes = [tuple(int(x) for x in s) for s in shapes]
+    with _Threads(threads):
+        key = machine_key(device, processes=processes)
+        cached = _read_cache(key) if use_cache else {}
+        found = {s: Rate.from_dict(cached[_entry(precision_name, s)]) for s in shapes
+                 if _entry(precision_name, s) in cached}
+        missing = sorted((s for s in shapes if s not in found), key=lambda s: s[0] * s[1] * s[2])
+        if missing:
+            best = measure(device, precision_name, (PROBE_SIDE,) * 3).high  # the best call: noise only slows
+            new = {}
+            for s in missing:
+                new[s] = measure(device, precision_name, s, best)
+                best = max(best, new[s].high)
+            if store:
+                _store(key, {_entry(precision_name, s): r for s, r in new.items()})
+            found.update(new)
+    return {s: found[s] for s in shapes}
+
+
+def rate(device: torch.device, precision_name: str, shape: tuple, threads: int | None = None,
+         processes: int | None = None) -> Rate | None:
+    """Measured TFLOP/s of one (m, n, k) matmul shape on this machine: from the cache, measured on a miss; None when
+    the device does not run `precision_name`."""
+    if precision_name not in precisions(device):
+        return None
+    return rates(device, precision_name, [shape], threads, processes)[tuple(shape)]
+
+
+# ---------------------------------------------------------------- a run's block
+
+
+def transformer_shapes(layers: int, hidden: int, intermediate: int, tokens: int) -> list[tuple]:
+    """An encoder layer's forward GEMMs for `tokens` rows (batch x sequence length): Q, K, V and the output
+    projection (tokens, hidden, hidden), the feed-forward up (tokens, intermediate, hidden) and down (tokens,
+    hidden, intermediate). `layers` does not change the shapes (every layer has the same)."""
+    del layers
+    return [(tokens, hidden, hidden), (tokens, intermediate, hidden), (tokens, hidden, intermediate)]
+
+
+TRANSFORMER_WEIGHTS = (4, 1, 1)  # Q, K, V and output projections share a shape; one feed-forward up, one down
+
+
+def matmul_rate(found: dict[tuple, Rate], shapes: list[tuple], weights=None, which: str = "tflops") -> float | None:
+    """TFLOP/s of doing every shape (`weights[i]` times) once, one after the other: all their FLOPs over the sum of
+    their times at the measured rates (a FLOP-weighted harmonic mean); `which`: "tflops" (the medians), "low" or
+    "high" (every shape at its slowest or fastest call: the spread of the whole)."""
+    weights = weights or (1,) * len(shapes)
+    flops = [w * 2 * s[0] * s[1] * s[2] for s, w in zip(shapes, weights)]
+    rates = [getattr(found[tuple(s)], which) for s in shapes]
+    seconds = [f / (r * 1e12) for f, r in zip(flops, rates) if r]
+    return sum(flops) / sum(seconds) / 1e12 if seconds and len(seconds) == len(shapes) else None
+
+
+def square(device: torch.device, environ=None) -> tuple:
+    environ = os.environ if environ is None else environ
+    side = environ.get(SQUARE_ENV, "")
+    side = int(side) if side.isdigit() and int(side) > 0 else DEFAULT_SQUARE.get(device.type, 2048)
+    return (side, side, side)
+
+
+def machine_peak(device: torch.device, shapes: list[tuple] = (), threads: int | None = None,
+                 processes: int | None = None, together=None, store: bool = True) -> dict:
+    """The run record's block: every precision this device runs, at `shapes` and one large square.
+
+    `together(missing: bool) -> bool`, when given, is a collective across the launch's processes returning whether
+    any of them misses the cache: then every process measures, at once (what each gets while its peers run).
+    The peak of a precision is its best median over the shapes; the spread is that shape's.
+    """
+    shapes = [tuple(s) for s in shapes] + [square(device)]
+    shapes = list(dict.fromkeys(shapes))
+    names = precisions(device)
+    with _Threads(threads):
+        key = machine_key(device, processes=processes)
+        cached = _read_cache(key)
+        missing = any(_entry(p, s) not in cached for p in names for s in shapes)
+        # With peers: when any of them misses, all measure everything at once (each gets what it gets while the
+        # others run) rather than some reading a rate measured alone.
+        any_missed = together(missing) if together is not None else missing
+        use_cache = together is None or not any_missed
+        block = {"key": key, "key_id": key_id(key), "cache": str(_cache_path(key)), "precisions": {}}
+        started = time.perf_counter()
+        for name in names:
+            found = rates(device, name, shapes, processes=processes, store=store, use_cache=use_cache)
+            timed = [r for r in found.values() if not r.skipped] or list(found.values())
+            best = max(timed, key=lambda r: r.tflops)
+            block["precisions"][name] = {"peak_tflops": best.tflops, "peak_shape": list(best.shape),
+                                         "spread": best.spread, "measured": best.measured,
+                                         "rates": [r.to_dict() for r in found.values()]}
+        block["seconds"] = time.perf_counter() - started
+        block["from_cache"] = not any_missed
+    return block
+
+
+def peak_of(block: dict | None, precision_name: str | None) -> dict | None:
+    """A machine_peak block's figures for one precision ({peak_tflops, peak_shape, spread, measured, rates}), or
+    None when it has none."""
+    if not block or not precision_name:
+        return None
+    return (block.get("precisions") or {}).get(precision_name)
