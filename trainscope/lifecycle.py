@@ -144,15 +144,16 @@ class RunLifecycle:
 
     # ---------------------------------------------------------------- opening
 
-    def open(self, metrics, model_facts: dict, data_facts: dict) -> None:
-        """Resume if asked, write the record's header, say the warnings known now, start trackers and progress."""
+    def open(self, metrics, model_facts: dict, data_facts: dict, prediction: dict | None = None) -> None:
+        """Resume if asked, write the record's header (with the prediction made before the run), say the warnings
+        known now, start trackers and progress."""
         try:
-            self._open(metrics, model_facts, data_facts)
+            self._open(metrics, model_facts, data_facts, prediction)
         except BaseException:
             self.signals.restore()
             raise
 
-    def _open(self, metrics, model_facts: dict, data_facts: dict) -> None:
+    def _open(self, metrics, model_facts: dict, data_facts: dict, prediction: dict | None) -> None:
         self.metrics = metrics
         resumed = checkpoints.load_latest(self.accelerator, self.run_dir) if self.settings.resume else None
         metrics.resume_from(resumed)
@@ -161,7 +162,7 @@ class RunLifecycle:
         init_kwargs, tracker_facts = trackers.init_kwargs(names, self.run_dir.name, self.run_dir,
                                                           self.settings.tracker_group)
         if self.record:
-            self._write_header(resumed, env, model_facts, data_facts, tracker_facts)
+            self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
             for warning in health.check(self.record.data, at_start=True):
                 print(f"warning [{warning['code']}]: {warning['message']}", flush=True)
             for line in dropped_rows_lines(data_facts.get("dropped_rows") or {}):
@@ -172,7 +173,7 @@ class RunLifecycle:
         self.progress = tqdm(total=self.plan["optimizer_steps"], initial=metrics.loop.step, desc="training",
                              unit="step", disable=not self.accelerator.is_local_main_process)
 
-    def _write_header(self, resumed, env, model_facts, data_facts, tracker_facts) -> None:
+    def _write_header(self, resumed, env, model_facts, data_facts, tracker_facts, prediction=None) -> None:
         if resumed:
             self.record.data = read_record(self.run_dir)
             self.record.truncate_steps(after_step=resumed["step"])
@@ -180,6 +181,7 @@ class RunLifecycle:
             run_name=self.run_dir.name, status="running", created=self.record.data.get("created", now_iso()),
             settings=asdict(self.settings), environment=env, provenance=provenance.collect(),
             model=model_facts, data=data_facts, trackers=tracker_facts, plan=self.plan,
+            prediction=self.record.data.get("prediction") if resumed else prediction,
             resumed_from=self.record.data.get("resumed_from", []) + ([resumed["checkpoint"]] if resumed else []),
         )
 

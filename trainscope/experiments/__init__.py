@@ -14,13 +14,14 @@ import sys
 
 from trainscope.errors import UserError
 from trainscope.experiments import (amp, batch, ckpt, compare, compiling, data_parallel, ddp_cost, loaders, matrix,
-                                    optimization, profile)
+                                    optimization, prediction, profile)
 from trainscope.experiments.base import Experiment, ExperimentFailed, split_args
 
 # In the report's order; `compare` and `find-batch` have no section (a tool and a child process).
 REGISTRY: list[Experiment] = [profile.EXPERIMENT, optimization.EXPERIMENT, loaders.EXPERIMENT, amp.EXPERIMENT,
                               data_parallel.EXPERIMENT, ddp_cost.EXPERIMENT, ckpt.EXPERIMENT, batch.EXPERIMENT,
-                              matrix.EXPERIMENT, compiling.EXPERIMENT, compare.EXPERIMENT, batch.FIND_BATCH]
+                              matrix.EXPERIMENT, compiling.EXPERIMENT, prediction.EXPERIMENT, compare.EXPERIMENT,
+                              batch.FIND_BATCH]
 SECTIONS = [e for e in REGISTRY if e.section is not None]
 USAGE = """python -m trainscope.experiments NAME --runs DIR [options] -- [train.py flags]
 
