@@ -49,6 +49,7 @@ TUNE_BUDGET ?= 2400
 # make predict-check: short runs of many shapes (12 steps, 2 of them warm-up), each predicted at its start.
 PREDICT_ARGS ?= --max-train-samples 2000 --max-eval-samples 128 --max-test-samples 128 --max-steps 12 --log-every 12 \
 	--report-to none
+PREDICT_SHAPES ?=
 COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-samples 64 --max-test-samples 64 \
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
@@ -84,7 +85,7 @@ predict-calibrate: setup ## fit the predictor's allocator share of a CPU process
 
 predict-check: setup ## calibrate, then predicted against measured over 15 shapes (configs, batches, ckpt, LoRA, DDP) -> runs/predict/
 	$(PY) -m trainscope.predict --calibrate
-	$(EXPERIMENTS) predict-check --runs $(RUNS)/predict -- $(PREDICT_ARGS)
+	$(EXPERIMENTS) predict-check --runs $(RUNS)/predict $(if $(PREDICT_SHAPES),--shapes $(PREDICT_SHAPES)) -- $(PREDICT_ARGS)
 
 test: setup ## run the test suite (CPU only, GPUs hidden; launches every config in accelerate_configs/)
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q tests

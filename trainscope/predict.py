@@ -167,7 +167,7 @@ def traced_step(kind: str, workload: "Workload", batch: int, length: int, avoid:
     settings = settings or workload.settings
     label_names = label_names or workload.label_names
     config = modeling.model_config(settings, label_names)
-    identity = {"kind": kind, "version": VERSION, "config": config.to_json_string(use_diff=False),
+    identity = {"kind": kind, "version": [VERSION, trace.VERSION], "config": config.to_json_string(use_diff=False),
                 "settings": {k: getattr(settings, k) for k in TRACE_SETTINGS}, "inputs": sorted(workload.input_names),
                 "precision": workload.precision, "device": workload.device.type, "batch": batch, "length": length,
                 "avoid": sorted(avoid), "packages": environment.package_versions()}
@@ -1029,7 +1029,8 @@ def time_point(record: dict) -> dict | None:
     if block is None or not view.step_s or block["time"].get("calibration") or view.world_size > 1:
         return None
     timing = block["time"]
-    return {"step_residual_s": view.step_s - timing["step_s"], "step_operator_s": timing["kinds_s"]["operator"],
+    return {"step_s": view.step_s, "step_residual_s": view.step_s - timing["step_s"],
+            "step_operator_s": timing["kinds_s"]["operator"],
             "step_dispatches": timing["dispatches"]["step"],
             "evaluation_residual_s": view.eval_s - timing["evaluation_s"], "evaluation_passes": timing["evaluation_passes"],
             "evaluation_operator_s": timing["evaluation_operator_s"], "evaluation_dispatches": timing["dispatches"]["evaluation"]}
@@ -1058,13 +1059,16 @@ def _bounded_least_squares(columns: np.ndarray, target: np.ndarray, lower: list,
 
 def fit_time(points: list[dict]) -> dict:
     """The framework's own costs as this machine shows them, from the calibration runs: a step's residual (measured
-    less predicted) = a x its non-matmul operators' time + d x the operators it dispatches + c (least squares,
-    -0.5 <= a <= 1, d and c at least 0): operators scale by 1 + a, each dispatch costs d, each step c more (the
+    less predicted) = a x its non-matmul operators' time + d x the operators it dispatches + c, fitted on relative
+    residuals (each run's row over its measured step: the prediction is judged by its relative error), with
+    -0.5 <= a <= 1 and d, c at least 0: operators scale by 1 + a, each dispatch costs d, each step c more (the
     loop). Each evaluation pass costs the median of what its residual leaves after the same terms."""
     columns = np.array([[p["step_operator_s"], p["step_dispatches"], 1.0] for p in points], float)
     residual = np.array([p["step_residual_s"] for p in points], float)
-    slope, dispatch, constant = (_bounded_least_squares(columns, residual, [-0.5, 0.0, 0.0], [1.0, 1e-3, 1.0])
-                                 if len(points) >= 3 else (0.0, 0.0, float(max(0.0, np.median(residual)))))
+    weights = np.array([1.0 / p["step_s"] for p in points], float)
+    slope, dispatch, constant = (
+        _bounded_least_squares(columns * weights[:, None], residual * weights, [-0.5, 0.0, 0.0], [1.0, 1e-3, 1.0])
+        if len(points) >= 3 else (0.0, 0.0, float(max(0.0, np.median(residual)))))
     passes = [(p["evaluation_residual_s"] - slope * p["evaluation_operator_s"] - dispatch * p["evaluation_dispatches"])
               / p["evaluation_passes"] for p in points if p["evaluation_passes"]]
     fitted = columns @ np.array([slope, dispatch, constant])

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+VERSION = 1  # bump when what a trace holds changes (cached traces of another version are traced again)
 aten = torch.ops.aten
 GEMMS = (aten.mm, aten.addmm)  # plain matrix products: the machine's measured peak applies (trainscope.peak)
 MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
