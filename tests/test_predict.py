@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ONE_THREAD, TINY, assert_ok, read_record, run_in_process
+from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
 from trainscope import batch_search, modeling, op_costs, peak, predict, trace
 from trainscope.experiments import prediction as predict_check
 from trainscope.loop import classification_loss
@@ -297,3 +297,16 @@ def test_predict_prints_one_screen_exits_0_and_trains_nothing(runs, monkeypatch)
     assert "prediction: embedded:tiny-bert on embedded:tweets" in screen and "steady step" in screen
     assert "peak RSS" in screen and "fits" in screen and "nothing trained, no run record written" in screen
     assert not runs.exists()
+
+
+def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
+    """predict.speedup (what make tune shows beside its measured speed-up), on a planted machine: no change is 1x;
+    grouping by length, which pads less, is predicted faster per real token."""
+    planted = PlantedCosts({"fp32": 0.01, "bf16": 0.02})
+    monkeypatch.setattr(op_costs.OpCosts, "seconds", lambda self, op: planted.seconds(op))
+    monkeypatch.setattr(predict, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "8"])
+    same = predict.speedup(settings)
+    grouped = predict.speedup(settings, ["--group-by-length"])
+    assert same["ratio"] == pytest.approx(1.0)
+    assert grouped["ratio"] > 1.05 and grouped["changed_s"] < grouped["baseline_s"]

@@ -11,12 +11,13 @@
   on GPUs, on any device; PyTorch's roofline estimate (75% of a datasheet peak) is not used.
 
 Each timing: one warm-up call, then calls until MIN_CALLS have run and CALL_BUDGET_S has passed (at most
-MAX_CALLS); the median. The cache file is rewritten whole (atomically) by the process that measured.
+MAX_CALLS); the fastest (as timeit advises: slower calls are the machine's interference, not the operator's cost --
+an operator of microseconds on two threads can wait milliseconds for a descheduled thread on a busy machine). The
+cache file is rewritten whole (atomically) by the process that measured.
 """
 
 import contextlib
 import json
-import statistics
 import time
 
 import torch
@@ -29,7 +30,7 @@ from trainscope.trace import is_tensor_spec
 MIN_CALLS, MAX_CALLS = 3, 20
 CALL_BUDGET_S = 0.02
 BENCH_CAP_BYTES = 256 * 2**20
-VERSION = 1  # bump when what a cached timing means changes
+VERSION = 2  # bump when what a cached timing means changes
 
 
 def gemm_precision(dtype: str, device: torch.device) -> str:
@@ -103,7 +104,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def time_call(call, device: torch.device) -> float:
-    """Median seconds of `call()` after one warm-up call (see the module's docstring)."""
+    """Seconds of `call()`: the fastest of the timed calls after one warm-up call (see the module's docstring)."""
     call()
     _synchronize(device)
     times, spent = [], 0.0
@@ -113,7 +114,7 @@ def time_call(call, device: torch.device) -> float:
         _synchronize(device)
         times.append(time.perf_counter() - started)
         spent += times[-1]
-    return statistics.median(times)
+    return min(times)
 
 
 def benchmark(func_name: str, spec, device: torch.device) -> float:

@@ -7,12 +7,13 @@ Each shape runs once (a prediction is judged against one run; its own noise is i
 is calibrated first on other shapes (`python -m trainscope.predict --calibrate`, which the make target runs).
 """
 
+import os
 import shlex
 import statistics
 from pathlib import Path
 
 from trainscope import bench, reporting
-from trainscope.experiments.base import Arm, Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
+from trainscope.experiments.base import Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
 from trainscope.record_view import RunView
 from trainscope.records import read_record
 from trainscope.tables import Table, num, pyplot
@@ -45,20 +46,30 @@ def arguments(parser) -> None:
                         help=f"shapes to run (default all {len(SHAPES)}): {', '.join(SHAPES)}")
 
 
+def machine_load() -> dict:
+    """The machine's 1-minute load average and its usable cores: a prediction is of an undisturbed machine, and
+    other processes slow the runs it is held against."""
+    from trainscope.environment import usable_cores
+
+    return {"load_average_1min": round(os.getloadavg()[0], 2), "usable_cores": usable_cores()}
+
+
 def run(args, train_args: list[str]) -> dict:
     runs = Path(args.runs)
     arms = [planned_arm(name, *SHAPES[name]) for name in args.shapes]
     for arm in arms:
         if arm.skipped:
             print(f"skipped {arm.name}: {arm.skipped}", flush=True)
+    load = {"before": machine_load()}
     for arm in (a for a in arms if a.skipped is None):
         run_arm(arm, train_args, runs, 0)
+    load["after"] = machine_load()
     records = {arm.name: read_record(runs / f"{arm.name}-r0") for arm in arms if arm.skipped is None}
     rows = run_rows(records)
     if not rows:
         raise ExperimentFailed("no run recorded a prediction and its error")
     result = {"experiment": "predict-check", "train_args": train_args, "runs": rows, "summary": summarize(rows),
-              "skipped": {a.name: a.skipped for a in arms if a.skipped}}
+              "machine_load": load, "skipped": {a.name: a.skipped for a in arms if a.skipped}}
     bench.write_results(runs / "comparison", result, markdown(result, train_args))
     print((runs / "comparison.md").read_text())
     return result
@@ -153,9 +164,20 @@ def summary_text(summary: dict) -> str:
     return text
 
 
+def load_text(load: dict | None) -> str:
+    if not load:
+        return ""
+    before, after = load["before"], load["after"]
+    return (f"Machine load while the shapes ran: 1-minute load average {before['load_average_1min']} before, "
+            f"{after['load_average_1min']} after, on {after['usable_cores']} usable cores"
+            + (" -- a busy machine: its runs were slowed by other processes, which the predictions do not model."
+               if max(before["load_average_1min"], after["load_average_1min"]) > 0.5 * after["usable_cores"] else "."))
+
+
 def markdown(result: dict, train_args: list[str]) -> list[str]:
     lines = ["# Experiment: predict-check", "", f"train.py flags: `{shlex.join(train_args)}`; each shape once.", "",
-             summary_text(result["summary"]), "", *run_table(result["runs"]).markdown_lines(), "",
+             summary_text(result["summary"]), "", load_text(result.get("machine_load")), "",
+             *run_table(result["runs"]).markdown_lines(), "",
              *term_table(result["summary"]).markdown_lines()]
     if result.get("skipped"):
         lines += ["", *(f"- skipped {name}: {why}" for name, why in result["skipped"].items())]
@@ -193,6 +215,9 @@ def section(report, found: reporting.Collected) -> None:
     figure.tight_layout()
     report.figure(figure, "prediction", "Predicted against measured (dotted: 10% either way)", list(records.values()))
     report.text(summary_text(summary))
+    comparison = found.comparisons.get(EXPERIMENT.name) or {}
+    if comparison.get("machine_load"):
+        report.text(load_text(comparison["machine_load"]))
     report.table(run_table(rows))
     report.table(term_table(summary))
 
