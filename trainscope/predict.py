@@ -496,7 +496,7 @@ def _time(workload, phases, framework, train, steady, warmup, evaluation, traced
     eval_batch = settings.resolved_eval_batch_size
     eval_batches = sum(passes * len(evaluation[split][0]) for split, passes in eval_passes.items())
     evaluation_s = sum(passes * (calibration.get("evaluation_pass_s", 0.0) + sum(
-        (eval_forward.seconds(t, factor) + eval_collate) * rows / eval_batch + framework.get("eval", 0.0)
+        (eval_forward.seconds(t) + eval_collate) * rows / eval_batch + framework.get("eval", 0.0)
         for t, rows in zip(*evaluation[split]))) for split, passes in eval_passes.items())
     evaluation_operators = sum(passes * sum(eval_forward.by_kind(t).get("operator", 0.0) * rows / eval_batch
                                             for t, rows in zip(*evaluation[split]))
@@ -999,7 +999,7 @@ CALIBRATION_SHAPES = {
     "tiny-bs64": ("cpu", ["--model", "embedded:tiny-bert", "--per-device-batch-size", "64"]),
     "ddp-bs8": ("ddp", ["--per-device-batch-size", "8"]),
 }
-CALIBRATION_ARGS = ["--max-train-samples", "1000", "--max-eval-samples", "32", "--max-test-samples", "32",
+CALIBRATION_ARGS = ["--max-train-samples", "1000", "--max-eval-samples", "96", "--max-test-samples", "96",
                     "--max-steps", "10", "--log-every", "10", "--report-to", "none"]
 
 
@@ -1061,16 +1061,17 @@ def fit_time(points: list[dict]) -> dict:
     """The framework's own costs as this machine shows them, from the calibration runs: a step's residual (measured
     less predicted) = a x its non-matmul operators' time + d x the operators it dispatches + c, fitted on relative
     residuals (each run's row over its measured step: the prediction is judged by its relative error), with
-    -0.5 <= a <= 1 and d, c at least 0: operators scale by 1 + a, each dispatch costs d, each step c more (the
-    loop). Each evaluation pass costs the median of what its residual leaves after the same terms."""
+    -0.5 <= a <= 1 and d, c at least 0: a training step's operators scale by 1 + a (inside a step their inputs are
+    colder than when timed alone), each dispatch costs d, each step c more (the loop). Each evaluation pass costs
+    the median of what its residual leaves after its dispatches."""
     columns = np.array([[p["step_operator_s"], p["step_dispatches"], 1.0] for p in points], float)
     residual = np.array([p["step_residual_s"] for p in points], float)
     weights = np.array([1.0 / p["step_s"] for p in points], float)
     slope, dispatch, constant = (
         _bounded_least_squares(columns * weights[:, None], residual * weights, [-0.5, 0.0, 0.0], [1.0, 1e-3, 1.0])
         if len(points) >= 3 else (0.0, 0.0, float(max(0.0, np.median(residual)))))
-    passes = [(p["evaluation_residual_s"] - slope * p["evaluation_operator_s"] - dispatch * p["evaluation_dispatches"])
-              / p["evaluation_passes"] for p in points if p["evaluation_passes"]]
+    passes = [(p["evaluation_residual_s"] - dispatch * p["evaluation_dispatches"]) / p["evaluation_passes"]
+              for p in points if p["evaluation_passes"]]
     fitted = columns @ np.array([slope, dispatch, constant])
     return {"operator_factor": float(1 + slope), "dispatch_s": float(dispatch), "step_s": float(constant),
             "evaluation_pass_s": float(max(0.0, statistics.median(passes))) if passes else 0.0, "runs": len(points),
