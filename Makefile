@@ -80,7 +80,7 @@ train: setup ## fine-tune the embedded MiniLM-L6 on the embedded tweets on whate
 predict: setup ## predict a run before running it: peak memory (fits or not), step and run time; nothing trained (CONFIG, ARGS)
 	$(LAUNCH) train.py --predict $(TRAIN_ARGS) $(ARGS)
 
-predict-calibrate: setup ## fit the predictor's allocator share of a CPU process on short runs, once per machine (about a minute)
+predict-calibrate: setup ## the predictor's fitted terms (allocator share, framework time) from six short runs, once per machine (minutes)
 	$(PY) -m trainscope.predict --calibrate
 
 predict-check: setup ## calibrate, then predicted against measured over 15 shapes (configs, batches, ckpt, LoRA, DDP) -> runs/predict/

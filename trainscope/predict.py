@@ -1125,8 +1125,10 @@ def main(argv=None) -> None:
     ours, train_args = split_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="python -m trainscope.predict",
-        description="Calibrate the predictor's one fitted term on this machine: the allocator's share of a CPU "
-        "process's peak RSS, from short train.py runs of several shapes (about a minute on 2 cores). Predictions "
+        description="Calibrate the predictor's fitted terms on this machine -- the allocator's share of a CPU "
+        "process's peak RSS, the framework's own time (per operator dispatched, per step, per evaluation pass, a "
+        "factor on the non-matmul operators) -- from short train.py runs of six shapes, uncalibrated (a few minutes "
+        "on 2 cores); the 2-process one also measures DDP's all-reduce. Flags after -- go to every run. Predictions "
         "themselves: python train.py --predict [flags].")
     parser.add_argument("--calibrate", action="store_true", required=True, help="run the calibration")
     parser.add_argument("--runs", default=None, help="keep the calibration runs here (default: a temporary folder)")
