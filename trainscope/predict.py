@@ -481,7 +481,7 @@ def _time(workload, phases, framework, train, steady, warmup, evaluation, traced
 
     # The first step creates the optimizer state, and touches fresh memory for everything it holds.
     touch = first_touch_seconds_per_byte(costs) if workload.device.type == "cpu" else 0.0
-    first_extra = first_optimizer - optimizer + touch * sum(traced.memory_at(float(steady.mean())).values())
+    first_extra = first_optimizer - optimizer + touch * traced.peak_at(float(steady.mean()))
     train_lengths_by_step = train.reshape(-1, accumulation) if len(train) % accumulation == 0 else None
     step_seconds = []
     for index in range(len(train) // accumulation):

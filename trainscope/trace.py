@@ -80,6 +80,10 @@ class Trace:
         peak = max(moments, key=lambda moment: sum(moment.values()))
         return {**held, "activations": peak.get("activations", 0.0), "temporary": peak.get("temporary", 0.0)}
 
+    def peak_at(self, length: float, batch: int | None = None) -> float:
+        """Bytes at the step's peak at another length and batch: parameters, optimizer state, activations, temporaries."""
+        return sum(self.memory_at(length, batch).values())
+
     def saved_at(self, length: float, batch: int | None = None) -> dict:
         """Bytes saved for backward by module at another length and batch."""
         return {module: _scaled(powers, self, length, batch) for module, powers in self.saved.items()}
