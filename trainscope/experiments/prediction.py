@@ -146,7 +146,7 @@ def term_table(summary: dict) -> Table:
     cells = [[term, f"{t['median_abs_error']:.1%}", f"{t['median_share_of_total']:.1%}", str(t["runs"])]
              for term, t in terms]
     return Table("Each term of the model: its median error, and its error as a share of its total (peak or step)",
-                 ["term", "median |error|", "median share of total", "runs"], cells, "prediction-terms", align="lrrr")
+                 ["term", "median abs. error", "median share of total", "runs"], cells, "prediction-terms", align="lrrr")
 
 
 def summary_text(summary: dict) -> str:
