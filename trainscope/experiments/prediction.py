@@ -201,12 +201,18 @@ def section(report, found: reporting.Collected) -> None:
             continue
         measured, predicted, _ = zip(*points)
         top = max(max(measured), max(predicted)) * 1.1
-        axis.plot([0, top], [0, top], color="grey", linewidth=0.8, label="exact")
+        low = min(min(measured), min(predicted)) / 1.1
+        logarithmic = low > 0 and top / low > 10  # runs of seconds beside runs of milliseconds
+        low = low if logarithmic else 0.0
+        axis.plot([low, top], [low, top], color="grey", linewidth=0.8, label="exact")
         for band in (0.9, 1.1):
-            axis.plot([0, top], [0, top * band], color="grey", linewidth=0.5, linestyle=":")
+            axis.plot([low, top], [low * band, top * band], color="grey", linewidth=0.5, linestyle=":")
         axis.scatter(measured, predicted, s=18, color="tab:blue")
-        axis.set_xlim(0, top)
-        axis.set_ylim(0, top)
+        if logarithmic:
+            axis.set_xscale("log")
+            axis.set_yscale("log")
+        axis.set_xlim(low or 0, top)
+        axis.set_ylim(low or 0, top)
         unit = "GiB" if key == "peak_memory_gib" else "s"
         axis.set_xlabel(f"measured {label} ({unit})")
         axis.set_ylabel(f"predicted ({unit})")
