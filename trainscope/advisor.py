@@ -9,7 +9,9 @@ confidence. A gain is one of two kinds, and the advice says which:
   1 / (1 - s); the padding bound counts the FLOPs spent on padding positions from the record's token
   counts and the model's shape (trainscope.flops).
 * **estimate** (`gain_kind="estimate"`): Amdahl's law with an assumed or separately measured factor for
-  the part that changes (bf16 matmuls k times faster, a fused optimizer 3x); the factor is stated.
+  the part that changes (bf16 matmuls k times faster, a fused optimizer 3x); the factor is stated. Where the run
+  recorded a prediction, a precision, batch or evaluation-batch estimate is the predictor's instead
+  (trainscope.predict.speedup).
 
 Rules fire only for the hardware in the record: no kernel-launch argument on a CPU, no NCCL argument on
 gloo. Rules stay silent when their gain is below MIN_GAIN. Health warnings of the record come first,
@@ -64,6 +66,7 @@ def advise(record: dict) -> list[Suggestion]:
     """Every suggestion the record supports: health warnings first, then by gain, largest first."""
     view = RunView(record)
     found = [s for rule in RULES for s in rule(view)]
+    found = [s for s in (predicted(view, s) for s in found) if s is not None]
     for warning in view.warnings:
         fix = fix_first(warning)
         same = next((s for s in found if fix.flags and s.flags == fix.flags), None)
@@ -72,6 +75,29 @@ def advise(record: dict) -> list[Suggestion]:
         else:
             found.append(fix)
     return sorted(found, key=lambda s: (not s.fix_first, -(s.gain or 1.0)))
+
+
+# Estimates the predictor makes for a run that recorded a prediction (trainscope.predict.speedup: every operator
+# at its shapes, this machine's measured rates): a precision, a batch, an evaluation batch.
+PREDICTED_RULES = ("precision", "cpu_precision", "batch", "evaluation")
+PREDICTED = "predicted by trainscope.predict (each operator at its shapes, this machine's measured rates)"
+
+
+def predicted(view: RunView, suggestion: Suggestion) -> Suggestion | None:
+    """The suggestion with the predictor's speed-up as its estimate where the run has a prediction (None: predicted
+    below MIN_GAIN); else as the rule made it."""
+    if suggestion.rule not in PREDICTED_RULES or view.prediction is None:
+        return suggestion
+    from trainscope import predict
+
+    try:
+        ratio = predict.speedup(view.record, suggestion.flags, suggestion.config)["ratio"]
+    except Exception:  # the data or the model is not reachable here: the rule's own estimate stands
+        return suggestion
+    if ratio is None or ratio < MIN_GAIN:
+        return None
+    suggestion.gain, suggestion.gain_kind, suggestion.factor = ratio, "estimate", PREDICTED
+    return suggestion
 
 
 def fix_first(warning: dict) -> Suggestion:
@@ -182,29 +208,11 @@ def gpu_precision(view: RunView) -> list[Suggestion]:
     if not fp32 or not bf16:
         return []
     compute = view.shares().get("forward", 0.0) + view.shares().get("backward", 0.0)
-    predicted = predicted_speedup(view, config="bf16")
     return [Suggestion("precision", "train in bf16 (accelerate_configs/bf16.yaml), or allow TF32 with --tf32",
                        f"fp32 on {view.device_name}: dense peaks {fp32:g} TFLOP/s fp32, {bf16:g} bf16; forward and "
-                       f"backward {compute:.0%} of the step", config="bf16",
-                       gain=predicted or amdahl(compute, bf16 / fp32), gain_kind="estimate",
-                       factor=PREDICTED if predicted else f"forward and backward x{bf16 / fp32:.1f}, the datasheet peak ratio",
+                       f"backward {compute:.0%} of the step", config="bf16", gain=amdahl(compute, bf16 / fp32),
+                       gain_kind="estimate", factor=f"forward and backward x{bf16 / fp32:.1f}, the datasheet peak ratio",
                        changes_result="bf16 rounding (losses agree to about 1e-2)")]
-
-
-def predicted_speedup(view: RunView, flags=(), config: str | None = None) -> float | None:
-    """The predictor's speed-up of a change on this run (trainscope.predict.speedup: every operator at its shapes,
-    this machine's measured rates) where the run recorded a prediction, else None (the rule's own estimate stands)."""
-    if view.prediction is None:
-        return None
-    from trainscope import predict
-
-    try:
-        return predict.speedup(view.record, flags, config)["ratio"]
-    except Exception:  # data or model not reachable here: the rule keeps its own estimate
-        return None
-
-
-PREDICTED = "predicted by trainscope.predict (each operator at its shapes, this machine's measured rates)"
 
 
 def cpu_precision(view: RunView) -> list[Suggestion]:
@@ -219,16 +227,12 @@ def cpu_precision(view: RunView) -> list[Suggestion]:
     gain = amdahl(compute, speedup)
     if speedup < NATIVE_BF16_MIN_SPEEDUP or gain < MIN_GAIN:
         return []
-    predicted = predicted_speedup(view, config="bf16")
-    factor = (PREDICTED if predicted else
-              f"all of forward, backward and evaluation x{speedup:.2f}, the measured matmul speed-up")
-    if predicted is not None and predicted < MIN_GAIN:
-        return []
     return [Suggestion("cpu_precision", "train in bf16 autocast (accelerate_configs/bf16.yaml): this CPU computes "
                        "bf16 natively", f"{view.env.get('cpu_capability')}; a {measured['size']}x{measured['size']} "
                        f"matmul at {measured['threads']} threads ran {speedup:.2f}x faster in bf16 autocast than fp32 "
                        f"here; forward, backward and evaluation take {compute:.0%} of the wall time", config="bf16",
-                       gain=predicted or gain, gain_kind="estimate", factor=factor,
+                       gain=gain, gain_kind="estimate",
+                       factor=f"all of forward, backward and evaluation x{speedup:.2f}, the measured matmul speed-up",
                        confidence="medium", changes_result="bf16 rounding (losses agree to about 1e-2)")]
 
 
@@ -242,12 +246,10 @@ def gpu_batch(view: RunView) -> list[Suggestion]:
         flags = ["--per-device-batch-size", str(batch)]
         if steps % 2 == 0:
             flags += ["--gradient-accumulation-steps", str(steps // 2)]
-        predicted = predicted_speedup(view, flags=flags)
         found.append(Suggestion("batch", f"double the per-device batch to {batch}" + (" and halve accumulation" if
                                 steps % 2 == 0 else ""), f"MFU {mfu:.0%} with {used:.1f} of {total:.0f} GiB in use",
-                                flags, gain=predicted or min(2.0, 0.5 / max(mfu, 1e-3)), gain_kind="estimate",
-                                factor=PREDICTED if predicted else "MFU rising towards 50% with the batch (assumed)",
-                                confidence="medium",
+                                flags, gain=min(2.0, 0.5 / max(mfu, 1e-3)), gain_kind="estimate",
+                                factor="MFU rising towards 50% with the batch (assumed)", confidence="medium",
                                 changes_result=None if steps % 2 == 0 else "the effective batch doubles"))
     if used > 0.9 * total:
         found.append(Suggestion("memory", "add --gradient-checkpointing (or --lora) to make room",

@@ -190,6 +190,7 @@ class RunMetrics:
         mine = self._rank_summary()
         per_rank = gather_object([mine]) if gather else [mine]
         result = self._summary(per_rank, self.evaluated(test_scores) if test_scores else None, snapshot)
+        result["prediction_error"] = self.prediction.errors(result)  # each predicted quantity against the run
         if partial:
             result.update(partial=True, ranks_summarized=[r["rank"] for r in per_rank])
         else:
@@ -206,7 +207,7 @@ class RunMetrics:
     def _summary(self, per_rank: list[dict], test_scores: dict | None, snapshot: dict | None) -> dict:
         phase = "steady" if self.loop.counts["steady"]["optimizer_steps"] else "warmup"
         throughput = summary.throughput(per_rank, phase)
-        result = {
+        return {
             "world_size": self.accelerator.num_processes,
             "optimizer_steps": self.loop.step,
             "skipped_steps": self.loop.skipped_steps,
@@ -228,8 +229,6 @@ class RunMetrics:
             "compile": self._compile_summary(),
             "communication": communication.combine(per_rank, throughput),
         }
-        result["prediction_error"] = self.prediction.errors(result)
-        return result
 
     def _compile_summary(self) -> dict | None:
         if not self.settings.compile:
