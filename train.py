@@ -4,6 +4,7 @@ The same script runs on a CPU, one GPU, several GPUs (DDP, FSDP) and in fp16/bf1
 Accelerate config changes:
 
     python train.py                                    # embedded MiniLM-L6 on the embedded tweets
+    python train.py --predict                          # its peak memory, step and run time predicted; nothing trained
     accelerate launch --config_file accelerate_configs/ddp_fp16.yaml train.py --model roberta-base --dataset glue/sst2
 
 Every run writes runs/<run-name>/record.json (settings, environment, provenance, stage timing per
