@@ -56,12 +56,17 @@ CONFIRM_ARGS ?= $(TRAIN_ARGS) --report-to none
 CONFIRM_ROUNDS ?= 5
 # The command to confirm: make tune's final one (empty), or stated, e.g. "--tuned-config bf16 --tuned-flags=--group-by-length"
 CONFIRM_TUNED ?=
+# make predict-check: short runs of many shapes (12 steps, 2 of them warm-up), each predicted at its start.
+PREDICT_ARGS ?= --max-train-samples 2000 --max-eval-samples 128 --max-test-samples 128 --max-steps 12 --log-every 12 \
+	--report-to none
+PREDICT_SHAPES ?=
 COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-samples 64 --max-test-samples 64 \
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
 
 .PHONY: help setup train test bench-overhead bench-trainer bench-compile sweep-workers compare-dp amp-compare \
-	ckpt-compare batch-sweep matrix profile ddp-cost tune tune-confirm advise gpu-check report experiments clean
+	ckpt-compare batch-sweep matrix profile ddp-cost tune tune-confirm advise gpu-check report experiments clean predict \
+	predict-calibrate predict-check
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -83,6 +88,16 @@ setup: $(VENV)/.installed ## create .venv (reusing an installed torch) with ever
 
 train: setup ## fine-tune the embedded MiniLM-L6 on the embedded tweets on whatever hardware is here
 	$(LAUNCH) train.py $(TRAIN_ARGS) $(ARGS)
+
+predict: setup ## predict a run before running it: peak memory (fits or not), step and run time; nothing trained (CONFIG, ARGS)
+	$(LAUNCH) train.py --predict $(TRAIN_ARGS) $(ARGS)
+
+predict-calibrate: setup ## the predictor's fitted terms (allocator share, framework time) from six short runs, once per machine (minutes)
+	$(PY) -m trainscope.predict --calibrate
+
+predict-check: setup ## calibrate, then predicted against measured over 15 shapes (configs, batches, ckpt, LoRA, DDP) -> runs/predict/
+	$(PY) -m trainscope.predict --calibrate
+	$(EXPERIMENTS) predict-check --runs $(RUNS)/predict $(if $(PREDICT_SHAPES),--shapes $(PREDICT_SHAPES)) -- $(PREDICT_ARGS)
 
 test: setup ## run the test suite (CPU only, GPUs hidden; launches every config in accelerate_configs/)
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q tests

@@ -4,6 +4,7 @@ The same script runs on a CPU, one GPU, several GPUs (DDP, FSDP) and in fp16/bf1
 Accelerate config changes:
 
     python train.py                                    # embedded MiniLM-L6 on the embedded tweets
+    python train.py --predict                          # its peak memory, step and run time predicted; nothing trained
     accelerate launch --config_file accelerate_configs/ddp_fp16.yaml train.py --model roberta-base --dataset glue/sst2
 
 Every run writes runs/<run-name>/record.json (settings, environment, provenance, stage timing per
@@ -14,7 +15,7 @@ import sys
 
 import torch
 
-from trainscope import liveness, startup
+from trainscope import liveness, predict, startup
 from trainscope.data import build_dataloaders, load_classification_data
 from trainscope.errors import Fault, UserError, exit_with, redacted_output
 from trainscope.lifecycle import RunLifecycle
@@ -49,6 +50,10 @@ def train(settings: Settings) -> dict:
     settings = started.settings
     tokenizer = build_tokenizer(settings)
     data = load_classification_data(settings, tokenizer, started.state.main_process_first)
+    # Peak memory, step and run time predicted before the model exists (trainscope/predict.py); --predict stops here.
+    prediction = predict.before_run(settings, started, tokenizer, data)
+    if settings.predict:
+        return predict.show(prediction, settings, started)
     plan = startup.plan_steps(settings, len(data.train), started.state.num_processes)
     model, model_facts = build_model(settings, data.label_names, tokenizer)
     accelerator = startup.build_accelerator(settings, started)
@@ -63,10 +68,10 @@ def train(settings: Settings) -> dict:
     model, optimizer, train_loader, validation_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, validation_loader, test_loader, scheduler)
     metric = load_metric()
-    metrics = RunMetrics(accelerator, started, plan, model_config, scheduler)  # measures and summarizes
-    metrics.attach(model)
+    metrics = RunMetrics(accelerator, started, plan, model_config, scheduler, prediction)  # measures and summarizes
+    metrics.attach(model, optimizer)
     run = RunLifecycle(accelerator, started, plan)  # the record; resume, checkpoints, signals, the ending
-    run.open(metrics, model_facts, data.record_facts())
+    run.open(metrics, model_facts, data.record_facts(), prediction)
 
     # ---------------------------------------------------------------- the timed loop
     # Stages: `data` around next(batches) below; `forward`, `backward` (loss + backward) and `optimizer`

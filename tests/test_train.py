@@ -53,6 +53,16 @@ def test_record_holds_settings_environment_provenance_and_step_lines(runs):
     assert sum(line["wall_s"] for line in lines) <= record["summary"]["timing"]["across_ranks"]["run"]["wall_s"]["max"]
     assert record["summary"]["throughput"]["padded_tokens"] >= record["summary"]["throughput"]["tokens"] > 0
     assert "few_steady_steps" in [w["code"] for w in record["warnings"]]
+    # the prediction made at start, and at the end each quantity's error; the traced terms are the real ones
+    prediction, errors = record["prediction"], record["summary"]["prediction_error"]
+    assert prediction["memory"]["peak_gib"] > 0 and prediction["time"]["step_s"] > 0
+    assert prediction["batches"]["micro_batches"] == 16 and prediction["batches"]["accumulation"] == 2
+    terms = errors["memory_terms"]
+    assert terms["parameters"]["error"] == 0 and terms["gradients"]["error"] == 0 and terms["optimizer"]["error"] == 0
+    assert abs(terms["activations"]["error"]) < 0.01 and terms["activations"]["measured"] > 0
+    for quantity in ("peak_memory_gib", "step_s", "run_s"):
+        assert errors[quantity]["measured"] > 0 and errors[quantity]["predicted"] > 0
+    assert errors["furthest"]["term"] and "prediction: peak memory" in result.stdout
 
 
 def test_an_injected_loader_delay_shows_up_in_data_not_in_other(runs, monkeypatch):
@@ -97,6 +107,8 @@ def test_lora_records_trainable_parameters(runs):
     assert model["lora"]["target_modules"] == ["query", "value"]
     assert 0 < model["trainable_parameters"] < model["parameters"] / 10
     assert model["lora"]["trainable_parameters"] == model["trainable_parameters"]
+    terms = read_record(runs / "lora")["summary"]["prediction_error"]["memory_terms"]  # the adapters' state only
+    assert terms["optimizer"]["error"] == 0 and terms["optimizer"]["measured"] < terms["parameters"]["measured"] / 5
 
 
 def test_overwrite_replaces_and_its_absence_refuses(runs):

@@ -12,6 +12,8 @@ confidence. A gain is one of two kinds, and the advice says which:
   padding gain is one: it counts the matmul FLOPs spent on padding positions from the record's token counts
   and the model's shape (trainscope.flops), and takes time as proportional to them -- no measured share says
   what padding costs, and attention's softmax, mask and dropout tensors shrink more than the matmuls.
+  Where the run recorded a prediction, a precision, batch or evaluation-batch estimate is the predictor's
+  instead (trainscope.predict.speedup).
 
 Rules fire only for the hardware in the record: no kernel-launch argument on a CPU, no NCCL argument on
 gloo. Rules stay silent when their gain is below MIN_GAIN. Health warnings of the record come first,
@@ -81,6 +83,7 @@ def advise(record: dict) -> list[Suggestion]:
     view = RunView(record)
     found = [s for rule in RULES for s in rule(view)]
     found += [s for rule in GAP_RULES for s in rule(view, gap_evidence(view))]
+    found = [s for s in (predicted(view, s) for s in found) if s is not None]
     for warning in view.warnings:
         fix = fix_first(warning)
         same = next((s for s in found if fix.flags and s.flags == fix.flags), None)
@@ -89,6 +92,29 @@ def advise(record: dict) -> list[Suggestion]:
         else:
             found.append(fix)
     return sorted(found, key=lambda s: (not s.fix_first, -(s.gain or 1.0)))
+
+
+# Estimates the predictor makes for a run that recorded a prediction (trainscope.predict.speedup: every operator
+# at its shapes, this machine's measured rates): a precision, a batch, an evaluation batch.
+PREDICTED_RULES = ("precision", "cpu_precision", "batch", "evaluation")
+PREDICTED = "predicted by trainscope.predict (each operator at its shapes, this machine's measured rates)"
+
+
+def predicted(view: RunView, suggestion: Suggestion) -> Suggestion | None:
+    """The suggestion with the predictor's speed-up as its estimate where the run has a prediction (None: predicted
+    below MIN_GAIN); else as the rule made it."""
+    if suggestion.rule not in PREDICTED_RULES or view.prediction is None:
+        return suggestion
+    from trainscope import predict
+
+    try:
+        ratio = predict.speedup(view.record, suggestion.flags, suggestion.config)["ratio"]
+    except Exception:  # the data or the model is not reachable here: the rule's own estimate stands
+        return suggestion
+    if ratio is None or ratio < MIN_GAIN:
+        return None
+    suggestion.gain, suggestion.gain_kind, suggestion.factor = ratio, "estimate", PREDICTED
+    return suggestion
 
 
 def fix_first(warning: dict) -> Suggestion:

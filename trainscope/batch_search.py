@@ -28,12 +28,24 @@ def halving(start: int) -> Callable[[], int]:
     return reduce
 
 
-def search(try_batch: Callable[[int], object], start: int) -> int:
+def search(try_batch: Callable[[int], object], start: int, grow: bool = False, ceiling: int = 1 << 16) -> int:
     """The first size, halving from `start`, for which `try_batch(size)` returns without an out-of-memory
     error (as Accelerate's `should_reduce_batch_size` tells them). Other errors propagate; Accelerate
-    raises RuntimeError when not even a batch of 1 fits."""
+    raises RuntimeError when not even a batch of 1 fits.
+
+    With `grow` (a start predicted to fit, trainscope.predict.largest_batch), a start that fits is doubled while the
+    double fits (up to `ceiling`), so a prediction that is too low is found out as one that is too high is."""
     if start < 1:
         raise ValueError(f"the search starts from a positive batch size, got {start}")
+    if grow and _fits(try_batch, start):
+        size = start
+        while 2 * size <= ceiling and _fits(try_batch, 2 * size):
+            size *= 2
+        return size
+    if grow:
+        if start == 1:
+            raise RuntimeError("No executable batch size found, reached zero.")
+        start //= 2
 
     @find_executable_batch_size(starting_batch_size=start, reduce_batch_size_fn=halving(start))
     def trial(batch_size: int) -> int:
@@ -41,6 +53,20 @@ def search(try_batch: Callable[[int], object], start: int) -> int:
         return batch_size
 
     return trial()
+
+
+def _fits(try_batch: Callable[[int], object], size: int) -> bool:
+    """Whether `try_batch(size)` runs without an out-of-memory error (other errors propagate)."""
+    from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
+
+    try:
+        try_batch(size)
+        return True
+    except Exception as error:
+        if not should_reduce_batch_size(error):
+            raise
+        clear_device_cache(garbage_collection=True)
+        return False
 
 
 def refuse_multi_process(config: str, processes: int) -> None:

@@ -206,15 +206,16 @@ class RunLifecycle:
 
     # ---------------------------------------------------------------- opening
 
-    def open(self, metrics, model_facts: dict, data_facts: dict) -> None:
-        """Resume if asked, write the record's header, say the warnings known now, start trackers and progress."""
+    def open(self, metrics, model_facts: dict, data_facts: dict, prediction: dict | None = None) -> None:
+        """Resume if asked, write the record's header (with the prediction made before the run), say the warnings
+        known now, start trackers and progress."""
         try:
-            self._open(metrics, model_facts, data_facts)
+            self._open(metrics, model_facts, data_facts, prediction)
         except BaseException:
             self.signals.restore()
             raise
 
-    def _open(self, metrics, model_facts: dict, data_facts: dict) -> None:
+    def _open(self, metrics, model_facts: dict, data_facts: dict, prediction: dict | None) -> None:
         self.metrics = metrics
         resumed = checkpoints.load(self.accelerator, self.started.resume_from) if self.started.resume_from else None
         metrics.resume_from(resumed)
@@ -223,7 +224,7 @@ class RunLifecycle:
         init_kwargs, tracker_facts = trackers.init_kwargs(names, self.run_dir.name, self.run_dir,
                                                           self.settings.tracker_group)
         if self.record:
-            self._write_header(resumed, env, model_facts, data_facts, tracker_facts)
+            self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
             self._prepare_forced_exit()
             for warning in health.check(self.record.data, at_start=True):
                 print(f"warning [{warning['code']}]: {warning['message']}", flush=True)
@@ -237,7 +238,7 @@ class RunLifecycle:
         self.progress = tqdm(total=self.plan["optimizer_steps"], initial=metrics.loop.step, desc="training",
                              unit="step", disable=not self.accelerator.is_local_main_process)
 
-    def _write_header(self, resumed, env, model_facts, data_facts, tracker_facts) -> None:
+    def _write_header(self, resumed, env, model_facts, data_facts, tracker_facts, prediction=None) -> None:
         resume = {}
         if resumed:
             try:
@@ -252,6 +253,7 @@ class RunLifecycle:
             run_name=self.run_dir.name, status="running", created=self.record.data.get("created", now_iso()),
             settings=asdict(self.settings), environment=env, provenance=provenance.collect(),
             model=model_facts, data=data_facts, trackers=tracker_facts, plan=self.plan,
+            prediction=self.record.data.get("prediction") if resumed else prediction,
             resumed_from=self.record.data.get("resumed_from", []) + ([resumed["checkpoint"]] if resumed else []),
             **resume,
         )

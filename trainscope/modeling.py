@@ -163,17 +163,45 @@ def build_model(settings, label_names: list[str], tokenizer):
         )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    facts = {"class": type(model).__name__, "model_type": model.config.model_type, "weights": weights,
+             "parameters": sum(p.numel() for p in model.parameters()), "shape": shape_facts(model.config),
+             "dropout": dropout_facts(model.config), "dropout_overrides": dropout or None}
+    model, lora = _checkpointing_and_lora(model, settings)
+    if lora:
+        facts["lora"] = lora
+    facts["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model, facts
+
+
+def _checkpointing_and_lora(model, settings):
+    """Activation checkpointing (--gradient-checkpointing) and LoRA adapters (--lora) on a built model."""
     if settings.gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise UserError(f"{type(model).__name__} does not support --gradient-checkpointing")
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    facts = {"class": type(model).__name__, "model_type": model.config.model_type, "weights": weights,
-             "parameters": sum(p.numel() for p in model.parameters()), "shape": shape_facts(model.config),
-             "dropout": dropout_facts(model.config), "dropout_overrides": dropout or None}
-    if settings.lora:
-        model, facts["lora"] = apply_lora(model, settings)
-    facts["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return model, facts
+    return apply_lora(model, settings) if settings.lora else (model, None)
+
+
+def model_config(settings, label_names: list[str]):
+    """The model's configuration (with the run's labels and its --hidden-dropout / --attention-dropout), read
+    without its weights."""
+    config = _config_for(settings, len(label_names), label_names)[0]
+    for name, value in dropout_overrides(config, settings).items():
+        setattr(config, name, value)
+    return config
+
+
+def build_architecture(settings, label_names: list[str], config=None):
+    """The model build_model makes, from its configuration alone (no weights are read), on torch's current default
+    device: the predictor builds it on the meta device (trainscope.trace). Pretrained weights keep the dtype their
+    configuration names, as from_pretrained's dtype="auto" does. `config`: another configuration to build."""
+    config = config if config is not None else model_config(settings, label_names)
+    pretrained = not (settings.architecture_only or settings.model == TINY_MODEL)
+    dtype = getattr(config, "dtype", None) if pretrained else None
+    model = AutoModelForSequenceClassification.from_config(
+        config, attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code,
+        **({"dtype": dtype} if isinstance(dtype, torch.dtype) else {}))
+    return _checkpointing_and_lora(model, settings)[0]
 
 
 def apply_lora(model, settings):

@@ -360,6 +360,17 @@ class RunView:
                 "per_rank": per_rank, "stragglers": block.get("stragglers") or [], "agreement": agreed}
 
     @property
+    def prediction(self) -> dict | None:
+        """The prediction made before the run (trainscope.predict), or None (an older record, or none made)."""
+        block = self.record.get("prediction")
+        return block if block and not block.get("error") else None
+
+    @property
+    def prediction_error(self) -> dict | None:
+        """Each predicted quantity against what the run measured (summary `prediction_error`)."""
+        return self.summary.get("prediction_error")
+
+    @property
     def losses(self) -> tuple[list[int], list[float]]:
         return [line["step"] for line in self.steps], [line["loss"] for line in self.steps]
 

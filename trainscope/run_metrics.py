@@ -6,8 +6,8 @@ end-of-run table. Writing the record, trackers, checkpoints, signals and the run
 it in trainscope.lifecycle. A new measurement (a block of the summary, a column of the step line) goes
 here or into a module this one calls, never into train.py.
 
-    metrics = RunMetrics(accelerator, started, plan, model_config, scheduler)
-    metrics.attach(model)                      # the communication measurement of a DDP model
+    metrics = RunMetrics(accelerator, started, plan, model_config, scheduler, prediction)
+    metrics.attach(model, optimizer)           # the communication measurement of a DDP model, the prediction's check
     metrics.start()
     ... with metrics.stage("data"): ...; train_step(..., metrics.stage, ...); metrics.micro_batch(...)
     result, warnings = metrics.summarize(test_scores)
@@ -19,7 +19,7 @@ from dataclasses import asdict
 import torch
 from accelerate.utils import gather_object
 
-from trainscope import communication, environment, gap, health, modeling, peak, precision, summary
+from trainscope import communication, environment, gap, health, modeling, peak, precision, predict, summary
 from trainscope.flops import encoder_shape, mfu, training_flops
 from trainscope.loop import LoopState
 from trainscope.memory import GIB, peak_rss_bytes
@@ -36,7 +36,7 @@ class NonFiniteLoss(RuntimeError):
 
 
 class RunMetrics:
-    def __init__(self, accelerator, started, plan: dict, model_config, scheduler):
+    def __init__(self, accelerator, started, plan: dict, model_config, scheduler, prediction: dict | None = None):
         self.accelerator, self.started, self.plan, self.scheduler = accelerator, started, plan, scheduler
         self.settings, self.run_dir = started.settings, started.run_dir
         self.model_config = model_config  # taken before prepare() wraps the model (DDP, FSDP, compile)
@@ -55,14 +55,17 @@ class RunMetrics:
         self.run_shapes: dict | None = None  # the matmuls and one layer measured at the run's shapes, after the loop
         self._last_loss, self._graphs_after_first_step = None, None
         self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
+        self.prediction = predict.Check(prediction, self.settings)  # the measured side of each predicted term
 
     # ---------------------------------------------------------------- before the loop
 
-    def attach(self, model) -> None:
-        """The communication measurement of the prepared model (a do-nothing one unless it is DDP); the model is kept
-        for the measurements at the run's shapes after the loop (a copy of one layer is profiled, never the model)."""
+    def attach(self, model, optimizer=None) -> None:
+        """The communication measurement of the prepared model (a do-nothing one unless it is DDP), and the
+        prediction's check of the model and optimizer; the model is kept for the measurements at the run's shapes
+        after the loop (a copy of one layer is profiled, never the model)."""
         self.model = model
         self.communication = communication.build(self.settings, self.accelerator, model)
+        self.prediction.attach(model, optimizer)
 
     def resume_from(self, resumed: dict | None) -> None:
         """Continue the counters and timing totals of a checkpointed part of the same run."""
@@ -116,6 +119,8 @@ class RunMetrics:
         self.timer.set_phase(self._phase_for(self.loop.step + 1))
         self.timer.set_memory_sampling(self._samples_memory(self.loop.step + 1))
         self.snapshot.step_finished(self.loop.step)
+        if self.loop.step == 0:
+            self.prediction.first_micro_batch()
 
     @property
     def done(self) -> bool:
@@ -126,6 +131,7 @@ class RunMetrics:
         phase = self.timer.phase
         flops = training_flops(self.model_config, *batch["input_ids"].shape)  # from shapes: no sync
         self.loop.add_micro_batch(phase, loss, labels, batch["attention_mask"], flops)
+        self.prediction.micro_batch_done(batch, self.accelerator.sync_gradients)
         if not self.accelerator.sync_gradients:
             return False
         self.loop.end_step(phase)
@@ -215,8 +221,11 @@ class RunMetrics:
         mine = self._rank_summary(final=gather and not partial)
         per_rank = gather_object([mine]) if gather else [mine]
         result = self._summary(per_rank, self.evaluated(test_scores) if test_scores else None, snapshot)
+        result["prediction_error"] = self.prediction.errors(result)  # each predicted quantity against the run
         if partial:
             result.update(partial=True, ranks_summarized=[r["rank"] for r in per_rank])
+        else:
+            predict.remember_communication(self.prediction.block, result, self.settings, self.started)
         warnings = health.check({"settings": asdict(self.settings), "environment": self.env, "summary": result})
         return result, warnings
 
@@ -342,7 +351,8 @@ def table_lines(record: dict, run_dir) -> list[str]:
     ]
     if test:
         rows.append(f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}")
-    rows += [*communication.table_lines(view.communication), f"record: {run_dir / 'record.json'}"]
+    rows += [*communication.table_lines(view.communication), *predict.error_lines(view.prediction_error),
+             f"record: {run_dir / 'record.json'}"]
     if view.profile:
         rows.append(f"profile: {view.profile['directory']} (tensorboard --logdir, or open a .pt.trace.json "
                     "in ui.perfetto.dev); top operators by self time:")

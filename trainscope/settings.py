@@ -221,6 +221,15 @@ class Settings:
         "seconds whatever this says (heartbeats in the launcher's store).",
     )
 
+    # ---- prediction ----
+    predict: bool = HfArg(
+        default=False,
+        help="Predict this run and stop: peak memory per process (and whether it fits), the steady step time and the "
+        "run's time, from the model's shape, the data's real token lengths and this machine's measured costs (cached "
+        "per machine). Prints one screen and exits 0: nothing is trained and no run record is written. Every run "
+        "records the same prediction at start and its error at the end.",
+    )
+
     # ---- output ----
     output_dir: str = HfArg(default="runs", help="Where run records go: <output-dir>/<run-name>/.")
     run_name: str | None = HfArg(default=None, help="Run directory name; default <model>-<dataset>-<precision>-<time>.")

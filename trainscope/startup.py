@@ -199,6 +199,8 @@ def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
         precision_name = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").replace("no", "fp32")
         name = f"{model}-{dataset}-{precision_name}-{state.num_processes}p-{stamp[0]}"
     run_dir = Path(settings.output_dir) / name
+    if settings.predict:  # nothing is written: an existing run of the same name is no obstacle
+        return run_dir
     if settings.resume:
         if not any((run_dir / "checkpoints").glob("step_*")):
             raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every?)")

@@ -14,15 +14,15 @@ import sys
 
 from trainscope.errors import UserError
 from trainscope.experiments import (amp, batch, ckpt, compare, compiling, data_parallel, ddp_cost, loaders, matrix,
-                                    optimization, profile, tune_confirm)
+                                    optimization, prediction, profile, tune_confirm)
 from trainscope.experiments.base import Experiment, ExperimentFailed, split_args
 
 # In the report's order; `compare` and `find-batch` have no section (a tool and a child process), `tune-confirm`
 # shows in the Optimization section.
 REGISTRY: list[Experiment] = [profile.EXPERIMENT, optimization.EXPERIMENT, loaders.EXPERIMENT, amp.EXPERIMENT,
                               data_parallel.EXPERIMENT, ddp_cost.EXPERIMENT, ckpt.EXPERIMENT, batch.EXPERIMENT,
-                              matrix.EXPERIMENT, compiling.EXPERIMENT, compare.EXPERIMENT, batch.FIND_BATCH,
-                              tune_confirm.EXPERIMENT]
+                              matrix.EXPERIMENT, compiling.EXPERIMENT, prediction.EXPERIMENT, compare.EXPERIMENT,
+                              batch.FIND_BATCH, tune_confirm.EXPERIMENT]
 SECTIONS = [e for e in REGISTRY if e.section is not None]
 USAGE = """python -m trainscope.experiments NAME --runs DIR [options] -- [train.py flags]
 

@@ -34,10 +34,18 @@ def run(args, train_args: list[str]) -> dict:
     if args.steps < 3 or min(args.batch_sizes) < 1:
         raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
     (user,) = parse_settings(argv=train_args)
-    largest = None
-    if launching.cuda_devices() and args.search_from:
-        largest = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], args.search_from)
-        print(f"largest batch that fits (halving from {args.search_from}): {largest}")
+    searching = launching.cuda_devices() and args.search_from
+    if searching:
+        batch_search.refuse_multi_process(args.config, launching.config_facts(launching.config_path(args.config))["num_processes"])
+    largest, predicted = None, predicted_largest_batch(args.config, user)
+    if predicted:
+        print(f"predicted largest batch that fits: {predicted['batch']} (at length {predicted['length']}, "
+              f"{predicted['capacity_bytes'] / 2**30:.1f} GiB)")
+    if searching:
+        start = predicted["batch"] if predicted and predicted["batch"] >= 1 else args.search_from
+        largest = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], start, grow=bool(predicted))
+        print(f"largest batch that fits ({'from the prediction, doubling or halving' if predicted else 'halving'} "
+              f"from {start}): {largest}")
     sizes = sorted(args.batch_sizes, key=lambda b: (b != user.per_device_batch_size, b))
     arms = [planned_arm(f"bs{b}", args.config, ["--per-device-batch-size", str(b), "--gradient-accumulation-steps", "1",
                                                 "--max-steps", str(args.steps), "--log-every", str(args.steps)])
@@ -47,8 +55,11 @@ def run(args, train_args: list[str]) -> dict:
             arm.skipped = f"above the largest batch that fits ({largest})"
     summary = experiment(Path(args.runs), "batch", arms, [*train_args, *SMALL_EVAL], args.rounds)
     summary.update(largest_fitting_batch=largest, search=(
-        "find_executable_batch_size, halving" if largest is not None
+        ("from the predicted largest batch, doubling while it fits, else halving" if predicted else
+         "find_executable_batch_size, halving") if largest is not None
         else "no device-memory limit to search on a CPU: the largest swept batch stands"),
+        predicted_largest_batch=predicted["batch"] if predicted else None,
+        prediction_error=(predicted["batch"] - largest) / largest if predicted and largest else None,
         recommendation=recommend(summary, user.per_device_batch_size * user.gradient_accumulation_steps))
     write(Path(args.runs), "batch", summary, [*train_args, *SMALL_EVAL], args.rounds)
     return summary
@@ -72,13 +83,35 @@ def recommend(summary: dict, effective_batch: int) -> dict:
     return result
 
 
-def largest_fitting_batch(config: str, train_args: list[str], start: int) -> int:
-    """The largest batch (halving from `start`) whose training steps fit in device memory, found in a child
-    process launched with the config (its precision), so nothing stays allocated here. A multi-process
-    config is refused before anything is launched (see trainscope.batch_search)."""
+def predicted_largest_batch(config: str, settings) -> dict | None:
+    """The largest batch predicted to fit (trainscope.predict.largest_batch) at full-length sequences, as the search
+    tries them, on this machine's device and in the config's precision; None when it cannot be predicted."""
+    import torch
+
+    from trainscope import predict
+    from trainscope.data import MODEL_INPUTS
+
+    facts = launching.config_facts(launching.config_path(config))
+    device = torch.device("cuda" if torch.cuda.is_available() and not facts["use_cpu"] else "cpu")
+    try:
+        _, data = predict._data_for(settings)
+        return predict.largest_batch(settings, data.label_names, [c for c in data.train.column_names if c in MODEL_INPUTS],
+                                     device, predict.precision_from_environment(
+                                         device, {"ACCELERATE_MIXED_PRECISION": facts["mixed_precision"]}),
+                                     settings.max_seq_length,
+                                     baseline_bytes=predict.current_rss_bytes() or 0 if device.type == "cpu" else 0)
+    except Exception as error:  # the sweep goes on with its own search
+        print(f"no predicted largest batch: {' '.join(str(error).split())[:200]}")
+        return None
+
+
+def largest_fitting_batch(config: str, train_args: list[str], start: int, grow: bool = False) -> int:
+    """The largest batch (halving from `start`; with `grow`, first doubling while it fits) whose training steps fit
+    in device memory, found in a child process launched with the config (its precision), so nothing stays allocated
+    here. A multi-process config is refused before anything is launched (see trainscope.batch_search)."""
     batch_search.refuse_multi_process(config, launching.config_facts(launching.config_path(config))["num_processes"])
     command = [*launching.accelerate_launch(config), "-m", "trainscope.experiments", "find-batch",
-               "--start", str(start), "--", *train_args]
+               "--start", str(start), *(["--grow"] if grow else []), "--", *train_args]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise ExperimentFailed(f"the batch-size search failed: {launching.failure_reason(result)}")
@@ -118,7 +151,7 @@ def find_batch(args, train_args: list[str]) -> None:
             train_step(accelerator, model, batch, optimizer, scheduler, _untimed, trial.max_grad_norm)
         del model, optimizer, scheduler
 
-    print(json.dumps({"largest_batch": batch_search.search(two_steps, args.start)}))
+    print(json.dumps({"largest_batch": batch_search.search(two_steps, args.start, grow=args.grow)}))
 
 
 def _untimed(stage: str):
@@ -129,6 +162,7 @@ def _untimed(stage: str):
 
 def find_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=int, required=True)
+    parser.add_argument("--grow", action="store_true", help="double from --start while it fits (a predicted start)")
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -154,7 +188,12 @@ def section(report, found: reporting.Collected) -> None:
     report.table(arm_table(comparison, f"Batch-size sweep ({comparison['rounds']} alternating rounds; baseline: the "
                            "configured batch)", "batch"))
     advice = comparison.get("recommendation") or {}
-    report.text(f"Largest batch that fits: {largest(comparison)} ({comparison.get('search')}). Fastest: "
+    predicted = comparison.get("predicted_largest_batch")
+    report.text(f"Largest batch that fits: {largest(comparison)} ({comparison.get('search')})"
+                + (f"; predicted {predicted}" + (f" ({comparison['prediction_error']:+.0%})"
+                                                 if comparison.get("prediction_error") is not None else "")
+                   if predicted is not None else "")
+                + ". Fastest: "
                 f"{advice.get('fastest_batch_size')} ({advice.get('fastest_verdict')} against the baseline). Keeping "
                 f"the effective batch of {advice.get('effective_batch')}: `{keeping(advice)}`.")
 

@@ -1,0 +1,312 @@
+"""The predictor (trainscope.predict, trace, op_costs) on planted shapes, planted machines and tiny traces; --predict
+and a run's recorded prediction through train.py in this process."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
+from trainscope import batch_search, modeling, op_costs, peak, predict, trace
+from trainscope.experiments import prediction as predict_check
+from trainscope.loop import classification_loss
+from trainscope.settings import parse_settings
+
+CPU = torch.device("cpu")
+INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
+LABELS = ["a", "b", "c"]
+
+
+def tiny(*flags, layers=None, dropout=None, width=None):
+    """Settings of the tiny model and a builder of it (layers, dropout, width planted into its config)."""
+    (settings,) = parse_settings(argv=["--model", "embedded:tiny-bert", *flags])
+    config = modeling.model_config(settings, LABELS)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    if dropout is not None:
+        config.hidden_dropout_prob = config.attention_probs_dropout_prob = dropout
+    if width is not None:
+        config.hidden_size, config.intermediate_size = width, 4 * width
+
+    def build(device="meta"):
+        with torch.device(device):
+            return modeling.build_architecture(settings, LABELS, config=config)
+    return settings, build
+
+
+AVOID = {1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 30522}  # the tiny model's and batches' sizes
+
+
+def traced(build, batch=4, length=23, precision="fp32", grad_norm=1.0):
+    return trace.trace_training(build, INPUTS, batch, length, precision, CPU, grad_norm, avoid=AVOID)
+
+
+@functools.lru_cache(maxsize=None)
+def traced_tiny(*flags, layers=None, dropout=None, width=None, batch=4, length=23, precision="fp32"):
+    """A trace of the tiny model, shared by the tests that read the same one (tracing takes a fraction of a second)."""
+    return traced(tiny(*flags, layers=layers, dropout=dropout, width=width)[1], batch, length, precision)
+
+
+def layer_bytes(t):
+    return sum(v for k, v in t.saved_at(t.length).items() if k.startswith("layer"))
+
+
+# ---------------------------------------------------------------- the traced step
+
+
+def test_a_model_twice_as_deep_keeps_twice_the_activations_of_its_layers():
+    shallow, deep = traced_tiny(dropout=0.1), traced_tiny(layers=4, dropout=0.1)
+    assert layer_bytes(shallow) > 0 and layer_bytes(deep) == 2 * layer_bytes(shallow)
+    assert sorted(k for k in deep.saved if k.startswith("layer")) == [f"layer {i}" for i in range(4)]
+    activations = lambda t: t.memory_at(t.length)["activations"]  # noqa: E731
+    assert 1.6 < activations(deep) / activations(shallow) <= 2.0  # embeddings and head do not grow
+
+
+def test_the_traced_activations_are_what_autograd_keeps_in_a_real_step():
+    """The second instrument: saved-tensor hooks on a real step of the same model count what the trace predicted."""
+    _, build = tiny(dropout=0.1)
+    predicted = traced(build, batch=3, length=19).saved_bytes
+    with torch.random.fork_rng():
+        model = build("cpu")
+        model.train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        inputs = {"input_ids": torch.randint(5, 100, (3, 19)), "attention_mask": torch.ones(3, 19, dtype=torch.long),
+                  "token_type_ids": torch.zeros(3, 19, dtype=torch.long)}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            classification_loss(model(**inputs).logits, torch.zeros(3, dtype=torch.long)).backward()
+    assert sum(seen.values()) == predicted
+
+
+def test_attention_keeps_its_probabilities_only_with_dropout_in_training():
+    """On a CPU, SDPA with attention dropout in training takes the math path (B x H x T^2 kept for backward); without
+    dropout, and in evaluation, the flash kernel (a logsumexp): the fake trace chooses as the real kernels do."""
+    names = lambda t: {op.name.split(".")[1] for op in t.ops}  # noqa: E731
+    with_dropout, without = traced_tiny(dropout=0.1), traced_tiny(dropout=0.0)
+    assert "_safe_softmax" in names(with_dropout) and "_scaled_dot_product_flash_attention_for_cpu" in names(without)
+    assert with_dropout.saved_bytes > without.saved_bytes
+    evaluation = trace.trace_evaluation(tiny(dropout=0.1)[1], INPUTS, 4, 23, "fp32", CPU, AVOID)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in names(evaluation) and "_safe_softmax" not in names(evaluation)
+
+
+def test_lora_keeps_less_optimizer_state_and_checkpointing_fewer_activations():
+    _, build = tiny(dropout=0.1)
+    full, lora = traced_tiny(dropout=0.1), traced_tiny("--lora", dropout=0.1)
+    state = lambda t: t.memory_at(t.length)["optimizer"]  # noqa: E731
+    assert 0 < state(lora) < state(full) / 10
+    weights = len(list(build().parameters()))
+    assert state(full) == 2 * full.trainable_bytes + 4 * weights  # AdamW: two fp32 states and a step
+    assert lora.parameter_bytes > full.parameter_bytes  # the frozen weights stay, the adapters add
+    checkpointed = traced_tiny("--gradient-checkpointing", dropout=0.1, batch=8, length=31)
+    plain = traced_tiny(dropout=0.1, batch=8, length=31)
+    assert checkpointed.saved_bytes < plain.saved_bytes / 3
+
+
+# ---------------------------------------------------------------- time on a planted machine
+
+
+class PlantedCosts(op_costs.OpCosts):
+    """The machine's costs planted: matrix products at `rates` (TFLOP/s per precision), every other operator
+    0.1 ns per byte of its largest tensor."""
+
+    def __init__(self, rates):
+        super().__init__(CPU, 1, 1, store=False)
+        self.rates = rates
+
+    def seconds(self, op):
+        if op.gemm is not None:
+            return 2 * op.gemm[0] * op.gemm[1] * op.gemm[2] / (self.rates[op_costs.gemm_precision(op.dtype, CPU)] * 1e12)
+        return op.work * (2 if op.dtype == "bfloat16" else 4) * 1e-10
+
+
+def step_seconds(precision, rates):
+    t = traced_tiny(dropout=0.1, width=256, batch=16, length=41, precision=precision)
+    models = predict.phase_models(t, PlantedCosts(rates))
+    return sum(models[p].seconds(41) for p in ("forward", "backward")), models
+
+
+def test_a_machine_whose_bf16_peak_is_twice_its_fp32_predicts_a_faster_bf16_step():
+    fp32, _ = step_seconds("fp32", {"fp32": 0.1, "bf16": 0.2})
+    bf16, models = step_seconds("bf16", {"fp32": 0.1, "bf16": 0.2})
+    same, _ = step_seconds("bf16", {"fp32": 0.1, "bf16": 0.1})
+    assert bf16 < 0.9 * fp32 and bf16 < same  # the bf16 matmuls at twice the rate
+    matmul = models["forward"].by_kind(41)["matmul"]
+    assert matmul > 0 and models["forward"].by_kind(41)["operator"] > 0
+
+
+def test_the_peak_cache_feeds_the_matmul_costs(tmp_path, monkeypatch):
+    """A planted peak cache file: a matrix product costs its FLOPs over the cached rate, nothing is measured."""
+    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(peak, "measure", lambda *a, **k: pytest.fail("measured although cached"))
+    shape = (64, 32, 48)
+    key = peak.machine_key(CPU, threads=1, processes=1)
+    rate = peak.Rate("fp32", shape, 0.5, 0.5, 0.5, 3, "2026-01-01T00:00:00+00:00", 0.1)
+    peak._store(key, {peak._entry("fp32", shape): rate})
+    op = trace.Op("forward", "aten.mm.default", "k", ((), {}), gemm=shape, dtype="float32")
+    assert op_costs.OpCosts(CPU, 1, 1, store=False).seconds(op) == pytest.approx(2 * 64 * 32 * 48 / 0.5e12)
+
+
+def test_an_operator_cost_and_a_tensor_grow_with_the_power_of_the_length_in_their_shapes():
+    t = traced_tiny(dropout=0.1)
+    powers = {}
+    for op in t.ops:
+        powers.setdefault(op.name.split(".")[1], set()).add(op.power)
+    assert powers["_safe_softmax"] == {2} and powers["native_layer_norm"] == {1}
+    assert powers["addmm"] == {0, 1}  # the encoder's linear layers, and the pooler and classifier on [CLS]
+    assert trace.length_power((4, 2, 23, 23), 4, 23, AVOID) == 2 and trace.length_power((92, 32), 4, 23, AVOID) == 1
+    model = predict.PhaseModel(10, [(1.0, 1, "matmul"), (2.0, 2, "operator")])
+    assert model.seconds(20) == pytest.approx(2 + 8) and model.by_kind(20) == {"matmul": 2.0, "operator": 8.0}
+    longer = traced_tiny(dropout=0.1, length=47)  # one trace tells the other length: the same bytes
+    assert t.saved_at(47) == pytest.approx({k: float(v) for k, v in longer.saved_at(47).items()})
+    wider = traced_tiny(dropout=0.1, batch=32, length=47)  # where activations, not gradients, make the peak
+    for other, batch in ((longer, 4), (wider, 32)):
+        assert t.peak_at(47, batch) == pytest.approx(other.peak_at(47), rel=0.02)
+
+
+# ---------------------------------------------------------------- the batches the run will see
+
+
+def test_padded_lengths_follow_the_batching():
+    lengths = np.array([5, 7, 30, 6, 8, 31, 5, 29] * 10)
+    random = predict.training_lengths(lengths, 4, 20, seed=1)
+    grouped = predict.training_lengths(lengths, 4, 20, group_by_length=True, seed=1)
+    assert len(random) == len(grouped) == 20 and random.max() <= 31 and grouped.min() >= 5
+    assert grouped.mean() < random.mean()  # grouping by length pads less
+    assert set(predict.training_lengths(lengths, 4, 5, pad_to_max_length=True, max_seq_length=64)) == {64}
+    assert predict.training_lengths(lengths, 4, 6, processes=2, pad_to_multiple_of=8, seed=1).tolist() \
+        == [((x + 7) // 8) * 8 for x in predict.training_lengths(lengths, 4, 12, seed=1)[::2]]
+    padded, rows = predict.evaluation_lengths(np.array([3, 9, 4, 2, 7]), 2)
+    assert padded.tolist() == [9, 4, 7] and rows.tolist() == [2, 2, 1]
+    padded, rows = predict.evaluation_lengths(np.array([3, 9, 4, 2, 7]), 2, processes=2, group_by_length=True)
+    assert padded.tolist() == [3, 9] and rows.tolist() == [2, 1]
+
+
+def test_saved_bytes_at_another_batch_and_length_follow_each_powers_term():
+    block = {"memory": {"saved_by_power": {"layer 0": {"1": 30, "2": 200}, "classifier": {"0": 7}},
+                        "traced": {"batch": 4, "length": 10}}}
+    assert predict.saved_bytes_at(block, 4, 20) == pytest.approx(60 + 800 + 7)
+    assert predict.saved_bytes_at(block, 8, 20) == pytest.approx(2 * (60 + 800) + 7)
+
+
+def test_the_allocator_share_is_a_least_squares_line_through_the_calibration_runs():
+    fitted = predict.fit_allocator([(1e8, 0.4 * 1e8 + 5e7), (3e8, 0.4 * 3e8 + 5e7), (6e8, 0.4 * 6e8 + 5e7)])
+    assert fitted["factor"] == pytest.approx(0.4) and fitted["constant_bytes"] == pytest.approx(5e7)
+    assert fitted["runs"] == 3 and fitted["residual_bytes"] == pytest.approx(0, abs=1)
+
+
+def test_the_batch_search_starts_from_the_prediction_and_corrects_it_both_ways(monkeypatch):
+    import accelerate.utils.memory
+
+    monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", lambda garbage_collection=False: None)
+
+    def fits_up_to(limit):
+        def trial(size):
+            if size > limit:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return trial
+
+    assert batch_search.search(fits_up_to(100), 12, grow=True) == 96  # too low a prediction: doubled
+    assert batch_search.search(fits_up_to(100), 400, grow=True) == 100  # too high: halved
+    assert batch_search.search(fits_up_to(100), 64, grow=True) == 64
+
+
+# ---------------------------------------------------------------- errors, the report's rows
+
+
+def planted_block(peak_gib=1.0, step=1.0):
+    return {"memory": {"peak_gib": peak_gib, "gradients_gib": 0.1, "saved_by_power": {"layer 0": {"1": 0.3 * 2**30}},
+                       "traced": {"batch": 8, "length": 50},
+                       "terms_gib": {"baseline": 0.4, "parameters": 0.1, "optimizer": 0.2, "activations": 0.3,
+                                     "temporaries": 0.0, "allocator": 0.0}},
+            "time": {"step_s": step, "warmup_s": 2.5, "evaluation_s": 3.0, "run_s": 20.0,
+                     "stages_s": {"data": 0.01, "forward": 0.39, "backward": 0.5, "optimizer": 0.1, "communication": 0.0}}}
+
+
+def planted_summary(peak_gib=1.2, step=1.0):
+    table = lambda wall, seconds: {"wall_s": {"median": wall, "max": wall},  # noqa: E731
+                                   "seconds": {k: {"median": v, "max": v} for k, v in seconds.items()}}
+    stages = {"data": 0.01, "forward": 0.4, "backward": 0.48, "optimizer": 0.1, "eval": 0.0, "other": 0.01}
+    return {"memory": {"peak_rss_gib": {"median": peak_gib, "max": peak_gib}},
+            "throughput": {"step_s": step, "optimizer_steps": 10},
+            "timing": {"across_ranks": {"steady": table(10 * step, {k: 10 * v for k, v in stages.items()}),
+                                        "warmup": table(2.4, stages), "run": table(21.0, {**stages, "eval": 3.3})}},
+            "wall_s": 21.0}
+
+
+def test_each_predicted_quantity_and_term_gets_its_error_and_the_furthest_is_named():
+    measured = {"parameters": 0.1 * 2**30, "gradients": 0.1 * 2**30, "optimizer": 0.2 * 2**30, "saved": 0.3 * 2**30,
+                "saved_at": [8, 50]}
+    errors = predict.prediction_errors(planted_block(), planted_summary(), measured)
+    assert errors["peak_memory_gib"]["error"] == pytest.approx(1.0 / 1.2 - 1)
+    assert errors["run_s"]["error"] == pytest.approx(20 / 21 - 1) and errors["step_s"]["error"] == pytest.approx(0)
+    assert errors["memory_terms"]["parameters"]["error"] == 0 and errors["memory_terms"]["activations"]["error"] == 0
+    assert errors["memory_terms"]["rest"]["measured"] == pytest.approx(1.2 - 0.4 - 0.3 - 0.3)
+    assert errors["furthest"]["term"] == "memory: rest" and errors["furthest"]["share_of_total"] == pytest.approx(0.2 / 1.2)
+    assert errors["time_terms"]["backward"]["error"] == pytest.approx(0.5 / 0.48 - 1)
+    assert any("furthest off: memory: rest" in line for line in predict.error_lines(errors))
+
+
+def test_the_report_rows_give_median_and_worst_error_and_the_term_furthest_off():
+    records = {}
+    for name, peak_gib in (("a-r0", 1.1), ("b-r0", 1.0), ("c-r0", 1.5)):
+        errors = predict.prediction_errors(planted_block(), planted_summary(peak_gib), {
+            "parameters": 0.1 * 2**30, "gradients": 0.1 * 2**30, "optimizer": 0.2 * 2**30})
+        records[name] = {"run_name": name, "settings": {"per_device_batch_size": 8},
+                         "summary": {**planted_summary(peak_gib), "prediction_error": errors}}
+    rows = predict_check.run_rows(records)
+    summary = predict_check.summarize(rows)
+    assert [r["run"] for r in rows] == ["a", "b", "c"]
+    assert summary["peak_memory_gib"]["median_abs_error"] == pytest.approx(1 - 1 / 1.1)
+    assert summary["peak_memory_gib"]["worst_run"] == "c" and summary["furthest_term"] == "memory: rest"
+    assert "term furthest off: memory: rest" in predict_check.summary_text(summary)
+
+
+def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_prediction(monkeypatch):
+    from test_advisor import record
+
+    from trainscope import advisor
+
+    planted = record(environment__cpu_native_bf16=True, environment__cpu_capability="AVX512 + avx512_bf16",
+                     environment__cpu_bf16_matmul={"size": 1024, "threads": 2, "speedup": 3.0})
+    (plain,) = [s for s in advisor.advise(planted) if s.rule == "cpu_precision"]
+    monkeypatch.setattr(predict, "speedup", lambda record, flags=(), config=None: {"ratio": 1.37})
+    planted["prediction"] = planted_block()
+    (predicted,) = [s for s in advisor.advise(planted) if s.rule == "cpu_precision"]
+    assert predicted.gain == pytest.approx(1.37) and "predicted by trainscope.predict" in predicted.factor
+    assert plain.gain != pytest.approx(1.37) and "measured matmul speed-up" in plain.factor
+
+
+# ---------------------------------------------------------------- through train.py
+
+
+def test_predict_prints_one_screen_exits_0_and_trains_nothing(runs, monkeypatch):
+    import train
+
+    monkeypatch.setattr(train, "train_step", lambda *a, **k: pytest.fail("--predict trained"))
+    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--predict", "--max-steps", "6"])
+    assert_ok(result)
+    screen = result.stdout
+    assert "prediction: embedded:tiny-bert on embedded:tweets" in screen and "steady step" in screen
+    assert "peak RSS" in screen and "fits" in screen and "nothing trained, no run record written" in screen
+    assert not runs.exists()
+
+
+def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
+    """predict.speedup (what make tune shows beside its measured speed-up), on a planted machine: no change is 1x;
+    grouping by length, which pads less, is predicted faster per real token."""
+    planted = PlantedCosts({"fp32": 0.01, "bf16": 0.02})
+    monkeypatch.setattr(op_costs.OpCosts, "seconds", lambda self, op: planted.seconds(op))
+    monkeypatch.setattr(predict, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "8"])
+    same = predict.speedup(settings)
+    grouped = predict.speedup(settings, ["--group-by-length"])
+    assert same["ratio"] == pytest.approx(1.0)
+    assert grouped["ratio"] > 1.05 and grouped["changed_s"] < grouped["baseline_s"]
