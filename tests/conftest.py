@@ -123,6 +123,30 @@ def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
 
 
+def signal_at_training_batch(monkeypatch, batch: int, signum: int) -> list:
+    """Send `signum` to this process while the `batch`-th batch of the run loads (counted once the run's own
+    handler is installed: the predictor collates batches of its own before the run starts). A signal whose handler
+    is not the run's would end the test worker itself, so none is sent then: the test sees no interruption."""
+    import trainscope.data as data
+    from trainscope.lifecycle import StopSignals
+
+    build, loaded = data.build_collator, []
+
+    def build_collator(*args, **kwargs):
+        collate = build(*args, **kwargs)
+
+        def collate_and_signal(rows):
+            if isinstance(getattr(signal.getsignal(signum), "__self__", None), StopSignals):
+                loaded.append(len(rows))
+                if len(loaded) == batch:
+                    os.kill(os.getpid(), signum)
+            return collate(rows)
+        return collate_and_signal
+
+    monkeypatch.setattr(data, "build_collator", build_collator)
+    return loaded
+
+
 def read_record(run_dir: Path) -> dict:
     return json.loads((run_dir / "record.json").read_text())
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import (ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, error_lines, rank_tracebacks, read_record, read_steps,
-                      run_in_process)
+                      run_in_process, signal_at_training_batch)
 from trainscope.launching import kill_tree
 
 DDP = ROOT / "accelerate_configs" / "ddp.yaml"
@@ -119,21 +119,7 @@ def assert_partial(record: dict, step_at_least: int) -> None:
 
 def test_ctrl_c_of_a_single_process_records_the_interruption_and_exits_130(runs, monkeypatch):
     """In this process (no launch to pay for): SIGINT, as a terminal's Ctrl-C sends it, while the 12th batch loads."""
-    import trainscope.data as data
-
-    build, loaded = data.build_collator, []
-
-    def build_collator(*args, **kwargs):
-        collate = build(*args, **kwargs)
-
-        def collate_and_interrupt(rows):
-            loaded.append(len(rows))
-            if len(loaded) == 12:
-                os.kill(os.getpid(), signal.SIGINT)
-            return collate(rows)
-        return collate_and_interrupt
-
-    monkeypatch.setattr(data, "build_collator", build_collator)
+    signal_at_training_batch(monkeypatch, 12, signal.SIGINT)
     result = run_in_process([*TINY, *ONE_THREAD, "--max-steps", "30", "--output-dir", str(runs), "--run-name", "one"])
     assert result.returncode == 130
     record = read_record(runs / "one")

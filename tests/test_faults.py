@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ONE_THREAD, TINY, assert_ok, error_line, read_record, read_steps, run_in_process
+from conftest import (ONE_THREAD, TINY, assert_ok, error_line, read_record, read_steps, run_in_process,
+                      signal_at_training_batch)
 from trainscope import checkpoints, liveness, startup
 from trainscope.errors import UserError
 from trainscope.lifecycle import RunLifecycle, StopSignals, vote_of, vote_value
@@ -202,26 +203,14 @@ def test_a_signal_during_a_checkpoint_stops_the_run_with_that_checkpoint_whole(r
 
 
 def test_a_full_disk_on_save_on_interrupt_still_stops_as_asked_and_says_what_was_not_kept(runs, monkeypatch):
-    import trainscope.data as data
     from accelerate import Accelerator
 
-    build, loaded = data.build_collator, []
-
-    def build_collator(*args, **kwargs):
-        collate = build(*args, **kwargs)
-
-        def collate_and_interrupt(rows):
-            loaded.append(1)
-            if len(loaded) == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return collate(rows)
-        return collate_and_interrupt
+    signal_at_training_batch(monkeypatch, 3, signal.SIGTERM)
 
     def save_state(self, output_dir):
         Path(output_dir).mkdir(parents=True)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(data, "build_collator", build_collator)
     monkeypatch.setattr(Accelerator, "save_state", save_state)
     result = run_in_process([*TINY, *ONE_THREAD, "--max-steps", "20", "--save-on-interrupt", "--output-dir", str(runs),
                              "--run-name", "cut"])
