@@ -397,6 +397,20 @@ def test_the_transfer_is_the_shortest_rank_per_repetition_then_the_median_and_th
     assert compressed["bus_bandwidth_gbs"] == pytest.approx(2 * 1 / 2 * 100e6 / 0.009 / 1e9)
 
 
+def test_an_exposed_time_within_noise_of_the_transfer_hides_nothing_resolved_and_warns_of_nothing():
+    """A median a hair above the transfer, its interval around it (a default run of the committed ddp_cost): neither
+    a hidden share nor 'exposed above the transfer'; an interval wholly above it is the warning."""
+    from trainscope.record_view import exposed_above_transfer, hidden_share
+
+    assert hidden_share(0.0647, (0.0587, 0.0685), 0.0646) is None
+    assert not exposed_above_transfer((0.0587, 0.0685), 0.0646)
+    assert hidden_share(0.0589, (0.0550, 0.0620), 0.0758) == pytest.approx(1 - 0.0589 / 0.0758)
+    assert exposed_above_transfer((0.085, 0.095), 0.0625) and hidden_share(0.092, (0.085, 0.095), 0.0625) is None
+    block = {"measured": True, "method": "direct", "exposed_s": 0.0647, "exposed_interval": [0.0587, 0.0685],
+             "exposed_resolved": True, "transfer_s": 0.0646}
+    assert "comm_exposed_above_total" not in [w["code"] for w in health.check({"summary": {"communication": block}})]
+
+
 def test_agreement_is_paired_per_iteration_and_fails_beyond_the_tolerance_stated_before_measuring():
     ours = [0.050, 0.052, 0.049, 0.051, 0.050, 0.053, 0.048, 0.050]
     same = communication.combine([planted_rank(0, ours, ddp=[e - 0.0004 for e in ours])], {"step_s": 0.5})

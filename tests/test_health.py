@@ -51,7 +51,7 @@ def test_a_clean_record_has_no_warnings():
     ({"environment__device": "cuda:0", "environment__device_name": "NVIDIA H100 80GB HBM3",
       "settings__memory_snapshot": True}, "memory_snapshot_on"),
     ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.2, "exposed_resolved": True,
-                                 "transfer_s": 0.1}}, "comm_exposed_above_total"),
+                                 "exposed_interval": [0.18, 0.22], "transfer_s": 0.1}}, "comm_exposed_above_total"),
     ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.02, "exposed_resolved": False,
                                  "exposed_interval": [0.001, 0.06], "steps": 14}}, "comm_not_resolved"),
     ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.05, "exposed_resolved": True,

@@ -63,7 +63,7 @@ import time
 import torch
 
 from trainscope.errors import UserError
-from trainscope.record_view import resolved
+from trainscope.record_view import hidden_share, resolved
 from trainscope.timing import EventClock, HostClock, synchronizer
 
 METHOD = "direct"  # per step, at the events that bound it (schema 4); schema 3 records hold a two-pass estimate
@@ -465,7 +465,7 @@ def combine(per_rank: list[dict], throughput: dict) -> dict | None:
     overlaps = [row["overlap"] for row in rows if row["overlap"] is not None]
     windows = [row["window_s"] for row in rows if row["window_s"] is not None]
     transfer = block.get("transfer_s")
-    hidden = 1 - exposed / transfer if clear and transfer and exposed <= transfer else None
+    hidden = hidden_share(exposed, interval, transfer)
     block.update({
         "measured": True, "steps": len(rows), "unmeasured_steps": unmeasured(ranks),
         "exposed_s": exposed, "exposed_interval": list(interval) if interval else None, "exposed_resolved": clear,

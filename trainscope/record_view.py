@@ -355,7 +355,7 @@ class RunView:
         share = block.get("exposed_share") if not old else exposed / self.step_s if exposed and self.step_s else None
         return {**figures, "exposed_s": exposed if clear else None, "exposed_interval": interval, "resolved": clear,
                 "exposed_share": share if clear else None, "transfer_s": transfer,
-                "hidden_share": 1 - exposed / transfer if clear and transfer and exposed <= transfer else None,
+                "hidden_share": hidden_share(exposed, interval, transfer),
                 "overlap": overlap if overlap is not None and 0 <= overlap <= 1 else None, "window_s": block.get("window_s"),
                 "per_rank": per_rank, "stragglers": block.get("stragglers") or [], "agreement": agreed}
 
@@ -420,6 +420,21 @@ def resolved(value: float, interval) -> bool:
     """A measured time is resolved when its interval excludes 0 and spans no more than the time itself; else it is
     reported as "not resolved: between low and high"."""
     return interval is not None and interval[0] > 0 and interval[1] - interval[0] <= value
+
+
+def hidden_share(exposed: float | None, interval, transfer: float | None) -> float | None:
+    """The share of the transfer hidden behind backward, 1 - exposed / transfer, where the exposed time is resolved
+    and its interval lies wholly below the transfer; an interval that reaches the transfer leaves it not resolved
+    (it may be 0), one wholly above it is `exposed_above_transfer`."""
+    if exposed is None or not transfer or not resolved(exposed, interval) or interval[1] >= transfer:
+        return None
+    return 1 - exposed / transfer
+
+
+def exposed_above_transfer(interval, transfer: float | None) -> bool:
+    """The exposed time's whole interval above the buckets' all-reduce alone: backward waited for more than the
+    transfer takes (contention), not a median that noise put a hair above it."""
+    return bool(interval and transfer and interval[0] > transfer)
 
 
 def warning_lines(records) -> list[str]:
