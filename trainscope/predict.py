@@ -1105,8 +1105,9 @@ def calibrate(runs: Path, train_args: list[str]) -> dict:
         point = allocator_point(record)
         if point is not None:
             points.append(point)
-            print(f"{name}: live {point[0] / GIB:.3f} GiB, beyond the tensors {point[1] / GIB:.3f} GiB; step "
-                  f"{timing['step_residual_s'] if timing else float('nan'):+.4f} s off", flush=True)
+            step = (f"step {timing['step_residual_s']:+.4f} s off" if timing else
+                    "step time not fitted (several processes: the framework's time is fitted on one)")
+            print(f"{name}: live {point[0] / GIB:.3f} GiB, beyond the tensors {point[1] / GIB:.3f} GiB; {step}", flush=True)
     if not names:
         raise RuntimeError("no calibration shape can run here")
     device = torch.device(read_record(runs / names[0])["environment"]["device"].split(":")[0])
