@@ -310,3 +310,31 @@ def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
     grouped = predict.speedup(settings, ["--group-by-length"])
     assert same["ratio"] == pytest.approx(1.0)
     assert grouped["ratio"] > 1.05 and grouped["changed_s"] < grouped["baseline_s"]
+
+
+def test_the_machines_load_counts_other_processes_not_the_runs_it_launched():
+    """A spinning process started beside the shapes is interference; a child the command waited for is its own."""
+    import subprocess
+    import sys
+    import time
+
+    spin = [sys.executable, "-c", "import time\nend = time.monotonic() + 1.0\nwhile time.monotonic() < end: pass"]
+    before = predict_check.machine_load()
+    subprocess.run(spin, check=True)  # a run of our own, waited for
+    after = predict_check.machine_load()
+    assert after["own_cpu_s"] - before["own_cpu_s"] >= 0.5
+    before = predict_check.machine_load()
+    other = subprocess.Popen(spin)
+    time.sleep(1.0)
+    after = predict_check.machine_load()  # before it is waited for: not ours
+    other.wait()
+    assert predict_check.other_cores({"before": before, "after": after}) >= 0.3
+    quiet = {"before": {"machine_cpu_s": 100.0, "own_cpu_s": 10.0, "monotonic_s": 0.0, "load_average_1min": 1.9},
+             "after": {"machine_cpu_s": 302.0, "own_cpu_s": 205.0, "monotonic_s": 100.0, "load_average_1min": 2.0,
+                       "usable_cores": 2}}
+    assert predict_check.other_cores(quiet) == pytest.approx(0.07)  # its own two threads do not make it busy
+    assert "a quiet machine" in predict_check.load_text(quiet)
+    quiet["after"]["machine_cpu_s"] = 360.0
+    assert "a busy machine" in predict_check.load_text(quiet)
+    old = {"before": {"load_average_1min": 1.7}, "after": {"load_average_1min": 1.6, "usable_cores": 2}}
+    assert "busy" not in predict_check.load_text(old) and "not told apart" in predict_check.load_text(old)

@@ -47,11 +47,39 @@ def arguments(parser) -> None:
 
 
 def machine_load() -> dict:
-    """The machine's 1-minute load average and its usable cores: a prediction is of an undisturbed machine, and
-    other processes slow the runs it is held against."""
+    """What the machine's cores have done so far, to tell what other processes took while the shapes ran: a
+    prediction is of an undisturbed machine. The CPU seconds of the whole machine (/proc/stat) and of this process
+    and the runs it launched and waited for (their own load is not interference); the 1-minute load average beside
+    them, for the record."""
+    import resource
+    import time
+
     from trainscope.environment import usable_cores
 
-    return {"load_average_1min": round(os.getloadavg()[0], 2), "usable_cores": usable_cores()}
+    own = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for field in ("ru_utime", "ru_stime"))
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        busy = (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")  # user nice system, irq softirq steal
+    except (OSError, ValueError, IndexError):
+        busy = None
+    return {"load_average_1min": round(os.getloadavg()[0], 2), "usable_cores": usable_cores(),
+            "machine_cpu_s": busy, "own_cpu_s": own, "monotonic_s": time.monotonic()}
+
+
+def other_cores(load: dict) -> float | None:
+    """Cores other processes kept busy on average while the shapes ran: the machine's CPU seconds less this
+    process's and its runs', over the wall time (None where /proc/stat could not be read or an older result)."""
+    before, after = load["before"], load["after"]
+    if before.get("machine_cpu_s") is None or after.get("machine_cpu_s") is None:
+        return None
+    wall = after["monotonic_s"] - before["monotonic_s"]
+    others = (after["machine_cpu_s"] - before["machine_cpu_s"]) - (after["own_cpu_s"] - before["own_cpu_s"])
+    return max(0.0, others) / wall if wall > 0 else None
+
+
+# Other processes above a quarter of a core on average: the runs were slowed by what the predictions do not model.
+BUSY_CORES = 0.25
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -168,10 +196,15 @@ def load_text(load: dict | None) -> str:
     if not load:
         return ""
     before, after = load["before"], load["after"]
-    return (f"Machine load while the shapes ran: 1-minute load average {before['load_average_1min']} before, "
-            f"{after['load_average_1min']} after, on {after['usable_cores']} usable cores"
+    others = other_cores(load)
+    if others is None:
+        return (f"Machine load while the shapes ran: 1-minute load average {before['load_average_1min']} before, "
+                f"{after['load_average_1min']} after, on {after['usable_cores']} usable cores (its own runs "
+                "included: other processes not told apart).")
+    return (f"Machine load while the shapes ran: other processes kept {others:.2f} of the {after['usable_cores']} "
+            "usable cores busy on average (the machine's CPU time less this command's and its runs')"
             + (" -- a busy machine: its runs were slowed by other processes, which the predictions do not model."
-               if max(before["load_average_1min"], after["load_average_1min"]) > 0.5 * after["usable_cores"] else "."))
+               if others > BUSY_CORES else f": a quiet machine (at most {BUSY_CORES} of a core)."))
 
 
 def markdown(result: dict, train_args: list[str]) -> list[str]:
