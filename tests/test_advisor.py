@@ -291,6 +291,19 @@ def test_two_kept_changes_are_tried_together_in_their_own_rounds(monkeypatch):
     assert kept["speed"]["correction"] == "Holm over 3 test(s)" and result["final_flags"] == ["--a", "--b"]
 
 
+def test_every_suggestion_not_tried_is_listed_with_why(monkeypatch):
+    """Four suggestions, --max-suggestions 3 (as make tune's committed run had): the fourth is listed, not lost."""
+    ideas = [suggestion(f"idea{i}", [f"--idea{i}"]) for i in range(4)]
+    ideas.append(advisor.Suggestion("advice", "read the docs", "planted", [], gain=None, gain_kind="estimate"))
+    monkeypatch.setattr(tune.advisor, "advise", lambda record: ideas)
+    planted_runs(monkeypatch, {})
+    result = tune.tune(tune_args(max_suggestions=3), [], log=lambda line: None)
+    assert [t["name"] for t in result["trials"]] == ["s1", "s2", "s3"]
+    assert result["not_tried"] == [{"change": "try idea3", "flags": ["--idea3"], "why": "beyond --max-suggestions 3"},
+                                   {"change": "read the docs", "flags": [], "why": "not a flag or config (see the advice)"}]
+    assert "- not tried: try idea3 (beyond --max-suggestions 3)" in tune.markdown({**result, "provenance": {}})
+
+
 def test_a_change_to_what_a_step_holds_is_judged_on_the_same_work(monkeypatch):
     """Twice the tokens per step in twice the time is no slower: the training part is scaled to the
     baseline's tokens (raw wall time would call it 1.5x slower)."""

@@ -171,10 +171,23 @@ def summarize(args, train_args, design, first, suggestions, trials, untried, ela
     return {"experiment": "tune", "baseline_args": train_args, "baseline_config": args.config, "budget_s": args.budget,
             "elapsed_s": elapsed, "advice_run": first["run"], "design": design.to_dict(), "method": method_text(design),
             "suggestions": [s.to_dict() for s in suggestions], "trials": trials,
-            "not_tried": [{"change": s.change, "flags": s.flags, "why": "over the time budget"} for s in untried]
-            + [{"change": s.change, "flags": [], "why": "not a flag or config (see the advice)"}
-               for s in suggestions if not (s.flags or s.config)],
+            "not_tried": not_tried(suggestions, [t for t in trials if t["rule"] != "together"], untried,
+                                   args.max_suggestions),
             **final_choice(trials, train_args, args.config)}
+
+
+def not_tried(suggestions: list, tried: list[dict], untried: list, most: int) -> list[dict]:
+    """Every suggestion no trial tried, with why: the budget, --max-suggestions, or no flag or config to try."""
+    over_budget = {id(s) for s in untried}
+    tried_changes = {t["change"] for t in tried}
+    found = []
+    for s in suggestions:
+        if s.change in tried_changes:
+            continue
+        why = ("not a flag or config (see the advice)" if not (s.flags or s.config) else
+               "over the time budget" if id(s) in over_budget else f"beyond --max-suggestions {most}")
+        found.append({"change": s.change, "flags": s.flags if s.flags or s.config else [], "why": why})
+    return found
 
 
 def markdown(result: dict) -> list[str]:
