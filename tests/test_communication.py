@@ -516,3 +516,8 @@ def test_the_ddp_cost_report_says_what_its_figures_show_and_never_an_impossible_
     unresolved = ddp_cost.summary_text(RunView(runs["bucket1-r0"]))
     assert "not resolved: between 1.0 and 60.0 ms" in unresolved and "hides behind backward" not in unresolved
     assert "`bucket1` 2 of 2 agree, exposed time resolved in 1 of 2 rounds" in ddp_cost.agreement_text(list(rows.values()))
+    near = record("default-r2", 0.0790, [0.0760, 0.0830])  # the transfer (80 ms) inside the exposed time's interval
+    near["summary"]["communication"]["hidden_share"] = None
+    text = ddp_cost.summary_text(RunView(near))
+    assert "inside the exposed time's interval (76.0-83.0 ms): how much of it hides is not resolved" in text
+    assert "contention" not in text and "hides behind backward" not in text

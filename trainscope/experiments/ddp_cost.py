@@ -13,7 +13,7 @@ from pathlib import Path
 from trainscope import bench, launching, reporting
 from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
 from trainscope.experiments.base import Experiment, experiment, planned_arm, runs_option, speed_cells, write
-from trainscope.record_view import COMMUNICATION_FIGURES, RunView
+from trainscope.record_view import COMMUNICATION_FIGURES, RunView, exposed_above_transfer
 from trainscope.records import read_record
 from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot, ranged
@@ -255,7 +255,10 @@ def summary_text(view: RunView) -> str:
                      + (f" ({figures['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth)" if figures.get("bus_bandwidth_gbs") else "")
                      + (f", so {figures['hidden_share']:.0%} of the transfer hides behind backward"
                         if figures.get("hidden_share") is not None else
-                        ", more than the exposed time allows to hide (exposed above the transfer: contention)"))
+                        ", less than the exposed time (backward waited for more than the transfer: contention)"
+                        if exposed_above_transfer(figures.get("exposed_interval"), transfer) else
+                        f", inside the exposed time's interval ({figures['exposed_interval'][0] * 1e3:.1f}-"
+                        f"{figures['exposed_interval'][1] * 1e3:.1f} ms): how much of it hides is not resolved"))
         if figures.get("overlap") is not None:
             text += f"; the compute overlaps {figures['overlap']:.0%} of the communication window"
     if figures.get("ddp_exposed_s") is not None:
