@@ -57,12 +57,22 @@ def headline(found: reporting.Collected) -> Headline | None:
         if final is None:
             return Headline(NONE_KEPT, "nothing kept")
         return Headline(f"{final['name']} ({change_of(final)}): {bench.ratio_text(final['speed'])} on the same work, "
-                        f"result {final['result']}", f"{final['verdict']}, kept")
+                        f"result {final['result']}" + confirmed_text(found), f"{final['verdict']}, kept")
     suggestions = advisor.advise(record)
     if not suggestions:
         return Headline(advisor.lines([])[0], "nothing to try")
     return Headline(f"first suggestion: {suggestions[0].change} -- {suggestions[0].gain_text()}",
                     f"not tried yet: `{EXPERIMENT.target}` tries it")
+
+
+def confirmed_text(found: reporting.Collected) -> str:
+    """'; on the full job (make tune-confirm): ...' from the confirm's own comparison, or nothing without one."""
+    confirm = found.comparisons.get("tune-confirm")
+    if not confirm or tune_confirm.EXPERIMENT.unreadable(found) is not None:
+        return ""
+    against = confirm["comparisons"][tune_confirm.TUNED]
+    return (f"; on the full job (make tune-confirm): training samples/s {bench.ratio_text(against['speed'])}, "
+            f"{against['speed']['verdict']}, result {against['equivalence']['verdict']}")
 
 
 def _speed_cell(speed: dict) -> str:

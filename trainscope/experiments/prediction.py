@@ -15,6 +15,7 @@ from pathlib import Path
 from trainscope import bench, reporting
 from trainscope.experiments.base import Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
 from trainscope.record_view import RunView
+from trainscope.reporting import Headline
 from trainscope.records import read_record
 from trainscope.tables import Table, num, pyplot
 
@@ -261,7 +262,22 @@ def section(report, found: reporting.Collected) -> None:
     report.table(term_table(summary))
 
 
+# The errors a prediction is held to (median over the shapes): the goals it is judged by on the report's first page.
+GOALS = {"peak_memory_gib": 0.10, "step_s": 0.15}
+
+
+def headline(found: reporting.Collected) -> Headline | None:
+    """The errors over the committed shapes, in the section's words, and whether the medians meet their goals."""
+    rows = run_rows(found.runs.get(EXPERIMENT.name, {}))
+    if not rows:
+        return None
+    summary = summarize(rows)
+    met = [f"{QUANTITIES[key]} {'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} "
+           f"{goal:.0%}" for key, goal in GOALS.items()]
+    return Headline(summary_text(summary), "median |error|: " + ", ".join(met))
+
+
 EXPERIMENT = Experiment(name="predict-check", title="Prediction against measurement", target="make predict-check",
-                        folder="predict", section=section, arguments=arguments, run=run,
+                        folder="predict", section=section, headline=headline, arguments=arguments, run=run,
                         help="the prediction of every run against what it measured, over many shapes",
                         needs=("experiment", "runs", "summary"))
