@@ -280,3 +280,12 @@ def page_column(words: list[Word]) -> list[int]:
 def test_the_committed_report_reads_as_a_person_reads_it():
     """reports/report.pdf as committed: the same checks, and a first page of one answer per section."""
     check_report(ROOT / "reports" / "report.pdf", [e.title for e in SECTIONS])
+
+
+def test_a_pipe_in_a_markdown_cell_stays_in_its_cell():
+    """'median |error|' in a cell: escaped, so the row keeps its columns (the first page's prediction row did not)."""
+    from trainscope.tables import Table
+
+    row = Table("t", ["experiment", "answer"], [["Prediction", "median |error| 7.0%"]], "t", align="ll").markdown_lines()[2]
+    assert row == "| Prediction | median \\|error\\| 7.0% |"
+    assert len([c for c in row.replace("\\|", "").split("|") if c.strip()]) == 2

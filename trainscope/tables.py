@@ -32,9 +32,9 @@ class Table:
             raise ValueError(f"table {label!r}: every row and the alignment need {len(headers)} cells")
 
     def markdown_lines(self) -> list[str]:
-        lines = ["| " + " | ".join(self.headers) + " |",
+        lines = ["| " + " | ".join(markdown_cell(h) for h in self.headers) + " |",
                  "|" + "|".join("---" if a == "l" else "---:" for a in self.align) + "|"]
-        return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in self.rows]
+        return lines + ["| " + " | ".join(markdown_cell(cell) for cell in row) + " |" for row in self.rows]
 
     def markdown(self) -> str:
         return "\n".join(self.markdown_lines())
@@ -49,6 +49,11 @@ class Table:
 
 
 # ---------------------------------------------------------------- cells
+
+
+def markdown_cell(cell) -> str:
+    """A cell's text with its pipes escaped: a `|` (as in "median |error|") would end the cell."""
+    return str(cell).replace("\\|", "|").replace("|", "\\|")
 
 
 def num(value, digits=2, percent=False) -> str:
