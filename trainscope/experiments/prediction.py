@@ -274,7 +274,7 @@ def headline(found: reporting.Collected) -> Headline | None:
     summary = summarize(rows)
     met = [f"{QUANTITIES[key]} {'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} "
            f"{goal:.0%}" for key, goal in GOALS.items()]
-    return Headline(summary_text(summary), "median |error|: " + ", ".join(met))
+    return Headline(summary_text(summary).rstrip("."), "median |error|: " + ", ".join(met))
 
 
 EXPERIMENT = Experiment(name="predict-check", title="Prediction against measurement", target="make predict-check",
