@@ -588,9 +588,21 @@ def saved_bytes_at(block: dict, batch: int, length: int) -> float | None:
 # ---------------------------------------------------------------- before a run: what train.py calls
 
 
+def with_collate_costs(workload: Workload, tokenizer, data) -> Workload:
+    """The workload with the seconds its training and evaluation batches take to collate, measured here."""
+    from trainscope.data import build_collator
+
+    settings, pad = workload.settings, workload.pad_to_multiple_of
+    workload.collate_s = {"train": collate_seconds(data.train, build_collator(tokenizer, settings, pad),
+                                                   settings.per_device_batch_size, settings.seed),
+                          "eval": collate_seconds(data.validation, build_collator(tokenizer, settings, pad),
+                                                  settings.resolved_eval_batch_size, settings.seed)}
+    return workload
+
+
 def workload_for(settings, started, tokenizer, data, label_names=None) -> Workload:
     """The workload of this launch (train.py's settings, start-up, tokenizer and tokenized data)."""
-    from trainscope.data import MODEL_INPUTS, build_collator
+    from trainscope.data import MODEL_INPUTS
     from trainscope.startup import plan_steps
 
     state = started.state
@@ -603,12 +615,7 @@ def workload_for(settings, started, tokenizer, data, label_names=None) -> Worklo
         threads=torch.get_num_threads(),
         lengths={split: token_lengths(getattr(data, split)) for split in ("train", "validation", "test")},
         rss_bytes=current_rss_bytes(), plan=plan_steps(settings, len(data.train), state.num_processes))
-    pad = workload.pad_to_multiple_of
-    workload.collate_s = {"train": collate_seconds(data.train, build_collator(tokenizer, settings, pad),
-                                                   settings.per_device_batch_size, settings.seed),
-                          "eval": collate_seconds(data.validation, build_collator(tokenizer, settings, pad),
-                                                  settings.resolved_eval_batch_size, settings.seed)}
-    return workload
+    return with_collate_costs(workload, tokenizer, data)
 
 
 def before_run(settings, started, tokenizer, data) -> dict:
@@ -901,7 +908,7 @@ def workload_of(record: dict | None, settings, config: str | None = None) -> Wor
     """The workload `settings` would be on the machine and launch of `record` (or of this process when None), with
     `config`'s processes and precision where given."""
     from trainscope import launching
-    from trainscope.data import MODEL_INPUTS, build_collator
+    from trainscope.data import MODEL_INPUTS
     from trainscope.startup import plan_steps
 
     env = (record or {}).get("environment") or {}
@@ -922,12 +929,7 @@ def workload_of(record: dict | None, settings, config: str | None = None) -> Wor
                         precision=precision_name, processes=processes, local_processes=processes, threads=threads,
                         lengths={split: token_lengths(getattr(data, split)) for split in ("train", "validation", "test")},
                         rss_bytes=None, plan=plan_steps(settings, len(data.train), processes))
-    pad = workload.pad_to_multiple_of
-    workload.collate_s = {"train": collate_seconds(data.train, build_collator(tokenizer, settings, pad),
-                                                   settings.per_device_batch_size, settings.seed),
-                          "eval": collate_seconds(data.validation, build_collator(tokenizer, settings, pad),
-                                                  settings.resolved_eval_batch_size, settings.seed)}
-    return workload
+    return with_collate_costs(workload, tokenizer, data)
 
 
 def same_work_seconds(block: dict, workload: Workload) -> tuple[float, float, float]:
