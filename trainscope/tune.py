@@ -141,7 +141,8 @@ def tune(args, train_args: list[str], runner: Runner | None = None, clock: Calla
     results = [trial_result(t, judged[t.name], measured[t.name]) for t in trials + ([together] if together else [])]
     for r in results:
         log(f"{r['name']}: {verdict_line(r)}")
-    return summarize(args, train_args, design, first, suggestions, results, untried, clock() - tuner.started)
+    return summarize(args, train_args, design, first, suggestions, results, tried, untried,
+                     clock() - tuner.started)
 
 
 def trial_result(trial: Trial, judged: dict, runs: dict[int, dict]) -> dict:
@@ -167,27 +168,22 @@ def verdict_line(trial: dict) -> str:
             f"p {speed['p_raw']:.2g} raw, {speed['p_value']:.2g} {speed['correction']}; result {trial['result']}")
 
 
-def summarize(args, train_args, design, first, suggestions, trials, untried, elapsed) -> dict:
+def summarize(args, train_args, design, first, suggestions, trials, tried, untried, elapsed) -> dict:
     return {"experiment": "tune", "baseline_args": train_args, "baseline_config": args.config, "budget_s": args.budget,
             "elapsed_s": elapsed, "advice_run": first["run"], "design": design.to_dict(), "method": method_text(design),
             "suggestions": [s.to_dict() for s in suggestions], "trials": trials,
-            "not_tried": not_tried(suggestions, [t for t in trials if t["rule"] != "together"], untried,
-                                   args.max_suggestions),
+            "not_tried": not_tried(suggestions, tried, untried, args.max_suggestions),
             **final_choice(trials, train_args, args.config)}
 
 
-def not_tried(suggestions: list, tried: list[dict], untried: list, most: int) -> list[dict]:
-    """Every suggestion no trial tried, with why: the budget, --max-suggestions, or no flag or config to try."""
-    over_budget = {id(s) for s in untried}
-    tried_changes = {t["change"] for t in tried}
-    found = []
-    for s in suggestions:
-        if s.change in tried_changes:
-            continue
-        why = ("not a flag or config (see the advice)" if not (s.flags or s.config) else
-               "over the time budget" if id(s) in over_budget else f"beyond --max-suggestions {most}")
-        found.append({"change": s.change, "flags": s.flags if s.flags or s.config else [], "why": why})
-    return found
+def not_tried(suggestions: list, tried: list, untried: list, most: int) -> list[dict]:
+    """Every suggestion no trial tried, with why: the budget, --max-suggestions, or no flag or config to try
+    (`tried` and `untried`: plan_trials' split)."""
+    tried_ids, over_budget = {id(s) for s in tried}, {id(s) for s in untried}
+    return [{"change": s.change, "flags": s.flags,
+             "why": ("not a flag or config (see the advice)" if not (s.flags or s.config) else
+                     "over the time budget" if id(s) in over_budget else f"beyond --max-suggestions {most}")}
+            for s in suggestions if id(s) not in tried_ids]
 
 
 def markdown(result: dict) -> list[str]:

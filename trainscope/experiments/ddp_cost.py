@@ -241,6 +241,18 @@ def agreement_text(setting_rows: list[dict]) -> str:
             "steps) and their exposed time is shown only where its interval resolves it.")
 
 
+def hidden_text(figures: dict) -> str:
+    """How much of the transfer hides behind backward: a share, contention (the exposed time's whole interval above
+    the transfer), or not resolved (the transfer inside that interval)."""
+    interval = figures.get("exposed_interval")
+    if figures.get("hidden_share") is not None:
+        return f", so {figures['hidden_share']:.0%} of the transfer hides behind backward"
+    if exposed_above_transfer(interval, figures.get("transfer_s")):
+        return ", less than the exposed time (backward waited for more than the transfer: contention)"
+    return (f", inside the exposed time's interval ({interval[0] * 1e3:.1f}-{interval[1] * 1e3:.1f} ms): how much "
+            "of it hides is not resolved")
+
+
 def summary_text(view: RunView) -> str:
     """The defaults' first round in words, each number the one its figure shows."""
     figures = view.communication_figures
@@ -253,12 +265,7 @@ def summary_text(view: RunView) -> str:
         if transfer:
             text += (f"; the same buckets' all-reduces alone take {transfer * 1e3:.1f} ms"
                      + (f" ({figures['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth)" if figures.get("bus_bandwidth_gbs") else "")
-                     + (f", so {figures['hidden_share']:.0%} of the transfer hides behind backward"
-                        if figures.get("hidden_share") is not None else
-                        ", less than the exposed time (backward waited for more than the transfer: contention)"
-                        if exposed_above_transfer(figures.get("exposed_interval"), transfer) else
-                        f", inside the exposed time's interval ({figures['exposed_interval'][0] * 1e3:.1f}-"
-                        f"{figures['exposed_interval'][1] * 1e3:.1f} ms): how much of it hides is not resolved"))
+                     + hidden_text(figures))
         if figures.get("overlap") is not None:
             text += f"; the compute overlaps {figures['overlap']:.0%} of the communication window"
     if figures.get("ddp_exposed_s") is not None:

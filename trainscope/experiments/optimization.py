@@ -28,8 +28,8 @@ def section(report, found: reporting.Collected) -> None:
         report.table(equivalence_table(tune))
         report.text(f"Final command: `{tune['final_command']}`. {final_text(final_trial(tune['trials']))}")
         report.text(tune.get("method", ""))
-    confirm, why = found.comparisons.get("tune-confirm"), tune_confirm.EXPERIMENT.unreadable(found)
-    if confirm and why is None:
+    confirm, why = readable_confirm(found)
+    if confirm:
         report.table(tune_confirm.confirm_table(confirm))
         report.text("Result over the paired seeds (every metric): "
                     f"{confirm['comparisons'][tune_confirm.TUNED]['equivalence']['text']}.")
@@ -65,10 +65,16 @@ def headline(found: reporting.Collected) -> Headline | None:
                     f"not tried yet: `{EXPERIMENT.target}` tries it")
 
 
+def readable_confirm(found: reporting.Collected) -> tuple[dict | None, str | None]:
+    """(make tune-confirm's comparison, None) where it can be read; else (None, why it is skipped or None)."""
+    confirm, why = found.comparisons.get("tune-confirm"), tune_confirm.EXPERIMENT.unreadable(found)
+    return (confirm, None) if confirm and why is None else (None, why)
+
+
 def confirmed_text(found: reporting.Collected) -> str:
     """'; on the full job (make tune-confirm): ...' from the confirm's own comparison, or nothing without one."""
-    confirm = found.comparisons.get("tune-confirm")
-    if not confirm or tune_confirm.EXPERIMENT.unreadable(found) is not None:
+    confirm, _ = readable_confirm(found)
+    if confirm is None:
         return ""
     against = confirm["comparisons"][tune_confirm.TUNED]
     return (f"; on the full job (make tune-confirm): training samples/s {bench.ratio_text(against['speed'])}, "

@@ -8,8 +8,10 @@ is calibrated first on other shapes (`python -m trainscope.predict --calibrate`,
 """
 
 import os
+import resource
 import shlex
 import statistics
+import time
 from pathlib import Path
 
 from trainscope import bench, reporting
@@ -52,9 +54,6 @@ def machine_load() -> dict:
     prediction is of an undisturbed machine. The CPU seconds of the whole machine (/proc/stat) and of this process
     and the runs it launched and waited for (their own load is not interference); the 1-minute load average beside
     them, for the record."""
-    import resource
-    import time
-
     from trainscope.environment import usable_cores
 
     own = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
