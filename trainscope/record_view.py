@@ -491,11 +491,14 @@ class Machine:
 
     @property
     def cpu_text(self) -> str:
-        """The CPU's model name without trademark marks and filler words ('Intel(R) Xeon(R) Processor' -> 'Intel Xeon')."""
+        """The CPU's model name without trademark marks and filler words: 'Intel(R) Xeon(R) Processor' -> 'Intel Xeon',
+        'Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz' -> 'Intel Xeon Gold 6338 @ 2.00GHz'."""
         if not self.cpu:
             return "CPU not recorded"
         words = self.cpu.replace("(R)", "").replace("(TM)", "").replace("(tm)", "").split()
-        return " ".join(w for w in words if w not in ("Processor", "CPU")) or self.cpu
+        kept = [w for i, w in enumerate(words)
+                if w != "Processor" and not (w == "CPU" and words[i + 1:i + 2] == ["@"])]
+        return " ".join(kept) or self.cpu
 
     @property
     def text(self) -> str:
