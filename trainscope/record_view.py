@@ -457,7 +457,6 @@ def warning_lines(records) -> list[str]:
     return [f"{RunView(r).name}: [{w['code']}] {w['message']}" for r in records for w in RunView(r).warnings]
 
 
-
 # ---------------------------------------------------------------- the machine a figure comes from
 
 

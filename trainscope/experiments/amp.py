@@ -60,9 +60,11 @@ def headline(found: reporting.Collected):
     """Mixed precision's whole-run speed against fp32 over the alternating rounds, as the table gives it, with the
     runs' warnings named."""
     comparison = found.comparisons.get("amp")
-    warned = lambda name, against: (  # noqa: E731
-        f" (warned: {', '.join(comparison['arms'][name]['warnings'])})" if comparison["arms"][name].get("warnings")
-        else "")
+
+    def warned(name: str, against: dict) -> str:
+        warnings = comparison["arms"][name].get("warnings")
+        return f" (warned: {', '.join(warnings)})" if warnings else ""
+
     return arms_headline(comparison, found.runs.get("amp", {}), warned)
 
 
