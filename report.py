@@ -37,7 +37,8 @@ def write_section(report: ReportWriter, found: reporting.Collected, experiment) 
     if why is None:
         headline = experiment.headline(found) if experiment.headline else None
         report.answer(experiment.title, headline or (experiment.missing() if experiment.headline else
-                                                     "(no headline declared: see its section)"))
+                                                     "(no headline declared: see its section)"),
+                      experiment.machines(found) if headline or not experiment.headline else None)
         experiment.section(report, found)
         return
     found.skipped.append(f"section {experiment.name}: {why}")
@@ -68,10 +69,12 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
             report.begin("Skipped inputs", True, "")
             for line in found.skipped:
                 report.text(f"- {line}")
-        report.appendix(provenance.markdown(block))
+        report.appendix(provenance.markdown(block, machine_label="report built on") + measured_on(found))
         report.close()
         write_text_atomic(staging / "report.md", "\n".join(report.markdown) + "\n")
         write_json_atomic(staging / "inputs.json", {"provenance": block, "skipped": found.skipped,
+                                                    "machines": {m.text: [str(p) for p in paths]
+                                                                 for m, paths in found.machines.items()},
                                                     "runs": {k: sorted(v) for k, v in found.runs.items()},
                                                     "results": {k: v is not None for k, v in found.results.items()}})
         if out.exists():
@@ -82,6 +85,18 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
     for run_name in log_figures_to_wandb(report, out):
         print(f"logged the report's figures to W&B run {run_name}")
     return report
+
+
+def measured_on(found: reporting.Collected) -> list[str]:
+    """The provenance's lines naming every machine whose records or results this report read, with how many."""
+    lines = []
+    for machine, paths in found.machines.items():
+        records = sum(Path(p).name == "record.json" for p in paths)
+        files = len(paths) - records
+        counts = [f"{records} run record{'s' * (records != 1)}"] * bool(records) + [
+            f"{files} results or comparison file{'s' * (files != 1)}"] * bool(files)
+        lines.append(f"- measured on: {machine.text} ({', '.join(counts)})")
+    return lines or ["- measured on: no input names its machine"]
 
 
 def log_figures_to_wandb(report: ReportWriter, out: Path) -> list[str]:

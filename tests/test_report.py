@@ -6,13 +6,14 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import report
 from conftest import ROOT, cpu_env, run_command
-from test_report_pdf import check_report
-from trainscope import provenance
+from test_report_pdf import check_report, glance_titles
+from trainscope import provenance, reporting
 from trainscope.experiments import REGISTRY, SECTIONS
 
 TINY = ("--model embedded:tiny-bert --max-train-samples 256 --max-eval-samples 64 --max-test-samples 64 "
@@ -25,7 +26,7 @@ def built(tmp_path_factory):
     runs, results, out = root / "runs", root / "results", root / "reports"
     common = [f"RUNS={runs}", f"RESULTS={results}", f"EXP_ARGS={TINY}", f"SPEED_ARGS={TINY} --max-steps 6",
               f"AMP_ARGS={TINY} --max-steps 6", "ROUNDS=1"]
-    for target in (["profile", "PROFILE_BF16=off"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"],
+    for target in (["profile", "PROFILE_BF16=off"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"], ["amp-compare"],
                    ["report", f"REPORT_ARGS=--out {out}"]):
         completed = run_command(["make", "-s", *target, *common], env=cpu_env(), timeout=900)
         assert completed.returncode == 0, f"make {target}: {completed.stderr[-3000:]}"
@@ -39,13 +40,14 @@ def test_every_section_is_there_or_names_its_make_target(built):
         assert f"## {experiment.title}" in text
     headings = [line[3:] for line in text.splitlines() if line.startswith("## ")]
     assert headings[:len(SECTIONS) + 1] == ["At a glance"] + [e.title for e in SECTIONS]
-    glance = text.split("## At a glance")[1].split("\n## ")[0]  # one answer per section, in the same order
-    rows = [line.split(" | ")[0][2:] for line in glance.splitlines() if line.startswith("| ")][1:]
-    assert rows == [e.title for e in SECTIONS]
+    glance = text.split("## At a glance")[1].split("\n## ")[0]  # one answer per section, grouped by machine
+    rows = [line.split(" | ")[0][2:] for line in glance.splitlines() if line.startswith("| ")]
+    assert sorted(row for row in rows if row != "experiment") == sorted(e.title for e in SECTIONS)
     assert "takes the most" in glance.split("| Where the time went |")[1].splitlines()[0]  # its headline
-    assert "| What DDP communication costs | Not run yet: `make ddp-cost` produces it. |" in glance
+    not_measured = glance.split("**Not measured (not run yet, or skipped): what each experiment found**")[1]
+    assert "| What DDP communication costs | Not run yet: `make ddp-cost` produces it. |" in not_measured
     for target in ("make sweep-workers", "make compare-dp", "make batch-sweep", "make ckpt-compare",
-                   "make amp-compare", "make ddp-cost", "make bench-compile"):
+                   "make ddp-cost", "make bench-compile"):
         assert f"Not run yet: `{target}` produces it." in text
     for name in ("time_breakdown", "matrix"):
         assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.pdf").exists()
@@ -100,6 +102,17 @@ def test_the_amp_table_shows_what_the_records_hold():
     assert cells[1] == "bf16"
     assert float(cells[3]) == pytest.approx(bf16["test"]["accuracy"], abs=6e-5)
     assert float(cells[4]) == pytest.approx(bf16["throughput"]["samples_per_s"], abs=0.06)
+
+
+def test_make_amp_compare_writes_whole_runs_in_rounds_and_one_round_gives_no_verdict(built):
+    runs, _, out = built
+    comparison = json.loads((runs / "amp" / "comparison.json").read_text())
+    assert comparison["rounds"] == 1 and comparison["arms"]["bf16"]["runs"] == ["bf16-r0"]
+    assert comparison["comparisons"]["bf16"]["speed"]["verdict"] == "too few pairs"
+    assert "speed_by_interval" not in comparison["comparisons"]["bf16"]
+    section = (out / "report.md").read_text().split("## Mixed precision vs FP32")[1].split("\n## ")[0]
+    assert "Verdict: too few pairs." in section and "interval" not in section
+    assert "(1 alternating round of whole runs" in section and "too few pairs for a verdict" in section
 
 
 def test_the_matrix_reports_each_variant_against_the_first(built):
@@ -214,7 +227,9 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     inputs = json.loads((clone / "reports" / "inputs.json").read_text())
     assert inputs["provenance"]["dirty"] is False and inputs["provenance"]["changed"] == []
     assert "Not run yet" not in (clone / "reports" / "report.md").read_text()
-    check_report(clone / "reports" / "report.pdf", [e.title for e in SECTIONS])  # its PDF reads as a person reads it
+    titles = glance_titles((clone / "reports" / "report.md").read_text())
+    assert sorted(titles) == sorted(e.title for e in SECTIONS)
+    check_report(clone / "reports" / "report.pdf", titles)  # its PDF reads as a person reads it
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone, capture_output=True,
                             text=True).stdout.splitlines()
     assert status and all(line[3:].startswith("reports/") for line in status)  # only the report's own outputs
@@ -266,3 +281,150 @@ def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_rec
     partial = {k: v for k, v in records.items() if k != "new-r4"}  # a run missing: the written verdict stands
     kept = {"baseline": "base", "arms": old["arms"], "comparisons": {"new": {"speed": {"verdict": "faster"}}}}
     assert rejudged(kept, partial)["comparisons"]["new"]["speed"] == {"verdict": "faster"}
+
+
+# ---------------------------------------------------------------- the machine of every figure
+
+EPYC = {"device": "cpu", "device_name": "AMD EPYC", "device_count": 0, "cpu_capability": "AVX2, no native bf16",
+        "cpu_native_bf16": False, "usable_cores": 2}
+XEON = {"device": "cpu", "device_name": "Intel(R) Xeon(R) Processor", "device_count": 0,
+        "cpu_capability": "AVX512 + amx_bf16, avx512_bf16", "cpu_native_bf16": True, "usable_cores": 2,
+        "cpu_bf16": {"flags": ["amx_bf16", "avx512_bf16"], "native_by_flags": True}}
+
+
+def on_machine(record: dict, environment: dict) -> dict:
+    """A record as another machine would have written it: its environment's machine keys and its provenance's."""
+    host = {"device_name": environment["device_name"], "device_count": environment["device_count"],
+            "cpu": environment.get("cpu", environment["device_name"]), "cpu_capability": environment["cpu_capability"],
+            "usable_cores": environment["usable_cores"]}
+    env = {k: v for k, v in {**record.get("environment", {}), **environment}.items() if k != "cpu"}
+    if "cpu_bf16" not in environment:
+        env.pop("cpu_bf16", None)
+    return {**record, "environment": env,
+            "provenance": {**record.get("provenance", {}), "machine": {**record.get("provenance", {}).get("machine", {}),
+                                                                       **host}}}
+
+
+@pytest.mark.parametrize("environment, text", [
+    (EPYC, "AMD EPYC, AVX2, bf16 emulated, 2 cores"),
+    (XEON, "Intel Xeon, AVX512-BF16 + AMX, 2 cores"),
+    ({**XEON, "cpu_bf16": None}, "Intel Xeon, AVX512-BF16 + AMX, 2 cores"),  # schema 2: the flags in the capability
+    ({**EPYC, "device_name": "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz", "cpu_capability": "AVX512, no native bf16",
+      "usable_cores": 16}, "Intel Xeon Gold 6338 @ 2.00GHz, AVX512, bf16 emulated, 16 cores"),
+    ({**EPYC, "device_name": "ARM CPU implementer 0x41 part 0xd40", "cpu_capability": "SVE256 + bf16, svebf16"},
+     "ARM CPU implementer 0x41 part 0xd40, SVE256 + SVE-BF16, 2 cores"),
+    ({**XEON, "device": "cuda:0", "device_name": "NVIDIA H200", "device_count": 1, "usable_cores": 16,
+      "cpu": "Intel(R) Xeon(R) Processor"}, "NVIDIA H200 (host Intel Xeon, AVX512-BF16 + AMX, 16 cores)"),
+])
+def test_a_records_machine_is_its_cpu_model_and_isa_class_or_its_gpu(environment, text):
+    from trainscope.record_view import RunView, results_machine
+
+    record = on_machine({"run_name": "r"}, environment)
+    assert RunView(record).machine.text == text
+    assert results_machine({"provenance": record["provenance"]}) == RunView(record).machine  # a results file's too
+
+
+def planted_two_machines(runs: Path, copy: Path) -> Path:
+    """The built runs copied, make profile's on a Xeon with AMX, make matrix's and make amp-compare's on an AVX2 EPYC."""
+    shutil.copytree(runs, copy)
+    for folder, environment in (("profile", XEON), ("matrix", EPYC), ("amp", EPYC)):
+        for path in (copy / folder).rglob("record.json"):
+            path.write_text(json.dumps(on_machine(json.loads(path.read_text()), environment)))
+        comparison = copy / folder / "comparison.json"
+        comparison.write_text(json.dumps(on_machine(json.loads(comparison.read_text()), environment)))
+    return copy
+
+
+def test_every_section_figure_and_first_page_group_names_its_machine(built, tmp_path):
+    """Records of two planted machines: the first page groups the answers by machine, each section opens with its
+    machine and every figure's caption and table's title repeat it, and the provenance lists both."""
+    from test_report_pdf import drawn_words, squeeze
+
+    runs = planted_two_machines(built[0], tmp_path / "runs")
+    out = tmp_path / "reports"
+    report.build(runs, tmp_path / "none", out)
+    text = (out / "report.md").read_text()
+    xeon, epyc = "Intel Xeon, AVX512-BF16 + AMX, 2 cores", "AMD EPYC, AVX2, bf16 emulated, 2 cores"
+    glance = text.split("## At a glance")[1].split("\n## ")[0]
+    groups = {part.split(": what each")[0]: [line.split(" | ")[0][2:] for line in part.splitlines()
+                                             if line.startswith("| ")][1:] for part in glance.split("\n**")[1:]}
+    assert list(groups) == [f"Measured on {xeon}", f"Measured on {epyc}", "Not measured (not run yet, or skipped)"]
+    assert groups[f"Measured on {xeon}"] == ["Where the time went", "Optimization: what to try next"]
+    assert groups[f"Measured on {epyc}"] == ["Mixed precision vs FP32", "Configs and switches side by side"]
+    time_went = text.split("## Where the time went")[1].split("\n## ")[0]
+    matrix = text.split("## Configs and switches side by side")[1].split("\n## ")[0]
+    assert time_went.strip().startswith(f"**Measured on:** {xeon}.") and matrix.strip().startswith(f"**Measured on:** {epyc}.")
+    assert f"*Stage time per step for each variant (measured on {epyc})*" in matrix
+    assert f"(measured on {epyc})** (LaTeX: `matrix.tex`)" in matrix and epyc in (out / "matrix.tex").read_text()
+    assert f"*Share of wall time per category (measured on {xeon})*" in time_went
+    provenance = text.split("## Provenance")[1]
+    assert f"- measured on: {xeon} (" in provenance and f"- measured on: {epyc} (" in provenance
+    assert "- report built on: " in provenance
+    assert set(json.loads((out / "inputs.json").read_text())["machines"]) == {xeon, epyc}
+    # in the PDF, the caption under the matrix figure names the machine
+    words = drawn_words(out / "report.pdf")
+    pages = {w.page for w in words if w.text == "Stage"}
+    assert any(squeeze(f"Stage time per step for each variant (measured on {epyc})")
+               in squeeze(" ".join(w.text for w in words if w.page == page)) for page in pages)
+
+
+def test_a_comparison_whose_runs_come_from_two_machines_is_refused(built, tmp_path):
+    runs = planted_two_machines(built[0], tmp_path / "runs")
+    moved = runs / "matrix" / "cpu+ckpt-r0" / "record.json"
+    moved.write_text(json.dumps(on_machine(json.loads(moved.read_text()), XEON)))
+    out = tmp_path / "reports"
+    report.build(runs, tmp_path / "none", out)
+    text = (out / "report.md").read_text()
+    matrix = text.split("## Configs and switches side by side")[1].split("\n## ")[0]
+    assert "(skipped: its runs come from 2 machines, whose figures are not comparable with each other:" in matrix
+    assert "Intel Xeon, AVX512-BF16 + AMX, 2 cores (cpu+ckpt-r0)" in matrix and "samples/s" not in matrix
+    assert not (out / "matrix.tex").exists()
+
+
+def test_compare_dp_and_the_matrix_are_set_side_by_side_only_from_one_machine():
+    from trainscope.experiments import data_parallel
+    from trainscope.record_view import RunView
+
+    class Said:
+        def __init__(self):
+            self.lines = []
+
+        def text(self, line):
+            self.lines.append(line)
+
+    result = json.loads((ROOT / "benchmarks" / "compare_dp" / "compare_dp.json").read_text())
+    result = on_machine(result, EPYC)
+    matrix = {"baseline": "cpu", "comparisons": {"ddp": {"speed": bench_speed()}}}
+    for environment, shown in ((EPYC, True), (XEON, False)):
+        record = on_machine({"run_name": "ddp-r0"}, environment)
+        said = Said()
+        data_parallel.reconcile_with_matrix(said, result, matrix, {RunView(record).machine: ["ddp-r0"]})
+        assert ("The same question twice" in said.lines[0]) is shown, said.lines
+        assert ("not set beside this one" in said.lines[0]) is not shown
+
+
+def bench_speed() -> dict:
+    from trainscope import bench
+
+    return bench.compare_samples([10.0, 10.1, 9.9, 10.0, 10.2], [10.3, 10.4, 10.2, 10.3, 10.5])
+
+
+# ---------------------------------------------------------------- mixed precision: whole runs, alternating rounds
+
+
+def test_the_amp_comparison_judges_whole_runs_never_the_intervals_of_one(tmp_path):
+    """The committed make amp-compare ran one round (one run per arm): its 10 logged intervals are not 10 pairs, so
+    the report says too few pairs and gives no verdict."""
+    from trainscope.experiments import amp
+
+    shutil.copytree(ROOT / "benchmarks" / "runs" / "amp", tmp_path / "amp")
+    found = reporting.collect(tmp_path, tmp_path / "none", [amp.EXPERIMENT])
+    answer = amp.headline(found)
+    assert answer.verdict == "too few pairs" and "interval" not in answer.text
+    assert "`bf16` 0.05" in answer.text and "1 pairs" in answer.text and "warned: bf16_emulated" in answer.text
+
+
+def test_make_amp_compare_runs_alternating_rounds_sized_for_emulated_bf16_on_a_cpu():
+    command = " ".join(run_command(["make", "-n", "amp-compare", "RUNS=R", "HAS_GPU="], env=cpu_env()).stdout.split())
+    assert "-m trainscope.experiments amp --runs R/amp --configs cpu bf16 --rounds 5 --" in command
+    assert "--per-device-batch-size 8" in command and "--max-steps 12" in command and "--max-eval-samples 64" in command

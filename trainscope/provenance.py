@@ -96,8 +96,9 @@ def collect(inputs=(), command: str | None = None) -> dict:
     }
 
 
-def markdown(block: dict) -> list[str]:
-    """The provenance block as Markdown lines (the footer of every results file)."""
+def markdown(block: dict, machine_label: str = "machine") -> list[str]:
+    """The provenance block as Markdown lines (the footer of every results file); `machine_label` names its machine
+    line (a report says it was built there, not measured)."""
     m = block["machine"]
     commit = (block["commit"] or "unknown")[:12] + (" (dirty: " + ", ".join(block["changed"][:5]) + ")"
                                                   if block["dirty"] else " (clean)")
@@ -106,7 +107,7 @@ def markdown(block: dict) -> list[str]:
              f"- commit: {commit}",
              f"- command: `{block['command']}`",
              f"- date: {block['date']}",
-             f"- machine: {m['device_name']} x {max(m['device_count'], 1)}, CPU {m['cpu']} ({m['cpu_capability']}), "
+             f"- {machine_label}: {m['device_name']} x {max(m['device_count'], 1)}, CPU {m['cpu']} ({m['cpu_capability']}), "
              f"{m['usable_cores']} usable cores, {m['torch_threads']} torch threads in the measuring process",
              f"- packages: {packages}"]
     if block["inputs"]:

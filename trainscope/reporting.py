@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainscope.record_view import RunView
+from trainscope.record_view import Machine, RunView, results_machine
 from trainscope.records import read_record, read_steps
 from trainscope.timing import CATEGORIES, STAGES
 
@@ -34,6 +34,7 @@ class Collected:
     comparisons: dict = field(default_factory=dict)   # experiment -> comparison.json
     results: dict = field(default_factory=dict)       # experiment -> its results file, parsed
     inputs: list = field(default_factory=list)        # every file read, for the digests
+    machines: dict = field(default_factory=dict)      # Machine -> the inputs it measured (records, results files)
     skipped: list = field(default_factory=list)       # one line per input that could not be used
 
 
@@ -67,6 +68,7 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict)
     record["steps"] = read_steps(path.parent, found.skipped)
     record["path"] = str(path.parent)
     found.inputs += [path] + ([path.parent / "steps.jsonl"] if (path.parent / "steps.jsonl").exists() else [])
+    found.machines.setdefault(RunView(record).machine, []).append(path)
     folder = path.parent.parent.name if path.parent.parent != runs_dir else None
     if folder in folders:
         found.runs.setdefault(folders[folder], {})[path.parent.name] = record
@@ -102,7 +104,25 @@ def _read_json(path: Path, found: Collected):
         found.skipped.append(f"{path}: not readable JSON ({' '.join(str(error).split())})")
         return None
     found.inputs.append(path)
+    if results_machine(value) is not None:
+        found.machines.setdefault(results_machine(value), []).append(path)
     return value
+
+
+def machine_of(source: dict) -> Machine | None:
+    """The machine of a run record (RunView.machine) or of a results file or comparison (its provenance)."""
+    return RunView(source).machine if "run_name" in source else results_machine(source)
+
+
+def machines(sources) -> dict[Machine, list[str]]:
+    """{machine: the labels of the sources it measured, each once}, from (label, run record or results file) pairs;
+    a source that names no machine is left out."""
+    grouped: dict[Machine, list[str]] = {}
+    for label, source in sources:
+        machine = machine_of(source) if source else None
+        if machine is not None and label not in grouped.setdefault(machine, []):
+            grouped[machine].append(label)
+    return grouped
 
 
 # ---------------------------------------------------------------- where the time went

@@ -1,44 +1,29 @@
-"""make amp-compare: the same run in fp32 and in mixed precision (fp16 on GPUs, bf16 on a CPU): one long run
-each (accuracy and loss curves in one W&B group), speed paired by logged interval (the same steps, hence
-the same batches)."""
+"""make amp-compare: the same run in fp32 and in mixed precision (fp16 on GPUs, bf16 on a CPU), whole runs in
+alternating rounds (trainscope.bench, like every other comparison): speed judged over the rounds' runs, loss
+curves of the first round's (one W&B group), accuracy and peak memory per arm.
+
+Speed is never judged from the logged intervals of one run: the intervals of one run share its process, its
+memory layout and whatever else ran beside it, so they are not independent measurements; a comparison with
+fewer than bench.MIN_PAIRS rounds says "too few pairs" and gives no verdict."""
 
 from pathlib import Path
 
 from trainscope import bench, reporting
-from trainscope.experiments.base import (Experiment, experiment, planned_arm, runs_option, speed_cells,
-                                         verdicts_text, write)
+from trainscope.experiments.base import (Experiment, arms_headline, experiment, planned_arm, runs_option,
+                                         speed_cells)
 from trainscope.record_view import RunView
-from trainscope.records import read_steps
-from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot
 
 
 def arguments(parser) -> None:
-    runs_option(parser, rounds=None, config=None)
+    runs_option(parser, rounds=bench.MIN_PAIRS, config=None)
     parser.add_argument("--configs", nargs="+", default=["cpu", "bf16"], help="configs; the first is the baseline")
-    parser.add_argument("--group", default=None, help="W&B group of both runs (default: amp)")
+    parser.add_argument("--group", default=None, help="W&B group of every run (default: amp)")
 
 
 def run(args, train_args: list[str]) -> dict:
-    runs = Path(args.runs)
     arms = [planned_arm(config, config, ["--tracker-group", args.group or "amp"]) for config in args.configs]
-    summary = experiment(runs, "amp", arms, train_args, rounds=1)
-    base = arms[0].name
-    for arm in arms[1:]:
-        if arm.skipped is None:
-            walls = interval_walls(runs / f"{base}-r0", runs / f"{arm.name}-r0")
-            summary["comparisons"][arm.name]["speed_by_interval"] = (
-                bench.compare_samples(*walls, higher_is_better=False) if walls[0] else None)
-    write(runs, "amp", summary, train_args, rounds=1)
-    return summary
-
-
-def interval_walls(baseline_run: Path, other_run: Path) -> tuple[list[float], list[float]]:
-    """Wall seconds of the logged intervals both runs share (the same optimizer steps, hence the same batches)."""
-    base = {line["step"]: line["wall_s"] for line in read_steps(baseline_run)}
-    other = {line["step"]: line["wall_s"] for line in read_steps(other_run)}
-    steps = sorted(base.keys() & other.keys())
-    return [base[s] for s in steps], [other[s] for s in steps]
+    return experiment(Path(args.runs), "amp", arms, train_args, args.rounds)
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -54,44 +39,35 @@ def section(report, found: reporting.Collected) -> None:
     axis.set_ylabel("training loss")
     axis.grid(alpha=0.3)
     axis.legend()
-    report.figure(figure, "amp_loss", "Training loss, FP32 and mixed precision", list(records.values()))
+    report.figure(figure, "amp_loss", "Training loss, FP32 and mixed precision (first round)", list(records.values()))
     rows = [[r["arm"], r.get("precision", "-"), num(r.get("validation_accuracy"), 4), num(r.get("test_accuracy"), 4),
              num(r.get("samples_per_s"), 1), num(r.get("peak_memory_gib")), *speed_cells(r)]
             for r in reporting.arm_rows(comparison)]
-    report.table(Table("Mixed precision vs FP32 (one run each, same seed, steps and threads)",
+    rounds = comparison.get("rounds", 1)
+    report.table(Table(f"Mixed precision vs FP32 ({rounds} alternating round{'s' * (rounds != 1)} of whole runs, "
+                       "same seed, steps and threads; medians)",
                        ["config", "precision", "val acc", "test acc", "samples/s", "peak GiB", "speed vs fp32", "verdict"],
                        rows, "amp", align="llrrrrrl"))
-    for name, against in comparison["comparisons"].items():
-        by_interval = against.get("speed_by_interval")
-        if by_interval:
-            report.text(f"`{name}` against `{comparison['baseline']}`, {PER_INTERVAL} (the same steps and batches): "
-                        f"{bench.describe(by_interval)}.")
+    few = [name for name, against in comparison["comparisons"].items()
+           if against.get("speed") and against["speed"]["pairs"] < bench.MIN_PAIRS]
+    if few:
+        report.text(f"{', '.join(f'`{n}`' for n in few)} against `{comparison['baseline']}`: too few pairs for a "
+                    f"verdict ({rounds} round{'s' * (rounds != 1)} of whole runs; a verdict needs {bench.MIN_PAIRS}, as "
+                    f"`{EXPERIMENT.target}` runs).")
 
 
-PER_INTERVAL = "per logged interval"
+def headline(found: reporting.Collected):
+    """Mixed precision's whole-run speed against fp32 over the alternating rounds, as the table gives it, with the
+    runs' warnings named."""
+    comparison = found.comparisons.get("amp")
 
+    def warned(name: str, against: dict) -> str:
+        warnings = comparison["arms"][name].get("warnings")
+        return f" (warned: {', '.join(warnings)})" if warnings else ""
 
-def headline(found: reporting.Collected) -> Headline | None:
-    """Mixed precision's speed against fp32: per logged interval where measured (the section's sentence), else
-    the whole run's (its table's cell); the runs' warnings named."""
-    comparison, runs = found.comparisons.get("amp"), found.runs.get("amp", {})
-    if not (comparison and runs):
-        return None
-    parts, verdicts = [], {}
-    for name, against in comparison["comparisons"].items():
-        speed = against.get("speed_by_interval") or against["speed"]
-        warned = comparison["arms"][name].get("warnings") or []
-        how = PER_INTERVAL if against.get("speed_by_interval") else "the whole run"
-        parts.append(f"`{name}` against `{comparison['baseline']}`, {how}: {bench.ratio_text(speed)}"
-                     + (f" (warned: {', '.join(warned)})" if warned else ""))
-        verdicts[name] = speed["verdict"]
-    if not parts:
-        return Headline(f"only `{comparison['baseline']}` ran", "nothing compared")
-    return Headline("; ".join(parts), verdicts_text(verdicts))
+    return arms_headline(comparison, found.runs.get("amp", {}), warned)
 
 
 EXPERIMENT = Experiment(name="amp", title="Mixed precision vs FP32", target="make amp-compare", folder="amp",
                         section=section, headline=headline, arguments=arguments, run=run,
-                        help="fp32 and mixed precision: one long run each")
-
-
+                        help="fp32 and mixed precision: whole runs in alternating rounds")

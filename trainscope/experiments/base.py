@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainscope import bench, launching, reporting
-from trainscope.record_view import RunView
+from trainscope.record_view import RunView, machines_text
 from trainscope.records import read_record
 from trainscope.reporting import Headline
 from trainscope.tables import Table, num, ranged
@@ -40,6 +40,10 @@ class Experiment:
                      section uses, or None when its inputs are missing (the page then names its make target)
     rejudge(comparison, records)  judges a comparison again from its runs' records (default: every arm's speed
                             against the baseline's, trainscope.reporting.rejudged)
+    sources(found)  (label, run record or results file) pairs of every figure its section shows, whose machines the
+                    section names (default: the runs of its folder by name, its results file by path)
+    one_machine  its section compares its sources with each other, so sources from several machines skip it with
+                 that reason (False: each figure stands alone, and the section names which machine measured which)
     """
 
     name: str
@@ -54,6 +58,8 @@ class Experiment:
     needs: tuple[str, ...] = ("experiment", "baseline", "arms", "comparisons", "rounds")  # keys its input holds
     headline: Callable | None = None
     rejudge: Callable | None = None  # (comparison, its runs' records) -> the comparison judged by today's rules
+    sources: Callable | None = None  # found -> [(label, record or results file)] its section shows
+    one_machine: bool = True
 
     def missing(self) -> str:
         return f"Not run yet: `{self.target}` produces it."
@@ -62,10 +68,24 @@ class Experiment:
         """Why this experiment's comparison or results file cannot feed its section (an older trainscope's or a
         hand-edited one), or None."""
         source = found.results.get(self.name) if self.results else found.comparisons.get(self.name)
-        if source is None:
-            return None
-        lacking = [key for key in self.needs if key not in source] if isinstance(source, dict) else ["an object"]
-        return f"its inputs lack {', '.join(lacking)}" if lacking else None
+        lacking = ([key for key in self.needs if key not in source] if isinstance(source, dict) else ["an object"]
+                   ) if source is not None else []
+        if lacking:
+            return f"its inputs lack {', '.join(lacking)}"
+        machines = self.machines(found)
+        if self.one_machine and len(machines) > 1:
+            return (f"its runs come from {machines_text(machines)}; a comparison needs them all from one machine "
+                    f"(run `{self.target}` there)")
+        return None
+
+    def machines(self, found) -> dict:
+        """{Machine: the labels of the sources it measured} of everything the section shows."""
+        if self.sources is not None:
+            return reporting.machines(self.sources(found))
+        sources = list(found.runs.get(self.name, {}).items()) if self.folder else []
+        if self.results and isinstance(found.results.get(self.name), dict):
+            sources.append((self.results, found.results[self.name]))
+        return reporting.machines(sources)
 
 
 @dataclass

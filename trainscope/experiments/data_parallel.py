@@ -3,6 +3,7 @@ file gives, shared by the script (its own Markdown and LaTeX) and the report's s
 
 from trainscope import bench, reporting
 from trainscope.experiments.base import Experiment, verdicts_text
+from trainscope.record_view import machines_text, results_machine
 from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot, ranged
 
@@ -114,7 +115,8 @@ def section(report, found: reporting.Collected) -> None:
     report.text(result["machine"]["hardware"]["note"])
     report.figure(figure(result), "compare_dp", "Throughput and per-device memory")
     report.table(results_table(result))
-    reconcile_with_matrix(report, result, found.comparisons.get("matrix"))
+    reconcile_with_matrix(report, result, found.comparisons.get("matrix"),
+                          reporting.machines(found.runs.get("matrix", {}).items()))
     for diff in result["code_changes"]:
         report.text(f"From `single_device` to `{diff['to']}`: {diff['changed_lines']} changed lines "
                     f"(+{diff['added']} -{diff['removed']}).")
@@ -122,11 +124,18 @@ def section(report, found: reporting.Collected) -> None:
     report.text(result["projection"]["assumptions"])
 
 
-def reconcile_with_matrix(report, result: dict, matrix: dict | None) -> None:
-    """compare_dp.py and `make matrix` both ask what DDP gives here: show both answers and why they differ."""
+def reconcile_with_matrix(report, result: dict, matrix: dict | None, matrix_machines: dict) -> None:
+    """compare_dp.py and `make matrix` both ask what DDP gives here: show both answers and why they differ, where
+    one machine measured both (else say that they are not set side by side)."""
     ddp = result["comparison"].get("ddp")
     against = ((matrix or {}).get("comparisons") or {}).get("ddp", {}).get("speed")
     if not (ddp and against):
+        return
+    mine = results_machine(result)
+    if set(matrix_machines) != {mine}:
+        report.text(f"`make matrix` also compares DDP with one process, measured on "
+                    f"{machines_text(matrix_machines) if matrix_machines else 'a machine its runs do not name'}, not "
+                    f"on {mine.text if mine else 'the machine of this comparison'}: its answer is not set beside this one.")
         return
     report.text(f"The same question twice: compare_dp.py's bare loops put DDP at {bench.describe(judged(result, 'ddp'))}; "
                 f"`make matrix` (train.py, `ddp` against `{matrix['baseline']}`) at {bench.describe(against)}. Both give "

@@ -38,6 +38,13 @@ def section(report, found: reporting.Collected) -> None:
                     + (f"(its result here is skipped: {why})." if why else "(not among these inputs)."))
 
 
+def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
+    """The advisor's run, make tune's runs and make tune-confirm's, each labelled by what it is."""
+    main = reporting.pick_breakdown_run(found)
+    return ([(f"main run {RunView(main).name}", main)] if main else []) + [
+        (f"make {name}", record) for name in ("tune", "tune-confirm") for record in found.runs.get(name, {}).values()]
+
+
 def _ratio_cell(ratio: dict | None) -> str:
     if not ratio:
         return "-"
@@ -123,4 +130,4 @@ def equivalence_table(result: dict) -> Table:
 
 EXPERIMENT = Experiment(name="tune", title="Optimization: what to try next", target="make tune", folder="tune",
                         section=section, headline=headline, needs=("experiment", "trials", "final_command", "summary"),
-                        rejudge=rejudged)
+                        rejudge=rejudged, sources=sources, one_machine=False)

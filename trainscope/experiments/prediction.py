@@ -279,4 +279,4 @@ def headline(found: reporting.Collected) -> Headline | None:
 EXPERIMENT = Experiment(name="predict-check", title="Prediction against measurement", target="make predict-check",
                         folder="predict", section=section, headline=headline, arguments=arguments, run=run,
                         help="the prediction of every run against what it measured, over many shapes",
-                        needs=("experiment", "runs", "summary"))
+                        needs=("experiment", "runs", "summary"), one_machine=False)

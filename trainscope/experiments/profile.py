@@ -74,6 +74,14 @@ def section(report, found: reporting.Collected) -> None:
     peak_gap(report, found)
 
 
+def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
+    """The section's runs: the time breakdown's (make profile's unprofiled run, else the newest run anywhere) and
+    make profile's."""
+    main, runs = reporting.pick_breakdown_run(found), found.runs.get("profile", {})
+    own = list(runs.items())
+    return own if main is None or any(main is r for r in runs.values()) else [(RunView(main).name, main), *own]
+
+
 def share(row: dict) -> str:
     return num(row["percent"], 1) + "%"
 
@@ -177,7 +185,7 @@ def gap_figure(run: str, precision: str, gap_rows: list[dict]):
 
 EXPERIMENT = Experiment(
     name="profile", title="Where the time went", target="make profile", folder="profile", section=section,
-    headline=headline,
+    headline=headline, sources=sources,
     arguments=lambda parser: (runs_option(parser, rounds=None), parser.add_argument(
         "--bf16", choices=["auto", "on", "off"], default="auto",
         help="also the pair under accelerate_configs/bf16.yaml: auto where bf16 matmuls measured faster than fp32 "
