@@ -339,3 +339,34 @@ def test_the_machines_load_counts_other_processes_not_the_runs_it_launched():
     assert "a busy machine" in predict_check.load_text(quiet)
     old = {"before": {"load_average_1min": 1.7}, "after": {"load_average_1min": 1.6, "usable_cores": 2}}
     assert "busy" not in predict_check.load_text(old) and "not told apart" in predict_check.load_text(old)
+
+
+# ---------------------------------------------------------------- DDP's communication, remembered for the next prediction
+
+
+def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_prediction(tmp_path, monkeypatch):
+    """The summary's communication block as trainscope.communication writes it (transfer_s, bus bandwidth, the exposed
+    median) is stored for this machine; a 2-process prediction then charges its exposed share, and no longer says the
+    all-reduce was never measured."""
+    from types import SimpleNamespace
+
+    from test_communication import planted_rank
+
+    from trainscope import communication
+
+    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    transfer = [[0.040, 0.041, 0.039]]
+    ranks = [planted_rank(r, [0.010, 0.011, 0.009, 0.010, 0.012, 0.010, 0.011], transfer=transfer) for r in (0, 1)]
+    summary = {"communication": communication.combine(ranks, {"step_s": 0.5})}
+    started = SimpleNamespace(state=SimpleNamespace(is_main_process=True))
+    block = {"machine": {"device": "cpu", "threads": 1}}
+    monkeypatch.setattr(predict.environment, "local_processes", lambda: 2)
+    predict.remember_communication(block, summary, None, started)
+    stored = op_costs.OpCosts(CPU, 1, 2, store=False).cached["communication"]
+    assert stored["bus_bandwidth_gbs"] == pytest.approx(summary["communication"]["bus_bandwidth_gbs"])
+    assert stored["exposed_fraction"] == pytest.approx(0.010 / 0.040) and stored["exposed_resolved"]
+    workload = SimpleNamespace(processes=2, settings=SimpleNamespace(ddp_gradient_as_bucket_view=True))
+    notes = []
+    seconds = predict._communication(workload, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes)
+    assert seconds == pytest.approx(0.010, rel=0.05)  # the same bytes: the measured exposed time
+    assert not any("not measured" in note for note in notes) and "25% of it exposed" in notes[0]

@@ -526,8 +526,9 @@ def _communication(workload, traced, costs, notes) -> float:
     gradient_bytes = traced.trainable_bytes
     ring = 2 * (workload.processes - 1) / workload.processes
     total = ring * gradient_bytes / (measured["bus_bandwidth_gbs"] * 1e9)
+    resolved = "" if measured.get("exposed_resolved", True) else " (the median of an exposed time not resolved)"
     notes.append(f"DDP communication from this machine's last measurement ({measured['bus_bandwidth_gbs']:.2f} GB/s, "
-                 f"{measured['exposed_fraction']:.0%} of it exposed) and the buckets' copies")
+                 f"{measured['exposed_fraction']:.0%} of it exposed{resolved}) and the buckets' copies")
     # DDP copies the gradients into its buckets and back (without --ddp-gradient-as-bucket-view): two copies
     copies = 0 if workload.settings.ddp_gradient_as_bucket_view else 2 * gradient_bytes * copy_seconds_per_byte(costs)
     return total * measured["exposed_fraction"] + copies
@@ -821,17 +822,21 @@ def furthest_term(result: dict, peak: float | None, step: float | None) -> dict 
 def remember_communication(block: dict | None, summary: dict, settings, started) -> None:
     """After a multi-process run: its all-reduce bandwidth and the share of it backward waited for, for the next
     prediction on this machine with these processes and threads (main process)."""
-    communication = (summary or {}).get("communication") or {}
-    if not block or block.get("error") or not communication.get("measured") or not started.state.is_main_process:
+    from trainscope.record_view import RunView
+
+    if not block or block.get("error") or not started.state.is_main_process:
         return
-    bandwidth, total, exposed = (communication.get(k) for k in ("bus_bandwidth_gbs", "total_allreduce_s", "exposed_s"))
-    if not bandwidth or not total:
+    figures = RunView({"summary": summary or {}}).communication_figures or {}
+    bandwidth, transfer = figures.get("bus_bandwidth_gbs"), figures.get("transfer_s")
+    if not figures.get("measured") or not bandwidth or not transfer:
         return
+    # The median exposed time, resolved or not: the best estimate there is (a note says when it was not resolved).
+    exposed = figures.get("exposed_median_s") or 0.0
     device = torch.device(block["machine"]["device"].split(":")[0])
     costs = op_costs.OpCosts(device, block["machine"]["threads"], environment.local_processes())
     costs.cached["communication"] = {"bus_bandwidth_gbs": bandwidth,
-                                     "exposed_fraction": min(1.0, max(0.0, (exposed or 0.0) / total)),
-                                     "measured": now_iso()}
+                                     "exposed_fraction": min(1.0, max(0.0, exposed / transfer)),
+                                     "exposed_resolved": bool(figures.get("resolved")), "measured": now_iso()}
     costs.measured += 1
     costs.save()
 
