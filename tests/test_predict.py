@@ -370,3 +370,64 @@ def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_predic
     seconds = predict._communication(workload, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes)
     assert seconds == pytest.approx(0.010, rel=0.05)  # the same bytes: the measured exposed time
     assert not any("not measured" in note for note in notes) and "25% of it exposed" in notes[0]
+
+
+# ---------------------------------------------------------------- texts longer than the model's positions
+
+
+def test_the_traced_length_stays_within_the_models_positions():
+    avoid = {1, 4, 32, 128, 512, 2048}
+    assert predict.traced_length(512.0, 4, avoid, limit=512) == 511  # 512 is a size of the model: the nearest below
+    assert predict.traced_length(600.0, 4, avoid, limit=512) == 511
+    assert predict.traced_length(40.0, 4, avoid, limit=512) == 40
+    assert predict.traced_length(32.0, 4, avoid) in (31, 33) and predict.traced_length(3.0, 3, avoid) == 8
+
+
+def test_texts_longer_than_the_models_positions_are_predicted_and_no_traceback_is_printed(tmp_path, runs, capfd):
+    """--max-seq-length above the model's 512 positions and texts of hundreds of words: every batch is 512 long, a
+    length the model has as a size (its positions); the prediction traces a length it accepts and nothing prints a
+    traceback (torch's fake-tensor logger included)."""
+    import csv
+    import json
+
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light"]
+    with open(tmp_path / "long.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        for row in range(48):
+            writer.writerow([" ".join(words[(row * 7 + i) % 8] for i in range(700)), row % 2])
+    result = run_in_process(["--model", "embedded:tiny-bert", "--dataset", str(tmp_path / "long.csv"),
+                             "--max-seq-length", "1024", "--per-device-batch-size", "4", "--max-steps", "3",
+                             "--report-to", "none", *ONE_THREAD, "--output-dir", str(runs), "--run-name", "long"])
+    assert_ok(result)
+    captured = capfd.readouterr()
+    for text in (result.stdout, result.stderr, captured.out, captured.err):
+        assert "Traceback" not in text
+    block = json.loads((runs / "long" / "record.json").read_text())["prediction"]
+    assert "error" not in block, block.get("error")
+    assert block["batches"]["longest"] == 512 and block["batches"]["traced_length"] <= 512
+    assert block["memory"]["traced"]["length"] <= 512
+
+
+def test_a_step_that_cannot_be_traced_is_an_error_without_the_fake_tensor_loggers_traceback():
+    import logging
+
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    kept, logger = Kept(), logging.getLogger("torch._subclasses.fake_tensor")  # torch's own handler prints them
+    logger.addHandler(kept)
+    try:
+        with pytest.raises(RuntimeError, match="broadcast"), predict.quiet_fake_tensors():
+            traced(tiny()[1], batch=4, length=513)  # past the tiny model's 512 positions
+        assert kept.records == []
+        with pytest.raises(RuntimeError, match="broadcast"):
+            traced(tiny()[1], batch=4, length=513)
+        assert kept.records and kept.records[0].exc_info  # what the quiet mode keeps off the terminal
+    finally:
+        logger.removeHandler(kept)

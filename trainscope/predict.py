@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import statistics
@@ -121,13 +122,17 @@ def evaluation_lengths(lengths: np.ndarray, batch: int, processes: int = 1, pad_
 # ---------------------------------------------------------------- a phase's time at any length
 
 
-def traced_length(mean: float, batch: int, avoid: set) -> int:
-    """A length near `mean` that, alone or times the batch, equals no other size of the model or batch (so its power
-    in each shape can be read, trainscope.trace.length_power)."""
-    length = max(MIN_LENGTH, int(round(mean)))
-    while length in avoid or batch * length in avoid:
-        length += 1
-    return length
+def traced_length(mean: float, batch: int, avoid: set, limit: int | None = None) -> int:
+    """A length near `mean`, at most `limit` (the positions the model embeds: a longer one cannot be traced), that,
+    alone or times the batch, equals no other size of the model or batch (so its power in each shape can be read,
+    trainscope.trace.length_power): the nearest such length, above or below."""
+    top = limit if limit is not None else math.inf
+    start = min(max(MIN_LENGTH, int(round(mean))), top)
+    for distance in range(int(max(start, 64))):
+        for length in (start + distance, start - distance):
+            if MIN_LENGTH <= length <= top and length not in avoid and batch * length not in avoid:
+                return length
+    raise ValueError(f"no sequence length to trace near {mean:.0f} within the model's {limit} positions")
 
 
 @dataclasses.dataclass
@@ -179,12 +184,13 @@ def traced_step(kind: str, workload: "Workload", batch: int, length: int, avoid:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     build = lambda: _on_meta(lambda: modeling.build_architecture(settings, label_names, config=config))  # noqa: E731
-    if kind == "train":
-        made = trace.trace_training(build, workload.input_names, batch, length, workload.precision, workload.device,
-                                    settings.max_grad_norm, settings.weight_decay, avoid)
-    else:
-        made = trace.trace_evaluation(build, workload.input_names, batch, length, workload.precision, workload.device,
-                                      avoid)
+    with quiet_fake_tensors():
+        if kind == "train":
+            made = trace.trace_training(build, workload.input_names, batch, length, workload.precision,
+                                        workload.device, settings.max_grad_norm, settings.weight_decay, avoid)
+        else:
+            made = trace.trace_evaluation(build, workload.input_names, batch, length, workload.precision,
+                                          workload.device, avoid)
     if costs.store:
         write_json_atomic(path, made.to_dict())
     return made
@@ -193,6 +199,19 @@ def traced_step(kind: str, workload: "Workload", batch: int, length: int, avoid:
 # The settings that change what a traced step is (everything else changes only how often it runs).
 TRACE_SETTINGS = ("model", "architecture_only", "attn_implementation", "gradient_checkpointing", "lora", "lora_r",
                   "lora_alpha", "lora_dropout", "lora_target_modules", "max_grad_norm", "weight_decay")
+
+
+@contextlib.contextmanager
+def quiet_fake_tensors():
+    """torch's fake-tensor mode logs, with its traceback, every operator that fails on fake tensors before raising
+    the error: the error is what the prediction reports (one line, trainscope.errors.one_line), not the log."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------- the machine's own costs
@@ -388,11 +407,12 @@ def _predict(workload: Workload, store: bool) -> dict:
 
     config = modeling.model_config(settings, workload.label_names)
     avoid = _model_dims(config, settings.per_device_batch_size, eval_batch, len(workload.label_names))
-    length = traced_length(float(steady.mean()), settings.per_device_batch_size, avoid)
+    positions = modeling.config_positions(config)
+    length = traced_length(float(steady.mean()), settings.per_device_batch_size, avoid, positions)
     traced = traced_step("train", workload, settings.per_device_batch_size, length, avoid, costs)
     longest = int(train.max())
     eval_all = np.concatenate([evaluation["validation"][0], evaluation["test"][0]])
-    eval_length = traced_length(float(eval_all.mean()) if len(eval_all) else length, eval_batch, avoid)
+    eval_length = traced_length(float(eval_all.mean()) if len(eval_all) else length, eval_batch, avoid, positions)
     evaluated = traced_step("eval", workload, eval_batch, eval_length, avoid, costs)
 
     phases = {**phase_models(traced, costs), **phase_models(evaluated, costs)}
@@ -976,10 +996,11 @@ def largest_batch(settings, label_names, input_names, device: torch.device, prec
     capacity = capacity_bytes if capacity_bytes is not None else device_memory_bytes(device)
     config = modeling.model_config(settings, label_names)
     avoid = _model_dims(config, 8, 16, len(label_names))
-    traced_at = traced_length(length, 8, avoid | {16 * length})
+    traced_at = traced_length(length, 8, avoid | {16 * length}, modeling.config_positions(config))
     build = lambda: _on_meta(lambda: modeling.build_architecture(settings, label_names, config=config))  # noqa: E731
-    traced = trace.trace_training(build, input_names, 8, traced_at, precision_name, device, settings.max_grad_norm,
-                                  settings.weight_decay, avoid)
+    with quiet_fake_tensors():
+        traced = trace.trace_training(build, input_names, 8, traced_at, precision_name, device,
+                                      settings.max_grad_norm, settings.weight_decay, avoid)
     live = lambda batch: sum(v for k, v in traced.memory_at(length, batch).items() if k != "parameters")  # noqa: E731
     per_sample = (live(16) - live(8)) / 8
     fixed_live = live(8) - 8 * per_sample
