@@ -288,6 +288,16 @@ def _above_measured_peak(view: RunView):
                 f"-- shares of it are overstated")
 
 
+@register("prediction_fit_at_bound", "a coefficient of the predictor's calibration is held at a bound of its fit",
+          "calibrate again on a quiet machine (make predict-calibrate); if it stays there, the framework's time on this "
+          "machine is not what the predictor models")
+def _prediction_fit_at_bound(view: RunView):
+    bounds = ((view.prediction or {}).get("calibration") or {}).get("at_bound") or []
+    if bounds:
+        return (f"the prediction's calibration has {'; '.join(bounds)}: the fit wanted beyond it, so that fitted term "
+                "is off on this machine (trainscope.calibration)")
+
+
 @register("comm_exposed_above_total", "exposed communication measured above the all-reduce's own duration",
           "re-measure on a quieter machine: backward waited for more than the transfer alone takes")
 def _exposed_above_total(view: RunView):

@@ -228,7 +228,8 @@ class RunMetrics:
             result.update(partial=True, ranks_summarized=[r["rank"] for r in per_rank])
         else:
             predict.remember_communication(self.prediction.block, result, self.settings, self.started)
-        warnings = health.check({"settings": asdict(self.settings), "environment": self.env, "summary": result})
+        warnings = health.check({"settings": asdict(self.settings), "environment": self.env, "summary": result,
+                                 "prediction": self.prediction.block})
         return result, warnings
 
     def _rank_summary(self, final: bool = False) -> dict:
