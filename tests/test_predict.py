@@ -502,8 +502,25 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
     state = block["calibration"]
     assert state["state"] == "first use" and state["seconds"] <= calibration.FIRST_USE_BUDGET_S
     stored = calibration.read_calibration(CPU)
-    assert stored["method"].startswith("first use: 2 short runs") and stored["allocator"]["runs"] == 2
+    # two shapes, or on a busy machine the first alone: the budget holds whatever the machine's load
+    assert stored["method"].startswith("first use: ") and stored["allocator"]["runs"] == len(stored["shapes"]) >= 1
     assert block["memory"]["terms_gib"]["allocator"] != 0 and block["sources"]["peak_gib"]["fitted"] != 0
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("calibrated again"))
     again = predict.predict(predict.workload_of(None, settings), store=False)
     assert again["calibration"]["state"] == "calibrated" and again["calibration"]["method"] == stored["method"]
+
+
+def test_a_first_use_calibration_that_fails_is_said_and_not_tried_again_by_every_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(calibration.SWITCH_ENV)
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("the first-use calibration finished no run within 60 s")
+
+    monkeypatch.setattr(calibration, "first_use", failing)
+    first, second = calibration.ensure(CPU), calibration.ensure(CPU)
+    assert len(tries) == 1 and "finished no run within 60 s" in first["error"] and second["error"] == first["error"]
+    state = predict.calibration_state(second, 0.0, CPU)
+    assert state["state"] == "uncalibrated" and "make predict-calibrate" in state["error"]

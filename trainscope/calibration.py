@@ -198,6 +198,7 @@ def _uncalibrated_env(extra: dict | None = None) -> dict:
 def _forget(device: torch.device) -> None:
     for each in {device, torch.device("cpu")}:
         calibration_path(each).unlink(missing_ok=True)
+        _failure_path(each).unlink(missing_ok=True)
 
 
 def calibrate(runs: Path, train_args: list[str]) -> dict:
@@ -247,13 +248,13 @@ def _say(name: str, record: dict) -> None:
 # model (the allocator's share grows with what lives), its checkpointed step (more operators dispatched per second of
 # work), and the tiny model (the framework's time alone). Cheapest and most telling first: the budget may end them.
 QUICK_SHAPES = {
-    "bs8": ["--per-device-batch-size", "8"],
     "tiny-bs64": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "64"],
+    "bs8": ["--per-device-batch-size", "8"],
     "bs24": ["--per-device-batch-size", "24"],
     "bs16-ckpt": ["--per-device-batch-size", "16", "--gradient-checkpointing"],
 }
-QUICK_ARGS = ["--max-train-samples", "400", "--max-eval-samples", "64", "--max-test-samples", "64",
-              "--max-steps", "6", "--log-every", "6", "--timing-warmup-steps", "2", "--report-to", "none",
+QUICK_ARGS = ["--max-train-samples", "400", "--max-eval-samples", "32", "--max-test-samples", "32",
+              "--max-steps", "5", "--log-every", "5", "--timing-warmup-steps", "2", "--report-to", "none",
               "--threads", "auto"]
 
 
@@ -277,16 +278,17 @@ def _lock(path: Path):
 
 
 def ensure(device: torch.device, budget_s: float = FIRST_USE_BUDGET_S, shapes: dict | None = None) -> dict:
-    """This machine's calibration: the cached one, else one made now (`first_use`) and cached; {} where it is
-    switched off (TRAINSCOPE_CALIBRATION=off) or could not be made (the prediction then says it is uncalibrated,
-    and why: `error`). Every process of a launch may call it: one calibrates, the others wait and read."""
+    """This machine's calibration: the cached one, else one made now (`first_use`, marked `made_now`) and cached;
+    `{error}` where it is switched off (TRAINSCOPE_CALIBRATION=off) or could not be made (the prediction then says it
+    is uncalibrated, and why). A failure is remembered for RETRY_AFTER_S, so runs do not each spend the budget again.
+    Every process of a launch may call it: one calibrates, the others wait and read."""
     found = read_calibration(device)
     if found:
         return found
     if os.environ.get(SWITCH_ENV, "").lower() in ("off", "0", "false", "no"):
         return {"error": f"switched off ({SWITCH_ENV}=off)"}
     with _lock(calibration_path(device).with_suffix(".lock")):
-        found = read_calibration(device)
+        found = read_calibration(device) or _recent_failure(device)
         if found:
             return found
         try:
@@ -294,7 +296,25 @@ def ensure(device: torch.device, budget_s: float = FIRST_USE_BUDGET_S, shapes: d
         except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as error:
             from trainscope.errors import one_line
 
-            return {"error": one_line(error)}
+            failed = {"error": f"the first-use calibration failed ({one_line(error)}); make predict-calibrate makes it",
+                      "at": time.time()}
+            write_json_atomic(_failure_path(device), failed)
+            return failed
+
+
+RETRY_AFTER_S = 24 * 3600
+
+
+def _failure_path(device: torch.device) -> Path:
+    return calibration_path(device).with_suffix(".failed.json")
+
+
+def _recent_failure(device: torch.device) -> dict:
+    try:
+        failed = json.loads(_failure_path(device).read_text())
+        return failed if time.time() - failed["at"] < RETRY_AFTER_S else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def first_use(device: torch.device, budget_s: float = FIRST_USE_BUDGET_S, shapes: dict | None = None) -> dict:
@@ -330,8 +350,9 @@ def first_use(device: torch.device, budget_s: float = FIRST_USE_BUDGET_S, shapes
     fitted = fit(records, f"first use: {len(records)} short runs in one process"
                  + (f" ({', '.join(left_out)} left out: the {budget_s:.0f} s budget)" if left_out else ""), seconds)
     write_json_atomic(calibration_path(_device_of(records)), fitted)
+    _failure_path(device).unlink(missing_ok=True)
     print(f"calibrated in {seconds:.0f} s: {calibration_path(_device_of(records))}", file=sys.stderr, flush=True)
-    return fitted
+    return {**fitted, "made_now": True}
 
 
 def _reset_peak_rss() -> None:

@@ -569,8 +569,7 @@ def calibration_state(fitted: dict, seconds: float, device: torch.device) -> dic
     `seconds`) or uncalibrated (switched off, or it failed: `error`), its method and date, and each fitted coefficient
     held at a bound of its fit (a warning: the fitted model does not fit this machine)."""
     timing = fitted.get("time") or {}
-    made_now = bool(fitted) and seconds > 1.0 and "first use" in (fitted.get("method") or "")
-    state = "first use" if made_now else "calibrated" if fitted.get("key") else "uncalibrated"
+    state = "first use" if fitted.get("made_now") else "calibrated" if fitted.get("key") else "uncalibrated"
     return {"state": state, "method": fitted.get("method") or ("full" if fitted.get("key") else None),
             "measured": fitted.get("measured"), "seconds": fitted.get("seconds"), "error": fitted.get("error"),
             "at_bound": list(timing.get("at_bound") or []),

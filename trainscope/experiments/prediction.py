@@ -32,7 +32,7 @@ from trainscope.records import read_record
 from trainscope.tables import Table, num, pyplot
 
 ROBERTA = ["--model", "roberta-base", "--architecture-only", "--tokenizer", "embedded:minilm-l6"]
-# name -> (config, train.py flags): none of them a calibration shape (trainscope.predict.CALIBRATION_SHAPES).
+# name -> (config, train.py flags): none of them a calibration shape (trainscope.calibration.CALIBRATION_SHAPES, QUICK_SHAPES).
 SHAPES = {
     "minilm-bs32": ("cpu", []),
     "minilm-bs16": ("cpu", ["--per-device-batch-size", "16"]),
@@ -127,6 +127,8 @@ def first_use_check(records: dict) -> dict:
     try:
         calibration.calibration_path(device).unlink(missing_ok=True)
         fitted = calibration.first_use(device)
+    except RuntimeError as error:  # judged on nothing: said, and the calibrated check stands
+        return {"error": str(error), "calibration": {}, "at_bound": [], "runs": [], "summary": None}
     finally:
         if full:
             from trainscope.records import write_json_atomic
@@ -274,6 +276,8 @@ def goals_text(result: dict) -> str:
 def first_use_text(first: dict | None) -> str:
     if not first:
         return ""
+    if first.get("error"):
+        return f"First use: not judged ({first['error']})."
     made = first["calibration"]
     bounds = f" Held at a bound of its fit: {'; '.join(first['at_bound'])}." if first.get("at_bound") else ""
     return (f"First use: the calibration a new machine makes by itself took {made.get('seconds') or 0:.0f} s "
@@ -302,7 +306,7 @@ def markdown(result: dict, train_args: list[str]) -> list[str]:
              first_use_text(result.get("first_use")), "", load_text(result.get("machine_load")), "",
              *run_table(result["runs"]).markdown_lines(), "",
              *term_table(result["summary"]).markdown_lines()]
-    if result.get("first_use"):
+    if (result.get("first_use") or {}).get("runs"):
         lines += ["", *run_table(result["first_use"]["runs"], "first use").markdown_lines()]
     if result.get("skipped"):
         lines += ["", *(f"- skipped {name}: {why}" for name, why in result["skipped"].items())]
