@@ -41,6 +41,7 @@ from trainscope.records import now_iso, write_json_atomic
 SWITCH_ENV = "TRAINSCOPE_CALIBRATION"  # "off": no calibration on first use
 FIRST_USE_BUDGET_S = 60.0
 
+
 def calibration_key(device: torch.device) -> dict:
     """The machine, without threads and processes: the allocator's behaviour is a process's own."""
     key = peak.machine_key(device, threads=1, processes=1)
@@ -347,7 +348,7 @@ def first_use(device: torch.device, budget_s: float = FIRST_USE_BUDGET_S, shapes
         raise RuntimeError(f"the first-use calibration finished no run within {budget_s:.0f} s")
     seconds = time.perf_counter() - started
     left_out = [name for name in shapes if name not in records]
-    fitted = fit(records, f"first use: {len(records)} short runs in one process"
+    fitted = fit(records, f"first use: {len(records)} short run{'s' if len(records) > 1 else ''} in one process"
                  + (f" ({', '.join(left_out)} left out: the {budget_s:.0f} s budget)" if left_out else ""), seconds)
     write_json_atomic(calibration_path(_device_of(records)), fitted)
     _failure_path(device).unlink(missing_ok=True)

@@ -916,7 +916,9 @@ def error_lines(errors: dict | None) -> list[str]:
     if run:
         parts.append(f"run {run['predicted']:.1f} s, {run['measured']:.1f} ({pct(run)})")
     state = errors.get("calibration")
-    lines = [f"prediction{f' ({state})' if state and state != 'calibrated' else ''}: " + "; ".join(parts)] if parts else []
+    said = f" ({state}: {'calibrated now, on first use' if state == 'first use' else 'fitted terms left out'})" \
+        if state and state != "calibrated" else ""
+    lines = ["prediction: " + "; ".join(parts) + said] if parts else []
     above, residual = errors.get("peak_above_baseline_gib"), errors.get("memory_residual")
     if above:
         lines.append(f"  peak above the memory before the model {above['predicted']:.2f} GiB predicted, "

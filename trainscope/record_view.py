@@ -275,6 +275,12 @@ class RunView:
         return self.summary.get("measured_peak")
 
     @property
+    def model_flops(self) -> dict:
+        """What the model FLOPs count (trainscope.flops): {trained_share, adapter_weights, input_gradient, recomputed,
+        recomputed_tflops_per_device}; {} in older records (PaLM's 6N for every run: LoRA overstated)."""
+        return self.summary.get("model_flops") or {}
+
+    @property
     def peak_share(self) -> float | None:
         """Achieved model TFLOP/s over this machine's measured matmul peak: not the datasheet MFU (`mfu`)."""
         return (self.measured_peak or {}).get("share")

@@ -166,7 +166,7 @@ def run_rows(records: dict) -> list[dict]:
             continue
         row = {"run": name.removesuffix("-r0"), "precision": view.precision, "world_size": view.world_size,
                "batch": view.setting("per_device_batch_size"), "memory_kind": errors.get("memory_kind"),
-               "furthest": (errors.get("furthest") or {}).get("term"), "calibration": errors.get("calibration")}
+               "calibration": errors.get("calibration")}
         for key in QUANTITIES:
             entry = errors.get(key) or {}
             row[key] = {k: entry.get(k) for k in ("predicted", "measured", "error")}
@@ -180,6 +180,10 @@ def run_rows(records: dict) -> list[dict]:
                 total = peak if term.startswith("memory") else step
                 entry["share_of_total"] = abs(entry["predicted"] - entry["measured"]) / total if total else None
         row["terms"].pop("memory: rest", None)
+        # the measured term furthest off, from the terms themselves (older records named their residual so)
+        shares = {term: entry["share_of_total"] for term, entry in row["terms"].items()
+                  if entry.get("share_of_total") is not None}
+        row["furthest"] = max(shares, key=shares.get) if shares else None
         rows.append(row)
     return rows
 
