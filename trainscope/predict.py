@@ -1024,7 +1024,10 @@ def speedup(baseline, flags=(), config: str | None = None) -> dict:
     after_settings = changed_settings(before_settings, flags)
     before_work = workload_of(record, before_settings)
     after_work = workload_of(record, after_settings, config)
-    before, after = predict(before_work), predict(after_work)
+    # a ratio of two predictions on this machine: its calibration if it has one, none made for it (the report and
+    # the advisor ask for speed-ups; only a run's own prediction calibrates a new machine)
+    fitted = calibration.read_calibration(before_work.device)
+    before, after = predict(before_work, fitted=fitted), predict(after_work, fitted=fitted)
     train_b, eval_b, tokens_b = same_work_seconds(before, before_work)
     train_a, eval_a, tokens_a = same_work_seconds(after, after_work)
     baseline_s = train_b + eval_b
