@@ -474,7 +474,7 @@ def test_a_fit_held_at_its_bound_is_named_and_warned_of():
                "evaluation_dispatches": 0} for k, op in ((1, 0.1), (2, 0.3), (3, 0.2), (4, 0.5))]
     fitted = calibration.fit_time(points)
     assert fitted["operator_factor"] == pytest.approx(2.0) and "operator_factor at its upper bound 2" in fitted["at_bound"]
-    state = predict.calibration_state({"key": {"device": "cpu"}, "time": fitted, "method": "full"}, 0.0, CPU)
+    state = predict.calibration_state({"key": {"device": "cpu"}, "time": fitted, "method": "full"}, CPU)
     assert state["state"] == "calibrated" and state["at_bound"] == fitted["at_bound"]
     record = {"settings": {}, "environment": {}, "summary": {}, "prediction": {**planted_block(), "calibration": state}}
     (warning,) = [w for w in health.check(record) if w["code"] == "prediction_fit_at_bound"]
@@ -522,5 +522,5 @@ def test_a_first_use_calibration_that_fails_is_said_and_not_tried_again_by_every
     monkeypatch.setattr(calibration, "first_use", failing)
     first, second = calibration.ensure(CPU), calibration.ensure(CPU)
     assert len(tries) == 1 and "finished no run within 60 s" in first["error"] and second["error"] == first["error"]
-    state = predict.calibration_state(second, 0.0, CPU)
+    state = predict.calibration_state(second, CPU)
     assert state["state"] == "uncalibrated" and "make predict-calibrate" in state["error"]

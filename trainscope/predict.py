@@ -356,7 +356,6 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
     settings, device = workload.settings, workload.device
     # before the costs are read: a first-use calibration times and caches costs of its own
     fitted = calibration.ensure(device) if fitted is None else fitted
-    calibrating_s = time.perf_counter() - started
     costs = op_costs.OpCosts(device, workload.threads, workload.local_processes, store=store)
     notes = []
     plan = workload.plan
@@ -403,7 +402,7 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
         notes.append("FSDP: parameters, gradients and optimizer state are predicted unsharded")
     return {
         "version": VERSION, "made": now_iso(), "seconds": time.perf_counter() - started,
-        "calibration": calibration_state(fitted, calibrating_s, device),
+        "calibration": calibration_state(fitted, device),
         "sources": sources(memory_block, time_block),
         "machine": {"device": str(device), "device_name": environment.device_name(device),
                     "precision": workload.precision, "threads": workload.threads, "processes": workload.processes,
@@ -564,10 +563,10 @@ def _memory(workload, traced: trace.Trace, longest: int, notes, calibration: dic
             "fits": bool(capacity is None or peak_bytes * max(1, workload.local_processes if on_cpu else 1) <= capacity)}
 
 
-def calibration_state(fitted: dict, seconds: float, device: torch.device) -> dict:
-    """How the prediction was calibrated: `state` calibrated (a calibration cached before), first use (made now, in
-    `seconds`) or uncalibrated (switched off, or it failed: `error`), its method and date, and each fitted coefficient
-    held at a bound of its fit (a warning: the fitted model does not fit this machine)."""
+def calibration_state(fitted: dict, device: torch.device) -> dict:
+    """How the prediction was calibrated: `state` calibrated (a calibration cached before), first use (made by this
+    prediction, in `seconds`) or uncalibrated (switched off, or it failed: `error`), its method and date, and each
+    fitted coefficient held at a bound of its fit (a warning: the fitted model does not fit this machine)."""
     timing = fitted.get("time") or {}
     state = "first use" if fitted.get("made_now") else "calibrated" if fitted.get("key") else "uncalibrated"
     return {"state": state, "method": fitted.get("method") or ("full" if fitted.get("key") else None),
