@@ -278,7 +278,7 @@ def _lock(path: Path):
     return held()
 
 
-def ensure(device: torch.device, budget_s: float = FIRST_USE_BUDGET_S, shapes: dict | None = None) -> dict:
+def ensure(device: torch.device, budget_s: float | None = None, shapes: dict | None = None) -> dict:
     """This machine's calibration: the cached one, else one made now (`first_use`, marked `made_now`) and cached;
     `{error}` where it is switched off (TRAINSCOPE_CALIBRATION=off) or could not be made (the prediction then says it
     is uncalibrated, and why). A failure is remembered for RETRY_AFTER_S, so runs do not each spend the budget again.
@@ -318,13 +318,15 @@ def _recent_failure(device: torch.device) -> dict:
         return {}
 
 
-def first_use(device: torch.device, budget_s: float = FIRST_USE_BUDGET_S, shapes: dict | None = None) -> dict:
-    """QUICK_SHAPES (or `shapes`) run in one worker process within `budget_s` seconds, fitted and cached."""
+def first_use(device: torch.device, budget_s: float | None = None, shapes: dict | None = None) -> dict:
+    """QUICK_SHAPES (or `shapes`) run in one worker process within `budget_s` seconds (FIRST_USE_BUDGET_S), fitted
+    and cached."""
     import tempfile
 
     from trainscope.records import read_record
 
     shapes = QUICK_SHAPES if shapes is None else shapes
+    budget_s = budget_s or FIRST_USE_BUDGET_S
     started = time.perf_counter()
     print(f"calibrating the predictor on this machine (first use, at most {budget_s:.0f} s; cached)", file=sys.stderr,
           flush=True)
