@@ -99,7 +99,7 @@ predict: setup ## predict a run before running it: peak memory (fits or not), st
 predict-calibrate: setup ## the predictor's fitted terms (allocator share, framework time) from six short runs, once per machine (minutes)
 	$(PY) -m trainscope.predict --calibrate
 
-predict-check: setup ## calibrate, then predicted against measured over 15 shapes (configs, batches, ckpt, LoRA, DDP) -> runs/predict/
+predict-check: setup ## calibrate, then predicted against measured over 15 shapes (configs, batches, ckpt, LoRA, DDP), calibrated and on first use -> runs/predict/
 	$(PY) -m trainscope.predict --calibrate
 	$(EXPERIMENTS) predict-check --runs $(RUNS)/predict $(if $(PREDICT_SHAPES),--shapes $(PREDICT_SHAPES)) -- $(PREDICT_ARGS)
 

@@ -43,6 +43,8 @@ _PEAK_CACHE = tempfile.mkdtemp(prefix="trainscope-test-cache-")
 atexit.register(shutil.rmtree, _PEAK_CACHE, ignore_errors=True)
 os.environ["TRAINSCOPE_CACHE_DIR"] = _PEAK_CACHE
 os.environ["TRAINSCOPE_PEAK_SQUARE"] = "256"
+# No run calibrates the predictor on first use (a minute of short runs): the tests that calibrate say so.
+os.environ["TRAINSCOPE_CALIBRATION"] = "off"
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))

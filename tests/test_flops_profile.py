@@ -26,6 +26,79 @@ def test_flops_read_the_model_configuration():
     assert flops.encoder_shape(distilbert) == (6, 768, 3072)
 
 
+def counted_step(flags, batch=8, length=64):
+    """torch.utils.flop_counter.FlopCounterMode's count of one training step (forward, loss, backward) of the model
+    `flags` build, on fake tensors of (batch x length), and the model (its parameters fake)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainscope import modeling, trace
+    from trainscope.loop import classification_loss
+    from trainscope.settings import parse_settings
+
+    (settings,) = parse_settings(argv=flags)
+    config = modeling.model_config(settings, ["a", "b", "c"])
+    with torch.device("meta"):
+        model = modeling.build_architecture(settings, ["a", "b", "c"], config=config)
+    fake_mode = FakeTensorMode()
+    trace._fake_parameters(model, fake_mode, torch.device("cpu"))
+    model.train()  # attention dropout in training: SDPA's math path, whose matmuls the counter counts
+    with fake_mode:
+        inputs = {name: torch.zeros(batch, length, dtype=torch.long)
+                  for name in ("input_ids", "attention_mask", "token_type_ids")}
+        with FlopCounterMode(display=False) as counter:
+            logits = model(**inputs).logits
+            classification_loss(logits, torch.zeros(batch, dtype=torch.long)).backward()
+    return counter.get_total_flops(), config, model, settings
+
+
+ROBERTA = ["--model", "roberta-base", "--architecture-only", "--tokenizer", "embedded:minilm-l6"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--model", "embedded:minilm-l6"], ["--model", "embedded:minilm-l6", "--lora"],
+    ["--model", "embedded:minilm-l6", "--gradient-checkpointing"],
+    ["--model", "embedded:minilm-l6", "--lora", "--gradient-checkpointing"],
+    [*ROBERTA, "--lora"], ["--model", "distilbert-base-uncased", "--architecture-only", "--lora"],
+], ids=["minilm", "minilm-lora", "minilm-ckpt", "minilm-lora-ckpt", "roberta-lora", "distilbert-lora"])
+def test_model_flops_agree_with_torchs_flop_counter_for_full_fine_tuning_lora_and_checkpointing(flags):
+    """The second instrument: FlopCounterMode counts what the step's matmuls execute. Model FLOPs plus the
+    recomputation agree with it within 10%; the model FLOPs of a checkpointed step are its plain step's (the
+    recomputation is not model FLOPs, as PaLM's MFU); LoRA's frozen weights have no weight gradients."""
+    counted, config, model, settings = counted_step(flags)
+    training = flops.training_of(model, settings.gradient_checkpointing)
+    model_flops = flops.training_flops(config, 8, 64, training)
+    recomputed = flops.recomputed_flops(config, 8 * 64, 8 * 64 * 64, training)
+    assert (model_flops + recomputed) == pytest.approx(counted, rel=0.10)
+    assert (recomputed > 0) == settings.gradient_checkpointing
+    if settings.gradient_checkpointing:
+        assert recomputed == pytest.approx(flops.training_flops(config, 8, 64, flops.FULL) / 3, rel=0.02)  # a forward
+    if settings.lora:
+        assert training.trained_share == 0 and training.adapter_weights > 0
+        assert model_flops < 0.75 * flops.training_flops(config, 8, 64)  # 6N was the full fine-tuning's
+
+
+def test_a_lora_checkpointed_run_records_its_model_flops_and_what_the_hardware_executed(runs):
+    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "lora", "--max-steps", "4",
+                             "--lora", "--gradient-checkpointing"])
+    assert_ok(result)
+    from trainscope.record_view import RunView
+
+    summary = read_record(runs / "lora")["summary"]
+    counted = RunView({"summary": summary}).model_flops
+    assert counted["trained_share"] == 0 and counted["adapter_weights"] > 0 and counted["recomputed"]
+    training = flops.Training(counted["trained_share"], counted["adapter_weights"], counted["input_gradient"], True)
+    shape = summary["timing"]["per_rank"][0]["counts"]["steady"]
+    a, b = flops.flops_coefficients(2, 32, 64, training)["model"]  # embedded:tiny-bert
+    assert shape["flops"] == pytest.approx(a * shape["padded_tokens"] + b * shape["padded_squares"], rel=1e-6)
+    full = flops.flops_coefficients(2, 32, 64)["model"]
+    assert shape["flops"] < full[0] * shape["padded_tokens"] + full[1] * shape["padded_squares"]
+    measured = summary["measured_peak"]
+    assert counted["recomputed_tflops_per_device"] > 0
+    assert measured["executed_tflops"] == pytest.approx(measured["achieved_tflops"] + counted["recomputed_tflops_per_device"])
+
+
 @pytest.mark.parametrize("name,precision,peak", [
     ("NVIDIA L4", "bf16", 121.0), ("NVIDIA L40", "bf16", 181.05), ("NVIDIA L40S", "bf16", 362.05),
     ("NVIDIA L40S", "tf32", 183.0), ("NVIDIA L40S", "fp16", 362.05),

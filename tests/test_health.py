@@ -98,9 +98,10 @@ def test_bf16_detection_reads_the_flags_and_the_timing_together(native, speedup,
     assert health.check(fp32) == []  # an fp32 run is not told about bf16 (the advisor's rule is)
 
 
-def _measured(peak: float, achieved: float, spread: float = 0.05, breakdown=None) -> dict:
+def _measured(peak: float, achieved: float, spread: float = 0.05, breakdown=None, executed=None) -> dict:
     return {"summary__measured_peak": {"precision": "fp32", "peak_tflops": peak, "spread": spread,
-                                       "achieved_tflops": achieved, "share": achieved / peak},
+                                       "achieved_tflops": achieved, "share": achieved / peak,
+                                       **({"executed_tflops": executed} if executed else {})},
             "summary__profile": {"breakdown": breakdown} if breakdown else None}
 
 
@@ -110,6 +111,8 @@ def _measured(peak: float, achieved: float, spread: float = 0.05, breakdown=None
     (_measured(0.2, 0.3), True),     # the whole run faster than its matmuls can be: the peak was measured low
     (_measured(0.2, 0.1, breakdown={"matmul_flops": 3e11, "matmul_s": 1.0}), True),   # the traced matmuls at 0.3
     (_measured(0.2, 0.1, breakdown={"matmul_flops": 1.5e11, "matmul_s": 1.0}), False),
+    (_measured(0.2, 0.15, executed=0.25), True),  # with checkpointing's recomputation: what the matmuls executed
+    (_measured(0.2, 0.15, executed=0.19), False),
 ])
 def test_the_measured_peak_is_checked_against_the_run_and_the_profiled_matmuls(changes, fires):
     codes = [w["code"] for w in health.check(planted(**changes))]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
-from trainscope import batch_search, modeling, op_costs, peak, predict, trace
+from trainscope import batch_search, calibration, modeling, op_costs, peak, predict, trace
 from trainscope.experiments import prediction as predict_check
 from trainscope.loop import classification_loss
 from trainscope.settings import parse_settings
@@ -197,7 +197,7 @@ def test_saved_bytes_at_another_batch_and_length_follow_each_powers_term():
 
 
 def test_the_allocator_share_is_a_least_squares_line_through_the_calibration_runs():
-    fitted = predict.fit_allocator([(1e8, 0.4 * 1e8 + 5e7), (3e8, 0.4 * 3e8 + 5e7), (6e8, 0.4 * 6e8 + 5e7)])
+    fitted = calibration.fit_allocator([(1e8, 0.4 * 1e8 + 5e7), (3e8, 0.4 * 3e8 + 5e7), (6e8, 0.4 * 6e8 + 5e7)])
     assert fitted["factor"] == pytest.approx(0.4) and fitted["constant_bytes"] == pytest.approx(5e7)
     assert fitted["runs"] == 3 and fitted["residual_bytes"] == pytest.approx(0, abs=1)
 
@@ -248,10 +248,17 @@ def test_each_predicted_quantity_and_term_gets_its_error_and_the_furthest_is_nam
     assert errors["peak_memory_gib"]["error"] == pytest.approx(1.0 / 1.2 - 1)
     assert errors["run_s"]["error"] == pytest.approx(20 / 21 - 1) and errors["step_s"]["error"] == pytest.approx(0)
     assert errors["memory_terms"]["parameters"]["error"] == 0 and errors["memory_terms"]["activations"]["error"] == 0
-    assert errors["memory_terms"]["rest"]["measured"] == pytest.approx(1.2 - 0.4 - 0.3 - 0.3)
-    assert errors["furthest"]["term"] == "memory: rest" and errors["furthest"]["share_of_total"] == pytest.approx(0.2 / 1.2)
+    # the memory before the model is measured in the run: on both sides of the error of what was predicted
+    assert errors["peak_above_baseline_gib"]["error"] == pytest.approx((1.0 - 0.4) / (1.2 - 0.4) - 1)
+    # what the measured peak leaves after the measured terms is the residual, never a term "furthest off"
+    assert "rest" not in errors["memory_terms"]
+    assert errors["memory_residual"]["measured"] == pytest.approx(1.2 - 0.4 - 0.3 - 0.3)
+    assert errors["furthest"]["term"] == "time: backward" and errors["furthest"]["share_of_total"] == pytest.approx(0.02)
     assert errors["time_terms"]["backward"]["error"] == pytest.approx(0.5 / 0.48 - 1)
-    assert any("furthest off: memory: rest" in line for line in predict.error_lines(errors))
+    lines = predict.error_lines(errors)
+    assert any("furthest off: time: backward" in line for line in lines)
+    assert any("peak above the memory before the model 0.60 GiB predicted, 0.80 measured (-25%)" in line
+               and "residual" in line for line in lines)
 
 
 def test_the_report_rows_give_median_and_worst_error_and_the_term_furthest_off():
@@ -265,8 +272,13 @@ def test_the_report_rows_give_median_and_worst_error_and_the_term_furthest_off()
     summary = predict_check.summarize(rows)
     assert [r["run"] for r in rows] == ["a", "b", "c"]
     assert summary["peak_memory_gib"]["median_abs_error"] == pytest.approx(1 - 1 / 1.1)
-    assert summary["peak_memory_gib"]["worst_run"] == "c" and summary["furthest_term"] == "memory: rest"
-    assert "term furthest off: memory: rest" in predict_check.summary_text(summary)
+    assert summary["peak_memory_gib"]["worst_run"] == "c" and summary["furthest_term"] == "time: backward"
+    assert summary["peak_above_baseline_gib"]["worst_run"] == "c" and summary["residual"]["runs"] == 3
+    text = predict_check.summary_text(summary, "calibrated")
+    assert "measured term furthest off: time: backward" in text and "the residual (the peak less" in text
+    assert "peak above the start: median |error|" in text and "worst -45.5% (c)" in text
+    goals = predict_check.goals_text({"summary": summary, "first_use": {"summary": summary}})
+    assert "calibrated: median |error| peak memory 9.1% (within 10%)" in goals and "first use:" in goals
 
 
 def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_prediction(monkeypatch):
@@ -297,6 +309,9 @@ def test_predict_prints_one_screen_exits_0_and_trains_nothing(runs, monkeypatch)
     assert "prediction: embedded:tiny-bert on embedded:tweets" in screen and "steady step" in screen
     assert "peak RSS" in screen and "fits" in screen and "nothing trained, no run record written" in screen
     assert not runs.exists()
+    # the tests switch the first-use calibration off: the prediction says it is uncalibrated, and what it rests on
+    assert "UNCALIBRATED: this machine has no calibration (switched off (TRAINSCOPE_CALIBRATION=off))" in screen
+    assert "rests on    peak:" in screen and "0% fitted" in screen and "measured in this run" in screen
 
 
 def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
@@ -339,3 +354,176 @@ def test_the_machines_load_counts_other_processes_not_the_runs_it_launched():
     assert "a busy machine" in predict_check.load_text(quiet)
     old = {"before": {"load_average_1min": 1.7}, "after": {"load_average_1min": 1.6, "usable_cores": 2}}
     assert "busy" not in predict_check.load_text(old) and "not told apart" in predict_check.load_text(old)
+
+
+# ---------------------------------------------------------------- DDP's communication, remembered for the next prediction
+
+
+def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_prediction(tmp_path, monkeypatch):
+    """The summary's communication block as trainscope.communication writes it (transfer_s, bus bandwidth, the exposed
+    median) is stored for this machine; a 2-process prediction then charges its exposed share, and no longer says the
+    all-reduce was never measured."""
+    from types import SimpleNamespace
+
+    from test_communication import planted_rank
+
+    from trainscope import communication
+
+    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    transfer = [[0.040, 0.041, 0.039]]
+    ranks = [planted_rank(r, [0.010, 0.011, 0.009, 0.010, 0.012, 0.010, 0.011], transfer=transfer) for r in (0, 1)]
+    summary = {"communication": communication.combine(ranks, {"step_s": 0.5})}
+    started = SimpleNamespace(state=SimpleNamespace(is_main_process=True))
+    block = {"machine": {"device": "cpu", "threads": 1}}
+    monkeypatch.setattr(predict.environment, "local_processes", lambda: 2)
+    predict.remember_communication(block, summary, None, started)
+    stored = op_costs.OpCosts(CPU, 1, 2, store=False).cached["communication"]
+    assert stored["bus_bandwidth_gbs"] == pytest.approx(summary["communication"]["bus_bandwidth_gbs"])
+    assert stored["exposed_fraction"] == pytest.approx(0.010 / 0.040) and stored["exposed_resolved"]
+    workload = SimpleNamespace(processes=2, settings=SimpleNamespace(ddp_gradient_as_bucket_view=True))
+    notes = []
+    seconds = predict._communication(workload, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes)
+    assert seconds == pytest.approx(0.010, rel=0.05)  # the same bytes: the measured exposed time
+    assert not any("not measured" in note for note in notes) and "25% of it exposed" in notes[0]
+
+
+# ---------------------------------------------------------------- texts longer than the model's positions
+
+
+def test_the_traced_length_stays_within_the_models_positions():
+    avoid = {1, 4, 32, 128, 512, 2048}
+    assert predict.traced_length(512.0, 4, avoid, limit=512) == 511  # 512 is a size of the model: the nearest below
+    assert predict.traced_length(600.0, 4, avoid, limit=512) == 511
+    assert predict.traced_length(40.0, 4, avoid, limit=512) == 40
+    assert predict.traced_length(32.0, 4, avoid) in (31, 33) and predict.traced_length(3.0, 3, avoid) == 8
+
+
+def test_texts_longer_than_the_models_positions_are_predicted_and_no_traceback_is_printed(tmp_path, runs, capfd):
+    """--max-seq-length above the model's 512 positions and texts of hundreds of words: every batch is 512 long, a
+    length the model has as a size (its positions); the prediction traces a length it accepts and nothing prints a
+    traceback (torch's fake-tensor logger included)."""
+    import csv
+    import json
+
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light"]
+    with open(tmp_path / "long.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        for row in range(48):
+            writer.writerow([" ".join(words[(row * 7 + i) % 8] for i in range(700)), row % 2])
+    result = run_in_process(["--model", "embedded:tiny-bert", "--dataset", str(tmp_path / "long.csv"),
+                             "--max-seq-length", "1024", "--per-device-batch-size", "4", "--max-steps", "3",
+                             "--report-to", "none", *ONE_THREAD, "--output-dir", str(runs), "--run-name", "long"])
+    assert_ok(result)
+    captured = capfd.readouterr()
+    for text in (result.stdout, result.stderr, captured.out, captured.err):
+        assert "Traceback" not in text
+    block = json.loads((runs / "long" / "record.json").read_text())["prediction"]
+    assert "error" not in block, block.get("error")
+    assert block["batches"]["longest"] == 512 and block["batches"]["traced_length"] <= 512
+    assert block["memory"]["traced"]["length"] <= 512
+
+
+def test_a_step_that_cannot_be_traced_is_an_error_without_the_fake_tensor_loggers_traceback():
+    import logging
+
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    kept, logger = Kept(), logging.getLogger("torch._subclasses.fake_tensor")  # torch's own handler prints them
+    logger.addHandler(kept)
+    try:
+        with pytest.raises(RuntimeError, match="broadcast"), predict.quiet_fake_tensors():
+            traced(tiny()[1], batch=4, length=513)  # past the tiny model's 512 positions
+        assert kept.records == []
+        with pytest.raises(RuntimeError, match="broadcast"):
+            traced(tiny()[1], batch=4, length=513)
+        assert kept.records and kept.records[0].exc_info  # what the quiet mode keeps off the terminal
+    finally:
+        logger.removeHandler(kept)
+
+
+
+# ---------------------------------------------------------------- what a prediction rests on, and its calibration
+
+
+def test_a_prediction_says_what_is_derived_fitted_and_measured():
+    block = planted_block()
+    block["memory"]["terms_gib"]["allocator"] = 0.2
+    block["time"]["kinds_s"] = {"matmul": 0.4, "operator": 0.3, "framework": 0.1, "data": 0.05, "communication": 0.05}
+    block["time"]["calibration"] = {"operator_factor": 1.5}
+    found = predict.sources(block["memory"], block["time"])
+    assert found["peak_gib"] == pytest.approx({"measured": 0.4, "derived": 0.6, "fitted": 0.2})
+    # the operators timed alone (0.2) are derived, what the fitted factor adds (0.1) and the framework are fitted
+    assert found["step_s"] == pytest.approx({"derived": 0.4 + 0.2 + 0.05, "fitted": 0.1 + 0.1, "measured": 0.05})
+    assert sum(found["step_share"].values()) == pytest.approx(1.0) and found["peak_share"]["fitted"] == pytest.approx(0.2 / 1.2)
+
+
+def test_a_fit_held_at_its_bound_is_named_and_warned_of():
+    """Steps whose residual wants the operators 3x slower than timed alone: the factor is held at its upper bound 2,
+    the calibration says so, and a run predicted with it carries the warning."""
+    from trainscope import health
+
+    points = [{"step_s": 1.0 + 2 * op, "step_residual_s": 2 * op, "step_operator_s": op, "step_dispatches": 1000 * k,
+               "evaluation_residual_s": 0.1, "evaluation_passes": 2, "evaluation_operator_s": 0.0,
+               "evaluation_dispatches": 0} for k, op in ((1, 0.1), (2, 0.3), (3, 0.2), (4, 0.5))]
+    fitted = calibration.fit_time(points)
+    assert fitted["operator_factor"] == pytest.approx(2.0) and "operator_factor at its upper bound 2" in fitted["at_bound"]
+    state = predict.calibration_state({"key": {"device": "cpu"}, "time": fitted, "method": "full"}, CPU)
+    assert state["state"] == "calibrated" and state["at_bound"] == fitted["at_bound"]
+    record = {"settings": {}, "environment": {}, "summary": {}, "prediction": {**planted_block(), "calibration": state}}
+    (warning,) = [w for w in health.check(record) if w["code"] == "prediction_fit_at_bound"]
+    assert "operator_factor at its upper bound 2" in warning["message"]
+    lines = predict.source_lines({"sources": predict.sources(planted_block()["memory"], {
+        "kinds_s": {"matmul": 1.0}}), "calibration": state})
+    assert any(line.startswith("warning: the calibration's operator_factor at its upper bound 2") for line in lines)
+    plain = calibration.fit_time([{**p, "step_residual_s": 0.2 * p["step_operator_s"]} for p in points])
+    assert "operator_factor" not in " ".join(plain["at_bound"])
+
+
+def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_caches_it(tmp_path, monkeypatch):
+    """A prediction on a machine with no calibration runs the first-use calibration (here two tiny shapes), within
+    its budget, caches it, and says it calibrated now; the next prediction reads the cache and runs nothing. (The
+    budget is 60 s; a test worker on a loaded 2-core machine gets 300: that a quiet machine calibrates in 60 s is
+    what make predict-check measures and reports.)"""
+    import subprocess
+
+    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(calibration.SWITCH_ENV)
+    monkeypatch.setattr(calibration, "FIRST_USE_BUDGET_S", 300.0)
+    monkeypatch.setattr(calibration, "QUICK_SHAPES", {
+        "tiny-bs8": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "8", "--threads", "1"],
+        "tiny-bs32": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "32", "--threads", "1"]})
+    monkeypatch.setattr(predict, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "4"])
+    block = predict.predict(predict.workload_of(None, settings), store=False)
+    state = block["calibration"]
+    assert state["state"] == "first use" and state["seconds"] <= calibration.FIRST_USE_BUDGET_S
+    stored = calibration.read_calibration(CPU)
+    # two shapes, or on a busy machine the first alone: the budget holds whatever the machine's load
+    assert stored["method"].startswith("first use: ") and stored["allocator"]["runs"] == len(stored["shapes"]) >= 1
+    assert block["memory"]["terms_gib"]["allocator"] != 0 and block["sources"]["peak_gib"]["fitted"] != 0
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("calibrated again"))
+    again = predict.predict(predict.workload_of(None, settings), store=False)
+    assert again["calibration"]["state"] == "calibrated" and again["calibration"]["method"] == stored["method"]
+
+
+def test_a_first_use_calibration_that_fails_is_said_and_not_tried_again_by_every_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(calibration.SWITCH_ENV)
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("the first-use calibration finished no run within 60 s")
+
+    monkeypatch.setattr(calibration, "first_use", failing)
+    first, second = calibration.ensure(CPU), calibration.ensure(CPU)
+    assert len(tries) == 1 and "finished no run within 60 s" in first["error"] and second["error"] == first["error"]
+    state = predict.calibration_state(second, CPU)
+    assert state["state"] == "uncalibrated" and "make predict-calibrate" in state["error"]

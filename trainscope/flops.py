@@ -9,13 +9,31 @@ L = layers, H * Q = hidden size (heads x head dimension), T = sequence length. 6
 forward pass and 4N for the backward pass; the second term is the attention scores and the
 weighted sum (QK^T and AV), 2 x 2 x T x d per token and layer forward, tripled for training.
 For a transformer encoder layer, N per layer = 4 d^2 (Q, K, V, output) + 2 d d_ff (feed-forward).
-T is the padded length the kernels really process. With LoRA the frozen weights need no weight
-gradients, so 6N is an upper bound there.
+T is the padded length the kernels really process.
+
+What trains changes the backward (`Training`, read from the model by `training_of`): each matmul's
+backward is two of the forward's size (Kaplan et al. 2020, section 2.1; PaLM Appendix B), one for its
+input's gradient and one for its weight's. A frozen weight (LoRA's base model) needs only the first; no
+weight of the first layer's input projections (Q, K, V) needs it where nothing below them trains (the
+embeddings frozen: their input has no gradient). LoRA's adapters (A of d x r, B of r x d on each target)
+are matmul weights of their own, forward and backward. So, per token:
+
+    forward 2 (N + A) + 4 L d T,  backward 2 (N + A) + 8 L d T [- 6 d^2 frozen below]  + 2 (N_trained + A)
+
+Activation checkpointing runs every layer's forward again during backward. Those FLOPs are not model
+FLOPs: as PaLM's MFU (its Appendix B: "rematerialization" counts toward hardware FLOPs utilization, not
+MFU), the recorded model FLOPs and every share of a peak leave them out, so a checkpointed run shows the
+lower share its extra work costs; the recomputation is recorded apart (`recomputed`), and what the
+hardware executed (model + recomputation) is what a physical check against the measured peak uses
+(health's above_measured_peak). Checked against torch.utils.flop_counter.FlopCounterMode on the same
+model and shapes (tests/test_flops_profile.py): full fine-tuning, LoRA and checkpointing within 10%.
 
 MFU = achieved FLOP/s / the device's dense peak for the precision in effect (peak table below,
 vendor datasheets, dense, no sparsity, each entry with where it was checked). An unknown device has
 no MFU rather than a guessed one.
 """
+
+import dataclasses
 
 # Dense peak TFLOP/s (no 2:4 sparsity: datasheets print sparse tensor figures with an asterisk;
 # dense is half) per precision; fp16/bf16 are tensor-core figures with fp32 accumulate, as in training.
@@ -113,6 +131,60 @@ def training_flops_per_token(layers: int, hidden: int, intermediate: int, sequen
     return 6 * matmul_parameters(layers, hidden, intermediate) + 12 * layers * hidden * sequence_length
 
 
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What one training step computes gradients for, beyond the forward (read from a model by `training_of`)."""
+
+    trained_share: float = 1.0    # of the encoder's matmul weights N, the share with gradients (LoRA: 0)
+    adapter_weights: int = 0      # LoRA adapters' weights in the encoder layers (all trained)
+    input_gradient: bool = True   # the first layer's input needs a gradient (the embeddings train)
+    recomputed: bool = False      # activation checkpointing: each layer's forward runs again in backward
+
+
+FULL = Training()
+
+
+def flops_coefficients(layers: int, hidden: int, intermediate: int, training: Training = FULL) -> dict:
+    """FLOPs of one training micro-batch as a x (batch x length) + b x (batch x length^2), for the model FLOPs
+    ("model": (a, b)) and for the recomputation of activation checkpointing ("recomputed": (a, b), zeros without
+    it): the module docstring's formula. Linear in the positions and their squares, so a run's totals follow from
+    its padded tokens and padded squares."""
+    n, adapters = matmul_parameters(layers, hidden, intermediate), training.adapter_weights
+    attention = layers * hidden
+    forward = (2 * (n + adapters), 4 * attention)
+    input_gradients = (2 * (n + adapters) - (0 if training.input_gradient else 6 * hidden * hidden), 8 * attention)
+    weight_gradients = (2 * (training.trained_share * n + adapters), 0)
+    model = tuple(f + i + w for f, i, w in zip(forward, input_gradients, weight_gradients))
+    return {"model": model, "recomputed": forward if training.recomputed else (0, 0)}
+
+
+def training_of(model, checkpointing: bool) -> Training:
+    """What `model` (unwrapped: no DDP or compile wrapper) trains: the share of its encoder layers' matmul weights
+    (their 2-D weights, adapters apart) with gradients, LoRA's adapter weights there (peft names them lora_A and
+    lora_B), whether its input embeddings train; `checkpointing` as --gradient-checkpointing."""
+    from trainscope.modeling import transformer_layer_classes
+
+    classes = set(transformer_layer_classes(model))
+    seen = trained = adapters = 0
+    for module in model.modules():
+        if type(module).__name__ not in classes:
+            continue
+        for name, parameter in module.named_parameters():
+            if "lora_" in name:
+                adapters += parameter.numel() if parameter.requires_grad else 0
+            elif parameter.dim() == 2:
+                seen += parameter.numel()
+                trained += parameter.numel() if parameter.requires_grad else 0
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    # transformers' enable_input_require_grads (which checkpointing a frozen model calls) hooks the embeddings so
+    # their output requires a gradient: the first layer's input gradients are then computed although nothing uses them
+    forced = any(getattr(m, "_require_grads_hooks", None) or getattr(m, "_require_grads_hook", None)
+                 for m in model.modules())
+    return Training(trained_share=trained / seen if seen else 1.0, adapter_weights=int(adapters),
+                    input_gradient=bool(weight is None or weight.requires_grad or forced), recomputed=bool(checkpointing))
+
+
 def encoder_shape(config) -> tuple[int, int, int] | None:
     """(layers, hidden, intermediate) of a BERT-like config, or None when it is not one."""
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layers", None)
@@ -123,12 +195,24 @@ def encoder_shape(config) -> tuple[int, int, int] | None:
     return int(layers), int(hidden), int(intermediate)
 
 
-def training_flops(config, batch_size: int, sequence_length: int) -> int | None:
-    """FLOPs of one training micro-batch of `batch_size` sequences padded to `sequence_length`."""
+def training_flops(config, batch_size: int, sequence_length: int, training: Training = FULL) -> int | None:
+    """Model FLOPs of one training micro-batch of `batch_size` sequences padded to `sequence_length` (what trains:
+    `training`; recomputation left out, `recomputed_flops`)."""
     shape = encoder_shape(config)
     if shape is None:
         return None
-    return batch_size * sequence_length * training_flops_per_token(*shape, sequence_length)
+    a, b = flops_coefficients(*shape, training)["model"]
+    return int(round(a * batch_size * sequence_length + b * batch_size * sequence_length ** 2))
+
+
+def recomputed_flops(config, padded_tokens: int, padded_squares: int, training: Training) -> int | None:
+    """FLOPs activation checkpointing recomputes over micro-batches of `padded_tokens` positions in all (sum of batch
+    x padded length) and `padded_squares` (sum of batch x padded length squared); 0 without checkpointing."""
+    shape = encoder_shape(config)
+    if shape is None:
+        return None
+    a, b = flops_coefficients(*shape, training)["recomputed"]
+    return int(round(a * (padded_tokens or 0) + b * (padded_squares or 0)))
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:

@@ -268,22 +268,34 @@ def _exposed_not_resolved(view: RunView):
 @register("above_measured_peak", "the run's matmuls measured faster than the machine's measured matmul peak",
           "measure the peak again on a quiet machine (delete the trainscope cache folder named in the record)")
 def _above_measured_peak(view: RunView):
-    """The measured peak checked against a second instrument: the run's own model FLOP/s, and with --profile the
-    traced matmuls' rate (the profiler's FLOPs over their self time). Above the peak by more than its spread is
-    impossible for the one or the other."""
+    """The measured peak checked against a second instrument: the FLOP/s the run's matmuls executed (its model FLOPs,
+    frozen weights without weight gradients, and activation checkpointing's recomputation: trainscope.flops), and
+    with --profile the traced matmuls' rate (the profiler's FLOPs over their self time). Above the peak by more than
+    its spread is impossible for the one or the other."""
     from trainscope.gap import matmul_rate
 
     measured = view.measured_peak or {}
     peak, spread = measured.get("peak_tflops"), measured.get("spread") or 0.0
     if not peak:
         return None
-    readings = [("the run's model FLOP/s", measured.get("achieved_tflops")),
+    executed = measured.get("executed_tflops", measured.get("achieved_tflops"))  # older records: model FLOPs alone
+    readings = [("the run's executed FLOP/s", executed),
                 ("the profiled matmuls", matmul_rate(view.gap_breakdown or {}))]
     over = [f"{name} {rate * 1e3:.1f} GFLOP/s" for name, rate in readings if rate and rate > peak * (1 + spread)]
     if over:
         return (f"{' and '.join(over)} above this machine's measured {measured['precision']} matmul peak "
                 f"{peak * 1e3:.1f} GFLOP/s (+{spread:.0%}, its spread): the peak was measured low (a busy machine?) "
                 f"-- shares of it are overstated")
+
+
+@register("prediction_fit_at_bound", "a coefficient of the predictor's calibration is held at a bound of its fit",
+          "calibrate again on a quiet machine (make predict-calibrate); if it stays there, the framework's time on this "
+          "machine is not what the predictor models")
+def _prediction_fit_at_bound(view: RunView):
+    bounds = ((view.prediction or {}).get("calibration") or {}).get("at_bound") or []
+    if bounds:
+        return (f"the prediction's calibration has {'; '.join(bounds)}: the fit wanted beyond it, so that fitted term "
+                "is off on this machine (trainscope.calibration)")
 
 
 @register("comm_exposed_above_total", "exposed communication measured above the all-reduce's own duration",

@@ -107,6 +107,24 @@ def run_training(train_args: list[str], config: str | None = None, launcher: str
     return run_captured(command, env if env is not None else training_env(), timeout)
 
 
+def train_in_this_process(train_args: list[str]) -> int:
+    """train.py's main() run in this (one-process, launcher-free) process, as `python train.py [flags]` runs it, and
+    its exit code: for several short runs in one process without paying the imports again (the predictor's
+    first-use calibration, trainscope.calibration). Accelerate's process-wide state is reset after each run."""
+    import runpy
+
+    from accelerate.state import AcceleratorState
+
+    main = runpy.run_path(str(TRAIN_SCRIPT), run_name="trainscope_train")["main"]
+    try:
+        main(train_args)
+        return 0
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def run_captured(command: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run `command` in a session of its own, output captured. Past `timeout` the whole launch is killed
     and the result ends in `error: timed out after N s`. An exception while waiting (Ctrl-C's

@@ -70,6 +70,11 @@ def sequence_limit(settings) -> int | None:
     else:
         config = _from_hub_or_path(AutoConfig.from_pretrained, settings.model, "model",
                                    trust_remote_code=settings.trust_remote_code)
+    return config_positions(config)
+
+
+def config_positions(config) -> int | None:
+    """Token positions a model of `config` can embed (RoBERTa-like models offset theirs past the padding index)."""
     positions = getattr(config, "max_position_embeddings", None)
     if positions is None:
         return None

@@ -26,30 +26,32 @@ From what the run will really do, without building its weights:
   state, activations kept for backward at the longest batch, temporaries of backward), and on a CPU the
   allocator's own share (glibc keeps freed heap pages, and fragments them): factor x the live peak + a constant.
 
-The fitted terms (the allocator's share, the framework's time) come from `python -m trainscope.predict --calibrate`
-(make predict-calibrate): short runs of other shapes, once per machine; uncalibrated, they are left out and the
-prediction says so.
+The fitted terms (the allocator's share, the framework's time) come from trainscope.calibration: short runs of
+other shapes, once per machine, made by themselves on first use (at most a minute, cached) or in full by `python -m
+trainscope.predict --calibrate` (make predict-calibrate); uncalibrated (switched off, or failed), they are left out
+and the prediction says so. Each prediction records how much of it rests on what (`sources`): derived from first
+principles (the traced step at this machine's benchmarked costs), fitted (the calibration; a coefficient held at a
+bound of its fit is a warning) or measured in the same run before it starts (the process's memory, the collate).
 
 Every train.py run makes the prediction at start (the record's `prediction` block) and, at its end, the error of
 each predicted quantity and term (summary `prediction_error`); `make predict-check` runs many shapes and the
 report plots predicted against measured. `speedup(baseline, flags, config)` is a change's predicted speed-up.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from trainscope import environment, op_costs, peak, trace
+from trainscope import calibration, environment, op_costs, peak, trace
 from trainscope.memory import GIB
 from trainscope.records import now_iso, write_json_atomic
 
@@ -121,13 +123,17 @@ def evaluation_lengths(lengths: np.ndarray, batch: int, processes: int = 1, pad_
 # ---------------------------------------------------------------- a phase's time at any length
 
 
-def traced_length(mean: float, batch: int, avoid: set) -> int:
-    """A length near `mean` that, alone or times the batch, equals no other size of the model or batch (so its power
-    in each shape can be read, trainscope.trace.length_power)."""
-    length = max(MIN_LENGTH, int(round(mean)))
-    while length in avoid or batch * length in avoid:
-        length += 1
-    return length
+def traced_length(mean: float, batch: int, avoid: set, limit: int | None = None) -> int:
+    """A length near `mean`, at most `limit` (the positions the model embeds: a longer one cannot be traced), that,
+    alone or times the batch, equals no other size of the model or batch (so its power in each shape can be read,
+    trainscope.trace.length_power): the nearest such length, above or below."""
+    top = limit if limit is not None else math.inf
+    start = min(max(MIN_LENGTH, int(round(mean))), top)
+    for distance in range(int(max(start, 64))):
+        for length in (start + distance, start - distance):
+            if MIN_LENGTH <= length <= top and length not in avoid and batch * length not in avoid:
+                return length
+    raise ValueError(f"no sequence length to trace near {mean:.0f} within the model's {limit} positions")
 
 
 @dataclasses.dataclass
@@ -179,12 +185,13 @@ def traced_step(kind: str, workload: "Workload", batch: int, length: int, avoid:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     build = lambda: _on_meta(lambda: modeling.build_architecture(settings, label_names, config=config))  # noqa: E731
-    if kind == "train":
-        made = trace.trace_training(build, workload.input_names, batch, length, workload.precision, workload.device,
-                                    settings.max_grad_norm, settings.weight_decay, avoid)
-    else:
-        made = trace.trace_evaluation(build, workload.input_names, batch, length, workload.precision, workload.device,
-                                      avoid)
+    with quiet_fake_tensors():
+        if kind == "train":
+            made = trace.trace_training(build, workload.input_names, batch, length, workload.precision,
+                                        workload.device, settings.max_grad_norm, settings.weight_decay, avoid)
+        else:
+            made = trace.trace_evaluation(build, workload.input_names, batch, length, workload.precision,
+                                          workload.device, avoid)
     if costs.store:
         write_json_atomic(path, made.to_dict())
     return made
@@ -193,6 +200,19 @@ def traced_step(kind: str, workload: "Workload", batch: int, length: int, avoid:
 # The settings that change what a traced step is (everything else changes only how often it runs).
 TRACE_SETTINGS = ("model", "architecture_only", "attn_implementation", "gradient_checkpointing", "lora", "lora_r",
                   "lora_alpha", "lora_dropout", "lora_target_modules", "max_grad_norm", "weight_decay")
+
+
+@contextlib.contextmanager
+def quiet_fake_tensors():
+    """torch's fake-tensor mode logs, with its traceback, every operator that fails on fake tensors before raising
+    the error: the error is what the prediction reports (one line, trainscope.errors.one_line), not the log."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------- the machine's own costs
@@ -249,41 +269,6 @@ def copy_seconds_per_byte(costs: op_costs.OpCosts) -> float:
             costs.cached[key] = op_costs.time_call(lambda: target.copy_(source), costs.device) / size
         costs.measured += 1
     return costs.cached[key]
-
-
-# ---------------------------------------------------------------- the allocator's share, calibrated once per machine
-
-
-def calibration_key(device: torch.device) -> dict:
-    """The machine, without threads and processes: the allocator's behaviour is a process's own."""
-    key = peak.machine_key(device, threads=1, processes=1)
-    return {k: v for k, v in key.items() if k not in ("threads", "processes")}
-
-
-def calibration_path(device: torch.device) -> Path:
-    return peak.cache_dir() / "predict" / f"calibration-{peak.key_id(calibration_key(device))}.json"
-
-
-def read_calibration(device: torch.device) -> dict:
-    try:
-        data = json.loads(calibration_path(device).read_text())
-        return data if data.get("key") == calibration_key(device) else {}
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
-def fit_allocator(points: list[tuple[float, float]]) -> dict:
-    """Least squares of a CPU process's memory beyond the tensors it holds (peak RSS less the RSS before the model,
-    the parameters and the step's live peak) on that live peak: share = factor x live + constant. `points` are
-    (live bytes, beyond bytes) of calibration runs."""
-    xs, ys = np.array([p[0] for p in points], float), np.array([p[1] for p in points], float)
-    if len(points) >= 2 and np.ptp(xs) > 0:
-        factor, constant = np.polyfit(xs, ys, 1)
-    else:
-        factor, constant = 0.0, float(ys.mean()) if len(points) else 0.0
-    residuals = ys - (factor * xs + constant)
-    return {"factor": float(factor), "constant_bytes": float(constant), "runs": len(points),
-            "residual_bytes": float(np.abs(residuals).max()) if len(points) else None}
 
 
 # ---------------------------------------------------------------- the workload
@@ -359,15 +344,18 @@ def _random_state_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
-def predict(workload: Workload, store: bool = True) -> dict:
-    """The prediction block (docs/RECORD.md `prediction`)."""
+def predict(workload: Workload, store: bool = True, fitted: dict | None = None) -> dict:
+    """The prediction block (docs/RECORD.md `prediction`), with this machine's calibration (made now on first use,
+    trainscope.calibration.ensure) or the one given (`fitted`: {} for none)."""
     with _random_state_kept():
-        return _predict(workload, store)
+        return _predict(workload, store, fitted)
 
 
-def _predict(workload: Workload, store: bool) -> dict:
+def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
     started = time.perf_counter()
     settings, device = workload.settings, workload.device
+    # before the costs are read: a first-use calibration times and caches costs of its own
+    fitted = calibration.ensure(device) if fitted is None else fitted
     costs = op_costs.OpCosts(device, workload.threads, workload.local_processes, store=store)
     notes = []
     plan = workload.plan
@@ -388,20 +376,22 @@ def _predict(workload: Workload, store: bool) -> dict:
 
     config = modeling.model_config(settings, workload.label_names)
     avoid = _model_dims(config, settings.per_device_batch_size, eval_batch, len(workload.label_names))
-    length = traced_length(float(steady.mean()), settings.per_device_batch_size, avoid)
+    positions = modeling.config_positions(config)
+    length = traced_length(float(steady.mean()), settings.per_device_batch_size, avoid, positions)
     traced = traced_step("train", workload, settings.per_device_batch_size, length, avoid, costs)
     longest = int(train.max())
     eval_all = np.concatenate([evaluation["validation"][0], evaluation["test"][0]])
-    eval_length = traced_length(float(eval_all.mean()) if len(eval_all) else length, eval_batch, avoid)
+    eval_length = traced_length(float(eval_all.mean()) if len(eval_all) else length, eval_batch, avoid, positions)
     evaluated = traced_step("eval", workload, eval_batch, eval_length, avoid, costs)
 
     phases = {**phase_models(traced, costs), **phase_models(evaluated, costs)}
-    calibration = read_calibration(device).get("time") or {}
+    timing = fitted.get("time") or {}
     # The framework's own time (Python, module calls, autograd, dispatch) per operator dispatched, as calibrated
     dispatches = {**traced.dispatches, **evaluated.dispatches}
-    framework = {phase: calibration.get("dispatch_s", 0.0) * count for phase, count in dispatches.items()}
-    time_block = _time(workload, phases, framework, train, steady, warmup, evaluation, traced, costs, notes, dispatches)
-    memory_block = _memory(workload, traced, longest, notes)
+    framework = {phase: timing.get("dispatch_s", 0.0) * count for phase, count in dispatches.items()}
+    time_block = _time(workload, phases, framework, train, steady, warmup, evaluation, traced, costs, notes, dispatches,
+                       timing)
+    memory_block = _memory(workload, traced, longest, notes, fitted.get("allocator"))
     costs.save()
     if costs.unmeasured:
         notes.append(f"operators that could not be timed alone, counted as free: {', '.join(sorted(costs.unmeasured))}")
@@ -412,6 +402,8 @@ def _predict(workload: Workload, store: bool) -> dict:
         notes.append("FSDP: parameters, gradients and optimizer state are predicted unsharded")
     return {
         "version": VERSION, "made": now_iso(), "seconds": time.perf_counter() - started,
+        "calibration": calibration_state(fitted, device),
+        "sources": sources(memory_block, time_block),
         "machine": {"device": str(device), "device_name": environment.device_name(device),
                     "precision": workload.precision, "threads": workload.threads, "processes": workload.processes,
                     "cost_cache": str(costs.path), "timed_now": costs.measured},
@@ -442,10 +434,10 @@ def _model_dims(config, batch: int, eval_batch: int, labels: int) -> set:
     return dims
 
 
-def _time(workload, phases, framework, train, steady, warmup, evaluation, traced, costs, notes, dispatches) -> dict:
+def _time(workload, phases, framework, train, steady, warmup, evaluation, traced, costs, notes, dispatches,
+          calibration: dict) -> dict:
     settings = workload.settings
     accumulation = settings.gradient_accumulation_steps
-    calibration = read_calibration(workload.device).get("time") or {}
     factor = calibration.get("operator_factor", 1.0)
     if not calibration:
         notes.append("the framework's own time (per operator dispatched, per step, per evaluation pass) is not "
@@ -526,14 +518,15 @@ def _communication(workload, traced, costs, notes) -> float:
     gradient_bytes = traced.trainable_bytes
     ring = 2 * (workload.processes - 1) / workload.processes
     total = ring * gradient_bytes / (measured["bus_bandwidth_gbs"] * 1e9)
+    resolved = "" if measured.get("exposed_resolved", True) else " (the median of an exposed time not resolved)"
     notes.append(f"DDP communication from this machine's last measurement ({measured['bus_bandwidth_gbs']:.2f} GB/s, "
-                 f"{measured['exposed_fraction']:.0%} of it exposed) and the buckets' copies")
+                 f"{measured['exposed_fraction']:.0%} of it exposed{resolved}) and the buckets' copies")
     # DDP copies the gradients into its buckets and back (without --ddp-gradient-as-bucket-view): two copies
     copies = 0 if workload.settings.ddp_gradient_as_bucket_view else 2 * gradient_bytes * copy_seconds_per_byte(costs)
     return total * measured["exposed_fraction"] + copies
 
 
-def _memory(workload, traced: trace.Trace, longest: int, notes) -> dict:
+def _memory(workload, traced: trace.Trace, longest: int, notes, calibration: dict | None) -> dict:
     """The peak at the run's longest batch, by term."""
     kinds = traced.memory_at(longest)
     saved_by_module = traced.saved_at(longest)
@@ -548,7 +541,7 @@ def _memory(workload, traced: trace.Trace, longest: int, notes) -> dict:
     if buckets:
         terms["ddp_buckets"] = buckets
     on_cpu = workload.device.type == "cpu"
-    calibration = read_calibration(workload.device).get("allocator") if on_cpu else None
+    calibration = calibration if on_cpu else None
     allocator = 0.0
     if on_cpu and calibration:
         allocator = calibration["factor"] * live + calibration["constant_bytes"]
@@ -568,6 +561,42 @@ def _memory(workload, traced: trace.Trace, longest: int, notes) -> dict:
             "allocator": {"calibrated": bool(calibration), **(calibration or {})} if on_cpu else None,
             "capacity_gib": capacity / GIB if capacity else None,
             "fits": bool(capacity is None or peak_bytes * max(1, workload.local_processes if on_cpu else 1) <= capacity)}
+
+
+def calibration_state(fitted: dict, device: torch.device) -> dict:
+    """How the prediction was calibrated: `state` calibrated (a calibration cached before), first use (made by this
+    prediction, in `seconds`) or uncalibrated (switched off, or it failed: `error`), its method and date, and each
+    fitted coefficient held at a bound of its fit (a warning: the fitted model does not fit this machine)."""
+    timing = fitted.get("time") or {}
+    state = "first use" if fitted.get("made_now") else "calibrated" if fitted.get("key") else "uncalibrated"
+    return {"state": state, "method": fitted.get("method") or ("full" if fitted.get("key") else None),
+            "measured": fitted.get("measured"), "seconds": fitted.get("seconds"), "error": fitted.get("error"),
+            "at_bound": list(timing.get("at_bound") or []),
+            "path": str(calibration.calibration_path(device)) if fitted.get("key") else None}
+
+
+# What each term of a prediction rests on: derived from first principles (the traced step's shapes and bytes, at
+# this machine's benchmarked costs: the matmul peak, each operator timed alone, a measured all-reduce bandwidth),
+# fitted (the calibration), or measured in the same run before it starts (the process's memory, the collate).
+MEMORY_SOURCES = {"baseline": "measured", "parameters": "derived", "optimizer": "derived", "activations": "derived",
+                  "temporaries": "derived", "ddp_buckets": "derived", "allocator": "fitted"}
+
+
+def sources(memory: dict, timing: dict) -> dict:
+    """The peak's and the steady step's shares derived, fitted and measured (MEMORY_SOURCES). The step's are over
+    its kinds at the mean padded length: the operators' calibrated factor is fitted beyond 1 (what they cost timed
+    alone is derived), the framework's time (per dispatch, per step) fitted, the collate measured now."""
+    peak = {kind: 0.0 for kind in ("derived", "fitted", "measured")}
+    for term, gib in memory["terms_gib"].items():
+        peak[MEMORY_SOURCES.get(term, "derived")] += gib
+    kinds = timing["kinds_s"]
+    factor = (timing.get("calibration") or {}).get("operator_factor", 1.0)
+    alone = kinds.get("operator", 0.0) / factor if factor else kinds.get("operator", 0.0)
+    step = {"derived": kinds.get("matmul", 0.0) + alone + kinds.get("communication", 0.0),
+            "fitted": kinds.get("operator", 0.0) - alone + kinds.get("framework", 0.0),
+            "measured": kinds.get("data", 0.0)}
+    share = lambda parts: {k: v / sum(parts.values()) if sum(parts.values()) else None for k, v in parts.items()}  # noqa: E731
+    return {"peak_gib": peak, "peak_share": share(peak), "step_s": step, "step_share": share(step)}
 
 
 def saved_bytes_at(block: dict, batch: int, length: int) -> float | None:
@@ -671,11 +700,35 @@ def screen_lines(block: dict, settings, wall_s: float | None = None) -> list[str
         f"({batches['warmup_steps']} warm-up, first {timing['first_step_s'] or 0:.2f} s), evaluation "
         f"{timing['evaluation_s']:.1f} s -> {timing['run_s']:.1f} s ({timing['run_s'] / 60:.1f} min)",
     ]
+    lines += source_lines(block)
     lines += [f"note: {note}" for note in block.get("notes", [])]
     lines.append(f"predicted in {wall_s if wall_s is not None else block['seconds']:.1f} s "
                  f"({machine['timed_now']} costs timed now, cached in {machine['cost_cache']}); nothing trained, "
                  "no run record written")
     return [line for line in lines if line]
+
+
+def source_lines(block: dict) -> list[str]:
+    """What the prediction rests on, its calibration, and a warning for each fit held at a bound."""
+    found = block.get("sources")
+    state = block.get("calibration") or {}
+    if not found:
+        return []
+    peak, step = found["peak_share"], found["step_share"]
+    pct = lambda share: f"{share:.0%}" if share is not None else "-"  # noqa: E731
+    lines = [f"rests on    peak: {pct(peak['derived'])} derived, {pct(peak['fitted'])} fitted, {pct(peak['measured'])} "
+             f"measured in this run; step: {pct(step['derived'])} derived, {pct(step['fitted'])} fitted, "
+             f"{pct(step['measured'])} measured"]
+    if state.get("state") == "uncalibrated":
+        why = f" ({state['error']})" if state.get("error") else ""
+        lines.append(f"UNCALIBRATED: this machine has no calibration{why}: the allocator's share and the framework's "
+                     "time are left out, so memory and time are predicted low (make predict-calibrate)")
+    elif state.get("state") == "first use":
+        lines.append(f"calibrated now (first use on this machine, {state.get('seconds') or 0:.0f} s, cached: "
+                     f"{state.get('path')})")
+    lines += [f"warning: the calibration's {bound}: the fitted term does not fit this machine"
+              for bound in state.get("at_bound") or []]
+    return lines
 
 
 def show(block: dict, settings, started) -> dict:
@@ -758,15 +811,19 @@ def _error(predicted, measured) -> dict | None:
 
 
 def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
-    """Each predicted quantity against the run's measurement: peak memory, the steady step and its stages, the
-    warm-up, evaluation and the whole run; each memory term; the term furthest off (its error as a share of its
-    quantity's measured total)."""
+    """Each predicted quantity against the run's measurement: peak memory, and the peak above the memory the run held
+    before the model (measured in the same run and so the same on both sides: the error of what was predicted), the
+    steady step and its stages, the warm-up, evaluation and the whole run; each memory term measured in the run; the
+    residual (what the measured peak leaves after the measured terms, against what the prediction put there: not a
+    measurement of any one term); the measured term furthest off (its error as a share of its quantity's total)."""
     from trainscope.record_view import RunView
 
     view = RunView({"summary": summary})
     memory, timing = block["memory"], block["time"]
     peak, kind = view.peak_memory
+    baseline = memory["terms_gib"].get("baseline", 0.0)
     result = {"peak_memory_gib": _error(memory["peak_gib"], peak), "memory_kind": kind,
+              "peak_above_baseline_gib": _error(memory["peak_gib"] - baseline, peak - baseline if peak else None),
               "step_s": _error(timing["step_s"], view.step_s),
               "evaluation_s": _error(timing["evaluation_s"], view.eval_s or None),
               "warmup_s": _error(timing["warmup_s"], view.wall_median("warmup")),
@@ -787,24 +844,25 @@ def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
         memory_terms["activations"] = _error(predicted_saved / GIB if predicted_saved else None,
                                              measured["saved"] / GIB)
     if peak is not None and all(t in memory_terms for t in ("parameters", "optimizer")):
-        # The rest (gradients and temporaries at the peak, the allocator's share) is what the measured peak leaves
+        # The residual (gradients and temporaries at the peak, the allocator's share) is what the measured peak leaves
         # after the measured terms, the activations at the longest batch scaled by their measured error.
         ratio = 1.0
         if memory_terms.get("activations") and memory_terms["activations"]["predicted"]:
             ratio = memory_terms["activations"]["measured"] / memory_terms["activations"]["predicted"]
         held = sum(memory_terms[t]["measured"] for t in ("parameters", "optimizer"))
         remainder = peak - gib.get("baseline", 0.0) - held - gib["activations"] * ratio
-        memory_terms["rest"] = _error(gib["temporaries"] + gib.get("allocator", 0.0) + gib.get("ddp_buckets", 0.0),
-                                      remainder)
+        result["memory_residual"] = _error(
+            gib["temporaries"] + gib.get("allocator", 0.0) + gib.get("ddp_buckets", 0.0), remainder)
     result["memory_terms"] = memory_terms
     result["time_terms"] = time_terms
+    result["calibration"] = (block.get("calibration") or {}).get("state")
     result["furthest"] = furthest_term(result, peak, view.step_s)
     return result
 
 
 def furthest_term(result: dict, peak: float | None, step: float | None) -> dict | None:
-    """The term whose error moves its total most: |predicted - measured| over the measured total (memory terms
-    over the peak, stage terms over the steady step)."""
+    """The measured term whose error moves its total most: |predicted - measured| over the measured total (memory
+    terms over the peak, stage terms over the steady step). The residual is not a term: it is what is left."""
     candidates = []
     for name, entry in (result.get("memory_terms") or {}).items():
         if entry and peak:
@@ -821,17 +879,21 @@ def furthest_term(result: dict, peak: float | None, step: float | None) -> dict 
 def remember_communication(block: dict | None, summary: dict, settings, started) -> None:
     """After a multi-process run: its all-reduce bandwidth and the share of it backward waited for, for the next
     prediction on this machine with these processes and threads (main process)."""
-    communication = (summary or {}).get("communication") or {}
-    if not block or block.get("error") or not communication.get("measured") or not started.state.is_main_process:
+    from trainscope.record_view import RunView
+
+    if not block or block.get("error") or not started.state.is_main_process:
         return
-    bandwidth, total, exposed = (communication.get(k) for k in ("bus_bandwidth_gbs", "total_allreduce_s", "exposed_s"))
-    if not bandwidth or not total:
+    figures = RunView({"summary": summary or {}}).communication_figures or {}
+    bandwidth, transfer = figures.get("bus_bandwidth_gbs"), figures.get("transfer_s")
+    if not figures.get("measured") or not bandwidth or not transfer:
         return
+    # The median exposed time, resolved or not: the best estimate there is (a note says when it was not resolved).
+    exposed = figures.get("exposed_median_s") or 0.0
     device = torch.device(block["machine"]["device"].split(":")[0])
     costs = op_costs.OpCosts(device, block["machine"]["threads"], environment.local_processes())
     costs.cached["communication"] = {"bus_bandwidth_gbs": bandwidth,
-                                     "exposed_fraction": min(1.0, max(0.0, (exposed or 0.0) / total)),
-                                     "measured": now_iso()}
+                                     "exposed_fraction": min(1.0, max(0.0, exposed / transfer)),
+                                     "exposed_resolved": bool(figures.get("resolved")), "measured": now_iso()}
     costs.measured += 1
     costs.save()
 
@@ -852,7 +914,16 @@ def error_lines(errors: dict | None) -> list[str]:
         parts.append(f"steady step {step['predicted']:.3f} s, {step['measured']:.3f} ({pct(step)})")
     if run:
         parts.append(f"run {run['predicted']:.1f} s, {run['measured']:.1f} ({pct(run)})")
-    lines = ["prediction: " + "; ".join(parts)] if parts else []
+    state = errors.get("calibration")
+    said = f" ({state}: {'calibrated now, on first use' if state == 'first use' else 'fitted terms left out'})" \
+        if state and state != "calibrated" else ""
+    lines = ["prediction: " + "; ".join(parts) + said] if parts else []
+    above, residual = errors.get("peak_above_baseline_gib"), errors.get("memory_residual")
+    if above:
+        lines.append(f"  peak above the memory before the model {above['predicted']:.2f} GiB predicted, "
+                     f"{above['measured']:.2f} measured ({pct(above)})"
+                     + (f"; residual (the peak less the measured terms) {residual['predicted']:.2f} GiB predicted, "
+                        f"{residual['measured']:.2f} left" if residual else ""))
     furthest = errors.get("furthest")
     if furthest:
         lines.append(f"  furthest off: {furthest['term']} ({pct(furthest)} of itself, "
@@ -952,7 +1023,10 @@ def speedup(baseline, flags=(), config: str | None = None) -> dict:
     after_settings = changed_settings(before_settings, flags)
     before_work = workload_of(record, before_settings)
     after_work = workload_of(record, after_settings, config)
-    before, after = predict(before_work), predict(after_work)
+    # a ratio of two predictions on this machine: its calibration if it has one, none made for it (the report and
+    # the advisor ask for speed-ups; only a run's own prediction calibrates a new machine)
+    fitted = calibration.read_calibration(before_work.device)
+    before, after = predict(before_work, fitted=fitted), predict(after_work, fitted=fitted)
     train_b, eval_b, tokens_b = same_work_seconds(before, before_work)
     train_a, eval_a, tokens_a = same_work_seconds(after, after_work)
     baseline_s = train_b + eval_b
@@ -971,16 +1045,17 @@ def largest_batch(settings, label_names, input_names, device: torch.device, prec
     capacity = capacity_bytes if capacity_bytes is not None else device_memory_bytes(device)
     config = modeling.model_config(settings, label_names)
     avoid = _model_dims(config, 8, 16, len(label_names))
-    traced_at = traced_length(length, 8, avoid | {16 * length})
+    traced_at = traced_length(length, 8, avoid | {16 * length}, modeling.config_positions(config))
     build = lambda: _on_meta(lambda: modeling.build_architecture(settings, label_names, config=config))  # noqa: E731
-    traced = trace.trace_training(build, input_names, 8, traced_at, precision_name, device, settings.max_grad_norm,
-                                  settings.weight_decay, avoid)
+    with quiet_fake_tensors():
+        traced = trace.trace_training(build, input_names, 8, traced_at, precision_name, device,
+                                      settings.max_grad_norm, settings.weight_decay, avoid)
     live = lambda batch: sum(v for k, v in traced.memory_at(length, batch).items() if k != "parameters")  # noqa: E731
     per_sample = (live(16) - live(8)) / 8
     fixed_live = live(8) - 8 * per_sample
-    calibration = read_calibration(device).get("allocator") if device.type == "cpu" else None
-    factor = 1 + (calibration["factor"] if calibration else 0.0)
-    constant = calibration["constant_bytes"] if calibration else 0.0
+    allocator_fit = calibration.read_calibration(device).get("allocator") if device.type == "cpu" else None
+    factor = 1 + (allocator_fit["factor"] if allocator_fit else 0.0)
+    constant = allocator_fit["constant_bytes"] if allocator_fit else 0.0
     # peak(b) = baseline + parameters + (fixed_live + b x per_sample) x factor + constant
     room = capacity - baseline_bytes - traced.parameter_bytes - constant - fixed_live * factor
     batch = int(room // (per_sample * factor)) if per_sample > 0 and room > 0 else 0
@@ -990,168 +1065,10 @@ def largest_batch(settings, label_names, input_names, device: torch.device, prec
 
 # ---------------------------------------------------------------- python -m trainscope.predict --calibrate
 
-# Short runs of shapes unlike the predict-check's (trainscope/experiments/prediction.py): the allocator's share is
-# fitted on these, and judged on those. The 2-process run also measures this machine's all-reduce for later DDP
-# predictions (remember_communication). name -> (config, train.py flags); a config this machine cannot run is skipped.
-CALIBRATION_SHAPES = {
-    "bs8": ("cpu", ["--per-device-batch-size", "8"]),
-    "bs24": ("cpu", ["--per-device-batch-size", "24"]),
-    "bs48-len64": ("cpu", ["--per-device-batch-size", "48", "--max-seq-length", "64"]),
-    "bs24-ckpt": ("cpu", ["--per-device-batch-size", "24", "--gradient-checkpointing"]),
-    "tiny-bs64": ("cpu", ["--model", "embedded:tiny-bert", "--per-device-batch-size", "64"]),
-    "ddp-bs8": ("ddp", ["--per-device-batch-size", "8"]),
-}
-CALIBRATION_ARGS = ["--max-train-samples", "1000", "--max-eval-samples", "96", "--max-test-samples", "96",
-                    "--max-steps", "10", "--log-every", "10", "--report-to", "none"]
-
-
-def allocator_point(record: dict) -> tuple[float, float] | None:
-    """(live bytes, bytes beyond the tensors) of one complete CPU run: its peak RSS less the RSS before the model,
-    the parameters and the step's live peak, all as its prediction had them."""
-    from trainscope.record_view import RunView
-
-    view = RunView(record)
-    block = view.prediction
-    peak_gib, kind = view.peak_memory
-    if block is None or peak_gib is None or kind != "peak RSS":
-        return None
-    gib = block["memory"]["terms_gib"]
-    live = block["memory"]["live_gib"]
-    return live * GIB, (peak_gib - gib["baseline"] - gib["parameters"] - live) * GIB
-
-
-def time_point(record: dict) -> dict | None:
-    """What one complete single-process run tells of the framework's own costs: its measured steady step and
-    evaluation less their (uncalibrated) predictions, beside the predicted time of the operators other than matrix
-    products and the operators dispatched. None for a calibrated prediction or several processes (DDP's wait)."""
-    from trainscope.record_view import RunView
-
-    view = RunView(record)
-    block = view.prediction
-    if block is None or not view.step_s or block["time"].get("calibration") or view.world_size > 1:
-        return None
-    timing = block["time"]
-    return {"step_s": view.step_s, "step_residual_s": view.step_s - timing["step_s"],
-            "step_operator_s": timing["kinds_s"]["operator"],
-            "step_dispatches": timing["dispatches"]["step"],
-            "evaluation_residual_s": view.eval_s - timing["evaluation_s"], "evaluation_passes": timing["evaluation_passes"],
-            "evaluation_operator_s": timing["evaluation_operator_s"], "evaluation_dispatches": timing["dispatches"]["evaluation"]}
-
-
-def _bounded_least_squares(columns: np.ndarray, target: np.ndarray, lower: list, upper: list) -> np.ndarray:
-    """min |columns x - target| with lower <= x <= upper, by trying each set of coefficients held at a bound (a
-    handful of coefficients: every combination is cheap)."""
-    import itertools
-
-    best, best_cost = np.zeros(columns.shape[1]), math.inf
-    for held in itertools.product(*[(None, lo, hi) for lo, hi in zip(lower, upper)]):
-        free = [i for i, h in enumerate(held) if h is None]
-        x = np.array([0.0 if h is None or not math.isfinite(h) else h for h in held], float)
-        if any(h is not None and not math.isfinite(h) for h in held):
-            continue
-        if free:
-            rest = target - columns[:, [i for i in range(len(x)) if i not in free]] @ x[[i for i in range(len(x)) if i not in free]]
-            x[free] = np.linalg.lstsq(columns[:, free], rest, rcond=None)[0]
-        if all(lo - 1e-12 <= v <= hi + 1e-12 for v, lo, hi in zip(x, lower, upper)):
-            cost = float(np.sum((columns @ x - target) ** 2))
-            if cost < best_cost:
-                best, best_cost = x, cost
-    return best
-
-
-def fit_time(points: list[dict]) -> dict:
-    """The framework's own costs as this machine shows them, from the calibration runs: a step's residual (measured
-    less predicted) = a x its non-matmul operators' time + d x the operators it dispatches + c, fitted on relative
-    residuals (each run's row over its measured step: the prediction is judged by its relative error), with
-    -0.5 <= a <= 1 and d, c at least 0: a training step's operators scale by 1 + a (inside a step their inputs are
-    colder than when timed alone), each dispatch costs d, each step c more (the loop). Each evaluation pass costs
-    the median of what its residual leaves after its dispatches."""
-    columns = np.array([[p["step_operator_s"], p["step_dispatches"], 1.0] for p in points], float)
-    residual = np.array([p["step_residual_s"] for p in points], float)
-    weights = np.array([1.0 / p["step_s"] for p in points], float)
-    slope, dispatch, constant = (
-        _bounded_least_squares(columns * weights[:, None], residual * weights, [-0.5, 0.0, 0.0], [1.0, 1e-3, 1.0])
-        if len(points) >= 3 else (0.0, 0.0, float(max(0.0, np.median(residual)))))
-    passes = [(p["evaluation_residual_s"] - dispatch * p["evaluation_dispatches"]) / p["evaluation_passes"]
-              for p in points if p["evaluation_passes"]]
-    fitted = columns @ np.array([slope, dispatch, constant])
-    return {"operator_factor": float(1 + slope), "dispatch_s": float(dispatch), "step_s": float(constant),
-            "evaluation_pass_s": float(max(0.0, statistics.median(passes))) if passes else 0.0, "runs": len(points),
-            "residual_s": float(np.abs(residual - fitted).max()) if len(points) else None}
-
-
-def calibrate(runs: Path, train_args: list[str]) -> dict:
-    """Run the calibration shapes (uncalibrated: an earlier calibration is removed first), fit the allocator's share
-    and the loop's own costs on their records, and store them for this machine."""
-    from trainscope import launching
-    from trainscope.records import read_record
-
-    calibration_path(torch.device("cuda" if torch.cuda.is_available() else "cpu")).unlink(missing_ok=True)
-    calibration_path(torch.device("cpu")).unlink(missing_ok=True)
-    points, names, timings = [], [], []
-    for name, (config, flags) in CALIBRATION_SHAPES.items():
-        plan = launching.plan(config)
-        if not plan.runnable:
-            print(f"skipped {name}: {plan.reason}", flush=True)
-            continue
-        result = launching.run_training([*CALIBRATION_ARGS, *flags, *train_args, "--output-dir", str(runs),
-                                         "--run-name", name, "--overwrite"], config=config,
-                                        env=launching.training_env(plan.on_cpu))
-        if result.returncode != 0:
-            raise RuntimeError(f"calibration run {name} failed: {launching.failure_reason(result)}")
-        record = read_record(runs / name)
-        names.append(name)
-        timing = time_point(record)
-        if timing is not None:
-            timings.append(timing)
-        point = allocator_point(record)
-        if point is not None:
-            points.append(point)
-            step = (f"step {timing['step_residual_s']:+.4f} s off" if timing else
-                    "step time not fitted (several processes: the framework's time is fitted on one)")
-            print(f"{name}: live {point[0] / GIB:.3f} GiB, beyond the tensors {point[1] / GIB:.3f} GiB; {step}", flush=True)
-    if not names:
-        raise RuntimeError("no calibration shape can run here")
-    device = torch.device(read_record(runs / names[0])["environment"]["device"].split(":")[0])
-    fitted = {"key": calibration_key(device), "measured": now_iso(), "shapes": names,
-              "allocator": {**fit_allocator(points), "calibrated": True} if points else None,
-              "time": fit_time(timings) if timings else None}
-    write_json_atomic(calibration_path(device), fitted)
-    return fitted
-
 
 def main(argv=None) -> None:
-    import tempfile
-
-    from trainscope.experiments.base import split_args
-
-    ours, train_args = split_args(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="python -m trainscope.predict",
-        description="Calibrate the predictor's fitted terms on this machine -- the allocator's share of a CPU "
-        "process's peak RSS, the framework's own time (per operator dispatched, per step, per evaluation pass, a "
-        "factor on the non-matmul operators) -- from short train.py runs of six shapes, uncalibrated (a few minutes "
-        "on 2 cores); the 2-process one also measures DDP's all-reduce. Flags after -- go to every run. Predictions "
-        "themselves: python train.py --predict [flags].")
-    parser.add_argument("--calibrate", action="store_true", required=True, help="run the calibration")
-    parser.add_argument("--runs", default=None, help="keep the calibration runs here (default: a temporary folder)")
-    args = parser.parse_args(ours)
-    with contextlib.ExitStack() as stack:
-        runs = Path(args.runs) if args.runs else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        try:
-            fitted = calibrate(runs, train_args)
-        except RuntimeError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(1)
-    allocator, timing = fitted["allocator"], fitted["time"]
-    if allocator:
-        print(f"allocator's share: {allocator['factor']:.3f} x live + {allocator['constant_bytes'] / GIB:.3f} GiB over "
-              f"{allocator['runs']} runs (largest residual {allocator['residual_bytes'] / GIB:.3f} GiB)")
-    if timing:
-        print(f"the framework's own costs: operators x{timing['operator_factor']:.3f}, {timing['dispatch_s'] * 1e6:.1f} us "
-              f"per operator dispatched, {timing['step_s'] * 1e3:.1f} ms per step, {timing['evaluation_pass_s'] * 1e3:.1f} "
-              f"ms per evaluation pass over {timing['runs']} runs")
-    print(f"stored in {calibration_path(torch.device('cpu'))}")
+    """The calibration's command (trainscope.calibration.main): make predict-calibrate."""
+    calibration.main(argv)
 
 
 if __name__ == "__main__":

@@ -290,6 +290,12 @@ class RunView:
         return self.summary.get("measured_peak")
 
     @property
+    def model_flops(self) -> dict:
+        """What the model FLOPs count (trainscope.flops): {trained_share, adapter_weights, input_gradient, recomputed,
+        recomputed_tflops_per_device}; {} in older records (PaLM's 6N for every run: LoRA overstated)."""
+        return self.summary.get("model_flops") or {}
+
+    @property
     def peak_share(self) -> float | None:
         """Achieved model TFLOP/s over this machine's measured matmul peak: not the datasheet MFU (`mfu`)."""
         return (self.measured_peak or {}).get("share")
@@ -343,6 +349,8 @@ class RunView:
         exposed time as the difference of two passes: that estimate reads as a time with the interval of its
         calibration samples, and is `resolved` only when the interval excludes 0 and spans no more than the time
         itself; its overlap (1 - exposed / window) and its agreement with DDP's logger (other steps) are not given.
+        `exposed_s` is given only where resolved; `exposed_median_s` is the median either way (the predictor's
+        estimate of the exposed share, trainscope.predict.remember_communication).
         """
         block = self.communication
         if not block:
@@ -368,7 +376,8 @@ class RunView:
             agreed = ((block.get("agreement") or {}).get("ddp") or {}).get("verdict")
         clear = exposed is not None and resolved(exposed, interval)
         share = block.get("exposed_share") if not old else exposed / self.step_s if exposed and self.step_s else None
-        return {**figures, "exposed_s": exposed if clear else None, "exposed_interval": interval, "resolved": clear,
+        return {**figures, "exposed_s": exposed if clear else None, "exposed_median_s": exposed,
+                "exposed_interval": interval, "resolved": clear,
                 "exposed_share": share if clear else None, "transfer_s": transfer,
                 "hidden_share": hidden_share(exposed, interval, transfer),
                 "overlap": overlap if overlap is not None and 0 <= overlap <= 1 else None, "window_s": block.get("window_s"),

@@ -20,7 +20,7 @@ import torch
 from accelerate.utils import gather_object
 
 from trainscope import communication, environment, gap, health, modeling, peak, precision, predict, summary
-from trainscope.flops import encoder_shape, mfu, training_flops
+from trainscope.flops import FULL, encoder_shape, mfu, recomputed_flops, training_flops, training_of
 from trainscope.loop import LoopState
 from trainscope.memory import GIB, peak_rss_bytes
 from trainscope.precision import SkippedSteps, effective_precision
@@ -56,6 +56,7 @@ class RunMetrics:
         self._last_loss, self._graphs_after_first_step = None, None
         self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
         self.prediction = predict.Check(prediction, self.settings)  # the measured side of each predicted term
+        self.training = FULL  # what the step trains, for its model FLOPs (trainscope.flops): read from the model
 
     # ---------------------------------------------------------------- before the loop
 
@@ -64,6 +65,7 @@ class RunMetrics:
         prediction's check of the model and optimizer; the model is kept for the measurements at the run's shapes
         after the loop (a copy of one layer is profiled, never the model)."""
         self.model = model
+        self.training = training_of(self.accelerator.unwrap_model(model), self.settings.gradient_checkpointing)
         self.communication = communication.build(self.settings, self.accelerator, model)
         self.prediction.attach(model, optimizer)
 
@@ -129,7 +131,7 @@ class RunMetrics:
     def micro_batch(self, batch: dict, loss, labels) -> bool:
         """Count one trained micro-batch; True when it completed an optimizer step."""
         phase = self.timer.phase
-        flops = training_flops(self.model_config, *batch["input_ids"].shape)  # from shapes: no sync
+        flops = training_flops(self.model_config, *batch["input_ids"].shape, self.training)  # from shapes: no sync
         self.loop.add_micro_batch(phase, loss, labels, batch["attention_mask"], flops)
         self.prediction.micro_batch_done(batch, self.accelerator.sync_gradients)
         if not self.accelerator.sync_gradients:
@@ -226,7 +228,8 @@ class RunMetrics:
             result.update(partial=True, ranks_summarized=[r["rank"] for r in per_rank])
         else:
             predict.remember_communication(self.prediction.block, result, self.settings, self.started)
-        warnings = health.check({"settings": asdict(self.settings), "environment": self.env, "summary": result})
+        warnings = health.check({"settings": asdict(self.settings), "environment": self.env, "summary": result,
+                                 "prediction": self.prediction.block})
         return result, warnings
 
     def _rank_summary(self, final: bool = False) -> dict:
@@ -240,6 +243,7 @@ class RunMetrics:
     def _summary(self, per_rank: list[dict], test_scores: dict | None, snapshot: dict | None) -> dict:
         phase = "steady" if self.loop.counts["steady"]["optimizer_steps"] else "warmup"
         throughput = summary.throughput(per_rank, phase)
+        model_flops = self._model_flops(throughput, len(per_rank))
         return {
             "world_size": self.accelerator.num_processes,
             "optimizer_steps": self.loop.step,
@@ -250,7 +254,8 @@ class RunMetrics:
             "throughput": throughput,
             "mfu": mfu(throughput["tflops_per_device"], self.env.get("device_name", ""),
                        self.env.get("effective_precision", "fp32")),
-            "measured_peak": measured_peak(self.env, throughput, per_rank, phase, self.run_shapes),
+            "model_flops": model_flops,
+            "measured_peak": measured_peak(self.env, throughput, per_rank, phase, self.run_shapes, model_flops),
             "memory": summary.memory_across_ranks(per_rank),
             "validation": self.loop.evaluations,
             "test": test_scores,
@@ -264,6 +269,17 @@ class RunMetrics:
             "compile": self._compile_summary(),
             "communication": communication.combine(per_rank, throughput),
         }
+
+    def _model_flops(self, throughput: dict, world: int) -> dict:
+        """What the model FLOPs count (trainscope.flops): the share of the encoder's matmul weights trained, LoRA's
+        adapters, whether the first layer's input gets a gradient; and what activation checkpointing recomputed,
+        per device and second, which the model FLOPs leave out (as PaLM's MFU)."""
+        wall = throughput.get("train_wall_s") or 0.0
+        recomputed = recomputed_flops(self.model_config, throughput.get("padded_tokens") or 0,
+                                      throughput.get("padded_squares") or 0, self.training)
+        return {"trained_share": self.training.trained_share, "adapter_weights": self.training.adapter_weights,
+                "input_gradient": self.training.input_gradient, "recomputed": self.training.recomputed,
+                "recomputed_tflops_per_device": recomputed / wall / world / 1e12 if recomputed and wall > 0 else 0.0}
 
     def _measure_run_shapes(self) -> dict | None:
         """The matmul rate at the run's own GEMM shapes (its batch x mean padded length of the timed steps) and at
@@ -307,9 +323,11 @@ class RunMetrics:
 
 
 def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str,
-                  run_shapes: dict | None = None) -> dict | None:
+                  run_shapes: dict | None = None, model_flops: dict | None = None) -> dict | None:
     """The run against its machine's measured matmul peak for the precision in effect: the achieved model TFLOP/s
-    (PaLM) per device as a share of that peak -- named apart from the datasheet MFU -- the gap estimate without a
+    (PaLM, frozen weights without weight gradients: trainscope.flops) per device as a share of that peak -- named
+    apart from the datasheet MFU -- what the hardware executed (the model FLOPs and checkpointing's recomputation,
+    `executed_tflops`: what the above_measured_peak check holds against the peak), the gap estimate without a
     profile (trainscope.gap.estimate), and the rates and the layer measured at the run's own shapes (`run_shapes`).
     None when no peak was measured for that precision."""
     precision_name = env.get("effective_precision") or "fp32"
@@ -322,6 +340,7 @@ def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str,
     return {"precision": precision_name, "peak_tflops": found["peak_tflops"], "peak_shape": found["peak_shape"],
             "spread": found["spread"], "measured": found["measured"], "key_id": env["machine_peak"].get("key_id"),
             "achieved_tflops": achieved, "share": achieved / found["peak_tflops"] if achieved else None,
+            "executed_tflops": achieved + (model_flops or {}).get("recomputed_tflops_per_device", 0.0) if achieved else None,
             "gap_estimate": gap.estimate(flops, found["peak_tflops"], {k: v["median"] for k, v in stages.items()},
                                          throughput.get("train_wall_s")),
             "run_shapes": run_shapes}

@@ -1,10 +1,17 @@
 """make predict-check: the prediction made before each run (trainscope.predict) against what the run measured, over
 runs of many shapes -- configs (CPU, bf16, 2-process DDP), batch sizes, sequence lengths and padding, activation
-checkpointing on and off, LoRA, three models -- with the median and worst error of each predicted quantity and the
-term of the model furthest off.
+checkpointing on and off, LoRA, three models -- with the median and worst error of each predicted quantity (the peak
+also above the memory the run held before its model, which the run measures itself), the measured term furthest off
+and the residual, each with its shape named, calibrated and on first use:
 
-Each shape runs once (a prediction is judged against one run; its own noise is in the error). The allocator's share
-is calibrated first on other shapes (`python -m trainscope.predict --calibrate`, which the make target runs).
+* **calibrated**: the predictions the runs made at their start, after the full calibration on other shapes
+  (`python -m trainscope.predict --calibrate`, which the make target runs first);
+* **first use**: the same runs predicted again, in this process from their records (the memory they held before the
+  model as they measured it), with the calibration a new machine makes by itself on first use
+  (trainscope.calibration.first_use, timed here; the full calibration is put back afterwards). Only the fitted terms
+  differ between the two.
+
+Each shape runs once (a prediction is judged against one run; its own noise is in the error).
 """
 
 import os
@@ -14,15 +21,18 @@ import statistics
 import time
 from pathlib import Path
 
-from trainscope import bench, reporting
+import torch
+
+from trainscope import bench, calibration, predict, reporting
 from trainscope.experiments.base import Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
 from trainscope.record_view import RunView
 from trainscope.reporting import Headline
+from trainscope.memory import GIB
 from trainscope.records import read_record
 from trainscope.tables import Table, num, pyplot
 
 ROBERTA = ["--model", "roberta-base", "--architecture-only", "--tokenizer", "embedded:minilm-l6"]
-# name -> (config, train.py flags): none of them a calibration shape (trainscope.predict.CALIBRATION_SHAPES).
+# name -> (config, train.py flags): none of them a calibration shape (trainscope.calibration.CALIBRATION_SHAPES, QUICK_SHAPES).
 SHAPES = {
     "minilm-bs32": ("cpu", []),
     "minilm-bs16": ("cpu", ["--per-device-batch-size", "16"]),
@@ -40,13 +50,17 @@ SHAPES = {
     "roberta-bs8": ("cpu", [*ROBERTA, "--per-device-batch-size", "8"]),
     "roberta-bs8-lora": ("cpu", [*ROBERTA, "--per-device-batch-size", "8", "--lora"]),
 }
-QUANTITIES = {"peak_memory_gib": "peak memory", "step_s": "steady step", "run_s": "run time"}
+QUANTITIES = {"peak_memory_gib": "peak memory", "peak_above_baseline_gib": "peak above the start",
+              "step_s": "steady step", "run_s": "run time"}
+MODES = {"calibrated": "calibrated", "first_use": "first use"}
 
 
 def arguments(parser) -> None:
     runs_option(parser, rounds=None, config=None)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE",
                         help=f"shapes to run (default all {len(SHAPES)}): {', '.join(SHAPES)}")
+    parser.add_argument("--no-first-use", action="store_true",
+                        help="judge only the calibrated predictions (no first-use calibration, no second prediction)")
 
 
 def machine_load() -> dict:
@@ -98,16 +112,52 @@ def run(args, train_args: list[str]) -> dict:
         raise ExperimentFailed("no run recorded a prediction and its error")
     result = {"experiment": "predict-check", "train_args": train_args, "runs": rows, "summary": summarize(rows),
               "machine_load": load, "skipped": {a.name: a.skipped for a in arms if a.skipped}}
+    if not args.no_first_use:
+        result["first_use"] = first_use_check(records)
     bench.write_results(runs / "comparison", result, markdown(result, train_args))
     print((runs / "comparison.md").read_text())
     return result
+
+
+def first_use_check(records: dict) -> dict:
+    """The runs predicted again with the calibration a new machine makes on first use (made now, timed), judged on
+    what they measured; the machine's full calibration is put back afterwards."""
+    device = torch.device(RunView(next(iter(records.values()))).env.get("device", "cpu").split(":")[0])
+    full = calibration.read_calibration(device)
+    try:
+        calibration.calibration_path(device).unlink(missing_ok=True)
+        fitted = calibration.first_use(device)
+    except RuntimeError as error:  # judged on nothing: said, and the calibrated check stands
+        return {"error": str(error), "calibration": {}, "at_bound": [], "runs": [], "summary": None}
+    finally:
+        if full:
+            from trainscope.records import write_json_atomic
+
+            write_json_atomic(calibration.calibration_path(device), full)
+    again = {name: {**record, "summary": {**record["summary"], "prediction_error": repredicted(record, fitted)}}
+             for name, record in records.items() if RunView(record).prediction}
+    rows = run_rows(again)
+    return {"calibration": {k: fitted.get(k) for k in ("method", "seconds", "measured", "shapes")},
+            "at_bound": (fitted.get("time") or {}).get("at_bound") or [], "runs": rows, "summary": summarize(rows)}
+
+
+def repredicted(record: dict, fitted: dict) -> dict:
+    """The run's prediction made again here with the calibration `fitted`, from its settings, launch and the memory
+    it held before its model (measured in the run), against what it measured."""
+    view = RunView(record)
+    settings = predict.settings_of(record)
+    workload = predict.workload_of(record, settings)
+    workload.rss_bytes = int(view.prediction["memory"]["terms_gib"].get("baseline", 0.0) * GIB)
+    block = predict.predict(workload, store=False, fitted=fitted)
+    return predict.prediction_errors(block, record["summary"], {})
 
 
 # ---------------------------------------------------------------- rows (pure)
 
 
 def run_rows(records: dict) -> list[dict]:
-    """One row per run with a prediction: its shape, each quantity predicted and measured, the furthest term."""
+    """One row per run with a prediction: its shape, each quantity predicted and measured, the measured terms, the
+    furthest of them, and the residual (the peak less the measured terms: not a term)."""
     rows = []
     for name, record in records.items():
         view = RunView(record)
@@ -116,23 +166,31 @@ def run_rows(records: dict) -> list[dict]:
             continue
         row = {"run": name.removesuffix("-r0"), "precision": view.precision, "world_size": view.world_size,
                "batch": view.setting("per_device_batch_size"), "memory_kind": errors.get("memory_kind"),
-               "furthest": (errors.get("furthest") or {}).get("term")}
+               "calibration": errors.get("calibration")}
         for key in QUANTITIES:
             entry = errors.get(key) or {}
             row[key] = {k: entry.get(k) for k in ("predicted", "measured", "error")}
         row["terms"] = {f"memory: {k}": v for k, v in (errors.get("memory_terms") or {}).items() if v}
         row["terms"].update({f"time: {k}": v for k, v in (errors.get("time_terms") or {}).items() if v})
         peak, step = row["peak_memory_gib"]["measured"], row["step_s"]["measured"]
-        for term, entry in row["terms"].items():
-            total = peak if term.startswith("memory") else step
-            entry["share_of_total"] = abs(entry["predicted"] - entry["measured"]) / total if total else None
+        residual = errors.get("memory_residual") or errors.get("memory_terms", {}).get("rest")  # older records: "rest"
+        row["residual"] = dict(residual) if residual else None
+        for term, entry in [*row["terms"].items(), ("memory: residual", row["residual"])]:
+            if entry is not None:
+                total = peak if term.startswith("memory") else step
+                entry["share_of_total"] = abs(entry["predicted"] - entry["measured"]) / total if total else None
+        row["terms"].pop("memory: rest", None)
+        # the measured term furthest off, from the terms themselves (older records named their residual so)
+        shares = {term: entry["share_of_total"] for term, entry in row["terms"].items()
+                  if entry.get("share_of_total") is not None}
+        row["furthest"] = max(shares, key=shares.get) if shares else None
         rows.append(row)
     return rows
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Median and worst |error| of each quantity over the runs, and each term's median share of its total's error
-    (the term furthest off: the largest)."""
+    """Median and worst |error| of each quantity over the runs (the worst run named), each measured term's median
+    share of its total's error (the term furthest off: the largest) and the residual's."""
     result = {"runs": len(rows)}
     for key in QUANTITIES:
         errors = [(abs(r[key]["error"]), r[key]["error"], r["run"]) for r in rows if r[key].get("error") is not None]
@@ -150,6 +208,11 @@ def summarize(rows: list[dict]) -> dict:
                        for term, values in shares.items()}
     if result["terms"]:
         result["furthest_term"] = max(result["terms"], key=lambda t: result["terms"][t]["median_share_of_total"])
+    residuals = [r["residual"] for r in rows if r.get("residual") and r["residual"].get("share_of_total") is not None]
+    if residuals:
+        result["residual"] = {"median_share_of_total": statistics.median(e["share_of_total"] for e in residuals),
+                              "median_abs_error": statistics.median(abs(e["error"] or 0.0) for e in residuals),
+                              "runs": len(residuals)}
     return result
 
 
@@ -157,39 +220,73 @@ def _pct(value) -> str:
     return f"{value:+.1%}" if value is not None else "-"
 
 
-def run_table(rows: list[dict]) -> Table:
+TABLE_QUANTITIES = {"peak_memory_gib": "memory GiB", "step_s": "step s", "run_s": "run s"}
+
+
+def run_table(rows: list[dict], mode: str = "calibrated") -> Table:
     cells = [[r["run"], r["precision"], str(r["world_size"]),
-              *(cell for key in QUANTITIES for cell in (num(r[key]["predicted"], 3), num(r[key]["measured"], 3),
-                                                        _pct(r[key]["error"]))),
-              r["furthest"] or "-"] for r in rows]
+              *(cell for key in TABLE_QUANTITIES for cell in (num(r[key]["predicted"], 3), num(r[key]["measured"], 3),
+                                                              _pct(r[key]["error"]))),
+              _pct((r.get("peak_above_baseline_gib") or {}).get("error")), r["furthest"] or "-"] for r in rows]
     header = ["run", "precision", "procs"]
-    for label in ("memory GiB", "step s", "run s"):
+    for label in TABLE_QUANTITIES.values():
         header += [f"{label} pred.", "meas.", "error"]
-    return Table("Predicted against measured, each run once", [*header, "furthest term"], cells, "prediction",
-                 align="lll" + "rrr" * 3 + "l")
+    return Table(f"Predicted against measured, each run once ({mode})", [*header, "peak above start", "furthest term"],
+                 cells, "prediction" if mode == "calibrated" else "prediction-first-use",
+                 align="lll" + "rrr" * 3 + "rl")
 
 
 def term_table(summary: dict) -> Table:
     terms = sorted(summary.get("terms", {}).items(), key=lambda item: -item[1]["median_share_of_total"])
+    if summary.get("residual"):
+        terms.append(("memory: residual (the peak less the measured terms)", summary["residual"]))
     cells = [[term, f"{t['median_abs_error']:.1%}", f"{t['median_share_of_total']:.1%}", str(t["runs"])]
              for term, t in terms]
     return Table("Each term of the model: its median error, and its error as a share of its total (peak or step)",
                  ["term", "median abs. error", "median share of total", "runs"], cells, "prediction-terms", align="lrrr")
 
 
-def summary_text(summary: dict) -> str:
+def summary_text(summary: dict, mode: str | None = None) -> str:
     parts = []
     for key, label in QUANTITIES.items():
         entry = summary.get(key)
         if entry:
             parts.append(f"{label}: median |error| {entry['median_abs_error']:.1%}, worst {_pct(entry['worst_error'])} "
                          f"({entry['worst_run']})")
-    furthest = summary.get("furthest_term")
-    text = f"Over {summary['runs']} runs, " + "; ".join(parts) + "."
+    furthest, residual = summary.get("furthest_term"), summary.get("residual")
+    text = f"{MODES[mode].capitalize() + ', o' if mode else 'O'}ver {summary['runs']} runs, " + "; ".join(parts) + "."
     if furthest:
-        text += (f" The term furthest off: {furthest} (its error is {summary['terms'][furthest]['median_share_of_total']:.1%}"
-                 " of its total in the median run).")
+        text += (f" The measured term furthest off: {furthest} (its error is "
+                 f"{summary['terms'][furthest]['median_share_of_total']:.1%} of its total in the median run)")
+        text += (f"; the residual (the peak less the measured terms, not a term) is off by "
+                 f"{residual['median_share_of_total']:.1%} of the peak in the median run." if residual else ".")
     return text
+
+
+def goals_text(result: dict) -> str:
+    """Each mode's median errors against their goals."""
+    lines = []
+    for mode in MODES:
+        summary = result["summary"] if mode == "calibrated" else (result.get("first_use") or {}).get("summary")
+        if not summary:
+            continue
+        met = [f"{QUANTITIES[key]} {(summary.get(key) or {}).get('median_abs_error', float('nan')):.1%} "
+               f"({'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} {goal:.0%})"
+               for key, goal in GOALS[mode].items()]
+        lines.append(f"{MODES[mode]}: median |error| " + ", ".join(met))
+    return "Goals: " + "; ".join(lines) + "." if lines else ""
+
+
+def first_use_text(first: dict | None) -> str:
+    if not first:
+        return ""
+    if first.get("error"):
+        return f"First use: not judged ({first['error']})."
+    made = first["calibration"]
+    bounds = f" Held at a bound of its fit: {'; '.join(first['at_bound'])}." if first.get("at_bound") else ""
+    return (f"First use: the calibration a new machine makes by itself took {made.get('seconds') or 0:.0f} s "
+            f"({made.get('method')}); each run predicted again with it from its record.{bounds} "
+            + summary_text(first["summary"], "first_use"))
 
 
 def load_text(load: dict | None) -> str:
@@ -209,9 +306,12 @@ def load_text(load: dict | None) -> str:
 
 def markdown(result: dict, train_args: list[str]) -> list[str]:
     lines = ["# Experiment: predict-check", "", f"train.py flags: `{shlex.join(train_args)}`; each shape once.", "",
-             summary_text(result["summary"]), "", load_text(result.get("machine_load")), "",
+             goals_text(result), "", summary_text(result["summary"], "calibrated"), "",
+             first_use_text(result.get("first_use")), "", load_text(result.get("machine_load")), "",
              *run_table(result["runs"]).markdown_lines(), "",
              *term_table(result["summary"]).markdown_lines()]
+    if (result.get("first_use") or {}).get("runs"):
+        lines += ["", *run_table(result["first_use"]["runs"], "first use").markdown_lines()]
     if result.get("skipped"):
         lines += ["", *(f"- skipped {name}: {why}" for name, why in result["skipped"].items())]
     return lines
@@ -227,7 +327,8 @@ def section(report, found: reporting.Collected) -> None:
         return
     summary = summarize(rows)
     figure, axes = pyplot().subplots(1, 3, figsize=(11, 3.8))
-    for axis, (key, label) in zip(axes, QUANTITIES.items()):
+    for axis, key in zip(axes, TABLE_QUANTITIES):
+        label = QUANTITIES[key]
         points = [(r[key]["measured"], r[key]["predicted"], r["run"]) for r in rows
                   if r[key]["measured"] is not None and r[key]["predicted"] is not None]
         if not points:
@@ -253,8 +354,10 @@ def section(report, found: reporting.Collected) -> None:
         axis.set_title(f"{label}: median |error| {entry.get('median_abs_error', float('nan')):.1%}", fontsize=9)
     figure.tight_layout()
     report.figure(figure, "prediction", "Predicted against measured (dotted: 10% either way)", list(records.values()))
-    report.text(summary_text(summary))
+    report.text(summary_text(summary, "calibrated"))
     comparison = found.comparisons.get(EXPERIMENT.name) or {}
+    if comparison.get("first_use"):
+        report.text(first_use_text(comparison["first_use"]))
     if comparison.get("machine_load"):
         report.text(load_text(comparison["machine_load"]))
     report.table(run_table(rows))
@@ -262,7 +365,7 @@ def section(report, found: reporting.Collected) -> None:
 
 
 # The errors a prediction is held to (median over the shapes): the goals it is judged by on the report's first page.
-GOALS = {"peak_memory_gib": 0.10, "step_s": 0.15}
+GOALS = {"calibrated": {"peak_memory_gib": 0.10, "step_s": 0.15}, "first_use": {"peak_memory_gib": 0.15, "step_s": 0.15}}
 
 
 def headline(found: reporting.Collected) -> Headline | None:
@@ -272,7 +375,7 @@ def headline(found: reporting.Collected) -> Headline | None:
         return None
     summary = summarize(rows)
     met = [f"{QUANTITIES[key]} {'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} "
-           f"{goal:.0%}" for key, goal in GOALS.items()]
+           f"{goal:.0%}" for key, goal in GOALS["calibrated"].items()]
     return Headline(summary_text(summary).rstrip("."), "median |error|: " + ", ".join(met))
 
 
