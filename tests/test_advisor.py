@@ -3,14 +3,15 @@ its plumbing end to end on the tiny model."""
 
 import json
 import random
-import sys
+import shlex
 from types import SimpleNamespace
 
 import pytest
 
 import report
-from conftest import ROOT, TINY, cpu_env, plant, run_command
-from trainscope import advisor, flops, tune
+from conftest import ROOT, TINY, cpu_env, plant
+from trainscope import advisor, changes, flops, health, tune
+from trainscope.record_view import RunView
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval", "other")
 SHAPE = {"layers": 6, "hidden": 384, "intermediate": 1536}  # MiniLM-L6
@@ -503,27 +504,49 @@ train.main(sys.argv[1:])
 '''
 
 
-def test_tune_runs_the_advice_run_and_a_round_of_baseline_and_trial_by_the_documented_command(tmp_path):
-    """The verdicts are tested on planted and simulated runs (here and tests/test_tune.py); here, one round: what
-    runs, with which seeds, and what is written."""
+def test_tune_judges_exact_changes_on_real_runs_and_finds_a_planted_inexact_one(tmp_path, monkeypatch, capsys):
+    """make tune's command (its main(), in this process so the advice can be planted) on real runs of the tiny model,
+    one round (the verdicts on speed are tested on planted and simulated runs above and in tests/test_tune.py): the
+    advice run's own suggestion (a slow loader's --num-workers 1) and the foreach AdamW against the fused default
+    are exact -- every logged step's loss and the final metrics agree within fp32's tolerance; another hidden
+    dropout probability, planted in the catalogue as exact (as a padding-free layer drawing other dropout masks
+    would be), is 'not exact'."""
     script = tmp_path / "slow_loader.py"
     script.write_text(SLOW_LOADER.format(root=str(ROOT)))
-    completed = run_command([sys.executable, "-m", "trainscope.tune", "--runs", str(tmp_path / "tune"), "--launcher",
-                             "python", "--script", str(script), "--rounds", "1", "--max-suggestions", "1", "--",
-                             *TINY, "--max-train-samples", "512"], env=cpu_env(), timeout=900)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads((tmp_path / "tune" / "comparison.json").read_text())
-    (trial,) = result["trials"]
-    assert trial["rule"] == "data_loading" and trial["flags"] == ["--num-workers", "1"] and trial["pairs"] == 1
-    assert trial["verdict"] == "too few pairs" and trial["equivalence"]["verdict"] == "undecided"
-    assert result["design"]["rounds"] == 1 and "--seed" not in result["final_command"]
-    assert sorted(p.name for p in (tmp_path / "tune").glob("*-r*")) == ["advice-r0", "baseline-r0", "s1-r0"]
-    for run in ("baseline-r0", "s1-r0"):  # round 0: the baseline's seed, the data seed held
-        settings = json.loads((tmp_path / "tune" / run / "record.json").read_text())["settings"]
+    for name, value in cpu_env().items():
+        if name in ("ACCELERATE_USE_CPU", "CUDA_VISIBLE_DEVICES", "TOKENIZERS_PARALLELISM", "OMP_WAIT_POLICY"):
+            monkeypatch.setenv(name, value)
+    advise = tune.advisor.advise
+    monkeypatch.setattr(tune.advisor, "advise", lambda record: [
+        *[s for s in advise(record) if s.rule == "data_loading"], suggestion("foreach", ["--optimizer-implementation", "foreach"]),
+        suggestion("dropout", ["--hidden-dropout", "0.11"])])
+    monkeypatch.setitem(changes.CATALOGUE, "--hidden-dropout",
+                        changes.Change("--hidden-dropout", changes.EXACT, "planted as exact: other dropout masks"))
+    runs = tmp_path / "tune"
+    tune.main(["--runs", str(runs), "--launcher", "python", "--script", str(script), "--rounds", "1",
+               "--max-suggestions", "3", "--", *TINY])
+    printed = capsys.readouterr().out
+    result = json.loads((runs / "comparison.json").read_text())
+    workers, foreach, dropout = result["trials"]
+    assert (workers["rule"], workers["flags"], foreach["flags"]) == (
+        "data_loading", ["--num-workers", "1"], ["--optimizer-implementation", "foreach"])
+    assert all(t["kind"] == "exact" and t["pairs"] == 1 and t["verdict"] == "too few pairs" for t in result["trials"])
+    assert workers["exactness"]["verdict"] == foreach["exactness"]["verdict"] == "exact"
+    assert workers["exactness"]["numbers"] == 8 + 4  # 16 steps logged every 2, and the final metrics
+    assert dropout["exactness"]["verdict"] == "not exact" and dropout["same_result"] is False
+    assert dropout["result"].startswith("not exact: seed 42, step 2 loss")
+    assert result["design"]["exact"] == 3 and result["design"]["tolerance"] == 2 ** -14
+    assert result["final_flags"] == [] and "--seed" not in result["final_command"]
+    machine = health.machine_kind(RunView(json.loads((runs / "advice-r0" / "record.json").read_text())))
+    assert result["tuned_on"] == machine and result["final_command"].endswith(f"--tuned-on {shlex.quote(machine)}")
+    assert sorted(p.name for p in runs.glob("*-r*")) == ["advice-r0", "baseline-r0", "e1-r0", "e2-r0", "e3-r0"]
+    for run in ("baseline-r0", "e3-r0"):  # round 0: the baseline's seed, the data seed held
+        settings = json.loads((runs / run / "record.json").read_text())["settings"]
         assert (settings["seed"], settings["data_seed"]) == (42, 42)
-    assert completed.stdout.index("design: 1 trial(s), 1 alternating rounds") < completed.stdout.index("round 1 baseline")
-    written = (tmp_path / "tune" / "comparison.md").read_text()
-    assert result["provenance"]["commit"] and "Final command" in written and "two one-sided tests" in written
+    assert printed.index("exact changes (3, tried first and stacked)") < printed.index("round 1 baseline")
+    written = (runs / "comparison.md").read_text()
+    assert result["provenance"]["commit"] and "Final command" in written and "not exact" in written
+
 
 # ---------------------------------------------------------------- the gap to the measured peak (trainscope.gap)
 

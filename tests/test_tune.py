@@ -7,15 +7,17 @@ import itertools
 import json
 import math
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
-from trainscope import bench, tune, tune_judge
+from conftest import ONE_THREAD, ROOT, TINY, read_record, run_in_process
+from trainscope import bench, health, tune, tune_judge
 from trainscope.errors import UserError
 from trainscope.experiments import tune_confirm
 from trainscope.experiments.base import Arm
+from trainscope.record_view import RunView
 from trainscope.tune_judge import Design
 
 REPETITIONS = 2000
@@ -35,7 +37,8 @@ COMMITTED_PAIRED_SD = {"validation_accuracy": 0.0186, "test_accuracy": 0.0171, "
 class Machine:
     """Simulated runs of a noisy, drifting machine: a run's time is its arm's work (divided by the planted speed-up)
     times the machine's speed, a random walk over the runs (drift, 0.5% a run), times log-normal noise; its results
-    are the seed's luck (shared by every arm on that seed) plus a little run-to-run noise, and a planted shift.
+    are the seed's luck (shared by every arm on that seed) plus a little run-to-run noise, and a planted shift; the
+    baseline and exact arms (e1, e2, ..., their together and the stack) compute the same numbers on a seed.
 
     The noise is 5%, over twice this machine's 2%: there the 3% minimum effect seldom stops a false verdict, so the
     rates below are the test's and the design's own.
@@ -48,7 +51,7 @@ class Machine:
                  drift: float = 0.005, tokens: dict | None = None, paired_sd: dict | None = None):
         self.rng, self.speed, self.shift, self.noise, self.drift = rng, speed or {}, shift or {}, noise, drift
         self.tokens, self.paired_sd = tokens or {}, paired_sd or {}
-        self.level, self.luck, self.path = 0.0, {}, {}
+        self.level, self.luck, self.path, self.exact_noise = 0.0, {}, {}, {}
 
     def __call__(self, arm: Arm, round_index: int, extra: list[str]) -> dict:
         rng = self.rng
@@ -58,6 +61,8 @@ class Machine:
         factor = math.exp(self.level + rng.gauss(0, self.noise)) / self.speed.get(arm.name, 1.0)
         tokens = 10_000 * self.tokens.get(arm.name, 1.0)
         shift, run_noise = self.shift.get(arm.name, 0.0), rng.gauss(0, 0.002)
+        if re.fullmatch(r"baseline|stacked|exact|e\d+", arm.name):  # an exact change computes what the baseline does
+            run_noise = self.exact_noise.setdefault(seed, run_noise)
         path = {}
         if self.paired_sd and not arm.name.startswith("baseline"):  # this arm's own path on this seed
             accuracy_z, loss_z = self.path.setdefault((arm.name, seed), (rng.gauss(0, 1), rng.gauss(0, 1)))
@@ -70,18 +75,22 @@ class Machine:
                 "test_accuracy": accuracy - run_noise / 2 + path.get("test_accuracy", 0.0),
                 "validation_loss": 0.9 - (luck + shift) / 2 + run_noise + path.get("validation_loss", 0.0),
                 "test_loss": 0.92 - (luck + shift) / 2 - run_noise + path.get("test_loss", 0.0),
-                "optimizer_steps": 30, "steps_per_epoch": 125, "epochs": 1}
+                "optimizer_steps": 30, "steps_per_epoch": 125, "epochs": 1,
+                "step_losses": [[step, 1.1 - step / 100 - luck] for step in (10, 20, 30)]}  # the seed's, exactly
 
 
-def decide(machine: Machine, trials: int, rounds: int = tune_judge.ROUNDS) -> tuple[dict, object]:
+def decide(machine: Machine, trials: int, rounds: int = tune_judge.ROUNDS, exact: int = 0) -> tuple[dict, object]:
     """The real decision path with the simulated machine as its runner: (judged, the together trial or None). The
-    trials are numeric changes (judged by the equivalence test)."""
-    design = Design(rounds=rounds, trials=trials)
+    first `exact` trials are exact changes (e1, e2, ...: tried first, their kept ones stacked), the others numeric
+    (s1, s2, ...: judged by the equivalence test)."""
+    design = Design(rounds=rounds, trials=trials + exact, exact=exact)
     tuner = tune.Tuner(machine, budget_s=math.inf, clock=lambda: 0.0, log=lambda line: None)
     baseline = Arm("baseline", None)
     arms = [tune.Trial(f"s{i + 1}", Arm(f"s{i + 1}", None, [f"--s{i + 1}"]), own_flags=[f"--s{i + 1}"])
             for i in range(trials)]
-    judged, ran = tuner.decide(design, baseline, [], arms)
+    exacts = [tune.Trial(f"e{i + 1}", Arm(f"e{i + 1}", None, [f"--e{i + 1}"]), kind="exact", phase="exact",
+                         own_flags=[f"--e{i + 1}"]) for i in range(exact)]
+    judged, ran = tuner.decide(design, baseline, exacts, arms)
     return judged, next((t for t, _, _ in ran if t.name == "kept"), None)
 
 
@@ -151,6 +160,20 @@ def test_three_no_op_trials_and_the_kept_ones_together_keep_the_familys_exact_bo
     bound = 4 * bench.rejection_rate(6, 6, ALPHA / 4)
     rate, _, _ = false_rate(3, {}, {"s1", "s2", "s3", "kept"}, seed=2)
     assert rate <= bound + 3 * monte_carlo_se(bound)
+
+
+def test_exact_and_numeric_no_ops_in_their_two_phases_keep_the_familys_exact_bound():
+    """Two exact no-ops (tried first, judged on their own) and two numeric no-ops on top of whatever was stacked:
+    one family of six tests (each phase's kept ones together included), whose first Holm threshold, 0.05/6, 6
+    against 6 passes exactly 4/924 of the time: a false verdict anywhere at most 6 x 4/924 = 0.026 (1,000
+    repetitions); an exact no-op's runs agree number for number, so it is "exact" every time."""
+    bound = 6 * bench.rejection_rate(6, 6, ALPHA / 6)
+    rng, false, exact = random.Random(16), 0, 0
+    for _ in range(1000):
+        judged, _ = decide(Machine(rng), 2, exact=2)
+        false += any(entry["verdict"] in ("faster", "slower") for entry in judged.values())
+        exact += judged["e1"]["exactness"]["verdict"] == "exact"
+    assert false / 1000 <= bound + 3 * monte_carlo_se(bound, 1000) and exact == 1000
 
 
 def test_the_kept_ones_together_are_inside_the_family_and_a_planted_one_point_three_is_found():
@@ -392,6 +415,42 @@ def test_a_committed_make_tune_is_judged_again_by_todays_rules():
         assert result["final_flags"] == [] and "the baseline stands" in result["summary"]
 
 
+# ---------------------------------------------------------------- the machine a command was tuned on
+
+
+def test_the_machine_kind_make_tune_writes_is_compared_by_device_instruction_set_and_native_bf16():
+    here = {"environment": {"device": "cpu", "device_name": "AMD EPYC 7B13", "cpu_capability": "AVX2, no native bf16",
+                            "cpu_native_bf16": False}}
+    written = health.machine_kind(RunView(here))
+    assert written == "cpu AVX2, bf16 emulated: AMD EPYC 7B13"
+    assert health.kind_difference(written, written) is None
+    assert health.kind_difference("cpu AVX2, bf16 emulated: AMD EPYC 7763", written) is None  # another model, same kind
+    assert health.kind_difference("cpu AVX512, bf16 native: Intel(R) Xeon(R) Processor", written) == (
+        "instruction set AVX512 there, AVX2 here; bf16 native there, emulated here")
+    gpu = {"environment": {"device": "cuda:0", "device_name": "NVIDIA A10G", "gpu_compute_capability": "8.6",
+                           "gpu_native_bf16": True}}
+    assert health.machine_kind(RunView(gpu)) == "cuda compute capability 8.6, bf16 native: NVIDIA A10G"
+    assert "name NVIDIA H100 80GB HBM3 there, NVIDIA A10G here" in health.kind_difference(
+        "cuda compute capability 8.6, bf16 native: NVIDIA H100 80GB HBM3", health.machine_kind(RunView(gpu)))
+    assert "cannot be compared" in health.kind_difference("my laptop", written)
+    assert health.check({**here, "settings": {"tuned_on": written}}, at_start=True) == []
+
+
+def test_make_tunes_command_on_a_machine_of_another_kind_warns_once_before_its_first_step(runs):
+    """The final command of a make tune run elsewhere (a CPU with native bf16 and AMX) run here: one warning, said
+    at the start (before the loop: the start-up warnings), recorded, and nothing else changed."""
+    elsewhere = "cpu AMX, bf16 native: Intel(R) Xeon(R) Platinum 8480+"
+    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "tuned", "--max-steps", "4",
+                             "--tuned-on", elsewhere])
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = read_record(runs / "tuned")
+    (warning,) = [w for w in record["warnings"] if w["code"] == "tuned_elsewhere"]
+    assert warning["message"].startswith(f"this command was tuned on {elsewhere}, this run is on cpu ")
+    said = [line for line in result.stdout.splitlines() if line.startswith("warning [tuned_elsewhere]")]
+    assert len(said) == 2 and result.stdout.index(said[0]) < result.stdout.index("stage        seconds")  # start, end
+    assert record["settings"]["tuned_on"] == elsewhere
+
+
 # ---------------------------------------------------------------- make tune-confirm on planted runs
 
 
@@ -403,7 +462,8 @@ def confirm_args(tmp_path, **overrides):
 
 def test_tune_confirm_runs_both_commands_in_paired_rounds_and_judges_speed_and_result(tmp_path, monkeypatch):
     (tmp_path / "tune.json").write_text(json.dumps({"final_flags": ["--group-by-length"], "final_config": "bf16",
-                                                    "design": {"accuracy_margin": 0.02, "loss_margin": 0.05}}))
+                                                    "design": {"accuracy_margin": 0.02, "loss_margin": 0.05},
+                                                    "tuned_on": "cpu AVX2, bf16 emulated: AMD EPYC 7B13"}))
     machine, calls = Machine(random.Random(12), {"make-tune": 5.5}), []
 
     def run_arm(arm, train_args, runs, round_index, extra=()):
@@ -415,7 +475,8 @@ def test_tune_confirm_runs_both_commands_in_paired_rounds_and_judges_speed_and_r
     monkeypatch.setattr(tune_confirm, "run_arm", run_arm)
     report = tune_confirm.run(confirm_args(tmp_path), ["--max-train-samples", "4000"])
     assert [(c[0], c[3]) for c in calls[:4]] == [("make-train", 0), ("make-tune", 0), ("make-tune", 1), ("make-train", 1)]
-    assert calls[1][1:3] == ("bf16", ["--group-by-length"]) and calls[1][4] == ["--seed", "42", "--data-seed", "42"]
+    assert calls[1][1:3] == ("bf16", ["--group-by-length", "--tuned-on", "cpu AVX2, bf16 emulated: AMD EPYC 7B13"])
+    assert calls[1][4] == ["--seed", "42", "--data-seed", "42"]
     against = report["comparisons"]["make-tune"]
     assert against["speed"]["verdict"] == "faster" and against["speed"]["median_ratio"] == pytest.approx(5.5, rel=0.1)
     assert against["whole_job"]["pairs"] == 5
