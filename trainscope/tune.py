@@ -284,7 +284,7 @@ def markdown(result: dict) -> list[str]:
              f"each, seeds {design['seed']}-{design['seed'] + design['rounds'] - 1} (data seed {design['data_seed']}); "
              f"test: {design['test']}; boundary: {design['boundary']}; margins: accuracy +-{design['accuracy_margin']:g}, "
              f"loss +-{design['loss_margin']:g}.", "", result["method"], "", *tune_table(result).markdown_lines(), "",
-             *equivalence_table(result).markdown_lines(), "", result["summary"], "",
+             *equivalence_lines(result), result["summary"], "",
              f"Final command: `{result['final_command']}`"
              + (f" (tuned on {result['tuned_on']}: a run on a machine of another kind warns)" if result.get("tuned_on")
                 else ""), ""]
@@ -294,6 +294,12 @@ def markdown(result: dict) -> list[str]:
     lines += [f"- not tried: {n['change']} ({n['why']}" + (f"; {n['kind']}" if n.get("kind") else "") + ")"
               for n in result["not_tried"]]
     return lines
+
+
+def equivalence_lines(result: dict) -> list[str]:
+    """The paired-seed table where a trial was judged by it (exact changes are judged by their runs' numbers)."""
+    table = equivalence_table(result)
+    return [*table.markdown_lines(), ""] if table.rows else []
 
 
 def parser() -> argparse.ArgumentParser:

@@ -28,7 +28,8 @@ def section(report, found: reporting.Collected) -> None:
         if tune.get("history"):
             report.text(tune["history"])
         report.table(tune_table(tune))
-        report.table(equivalence_table(tune))
+        if equivalence_table(tune).rows:
+            report.table(equivalence_table(tune))
         report.text(f"Final command: `{tune['final_command']}`. {final_text(final_trial(tune['trials']))}")
         report.text(tune.get("method", ""))
     confirm, why = readable_confirm(found)
