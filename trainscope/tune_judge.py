@@ -220,7 +220,7 @@ def measure(design: Design, baseline: dict[int, dict], trial: dict[int, dict], k
         entry["result"] = entry["exactness"]["text"]
     elif kind == changes.TRAINING and not all(full_job(r) for r in mine):
         entry["same_result"] = None
-        entry["result"] = training_text(design, entry["equivalence"], base, mine)
+        entry["result"] = training_text(entry["equivalence"], base, mine)
     else:
         entry["same_result"] = {"same": True, "changed": False}.get(entry["equivalence"]["verdict"])
         entry["result"] = entry["equivalence"]["text"]
@@ -414,7 +414,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
-def training_text(design: Design, equivalence: dict, baseline: list[dict], trial: list[dict]) -> str:
+def training_text(equivalence: dict, baseline: list[dict], trial: list[dict]) -> str:
     """A training change on a proxy: not decided here. The seeds the full job needs to show a change that alters
     nothing "same" with 80% power, at the seed noise measured here (the paired differences' SD of the metric that
     needs the most; the baseline's own SD across seeds beside it), and how long that takes on this machine."""
