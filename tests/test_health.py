@@ -50,6 +50,7 @@ def test_a_clean_record_has_no_warnings():
       "environment__requested_precision": "no"}, "ran_on_cpu"),
     ({"environment__device": "cuda:0", "environment__device_name": "NVIDIA H100 80GB HBM3",
       "settings__memory_snapshot": True}, "memory_snapshot_on"),
+    ({"settings__tuned_on": "cpu AVX512, bf16 native: Intel(R) Xeon(R) Processor"}, "tuned_elsewhere"),
     ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.2, "exposed_resolved": True,
                                  "exposed_interval": [0.18, 0.22], "transfer_s": 0.1}}, "comm_exposed_above_total"),
     ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.02, "exposed_resolved": False,

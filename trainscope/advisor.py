@@ -25,14 +25,18 @@ where the time between the run and its machine's measured matmul peak went (trai
 is a bound; without it, the category's share of one encoder layer profiled apart at the run's shapes times the
 forward + backward share of the run (summary.measured_peak.run_shapes) -- an estimate, which says so.
 
-`make tune` (trainscope.tune) takes the suggestions that carry flags or a config, tries them and keeps
-what is measurably faster.
+Every suggestion carries its kind (trainscope.changes): *exact* (the same samples, order and random draws:
+padding-free layers, evaluation in length order, the optimizer's implementation, loader settings), *numeric* (bf16,
+TF32) or *training* (dropout, order, batch). Where padding is what costs, the exact changes come beside the training
+one (`--unpad` and `--eval-order length` beside `--group-by-length`); a flag this build does not have is marked "not
+available in this build". `make tune` (trainscope.tune) takes the suggestions that carry flags or a config, tries
+the exact ones first and keeps what is measurably faster with the same result, judged as its kind can be.
 """
 
 from dataclasses import asdict, dataclass, field
 
-from trainscope import health, launching
-from trainscope.flops import padding_flops_share, peak_tflops
+from trainscope import changes, health, launching
+from trainscope.flops import matmul_parameters, padding_flops_share, peak_tflops
 from trainscope.record_view import RunView
 
 MIN_GAIN = 1.02  # a gain below 2% is not worth a trial on a noisy machine
@@ -60,6 +64,8 @@ class Suggestion:
     confidence: str = "medium"                  # high / medium / low
     fix_first: bool = False                     # a health warning: the figures themselves are doubtful
     changes_result: str | None = None           # what the change alters in what is learned, if anything
+    kind: str | None = None                     # exact / numeric / training (trainscope.changes), set by advise()
+    unavailable: str | None = None              # why this build cannot make the change (a flag it lacks), or None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,6 +97,9 @@ def advise(record: dict) -> list[Suggestion]:
             same.fix_first, same.evidence = True, f"{same.evidence}; {fix.evidence}"
         else:
             found.append(fix)
+    for s in found:
+        if s.flags or s.config:
+            s.kind, s.unavailable = changes.kind_of(s.flags, s.config), changes.unavailable(s.flags, s.config)
     return sorted(found, key=lambda s: (not s.fix_first, -(s.gain or 1.0)))
 
 
@@ -190,10 +199,41 @@ def padding(view: RunView) -> list[Suggestion]:
                 f"evaluation {eval_share:.0%}")
     if eval_saved is not None:
         evidence += f" ({1 - pad['eval_tokens'] / pad['eval_padded']:.0%} of its positions padding)"
-    return [Suggestion("padding", "batch sequences of similar length (and evaluate in length order)", evidence,
-                       ["--group-by-length"], gain=gain, gain_kind="estimate", factor="; ".join(assumed),
-                       confidence="high", changes_result=order_change(view, "grouped by length")
-                       + "; evaluation in length order (the same samples)")]
+    found = [Suggestion("padding", "batch sequences of similar length (and evaluate in length order)", evidence,
+                        ["--group-by-length"], gain=gain, gain_kind="estimate", factor="; ".join(assumed),
+                        confidence="high", changes_result=order_change(view, "grouped by length")
+                        + "; evaluation in length order (the same samples)")]
+    return found + padding_free(view, evidence, train_share, eval_share, eval_saved)
+
+
+def padding_free(view: RunView, evidence: str, train_share: float, eval_share: float,
+                 eval_saved: float | None) -> list[Suggestion]:
+    """The exact changes that skip padding without touching what is learned: padding-free encoder layers (the
+    token-wise matmuls -- projections and feed-forward -- on the real tokens; attention stays padded, so only the
+    6N part of the padded FLOPs is saved) and evaluation in length order (its own padding share). Estimates, on the
+    FLOPs as time, like the padding rule."""
+    pad, shape = view.padding, view.model_facts.get("shape")
+    found = []
+    if shape and pad["train_padded_squares"]:
+        tokenwise = 6 * matmul_parameters(shape["layers"], shape["hidden"], shape["intermediate"])
+        attention = 12 * shape["layers"] * shape["hidden"]
+        padded = tokenwise * pad["train_padded"] + attention * pad["train_padded_squares"]
+        saved = tokenwise * (pad["train_padded"] - pad["train_tokens"]) / padded
+        gain = amdahl(train_share * saved)
+        if gain >= MIN_GAIN:
+            found.append(Suggestion("unpad", "run the encoder's token-wise layers on the real tokens only "
+                                    "(padding-free layers)", evidence, ["--unpad"], gain=gain, gain_kind="estimate",
+                                    factor=f"forward and backward time x(1 - {saved:.0%}): the token-wise matmul "
+                                    "FLOPs on padding positions, taken as time (attention stays padded)",
+                                    confidence="medium", changes_result=changes.does(["--unpad"])))
+    if eval_saved:
+        gain = amdahl(eval_share * eval_saved)
+        if gain >= MIN_GAIN:
+            found.append(Suggestion("eval_order", "evaluate in length order (the same samples, less padding)", evidence,
+                                    ["--eval-order", "length"], gain=gain, gain_kind="estimate",
+                                    factor=f"evaluation time x(1 - {eval_saved:.0%}): its padding FLOPs taken as time",
+                                    confidence="medium", changes_result=changes.does(["--eval-order"])))
+    return found
 
 
 def order_change(view: RunView, how: str) -> str:
@@ -235,8 +275,8 @@ def optimizer(view: RunView) -> list[Suggestion]:
     return [Suggestion("optimizer", "use the fused AdamW: one kernel per step over every parameter",
                        f"optimizer {share:.1%} of the steady step, {facts.get('name')} {now}, not fused",
                        ["--optimizer-implementation", "fused"], gain=amdahl(share, 3), gain_kind="estimate",
-                       factor="optimizer x3 when fused (assumed)", changes_result="nothing (the same update, up to "
-                       "rounding)")]
+                       factor="optimizer x3 when fused (assumed)",
+                       changes_result=changes.does(["--optimizer-implementation"]))]
 
 
 def gpu_precision(view: RunView) -> list[Suggestion]:
@@ -430,7 +470,8 @@ def compile_fusion(view: RunView, found: dict | None) -> list[Suggestion]:
     return [Suggestion("compile", "compile the model (torch.compile fuses the elementwise operators)", text,
                        ["--compile"], gain=gain, gain_kind="estimate",
                        factor=f"elementwise time x1/{FUSION_FACTOR:g} (assumed), compile time {compile_s:.0f} s "
-                              f"(assumed) against a {wall:.0f} s run", confidence="low", changes_result="nothing")]
+                              f"(assumed) against a {wall:.0f} s run", confidence="low",
+                       changes_result=changes.does(["--compile"]))]
 
 
 def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
@@ -483,7 +524,8 @@ def lines(suggestions: list[Suggestion]) -> list[str]:
     out = []
     for rank, s in enumerate(suggestions, 1):
         what = " ".join(s.flags) or (launching.config_argument(s.config) if s.config else "")
-        out.append(f"{rank}. {s.change}" + (f" (`{what}`)" if what else "") + f" -- {s.gain_text()}, "
+        kind = f"; {s.kind}" + (f", {s.unavailable}" if s.unavailable else "") if s.kind else ""
+        out.append(f"{rank}. {s.change}" + (f" (`{what}`{kind})" if what else "") + f" -- {s.gain_text()}, "
                    f"confidence {s.confidence}.")
         out.append(f"   evidence: {s.evidence}" + (f"; changes: {s.changes_result}" if s.changes_result else ""))
     return out or ["No suggestion: no measured share leaves 2% to gain."]

@@ -261,20 +261,22 @@ EQUIVALENCE_POWER = 0.8   # the power the seeds needed are sized for
 
 
 def equivalence(differences: list[float], margin: float, alpha: float = EQUIVALENCE_ALPHA,
-                power: float = EQUIVALENCE_POWER) -> dict:
+                power: float | None = EQUIVALENCE_POWER) -> dict:
     """Two one-sided tests (Schuirmann 1987) of paired differences against +-margin, with its three answers:
 
     * "same": the (1 - 2 alpha) t interval of the mean difference lies inside (-margin, +margin) -- both
       one-sided nulls (difference <= -margin, difference >= +margin) rejected at alpha;
-    * "changed": the interval lies wholly outside [-margin, +margin] -- the difference is shown to exceed the margin;
+    * "changed": the interval lies wholly outside [-margin, +margin] -- the difference is shown to exceed the
+      margin; `p_changed` is that one-sided test's p-value (below alpha exactly when the interval is outside), so
+      a caller testing several metrics at once can correct it (Holm);
     * "undecided": anything else (fewer than 2 differences included). Then `needed` is the number of pairs that
-      would show equivalence with the given power at the observed mean and SD (Chow, Shao & Wang, Sample Size
-      Calculations in Clinical Research, 2008, 3.2.3: n = (t_{1-alpha} + t_{1-beta/2})^2 s^2 / (margin - |mean|)^2,
-      with t at n - 1 degrees of freedom), None where no number would (|mean| at or beyond the margin).
+      would show it with the given power at the observed mean and SD taken as true (`pairs_to_show`): "same"
+      where |mean| < margin, "changed" where |mean| > margin (`shows` says which), None where none would (or
+      with power None: not computed, as a simulation of the verdicts alone asks).
     """
     n = len(differences)
     result = {"n": n, "margin": margin, "alpha": alpha, "confidence": 1 - 2 * alpha, "mean": None, "sd": None,
-              "interval": None, "verdict": "undecided", "needed": None}
+              "interval": None, "verdict": "undecided", "needed": None, "shows": None, "p_changed": 1.0}
     if n == 0:
         return result
     mean = math.fsum(differences) / n
@@ -284,33 +286,122 @@ def equivalence(differences: list[float], margin: float, alpha: float = EQUIVALE
     sd = math.sqrt(math.fsum((d - mean) ** 2 for d in differences) / (n - 1))
     half = t_quantile(1 - alpha, n - 1) * sd / math.sqrt(n)
     low, high = mean - half, mean + half
-    result.update(sd=sd, interval=[low, high])
+    result.update(sd=sd, interval=[low, high], p_changed=changed_p(mean, sd, n, margin))
     if -margin < low and high < margin:
         result["verdict"] = "same"
     elif low > margin or high < -margin:
         result["verdict"] = "changed"
     else:
-        result["needed"] = pairs_for_equivalence(mean, sd, margin, alpha, power)
+        result["shows"] = "same" if abs(mean) < margin else "changed" if abs(mean) > margin else None
+        result["needed"] = pairs_to_show(mean, sd, margin, alpha, power) if power is not None else None
     return result
 
 
-def pairs_for_equivalence(mean: float, sd: float, margin: float, alpha: float = EQUIVALENCE_ALPHA,
-                          power: float = EQUIVALENCE_POWER, most: int = 1000) -> int | None:
-    """The fewest pairs n with (t_{1-alpha, n-1} + t_{1-(1-power)/2, n-1}) sd / sqrt(n) <= margin - |mean|
-    (`equivalence`'s sample size; the left side falls as n grows, so bisection finds it); None where
-    |mean| >= margin or more than `most` would be needed."""
-    room = margin - abs(mean)
+def changed_p(mean: float, sd: float, n: int, margin: float) -> float:
+    """The one-sided p-value of "the difference lies beyond the margin on the side the mean is on":
+    P(T_{n-1} >= (|mean| - margin) / (sd / sqrt n)). Below alpha exactly where `equivalence`'s interval lies wholly
+    outside the margin."""
+    if sd == 0:
+        return 0.0 if abs(mean) > margin else 1.0
+    return 1.0 - t_cdf((abs(mean) - margin) / (sd / math.sqrt(n)), n - 1)
 
-    def enough(n: int) -> bool:
-        return (t_quantile(1 - alpha, n - 1) + t_quantile(1 - (1 - power) / 2, n - 1)) * sd / math.sqrt(n) <= room
 
-    if room <= 0 or not enough(most):
+def equivalence_chances(n: int, mean: float, sd: float, margin: float, alpha: float = EQUIVALENCE_ALPHA
+                        ) -> tuple[float, float]:
+    """(P("same"), P("changed")): how often `equivalence` answers each for n paired differences drawn from a normal
+    distribution of this mean and SD, exactly up to quadrature: the sample mean and SD are independent, the SD
+    (as u = s / sd) has the chi density of n - 1 degrees of freedom, and for each u the interval mean +- t s / sqrt n
+    lies inside the margin, or wholly outside it, with a normal probability. Simpson's rule over u (the tests
+    check it against simulation). The chance of "same" at a true difference of 0 is make tune's power to call a
+    change that alters nothing "same"."""
+    return _chance(n, mean, sd, margin, alpha, "same"), _chance(n, mean, sd, margin, alpha, "changed")
+
+
+def _chance(n: int, mean: float, sd: float, margin: float, alpha: float, answer: str) -> float:
+    if n < 2:
+        return 0.0
+    if sd == 0:
+        return float(abs(mean) < margin if answer == "same" else abs(mean) > margin)
+    t, se, root2 = t_quantile(1 - alpha, n - 1), sd / math.sqrt(n), math.sqrt(2)
+    total = 0.0
+    for u, weight in _chi_grid(n - 1):
+        half = t * se * u
+        if answer == "same" and half >= margin:  # the interval is wider than the margin from here on
+            break
+        if weight < 1e-14:
+            continue
+        if answer == "same":  # P(-margin + half < mean-hat < margin - half)
+            inside = (math.erfc(-(margin - half - mean) / se / root2) - math.erfc(-(-margin + half - mean) / se / root2)) / 2
+            total += weight * max(0.0, inside)
+        else:  # P(mean-hat > margin + half) + P(mean-hat < -margin - half)
+            total += weight * (math.erfc((margin + half - mean) / se / root2)
+                               + math.erfc((margin + half + mean) / se / root2)) / 2
+    return min(1.0, total)
+
+
+@functools.lru_cache(maxsize=2048)
+def _chi_grid(k: int, intervals: int = 240) -> tuple[tuple[float, float], ...]:
+    """Simpson's nodes and weights (density included) of u = s / sd for k degrees of freedom: the chi density
+    2 (k/2)^(k/2) / Gamma(k/2) u^(k-1) exp(-k u^2 / 2), over its mean +- 9 SDs (about 1 / sqrt(2k) each; few
+    degrees of freedom: a long right tail)."""
+    width = 9 / math.sqrt(2 * k)
+    low, high = max(0.0, 1 - width), 1 + width + (6 if k < 8 else 0)
+    log_scale = math.log(2) + k / 2 * math.log(k / 2) - math.lgamma(k / 2)
+    step, grid = (high - low) / intervals, []
+    for i in range(intervals + 1):
+        u = low + i * step
+        density = (math.exp(log_scale) if k == 1 else 0.0) if u <= 0 else \
+            math.exp(log_scale + (k - 1) * math.log(u) - k * u * u / 2)
+        grid.append((u, (1 if i in (0, intervals) else 4 if i % 2 else 2) * step / 3 * density))
+    return tuple(grid)
+
+
+def pairs_to_show(mean: float, sd: float, margin: float, alpha: float = EQUIVALENCE_ALPHA,
+                  power: float = EQUIVALENCE_POWER, most: int = 1000) -> int | None:
+    """The fewest pairs that show a true difference `mean` (with this SD) "same" (|mean| < margin) or "changed"
+    (|mean| > margin) with probability `power`, by the exact chances (`equivalence_chances`); None where
+    |mean| = margin or more than `most` would be needed.
+
+    The closed forms of Chow, Shao & Wang (Sample Size Calculations in Clinical Research, 2008, 3.2.3) are the two
+    limits of this: at a true difference of 0 either one-sided test can fail, each with probability beta / 2, so
+    n = (t_{1-alpha} + t_{1-beta/2})^2 sd^2 / margin^2; once |mean| is well away from 0 only the near side can, so
+    n = (t_{1-alpha} + t_{1-beta})^2 sd^2 / (margin - |mean|)^2. The first form applied at a mean away from 0 asks
+    about 1.4 times the seeds at 80% power ((1.645 + 1.282)^2 / (1.645 + 0.842)^2). The search starts where a
+    shifted-t approximation of the power (both sides) reaches `power`, then walks to the exact boundary."""
+    if abs(mean) == margin or sd < 0:
         return None
-    low, high = 1, most  # enough(high), and n = 1 has no interval
+    goal = 0 if abs(mean) < margin else 1
+    enough = lambda n: _chance(n, mean, sd, margin, alpha, ("same", "changed")[goal]) >= power  # noqa: E731
+    if sd == 0:
+        return 2
+
+    def approximate(n: int) -> float:
+        t, scale = t_quantile(1 - alpha, n - 1), math.sqrt(n) / sd
+        if goal == 0:
+            return 1 - t_cdf(t - (margin - abs(mean)) * scale, n - 1) - t_cdf(t - (margin + abs(mean)) * scale, n - 1)
+        return t_cdf((abs(mean) - margin) * scale - t, n - 1)
+
+    if approximate(most) < power and not enough(most):
+        return None
+    low, high = 1, most
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (low, middle) if enough(middle) else (middle, high)
-    return high
+        low, high = (low, middle) if middle > 1 and approximate(middle) >= power else (middle, high)
+    n = high
+    while n > 2 and enough(n - 1):
+        n -= 1
+    while n < most and not enough(n):
+        n += 1
+    return n if enough(n) else None
+
+
+def rejection_rate(n: int, m: int, level: float) -> float:
+    """The exact size of the two-sided Mann-Whitney test of n against m untied measurements at `level`: the share
+    of the C(n + m, n) equally likely rank arrangements whose p-value is below it (6 against 6 at 0.05: 38/924 =
+    0.0411; 4 against 4: 2/70). The rate a fixed design's null simulation must hold."""
+    low = n * (n + 1) // 2
+    counts = _rank_sum_counts(n, m)
+    return sum(c for s, c in enumerate(counts, low) if _exact_p(n, m, s) < level) / math.comb(n + m, n)
 
 
 def spread(values: list[float]) -> dict:

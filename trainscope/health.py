@@ -11,6 +11,7 @@ reads this registry: the warnings printed when a run starts (`at_start`) and at 
 A new warning is one function here, decorated with its code, meaning and fix.
 """
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -209,6 +210,49 @@ def _record_rebuilt(view: RunView):
         return (f"the run's record could not be read ({view.record_rebuilt}): the resumed run wrote a new one, so "
                 "it lacks what the earlier record said (its creation time, earlier resumes); the timing continues "
                 "from the checkpoint")
+
+
+def machine_kind(view: RunView) -> str:
+    """The machine a run ran on, as make tune writes it into the command it tunes (--tuned-on): the device type,
+    the CPU's vector instruction set or the GPU's compute capability, whether bf16 is native, and the device's
+    name -- 'cpu AVX2, bf16 emulated: AMD EPYC 7B13'."""
+    env = view.env
+    if view.on_cuda:
+        isa, native = f"compute capability {env.get('gpu_compute_capability', '?')}", env.get("gpu_native_bf16")
+    else:
+        isa = re.split(r"[ ,+]", env.get("cpu_capability") or "?", maxsplit=1)[0] or "?"
+        native = env.get("cpu_native_bf16")
+    bf16 = {True: "native", False: "emulated"}.get(native, "unknown")
+    return f"{view.device.split(':')[0] or '?'} {isa}, bf16 {bf16}: {view.device_name}"
+
+
+MACHINE_KIND = re.compile(r"(?P<device>\S+) (?P<isa>[^,]+), bf16 (?P<bf16>native|emulated|unknown): (?P<name>.*)")
+
+
+def kind_difference(tuned_on: str, here: str) -> str | None:
+    """What sets the machine here apart from the one a command was tuned on (None: the same kind): the device
+    type, the instruction set or compute capability, native bf16, and on a GPU its model; a CPU model of the same
+    kind is the same kind."""
+    there, found = MACHINE_KIND.fullmatch(tuned_on.strip()), MACHINE_KIND.fullmatch(here)
+    if there is None or found is None:
+        return f"'{tuned_on}' is not a machine as make tune writes it, so it cannot be compared"
+    keys = ["device", "isa", "bf16"] + (["name"] if found["device"] == "cuda" else [])
+    differ = [f"{key if key != 'isa' else 'instruction set'} {there[key]} there, {found[key]} here" for key in keys
+              if there[key] != found[key] and "unknown" not in (there[key], found[key])]
+    return "; ".join(differ) or None
+
+
+@register("tuned_elsewhere", "the command was tuned by make tune on a machine of another kind (--tuned-on)",
+          "run make tune on this machine: what it kept elsewhere (bf16 where bf16 was native, a batch that fit) may be "
+          "slower here", at_start=True)
+def _tuned_elsewhere(view: RunView):
+    tuned_on = view.setting("tuned_on")
+    if not tuned_on:
+        return None
+    differ = kind_difference(tuned_on, machine_kind(view))
+    if differ:
+        return (f"this command was tuned on {tuned_on}, this run is on {machine_kind(view)} ({differ}): the speed-ups "
+                "make tune measured there need not hold here")
 
 
 @register("recompiles", "torch.compile recompiled during the run", "give torch.compile one input shape",

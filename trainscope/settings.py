@@ -229,6 +229,12 @@ class Settings:
         "per machine). Prints one screen and exits 0: nothing is trained and no run record is written. Every run "
         "records the same prediction at start and its error at the end.",
     )
+    tuned_on: str | None = HfArg(
+        default=None,
+        help="The machine `make tune` tuned this command on, as it writes it in its final command ('cpu AVX2, bf16 "
+        "emulated: AMD EPYC 7B13'). A run on a machine of another kind (device, instruction set or GPU, native "
+        "bf16) says so in one warning before its first step; it changes nothing else.",
+    )
 
     # ---- output ----
     output_dir: str = HfArg(default="runs", help="Where run records go: <output-dir>/<run-name>/.")

@@ -1,24 +1,29 @@
 """make tune: run the baseline, ask the advisor, try its suggestions, keep what is measurably faster with a result
-shown to be the same.
+shown to be the same -- each change judged by what can decide it.
 
     python -m trainscope.tune --runs runs/tune [--budget 2400] [--rounds 6] [--accuracy-margin 0.01] \\
         [--loss-margin 0.02] [--max-suggestions 3] [--config C] -- [train.py flags: the baseline command]
 
 1. The baseline (the README's main command with the given flags) runs once: the advisor reads its record
    (trainscope.advisor). This run is also the warm-up; it belongs to no round.
-2. The design is fixed before anything is measured, and printed (trainscope.tune_judge.Design): the
-   suggestions the budget holds (k, at most --max-suggestions), --rounds R rounds per trial, the test, the
-   family Holm corrects over (the k trials and, with k >= 2, the kept ones together) and the margins of "the
-   same result".
-3. R alternating rounds: round r runs the baseline and every trial with seed S + r (S: the baseline's seed; the
-   data held by --data-seed), the order reversed every other round. After the last round, and only then, each
-   trial is judged against the baseline runs of its own rounds (trainscope.tune_judge.judge): speed on the same
-   work by the project's test, Holm-corrected over the family; the result by two one-sided tests on the paired
-   seeds. Kept: faster and the same result.
-4. Two or more kept: the kept ones together run R more rounds (the same seeds, new baseline runs) and are judged
-   in the same family. Its flags and config are the final command; else the fastest kept trial; else the
-   baseline stands.
-5. The budget (seconds) decides how many suggestions are tried, before anything is measured; a round that
+2. Each suggestion gets its kind from the catalogue of changes (trainscope.changes): exact, numeric or training;
+   one whose flag this build lacks is listed "not available in this build". The design is fixed before anything
+   is measured, and printed (trainscope.tune_judge.Design): the suggestions the budget holds (k, at most
+   --max-suggestions, the exact ones first), --rounds R rounds per trial, the test, the family Holm corrects
+   over, the rounding tolerance of exact changes and the margins of "the same result".
+3. The exact changes first: R alternating rounds of the baseline and every exact trial (round r: seed S + r, the
+   data held by --data-seed, the order reversed every other round), each judged once after the last round
+   against the baseline runs of its own rounds: speed on the same work by the project's test, Holm-corrected over
+   the family; the result by the paired runs themselves (every logged step's loss and the final metrics within
+   the tolerance: "exact"; else "not exact", a defect, never kept). Two or more kept: together in R rounds of their
+   own. The kept exact changes are the stack.
+4. Then the numeric and training changes, on top of the stack and against it (the stack as their baseline, in
+   R rounds of their own): a numeric change's result by two one-sided tests on the paired seeds; a training
+   change's only on the full job, its verdict saying how many seeds that needs at the seed noise measured here
+   and how long they take on this machine. Two or more kept: together in R more rounds.
+5. The final command: the last phase's kept trial (its flags hold the stack), else the stack, else the baseline;
+   it names the machine it was tuned on (--tuned-on), so a run of it on a machine of another kind warns.
+6. The budget (seconds) decides how many suggestions are tried, before anything is measured; a round that
    would overrun it is not started, and a trial left with fewer than R rounds is not judged.
 Writes <runs>/comparison.{json,md} with provenance; the report's Optimization section shows it. What make tune
 keeps is measured on a short proxy of the job; `make tune-confirm` measures it on the full job.
@@ -29,28 +34,33 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trainscope import advisor, bench, launching
+from trainscope import advisor, bench, changes, health, launching
 from trainscope.experiments.base import Arm, ExperimentFailed, run_arm, split_args
 from trainscope.experiments.optimization import equivalence_table, tune_table
-from trainscope.records import read_record
-from trainscope.tune_judge import (ACCURACY_MARGIN, LOSS_MARGIN, ROUNDS, Design, final_choice, in_family, measure,
-                                   merge_flags, method_text)
+from trainscope.record_view import RunView
+from trainscope.records import read_record, read_steps
+from trainscope.tune_judge import (ACCURACY_MARGIN, LOSS_MARGIN, ROUNDS, TOGETHER, Design, final_choice, final_trial,
+                                   in_family, judged_in_phases, measure, merge_flags, method_text, run_figures,
+                                   trial_verdicts)
 
 __all__ = ["merge_flags", "tune", "main"]
 
-Runner = Callable[[Arm, int, list[str]], dict]  # (arm, round index, extra train.py flags) -> the run's headline figures
+Runner = Callable[[Arm, int, list[str]], dict]  # (arm, round index, extra train.py flags) -> the run's figures
 
 
 @dataclass
 class Trial:
-    """One arm against the baseline: a suggestion, or the kept ones together (suggestion None)."""
+    """One arm against its baseline: a suggestion, or the kept ones of a phase together (suggestion None)."""
 
     name: str
     arm: Arm
     suggestion: object = None
+    kind: str = changes.NUMERIC
+    phase: str = "other"                          # "exact" (tried first, stacked) or "other" (on top of the stack)
+    own_flags: list = field(default_factory=list)  # the change's flags, without the stack's
 
 
 class Tuner:
@@ -90,71 +100,146 @@ class Tuner:
             for arm in bench.round_order(arms, index):
                 measured[arm.name][index] = self.run(arm, index, design.flags(index))
 
-    def decide(self, design: Design, baseline: Arm, trials: list[Trial]) -> tuple[dict, dict, Trial | None]:
-        """The whole decision: R rounds of the baseline and the trials, the judgement, and with two or more kept
-        R rounds of the kept ones together, judged in the same family. (measured, judged, the together trial)."""
-        measured = {"baseline": {}, **{t.name: {} for t in trials}}
-        self.rounds(design, [baseline, *(t.arm for t in trials)], range(design.rounds), measured)
-        measures = {t.name: measure(design, measured["baseline"], measured[t.name]) for t in trials}
-        judged = in_family(design, measures)  # = judge(design, measured), each trial measured once for both stages
+    def decide(self, design: Design, baseline: Arm, exact: list[Trial], others: list[Trial]
+               ) -> tuple[dict[str, dict], list[tuple[Trial, dict, dict]]]:
+        """The whole decision: the exact trials' phase against the baseline, judged on its own (the stack is built
+        on those verdicts), then the other trials' phase on top of the stack and against it, judged in the whole
+        family. (judgement by trial, [(trial, its runs by round, its baseline's runs by round)] for every trial run,
+        the kept ones together included)."""
+        ran, measures, start, stack = [], {}, 0, []
+        if exact:
+            measured, measures, together = self.phase(design, baseline, exact, 0, {})
+            judged = in_family(design, measures)
+            ran = [(t, measured[t.name], measured[baseline.name]) for t in exact + ([together] if together else [])]
+            start = design.rounds * (2 if together else 1)
+            stack = (final_trial([{"name": t.name, "phase": t.phase, "flags": t.own_flags, **judged[t.name]}
+                                  for t, _, _ in ran]) or {}).get("flags", [])
+        if others:
+            base = replace(baseline, name="stacked", flags=baseline.flags + stack) if stack else baseline
+            others = [replace(t, arm=replace(t.arm, flags=base.flags + t.own_flags)) for t in others]
+            measured, phase, together = self.phase(design, base, others, start, measures)
+            measures = {**measures, **phase}
+            ran += [(t, measured[t.name], measured[base.name]) for t in others + ([together] if together else [])]
+        exact_names = {t.name for t, _, _ in ran if t.phase == changes.EXACT}
+        return judged_in_phases(design, measures, exact_names), ran
+
+    def phase(self, design: Design, baseline: Arm, trials: list[Trial], first_round: int,
+              earlier: dict) -> tuple[dict, dict, Trial | None]:
+        """One phase: R rounds of its baseline and its trials from `first_round`, the judgement (in the family with
+        the `earlier` phases' measures), and with two or more kept R rounds of the kept ones together. (measured
+        by arm, the measures of its trials, the together trial or None)."""
+        measured = {baseline.name: {}, **{t.name: {} for t in trials}}
+        self.rounds(design, [baseline, *(t.arm for t in trials)], range(first_round, first_round + design.rounds),
+                    measured)
+        measures = {t.name: measure(design, measured[baseline.name], measured[t.name], t.kind) for t in trials}
+        judged = in_family(design, {**earlier, **measures})  # each trial measured once for both stages
         kept = [t for t in trials if judged[t.name]["keep"]]
         if len(kept) < 2:
-            return measured, judged, None
-        together = Trial("kept", Arm("kept", next((t.arm.config for t in kept if t.arm.config), baseline.config),
-                                     [f for t in kept for f in t.arm.flags], launcher=baseline.launcher,
-                                     script=baseline.script))
-        measured["kept"] = {}
-        self.rounds(design, [baseline, together.arm], range(design.rounds, 2 * design.rounds), measured)
-        measures["kept"] = measure(design, measured["baseline"], measured["kept"])
-        return measured, in_family(design, measures), together
+            return measured, measures, None
+        name = TOGETHER[trials[0].phase]
+        own = [f for t in kept for f in t.own_flags]
+        together = Trial(name, Arm(name, next((t.arm.config for t in kept if t.arm.config), baseline.config),
+                                   baseline.flags + own, launcher=baseline.launcher, script=baseline.script),
+                         kind=max((t.kind for t in kept), key=changes.KINDS.index), phase=trials[0].phase,
+                         own_flags=own)
+        measured[name] = {}
+        start = first_round + design.rounds
+        self.rounds(design, [baseline, together.arm], range(start, start + design.rounds), measured)
+        measures[name] = measure(design, measured[baseline.name], measured[name], together.kind)
+        return measured, measures, together
+
+
+def kind_of(suggestion) -> str:
+    return changes.kind_of(suggestion.flags, suggestion.config)
+
+
+def plan_cost(exact: int, other: int, rounds: int) -> int:
+    """Runs make tune's phases take: R rounds of a baseline and the phase's k trials, and for k >= 2 R rounds of the
+    baseline and the kept ones together -- for the exact phase, then the others."""
+    return sum(rounds * (1 + k) + (2 * rounds if k > 1 else 0) for k in (exact, other) if k)
 
 
 def plan_trials(suggestions: list, run_s: float, remaining_s: float, rounds: int, most: int) -> tuple[list, list]:
-    """How many suggestions the budget holds, decided before measuring: R rounds of the baseline and k trials, and
-    for k >= 2 R rounds of the baseline and the kept ones together, in runs of the advice run's length."""
-    candidates = [s for s in suggestions if s.flags or s.config][:most]
+    """How many suggestions the budget holds, decided before measuring, in runs of the advice run's length: the
+    exact ones first, then the numeric, then the training ones (the advisor's order within each); a suggestion
+    this build cannot run, or with nothing to run, is never planned. (tried, over the budget)."""
+    candidates = sorted((s for s in suggestions if (s.flags or s.config) and not changes.unavailable(s.flags, s.config)),
+                        key=lambda s: changes.KINDS.index(kind_of(s)))[:most]
     for k in range(len(candidates), 0, -1):
-        if (rounds * (1 + k) + (2 * rounds if k > 1 else 0)) * run_s <= remaining_s:
+        exact = sum(kind_of(s) == changes.EXACT for s in candidates[:k])
+        if plan_cost(exact, k - exact, rounds) * run_s <= remaining_s:
             return candidates[:k], candidates[k:]
     return [], candidates
+
+
+def tuning_figures(runs: Path, figures: dict) -> dict:
+    """A run's figures with what make tune judges beside the headline: its step losses and epochs (read from its
+    folder where it has one)."""
+    folder = runs / figures["run"]
+    if not (folder / "record.json").exists():
+        return figures
+    return {**figures, **run_figures(read_record(folder), read_steps(folder))}
 
 
 def tune(args, train_args: list[str], runner: Runner | None = None, clock: Callable[[], float] = time.monotonic,
          log: Callable[[str], None] = print) -> dict:
     runs = Path(args.runs)
-    runner = runner or (lambda arm, index, extra: run_arm(arm, train_args, runs, index, extra))
+    runner = runner or (lambda arm, index, extra: tuning_figures(runs, run_arm(arm, train_args, runs, index, extra)))
     tuner = Tuner(runner, args.budget, clock, lambda line: log(line) or sys.stdout.flush())
     arm = lambda name, config=args.config, flags=(): Arm(name, config, list(flags), launcher=args.launcher,  # noqa: E731
                                                          script=Path(args.script))
     first = tuner.run(arm("advice"), 0, [], "advice run")  # the advice comes from it; in no round (the warm-up)
-    suggestions = advisor.advise(read_record(runs / first["run"]))
+    record = read_record(runs / first["run"])
+    suggestions = advisor.advise(record)
     tried, untried = plan_trials(suggestions, tuner.run_s["advice"], tuner.remaining(), args.rounds,
                                  args.max_suggestions)
-    design = Design(rounds=args.rounds, trials=len(tried), accuracy_margin=args.accuracy_margin,
-                    loss_margin=args.loss_margin, seed=first["seed"], data_seed=first["data_seed"])
+    exact_tried = [s for s in tried if kind_of(s) == changes.EXACT]
+    precision = effective_precision(record)
+    design = Design(rounds=args.rounds, trials=len(tried), exact=len(exact_tried), accuracy_margin=args.accuracy_margin,
+                    loss_margin=args.loss_margin, seed=first["seed"], data_seed=first["data_seed"],
+                    precision=precision, tolerance=changes.tolerance(precision))
+    tuned_on = health.machine_kind(RunView(record)) if record else None
     log(f"advice run took {tuner.run_s['advice']:.0f} s; {len(suggestions)} suggestion(s), trying {len(tried)} within "
-        f"the {args.budget:.0f} s budget")
+        f"the {args.budget:.0f} s budget" + (f" on {tuned_on}" if tuned_on else ""))
     for line in design.lines():
         log(line)
-    trials = [Trial(f"s{i + 1}", arm(f"s{i + 1}", s.config or args.config, s.flags), s) for i, s in enumerate(tried)]
-    measured, judged, together = tuner.decide(design, arm("baseline"), trials) if trials else ({}, {}, None)
-    results = [trial_result(t, judged[t.name], measured[t.name]) for t in trials + ([together] if together else [])]
+    exact = [Trial(f"e{i + 1}", arm(f"e{i + 1}", args.config, s.flags), s, changes.EXACT, changes.EXACT, list(s.flags))
+             for i, s in enumerate(exact_tried)]
+    others = [Trial(f"s{i + 1}", arm(f"s{i + 1}", s.config or args.config, s.flags), s, kind_of(s), "other",
+                    list(s.flags)) for i, s in enumerate(s for s in tried if kind_of(s) != changes.EXACT)]
+    for t in exact + others:
+        log(f"{t.name}: {t.suggestion.change} ({changes_text(t)}): {t.kind} -- "
+            f"{changes.does(t.own_flags, t.suggestion.config)}"
+            + (" (tried first; the others run on top of the kept ones)" if t.kind == changes.EXACT and others else ""))
+    judged, ran = tuner.decide(design, arm("baseline"), exact, others)
+    results = [trial_result(t, judged[t.name], mine, base) for t, mine, base in ran]
     for r in results:
         log(f"{r['name']}: {verdict_line(r)}")
     return summarize(args, train_args, design, first, suggestions, results, tried, untried,
-                     clock() - tuner.started)
+                     clock() - tuner.started, tuned_on)
 
 
-def trial_result(trial: Trial, judged: dict, runs: dict[int, dict]) -> dict:
+def changes_text(trial: Trial) -> str:
+    config = trial.suggestion.config if trial.suggestion else None
+    return ", ".join(([f"config {config}"] if config else []) + ([" ".join(trial.own_flags)] if trial.own_flags else []))
+
+
+def effective_precision(record: dict) -> str:
+    """The precision the advice run had in effect, as the rounding tolerance names it (TF32 where it was on)."""
+    view = RunView(record)
+    precision = view.precision if view.precision in changes.ROUNDING_TOLERANCE else "fp32"
+    return "tf32" if precision == "fp32" and view.env.get("tf32_in_effect") else precision
+
+
+def trial_result(trial: Trial, judged: dict, runs: dict[int, dict], baseline: dict[int, dict]) -> dict:
     s = trial.suggestion
-    return {"name": trial.name, "rule": s.rule if s else "together",
+    return {"name": trial.name, "rule": s.rule if s else "together", "kind": trial.kind, "phase": trial.phase,
             "change": s.change if s else "the kept suggestions together", "flags": trial.arm.flags,
-            "config": trial.arm.config, "gain": s.gain if s else None, "gain_kind": s.gain_kind if s else None,
-            "gain_text": s.gain_text() if s else None, "changes_result": s.changes_result if s else None,
-            "runs": [runs[i]["run"] for i in sorted(runs)], "speed": judged["speed"], "training": judged["training"],
-            "evaluation": judged["evaluation"], "verdict": judged["verdict"], "equivalence": judged["equivalence"],
-            "same_result": judged["same_result"], "result": judged["result"], "rounds": judged["rounds"],
-            "pairs": judged["speed"]["pairs"],
+            "own_flags": trial.own_flags, "config": trial.arm.config, "gain": s.gain if s else None,
+            "gain_kind": s.gain_kind if s else None, "gain_text": s.gain_text() if s else None,
+            "changes_result": (s.changes_result if s else None) or changes.does(trial.own_flags),
+            "runs": [runs[i]["run"] for i in sorted(runs)],
+            "baseline_runs": [baseline[i]["run"] for i in sorted(runs) if i in baseline], **trial_verdicts(judged),
             "tokens_per_run": statistics.median(r["train_tokens"] for r in runs.values()) if runs else None}
 
 
@@ -168,21 +253,26 @@ def verdict_line(trial: dict) -> str:
             f"p {speed['p_raw']:.2g} raw, {speed['p_value']:.2g} {speed['correction']}; result {trial['result']}")
 
 
-def summarize(args, train_args, design, first, suggestions, trials, tried, untried, elapsed) -> dict:
+def summarize(args, train_args, design, first, suggestions, trials, tried, untried, elapsed, tuned_on=None) -> dict:
     return {"experiment": "tune", "baseline_args": train_args, "baseline_config": args.config, "budget_s": args.budget,
             "elapsed_s": elapsed, "advice_run": first["run"], "design": design.to_dict(), "method": method_text(design),
             "suggestions": [s.to_dict() for s in suggestions], "trials": trials,
             "not_tried": not_tried(suggestions, tried, untried, args.max_suggestions),
-            **final_choice(trials, train_args, args.config)}
+            **final_choice(trials, train_args, args.config, tuned_on)}
 
 
 def not_tried(suggestions: list, tried: list, untried: list, most: int) -> list[dict]:
-    """Every suggestion no trial tried, with why: the budget, --max-suggestions, or no flag or config to try
-    (`tried` and `untried`: plan_trials' split)."""
+    """Every suggestion no trial tried, with why: not in this build, the budget, --max-suggestions, or no flag or
+    config to try (`tried` and `untried`: plan_trials' split)."""
     tried_ids, over_budget = {id(s) for s in tried}, {id(s) for s in untried}
-    return [{"change": s.change, "flags": s.flags,
-             "why": ("not a flag or config (see the advice)" if not (s.flags or s.config) else
-                     "over the time budget" if id(s) in over_budget else f"beyond --max-suggestions {most}")}
+
+    def why(s) -> str:
+        if not (s.flags or s.config):
+            return "not a flag or config (see the advice)"
+        return (changes.unavailable(s.flags, s.config) or
+                ("over the time budget" if id(s) in over_budget else f"beyond --max-suggestions {most}"))
+
+    return [{"change": s.change, "flags": s.flags, "kind": kind_of(s) if (s.flags or s.config) else None, "why": why(s)}
             for s in suggestions if id(s) not in tried_ids]
 
 
@@ -194,12 +284,22 @@ def markdown(result: dict) -> list[str]:
              f"each, seeds {design['seed']}-{design['seed'] + design['rounds'] - 1} (data seed {design['data_seed']}); "
              f"test: {design['test']}; boundary: {design['boundary']}; margins: accuracy +-{design['accuracy_margin']:g}, "
              f"loss +-{design['loss_margin']:g}.", "", result["method"], "", *tune_table(result).markdown_lines(), "",
-             *equivalence_table(result).markdown_lines(), "", result["summary"], "",
-             f"Final command: `{result['final_command']}`", ""]
-    lines += [f"- {t['name']}: {verdict_line(t)}; rounds {t['rounds']}; runs {', '.join(t['runs'])}"
-              + (f"; changes: {t['changes_result']}" if t.get("changes_result") else "") for t in result["trials"]]
-    lines += [f"- not tried: {n['change']} ({n['why']})" for n in result["not_tried"]]
+             *equivalence_lines(result), result["summary"], "",
+             f"Final command: `{result['final_command']}`"
+             + (f" (tuned on {result['tuned_on']}: a run on a machine of another kind warns)" if result.get("tuned_on")
+                else ""), ""]
+    lines += [f"- {t['name']} ({t.get('kind', 'numeric')}): {verdict_line(t)}; rounds {t['rounds']}; runs "
+              f"{', '.join(t['runs'])}" + (f"; changes: {t['changes_result']}" if t.get("changes_result") else "")
+              for t in result["trials"]]
+    lines += [f"- not tried: {n['change']} ({n['why']}" + (f"; {n['kind']}" if n.get("kind") else "") + ")"
+              for n in result["not_tried"]]
     return lines
+
+
+def equivalence_lines(result: dict) -> list[str]:
+    """The paired-seed table where a trial was judged by it (exact changes are judged by their runs' numbers)."""
+    table = equivalence_table(result)
+    return [*table.markdown_lines(), ""] if table.rows else []
 
 
 def parser() -> argparse.ArgumentParser:

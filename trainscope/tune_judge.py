@@ -12,25 +12,38 @@ The design (a fixed number of rounds: one look, no optional stopping):
   data seed held (`--data-seed`), so each round is one speed pair and one paired result; each trial is judged
   once, after its R rounds, against the baseline runs of *its own* rounds. A trial the budget cut short is
   not judged. With one look there is no alpha to spend over looks: the error rate is the test's own.
-* **the family**: the k trials and, when k >= 2, the kept ones tried together (with their own R rounds and
-  their own baseline runs): k + 1 tests, Holm-corrected together (Holm 1979). Before the kept trial has run
-  its p-value counts as 1, so a trial kept then stays kept when the family is judged again with it.
+* **the family**: the k trials and, for each kind of trial (exact first, then the others) with two or more, the
+  kept ones of that kind tried together (with their own R rounds and their own baseline runs): Holm-corrected
+  together (Holm 1979). A test not yet run counts as p = 1, so a trial kept then stays kept when the family is
+  judged again with it; the exact trials' verdicts, on which the stack is built, are the ones judged before the
+  others ran (Holm is monotone: with the others' p-values in they could only pass more often).
 * **speed**: the project's test (trainscope.bench: two-sided Mann-Whitney U, alpha 0.05, minimum effect 3%) on
   the same work: each run's evaluation as measured plus its training scaled to the baseline's real tokens.
   Beside it, not in the family, the training-only and evaluation-only ratios with their raw p-values.
-* **same result**: Schuirmann's two one-sided tests (trainscope.bench.equivalence) of the paired differences
-  (trial minus baseline, same seed) of validation and test accuracy and loss, against margins stated up front
-  (default +-0.01 accuracy, +-0.02 loss). "same" needs every metric's 90% interval inside its margin (an
-  intersection-union test: no correction is due, Berger & Hsu 1996); "changed" when any interval lies wholly
-  outside; else "undecided", with the seeds that would decide it. A trial is kept only when faster *and* same.
+* **same result, by the change's kind** (trainscope.changes): an *exact* change (the same samples, order and random
+  draws) by the paired runs themselves: every per-step loss and final metric of each pair within the precision's
+  rounding tolerance, stated before measuring (`exactness`; a disagreement is "not exact", a defect, never kept).
+  A *numeric* change (bf16, TF32) by Schuirmann's two one-sided tests (trainscope.bench.equivalence) of the
+  paired differences (trial minus baseline, same seed) of validation and test accuracy and loss, against margins
+  stated up front (default +-0.01 accuracy, +-0.02 loss). "same" needs every metric's 90% interval inside its
+  margin (an intersection-union test: no correction is due, Berger & Hsu 1996); "changed" needs one metric's
+  one-sided test beyond its margin to pass Holm's correction over the metrics (any of four uncorrected would
+  say "changed" 11-19% of the time with every metric exactly at its margin); else "undecided", with the seeds
+  that would decide it (trainscope.bench.pairs_to_show) and the power the seeds run had. A *training* change
+  (dropout, order, batch) is "same" only from the full job: on a proxy its verdict states the seeds the full
+  job needs at the seed noise measured here, and how long they take on this machine. A trial is kept only when
+  faster *and* the same (exact).
+* **exact changes first**: they run in rounds of their own, are stacked (the kept ones together), and the other
+  trials run on top of the stack, against it as their baseline.
 """
 
 import math
 import re
+import shlex
 import statistics
 from dataclasses import asdict, dataclass
 
-from trainscope import bench, launching
+from trainscope import bench, changes, launching
 from trainscope.record_view import RunView
 
 ROUNDS = 6  # 6 against 6: smallest p 2/924 = 0.0022, below Holm's first threshold for up to 23 tests
@@ -47,18 +60,23 @@ class Design:
     """What make tune decides by, fixed before it measures (printed first, written into the result)."""
 
     rounds: int = ROUNDS              # alternating rounds per trial, one seed each; one look after the last
-    trials: int = 1                   # suggestions tried (k); with k >= 2 the kept ones together are a test too
+    trials: int = 1                   # suggestions tried (k); with two or more of a kind the kept ones together too
     accuracy_margin: float = ACCURACY_MARGIN
     loss_margin: float = LOSS_MARGIN
     seed: int = 42                    # round r runs seed + r (the kept ones' rounds: the same seeds again)
     data_seed: int = 42               # held in every run: the same data split and subsets
     alpha: float = bench.ALPHA
     min_effect: float = bench.MIN_EFFECT
+    exact: int = 0                    # of the trials, the exact changes (trainscope.changes): tried first
+    precision: str = "fp32"           # the precision the advice run had in effect
+    tolerance: float = changes.ROUNDING_TOLERANCE["fp32"]  # an exact change's rounding tolerance at that precision
 
     @property
     def tests(self) -> int:
-        """The family Holm corrects over: the trials, and the kept ones together where there can be two kept."""
-        return self.trials + (1 if self.trials > 1 else 0)
+        """The family Holm corrects over: the trials, and the kept ones together for each kind (exact, the others)
+        of which there can be two kept (at least 1: a design without trials has nothing to correct)."""
+        other = self.trials - self.exact
+        return max(1, self.trials + (1 if self.exact > 1 else 0) + (1 if other > 1 else 0))
 
     @property
     def reachable(self) -> bool:
@@ -70,6 +88,12 @@ class Design:
         return (f"fixed: one look after {self.rounds} rounds per trial (no interim looks, no alpha spent on them); "
                 f"Holm over {self.tests} test(s): the smallest p must be below {self.alpha:g}/{self.tests} = "
                 f"{self.alpha / self.tests:.4g}")
+
+    @property
+    def size(self) -> float:
+        """The exact rate at which one trial that changes nothing is called faster or slower at the first threshold
+        (trainscope.bench.rejection_rate: 6 against 6 at 0.05, 0.0411)."""
+        return bench.rejection_rate(self.rounds, self.rounds, self.alpha / self.tests)
 
     def seed_of(self, round_index: int) -> int:
         return self.seed + round_index % self.rounds
@@ -83,7 +107,8 @@ class Design:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tests": self.tests, "boundary": self.boundary, "test": bench.METHOD,
-                "equivalence": equivalence_method(self), "min_rounds": bench.min_rounds(self.alpha / self.tests)}
+                "equivalence": equivalence_method(self), "exactness": exactness_method(self),
+                "min_rounds": bench.min_rounds(self.alpha / self.tests)}
 
     @classmethod
     def from_dict(cls, values: dict) -> "Design":
@@ -93,8 +118,12 @@ class Design:
         """The design as make tune prints it before measuring."""
         out = [f"design: {self.trials} trial(s), {self.rounds} alternating rounds each (seeds {self.seed}-"
                f"{self.seed + self.rounds - 1}, data seed {self.data_seed}); speed: {bench.METHOD} on the same work, "
-               f"against the baseline runs of the trial's own rounds; boundary: {self.boundary}",
-               f"same result: {equivalence_method(self)}"]
+               f"against the baseline runs of the trial's own rounds; boundary: {self.boundary}"]
+        if self.exact:
+            out.append(f"exact changes ({self.exact}, tried first and stacked): {exactness_method(self)}")
+        if self.trials > self.exact:
+            out.append(f"same result of the others: {equivalence_method(self)}; a training change is 'same' only "
+                       "from the full job")
         if not self.reachable:
             out.append(f"note: {self.rounds} against {self.rounds} rounds give p >= {bench.smallest_p(self.rounds):.4g}, "
                        f"which cannot pass {self.alpha:g}/{self.tests}: no speed verdict is possible (at least "
@@ -105,7 +134,14 @@ class Design:
 def equivalence_method(design: Design) -> str:
     return (f"two one-sided tests (alpha {bench.EQUIVALENCE_ALPHA:g} each: the 90% t interval of the paired "
             f"differences, trial minus baseline on the same seed) inside +-{design.accuracy_margin:g} for validation "
-            f"and test accuracy and +-{design.loss_margin:g} for their losses; wholly outside: changed; else undecided")
+            f"and test accuracy and +-{design.loss_margin:g} for their losses; changed: a metric's one-sided test "
+            f"beyond its margin passing Holm over the metrics; else undecided")
+
+
+def exactness_method(design: Design) -> str:
+    return (f"kept when faster and every pair (same seed) agrees: each logged step's loss and the final losses within "
+            f"{design.tolerance:.2g} relative, the accuracies within {design.tolerance:.2g} ({design.precision}'s "
+            "rounding tolerance, stated before measuring); a disagreement is 'not exact', a defect, never kept")
 
 
 def work_seconds(run: dict, reference_tokens: float) -> float:
@@ -128,16 +164,21 @@ def ratio(baseline: list[float], candidate: list[float]) -> dict:
 # ---------------------------------------------------------------- the judgement
 
 
-def judge(design: Design, measured: dict[str, dict[int, dict]]) -> dict[str, dict]:
+def judge(design: Design, measured: dict[str, dict[int, dict]], kinds: dict[str, str] | None = None,
+          against: dict[str, str] | None = None) -> dict[str, dict]:
     """Every trial of `measured` judged by `design`: {trial: judgement}.
 
-    `measured` maps "baseline" and each trial to {round index: headline figures of that run}
-    (trainscope.record_view.RunView.headline). A trial is compared with the baseline runs of the rounds it ran
-    in, and judged only when it has all `design.rounds` of them; the family's p-values are Holm-corrected with
-    the tests not (yet) run counted as 1.
+    `measured` maps each arm (the baselines and the trials) to {round index: its run's figures}
+    (`run_figures`); `kinds` gives each trial's kind (trainscope.changes; default numeric) and `against` its
+    baseline arm (default "baseline"). A trial is compared with the baseline runs of the rounds it ran in, and
+    judged only when it has all `design.rounds` of them; the family's p-values are Holm-corrected with the tests
+    not (yet) run counted as 1.
     """
-    return in_family(design, {name: measure(design, measured["baseline"], runs)
-                              for name, runs in measured.items() if name != "baseline"})
+    kinds, against = kinds or {}, against or {}
+    baselines = {"baseline", *against.values()}
+    return in_family(design, {name: measure(design, measured[against.get(name, "baseline")], runs,
+                                            kinds.get(name, changes.NUMERIC))
+                              for name, runs in measured.items() if name not in baselines})
 
 
 def in_family(design: Design, measures: dict[str, dict]) -> dict[str, dict]:
@@ -164,15 +205,25 @@ def in_family(design: Design, measures: dict[str, dict]) -> dict[str, dict]:
     return judged
 
 
-def measure(design: Design, baseline: dict[int, dict], trial: dict[int, dict]) -> dict:
+def measure(design: Design, baseline: dict[int, dict], trial: dict[int, dict], kind: str = changes.NUMERIC) -> dict:
     """One trial against the baseline runs of its own rounds, before the family: speed on the same work (raw p),
-    the training-only and evaluation-only ratios, the result's equivalence."""
+    the training-only and evaluation-only ratios, and the result as its kind is judged (`exactness` for an exact
+    change, `equivalent` for a numeric one and for a training one on the full job; a training one on a proxy is
+    not decided, `training_text` says what would decide it)."""
     rounds = sorted(r for r in trial if r in baseline)
     base, mine = [baseline[r] for r in rounds], [trial[r] for r in rounds]
-    entry = {"rounds": rounds, "complete": len(rounds) >= design.rounds,
+    entry = {"kind": kind, "rounds": rounds, "complete": len(rounds) >= design.rounds,
              "equivalence": equivalent(design, base, mine)}
-    entry["same_result"] = {"same": True, "changed": False}.get(entry["equivalence"]["verdict"])
-    entry["result"] = entry["equivalence"]["text"]
+    if kind == changes.EXACT:
+        entry["exactness"] = exactness(design, base, mine)
+        entry["same_result"] = {"exact": True, "not exact": False}.get(entry["exactness"]["verdict"])
+        entry["result"] = entry["exactness"]["text"]
+    elif kind == changes.TRAINING and not all(full_job(r) for r in mine):
+        entry["same_result"] = None
+        entry["result"] = training_text(entry["equivalence"], base, mine)
+    else:
+        entry["same_result"] = {"same": True, "changed": False}.get(entry["equivalence"]["verdict"])
+        entry["result"] = entry["equivalence"]["text"]
     if not rounds:
         entry["speed"] = {"pairs": 0, "n_baseline": 0, "n_trial": 0, "p_raw": 1.0, "test": bench.METHOD}
         entry["training"] = entry["evaluation"] = None
@@ -188,12 +239,85 @@ def measure(design: Design, baseline: dict[int, dict], trial: dict[int, dict]) -
     return entry
 
 
+def run_figures(record: dict, steps: list[dict] | None = None) -> dict:
+    """What make tune judges a run by: its record's headline figures (trainscope.record_view.RunView.headline),
+    its epochs, and the loss of each logged step (the mean over the steps since the line before, so every step's
+    loss is in one) from its step lines."""
+    view = RunView(record)
+    return {**view.headline(), "epochs": view.setting("epochs"),
+            "step_losses": [[line["step"], line["loss"]] for line in steps or [] if line.get("loss") is not None]}
+
+
+def full_job(run: dict) -> bool:
+    """Whether a run trained its whole job: every step of its epochs (not a --max-steps proxy)."""
+    steps, epoch = run.get("optimizer_steps"), run.get("steps_per_epoch")
+    return bool(steps and epoch and steps >= epoch * (run.get("epochs") or 1))
+
+
+def _pairs(baseline: list[dict], trial: list[dict]) -> list[tuple[dict, dict]]:
+    return [(b, t) for b, t in zip(baseline, trial) if b.get("seed") is not None and b.get("seed") == t.get("seed")]
+
+
+def exactness(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
+    """An exact change's paired runs (same round and seed) compared number by number: each logged step's loss and
+    the final losses relative to the baseline's, the accuracies as they are, against the design's rounding
+    tolerance. "exact" when every pair agrees throughout, "not exact" at the first number beyond it (or steps
+    logged in one run and not the other), "undecided" without a pair whose step losses both runs logged."""
+    tolerance, checked, worst, found = design.tolerance, 0, None, None
+    paired = [(b, t) for b, t in _pairs(baseline, trial) if b.get("step_losses") and t.get("step_losses")]
+    for b, t in paired:
+        mine, theirs = dict(map(tuple, t["step_losses"])), dict(map(tuple, b["step_losses"]))
+        if set(mine) != set(theirs):
+            found = found or {"seed": b["seed"], "what": "logged steps", "baseline": sorted(theirs),
+                              "trial": sorted(mine), "difference": math.inf}
+            continue
+        numbers = [(f"step {step} loss", theirs[step], mine[step], True) for step in sorted(theirs)]
+        numbers += [(metric.replace("_", " "), b[metric], t[metric], metric.endswith("loss")) for metric in METRICS
+                    if b.get(metric) is not None and t.get(metric) is not None]
+        for what, ours, yours, relative in numbers:
+            difference = abs(yours - ours) / (abs(ours) if relative and ours else 1.0)
+            checked += 1
+            entry = {"seed": b["seed"], "what": what, "baseline": ours, "trial": yours, "difference": difference,
+                     "relative": relative}
+            if worst is None or difference > worst["difference"]:
+                worst = entry
+            if difference > tolerance and found is None:
+                found = entry
+    verdict = "not exact" if found else "exact" if paired else "undecided"
+    result = {"verdict": verdict, "pairs": len(paired), "numbers": checked, "tolerance": tolerance,
+              "precision": design.precision, "largest": worst, "first_beyond": found}
+    result["text"] = exactness_text(result)
+    return result
+
+
+def exactness_text(result: dict) -> str:
+    """'exact over 6 pairs: ...' / 'not exact: ...' / 'undecided: ...'."""
+    tolerance = f"{result['precision']}'s tolerance {result['tolerance']:.2g}"
+    if result["verdict"] == "undecided":
+        return "undecided: no pair of runs with their step losses logged to compare"
+    if result["verdict"] == "exact":
+        worst = result["largest"]
+        largest = ("all identical" if not worst or worst["difference"] == 0 else
+                   f"largest difference {worst['difference']:.2g} ({worst['what']}, seed {worst['seed']})")
+        return (f"exact over {result['pairs']} pair(s): {result['numbers']} step losses and final metrics each within "
+                f"{tolerance}, {largest}")
+    found = result["first_beyond"]
+    if found["what"] == "logged steps":
+        said = f"seed {found['seed']} logged steps {found['trial']} against the baseline's {found['baseline']}"
+    else:
+        said = (f"seed {found['seed']}, {found['what']} {found['trial']:.6g} against the baseline's "
+                f"{found['baseline']:.6g} ({'relative ' if found['relative'] else ''}difference "
+                f"{found['difference']:.2g}, beyond {tolerance})")
+    return f"not exact: {said}: the change alters the computation -- a defect to report, never kept"
+
+
 def equivalent(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
     """The paired differences (trial minus baseline, same round and seed) of every result metric against its
     margin (trainscope.bench.equivalence). Runs that repeat a seed are averaged per seed first: the seed is the
-    unit, so repeats of one seed are one pair. The verdict: "changed" if any metric is, "same" if all are, else
+    unit, so repeats of one seed are one pair. The verdict: "same" if every metric is (intersection-union: no
+    correction); "changed" if a metric's one-sided test beyond its margin passes Holm over the metrics; else
     "undecided"."""
-    paired = [(b, t) for b, t in zip(baseline, trial) if b.get("seed") is not None and b.get("seed") == t.get("seed")]
+    paired = _pairs(baseline, trial)
     seeds = sorted({b["seed"] for b, _ in paired})
     metrics = {}
     for metric in METRICS:
@@ -203,11 +327,17 @@ def equivalent(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
                 by_seed.setdefault(b["seed"], []).append(t[metric] - b[metric])
         if by_seed:
             metrics[metric] = bench.equivalence([statistics.fmean(d) for d in by_seed.values()], design.margin(metric))
+    for entry, p in zip(metrics.values(), bench.holm([m["p_changed"] for m in metrics.values()])):
+        entry["p_changed_holm"] = p
+        if entry["verdict"] == "changed" and p >= design.alpha:  # beyond its margin alone, not over the metrics
+            mean, sd, margin = entry["mean"], entry["sd"], entry["margin"]
+            entry.update(verdict="undecided", shows="changed", needed=bench.pairs_to_show(mean, sd, margin))
     verdicts = [m["verdict"] for m in metrics.values()]
     verdict = ("changed" if "changed" in verdicts else "same" if verdicts and all(v == "same" for v in verdicts)
                else "undecided")
     result = {"verdict": verdict, "seeds": seeds, "pairs": len(paired), "unpaired": len(baseline) - len(paired),
-              "metrics": metrics, "margins": {"accuracy": design.accuracy_margin, "loss": design.loss_margin}}
+              "metrics": metrics, "margins": {"accuracy": design.accuracy_margin, "loss": design.loss_margin},
+              "correction": f"changed: Holm over {len(metrics)} metric(s)"}
     result["text"] = equivalence_text(result, trial)
     return result
 
@@ -225,8 +355,16 @@ def metric_text(metric: str, entry: dict) -> str:
     return f"{name} {_signed(entry['mean'])}, 90% [{_signed(low)}, {_signed(high)}] against +-{entry['margin']:g}"
 
 
+def power_of_same(metrics: dict, n: int) -> float | None:
+    """How often n seeds call a change that alters nothing "same", at the measured SDs taken as true: at most the
+    least of the metrics' own chances (trainscope.bench.equivalence_chances at a true difference of 0)."""
+    chances = [bench.equivalence_chances(n, 0.0, m["sd"], m["margin"])[0] for m in metrics.values() if m.get("sd")]
+    return min(chances) if chances else None
+
+
 def equivalence_text(result: dict, trial_runs: list[dict]) -> str:
-    """The verdict with the metric that decided it, and for "undecided" what would decide it."""
+    """The verdict with the metric that decided it, and for "undecided" what would decide it and the power the
+    seeds run had."""
     metrics, verdict, n = result["metrics"], result["verdict"], len(result["seeds"])
     if not metrics:
         return "undecided: no result metric measured on paired seeds"
@@ -234,21 +372,71 @@ def equivalence_text(result: dict, trial_runs: list[dict]) -> str:
         widest = max(metrics, key=lambda m: max(abs(v) for v in metrics[m]["interval"]) / metrics[m]["margin"])
         return f"same over {n} seeds: every 90% interval inside its margin (widest: {metric_text(widest, metrics[widest])})"
     if verdict == "changed":
-        name = next(m for m in metrics if metrics[m]["verdict"] == "changed")
-        return f"changed over {n} seeds: {metric_text(name, metrics[name])}" + _steps_text(trial_runs, changed=True)
+        name = min((m for m in metrics if metrics[m]["verdict"] == "changed"), key=lambda m: metrics[m]["p_changed_holm"])
+        entry = metrics[name]
+        return (f"changed over {n} seeds: {metric_text(name, entry)} (one-sided p {entry['p_changed']:.2g}, "
+                f"{entry['p_changed_holm']:.2g} Holm over {len(metrics)} metrics)" + _steps_text(trial_runs, changed=True))
     open_ = [m for m in metrics if metrics[m]["verdict"] == "undecided"]
     if n < 2:  # no interval: show the metric furthest from zero for its margin
         name = max(open_, key=lambda m: abs(metrics[m]["mean"]) / metrics[m]["margin"])
         return (f"undecided: one seed ({metric_text(name, metrics[name])}), no spread to test; make tune runs seed "
                 f"S + r in round r" + _steps_text(trial_runs))
-    name = max(open_, key=lambda m: math.inf if metrics[m]["needed"] is None else metrics[m]["needed"])
-    entry = metrics[name]
-    if entry["needed"] is None:
-        why = "more seeds would not show it at the observed difference"
+    beyond = [m for m in open_ if abs(metrics[m]["mean"]) >= metrics[m]["margin"]]
+    if beyond:  # the difference itself is at or past the margin: seeds can only show it changed
+        name = max(beyond, key=lambda m: abs(metrics[m]["mean"]) / metrics[m]["margin"])
+        entry = metrics[name]
+        why = "more seeds would show it changed" + (
+            f" (about {entry['needed']} at this difference and SD with 80% power, Holm aside; --rounds "
+            f"{entry['needed']})" if entry["shows"] == "changed" and entry["needed"] else "")
     else:
-        why = (f"about {entry['needed']} seeds ({max(0, entry['needed'] - n)} more; --rounds {entry['needed']}) "
-               f"would show it at this SD with 80% power")
-    return f"undecided over {n} seeds: {metric_text(name, entry)}; {why}" + _steps_text(trial_runs)
+        name = max(open_, key=lambda m: math.inf if metrics[m]["needed"] is None else metrics[m]["needed"])
+        entry = metrics[name]
+        why = (f"about {entry['needed']} seeds ({max(0, entry['needed'] - n)} more; --rounds {entry['needed']}) would "
+               f"show it same at this difference and SD with 80% power" if entry["needed"] is not None else
+               "more than 1000 seeds would be needed to show it same at this difference and SD")
+    power = power_of_same(metrics, n)
+    said = (f"; at these SDs {n} seeds call a change that alters nothing 'same' at most {power:.1%} of the time"
+            if power is not None else "")
+    return f"undecided over {n} seeds: {metric_text(name, entry)}; {why}{said}" + _steps_text(trial_runs)
+
+
+def full_job_seconds(run: dict) -> float:
+    """A proxy run's estimate of its full job on this machine: its start-up as measured, its training at its step
+    time for every step of its epochs, its evaluation as measured once per epoch."""
+    steps, epoch, epochs = run.get("optimizer_steps"), run.get("steps_per_epoch"), run.get("epochs") or 1
+    if not (steps and epoch and run.get("train_wall_s") is not None):
+        return run["wall_s"]
+    start = max(0.0, run["wall_s"] - run["train_wall_s"] - run["eval_s"])
+    return start + run["train_wall_s"] * epoch * epochs / steps + run["eval_s"] * epochs
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
+def training_text(equivalence: dict, baseline: list[dict], trial: list[dict]) -> str:
+    """A training change on a proxy: not decided here. The seeds the full job needs to show a change that alters
+    nothing "same" with 80% power, at the seed noise measured here (the paired differences' SD of the metric that
+    needs the most; the baseline's own SD across seeds beside it), and how long that takes on this machine."""
+    done, epoch = next(((r.get("optimizer_steps"), r.get("steps_per_epoch")) for r in trial), (None, None))
+    where = f"these runs stop after {done} of an epoch's {epoch} steps" if done and epoch else "these runs are a proxy"
+    head = f"not decided here: a training change is 'same' only from the full job ({where})"
+    metrics = {m: e for m, e in equivalence["metrics"].items() if e.get("sd")}
+    if not metrics:
+        return f"{head}; no seed noise measured (fewer than 2 paired seeds)"
+    needed = {m: bench.pairs_to_show(0.0, e["sd"], e["margin"]) for m, e in metrics.items()}
+    name = max(needed, key=lambda m: math.inf if needed[m] is None else needed[m])
+    entry, seeds = metrics[name], needed[name]
+    spread = [b[name] for b in baseline if b.get(name) is not None]
+    noise = (f"{name.replace('_', ' ')}: paired differences SD {entry['sd']:.4f} over {entry['n']} seeds"
+             + (f", the baseline's SD across seeds {statistics.stdev(spread):.4f}" if len(spread) > 1 else ""))
+    if seeds is None:
+        return f"{head}; at the seed noise measured here ({noise}) more than 1000 seeds would be needed"
+    pair_s = statistics.median(full_job_seconds(b) for b in baseline) + statistics.median(full_job_seconds(t) for t in trial)
+    return (f"{head}; at the seed noise measured here ({noise}) the full job needs about {seeds} seeds for 80% power "
+            f"to call a change that alters nothing 'same' within +-{entry['margin']:g} (make tune-confirm --rounds "
+            f"{seeds}: about {_duration(seeds * pair_s)} on this machine, {pair_s:.0f} s a pair estimated from these "
+            f"runs' step and evaluation times); on these runs: {equivalence['verdict']}")
 
 
 def _steps_text(trial_runs: list[dict], changed: bool = False) -> str:
@@ -267,13 +455,20 @@ def _steps_text(trial_runs: list[dict], changed: bool = False) -> str:
 # ---------------------------------------------------------------- the choice and its words
 
 
+TOGETHER = {changes.EXACT: "exact", "other": "kept"}  # the kept ones of a phase tried together
+
+
 def final_trial(trials: list[dict]) -> dict | None:
-    """What `make tune` keeps: the kept changes tried together where that trial is itself kept, else the
-    fastest trial that was faster with the same result (None: the baseline stands)."""
+    """What `make tune` keeps: of the last phase that kept something (the others run on top of the exact stack, so
+    their flags hold it), the kept ones tried together where that trial is itself kept, else the fastest trial
+    that was faster with the same result (exact); None: the baseline stands."""
     kept = [t for t in trials if t["verdict"] == "faster" and t["same_result"] is True]
-    if trials and trials[-1]["name"] == "kept" and trials[-1] in kept:
-        return trials[-1]
-    return max(kept, key=lambda t: t["speed"]["median_ratio"], default=None)
+    for phase in ("other", changes.EXACT):
+        mine = [t for t in kept if t.get("phase", "other") == phase]
+        together = next((t for t in mine if t["name"] == TOGETHER[phase]), None)
+        if together or mine:
+            return together or max(mine, key=lambda t: t["speed"]["median_ratio"])
+    return None
 
 
 NONE_KEPT = "No suggestion was faster on the same work with a result shown the same: the baseline stands"
@@ -305,20 +500,25 @@ def merge_flags(base: list[str], extra: list[str]) -> list[str]:
     return [f for pair in pairs(base) if pair[0] not in overridden for f in pair] + list(extra)
 
 
-def final_choice(trials: list[dict], baseline_args: list[str], baseline_config: str | None) -> dict:
-    """The kept trial, its flags and config, the command to use and the sentence that says so."""
+def final_choice(trials: list[dict], baseline_args: list[str], baseline_config: str | None,
+                 tuned_on: str | None = None) -> dict:
+    """The kept trial, its flags and config, the command to use (naming the machine it was tuned on, `tuned_on`:
+    train.py warns before its first step on a machine of another kind) and the sentence that says so."""
     final = final_trial(trials)
     config = final["config"] if final else baseline_config
+    flags = merge_flags(baseline_args, final["flags"] if final else [])
     command = (f"accelerate launch {launching.config_argument(config) + ' ' if config else ''}train.py "
-               + " ".join(merge_flags(baseline_args, final["flags"] if final else [])))
+               + shlex.join(flags + (["--tuned-on", tuned_on] if tuned_on else [])))
     return {"final_flags": final["flags"] if final else [], "final_config": config, "final_command": command,
-            "summary": final_text(final)}
+            "tuned_on": tuned_on, "summary": final_text(final)}
 
 
 def method_text(design: Design, rounds: str | None = None, boundary: str | None = None) -> str:
+    exact = f" Exact changes, tried first and stacked: {exactness_method(design)}." if design.exact else ""
     return (f"Speed on the same work (training scaled to the baseline's real tokens, evaluation as measured); test: "
             f"{bench.METHOD}; each trial against the baseline runs of its own {rounds or f'{design.rounds} rounds'}; "
-            f"boundary: {boundary or design.boundary}. Same result: {equivalence_method(design)}. Kept: faster and same.")
+            f"boundary: {boundary or design.boundary}.{exact} Same result: {equivalence_method(design)}; a training "
+            "change only on the full job. Kept: faster and same.")
 
 
 # ---------------------------------------------------------------- a committed make tune, judged again
@@ -330,24 +530,42 @@ HISTORY = ("Measured by an earlier make tune, judged again here from its runs' r
            "from one seed. Re-run `make tune`.")
 
 
+def judged_in_phases(design: Design, measures: dict[str, dict], exact: set[str]) -> dict[str, dict]:
+    """The family judged as make tune judges it: the exact trials first, on their own (the others counted as p = 1),
+    and those verdicts kept -- the stack was built on them; then every other trial with the whole family."""
+    first = in_family(design, {n: m for n, m in measures.items() if n in exact}) if exact else {}
+    return {**in_family(design, measures), **first}
+
+
+def trial_kind(trial: dict, baseline_config: str | None = None) -> str:
+    """A trial's kind as written, else from its own flags and config by today's catalogue (trainscope.changes)."""
+    if trial.get("kind"):
+        return trial["kind"]
+    config = trial.get("config") if trial.get("config") != baseline_config else None
+    return changes.kind_of(trial.get("own_flags", trial.get("flags") or []), config)
+
+
 def rejudged(comparison: dict, records: dict) -> dict:
     """A make tune comparison with every trial judged again by `judge` from its runs' records (when they are all
-    there), its final choice made again: a committed result made under an older rule reads by today's. A result
-    without a design (an older make tune) gets the design its runs allow and says so (`history`)."""
+    there; a record may carry its step lines under "steps"), its final choice made again: a committed result made
+    under an older rule reads by today's. A result without a design (an older make tune) gets the design its runs
+    allow and says so (`history`); a trial without a kind gets today's catalogue's."""
     trials = comparison.get("trials") if isinstance(comparison, dict) else None
     if not trials:
         return comparison
-    measured = {"baseline": {}}
+    measured, kinds, against = {"baseline": {}}, {}, {}
     for trial in trials:
         mine = measured.setdefault(trial["name"], {})
-        for run in trial.get("runs", []):
-            found = re.fullmatch(r"(.+)-r(\d+)", run)
-            base = f"baseline-r{found.group(2)}" if found else None
-            if not found or run not in records or base not in records:
+        kinds[trial["name"]] = trial_kind(trial, comparison.get("baseline_config"))
+        runs = trial.get("runs", [])
+        for run, base in zip(runs, trial.get("baseline_runs") or [re.sub(r".*-r(\d+)$", r"baseline-r\1", r) for r in runs]):
+            found, of_base = re.fullmatch(r"(.+)-r(\d+)", run), re.fullmatch(r"(.+)-r(\d+)", base)
+            if not found or not of_base or run not in records or base not in records:
                 return comparison
             index = int(found.group(2))
-            mine[index] = RunView(records[run]).headline()
-            measured["baseline"][index] = RunView(records[base]).headline()
+            against[trial["name"]] = of_base.group(1)
+            mine[index] = run_figures(records[run], records[run].get("steps"))
+            measured.setdefault(of_base.group(1), {})[index] = run_figures(records[base], records[base].get("steps"))
     rounds = None
     if "design" in comparison:
         design = Design.from_dict(comparison["design"])
@@ -360,19 +578,23 @@ def rejudged(comparison: dict, records: dict) -> dict:
         boundary = (f"none held: looks after 3 to 6 rounds when measured, judged here once at the rounds each took; "
                     f"Holm over {design.tests} test(s)")
         comparison = {**comparison, "design": {**design.to_dict(), "boundary": boundary}, "history": HISTORY}
-    judged = judge(design, measured)
+    baselines = set(against.values()) | {"baseline"}
+    measures = {name: measure(design, measured[against.get(name, "baseline")], runs, kinds[name])
+                for name, runs in measured.items() if name not in baselines}
+    judged = judged_in_phases(design, measures, {t["name"] for t in trials if t.get("phase") == changes.EXACT})
     for entry in judged.values():
         entry["speed"]["boundary"] = comparison["design"]["boundary"]
     comparison = {**comparison, "trials": [{**t, **trial_verdicts(judged[t["name"]])} for t in trials],
                   "method": method_text(design, rounds, comparison["design"]["boundary"])}
     comparison.update(final_choice(comparison["trials"], comparison.get("baseline_args", []),
-                                   comparison.get("baseline_config")))
+                                   comparison.get("baseline_config"), comparison.get("tuned_on")))
     return comparison
 
 
 def trial_verdicts(judgement: dict) -> dict:
     """What a trial's entry in the result takes from its judgement."""
-    return {"speed": judgement["speed"], "training": judgement["training"], "evaluation": judgement["evaluation"],
-            "verdict": judgement["verdict"], "equivalence": judgement["equivalence"],
+    return {"kind": judgement["kind"], "speed": judgement["speed"], "training": judgement["training"],
+            "evaluation": judgement["evaluation"], "verdict": judgement["verdict"],
+            "equivalence": judgement["equivalence"], "exactness": judgement.get("exactness"),
             "same_result": judgement["same_result"], "result": judgement["result"], "rounds": judgement["rounds"],
             "pairs": judgement["speed"]["pairs"]}

@@ -2,10 +2,13 @@
 `make tune` (trainscope.tune) measured when it tried them -- judged again from its runs' records by today's
 rules (trainscope.tune_judge.rejudged) -- and what `make tune-confirm` measured on the full job."""
 
-from trainscope import advisor, bench, reporting
+from pathlib import Path
+
+from trainscope import advisor, bench, changes, reporting
 from trainscope.experiments import tune_confirm
 from trainscope.experiments.base import Experiment
 from trainscope.record_view import RunView
+from trainscope.records import read_steps
 from trainscope.reporting import Headline
 from trainscope.tables import Table
 from trainscope.tune_judge import METRICS, NONE_KEPT, change_of, final_text, final_trial, rejudged
@@ -25,7 +28,8 @@ def section(report, found: reporting.Collected) -> None:
         if tune.get("history"):
             report.text(tune["history"])
         report.table(tune_table(tune))
-        report.table(equivalence_table(tune))
+        if equivalence_table(tune).rows:
+            report.table(equivalence_table(tune))
         report.text(f"Final command: `{tune['final_command']}`. {final_text(final_trial(tune['trials']))}")
         report.text(tune.get("method", ""))
     confirm, why = readable_confirm(found)
@@ -99,13 +103,23 @@ def tune_table(result: dict) -> Table:
     """Each trial against the baseline runs of its own rounds: its predicted gain, the speed on the same work
     (n baseline / n trial, raw and Holm p), the verdict, the training-only and evaluation-only ratios, the result."""
     tests = (result.get("design") or {}).get("tests", "?")
-    rows = [[t["name"], change_of(t), t.get("gain_text") or "-", _speed_cell(t["speed"]), t["verdict"],
-             _ratio_cell(t.get("training")), _ratio_cell(t.get("evaluation")),
-             (t.get("equivalence") or {}).get("verdict", t["result"])] for t in result["trials"]]
-    return Table(f"make tune: each suggestion, then the kept ones together, against the baseline runs of its own "
-                 f"rounds (Holm over {tests} tests, one look)",
-                 ["trial", "change", "predicted", "speed (same work)", "verdict", "training only", "evaluation only",
-                  "result"], rows, "tune", align="lllrlrrl")
+    rows = [[t["name"], change_of(t), t.get("kind") or "-", t.get("gain_text") or "-", _speed_cell(t["speed"]),
+             t["verdict"], _ratio_cell(t.get("training")), _ratio_cell(t.get("evaluation")), result_cell(t)]
+            for t in result["trials"]]
+    return Table(f"make tune: each suggestion (the exact ones first, then the others on top of the kept exact ones), "
+                 f"then the kept ones together, against the baseline runs of its own rounds (Holm over {tests} tests, "
+                 "one look)", ["trial", "change", "kind", "predicted", "speed (same work)", "verdict", "training only",
+                               "evaluation only", "result"], rows, "tune", align="llllrlrrl")
+
+
+def result_cell(trial: dict) -> str:
+    """The result as the trial's kind is judged: exact or not (an exact change), the equivalence verdict (a numeric
+    one, or a training one on the full job), or what the full job needs (a training one on a proxy)."""
+    if trial.get("kind") == changes.EXACT and trial.get("exactness"):
+        return trial["exactness"]["verdict"]
+    if trial.get("kind") == changes.TRAINING and trial["result"].startswith("not decided here"):
+        return "full job only"
+    return (trial.get("equivalence") or {}).get("verdict", trial["result"])
 
 
 def equivalence_table(result: dict) -> Table:
@@ -113,6 +127,8 @@ def equivalence_table(result: dict) -> Table:
     margins stated before measuring."""
     rows = []
     for t in result["trials"]:
+        if t.get("kind") == changes.EXACT:  # judged by its own runs' numbers (the result column), not by seeds
+            continue
         equivalence = t.get("equivalence") or {}
         for metric in METRICS:
             entry = (equivalence.get("metrics") or {}).get(metric)
@@ -122,12 +138,19 @@ def equivalence_table(result: dict) -> Table:
             rows.append([t["name"], metric.replace("_", " "), f"{entry['mean']:+.4f}",
                          f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "- (one seed)",
                          f"+-{entry['margin']:g}", str(entry["n"]), entry["verdict"]
-                         + (f" ({entry['needed']} seeds would decide)" if entry.get("needed") else "")])
+                         + (f" ({entry['needed']} seeds would show it {entry.get('shows') or 'decided'})"
+                            if entry.get("needed") else "")])
     return Table("make tune: the same result? Paired differences (trial minus baseline, same seed), 90% interval, "
                  "two one-sided tests", ["trial", "metric", "mean difference", "90% interval", "margin", "seeds",
                                          "verdict"], rows, "tune_result", align="llrrrrl")
 
 
+def rejudged_with_steps(comparison: dict, records: dict) -> dict:
+    """`rejudged` with each record's step lines beside it (an exact trial is judged by its step losses)."""
+    return rejudged(comparison, {name: {**record, "steps": read_steps(Path(record["path"]), problems=[])}
+                                 if record.get("path") else record for name, record in records.items()})
+
+
 EXPERIMENT = Experiment(name="tune", title="Optimization: what to try next", target="make tune", folder="tune",
                         section=section, headline=headline, needs=("experiment", "trials", "final_command", "summary"),
-                        rejudge=rejudged, sources=sources, one_machine=False)
+                        rejudge=rejudged_with_steps, sources=sources, one_machine=False)

@@ -58,7 +58,8 @@ def tuned_command(args) -> tuple[str | None, list[str], dict]:
         raise UserError(f"{path} is not a make tune result (no final_flags)")
     if not result["final_flags"] and result.get("final_config") == args.config:
         raise UserError(f"make tune kept no change ({path}): its final command is make train's, nothing to confirm")
-    return result.get("final_config"), list(result["final_flags"]), result.get("design") or {}
+    tuned_on = ["--tuned-on", result["tuned_on"]] if result.get("tuned_on") else []  # warns on another kind of machine
+    return result.get("final_config"), list(result["final_flags"]) + tuned_on, result.get("design") or {}
 
 
 def run(args, train_args: list[str]) -> dict:
