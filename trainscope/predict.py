@@ -151,6 +151,7 @@ class PhaseModel:
 
 def phase_models(traced: trace.Trace, costs: op_costs.OpCosts) -> dict[str, PhaseModel]:
     models: dict[str, PhaseModel] = {}
+    costs.prepare(traced.ops)  # what is not known yet, timed at once (on a GPU in a child process)
     for op in traced.ops:
         models.setdefault(op.phase, PhaseModel(traced.length, [])).terms.append(
             (costs.seconds(op) * op.count, op.power, "matmul" if op.gemm is not None else "operator"))
