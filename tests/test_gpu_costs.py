@@ -102,3 +102,115 @@ def test_an_operator_that_crashes_its_process_costs_only_its_own_timing(tmp_path
     costs.save()
     again = op_costs.OpCosts(CPU, threads=1, processes=1, guarded=True)
     assert again.seconds(ops[1]) == 0.0 and again.unmeasured == costs.unmeasured and again.measured == 0
+
+
+# ---------------------------------------------------------------- GPU timing on a planted device clock
+
+class PlantedGPU:
+    """A host clock and a device stream: a launch costs the host LAUNCH_S and queues its kernel after the work before
+    it; a synchronization waits for the queue and costs SYNC_S; an event completes when the work queued before it
+    has. A GEMM's kernel takes `kernel_s`, a cache flush FLUSH_S."""
+
+    LAUNCH_S, SYNC_S, FLUSH_S = 10e-6, 20e-6, 50e-6
+
+    def __init__(self, kernel_s: float):
+        self.kernel_s, self.now, self.done, self.kernels = kernel_s, 0.0, 0.0, 0
+
+    def launch(self, seconds: float) -> None:
+        self.now += self.LAUNCH_S
+        self.done = max(self.now, self.done) + seconds
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def synchronize(self, device=None) -> None:
+        self.now = max(self.now, self.done) + self.SYNC_S
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.at = max(gpu.now, gpu.done)
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1e3
+
+        return Event()
+
+    def flush_buffer(self, device):
+        gpu = self
+
+        class Buffer:
+            def zero_(self):
+                gpu.launch(gpu.FLUSH_S)
+
+        return Buffer()
+
+    def matrix(self):
+        gpu = self
+
+        class Matrix:
+            def __matmul__(self, other):
+                gpu.launch(gpu.kernel_s)
+                gpu.kernels += 1
+                return self
+
+        return Matrix()
+
+
+@pytest.fixture
+def planted_gpu(monkeypatch):
+    """A 4096x768x768 GEMM of 8 us (604 TFLOP/s) behind 10 us launches and 20 us synchronizations."""
+    from types import SimpleNamespace
+
+    from trainscope import peak
+
+    gpu = PlantedGPU(kernel_s=8e-6)
+    monkeypatch.setattr(peak, "time", SimpleNamespace(perf_counter=gpu.perf_counter))
+    monkeypatch.setattr(op_costs, "time", SimpleNamespace(perf_counter=gpu.perf_counter))
+    for module in (peak, op_costs):
+        monkeypatch.setattr(module, "_synchronize", gpu.synchronize)
+    monkeypatch.setattr(peak, "_new_event", gpu.event, raising=False)
+    monkeypatch.setattr(peak, "_flush_buffer", gpu.flush_buffer, raising=False)
+    monkeypatch.setattr(peak, "_operands", lambda device, precision, shape: (gpu.matrix(), gpu.matrix()))
+    return gpu
+
+
+def test_a_gpu_matmul_rate_is_its_kernels_not_its_launch_and_synchronization(planted_gpu):
+    """One call timed on the host between synchronizations measured launch + kernel + sync: 38 us for an 8 us kernel
+    (127 TFLOP/s against 604; on an H200, 157 against 382)."""
+    from trainscope import peak
+
+    shape = (4096, 768, 768)
+    rate = peak.measure(torch.device("cuda"), "bf16", shape)
+    assert rate.tflops == pytest.approx(2 * 4096 * 768 * 768 / 8e-6 / 1e12)
+    assert rate.low == pytest.approx(rate.tflops) and rate.calls >= peak.MIN_CALLS
+
+
+def test_an_operators_gpu_cost_is_its_kernels_time(planted_gpu):
+    matrix = planted_gpu.matrix()
+    assert op_costs.time_call(lambda: matrix @ matrix, torch.device("cuda")) == pytest.approx(8e-6)
+
+
+def test_the_gpus_clocks_are_asked_once_per_process(monkeypatch):
+    """The machine key is asked for every GEMM shape a prediction costs: an nvidia-smi process each time (about 30 per
+    run) where NVML's binding is not installed."""
+    import subprocess
+    import sys
+
+    from trainscope import peak
+
+    asked = []
+
+    def nvidia_smi(command, **kwargs):
+        asked.append(command)
+        return subprocess.CompletedProcess(command, 0, "570.86.15, 1980, 1755\n", "")
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML binding: nvidia-smi answers
+    monkeypatch.setattr(peak.subprocess, "run", nvidia_smi)
+    getattr(peak, "_clocks_of", None) and peak._clocks_of.cache_clear()
+    clocks = [peak._gpu_clocks(torch.device("cuda", 0)) for _ in range(30)]
+    assert clocks[0] == {"driver": "570.86.15", "max_sm_clock_mhz": "1980", "application_clock_mhz": "1755"}
+    assert all(c == clocks[0] for c in clocks) and len(asked) == 1
+    getattr(peak, "_clocks_of", None) and peak._clocks_of.cache_clear()
