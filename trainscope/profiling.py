@@ -87,10 +87,13 @@ class StepProfiler:
 
 
 def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) -> list[dict]:
-    """The operators with the most self time on the device (CUDA) or on the CPU, in seconds."""
+    """The operators with the most self time on the device (CUDA) or on the CPU, in seconds. Device events (kernels,
+    copies, memsets) are left out: their time is already their operator's self device time."""
     on_device = device.type == "cuda"
     rows = []
     for event in averages:
+        if not str(getattr(event, "device_type", "CPU")).endswith("CPU"):
+            continue
         device_us = getattr(event, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(event, "self_cuda_time_total", 0)
