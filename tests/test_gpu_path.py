@@ -638,3 +638,62 @@ def test_the_parent_hands_its_cached_gpu_memory_back_before_the_ddp_workers_star
     monkeypatch.setattr(launching, "run_captured", run_captured)
     assert compare_dp.launch_ddp(2, [], 32) == {"world_size": 2}
     assert calls == ["gc.collect", "empty_cache", "launch"]
+
+
+@pytest.fixture
+def one_rank_gloo():
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    dist.destroy_process_group()
+
+
+def test_fsdp2s_sharded_parameters_gradients_and_optimizer_state_are_measured_as_the_rank_holds_them(one_rank_gloo):
+    """After Accelerate's FSDP2 prepare every parameter, gradient and optimizer state tensor is a DTensor, which has
+    no storage of its own: the prediction's check read their data pointers and the run died before its first step
+    ("Attempted to access the data pointer on an invalid python storage"). Accelerate enables FSDP only on several
+    GPUs, so FSDP2 is applied here as it applies it (`fully_shard` per layer, then the model) on a one-rank gloo
+    mesh, and the run's measuring code reads it: the prediction's check, the checkpoint's size, the layer probe."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from trainscope import checkpoints, embedded, predict, profiling
+
+    values = embedded.bundled_architecture("tiny-bert")
+    model = AutoModelForSequenceClassification.from_config(
+        AutoConfig.for_model(values.pop("model_type"), **values, num_labels=2), attn_implementation="sdpa")
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    settings = SimpleNamespace(compile=False, resume=None)
+    check = predict.Check({"memory": {}, "time": {}}, settings)
+    check.attach(model, optimizer)
+    check.first_micro_batch()
+    batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": torch.ones(2, 8, dtype=torch.long),
+             "labels": torch.zeros(2, dtype=torch.long)}
+    model(**batch).loss.backward()
+    optimizer.step()
+    check.micro_batch_done(batch, stepped=True)
+    local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    assert check.measured["parameters"] == local == check.measured["gradients"]
+    assert check.measured["optimizer"] >= 2 * local  # AdamW's two moments per parameter, and its step counters
+    assert "saved" not in check.measured  # FSDP2's gathered weights are saved in storages of their own: not measured
+    assert profiling.layer_breakdown(model, 2, 8, "fp32", torch.device("cpu")) is None  # a copy would gather shards
+    state = checkpoints.state_bytes(SimpleNamespace(_models=[model], _optimizers=[optimizer]))
+    assert state == local + sum(b.numel() * b.element_size() for b in model.buffers()) + check.measured["optimizer"]

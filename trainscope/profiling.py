@@ -199,9 +199,11 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
     None when the model has no repeated block that takes hidden states alone (or it fails on them)."""
     import copy
 
+    from trainscope.memory import is_sharded
+
     layer = first_layer(model)
     width = next((m.in_features for m in layer.modules() if isinstance(m, torch.nn.Linear)), None) if layer else None
-    if width is None:
+    if width is None or any(is_sharded(p) for p in layer.parameters()):  # FSDP2: a copy would gather its shards
         return None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name)
 
