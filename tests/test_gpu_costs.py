@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from conftest import PlantedGPU
 from trainscope import op_costs, trace
 
 CPU = torch.device("cpu")
@@ -105,59 +106,6 @@ def test_an_operator_that_crashes_its_process_costs_only_its_own_timing(tmp_path
 
 
 # ---------------------------------------------------------------- GPU timing on a planted device clock
-
-class PlantedGPU:
-    """A host clock and a device stream: a launch costs the host LAUNCH_S and queues its kernel after the work before
-    it; a synchronization waits for the queue and costs SYNC_S; an event completes when the work queued before it
-    has. A GEMM's kernel takes `kernel_s`, a cache flush FLUSH_S."""
-
-    LAUNCH_S, SYNC_S, FLUSH_S = 10e-6, 20e-6, 50e-6
-
-    def __init__(self, kernel_s: float):
-        self.kernel_s, self.now, self.done, self.kernels = kernel_s, 0.0, 0.0, 0
-
-    def launch(self, seconds: float) -> None:
-        self.now += self.LAUNCH_S
-        self.done = max(self.now, self.done) + seconds
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def synchronize(self, device=None) -> None:
-        self.now = max(self.now, self.done) + self.SYNC_S
-
-    def event(self):
-        gpu = self
-
-        class Event:
-            def record(self):
-                self.at = max(gpu.now, gpu.done)
-
-            def elapsed_time(self, end):
-                return (end.at - self.at) * 1e3
-
-        return Event()
-
-    def flush_buffer(self, device):
-        gpu = self
-
-        class Buffer:
-            def zero_(self):
-                gpu.launch(gpu.FLUSH_S)
-
-        return Buffer()
-
-    def matrix(self):
-        gpu = self
-
-        class Matrix:
-            def __matmul__(self, other):
-                gpu.launch(gpu.kernel_s)
-                gpu.kernels += 1
-                return self
-
-        return Matrix()
-
 
 @pytest.fixture
 def planted_gpu(monkeypatch):
