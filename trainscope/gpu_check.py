@@ -435,8 +435,6 @@ def timing_agreement(events: dict, sync: dict) -> float:
     """The largest per-stage |events - sync| over its tolerance, max(5% of the sync figure, 1 ms): at most 1 agrees."""
     a, b = events["across_ranks"]["steady"]["seconds"], sync["across_ranks"]["steady"]["seconds"]
     share, floor = TIMING_TOLERANCE
-    steps = max(1, (events.get("steps") or {}).get("steady", 1)) if isinstance(events.get("steps"), dict) else 1
-    del steps
     return max(abs(a[s]["median"] - b[s]["median"]) / max(share * b[s]["median"], floor)
                for s in ("forward", "backward", "optimizer"))
 
