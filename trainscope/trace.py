@@ -144,6 +144,7 @@ def is_tensor_spec(value) -> bool:
 RNG_STATE_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state"})
 
 
+@functools.lru_cache(maxsize=None)
 def rng_outputs(func) -> tuple[int, ...]:
     """Positions of `func`'s outputs that hold random-generator state (by the schema's return names; flash attention
     returns its offset as `unused`, after `rng_state`)."""
@@ -204,7 +205,8 @@ class _Recorder(TorchDispatchMode):
             return out
         spec = self._spec_of(func, args, kwargs)
         for index in rng_outputs(func):
-            self.rng_made[out[index]] = ("rng", str(func), spec, index)
+            if isinstance(out[index], torch.Tensor):
+                self.rng_made[out[index]] = ("rng", str(func), spec, index)
         key = f"{func} {spec!r}"
         found = self.ops.get((self.phase, key))
         if found is not None:
