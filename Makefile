@@ -159,7 +159,7 @@ bench-compile: setup ## --compile against eager on the tiny model: compile time,
 
 # `make gpu-check --dry-run` (make's -n) runs the plan's dry run (a `+` line runs under -n) instead of only echoing it.
 GPU_CHECK_DRY_RUN = $(findstring n,$(firstword -$(MAKEFLAGS)))
-gpu-check: setup ## what only a GPU can confirm, in a 540 s budget (ARGS='--budget N'); the plan: make gpu-check --dry-run -> benchmarks/gpu/<device>.*
+gpu-check: setup ## what only a GPU can confirm, most informative first (ARGS='--budget N' or '--part K'; default budget: the plan's estimate + 15%); the plan: make gpu-check --dry-run -> benchmarks/gpu/<device>.*
 	$(if $(GPU_CHECK_DRY_RUN),+)$(PY) -m trainscope.gpu_check $(if $(GPU_CHECK_DRY_RUN),--dry-run) $(ARGS)
 
 clean: ## remove runs/, results/ and caches (keeps .venv)

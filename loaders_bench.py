@@ -106,7 +106,9 @@ class SweepSettings:
 
 
 def time_passes(loader, passes: int = 1, to_device=None, synchronize=None) -> list[dict]:
-    """Iterate `loader` `passes` times; per pass: wall time, first-batch latency, batches, samples.
+    """Iterate `loader` `passes` times; per pass: wall time, first-batch latency, batches, samples, and with a copy to
+    the device `copy_s`: the time the loop spent in the copies and waiting for them (a pageable copy blocks the host
+    for its whole transfer; a pinned, non-blocking one returns at once and is waited for only at the pass's end).
 
     The first batch's latency holds the worker start-up (a fresh iterator forks its workers);
     the steady rate is measured over the remaining batches.
@@ -116,9 +118,12 @@ def time_passes(loader, passes: int = 1, to_device=None, synchronize=None) -> li
         started = time.perf_counter()
         first = None
         batches = samples = 0
+        copy = 0.0
         for batch in loader:
             if to_device is not None:
+                copying = time.perf_counter()
                 batch = to_device(batch)
+                copy += time.perf_counter() - copying
             if first is None:
                 if synchronize:
                     synchronize()
@@ -126,11 +131,14 @@ def time_passes(loader, passes: int = 1, to_device=None, synchronize=None) -> li
             batches += 1
             samples += len(batch["labels"]) if isinstance(batch, Mapping) else len(batch)
         if synchronize:
+            waiting = time.perf_counter()
             synchronize()
+            copy += time.perf_counter() - waiting
         wall = time.perf_counter() - started
         steady = wall - (first or 0.0)
         results.append({
             "pass_s": wall, "first_batch_s": first, "batches": batches, "samples": samples,
+            "copy_s": copy if to_device is not None else None,
             "batches_per_s": batches / wall if wall > 0 else None,
             "samples_per_s": samples / wall if wall > 0 else None,
             "steady_batches_per_s": (batches - 1) / steady if batches > 1 and steady > 0 else None,
@@ -314,6 +322,8 @@ def summarize(rows: list[dict], knee_tolerance: float) -> dict:
                  "median": statistics.median(values),
                  "min": min(values), "max": max(values), "repeats": len(values)}
         if metric == "pass_s":
+            copies = [r["copy_s"] for r in group if r.get("copy_s") is not None]
+            entry["median_copy_s"] = statistics.median(copies) if copies else None
             entry["median_first_batch_s"] = statistics.median(r["first_batch_s"] for r in group)
             entry["median_samples_per_s"] = statistics.median(r["samples_per_s"] for r in group)
             entry["median_batches_per_s"] = statistics.median(r["batches_per_s"] for r in group)
@@ -387,7 +397,17 @@ def markdown(report: dict) -> list[str]:
             f"{report['dataset_rows']} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
             f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch threads; "
             f"{report['sweep']['repeats']} repeats in alternating order; verdicts: {bench.METHOD}.", "",
-            *knee_table(report).markdown_lines()]
+            *knee_table(report).markdown_lines(), *copy_lines(report)]
+
+
+def copy_lines(report: dict) -> list[str]:
+    """The copy to the device, per setting: the time the loop spent in it per pass, against the pass."""
+    rows = [e for e in report["summary"]["settings"] if e.get("median_copy_s") is not None]
+    if not rows:
+        return []
+    return ["", "| batch | pin_memory | workers | copy s per pass (median) | pass s (median) |", "|---:|---|---:|---:|---:|",
+            *[f"| {e['batch_size']} | {'pinned, non-blocking' if e['pin_memory'] else 'pageable'} | {e['num_workers']} | "
+              f"{e['median_copy_s']:.4f} | {e['median']:.4f} |" for e in rows]]
 
 
 def print_recommendations(report: dict) -> None:

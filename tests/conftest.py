@@ -224,3 +224,76 @@ def plant(record: dict, **changes) -> dict:
             target = target[key]
         target[leaf] = value
     return record
+
+
+# ---------------------------------------------------------------- a GPU's clocks, planted
+
+class PlantedGPU:
+    """A host clock and a device stream: a launch costs the host LAUNCH_S and queues its kernel after the work before
+    it; a synchronization waits for the queue and costs SYNC_S; an event completes when the work queued before it
+    has. A GEMM's kernel takes `kernel_s`, a cache flush FLUSH_S."""
+
+    LAUNCH_S, SYNC_S, FLUSH_S = 10e-6, 20e-6, 50e-6
+
+    def __init__(self, kernel_s: float):
+        self.kernel_s, self.now, self.done, self.kernels = kernel_s, 0.0, 0.0, 0
+
+    def launch(self, seconds: float) -> None:
+        self.now += self.LAUNCH_S
+        self.done = max(self.now, self.done) + seconds
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def synchronize(self, device=None) -> None:
+        self.now = max(self.now, self.done) + self.SYNC_S
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.at = max(gpu.now, gpu.done)
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1e3
+
+        return Event()
+
+    def clock(self):
+        """trainscope.timing.EventClock's surface over the planted device."""
+        gpu = self
+
+        class Clock:
+            def mark(self):
+                event = gpu.event()
+                event.record()
+                return event
+
+            def wait(self, event):
+                gpu.now = max(gpu.now, event.at)
+
+            def elapsed(self, start, end):
+                return start.elapsed_time(end) / 1e3
+
+        return Clock()
+
+    def flush_buffer(self, device):
+        gpu = self
+
+        class Buffer:
+            def zero_(self):
+                gpu.launch(gpu.FLUSH_S)
+
+        return Buffer()
+
+    def matrix(self):
+        gpu = self
+
+        class Matrix:
+            def __matmul__(self, other):
+                gpu.launch(gpu.kernel_s)
+                gpu.kernels += 1
+                return self
+
+        return Matrix()

@@ -197,6 +197,7 @@ class FakeAllocator:
 
     def _record_memory_history(self, **kwargs):
         self.calls.append(("stop" if kwargs.get("enabled", True) is None else "start"))
+        self.options = self.options if kwargs.get("enabled", True) is None else kwargs
 
     def _snapshot(self):
         time.sleep(self.take_s)
@@ -212,6 +213,8 @@ def test_the_memory_snapshot_covers_a_window_after_warmup_and_is_written_after_t
         if step == 2:
             assert allocator.calls == ["start"]
     assert allocator.calls == ["start", "take", "stop"] and not path.exists()  # nothing pickled inside the loop
+    # C++ frames symbolized at _snapshot() take minutes: Python frames only
+    assert allocator.options == {"max_entries": 100_000, "stacks": "python"}
     assert [step for step in range(1, 11) if snapshot.covers(step)] == [3, 4, 5]
     assert snapshot.finish(10) == {"first_step": 3, "last_step": 5, "path": str(path)}
     assert pickle.loads(path.read_bytes())["device_traces"] == [[{"action": "alloc"}]]

@@ -103,3 +103,43 @@ def test_one_layer_profiled_apart_shows_what_attention_dropout_costs_and_leaves_
         assert "_scaled_dot_product_attention_math" in ops and found["attention_dropout_s"] > 0
     else:
         assert "flash_attention" in ops and found["attention_dropout_s"] == 0
+
+
+def kernel(name, start_us, end_us):
+    """A stand-in for a device event (a CUDA kernel) with its timestamps."""
+    return SimpleNamespace(name=name, device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=start_us, end=end_us),
+                           self_cpu_time_total=0, self_device_time_total=end_us - start_us, cpu_parent=None,
+                           sequence_nr=-1, flops=0, thread=1, cpu_time_total=0)
+
+
+def test_nccl_kernels_beside_compute_count_once_and_the_shares_stay_within_the_window():
+    """Under DDP the all-reduce kernels run on NCCL's stream beside backward's: their device time was added to the
+    operators' and the shares passed 100% (1000 us of a 1000 us window busy 1200 us, outside operators clamped to 0).
+    Only the 200 us when no compute kernel ran are communication's; the 400 us beside compute are hidden."""
+    step = event("ProfilerStep#3", 5)
+    step.cpu_time_total = 1000
+    mm = event("aten::mm", 5, step)
+    mm.self_device_time_total = 600
+    allreduce = event("nccl:all_reduce", 5, step)
+    allreduce.self_device_time_total = 600
+    events = [step, mm, allreduce, kernel("sm90_xmma_gemm_f32", 100, 700),
+              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 300, 900)]
+    found = gap.categorize(events, on_device=True)
+    seconds = {k: round(v * 1e6) for k, v in found["categories"].items() if v}
+    assert seconds == {"matmul": 600, "communication": 200, "outside operators": 200}
+    assert round(found["communication_hidden_s"] * 1e6) == 400 and found["overlap_s"] == 0
+    assert sum(r["share"] for r in gap.rows(found, peak_tflops=1.0) if r["share"]) == pytest.approx(1.0)
+
+
+def test_the_top_operators_leave_out_device_events_counted_in_their_operators():
+    """key_averages() lists each kernel beside the aten:: operator that launched it, whose self device time already
+    holds it: the GEMM's 600 us showed twice."""
+    averages = [SimpleNamespace(key=name, count=1, self_cpu_time_total=cpu, self_device_time_total=device_us,
+                                device_type=f"DeviceType.{kind}")
+                for name, cpu, device_us, kind in (("aten::mm", 20, 600, "CPU"), ("sm90_xmma_gemm_f32", 0, 600, "CUDA"),
+                                                   ("nccl:all_reduce", 30, 500, "CPU"),
+                                                   ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 500, "CUDA"),
+                                                   ("Memcpy HtoD (Pageable -> Device)", 0, 40, "CUDA"))]
+    rows = profiling.top_operators(averages, torch.device("cuda"))
+    assert [r["name"] for r in rows] == ["aten::mm", "nccl:all_reduce"]
+    assert sum(r["self_device_s"] for r in rows) == pytest.approx(1100e-6)

@@ -104,8 +104,10 @@ def state_bytes(accelerator) -> int:
     for optimizer in accelerator._optimizers:
         for state in getattr(optimizer, "optimizer", optimizer).state.values():
             tensors += [v for v in state.values() if torch.is_tensor(v)]
+    from trainscope.memory import local_bytes
+
     unique = {id(t): t for t in tensors}
-    return sum(t.numel() * t.element_size() for t in unique.values())
+    return sum(local_bytes(t) for t in unique.values())  # a DTensor's numel() is the whole tensor's
 
 
 # ---------------------------------------------------------------- choosing one on --resume

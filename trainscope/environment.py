@@ -113,22 +113,28 @@ def machine_count(environ=None) -> int:
     return 1
 
 
-def apply_thread_budget(setting: str, environ=None) -> dict:
+def apply_thread_budget(setting: str, environ=None, workers: int = 0, accelerator: bool = False) -> dict:
     """Set this process's intra-op threads from --threads and say what was set and why.
 
-    auto: usable cores / local processes (the budget); a number: that many (source user);
-    launcher: keep what OMP_NUM_THREADS gave torch (source launcher).
+    auto: usable cores / local processes (the budget); on an accelerator less the process's DataLoader `workers`
+    (keeping one thread): there the device computes, and a worker that shares a core with an intra-op thread slows
+    the loading it is there to hide; on a CPU the threads are the compute, and workers trade cores with it (the
+    advisor weighs that); a number: that many (source user); launcher: keep what OMP_NUM_THREADS gave torch
+    (source launcher).
     """
     environ = os.environ if environ is None else environ
     cores, processes = usable_cores(), local_processes(environ)
-    budget = max(1, cores // processes)
+    share = max(1, cores // processes)
+    kept = min(workers, share - 1) if accelerator else 0
+    budget = share - kept
     if setting == "launcher":
         source = "launcher"
     else:
         source = "auto" if setting == "auto" else "user"
         torch.set_num_threads(budget if setting == "auto" else int(setting))
     return {"torch_threads": torch.get_num_threads(), "threads_source": source, "thread_budget": budget,
-            "usable_cores": cores, "local_processes": processes, "omp_num_threads": environ.get("OMP_NUM_THREADS")}
+            "usable_cores": cores, "local_processes": processes, "omp_num_threads": environ.get("OMP_NUM_THREADS"),
+            "kept_for_workers": kept}
 
 
 def cpu_capability() -> str:

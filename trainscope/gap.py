@@ -67,7 +67,15 @@ def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
     Returns {basis, window_s, categories: {name: seconds}, calls, matmul_flops, matmul_s, attention_ops,
     attention_total_s, attention_dropout_s}: the last two are everything inside attention (its matmuls, softmax,
     masking and dropout, forward and backward: what a fused kernel replaces) and the dropout inside it.
+
+    On a GPU the collectives' kernels (NCCL's, on their own stream) run beside the compute kernels: only the part of
+    their device time when no compute kernel runs is communication's share of the window (the rest is
+    `communication_hidden_s`, hidden behind compute), so the categories add up to the device's busy time at most.
+    Kernels on several compute streams at once would still add up to more than the window: `overlap_s` says by how
+    much (the time outside operators is then 0).
     """
+    events = list(events)
+    hidden = hidden_communication_s(events) if on_device else 0.0
     events = [e for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU")]
     steps = [e for e in events if e.name.startswith("ProfilerStep#")]
     main_thread = steps[0].thread if steps else None
@@ -131,12 +139,43 @@ def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
         if name == "attention" and event.name.startswith("aten::"):
             attention_ops[event.name] = attention_ops.get(event.name, 0.0) + self_us / 1e6
     window = sum(e.cpu_time_total for e in steps) / 1e6 if steps else sum(seconds.values())
+    overlap = 0.0
     if on_device:  # device time that no operator accounts for: the device waited
-        seconds["outside operators"] = max(0.0, window - sum(v for k, v in seconds.items() if k != "outside operators"))
+        seconds["communication"] = max(0.0, seconds["communication"] - hidden)
+        busy = sum(v for k, v in seconds.items() if k != "outside operators")
+        seconds["outside operators"], overlap = max(0.0, window - busy), max(0.0, busy - window)
     return {"basis": "self device time" if on_device else "self CPU time, main thread", "window_s": window,
-            "categories": seconds, "calls": calls, "matmul_flops": flops, "matmul_s": matmul_s,
+            "categories": seconds, "communication_hidden_s": hidden, "overlap_s": overlap,
+            "calls": calls, "matmul_flops": flops, "matmul_s": matmul_s,
             "attention_ops": dict(sorted(attention_ops.items(), key=lambda kv: -kv[1])),
             "attention_total_s": attention_total, "attention_dropout_s": attention_dropout}
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def hidden_communication_s(events) -> float:
+    """Seconds of the collectives' device kernels (NCCL's) that ran while a compute kernel ran: from the device
+    events' own timestamps (torch.profiler's CUDA activity), each instant once."""
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    communication = _merged([(k.time_range.start, k.time_range.end) for k in kernels if "nccl" in k.name.lower()])
+    compute = _merged([(k.time_range.start, k.time_range.end) for k in kernels if "nccl" not in k.name.lower()])
+    overlap, i = 0.0, 0
+    for start, end in communication:
+        while i < len(compute) and compute[i][1] <= start:
+            i += 1
+        j = i
+        while j < len(compute) and compute[j][0] < end:
+            overlap += min(end, compute[j][1]) - max(start, compute[j][0])
+            j += 1
+    return overlap / 1e6
 
 
 def rows(breakdown: dict, peak_tflops: float | None) -> list[dict]:

@@ -146,8 +146,10 @@ class StopVote:
     """Ranks agree on stopping without stalling a step: at every boundary (an optimizer step's end, between
     evaluation batches) each rank posts the signal it received (0 for none) in an asynchronous MAX all-reduce
     and reads the previous boundary's result, which has long arrived. Every rank reads the same value at the
-    same boundary. CPU tensors over a gloo group: no device synchronization (a gloo group beside NCCL where the
-    run's own group is NCCL)."""
+    same boundary. CPU tensors over a gloo group, beside NCCL where the run's own group is NCCL, because on NCCL the
+    vote would be a CUDA tensor: reading it is a device synchronization at every step (the loop's only other sync
+    points are the log steps), behind the step's gradient all-reduces on NCCL's stream. Gloo's group costs one TCP
+    connection per peer (on several machines over GLOO_SOCKET_IFNAME's interface, as NCCL uses NCCL_SOCKET_IFNAME's)."""
 
     def __init__(self, backend: str | None, timeout_s: float | None = None):
         import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Peak memory: device allocator peaks on CUDA, peak resident set size on a CPU."""
+"""Peak memory: device allocator peaks on CUDA, peak resident set size on a CPU; what a tensor holds on this rank."""
 
 import gc
 import resource
@@ -7,6 +7,27 @@ import sys
 import torch
 
 GIB = 1024**3
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (FSDP2 shards parameters, gradients and optimizer state
+    as DTensors, which have no storage of their own: reading their data pointer fails), any other tensor itself."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            return tensor.to_local()
+    return tensor
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's part of a tensor (a DTensor's numel() is the whole tensor's, across ranks)."""
+    local = local_tensor(tensor)
+    return local.numel() * local.element_size()
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return local_tensor(tensor) is not tensor
 
 
 def peak_rss_bytes() -> int:

@@ -3,34 +3,42 @@
 * Matrix products (mm, addmm): their FLOPs over the machine's measured matmul rate at that shape and precision
   (trainscope.peak.rate, cached per machine by peak).
 * Everything else (batched products of attention, softmax, dropout's random masks, layer norm, GELU, embedding
-  gradients, the fused AdamW step, norms, copies): timed once on real tensors of the traced shapes, strides and
-  dtypes, at the run's threads, and cached per machine key beside the peak's cache (`<cache>/predict/`). Floating
-  inputs hold values in [0.5, 1), integer ones zeros (a valid index anywhere), masks ones. An operator on lists of
+  gradients, the fused AdamW step, norms, copies): timed once on real tensors of the traced shapes, strides,
+  dtypes and devices (a host scalar beside device tensors stays on the host), at the run's threads, and cached per
+  machine key beside the peak's cache (`<cache>/predict/`). Floating inputs hold values in [0.5, 1), integer ones
+  zeros (a valid index anywhere), masks ones; random-generator state (SDPA's philox seed and offset) is what a real
+  call of the operator that made it returns. On a GPU the operators are timed in a child process (`time_guarded`):
+  a kernel that crashes on made-up inputs costs that operator's timing (unmeasured, with the signal), not the run.
+  An operator on lists of
   tensors (the fused optimizer step, foreach norms) above BENCH_CAP_BYTES is timed on a prefix of its lists and
   scaled by their elements. This is what torch.distributed._tools.RuntimeEstimator's operator-level benchmark does
   on GPUs, on any device; PyTorch's roofline estimate (75% of a datasheet peak) is not used.
 
 Each timing: one warm-up call, then calls until MIN_CALLS have run and CALL_BUDGET_S has passed (at most
-MAX_CALLS); the fastest (as timeit advises: slower calls are the machine's interference, not the operator's cost --
+MAX_CALLS; on a GPU each call between CUDA events with the L2 cache flushed before it, trainscope.peak); the fastest (as timeit advises: slower calls are the machine's interference, not the operator's cost --
 an operator of microseconds on two threads can wait milliseconds for a descheduled thread on a busy machine). The
 cache file is rewritten whole (atomically) by the process that measured.
 """
 
 import contextlib
 import json
+import os
+import pickle
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
 
 from trainscope import peak, precision
 from trainscope.records import write_json_atomic
-from trainscope.trace import is_tensor_spec
+from trainscope.trace import is_leaf_spec, is_rng_spec, is_tensor_spec, rng_inputs
 
 MIN_CALLS, MAX_CALLS = 3, 20
 CALL_BUDGET_S = 0.02
 BENCH_CAP_BYTES = 256 * 2**20
-VERSION = 2  # bump when what a cached timing means changes
+VERSION = 3  # bump when what a cached timing means changes
 
 
 def gemm_precision(dtype: str, device: torch.device) -> str:
@@ -49,10 +57,12 @@ def _storage_elements(shape, stride, offset) -> int:
 
 
 def _materialize(spec, device: torch.device):
-    """A real tensor of a tensor spec (shape, stride, offset, dtype); anything else unchanged."""
+    """A real tensor of a tensor spec (shape, stride, offset, dtype, device type) on `device`, or on the CPU where the
+    traced tensor was a CPU one (a host-side scalar beside device tensors); anything else unchanged."""
     if not is_tensor_spec(spec):
         return spec
-    _, shape, stride, offset, dtype_name = spec
+    _, shape, stride, offset, dtype_name, device_type = spec
+    device = torch.device("cpu") if device_type == "cpu" else device
     dtype = getattr(torch, dtype_name)
     elements = max(1, _storage_elements(shape, stride, offset))
     if dtype.is_floating_point:
@@ -62,6 +72,39 @@ def _materialize(spec, device: torch.device):
     else:
         base = torch.zeros(elements, dtype=dtype, device=device)
     return base.as_strided(shape, stride, offset)
+
+
+class Unmeasurable(Exception):
+    """An operator that cannot be timed alone, with the reason (the prediction counts it as free and says why)."""
+
+
+def materialize(spec, device: torch.device):
+    """Real arguments of a spec (args, kwargs): tensors as `_materialize` makes them, and random-generator state as a
+    real call of the operator that made it in the trace returns it (its device, dtype and values are the kernel's own:
+    a fake tensor's may differ, trainscope.trace.RNG_STATE_NAMES)."""
+    produced = {}
+
+    def make(leaf):
+        if not is_rng_spec(leaf):
+            return _materialize(leaf, device)
+        _, name, producer, index = leaf
+        if repr(producer) not in produced:
+            args, kwargs = materialize(producer, device)
+            with torch.no_grad():
+                produced[repr(producer)] = _operator(name)(*args, **kwargs)
+        return produced[repr(producer)][index]
+
+    return pytree.tree_map(make, spec, is_leaf=is_leaf_spec)
+
+
+def check_generator_state(func, spec) -> None:
+    """Refuse an operator that takes random-generator state no traced call made (a made-up seed tensor can be read
+    as a pointer: the process would crash)."""
+    args, kwargs = spec
+    named = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
+    for name in rng_inputs(func):
+        if is_tensor_spec(named.get(name)):
+            raise Unmeasurable(f"takes random-generator state ({name}) that no traced call made")
 
 
 def _spec_bytes(spec) -> int:
@@ -104,9 +147,14 @@ def _synchronize(device: torch.device) -> None:
 
 
 def time_call(call, device: torch.device) -> float:
-    """Seconds of `call()`: the fastest of the timed calls after one warm-up call (see the module's docstring)."""
+    """Seconds of `call()`: the fastest of the timed calls after one warm-up call (see the module's docstring); on a
+    GPU each call is timed on the device between CUDA events (trainscope.peak.device_call_seconds)."""
+    started = time.perf_counter()
     call()
     _synchronize(device)
+    if device.type == "cuda":
+        return min(peak.device_call_seconds(call, peak.calls_within(time.perf_counter() - started, CALL_BUDGET_S),
+                                            device))
     times, spent = [], 0.0
     while len(times) < MAX_CALLS and (len(times) < MIN_CALLS or spent < CALL_BUDGET_S):
         started = time.perf_counter()
@@ -123,10 +171,11 @@ def benchmark(func_name: str, spec, device: torch.device) -> float:
     scale = 1.0
     if _spec_bytes(spec) > BENCH_CAP_BYTES:
         spec, scale = _shrink(spec)
+    check_generator_state(func, spec)
     generator_state = torch.get_rng_state()  # inputs and random operators leave the run's random state alone
     cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
-        args, kwargs = pytree.tree_map(lambda s: _materialize(s, device), spec, is_leaf=is_tensor_spec)
+        args, kwargs = materialize(spec, device)
         with torch.no_grad():
             seconds = time_call(lambda: func(*args, **kwargs), device)
     finally:
@@ -144,22 +193,49 @@ def _operator(name: str):
 
 class OpCosts:
     """Per-call seconds of traced operators on `device` at `threads` with `processes` local processes measuring at
-    once, from the cache or timed now; `store` false leaves the writing to another process."""
+    once, from the cache or timed now; `store` false leaves the writing to another process. `guarded` (default: on a
+    GPU) times the operators in a child process (`time_guarded`): a kernel that crashes on made-up inputs ends that
+    child, not the run."""
 
-    def __init__(self, device: torch.device, threads: int, processes: int, store: bool = True):
+    def __init__(self, device: torch.device, threads: int, processes: int, store: bool = True,
+                 guarded: bool | None = None):
         self.device, self.threads, self.processes, self.store = device, threads, processes, store
+        self.guarded = device.type == "cuda" if guarded is None else guarded
         self.key = {**peak.machine_key(device, threads=threads, processes=processes), "op_costs": VERSION}
         self.path = peak.cache_dir() / "predict" / f"{peak.key_id(self.key)}.json"
-        self.cached = self._read()
+        self.cached, self.reasons = self._read()
         self.measured = 0  # operators timed now (not from the cache)
-        self.unmeasured: set = set()  # operators that could not be timed (counted as free)
+        self.unmeasured: set = set()  # operators that could not be timed (counted as free), with the reason if known
 
-    def _read(self) -> dict:
+    def _read(self) -> tuple[dict, dict]:
         try:
             data = json.loads(self.path.read_text())
-            return data.get("seconds", {}) if data.get("key") == self.key else {}
+            if data.get("key") == self.key:
+                return data.get("seconds", {}), data.get("unmeasured", {})
         except (OSError, ValueError, AttributeError):
-            return {}
+            pass
+        return {}, {}
+
+    def prepare(self, ops) -> None:
+        """Time every operator of `ops` not known here yet, all at once: in one guarded child process when guarded
+        (in this process where no child can use the device, e.g. a GPU in exclusive-process mode), else one by one
+        as `seconds` asks."""
+        todo = {op.key: (op.name, op.spec) for op in ops
+                if op.gemm is None and op.spec is not None and op.key not in self.cached}
+        if not self.guarded or not todo:
+            return
+        found = time_guarded([(key, name, spec) for key, (name, spec) in todo.items()], self.device, self.threads)
+        if found is None:  # no child could run on the device: timed here
+            self.guarded = False
+            return
+        for key, (seconds, reason) in found.items():
+            self._store(key, todo[key][0], seconds, reason)
+
+    def _store(self, key: str, name: str, seconds: float | None, reason: str | None) -> None:
+        self.cached[key] = seconds if seconds is not None else 0.0
+        if seconds is None:
+            self.reasons[key] = f"{name} ({reason})" if reason else name
+        self.measured += 1
 
     def seconds(self, op) -> float:
         """Seconds of one call of a traced operator."""
@@ -171,15 +247,106 @@ class OpCosts:
             if op.spec is None:  # a cached trace whose operator was never timed here: not its shapes to time now
                 self.unmeasured.add(op.name)
                 return 0.0
+            if self.guarded:
+                self.prepare([op])
+        if op.key not in self.cached:
             try:
                 with threads(self.threads):
-                    self.cached[op.key] = benchmark(op.name, op.spec, self.device)
+                    self._store(op.key, op.name, benchmark(op.name, op.spec, self.device), None)
+            except Unmeasurable as why:
+                self._store(op.key, op.name, None, str(why))
             except Exception:  # an operator that real tensors of its shapes cannot run alone: counted as free, said
-                self.unmeasured.add(op.name)
-                self.cached[op.key] = 0.0
-            self.measured += 1
+                self._store(op.key, op.name, None, None)
+        if op.key in self.reasons:
+            self.unmeasured.add(self.reasons[op.key])
         return self.cached[op.key]
 
     def save(self) -> None:
         if self.store and self.measured:
-            write_json_atomic(self.path, {"key": self.key, "seconds": self.cached})
+            write_json_atomic(self.path, {"key": self.key, "seconds": self.cached, "unmeasured": self.reasons})
+
+
+# ---------------------------------------------------------------- timing in a child process
+
+GUARD_CRASHES = 3  # children a guarded benchmark may lose to crashing operators before it times the rest no more
+GUARD_TIMEOUT_S = 300.0
+
+
+def time_guarded(items: list[tuple], device: torch.device, threads: int,
+                 timeout_s: float = GUARD_TIMEOUT_S) -> dict | None:
+    """Seconds of each (key, operator, spec) of `items`, timed by `python -m trainscope.op_costs` in a child process
+    that says which operator it starts before it starts it: {key: (seconds, None) or (None, why not)}. An operator
+    that kills its child (a segmentation fault in a kernel given made-up inputs) is counted as unmeasured with the
+    signal, and a new child times the ones after it (GUARD_CRASHES children at most). None when the first child
+    could not time anything (it cannot use the device): the caller times them itself."""
+    import signal
+    import subprocess
+    import tempfile
+
+    found: dict = {}
+    crashes, ended = 0, "not timed"
+    package_root = str(Path(__file__).resolve().parent.parent)  # `-m trainscope.op_costs` from any folder
+    environ = {**os.environ, "PYTHONFAULTHANDLER": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory(prefix="trainscope-op-costs-") as folder:
+        inputs, progress = Path(folder) / "ops.pickle", Path(folder) / "progress.jsonl"
+        while len(found) < len(items):
+            left = [(key, name, pickle.dumps(spec)) for key, name, spec in items if key not in found]
+            inputs.write_bytes(pickle.dumps(left))
+            progress.write_text("")
+            command = [sys.executable, "-m", "trainscope.op_costs", str(inputs), str(progress), str(device),
+                       str(threads)]
+            try:
+                child = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environ)
+                ended = (f"crashed the benchmark's process ({signal.Signals(-child.returncode).name})"
+                         if child.returncode < 0 else f"ended the benchmark's process (exit {child.returncode})")
+            except subprocess.TimeoutExpired:
+                child, ended = None, f"hung the benchmark's process past {timeout_s:.0f} s"
+            started, timed_now = None, 0
+            for line in progress.read_text().splitlines():
+                entry = json.loads(line)
+                if entry.get("start"):
+                    started = entry["key"]
+                else:
+                    found[entry["key"]] = (entry.get("seconds"), entry.get("error"))
+                    started, timed_now = None, timed_now + 1
+            if child is not None and child.returncode == 0:
+                break
+            if started is None and not timed_now and not found:
+                return None  # the child could not start on the device
+            if started is not None:
+                found[started] = (None, f"{ended} when timed alone")
+            crashes += 1
+            if crashes >= GUARD_CRASHES or started is None:
+                break
+    for key, _, _ in items:
+        found.setdefault(key, (None, f"not timed: an operator before it {ended}"))
+    return found
+
+
+def _child(argv: list[str]) -> None:
+    """The guarded benchmark's child: times each operator of the inputs file, writing a `start` line before it and
+    its seconds (or its error) after it, each line flushed to disk before going on."""
+    inputs, progress, device_name, thread_count = argv
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    items = pickle.loads(Path(inputs).read_bytes())
+    with open(progress, "a") as out, threads(int(thread_count)):
+        def say(entry: dict) -> None:
+            out.write(json.dumps(entry) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+        for key, name, blob in items:
+            say({"start": True, "key": key})
+            try:
+                say({"key": key, "seconds": benchmark(name, pickle.loads(blob), device)})
+            except Unmeasurable as why:
+                say({"key": key, "error": str(why)})
+            except Exception as error:  # noqa: BLE001 - any failure of one operator is that operator's
+                say({"key": key, "error": " ".join(str(error).split())[:200] or type(error).__name__})
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])

@@ -30,10 +30,12 @@ machine's cores and memory bandwidth: `processes` is how many measure at once (t
 measure at the same time, so the rate is what each gets while the others run); a caller measuring alone passes 1.
 
 Cost: per (precision, shape) one warm-up call, then timed calls until MIN_CALLS have run and SHAPE_BUDGET_S has
-passed, at most MAX_CALLS. Shapes are measured smallest first after a probe of PROBE_SIDE^3, each one's time per
-call estimated at the best rate seen so far: a shape estimated above MAX_CALL_S is skipped, and that best rate
-stands for it (an emulated precision -- bf16 on a CPU without AVX512-BF16 or AMX, fp16 on most CPUs -- runs a
-2048^3 matmul in seconds to tens of seconds). About a second at 2 CPU threads on a miss; nothing on a hit.
+passed, at most MAX_CALLS; on a GPU as many calls as the warm-up says fit SHAPE_BUDGET_S (MIN_CALLS to
+GPU_MAX_CALLS), each timed between CUDA events with the L2 cache flushed before it (`device_call_seconds`).
+Shapes are measured smallest first after a probe of PROBE_SIDE^3, each one's time per call estimated at the best
+rate seen so far: a shape estimated above MAX_CALL_S is skipped, and that best rate stands for it (an emulated
+precision -- bf16 on a CPU without AVX512-BF16 or AMX, fp16 on most CPUs -- runs a 2048^3 matmul in seconds to
+tens of seconds). About a second at 2 CPU threads on a miss; nothing on a hit.
 
 The cache: one JSON file per machine key under `$TRAINSCOPE_CACHE_DIR`, else `$XDG_CACHE_HOME/trainscope`, else
 `~/.cache/trainscope` (folder `peak/`); delete it to measure again. `TRAINSCOPE_PEAK_SQUARE` sets the large
@@ -43,6 +45,7 @@ The inputs come from a private random generator: measuring never moves the run's
 """
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -114,17 +117,22 @@ def precisions(device: torch.device, flags: frozenset | None = None) -> tuple[st
 
 
 def _gpu_clocks(device: torch.device) -> dict:
-    """Driver and SM clocks of a GPU, from NVML (nvidia-ml-py) or nvidia-smi; {} when neither answers."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    """Driver and SM clocks of a GPU, from NVML (nvidia-ml-py) or nvidia-smi; {} when neither answers. Asked once per
+    process and GPU: a run asks for its machine key at every GEMM shape it costs."""
+    return dict(_clocks_of(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _clocks_of(index: int) -> tuple:
     try:
         import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         driver = pynvml.nvmlSystemGetDriverVersion()
-        return {"driver": driver.decode() if isinstance(driver, bytes) else driver,
-                "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                "application_clock_mhz": pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_SM)}
+        return (("driver", driver.decode() if isinstance(driver, bytes) else driver),
+                ("max_sm_clock_mhz", pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+                ("application_clock_mhz", pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_SM)))
     except Exception:  # no NVML binding or no NVML: ask nvidia-smi
         pass
     try:
@@ -132,9 +140,9 @@ def _gpu_clocks(device: torch.device) -> dict:
                               "clocks.applications.graphics", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10).stdout.strip()
         driver, max_clock, application = [part.strip() for part in out.split(",")]
-        return {"driver": driver, "max_sm_clock_mhz": max_clock, "application_clock_mhz": application}
+        return (("driver", driver), ("max_sm_clock_mhz", max_clock), ("application_clock_mhz", application))
     except (OSError, ValueError, subprocess.SubprocessError):
-        return {}
+        return ()
 
 
 def machine_key(device: torch.device, threads: int | None = None, processes: int | None = None) -> dict:
@@ -231,11 +239,50 @@ def _operands(device: torch.device, precision_name: str, shape: tuple):
 
 
 def _call_seconds(device: torch.device, a, b) -> float:
+    """One call timed on the host between synchronizations (a CPU's calls; a GPU's warm-up call)."""
     _synchronize(device)
     started = time.perf_counter()
     a @ b
     _synchronize(device)
     return time.perf_counter() - started
+
+
+# On a GPU one call timed on the host is mostly launch and synchronization: a 4096x768x768 bf16 product runs in about
+# 10 us, and on an H200 host timing gave 157 TFLOP/s against 382 between CUDA events. Calls are timed on the device
+# instead, as triton.testing.do_bench does: each between two CUDA events, a write over a buffer larger than the L2
+# cache before each (so every call reads its operands from memory, as a training step's first touch does, and the
+# host enqueues the next call while the device runs the flush), all enqueued at once, one synchronization at the end.
+GPU_MAX_CALLS = 50
+FLUSH_BYTES = 256 * 2**20  # at least twice any current GPU's L2 cache (H100 50 MB, H200 60 MB)
+
+
+def _new_event():
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _flush_buffer(device: torch.device):
+    """What `flush()` writes over: twice the device's L2 cache, or FLUSH_BYTES when the size is not known."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    return torch.empty(max(2 * l2, FLUSH_BYTES if not l2 else 0) // 4, dtype=torch.int32, device=device)
+
+
+def device_call_seconds(call, calls: int, device: torch.device) -> list[float]:
+    """Seconds of each of `calls` calls of `call()` on a GPU, read from CUDA events (see above)."""
+    flush = _flush_buffer(device)
+    pairs = [(_new_event(), _new_event()) for _ in range(calls)]
+    for start, end in pairs:
+        flush.zero_()
+        start.record()
+        call()
+        end.record()
+    _synchronize(device)  # the one sync point: every event has completed
+    del flush
+    return [start.elapsed_time(end) / 1e3 for start, end in pairs]  # elapsed_time is in milliseconds
+
+
+def calls_within(seconds_per_call: float, budget_s: float) -> int:
+    """How many calls of `seconds_per_call` fit `budget_s`: between MIN_CALLS and GPU_MAX_CALLS."""
+    return max(MIN_CALLS, min(GPU_MAX_CALLS, int(budget_s / max(seconds_per_call, 1e-9))))
 
 
 class _Tf32:
@@ -269,7 +316,9 @@ def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops
         a, b = _operands(device, precision_name, shape)
         first = _call_seconds(device, a, b)  # warm-up: kernel selection, JIT, first touch of the output
         times = [first] if first > MAX_CALL_S else []
-        while first <= MAX_CALL_S and len(times) < MAX_CALLS and (
+        if not times and device.type == "cuda":
+            times = device_call_seconds(lambda: a @ b, calls_within(first, SHAPE_BUDGET_S), device)
+        while first <= MAX_CALL_S and device.type != "cuda" and len(times) < MAX_CALLS and (
                 len(times) < MIN_CALLS or first + sum(times) < SHAPE_BUDGET_S):
             times.append(_call_seconds(device, a, b))
         del a, b

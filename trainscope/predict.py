@@ -157,6 +157,7 @@ class PhaseModel:
 
 def phase_models(traced: trace.Trace, costs: op_costs.OpCosts) -> dict[str, PhaseModel]:
     models: dict[str, PhaseModel] = {}
+    costs.prepare(traced.ops)  # what is not known yet, timed at once (on a GPU in a child process)
     for op in traced.ops:
         models.setdefault(op.phase, PhaseModel(traced.length, [])).terms.append(
             (costs.seconds(op) * op.count, op.power, "matmul" if op.gemm is not None else "operator"))
@@ -751,7 +752,8 @@ class Check:
     it): the parameters' and optimizer state's bytes (real tensors, after the first optimizer step), the bytes
     autograd saves for backward in the first micro-batch (saved-tensor hooks, each storage once, the parameters
     left out: as predicted), and at the end the error of each predicted quantity. With --compile or --resume the
-    saved bytes are not measured (the hooks would break the graph; the first step already ran)."""
+    saved bytes are not measured (the hooks would break the graph; the first step already ran), nor under FSDP2
+    (see first_micro_batch); there the bytes are this rank's shards."""
 
     def __init__(self, block: dict | None, settings):
         self.block = block if block and not block.get("error") else None
@@ -761,19 +763,26 @@ class Check:
         self._hooks = None
         self._seen: set = set()
         self._params: set = set()
+        self._sharded = False  # FSDP2: DTensor parameters
 
     def attach(self, model, optimizer) -> None:
+        """This rank's bytes: under FSDP2 the parameters, gradients and optimizer state are DTensors, and their local
+        shards are what the rank holds (and what has a storage to read)."""
+        from trainscope.memory import is_sharded, local_bytes, local_tensor
+
         self.model, self.optimizer = model, optimizer
         if self.block is None:
             return
         params = list(model.parameters())
-        self.measured["parameters"] = sum(p.numel() * p.element_size() for p in params)
-        self.measured["gradients"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self.measured["parameters"] = sum(local_bytes(p) for p in params)
+        self.measured["gradients"] = sum(local_bytes(p) for p in params if p.requires_grad)
+        self._params = {local_tensor(p).untyped_storage().data_ptr() for p in params}
+        self._sharded = any(is_sharded(p) for p in params)
 
     def first_micro_batch(self) -> None:
-        """Before the run's first micro-batch: count what autograd saves for backward."""
-        if self.block is None or self.settings.compile or self.settings.resume:
+        """Before the run's first micro-batch: count what autograd saves for backward (not under FSDP2: its gathered
+        weights are saved too, in storages of their own that are not the sharded parameters')."""
+        if self.block is None or self.settings.compile or self.settings.resume or self._sharded:
             return
         self.measured["saved"] = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
@@ -794,8 +803,11 @@ class Check:
             self._hooks, self._seen = None, set()
             self.measured["saved_at"] = list(batch["input_ids"].shape)
         if stepped and self.block is not None and "optimizer" not in self.measured and self.optimizer is not None:
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)}
+            from trainscope.memory import local_tensor
+
+            tensors = [local_tensor(t) for state in self.optimizer.state.values() for t in state.values()
+                       if isinstance(t, torch.Tensor)]
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
             self.measured["optimizer"] = sum(storages.values())
 
     def errors(self, summary: dict) -> dict | None:

@@ -87,10 +87,13 @@ class StepProfiler:
 
 
 def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) -> list[dict]:
-    """The operators with the most self time on the device (CUDA) or on the CPU, in seconds."""
+    """The operators with the most self time on the device (CUDA) or on the CPU, in seconds. Device events (kernels,
+    copies, memsets) are left out: their time is already their operator's self device time."""
     on_device = device.type == "cuda"
     rows = []
     for event in averages:
+        if not str(getattr(event, "device_type", "CPU")).endswith("CPU"):
+            continue
         device_us = getattr(event, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(event, "self_cuda_time_total", 0)
@@ -136,7 +139,9 @@ class MemorySnapshot:
 
     def step_finished(self, step: int) -> None:
         if step == self.start_after and self.window is None:
-            self.backend._record_memory_history(max_entries=100_000)
+            # Python frames only: with C++ frames (the default "all") _snapshot() symbolizes every one of them, which
+            # takes minutes against seconds (pytorch.org/docs/stable/torch_cuda_memory.html)
+            self.backend._record_memory_history(max_entries=100_000, stacks="python")
             self._recording = True
             self.window = {"first_step": step + 1, "last_step": None}
         elif self._recording and step == self.start_after + self.steps:
@@ -196,9 +201,11 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
     None when the model has no repeated block that takes hidden states alone (or it fails on them)."""
     import copy
 
+    from trainscope.memory import is_sharded
+
     layer = first_layer(model)
     width = next((m.in_features for m in layer.modules() if isinstance(m, torch.nn.Linear)), None) if layer else None
-    if width is None:
+    if width is None or any(is_sharded(p) for p in layer.parameters()):  # FSDP2: a copy would gather its shards
         return None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name)
 

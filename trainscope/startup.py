@@ -51,10 +51,12 @@ class Startup:
 
 
 def configure_process(settings: Settings) -> dict:
-    """Threads and tokenizer parallelism of a process that measures speed; returns the thread facts."""
+    """Threads and tokenizer parallelism of a process that measures speed; returns the thread facts. On an
+    accelerator (one this launch will use) --threads auto keeps a core for each DataLoader worker."""
     # tokenizers' own threads would fight DataLoader workers for the same cores
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return environment.apply_thread_budget(settings.threads)
+    accelerator = environment.accelerator_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    return environment.apply_thread_budget(settings.threads, workers=settings.num_workers, accelerator=accelerator)
 
 
 def start(settings: Settings) -> Startup:

@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.utils.flop_counter import flop_registry
 
-VERSION = 1  # bump when what a trace holds changes (cached traces of another version are traced again)
+VERSION = 2  # bump when what a trace holds changes (cached traces of another version are traced again)
 aten = torch.ops.aten
 GEMMS = (aten.mm, aten.addmm)  # plain matrix products: the machine's measured peak applies (trainscope.peak)
 MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -122,15 +123,51 @@ def length_power(shape, batch: int, length: int, avoid: set) -> int:
 
 
 def _spec(value):
-    """A tensor as ('tensor', shape, stride, offset, dtype); anything else as itself."""
+    """A tensor as ('tensor', shape, stride, offset, dtype, device type); anything else as itself. The device matters:
+    a CPU scalar tensor beside CUDA ones (an operator's host-side argument) is read by the host, and made on the GPU it
+    would be a device pointer the host dereferences."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), tuple(value.stride()), int(value.storage_offset()),
-                str(value.dtype).removeprefix("torch."))
+                str(value.dtype).removeprefix("torch."), value.device.type)
     return value
 
 
 def is_tensor_spec(value) -> bool:
-    return isinstance(value, tuple) and len(value) == 5 and value[0] == "tensor"
+    return isinstance(value, tuple) and len(value) == 6 and value[0] == "tensor"
+
+
+# Outputs that hold a random generator's state (SDPA's fused kernels return the philox seed and offset their dropout
+# drew, for backward to draw the same mask) and the inputs that take it back. Fake tensors put them on the device
+# where the real kernels keep them on the host outside CUDA graphs (torch._subclasses.fake_utils.is_sdpa_error), and
+# their values are the generator's, not data: an operator taking them is timed with the state a real call of the
+# operator that made it returns (trainscope.op_costs).
+RNG_STATE_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state"})
+
+
+@functools.lru_cache(maxsize=None)
+def rng_outputs(func) -> tuple[int, ...]:
+    """Positions of `func`'s outputs that hold random-generator state (by the schema's return names; flash attention
+    returns its offset as `unused`, after `rng_state`)."""
+    names = [r.name for r in func._schema.returns]
+    found = [i for i, name in enumerate(names) if name in RNG_STATE_NAMES]
+    if "rng_state" in names and "unused" in names:
+        found.append(names.index("unused"))
+    return tuple(sorted(found))
+
+
+def rng_inputs(func) -> set[str]:
+    """Names of `func`'s arguments that take random-generator state."""
+    return {a.name for a in func._schema.arguments if a.name in RNG_STATE_NAMES}
+
+
+def is_rng_spec(value) -> bool:
+    """('rng', producer operator, the producer's (args, kwargs) spec, output index): a generator state, made by a real
+    call of its producer when timed."""
+    return isinstance(value, tuple) and len(value) == 4 and value[0] == "rng"
+
+
+def is_leaf_spec(value) -> bool:
+    return is_tensor_spec(value) or is_rng_spec(value)
 
 
 def _gemm_shape(func, args) -> tuple | None:
@@ -157,6 +194,7 @@ class _Recorder(TorchDispatchMode):
         self.moments: list[tuple] = []    # the totals at each local maximum while watching
         self.rising = False
         self.watching = False             # peaks are taken over the forward and backward only
+        self.rng_made = WeakIdKeyDictionary()  # tensor -> its rng spec, for the outputs that hold generator state
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -165,7 +203,10 @@ class _Recorder(TorchDispatchMode):
         self.dispatches[self.phase] = self.dispatches.get(self.phase, 0) + 1
         if func.namespace != "aten" or func.is_view or func.overloadpacket in (aten._local_scalar_dense, aten.item):
             return out
-        spec = pytree.tree_map(_spec, (args, kwargs))
+        spec = self._spec_of(func, args, kwargs)
+        for index in rng_outputs(func):
+            if isinstance(out[index], torch.Tensor):
+                self.rng_made[out[index]] = ("rng", str(func), spec, index)
         key = f"{func} {spec!r}"
         found = self.ops.get((self.phase, key))
         if found is not None:
@@ -179,6 +220,15 @@ class _Recorder(TorchDispatchMode):
                                          str(floats[0]).removeprefix("torch.") if floats else "float32",
                                          max((t.numel() for t in tensors), default=0), power)
         return out
+
+    def _spec_of(self, func, args, kwargs) -> tuple:
+        """(args, kwargs) as specs; a tensor of generator state as the rng spec of the call that made it."""
+        def spec(value):
+            if isinstance(value, torch.Tensor) and value in self.rng_made:
+                return self.rng_made[value]
+            return _spec(value)
+
+        return pytree.tree_map(spec, (args, kwargs))
 
     def _track(self, out) -> None:
         for tensor in pytree.tree_leaves(out):

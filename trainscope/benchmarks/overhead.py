@@ -102,7 +102,9 @@ def timed_run(train_args: list[str], output_dir: Path, name: str) -> dict:
     return {"samples_per_s": view.samples_per_s, "threads": view.torch_threads}
 
 
-def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path) -> dict:
+def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path, on_round=None) -> dict:
+    """Alternating rounds of the arms; `on_round(figures)` after every round with the figures so far (so a time limit
+    that kills the benchmark keeps the rounds that finished)."""
     on_gpu = torch.cuda.is_available()
     arms = {"bare": lambda i: bare_run(train_args)}
     clocks = [mode for mode in modes if mode != MEMORY_ARM] or ["events"]
@@ -112,7 +114,16 @@ def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path) 
     if on_gpu and MEMORY_ARM in modes:
         arms[MEMORY_ARM] = lambda i: timed_run([*train_args, "--timing", clocks[0], "--memory-every", "1"],
                                                scratch, f"memory-{i}")
-    rounds = bench.alternate(arms, pairs)
+    rounds = []
+    for index in range(pairs):
+        rounds += bench.alternate(arms, 1, first_round=index)
+        if on_round is not None and index + 1 < pairs:
+            on_round({**figures(rounds, arms), "rounds_planned": pairs})
+    return figures(rounds, arms)
+
+
+def figures(rounds: list[dict], arms: dict) -> dict:
+    """Every arm against the bare loop over the rounds so far."""
     results = {}
     for label in [a for a in arms if a != "bare"]:
         comparison = bench.compare_rounds(rounds, label, "bare", "samples_per_s")
@@ -133,7 +144,8 @@ def markdown(report: dict) -> list[str]:
                     f"<= {r['target_overhead']:.0%} " + {True: "met", False: "NOT met", None: "not judged (too few pairs)"}[
                         r["meets_target"]]]
                    for label, r in report["results"].items()], "timing_overhead", align="lrrrlrl")
-    lines = ["# Stage-timing overhead", "", f"train.py flags: `{' '.join(report['train_args'])}`; both arms by "
+    lines = ["# Stage-timing overhead", "", *([f"Status: {report['status']}.", ""] if report.get("status") else []),
+             f"train.py flags: `{' '.join(report['train_args'])}`; both arms by "
              f"`accelerate launch --num_processes 1`; {len(report['rounds'])} alternating rounds; torch threads per process: "
              f"{', '.join(map(str, report['threads']))}; verdicts: {bench.METHOD}.", "", *table.markdown_lines(), "",
              "Within noise, timing costs less than this machine's run-to-run noise can show; 1 - the lowest ratio "
@@ -156,9 +168,14 @@ def main() -> None:
         parser.error("--pairs must be at least 1")
     train_args = [*DEFAULT_TRAIN_ARGS, *train_args]
     modes = args.modes or (["events", "sync", MEMORY_ARM] if torch.cuda.is_available() else ["events"])
+    header = {"benchmark": "timing_overhead", "benchmark_version": 2, "train_args": train_args}
+
+    def partial(found: dict) -> None:  # the rounds so far, replaced by the next round's and the final results
+        report = {**header, **found, "status": f"partial: {len(found['rounds'])} of {args.pairs} rounds"}
+        bench.write_results(Path(args.out), report, markdown(report))
+
     with tempfile.TemporaryDirectory() as scratch:
-        report = {"benchmark": "timing_overhead", "benchmark_version": 2, "train_args": train_args,
-                  **measure(train_args, modes, args.pairs, Path(scratch))}
+        report = {**header, **measure(train_args, modes, args.pairs, Path(scratch), on_round=partial)}
     bench.publish(Path(args.out), report, markdown(report))
 
 

@@ -37,13 +37,16 @@ def run(args, train_args: list[str]) -> dict:
     searching = launching.cuda_devices() and args.search_from
     if searching:
         batch_search.refuse_multi_process(args.config, launching.config_facts(launching.config_path(args.config))["num_processes"])
-    largest, predicted = None, predicted_largest_batch(args.config, user)
+    largest, predicted = None, None
+    if searching:  # on a GPU the prediction is the search's child's: no CUDA context here while the runs use the GPU
+        found = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], args.search_from, predict=True)
+        largest, predicted, start = found["largest_batch"], found.get("predicted"), found.get("start", args.search_from)
+    elif not launching.cuda_devices():
+        predicted = predicted_largest_batch(args.config, user)
     if predicted:
         print(f"predicted largest batch that fits: {predicted['batch']} (at length {predicted['length']}, "
               f"{predicted['capacity_bytes'] / 2**30:.1f} GiB)")
     if searching:
-        start = predicted["batch"] if predicted and predicted["batch"] >= 1 else args.search_from
-        largest = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], start, grow=bool(predicted))
         print(f"largest batch that fits ({'from the prediction, doubling or halving' if predicted else 'halving'} "
               f"from {start}): {largest}")
     sizes = sorted(args.batch_sizes, key=lambda b: (b != user.per_device_batch_size, b))
@@ -83,39 +86,44 @@ def recommend(summary: dict, effective_batch: int) -> dict:
     return result
 
 
-def predicted_largest_batch(config: str, settings) -> dict | None:
+def predicted_largest_batch(config: str | None, settings, device=None, precision_name: str | None = None) -> dict | None:
     """The largest batch predicted to fit (trainscope.predict.largest_batch) at full-length sequences, as the search
-    tries them, on this machine's device and in the config's precision; None when it cannot be predicted."""
+    tries them, on this machine's device and in the config's precision (or the `device` and `precision_name` of the
+    process asking: the search's child); None when it cannot be predicted."""
     import torch
 
     from trainscope import predict
     from trainscope.data import MODEL_INPUTS
 
-    facts = launching.config_facts(launching.config_path(config))
-    device = torch.device("cuda" if torch.cuda.is_available() and not facts["use_cpu"] else "cpu")
+    if device is None:
+        facts = launching.config_facts(launching.config_path(config))
+        device = torch.device("cuda" if torch.cuda.is_available() and not facts["use_cpu"] else "cpu")
+        precision_name = predict.precision_from_environment(device, {"ACCELERATE_MIXED_PRECISION": facts["mixed_precision"]})
     try:
         _, data = predict._data_for(settings)
         return predict.largest_batch(settings, data.label_names, [c for c in data.train.column_names if c in MODEL_INPUTS],
-                                     device, predict.precision_from_environment(
-                                         device, {"ACCELERATE_MIXED_PRECISION": facts["mixed_precision"]}),
-                                     settings.max_seq_length,
+                                     device, precision_name, settings.max_seq_length,
                                      baseline_bytes=predict.current_rss_bytes() or 0 if device.type == "cpu" else 0)
     except Exception as error:  # the sweep goes on with its own search
         print(f"no predicted largest batch: {' '.join(str(error).split())[:200]}")
         return None
 
 
-def largest_fitting_batch(config: str, train_args: list[str], start: int, grow: bool = False) -> int:
-    """The largest batch (halving from `start`; with `grow`, first doubling while it fits) whose training steps fit
-    in device memory, found in a child process launched with the config (its precision), so nothing stays allocated
-    here. A multi-process config is refused before anything is launched (see trainscope.batch_search)."""
+def largest_fitting_batch(config: str, train_args: list[str], start: int, grow: bool = False,
+                          predict: bool = False) -> dict:
+    """{largest_batch, ...}: the largest batch (halving from `start`; with `grow`, first doubling while it fits)
+    whose training steps fit in device memory, found in a child process launched with the config (its precision), so
+    nothing stays allocated here; with `predict` the child first predicts the largest batch and searches from it
+    (doubling or halving: {predicted, start} too). A multi-process config is refused before anything is launched
+    (see trainscope.batch_search)."""
     batch_search.refuse_multi_process(config, launching.config_facts(launching.config_path(config))["num_processes"])
     command = [*launching.accelerate_launch(config), "-m", "trainscope.experiments", "find-batch",
-               "--start", str(start), *(["--grow"] if grow else []), "--", *train_args]
+               "--start", str(start), *(["--grow"] if grow else []), *(["--predict"] if predict else []),
+               "--", *train_args]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise ExperimentFailed(f"the batch-size search failed: {launching.failure_reason(result)}")
-    return json.loads(result.stdout.strip().splitlines()[-1])["largest_batch"]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def find_batch(args, train_args: list[str]) -> None:
@@ -151,7 +159,16 @@ def find_batch(args, train_args: list[str]) -> None:
             train_step(accelerator, model, batch, optimizer, scheduler, _untimed, trial.max_grad_norm)
         del model, optimizer, scheduler
 
-    print(json.dumps({"largest_batch": batch_search.search(two_steps, args.start, grow=args.grow)}))
+    if not args.predict:
+        print(json.dumps({"largest_batch": batch_search.search(two_steps, args.start, grow=args.grow)}))
+        return
+    from trainscope import predict
+
+    predicted = predicted_largest_batch(None, settings, accelerator.device,
+                                        predict.precision_from_environment(accelerator.device))
+    start = predicted["batch"] if predicted and predicted["batch"] >= 1 else args.start
+    largest = batch_search.search(two_steps, start, grow=args.grow or bool(predicted))
+    print(json.dumps({"largest_batch": largest, "predicted": predicted, "start": start}))
 
 
 def _untimed(stage: str):
@@ -163,6 +180,8 @@ def _untimed(stage: str):
 def find_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=int, required=True)
     parser.add_argument("--grow", action="store_true", help="double from --start while it fits (a predicted start)")
+    parser.add_argument("--predict", action="store_true", help="predict the largest batch first and search from it, "
+                        "doubling or halving (the prediction made here, in the search's process)")
 
 
 def section(report, found: reporting.Collected) -> None:
