@@ -55,7 +55,20 @@ class Settings:
     gradient_checkpointing: bool = HfArg(
         default=False, help="Recompute activations in the backward pass: less memory, more time."
     )
-    compile: bool = HfArg(default=False, help="Compile the model with torch.compile.")
+    compile: bool = HfArg(
+        default=False,
+        help="Compile the model with torch.compile (inductor; dynamic shapes unless --pad-to-max-length, so lengths "
+        "do not recompile). Its random numbers are eager's (inductor's fallback_random): a seeded compiled run draws "
+        "the dropout masks the eager run draws, and matches it to rounding. Compile time falls in the first steps "
+        "and evaluations, inside the run's wall time.",
+    )
+    unpad: bool = HfArg(
+        default=False,
+        help="Padding-free encoder layers (BERT family: bert, roberta): projections, feed-forward, layer norms, "
+        "residuals and hidden dropout run on the batch's real tokens only, attention on the padded layout. Same "
+        "batches and the same dropout masks as the padded model (drawn for the padded shape), so a seeded run's "
+        "losses match the padded run's to rounding. Other models are refused.",
+    )
     hidden_dropout: float | None = HfArg(
         default=None,
         help="Dropout probability of the hidden states (embeddings, attention output, feed-forward, classifier "

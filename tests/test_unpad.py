@@ -1,0 +1,124 @@
+"""Padding-free encoder layers (--unpad): the padded and the padding-free model trained side by side on the same
+batches from the same seed, per-step losses compared; a planted inexact change (dropout drawn on the real tokens only)
+caught by the same tolerance; unsupported models refused in one line.
+
+The tolerance, from fp32 rounding: the two models compute the same values and draw the same masks; only the order of
+floating-point sums differs (matmuls over the N real rows instead of B x T, the weight gradients' sums over the batch
+without the padding's exact zeros). A sum of n fp32 terms in another order differs by at most (n - 1) u times the sum
+of their magnitudes, u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., §4.2). The longest
+sums are the weight gradients' over a batch's B x T positions; carried through k optimizer steps the loss of step k may
+move by k (n - 1) u of itself to first order. The planted change moves the first loss by about 1e-3 of itself.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ONE_THREAD, TINY, cpu_env, launch, read_record, ROOT
+from trainscope import modeling, unpad
+from trainscope.errors import UserError
+from trainscope.settings import parse_settings
+
+U = 2.0 ** -24
+BATCH, LONGEST, STEPS = 8, 40, 5
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+def settings_for(*args):
+    (settings,) = parse_settings(argv=["--model", "embedded:tiny-bert", *args])
+    return settings
+
+
+def batches(pad_id: int, vocab: int = 1000):
+    """Batches of random tokens and random lengths (3 to LONGEST), right-padded as the collator pads."""
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        lengths = torch.randint(3, LONGEST + 1, (BATCH,), generator=generator)
+        mask = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
+        ids = torch.randint(5, vocab, mask.shape, generator=generator).masked_fill(mask == 0, pad_id)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (BATCH,), generator=generator)})
+    return out
+
+
+def train_losses(model, data, settings) -> list[float]:
+    """The training loop's own step (forward, fp32 cross-entropy, backward, AdamW) from one seed."""
+    optimizer = modeling.build_optimizer(model, settings, torch.device("cpu"))
+    torch.manual_seed(5)
+    model.train()
+    losses = []
+    for batch in data:
+        batch = dict(batch)
+        labels = batch.pop("labels")
+        loss = F.cross_entropy(model(**batch).logits.float(), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def side_by_side(*args):
+    """(padded losses, padding-free losses, the padding-free model's record facts) of one build, trained twice."""
+    tokenizer = modeling.build_tokenizer(settings_for())
+    torch.manual_seed(0)
+    padded, _ = modeling.build_model(settings_for(*args), ["a", "b", "c"], tokenizer)
+    torch.manual_seed(0)
+    free, facts = modeling.build_model(settings_for(*args, "--unpad"), ["a", "b", "c"], tokenizer)
+    data = batches(padded.config.pad_token_id if hasattr(padded, "config") else 0)
+    return train_losses(padded, data, settings_for()), train_losses(free, data, settings_for()), facts
+
+
+def assert_exact(padded, free):
+    n = BATCH * LONGEST
+    for step, (a, b) in enumerate(zip(padded, free), start=1):
+        assert abs(a - b) <= step * (n - 1) * U * abs(a), f"step {step}: padded {a!r}, padding-free {b!r}"
+
+
+@pytest.mark.parametrize("variant", [[], ["--lora"], ["--gradient-checkpointing"], ["--attn-implementation", "eager"]],
+                         ids=["plain", "lora", "checkpointing", "eager-attention"])
+def test_padding_free_layers_train_as_the_padded_model_does(variant):
+    padded, free, facts = side_by_side(*DROPOUT, *variant)
+    assert facts["unpad"]["layers"] == 2
+    # hidden dropout twice per layer; LoRA's dropout on query and value
+    assert facts["unpad"]["dropouts_drawn_padded"] == 2 * (4 if "--lora" in variant else 2)
+    assert_exact(padded, free)
+    assert len(set(padded)) == STEPS  # the model trains: the comparison is of losses that move
+
+
+def test_dropout_drawn_on_real_tokens_only_is_caught(monkeypatch):
+    """The planted inexact change: masks drawn for the real rows' shape, not the padded one."""
+    monkeypatch.setattr(unpad.PaddedShapeDropout, "forward", lambda self, x: F.dropout(x, self.p, self.training))
+    padded, free, _ = side_by_side(*DROPOUT)
+    with pytest.raises(AssertionError, match="step 1"):
+        assert_exact(padded, free)
+
+
+def test_roberta_runs_padding_free():
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from trainscope import embedded
+
+    values = dict(embedded.bundled_architecture("roberta-base"))
+    values.pop("model_type")
+    values.update(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=1000,
+                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    torch.manual_seed(0)
+    padded = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("roberta", num_labels=3, **values))
+    free = copy.deepcopy(padded)
+    unpad.apply(free)
+    data = batches(padded.config.pad_token_id)
+    assert_exact(train_losses(padded, data, settings_for()), train_losses(free, data, settings_for()))
+
+
+def test_other_models_and_left_padding_are_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^--unpad supports the BERT family \(bert, roberta.*not distilbert$"):
+        modeling.build_model(settings_for("--model", "distilbert-base-uncased", "--architecture-only", "--unpad"),
+                             ["a", "b"], modeling.build_tokenizer(settings_for()))
+    tokenizer = modeling.build_tokenizer(settings_for())
+    tokenizer.padding_side = "left"
+    with pytest.raises(UserError, match="right padding"):
+        modeling.build_model(settings_for("--unpad"), ["a", "b"], tokenizer)
