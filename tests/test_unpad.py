@@ -17,31 +17,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ONE_THREAD, TINY, cpu_env, launch, read_record, ROOT
+from conftest import ROOT, assert_ok, cpu_env, launch
 from trainscope import modeling, unpad
+from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
 from trainscope.errors import UserError
 from trainscope.settings import parse_settings
 
 U = 2.0 ** -24
-BATCH, LONGEST, STEPS = 8, 40, 5
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and the test workers share two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def settings_for(*args):
     (settings,) = parse_settings(argv=["--model", "embedded:tiny-bert", *args])
     return settings
-
-
-def batches(pad_id: int, vocab: int = 1000):
-    """Batches of random tokens and random lengths (3 to LONGEST), right-padded as the collator pads."""
-    generator = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        lengths = torch.randint(3, LONGEST + 1, (BATCH,), generator=generator)
-        mask = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
-        ids = torch.randint(5, vocab, mask.shape, generator=generator).masked_fill(mask == 0, pad_id)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (BATCH,), generator=generator)})
-    return out
 
 
 def train_losses(model, data, settings) -> list[float]:
@@ -115,10 +112,24 @@ def test_roberta_runs_padding_free():
 
 
 def test_other_models_and_left_padding_are_refused_in_one_line():
+    tokenizer = modeling.build_tokenizer(settings_for())
     with pytest.raises(UserError, match=r"^--unpad supports the BERT family \(bert, roberta.*not distilbert$"):
         modeling.build_model(settings_for("--model", "distilbert-base-uncased", "--architecture-only", "--unpad"),
-                             ["a", "b"], modeling.build_tokenizer(settings_for()))
-    tokenizer = modeling.build_tokenizer(settings_for())
+                             ["a", "b"], tokenizer)
     tokenizer.padding_side = "left"
     with pytest.raises(UserError, match="right padding"):
         modeling.build_model(settings_for("--unpad"), ["a", "b"], tokenizer)
+
+
+def test_two_processes_train_padding_free_as_padded(tmp_path):
+    """DDP over gloo, 2 processes, the run's own builders and training step: per-step losses (the mean over both
+    ranks) agree within the rounding bound over both ranks' B x T positions (n = 2 x 8 x 40)."""
+    out = tmp_path / "losses.json"
+    assert_ok(launch("tests/unpad_ddp_pair.py", [str(out), "--model", "embedded:tiny-bert", *DROPOUT],
+                     config=ROOT / "accelerate_configs" / "ddp.yaml", env=cpu_env(PYTHONPATH=str(ROOT))))
+    losses = json.loads(out.read_text())
+    assert losses["world_size"] == 2 and len(losses["padded"]) == STEPS
+    n = 2 * BATCH * LONGEST
+    for step, (a, b) in enumerate(zip(losses["padded"], losses["unpad"]), start=1):
+        assert abs(a - b) <= step * (n - 1) * U * abs(a), (step, a, b)
+    assert len(set(losses["padded"])) == STEPS
