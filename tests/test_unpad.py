@@ -10,6 +10,7 @@ sums are the weight gradients' over a batch's B x T positions; carried through k
 move by k (n - 1) u of itself to first order. The planted change moves the first loss by about 1e-3 of itself.
 """
 
+import contextlib
 import copy
 import json
 
@@ -17,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, assert_ok, cpu_env, launch
-from trainscope import modeling, unpad
+from conftest import ONE_THREAD, ROOT, TINY, assert_ok, cpu_env, launch, read_record, run_in_process
+from trainscope import flops, modeling, unpad
 from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
 from trainscope.errors import UserError
 from trainscope.settings import parse_settings
@@ -41,8 +42,9 @@ def settings_for(*args):
     return settings
 
 
-def train_losses(model, data, settings) -> list[float]:
-    """The training loop's own step (forward, fp32 cross-entropy, backward, AdamW) from one seed."""
+def train_losses(model, data, settings, autocast=None) -> list[float]:
+    """The training loop's own step (forward, fp32 cross-entropy, backward, AdamW) from one seed; the forward under
+    autocast to `autocast` where given, as Accelerate's mixed precision runs it."""
     optimizer = modeling.build_optimizer(model, settings, torch.device("cpu"))
     torch.manual_seed(5)
     model.train()
@@ -50,7 +52,9 @@ def train_losses(model, data, settings) -> list[float]:
     for batch in data:
         batch = dict(batch)
         labels = batch.pop("labels")
-        loss = F.cross_entropy(model(**batch).logits.float(), labels)
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            logits = model(**batch).logits
+        loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -58,7 +62,7 @@ def train_losses(model, data, settings) -> list[float]:
     return losses
 
 
-def side_by_side(*args):
+def side_by_side(*args, autocast=None):
     """(padded losses, padding-free losses, the padding-free model's record facts) of one build, trained twice."""
     tokenizer = modeling.build_tokenizer(settings_for())
     torch.manual_seed(0)
@@ -66,13 +70,23 @@ def side_by_side(*args):
     torch.manual_seed(0)
     free, facts = modeling.build_model(settings_for(*args, "--unpad"), ["a", "b", "c"], tokenizer)
     data = batches(padded.config.pad_token_id if hasattr(padded, "config") else 0)
-    return train_losses(padded, data, settings_for()), train_losses(free, data, settings_for()), facts
+    return (train_losses(padded, data, settings_for(), autocast), train_losses(free, data, settings_for(), autocast),
+            facts)
 
 
 def assert_exact(padded, free):
     n = BATCH * LONGEST
     for step, (a, b) in enumerate(zip(padded, free), start=1):
         assert abs(a - b) <= step * (n - 1) * U * abs(a), f"step {step}: padded {a!r}, padding-free {b!r}"
+
+
+def test_padding_free_layers_train_as_the_padded_model_does_in_bf16():
+    """Under bf16 autocast (Accelerate's bf16 on a CPU), with LoRA: values are rounded to bf16 (u = 2^-8) after each
+    operation, and two runs whose fp32 sums differ by rounding may round a value to neighbouring bf16 numbers, so the
+    bound is k u_bf16 of the loss at step k, to first order."""
+    padded, free, _ = side_by_side(*DROPOUT, "--lora", autocast=torch.bfloat16)
+    for step, (a, b) in enumerate(zip(padded, free), start=1):
+        assert abs(a - b) <= step * 2.0 ** -8 * abs(a), (step, padded, free)
 
 
 @pytest.mark.parametrize("variant", [[], ["--lora"], ["--gradient-checkpointing"], ["--attn-implementation", "eager"]],
@@ -119,6 +133,26 @@ def test_other_models_and_left_padding_are_refused_in_one_line():
     tokenizer.padding_side = "left"
     with pytest.raises(UserError, match="right padding"):
         modeling.build_model(settings_for("--unpad"), ["a", "b"], tokenizer)
+
+
+def test_a_padding_free_run_counts_the_work_its_kernels_did(runs):
+    """train.py --unpad: the record says so; its counted FLOPs are the real tokens' 6N plus attention on the padded
+    layout, beside the FLOPs on real tokens; the layer probed at the run's shapes is the padding-free one."""
+    result = run_in_process([*TINY, *ONE_THREAD, *DROPOUT, "--unpad", "--max-steps", "4", "--output-dir", str(runs),
+                             "--run-name", "unpad"])
+    assert_ok(result)
+    record = read_record(runs / "unpad")
+    assert record["model"]["unpad"]["layers"] == 2 and record["settings"]["unpad"] is True
+    throughput = record["summary"]["throughput"]
+    weights, attention = 6 * flops.matmul_parameters(2, 32, 64), 12 * 2 * 32
+    assert throughput["flops"] == weights * throughput["tokens"] + attention * throughput["padded_squares"]
+    assert throughput["real_flops"] == weights * throughput["tokens"] + attention * throughput["squares"]
+    assert 0 < throughput["padding_flops_share"] < 1
+    assert throughput["padding_flops_share"] == pytest.approx(1 - throughput["real_flops"] / throughput["flops"])
+    shapes = record["summary"]["measured_peak"]["run_shapes"]
+    mean_real = throughput["tokens"] / throughput["samples"]
+    assert shapes["layer"]["unpad"] and shapes["length"] == -(-int(mean_real) // 8) * 8
+    assert "on real tokens" in result.stdout
 
 
 def test_two_processes_train_padding_free_as_padded(tmp_path):

@@ -168,3 +168,23 @@ def shape_facts(config) -> dict | None:
     """The encoder's shape for the run record ({layers, hidden, intermediate}), or None."""
     shape = encoder_shape(config)
     return dict(zip(("layers", "hidden", "intermediate"), shape)) if shape else None
+
+
+def real_training_flops(shape: tuple[int, int, int] | None, tokens: int | None, squares: int | None) -> int | None:
+    """Training FLOPs on real tokens only (PaLM Appendix B, no padding position counted): 6N per real token plus the
+    attention term 12 L d T per real token of a sequence of T real tokens, summed: 12 L d x the sum of each sequence's
+    real length squared (`squares`). `shape`: (layers, hidden, intermediate) (encoder_shape). None when unknown."""
+    if shape is None or tokens is None or squares is None:
+        return None
+    layers, hidden, _ = shape
+    return 6 * matmul_parameters(*shape) * tokens + 12 * layers * hidden * squares
+
+
+def padding_free_training_flops(config, batch_size: int, sequence_length: int, tokens: int) -> int | None:
+    """FLOPs of one training micro-batch with padding-free encoder layers (--unpad, trainscope.unpad): the weights'
+    6N on the `tokens` real tokens, attention's 12 L d T on the padded layout (batch x length^2) where it still runs."""
+    shape = encoder_shape(config)
+    if shape is None:
+        return None
+    layers, hidden, _ = shape
+    return 6 * matmul_parameters(*shape) * tokens + 12 * layers * hidden * batch_size * sequence_length ** 2

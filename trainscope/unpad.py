@@ -27,6 +27,7 @@ torch.utils.checkpoint restores the generator). Not measured on a GPU: the index
 device sync there.
 """
 
+import contextlib
 import sys
 from types import MethodType
 
@@ -51,6 +52,9 @@ class Layout:
         self.indices = None
         self.batch = self.length = 0
 
+    def __deepcopy__(self, memo):
+        return self  # one layout per model, its copies included: each forward sets it before any layer reads it
+
     def set(self, mask: torch.Tensor) -> None:
         self.batch, self.length = mask.shape
         self.indices = torch.nonzero(mask.reshape(-1)).flatten()  # a sync point on accelerators
@@ -67,8 +71,13 @@ class Layout:
 
 
 class PaddedShapeDropout(nn.Dropout):
-    """nn.Dropout on real rows with the mask the padded model draws: the dropout of ones of the padded shape (the
-    same call, so the same generator use and the same scaled mask), its real rows kept."""
+    """nn.Dropout on real rows with the mask the padded model draws for the padded shape, its real rows kept.
+
+    On a CPU, torch's dropout is `empty_like(input).bernoulli_(1 - p)`, divided by 1 - p, times the input
+    (aten/src/ATen/native/Dropout.cpp, _dropout_impl; compiled with eager's random numbers it is native_dropout's
+    fallback, whose mask is the same bernoulli_ draw): the same draw here, on the padded shape and dtype, then
+    divided and multiplied on the real rows only -- the same values. Elsewhere (CUDA's fused dropout kernel) the
+    mask is the dropout of ones of the padded shape: the very call the padded model makes."""
 
     def __init__(self, p: float, layout: Layout):
         super().__init__(p)
@@ -78,7 +87,11 @@ class PaddedShapeDropout(nn.Dropout):
         if not self.training or self.p == 0:
             return real
         layout = self.layout
-        ones = torch.ones(layout.batch, layout.length, real.shape[-1], dtype=real.dtype, device=real.device)
+        shape = (layout.batch, layout.length, real.shape[-1])
+        if real.device.type == "cpu":
+            mask = torch.empty(shape, dtype=real.dtype, device=real.device).bernoulli_(1 - self.p)
+            return real * layout.unpad(mask).div_(1 - self.p)
+        ones = torch.ones(shape, dtype=real.dtype, device=real.device)
         return real * layout.unpad(F.dropout(ones, self.p, True))
 
 
@@ -109,6 +122,7 @@ def apply(model, tokenizer=None) -> dict:
     layout = Layout()
     encoder_model.register_forward_pre_hook(_mask_keeper(layout), with_kwargs=True)
     encoder = encoder_model.encoder
+    encoder.unpad_layout = layout
     encoder.padded_forward = encoder.forward
     encoder.forward = MethodType(_encoder_forward(layout), encoder)
     replaced = 0
@@ -118,6 +132,20 @@ def apply(model, tokenizer=None) -> dict:
         replaced += _replace_dropouts(layer, layout)
     return {"layers": len(encoder.layer), "dropouts_drawn_padded": replaced,
             "attention": f"{config._attn_implementation} on the padded layout"}
+
+
+@contextlib.contextmanager
+def probing(model, batch: int, length: int, device: torch.device):
+    """One padding-free layer run outside the model's forward (trainscope.profiling.layer_breakdown, which feeds a
+    layer (probe batch, probe length, width)): inside, the layers take `batch` sequences of `length` real tokens and
+    no padding, fed as (1, batch x length, width). Yields that probe's (batch, length): (1, batch x length)."""
+    layout = next(m.unpad_layout for m in model.modules() if hasattr(m, "unpad_layout"))
+    saved = dict(vars(layout))
+    layout.set(torch.ones(batch, length, dtype=torch.long, device=device))
+    try:
+        yield 1, batch * length
+    finally:
+        vars(layout).update(saved)
 
 
 def _mask_keeper(layout: Layout):
