@@ -60,7 +60,8 @@ def losses_of(model, steps=((8, 16), (12, 16), (10, 16))) -> list[float]:
     torch.manual_seed(3)
     out = []
     for rows, width in steps:
-        features, labels = torch.randn(rows, width, generator=generator), torch.randint(0, 3, (rows,), generator=generator)
+        features = torch.randn(rows, width, generator=generator)
+        labels = torch.randint(0, 3, (rows,), generator=generator)
         loss = F.cross_entropy(model(features), labels)
         loss.backward()
         optimizer.step()

@@ -251,7 +251,7 @@ def test_dataloaders_pad_dynamically_and_honour_worker_settings(tokenizer):
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
     train, validation, test = build_dataloaders(data, tokenizer, settings)
     assert (train.num_workers, train.prefetch_factor, train.persistent_workers) == (2, 3, True)
-    assert validation.batch_size == 16
+    assert validation.batch_size == 32  # evaluation in length order at 4x the training batch
     widths = {batch["input_ids"].shape[1] for batch in train}
     assert len(widths) > 1 and max(widths) <= 128  # padded to each batch's longest, not to 128
     fixed = settings_for("--max-train-samples", "64", "--pad-to-max-length", "--max-seq-length", "48")

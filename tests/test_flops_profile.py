@@ -109,7 +109,8 @@ def test_records_carry_flops_and_their_share_of_the_machines_measured_peak_not_a
     # the useful work beside it: the FLOPs on real tokens (each sequence's own length in the attention term), below
     # the padded count by no more than flops.padding_flops_share's bound from the token counts alone (Jensen)
     throughput = summary["throughput"]
-    assert throughput["real_flops"] == flops.real_training_flops((2, 32, 64), throughput["tokens"], throughput["squares"])
+    assert throughput["real_flops"] == flops.real_training_flops((2, 32, 64), throughput["tokens"],
+                                                                 throughput["squares"])
     bound = flops.padding_flops_share({"layers": 2, "hidden": 32, "intermediate": 64}, throughput["tokens"],
                                       throughput["padded_tokens"], throughput["samples"], throughput["padded_squares"])
     assert 0 < throughput["padding_flops_share"] <= bound

@@ -137,8 +137,9 @@ def test_the_fused_optimizer_updates_as_the_foreach_one():
     model = small("tiny-bert")
     twin = copy.deepcopy(model)
     initial = copy.deepcopy(model)
-    optimizers = [modeling.build_optimizer(m, settings_for("--optimizer-implementation", name, "--learning-rate", "3e-3"),
-                                           torch.device("cpu")) for m, name in ((model, "fused"), (twin, "foreach"))]
+    optimizers = [modeling.build_optimizer(m, settings_for("--optimizer-implementation", name, "--learning-rate",
+                                                           "3e-3"), torch.device("cpu"))
+                  for m, name in ((model, "fused"), (twin, "foreach"))]
     assert optimizers[0].defaults["fused"] and optimizers[1].defaults["foreach"]
     generator = torch.Generator().manual_seed(0)
     steps, lr, u = 10, 3e-3, 2.0 ** -24

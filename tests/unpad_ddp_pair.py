@@ -1,7 +1,10 @@
-"""Launched by tests/test_unpad.py as `accelerate launch --config_file accelerate_configs/ddp.yaml tests/unpad_ddp_pair.py
-OUT [train.py flags]`: the padded and the padding-free model built by trainscope.modeling, each prepared by Accelerate
-(DDP over gloo on a CPU) and trained by trainscope.loop.train_step on the same per-rank batches from the same seeds, in
-one launch. Rank 0 writes {"padded": [...], "unpad": [...], "world_size": n}: the per-step losses averaged over ranks."""
+"""The padded and the padding-free model side by side in one multi-process launch, as tests/test_unpad.py runs it:
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml tests/unpad_ddp_pair.py OUT [train.py flags]
+
+Both models built by trainscope.modeling, each prepared by Accelerate (DDP over gloo on a CPU) and trained by
+trainscope.loop.train_step on the same per-rank batches from the same seeds. Rank 0 writes {"padded": [...],
+"unpad": [...], "world_size": n}: the per-step losses averaged over ranks. The batches are the in-process tests' too."""
 
 import contextlib
 import json
@@ -27,7 +30,8 @@ def batches(pad_id: int, vocab: int = 1000, seed: int = 1) -> list[dict]:
         lengths = torch.randint(3, LONGEST + 1, (BATCH,), generator=generator)
         mask = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
         ids = torch.randint(5, vocab, mask.shape, generator=generator).masked_fill(mask == 0, pad_id)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (BATCH,), generator=generator)})
+        labels = torch.randint(0, 3, (BATCH,), generator=generator)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 
 

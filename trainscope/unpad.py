@@ -16,7 +16,7 @@ Same result, to the precision's rounding:
   values changes no real token's output, and a padding position's gradient is exactly 0 in the padded model too;
 * the random draws are the padded model's: attention dropout runs on the padded layout as before, and every other
   dropout inside the layers (the hidden dropout, LoRA's dropout) draws its mask for the padded shape (B, T, width)
-  through the same dropout call the padded model makes, in the same order, and keeps the real rows. The generator
+  with the random call the padded model's dropout makes, in the same order, and keeps the real rows. The generator
   advances exactly as in the padded model, so the embeddings', the classifier's and the next step's draws match too.
 What differs is the order of floating-point sums (matmuls over N rows instead of B x T, gradient sums without the
 padding's exact zeros). The last hidden state at padding positions is zero (the padded model's is meaningless
@@ -187,11 +187,12 @@ def _self_attention_forward(layout: Layout):
         def heads(projected):  # (1, N, H x d) -> (B, H, T, d), zeros at padding positions
             return layout.pad(projected).view(layout.batch, layout.length, -1, self.attention_head_size).transpose(1, 2)
 
-        query, key, value = heads(self.query(hidden_states)), heads(self.key(hidden_states)), heads(self.value(hidden_states))
+        query, key, value = (heads(projection(hidden_states)) for projection in (self.query, self.key, self.value))
         eager = sys.modules[type(self).__module__].eager_attention_forward
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-        output, weights = attention(self, query, key, value, attention_mask,
-                                    dropout=0.0 if not self.training else self.dropout.p, scaling=self.scaling, **kwargs)
+        dropout = self.dropout.p if self.training else 0.0
+        output, weights = attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
+                                    **kwargs)
         return layout.unpad(output.reshape(layout.batch * layout.length, -1)), weights
 
     return forward
