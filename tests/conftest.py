@@ -25,7 +25,8 @@ from trainscope.launching import kill_tree
 # The files that launch the most processes, longest first: two workers take whole files in collection
 # order, so starting with the long ones leaves no worker idle at the end (the others are seconds each).
 LONGEST_FIRST = ("test_launches.py", "test_communication.py", "test_endings.py", "test_train.py", "test_report.py",
-                 "test_multinode.py", "test_faults.py", "test_advisor.py", "test_benchmarks.py", "test_secrets.py",
+                 "test_unpad.py", "test_multinode.py", "test_faults.py", "test_advisor.py", "test_compile.py",
+                 "test_benchmarks.py", "test_secrets.py",
                  "test_compare_dp.py", "test_loaders_bench.py")
 
 

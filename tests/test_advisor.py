@@ -91,8 +91,7 @@ def test_the_padding_bound_counts_the_flops_spent_on_padding_positions():
 def test_padding_also_gets_the_exact_changes_that_skip_it_each_with_its_kind():
     """Beside --group-by-length (a training change: the order), the exact changes that leave what is learned alone:
     padding-free layers (the token-wise matmuls' padded FLOPs: 6N per position; attention stays padded) and
-    evaluation in length order (its own padding). This build has neither flag yet: they are suggested, marked not
-    available, and make tune lists them instead of launching them."""
+    evaluation in length order (its own padding). Both are available: make tune launches them."""
     planted = record(run_shares={"eval": 0.3}, summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10,
                                                                     "padded_squares": 100_000},
                      summary__evaluation_tokens={"tokens": 600, "padded_tokens": 1000, "samples": 10,
@@ -105,10 +104,9 @@ def test_padding_also_gets_the_exact_changes_that_skip_it_each_with_its_kind():
     assert found["eval_order"].flags == ["--eval-order", "length"]
     assert found["eval_order"].gain == pytest.approx(1 / (1 - 0.3 * evaluation))
     assert found["unpad"].kind == found["eval_order"].kind == "exact" and found["padding"].kind == "training"
-    assert found["unpad"].unavailable == "not available in this build (train.py has no --unpad)"
-    assert found["padding"].unavailable is None
+    assert found["unpad"].unavailable is None and found["padding"].unavailable is None
     listed = "\n".join(advisor.lines(list(found.values())))
-    assert "(`--unpad`; exact, not available in this build (train.py has no --unpad))" in listed
+    assert "(`--unpad`; exact)" in listed
     assert "(`--group-by-length`; training)" in listed
 
 
@@ -121,10 +119,11 @@ def test_every_suggestion_carries_the_kind_the_catalogue_gives_its_flags():
     assert changes.kind_of(["--num-workers", "2", "--tf32"]) == "numeric"  # the strictest part decides
     assert changes.kind_of(["--made-up-flag"]) == "training"  # not in the catalogue: may change what is learned
     assert changes.unavailable(["--made-up-flag"]) == "not available in this build (train.py has no --made-up-flag)"
-    assert changes.unavailable(["--eval-order", "length"]) == "not available in this build (train.py has no --eval-order)"
-    # a change whose catalogue entry needs a setting the build lacks: compile without eager randomness is numeric
-    assert changes.kind_of(["--compile"]) == "numeric"
-    assert changes.kind_of(["--compile"], settings={"compile", "compile_eager_random"}) == "exact"
+    assert changes.unavailable(["--eval-order", "length"]) is None
+    assert changes.unavailable(["--eval-order", "length"], settings={"compile"}) == (
+        "not available in this build (train.py has no --eval-order)")  # a build whose settings lack the flag
+    # compile draws eager's random numbers (inductor's fallback_random): exact, up to rounding
+    assert changes.kind_of(["--compile"]) == "exact" and changes.kind_of(["--compile", "--unpad"]) == "exact"
 
 
 @pytest.mark.parametrize("plan,words", [
@@ -413,7 +412,7 @@ def test_a_training_change_is_not_decided_on_a_proxy_and_says_what_the_full_job_
 def test_every_suggestion_not_tried_is_listed_with_why(monkeypatch):
     """Four suggestions, --max-suggestions 3 (as make tune's committed run had): the fourth is listed, not lost; one
     this build has no flag for is listed as not available, never launched."""
-    ideas = [*NUMERIC, suggestion("unpad", ["--unpad"])]
+    ideas = [*NUMERIC, suggestion("gadget", ["--made-up-flag"])]
     ideas.append(advisor.Suggestion("advice", "read the docs", "planted", [], gain=None, gain_kind="estimate"))
     monkeypatch.setattr(tune.advisor, "advise", lambda record: ideas)
     planted_runs(monkeypatch, {})
@@ -421,12 +420,12 @@ def test_every_suggestion_not_tried_is_listed_with_why(monkeypatch):
     assert [t["name"] for t in result["trials"]] == ["s1", "s2", "s3"]
     assert result["not_tried"] == [
         {"change": "try hook", "flags": ["--ddp-comm-hook", "fp16"], "kind": "numeric", "why": "beyond --max-suggestions 3"},
-        {"change": "try unpad", "flags": ["--unpad"], "kind": "exact",
-         "why": "not available in this build (train.py has no --unpad)"},
+        {"change": "try gadget", "flags": ["--made-up-flag"], "kind": "training",
+         "why": "not available in this build (train.py has no --made-up-flag)"},
         {"change": "read the docs", "flags": [], "kind": None, "why": "not a flag or config (see the advice)"}]
     written = "\n".join(tune.markdown({**result, "provenance": {}}))
     assert "- not tried: try hook (beyond --max-suggestions 3; numeric)" in written
-    assert "- not tried: try unpad (not available in this build (train.py has no --unpad); exact)" in written
+    assert "- not tried: try gadget (not available in this build (train.py has no --made-up-flag); training)" in written
 
 
 def test_a_change_to_what_a_step_holds_is_judged_on_the_same_work(monkeypatch):
@@ -480,8 +479,8 @@ def test_tune_plans_only_the_trials_its_budget_holds():
     assert plan(300) == (ideas[:2], ideas[2:]) and plan(359) == (ideas[:2], ideas[2:]) and plan(360) == (ideas, [])
     assert plan(1e6, most=2) == (ideas[:2], [])
     exact = [SimpleNamespace(flags=["--num-workers", "1"], config=None), SimpleNamespace(flags=["--threads", "1"], config=None)]
-    unpad = SimpleNamespace(flags=["--unpad"], config=None)  # not in this build: never planned
-    mixed = [ideas[0], unpad, *exact]
+    missing = SimpleNamespace(flags=["--made-up-flag"], config=None)  # not in this build: never planned
+    mixed = [ideas[0], missing, *exact]
     # the exact ones first: 2 exact (6 x 3 + 12 runs) and 1 numeric (6 x 2): 42 runs
     assert plan(420, found=mixed) == ([*exact, ideas[0]], []) and plan(419, found=mixed) == (exact, [ideas[0]])
 
@@ -592,8 +591,8 @@ def test_the_compile_rule_counts_its_compile_time_against_a_long_runs_fusion():
     elementwise = (0.1 + 0.12 + 0.04 + 0.02 + 0.02) * 0.98
     assert fusion.gain == pytest.approx(1 / (1 - elementwise / 2 + 30 / 600)) and fusion.gain_kind == "estimate"
     assert "compile time 30 s (assumed)" in fusion.factor and "dynamic shapes" in fusion.evidence
-    # compile draws its own random numbers in this build (no eager randomness yet): other dropout masks, numeric
-    assert fusion.kind == "numeric" and "other dropout masks than eager's" in fusion.changes_result
+    # compile draws eager's random numbers (inductor's fallback_random): the same dropout masks, exact
+    assert fusion.kind == "exact" and "eager's random numbers" in fusion.changes_result
 
 
 def test_the_fused_kernel_rule_needs_dropout_to_be_what_keeps_it_out():

@@ -6,6 +6,7 @@ from collections import Counter
 
 import datasets
 import pytest
+import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from trainscope import embedded
@@ -250,7 +251,7 @@ def test_dataloaders_pad_dynamically_and_honour_worker_settings(tokenizer):
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
     train, validation, test = build_dataloaders(data, tokenizer, settings)
     assert (train.num_workers, train.prefetch_factor, train.persistent_workers) == (2, 3, True)
-    assert validation.batch_size == 16
+    assert validation.batch_size == 32  # evaluation in length order at 4x the training batch
     widths = {batch["input_ids"].shape[1] for batch in train}
     assert len(widths) > 1 and max(widths) <= 128  # padded to each batch's longest, not to 128
     fixed = settings_for("--max-train-samples", "64", "--pad-to-max-length", "--max-seq-length", "48")
@@ -269,13 +270,13 @@ def test_fsspec_urls_load(tokenizer):
     assert data.provenance["source"] == {"kind": "url", "name": "memory://bucket/tweets.csv"}
 
 
-def test_group_by_length_pads_less_in_training_and_evaluation(tokenizer):
+def test_group_by_length_and_length_order_pad_less_in_training_and_evaluation(tokenizer):
     def padded_positions(loader):
         return sum(batch["input_ids"].numel() for batch in loader)
 
     flags = ["--max-train-samples", "512", "--max-eval-samples", "256", "--max-test-samples", "256",
              "--per-device-batch-size", "16"]
-    plain, grouped = settings_for(*flags), settings_for(*flags, "--group-by-length")
+    plain, grouped = settings_for(*flags, "--eval-order", "given"), settings_for(*flags, "--group-by-length")
     data = load_classification_data(plain, tokenizer, contextlib.nullcontext)
     real = sum(len(ids) for ids in data.train["input_ids"])
     loaders = build_dataloaders(data, tokenizer, plain), build_dataloaders(data, tokenizer, grouped)
@@ -285,3 +286,48 @@ def test_group_by_length_pads_less_in_training_and_evaluation(tokenizer):
     for index in range(3):  # the same samples, in another order
         labels = [sorted(label for b in loaders[which][index] for label in b["labels"].tolist()) for which in (0, 1)]
         assert labels[0] == labels[1]
+
+
+def test_evaluation_in_length_order_scores_as_the_given_order(tokenizer):
+    """--eval-order length (the default, at its own batch size) against the given order on the same model: the same
+    samples, so the same accuracy and macro-F1, and the same sample-weighted mean loss up to the order of its sums.
+
+    Tolerance: each sample's loss comes out of a batch of another shape (another padded length, other neighbours), so
+    its sums run in another order: over at most K = 1,536 terms (the feed-forward's width; attention's at most 128
+    positions), at most (K - 1) u of their magnitude each, u = 2^-24, about 2 K u of the loss through a layer's two
+    sums per value (first order); the mean's own sum over n samples adds (n - 1) u. Together (n + 2 K) u of the loss."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from trainscope.loop import evaluate_split, load_metric
+    from trainscope.modeling import build_model
+
+    # the pretrained MiniLM (with a random head): its predictions vary with the input, so the comparison means something
+    flags = ["--max-train-samples", "16", "--max-eval-samples", "120", "--max-test-samples", "16",
+             "--per-device-batch-size", "8"]
+    given, ordered = settings_for(*flags, "--eval-order", "given"), settings_for(*flags)
+    assert (given.resolved_eval_batch_size, ordered.resolved_eval_batch_size) == (16, 32)
+    data = load_classification_data(given, tokenizer, contextlib.nullcontext)
+    torch.manual_seed(0)
+    model, _ = build_model(given, data.label_names, tokenizer)
+    try:
+        accelerator = Accelerator(cpu=True)
+        scores = {}
+        model.eval()
+        for name, settings in (("given", given), ("length", ordered)):
+            validation = build_dataloaders(data, tokenizer, settings)[1]
+            scores[name] = evaluate_split(model, validation, accelerator, load_metric())
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    positions = {name: scores[name].pop("positions") for name in scores}
+    assert positions["given"]["samples"] == positions["length"]["samples"] == 120
+    assert positions["given"]["tokens"] == positions["length"]["tokens"]
+    assert positions["length"]["padded_tokens"] < 0.8 * positions["given"]["padded_tokens"]
+    assert scores["given"]["accuracy"] == scores["length"]["accuracy"]
+    assert scores["given"]["macro_f1"] == scores["length"]["macro_f1"]
+    batch = next(iter(build_dataloaders(data, tokenizer, given)[1]))
+    batch.pop("labels")
+    with torch.no_grad():
+        assert len(set(model(**batch).logits.argmax(-1).tolist())) > 1  # the comparison is of varied predictions
+    n, widest, u = 120, 1536, 2.0 ** -24
+    assert abs(scores["given"]["loss"] - scores["length"]["loss"]) <= (n + 2 * widest) * u * scores["given"]["loss"]

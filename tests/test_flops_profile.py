@@ -179,13 +179,27 @@ def test_records_carry_flops_and_their_share_of_the_machines_measured_peak_not_a
     assert measured["precision"] == "fp32" and measured["peak_tflops"] == fp32["peak_tflops"]
     assert measured["share"] == pytest.approx(summary["throughput"]["tflops_per_device"] / fp32["peak_tflops"])
     assert measured["gap_estimate"]["floor_share"] == pytest.approx(measured["share"])  # the same figure, two ways
+    # the useful work beside it: the FLOPs on real tokens (each sequence's own length in the attention term), below
+    # the padded count by no more than flops.padding_flops_share's bound from the token counts alone (Jensen)
+    throughput = summary["throughput"]
+    assert throughput["real_flops"] == flops.real_training_flops((2, 32, 64), throughput["tokens"],
+                                                                 throughput["squares"])
+    bound = flops.padding_flops_share({"layers": 2, "hidden": 32, "intermediate": 64}, throughput["tokens"],
+                                      throughput["padded_tokens"], throughput["samples"], throughput["padded_squares"])
+    assert 0 < throughput["padding_flops_share"] <= bound
+    assert throughput["real_tflops_per_device"] == pytest.approx(
+        throughput["tflops_per_device"] * (1 - throughput["padding_flops_share"]))
+    assert measured["real_share"] == pytest.approx(throughput["real_tflops_per_device"] / fp32["peak_tflops"])
+    assert measured["gap_estimate"]["padding_floor_s"] == pytest.approx(
+        measured["gap_estimate"]["floor_s"] * throughput["padding_flops_share"])
     assert environment["cpu_bf16"]["speedup"] == pytest.approx(
         machine["precisions"]["bf16"]["peak_tflops"] / fp32["peak_tflops"])
     shapes = measured["run_shapes"]  # the run's own shapes: batch x its mean padded length, and one layer there
     assert shapes["batch"] == 16 and shapes["length"] % 8 == 0 and shapes["tflops"] > 0
     assert shapes["layer"]["categories"]["matmul"] > 0 and shapes["layer"]["length"] == shapes["length"]
     line = next(line for line in result.stdout.splitlines() if "measured fp32 matmul peak" in line)
-    assert f"{measured['share']:.1%} of this machine's measured fp32 matmul peak" in line
+    assert f"{measured['share']:.1%} of this machine's measured fp32 matmul peak, {measured['real_share']:.1%} on real " \
+        "tokens" in line
     assert measured["key_id"] in line and "MFU" not in result.stdout
 
 

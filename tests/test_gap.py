@@ -74,9 +74,17 @@ def test_the_gap_rows_put_the_floor_under_the_matmuls_and_never_print_a_negative
     assert gap.matmul_rate(breakdown) == pytest.approx(0.8)
     faster_than_peak = {r["part"]: r for r in gap.rows(breakdown, peak_tflops=0.5)}
     assert faster_than_peak["matmuls above the floor"]["seconds"] is None  # 8 s of floor in 5 s: not printed
+    # padding as a row of its own: 40% of the FLOPs on padding positions, so 40% of the matmul time, the rest real
+    padded = gap.rows(breakdown, peak_tflops=1.0, padding_share=0.4)
+    by_part = {r["part"]: r for r in padded}
+    assert by_part["padding positions (their matmuls)"]["seconds"] == pytest.approx(2.0)
+    assert by_part["matmuls on real tokens at the measured peak (floor)"]["seconds"] == pytest.approx(2.4)
+    assert by_part["matmuls on real tokens above the floor"]["seconds"] == pytest.approx(0.6)
+    assert sum(r["seconds"] for r in padded) == pytest.approx(sum(r["seconds"] for r in rows.values()))  # carved out
     estimate = gap.estimate(4e12, 1.0, {"forward": 3.0, "backward": 4.0, "optimizer": 1.0, "data": 0.5, "other": 0.5},
-                            train_s=9.0)
+                            train_s=9.0, padding_share=0.25)
     assert estimate["floor_share"] == pytest.approx(4 / 9) and estimate["forward_backward_s"] == 7.0
+    assert estimate["padding_floor_s"] == pytest.approx(1.0)
 
 
 def tiny_model(hidden_dropout: float, attention_dropout: float):

@@ -64,7 +64,8 @@ def test_the_time_breakdown_comes_from_the_run_without_the_profiler(built):
     # the gap to this machine's measured matmul peak: the unprofiled run's share, the profiled run's floor and gap
     assert "Each run against this machine's measured matmul peak" in pie_part and "| default-r0 | fp32 |" in pie_part
     assert "Where the gap to the measured fp32 matmul peak went (profiled-r0" in pie_part
-    assert "| matmuls at the measured peak (floor) |" in pie_part and (out / "peak_gap_default.png").exists()
+    assert "| matmuls on real tokens at the measured peak (floor) |" in pie_part
+    assert "| padding positions (their matmuls) |" in pie_part and (out / "peak_gap_default.png").exists()
 
 
 def test_warnings_are_printed_beside_the_figures_they_concern(built):

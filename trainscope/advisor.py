@@ -253,7 +253,9 @@ def evaluation(view: RunView) -> list[Suggestion]:
     share = view.shares("run").get("eval", 0.0)
     if not view.on_cuda:  # the gain comes from fewer kernel launches per sample: a GPU cost
         return []
-    current = view.setting("eval_batch_size") or 2 * view.setting("per_device_batch_size", 32)
+    # settings.default_eval_batch_size's rule (not imported: settings pulls in transformers); older records: given order
+    current = view.setting("eval_batch_size") or (
+        (4 if view.setting("eval_order") == "length" else 2) * view.setting("per_device_batch_size", 32))
     gain = amdahl(share, 1.25)
     if share < 0.05 or gain < MIN_GAIN:
         return []

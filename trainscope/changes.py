@@ -38,9 +38,6 @@ class Change:
     flag: str                     # the train.py flag, or "config:<name>"
     kind: str
     does: str                     # what it does to the result, in words
-    needs: tuple[str, ...] = ()   # Settings fields it needs beyond its own flag's
-    otherwise: str | None = None  # its kind while a needed setting is missing (None: not available then)
-    otherwise_does: str | None = None
 
 
 CATALOGUE = {change.flag: change for change in (
@@ -50,9 +47,8 @@ CATALOGUE = {change.flag: change for change in (
     Change("--eval-order", EXACT, "nothing: evaluation in length order, the same samples and metrics (rounding only)"),
     Change("--eval-batch-size", EXACT, "nothing: evaluation in other batches (rounding only)"),
     Change("--optimizer-implementation", EXACT, "nothing: the same update, up to rounding"),
-    Change("--compile", EXACT, "nothing: fused kernels with eager's random numbers (rounding only)",
-           needs=("compile_eager_random",), otherwise=NUMERIC,
-           otherwise_does="the compiler's own random numbers: other dropout masks than eager's"),
+    Change("--compile", EXACT, "nothing: fused kernels with eager's random numbers (inductor's fallback_random; "
+           "rounding only)"),
     Change("--num-workers", EXACT, "nothing: the same batches, loaded in worker processes"),
     Change("--pin-memory", EXACT, "nothing: the same batches, in page-locked memory"),
     Change("--persistent-workers", EXACT, "nothing: the same batches, the workers kept between epochs"),
@@ -95,16 +91,11 @@ def parts(flags: list[str], config: str | None) -> list[str]:
 
 
 def unavailable(flags: list[str], config: str | None = None, settings: set[str] | None = None) -> str | None:
-    """Why this build cannot run the change (None: it can): a flag the settings do not know, or a setting its
-    catalogue entry needs."""
+    """Why this build cannot run the change (None: it can): a flag the settings do not know."""
     known = _known(settings)
     for part in parts(flags, config):
         if part.startswith("--") and _setting(part) not in known:
             return f"not available in this build (train.py has no {part})"
-        entry = CATALOGUE.get(part)
-        missing = [n for n in (entry.needs if entry else ()) if n not in known]
-        if missing and entry.otherwise is None:
-            return f"not available in this build ({part} needs {', '.join('--' + n.replace('_', '-') for n in missing)})"
     return None
 
 
@@ -113,8 +104,6 @@ def resolved(part: str, settings: set[str] | None = None) -> tuple[str, str]:
     entry = CATALOGUE.get(part)
     if entry is None:
         return TRAINING, "not in trainscope's catalogue of changes: taken to change what is learned"
-    if entry.needs and not set(entry.needs) <= _known(settings) and entry.otherwise:
-        return entry.otherwise, entry.otherwise_does or entry.does
     return entry.kind, entry.does
 
 

@@ -466,7 +466,7 @@ def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory:
                                             collate_fn=collate, generator=generator(), **options)
     evaluation = [
         torch.utils.data.DataLoader(
-            by_length(split) if settings.group_by_length else split, batch_size=settings.resolved_eval_batch_size,
+            by_length(split) if settings.eval_order == "length" else split, batch_size=settings.resolved_eval_batch_size,
             shuffle=False, collate_fn=collate, generator=generator(), **options
         )
         for split in (data.validation, data.test)
@@ -475,6 +475,7 @@ def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory:
 
 
 def by_length(split: Dataset) -> Dataset:
-    """The split sorted by sequence length: evaluation scores do not depend on the order, padding does."""
+    """The split sorted by sequence length (stable: rows of one length keep their order), for --eval-order length:
+    evaluation scores do not depend on the order, padding does."""
     lengths = [len(ids) for ids in split["input_ids"]]
     return split.select(sorted(range(len(lengths)), key=lengths.__getitem__))

@@ -252,3 +252,26 @@ def shape_facts(config) -> dict | None:
     """The encoder's shape for the run record ({layers, hidden, intermediate}), or None."""
     shape = encoder_shape(config)
     return dict(zip(("layers", "hidden", "intermediate"), shape)) if shape else None
+
+
+def real_training_flops(shape: tuple[int, int, int] | None, tokens: int | None, squares: int | None,
+                        training: Training = FULL) -> int | None:
+    """Training FLOPs on real tokens only (no padding position counted): the coefficients of `flops_coefficients`
+    (what trains: `training`) on the real tokens and on the sum of each sequence's real length squared (`squares`).
+    `shape`: (layers, hidden, intermediate) (encoder_shape). None when unknown."""
+    if shape is None or tokens is None or squares is None:
+        return None
+    a, b = flops_coefficients(*shape, training)["model"]
+    return int(round(a * tokens + b * squares))
+
+
+def padding_free_training_flops(config, batch_size: int, sequence_length: int, tokens: int,
+                                training: Training = FULL) -> int | None:
+    """FLOPs of one training micro-batch with padding-free encoder layers (--unpad, trainscope.unpad): the token-wise
+    matmuls on the `tokens` real tokens, attention's on the padded layout (batch x length^2) where it still runs;
+    what trains: `training`."""
+    shape = encoder_shape(config)
+    if shape is None:
+        return None
+    a, b = flops_coefficients(*shape, training)["model"]
+    return int(round(a * tokens + b * batch_size * sequence_length ** 2))

@@ -178,16 +178,26 @@ def hidden_communication_s(events) -> float:
     return overlap / 1e6
 
 
-def rows(breakdown: dict, peak_tflops: float | None) -> list[dict]:
+def rows(breakdown: dict, peak_tflops: float | None, padding_share: float | None = None) -> list[dict]:
     """The gap table of a profiled window: the floor (the matmuls' FLOPs at the measured peak), the matmuls above it,
-    then every other category; seconds and share of the window. The matmul rows are None without a peak."""
+    then every other category; seconds and share of the window. The matmul rows are None without a peak.
+
+    With `padding_share` (the share of the run's counted model FLOPs that went to padding positions: the record's
+    throughput.padding_flops_share) padding is a row of its own: that share of the matmul time (padding's FLOPs at
+    the rate the matmuls ran), the floor and the time above it then counted on real tokens only. An estimate: the
+    profiled steps are taken as padded like the run, and the token-wise operators' time on padding positions (dropout,
+    layer norm, activations) stays in their rows."""
     window = breakdown["window_s"] or 0.0
     categories = breakdown["categories"]
-    floor = breakdown["matmul_flops"] / (peak_tflops * 1e12) if peak_tflops else None
-    above = categories["matmul"] - floor if floor is not None else None
+    real = 1.0 - padding_share if padding_share is not None else 1.0
+    floor = real * breakdown["matmul_flops"] / (peak_tflops * 1e12) if peak_tflops else None
+    above = real * categories["matmul"] - floor if floor is not None else None
+    on_real = " on real tokens" if padding_share is not None else ""
     # below the floor the matmuls beat the measured peak: impossible, so not printed (above_measured_peak says why)
-    out = [{"part": "matmuls at the measured peak (floor)", "seconds": floor},
-           {"part": "matmuls above the floor", "seconds": above if above is None or above >= 0 else None}]
+    out = [{"part": f"matmuls{on_real} at the measured peak (floor)", "seconds": floor},
+           {"part": f"matmuls{on_real} above the floor", "seconds": above if above is None or above >= 0 else None}]
+    if padding_share is not None:
+        out.append({"part": "padding positions (their matmuls)", "seconds": padding_share * categories["matmul"]})
     out += [{"part": name, "seconds": categories[name]} for name in CATEGORIES if name != "matmul"]
     for row in out:
         row["share"] = row["seconds"] / window if row["seconds"] is not None and window else None
@@ -202,14 +212,16 @@ def matmul_rate(breakdown: dict) -> float | None:
 
 
 def estimate(flops_per_device: float | None, peak_tflops: float | None, stage_seconds: dict,
-             train_s: float | None) -> dict | None:
+             train_s: float | None, padding_share: float | None = None) -> dict | None:
     """Without a profile: the model FLOPs at the measured peak (the floor) against the training time of the same
-    steps, split into forward + backward, optimizer, and data + other (one device's share of the work)."""
+    steps, split into forward + backward, optimizer, and data + other (one device's share of the work); with
+    `padding_share` (the counted FLOPs' share on padding positions) the floor's part on padding (`padding_floor_s`)."""
     if not (flops_per_device and peak_tflops and train_s):
         return None
     floor = flops_per_device / (peak_tflops * 1e12)
     return {"method": "estimate: model FLOPs (PaLM) at the measured peak against the measured steady stages",
             "floor_s": floor, "train_s": train_s,
+            "padding_floor_s": floor * padding_share if padding_share is not None else None,
             "forward_backward_s": stage_seconds.get("forward", 0.0) + stage_seconds.get("backward", 0.0),
             "optimizer_s": stage_seconds.get("optimizer", 0.0),
             "data_other_s": stage_seconds.get("data", 0.0) + stage_seconds.get("other", 0.0),

@@ -190,6 +190,11 @@ def plan(gpus: int | None = None) -> list[dict]:
                                 "and dumped for pytorch.org/memory_viz within its timeout",
                                 extra=ASSUMED_EXTRA_S["snapshot"]))
     steps.append(precision["bf16"])
+    # the same run with padding-free encoder layers: trainscope.unpad's kernels on CUDA, and its loss as the padded run's
+    steps.append(training_check("unpad-bf16", "bf16", [*MODEL, "--unpad", "--timing", "events"], PRECISION_STEPS,
+                                "bf16", "--unpad on CUDA in bf16: the padding-free layers run and train (their first "
+                                "losses against precision-bf16's, the same seed and batches), samples/s against "
+                                "precision-bf16's on the same padded-to-128 batches (one run each: an observation)"))
     # precision-fp32 is timed with --timing events; the same run with --timing sync is the second clock
     steps.append(training_check("timing-sync", "single_gpu", [*MODEL, "--timing", "sync"], PRECISION_STEPS, "fp32",
                                 "--timing events charges each stage its device time: precision-fp32 (events) and "

@@ -63,16 +63,19 @@ class LoopState:
         self.epoch = checkpoint.get("epoch", 0)
         self.batches_in_epoch = checkpoint.get("batches_in_epoch", 0)
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
+        # squares: the sum of each sequence's real length squared (the attention term of the FLOPs on real tokens)
         self.counts = checkpoint.get("counts") or {
             phase: {"samples": 0, "tokens": 0, "optimizer_steps": 0, "micro_batches": 0, "flops": 0,
-                    "padded_tokens": 0, "padded_squares": 0}
+                    "padded_tokens": 0, "padded_squares": 0, "squares": 0}
             for phase in PHASES}
         for phase in PHASES:  # a checkpoint of an older run may lack a phase
             self.counts.setdefault(phase, {"samples": 0, "tokens": 0, "optimizer_steps": 0, "micro_batches": 0,
-                                           "flops": 0, "padded_tokens": 0, "padded_squares": 0})
+                                           "flops": 0, "padded_tokens": 0, "padded_squares": 0, "squares": 0})
+            self.counts[phase].setdefault("squares", 0)
         self.evaluations = []
         self.micro_batches_in_step = 0
         self._phase_tokens = {phase: torch.zeros((), device=device, dtype=torch.long) for phase in self.counts}
+        self._phase_squares = {phase: torch.zeros((), device=device, dtype=torch.long) for phase in self.counts}
         self._reset_interval()
 
     def _reset_interval(self):
@@ -88,10 +91,12 @@ class LoopState:
         return skip
 
     def add_micro_batch(self, phase: str, loss, labels, attention_mask, flops: int | None):
-        tokens = attention_mask.sum()
+        lengths = attention_mask.sum(-1)
+        tokens = lengths.sum()
         self.interval_losses.append(loss)
         self.interval_tokens += tokens
         self._phase_tokens[phase] += tokens
+        self._phase_squares[phase] += (lengths * lengths).sum()
         self.interval_samples += labels.shape[0]
         self.interval_flops += flops or 0
         self.batches_in_epoch += 1
@@ -126,6 +131,9 @@ class LoopState:
         for phase, tokens in self._phase_tokens.items():
             self.counts[phase]["tokens"] += tokens.item()
             tokens.zero_()
+        for phase, squares in self._phase_squares.items():
+            self.counts[phase]["squares"] += squares.item()
+            squares.zero_()
 
     def checkpoint(self) -> dict:
         self.finish()

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from trainscope import embedded, hub
+from trainscope import embedded, hub, unpad
 from trainscope.errors import UserError
 from trainscope.flops import shape_facts
 from trainscope.records import redact
@@ -171,9 +171,13 @@ def build_model(settings, label_names: list[str], tokenizer):
     facts = {"class": type(model).__name__, "model_type": model.config.model_type, "weights": weights,
              "parameters": sum(p.numel() for p in model.parameters()), "shape": shape_facts(model.config),
              "dropout": dropout_facts(model.config), "dropout_overrides": dropout or None}
+    if settings.unpad:
+        unpad.check(model.config)  # before LoRA and checkpointing are built for nothing
     model, lora = _checkpointing_and_lora(model, settings)
     if lora:
         facts["lora"] = lora
+    if settings.unpad:  # after LoRA: its dropouts draw the padded model's masks too
+        facts["unpad"] = unpad.apply(model, tokenizer)
     facts["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return model, facts
 

@@ -368,7 +368,8 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
     eval_batch = settings.resolved_eval_batch_size
     evaluation = {split: evaluation_lengths(workload.lengths[split], eval_batch, workload.processes,
                                             settings.pad_to_max_length, settings.max_seq_length,
-                                            settings.group_by_length, workload.pad_to_multiple_of)
+                                            getattr(settings, "eval_order", "given") == "length",
+                                            workload.pad_to_multiple_of)
                   for split in ("validation", "test")}
     warmup = min(settings.timing_warmup_steps, plan.get("optimizer_steps", 1))
     steady = train[warmup * accumulation:] if len(train) > warmup * accumulation else train

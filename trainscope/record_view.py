@@ -296,6 +296,21 @@ class RunView:
         return self.summary.get("model_flops") or {}
 
     @property
+    def real_tflops_per_device(self) -> float | None:
+        """Model TFLOP/s per device on real tokens only (padding positions not counted); None in older records."""
+        return self.throughput.get("real_tflops_per_device")
+
+    @property
+    def padding_flops_share(self) -> float | None:
+        """The share of the counted training FLOPs that went to padding positions; None in older records."""
+        return self.throughput.get("padding_flops_share")
+
+    @property
+    def real_peak_share(self) -> float | None:
+        """Model TFLOP/s on real tokens over this machine's measured matmul peak; None in older records."""
+        return (self.measured_peak or {}).get("real_share")
+
+    @property
     def peak_share(self) -> float | None:
         """Achieved model TFLOP/s over this machine's measured matmul peak: not the datasheet MFU (`mfu`)."""
         return (self.measured_peak or {}).get("share")

@@ -19,8 +19,9 @@ from dataclasses import asdict
 import torch
 from accelerate.utils import gather_object
 
-from trainscope import communication, environment, gap, health, modeling, peak, precision, predict, summary
-from trainscope.flops import FULL, encoder_shape, mfu, recomputed_flops, training_flops, training_of
+from trainscope import communication, environment, gap, health, modeling, peak, precision, predict, summary, unpad
+from trainscope.flops import (FULL, Training, encoder_shape, mfu, padding_free_training_flops, real_training_flops,
+                              recomputed_flops, training_flops, training_of)
 from trainscope.loop import LoopState
 from trainscope.memory import GIB, peak_rss_bytes
 from trainscope.precision import SkippedSteps, effective_precision
@@ -132,7 +133,11 @@ class RunMetrics:
     def micro_batch(self, batch: dict, loss, labels) -> bool:
         """Count one trained micro-batch; True when it completed an optimizer step."""
         phase = self.timer.phase
-        flops = training_flops(self.model_config, *batch["input_ids"].shape, self.training)  # from shapes: no sync
+        if self.settings.unpad:  # the work the kernels did: the real tokens' (the forward's index of them synced)
+            flops = padding_free_training_flops(self.model_config, *batch["input_ids"].shape,
+                                                int(batch["attention_mask"].sum()), self.training)
+        else:
+            flops = training_flops(self.model_config, *batch["input_ids"].shape, self.training)  # from shapes: no sync
         self.loop.add_micro_batch(phase, loss, labels, batch["attention_mask"], flops)
         self.prediction.micro_batch_done(batch, self.accelerator.sync_gradients)
         if not self.accelerator.sync_gradients:
@@ -253,6 +258,8 @@ class RunMetrics:
     def _summary(self, per_rank: list[dict], test_scores: dict | None, snapshot: dict | None) -> dict:
         phase = "steady" if self.loop.counts["steady"]["optimizer_steps"] else "warmup"
         throughput = summary.throughput(per_rank, phase)
+        throughput.update(real_token_throughput(throughput, encoder_shape(self.model_config), len(per_rank),
+                                                self.training))
         model_flops = self._model_flops(throughput, len(per_rank))
         return {
             "world_size": self.accelerator.num_processes,
@@ -302,19 +309,26 @@ class RunMetrics:
         device, processes = self.accelerator.device, self.started.threads["local_processes"]
         if not shape or not counts["samples"] or precision_name not in peak.precisions(device):
             return None
-        batch = self.settings.per_device_batch_size
-        # the mean padded length, up to a multiple of 8 (later runs of similar data hit the cache)
-        length = -(-counts["padded_tokens"] // counts["samples"] // 8) * 8 or 8
+        batch, unpadded = self.settings.per_device_batch_size, self.settings.unpad
+        # the mean padded length (the mean real length with --unpad: the matmuls' rows), up to a multiple of 8 (later
+        # runs of similar data hit the cache)
+        length = -(-counts["tokens" if unpadded else "padded_tokens"] // counts["samples"] // 8) * 8 or 8
         shapes, doubled = (peak.transformer_shapes(*shape, tokens) for tokens in (batch * length, 2 * batch * length))
         store = self.accelerator.is_local_main_process
         dropout = modeling.dropout_facts(self.model_config)
         name = (f"layer {self.model_config.model_type} {'x'.join(map(str, shape))} dropout {dropout['hidden']}/"
-                f"{dropout['attention']} {self.settings.attn_implementation} {precision_name} {batch}x{length}")
+                f"{dropout['attention']} {self.settings.attn_implementation} {precision_name} {batch}x{length}"
+                + (" unpad" if unpadded else ""))
+
+        def layer_breakdown():  # a padding-free layer probed on `batch` sequences of `length` real tokens
+            with (unpad.probing(self.model, batch, length, device) if unpadded
+                  else contextlib.nullcontext((batch, length))) as (probe_batch, probe_length):
+                found = profiling.layer_breakdown(self.model, probe_batch, probe_length, precision_name, device)
+            return {**found, "batch": batch, "length": length, "unpad": unpadded} if found else found
+
         try:
             found = peak.rates(device, precision_name, shapes + doubled, processes=processes, store=store)
-            layer = peak.cached(device, name, lambda: profiling.layer_breakdown(self.model, batch, length,
-                                                                                 precision_name, device),
-                                processes=processes, store=store)
+            layer = peak.cached(device, name, layer_breakdown, processes=processes, store=store)
         except (RuntimeError, torch.OutOfMemoryError):
             return None
         rate = {f"{name}{suffix}": peak.matmul_rate(found, group, peak.TRANSFORMER_WEIGHTS, which)
@@ -332,6 +346,17 @@ class RunMetrics:
                 "recompiles": max(0, stats["graphs"] - first - self._evaluation_graphs) if first is not None else None}
 
 
+def real_token_throughput(throughput: dict, shape: tuple | None, ranks: int, training: Training = FULL) -> dict:
+    """The useful work beside the work done: training FLOPs on real tokens only (trainscope.flops.real_training_flops)
+    per device per second, and the share of the counted FLOPs that went to padding positions (all of padding's with
+    padded layers; attention's on the padded layout with --unpad). None where the model's shape is unknown."""
+    real = real_training_flops(shape, throughput.get("tokens"), throughput.get("squares"), training)
+    wall, counted = throughput.get("train_wall_s"), throughput.get("flops")
+    return {"real_flops": real,
+            "real_tflops_per_device": real / wall / ranks / 1e12 if real and wall and wall > 0 else None,
+            "padding_flops_share": max(0.0, 1.0 - real / counted) if real and counted else None}
+
+
 def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str,
                   run_shapes: dict | None = None, model_flops: dict | None = None) -> dict | None:
     """The run against its machine's measured matmul peak for the precision in effect: the achieved model TFLOP/s
@@ -344,15 +369,16 @@ def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str,
     found = peak.peak_of(env.get("machine_peak"), precision_name)
     if not found:
         return None
-    achieved = throughput.get("tflops_per_device")
+    achieved, real = throughput.get("tflops_per_device"), throughput.get("real_tflops_per_device")
     stages = summary.combine_ranks(per_rank, phase)["seconds"]
     flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank) / len(per_rank)
     return {"precision": precision_name, "peak_tflops": found["peak_tflops"], "peak_shape": found["peak_shape"],
             "spread": found["spread"], "measured": found["measured"], "key_id": env["machine_peak"].get("key_id"),
             "achieved_tflops": achieved, "share": achieved / found["peak_tflops"] if achieved else None,
             "executed_tflops": achieved + (model_flops or {}).get("recomputed_tflops_per_device", 0.0) if achieved else None,
+            "real_tflops": real, "real_share": real / found["peak_tflops"] if real else None,
             "gap_estimate": gap.estimate(flops, found["peak_tflops"], {k: v["median"] for k, v in stages.items()},
-                                         throughput.get("train_wall_s")),
+                                         throughput.get("train_wall_s"), throughput.get("padding_flops_share")),
             "run_shapes": run_shapes}
 
 
@@ -374,7 +400,7 @@ def table_lines(record: dict, run_dir) -> list[str]:
         f"({view.env['world_size']} x {view.device_name}, {view.precision}, timing: {view.env['timing_mode']}, "
         f"{threads['torch_threads']} threads per process ({threads['threads_source']}))",
         f"model FLOPs {view.throughput.get('tflops_per_device') or 0:.3f} TFLOP/s per device"
-        + (f", MFU {view.mfu:.1%} of the datasheet peak" if view.mfu is not None else ""),
+        + (f", MFU {view.mfu:.1%} of the datasheet peak" if view.mfu is not None else "") + real_tokens_clause(view),
         peak_line(view),
         f"peak memory {peak_memory:.2f} GiB ({kind})",
     ]
@@ -391,6 +417,15 @@ def table_lines(record: dict, run_dir) -> list[str]:
     return rows
 
 
+def real_tokens_clause(view: RunView) -> str:
+    """'; on real tokens 0.036 TFLOP/s (44% of the counted FLOPs padding)' ('' where not recorded)."""
+    real, padding = view.real_tflops_per_device, view.padding_flops_share
+    if real is None:
+        return ""
+    return f"; on real tokens {real:.3f} TFLOP/s" + (f" ({padding:.0%} of the counted FLOPs padding)"
+                                                    if padding is not None else "")
+
+
 def peak_line(view: RunView) -> str:
     """'X% of this machine's measured <precision> matmul peak (Y TFLOP/s, measured <when>, key ...)'."""
     measured = view.measured_peak
@@ -399,7 +434,8 @@ def peak_line(view: RunView) -> str:
         return f"share of this machine's measured matmul peak unknown ({why})"
     key = (view.machine_peak or {}).get("key") or {}
     where = ", ".join(f"{k} {key[k]}" for k in ("threads", "processes", "driver") if key.get(k) is not None)
-    return (f"{measured['share']:.1%} of this machine's measured {measured['precision']} matmul peak "
+    real = f", {measured['real_share']:.1%} on real tokens" if measured.get("real_share") is not None else ""
+    return (f"{measured['share']:.1%} of this machine's measured {measured['precision']} matmul peak{real} "
             f"({measured['peak_tflops']:.3f} TFLOP/s at {'x'.join(map(str, measured['peak_shape']))}, spread "
             f"{measured['spread']:.0%}, measured {measured['measured']}, key {measured['key_id']}: {view.device_name}"
             + (f", {where}" if where else "") + ")")

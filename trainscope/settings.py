@@ -55,7 +55,20 @@ class Settings:
     gradient_checkpointing: bool = HfArg(
         default=False, help="Recompute activations in the backward pass: less memory, more time."
     )
-    compile: bool = HfArg(default=False, help="Compile the model with torch.compile.")
+    compile: bool = HfArg(
+        default=False,
+        help="Compile the model with torch.compile (inductor; dynamic shapes unless --pad-to-max-length, so lengths "
+        "do not recompile). Its random numbers are eager's (inductor's fallback_random): a seeded compiled run draws "
+        "the dropout masks the eager run draws, and matches it to rounding. Compile time falls in the first steps "
+        "and evaluations, inside the run's wall time.",
+    )
+    unpad: bool = HfArg(
+        default=False,
+        help="Padding-free encoder layers (BERT family: bert, roberta): projections, feed-forward, layer norms, "
+        "residuals and hidden dropout run on the batch's real tokens only, attention on the padded layout. Same "
+        "batches and the same dropout masks as the padded model (drawn for the padded shape), so a seeded run's "
+        "losses match the padded run's to rounding. Other models are refused.",
+    )
     hidden_dropout: float | None = HfArg(
         default=None,
         help="Dropout probability of the hidden states (embeddings, attention output, feed-forward, classifier "
@@ -108,7 +121,19 @@ class Settings:
     max_eval_samples: int | None = HfArg(default=None, help="Use only the first N validation examples.")
     max_test_samples: int | None = HfArg(default=None, help="Use only the first N test examples.")
     per_device_batch_size: int = HfArg(default=32, help="Training batch size per process.")
-    eval_batch_size: int | None = HfArg(default=None, help="Evaluation batch size per process; default 2x training.")
+    eval_batch_size: int | None = HfArg(
+        default=None,
+        help="Evaluation batch size per process; default 4x --per-device-batch-size with --eval-order length (predicted "
+        "to fit where training fits: evaluation keeps no activations for a backward pass, so an encoder of two or more "
+        "layers holds less for 4x the samples than training holds for one batch), 2x with --eval-order given (larger "
+        "batches of unsorted lengths pad more).",
+    )
+    eval_order: Literal["length", "given"] = HfArg(
+        default="length",
+        help="Order of the evaluation splits: length (sorted by token length: batches of near-equal lengths, little "
+        "padding) or given (the split's own order). Accuracy, macro-F1 and the loss (a mean over samples) do not depend "
+        "on the order: the same samples are scored either way.",
+    )
     num_workers: int = HfArg(
         default=0, help="DataLoader worker processes (0, PyTorch's default, loads in the training process)."
     )
@@ -118,8 +143,9 @@ class Settings:
     persistent_workers: bool = HfArg(default=False, help="Keep DataLoader workers alive between epochs.")
     group_by_length: bool = HfArg(
         default=False,
-        help="Batch sequences of similar length together (less padding): training batches come from random "
-        "megabatches sorted inside, the evaluation splits are sorted by length (their scores do not depend on order).",
+        help="Batch training sequences of similar length together (less padding): training batches come from random "
+        "megabatches sorted inside (transformers' LengthGroupedSampler). It changes the order training sees its samples "
+        "in. Evaluation order is --eval-order's.",
     )
     prefetch_factor: int | None = HfArg(
         default=None, help="Batches each worker loads ahead (needs --num-workers > 0); PyTorch's default is 2."
@@ -350,7 +376,12 @@ class Settings:
 
     @property
     def resolved_eval_batch_size(self) -> int:
-        return self.eval_batch_size or 2 * self.per_device_batch_size
+        return self.eval_batch_size or default_eval_batch_size(self.per_device_batch_size, self.eval_order)
+
+
+def default_eval_batch_size(per_device_batch_size: int, eval_order: str = "given") -> int:
+    """--eval-batch-size's default (see its help): 4x the training batch in length order, 2x in the given order."""
+    return (4 if eval_order == "length" else 2) * per_device_batch_size
 
 
 def parse_settings(*extra_dataclasses, argv: list[str] | None = None, description: str | None = None):

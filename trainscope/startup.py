@@ -243,7 +243,18 @@ def build_accelerator(settings: Settings, started: Startup) -> Accelerator:
         kwargs_handlers=[ddp_kwargs(settings)],
     )
     precision.enforce_tf32(settings.tf32)  # Accelerate's dynamo set-up turns TF32 on for fp32 CUDA runs
+    if settings.compile:
+        eager_random_numbers()
     return accelerator
+
+
+def eager_random_numbers() -> None:
+    """Compiled code draws its random numbers as eager code does: inductor's fallback_random calls the eager random
+    kernels (dropout's bernoulli on the input's shape and strides) on the eager generator instead of its own
+    generated ones, so a seeded compiled run draws the eager run's dropout masks (torch/_inductor/config.py)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True
 
 
 def pin_memory(settings: Settings, on_cuda: bool) -> bool:

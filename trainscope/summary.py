@@ -30,12 +30,15 @@ def throughput(per_rank: list[dict], phase: str) -> dict:
     flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank)
     padded = sum(rank["counts"][phase].get("padded_tokens") or 0 for rank in per_rank)
     squares = sum(rank["counts"][phase].get("padded_squares") or 0 for rank in per_rank)
+    real_squares = sum(rank["counts"][phase].get("squares") or 0 for rank in per_rank)
     steps = per_rank[0]["counts"][phase]["optimizer_steps"]
     return {
         "samples": samples,
         "tokens": tokens,
         "padded_tokens": padded or None,  # positions the kernels processed, padding included
         "padded_squares": squares or None,  # sum of batch x padded length^2: the attention term of the FLOPs
+        "squares": real_squares or None,  # sum of each sequence's real length^2: the same on real tokens
+        "flops": flops or None,  # the model FLOPs counted (PaLM) on the positions the kernels processed
         "optimizer_steps": steps,
         "train_wall_s": wall,
         "samples_per_s": samples / wall if wall > 0 else None,

@@ -144,15 +144,17 @@ def peak_gap(report, found: reporting.Collected) -> None:
         estimate = measured.get("gap_estimate") or {}
         rows.append([view.name, view.precision, num((measured.get("peak_tflops") or 0) * 1e3, 0),
                      num((measured.get("achieved_tflops") or 0) * 1e3, 0), num(measured.get("share"), 1, percent=True),
+                     num(measured.get("real_tflops") * 1e3 if measured.get("real_tflops") else None, 0),
+                     num(measured.get("real_share"), 1, percent=True),
                      num(estimate.get("floor_s")), num(estimate.get("train_s"))])
     report.table(Table("Each run against this machine's measured matmul peak (steady training, profiler off; the "
-                       "floor is the model FLOPs at the peak, an estimate)",
-                       ["run", "precision", "peak GFLOP/s", "achieved GFLOP/s", "share of peak", "floor s",
-                        "training s"], rows, "peak_share"))
+                       "floor is the model FLOPs at the peak, an estimate; real tokens: padding positions not counted)",
+                       ["run", "precision", "peak GFLOP/s", "achieved GFLOP/s", "share of peak",
+                        "on real tokens GFLOP/s", "share on real tokens", "floor s", "training s"], rows, "peak_share"))
     for name, plain, traced in pairs:
         view = RunView(traced)
         peak_tflops = view.measured_peak_tflops()
-        gap_rows = gap.rows(view.gap_breakdown, peak_tflops)
+        gap_rows = gap.rows(view.gap_breakdown, peak_tflops, view.padding_flops_share)
         breakdown = view.gap_breakdown
         rate = gap.matmul_rate(breakdown)
         table_rows = [[r["part"], num(r["seconds"] * 1e3 if r["seconds"] is not None else None, 1),

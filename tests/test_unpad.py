@@ -1,0 +1,169 @@
+"""Padding-free encoder layers (--unpad): the padded and the padding-free model trained side by side on the same
+batches from the same seed, per-step losses compared; a planted inexact change (dropout drawn on the real tokens only)
+caught by the same tolerance; unsupported models refused in one line.
+
+The tolerance, from fp32 rounding: the two models compute the same values and draw the same masks; only the order of
+floating-point sums differs (matmuls over the N real rows instead of B x T, the weight gradients' sums over the batch
+without the padding's exact zeros). A sum of n fp32 terms in another order differs by at most (n - 1) u times the sum
+of their magnitudes, u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., §4.2). The longest
+sums are the weight gradients' over a batch's B x T positions; carried through k optimizer steps the loss of step k may
+move by k (n - 1) u of itself to first order. The planted change moves the first loss by about 1e-3 of itself.
+"""
+
+import contextlib
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ONE_THREAD, ROOT, TINY, assert_ok, cpu_env, launch, read_record, run_in_process
+from trainscope import flops, modeling, unpad
+from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
+from trainscope.errors import UserError
+from trainscope.settings import parse_settings
+
+U = 2.0 ** -24
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and the test workers share two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def settings_for(*args):
+    (settings,) = parse_settings(argv=["--model", "embedded:tiny-bert", *args])
+    return settings
+
+
+def train_losses(model, data, settings, autocast=None) -> list[float]:
+    """The training loop's own step (forward, fp32 cross-entropy, backward, AdamW) from one seed; the forward under
+    autocast to `autocast` where given, as Accelerate's mixed precision runs it."""
+    optimizer = modeling.build_optimizer(model, settings, torch.device("cpu"))
+    torch.manual_seed(5)
+    model.train()
+    losses = []
+    for batch in data:
+        batch = dict(batch)
+        labels = batch.pop("labels")
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            logits = model(**batch).logits
+        loss = F.cross_entropy(logits.float(), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def side_by_side(*args, autocast=None):
+    """(padded losses, padding-free losses, the padding-free model's record facts) of one build, trained twice."""
+    tokenizer = modeling.build_tokenizer(settings_for())
+    torch.manual_seed(0)
+    padded, _ = modeling.build_model(settings_for(*args), ["a", "b", "c"], tokenizer)
+    torch.manual_seed(0)
+    free, facts = modeling.build_model(settings_for(*args, "--unpad"), ["a", "b", "c"], tokenizer)
+    data = batches(padded.config.pad_token_id if hasattr(padded, "config") else 0)
+    return (train_losses(padded, data, settings_for(), autocast), train_losses(free, data, settings_for(), autocast),
+            facts)
+
+
+def assert_exact(padded, free):
+    n = BATCH * LONGEST
+    for step, (a, b) in enumerate(zip(padded, free), start=1):
+        assert abs(a - b) <= step * (n - 1) * U * abs(a), f"step {step}: padded {a!r}, padding-free {b!r}"
+
+
+def test_padding_free_layers_train_as_the_padded_model_does_in_bf16():
+    """Under bf16 autocast (Accelerate's bf16 on a CPU), with LoRA: values are rounded to bf16 (u = 2^-8) after each
+    operation, and two runs whose fp32 sums differ by rounding may round a value to neighbouring bf16 numbers, so the
+    bound is k u_bf16 of the loss at step k, to first order."""
+    padded, free, _ = side_by_side(*DROPOUT, "--lora", autocast=torch.bfloat16)
+    for step, (a, b) in enumerate(zip(padded, free), start=1):
+        assert abs(a - b) <= step * 2.0 ** -8 * abs(a), (step, padded, free)
+
+
+@pytest.mark.parametrize("variant", [[], ["--lora"], ["--gradient-checkpointing"], ["--attn-implementation", "eager"]],
+                         ids=["plain", "lora", "checkpointing", "eager-attention"])
+def test_padding_free_layers_train_as_the_padded_model_does(variant):
+    padded, free, facts = side_by_side(*DROPOUT, *variant)
+    assert facts["unpad"]["layers"] == 2
+    # hidden dropout twice per layer; LoRA's dropout on query and value
+    assert facts["unpad"]["dropouts_drawn_padded"] == 2 * (4 if "--lora" in variant else 2)
+    assert_exact(padded, free)
+    assert len(set(padded)) == STEPS  # the model trains: the comparison is of losses that move
+
+
+def test_dropout_drawn_on_real_tokens_only_is_caught(monkeypatch):
+    """The planted inexact change: masks drawn for the real rows' shape, not the padded one."""
+    monkeypatch.setattr(unpad.PaddedShapeDropout, "forward", lambda self, x: F.dropout(x, self.p, self.training))
+    padded, free, _ = side_by_side(*DROPOUT)
+    with pytest.raises(AssertionError, match="step 1"):
+        assert_exact(padded, free)
+
+
+def test_roberta_runs_padding_free():
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from trainscope import embedded
+
+    values = dict(embedded.bundled_architecture("roberta-base"))
+    values.pop("model_type")
+    values.update(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=1000,
+                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    torch.manual_seed(0)
+    padded = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("roberta", num_labels=3, **values))
+    free = copy.deepcopy(padded)
+    unpad.apply(free)
+    data = batches(padded.config.pad_token_id)
+    assert_exact(train_losses(padded, data, settings_for()), train_losses(free, data, settings_for()))
+
+
+def test_other_models_and_left_padding_are_refused_in_one_line():
+    tokenizer = modeling.build_tokenizer(settings_for())
+    with pytest.raises(UserError, match=r"^--unpad supports the BERT family \(bert, roberta.*not distilbert$"):
+        modeling.build_model(settings_for("--model", "distilbert-base-uncased", "--architecture-only", "--unpad"),
+                             ["a", "b"], tokenizer)
+    tokenizer.padding_side = "left"
+    with pytest.raises(UserError, match="right padding"):
+        modeling.build_model(settings_for("--unpad"), ["a", "b"], tokenizer)
+
+
+def test_a_padding_free_run_counts_the_work_its_kernels_did(runs):
+    """train.py --unpad: the record says so; its counted FLOPs are the real tokens' 6N plus attention on the padded
+    layout, beside the FLOPs on real tokens; the layer probed at the run's shapes is the padding-free one."""
+    result = run_in_process([*TINY, *ONE_THREAD, *DROPOUT, "--unpad", "--max-steps", "4", "--output-dir", str(runs),
+                             "--run-name", "unpad"])
+    assert_ok(result)
+    record = read_record(runs / "unpad")
+    assert record["model"]["unpad"]["layers"] == 2 and record["settings"]["unpad"] is True
+    throughput = record["summary"]["throughput"]
+    weights, attention = 6 * flops.matmul_parameters(2, 32, 64), 12 * 2 * 32
+    assert throughput["flops"] == weights * throughput["tokens"] + attention * throughput["padded_squares"]
+    assert throughput["real_flops"] == weights * throughput["tokens"] + attention * throughput["squares"]
+    assert 0 < throughput["padding_flops_share"] < 1
+    assert throughput["padding_flops_share"] == pytest.approx(1 - throughput["real_flops"] / throughput["flops"])
+    shapes = record["summary"]["measured_peak"]["run_shapes"]
+    mean_real = throughput["tokens"] / throughput["samples"]
+    assert shapes["layer"]["unpad"] and shapes["length"] == -(-int(mean_real) // 8) * 8
+    assert "on real tokens" in result.stdout
+
+
+def test_two_processes_train_padding_free_as_padded(tmp_path):
+    """DDP over gloo, 2 processes, the run's own builders and training step: per-step losses (the mean over both
+    ranks) agree within the rounding bound over both ranks' B x T positions (n = 2 x 8 x 40)."""
+    out = tmp_path / "losses.json"
+    assert_ok(launch("tests/unpad_ddp_pair.py", [str(out), "--model", "embedded:tiny-bert", *DROPOUT],
+                     config=ROOT / "accelerate_configs" / "ddp.yaml", env=cpu_env(PYTHONPATH=str(ROOT))))
+    losses = json.loads(out.read_text())
+    assert losses["world_size"] == 2 and len(losses["padded"]) == STEPS
+    n = 2 * BATCH * LONGEST
+    for step, (a, b) in enumerate(zip(losses["padded"], losses["unpad"]), start=1):
+        assert abs(a - b) <= step * (n - 1) * U * abs(a), (step, a, b)
+    assert len(set(losses["padded"])) == STEPS
