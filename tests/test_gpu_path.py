@@ -118,7 +118,7 @@ def test_make_gpu_check_dry_run_runs_the_plans_dry_run(make_flags, ran):
 
 
 # the order they run in: the most informative first (a short budget keeps them)
-SINGLE_GPU_CHECKS = ["scaler", "precision-fp32", "memory-snapshot", "precision-bf16", "timing-sync", "precision-tf32",
+SINGLE_GPU_CHECKS = ["scaler", "precision-fp32", "memory-snapshot", "precision-bf16", "unpad-bf16", "timing-sync", "precision-tf32",
                      "precision-fp16"]
 TWO_GPU_CHECKS = ["fsdp2", "ddp-communication-memory", "ddp-profile", "ddp-fp16", "ddp-comm-hook-fp16",
                   "ddp-comm-hook-bf16", "ddp-compile"]
@@ -342,6 +342,49 @@ def test_checks_run_within_the_budget_each_written_as_it_finishes():
     assert [len(w["checks"]) for w in writes] == [0, 1, 2, 3, 4, 5, 6, 6]  # the start, every check, then complete
     assert writes[0]["status"] == "running" and writes[0]["not_run"] == [step["name"] for step in steps]
     assert writes[-1]["status"] == "complete" and writes[-1]["not_run"] == [] and report["seconds"] == 335
+
+
+def test_a_check_the_budget_cut_short_is_not_finished_rather_than_failed():
+    """The second gpu-check started its loader sweep with 30 s left of the budget (its estimate 28 s, its timeout
+    84 s): killed at 30 s it read "failed" and the whole check exited 1, though nothing had gone wrong but time."""
+    from trainscope import gpu_check
+
+    clock = FakeClock()
+    steps = [{"name": "first", "estimate_s": 10, "timeout_s": 30}, {"name": "loaders", "estimate_s": 28, "timeout_s": 84},
+             {"name": "own-timeout", "estimate_s": 5, "timeout_s": 15}]
+
+    def runner(step, timeout):
+        clock.now += {"first": 70, "loaders": timeout, "own-timeout": 0}[step["name"]]
+        killed = step["name"] == "loaders"
+        return {"name": step["name"], "seconds": 0.0, "exit": -9 if killed else 0,
+                **({"error": f"timed out after {timeout:.0f} s"} if killed else {})}
+
+    report = gpu_check.execute(steps, {}, lambda r: None, 100, runner, clock)
+    loaders = report["checks"][1]
+    assert loaders["budget_cut"] == "stopped where the budget ended (30 s were left of its 84 s timeout)"
+    assert gpu_check.outcome(loaders).startswith("not finished: stopped where the budget ended")
+    # a check that times out inside its own timeout, with budget to spare, still failed
+    timed_out = {"name": "x", "exit": -9, "error": "timed out after 15 s"}
+    assert gpu_check.outcome(timed_out) == "failed: timed out after 15 s"
+
+
+def test_events_and_sync_agree_where_both_see_the_device_and_sync_may_add_host_work_elsewhere():
+    """The second gpu-check (one H200, fp32, 48 steady steps): forward 0.977 / 0.986 s, backward 1.769 / 1.831 s
+    (events / sync) agree; the optimizer's 0.076 / 0.181 s and data's 0.025 / 0.186 s are the host's work sync
+    exposes. Events above sync on a host-bound stage, or forward apart, is a disagreement."""
+    from trainscope import gpu_check
+
+    def timing(**stages):
+        return {"across_ranks": {"steady": {"seconds": {k: {"median": v} for k, v in stages.items()}}}}
+
+    measured = dict(data=0.025, forward=0.977, backward=1.769, optimizer=0.076)
+    synced = dict(data=0.186, forward=0.986, backward=1.831, optimizer=0.181)
+    agreement = gpu_check.timing_agreement(timing(**measured), timing(**synced))
+    assert agreement == pytest.approx(0.062 / (0.05 * 1.831), rel=0.01) and gpu_check.goal_met("timing_agreement", agreement)
+    assert not gpu_check.goal_met("timing_agreement", gpu_check.timing_agreement(
+        timing(**{**measured, "optimizer": 0.2}), timing(**synced)))  # the device's time above the serialized time
+    assert not gpu_check.goal_met("timing_agreement", gpu_check.timing_agreement(
+        timing(**{**measured, "forward": 0.90}), timing(**synced)))  # a device-bound stage 9% apart
 
 
 def sleeping_tree(pids: Path) -> list[str]:
