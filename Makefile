@@ -68,7 +68,7 @@ COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-sa
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
 
-.PHONY: help setup train test bench-overhead bench-trainer bench-compile sweep-workers compare-dp amp-compare \
+.PHONY: help setup train lint format test bench-overhead bench-trainer bench-compile sweep-workers compare-dp amp-compare \
 	ckpt-compare batch-sweep matrix profile ddp-cost tune tune-confirm advise gpu-check report experiments clean predict \
 	predict-calibrate predict-check
 
@@ -103,7 +103,15 @@ predict-check: setup ## calibrate, then predicted against measured over 15 shape
 	$(PY) -m trainscope.predict --calibrate
 	$(EXPERIMENTS) predict-check --runs $(RUNS)/predict $(if $(PREDICT_SHAPES),--shapes $(PREDICT_SHAPES)) -- $(PREDICT_ARGS)
 
-test: setup ## run the test suite (CPU only, GPUs hidden; launches every config in accelerate_configs/)
+lint: setup ## ruff's linter and formatter check (configured in pyproject.toml); `make format` rewrites
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup ## format the code with ruff (pyproject.toml)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+test: lint ## lint, then run the test suite (CPU only, GPUs hidden; launches every config in accelerate_configs/)
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q tests
 
 sweep-workers: setup ## DataLoader num_workers sweep with a plot -> results/loaders/ (WORKERS, REPEATS, DATASET, LOADER_MODES)

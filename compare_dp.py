@@ -52,10 +52,20 @@ ROOT = Path(__file__).resolve().parent
 # Published multi-node data-parallel scaling, for scale: NVIDIA NeMo, 4B-parameter BERT on a DGX
 # SuperPOD (8 x A100 80GB per node), tokens/s relative to one node.
 ANCHORS = [
-    {"what": "NeMo BERT 4B, 2 nodes (16 A100)", "gpus": 16, "speedup_over_8": 1.89, "efficiency": 1.89 / 2,
-     "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html"},
-    {"what": "NeMo BERT 4B, 16 nodes (128 A100)", "gpus": 128, "speedup_over_8": 12.71, "efficiency": 12.71 / 16,
-     "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html"},
+    {
+        "what": "NeMo BERT 4B, 2 nodes (16 A100)",
+        "gpus": 16,
+        "speedup_over_8": 1.89,
+        "efficiency": 1.89 / 2,
+        "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
+    },
+    {
+        "what": "NeMo BERT 4B, 16 nodes (128 A100)",
+        "gpus": 128,
+        "speedup_over_8": 12.71,
+        "efficiency": 12.71 / 16,
+        "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
+    },
 ]
 ASSUMED_COMPUTE_STEP_S = 0.1
 
@@ -64,31 +74,50 @@ ASSUMED_COMPUTE_STEP_S = 0.1
 class CompareSettings:
     steps: int = HfArg(default=20, help="Timed optimizer steps in every loop (after the warm-up steps).")
     warmup_steps: int = HfArg(default=2, help="Untimed first steps of every loop (allocations, lazy set-up).")
-    global_batch_size: int = HfArg(default=32, help="Samples per optimizer step, summed over devices; rounded "
-                                   "to the nearest multiple of the DDP process count when it does not divide.")
+    global_batch_size: int = HfArg(
+        default=32,
+        help="Samples per optimizer step, summed over devices; rounded "
+        "to the nearest multiple of the DDP process count when it does not divide.",
+    )
     ddp_processes: int | None = HfArg(default=None, help="DDP processes; default: the GPU count, or 2 on a CPU.")
     rounds: int = HfArg(default=5, help="Alternating rounds of the variants (median, min-max, verdict).")
     results_dir: str = HfArg(default="results/compare_dp", help="Where results, tables, plot and diffs go.")
-    projection_gpus: list[int] = HfArg(default_factory=lambda: [1, 2, 4, 8, 16],
-                                       help="GPU counts for the DDP step-time projection.")
-    interconnect: list[str] = HfArg(default_factory=lambda: list(INTERCONNECTS),
-                                    help=f"Presets to project for: {', '.join(INTERCONNECTS)}.")
+    projection_gpus: list[int] = HfArg(
+        default_factory=lambda: [1, 2, 4, 8, 16], help="GPU counts for the DDP step-time projection."
+    )
+    interconnect: list[str] = HfArg(
+        default_factory=lambda: list(INTERCONNECTS), help=f"Presets to project for: {', '.join(INTERCONNECTS)}."
+    )
     bandwidth_gbs: float | None = HfArg(default=None, help="Custom all-reduce bandwidth in GB/s (adds a 'custom' row).")
     latency_us: float = HfArg(default=10.0, help="Per-hop latency in microseconds for --bandwidth-gbs.")
-    overlap: float = HfArg(default=0.0, help="Share of the all-reduce hidden behind backward (DDP buckets); "
-                           "0 assumes none, the pessimistic bound.")
-    gpu_record: str | None = HfArg(default=None, help="A run record (record.json or its folder) of a GPU run: the "
-                                   "projection takes its measured steady step time as the compute per step.")
-    assumed_compute_step_s: float = HfArg(default=ASSUMED_COMPUTE_STEP_S, help="Compute seconds per step assumed "
-                                          "by the projection when no --gpu-record is given (said so in the output).")
-    ddp_cost: str | None = HfArg(default=None, help="A `make ddp-cost` comparison.json: the projection adds a row "
-                                 "with the all-reduce bandwidth measured there.")
+    overlap: float = HfArg(
+        default=0.0,
+        help="Share of the all-reduce hidden behind backward (DDP buckets); 0 assumes none, the pessimistic bound.",
+    )
+    gpu_record: str | None = HfArg(
+        default=None,
+        help="A run record (record.json or its folder) of a GPU run: the "
+        "projection takes its measured steady step time as the compute per step.",
+    )
+    assumed_compute_step_s: float = HfArg(
+        default=ASSUMED_COMPUTE_STEP_S,
+        help="Compute seconds per step assumed "
+        "by the projection when no --gpu-record is given (said so in the output).",
+    )
+    ddp_cost: str | None = HfArg(
+        default=None,
+        help="A `make ddp-cost` comparison.json: the projection adds a row "
+        "with the all-reduce bandwidth measured there.",
+    )
     role: str = HfArg(default="compare", help="Internal: 'ddp-worker' runs one DDP process.")
     result_file: str | None = HfArg(default=None, help="Internal: where a DDP worker writes its result.")
 
     def validate(self):
-        for flag, value in (("steps", self.steps), ("global-batch-size", self.global_batch_size),
-                            ("rounds", self.rounds)):
+        for flag, value in (
+            ("steps", self.steps),
+            ("global-batch-size", self.global_batch_size),
+            ("rounds", self.rounds),
+        ):
             if value < 1:
                 raise UserError(f"--{flag} must be at least 1, got {value}")
         if self.warmup_steps < 0:
@@ -113,8 +142,9 @@ def single_device(model, dataset, collate, global_batch, lr, seed, warmup):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device)
     sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch, sampler=sampler,
-                                         collate_fn=collate, drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=global_batch, sampler=sampler, collate_fn=collate, drop_last=True
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     clock = StepClock(warmup, [device])
     for batch in loader:
@@ -131,13 +161,15 @@ def single_device(model, dataset, collate, global_batch, lr, seed, warmup):
 
 def data_parallel(model, dataset, collate, global_batch, lr, seed, warmup, min_gpus=2):
     if torch.cuda.device_count() < min_gpus:
-        raise NotMeasurable(f"nn.DataParallel needs at least {min_gpus} CUDA devices; "
-                            f"this machine has {torch.cuda.device_count()}")
+        raise NotMeasurable(
+            f"nn.DataParallel needs at least {min_gpus} CUDA devices; this machine has {torch.cuda.device_count()}"
+        )
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model = torch.nn.DataParallel(model.to(device))  # scatters each batch, gathers outputs on cuda:0
     sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch, sampler=sampler,
-                                         collate_fn=collate, drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=global_batch, sampler=sampler, collate_fn=collate, drop_last=True
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     clock = StepClock(warmup, devices_of(model))
     for batch in loader:
@@ -157,10 +189,13 @@ def distributed_data_parallel(model, dataset, collate, global_batch, lr, seed, w
     bind(device)  # before the process group: NCCL and barrier() work on the current device
     torch.distributed.init_process_group(**process_group_arguments(device))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = torch.nn.parallel.DistributedDataParallel(model.to(device), device_ids=[device] if device.index is not None else None)
+    model = torch.nn.parallel.DistributedDataParallel(
+        model.to(device), device_ids=[device] if device.index is not None else None
+    )
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch // world, sampler=sampler,
-                                         collate_fn=collate, drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=global_batch // world, sampler=sampler, collate_fn=collate, drop_last=True
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     clock = StepClock(warmup, [device], barrier=torch.distributed.barrier)  # all ranks start timing together
     for batch in loader:
@@ -279,8 +314,10 @@ def prepare_inputs(settings: Settings, compare: CompareSettings):
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
     needed = (compare.warmup_steps + compare.steps) * compare.global_batch_size
     if len(data.train) < needed:
-        raise UserError(f"{compare.warmup_steps} + {compare.steps} steps of {compare.global_batch_size} need {needed} "
-                        f"training rows; the data has {len(data.train)}: lower --steps or raise --max-train-samples")
+        raise UserError(
+            f"{compare.warmup_steps} + {compare.steps} steps of {compare.global_batch_size} need {needed} "
+            f"training rows; the data has {len(data.train)}: lower --steps or raise --max-train-samples"
+        )
     dataset = data.train.select(range(needed))
     collate = build_collator(tokenizer, settings)
 
@@ -297,13 +334,26 @@ def prepare_inputs(settings: Settings, compare: CompareSettings):
 
 def run_variant(loop, settings, compare, fresh_model, dataset, collate, **extra) -> dict:
     model, facts = fresh_model()
-    result = loop(model, dataset, collate, compare.global_batch_size, settings.learning_rate, settings.seed,
-                  compare.warmup_steps, **extra)
+    result = loop(
+        model,
+        dataset,
+        collate,
+        compare.global_batch_size,
+        settings.learning_rate,
+        settings.seed,
+        compare.warmup_steps,
+        **extra,
+    )
     samples = compare.steps * compare.global_batch_size
-    result.update(status="measured", samples=samples, samples_per_s=samples / result["wall_s"],
-                  step_s=result["wall_s"] / compare.steps, final_loss=result["losses"][-1],
-                  threads=torch.get_num_threads(),
-                  gradient_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
+    result.update(
+        status="measured",
+        samples=samples,
+        samples_per_s=samples / result["wall_s"],
+        step_s=result["wall_s"] / compare.steps,
+        final_loss=result["losses"][-1],
+        threads=torch.get_num_threads(),
+        gradient_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+    )
     return result
 
 
@@ -326,15 +376,28 @@ def launch_ddp(processes: int, argv: list[str], global_batch: int) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         result_file = Path(scratch) / "ddp.json"
         torchrun = str(Path(sys.executable).parent / "torchrun")
-        command = [torchrun, "--standalone", "--nproc_per_node", str(processes), str(ROOT / "compare_dp.py"),
-                   *argv, "--global-batch-size", str(global_batch), "--role", "ddp-worker",
-                   "--result-file", str(result_file)]
+        command = [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node",
+            str(processes),
+            str(ROOT / "compare_dp.py"),
+            *argv,
+            "--global-batch-size",
+            str(global_batch),
+            "--role",
+            "ddp-worker",
+            "--result-file",
+            str(result_file),
+        ]
         env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
         completed = launching.run_captured(command, env)
         if completed.returncode != 0:
             tail = "\n".join(completed.stderr.strip().splitlines()[-15:])
             raise RuntimeError(f"the DDP workers failed (exit {completed.returncode}):\n{tail}")
         return json.loads(result_file.read_text())
+
+
 # ---------------------------------------------------------------- analysis (pure)
 
 
@@ -344,12 +407,25 @@ def code_diff(before, after) -> dict:
     diff = list(difflib.unified_diff(a, b, before.__name__, after.__name__, lineterm="", n=1))
     added = sum(1 for line in diff if line.startswith("+") and not line.startswith("+++"))
     removed = sum(1 for line in diff if line.startswith("-") and not line.startswith("---"))
-    return {"from": before.__name__, "to": after.__name__, "added": added, "removed": removed,
-            "changed_lines": added + removed, "diff": "\n".join(diff)}
+    return {
+        "from": before.__name__,
+        "to": after.__name__,
+        "added": added,
+        "removed": removed,
+        "changed_lines": added + removed,
+        "diff": "\n".join(diff),
+    }
 
 
-def project_ddp(compute_step_s: float, gradient_bytes: float, per_device_batch: int, gpus: list[int],
-                bandwidth_gbs: float, latency_us: float, overlap: float) -> list[dict]:
+def project_ddp(
+    compute_step_s: float,
+    gradient_bytes: float,
+    per_device_batch: int,
+    gpus: list[int],
+    bandwidth_gbs: float,
+    latency_us: float,
+    overlap: float,
+) -> list[dict]:
     """DDP step time for N GPUs at a fixed per-device batch (weak scaling).
 
     step(N) = compute + (1 - overlap) * allreduce(N); efficiency = step(1) / step(N).
@@ -358,32 +434,58 @@ def project_ddp(compute_step_s: float, gradient_bytes: float, per_device_batch: 
     for n in gpus:
         communication = ring_allreduce_seconds(gradient_bytes, n, bandwidth_gbs, latency_us)
         step = compute_step_s + (1 - overlap) * communication
-        rows.append({"gpus": n, "step_s": step, "allreduce_s": communication,
-                     "samples_per_s": n * per_device_batch / step, "efficiency": compute_step_s / step})
+        rows.append(
+            {
+                "gpus": n,
+                "step_s": step,
+                "allreduce_s": communication,
+                "samples_per_s": n * per_device_batch / step,
+                "efficiency": compute_step_s / step,
+            }
+        )
     return rows
 
 
 def hardware(gpus: int, processes: int, cores: int) -> dict:
     """What each variant runs on, and by how much more hardware DDP runs than the single device."""
     if gpus:
-        return {"kind": "gpu", "single": "1 GPU", "ddp": f"{processes} GPUs", "data_parallel": f"{gpus} GPUs",
-                "ddp_hardware_ratio": processes, "data_parallel_hardware_ratio": gpus,
-                "note": "one GPU against N GPUs: scaling efficiency = speed-up / N"}
+        return {
+            "kind": "gpu",
+            "single": "1 GPU",
+            "ddp": f"{processes} GPUs",
+            "data_parallel": f"{gpus} GPUs",
+            "ddp_hardware_ratio": processes,
+            "data_parallel_hardware_ratio": gpus,
+            "note": "one GPU against N GPUs: scaling efficiency = speed-up / N",
+        }
     threads = max(1, cores // processes)
-    return {"kind": "cpu", "single": f"1 process x {cores} threads", "ddp": f"{processes} processes x {threads} thread(s)",
-            "ddp_hardware_ratio": 1, "note": (
-                f"the same {cores} cores on both sides: 1 process x {cores} threads against {processes} processes x "
-                f"{threads} thread(s). This measures how well DDP uses the same cores (its communication and "
-                "bookkeeping against intra-op threading), not what adding devices buys: efficiency = speed-up.")}
+    return {
+        "kind": "cpu",
+        "single": f"1 process x {cores} threads",
+        "ddp": f"{processes} processes x {threads} thread(s)",
+        "ddp_hardware_ratio": 1,
+        "note": (
+            f"the same {cores} cores on both sides: 1 process x {cores} threads against {processes} processes x "
+            f"{threads} thread(s). This measures how well DDP uses the same cores (its communication and "
+            "bookkeeping against intra-op threading), not what adding devices buys: efficiency = speed-up."
+        ),
+    }
 
 
 def summarize_variant(rounds: list[dict]) -> dict:
     first = rounds[0]
-    return {**{k: v for k, v in first.items() if k not in ("wall_s", "samples_per_s", "step_s")}, "status": "measured",
-            "rounds": [{k: r[k] for k in ("wall_s", "samples_per_s", "step_s", "peak_memory_gib") if k in r}
-                       | ({"per_rank_wall_s": r["per_rank_wall_s"]} if "per_rank_wall_s" in r else {}) for r in rounds],
-            "wall_s": bench.spread([r["wall_s"] for r in rounds]), "samples_per_s": bench.spread([r["samples_per_s"] for r in rounds]),
-            "step_s": bench.spread([r["step_s"] for r in rounds])}
+    return {
+        **{k: v for k, v in first.items() if k not in ("wall_s", "samples_per_s", "step_s")},
+        "status": "measured",
+        "rounds": [
+            {k: r[k] for k in ("wall_s", "samples_per_s", "step_s", "peak_memory_gib") if k in r}
+            | ({"per_rank_wall_s": r["per_rank_wall_s"]} if "per_rank_wall_s" in r else {})
+            for r in rounds
+        ],
+        "wall_s": bench.spread([r["wall_s"] for r in rounds]),
+        "samples_per_s": bench.spread([r["samples_per_s"] for r in rounds]),
+        "step_s": bench.spread([r["step_s"] for r in rounds]),
+    }
 
 
 def compare_results(results: dict, rounds: list[dict], machine: dict) -> dict:
@@ -397,7 +499,9 @@ def compare_results(results: dict, rounds: list[dict], machine: dict) -> dict:
         speed = bench.compare_rounds(rounds, name, "single", "samples_per_s")
         ratio = machine[f"{name}_hardware_ratio"]
         comparison[name] = {
-            "speed": speed, "hardware_ratio": ratio, "scaling_efficiency": speed["median_ratio"] / ratio,
+            "speed": speed,
+            "hardware_ratio": ratio,
+            "scaling_efficiency": speed["median_ratio"] / ratio,
             "max_abs_loss_difference": max(abs(a - b) for a, b in zip(single["losses"], results[name]["losses"])),
             "final_loss_difference": results[name]["final_loss"] - single["final_loss"],
         }
@@ -420,19 +524,41 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
 
 def markdown(report: dict) -> list[str]:
     compare = report["compare"]
-    lines = ["# DataParallel vs DDP", "",
-             f"{report['machine']['device_name']}: {report['machine']['hardware']['note']}",
-             f"{compare['steps']} timed steps (after {compare['warmup_steps']} untimed) of global batch "
-             f"{report['global_batch_size']}, {compare['rounds']} alternating rounds, model {report['settings']['model']}; "
-             f"verdicts: {bench.METHOD}." + (f" {report['global_batch_note']}" if report.get("global_batch_note") else ""),
-             "", *results_table(report).markdown_lines(), "", "## Code changes from the single-device loop", ""]
+    lines = [
+        "# DataParallel vs DDP",
+        "",
+        f"{report['machine']['device_name']}: {report['machine']['hardware']['note']}",
+        f"{compare['steps']} timed steps (after {compare['warmup_steps']} untimed) of global batch "
+        f"{report['global_batch_size']}, {compare['rounds']} alternating rounds, model {report['settings']['model']}; "
+        f"verdicts: {bench.METHOD}." + (f" {report['global_batch_note']}" if report.get("global_batch_note") else ""),
+        "",
+        *results_table(report).markdown_lines(),
+        "",
+        "## Code changes from the single-device loop",
+        "",
+    ]
     for diff in report["code_changes"]:
-        lines += [f"{diff['to']}: {diff['changed_lines']} changed lines (+{diff['added']} -{diff['removed']})", "",
-                  "```diff", diff["diff"], "```", ""]
-    lines += ["## Projected DDP scaling", "", report["projection"]["assumptions"], "",
-              *projection_table(report).markdown_lines(), "", "Published anchors:"]
-    lines += [f"- {a['what']}: {a['speedup_over_8']}x one node, {a['efficiency']:.0%} efficiency ({a['source']})"
-              for a in ANCHORS]
+        lines += [
+            f"{diff['to']}: {diff['changed_lines']} changed lines (+{diff['added']} -{diff['removed']})",
+            "",
+            "```diff",
+            diff["diff"],
+            "```",
+            "",
+        ]
+    lines += [
+        "## Projected DDP scaling",
+        "",
+        report["projection"]["assumptions"],
+        "",
+        *projection_table(report).markdown_lines(),
+        "",
+        "Published anchors:",
+    ]
+    lines += [
+        f"- {a['what']}: {a['speedup_over_8']}x one node, {a['efficiency']:.0%} efficiency ({a['source']})"
+        for a in ANCHORS
+    ]
     return lines
 
 
@@ -458,8 +584,10 @@ def plan_batch(compare: CompareSettings, processes: int) -> tuple[int, str | Non
     batch = divisible_batch(compare.global_batch_size, processes)
     if batch == compare.global_batch_size:
         return batch, None
-    return batch, (f"--global-batch-size {compare.global_batch_size} does not split over {processes} DDP processes: "
-                   f"using {batch}, the nearest multiple.")
+    return batch, (
+        f"--global-batch-size {compare.global_batch_size} does not split over {processes} DDP processes: "
+        f"using {batch}, the nearest multiple."
+    )
 
 
 def compare_all(settings, compare, argv) -> dict:
@@ -471,61 +599,104 @@ def compare_all(settings, compare, argv) -> dict:
     compare.global_batch_size = global_batch
     threads = startup.configure_process(settings)  # the single process gets every core as threads
     fresh_model, dataset, collate = prepare_inputs(settings, compare)
-    arms = {"single": lambda i: run_variant(single_device, settings, compare, fresh_model, dataset, collate),
-            "ddp": lambda i: launch_ddp(processes, argv, global_batch)}
+    arms = {
+        "single": lambda i: run_variant(single_device, settings, compare, fresh_model, dataset, collate),
+        "ddp": lambda i: launch_ddp(processes, argv, global_batch),
+    }
     if gpus >= 2:
         arms["data_parallel"] = lambda i: run_variant(data_parallel, settings, compare, fresh_model, dataset, collate)
     rounds = bench.alternate(arms, compare.rounds)
     results = {name: summarize_variant([r[name] for r in rounds]) for name in arms}
-    results.setdefault("data_parallel", {"status": "not measurable here", "reason": (
-        f"nn.DataParallel needs at least 2 CUDA devices; this machine has {gpus}")})
+    results.setdefault(
+        "data_parallel",
+        {
+            "status": "not measurable here",
+            "reason": (f"nn.DataParallel needs at least 2 CUDA devices; this machine has {gpus}"),
+        },
+    )
     results["ddp"]["backend"] = "nccl" if gpus else "gloo"
-    machine = {"device_name": environment.device_name(torch.device("cuda" if gpus else "cpu")), "device_count": gpus,
-               "usable_cores": threads["usable_cores"], "hardware": hardware(gpus, processes, threads["usable_cores"])}
+    machine = {
+        "device_name": environment.device_name(torch.device("cuda" if gpus else "cpu")),
+        "device_count": gpus,
+        "usable_cores": threads["usable_cores"],
+        "hardware": hardware(gpus, processes, threads["usable_cores"]),
+    }
     machine.update({k: v for k, v in machine["hardware"].items() if k.endswith("hardware_ratio")})
     return {
-        "benchmark": "compare_dp", "benchmark_version": 2, "machine": machine, "settings": asdict(settings),
+        "benchmark": "compare_dp",
+        "benchmark_version": 2,
+        "machine": machine,
+        "settings": asdict(settings),
         "compare": {k: v for k, v in asdict(compare).items() if k not in ("role", "result_file")},
-        "global_batch_size": global_batch, "global_batch_note": note,
-        "results": results, "comparison": compare_results(results, rounds, machine),
+        "global_batch_size": global_batch,
+        "global_batch_note": note,
+        "results": results,
+        "comparison": compare_results(results, rounds, machine),
         "code_changes": [code_diff(single_device, data_parallel), code_diff(single_device, distributed_data_parallel)],
         "projection": projection(compare, results["single"], processes),
-        "note_one_gpu": ("With one GPU, DDP runs a single process (world size 1: no all-reduce traffic, only its "
-                         "bookkeeping) and DataParallel cannot run; scaling needs two or more devices."
-                         if gpus == 1 else None),
+        "note_one_gpu": (
+            "With one GPU, DDP runs a single process (world size 1: no all-reduce traffic, only its "
+            "bookkeeping) and DataParallel cannot run; scaling needs two or more devices."
+            if gpus == 1
+            else None
+        ),
     }
 
 
 def projection(compare: CompareSettings, single: dict, processes: int) -> dict:
     """The N-GPU projection: compute per step from a measured GPU record, or an assumption said as such."""
     if compare.gpu_record:
-        view = RunView(read_record(Path(compare.gpu_record).parent if compare.gpu_record.endswith(".json")
-                                   else compare.gpu_record))
+        view = RunView(
+            read_record(Path(compare.gpu_record).parent if compare.gpu_record.endswith(".json") else compare.gpu_record)
+        )
         compute, per_device = view.step_s, view.plan["global_batch_size"] // view.world_size
-        source = (f"the measured steady step of {view.name} ({compute:.4f} s at batch {per_device} per device on "
-                  f"{view.device_name}, {view.precision})")
+        source = (
+            f"the measured steady step of {view.name} ({compute:.4f} s at batch {per_device} per device on "
+            f"{view.device_name}, {view.precision})"
+        )
     else:
         compute, per_device = compare.assumed_compute_step_s, compare.global_batch_size
-        source = (f"an ASSUMED {compute:.3f} s of compute per step at batch {per_device} (no --gpu-record given: this "
-                  "CPU's step time says nothing about a GPU's)")
+        source = (
+            f"an ASSUMED {compute:.3f} s of compute per step at batch {per_device} (no --gpu-record given: this "
+            "CPU's step time says nothing about a GPU's)"
+        )
     presets = {name: INTERCONNECTS[name] for name in compare.interconnect}
     measured = json.loads(Path(compare.ddp_cost).read_text()).get("ring_model") if compare.ddp_cost else None
     if measured:
-        presets["measured"] = {"bandwidth_gbs": measured["measured_bus_bandwidth_gbs"], "latency_us": 0.0,
-                               "what": f"the bus bandwidth make ddp-cost measured ({measured['world_size']} processes)"}
+        presets["measured"] = {
+            "bandwidth_gbs": measured["measured_bus_bandwidth_gbs"],
+            "latency_us": 0.0,
+            "what": f"the bus bandwidth make ddp-cost measured ({measured['world_size']} processes)",
+        }
     if compare.bandwidth_gbs:
-        presets["custom"] = {"bandwidth_gbs": compare.bandwidth_gbs, "latency_us": compare.latency_us,
-                             "what": "--bandwidth-gbs / --latency-us"}
+        presets["custom"] = {
+            "bandwidth_gbs": compare.bandwidth_gbs,
+            "latency_us": compare.latency_us,
+            "what": "--bandwidth-gbs / --latency-us",
+        }
     return {
-        "compute_step_s": compute, "compute_source": "gpu_record" if compare.gpu_record else "assumed",
+        "compute_step_s": compute,
+        "compute_source": "gpu_record" if compare.gpu_record else "assumed",
         "assumptions": (
             f"Weak scaling: every GPU computes a step in {source} and all-reduces {single['gradient_bytes'] / 1e6:.1f} MB "
             f"of gradients per step with a ring (2(N-1)/N x bytes / bandwidth + 2(N-1) x latency); {compare.overlap:.0%} "
-            "of it hidden behind backward. Ignores stragglers, the data loader, and compute slowing under contention."),
-        "interconnects": {name: {**preset, "rows": project_ddp(compute, single["gradient_bytes"], per_device,
-                                                                compare.projection_gpus, preset["bandwidth_gbs"],
-                                                                preset["latency_us"], compare.overlap)}
-                          for name, preset in presets.items()},
+            "of it hidden behind backward. Ignores stragglers, the data loader, and compute slowing under contention."
+        ),
+        "interconnects": {
+            name: {
+                **preset,
+                "rows": project_ddp(
+                    compute,
+                    single["gradient_bytes"],
+                    per_device,
+                    compare.projection_gpus,
+                    preset["bandwidth_gbs"],
+                    preset["latency_us"],
+                    compare.overlap,
+                ),
+            }
+            for name, preset in presets.items()
+        },
         "anchors": ANCHORS,
     }
 

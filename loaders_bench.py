@@ -50,30 +50,44 @@ MAX_WORKERS = 64
 
 @dataclass
 class SweepSettings:
-    workers: list[int] = HfArg(default_factory=lambda: list(range(11)),
-                               help="num_workers values to time (default 0 to 10).")
-    repeats: int = HfArg(default=5, help="Timed passes per setting, in alternating order; median, min and max are "
-                         "reported, and a verdict against the default needs 5.")
-    modes: list[str] = HfArg(default_factory=lambda: ["pretokenized", "on-the-fly"],
-                             help=f"Any of {', '.join(MODES)}.")
-    pin_memory_values: list[str] = HfArg(default_factory=lambda: ["auto"],
-                                         help="pin_memory values to sweep: true, false, auto (on with CUDA).")
-    persistent_workers_values: list[str] = HfArg(default_factory=lambda: ["false"],
-                                                 help="persistent_workers values to sweep: true, false.")
-    prefetch_factors: list[int] = HfArg(default_factory=lambda: [2],
-                                        help="prefetch_factor values to sweep (used when num_workers > 0).")
-    batch_sizes: list[int] | None = HfArg(default=None,
-                                          help="Batch sizes to sweep; default --per-device-batch-size.")
-    passes: int = HfArg(default=1, help="Passes per loader; with --persistent-workers the second pass "
-                        "shows what keeping workers alive saves.")
-    train_steps: int = HfArg(default=8, help="Timed training steps per setting in the in-training mode "
-                             "(after 2 untimed ones).")
-    knee_tolerance: float = HfArg(default=0.05, help="The knee is the fewest workers within this fraction "
-                                  "of the best median pass time; in the in-training mode, within this "
-                                  "many points of step time of the lowest data share (0.05: 5 points).")
+    workers: list[int] = HfArg(
+        default_factory=lambda: list(range(11)), help="num_workers values to time (default 0 to 10)."
+    )
+    repeats: int = HfArg(
+        default=5,
+        help="Timed passes per setting, in alternating order; median, min and max are "
+        "reported, and a verdict against the default needs 5.",
+    )
+    modes: list[str] = HfArg(default_factory=lambda: ["pretokenized", "on-the-fly"], help=f"Any of {', '.join(MODES)}.")
+    pin_memory_values: list[str] = HfArg(
+        default_factory=lambda: ["auto"], help="pin_memory values to sweep: true, false, auto (on with CUDA)."
+    )
+    persistent_workers_values: list[str] = HfArg(
+        default_factory=lambda: ["false"], help="persistent_workers values to sweep: true, false."
+    )
+    prefetch_factors: list[int] = HfArg(
+        default_factory=lambda: [2], help="prefetch_factor values to sweep (used when num_workers > 0)."
+    )
+    batch_sizes: list[int] | None = HfArg(default=None, help="Batch sizes to sweep; default --per-device-batch-size.")
+    passes: int = HfArg(
+        default=1,
+        help="Passes per loader; with --persistent-workers the second pass shows what keeping workers alive saves.",
+    )
+    train_steps: int = HfArg(
+        default=8, help="Timed training steps per setting in the in-training mode (after 2 untimed ones)."
+    )
+    knee_tolerance: float = HfArg(
+        default=0.05,
+        help="The knee is the fewest workers within this fraction "
+        "of the best median pass time; in the in-training mode, within this "
+        "many points of step time of the lowest data share (0.05: 5 points).",
+    )
     results_dir: str = HfArg(default="results/loaders", help="Where the results and the plot go.")
-    processes_per_node: int = HfArg(default=1, help="Training processes that will share this machine's "
-                                    "cores (the CPU budget per process is usable cores / this).")
+    processes_per_node: int = HfArg(
+        default=1,
+        help="Training processes that will share this machine's "
+        "cores (the CPU budget per process is usable cores / this).",
+    )
 
     def validate(self):
         if not self.workers:
@@ -94,8 +108,12 @@ class SweepSettings:
         for flag, values in (("prefetch-factors", self.prefetch_factors), ("batch-sizes", self.batch_sizes or [1])):
             if any(v <= 0 for v in values):
                 raise UserError(f"--{flag} must be positive, got {values}")
-        for flag, value in (("repeats", self.repeats), ("passes", self.passes), ("train-steps", self.train_steps),
-                            ("processes-per-node", self.processes_per_node)):
+        for flag, value in (
+            ("repeats", self.repeats),
+            ("passes", self.passes),
+            ("train-steps", self.train_steps),
+            ("processes-per-node", self.processes_per_node),
+        ):
             if value < 1:
                 raise UserError(f"--{flag} must be at least 1, got {value}")
         if not 0 <= self.knee_tolerance < 1:  # checked up front: a sweep must not end without its knee
@@ -136,19 +154,25 @@ def time_passes(loader, passes: int = 1, to_device=None, synchronize=None) -> li
             copy += time.perf_counter() - waiting
         wall = time.perf_counter() - started
         steady = wall - (first or 0.0)
-        results.append({
-            "pass_s": wall, "first_batch_s": first, "batches": batches, "samples": samples,
-            "copy_s": copy if to_device is not None else None,
-            "batches_per_s": batches / wall if wall > 0 else None,
-            "samples_per_s": samples / wall if wall > 0 else None,
-            "steady_batches_per_s": (batches - 1) / steady if batches > 1 and steady > 0 else None,
-        })
+        results.append(
+            {
+                "pass_s": wall,
+                "first_batch_s": first,
+                "batches": batches,
+                "samples": samples,
+                "copy_s": copy if to_device is not None else None,
+                "batches_per_s": batches / wall if wall > 0 else None,
+                "samples_per_s": samples / wall if wall > 0 else None,
+                "steady_batches_per_s": (batches - 1) / steady if batches > 1 and steady > 0 else None,
+            }
+        )
     return results
 
 
 def device_copier(device: torch.device, non_blocking: bool):
     def to_device(batch):
         return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
     return to_device
 
 
@@ -161,8 +185,7 @@ class TokenizingCollator:
 
     def __call__(self, rows):
         texts = [[str(row[c]) for row in rows] for c in self.text_columns]
-        batch = self.tokenizer(*texts, truncation=True, max_length=self.max_length, padding=True,
-                               return_tensors="pt")
+        batch = self.tokenizer(*texts, truncation=True, max_length=self.max_length, padding=True, return_tensors="pt")
         batch["labels"] = torch.tensor([self.label_ids(row[self.label_column]) for row in rows])
         return dict(batch)
 
@@ -173,19 +196,38 @@ class TokenizingCollator:
 def settings_grid(sweep: SweepSettings, settings: Settings):
     batch_sizes = sweep.batch_sizes or [settings.per_device_batch_size]
     for mode, batch_size, pin, persistent, prefetch, workers in itertools.product(
-            sweep.modes, batch_sizes, sweep.pin_memory_values, sweep.persistent_workers_values,
-            sweep.prefetch_factors, sweep.workers):
-        yield {"mode": mode, "batch_size": batch_size, "pin_memory_setting": pin,
-               "persistent_workers": persistent == "true", "prefetch_factor": prefetch, "num_workers": workers}
+        sweep.modes,
+        batch_sizes,
+        sweep.pin_memory_values,
+        sweep.persistent_workers_values,
+        sweep.prefetch_factors,
+        sweep.workers,
+    ):
+        yield {
+            "mode": mode,
+            "batch_size": batch_size,
+            "pin_memory_setting": pin,
+            "persistent_workers": persistent == "true",
+            "prefetch_factor": prefetch,
+            "num_workers": workers,
+        }
 
 
 def make_loader(dataset, collate, batch_size, point, settings, pin_memory, seed):
-    loader_settings = dataclasses.replace(settings, num_workers=point["num_workers"],
-                                          prefetch_factor=point["prefetch_factor"] if point["num_workers"] else None,
-                                          persistent_workers=point["persistent_workers"] and point["num_workers"] > 0)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
-                                       generator=torch.Generator().manual_seed(seed),
-                                       **worker_options(loader_settings, pin_memory))
+    loader_settings = dataclasses.replace(
+        settings,
+        num_workers=point["num_workers"],
+        prefetch_factor=point["prefetch_factor"] if point["num_workers"] else None,
+        persistent_workers=point["persistent_workers"] and point["num_workers"] > 0,
+    )
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(seed),
+        **worker_options(loader_settings, pin_memory),
+    )
 
 
 def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
@@ -200,27 +242,43 @@ def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
     cores = threads["usable_cores"]
     budget = max(1, cores // sweep.processes_per_node)
     if max(sweep.workers) > budget:
-        print(f"warning: up to {max(sweep.workers)} workers but {cores} usable cores / "
-              f"{sweep.processes_per_node} process(es) = {budget} per training process: above that, workers "
-              "compete with each other and with the training process", file=sys.stderr)
-    print(f"PyTorch's DataLoader default is num_workers={PYTORCH_DEFAULT_WORKERS}: batches load in the "
-          "training process, one after the other.")
+        print(
+            f"warning: up to {max(sweep.workers)} workers but {cores} usable cores / "
+            f"{sweep.processes_per_node} process(es) = {budget} per training process: above that, workers "
+            "compete with each other and with the training process",
+            file=sys.stderr,
+        )
+    print(
+        f"PyTorch's DataLoader default is num_workers={PYTORCH_DEFAULT_WORKERS}: batches load in the "
+        "training process, one after the other."
+    )
     grid = list(settings_grid(sweep, settings))
     rows = []
     for repeat in range(sweep.repeats):
         for index, point in enumerate(bench.round_order(grid, repeat), 1):
             rows += measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, trainer, device)
             metric = "data_share" if point["mode"] == "in-training" else "pass_s"
-            print(f"[repeat {repeat + 1}/{sweep.repeats}, {index}/{len(grid)}] {point['mode']:<12} "
-                  f"workers={point['num_workers']:<2} batch={point['batch_size']} prefetch={point['prefetch_factor']}: "
-                  f"{metric} {rows[-1][metric]:.4f}", flush=True)
+            print(
+                f"[repeat {repeat + 1}/{sweep.repeats}, {index}/{len(grid)}] {point['mode']:<12} "
+                f"workers={point['num_workers']:<2} batch={point['batch_size']} prefetch={point['prefetch_factor']}: "
+                f"{metric} {rows[-1][metric]:.4f}",
+                flush=True,
+            )
     return {
-        "benchmark": "loaders", "benchmark_version": 2,
-        "machine": {"device": str(device), "device_name": environment.device_name(device),
-                    "usable_cores": cores, "cpu_count": os.cpu_count(), "torch_threads": threads["torch_threads"],
-                    "processes_per_node": sweep.processes_per_node, "cpu_budget_per_process": budget},
+        "benchmark": "loaders",
+        "benchmark_version": 2,
+        "machine": {
+            "device": str(device),
+            "device_name": environment.device_name(device),
+            "usable_cores": cores,
+            "cpu_count": os.cpu_count(),
+            "torch_threads": threads["torch_threads"],
+            "processes_per_node": sweep.processes_per_node,
+            "cpu_budget_per_process": budget,
+        },
         "pytorch_default_num_workers": PYTORCH_DEFAULT_WORKERS,
-        "settings": asdict(settings), "sweep": asdict(sweep),
+        "settings": asdict(settings),
+        "sweep": asdict(sweep),
         "dataset_rows": len(data.train),
         "rows": rows,
         "summary": summarize(rows, sweep.knee_tolerance),
@@ -229,7 +287,9 @@ def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
 
 def measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, trainer, device) -> list[dict]:
     """The rows of one setting in one repeat: a training measurement or one row per timed pass."""
-    pin_memory = device.type == "cuda" if point["pin_memory_setting"] == "auto" else point["pin_memory_setting"] == "true"
+    pin_memory = (
+        device.type == "cuda" if point["pin_memory_setting"] == "auto" else point["pin_memory_setting"] == "true"
+    )
     base = {**point, "pin_memory": pin_memory, "repeat": repeat}
     if point["mode"] == "in-training":
         return [{**base, **trainer.measure(point, pin_memory, sweep.train_steps)}]
@@ -237,7 +297,10 @@ def measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, tr
     loader = make_loader(dataset, collate, point["batch_size"], point, settings, pin_memory, settings.seed)
     to_device = device_copier(device, pin_memory) if point["mode"] == "device-copy" else None
     synchronize = torch.cuda.synchronize if device.type == "cuda" and to_device else None
-    return [{**base, "pass": i, **timing} for i, timing in enumerate(time_passes(loader, sweep.passes, to_device, synchronize))]
+    return [
+        {**base, "pass": i, **timing}
+        for i, timing in enumerate(time_passes(loader, sweep.passes, to_device, synchronize))
+    ]
 
 
 def raw_training_rows(settings, data):
@@ -246,8 +309,9 @@ def raw_training_rows(settings, data):
 
     train = labelled_splits(settings).subset("train", settings)
     train = train.select_columns([*data.text_columns, data.label_column])
-    collate = TokenizingCollator(build_tokenizer(settings), data.text_columns, data.label_column,
-                                 settings.max_seq_length, label_ids=int)
+    collate = TokenizingCollator(
+        build_tokenizer(settings), data.text_columns, data.label_column, settings.max_seq_length, label_ids=int
+    )
     return train, collate
 
 
@@ -271,8 +335,15 @@ class InTraining:
         from trainscope.loop import train_step
         from trainscope.timing import StageTimer, make_clock
 
-        loader = make_loader(self.data.train, build_collator(self.tokenizer, self.settings), point["batch_size"],
-                             point, self.settings, pin_memory, self.settings.seed)
+        loader = make_loader(
+            self.data.train,
+            build_collator(self.tokenizer, self.settings),
+            point["batch_size"],
+            point,
+            self.settings,
+            pin_memory,
+            self.settings.seed,
+        )
         loader = self.accelerator.prepare(loader)
         clock, _ = make_clock("sync", self.accelerator.device)
         timer = StageTimer(clock, self.accelerator.device, memory=False)
@@ -283,13 +354,18 @@ class InTraining:
                 timer.set_phase("steady")  # worker start-up and first steps are not the steady state
             with timer("data"):
                 batch = next(batches)
-            train_step(self.accelerator, self.model, batch, self.optimizer, self.scheduler, timer,
-                       self.settings.max_grad_norm)
+            train_step(
+                self.accelerator, self.model, batch, self.optimizer, self.scheduler, timer, self.settings.max_grad_norm
+            )
         timer.stop()
         steady = timer.summary()["steady"]
         self.accelerator._dataloaders.clear()
-        return {"data_share": steady["shares"]["data"], "data_s": steady["seconds"]["data"],
-                "step_s": steady["wall_s"] / steps, "first_steps_s": timer.summary()["warmup"]["wall_s"]}
+        return {
+            "data_share": steady["shares"]["data"],
+            "data_s": steady["seconds"]["data"],
+            "step_s": steady["wall_s"] / steps,
+            "first_steps_s": timer.summary()["warmup"]["wall_s"],
+        }
 
 
 def endless(loader):
@@ -303,8 +379,14 @@ def endless(loader):
 
 
 def setting_key(row) -> tuple:
-    return (row["mode"], row["batch_size"], row["pin_memory"], row["persistent_workers"], row["prefetch_factor"],
-            row["num_workers"])
+    return (
+        row["mode"],
+        row["batch_size"],
+        row["pin_memory"],
+        row["persistent_workers"],
+        row["prefetch_factor"],
+        row["num_workers"],
+    )
 
 
 def summarize(rows: list[dict], knee_tolerance: float) -> dict:
@@ -317,10 +399,19 @@ def summarize(rows: list[dict], knee_tolerance: float) -> dict:
     for key, group in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0][:5])) + (kv[0][5],)):
         metric = "data_share" if key[0] == "in-training" else "pass_s"
         values = [r[metric] for r in group]
-        entry = {"mode": key[0], "batch_size": key[1], "pin_memory": key[2], "persistent_workers": key[3],
-                 "prefetch_factor": key[4], "num_workers": key[5], "metric": metric,
-                 "median": statistics.median(values),
-                 "min": min(values), "max": max(values), "repeats": len(values)}
+        entry = {
+            "mode": key[0],
+            "batch_size": key[1],
+            "pin_memory": key[2],
+            "persistent_workers": key[3],
+            "prefetch_factor": key[4],
+            "num_workers": key[5],
+            "metric": metric,
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "repeats": len(values),
+        }
         if metric == "pass_s":
             copies = [r["copy_s"] for r in group if r.get("copy_s") is not None]
             entry["median_copy_s"] = statistics.median(copies) if copies else None
@@ -354,9 +445,14 @@ def knee(points: list[dict], tolerance: float) -> dict:
         limit = best["median"] * (1 + tolerance) if best["median"] > 0 else tolerance
     knee_point = next(p for p in points if p["median"] <= limit)
     default = next((p for p in points if p["num_workers"] == PYTORCH_DEFAULT_WORKERS), None)
-    result = {"best_workers": best["num_workers"], "best_median": best["median"],
-              "knee_workers": knee_point["num_workers"], "knee_median": knee_point["median"],
-              "metric": best["metric"], "flags": train_flags(knee_point)}
+    result = {
+        "best_workers": best["num_workers"],
+        "best_median": best["median"],
+        "knee_workers": knee_point["num_workers"],
+        "knee_median": knee_point["median"],
+        "metric": best["metric"],
+        "flags": train_flags(knee_point),
+    }
     if default is not None:
         result["default_median"] = default["median"]
         if best["metric"] == "pass_s" and best["median"] > 0:
@@ -393,11 +489,16 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
 
 def markdown(report: dict) -> list[str]:
     machine = report["machine"]
-    return ["# DataLoader num_workers sweep", "",
-            f"{report['dataset_rows']} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
-            f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch threads; "
-            f"{report['sweep']['repeats']} repeats in alternating order; verdicts: {bench.METHOD}.", "",
-            *knee_table(report).markdown_lines(), *copy_lines(report)]
+    return [
+        "# DataLoader num_workers sweep",
+        "",
+        f"{report['dataset_rows']} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
+        f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch threads; "
+        f"{report['sweep']['repeats']} repeats in alternating order; verdicts: {bench.METHOD}.",
+        "",
+        *knee_table(report).markdown_lines(),
+        *copy_lines(report),
+    ]
 
 
 def copy_lines(report: dict) -> list[str]:
@@ -405,9 +506,16 @@ def copy_lines(report: dict) -> list[str]:
     rows = [e for e in report["summary"]["settings"] if e.get("median_copy_s") is not None]
     if not rows:
         return []
-    return ["", "| batch | pin_memory | workers | copy s per pass (median) | pass s (median) |", "|---:|---|---:|---:|---:|",
-            *[f"| {e['batch_size']} | {'pinned, non-blocking' if e['pin_memory'] else 'pageable'} | {e['num_workers']} | "
-              f"{e['median_copy_s']:.4f} | {e['median']:.4f} |" for e in rows]]
+    return [
+        "",
+        "| batch | pin_memory | workers | copy s per pass (median) | pass s (median) |",
+        "|---:|---|---:|---:|---:|",
+        *[
+            f"| {e['batch_size']} | {'pinned, non-blocking' if e['pin_memory'] else 'pageable'} | {e['num_workers']} | "
+            f"{e['median_copy_s']:.4f} | {e['median']:.4f} |"
+            for e in rows
+        ],
+    ]
 
 
 def print_recommendations(report: dict) -> None:
@@ -415,13 +523,18 @@ def print_recommendations(report: dict) -> None:
         if curve["metric"] == "pass_s":
             speedup = curve.get("knee_speedup_over_default")
             gain = f", {speedup:.2f}x the default's speed" if speedup else ""
-            print(f"{name}: best {curve['best_workers']} workers ({curve['best_median']:.3f} s/pass); "
-                  f"knee {curve['knee_workers']} workers ({curve['knee_median']:.3f} s{gain})")
+            print(
+                f"{name}: best {curve['best_workers']} workers ({curve['best_median']:.3f} s/pass); "
+                f"knee {curve['knee_workers']} workers ({curve['knee_median']:.3f} s{gain})"
+            )
         else:
-            default = (f"{curve['default_median']:.1%} of step time with 0 workers, "
-                       if "default_median" in curve else "")
-            print(f"{name}: data share {default}lowest {curve['best_median']:.1%} with {curve['best_workers']}; "
-                  f"knee {curve['knee_workers']} workers ({curve['knee_median']:.1%})")
+            default = (
+                f"{curve['default_median']:.1%} of step time with 0 workers, " if "default_median" in curve else ""
+            )
+            print(
+                f"{name}: data share {default}lowest {curve['best_median']:.1%} with {curve['best_workers']}; "
+                f"knee {curve['knee_workers']} workers ({curve['knee_median']:.1%})"
+            )
         against = curve.get("knee_against_default")
         if against:
             print(f"  knee against the default: {bench.describe(against)}")

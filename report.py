@@ -29,6 +29,8 @@ from trainscope.tables import PdfBook, ReportWriter
 
 ROOT = Path(__file__).resolve().parent
 COMMITTED = (ROOT / "benchmarks" / "runs", ROOT / "benchmarks")
+
+
 def write_section(report: ReportWriter, found: reporting.Collected, experiment) -> None:
     """One section. A comparison or results file of another shape (an older trainscope's, a hand-edited one)
     skips the section with its reason, checked before the section runs; an error inside a section is a bug
@@ -36,9 +38,11 @@ def write_section(report: ReportWriter, found: reporting.Collected, experiment) 
     why = experiment.unreadable(found)
     if why is None:
         headline = experiment.headline(found) if experiment.headline else None
-        report.answer(experiment.title, headline or (experiment.missing() if experiment.headline else
-                                                     "(no headline declared: see its section)"),
-                      experiment.machines(found) if headline or not experiment.headline else None)
+        report.answer(
+            experiment.title,
+            headline or (experiment.missing() if experiment.headline else "(no headline declared: see its section)"),
+            experiment.machines(found) if headline or not experiment.headline else None,
+        )
         experiment.section(report, found)
         return
     found.skipped.append(f"section {experiment.name}: {why}")
@@ -60,8 +64,11 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
     try:
         book = PdfBook(staging / "report.pdf")
         report = ReportWriter(staging, book)
-        report.title("trainscope report", f"Built {date.today().isoformat()} from {runs} and {results}{source_line}: "
-                     f"{len(found.inputs)} input files, listed with their sha256 in inputs.json.")
+        report.title(
+            "trainscope report",
+            f"Built {date.today().isoformat()} from {runs} and {results}{source_line}: "
+            f"{len(found.inputs)} input files, listed with their sha256 in inputs.json.",
+        )
         report.answers_page()
         for experiment in SECTIONS:
             write_section(report, found, experiment)
@@ -72,11 +79,16 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
         report.appendix(provenance.markdown(block, machine_label="report built on") + measured_on(found))
         report.close()
         write_text_atomic(staging / "report.md", "\n".join(report.markdown) + "\n")
-        write_json_atomic(staging / "inputs.json", {"provenance": block, "skipped": found.skipped,
-                                                    "machines": {m.text: [str(p) for p in paths]
-                                                                 for m, paths in found.machines.items()},
-                                                    "runs": {k: sorted(v) for k, v in found.runs.items()},
-                                                    "results": {k: v is not None for k, v in found.results.items()}})
+        write_json_atomic(
+            staging / "inputs.json",
+            {
+                "provenance": block,
+                "skipped": found.skipped,
+                "machines": {m.text: [str(p) for p in paths] for m, paths in found.machines.items()},
+                "runs": {k: sorted(v) for k, v in found.runs.items()},
+                "results": {k: v is not None for k, v in found.results.items()},
+            },
+        )
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -94,7 +106,8 @@ def measured_on(found: reporting.Collected) -> list[str]:
         records = sum(Path(p).name == "record.json" for p in paths)
         files = len(paths) - records
         counts = [f"{records} run record{'s' * (records != 1)}"] * bool(records) + [
-            f"{files} results or comparison file{'s' * (files != 1)}"] * bool(files)
+            f"{files} results or comparison file{'s' * (files != 1)}"
+        ] * bool(files)
         lines.append(f"- measured on: {machine.text} ({', '.join(counts)})")
     return lines or ["- measured on: no input names its machine"]
 
@@ -114,9 +127,14 @@ def log_figures_to_wandb(report: ReportWriter, out: Path) -> list[str]:
         import wandb
 
         run_id = previous[-1].name.rsplit("-", 1)[-1]
-        run = wandb.init(project="trainscope", id=run_id, resume="allow", dir=path,
-                         mode=view.trackers["wandb"]["mode"],
-                         settings=wandb.Settings(x_disable_meta=True, disable_git=True, save_code=False, silent=True))
+        run = wandb.init(
+            project="trainscope",
+            id=run_id,
+            resume="allow",
+            dir=path,
+            mode=view.trackers["wandb"]["mode"],
+            settings=wandb.Settings(x_disable_meta=True, disable_git=True, save_code=False, silent=True),
+        )
         run.log({f"report/{name}": wandb.Image(str(out / f"{name}.png")) for name in names})
         run.finish()
         logged.append(view.name)
@@ -129,12 +147,16 @@ def advise(run: str) -> None:
     try:
         record = read_record(folder)
         if RunView(record).status != "complete":
-            raise ValueError(f"{folder / 'record.json'}: status {RunView(record).status!r}; advice needs a complete run")
+            raise ValueError(
+                f"{folder / 'record.json'}: status {RunView(record).status!r}; advice needs a complete run"
+            )
     except ValueError as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         sys.exit(2)
-    print(f"What to try next for {RunView(record).name} (ranked; 'at most' from the measured shares, 'estimate' with "
-          "its factor):")
+    print(
+        f"What to try next for {RunView(record).name} (ranked; 'at most' from the measured shares, 'estimate' with "
+        "its factor):"
+    )
     print("\n".join(advisor.lines(advisor.advise(record))))
 
 
@@ -154,9 +176,14 @@ def inputs(args, parser) -> tuple[Path, Path, str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default=None, help="run records (default: runs/, or benchmarks/runs on a fresh clone)")
-    parser.add_argument("--results", default=None,
-                        help="sweep and benchmark results (default: results/, or benchmarks/ on a fresh clone)")
+    parser.add_argument(
+        "--runs", default=None, help="run records (default: runs/, or benchmarks/runs on a fresh clone)"
+    )
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="sweep and benchmark results (default: results/, or benchmarks/ on a fresh clone)",
+    )
     parser.add_argument("--out", default="reports", help="output folder, replaced (default reports/)")
     parser.add_argument("--advise", metavar="RUN", help="print what to try next for one run (its folder) and stop")
     args = parser.parse_args(argv)

@@ -20,8 +20,14 @@ from trainscope.data import build_dataloaders, load_classification_data
 from trainscope.errors import Fault, UserError, exit_with, redacted_output
 from trainscope.lifecycle import RunLifecycle
 from trainscope.loop import evaluate_split, load_metric, train_step
-from trainscope.modeling import (build_model, build_optimizer, build_scheduler, build_tokenizer, fsdp_wrap_rule,
-                                 optimizer_facts)
+from trainscope.modeling import (
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    build_tokenizer,
+    fsdp_wrap_rule,
+    optimizer_facts,
+)
 from trainscope.run_metrics import NonFiniteLoss, RunMetrics
 from trainscope.settings import Settings, parse_settings
 
@@ -58,15 +64,21 @@ def train(settings: Settings) -> dict:
     model, model_facts = build_model(settings, data.label_names, tokenizer)
     accelerator = startup.build_accelerator(settings, started)
     train_loader, validation_loader, test_loader = build_dataloaders(
-        data, tokenizer, settings, **startup.device_loader_options(settings, accelerator))
+        data, tokenizer, settings, **startup.device_loader_options(settings, accelerator)
+    )
     optimizer = build_optimizer(model, settings, accelerator.device)
     model_facts.update(optimizer=optimizer_facts(optimizer), fsdp_wrap=fsdp_wrap_rule(model, accelerator))
     # Accelerate steps a prepared scheduler once per process for every optimizer step.
-    scheduler = build_scheduler(settings, optimizer, plan["optimizer_steps"] * accelerator.num_processes,
-                                int(settings.warmup_fraction * plan["optimizer_steps"]) * accelerator.num_processes)
+    scheduler = build_scheduler(
+        settings,
+        optimizer,
+        plan["optimizer_steps"] * accelerator.num_processes,
+        int(settings.warmup_fraction * plan["optimizer_steps"]) * accelerator.num_processes,
+    )
     model_config = model.config  # before prepare() wraps it (DDP, FSDP, compile)
     model, optimizer, train_loader, validation_loader, test_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, validation_loader, test_loader, scheduler)
+        model, optimizer, train_loader, validation_loader, test_loader, scheduler
+    )
     metric = load_metric()
     metrics = RunMetrics(accelerator, started, plan, model_config, scheduler, prediction)  # measures and summarizes
     metrics.attach(model, optimizer)
@@ -90,12 +102,23 @@ def train(settings: Settings) -> dict:
                         batch = next(batches, None)
                     if batch is None:
                         break
-                    loss, labels = train_step(accelerator, model, batch, optimizer, scheduler, metrics.stage,
-                                              settings.max_grad_norm, metrics.skips, metrics.communication)
+                    loss, labels = train_step(
+                        accelerator,
+                        model,
+                        batch,
+                        optimizer,
+                        scheduler,
+                        metrics.stage,
+                        settings.max_grad_norm,
+                        metrics.skips,
+                        metrics.communication,
+                    )
                     if metrics.micro_batch(batch, loss, labels):
                         run.step_finished()  # step line, checkpoint when due, the stop vote
                 with metrics.evaluation():
-                    run.evaluated(epoch, evaluate_split(model, validation_loader, accelerator, metric, run.between_batches))
+                    run.evaluated(
+                        epoch, evaluate_split(model, validation_loader, accelerator, metric, run.between_batches)
+                    )
                 if metrics.done:
                     break
             with metrics.evaluation():

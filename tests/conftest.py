@@ -24,15 +24,28 @@ from trainscope.launching import kill_tree
 
 # The files that launch the most processes, longest first: two workers take whole files in collection
 # order, so starting with the long ones leaves no worker idle at the end (the others are seconds each).
-LONGEST_FIRST = ("test_launches.py", "test_communication.py", "test_endings.py", "test_train.py", "test_report.py",
-                 "test_unpad.py", "test_multinode.py", "test_faults.py", "test_advisor.py", "test_compile.py",
-                 "test_benchmarks.py", "test_secrets.py",
-                 "test_compare_dp.py", "test_loaders_bench.py")
+LONGEST_FIRST = (
+    "test_launches.py",
+    "test_communication.py",
+    "test_endings.py",
+    "test_train.py",
+    "test_report.py",
+    "test_unpad.py",
+    "test_multinode.py",
+    "test_faults.py",
+    "test_advisor.py",
+    "test_compile.py",
+    "test_benchmarks.py",
+    "test_secrets.py",
+    "test_compare_dp.py",
+    "test_loaders_bench.py",
+)
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: file order kept
+
 
 # Tests run on two workers of a 2-core machine: OpenMP threads that spin while waiting would take the
 # other worker's core (a 25 s run took 150 s). Set before torch runs its first parallel region.
@@ -54,17 +67,36 @@ ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 # tests launch with TINY (--threads auto); behaviour tests add ONE_THREAD so two test workers do not
 # oversubscribe the cores.
 TINY = [
-    "--model", "embedded:tiny-bert", "--max-train-samples", "256", "--max-eval-samples", "64",
-    "--max-test-samples", "64", "--per-device-batch-size", "16", "--learning-rate", "3e-3",
-    "--report-to", "none", "--log-every", "2",
+    "--model",
+    "embedded:tiny-bert",
+    "--max-train-samples",
+    "256",
+    "--max-eval-samples",
+    "64",
+    "--max-test-samples",
+    "64",
+    "--per-device-batch-size",
+    "16",
+    "--learning-rate",
+    "3e-3",
+    "--report-to",
+    "none",
+    "--log-every",
+    "2",
 ]
 ONE_THREAD = ["--threads", "1"]
 
 
 def cpu_env(**extra) -> dict:
     """The tests' environment: CPU only (GPUs hidden, so a GPU machine runs the same tests), no launcher threads set."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
     env.pop("OMP_NUM_THREADS", None)
     env.update(extra)
     return env
@@ -74,8 +106,15 @@ def config_processes(config: Path) -> int:
     return int(yaml.safe_load(config.read_text()).get("num_processes", 1)) if config.exists() else 1
 
 
-def launch(script: str, args: list[str], config: Path | None = None, env: dict | None = None,
-           cwd: Path = ROOT, timeout: int = 600, launcher: str = "accelerate") -> subprocess.CompletedProcess:
+def launch(
+    script: str,
+    args: list[str],
+    config: Path | None = None,
+    env: dict | None = None,
+    cwd: Path = ROOT,
+    timeout: int = 600,
+    launcher: str = "accelerate",
+) -> subprocess.CompletedProcess:
     """`accelerate launch [--config_file X] script args` (the README's command), `python script args` or torchrun."""
     if launcher == "accelerate":
         command = [ACCELERATE, "launch"] + (["--config_file", str(config)] if config else [])
@@ -89,8 +128,15 @@ def launch(script: str, args: list[str], config: Path | None = None, env: dict |
 
 def run_command(command: list[str], cwd: Path = ROOT, env: dict | None = None, timeout: int = 600):
     """subprocess.run that, on timeout, kills the launcher's whole process group, workers included."""
-    process = subprocess.Popen(command, cwd=cwd, env=env or cpu_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env or cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -105,8 +151,9 @@ def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
 
     What a run changes process-wide is put back: torch threads, TF32 flags, Accelerate's state.
     """
-    import train
     from accelerate.state import AcceleratorState
+
+    import train
 
     threads, tf32 = torch.get_num_threads(), (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     environ = dict(os.environ)
@@ -144,6 +191,7 @@ def signal_at_training_batch(monkeypatch, batch: int, signum: int) -> list:
                 if len(loaded) == batch:
                     os.kill(os.getpid(), signum)
             return collate(rows)
+
         return collate_and_signal
 
     monkeypatch.setattr(data, "build_collator", build_collator)
@@ -193,13 +241,17 @@ def _process_state() -> dict:
     import datasets.config
     import huggingface_hub.constants
 
-    return {"environment": {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "cwd": os.getcwd(), "torch threads": torch.get_num_threads(),
-            "default dtype": torch.get_default_dtype(),
-            "TF32 flags": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
-            "datasets progress bars": datasets.is_progress_bar_enabled(),
-            "datasets offline": datasets.config.HF_HUB_OFFLINE,
-            "huggingface_hub offline": huggingface_hub.constants.HF_HUB_OFFLINE,
-            "signal handlers": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}}
+    return {
+        "environment": {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+        "cwd": os.getcwd(),
+        "torch threads": torch.get_num_threads(),
+        "default dtype": torch.get_default_dtype(),
+        "TF32 flags": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+        "datasets progress bars": datasets.is_progress_bar_enabled(),
+        "datasets offline": datasets.config.HF_HUB_OFFLINE,
+        "huggingface_hub offline": huggingface_hub.constants.HF_HUB_OFFLINE,
+        "signal handlers": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)},
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -210,8 +262,11 @@ def process_left_as_found():
     after = _process_state()
     changed = [name for name in before if before[name] != after[name]]
     if "environment" in changed:
-        keys = {k for k in before["environment"].keys() | after["environment"].keys()
-                if before["environment"].get(k) != after["environment"].get(k)}
+        keys = {
+            k
+            for k in before["environment"].keys() | after["environment"].keys()
+            if before["environment"].get(k) != after["environment"].get(k)
+        }
         changed[changed.index("environment")] = f"environment ({', '.join(sorted(keys))})"
     assert not changed, f"the test changed process state: {', '.join(changed)}"
 
@@ -228,6 +283,7 @@ def plant(record: dict, **changes) -> dict:
 
 
 # ---------------------------------------------------------------- a GPU's clocks, planted
+
 
 class PlantedGPU:
     """A host clock and a device stream: a launch costs the host LAUNCH_S and queues its kernel after the work before

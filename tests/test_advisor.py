@@ -7,9 +7,9 @@ import shlex
 from types import SimpleNamespace
 
 import pytest
+from conftest import ROOT, TINY, cpu_env, plant
 
 import report
-from conftest import ROOT, TINY, cpu_env, plant
 from trainscope import advisor, changes, flops, health, tune
 from trainscope.record_view import RunView
 
@@ -19,23 +19,54 @@ SHAPE = {"layers": 6, "hidden": 384, "intermediate": 1536}  # MiniLM-L6
 
 def record(shares=None, run_shares=None, **changes) -> dict:
     """A complete record with a healthy CPU run; `changes` plant symptoms (dotted paths as a__b)."""
-    shares = {"data": 0.005, "forward": 0.35, "backward": 0.5, "optimizer": 0.1, "eval": 0.0, "other": 0.045,
-              **(shares or {})}
+    shares = {
+        "data": 0.005,
+        "forward": 0.35,
+        "backward": 0.5,
+        "optimizer": 0.1,
+        "eval": 0.0,
+        "other": 0.045,
+        **(shares or {}),
+    }
     run_shares = {**shares, "eval": 0.02, **(run_shares or {})}
     table = lambda values: {"wall_s": {"median": 10.0}, "shares": {s: {"median": values[s]} for s in STAGES}}  # noqa: E731
     planted = {
-        "run_name": "planted", "warnings": [],
-        "settings": {"num_workers": 0, "pin_memory": None, "epochs": 1, "group_by_length": False,
-                     "pad_to_max_length": False, "per_device_batch_size": 32, "eval_batch_size": None,
-                     "gradient_accumulation_steps": 1, "ddp_comm_hook": "none"},
-        "environment": {"device": "cpu", "device_name": "AMD EPYC", "effective_precision": "fp32", "backend": None,
-                        "cpu_native_bf16": False, "cpu_capability": "AVX2, no native bf16",
-                        "threads": {"torch_threads": 2, "thread_budget": 2, "usable_cores": 2, "local_processes": 1,
-                                    "threads_source": "auto"}, "device_memory_gib": None},
+        "run_name": "planted",
+        "warnings": [],
+        "settings": {
+            "num_workers": 0,
+            "pin_memory": None,
+            "epochs": 1,
+            "group_by_length": False,
+            "pad_to_max_length": False,
+            "per_device_batch_size": 32,
+            "eval_batch_size": None,
+            "gradient_accumulation_steps": 1,
+            "ddp_comm_hook": "none",
+        },
+        "environment": {
+            "device": "cpu",
+            "device_name": "AMD EPYC",
+            "effective_precision": "fp32",
+            "backend": None,
+            "cpu_native_bf16": False,
+            "cpu_capability": "AVX2, no native bf16",
+            "threads": {
+                "torch_threads": 2,
+                "thread_budget": 2,
+                "usable_cores": 2,
+                "local_processes": 1,
+                "threads_source": "auto",
+            },
+            "device_memory_gib": None,
+        },
         "model": {"optimizer": {"name": "AdamW", "fused": True}, "shape": SHAPE},
-        "summary": {"timing": {"across_ranks": {"steady": table(shares), "run": table(run_shares)}},
-                    "throughput": {"tokens": 1000, "padded_tokens": 1010, "samples": 32, "padded_squares": 32000},
-                    "memory": {}, "mfu": None},
+        "summary": {
+            "timing": {"across_ranks": {"steady": table(shares), "run": table(run_shares)}},
+            "throughput": {"tokens": 1000, "padded_tokens": 1010, "samples": 32, "padded_squares": 32000},
+            "memory": {},
+            "mfu": None,
+        },
     }
     return plant(planted, **changes)
 
@@ -59,32 +90,48 @@ def test_a_data_bound_loop_gets_workers_with_an_amdahl_bound():
 
 
 def test_threads_below_the_budget_are_an_estimate_with_its_factor():
-    found = advisor.advise(record(environment__threads={"torch_threads": 1, "thread_budget": 4, "usable_cores": 4,
-                                                        "local_processes": 1, "threads_source": "launcher"}))
+    found = advisor.advise(
+        record(
+            environment__threads={
+                "torch_threads": 1,
+                "thread_budget": 4,
+                "usable_cores": 4,
+                "local_processes": 1,
+                "threads_source": "launcher",
+            }
+        )
+    )
     (threads,) = [s for s in found if s.rule == "threads"]
     assert threads.flags == ["--threads", "auto"] and threads.gain == pytest.approx(1 / (1 - 0.95 + 0.95 / 4))
     assert threads.gain_kind == "estimate" and "linear scaling" in threads.gain_text()
 
 
 def test_the_padding_bound_counts_the_flops_spent_on_padding_positions():
-    planted = record(summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000},
-                     summary__evaluation_tokens={"tokens": 600, "padded_tokens": 1000, "samples": 10,
-                                                 "padded_squares": 100_000})
+    planted = record(
+        summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000},
+        summary__evaluation_tokens={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000},
+    )
     (padding,) = [s for s in advisor.advise(planted) if s.rule == "padding"]
     n, attention = flops.matmul_parameters(6, 384, 1536), 6 * 384
-    train = 1 - (6 * n * 600 + 12 * attention * 600 ** 2 / 10) / (6 * n * 1000 + 12 * attention * 100_000)
-    evaluation = 1 - (2 * n * 600 + 4 * attention * 600 ** 2 / 10) / (2 * n * 1000 + 4 * attention * 100_000)
+    train = 1 - (6 * n * 600 + 12 * attention * 600**2 / 10) / (6 * n * 1000 + 12 * attention * 100_000)
+    evaluation = 1 - (2 * n * 600 + 4 * attention * 600**2 / 10) / (2 * n * 1000 + 4 * attention * 100_000)
     assert padding.gain == pytest.approx(1 / (1 - 0.85 * train - 0.02 * evaluation))
     # no measured time share says what padding costs: the FLOPs share taken as time is an estimate, said so
     assert padding.gain_kind == "estimate" and padding.flags == ["--group-by-length"]
-    assert padding.gain_text().startswith(f"estimate {padding.gain:.2f}x faster (forward, backward and evaluation time "
-                                          "taken as proportional to their matmul FLOPs")
+    assert padding.gain_text().startswith(
+        f"estimate {padding.gain:.2f}x faster (forward, backward and evaluation time "
+        "taken as proportional to their matmul FLOPs"
+    )
     assert "40% of the training token positions" in padding.evidence
     assert advisor.advise(plant(planted, settings__group_by_length=True)) == []
     # without the evaluation's own counts its padding is assumed to be training's: said as an estimate
-    (guess,) = [s for s in advisor.advise(record(summary__throughput={"tokens": 600, "padded_tokens": 1000,
-                                                                      "samples": 10, "padded_squares": 100_000}))
-                if s.rule == "padding"]
+    (guess,) = [
+        s
+        for s in advisor.advise(
+            record(summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000})
+        )
+        if s.rule == "padding"
+    ]
     assert guess.gain_kind == "estimate" and "not recorded" in guess.factor
 
 
@@ -92,15 +139,16 @@ def test_padding_also_gets_the_exact_changes_that_skip_it_each_with_its_kind():
     """Beside --group-by-length (a training change: the order), the exact changes that leave what is learned alone:
     padding-free layers (the token-wise matmuls' padded FLOPs: 6N per position; attention stays padded) and
     evaluation in length order (its own padding). Both are available: make tune launches them."""
-    planted = record(run_shares={"eval": 0.3}, summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10,
-                                                                    "padded_squares": 100_000},
-                     summary__evaluation_tokens={"tokens": 600, "padded_tokens": 1000, "samples": 10,
-                                                 "padded_squares": 100_000})
+    planted = record(
+        run_shares={"eval": 0.3},
+        summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000},
+        summary__evaluation_tokens={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000},
+    )
     found = {s.rule: s for s in advisor.advise(planted)}
     n, attention = flops.matmul_parameters(6, 384, 1536), 6 * 384
     tokenwise = 6 * n * 400 / (6 * n * 1000 + 12 * attention * 100_000)
     assert found["unpad"].flags == ["--unpad"] and found["unpad"].gain == pytest.approx(1 / (1 - 0.85 * tokenwise))
-    evaluation = 1 - (2 * n * 600 + 4 * attention * 600 ** 2 / 10) / (2 * n * 1000 + 4 * attention * 100_000)
+    evaluation = 1 - (2 * n * 600 + 4 * attention * 600**2 / 10) / (2 * n * 1000 + 4 * attention * 100_000)
     assert found["eval_order"].flags == ["--eval-order", "length"]
     assert found["eval_order"].gain == pytest.approx(1 / (1 - 0.3 * evaluation))
     assert found["unpad"].kind == found["eval_order"].kind == "exact" and found["padding"].kind == "training"
@@ -115,25 +163,38 @@ def test_every_suggestion_carries_the_kind_the_catalogue_gives_its_flags():
     (data,) = [s for s in found if s.rule == "data_loading"]
     assert data.kind == "exact" and data.unavailable is None  # loader settings: the same batches
     from trainscope import changes
+
     assert changes.kind_of(["--hidden-dropout", "0"]) == "training" and changes.kind_of([], "bf16") == "numeric"
     assert changes.kind_of(["--num-workers", "2", "--tf32"]) == "numeric"  # the strictest part decides
     assert changes.kind_of(["--made-up-flag"]) == "training"  # not in the catalogue: may change what is learned
     assert changes.unavailable(["--made-up-flag"]) == "not available in this build (train.py has no --made-up-flag)"
     assert changes.unavailable(["--eval-order", "length"]) is None
     assert changes.unavailable(["--eval-order", "length"], settings={"compile"}) == (
-        "not available in this build (train.py has no --eval-order)")  # a build whose settings lack the flag
+        "not available in this build (train.py has no --eval-order)"
+    )  # a build whose settings lack the flag
     # compile draws eager's random numbers (inductor's fallback_random): exact, up to rounding
     assert changes.kind_of(["--compile"]) == "exact" and changes.kind_of(["--compile", "--unpad"]) == "exact"
 
 
-@pytest.mark.parametrize("plan,words", [
-    ({"optimizer_steps": 30, "steps_per_epoch": 125}, "different samples -- the run is shorter than an epoch (30 of 125"),
-    ({"optimizer_steps": 200, "steps_per_epoch": 125}, "different samples -- the run is not a whole number of epochs"),
-    ({"optimizer_steps": 250, "steps_per_epoch": 125}, "the same samples, another order"),
-    ({}, "the same samples, another order"),
-])
+@pytest.mark.parametrize(
+    "plan,words",
+    [
+        (
+            {"optimizer_steps": 30, "steps_per_epoch": 125},
+            "different samples -- the run is shorter than an epoch (30 of 125",
+        ),
+        (
+            {"optimizer_steps": 200, "steps_per_epoch": 125},
+            "different samples -- the run is not a whole number of epochs",
+        ),
+        ({"optimizer_steps": 250, "steps_per_epoch": 125}, "the same samples, another order"),
+        ({}, "the same samples, another order"),
+    ],
+)
 def test_grouping_by_length_says_different_samples_when_the_run_stops_inside_an_epoch(plan, words):
-    planted = record(summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000})
+    planted = record(
+        summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000}
+    )
     (padding,) = [s for s in advisor.advise({**planted, "plan": plan}) if s.rule == "padding"]
     assert padding.changes_result.startswith(f"training batches grouped by length: {words}")
 
@@ -148,15 +209,18 @@ def test_the_padding_bound_is_never_below_what_removing_the_padding_saves(seed):
     padded = sum(flops.training_flops(config, len(b), max(b)) for b in batches)
     real = sum(flops.training_flops(config, 1, length) for b in batches for length in b)
     lengths = [length for b in batches for length in b]
-    bound = flops.padding_flops_share(SHAPE, sum(lengths), sum(32 * max(b) for b in batches), len(lengths),
-                                      sum(32 * max(b) ** 2 for b in batches))
+    bound = flops.padding_flops_share(
+        SHAPE, sum(lengths), sum(32 * max(b) for b in batches), len(lengths), sum(32 * max(b) ** 2 for b in batches)
+    )
     assert 0 < 1 - real / padded <= bound + 1e-12
 
 
 def test_the_evaluation_rule_argues_from_kernel_launches_only_on_a_gpu_and_the_fused_optimizer_on_both():
     evaluation_heavy = dict(run_shares={"eval": 0.4})
-    unfused = dict(shares={"optimizer": 0.3, "backward": 0.3}, model={"optimizer": {"name": "AdamW", "fused": False,
-                                                                                    "foreach": True}, "shape": SHAPE})
+    unfused = dict(
+        shares={"optimizer": 0.3, "backward": 0.3},
+        model={"optimizer": {"name": "AdamW", "fused": False, "foreach": True}, "shape": SHAPE},
+    )
     assert advisor.advise(record(**evaluation_heavy)) == []
     gpu = {"environment__device": "cuda:0", "environment__device_name": "NVIDIA H100 80GB HBM3"}
     (evaluation,) = [s for s in advisor.advise(record(**evaluation_heavy, **gpu)) if s.rule == "evaluation"]
@@ -169,8 +233,11 @@ def test_the_evaluation_rule_argues_from_kernel_launches_only_on_a_gpu_and_the_f
 
 
 def test_gpu_rules_precision_batch_and_memory_are_estimates():
-    gpu = {"environment__device": "cuda:0", "environment__device_name": "NVIDIA H100 80GB HBM3",
-           "environment__device_memory_gib": 80.0}
+    gpu = {
+        "environment__device": "cuda:0",
+        "environment__device_name": "NVIDIA H100 80GB HBM3",
+        "environment__device_memory_gib": 80.0,
+    }
     found = advisor.advise(record(summary__mfu=0.12, summary__memory={"max_allocated_gib": {"max": 20.0}}, **gpu))
     precision = next(s for s in found if s.rule == "precision")
     assert precision.config == "bf16" and precision.gain > 1.5 and precision.gain_kind == "estimate"
@@ -182,21 +249,32 @@ def test_gpu_rules_precision_batch_and_memory_are_estimates():
 
 
 def test_a_cpu_with_native_bf16_gets_bf16_with_the_measured_matmul_speed_up():
-    native = {"environment__cpu_native_bf16": True, "environment__cpu_capability": "AVX512 + avx512_bf16",
-              "environment__cpu_bf16_matmul": {"size": 1024, "threads": 2, "fp32_s": 0.017, "bf16_s": 0.010,
-                                                "speedup": 1.7}}
+    native = {
+        "environment__cpu_native_bf16": True,
+        "environment__cpu_capability": "AVX512 + avx512_bf16",
+        "environment__cpu_bf16_matmul": {"size": 1024, "threads": 2, "fp32_s": 0.017, "bf16_s": 0.010, "speedup": 1.7},
+    }
     (bf16,) = [s for s in advisor.advise(record(**native)) if s.rule == "cpu_precision"]
     assert bf16.config == "bf16" and bf16.gain_kind == "estimate" and "x1.70" in bf16.factor
     assert bf16.gain == pytest.approx(1 / (1 - 0.87 + 0.87 / 1.7))  # forward + backward + evaluation of the run
     assert "cpu_precision" not in rules(advisor.advise(record()))  # emulated bf16: nothing to gain
-    slow = plant(record(**native), environment__cpu_bf16_matmul={"size": 1024, "threads": 2, "fp32_s": 0.01,
-                                                                  "bf16_s": 0.0098, "speedup": 1.02})
+    slow = plant(
+        record(**native),
+        environment__cpu_bf16_matmul={"size": 1024, "threads": 2, "fp32_s": 0.01, "bf16_s": 0.0098, "speedup": 1.02},
+    )
     assert "cpu_precision" not in rules(advisor.advise(slow))
 
 
 def test_exposed_communication_rules_follow_the_backend():
-    block = {"measured": True, "method": "direct", "exposed_s": 0.05, "exposed_interval": [0.045, 0.056],
-             "exposed_resolved": True, "exposed_share": 0.2, "transfer_s": 0.1}
+    block = {
+        "measured": True,
+        "method": "direct",
+        "exposed_s": 0.05,
+        "exposed_interval": [0.045, 0.056],
+        "exposed_resolved": True,
+        "exposed_share": 0.2,
+        "transfer_s": 0.1,
+    }
     nccl = advisor.advise(record(summary__communication=block, environment__backend="nccl"))
     assert {"ddp_buckets", "ddp_compression", "ddp_accumulation"} <= set(rules(nccl))
     assert next(s for s in nccl if s.rule == "ddp_buckets").gain == pytest.approx(1.25)
@@ -206,31 +284,56 @@ def test_exposed_communication_rules_follow_the_backend():
 
 def test_an_unresolved_exposed_time_bounds_no_gain():
     """An interval that includes 0 (or spans more than the time) is no share of anything, whatever its median."""
-    unresolved = {"measured": True, "method": "direct", "exposed_s": 0.05, "exposed_interval": [0.0, 0.3],
-                  "exposed_resolved": False, "exposed_share": 0.2, "transfer_s": 0.1}
-    assert not {"ddp_buckets", "ddp_accumulation"} & set(rules(advisor.advise(
-        record(summary__communication=unresolved, environment__backend="nccl"))))
+    unresolved = {
+        "measured": True,
+        "method": "direct",
+        "exposed_s": 0.05,
+        "exposed_interval": [0.0, 0.3],
+        "exposed_resolved": False,
+        "exposed_share": 0.2,
+        "transfer_s": 0.1,
+    }
+    assert not {"ddp_buckets", "ddp_accumulation"} & set(
+        rules(advisor.advise(record(summary__communication=unresolved, environment__backend="nccl")))
+    )
     # a schema 3 two-pass estimate whose calibration spread crossed zero, as the committed ddp_cost runs' did
-    old = {"measured": True, "exposed_s": 0.3, "exposed_share": 0.2, "total_allreduce_s": 0.4,
-           "exposed_spread": {"median": 0.3, "min": -0.160, "max": 0.5, "n": 10}}
+    old = {
+        "measured": True,
+        "exposed_s": 0.3,
+        "exposed_share": 0.2,
+        "total_allreduce_s": 0.4,
+        "exposed_spread": {"median": 0.3, "min": -0.160, "max": 0.5, "n": 10},
+    }
     timed = {"tokens": 1000, "padded_tokens": 1010, "samples": 32, "padded_squares": 32000, "step_s": 1.5}
-    assert "ddp_accumulation" not in rules(advisor.advise(record(summary__communication=old, summary__throughput=timed)))
+    assert "ddp_accumulation" not in rules(
+        advisor.advise(record(summary__communication=old, summary__throughput=timed))
+    )
     resolved_old = {**old, "exposed_spread": {"median": 0.3, "min": 0.25, "max": 0.35, "n": 10}}
-    assert "ddp_accumulation" in rules(advisor.advise(record(summary__communication=resolved_old,
-                                                             summary__throughput=timed)))
+    assert "ddp_accumulation" in rules(
+        advisor.advise(record(summary__communication=resolved_old, summary__throughput=timed))
+    )
 
 
 def test_a_warning_whose_fix_is_a_rule_is_one_item_ranked_first():
-    planted = record(environment__threads={"torch_threads": 1, "thread_budget": 2, "usable_cores": 2,
-                                           "local_processes": 1, "threads_source": "user"},
-                     warnings=[{"code": "threads_below_budget", "message": "1 torch threads, budget 2"}])
+    planted = record(
+        environment__threads={
+            "torch_threads": 1,
+            "thread_budget": 2,
+            "usable_cores": 2,
+            "local_processes": 1,
+            "threads_source": "user",
+        },
+        warnings=[{"code": "threads_below_budget", "message": "1 torch threads, budget 2"}],
+    )
     (only,) = advisor.advise(planted)
     assert only.rule == "threads" and only.fix_first and only.gain > 1 and "budget 2" in only.evidence
 
 
 def test_warnings_come_first_with_the_fix_their_registry_entry_offers():
-    planted = record(shares={"data": 0.5, "forward": 0.2, "backward": 0.2},
-                     warnings=[{"code": "profiler_on", "message": "the profiler was on"}])
+    planted = record(
+        shares={"data": 0.5, "forward": 0.2, "backward": 0.2},
+        warnings=[{"code": "profiler_on", "message": "the profiler was on"}],
+    )
     found = advisor.advise(planted)
     assert found[0].fix_first and found[0].rule == "warning:profiler_on" and found[1].rule == "data_loading"
     assert found[0].change == "time without --profile (profile in a separate run)"
@@ -238,7 +341,9 @@ def test_warnings_come_first_with_the_fix_their_registry_entry_offers():
 
 def test_advise_prints_a_ranked_list_and_refuses_bad_input(tmp_path, capsys):
     (tmp_path / "run").mkdir()
-    planted = record(summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000})
+    planted = record(
+        summary__throughput={"tokens": 600, "padded_tokens": 1000, "samples": 10, "padded_squares": 100_000}
+    )
     planted.update(schema_version=2, status="complete")
     planted["summary"].update(world_size=1, test={})
     (tmp_path / "run" / "record.json").write_text(json.dumps(planted))
@@ -259,12 +364,14 @@ def test_advise_prints_a_ranked_list_and_refuses_bad_input(tmp_path, capsys):
 
 
 def test_tune_writes_the_final_command_with_each_flag_once():
-    assert tune.merge_flags(["--threads", "1", "--lora", "--max-steps", "8"], ["--threads", "auto", "--num-workers", "1"]) \
-        == ["--lora", "--max-steps", "8", "--threads", "auto", "--num-workers", "1"]
+    assert tune.merge_flags(
+        ["--threads", "1", "--lora", "--max-steps", "8"], ["--threads", "auto", "--num-workers", "1"]
+    ) == ["--lora", "--max-steps", "8", "--threads", "auto", "--num-workers", "1"]
 
 
-def planted_runs(monkeypatch, speed: dict, tokens: dict | None = None, noise: float = 0.03, seed: int = 0,
-                 losses: dict | None = None):
+def planted_runs(
+    monkeypatch, speed: dict, tokens: dict | None = None, noise: float = 0.03, seed: int = 0, losses: dict | None = None
+):
     """run_arm replaced by planted figures: each arm `speed[name]` times the baseline's speed, lognormal noise; the
     result depends on the seed alone (every arm learns the same), and so do the step losses, but for an arm planted
     in `losses` (name -> added to every step's loss)."""
@@ -278,21 +385,46 @@ def planted_runs(monkeypatch, speed: dict, tokens: dict | None = None, noise: fl
         trained = tokens.get(name, 1.0) * 10_000
         accuracy = 0.65 + 0.004 * ((run_seed - 42) % 5)
         train_wall = 10.0 * trained / 10_000 / factor
-        step_losses = [[step, 1.1 - step / 100 + 0.001 * (run_seed - 42) + losses.get(name, 0.0)] for step in (10, 20, 30)]
-        return {"run": f"{name}-r{round_index}", "eval_s": 5.0 / factor, "wall_s": 5.0 / factor + train_wall,
-                "train_wall_s": train_wall, "train_tokens": trained, "validation_accuracy": accuracy,
-                "validation_loss": 0.9 - accuracy / 10, "test_accuracy": accuracy - 0.01,
-                "test_loss": 0.92 - accuracy / 10, "seed": run_seed, "data_seed": 42, "optimizer_steps": 30,
-                "steps_per_epoch": 125, "epochs": 1, "step_losses": step_losses}
+        step_losses = [
+            [step, 1.1 - step / 100 + 0.001 * (run_seed - 42) + losses.get(name, 0.0)] for step in (10, 20, 30)
+        ]
+        return {
+            "run": f"{name}-r{round_index}",
+            "eval_s": 5.0 / factor,
+            "wall_s": 5.0 / factor + train_wall,
+            "train_wall_s": train_wall,
+            "train_tokens": trained,
+            "validation_accuracy": accuracy,
+            "validation_loss": 0.9 - accuracy / 10,
+            "test_accuracy": accuracy - 0.01,
+            "test_loss": 0.92 - accuracy / 10,
+            "seed": run_seed,
+            "data_seed": 42,
+            "optimizer_steps": 30,
+            "steps_per_epoch": 125,
+            "epochs": 1,
+            "step_losses": step_losses,
+        }
 
     monkeypatch.setattr(tune, "run_arm", run_arm)
     monkeypatch.setattr(tune, "read_record", lambda folder: {})
 
 
 def tune_args(**overrides):
-    return SimpleNamespace(**{"runs": "unused", "budget": 1e9, "rounds": 6, "accuracy_margin": 0.01,
-                              "loss_margin": 0.02, "max_suggestions": 4, "config": None, "launcher": "python",
-                              "script": "train.py", **overrides})
+    return SimpleNamespace(
+        **{
+            "runs": "unused",
+            "budget": 1e9,
+            "rounds": 6,
+            "accuracy_margin": 0.01,
+            "loss_margin": 0.02,
+            "max_suggestions": 4,
+            "config": None,
+            "launcher": "python",
+            "script": "train.py",
+            **overrides,
+        }
+    )
 
 
 def suggestion(rule, flags, config=None):
@@ -300,8 +432,12 @@ def suggestion(rule, flags, config=None):
 
 
 # Numeric changes (judged by the equivalence test), exact ones (by their runs' numbers), a training one.
-NUMERIC = [suggestion("tf32", ["--tf32"]), suggestion("bf16", [], "bf16"), suggestion("fp16", [], "fp16"),
-           suggestion("hook", ["--ddp-comm-hook", "fp16"])]
+NUMERIC = [
+    suggestion("tf32", ["--tf32"]),
+    suggestion("bf16", [], "bf16"),
+    suggestion("fp16", [], "fp16"),
+    suggestion("hook", ["--ddp-comm-hook", "fp16"]),
+]
 
 
 def test_tune_keeps_a_planted_one_and_a_half_times_faster_change_and_rejects_three_no_op_changes(monkeypatch):
@@ -344,8 +480,11 @@ def test_exact_changes_are_tried_first_stacked_and_the_others_run_on_top_of_them
     """Two exact changes (one 1.5x faster, one a no-op) and a numeric one 1.3x faster on top: the exact phase keeps
     the first ("exact": every step loss and final metric of each pair agrees); the numeric trial runs with it and
     against it (the stack as its baseline, rounds 6-11); the final command holds both and names the machine."""
-    ideas = [suggestion("workers", ["--num-workers", "1"]), suggestion("foreach", ["--optimizer-implementation", "foreach"]),
-             NUMERIC[0]]
+    ideas = [
+        suggestion("workers", ["--num-workers", "1"]),
+        suggestion("foreach", ["--optimizer-implementation", "foreach"]),
+        NUMERIC[0],
+    ]
     monkeypatch.setattr(tune.advisor, "advise", lambda record: ideas)
     planted_runs(monkeypatch, {"e1": 1.5, "stacked": 1.5, "s1": 1.95})
     monkeypatch.setattr(tune, "read_record", lambda folder: {"environment": {"device": "cpu"}})
@@ -359,11 +498,15 @@ def test_exact_changes_are_tried_first_stacked_and_the_others_run_on_top_of_them
     assert trials["e1"]["result"].startswith("exact over 6 pair(s): 42 step losses and final metrics each within")
     assert trials["e2"]["verdict"] == "within noise" and trials["e2"]["same_result"] is True
     assert trials["s1"]["flags"] == ["--num-workers", "1", "--tf32"] and trials["s1"]["own_flags"] == ["--tf32"]
-    assert trials["s1"]["baseline_runs"] == [f"stacked-r{i}" for i in range(6, 12)] and trials["s1"]["rounds"] == list(range(6, 12))
+    assert trials["s1"]["baseline_runs"] == [f"stacked-r{i}" for i in range(6, 12)] and trials["s1"]["rounds"] == list(
+        range(6, 12)
+    )
     assert trials["s1"]["speed"]["median_ratio"] == pytest.approx(1.3, rel=0.05) and trials["s1"]["verdict"] == "faster"
     assert result["design"]["exact"] == 2 and result["design"]["tests"] == 4  # e1, e2, their together; s1
     assert result["final_flags"] == ["--num-workers", "1", "--tf32"]
-    assert result["final_command"].endswith("--num-workers 1 --tf32 --tuned-on 'cpu AVX2, bf16 emulated: AMD EPYC 7B13'")
+    assert result["final_command"].endswith(
+        "--num-workers 1 --tf32 --tuned-on 'cpu AVX2, bf16 emulated: AMD EPYC 7B13'"
+    )
     assert any("exact changes (2, tried first and stacked)" in line and "6.1e-05" in line for line in lines)
 
 
@@ -375,8 +518,13 @@ def test_an_exact_change_whose_numbers_differ_is_not_exact_and_never_kept(monkey
     planted_runs(monkeypatch, {"e1": 1.5}, losses={"e1": 1e-3})
     result = tune.tune(tune_args(), [], log=lambda line: None)
     first, second = result["trials"]
-    assert first["verdict"] == "faster" and first["exactness"]["verdict"] == "not exact" and first["same_result"] is False
-    assert first["result"].startswith("not exact: seed 42, step 10 loss") and "a defect to report, never kept" in first["result"]
+    assert (
+        first["verdict"] == "faster" and first["exactness"]["verdict"] == "not exact" and first["same_result"] is False
+    )
+    assert (
+        first["result"].startswith("not exact: seed 42, step 10 loss")
+        and "a defect to report, never kept" in first["result"]
+    )
     assert second["flags"] == ["--tf32"] and second["baseline_runs"][0] == "baseline-r6"
     assert "--num-workers" not in result["final_command"]
 
@@ -399,8 +547,10 @@ def test_a_training_change_is_not_decided_on_a_proxy_and_says_what_the_full_job_
     (trial,) = tune.tune(tune_args(), [], log=lambda line: None)["trials"]
     assert trial["kind"] == "training" and trial["verdict"] == "faster" and trial["same_result"] is None
     text = trial["result"]
-    assert text.startswith("not decided here: a training change is 'same' only from the full job (these runs stop "
-                           "after 30 of an epoch's 125 steps)")
+    assert text.startswith(
+        "not decided here: a training change is 'same' only from the full job (these runs stop "
+        "after 30 of an epoch's 125 steps)"
+    )
     sd = trial["equivalence"]["metrics"]["validation_accuracy"]["sd"]
     seeds = tune.bench.pairs_to_show(0.0, sd, 0.01)
     assert f"validation accuracy: paired differences SD {sd:.4f} over 6 seeds" in text
@@ -419,10 +569,20 @@ def test_every_suggestion_not_tried_is_listed_with_why(monkeypatch):
     result = tune.tune(tune_args(max_suggestions=3), [], log=lambda line: None)
     assert [t["name"] for t in result["trials"]] == ["s1", "s2", "s3"]
     assert result["not_tried"] == [
-        {"change": "try hook", "flags": ["--ddp-comm-hook", "fp16"], "kind": "numeric", "why": "beyond --max-suggestions 3"},
-        {"change": "try gadget", "flags": ["--made-up-flag"], "kind": "training",
-         "why": "not available in this build (train.py has no --made-up-flag)"},
-        {"change": "read the docs", "flags": [], "kind": None, "why": "not a flag or config (see the advice)"}]
+        {
+            "change": "try hook",
+            "flags": ["--ddp-comm-hook", "fp16"],
+            "kind": "numeric",
+            "why": "beyond --max-suggestions 3",
+        },
+        {
+            "change": "try gadget",
+            "flags": ["--made-up-flag"],
+            "kind": "training",
+            "why": "not available in this build (train.py has no --made-up-flag)",
+        },
+        {"change": "read the docs", "flags": [], "kind": None, "why": "not a flag or config (see the advice)"},
+    ]
     written = "\n".join(tune.markdown({**result, "provenance": {}}))
     assert "- not tried: try hook (beyond --max-suggestions 3; numeric)" in written
     assert "- not tried: try gadget (not available in this build (train.py has no --made-up-flag); training)" in written
@@ -431,7 +591,9 @@ def test_every_suggestion_not_tried_is_listed_with_why(monkeypatch):
 def test_a_change_to_what_a_step_holds_is_judged_on_the_same_work(monkeypatch):
     """Twice the tokens per step in twice the time is no slower: the training part is scaled to the
     baseline's tokens (raw wall time would call it 1.5x slower)."""
-    monkeypatch.setattr(tune.advisor, "advise", lambda record: [suggestion("accumulate", ["--gradient-accumulation-steps", "2"])])
+    monkeypatch.setattr(
+        tune.advisor, "advise", lambda record: [suggestion("accumulate", ["--gradient-accumulation-steps", "2"])]
+    )
     planted_runs(monkeypatch, {}, tokens={"s1": 2.0})
     (trial,) = tune.tune(tune_args(), [], log=lambda line: None)["trials"]
     assert trial["speed"]["median_ratio"] == pytest.approx(1.0, abs=0.05) and trial["verdict"] == "within noise"
@@ -470,15 +632,21 @@ def test_one_round_decides_nothing(monkeypatch):
 def test_tune_plans_only_the_trials_its_budget_holds():
     # in runs of the advice run's length: per phase (the exact ones, then the others) R rounds x (baseline + k),
     # and R x 2 for the kept ones together when k >= 2
-    ideas = [SimpleNamespace(flags=["--tf32"], config=None), SimpleNamespace(flags=[], config="bf16"),
-             SimpleNamespace(flags=["--attention-dropout", "0"], config=None)]
+    ideas = [
+        SimpleNamespace(flags=["--tf32"], config=None),
+        SimpleNamespace(flags=[], config="bf16"),
+        SimpleNamespace(flags=["--attention-dropout", "0"], config=None),
+    ]
     advice_only = SimpleNamespace(flags=[], config=None)  # nothing to run: never planned
     plan = lambda remaining, most=3, found=ideas: tune.plan_trials([advice_only, *found], 10.0, remaining, 6, most)  # noqa: E731
     assert plan(5) == ([], ideas) and plan(119.9) == ([], ideas)
     assert plan(120) == (ideas[:1], ideas[1:]) and plan(299) == (ideas[:1], ideas[1:])
     assert plan(300) == (ideas[:2], ideas[2:]) and plan(359) == (ideas[:2], ideas[2:]) and plan(360) == (ideas, [])
     assert plan(1e6, most=2) == (ideas[:2], [])
-    exact = [SimpleNamespace(flags=["--num-workers", "1"], config=None), SimpleNamespace(flags=["--threads", "1"], config=None)]
+    exact = [
+        SimpleNamespace(flags=["--num-workers", "1"], config=None),
+        SimpleNamespace(flags=["--threads", "1"], config=None),
+    ]
     missing = SimpleNamespace(flags=["--made-up-flag"], config=None)  # not in this build: never planned
     mixed = [ideas[0], missing, *exact]
     # the exact ones first: 2 exact (6 x 3 + 12 runs) and 1 numeric (6 x 2): 42 runs
@@ -487,7 +655,7 @@ def test_tune_plans_only_the_trials_its_budget_holds():
 
 # ---------------------------------------------------------------- make tune end to end: plumbing only
 
-SLOW_LOADER = '''import sys, time
+SLOW_LOADER = """import sys, time
 sys.path.insert(0, {root!r})
 import trainscope.data as data
 build = data.build_collator
@@ -500,7 +668,7 @@ def build_collator(*args, **kwargs):
 data.build_collator = build_collator
 import train
 train.main(sys.argv[1:])
-'''
+"""
 
 
 def test_tune_judges_exact_changes_on_real_runs_and_finds_a_planted_inexact_one(tmp_path, monkeypatch, capsys):
@@ -516,25 +684,51 @@ def test_tune_judges_exact_changes_on_real_runs_and_finds_a_planted_inexact_one(
         if name in ("ACCELERATE_USE_CPU", "CUDA_VISIBLE_DEVICES", "TOKENIZERS_PARALLELISM", "OMP_WAIT_POLICY"):
             monkeypatch.setenv(name, value)
     advise = tune.advisor.advise
-    monkeypatch.setattr(tune.advisor, "advise", lambda record: [
-        *[s for s in advise(record) if s.rule == "data_loading"], suggestion("foreach", ["--optimizer-implementation", "foreach"]),
-        suggestion("dropout", ["--hidden-dropout", "0.11"])])
-    monkeypatch.setitem(changes.CATALOGUE, "--hidden-dropout",
-                        changes.Change("--hidden-dropout", changes.EXACT, "planted as exact: other dropout masks"))
+    monkeypatch.setattr(
+        tune.advisor,
+        "advise",
+        lambda record: [
+            *[s for s in advise(record) if s.rule == "data_loading"],
+            suggestion("foreach", ["--optimizer-implementation", "foreach"]),
+            suggestion("dropout", ["--hidden-dropout", "0.11"]),
+        ],
+    )
+    monkeypatch.setitem(
+        changes.CATALOGUE,
+        "--hidden-dropout",
+        changes.Change("--hidden-dropout", changes.EXACT, "planted as exact: other dropout masks"),
+    )
     runs = tmp_path / "tune"
-    tune.main(["--runs", str(runs), "--launcher", "python", "--script", str(script), "--rounds", "1",
-               "--max-suggestions", "3", "--", *TINY])
+    tune.main(
+        [
+            "--runs",
+            str(runs),
+            "--launcher",
+            "python",
+            "--script",
+            str(script),
+            "--rounds",
+            "1",
+            "--max-suggestions",
+            "3",
+            "--",
+            *TINY,
+        ]
+    )
     printed = capsys.readouterr().out
     result = json.loads((runs / "comparison.json").read_text())
     workers, foreach, dropout = result["trials"]
     assert (workers["rule"], workers["flags"], foreach["flags"]) == (
-        "data_loading", ["--num-workers", "1"], ["--optimizer-implementation", "foreach"])
+        "data_loading",
+        ["--num-workers", "1"],
+        ["--optimizer-implementation", "foreach"],
+    )
     assert all(t["kind"] == "exact" and t["pairs"] == 1 and t["verdict"] == "too few pairs" for t in result["trials"])
     assert workers["exactness"]["verdict"] == foreach["exactness"]["verdict"] == "exact"
     assert workers["exactness"]["numbers"] == 8 + 4  # 16 steps logged every 2, and the final metrics
     assert dropout["exactness"]["verdict"] == "not exact" and dropout["same_result"] is False
     assert dropout["result"].startswith("not exact: seed 42, step 2 loss")
-    assert result["design"]["exact"] == 3 and result["design"]["tolerance"] == 2 ** -14
+    assert result["design"]["exact"] == 3 and result["design"]["tolerance"] == 2**-14
     assert result["final_flags"] == [] and "--seed" not in result["final_command"]
     machine = health.machine_kind(RunView(json.loads((runs / "advice-r0" / "record.json").read_text())))
     assert result["tuned_on"] == machine and result["final_command"].endswith(f"--tuned-on {shlex.quote(machine)}")
@@ -558,19 +752,38 @@ def categories(**seconds) -> dict:
 
 def gap_categories():
     from trainscope.gap import CATEGORIES
+
     return CATEGORIES
 
 
 def profiled(**changes) -> dict:
     """A record whose profile put 10% of the traced steps in hidden dropout, 20% inside attention (2% its
     dropout) and 30% in elementwise categories overall, under the math attention path."""
-    breakdown = {"window_s": 1.0, "basis": "self CPU time, main thread", "matmul_flops": 1e11, "matmul_s": 0.4,
-                 "categories": categories(matmul=0.4, attention=0.1, dropout=0.12, layer_norm=0.04,
-                                          activation=0.02, copies_and_casts=0.02, other_operators=0.3),
-                 "attention_total_s": 0.2, "attention_dropout_s": 0.02}
-    return record(**{"environment__sdpa_kernels": MATH_ATTENTION, "summary__profile": {"breakdown": breakdown},
-                      "model": {"optimizer": {"fused": True}, "shape": SHAPE, "dropout": {"hidden": 0.1, "attention": 0.1}},
-                      **changes})
+    breakdown = {
+        "window_s": 1.0,
+        "basis": "self CPU time, main thread",
+        "matmul_flops": 1e11,
+        "matmul_s": 0.4,
+        "categories": categories(
+            matmul=0.4,
+            attention=0.1,
+            dropout=0.12,
+            layer_norm=0.04,
+            activation=0.02,
+            copies_and_casts=0.02,
+            other_operators=0.3,
+        ),
+        "attention_total_s": 0.2,
+        "attention_dropout_s": 0.02,
+    }
+    return record(
+        **{
+            "environment__sdpa_kernels": MATH_ATTENTION,
+            "summary__profile": {"breakdown": breakdown},
+            "model": {"optimizer": {"fused": True}, "shape": SHAPE, "dropout": {"hidden": 0.1, "attention": 0.1}},
+            **changes,
+        }
+    )
 
 
 def test_gap_rules_fire_on_the_profiles_measured_shares_with_amdahl_bounds():
@@ -596,19 +809,41 @@ def test_the_compile_rule_counts_its_compile_time_against_a_long_runs_fusion():
 
 
 def test_the_fused_kernel_rule_needs_dropout_to_be_what_keeps_it_out():
-    assert "attention_kernel" not in rules(advisor.advise(profiled(environment__sdpa_kernels={
-        "training": "FLASH_ATTENTION", "evaluation": "FLASH_ATTENTION", "attention_dropout": 0.0})))
-    assert "attention_kernel" not in rules(advisor.advise(profiled(environment__sdpa_kernels={
-        "training": "MATH", "evaluation": "MATH", "attention_dropout": 0.1})))  # math either way: not dropout's doing
-    assert not {"attention_kernel", "dropout", "compile"} & set(rules(advisor.advise(
-        record(environment__sdpa_kernels=MATH_ATTENTION))))  # no gap measured at all: no gap rule
+    assert "attention_kernel" not in rules(
+        advisor.advise(
+            profiled(
+                environment__sdpa_kernels={
+                    "training": "FLASH_ATTENTION",
+                    "evaluation": "FLASH_ATTENTION",
+                    "attention_dropout": 0.0,
+                }
+            )
+        )
+    )
+    assert "attention_kernel" not in rules(
+        advisor.advise(
+            profiled(environment__sdpa_kernels={"training": "MATH", "evaluation": "MATH", "attention_dropout": 0.1})
+        )
+    )  # math either way: not dropout's doing
+    assert not {"attention_kernel", "dropout", "compile"} & set(
+        rules(advisor.advise(record(environment__sdpa_kernels=MATH_ATTENTION)))
+    )  # no gap measured at all: no gap rule
 
 
 def test_without_a_profile_the_gap_rules_are_estimates_from_one_layer_profiled_apart():
-    layer = {"window_s": 0.05, "batch": 32, "length": 64, "precision": "fp32", "attention_total_s": 0.01,
-             "attention_dropout_s": 0.001, "categories": categories(matmul=0.025, attention=0.004, dropout=0.006)}
-    estimated = record(environment__sdpa_kernels=MATH_ATTENTION, summary__measured_peak={
-        "peak_tflops": 0.2, "run_shapes": {"layer": layer}})
+    layer = {
+        "window_s": 0.05,
+        "batch": 32,
+        "length": 64,
+        "precision": "fp32",
+        "attention_total_s": 0.01,
+        "attention_dropout_s": 0.001,
+        "categories": categories(matmul=0.025, attention=0.004, dropout=0.006),
+    }
+    estimated = record(
+        environment__sdpa_kernels=MATH_ATTENTION,
+        summary__measured_peak={"peak_tflops": 0.2, "run_shapes": {"layer": layer}},
+    )
     found = {s.rule: s for s in advisor.advise(estimated)}
     compute = 0.35 + 0.5  # forward + backward of the planted run
     assert found["attention_kernel"].gain_kind == "estimate"
@@ -617,18 +852,32 @@ def test_without_a_profile_the_gap_rules_are_estimates_from_one_layer_profiled_a
     assert "one encoder layer profiled apart at batch 32 x length 64" in found["dropout"].factor
 
 
-@pytest.mark.parametrize("rate,doubled,spread,optimizer,resolved", [
-    (0.05, 0.08, 0.1, 0.0, True),     # the matmuls alone
-    (0.05, 0.08, 0.3, 0.0, False),    # their spreads overlap: not resolved, and nothing else to gain
-    (0.05, 0.051, 0.0, 0.2, False),   # the optimizer's share alone: a fifth of the run, half as often
-    (0.05, 0.08, 0.1, 0.2, True),     # both
-])
+@pytest.mark.parametrize(
+    "rate,doubled,spread,optimizer,resolved",
+    [
+        (0.05, 0.08, 0.1, 0.0, True),  # the matmuls alone
+        (0.05, 0.08, 0.3, 0.0, False),  # their spreads overlap: not resolved, and nothing else to gain
+        (0.05, 0.051, 0.0, 0.2, False),  # the optimizer's share alone: a fifth of the run, half as often
+        (0.05, 0.08, 0.1, 0.2, True),  # both
+    ],
+)
 def test_a_bigger_batch_counts_faster_matmuls_at_twice_the_tokens_and_half_the_optimizer_steps(
-        rate, doubled, spread, optimizer, resolved):
-    measured = {"peak_tflops": 0.1, "gap_estimate": {"floor_s": 4.0, "train_s": 9.8},
-                "run_shapes": {"tokens": 2048, "batch": 32, "length": 64, "tflops": rate, "tflops_doubled": doubled,
-                               "tflops_high": rate * (1 + spread), "tflops_doubled_low": doubled * (1 - spread),
-                               "layer": None}}
+    rate, doubled, spread, optimizer, resolved
+):
+    measured = {
+        "peak_tflops": 0.1,
+        "gap_estimate": {"floor_s": 4.0, "train_s": 9.8},
+        "run_shapes": {
+            "tokens": 2048,
+            "batch": 32,
+            "length": 64,
+            "tflops": rate,
+            "tflops_doubled": doubled,
+            "tflops_high": rate * (1 + spread),
+            "tflops_doubled_low": doubled * (1 - spread),
+            "layer": None,
+        },
+    }
     planted = record(run_shares={"optimizer": optimizer}, summary__measured_peak=measured, summary__wall_s=10.0)
     found = [s for s in advisor.advise(planted) if s.rule == "batch_at_peak"]
     matmul_share = 4.0 * 0.1 / rate / 9.8 * 0.98  # the model's matmuls at the run's rate, of the run
@@ -636,7 +885,9 @@ def test_a_bigger_batch_counts_faster_matmuls_at_twice_the_tokens_and_half_the_o
     assert bool(found) is (saved > 0)
     if found:
         assert found[0].gain == pytest.approx(1 / (1 - saved)) and found[0].gain_kind == "estimate"
-        assert found[0].flags == ["--per-device-batch-size", "64"] and "effective batch doubles" in found[0].changes_result
+        assert (
+            found[0].flags == ["--per-device-batch-size", "64"] and "effective batch doubles" in found[0].changes_result
+        )
     accumulating = plant(planted, settings__gradient_accumulation_steps=2)  # same effective batch: same steps
     found = [s for s in advisor.advise(accumulating) if s.rule == "batch_at_peak"]
     assert bool(found) is resolved
@@ -647,8 +898,14 @@ def test_a_bigger_batch_counts_faster_matmuls_at_twice_the_tokens_and_half_the_o
 
 @pytest.mark.parametrize("native,speedup,fires", [(False, 2.2, True), (True, 0.9, False), (None, 3.0, True)])
 def test_bf16_advice_follows_the_measured_matmuls_whatever_the_flags_say(native, speedup, fires):
-    bf16 = {"flags": ["avx512_bf16"] if native else [], "native_by_flags": native, "fp32_tflops": 0.2,
-            "bf16_tflops": 0.2 * speedup, "speedup": speedup, "faster": speedup > 1}
+    bf16 = {
+        "flags": ["avx512_bf16"] if native else [],
+        "native_by_flags": native,
+        "fp32_tflops": 0.2,
+        "bf16_tflops": 0.2 * speedup,
+        "speedup": speedup,
+        "faster": speedup > 1,
+    }
     found = [s for s in advisor.advise(record(environment__cpu_bf16=bf16)) if s.rule == "cpu_precision"]
     assert bool(found) is fires
     if fires:

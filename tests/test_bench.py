@@ -14,17 +14,20 @@ def test_rounds_alternate_the_order_of_the_arms():
     order = []
     arms = {name: (lambda i, name=name: order.append((i, name)) or {"x": 1.0}) for name in ("a", "b", "c")}
     rounds = bench.alternate(arms, 4, log=lambda line: None)
-    assert [name for _, name in order] == list("abc" "cba" "abc" "cba")
+    assert [name for _, name in order] == list("abccbaabccba")
     assert len(rounds) == 4 and set(rounds[0]) == {"a", "b", "c"}
 
 
-@pytest.mark.parametrize("baseline,candidate,verdict", [
-    ([10.0, 10.1, 9.9, 10.2, 10.0], [10.6, 10.8, 10.5, 10.7, 10.9], "faster"),   # every round above, 6% apart
-    ([10.0, 10.1, 9.9, 10.2, 10.0], [9.2, 9.3, 9.4, 9.1, 9.5], "slower"),
-    ([10.0, 10.1, 9.9, 10.2, 10.0], [9.9, 10.2, 10.0, 10.1, 9.95], "within noise"),  # straddling
-    ([10.0, 10.01, 10.0, 10.02, 10.01], [10.1, 10.11, 10.1, 10.12, 10.13], "within noise"),  # real, but 1% < 3%
-    ([10.0, 10.1, 9.9], [15.0, 15.1, 14.9], "too few pairs"),  # 1.5x, but 3 against 3 cannot pass 0.05
-])
+@pytest.mark.parametrize(
+    "baseline,candidate,verdict",
+    [
+        ([10.0, 10.1, 9.9, 10.2, 10.0], [10.6, 10.8, 10.5, 10.7, 10.9], "faster"),  # every round above, 6% apart
+        ([10.0, 10.1, 9.9, 10.2, 10.0], [9.2, 9.3, 9.4, 9.1, 9.5], "slower"),
+        ([10.0, 10.1, 9.9, 10.2, 10.0], [9.9, 10.2, 10.0, 10.1, 9.95], "within noise"),  # straddling
+        ([10.0, 10.01, 10.0, 10.02, 10.01], [10.1, 10.11, 10.1, 10.12, 10.13], "within noise"),  # real, but 1% < 3%
+        ([10.0, 10.1, 9.9], [15.0, 15.1, 14.9], "too few pairs"),  # 1.5x, but 3 against 3 cannot pass 0.05
+    ],
+)
 def test_the_verdict_needs_the_test_and_the_minimum_effect(baseline, candidate, verdict):
     comparison = bench.compare_samples(baseline, candidate)
     assert comparison["verdict"] == verdict
@@ -37,13 +40,16 @@ def test_times_are_compared_the_other_way_round():
     assert seconds["verdict"] == "faster" and seconds["median_ratio"] == pytest.approx(2.0, rel=0.05)
 
 
-@pytest.mark.parametrize("x,y,p", [
-    ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], 2 / 252),   # separated: the smallest exact two-sided p of 5 against 5
-    ([1, 2, 3, 4, 6], [5, 7, 8, 9, 10], 4 / 252),   # one swap: rank sum 16, two arrangements per tail
-    ([1, 2, 3], [4, 5, 6], 0.1),                    # 3 against 3 can never pass 0.05
-    ([1, 2, 3, 4], [5, 6, 7, 8], 2 / 70),
-    ([1, 3, 5, 7, 9], [2, 4, 6, 8, 10], 0.6905),
-])
+@pytest.mark.parametrize(
+    "x,y,p",
+    [
+        ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], 2 / 252),  # separated: the smallest exact two-sided p of 5 against 5
+        ([1, 2, 3, 4, 6], [5, 7, 8, 9, 10], 4 / 252),  # one swap: rank sum 16, two arrangements per tail
+        ([1, 2, 3], [4, 5, 6], 0.1),  # 3 against 3 can never pass 0.05
+        ([1, 2, 3, 4], [5, 6, 7, 8], 2 / 70),
+        ([1, 3, 5, 7, 9], [2, 4, 6, 8, 10], 0.6905),
+    ],
+)
 def test_the_exact_mann_whitney_p_value_matches_its_tables(x, y, p):
     assert bench.mann_whitney_p(x, y) == pytest.approx(p, abs=1e-4)
     assert bench.mann_whitney_p(y, x) == pytest.approx(p, abs=1e-4)  # two-sided
@@ -66,8 +72,9 @@ def test_results_files_carry_provenance_and_are_redacted(tmp_path, monkeypatch):
     monkeypatch.setenv("SOME_API_KEY", "key-value-that-is-secret")
     data = tmp_path / "input.json"
     data.write_text("{}")
-    paths = bench.write_results(tmp_path / "out", {"url": "https://u:p@h/x?sig=key-value-that-is-secret"},
-                                ["# A result"], inputs=[data])
+    paths = bench.write_results(
+        tmp_path / "out", {"url": "https://u:p@h/x?sig=key-value-that-is-secret"}, ["# A result"], inputs=[data]
+    )
     report = json.loads(paths[0].read_text())
     block = report["provenance"]
     assert len(block["commit"]) == 40 and isinstance(block["dirty"], bool)

@@ -4,17 +4,32 @@ import json
 import sys
 
 from conftest import cpu_env, run_command
+
 from trainscope import bench
 from trainscope.benchmarks import trainer_peer
 
-TINY = ["--model", "embedded:tiny-bert", "--max-train-samples", "256", "--per-device-batch-size", "16",
-        "--max-steps", "8", "--timing-warmup-steps", "2", "--threads", "1"]
+TINY = [
+    "--model",
+    "embedded:tiny-bert",
+    "--max-train-samples",
+    "256",
+    "--per-device-batch-size",
+    "16",
+    "--max-steps",
+    "8",
+    "--timing-warmup-steps",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 def one_round_of(module: str, out) -> dict:
     """`python -m trainscope.benchmarks.<module> --pairs 1` on the tiny model; its results file."""
-    completed = run_command([sys.executable, "-m", f"trainscope.benchmarks.{module}", "--pairs", "1", "--out", str(out),
-                             *TINY], env=cpu_env())
+    completed = run_command(
+        [sys.executable, "-m", f"trainscope.benchmarks.{module}", "--pairs", "1", "--out", str(out), *TINY],
+        env=cpu_env(),
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(out.with_suffix(".json").read_text())
 

@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import ONE_THREAD, ROOT, TINY, assert_ok, launch, read_record, read_steps
+
 from trainscope import communication, health
 from trainscope.record_view import RunView
 
@@ -23,17 +23,29 @@ DELAY_S = 0.1  # several times the tiny model's step-to-step noise, on a loaded 
 STRAGGLER_DELAY_S = 0.25
 # Several buckets (DDP closes a bucket once it reaches the cap: 50 kB splits the tiny model's layers), so some
 # communication can hide behind backward. 16 steps: DDP's logger samples iterations 1-10, read one step later.
-ARGS = [*TINY, *ONE_THREAD, "--max-train-samples", "512", "--max-steps", "16", "--log-every", "1",
-        "--communication-samples", "3", "--ddp-bucket-cap-mb", "0.05"]
-WRAPPER = '''import os, sys, time
+ARGS = [
+    *TINY,
+    *ONE_THREAD,
+    "--max-train-samples",
+    "512",
+    "--max-steps",
+    "16",
+    "--log-every",
+    "1",
+    "--communication-samples",
+    "3",
+    "--ddp-bucket-cap-mb",
+    "0.05",
+]
+WRAPPER = """import os, sys, time
 sys.path.insert(0, {root!r})
 {patch}
 import train
 train.main(sys.argv[1:])
-'''
+"""
 # A test-only communication hook, a slow link: every bucket's all-reduce completes DELAY_S late, off the autograd
 # thread (backward goes on meanwhile), on every DDP the run builds.
-SLOW_LINK = '''import threading
+SLOW_LINK = """import threading
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -52,10 +64,10 @@ wrap = DistributedDataParallel.__init__
 def __init__(self, *args, **kwargs):
     wrap(self, *args, **kwargs)
     self.register_comm_hook(None, slow_link)
-DistributedDataParallel.__init__ = __init__'''
+DistributedDataParallel.__init__ = __init__"""
 # Compute delays: rank 1's forward is DELAY_S slower (a straggler), and on every rank backward pauses DELAY_S below
 # the encoder, before the embeddings' gradients (the last ones): compute, on both ranks alike.
-SLOW_COMPUTE = '''import trainscope.modeling as modeling
+SLOW_COMPUTE = """import trainscope.modeling as modeling
 build_model_as_usual = modeling.build_model
 def build_model(*args, **kwargs):
     model, facts = build_model_as_usual(*args, **kwargs)
@@ -66,7 +78,7 @@ def build_model(*args, **kwargs):
             output.register_hook(lambda grad: time.sleep({delay}))
     model.base_model.embeddings.register_forward_hook(pause_backward)
     return model, facts
-modeling.build_model = build_model'''
+modeling.build_model = build_model"""
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +86,31 @@ def ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("communication")
     runs = root / "runs"
     planted = root / "planted.py"  # a slow link, a straggler and a pause in compute, in one run
-    planted.write_text(WRAPPER.format(root=str(ROOT), patch="\n".join((SLOW_LINK, SLOW_COMPUTE)).format(
-        delay=DELAY_S, straggler=STRAGGLER_DELAY_S)))
+    planted.write_text(
+        WRAPPER.format(
+            root=str(ROOT),
+            patch="\n".join((SLOW_LINK, SLOW_COMPUTE)).format(delay=DELAY_S, straggler=STRAGGLER_DELAY_S),
+        )
+    )
     # the default run is profiled (steps 4-9): the trace is a third instrument of the same steps
-    plans = {"default": ("train.py", ["--profile", "--profile-wait", "2", "--profile-active", "6"]),
-             "planted": (planted, ["--ddp-static-graph"]),
-             "flags": ("train.py", ["--ddp-bucket-cap-mb", "100", "--ddp-gradient-as-bucket-view",
-                                    "--ddp-comm-hook", "fp16", "--gradient-accumulation-steps", "2",
-                                    "--max-train-samples", "1024"])}
+    plans = {
+        "default": ("train.py", ["--profile", "--profile-wait", "2", "--profile-active", "6"]),
+        "planted": (planted, ["--ddp-static-graph"]),
+        "flags": (
+            "train.py",
+            [
+                "--ddp-bucket-cap-mb",
+                "100",
+                "--ddp-gradient-as-bucket-view",
+                "--ddp-comm-hook",
+                "fp16",
+                "--gradient-accumulation-steps",
+                "2",
+                "--max-train-samples",
+                "1024",
+            ],
+        ),
+    }
     for name, (script, extra) in plans.items():
         assert_ok(launch(str(script), [*ARGS, *extra, "--output-dir", str(runs), "--run-name", name], config=DDP))
     return runs
@@ -141,8 +170,10 @@ def test_planted_delays_show_where_they_belong_link_as_communication_compute_and
     assert planted["transfer_s"] - default["transfer_s"] == pytest.approx(DELAY_S * planted["buckets"], rel=0.2)
     assert all(t >= 0.8 * DELAY_S for t in planted["transfer_bucket_s"])
     # the compute pause really ran: backward per step is longer by it (and by the link's exposure) on every rank
-    backward = {name: RunView(read_record(ddp_runs / name)).stage_seconds_per_step()["backward"]
-                for name in ("planted", "default")}
+    backward = {
+        name: RunView(read_record(ddp_runs / name)).stage_seconds_per_step()["backward"]
+        for name in ("planted", "default")
+    }
     assert backward["planted"] - backward["default"] > 1.6 * DELAY_S
     # rank 1 arrives last: rank 0 waits for it, which is wait, not communication
     (straggler,) = planted["stragglers"]
@@ -164,10 +195,13 @@ def test_ddp_flags_reach_ddp_compression_halves_the_bytes_and_accumulation_the_a
     # the bus bandwidth is the bare collective's (the hook's compress/decompress timed apart), and says so
     assert "fp16" in flags["transfer_timed"] and flags["collective_s"] != flags["transfer_s"]
     world = flags["world_size"]
-    assert flags["bus_bandwidth_gbs"] == pytest.approx(2 * (world - 1) / world * flags["allreduce_bytes_per_step"]
-                                                       / flags["collective_s"] / 1e9)
+    assert flags["bus_bandwidth_gbs"] == pytest.approx(
+        2 * (world - 1) / world * flags["allreduce_bytes_per_step"] / flags["collective_s"] / 1e9
+    )
     # DDP counts an iteration per synchronizing forward: with accumulation its iteration k is still our step k
-    assert flags["agreement"]["ddp"]["verdict"] == "agree" and flags["agreement"]["ddp"]["iterations"] == list(range(1, 11))
+    assert flags["agreement"]["ddp"]["verdict"] == "agree" and flags["agreement"]["ddp"]["iterations"] == list(
+        range(1, 11)
+    )
 
 
 # ---------------------------------------------------------------- in this process: one-rank DDP over gloo
@@ -195,7 +229,9 @@ def one_rank_ddp(**options):
 def measured(ddp, steps=12, comm_hook="none", clock=None, between=None):
     """train `steps` steps of `ddp` the way train_step does, measured; the rank's summary and the combined block."""
     settings = types.SimpleNamespace(ddp_comm_hook=comm_hook, measure_communication="auto", communication_samples=2)
-    accelerator = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"), state=types.SimpleNamespace(backend="gloo"))
+    accelerator = types.SimpleNamespace(
+        num_processes=2, device=torch.device("cpu"), state=types.SimpleNamespace(backend="gloo")
+    )
     found = communication.Communication(settings, accelerator, ddp, True, clock)
     for step in range(1, steps + 1):
         loss = ddp(torch.randn(32, 128)).square().mean()
@@ -220,9 +256,11 @@ def late_by(delay):
             done.wait()
             time.sleep(delay)
             late.set_result(bucket.buffer())
+
         threads.append(threading.Thread(target=finish))
         threads[-1].start()
         return late
+
     return hook, threads
 
 
@@ -249,8 +287,9 @@ def test_measuring_changes_nothing_learned_and_measuring_off_registers_nothing(g
     for measure in (True, False):
         ddp = one_rank_ddp()
         settings = types.SimpleNamespace(ddp_comm_hook="none", measure_communication="auto", communication_samples=1)
-        accelerator = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"),
-                                            state=types.SimpleNamespace(backend="gloo"))
+        accelerator = types.SimpleNamespace(
+            num_processes=2, device=torch.device("cpu"), state=types.SimpleNamespace(backend="gloo")
+        )
         found = communication.Communication(settings, accelerator, ddp, measure)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
         torch.manual_seed(1)
@@ -269,7 +308,9 @@ def test_measuring_changes_nothing_learned_and_measuring_off_registers_nothing(g
             assert mine["transfer"] is None and all(e["exposed_s"] is None for e in mine["steps"])
             off = communication.combine([{"rank": 0, "communication": mine}], {"step_s": 1.0})
             assert off["measured"] is False and off["ddp_exposed_s"] is not None  # DDP's logger stands alone
-            assert communication.table_lines(off)[0].startswith("communication: not measured (--measure-communication off)")
+            assert communication.table_lines(off)[0].startswith(
+                "communication: not measured (--measure-communication off)"
+            )
     assert all(torch.equal(a, b) for a, b in zip(trained[True], trained[False]))
 
 
@@ -327,10 +368,15 @@ def test_the_trace_takes_autograd_events_from_any_thread_and_reads_the_collectiv
         return types.SimpleNamespace(name=name, thread=thread, time_range=types.SimpleNamespace(start=start, end=end))
 
     # CUDA backward runs on the autograd engine's device thread (2), not the thread of the `backward` span (1)
-    events = [event("backward", 0, 10_000), event("autograd::engine::evaluate_function: AddmmBackward0", 100, 7_000, 2),
-              event("gloo:all_reduce", 3_000, 9_500, thread=3), event("backward", 20_000, 31_000),
-              event("autograd::engine::evaluate_function: AddmmBackward0", 20_100, 28_000, 2),
-              event("gloo:all_reduce", 26_000, 30_500, thread=3), event("gloo:all_reduce", 40_000, 41_000, thread=3)]
+    events = [
+        event("backward", 0, 10_000),
+        event("autograd::engine::evaluate_function: AddmmBackward0", 100, 7_000, 2),
+        event("gloo:all_reduce", 3_000, 9_500, thread=3),
+        event("backward", 20_000, 31_000),
+        event("autograd::engine::evaluate_function: AddmmBackward0", 20_100, 28_000, 2),
+        event("gloo:all_reduce", 26_000, 30_500, thread=3),
+        event("gloo:all_reduce", 40_000, 41_000, thread=3),
+    ]
     found = communication.from_trace(events)  # microseconds in, seconds out; the third collective is no step's
     assert found["spans"] == 2 and found["exposed_s"] == pytest.approx([0.003, 0.003])
     assert found["allreduce_s"] == pytest.approx([0.0065, 0.0045])
@@ -341,20 +387,62 @@ def test_the_trace_takes_autograd_events_from_any_thread_and_reads_the_collectiv
 # ---------------------------------------------------------------- the arithmetic, on planted measurements
 
 
-def planted_rank(rank, exposed, overlap=0.5, ddp=None, transfer=None, collective=None, buckets=1, first_step=3,
-                 clock="host", trace=None):
-    steps = [{"step": first_step + i, "iteration": first_step + i, "phase": "steady", "exposed_s": e,
-              "window_s": 0.2, "overlap": overlap} for i, e in enumerate(exposed)]
-    return {"rank": rank, "communication": {
-        "method": "direct", "measured": True, "clock": clock, "comm_hook": "none", "gradient_bytes": 100e6,
-        "buckets": [{"numel": 25e6 / buckets, "bytes": 100e6 / buckets, "parameters": 4}] * buckets,
-        "optimizer_steps": len(exposed), "micro_batches": len(exposed), "steps": steps,
-        "ddp_iterations": [{"iteration": s["iteration"], "exposed_s": d, "comm_s": 0.2, "overlap": overlap}
-                           for s, d in zip(steps, ddp or [])],
-        "transfer": transfer and {"bucket_s": transfer, "collective_s": collective, "repetitions": len(transfer[0]),
-                                  "timed": "planted", "measurement_s": 0.5},
-        "trace": trace and {"first_step": first_step, "last_step": first_step + len(exposed) - 1, "exposed_s": trace,
-                            "allreduce_s": [0.002] * len(trace)}}}
+def planted_rank(
+    rank,
+    exposed,
+    overlap=0.5,
+    ddp=None,
+    transfer=None,
+    collective=None,
+    buckets=1,
+    first_step=3,
+    clock="host",
+    trace=None,
+):
+    steps = [
+        {
+            "step": first_step + i,
+            "iteration": first_step + i,
+            "phase": "steady",
+            "exposed_s": e,
+            "window_s": 0.2,
+            "overlap": overlap,
+        }
+        for i, e in enumerate(exposed)
+    ]
+    return {
+        "rank": rank,
+        "communication": {
+            "method": "direct",
+            "measured": True,
+            "clock": clock,
+            "comm_hook": "none",
+            "gradient_bytes": 100e6,
+            "buckets": [{"numel": 25e6 / buckets, "bytes": 100e6 / buckets, "parameters": 4}] * buckets,
+            "optimizer_steps": len(exposed),
+            "micro_batches": len(exposed),
+            "steps": steps,
+            "ddp_iterations": [
+                {"iteration": s["iteration"], "exposed_s": d, "comm_s": 0.2, "overlap": overlap}
+                for s, d in zip(steps, ddp or [])
+            ],
+            "transfer": transfer
+            and {
+                "bucket_s": transfer,
+                "collective_s": collective,
+                "repetitions": len(transfer[0]),
+                "timed": "planted",
+                "measurement_s": 0.5,
+            },
+            "trace": trace
+            and {
+                "first_step": first_step,
+                "last_step": first_step + len(exposed) - 1,
+                "exposed_s": trace,
+                "allreduce_s": [0.002] * len(trace),
+            },
+        },
+    }
 
 
 def test_per_step_the_rank_that_waited_least_carries_the_communication_and_the_others_wait():
@@ -386,14 +474,20 @@ def test_the_transfer_is_the_shortest_rank_per_repetition_then_the_median_and_th
     transfer0 = [[0.030, 0.020, 0.025], [0.010, 0.012, 0.011]]  # two buckets, three repetitions
     transfer1 = [[0.022, 0.028, 0.021], [0.011, 0.010, 0.013]]
     exposed = [0.010] * 6
-    ranks = [planted_rank(0, exposed, transfer=transfer0, buckets=2), planted_rank(1, exposed, transfer=transfer1, buckets=2)]
+    ranks = [
+        planted_rank(0, exposed, transfer=transfer0, buckets=2),
+        planted_rank(1, exposed, transfer=transfer1, buckets=2),
+    ]
     combined = communication.combine(ranks, {"step_s": 0.5})
     # bucket 0: min over ranks 0.022, 0.020, 0.021 -> 0.021; bucket 1: 0.010, 0.010, 0.011 -> 0.010
-    assert combined["transfer_bucket_s"] == pytest.approx([0.021, 0.010]) and combined["transfer_s"] == pytest.approx(0.031)
+    assert combined["transfer_bucket_s"] == pytest.approx([0.021, 0.010]) and combined["transfer_s"] == pytest.approx(
+        0.031
+    )
     assert combined["hidden_share"] == pytest.approx(1 - 0.010 / 0.031)
     assert combined["bus_bandwidth_gbs"] == pytest.approx(2 * 1 / 2 * 100e6 / 0.031 / 1e9)
-    hooked = [planted_rank(r, exposed, transfer=transfer0, collective=[[0.005] * 3, [0.004] * 3], buckets=2)
-              for r in (0, 1)]
+    hooked = [
+        planted_rank(r, exposed, transfer=transfer0, collective=[[0.005] * 3, [0.004] * 3], buckets=2) for r in (0, 1)
+    ]
     compressed = communication.combine(hooked, {"step_s": 0.5})  # under a hook: the bare collective's bandwidth
     assert compressed["collective_s"] == pytest.approx(0.009)
     assert compressed["bus_bandwidth_gbs"] == pytest.approx(2 * 1 / 2 * 100e6 / 0.009 / 1e9)
@@ -408,8 +502,14 @@ def test_an_exposed_time_within_noise_of_the_transfer_hides_nothing_resolved_and
     assert not exposed_above_transfer((0.0587, 0.0685), 0.0646)
     assert hidden_share(0.0589, (0.0550, 0.0620), 0.0758) == pytest.approx(1 - 0.0589 / 0.0758)
     assert exposed_above_transfer((0.085, 0.095), 0.0625) and hidden_share(0.092, (0.085, 0.095), 0.0625) is None
-    block = {"measured": True, "method": "direct", "exposed_s": 0.0647, "exposed_interval": [0.0587, 0.0685],
-             "exposed_resolved": True, "transfer_s": 0.0646}
+    block = {
+        "measured": True,
+        "method": "direct",
+        "exposed_s": 0.0647,
+        "exposed_interval": [0.0587, 0.0685],
+        "exposed_resolved": True,
+        "transfer_s": 0.0646,
+    }
     assert "comm_exposed_above_total" not in [w["code"] for w in health.check({"summary": {"communication": block}})]
 
 
@@ -458,10 +558,24 @@ def test_ddps_steady_figure_is_its_comm_less_overlap_on_the_rank_that_did_not_wa
 
 def test_old_records_two_pass_estimate_is_shown_only_as_the_range_it_allows():
     """A schema 3 block (the committed ddp_cost runs): its calibration spread crossed zero, so it is no figure."""
-    old = {"schema_version": 3, "summary": {"throughput": {"step_s": 1.8}, "communication": {
-        "measured": True, "calibration_samples": 5, "exposed_s": 0.0507, "exposed_share": 0.027,
-        "exposed_spread": {"median": 0.0507, "min": -0.160, "max": 0.105, "n": 10}, "total_allreduce_s": 0.0703,
-        "window_s": 1.06, "overlap": 1.05, "ddp_exposed_s": 0.0495, "ddp_overlap": 0.95}}}
+    old = {
+        "schema_version": 3,
+        "summary": {
+            "throughput": {"step_s": 1.8},
+            "communication": {
+                "measured": True,
+                "calibration_samples": 5,
+                "exposed_s": 0.0507,
+                "exposed_share": 0.027,
+                "exposed_spread": {"median": 0.0507, "min": -0.160, "max": 0.105, "n": 10},
+                "total_allreduce_s": 0.0703,
+                "window_s": 1.06,
+                "overlap": 1.05,
+                "ddp_exposed_s": 0.0495,
+                "ddp_overlap": 0.95,
+            },
+        },
+    }
     figures = RunView(old).communication_figures
     assert not figures["resolved"] and figures["exposed_s"] is None and figures["exposed_share"] is None
     assert figures["overlap"] is None and figures["hidden_share"] is None and figures["agreement"] is None
@@ -476,12 +590,17 @@ def test_a_compiled_ddp_model_is_measured_like_the_plain_one(gloo):
     compiled = torch.compile(ddp)  # compiles lazily: nothing runs here
     assert communication.unwrap_ddp(compiled) is ddp and communication.unwrap_ddp(ddp) is ddp
     settings = types.SimpleNamespace(ddp_comm_hook="fp16", measure_communication="auto", communication_samples=3)
-    accelerator = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"), state=types.SimpleNamespace(backend="gloo"))
+    accelerator = types.SimpleNamespace(
+        num_processes=2, device=torch.device("cpu"), state=types.SimpleNamespace(backend="gloo")
+    )
     found = communication.build(settings, accelerator, compiled)
     assert isinstance(found, communication.Communication) and found.ddp is ddp
     assert found.settings_in_effect()["comm_hook_in_ddp"] == "fp16_compress_hook"
-    plain = communication.build(types.SimpleNamespace(**{**vars(settings), "ddp_comm_hook": "none"}), accelerator,
-                                torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)))
+    plain = communication.build(
+        types.SimpleNamespace(**{**vars(settings), "ddp_comm_hook": "none"}),
+        accelerator,
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)),
+    )
     assert plain.settings_in_effect()["comm_hook_in_ddp"] is None  # our hooks are autograd hooks, not comm hooks
 
 
@@ -490,26 +609,75 @@ def test_the_ddp_cost_report_says_what_its_figures_show_and_never_an_impossible_
 
     def record(name, exposed, interval, verdict="agree"):
         clear = interval[0] > 0 and interval[1] - interval[0] <= exposed
-        return {"run_name": name, "summary": {"throughput": {"step_s": 0.5}, "communication": {
-            "measured": True, "method": "direct", "world_size": 2, "exposed_s": exposed, "exposed_interval": interval,
-            "exposed_resolved": clear, "exposed_share": exposed / 0.5 if clear else None, "transfer_s": 0.080,
-            "overlap": 0.6, "window_s": 0.2, "bus_bandwidth_gbs": 1.0, "ddp_exposed_s": exposed, "ddp_overlap": 0.6,
-            "hidden_share": 1 - exposed / 0.080 if clear else None,
-            "per_rank": [{"rank": 0, "exposed_s": exposed + 0.01, "wait_s": 0.01}, {"rank": 1, "exposed_s": exposed, "wait_s": 0.0}],
-            "agreement": {"ddp": {"verdict": verdict}}}}}
+        return {
+            "run_name": name,
+            "summary": {
+                "throughput": {"step_s": 0.5},
+                "communication": {
+                    "measured": True,
+                    "method": "direct",
+                    "world_size": 2,
+                    "exposed_s": exposed,
+                    "exposed_interval": interval,
+                    "exposed_resolved": clear,
+                    "exposed_share": exposed / 0.5 if clear else None,
+                    "transfer_s": 0.080,
+                    "overlap": 0.6,
+                    "window_s": 0.2,
+                    "bus_bandwidth_gbs": 1.0,
+                    "ddp_exposed_s": exposed,
+                    "ddp_overlap": 0.6,
+                    "hidden_share": 1 - exposed / 0.080 if clear else None,
+                    "per_rank": [
+                        {"rank": 0, "exposed_s": exposed + 0.01, "wait_s": 0.01},
+                        {"rank": 1, "exposed_s": exposed, "wait_s": 0.0},
+                    ],
+                    "agreement": {"ddp": {"verdict": verdict}},
+                },
+            },
+        }
 
-    runs = {"default-r0": record("default-r0", 0.040, [0.038, 0.042]),
-            "default-r1": record("default-r1", 0.040, [0.037, 0.043], verdict="disagree"),
-            "bucket1-r0": record("bucket1-r0", 0.030, [0.001, 0.060]), "bucket1-r1": record("bucket1-r1", 0.030, [0.020, 0.040])}
-    arm = lambda name: {"status": "complete", "config": "ddp", "flags": [], "runs": [f"{name}-r0", f"{name}-r1"],  # noqa: E731
-                        "precision": "fp32", "world_size": 2, "memory_kind": "peak RSS", "warnings": [],
-                        "step_s": {"median": 0.5, "min": 0.49, "max": 0.51, "n": 2}}
-    comparison = {"rounds": 2, "baseline": "default", "arms": {"default": arm("default"), "bucket1": arm("bucket1")},
-                  "comparisons": {"bucket1": {"speed": {"verdict": "within noise", "median_ratio": 1.0, "min_ratio": 0.99,
-                                                        "max_ratio": 1.01, "p_value": 1.0, "pairs": 2}}}}
+    runs = {
+        "default-r0": record("default-r0", 0.040, [0.038, 0.042]),
+        "default-r1": record("default-r1", 0.040, [0.037, 0.043], verdict="disagree"),
+        "bucket1-r0": record("bucket1-r0", 0.030, [0.001, 0.060]),
+        "bucket1-r1": record("bucket1-r1", 0.030, [0.020, 0.040]),
+    }
+    arm = lambda name: {
+        "status": "complete",
+        "config": "ddp",
+        "flags": [],
+        "runs": [f"{name}-r0", f"{name}-r1"],  # noqa: E731
+        "precision": "fp32",
+        "world_size": 2,
+        "memory_kind": "peak RSS",
+        "warnings": [],
+        "step_s": {"median": 0.5, "min": 0.49, "max": 0.51, "n": 2},
+    }
+    comparison = {
+        "rounds": 2,
+        "baseline": "default",
+        "arms": {"default": arm("default"), "bucket1": arm("bucket1")},
+        "comparisons": {
+            "bucket1": {
+                "speed": {
+                    "verdict": "within noise",
+                    "median_ratio": 1.0,
+                    "min_ratio": 0.99,
+                    "max_ratio": 1.01,
+                    "p_value": 1.0,
+                    "pairs": 2,
+                }
+            }
+        },
+    }
     rows = {r["setting"]: r for r in ddp_cost.rows(comparison, runs)}
     parts = ddp_cost.stacked(rows["default"])
-    assert sum(parts.values()) == pytest.approx(0.5) and parts["exposed"] == 0.040 and parts["hidden"] == pytest.approx(0.040)
+    assert (
+        sum(parts.values()) == pytest.approx(0.5)
+        and parts["exposed"] == 0.040
+        and parts["hidden"] == pytest.approx(0.040)
+    )
     assert ddp_cost.stacked(rows["bucket1"]) is None  # one round unresolved: no split of its step
     assert ddp_cost.exposed_cell(rows["bucket1"]) == "not resolved: 1-60" and rows["bucket1"]["hidden_share"] is None
     assert ddp_cost.agreement_cell(rows["default"]) == "1 of 2 agree"
@@ -518,7 +686,9 @@ def test_the_ddp_cost_report_says_what_its_figures_show_and_never_an_impossible_
     assert "exposed communication 40.0 ms (8.0%)" in text and "50% of the transfer hides behind backward" in text
     unresolved = ddp_cost.summary_text(RunView(runs["bucket1-r0"]))
     assert "not resolved: between 1.0 and 60.0 ms" in unresolved and "hides behind backward" not in unresolved
-    assert "`bucket1` 2 of 2 agree, exposed time resolved in 1 of 2 rounds" in ddp_cost.agreement_text(list(rows.values()))
+    assert "`bucket1` 2 of 2 agree, exposed time resolved in 1 of 2 rounds" in ddp_cost.agreement_text(
+        list(rows.values())
+    )
     near = record("default-r2", 0.0790, [0.0760, 0.0830])  # the transfer (80 ms) inside the exposed time's interval
     near["summary"]["communication"]["hidden_share"] = None
     text = ddp_cost.summary_text(RunView(near))
@@ -542,21 +712,30 @@ def test_on_cuda_events_a_trace_three_ms_off_a_two_ms_exposure_disagrees():
 
 
 def gpu_event(name, start, end, id=0, linked=0, device="CPU", thread=1):
-    return types.SimpleNamespace(name=name, thread=thread, id=id, linked_correlation_id=linked,
-                                 device_type=f"DeviceType.{device}", time_range=types.SimpleNamespace(start=start, end=end))
+    return types.SimpleNamespace(
+        name=name,
+        thread=thread,
+        id=id,
+        linked_correlation_id=linked,
+        device_type=f"DeviceType.{device}",
+        time_range=types.SimpleNamespace(start=start, end=end),
+    )
 
 
 def test_on_a_gpu_the_trace_reads_exposure_from_the_kernels_and_counts_each_collective_once():
     """The host's view on CUDA: the span's time after backward's last autograd operation (launches, not kernels), and
     both the host's nccl:all_reduce and NCCL's kernel counted as collectives. The device's: NCCL's last kernel runs
     1 ms past the last compute kernel before it; the gradients' copy after it is not compute it waited for."""
-    events = [gpu_event("backward", 0, 10_000),
-              gpu_event("autograd::engine::evaluate_function: AddmmBackward0", 100, 7_000, thread=2),
-              gpu_event("aten::mm", 150, 300, id=1, thread=2), gpu_event("nccl:all_reduce", 5_000, 5_100, id=2, thread=2),
-              gpu_event("aten::copy_", 9_500, 9_550, id=3),
-              gpu_event("sm90_xmma_gemm_f32", 1_000, 8_000, linked=1, device="CUDA"),
-              gpu_event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 6_000, 9_000, linked=2, device="CUDA"),
-              gpu_event("copy_kernel", 9_000, 9_100, linked=3, device="CUDA")]
+    events = [
+        gpu_event("backward", 0, 10_000),
+        gpu_event("autograd::engine::evaluate_function: AddmmBackward0", 100, 7_000, thread=2),
+        gpu_event("aten::mm", 150, 300, id=1, thread=2),
+        gpu_event("nccl:all_reduce", 5_000, 5_100, id=2, thread=2),
+        gpu_event("aten::copy_", 9_500, 9_550, id=3),
+        gpu_event("sm90_xmma_gemm_f32", 1_000, 8_000, linked=1, device="CUDA"),
+        gpu_event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 6_000, 9_000, linked=2, device="CUDA"),
+        gpu_event("copy_kernel", 9_000, 9_100, linked=3, device="CUDA"),
+    ]
     found = communication.from_trace(events)
     assert found["basis"] == "device kernels"
     assert found["allreduce_s"] == pytest.approx([0.003]) and found["exposed_s"] == pytest.approx([0.001])
@@ -564,7 +743,10 @@ def test_on_a_gpu_the_trace_reads_exposure_from_the_kernels_and_counts_each_coll
 
 def test_a_negative_wait_in_the_host_trace_is_no_time_not_zero():
     """The docstring says figures are never clamped: a span that ends before its own last operation is unphysical."""
-    events = [gpu_event("backward", 0, 5_000), gpu_event("autograd::engine::evaluate_function: MmBackward0", 100, 6_000)]
+    events = [
+        gpu_event("backward", 0, 5_000),
+        gpu_event("autograd::engine::evaluate_function: MmBackward0", 100, 6_000),
+    ]
     found = communication.from_trace(events)
     assert found["exposed_s"] == [None] and found["unphysical"] == 1
 
@@ -579,4 +761,3 @@ def test_a_gpu_transfer_is_timed_over_back_to_back_collectives_between_device_ev
     collective = lambda: gpu.launch(gpu.kernel_s)  # noqa: E731
     seconds = communication.time_collective(collective, lambda: None, gpu.synchronize, gpu.clock(), iterations=10)
     assert seconds == pytest.approx(50e-6)
-

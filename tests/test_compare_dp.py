@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import cpu_env, run_command
 
 import compare_dp
-from conftest import cpu_env, run_command
 from trainscope.communication import ring_allreduce_seconds
 from trainscope.environment import usable_cores
 from trainscope.settings import parse_settings
@@ -21,8 +21,10 @@ TINY = ["--model", "embedded:tiny-bert", "--max-train-samples", "320"]
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     results = tmp_path_factory.mktemp("compare") / "out"
-    completed = run_command(["make", "-s", "compare-dp", "ROUNDS=1",
-                             f"DP_ARGS={' '.join(TINY)} --steps 6 --results-dir {results}"], env=cpu_env())
+    completed = run_command(
+        ["make", "-s", "compare-dp", "ROUNDS=1", f"DP_ARGS={' '.join(TINY)} --steps 6 --results-dir {results}"],
+        env=cpu_env(),
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return results, json.loads((results / "compare_dp.json").read_text())
 
@@ -34,8 +36,10 @@ def test_the_data_parallel_loop_differs_from_the_single_device_loop_only_in_its_
     added = [line[1:] for line in diff["diff"].splitlines() if line.startswith("+") and not line.startswith("+++")]
     assert diff["changed_lines"] <= 12
     assert any("torch.nn.DataParallel(" in line for line in added)
-    assert all(any(word in line for word in ("DataParallel", "min_gpus", "device", "devices_of", "NotMeasurable"))
-               for line in added)
+    assert all(
+        any(word in line for word in ("DataParallel", "min_gpus", "device", "devices_of", "NotMeasurable"))
+        for line in added
+    )
     wrapped = SimpleNamespace(device_ids=[0, 1, 2], parameters=lambda: iter([torch.zeros(1)]))
     assert compare_dp.devices_of(wrapped) == [torch.device("cuda", i) for i in (0, 1, 2)]
     assert compare_dp.devices_of(torch.nn.Linear(2, 2)) == [torch.device("cpu")]
@@ -55,8 +59,10 @@ def test_data_parallel_is_refused_without_two_gpus():
         compare_dp.data_parallel(None, None, None, 32, 1e-3, 0, 0)
 
 
-@pytest.mark.parametrize("batch,processes,expected", [(32, 2, 32), (32, 3, 33), (32, 5, 30), (32, 6, 30),
-                                                      (32, 7, 35), (2, 4, 4), (33, 2, 34)])
+@pytest.mark.parametrize(
+    "batch,processes,expected",
+    [(32, 2, 32), (32, 3, 33), (32, 5, 30), (32, 6, 30), (32, 7, 35), (2, 4, 4), (33, 2, 34)],
+)
 def test_a_global_batch_that_does_not_divide_becomes_the_nearest_multiple(batch, processes, expected):
     assert compare_dp.divisible_batch(batch, processes) == expected
 
@@ -74,15 +80,27 @@ def test_make_compare_dp_runs_ddp_on_two_processes_on_the_same_cores(made):
     gpus = compare_dp.hardware(gpus=4, processes=4, cores=16)
     assert (gpus["ddp_hardware_ratio"], gpus["data_parallel_hardware_ratio"]) == (4, 4)
     planted = compare_dp.compare_results(
-        {"single": {"status": "measured", "losses": [1.0], "final_loss": 1.0},
-         "ddp": {"status": "measured", "losses": [1.0], "final_loss": 1.0}, "data_parallel": {"status": "skipped"}},
-        [{"single": {"samples_per_s": 10.0}, "ddp": {"samples_per_s": 30.0}}] * 5, {"ddp_hardware_ratio": 4})
+        {
+            "single": {"status": "measured", "losses": [1.0], "final_loss": 1.0},
+            "ddp": {"status": "measured", "losses": [1.0], "final_loss": 1.0},
+            "data_parallel": {"status": "skipped"},
+        },
+        [{"single": {"samples_per_s": 10.0}, "ddp": {"samples_per_s": 30.0}}] * 5,
+        {"ddp_hardware_ratio": 4},
+    )
     assert planted["ddp"]["scaling_efficiency"] == pytest.approx(0.75)  # 3x on 4 GPUs
     assert len(ddp["losses"]) == len(single["losses"]) == 6
     assert ddp["losses"] == pytest.approx(single["losses"], abs=1e-4)
     assert report["results"]["data_parallel"]["status"] == "not measurable here"
-    for name in ("compare_dp.json", "compare_dp.md", "compare_dp.tex", "compare_dp.png", "compare_dp.pdf",
-                 "single_device_to_data_parallel.diff", "single_device_to_distributed_data_parallel.diff"):
+    for name in (
+        "compare_dp.json",
+        "compare_dp.md",
+        "compare_dp.tex",
+        "compare_dp.png",
+        "compare_dp.pdf",
+        "single_device_to_data_parallel.diff",
+        "single_device_to_distributed_data_parallel.diff",
+    ):
         assert (results / name).stat().st_size > 0
     assert report["provenance"]["command"].startswith("python compare_dp.py")
 
@@ -105,10 +123,19 @@ def test_the_projection_assumes_its_compute_out_loud_unless_a_gpu_record_is_give
     assert report["projection"]["compute_source"] == "assumed" and "ASSUMED" in report["projection"]["assumptions"]
     run = tmp_path / "gpu-run"
     run.mkdir()
-    (run / "record.json").write_text(json.dumps({
-        "schema_version": 2, "status": "complete", "run_name": "gpu-run", "settings": {}, "plan": {"global_batch_size": 64},
-        "environment": {"device_name": "NVIDIA H100 80GB HBM3", "effective_precision": "bf16"},
-        "summary": {"world_size": 1, "timing": {}, "memory": {}, "test": {}, "throughput": {"step_s": 0.05}}}))
+    (run / "record.json").write_text(
+        json.dumps(
+            {
+                "schema_version": 2,
+                "status": "complete",
+                "run_name": "gpu-run",
+                "settings": {},
+                "plan": {"global_batch_size": 64},
+                "environment": {"device_name": "NVIDIA H100 80GB HBM3", "effective_precision": "bf16"},
+                "summary": {"world_size": 1, "timing": {}, "memory": {}, "test": {}, "throughput": {"step_s": 0.05}},
+            }
+        )
+    )
     _, compare = parse_settings(compare_dp.CompareSettings, argv=["--gpu-record", str(run / "record.json")])
     projection = compare_dp.projection(compare, {"gradient_bytes": 400e6}, 2)
     assert projection["compute_source"] == "gpu_record" and projection["compute_step_s"] == 0.05
@@ -128,7 +155,16 @@ def test_projection_arithmetic():
 
 
 def test_bad_input_exits_2_and_writes_nothing(tmp_path):
-    completed = run_command([compare_dp.sys.executable, str(compare_dp.ROOT / "compare_dp.py"), *TINY,
-                             "--rounds", "0", "--results-dir", str(tmp_path / "x")])
+    completed = run_command(
+        [
+            compare_dp.sys.executable,
+            str(compare_dp.ROOT / "compare_dp.py"),
+            *TINY,
+            "--rounds",
+            "0",
+            "--results-dir",
+            str(tmp_path / "x"),
+        ]
+    )
     assert completed.returncode == 2 and "--rounds must be at least 1" in completed.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "x").exists()

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
-
 from conftest import ONE_THREAD, TINY, assert_ok, launch, read_steps
+
 from trainscope import startup
 from trainscope.settings import parse_settings
 
-U = 2.0 ** -24
+U = 2.0**-24
 
 
 @pytest.fixture
@@ -41,8 +41,14 @@ def test_a_compiled_run_takes_eager_random_numbers(tmp_path, eager_random_number
     from accelerate.state import AcceleratorState
 
     (settings,) = parse_settings(argv=["--compile", "--report-to", "none"])
-    launch_ = startup.Startup(state=None, settings=settings, threads={}, run_dir=tmp_path, requested_max_seq_length=128,
-                              model_sequence_limit=512)
+    launch_ = startup.Startup(
+        state=None,
+        settings=settings,
+        threads={},
+        run_dir=tmp_path,
+        requested_max_seq_length=128,
+        model_sequence_limit=512,
+    )
     launch_.state = type("State", (), {"device": torch.device("cpu")})()
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
@@ -73,8 +79,9 @@ def losses_of(model, steps=((8, 16), (12, 16), (10, 16))) -> list[float]:
 def test_compiled_training_draws_the_eager_dropout_masks(eager_random_numbers_undone):
     """Without eager's random numbers inductor draws its own (the losses differ from the first step)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.3), torch.nn.LayerNorm(16),
-                                torch.nn.Linear(16, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 16), torch.nn.Dropout(0.3), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3)
+    )
     twin = copy.deepcopy(model)
     eager = losses_of(model)
     startup.eager_random_numbers()
@@ -88,14 +95,28 @@ def test_compiled_training_draws_the_eager_dropout_masks(eager_random_numbers_un
         assert abs(a - b) <= step * 16 * U * abs(a), (step, eager, compiled)
 
 
-@pytest.mark.skipif(os.environ.get("TRAINSCOPE_SLOW_TESTS") != "1",
-                    reason="compiles the tiny model with inductor (minutes on two cores): TRAINSCOPE_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    os.environ.get("TRAINSCOPE_SLOW_TESTS") != "1",
+    reason="compiles the tiny model with inductor (minutes on two cores): TRAINSCOPE_SLOW_TESTS=1",
+)
 def test_compiled_runs_match_the_eager_run_step_by_step(tmp_path):
     """train.py's tiny model with dropout: eager, compiled, and compiled padding-free, per-step losses within the
     rounding bound over a batch's B x T positions (16 x 128); no recompiles over the changing lengths."""
     runs = tmp_path / "runs"
-    flags = [*TINY, *ONE_THREAD, "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--max-steps", "4",
-             "--log-every", "1", "--output-dir", str(runs)]
+    flags = [
+        *TINY,
+        *ONE_THREAD,
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+        "--max-steps",
+        "4",
+        "--log-every",
+        "1",
+        "--output-dir",
+        str(runs),
+    ]
     for name, extra in (("eager", []), ("compiled", ["--compile"]), ("compiled-unpad", ["--compile", "--unpad"])):
         assert_ok(launch("train.py", [*flags, "--run-name", name, *extra], launcher="python", timeout=900))
     eager = [s["loss"] for s in read_steps(runs / "eager")]

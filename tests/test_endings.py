@@ -2,7 +2,6 @@
 killed main process, a rank that fails during evaluation, a second Ctrl-C, and --save-on-interrupt with --resume continuing
 with the same losses. (Faults that need no launch of their own: tests/test_faults.py.)"""
 
-import os
 import signal
 import socket
 import subprocess
@@ -12,14 +11,25 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import (
+    ACCELERATE,
+    ONE_THREAD,
+    ROOT,
+    TINY,
+    cpu_env,
+    error_lines,
+    rank_tracebacks,
+    read_record,
+    read_steps,
+    run_in_process,
+    signal_at_training_batch,
+)
 
-from conftest import (ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, error_lines, rank_tracebacks, read_record, read_steps,
-                      run_in_process, signal_at_training_batch)
 from trainscope.launching import kill_tree
 
 DDP = ROOT / "accelerate_configs" / "ddp.yaml"
 # Every batch waits 30 ms in the loader: a run long enough to be interrupted in its middle, on any machine.
-SLOW = '''import sys, time
+SLOW = """import sys, time
 sys.path.insert(0, {root!r})
 {patch}
 import trainscope.data as data
@@ -30,18 +40,18 @@ def build_collator(*args, **kwargs):
 data.build_collator = build_collator
 import train
 train.main(sys.argv[1:])
-'''
+"""
 ARGS = [*TINY, *ONE_THREAD, "--max-train-samples", "4096", "--log-every", "5", "--epochs", "3"]
 
 
 # Writing a checkpoint takes 10 s: an ending slow enough for a second Ctrl-C to arrive in it.
-SLOW_SAVE = '''import trainscope.checkpoints as checkpoints
+SLOW_SAVE = """import trainscope.checkpoints as checkpoints
 save = checkpoints.save
-checkpoints.save = lambda *args, **kwargs: (time.sleep(10), save(*args, **kwargs))[1]'''
+checkpoints.save = lambda *args, **kwargs: (time.sleep(10), save(*args, **kwargs))[1]"""
 
 # The test split's batches wait 0.3 s each and the first one leaves a marker per rank: a window in the final test
 # evaluation, after the last optimizer step's vote, for a signal to arrive in.
-SLOW_TEST = '''import pathlib, train
+SLOW_TEST = """import pathlib, train
 evaluate, evaluations = train.evaluate_split, []
 def evaluate_split(model, loader, accelerator, metric, between_batches=None):
     evaluations.append(loader)
@@ -53,10 +63,10 @@ def evaluate_split(model, loader, accelerator, metric, between_batches=None):
         time.sleep(0.3)
         between_batches()
     return evaluate(model, loader, accelerator, metric, between)
-train.evaluate_split = evaluate_split'''
+train.evaluate_split = evaluate_split"""
 
 # Rank 1 runs out of memory in the validation's first batch (a rank that errs: it does not vanish).
-OOM_IN_EVALUATION = '''import torch, train
+OOM_IN_EVALUATION = """import torch, train
 evaluate = train.evaluate_split
 def evaluate_split(model, loader, accelerator, metric, between_batches=None):
     def between():
@@ -64,7 +74,7 @@ def evaluate_split(model, loader, accelerator, metric, between_batches=None):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         between_batches()
     return evaluate(model, loader, accelerator, metric, between)
-train.evaluate_split = evaluate_split'''
+train.evaluate_split = evaluate_split"""
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +86,9 @@ def slow_script(tmp_path_factory):
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=cpu_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            command, cwd=ROOT, env=cpu_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def wait_for_steps(run_dir: Path, lines: int, process: subprocess.Popen, timeout: float = 120) -> None:
@@ -114,7 +125,9 @@ def ranks(launcher: subprocess.Popen, script: str = "slow_train.py") -> dict[int
 def assert_partial(record: dict, step_at_least: int) -> None:
     summary = record["summary"]
     assert summary["partial"] is True and summary["optimizer_steps"] >= step_at_least
-    assert summary["throughput"]["samples_per_s"] > 0 and summary["timing"]["across_ranks"]["run"]["wall_s"]["median"] > 0
+    assert (
+        summary["throughput"]["samples_per_s"] > 0 and summary["timing"]["across_ranks"]["run"]["wall_s"]["median"] > 0
+    )
 
 
 def test_ctrl_c_of_a_single_process_records_the_interruption_and_exits_130(runs, monkeypatch):
@@ -133,8 +146,10 @@ def test_ctrl_c_of_a_single_process_records_the_interruption_and_exits_130(runs,
 def test_a_second_ctrl_c_exits_at_once_and_still_marks_the_record(tmp_path):
     script, runs = tmp_path / "slow_train.py", tmp_path / "runs"
     script.write_text(SLOW.format(root=str(ROOT), patch=SLOW_SAVE))
-    process = start([sys.executable, str(script), *ARGS, "--output-dir", str(runs), "--run-name", "twice",
-                     "--save-on-interrupt"], tmp_path / "log")
+    process = start(
+        [sys.executable, str(script), *ARGS, "--output-dir", str(runs), "--run-name", "twice", "--save-on-interrupt"],
+        tmp_path / "log",
+    )
     wait_for_steps(runs / "twice", 2, process)
     process.send_signal(signal.SIGINT)  # the run stops and starts its 10 s checkpoint
     time.sleep(1.5)  # more than the window in which a launcher's forwarded copy of the same Ctrl-C is ignored
@@ -152,8 +167,9 @@ def test_ctrl_c_of_a_ddp_launch_then_resume_gives_the_same_losses_as_an_uninterr
     runs = tmp_path / "runs"
     args = [*ARGS, "--max-steps", "40", "--log-every", "1", "--output-dir", str(runs)]
     launch = [ACCELERATE, "launch", "--config_file", str(DDP), str(slow_script), *args]
-    whole = subprocess.run([*launch, "--run-name", "whole"], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
-                           timeout=300)
+    whole = subprocess.run(
+        [*launch, "--run-name", "whole"], cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300
+    )
     assert whole.returncode == 0, whole.stderr[-2000:]
     launcher = start([*launch, "--run-name", "cut", "--save-on-interrupt"], tmp_path / "log")
     wait_for_steps(runs / "cut", 12, launcher)
@@ -165,8 +181,9 @@ def test_ctrl_c_of_a_ddp_launch_then_resume_gives_the_same_losses_as_an_uninterr
     assert interruption["checkpoint"] == f"step_{interruption['step']:08d}" and interruption["step"] < 40
     assert_partial(record, 12)
     assert record["summary"]["ranks_summarized"] == [0, 1]  # both ranks stopped together and were summarized
-    resumed = subprocess.run([*launch, "--run-name", "cut", "--resume"], cwd=ROOT, env=cpu_env(), capture_output=True,
-                             text=True, timeout=300)
+    resumed = subprocess.run(
+        [*launch, "--run-name", "cut", "--resume"], cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     record = read_record(runs / "cut")
     assert record["status"] == "complete" and record["resumed_from"] == [interruption["checkpoint"]]
@@ -183,9 +200,26 @@ def test_sigterm_to_one_rank_during_the_final_test_evaluation_stops_both_and_is_
     run is complete: a signal to one rank there is not lost."""
     script, runs = tmp_path / "slow_test.py", tmp_path / "runs"
     script.write_text(SLOW.format(root=str(ROOT), patch=SLOW_TEST))
-    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(script), *TINY, *ONE_THREAD,
-                      "--max-steps", "4", "--max-test-samples", "512", "--output-dir", str(runs), "--run-name", "term"],
-                     tmp_path / "log")
+    launcher = start(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            str(DDP),
+            str(script),
+            *TINY,
+            *ONE_THREAD,
+            "--max-steps",
+            "4",
+            "--max-test-samples",
+            "512",
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "term",
+        ],
+        tmp_path / "log",
+    )
     deadline = time.monotonic() + 120
     while not (runs / "test-evaluation-rank1").exists():
         assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
@@ -205,8 +239,21 @@ def test_a_killed_main_process_leaves_a_failed_record_naming_it(slow_script, tmp
     """Rank 0, the record's writer, is killed: rank 1 finds its heartbeat stopped in the launcher's store (which
     torchrun's agent hosts, so it outlives rank 0), claims the record there and writes the failure."""
     runs = tmp_path / "runs"
-    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(slow_script), *ARGS, "--output-dir",
-                      str(runs), "--run-name", "killed"], tmp_path / "log")
+    launcher = start(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            str(DDP),
+            str(slow_script),
+            *ARGS,
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "killed",
+        ],
+        tmp_path / "log",
+    )
     wait_for_steps(runs / "killed", 2, launcher)
     victim = ranks(launcher)[0]
     victim.send_signal(signal.SIGKILL)
@@ -228,8 +275,24 @@ def test_a_rank_that_errs_during_evaluation_is_named_with_its_error(tmp_path):
     error (it did not vanish), with the cause in one line and no traceback from either rank."""
     script, runs = tmp_path / "oom.py", tmp_path / "runs"
     script.write_text(SLOW.format(root=str(ROOT), patch=OOM_IN_EVALUATION))
-    launcher = start([ACCELERATE, "launch", "--config_file", str(DDP), str(script), *TINY, *ONE_THREAD,
-                      "--max-steps", "3", "--output-dir", str(runs), "--run-name", "oom"], tmp_path / "log")
+    launcher = start(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            str(DDP),
+            str(script),
+            *TINY,
+            *ONE_THREAD,
+            "--max-steps",
+            "3",
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "oom",
+        ],
+        tmp_path / "log",
+    )
     assert finish(launcher) != 0
     record = read_record(runs / "oom")
     assert record["status"] == "failed" and record["failed_rank"] == 1 and record["lost_ranks"] is None
@@ -238,7 +301,9 @@ def test_a_rank_that_errs_during_evaluation_is_named_with_its_error(tmp_path):
     log = (tmp_path / "log").read_text()
     assert not rank_tracebacks(log), rank_tracebacks(log)
     # one line: rank 0's is rank 1's own, printed once on this host
-    assert [line.split(":", 2)[1] for line in error_lines(log)] == [" (rank 1) out of memory at --per-device-batch-size 16 (step 4)"]
+    assert [line.split(":", 2)[1] for line in error_lines(log)] == [
+        " (rank 1) out of memory at --per-device-batch-size 16 (step 4)"
+    ]
 
 
 def test_only_a_collectives_lost_connection_sends_a_rank_looking_for_a_dead_peer():

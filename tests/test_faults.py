@@ -17,9 +17,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import (
+    ONE_THREAD,
+    TINY,
+    assert_ok,
+    error_line,
+    read_record,
+    read_steps,
+    run_in_process,
+    signal_at_training_batch,
+)
 
-from conftest import (ONE_THREAD, TINY, assert_ok, error_line, read_record, read_steps, run_in_process,
-                      signal_at_training_batch)
 from trainscope import checkpoints, liveness, startup
 from trainscope.errors import UserError
 from trainscope.lifecycle import RunLifecycle, StopSignals, vote_of, vote_value
@@ -69,14 +77,17 @@ def no_partials(run_dir: Path) -> bool:
 
 # ---------------------------------------------------------------- checkpoints on --resume
 
+
 def test_an_unreadable_latest_checkpoint_is_passed_over_for_the_one_before_with_a_warning(saved_run, tmp_path):
     run_dir = copy_of(saved_run, tmp_path)
     truncate(step_dir(run_dir, 4) / "model.safetensors")  # a weights file cut short (a disk that filled, a copy)
     (run_dir / "checkpoints" / ".step_00000006.partial").mkdir()  # what a save killed midway leaves
     result = resume(run_dir)
     assert_ok(result)
-    assert "warning [checkpoint_skipped]: --resume could not use step_00000004 (model.safetensors is unreadable" in \
-        result.stdout
+    assert (
+        "warning [checkpoint_skipped]: --resume could not use step_00000004 (model.safetensors is unreadable"
+        in result.stdout
+    )
     record = read_record(run_dir)
     assert record["status"] == "complete" and record["resumed_from"] == ["step_00000002"]
     assert [s["checkpoint"] for s in record["checkpoints_skipped"]] == ["step_00000004"]
@@ -112,16 +123,21 @@ def test_a_checkpoint_of_another_number_of_processes_is_refused_before_any_train
     result = resume(run_dir)
     assert_ok(result)
     assert read_record(run_dir)["checkpoints_skipped"] == [
-        {"checkpoint": "step_00000004", "problem": "loop_state_rank1.json (rank 1's part) is missing"}]
+        {"checkpoint": "step_00000004", "problem": "loop_state_rank1.json (rank 1's part) is missing"}
+    ]
 
 
-@pytest.mark.parametrize("damage, problem", [
-    (lambda d: (d / "random_states_0.pkl").unlink(), "random_states_0.pkl (rank 0's random state) is missing"),
-    (lambda d: truncate(d / "scheduler.bin", 100), "scheduler.bin is unreadable (File is not a zip file)"),
-    (lambda d: (d / "loop_state_rank0.json").write_text("{"), "loop_state_rank0.json is unreadable"),
-    (lambda d: (d / "model.safetensors").unlink(), "it has no model weights"),
-    (lambda d: None, None),
-], ids=["random-state", "scheduler", "loop-state", "weights", "whole"])
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda d: (d / "random_states_0.pkl").unlink(), "random_states_0.pkl (rank 0's random state) is missing"),
+        (lambda d: truncate(d / "scheduler.bin", 100), "scheduler.bin is unreadable (File is not a zip file)"),
+        (lambda d: (d / "loop_state_rank0.json").write_text("{"), "loop_state_rank0.json is unreadable"),
+        (lambda d: (d / "model.safetensors").unlink(), "it has no model weights"),
+        (lambda d: None, None),
+    ],
+    ids=["random-state", "scheduler", "loop-state", "weights", "whole"],
+)
 def test_a_checkpoint_is_checked_part_by_part(damage, problem, saved_run, tmp_path):
     directory = shutil.copytree(step_dir(saved_run, 4), tmp_path / "step_00000004")
     damage(directory)
@@ -142,6 +158,7 @@ def test_a_corrupt_record_is_begun_again_and_the_run_resumes(saved_run, tmp_path
 
 # ---------------------------------------------------------------- saving
 
+
 def test_a_full_disk_while_saving_ends_in_one_line_naming_the_folder_and_leaves_no_partial(runs, monkeypatch):
     """The output folder's disk fills while --save-every 1 writes: safetensors' own error, planted."""
     from accelerate import Accelerator
@@ -150,12 +167,14 @@ def test_a_full_disk_while_saving_ends_in_one_line_naming_the_folder_and_leaves_
     def save_state(self, output_dir):
         Path(output_dir).mkdir(parents=True)
         (Path(output_dir) / "model.safetensors").write_bytes(b"\0" * 4096)  # half written
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
-                              'left on device" })')
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
 
     monkeypatch.setattr(Accelerator, "save_state", save_state)
-    result = run_in_process([*TINY, *ONE_THREAD, "--max-steps", "3", "--save-every", "1", "--output-dir", str(runs),
-                             "--run-name", "full"])
+    result = run_in_process(
+        [*TINY, *ONE_THREAD, "--max-steps", "3", "--save-every", "1", "--output-dir", str(runs), "--run-name", "full"]
+    )
     line = assert_one_line(result, 1)
     folder = runs / "full" / "checkpoints"
     assert f"no space left on the disk of {folder} for checkpoint step_00000001: it needs about 0.01 GiB" in line
@@ -175,8 +194,9 @@ def test_a_disk_without_room_for_the_checkpoint_is_refused_before_writing(runs, 
     from accelerate import Accelerator
 
     monkeypatch.setattr(Accelerator, "save_state", lambda *args: calls.append(args))
-    result = run_in_process([*TINY, *ONE_THREAD, "--max-steps", "3", "--save-every", "2", "--output-dir", str(runs),
-                             "--run-name", "small"])
+    result = run_in_process(
+        [*TINY, *ONE_THREAD, "--max-steps", "3", "--save-every", "2", "--output-dir", str(runs), "--run-name", "small"]
+    )
     line = assert_one_line(result, 1)
     assert "for checkpoint step_00000002: it needs about 0.01 GiB, 0.00 GiB free there" in line
     assert not calls and no_partials(runs / "small")  # nothing was written
@@ -195,7 +215,9 @@ def test_a_signal_during_a_checkpoint_stops_the_run_with_that_checkpoint_whole(r
     args = [*SAVED, "--save-on-interrupt", "--output-dir", str(runs), "--run-name", "cut"]
     result = run_in_process(args)
     assert result.returncode == 143 and "Traceback" not in result.stderr
-    assert result.stderr.count("SIGTERM received: stopping at the next step boundary") == 1  # said by the training thread
+    assert (
+        result.stderr.count("SIGTERM received: stopping at the next step boundary") == 1
+    )  # said by the training thread
     record = read_record(runs / "cut")
     assert record["status"] == "interrupted" and record["interruption"]["step"] == 2
     assert record["interruption"]["checkpoint"] == "step_00000002" and record["interruption"]["received_by"] == 0
@@ -212,8 +234,9 @@ def test_a_full_disk_on_save_on_interrupt_still_stops_as_asked_and_says_what_was
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Accelerator, "save_state", save_state)
-    result = run_in_process([*TINY, *ONE_THREAD, "--max-steps", "20", "--save-on-interrupt", "--output-dir", str(runs),
-                             "--run-name", "cut"])
+    result = run_in_process(
+        [*TINY, *ONE_THREAD, "--max-steps", "20", "--save-on-interrupt", "--output-dir", str(runs), "--run-name", "cut"]
+    )
     assert result.returncode == 143 and "Traceback" not in result.stderr
     assert "no space left on the disk of" in error_line(result)
     interruption = read_record(runs / "cut")["interruption"]
@@ -222,6 +245,7 @@ def test_a_full_disk_on_save_on_interrupt_still_stops_as_asked_and_says_what_was
 
 
 # ---------------------------------------------------------------- collectives and the process group
+
 
 def test_a_collective_that_times_out_ends_in_one_line_and_a_failed_record(runs, monkeypatch):
     """What the NCCL watchdog raises in the training thread once TORCH_NCCL_ASYNC_ERROR_HANDLING=2 aborts the
@@ -235,7 +259,8 @@ def test_a_collective_that_times_out_ends_in_one_line_and_a_failed_record(runs, 
         if len(calls) == 3:
             raise torch.distributed.DistBackendError(
                 "[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
-                "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600013 milliseconds before timing out.")
+                "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600013 milliseconds before timing out."
+            )
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainscope.loop.F, "cross_entropy", cross_entropy)
@@ -255,17 +280,33 @@ class RecordingState:
         self.error_handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-@pytest.mark.parametrize("environ, cpu, cuda, expected", [
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, False, True,
-     {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)}),
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, False, True,  # torchrun's
-     {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)}),
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, False, True,  # the user's
-     {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)}),
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True, True, {"timeout": timedelta(seconds=90)}),  # gloo on the CPU
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False, False, {"timeout": timedelta(seconds=90)}),  # no GPU
-    ({}, False, True, {}),  # one process: no group
-], ids=["nccl", "nccl-torchrun", "nccl-user-handling", "cpu", "no-gpu", "single"])
+@pytest.mark.parametrize(
+    "environ, cpu, cuda, expected",
+    [
+        (
+            {"WORLD_SIZE": "2", "LOCAL_RANK": "1"},
+            False,
+            True,
+            {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)},
+        ),
+        (
+            {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+            False,
+            True,  # torchrun's
+            {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)},
+        ),
+        (
+            {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"},
+            False,
+            True,  # the user's
+            {"timeout": timedelta(seconds=90), "device_id": torch.device("cuda", 1)},
+        ),
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True, True, {"timeout": timedelta(seconds=90)}),  # gloo on the CPU
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False, False, {"timeout": timedelta(seconds=90)}),  # no GPU
+        ({}, False, True, {}),  # one process: no group
+    ],
+    ids=["nccl", "nccl-torchrun", "nccl-user-handling", "cpu", "no-gpu", "single"],
+)
 def test_the_process_group_is_opened_with_the_timeout_and_the_ranks_gpu(environ, cpu, cuda, expected, monkeypatch):
     monkeypatch.setattr(startup, "PartialState", RecordingState)
     monkeypatch.setattr(startup, "_cuda", lambda: cuda)
@@ -281,8 +322,9 @@ def test_the_process_group_is_opened_with_the_timeout_and_the_ranks_gpu(environ,
         assert state.error_handling == ("3" if environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "3" else "2")
         assert facts == {"timeout_s": 90, "device_id": "cuda:1", "nccl_async_error_handling": state.error_handling}
     else:
-        assert state.error_handling is None and facts == ({"timeout_s": 90, "device_id": None,
-                                                           "nccl_async_error_handling": None} if expected else {})
+        assert state.error_handling is None and facts == (
+            {"timeout_s": 90, "device_id": None, "nccl_async_error_handling": None} if expected else {}
+        )
 
 
 class TwoMachines:
@@ -293,8 +335,9 @@ class TwoMachines:
         self.barrier, self.slots, self.local = threading.Barrier(2, timeout=10), [None, None], threading.local()
 
     def state(self, rank: int):
-        return SimpleNamespace(num_processes=2, process_index=rank, is_main_process=rank == 0,
-                               wait_for_everyone=self.barrier.wait)
+        return SimpleNamespace(
+            num_processes=2, process_index=rank, is_main_process=rank == 0, wait_for_everyone=self.barrier.wait
+        )
 
     def broadcast_object_list(self, objects):
         if self.local.rank == 0:
@@ -348,13 +391,16 @@ def test_checkpoints_on_several_machines_need_one_shared_folder(shared, tmp_path
         assert outcomes == [None, None]
     else:
         assert all(isinstance(o, UserError) for o in outcomes) and str(outcomes[0]) == str(outcomes[1])
-        assert str(outcomes[0]).startswith("--save-every on several machines needs --output-dir on a filesystem they "
-                                           f"all share: rank 1 on {socket.gethostname()} cannot see "
-                                           f"{tmp_path / 'runs-of-machine0'}")
+        assert str(outcomes[0]).startswith(
+            "--save-every on several machines needs --output-dir on a filesystem they "
+            f"all share: rank 1 on {socket.gethostname()} cannot see "
+            f"{tmp_path / 'runs-of-machine0'}"
+        )
     assert not list(tmp_path.iterdir())  # the marker, and the folder made for it, removed
 
 
 # ---------------------------------------------------------------- signals
+
 
 class RaisingStream:
     def write(self, text):
@@ -403,17 +449,29 @@ def test_a_second_signal_writes_the_prepared_record_with_system_calls_only(tmp_p
     assert exited.value.code == 130 and "SIGINT again: exiting at once" in capfd.readouterr().err
     written = read_record(tmp_path)
     assert written["status"] == "interrupted" and written["finished"]
-    assert written["interruption"] == {"signal": "SIGINT", "step": 17, "checkpoint": None, "forced": True,
-                                       "received_here": True, "received_by": 0}
+    assert written["interruption"] == {
+        "signal": "SIGINT",
+        "step": 17,
+        "checkpoint": None,
+        "forced": True,
+        "received_here": True,
+        "received_by": 0,
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
 
 
 def test_the_vote_carries_the_highest_signal_and_the_lowest_rank_that_received_it():
-    votes = [vote_value(0, 0), vote_value(signal.SIGTERM, 3), vote_value(signal.SIGTERM, 1), vote_value(signal.SIGINT, 0)]
+    votes = [
+        vote_value(0, 0),
+        vote_value(signal.SIGTERM, 3),
+        vote_value(signal.SIGTERM, 1),
+        vote_value(signal.SIGINT, 0),
+    ]
     assert vote_of(max(votes)) == (signal.SIGTERM, 1) and vote_value(0, 5) == 0
 
 
 # ---------------------------------------------------------------- peers judged through the launcher's store
+
 
 @pytest.fixture
 def store():
@@ -422,12 +480,17 @@ def store():
     watches = []
 
     def watch(rank: int, world: int = 3) -> PeerWatch:
-        watches.append(PeerWatch(torch.distributed.PrefixStore("default_pg", found.server), rank, world, beat_s=0.05,
-                                 patience_s=0.5))
+        watches.append(
+            PeerWatch(
+                torch.distributed.PrefixStore("default_pg", found.server), rank, world, beat_s=0.05, patience_s=0.5
+            )
+        )
         return watches[-1]
 
-    found = SimpleNamespace(watch=watch, server=torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5),
-                                                                         wait_for_workers=False))
+    found = SimpleNamespace(
+        watch=watch,
+        server=torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5), wait_for_workers=False),
+    )
     yield found
     for each in watches:
         each.stop()
@@ -446,7 +509,7 @@ def test_a_peer_that_failed_is_named_with_its_error_and_a_silent_one_vanished(st
 
 
 def test_a_peer_alive_is_alive_and_the_root_cause_is_the_peer_that_failed_first(store):
-    main, alive = store.watch(0, world=2), store.watch(1, world=2)
+    main, _alive = store.watch(0, world=2), store.watch(1, world=2)
     assert main.verdicts() == {1: Verdict(1, "alive")}
     follower = [Verdict(1, "failed", error="rank 2 vanished", caused_by=2), Verdict(2, "vanished", silent_s=3.0)]
     assert root_cause(follower).rank == 2  # the vanished peer, not the rank that failed because of it
@@ -499,7 +562,9 @@ def test_the_record_written_from_the_heartbeat_thread_names_the_lost_peer_until_
     lifecycle._peer_lost([Verdict(1, "vanished", where="pid 9 on node-b", silent_s=10.2)])
     written = read_record(tmp_path)
     assert written["status"] == "failed" and written["failed_rank"] == 1 and written["failed_at_step"] == 7
-    assert written["error"] == "rank 1 (pid 9 on node-b) vanished (no heartbeat for 10.2 s: killed, or its machine lost)"
+    assert (
+        written["error"] == "rank 1 (pid 9 on node-b) vanished (no heartbeat for 10.2 s: killed, or its machine lost)"
+    )
     assert written["lost_ranks"] == ["rank 1 (pid 9 on node-b)"]
     record.update(status="interrupted")
     lifecycle._begin_ending()  # the training thread's own ending: the thread no longer writes

@@ -3,9 +3,9 @@ import pickle
 import time
 
 import pytest
+from conftest import ONE_THREAD, TINY, assert_ok, read_record, read_steps, run_in_process
 from transformers import AutoConfig
 
-from conftest import ONE_THREAD, TINY, assert_ok, read_record, read_steps, run_in_process
 from trainscope import embedded, flops
 from trainscope.profiling import MemorySnapshot
 
@@ -45,8 +45,10 @@ def counted_step(flags, batch=8, length=64):
     trace._fake_parameters(model, fake_mode, torch.device("cpu"))
     model.train()  # attention dropout in training: SDPA's math path, whose matmuls the counter counts
     with fake_mode:
-        inputs = {name: torch.zeros(batch, length, dtype=torch.long)
-                  for name in ("input_ids", "attention_mask", "token_type_ids")}
+        inputs = {
+            name: torch.zeros(batch, length, dtype=torch.long)
+            for name in ("input_ids", "attention_mask", "token_type_ids")
+        }
         with FlopCounterMode(display=False) as counter:
             logits = model(**inputs).logits
             classification_loss(logits, torch.zeros(batch, dtype=torch.long)).backward()
@@ -56,12 +58,18 @@ def counted_step(flags, batch=8, length=64):
 ROBERTA = ["--model", "roberta-base", "--architecture-only", "--tokenizer", "embedded:minilm-l6"]
 
 
-@pytest.mark.parametrize("flags", [
-    ["--model", "embedded:minilm-l6"], ["--model", "embedded:minilm-l6", "--lora"],
-    ["--model", "embedded:minilm-l6", "--gradient-checkpointing"],
-    ["--model", "embedded:minilm-l6", "--lora", "--gradient-checkpointing"],
-    [*ROBERTA, "--lora"], ["--model", "distilbert-base-uncased", "--architecture-only", "--lora"],
-], ids=["minilm", "minilm-lora", "minilm-ckpt", "minilm-lora-ckpt", "roberta-lora", "distilbert-lora"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--model", "embedded:minilm-l6"],
+        ["--model", "embedded:minilm-l6", "--lora"],
+        ["--model", "embedded:minilm-l6", "--gradient-checkpointing"],
+        ["--model", "embedded:minilm-l6", "--lora", "--gradient-checkpointing"],
+        [*ROBERTA, "--lora"],
+        ["--model", "distilbert-base-uncased", "--architecture-only", "--lora"],
+    ],
+    ids=["minilm", "minilm-lora", "minilm-ckpt", "minilm-lora-ckpt", "roberta-lora", "distilbert-lora"],
+)
 def test_model_flops_agree_with_torchs_flop_counter_for_full_fine_tuning_lora_and_checkpointing(flags):
     """The second instrument: FlopCounterMode counts what the step's matmuls execute. Model FLOPs plus the
     recomputation agree with it within 10%; the model FLOPs of a checkpointed step are its plain step's (the
@@ -80,8 +88,20 @@ def test_model_flops_agree_with_torchs_flop_counter_for_full_fine_tuning_lora_an
 
 
 def test_a_lora_checkpointed_run_records_its_model_flops_and_what_the_hardware_executed(runs):
-    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "lora", "--max-steps", "4",
-                             "--lora", "--gradient-checkpointing"])
+    result = run_in_process(
+        [
+            *TINY,
+            *ONE_THREAD,
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "lora",
+            "--max-steps",
+            "4",
+            "--lora",
+            "--gradient-checkpointing",
+        ]
+    )
     assert_ok(result)
     from trainscope.record_view import RunView
 
@@ -96,39 +116,67 @@ def test_a_lora_checkpointed_run_records_its_model_flops_and_what_the_hardware_e
     assert shape["flops"] < full[0] * shape["padded_tokens"] + full[1] * shape["padded_squares"]
     measured = summary["measured_peak"]
     assert counted["recomputed_tflops_per_device"] > 0
-    assert measured["executed_tflops"] == pytest.approx(measured["achieved_tflops"] + counted["recomputed_tflops_per_device"])
+    assert measured["executed_tflops"] == pytest.approx(
+        measured["achieved_tflops"] + counted["recomputed_tflops_per_device"]
+    )
 
 
-@pytest.mark.parametrize("name,precision,peak", [
-    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA L40", "bf16", 181.05), ("NVIDIA L40S", "bf16", 362.05),
-    ("NVIDIA L40S", "tf32", 183.0), ("NVIDIA L40S", "fp16", 362.05),
-    ("NVIDIA A10", "bf16", 125.0), ("NVIDIA A10G", "bf16", None),
-    ("NVIDIA A100-PCIE-40GB", "bf16", 312.0), ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
-    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-    ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 80GB HBM3", "bf16", 989.5), ("NVIDIA H100 NVL", "bf16", 835.5),
-    ("NVIDIA H200", "bf16", 989.5), ("NVIDIA H200 NVL", "bf16", 835.5), ("NVIDIA B200", "bf16", 2250.0),
-    ("NVIDIA B200", "tf32", 1125.0), ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("Tesla V100-SXM2-16GB", "bf16", None),
-    ("Tesla V100-SXM2-32GB", "fp16", 125.0), ("Tesla V100-SXM2-16GB", "fp32", 15.7),
-    ("Tesla V100-PCIE-16GB", "fp16", 112.0), ("Tesla V100-PCIE-32GB", "fp32", 14.0),
-    ("Tesla V100-FHHL-16GB", "fp16", None),  # the 150 W card: no figure in the table, so no MFU
-    ("AMD EPYC 7B13", "fp32", None),
-    # another part than the full card: a MIG slice, a laptop part, a D variant (no peak known for them here)
-    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", None), ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "tf32", None),
-    ("NVIDIA GeForce RTX 4090 Laptop GPU", "bf16", None), ("NVIDIA GeForce RTX 4090 D", "bf16", None),
-])
+@pytest.mark.parametrize(
+    "name,precision,peak",
+    [
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA L40", "bf16", 181.05),
+        ("NVIDIA L40S", "bf16", 362.05),
+        ("NVIDIA L40S", "tf32", 183.0),
+        ("NVIDIA L40S", "fp16", 362.05),
+        ("NVIDIA A10", "bf16", 125.0),
+        ("NVIDIA A10G", "bf16", None),
+        ("NVIDIA A100-PCIE-40GB", "bf16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "tf32", 156.0),
+        ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.5),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.5),
+        ("NVIDIA H100 NVL", "bf16", 835.5),
+        ("NVIDIA H200", "bf16", 989.5),
+        ("NVIDIA H200 NVL", "bf16", 835.5),
+        ("NVIDIA B200", "bf16", 2250.0),
+        ("NVIDIA B200", "tf32", 1125.0),
+        ("NVIDIA GeForce RTX 4090", "bf16", 165.2),
+        ("Tesla V100-SXM2-16GB", "bf16", None),
+        ("Tesla V100-SXM2-32GB", "fp16", 125.0),
+        ("Tesla V100-SXM2-16GB", "fp32", 15.7),
+        ("Tesla V100-PCIE-16GB", "fp16", 112.0),
+        ("Tesla V100-PCIE-32GB", "fp32", 14.0),
+        ("Tesla V100-FHHL-16GB", "fp16", None),  # the 150 W card: no figure in the table, so no MFU
+        ("AMD EPYC 7B13", "fp32", None),
+        # another part than the full card: a MIG slice, a laptop part, a D variant (no peak known for them here)
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", None),
+        ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "tf32", None),
+        ("NVIDIA GeForce RTX 4090 Laptop GPU", "bf16", None),
+        ("NVIDIA GeForce RTX 4090 D", "bf16", None),
+    ],
+)
 def test_peaks_come_from_an_exact_table_never_a_substring(name, precision, peak):
     assert flops.peak_tflops(name, precision) == peak
 
 
-@pytest.mark.parametrize("name,why", [
-    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "MIG slice"), ("NVIDIA GeForce RTX 4090 Laptop GPU", "laptop part"),
-    ("NVIDIA GeForce RTX 4090 D", "D variant"),
-])
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "MIG slice"),
+        ("NVIDIA GeForce RTX 4090 Laptop GPU", "laptop part"),
+        ("NVIDIA GeForce RTX 4090 D", "D variant"),
+    ],
+)
 def test_a_variant_without_a_peak_says_why_in_its_warning(name, why):
     from trainscope import health
 
-    record = {"settings": {}, "environment": {"device": "cuda:0", "device_name": name, "effective_precision": "bf16"},
-              "summary": {"mfu": None}}
+    record = {
+        "settings": {},
+        "environment": {"device": "cuda:0", "device_name": name, "effective_precision": "bf16"},
+        "summary": {"mfu": None},
+    }
     (warning,) = health.check(record)
     assert warning["code"] == "mfu_unknown" and why in warning["message"] and "not computed" in warning["message"]
     assert flops.variant_reason("NVIDIA H100 80GB HBM3") is None and flops.variant_reason("AMD EPYC 7B13") is None
@@ -141,8 +189,23 @@ def test_mfu_is_none_rather_than_a_guess():
 
 
 def test_profile_writes_a_trace_with_the_stage_labels_and_says_which_steps(runs):
-    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "prof", "--profile",
-                             "--profile-wait", "1", "--profile-warmup", "1", "--profile-active", "2"])
+    result = run_in_process(
+        [
+            *TINY,
+            *ONE_THREAD,
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "prof",
+            "--profile",
+            "--profile-wait",
+            "1",
+            "--profile-warmup",
+            "1",
+            "--profile-active",
+            "2",
+        ]
+    )
     assert_ok(result)
     traces = list((runs / "prof" / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1
@@ -182,24 +245,35 @@ def test_records_carry_flops_and_their_share_of_the_machines_measured_peak_not_a
     # the useful work beside it: the FLOPs on real tokens (each sequence's own length in the attention term), below
     # the padded count by no more than flops.padding_flops_share's bound from the token counts alone (Jensen)
     throughput = summary["throughput"]
-    assert throughput["real_flops"] == flops.real_training_flops((2, 32, 64), throughput["tokens"],
-                                                                 throughput["squares"])
-    bound = flops.padding_flops_share({"layers": 2, "hidden": 32, "intermediate": 64}, throughput["tokens"],
-                                      throughput["padded_tokens"], throughput["samples"], throughput["padded_squares"])
+    assert throughput["real_flops"] == flops.real_training_flops(
+        (2, 32, 64), throughput["tokens"], throughput["squares"]
+    )
+    bound = flops.padding_flops_share(
+        {"layers": 2, "hidden": 32, "intermediate": 64},
+        throughput["tokens"],
+        throughput["padded_tokens"],
+        throughput["samples"],
+        throughput["padded_squares"],
+    )
     assert 0 < throughput["padding_flops_share"] <= bound
     assert throughput["real_tflops_per_device"] == pytest.approx(
-        throughput["tflops_per_device"] * (1 - throughput["padding_flops_share"]))
+        throughput["tflops_per_device"] * (1 - throughput["padding_flops_share"])
+    )
     assert measured["real_share"] == pytest.approx(throughput["real_tflops_per_device"] / fp32["peak_tflops"])
     assert measured["gap_estimate"]["padding_floor_s"] == pytest.approx(
-        measured["gap_estimate"]["floor_s"] * throughput["padding_flops_share"])
+        measured["gap_estimate"]["floor_s"] * throughput["padding_flops_share"]
+    )
     assert environment["cpu_bf16"]["speedup"] == pytest.approx(
-        machine["precisions"]["bf16"]["peak_tflops"] / fp32["peak_tflops"])
+        machine["precisions"]["bf16"]["peak_tflops"] / fp32["peak_tflops"]
+    )
     shapes = measured["run_shapes"]  # the run's own shapes: batch x its mean padded length, and one layer there
     assert shapes["batch"] == 16 and shapes["length"] % 8 == 0 and shapes["tflops"] > 0
     assert shapes["layer"]["categories"]["matmul"] > 0 and shapes["layer"]["length"] == shapes["length"]
     line = next(line for line in result.stdout.splitlines() if "measured fp32 matmul peak" in line)
-    assert f"{measured['share']:.1%} of this machine's measured fp32 matmul peak, {measured['real_share']:.1%} on real " \
+    assert (
+        f"{measured['share']:.1%} of this machine's measured fp32 matmul peak, {measured['real_share']:.1%} on real "
         "tokens" in line
+    )
     assert measured["key_id"] in line and "MFU" not in result.stdout
 
 
@@ -239,13 +313,23 @@ def test_the_snapshot_window_and_taking_the_snapshot_stay_out_of_the_steady_figu
     throughput never sees it. (On CUDA the recording also slows the window's steps: make gpu-check runs it.)"""
     import trainscope.run_metrics as run_metrics
 
-    monkeypatch.setattr(run_metrics, "build_memory_snapshot", lambda settings, run_dir, device, rank: MemorySnapshot(
-        run_dir / "memory" / "snapshot_rank0.pickle", settings.timing_warmup_steps, 3, backend=FakeAllocator(0.5)))
-    assert_ok(run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "snap", "--max-steps", "12"]))
+    monkeypatch.setattr(
+        run_metrics,
+        "build_memory_snapshot",
+        lambda settings, run_dir, device, rank: MemorySnapshot(
+            run_dir / "memory" / "snapshot_rank0.pickle", settings.timing_warmup_steps, 3, backend=FakeAllocator(0.5)
+        ),
+    )
+    assert_ok(
+        run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "snap", "--max-steps", "12"])
+    )
     summary = read_record(runs / "snap")["summary"]
     counts = summary["timing"]["per_rank"][0]["counts"]
-    assert (counts["warmup"]["optimizer_steps"], counts["snapshot"]["optimizer_steps"],
-            counts["steady"]["optimizer_steps"]) == (2, 3, 7)
+    assert (
+        counts["warmup"]["optimizer_steps"],
+        counts["snapshot"]["optimizer_steps"],
+        counts["steady"]["optimizer_steps"],
+    ) == (2, 3, 7)
     across = summary["timing"]["across_ranks"]
     assert across["snapshot"]["wall_s"]["median"] >= 0.5 > across["steady"]["wall_s"]["median"]
     assert summary["throughput"]["optimizer_steps"] == 7 and summary["memory_snapshot"]["first_step"] == 3

@@ -12,9 +12,17 @@ from trainscope import embedded, gap, profiling
 
 def event(name, self_us, parent=None, seq=-1, flops=0, thread=1):
     """A stand-in for torch.profiler's FunctionEvent with what categorize reads."""
-    e = SimpleNamespace(name=name, self_cpu_time_total=self_us, self_device_time_total=0, cpu_parent=parent,
-                        sequence_nr=seq, flops=flops, thread=thread, device_type="DeviceType.CPU",
-                        cpu_time_total=self_us)
+    e = SimpleNamespace(
+        name=name,
+        self_cpu_time_total=self_us,
+        self_device_time_total=0,
+        cpu_parent=parent,
+        sequence_nr=seq,
+        flops=flops,
+        thread=thread,
+        device_type="DeviceType.CPU",
+        cpu_time_total=self_us,
+    )
     return e
 
 
@@ -31,8 +39,15 @@ def planted_step():
     attention = event("aten::scaled_dot_product_attention", 5, forward, seq=3)
     math = event("aten::_scaled_dot_product_attention_math", 5, attention, seq=3)
     attention_drop = event("aten::dropout", 5, math, seq=4)
-    events += [attention, math, event("aten::bmm", 400, math, seq=3, flops=1e9), event("aten::_softmax", 150, math),
-               event("aten::where", 50, math), attention_drop, event("aten::mul", 90, attention_drop, seq=4)]
+    events += [
+        attention,
+        math,
+        event("aten::bmm", 400, math, seq=3, flops=1e9),
+        event("aten::_softmax", 150, math),
+        event("aten::where", 50, math),
+        attention_drop,
+        event("aten::mul", 90, attention_drop, seq=4),
+    ]
     norm = event("aten::layer_norm", 5, forward, seq=5)
     events += [norm, event("aten::native_layer_norm", 120, norm, seq=5)]
     backward = event("backward", 50, step)
@@ -40,12 +55,25 @@ def planted_step():
     inner = event("MulBackward0", 5, node, seq=2)
     attention_node = event("autograd::engine::evaluate_function: MulBackward0", 10, backward, seq=4)
     addmm_node = event("autograd::engine::evaluate_function: AddmmBackward0", 10, backward, seq=1)
-    events += [backward, node, inner, event("aten::mul", 180, inner), attention_node,
-               event("aten::mul", 60, attention_node), addmm_node, event("aten::mm", 3000, addmm_node, flops=8e9),
-               event("aten::sum", 70, addmm_node)]
+    events += [
+        backward,
+        node,
+        inner,
+        event("aten::mul", 180, inner),
+        attention_node,
+        event("aten::mul", 60, attention_node),
+        addmm_node,
+        event("aten::mm", 3000, addmm_node, flops=8e9),
+        event("aten::sum", 70, addmm_node),
+    ]
     optimizer = event("optimizer", 20, step)
-    events += [optimizer, event("aten::_fused_adamw_", 500, optimizer), event("aten::stack", 40, optimizer),
-               event("aten::to", 30, forward), event("other thread op", 9999, thread=2)]
+    events += [
+        optimizer,
+        event("aten::_fused_adamw_", 500, optimizer),
+        event("aten::stack", 40, optimizer),
+        event("aten::to", 30, forward),
+        event("other thread op", 9999, thread=2),
+    ]
     return events
 
 
@@ -66,8 +94,12 @@ def test_operators_take_the_category_of_what_they_serve_forward_and_backward():
 
 
 def test_the_gap_rows_put_the_floor_under_the_matmuls_and_never_print_a_negative_time():
-    breakdown = {"window_s": 10.0, "matmul_flops": 4e12, "matmul_s": 5.0,
-                 "categories": {**dict.fromkeys(gap.CATEGORIES, 0.5), "matmul": 5.0}}
+    breakdown = {
+        "window_s": 10.0,
+        "matmul_flops": 4e12,
+        "matmul_s": 5.0,
+        "categories": {**dict.fromkeys(gap.CATEGORIES, 0.5), "matmul": 5.0},
+    }
     rows = {r["part"]: r for r in gap.rows(breakdown, peak_tflops=1.0)}
     assert rows["matmuls at the measured peak (floor)"]["seconds"] == pytest.approx(4.0)
     assert rows["matmuls above the floor"]["seconds"] == pytest.approx(1.0) and rows["dropout"]["share"] == 0.05
@@ -81,15 +113,23 @@ def test_the_gap_rows_put_the_floor_under_the_matmuls_and_never_print_a_negative
     assert by_part["matmuls on real tokens at the measured peak (floor)"]["seconds"] == pytest.approx(2.4)
     assert by_part["matmuls on real tokens above the floor"]["seconds"] == pytest.approx(0.6)
     assert sum(r["seconds"] for r in padded) == pytest.approx(sum(r["seconds"] for r in rows.values()))  # carved out
-    estimate = gap.estimate(4e12, 1.0, {"forward": 3.0, "backward": 4.0, "optimizer": 1.0, "data": 0.5, "other": 0.5},
-                            train_s=9.0, padding_share=0.25)
+    estimate = gap.estimate(
+        4e12,
+        1.0,
+        {"forward": 3.0, "backward": 4.0, "optimizer": 1.0, "data": 0.5, "other": 0.5},
+        train_s=9.0,
+        padding_share=0.25,
+    )
     assert estimate["floor_share"] == pytest.approx(4 / 9) and estimate["forward_backward_s"] == 7.0
     assert estimate["padding_floor_s"] == pytest.approx(1.0)
 
 
 def tiny_model(hidden_dropout: float, attention_dropout: float):
-    values = {**embedded.bundled_architecture("tiny-bert"), "hidden_dropout_prob": hidden_dropout,
-              "attention_probs_dropout_prob": attention_dropout}
+    values = {
+        **embedded.bundled_architecture("tiny-bert"),
+        "hidden_dropout_prob": hidden_dropout,
+        "attention_probs_dropout_prob": attention_dropout,
+    }
     config = AutoConfig.for_model(values.pop("model_type"), **values, num_labels=3)
     return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
 
@@ -115,9 +155,18 @@ def test_one_layer_profiled_apart_shows_what_attention_dropout_costs_and_leaves_
 
 def kernel(name, start_us, end_us):
     """A stand-in for a device event (a CUDA kernel) with its timestamps."""
-    return SimpleNamespace(name=name, device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=start_us, end=end_us),
-                           self_cpu_time_total=0, self_device_time_total=end_us - start_us, cpu_parent=None,
-                           sequence_nr=-1, flops=0, thread=1, cpu_time_total=0)
+    return SimpleNamespace(
+        name=name,
+        device_type="DeviceType.CUDA",
+        time_range=SimpleNamespace(start=start_us, end=end_us),
+        self_cpu_time_total=0,
+        self_device_time_total=end_us - start_us,
+        cpu_parent=None,
+        sequence_nr=-1,
+        flops=0,
+        thread=1,
+        cpu_time_total=0,
+    )
 
 
 def test_nccl_kernels_beside_compute_count_once_and_the_shares_stay_within_the_window():
@@ -130,8 +179,13 @@ def test_nccl_kernels_beside_compute_count_once_and_the_shares_stay_within_the_w
     mm.self_device_time_total = 600
     allreduce = event("nccl:all_reduce", 5, step)
     allreduce.self_device_time_total = 600
-    events = [step, mm, allreduce, kernel("sm90_xmma_gemm_f32", 100, 700),
-              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 300, 900)]
+    events = [
+        step,
+        mm,
+        allreduce,
+        kernel("sm90_xmma_gemm_f32", 100, 700),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 300, 900),
+    ]
     found = gap.categorize(events, on_device=True)
     seconds = {k: round(v * 1e6) for k, v in found["categories"].items() if v}
     assert seconds == {"matmul": 600, "communication": 200, "outside operators": 200}
@@ -142,12 +196,22 @@ def test_nccl_kernels_beside_compute_count_once_and_the_shares_stay_within_the_w
 def test_the_top_operators_leave_out_device_events_counted_in_their_operators():
     """key_averages() lists each kernel beside the aten:: operator that launched it, whose self device time already
     holds it: the GEMM's 600 us showed twice."""
-    averages = [SimpleNamespace(key=name, count=1, self_cpu_time_total=cpu, self_device_time_total=device_us,
-                                device_type=f"DeviceType.{kind}")
-                for name, cpu, device_us, kind in (("aten::mm", 20, 600, "CPU"), ("sm90_xmma_gemm_f32", 0, 600, "CUDA"),
-                                                   ("nccl:all_reduce", 30, 500, "CPU"),
-                                                   ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 500, "CUDA"),
-                                                   ("Memcpy HtoD (Pageable -> Device)", 0, 40, "CUDA"))]
+    averages = [
+        SimpleNamespace(
+            key=name,
+            count=1,
+            self_cpu_time_total=cpu,
+            self_device_time_total=device_us,
+            device_type=f"DeviceType.{kind}",
+        )
+        for name, cpu, device_us, kind in (
+            ("aten::mm", 20, 600, "CPU"),
+            ("sm90_xmma_gemm_f32", 0, 600, "CUDA"),
+            ("nccl:all_reduce", 30, 500, "CPU"),
+            ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 500, "CUDA"),
+            ("Memcpy HtoD (Pageable -> Device)", 0, 40, "CUDA"),
+        )
+    ]
     rows = profiling.top_operators(averages, torch.device("cuda"))
     assert [r["name"] for r in rows] == ["aten::mm", "nccl:all_reduce"]
     assert sum(r["self_device_s"] for r in rows) == pytest.approx(1100e-6)

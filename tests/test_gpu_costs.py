@@ -7,9 +7,9 @@ import ctypes
 
 import pytest
 import torch
+from conftest import PlantedGPU
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import PlantedGPU
 from trainscope import op_costs, trace
 
 CPU = torch.device("cpu")
@@ -60,11 +60,23 @@ def test_sdpa_backward_on_cuda_takes_its_generator_state_from_a_real_forward():
         with recorder:
             out = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.1)
             torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                out[0], q, q, q, torch.empty(0, device="cuda"), out[0], out[1], out[2], out[3], 0.1,
-                [True, True, True, False])
+                out[0],
+                q,
+                q,
+                q,
+                torch.empty(0, device="cuda"),
+                out[0],
+                out[1],
+                out[2],
+                out[3],
+                0.1,
+                [True, True, True, False],
+            )
     backward = next(op for op in recorder.ops.values() if op.name.endswith("attention_backward.default"))
     seed, offset = backward.spec[0][7:9]
-    forward = next(op for op in recorder.ops.values() if op.name == "aten._scaled_dot_product_efficient_attention.default")
+    forward = next(
+        op for op in recorder.ops.values() if op.name == "aten._scaled_dot_product_efficient_attention.default"
+    )
     assert seed == ("rng", forward.name, forward.spec, 2) and offset == ("rng", forward.name, forward.spec, 3)
     made_up = (backward.spec[0][:7] + (tensor_spec(dtype="int64", device="cuda"),) * 2 + backward.spec[0][9:], {})
     with pytest.raises(op_costs.Unmeasurable, match="random-generator state"):
@@ -93,8 +105,11 @@ def test_an_operator_that_crashes_its_process_costs_only_its_own_timing(tmp_path
     times the rest."""
     monkeypatch.setenv("TRAINSCOPE_CACHE_DIR", str(tmp_path))
     square = ((tensor_spec(64, 64), tensor_spec(64, 64)), {})
-    ops = [trace.Op("forward", "aten.mul.Tensor", "mul", square), trace.Op("forward", "aten.mul.Tensor", "crash", Crash()),
-           trace.Op("forward", "aten.add.Tensor", "add", square)]
+    ops = [
+        trace.Op("forward", "aten.mul.Tensor", "mul", square),
+        trace.Op("forward", "aten.mul.Tensor", "crash", Crash()),
+        trace.Op("forward", "aten.add.Tensor", "add", square),
+    ]
     costs = op_costs.OpCosts(CPU, threads=1, processes=1, guarded=True)
     costs.prepare(ops)
     assert costs.cached["mul"] > 0 and costs.cached["add"] > 0 and costs.cached["crash"] == 0.0
@@ -106,6 +121,7 @@ def test_an_operator_that_crashes_its_process_costs_only_its_own_timing(tmp_path
 
 
 # ---------------------------------------------------------------- GPU timing on a planted device clock
+
 
 @pytest.fixture
 def planted_gpu(monkeypatch):

@@ -11,16 +11,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, cpu_env, run_command
 
 import compare_dp
-from conftest import ROOT, cpu_env, run_command
 from trainscope import bench, launching
 
 
-@pytest.mark.parametrize("config,gpus,runnable,on_cpu", [
-    ("ddp", 1, False, False), ("ddp", 2, True, False), ("ddp", 0, True, True), ("ddp_fp16", 1, False, False),
-    ("single_gpu", 1, True, False), ("cpu", 4, True, True), ("fsdp", 8, True, False),
-])
+@pytest.mark.parametrize(
+    "config,gpus,runnable,on_cpu",
+    [
+        ("ddp", 1, False, False),
+        ("ddp", 2, True, False),
+        ("ddp", 0, True, True),
+        ("ddp_fp16", 1, False, False),
+        ("single_gpu", 1, True, False),
+        ("cpu", 4, True, True),
+        ("fsdp", 8, True, False),
+    ],
+)
 def test_runs_are_planned_from_the_devices_present(config, gpus, runnable, on_cpu):
     plan = launching.plan(config, gpus=gpus)
     assert (plan.runnable, plan.on_cpu) == (runnable, on_cpu)
@@ -29,9 +37,26 @@ def test_runs_are_planned_from_the_devices_present(config, gpus, runnable, on_cp
 
 
 def test_a_planned_run_that_fails_fails_the_experiment(tmp_path):
-    completed = run_command([sys.executable, "-m", "trainscope.experiments", "matrix", "--runs", str(tmp_path / "m"),
-                             "--rounds", "1", "--variants", "cpu", "--", "--model", "embedded:tiny-bert",
-                             "--dataset", str(tmp_path / "missing.csv")], env=cpu_env())
+    completed = run_command(
+        [
+            sys.executable,
+            "-m",
+            "trainscope.experiments",
+            "matrix",
+            "--runs",
+            str(tmp_path / "m"),
+            "--rounds",
+            "1",
+            "--variants",
+            "cpu",
+            "--",
+            "--model",
+            "embedded:tiny-bert",
+            "--dataset",
+            str(tmp_path / "missing.csv"),
+        ],
+        env=cpu_env(),
+    )
     assert completed.returncode == 1
     assert completed.stderr.strip().splitlines()[-1].startswith("error: cpu-r0 (cpu ) failed:")
 
@@ -49,8 +74,14 @@ def test_compile_uses_dynamic_shapes_whatever_the_launcher_exports(monkeypatch, 
     try:
         for flags, dynamic in (([], True), (["--pad-to-max-length"], False)):
             (settings,) = parse_settings(argv=["--compile", "--report-to", "none", *flags])
-            launch = startup.Startup(state=None, settings=settings, threads={}, run_dir=tmp_path,
-                                    requested_max_seq_length=128, model_sequence_limit=512)
+            launch = startup.Startup(
+                state=None,
+                settings=settings,
+                threads={},
+                run_dir=tmp_path,
+                requested_max_seq_length=128,
+                model_sequence_limit=512,
+            )
             launch.state = type("State", (), {"device": torch.device("cpu")})()
             accelerator = startup.build_accelerator(settings, launch)
             assert accelerator.state.dynamo_plugin.dynamic is dynamic
@@ -85,9 +116,24 @@ def test_each_loop_starts_from_a_reset_peak():
 
 
 def test_the_batch_size_search_runs_in_a_child_launched_with_the_config():
-    command = [launching.ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"), "-m",
-               "trainscope.experiments", "find-batch", "--start", "8", "--", "--model", "embedded:tiny-bert",
-               "--max-seq-length", "32", "--report-to", "none"]
+    command = [
+        launching.ACCELERATE,
+        "launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "cpu.yaml"),
+        "-m",
+        "trainscope.experiments",
+        "find-batch",
+        "--start",
+        "8",
+        "--",
+        "--model",
+        "embedded:tiny-bert",
+        "--max-seq-length",
+        "32",
+        "--report-to",
+        "none",
+    ]
     completed = run_command(command, env=cpu_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"largest_batch": 8}  # a CPU never runs out
@@ -105,10 +151,14 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path
     assert not (tmp_path / "gpu").exists()
 
 
-@pytest.mark.parametrize("make_flags,ran", [
-    (["--dry-run"], "-m trainscope.gpu_check --dry-run --gpus 2"), (["-n"], "-m trainscope.gpu_check --dry-run --gpus 2"),
-    ([], "-m trainscope.gpu_check --gpus 2"),
-])
+@pytest.mark.parametrize(
+    "make_flags,ran",
+    [
+        (["--dry-run"], "-m trainscope.gpu_check --dry-run --gpus 2"),
+        (["-n"], "-m trainscope.gpu_check --dry-run --gpus 2"),
+        ([], "-m trainscope.gpu_check --gpus 2"),
+    ],
+)
 def test_make_gpu_check_dry_run_runs_the_plans_dry_run(make_flags, ran):
     """`make gpu-check --dry-run` is make's -n, which only echoes recipes: the recipe's `+` line runs the plan's
     own dry run instead (ARGS reach it). PY=echo shows what ran: its output is the command without `echo`."""
@@ -118,10 +168,25 @@ def test_make_gpu_check_dry_run_runs_the_plans_dry_run(make_flags, ran):
 
 
 # the order they run in: the most informative first (a short budget keeps them)
-SINGLE_GPU_CHECKS = ["scaler", "precision-fp32", "memory-snapshot", "precision-bf16", "unpad-bf16", "timing-sync", "precision-tf32",
-                     "precision-fp16"]
-TWO_GPU_CHECKS = ["fsdp2", "ddp-communication-memory", "ddp-profile", "ddp-fp16", "ddp-comm-hook-fp16",
-                  "ddp-comm-hook-bf16", "ddp-compile"]
+SINGLE_GPU_CHECKS = [
+    "scaler",
+    "precision-fp32",
+    "memory-snapshot",
+    "precision-bf16",
+    "unpad-bf16",
+    "timing-sync",
+    "precision-tf32",
+    "precision-fp16",
+]
+TWO_GPU_CHECKS = [
+    "fsdp2",
+    "ddp-communication-memory",
+    "ddp-profile",
+    "ddp-fp16",
+    "ddp-comm-hook-fp16",
+    "ddp-comm-hook-bf16",
+    "ddp-compile",
+]
 LATER_CHECKS = ["compare-dp", "loaders", "batch-search", "compile-bf16", "overhead"]
 COMPARISONS = ["compare-dp", "loaders", "overhead"]
 
@@ -134,9 +199,16 @@ def test_gpu_check_plans_every_check_by_the_documented_commands():
     configs = {step["name"]: step.get("config") for step in steps}
     assert configs["precision-bf16"] == "bf16" and configs["precision-fp16"] == "fp16"
     assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-    assert gpu_check.verdicts({"precision-fp32": {"throughput": {"samples_per_s": 100}},
-                               "precision-tf32": {"throughput": {"samples_per_s": 250}},
-                               "precision-bf16": {"throughput": {"samples_per_s": 400}}})["bf16_over_fp32"] == 4.0
+    assert (
+        gpu_check.verdicts(
+            {
+                "precision-fp32": {"throughput": {"samples_per_s": 100}},
+                "precision-tf32": {"throughput": {"samples_per_s": 250}},
+                "precision-bf16": {"throughput": {"samples_per_s": 400}},
+            }
+        )["bf16_over_fp32"]
+        == 4.0
+    )
 
 
 def flag_value(command: list[str], flag: str) -> str | None:
@@ -154,8 +226,11 @@ def test_every_comparison_in_the_plan_has_enough_rounds_and_every_check_a_timeou
         assert 0 < step["estimate_s"] <= step["timeout_s"] and step["estimate"], step["name"]
         command = step.get("command") or []
         rounds = [int(flag_value(command, flag)) for flag in ("--pairs", "--rounds", "--repeats") if flag in command]
-        arms = (command[command.index("--batch-sizes") + 1:command.index("--steps")]
-                if step["name"] == "batch-search" else None)
+        arms = (
+            command[command.index("--batch-sizes") + 1 : command.index("--steps")]
+            if step["name"] == "batch-search"
+            else None
+        )
         if arms is not None and len(arms) == 1:
             continue
         assert all(r >= bench.MIN_PAIRS for r in rounds), (step["name"], rounds)
@@ -226,8 +301,17 @@ def test_every_goal_is_reachable_by_the_plans_own_step_times():
     assert step("tf32") / step("bf16") >= gpu_check.GOALS["bf16_over_tf32"][0]
     assert "compiled_bf16_mfu" not in gpu_check.GOALS
     stage = lambda seconds: {"median": seconds}  # noqa: E731
-    timing = lambda optimizer: {"across_ranks": {"steady": {"seconds": {  # noqa: E731
-        "forward": stage(0.60), "backward": stage(1.10), "optimizer": stage(optimizer)}}}}
+    timing = lambda optimizer: {
+        "across_ranks": {
+            "steady": {
+                "seconds": {  # noqa: E731
+                    "forward": stage(0.60),
+                    "backward": stage(1.10),
+                    "optimizer": stage(optimizer),
+                }
+            }
+        }
+    }
     # a 2 ms optimizer stage 0.3 ms apart agrees (within 1 ms); a 3 ms gap does not
     assert gpu_check.goal_met("timing_agreement", gpu_check.timing_agreement(timing(0.0023), timing(0.0020)))
     assert not gpu_check.goal_met("timing_agreement", gpu_check.timing_agreement(timing(0.005), timing(0.002)))
@@ -267,7 +351,7 @@ def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_run
 
     by_name = {step["name"]: step for step in gpu_check.plan(gpus=1)}
     search = by_name["batch-search"]["command"]
-    experiments_flags, train_flags = search[:search.index("--")], search[search.index("--") + 1:]
+    experiments_flags, train_flags = search[: search.index("--")], search[search.index("--") + 1 :]
     assert experiments_flags[1:4] == ["-m", "trainscope.experiments", "batch-sweep"]
     config = experiments_flags[experiments_flags.index("--config") + 1]
     assert launching.config_facts(launching.config_path(config))["num_processes"] == 1  # the search refuses more
@@ -282,9 +366,19 @@ def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_run
         assert by_name[name]["skipped"].startswith("needs 2 GPUs")
     assert all(step["confirms"] for step in by_name.values())  # what only a GPU run will confirm, per check
     checks = [gpu_check.run_step(step, Path("/nonexistent")) for step in by_name.values() if step.get("skipped")]
-    report = {"device": "NVIDIA H100 80GB HBM3", "driver": None, "gpus": 1, "budget_s": 540.0, "seconds": 0.0,
-              "status": "complete", "checks": checks, "not_run": [], "verdicts": {},
-              "scaler": {"planted": 3, "counted": 3}, "plan": list(by_name.values())}
+    report = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "driver": None,
+        "gpus": 1,
+        "budget_s": 540.0,
+        "seconds": 0.0,
+        "status": "complete",
+        "checks": checks,
+        "not_run": [],
+        "verdicts": {},
+        "scaler": {"planted": 3, "counted": 3},
+        "plan": list(by_name.values()),
+    }
     lines = gpu_check.markdown(report)
     estimate = by_name["ddp-compile"]["estimate_s"]
     assert f"| ddp-compile | {estimate:.0f} |  | 0 | skipped: needs 2 GPUs (one per process), 1 present |" in lines
@@ -325,8 +419,10 @@ def test_checks_run_within_the_budget_each_written_as_it_finishes():
     from trainscope import gpu_check
 
     clock, writes, given = FakeClock(), [], {}
-    steps = [{"name": name, "estimate_s": estimate, "timeout_s": 3 * estimate}
-             for name, estimate in (("a", 100), ("b", 200), ("c", 300), ("d", 50), ("e", 10))]
+    steps = [
+        {"name": name, "estimate_s": estimate, "timeout_s": 3 * estimate}
+        for name, estimate in (("a", 100), ("b", 200), ("c", 300), ("d", 50), ("e", 10))
+    ]
     steps.insert(2, {"name": "two-gpus", "estimate_s": 20, "timeout_s": 60, "skipped": "needs 2 GPUs"})
 
     def runner(step, timeout):
@@ -350,14 +446,21 @@ def test_a_check_the_budget_cut_short_is_not_finished_rather_than_failed():
     from trainscope import gpu_check
 
     clock = FakeClock()
-    steps = [{"name": "first", "estimate_s": 10, "timeout_s": 30}, {"name": "loaders", "estimate_s": 28, "timeout_s": 84},
-             {"name": "own-timeout", "estimate_s": 5, "timeout_s": 15}]
+    steps = [
+        {"name": "first", "estimate_s": 10, "timeout_s": 30},
+        {"name": "loaders", "estimate_s": 28, "timeout_s": 84},
+        {"name": "own-timeout", "estimate_s": 5, "timeout_s": 15},
+    ]
 
     def runner(step, timeout):
         clock.now += {"first": 70, "loaders": timeout, "own-timeout": 0}[step["name"]]
         killed = step["name"] == "loaders"
-        return {"name": step["name"], "seconds": 0.0, "exit": -9 if killed else 0,
-                **({"error": f"timed out after {timeout:.0f} s"} if killed else {})}
+        return {
+            "name": step["name"],
+            "seconds": 0.0,
+            "exit": -9 if killed else 0,
+            **({"error": f"timed out after {timeout:.0f} s"} if killed else {}),
+        }
 
     report = gpu_check.execute(steps, {}, lambda r: None, 100, runner, clock)
     loaders = report["checks"][1]
@@ -380,11 +483,15 @@ def test_events_and_sync_agree_where_both_see_the_device_and_sync_may_add_host_w
     measured = dict(data=0.025, forward=0.977, backward=1.769, optimizer=0.076)
     synced = dict(data=0.186, forward=0.986, backward=1.831, optimizer=0.181)
     agreement = gpu_check.timing_agreement(timing(**measured), timing(**synced))
-    assert agreement == pytest.approx(0.062 / (0.05 * 1.831), rel=0.01) and gpu_check.goal_met("timing_agreement", agreement)
-    assert not gpu_check.goal_met("timing_agreement", gpu_check.timing_agreement(
-        timing(**{**measured, "optimizer": 0.2}), timing(**synced)))  # the device's time above the serialized time
-    assert not gpu_check.goal_met("timing_agreement", gpu_check.timing_agreement(
-        timing(**{**measured, "forward": 0.90}), timing(**synced)))  # a device-bound stage 9% apart
+    assert agreement == pytest.approx(0.062 / (0.05 * 1.831), rel=0.01) and gpu_check.goal_met(
+        "timing_agreement", agreement
+    )
+    assert not gpu_check.goal_met(
+        "timing_agreement", gpu_check.timing_agreement(timing(**{**measured, "optimizer": 0.2}), timing(**synced))
+    )  # the device's time above the serialized time
+    assert not gpu_check.goal_met(
+        "timing_agreement", gpu_check.timing_agreement(timing(**{**measured, "forward": 0.90}), timing(**synced))
+    )  # a device-bound stage 9% apart
 
 
 def sleeping_tree(pids: Path) -> list[str]:
@@ -400,6 +507,7 @@ def alive(pids: Path) -> list[int]:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
+
     return [pid for pid in map(int, pids.read_text().split()) if running(pid)]
 
 
@@ -419,9 +527,11 @@ def test_a_signal_during_a_check_kills_its_launch_and_keeps_what_finished(tmp_pa
 
     from trainscope import bench, gpu_check
 
-    steps = [{"name": "first", "estimate_s": 1, "timeout_s": 60, "confirms": "x"},
-             {"name": "hung", "estimate_s": 1, "timeout_s": 60, "confirms": "y"},
-             {"name": "never", "estimate_s": 1, "timeout_s": 60, "confirms": "z"}]
+    steps = [
+        {"name": "first", "estimate_s": 1, "timeout_s": 60, "confirms": "x"},
+        {"name": "hung", "estimate_s": 1, "timeout_s": 60, "confirms": "y"},
+        {"name": "never", "estimate_s": 1, "timeout_s": 60, "confirms": "z"},
+    ]
     stem = tmp_path / "gpu" / "device"
     report = {"device": "stand-in", "driver": None, "gpus": 1, "plan": steps}
 
@@ -463,8 +573,15 @@ def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_fai
         ran.append((step["name"], timeout))
         failed = step["name"] == "memory-snapshot"
         scaler = {"scaler": {"planted": 3, "counted": 3, "ok": True}} if step["name"] == "scaler" else {}
-        return {"name": step["name"], "estimate_s": step["estimate_s"], "timeout_s": timeout, "seconds": 1.0,
-                "exit": 1 if failed else 0, **({"error": "planted failure"} if failed else {}), **scaler}
+        return {
+            "name": step["name"],
+            "estimate_s": step["estimate_s"],
+            "timeout_s": timeout,
+            "seconds": 1.0,
+            "exit": 1 if failed else 0,
+            **({"error": "planted failure"} if failed else {}),
+            **scaler,
+        }
 
     monkeypatch.setattr(gpu_check, "run_step", run_step)
     with pytest.raises(SystemExit) as exited:
@@ -480,7 +597,9 @@ def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_fai
     assert written["budget_s"] == budget and all(0 < timeout <= budget for _, timeout in ran)
     assert written["scaler"] == {"planted": 3, "counted": 3, "ok": True}
     markdown = (tmp_path / "nvidia-h100-80gb-hbm3.md").read_text()
-    assert "| memory-snapshot |" in markdown and "failed: planted failure" in markdown and "Status: complete." in markdown
+    assert (
+        "| memory-snapshot |" in markdown and "failed: planted failure" in markdown and "Status: complete." in markdown
+    )
 
 
 def stand_in_nvidia_smi(tmp_path, monkeypatch, cuda: str = "12.8") -> None:
@@ -488,9 +607,11 @@ def stand_in_nvidia_smi(tmp_path, monkeypatch, cuda: str = "12.8") -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\n"
-                   'case "$1" in --query-gpu=*) echo 570.86.15 ;; *) echo "| NVIDIA-SMI 570.86.15    Driver Version: '
-                   f'570.86.15    CUDA Version: {cuda}     |" ;; esac\n')
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --query-gpu=*) echo 570.86.15 ;; *) echo "| NVIDIA-SMI 570.86.15    Driver Version: '
+        f'570.86.15    CUDA Version: {cuda}     |" ;; esac\n'
+    )
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -507,7 +628,8 @@ def test_a_cpu_only_torch_on_a_gpu_host_fails_naming_the_cuda_build_to_install(t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the NVIDIA driver answers (nvidia-smi: CUDA 12.9)")
     assert "CPU-only" in err[0] and err[0].endswith(
-        f"pip install torch=={torch.__version__.split('+')[0]}+cu128 --index-url https://download.pytorch.org/whl/cu128")
+        f"pip install torch=={torch.__version__.split('+')[0]}+cu128 --index-url https://download.pytorch.org/whl/cu128"
+    )
     gpu_check.main(["--torch-check"])  # make setup: the same sentence, as a warning
     assert capsys.readouterr().err.startswith("warning: the NVIDIA driver answers")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden on purpose (make test): not the torch's fault
@@ -533,7 +655,9 @@ def launched_processes(command: list[str], monkeypatch, gpus: int) -> tuple[bool
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(accelerate_launch, "default_config_file", "/nonexistent/default_config.yaml")
-    args, _, _ = accelerate_launch._validate_launch_command(accelerate_launch.launch_command_parser().parse_args(command[2:]))
+    args, _, _ = accelerate_launch._validate_launch_command(
+        accelerate_launch.launch_command_parser().parse_args(command[2:])
+    )
     return bool(args.multi_gpu), args.num_processes
 
 
@@ -552,8 +676,11 @@ def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypat
         return subprocess.CompletedProcess(command, 0, stdout, "")
 
     monkeypatch.setattr(launching, "run_captured", recording_run_captured)
-    monkeypatch.setattr(overhead, "read_record", lambda run: {"summary": {"throughput": {"samples_per_s": 99.0}},
-                                                              "environment": {"torch_threads": 1}})
+    monkeypatch.setattr(
+        overhead,
+        "read_record",
+        lambda run: {"summary": {"throughput": {"samples_per_s": 99.0}}, "environment": {"torch_threads": 1}},
+    )
     measured = overhead.measure(["--max-steps", "8"], ["events"], pairs=1, scratch=tmp_path)
     assert measured["results"]["host"]["verdict"] == "too few pairs"
     assert measured["results"]["host"]["meets_target"] is None  # a target is not judged on one pair
@@ -564,8 +691,10 @@ def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypat
         assert launched_processes(command, monkeypatch, gpus=4) == (False, 1)
 
 
-@pytest.mark.parametrize("modes,arms", [(["events"], {"bare", "events"}),
-                                         (["events", "memory-every-step"], {"bare", "events", "memory-every-step"})])
+@pytest.mark.parametrize(
+    "modes,arms",
+    [(["events"], {"bare", "events"}), (["events", "memory-every-step"], {"bare", "events", "memory-every-step"})],
+)
 def test_the_overhead_arms_are_the_modes_asked_for_and_judged_from_five_pairs(monkeypatch, tmp_path, modes, arms):
     """On a stand-in GPU host: gpu-check's `--modes events` runs two arms (the memory-statistics arm only when
     asked), and with bench.MIN_PAIRS pairs the target is judged. Real GPU ratios: not measured on GPU."""
@@ -580,10 +709,16 @@ def test_the_overhead_arms_are_the_modes_asked_for_and_judged_from_five_pairs(mo
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(launching, "run_captured", run_captured)
-    monkeypatch.setattr(launching, "run_training", lambda args, *a, **k: launched.append(args)
-                        or subprocess.CompletedProcess(args, 0, "", ""))
-    monkeypatch.setattr(overhead, "read_record", lambda run: {"summary": {"throughput": {"samples_per_s": 99.5}},
-                                                              "environment": {"torch_threads": 1}})
+    monkeypatch.setattr(
+        launching,
+        "run_training",
+        lambda args, *a, **k: launched.append(args) or subprocess.CompletedProcess(args, 0, "", ""),
+    )
+    monkeypatch.setattr(
+        overhead,
+        "read_record",
+        lambda run: {"summary": {"throughput": {"samples_per_s": 99.5}}, "environment": {"torch_threads": 1}},
+    )
     measured = overhead.measure(["--max-steps", "8"], modes, pairs=bench.MIN_PAIRS, scratch=tmp_path)
     assert set(measured["rounds"][0]) == arms and len(launched) == len(arms) * bench.MIN_PAIRS
     assert all(result["meets_target"] is True for result in measured["results"].values())  # 0.5% <= 1%
@@ -591,16 +726,19 @@ def test_the_overhead_arms_are_the_modes_asked_for_and_judged_from_five_pairs(mo
 
 def planted_out_of_memory(fits_up_to: int, tried: list[int]):
     """A trial that records its batch size and runs out of device memory above `fits_up_to`, as CUDA says it."""
+
     def trial(batch_size: int) -> None:
         tried.append(batch_size)
         if batch_size > fits_up_to:
             raise torch.OutOfMemoryError("CUDA out of memory. planted")
+
     return trial
 
 
-@pytest.mark.parametrize("start,fits_up_to,tried", [
-    (4096, 1000, [4096, 2048, 1024, 512]), (64, 64, [64]), (48, 13, [48, 24, 12]), (8, 1, [8, 4, 2, 1]),
-])
+@pytest.mark.parametrize(
+    "start,fits_up_to,tried",
+    [(4096, 1000, [4096, 2048, 1024, 512]), (64, 64, [64]), (48, 13, [48, 24, 12]), (8, 1, [8, 4, 2, 1])],
+)
 def test_the_batch_size_search_tries_only_halvings_and_lands_on_the_largest_that_fits(start, fits_up_to, tried):
     """Accelerate's own reduction multiplies by 0.9 (from 4096: 3686, 3317, ...). What a real CUDA
     out-of-memory error does to the allocator between tries is for a GPU run to show."""
@@ -636,11 +774,27 @@ def test_the_search_child_halves_from_its_start(monkeypatch, capsys):
 
     sizes = []
     out_of_memory = planted_out_of_memory(10, sizes)
-    monkeypatch.setattr(loop, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"])))
+    monkeypatch.setattr(
+        loop, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"]))
+    )
     threads, environ = torch.get_num_threads(), dict(os.environ)
     try:
-        experiments.main(["find-batch", "--start", "64", "--", "--model", "embedded:tiny-bert", "--max-seq-length",
-                          "16", "--report-to", "none", "--threads", "1"])
+        experiments.main(
+            [
+                "find-batch",
+                "--start",
+                "64",
+                "--",
+                "--model",
+                "embedded:tiny-bert",
+                "--max-seq-length",
+                "16",
+                "--report-to",
+                "none",
+                "--threads",
+                "1",
+            ]
+        )
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         torch.set_num_threads(threads)
@@ -657,11 +811,30 @@ def test_the_batch_size_search_refuses_a_multi_process_config_before_launching_a
 
     launched = []
     monkeypatch.setattr(launching, "cuda_devices", lambda: 2)
-    monkeypatch.setattr(launching, "run_captured", lambda command, *a, **k: launched.append(command)
-                        or subprocess.CompletedProcess(command, 1, "", "error: launched"))
+    monkeypatch.setattr(
+        launching,
+        "run_captured",
+        lambda command, *a, **k: (
+            launched.append(command) or subprocess.CompletedProcess(command, 1, "", "error: launched")
+        ),
+    )
     with pytest.raises(SystemExit) as exited:
-        experiments.main(["batch-sweep", "--config", "ddp", "--runs", str(tmp_path / "batch"), "--search-from", "64",
-                          "--", "--model", "embedded:tiny-bert", "--report-to", "none"])
+        experiments.main(
+            [
+                "batch-sweep",
+                "--config",
+                "ddp",
+                "--runs",
+                str(tmp_path / "batch"),
+                "--search-from",
+                "64",
+                "--",
+                "--model",
+                "embedded:tiny-bert",
+                "--report-to",
+                "none",
+            ]
+        )
     assert exited.value.code == 1 and launched == []
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: the batch-size search runs one process")
@@ -758,7 +931,8 @@ def test_fsdp2s_sharded_parameters_gradients_and_optimizer_state_are_measured_as
 
     values = embedded.bundled_architecture("tiny-bert")
     model = AutoModelForSequenceClassification.from_config(
-        AutoConfig.for_model(values.pop("model_type"), **values, num_labels=2), attn_implementation="sdpa")
+        AutoConfig.for_model(values.pop("model_type"), **values, num_labels=2), attn_implementation="sdpa"
+    )
     mesh = init_device_mesh("cpu", (1,))
     for layer in model.bert.encoder.layer:
         fully_shard(layer, mesh=mesh)
@@ -769,8 +943,11 @@ def test_fsdp2s_sharded_parameters_gradients_and_optimizer_state_are_measured_as
     check = predict.Check({"memory": {}, "time": {}}, settings)
     check.attach(model, optimizer)
     check.first_micro_batch()
-    batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": torch.ones(2, 8, dtype=torch.long),
-             "labels": torch.zeros(2, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.ones(2, 8, dtype=torch.long),
+        "attention_mask": torch.ones(2, 8, dtype=torch.long),
+        "labels": torch.zeros(2, dtype=torch.long),
+    }
     model(**batch).loss.backward()
     optimizer.step()
     check.micro_batch_done(batch, stepped=True)
@@ -789,21 +966,32 @@ def test_a_check_that_crashes_keeps_where_it_crashed_and_every_check_keeps_its_r
     the crash), and the records of its runs are copied beside the results."""
     from trainscope import gpu_check
 
-    script = ("import ctypes, json, os, pathlib, sys\n"
-              "run = pathlib.Path(sys.argv[1]) / 'run'\n"
-              "run.mkdir(parents=True)\n"
-              "(run / 'record.json').write_text(json.dumps({'status': 'running'}))\n"
-              "def benchmark():\n"
-              "    ctypes.string_at(0)\n"
-              "benchmark()\n")
+    script = (
+        "import ctypes, json, os, pathlib, sys\n"
+        "run = pathlib.Path(sys.argv[1]) / 'run'\n"
+        "run.mkdir(parents=True)\n"
+        "(run / 'record.json').write_text(json.dumps({'status': 'running'}))\n"
+        "def benchmark():\n"
+        "    ctypes.string_at(0)\n"
+        "benchmark()\n"
+    )
     step = gpu_check.command_check("crashing", [sys.executable, "-c", script, "{out}"], 1.0, "planted", "nothing")
     result = gpu_check.run_step(step, tmp_path / "scratch", 60, kept=tmp_path / "device.runs")
     assert result["exit"] == -11 and "Segmentation fault" in result["output_tail"]
-    assert 'line 6 in benchmark' in result["output_tail"]  # faulthandler's stack: where it crashed
+    assert "line 6 in benchmark" in result["output_tail"]  # faulthandler's stack: where it crashed
     kept = tmp_path / "device.runs" / "crashing" / "run" / "record.json"
     assert json.loads(kept.read_text()) == {"status": "running"} and result["records"] == [str(kept)]
-    lines = gpu_check.markdown({"device": "stand-in", "driver": None, "gpus": 1, "budget_s": 60, "checks": [result],
-                                "plan": [step], "verdicts": {}})
+    lines = gpu_check.markdown(
+        {
+            "device": "stand-in",
+            "driver": None,
+            "gpus": 1,
+            "budget_s": 60,
+            "checks": [result],
+            "plan": [step],
+            "verdicts": {},
+        }
+    )
     assert "## crashing: the end of its output" in lines and any("Segmentation fault" in line for line in lines)
 
 
@@ -827,7 +1015,9 @@ def test_on_a_gpu_the_batch_search_predicts_in_its_child_not_in_the_sweeps_proce
     from trainscope.experiments import batch
 
     monkeypatch.setattr(launching, "cuda_devices", lambda: 1)
-    monkeypatch.setattr(batch, "predicted_largest_batch", lambda *a, **k: pytest.fail("predicted in the sweep's process"))
+    monkeypatch.setattr(
+        batch, "predicted_largest_batch", lambda *a, **k: pytest.fail("predicted in the sweep's process")
+    )
     launched = []
 
     def run_captured(command, env, timeout=None):
@@ -836,9 +1026,17 @@ def test_on_a_gpu_the_batch_search_predicts_in_its_child_not_in_the_sweeps_proce
         return subprocess.CompletedProcess(command, 0, json.dumps(found), "")
 
     monkeypatch.setattr(launching, "run_captured", run_captured)
-    monkeypatch.setattr(batch, "experiment", lambda runs, name, arms, train_args, rounds: {
-        "arms": {arm.name: {"status": "skipped" if arm.skipped else "complete", "samples_per_s": {"median": 1.0}}
-                 for arm in arms}, "comparisons": {}})
+    monkeypatch.setattr(
+        batch,
+        "experiment",
+        lambda runs, name, arms, train_args, rounds: {
+            "arms": {
+                arm.name: {"status": "skipped" if arm.skipped else "complete", "samples_per_s": {"median": 1.0}}
+                for arm in arms
+            },
+            "comparisons": {},
+        },
+    )
     monkeypatch.setattr(batch, "write", lambda *args: None)
     args = batch_sweep_args(tmp_path)
     summary = batch.run(args, ["--model", "embedded:tiny-bert", "--report-to", "none"])
@@ -855,8 +1053,21 @@ def batch_sweep_args(tmp_path):
 
     parser = argparse.ArgumentParser()
     batch.arguments(parser)
-    return parser.parse_args(["--runs", str(tmp_path / "batch"), "--config", "single_gpu", "--rounds", "1",
-                              "--batch-sizes", "32", "128", "--search-from", "4096"])
+    return parser.parse_args(
+        [
+            "--runs",
+            str(tmp_path / "batch"),
+            "--config",
+            "single_gpu",
+            "--rounds",
+            "1",
+            "--batch-sizes",
+            "32",
+            "128",
+            "--search-from",
+            "4096",
+        ]
+    )
 
 
 def test_the_overhead_benchmark_writes_its_rounds_as_they_finish(monkeypatch, tmp_path):
@@ -873,11 +1084,15 @@ def test_the_overhead_benchmark_writes_its_rounds_as_they_finish(monkeypatch, tm
 
     monkeypatch.setattr(launching, "run_captured", run_captured)
     monkeypatch.setattr(launching, "run_training", lambda args, *a, **k: run_captured(args, None))
-    monkeypatch.setattr(overhead, "read_record", lambda run: {"summary": {"throughput": {"samples_per_s": 99.0}},
-                                                              "environment": {"torch_threads": 1}})
+    monkeypatch.setattr(
+        overhead,
+        "read_record",
+        lambda run: {"summary": {"throughput": {"samples_per_s": 99.0}}, "environment": {"torch_threads": 1}},
+    )
     out = tmp_path / "overhead"
-    monkeypatch.setattr(sys, "argv", ["overhead", "--pairs", "5", "--modes", "events", "--out", str(out),
-                                      "--max-steps", "8"])
+    monkeypatch.setattr(
+        sys, "argv", ["overhead", "--pairs", "5", "--modes", "events", "--out", str(out), "--max-steps", "8"]
+    )
     with pytest.raises(KeyboardInterrupt):
         overhead.main()
     written = json.loads(out.with_suffix(".json").read_text())
@@ -889,9 +1104,16 @@ def test_the_loaders_check_sweeps_pinned_and_pageable_copies_at_a_batch_whose_co
     from trainscope import gpu_check
 
     command = next(step["command"] for step in gpu_check.plan(gpus=1) if step["name"] == "loaders")
-    values = lambda flag: command[command.index(flag) + 1:next(  # noqa: E731
-        (i for i in range(command.index(flag) + 1, len(command)) if command[i].startswith("--")), len(command))]
-    assert values("--pin-memory-values") == ["true", "false"] and {"device-copy", "pretokenized"} == set(values("--modes"))
+    values = (
+        lambda flag: command[
+            command.index(flag) + 1 : next(  # noqa: E731
+                (i for i in range(command.index(flag) + 1, len(command)) if command[i].startswith("--")), len(command)
+            )
+        ]
+    )
+    assert values("--pin-memory-values") == ["true", "false"] and {"device-copy", "pretokenized"} == set(
+        values("--modes")
+    )
     (batch,), (length,) = values("--batch-sizes"), values("--max-seq-length")
     assert "--pad-to-max-length" in command and int(batch) * int(length) * 8 >= 2**20  # at least 1 MiB of ids a batch
 

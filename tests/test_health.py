@@ -3,21 +3,36 @@
 import copy
 
 import pytest
-
 from conftest import plant
+
 from trainscope import health
 
 CLEAN = {
     "settings": {"profile": False, "tf32": False, "compile": False, "memory_every": 10},
     "environment": {
-        "device": "cpu", "device_name": "AMD EPYC", "cpu_capability": "AVX2, no native bf16", "cpu_native_bf16": False,
-        "requested_precision": "no", "effective_precision": "fp32", "tf32_in_effect": False,
-        "threads": {"torch_threads": 2, "thread_budget": 2, "usable_cores": 2, "local_processes": 1,
-                    "threads_source": "auto"},
-        "requested_max_seq_length": 128, "model_sequence_limit": 512,
+        "device": "cpu",
+        "device_name": "AMD EPYC",
+        "cpu_capability": "AVX2, no native bf16",
+        "cpu_native_bf16": False,
+        "requested_precision": "no",
+        "effective_precision": "fp32",
+        "tf32_in_effect": False,
+        "threads": {
+            "torch_threads": 2,
+            "thread_budget": 2,
+            "usable_cores": 2,
+            "local_processes": 1,
+            "threads_source": "auto",
+        },
+        "requested_max_seq_length": 128,
+        "model_sequence_limit": 512,
     },
-    "summary": {"throughput": {"optimizer_steps": 40}, "mfu": None, "compile": None,
-                "timing": {"across_ranks": {"run": {"shares": {"eval": {"median": 0.2}}}}}},
+    "summary": {
+        "throughput": {"optimizer_steps": 40},
+        "mfu": None,
+        "compile": None,
+        "timing": {"across_ranks": {"run": {"shares": {"eval": {"median": 0.2}}}}},
+    },
 }
 
 
@@ -29,44 +44,135 @@ def test_a_clean_record_has_no_warnings():
     assert health.check(CLEAN) == []
 
 
-@pytest.mark.parametrize("changes,code", [
-    ({"environment__threads__torch_threads": 1}, "threads_below_budget"),
-    ({"environment__threads__torch_threads": 4}, "threads_above_budget"),
-    ({"settings__profile": True}, "profiler_on"),
-    ({"environment__effective_precision": "bf16"}, "bf16_emulated"),
-    ({"environment__requested_precision": "fp16"}, "fp16_unavailable"),
-    ({"environment__tf32_in_effect": True}, "tf32_implicit"),
-    ({"summary__compile": {"recompiles": 3}}, "recompiles"),
-    ({"environment__device": "cuda:0", "settings__memory_every": 1, "summary__mfu": 0.4}, "stage_memory_every_step"),
-    ({"summary__timing": {"across_ranks": {"run": {"shares": {"eval": {"median": 0.7}}}}}}, "eval_dominates"),
-    ({"summary__throughput": {"optimizer_steps": 3}}, "few_steady_steps"),
-    ({"environment__device": "cuda:0", "environment__device_name": "NVIDIA A10G"}, "mfu_unknown"),
-    ({"environment__requested_max_seq_length": 4096}, "max_seq_length_clamped"),
-    ({"environment__device": "cuda:0", "environment__device_name": "Tesla T4", "environment__effective_precision": "bf16",
-      "environment__gpu_native_bf16": False, "summary__mfu": 0.1}, "gpu_bf16_emulated"),
-    ({"environment__device": "cuda:0", "environment__device_name": "Tesla V100-SXM2-16GB", "settings__tf32": True,
-      "environment__tf32_supported": False, "summary__mfu": 0.1}, "tf32_unsupported"),
-    ({"environment__cpu_fallback": {"processes": 2, "requested_precision": "fp16"},
-      "environment__requested_precision": "no"}, "ran_on_cpu"),
-    ({"environment__device": "cuda:0", "environment__device_name": "NVIDIA H100 80GB HBM3",
-      "settings__memory_snapshot": True}, "memory_snapshot_on"),
-    ({"settings__tuned_on": "cpu AVX512, bf16 native: Intel(R) Xeon(R) Processor"}, "tuned_elsewhere"),
-    ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.2, "exposed_resolved": True,
-                                 "exposed_interval": [0.18, 0.22], "transfer_s": 0.1}}, "comm_exposed_above_total"),
-    ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.02, "exposed_resolved": False,
-                                 "exposed_interval": [0.001, 0.06], "steps": 14}}, "comm_not_resolved"),
-    ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.05, "exposed_resolved": True,
-                                 "agreement": {"ddp": {"verdict": "disagree", "pairs": 8, "median_difference": 0.04,
-                                                       "interval": [0.035, 0.045], "tolerance": 0.015}}}},
-     "comm_instruments_disagree"),
-    ({"summary__communication": {"measured": True, "method": "direct", "exposed_s": 0.05, "exposed_resolved": True,
-                                 "agreement": {"ddp": {"verdict": "agree", "pairs": 8, "median_difference": 0.0,
-                                                       "interval": [-0.001, 0.001], "tolerance": 0.015,
-                                                       "overlap": {"verdict": "undecided", "pairs": 5,
-                                                                   "median_difference": 0.02, "interval": None,
-                                                                   "tolerance": 0.1}}}}},
-     "comm_instruments_undecided"),
-])
+@pytest.mark.parametrize(
+    "changes,code",
+    [
+        ({"environment__threads__torch_threads": 1}, "threads_below_budget"),
+        ({"environment__threads__torch_threads": 4}, "threads_above_budget"),
+        ({"settings__profile": True}, "profiler_on"),
+        ({"environment__effective_precision": "bf16"}, "bf16_emulated"),
+        ({"environment__requested_precision": "fp16"}, "fp16_unavailable"),
+        ({"environment__tf32_in_effect": True}, "tf32_implicit"),
+        ({"summary__compile": {"recompiles": 3}}, "recompiles"),
+        (
+            {"environment__device": "cuda:0", "settings__memory_every": 1, "summary__mfu": 0.4},
+            "stage_memory_every_step",
+        ),
+        ({"summary__timing": {"across_ranks": {"run": {"shares": {"eval": {"median": 0.7}}}}}}, "eval_dominates"),
+        ({"summary__throughput": {"optimizer_steps": 3}}, "few_steady_steps"),
+        ({"environment__device": "cuda:0", "environment__device_name": "NVIDIA A10G"}, "mfu_unknown"),
+        ({"environment__requested_max_seq_length": 4096}, "max_seq_length_clamped"),
+        (
+            {
+                "environment__device": "cuda:0",
+                "environment__device_name": "Tesla T4",
+                "environment__effective_precision": "bf16",
+                "environment__gpu_native_bf16": False,
+                "summary__mfu": 0.1,
+            },
+            "gpu_bf16_emulated",
+        ),
+        (
+            {
+                "environment__device": "cuda:0",
+                "environment__device_name": "Tesla V100-SXM2-16GB",
+                "settings__tf32": True,
+                "environment__tf32_supported": False,
+                "summary__mfu": 0.1,
+            },
+            "tf32_unsupported",
+        ),
+        (
+            {
+                "environment__cpu_fallback": {"processes": 2, "requested_precision": "fp16"},
+                "environment__requested_precision": "no",
+            },
+            "ran_on_cpu",
+        ),
+        (
+            {
+                "environment__device": "cuda:0",
+                "environment__device_name": "NVIDIA H100 80GB HBM3",
+                "settings__memory_snapshot": True,
+            },
+            "memory_snapshot_on",
+        ),
+        ({"settings__tuned_on": "cpu AVX512, bf16 native: Intel(R) Xeon(R) Processor"}, "tuned_elsewhere"),
+        (
+            {
+                "summary__communication": {
+                    "measured": True,
+                    "method": "direct",
+                    "exposed_s": 0.2,
+                    "exposed_resolved": True,
+                    "exposed_interval": [0.18, 0.22],
+                    "transfer_s": 0.1,
+                }
+            },
+            "comm_exposed_above_total",
+        ),
+        (
+            {
+                "summary__communication": {
+                    "measured": True,
+                    "method": "direct",
+                    "exposed_s": 0.02,
+                    "exposed_resolved": False,
+                    "exposed_interval": [0.001, 0.06],
+                    "steps": 14,
+                }
+            },
+            "comm_not_resolved",
+        ),
+        (
+            {
+                "summary__communication": {
+                    "measured": True,
+                    "method": "direct",
+                    "exposed_s": 0.05,
+                    "exposed_resolved": True,
+                    "agreement": {
+                        "ddp": {
+                            "verdict": "disagree",
+                            "pairs": 8,
+                            "median_difference": 0.04,
+                            "interval": [0.035, 0.045],
+                            "tolerance": 0.015,
+                        }
+                    },
+                }
+            },
+            "comm_instruments_disagree",
+        ),
+        (
+            {
+                "summary__communication": {
+                    "measured": True,
+                    "method": "direct",
+                    "exposed_s": 0.05,
+                    "exposed_resolved": True,
+                    "agreement": {
+                        "ddp": {
+                            "verdict": "agree",
+                            "pairs": 8,
+                            "median_difference": 0.0,
+                            "interval": [-0.001, 0.001],
+                            "tolerance": 0.015,
+                            "overlap": {
+                                "verdict": "undecided",
+                                "pairs": 5,
+                                "median_difference": 0.02,
+                                "interval": None,
+                                "tolerance": 0.1,
+                            },
+                        }
+                    },
+                }
+            },
+            "comm_instruments_undecided",
+        ),
+    ],
+)
 def test_each_condition_raises_its_warning(changes, code):
     warnings = health.check(planted(**changes))
     assert [w["code"] for w in warnings] == [code]
@@ -78,19 +184,31 @@ def test_bf16_on_a_cpu_with_native_units_is_not_called_emulated():
 
 
 def _cpu_bf16(speedup: float, native: bool | None, flags=("avx512_bf16",)) -> dict:
-    return {"flags": list(flags) if native else [], "native_by_flags": native, "fp32_tflops": 0.2,
-            "bf16_tflops": 0.2 * speedup, "speedup": speedup, "faster": speedup > 1.0}
+    return {
+        "flags": list(flags) if native else [],
+        "native_by_flags": native,
+        "fp32_tflops": 0.2,
+        "bf16_tflops": 0.2 * speedup,
+        "speedup": speedup,
+        "faster": speedup > 1.0,
+    }
 
 
-@pytest.mark.parametrize("native,speedup,codes", [
-    (True, 0.6, ["bf16_not_faster"]),     # the flags say native, the timing says slower: the timing is said
-    (None, 0.3, ["bf16_not_faster"]),     # no flags to read (a container hiding /proc/cpuinfo): the timing decides
-    (False, 0.05, ["bf16_emulated"]),     # the flags already say emulated: one warning, not two
-    (True, 4.4, []),                      # native and faster: nothing to say
-])
+@pytest.mark.parametrize(
+    "native,speedup,codes",
+    [
+        (True, 0.6, ["bf16_not_faster"]),  # the flags say native, the timing says slower: the timing is said
+        (None, 0.3, ["bf16_not_faster"]),  # no flags to read (a container hiding /proc/cpuinfo): the timing decides
+        (False, 0.05, ["bf16_emulated"]),  # the flags already say emulated: one warning, not two
+        (True, 4.4, []),  # native and faster: nothing to say
+    ],
+)
 def test_bf16_detection_reads_the_flags_and_the_timing_together(native, speedup, codes):
-    record = planted(environment__effective_precision="bf16", environment__cpu_native_bf16=native,
-                     environment__cpu_bf16=_cpu_bf16(speedup, native))
+    record = planted(
+        environment__effective_precision="bf16",
+        environment__cpu_native_bf16=native,
+        environment__cpu_bf16=_cpu_bf16(speedup, native),
+    )
     warnings = health.check(record)
     assert [w["code"] for w in warnings] == codes
     if codes == ["bf16_not_faster"]:
@@ -100,21 +218,31 @@ def test_bf16_detection_reads_the_flags_and_the_timing_together(native, speedup,
 
 
 def _measured(peak: float, achieved: float, spread: float = 0.05, breakdown=None, executed=None) -> dict:
-    return {"summary__measured_peak": {"precision": "fp32", "peak_tflops": peak, "spread": spread,
-                                       "achieved_tflops": achieved, "share": achieved / peak,
-                                       **({"executed_tflops": executed} if executed else {})},
-            "summary__profile": {"breakdown": breakdown} if breakdown else None}
+    return {
+        "summary__measured_peak": {
+            "precision": "fp32",
+            "peak_tflops": peak,
+            "spread": spread,
+            "achieved_tflops": achieved,
+            "share": achieved / peak,
+            **({"executed_tflops": executed} if executed else {}),
+        },
+        "summary__profile": {"breakdown": breakdown} if breakdown else None,
+    }
 
 
-@pytest.mark.parametrize("changes,fires", [
-    (_measured(0.2, 0.15), False),
-    (_measured(0.2, 0.205), False),  # inside the peak's own spread
-    (_measured(0.2, 0.3), True),     # the whole run faster than its matmuls can be: the peak was measured low
-    (_measured(0.2, 0.1, breakdown={"matmul_flops": 3e11, "matmul_s": 1.0}), True),   # the traced matmuls at 0.3
-    (_measured(0.2, 0.1, breakdown={"matmul_flops": 1.5e11, "matmul_s": 1.0}), False),
-    (_measured(0.2, 0.15, executed=0.25), True),  # with checkpointing's recomputation: what the matmuls executed
-    (_measured(0.2, 0.15, executed=0.19), False),
-])
+@pytest.mark.parametrize(
+    "changes,fires",
+    [
+        (_measured(0.2, 0.15), False),
+        (_measured(0.2, 0.205), False),  # inside the peak's own spread
+        (_measured(0.2, 0.3), True),  # the whole run faster than its matmuls can be: the peak was measured low
+        (_measured(0.2, 0.1, breakdown={"matmul_flops": 3e11, "matmul_s": 1.0}), True),  # the traced matmuls at 0.3
+        (_measured(0.2, 0.1, breakdown={"matmul_flops": 1.5e11, "matmul_s": 1.0}), False),
+        (_measured(0.2, 0.15, executed=0.25), True),  # with checkpointing's recomputation: what the matmuls executed
+        (_measured(0.2, 0.15, executed=0.19), False),
+    ],
+)
 def test_the_measured_peak_is_checked_against_the_run_and_the_profiled_matmuls(changes, fires):
     codes = [w["code"] for w in health.check(planted(**changes))]
     assert codes == (["above_measured_peak"] if fires else [])
@@ -128,7 +256,9 @@ def test_every_warning_is_one_registry_entry_with_its_fix_and_the_start_ones_are
     for entry in health.REGISTRY.values():
         assert entry.meaning and entry.fix and callable(entry.condition)
     started = planted(environment__threads__torch_threads=1, summary__compile={"recompiles": 3})
-    assert [w["code"] for w in health.check(started, at_start=True)] == ["threads_below_budget"]  # recompiles: at the end
+    assert [w["code"] for w in health.check(started, at_start=True)] == [
+        "threads_below_budget"
+    ]  # recompiles: at the end
 
 
 def test_unknown_codes_are_refused():

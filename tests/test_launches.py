@@ -3,8 +3,8 @@
 import statistics
 
 import pytest
-
 from conftest import CONFIGS, ROOT, TINY, assert_ok, config_processes, cpu_env, launch, read_record, read_steps
+
 from trainscope.environment import usable_cores
 from trainscope.records import SCHEMA_VERSION
 
@@ -22,8 +22,9 @@ def config_runs(tmp_path_factory):
         if stem not in cache:
             config = ROOT / "accelerate_configs" / f"{stem}.yaml"
             runs = tmp_path_factory.mktemp(stem)
-            result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "r"], config=config,
-                            env=laptop)
+            result = launch(
+                "train.py", [*TINY, "--output-dir", str(runs), "--run-name", "r"], config=config, env=laptop
+            )
             cache[stem] = (result, runs / "r")
         return cache[stem]
 
@@ -63,7 +64,9 @@ def test_every_config_launches_as_documented(config, config_runs):
         assert "bf16_emulated" in [w["code"] for w in record["warnings"]]
     if world_size > 1:  # a GPU config on a machine without a GPU: real DDP over gloo, and said so
         assert env["distributed_type"] == "MULTI_CPU" and env["backend"] == "gloo"
-        assert env["cpu_fallback"]["processes"] == world_size and "ran_on_cpu" in [w["code"] for w in record["warnings"]]
+        assert env["cpu_fallback"]["processes"] == world_size and "ran_on_cpu" in [
+            w["code"] for w in record["warnings"]
+        ]
         assert (result.stdout + result.stderr).count("warning [ran_on_cpu]") == 2  # at the start and in the table
         if config.stem != "fsdp":
             assert record["summary"]["communication"]["measured"] is True
@@ -84,8 +87,10 @@ def test_ranks_combine_into_median_and_max(config_runs):
     combined = record["summary"]["timing"]["across_ranks"]["run"]
     for stage in ("forward", "backward", "data"):
         values = [r["timing"]["run"]["seconds"][stage] for r in per_rank]
-        assert combined["seconds"][stage] == {"median": pytest.approx(statistics.median(values)),
-                                              "max": pytest.approx(max(values))}
+        assert combined["seconds"][stage] == {
+            "median": pytest.approx(statistics.median(values)),
+            "max": pytest.approx(max(values)),
+        }
 
 
 @pytest.mark.parametrize("launcher", ["python", "accelerate"])
@@ -107,8 +112,12 @@ def test_the_missions_command_on_a_machine_without_a_gpu(config_runs):
 def test_a_launch_that_would_train_n_times_over_is_refused(runs):
     """A plain torchrun on a CPU-only machine falls back to DDP over gloo; told not to (ACCELERATE_USE_CPU=false),
     Accelerate would make N independent single-process runs: refused."""
-    result = launch("train.py", [*TINY, "--output-dir", str(runs)], launcher="torchrun",
-                    env={**cpu_env(), "ACCELERATE_USE_CPU": "false"})
+    result = launch(
+        "train.py",
+        [*TINY, "--output-dir", str(runs)],
+        launcher="torchrun",
+        env={**cpu_env(), "ACCELERATE_USE_CPU": "false"},
+    )
     assert result.returncode == 1  # torchrun's status when its workers fail; each worker exited 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "independent single-process runs" in errors[0]  # once, not once per rank

@@ -12,13 +12,13 @@ from trainscope import embedded, modeling
 from trainscope.errors import UserError
 from trainscope.settings import parse_settings
 
-CUSTOM_CONFIG = '''
+CUSTOM_CONFIG = """
 from pathlib import Path
 from transformers import BertConfig
 Path({marker!r}).write_text("ran")  # transformers runs a copy of this file from its module cache
 class CustomConfig(BertConfig):
     model_type = "custom-bert"
-'''
+"""
 
 
 def settings_for(*args):
@@ -46,8 +46,10 @@ def test_code_in_a_model_runs_only_with_trust_remote_code(tmp_path):
     assert (tmp_path / "marker").read_text() == "ran"
 
 
-@pytest.mark.parametrize("name,limit", [("roberta-base", 512), ("bert-base-uncased", 512),
-                                        ("distilbert-base-uncased", 512), ("embedded:tiny-bert", 512)])
+@pytest.mark.parametrize(
+    "name,limit",
+    [("roberta-base", 512), ("bert-base-uncased", 512), ("distilbert-base-uncased", 512), ("embedded:tiny-bert", 512)],
+)
 def test_sequence_limits_count_usable_positions(name, limit):
     # RoBERTa has 514 position embeddings, two of them taken by the padding offset
     assert modeling.sequence_limit(settings_for("--model", name, "--architecture-only")) == limit
@@ -57,12 +59,20 @@ def small(name: str):
     values = dict(embedded.bundled_architecture(name))
     model_type = values.pop("model_type")
     shrink = {"distilbert": {"n_layers": 2, "dim": 32, "hidden_dim": 64, "n_heads": 2}}.get(
-        model_type, {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2})
+        model_type, {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    )
     return AutoModelForSequenceClassification.from_config(AutoConfig.for_model(model_type, **{**values, **shrink}))
 
 
-@pytest.mark.parametrize("name,layer", [("roberta-base", "RobertaLayer"), ("bert-base-uncased", "BertLayer"),
-                                        ("distilbert-base-uncased", "TransformerBlock"), ("tiny-bert", "BertLayer")])
+@pytest.mark.parametrize(
+    "name,layer",
+    [
+        ("roberta-base", "RobertaLayer"),
+        ("bert-base-uncased", "BertLayer"),
+        ("distilbert-base-uncased", "TransformerBlock"),
+        ("tiny-bert", "BertLayer"),
+    ],
+)
 def test_fsdp_shards_each_bundled_architecture_layer_by_layer(name, layer):
     model = small(name)
     assert modeling.transformer_layer_classes(model) == [layer]
@@ -93,8 +103,9 @@ def test_dropout_overrides_reach_the_built_model_and_its_attention_kernel(model)
     """--hidden-dropout / --attention-dropout set the configuration before the model is built (from its
     configuration, or from pretrained weights); with attention dropout 0 torch's fused CPU kernel can run."""
     tokenizer = modeling.build_tokenizer(settings_for("--model", model))
-    built, facts = modeling.build_model(settings_for("--model", model, "--hidden-dropout", "0.25",
-                                                     "--attention-dropout", "0"), ["a", "b"], tokenizer)
+    built, facts = modeling.build_model(
+        settings_for("--model", model, "--hidden-dropout", "0.25", "--attention-dropout", "0"), ["a", "b"], tokenizer
+    )
     assert facts["dropout"] == {"hidden": 0.25, "attention": 0.0}
     assert facts["dropout_overrides"] == {"hidden_dropout_prob": 0.25, "attention_probs_dropout_prob": 0.0}
     assert {m.p for m in built.modules() if isinstance(m, torch.nn.Dropout)} == {0.25, 0.0}
@@ -102,7 +113,10 @@ def test_dropout_overrides_reach_the_built_model_and_its_attention_kernel(model)
     assert modeling.attention_kernels(built.config, "sdpa", cpu, "fp32")["training"] == "FLASH_ATTENTION"
     built.config.attention_probs_dropout_prob = 0.1
     assert modeling.attention_kernels(built.config, "sdpa", cpu, "bf16") == {
-        "training": "MATH", "evaluation": "FLASH_ATTENTION", "attention_dropout": 0.1}
+        "training": "MATH",
+        "evaluation": "FLASH_ATTENTION",
+        "attention_dropout": 0.1,
+    }
     assert modeling.attention_kernels(built.config, "eager", cpu, "fp32") is None
     _, plain = modeling.build_model(settings_for("--model", model), ["a", "b"], tokenizer)
     assert plain["dropout_overrides"] is None
@@ -114,12 +128,15 @@ def test_a_dropout_override_the_model_cannot_take_is_one_line():
         modeling.dropout_overrides(config, settings_for("--attention-dropout", "0"))
 
 
-@pytest.mark.parametrize("implementation,defaults", [("fused", {"fused": True}), ("foreach", {"foreach": True}),
-                                                     ("for-loop", {"foreach": False})])
+@pytest.mark.parametrize(
+    "implementation,defaults",
+    [("fused", {"fused": True}), ("foreach", {"foreach": True}), ("for-loop", {"foreach": False})],
+)
 def test_the_optimizer_implementation_is_chosen_and_recorded(implementation, defaults):
     model = torch.nn.Linear(4, 2)
-    optimizer = modeling.build_optimizer(model, settings_for("--optimizer-implementation", implementation),
-                                         torch.device("cpu"))
+    optimizer = modeling.build_optimizer(
+        model, settings_for("--optimizer-implementation", implementation), torch.device("cpu")
+    )
     assert all(optimizer.defaults[k] == v for k, v in defaults.items())
     facts = modeling.optimizer_facts(optimizer)
     assert facts["fused"] is (implementation == "fused") and facts["foreach"] is (implementation == "foreach")
@@ -137,12 +154,15 @@ def test_the_fused_optimizer_updates_as_the_foreach_one():
     model = small("tiny-bert")
     twin = copy.deepcopy(model)
     initial = copy.deepcopy(model)
-    optimizers = [modeling.build_optimizer(m, settings_for("--optimizer-implementation", name, "--learning-rate",
-                                                           "3e-3"), torch.device("cpu"))
-                  for m, name in ((model, "fused"), (twin, "foreach"))]
+    optimizers = [
+        modeling.build_optimizer(
+            m, settings_for("--optimizer-implementation", name, "--learning-rate", "3e-3"), torch.device("cpu")
+        )
+        for m, name in ((model, "fused"), (twin, "foreach"))
+    ]
     assert optimizers[0].defaults["fused"] and optimizers[1].defaults["foreach"]
     generator = torch.Generator().manual_seed(0)
-    steps, lr, u = 10, 3e-3, 2.0 ** -24
+    steps, lr, u = 10, 3e-3, 2.0**-24
     for _ in range(steps):
         for a, b in zip(model.parameters(), twin.parameters()):
             a.grad = torch.randn(a.shape, generator=generator) * 0.1

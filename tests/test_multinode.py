@@ -9,8 +9,8 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, read_record
+
 from trainscope.environment import machine_count
 from trainscope.launching import kill_tree
 
@@ -32,12 +32,30 @@ def launch_machines(args: list[str], logs, machines: int = 2, timeout: float = 1
     port = free_port()
     processes = []
     for rank in range(machines):
-        command = [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
-                   "--num_machines", str(machines), "--num_processes", str(machines), "--machine_rank", str(rank),
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), str(ROOT / "train.py"), *args]
+        command = [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "ddp.yaml"),
+            "--num_machines",
+            str(machines),
+            "--num_processes",
+            str(machines),
+            "--machine_rank",
+            str(rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            str(ROOT / "train.py"),
+            *args,
+        ]
         with open(logs / f"machine{rank}.log", "w") as log:
-            processes.append(subprocess.Popen(command, cwd=ROOT, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+            processes.append(
+                subprocess.Popen(
+                    command, cwd=ROOT, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
     deadline = time.monotonic() + timeout
     try:
         return [process.wait(timeout=max(0.0, deadline - time.monotonic())) for process in processes]
@@ -48,7 +66,9 @@ def launch_machines(args: list[str], logs, machines: int = 2, timeout: float = 1
 
 
 def tails(logs, machines: int) -> str:
-    return "\n".join(f"--- machine {rank}\n{(logs / f'machine{rank}.log').read_text()[-3000:]}" for rank in range(machines))
+    return "\n".join(
+        f"--- machine {rank}\n{(logs / f'machine{rank}.log').read_text()[-3000:]}" for rank in range(machines)
+    )
 
 
 def test_two_machines_train_one_run(tmp_path):
@@ -94,14 +114,18 @@ def test_an_existing_run_is_refused_on_every_machine(tmp_path):
 
 # What torchrun (under accelerate launch) exports to each rank, as printed by both ranks of the
 # two-machine launch above and of the single-machine ddp.yaml launch; the MPI case is what Accelerate sets.
-@pytest.mark.parametrize("environ, machines", [
-    ({"RANK": "0", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, 2),
-    ({"RANK": "1", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, 2),
-    ({"RANK": "1", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, 1),
-    ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 2),  # mpirun: no torchrun agent
-    ({}, 1),                                                           # python train.py
-    ({"GROUP_WORLD_SIZE": ""}, 1),
-], ids=["node0", "node1", "one-node-ddp", "mpi", "plain", "empty"])
+@pytest.mark.parametrize(
+    "environ, machines",
+    [
+        ({"RANK": "0", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, 2),
+        ({"RANK": "1", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, 2),
+        ({"RANK": "1", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, 1),
+        ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 2),  # mpirun: no torchrun agent
+        ({}, 1),  # python train.py
+        ({"GROUP_WORLD_SIZE": ""}, 1),
+    ],
+    ids=["node0", "node1", "one-node-ddp", "mpi", "plain", "empty"],
+)
 def test_every_rank_counts_the_machines(environ, machines):
     assert machine_count(environ) == machines
 
@@ -115,8 +139,8 @@ FAKE_SLURM = {
     "srun": 'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node SLURM_PROCID=$node "$@" || exit; done\n',
     # records what each task launched: its arguments, one a line, and the variables torchrun reads
     "accelerate": 'printf "%s\\n" "$@" > "$FAKE_OUT/launch-$SLURM_NODEID"\n'
-                  'echo "$PET_SIGNALS_TO_HANDLE $TORCH_ELASTIC_SHUTDOWN_TIMEOUT $SRUN_CPUS_PER_TASK" '
-                  '> "$FAKE_OUT/env-$SLURM_NODEID"\n',
+    'echo "$PET_SIGNALS_TO_HANDLE $TORCH_ELASTIC_SHUTDOWN_TIMEOUT $SRUN_CPUS_PER_TASK" '
+    '> "$FAKE_OUT/env-$SLURM_NODEID"\n',
 }
 
 
@@ -129,11 +153,19 @@ def submit(tmp_path, *args: str) -> dict[int, list[str]]:
     for name, body in FAKE_SLURM.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body)
         (bin_dir / name).chmod(stat.S_IRWXU)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_OUT": str(out), "SLURM_JOB_NAME": "trainscope",
-           "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-a17,gpu-b03",
-           "SLURM_CPUS_PER_TASK": "32", "SLURM_GPUS_ON_NODE": "8"}
-    result = subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=30)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_OUT": str(out),
+        "SLURM_JOB_NAME": "trainscope",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "gpu-a17,gpu-b03",
+        "SLURM_CPUS_PER_TASK": "32",
+        "SLURM_GPUS_ON_NODE": "8",
+    }
+    result = subprocess.run(
+        ["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     return {node: (out / f"launch-{node}").read_text().splitlines() for node in (0, 1)}
 
@@ -151,7 +183,7 @@ def test_the_slurm_script_is_valid_bash_with_the_pieces_a_cluster_needs():
     assert re.search(r"^srun bash -c 'exec accelerate launch", text, flags=re.M)
     assert '--machine_rank "$SLURM_NODEID"' in text
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
-    assert '--save-on-interrupt' in text and '--run-name "$RUN_NAME"' in text
+    assert "--save-on-interrupt" in text and '--run-name "$RUN_NAME"' in text
 
 
 def test_the_slurm_script_launches_every_node_with_its_own_rank(tmp_path):
@@ -161,14 +193,31 @@ def test_the_slurm_script_launches_every_node_with_its_own_rank(tmp_path):
         assert option(argv, "--machine_rank") == str(node)  # expanded by the task, not the batch shell
         assert option(argv, "--num_machines") == "2" and option(argv, "--num_processes") == "16"
         assert option(argv, "--main_process_ip") == "gpu-a17" and option(argv, "--main_process_port") == "29500"
-        assert argv[argv.index("train.py"):] == [
-            "train.py", "--output-dir", "runs", "--run-name", "trainscope-4242", "--save-on-interrupt",
-            "--model", "roberta-base", "--dataset", "glue/sst2"]
+        assert argv[argv.index("train.py") :] == [
+            "train.py",
+            "--output-dir",
+            "runs",
+            "--run-name",
+            "trainscope-4242",
+            "--save-on-interrupt",
+            "--model",
+            "roberta-base",
+            "--dataset",
+            "glue/sst2",
+        ]
         assert (tmp_path / "out" / f"env-{node}").read_text().split() == [
-            "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "100", "32"]
+            "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            "100",
+            "32",
+        ]
 
 
 def test_a_requeued_slurm_job_resumes_from_its_checkpoint(tmp_path):
     (tmp_path / "runs" / "trainscope-4242" / "checkpoints" / "step_00000040").mkdir(parents=True)
     for argv in submit(tmp_path, "--model", "roberta-base").values():
-        assert argv[argv.index("--save-on-interrupt"):] == ["--save-on-interrupt", "--resume", "--model", "roberta-base"]
+        assert argv[argv.index("--save-on-interrupt") :] == [
+            "--save-on-interrupt",
+            "--resume",
+            "--model",
+            "roberta-base",
+        ]

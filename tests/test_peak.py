@@ -58,8 +58,9 @@ def test_the_machine_peak_block_has_every_precision_and_the_square(cache):
 def test_peers_that_miss_make_everybody_measure_at_once(cache, monkeypatch):
     peak.machine_peak(CPU, TINY_SHAPES, threads=1, processes=2)  # cached now
     asked = []
-    block = peak.machine_peak(CPU, TINY_SHAPES, threads=1, processes=2,
-                              together=lambda missing: asked.append(missing) or True)
+    block = peak.machine_peak(
+        CPU, TINY_SHAPES, threads=1, processes=2, together=lambda missing: asked.append(missing) or True
+    )
     assert asked == [False] and not block["from_cache"]  # a peer missed: measured again, beside it
 
 

@@ -59,12 +59,15 @@ def test_tf32_switched_on_behind_the_users_back_is_switched_off_and_reported(tf3
     assert precision.enforce_tf32(True) is True and precision.tf32_in_effect() is True
 
 
-@pytest.mark.parametrize("flags,native", [
-    (frozenset({"avx2", "fma"}), False),
-    (frozenset({"avx512f", "avx512_bf16"}), True),
-    (frozenset({"amx_bf16", "amx_tile"}), True),
-    (frozenset(), None),
-])
+@pytest.mark.parametrize(
+    "flags,native",
+    [
+        (frozenset({"avx2", "fma"}), False),
+        (frozenset({"avx512f", "avx512_bf16"}), True),
+        (frozenset({"amx_bf16", "amx_tile"}), True),
+        (frozenset(), None),
+    ],
+)
 def test_native_bf16_comes_from_the_cpu_flags(flags, native):
     assert precision.cpu_native_bf16(flags) is native
 
@@ -88,12 +91,15 @@ bugs\t\t: sysret_ss_attrs
 """
 
 
-@pytest.mark.parametrize("text,native,flags,name", [
-    (ARM_CPUINFO, True, ["bf16", "svebf16"], "ARM CPU implementer 0x41 part 0xd40"),
-    (ARM_CPUINFO.replace(" svebf16", "").replace(" bf16", ""), False, [], "ARM CPU implementer 0x41 part 0xd40"),
-    (X86_CPUINFO, True, ["avx512_bf16"], "AMD EPYC 9B14"),
-    (X86_CPUINFO.replace(" avx512_bf16", ""), False, [], "AMD EPYC 9B14"),
-])
+@pytest.mark.parametrize(
+    "text,native,flags,name",
+    [
+        (ARM_CPUINFO, True, ["bf16", "svebf16"], "ARM CPU implementer 0x41 part 0xd40"),
+        (ARM_CPUINFO.replace(" svebf16", "").replace(" bf16", ""), False, [], "ARM CPU implementer 0x41 part 0xd40"),
+        (X86_CPUINFO, True, ["avx512_bf16"], "AMD EPYC 9B14"),
+        (X86_CPUINFO.replace(" avx512_bf16", ""), False, [], "AMD EPYC 9B14"),
+    ],
+)
 def test_bf16_detection_reads_x86_flags_and_arm_features(tmp_path, text, native, flags, name):
     from trainscope.environment import cpu_model_name
 
@@ -157,8 +163,16 @@ def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fu
             step_now["step"] = step
             before = model.linear.weight.detach().clone()
             batch = {"features": torch.randn(8, 16), "labels": torch.randint(0, 2, (8,))}
-            train_step(accelerator, model, batch, optimizer, SimpleNamespace(step=lambda: None),
-                       lambda stage: contextlib.nullcontext(), max_grad_norm=None, skips=skips)
+            train_step(
+                accelerator,
+                model,
+                batch,
+                optimizer,
+                SimpleNamespace(step=lambda: None),
+                lambda stage: contextlib.nullcontext(),
+                max_grad_norm=None,
+                skips=skips,
+            )
             updated.append(not torch.equal(before, model.linear.weight))
             accelerate_says_skipped.append(optimizer.step_was_skipped)
     finally:
@@ -174,6 +188,7 @@ def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fu
 def stand_in_gpu(monkeypatch, tf32_flags):
     """A CUDA device of a given compute capability for this CPU-only torch: its properties and the calls that
     read them are replaced; torch's own is_bf16_supported / is_tf32_supported logic runs on them."""
+
     def install(major: int, minor: int = 0, name: str = "Tesla V100-SXM2-16GB"):
         properties = SimpleNamespace(major=major, minor=minor, name=name, total_memory=16 * 1024**3)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -181,6 +196,7 @@ def stand_in_gpu(monkeypatch, tf32_flags):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
     return install
 
 
@@ -189,8 +205,12 @@ def test_a_gpu_before_ampere_has_neither_native_bf16_nor_tf32(stand_in_gpu, majo
     stand_in_gpu(major)
     torch.backends.cuda.matmul.allow_tf32 = True  # --tf32
     facts = precision.cuda_precision_facts()
-    assert facts == {"gpu_compute_capability": f"{major}.0", "gpu_native_bf16": native, "tf32_supported": native,
-                     "tf32_in_effect": native}
+    assert facts == {
+        "gpu_compute_capability": f"{major}.0",
+        "gpu_native_bf16": native,
+        "tf32_supported": native,
+        "tf32_in_effect": native,
+    }
     assert precision.precision_name(torch.float32, "cuda") == ("tf32" if native else "fp32")
     assert precision.precision_name(torch.bfloat16, "cuda") == "bf16"
 
@@ -202,9 +222,19 @@ def test_a_v100_run_asked_for_bf16_and_tf32_is_recorded_as_emulated_bf16_and_fp3
 
     stand_in_gpu(7)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    accelerator = SimpleNamespace(device=torch.device("cuda", 0), num_processes=1, mixed_precision="bf16",
-                                  state=SimpleNamespace(distributed_type="DistributedType.NO", backend=None))
-    threads = {"torch_threads": 2, "thread_budget": 2, "usable_cores": 2, "local_processes": 1, "threads_source": "auto"}
+    accelerator = SimpleNamespace(
+        device=torch.device("cuda", 0),
+        num_processes=1,
+        mixed_precision="bf16",
+        state=SimpleNamespace(distributed_type="DistributedType.NO", backend=None),
+    )
+    threads = {
+        "torch_threads": 2,
+        "thread_budget": 2,
+        "usable_cores": 2,
+        "local_processes": 1,
+        "threads_source": "auto",
+    }
     env = environment.describe(accelerator, precision.precision_name(torch.bfloat16, "cuda"), threads)
     assert (env["effective_precision"], env["gpu_native_bf16"], env["tf32_in_effect"]) == ("bf16", False, False)
     record = {"settings": {"tf32": True, "memory_every": 10}, "environment": env, "summary": {}}

@@ -6,8 +6,8 @@ import functools
 import numpy as np
 import pytest
 import torch
-
 from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
+
 from trainscope import batch_search, calibration, modeling, op_costs, peak, predict, trace
 from trainscope.experiments import prediction as predict_check
 from trainscope.loop import classification_loss
@@ -32,6 +32,7 @@ def tiny(*flags, layers=None, dropout=None, width=None):
     def build(device="meta"):
         with torch.device(device):
             return modeling.build_architecture(settings, LABELS, config=config)
+
     return settings, build
 
 
@@ -79,8 +80,11 @@ def test_the_traced_activations_are_what_autograd_keeps_in_a_real_step():
                 seen[storage.data_ptr()] = storage.nbytes()
             return tensor
 
-        inputs = {"input_ids": torch.randint(5, 100, (3, 19)), "attention_mask": torch.ones(3, 19, dtype=torch.long),
-                  "token_type_ids": torch.zeros(3, 19, dtype=torch.long)}
+        inputs = {
+            "input_ids": torch.randint(5, 100, (3, 19)),
+            "attention_mask": torch.ones(3, 19, dtype=torch.long),
+            "token_type_ids": torch.zeros(3, 19, dtype=torch.long),
+        }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             classification_loss(model(**inputs).logits, torch.zeros(3, dtype=torch.long)).backward()
     assert sum(seen.values()) == predicted
@@ -94,7 +98,9 @@ def test_attention_keeps_its_probabilities_only_with_dropout_in_training():
     assert "_safe_softmax" in names(with_dropout) and "_scaled_dot_product_flash_attention_for_cpu" in names(without)
     assert with_dropout.saved_bytes > without.saved_bytes
     evaluation = trace.trace_evaluation(tiny(dropout=0.1)[1], INPUTS, 4, 23, "fp32", CPU, AVOID)
-    assert "_scaled_dot_product_flash_attention_for_cpu" in names(evaluation) and "_safe_softmax" not in names(evaluation)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in names(evaluation) and "_safe_softmax" not in names(
+        evaluation
+    )
 
 
 def test_lora_keeps_less_optimizer_state_and_checkpointing_fewer_activations():
@@ -123,7 +129,9 @@ class PlantedCosts(op_costs.OpCosts):
 
     def seconds(self, op):
         if op.gemm is not None:
-            return 2 * op.gemm[0] * op.gemm[1] * op.gemm[2] / (self.rates[op_costs.gemm_precision(op.dtype, CPU)] * 1e12)
+            return (
+                2 * op.gemm[0] * op.gemm[1] * op.gemm[2] / (self.rates[op_costs.gemm_precision(op.dtype, CPU)] * 1e12)
+            )
         return op.work * (2 if op.dtype == "bfloat16" else 4) * 1e-10
 
 
@@ -181,8 +189,9 @@ def test_padded_lengths_follow_the_batching():
     assert len(random) == len(grouped) == 20 and random.max() <= 31 and grouped.min() >= 5
     assert grouped.mean() < random.mean()  # grouping by length pads less
     assert set(predict.training_lengths(lengths, 4, 5, pad_to_max_length=True, max_seq_length=64)) == {64}
-    assert predict.training_lengths(lengths, 4, 6, processes=2, pad_to_multiple_of=8, seed=1).tolist() \
-        == [((x + 7) // 8) * 8 for x in predict.training_lengths(lengths, 4, 12, seed=1)[::2]]
+    assert predict.training_lengths(lengths, 4, 6, processes=2, pad_to_multiple_of=8, seed=1).tolist() == [
+        ((x + 7) // 8) * 8 for x in predict.training_lengths(lengths, 4, 12, seed=1)[::2]
+    ]
     padded, rows = predict.evaluation_lengths(np.array([3, 9, 4, 2, 7]), 2)
     assert padded.tolist() == [9, 4, 7] and rows.tolist() == [2, 2, 1]
     padded, rows = predict.evaluation_lengths(np.array([3, 9, 4, 2, 7]), 2, processes=2, group_by_length=True)
@@ -190,8 +199,12 @@ def test_padded_lengths_follow_the_batching():
 
 
 def test_saved_bytes_at_another_batch_and_length_follow_each_powers_term():
-    block = {"memory": {"saved_by_power": {"layer 0": {"1": 30, "2": 200}, "classifier": {"0": 7}},
-                        "traced": {"batch": 4, "length": 10}}}
+    block = {
+        "memory": {
+            "saved_by_power": {"layer 0": {"1": 30, "2": 200}, "classifier": {"0": 7}},
+            "traced": {"batch": 4, "length": 10},
+        }
+    }
     assert predict.saved_bytes_at(block, 4, 20) == pytest.approx(60 + 800 + 7)
     assert predict.saved_bytes_at(block, 8, 20) == pytest.approx(2 * (60 + 800) + 7)
 
@@ -211,6 +224,7 @@ def test_the_batch_search_starts_from_the_prediction_and_corrects_it_both_ways(m
         def trial(size):
             if size > limit:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
         return trial
 
     assert batch_search.search(fits_up_to(100), 12, grow=True) == 96  # too low a prediction: doubled
@@ -222,28 +236,59 @@ def test_the_batch_search_starts_from_the_prediction_and_corrects_it_both_ways(m
 
 
 def planted_block(peak_gib=1.0, step=1.0):
-    return {"memory": {"peak_gib": peak_gib, "gradients_gib": 0.1, "saved_by_power": {"layer 0": {"1": 0.3 * 2**30}},
-                       "traced": {"batch": 8, "length": 50},
-                       "terms_gib": {"baseline": 0.4, "parameters": 0.1, "optimizer": 0.2, "activations": 0.3,
-                                     "temporaries": 0.0, "allocator": 0.0}},
-            "time": {"step_s": step, "warmup_s": 2.5, "evaluation_s": 3.0, "run_s": 20.0,
-                     "stages_s": {"data": 0.01, "forward": 0.39, "backward": 0.5, "optimizer": 0.1, "communication": 0.0}}}
+    return {
+        "memory": {
+            "peak_gib": peak_gib,
+            "gradients_gib": 0.1,
+            "saved_by_power": {"layer 0": {"1": 0.3 * 2**30}},
+            "traced": {"batch": 8, "length": 50},
+            "terms_gib": {
+                "baseline": 0.4,
+                "parameters": 0.1,
+                "optimizer": 0.2,
+                "activations": 0.3,
+                "temporaries": 0.0,
+                "allocator": 0.0,
+            },
+        },
+        "time": {
+            "step_s": step,
+            "warmup_s": 2.5,
+            "evaluation_s": 3.0,
+            "run_s": 20.0,
+            "stages_s": {"data": 0.01, "forward": 0.39, "backward": 0.5, "optimizer": 0.1, "communication": 0.0},
+        },
+    }
 
 
 def planted_summary(peak_gib=1.2, step=1.0):
-    table = lambda wall, seconds: {"wall_s": {"median": wall, "max": wall},  # noqa: E731
-                                   "seconds": {k: {"median": v, "max": v} for k, v in seconds.items()}}
+    table = lambda wall, seconds: {
+        "wall_s": {"median": wall, "max": wall},  # noqa: E731
+        "seconds": {k: {"median": v, "max": v} for k, v in seconds.items()},
+    }
     stages = {"data": 0.01, "forward": 0.4, "backward": 0.48, "optimizer": 0.1, "eval": 0.0, "other": 0.01}
-    return {"memory": {"peak_rss_gib": {"median": peak_gib, "max": peak_gib}},
-            "throughput": {"step_s": step, "optimizer_steps": 10},
-            "timing": {"across_ranks": {"steady": table(10 * step, {k: 10 * v for k, v in stages.items()}),
-                                        "warmup": table(2.4, stages), "run": table(21.0, {**stages, "eval": 3.3})}},
-            "wall_s": 21.0}
+    return {
+        "memory": {"peak_rss_gib": {"median": peak_gib, "max": peak_gib}},
+        "throughput": {"step_s": step, "optimizer_steps": 10},
+        "timing": {
+            "across_ranks": {
+                "steady": table(10 * step, {k: 10 * v for k, v in stages.items()}),
+                "warmup": table(2.4, stages),
+                "run": table(21.0, {**stages, "eval": 3.3}),
+            }
+        },
+        "wall_s": 21.0,
+    }
 
 
 def test_each_predicted_quantity_and_term_gets_its_error_and_the_furthest_is_named():
-    measured = {"parameters": 0.1 * 2**30, "gradients": 0.1 * 2**30, "optimizer": 0.2 * 2**30, "saved": 0.3 * 2**30,
-                "saved_at": [8, 50]}
+    measured = {
+        "parameters": 0.1 * 2**30,
+        "gradients": 0.1 * 2**30,
+        "optimizer": 0.2 * 2**30,
+        "saved": 0.3 * 2**30,
+        "saved_at": [8, 50],
+    }
     errors = predict.prediction_errors(planted_block(), planted_summary(), measured)
     assert errors["peak_memory_gib"]["error"] == pytest.approx(1.0 / 1.2 - 1)
     assert errors["run_s"]["error"] == pytest.approx(20 / 21 - 1) and errors["step_s"]["error"] == pytest.approx(0)
@@ -253,21 +298,31 @@ def test_each_predicted_quantity_and_term_gets_its_error_and_the_furthest_is_nam
     # what the measured peak leaves after the measured terms is the residual, never a term "furthest off"
     assert "rest" not in errors["memory_terms"]
     assert errors["memory_residual"]["measured"] == pytest.approx(1.2 - 0.4 - 0.3 - 0.3)
-    assert errors["furthest"]["term"] == "time: backward" and errors["furthest"]["share_of_total"] == pytest.approx(0.02)
+    assert errors["furthest"]["term"] == "time: backward" and errors["furthest"]["share_of_total"] == pytest.approx(
+        0.02
+    )
     assert errors["time_terms"]["backward"]["error"] == pytest.approx(0.5 / 0.48 - 1)
     lines = predict.error_lines(errors)
     assert any("furthest off: time: backward" in line for line in lines)
-    assert any("peak above the memory before the model 0.60 GiB predicted, 0.80 measured (-25%)" in line
-               and "residual" in line for line in lines)
+    assert any(
+        "peak above the memory before the model 0.60 GiB predicted, 0.80 measured (-25%)" in line and "residual" in line
+        for line in lines
+    )
 
 
 def test_the_report_rows_give_median_and_worst_error_and_the_term_furthest_off():
     records = {}
     for name, peak_gib in (("a-r0", 1.1), ("b-r0", 1.0), ("c-r0", 1.5)):
-        errors = predict.prediction_errors(planted_block(), planted_summary(peak_gib), {
-            "parameters": 0.1 * 2**30, "gradients": 0.1 * 2**30, "optimizer": 0.2 * 2**30})
-        records[name] = {"run_name": name, "settings": {"per_device_batch_size": 8},
-                         "summary": {**planted_summary(peak_gib), "prediction_error": errors}}
+        errors = predict.prediction_errors(
+            planted_block(),
+            planted_summary(peak_gib),
+            {"parameters": 0.1 * 2**30, "gradients": 0.1 * 2**30, "optimizer": 0.2 * 2**30},
+        )
+        records[name] = {
+            "run_name": name,
+            "settings": {"per_device_batch_size": 8},
+            "summary": {**planted_summary(peak_gib), "prediction_error": errors},
+        }
     rows = predict_check.run_rows(records)
     summary = predict_check.summarize(rows)
     assert [r["run"] for r in rows] == ["a", "b", "c"]
@@ -286,8 +341,11 @@ def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_p
 
     from trainscope import advisor
 
-    planted = record(environment__cpu_native_bf16=True, environment__cpu_capability="AVX512 + avx512_bf16",
-                     environment__cpu_bf16_matmul={"size": 1024, "threads": 2, "speedup": 3.0})
+    planted = record(
+        environment__cpu_native_bf16=True,
+        environment__cpu_capability="AVX512 + avx512_bf16",
+        environment__cpu_bf16_matmul={"size": 1024, "threads": 2, "speedup": 3.0},
+    )
     (plain,) = [s for s in advisor.advise(planted) if s.rule == "cpu_precision"]
     monkeypatch.setattr(predict, "speedup", lambda record, flags=(), config=None: {"ratio": 1.37})
     planted["prediction"] = planted_block()
@@ -345,9 +403,16 @@ def test_the_machines_load_counts_other_processes_not_the_runs_it_launched():
     after = predict_check.machine_load()  # before it is waited for: not ours
     other.wait()
     assert predict_check.other_cores({"before": before, "after": after}) >= 0.3
-    quiet = {"before": {"machine_cpu_s": 100.0, "own_cpu_s": 10.0, "monotonic_s": 0.0, "load_average_1min": 1.9},
-             "after": {"machine_cpu_s": 302.0, "own_cpu_s": 205.0, "monotonic_s": 100.0, "load_average_1min": 2.0,
-                       "usable_cores": 2}}
+    quiet = {
+        "before": {"machine_cpu_s": 100.0, "own_cpu_s": 10.0, "monotonic_s": 0.0, "load_average_1min": 1.9},
+        "after": {
+            "machine_cpu_s": 302.0,
+            "own_cpu_s": 205.0,
+            "monotonic_s": 100.0,
+            "load_average_1min": 2.0,
+            "usable_cores": 2,
+        },
+    }
     assert predict_check.other_cores(quiet) == pytest.approx(0.07)  # its own two threads do not make it busy
     assert "a quiet machine" in predict_check.load_text(quiet)
     quiet["after"]["machine_cpu_s"] = 360.0
@@ -382,7 +447,9 @@ def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_predic
     assert stored["exposed_fraction"] == pytest.approx(0.010 / 0.040) and stored["exposed_resolved"]
     workload = SimpleNamespace(processes=2, settings=SimpleNamespace(ddp_gradient_as_bucket_view=True))
     notes = []
-    seconds = predict._communication(workload, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes)
+    seconds = predict._communication(
+        workload, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes
+    )
     assert seconds == pytest.approx(0.010, rel=0.05)  # the same bytes: the measured exposed time
     assert not any("not measured" in note for note in notes) and "25% of it exposed" in notes[0]
 
@@ -411,9 +478,27 @@ def test_texts_longer_than_the_models_positions_are_predicted_and_no_traceback_i
         writer.writerow(["text", "label"])
         for row in range(48):
             writer.writerow([" ".join(words[(row * 7 + i) % 8] for i in range(700)), row % 2])
-    result = run_in_process(["--model", "embedded:tiny-bert", "--dataset", str(tmp_path / "long.csv"),
-                             "--max-seq-length", "1024", "--per-device-batch-size", "4", "--max-steps", "3",
-                             "--report-to", "none", *ONE_THREAD, "--output-dir", str(runs), "--run-name", "long"])
+    result = run_in_process(
+        [
+            "--model",
+            "embedded:tiny-bert",
+            "--dataset",
+            str(tmp_path / "long.csv"),
+            "--max-seq-length",
+            "1024",
+            "--per-device-batch-size",
+            "4",
+            "--max-steps",
+            "3",
+            "--report-to",
+            "none",
+            *ONE_THREAD,
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "long",
+        ]
+    )
     assert_ok(result)
     captured = capfd.readouterr()
     for text in (result.stdout, result.stderr, captured.out, captured.err):
@@ -448,7 +533,6 @@ def test_a_step_that_cannot_be_traced_is_an_error_without_the_fake_tensor_logger
         logger.removeHandler(kept)
 
 
-
 # ---------------------------------------------------------------- what a prediction rests on, and its calibration
 
 
@@ -461,7 +545,9 @@ def test_a_prediction_says_what_is_derived_fitted_and_measured():
     assert found["peak_gib"] == pytest.approx({"measured": 0.4, "derived": 0.6, "fitted": 0.2})
     # the operators timed alone (0.2) are derived, what the fitted factor adds (0.1) and the framework are fitted
     assert found["step_s"] == pytest.approx({"derived": 0.4 + 0.2 + 0.05, "fitted": 0.1 + 0.1, "measured": 0.05})
-    assert sum(found["step_share"].values()) == pytest.approx(1.0) and found["peak_share"]["fitted"] == pytest.approx(0.2 / 1.2)
+    assert sum(found["step_share"].values()) == pytest.approx(1.0) and found["peak_share"]["fitted"] == pytest.approx(
+        0.2 / 1.2
+    )
 
 
 def test_a_fit_held_at_its_bound_is_named_and_warned_of():
@@ -469,18 +555,31 @@ def test_a_fit_held_at_its_bound_is_named_and_warned_of():
     the calibration says so, and a run predicted with it carries the warning."""
     from trainscope import health
 
-    points = [{"step_s": 1.0 + 2 * op, "step_residual_s": 2 * op, "step_operator_s": op, "step_dispatches": 1000 * k,
-               "evaluation_residual_s": 0.1, "evaluation_passes": 2, "evaluation_operator_s": 0.0,
-               "evaluation_dispatches": 0} for k, op in ((1, 0.1), (2, 0.3), (3, 0.2), (4, 0.5))]
+    points = [
+        {
+            "step_s": 1.0 + 2 * op,
+            "step_residual_s": 2 * op,
+            "step_operator_s": op,
+            "step_dispatches": 1000 * k,
+            "evaluation_residual_s": 0.1,
+            "evaluation_passes": 2,
+            "evaluation_operator_s": 0.0,
+            "evaluation_dispatches": 0,
+        }
+        for k, op in ((1, 0.1), (2, 0.3), (3, 0.2), (4, 0.5))
+    ]
     fitted = calibration.fit_time(points)
-    assert fitted["operator_factor"] == pytest.approx(2.0) and "operator_factor at its upper bound 2" in fitted["at_bound"]
+    assert (
+        fitted["operator_factor"] == pytest.approx(2.0) and "operator_factor at its upper bound 2" in fitted["at_bound"]
+    )
     state = predict.calibration_state({"key": {"device": "cpu"}, "time": fitted, "method": "full"}, CPU)
     assert state["state"] == "calibrated" and state["at_bound"] == fitted["at_bound"]
     record = {"settings": {}, "environment": {}, "summary": {}, "prediction": {**planted_block(), "calibration": state}}
     (warning,) = [w for w in health.check(record) if w["code"] == "prediction_fit_at_bound"]
     assert "operator_factor at its upper bound 2" in warning["message"]
-    lines = predict.source_lines({"sources": predict.sources(planted_block()["memory"], {
-        "kinds_s": {"matmul": 1.0}}), "calibration": state})
+    lines = predict.source_lines(
+        {"sources": predict.sources(planted_block()["memory"], {"kinds_s": {"matmul": 1.0}}), "calibration": state}
+    )
     assert any(line.startswith("warning: the calibration's operator_factor at its upper bound 2") for line in lines)
     plain = calibration.fit_time([{**p, "step_residual_s": 0.2 * p["step_operator_s"]} for p in points])
     assert "operator_factor" not in " ".join(plain["at_bound"])
@@ -496,9 +595,14 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
     monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(calibration.SWITCH_ENV)
     monkeypatch.setattr(calibration, "FIRST_USE_BUDGET_S", 300.0)
-    monkeypatch.setattr(calibration, "QUICK_SHAPES", {
-        "tiny-bs8": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "8", "--threads", "1"],
-        "tiny-bs32": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "32", "--threads", "1"]})
+    monkeypatch.setattr(
+        calibration,
+        "QUICK_SHAPES",
+        {
+            "tiny-bs8": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "8", "--threads", "1"],
+            "tiny-bs32": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "32", "--threads", "1"],
+        },
+    )
     monkeypatch.setattr(predict, "collate_seconds", lambda *args, **kwargs: 1e-3)
     (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "4"])
     block = predict.predict(predict.workload_of(None, settings), store=False)

@@ -3,11 +3,18 @@ import os
 
 import pytest
 
+from trainscope.record_view import RunView
 from trainscope.records import (
-    SCHEMA_VERSION, RunRecord, read_record, read_steps, redact, scrub, secret_values, write_json_atomic,
+    SCHEMA_VERSION,
+    RunRecord,
+    read_record,
+    read_steps,
+    redact,
+    scrub,
+    secret_values,
+    write_json_atomic,
     write_text_atomic,
 )
-from trainscope.record_view import RunView
 from trainscope.summary import throughput
 from trainscope.timing import stage_table
 
@@ -41,13 +48,16 @@ def test_failed_write_keeps_the_previous_record(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("https://user:hunter2@host.example/data.csv?token=abc", "https://host.example/data.csv"),
-    ("cannot read 'https://u:p@h/x.csv?sig=1#frag' here", "cannot read 'https://h/x.csv' here"),
-    ("s3://bucket/key.parquet?X-Amz-Signature=zz", "s3://bucket/key.parquet"),
-    ("memory://bucket/tweets.csv", "memory://bucket/tweets.csv"),
-    ("/local/path.csv and plain words", "/local/path.csv and plain words"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("https://user:hunter2@host.example/data.csv?token=abc", "https://host.example/data.csv"),
+        ("cannot read 'https://u:p@h/x.csv?sig=1#frag' here", "cannot read 'https://h/x.csv' here"),
+        ("s3://bucket/key.parquet?X-Amz-Signature=zz", "s3://bucket/key.parquet"),
+        ("memory://bucket/tweets.csv", "memory://bucket/tweets.csv"),
+        ("/local/path.csv and plain words", "/local/path.csv and plain words"),
+    ],
+)
 def test_urls_lose_credentials_queries_and_fragments(text, expected):
     assert redact(text, secrets=[]) == expected
 
@@ -58,7 +68,9 @@ def test_secrets_from_the_environment_are_scrubbed_from_everything_written(tmp_p
     monkeypatch.setenv("SHORT_TOKEN", "abc")  # too short to be told from ordinary words
     assert "hf_abcdefghijklmnop" in secret_values() and "abc" not in secret_values()
     record = RunRecord(tmp_path / "run")
-    record.update(settings={"dataset": "https://x:pw@host/d.csv?sig=hf_abcdefghijklmnop", "note": "correct-horse-battery"})
+    record.update(
+        settings={"dataset": "https://x:pw@host/d.csv?sig=hf_abcdefghijklmnop", "note": "correct-horse-battery"}
+    )
     record.append_step({"step": 1, "msg": "hf_abcdefghijklmnop"})
     write_text_atomic(tmp_path / "notes.md", "see https://x:pw@host/d.csv")
     text = "".join(p.read_text() for p in tmp_path.rglob("*") if p.is_file())
@@ -67,16 +79,24 @@ def test_secrets_from_the_environment_are_scrubbed_from_everything_written(tmp_p
     assert scrub({"k": ["a hf_abcdefghijklmnop b"]}) == {"k": ["a *** b"]}
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"hello": 1}', "not a trainscope run record"),
-    ('{"schema_', "not a readable run record"),
-    ('{"schema_version": "2"}', "schema_version '2' is not one this trainscope reads"),
-    ('{"schema_version": 9}', "schema_version 9 is not one this trainscope reads"),
-    ('{"schema_version": 2, "status": "complete", "run_name": "x", "settings": {}, "environment": {}}',
-     "marked complete but lacks summary"),
-    ('{"schema_version": 2, "status": "complete", "run_name": "x", "settings": {}, "environment": {}, '
-     '"summary": {"world_size": 1}}', "lacks summary.timing"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"hello": 1}', "not a trainscope run record"),
+        ('{"schema_', "not a readable run record"),
+        ('{"schema_version": "2"}', "schema_version '2' is not one this trainscope reads"),
+        ('{"schema_version": 9}', "schema_version 9 is not one this trainscope reads"),
+        (
+            '{"schema_version": 2, "status": "complete", "run_name": "x", "settings": {}, "environment": {}}',
+            "marked complete but lacks summary",
+        ),
+        (
+            '{"schema_version": 2, "status": "complete", "run_name": "x", "settings": {}, "environment": {}, '
+            '"summary": {"world_size": 1}}',
+            "lacks summary.timing",
+        ),
+    ],
+)
 def test_records_we_cannot_read_are_refused_in_one_line_naming_the_file(tmp_path, content, message):
     (tmp_path / "record.json").write_text(content)
     with pytest.raises(ValueError, match=message) as error:
@@ -87,7 +107,9 @@ def test_records_we_cannot_read_are_refused_in_one_line_naming_the_file(tmp_path
 def test_both_schemas_are_readable(tmp_path):
     for version in (1, SCHEMA_VERSION):
         (tmp_path / str(version)).mkdir()
-        (tmp_path / str(version) / "record.json").write_text(json.dumps({"schema_version": version, "status": "running"}))
+        (tmp_path / str(version) / "record.json").write_text(
+            json.dumps({"schema_version": version, "status": "running"})
+        )
         assert read_record(tmp_path / str(version))["schema_version"] == version
 
 
@@ -121,8 +143,10 @@ def test_truncating_steps_for_a_resumed_run(tmp_path):
 
 def rank(wall, forward, samples, tokens, steps=10, eval_s=0.0):
     table = stage_table({"forward": forward, "eval": eval_s}, wall)
-    return {"timing": {"steady": table}, "counts": {"steady": {"samples": samples, "tokens": tokens,
-                                                                "optimizer_steps": steps}}}
+    return {
+        "timing": {"steady": table},
+        "counts": {"steady": {"samples": samples, "tokens": tokens, "optimizer_steps": steps}},
+    }
 
 
 def test_global_throughput_is_every_rank_over_the_slowest_and_leaves_evaluation_out():

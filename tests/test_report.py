@@ -9,25 +9,37 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import report
 from conftest import ROOT, cpu_env, run_command
 from test_report_pdf import check_report, glance_titles
+
+import report
 from trainscope import provenance, reporting
 from trainscope.experiments import REGISTRY, SECTIONS
 
-TINY = ("--model embedded:tiny-bert --max-train-samples 256 --max-eval-samples 64 --max-test-samples 64 "
-        "--per-device-batch-size 16 --learning-rate 3e-3 --report-to none --log-every 2 --threads 1")
+TINY = (
+    "--model embedded:tiny-bert --max-train-samples 256 --max-eval-samples 64 --max-test-samples 64 "
+    "--per-device-batch-size 16 --learning-rate 3e-3 --report-to none --log-every 2 --threads 1"
+)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("experiments")
     runs, results, out = root / "runs", root / "results", root / "reports"
-    common = [f"RUNS={runs}", f"RESULTS={results}", f"EXP_ARGS={TINY}", f"SPEED_ARGS={TINY} --max-steps 6",
-              f"AMP_ARGS={TINY} --max-steps 6", "ROUNDS=1"]
-    for target in (["profile", "PROFILE_BF16=off"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"], ["amp-compare"],
-                   ["report", f"REPORT_ARGS=--out {out}"]):
+    common = [
+        f"RUNS={runs}",
+        f"RESULTS={results}",
+        f"EXP_ARGS={TINY}",
+        f"SPEED_ARGS={TINY} --max-steps 6",
+        f"AMP_ARGS={TINY} --max-steps 6",
+        "ROUNDS=1",
+    ]
+    for target in (
+        ["profile", "PROFILE_BF16=off"],
+        ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"],
+        ["amp-compare"],
+        ["report", f"REPORT_ARGS=--out {out}"],
+    ):
         completed = run_command(["make", "-s", *target, *common], env=cpu_env(), timeout=900)
         assert completed.returncode == 0, f"make {target}: {completed.stderr[-3000:]}"
     return runs, results, out
@@ -39,15 +51,21 @@ def test_every_section_is_there_or_names_its_make_target(built):
     for experiment in SECTIONS:  # every declared experiment has its section, in the registry's order
         assert f"## {experiment.title}" in text
     headings = [line[3:] for line in text.splitlines() if line.startswith("## ")]
-    assert headings[:len(SECTIONS) + 1] == ["At a glance"] + [e.title for e in SECTIONS]
+    assert headings[: len(SECTIONS) + 1] == ["At a glance"] + [e.title for e in SECTIONS]
     glance = text.split("## At a glance")[1].split("\n## ")[0]  # one answer per section, grouped by machine
     rows = [line.split(" | ")[0][2:] for line in glance.splitlines() if line.startswith("| ")]
     assert sorted(row for row in rows if row != "experiment") == sorted(e.title for e in SECTIONS)
     assert "takes the most" in glance.split("| Where the time went |")[1].splitlines()[0]  # its headline
     not_measured = glance.split("**Not measured (not run yet, or skipped): what each experiment found**")[1]
     assert "| What DDP communication costs | Not run yet: `make ddp-cost` produces it. |" in not_measured
-    for target in ("make sweep-workers", "make compare-dp", "make batch-sweep", "make ckpt-compare",
-                   "make ddp-cost", "make bench-compile"):
+    for target in (
+        "make sweep-workers",
+        "make compare-dp",
+        "make batch-sweep",
+        "make ckpt-compare",
+        "make ddp-cost",
+        "make bench-compile",
+    ):
         assert f"Not run yet: `{target}` produces it." in text
     for name in ("time_breakdown", "matrix"):
         assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.pdf").exists()
@@ -151,17 +169,32 @@ def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built,
     runs, _, _ = built
     partial = tmp_path / "runs"
     shutil.copytree(runs / "matrix", partial / "matrix")
-    broken = {"broken": "{not json", "foreign": '{"something": "else"}', "future": '{"schema_version": 7}',
-              "stringly": '{"schema_version": "2"}',
-              "hollow": '{"schema_version": 2, "status": "complete", "run_name": "h", "settings": {}, "environment": {}}'}
+    broken = {
+        "broken": "{not json",
+        "foreign": '{"something": "else"}',
+        "future": '{"schema_version": 7}',
+        "stringly": '{"schema_version": "2"}',
+        "hollow": '{"schema_version": 2, "status": "complete", "run_name": "h", "settings": {}, "environment": {}}',
+    }
     for name, content in broken.items():
         (partial / "matrix" / name).mkdir()
         (partial / "matrix" / name / "record.json").write_text(content)
     with open(partial / "matrix" / "cpu+ckpt-r0" / "steps.jsonl", "a") as handle:
         handle.write('{"step": 99, "lo')  # a killed run's last line
     out = tmp_path / "reports"
-    completed = run_command([sys.executable, str(ROOT / "report.py"), "--runs", str(partial), "--results",
-                             str(tmp_path / "none"), "--out", str(out)], env=cpu_env())
+    completed = run_command(
+        [
+            sys.executable,
+            str(ROOT / "report.py"),
+            "--runs",
+            str(partial),
+            "--results",
+            str(tmp_path / "none"),
+            "--out",
+            str(out),
+        ],
+        env=cpu_env(),
+    )
     assert completed.returncode == 0, completed.stderr
     text = (out / "report.md").read_text()
     skipped = text.split("## Skipped inputs")[1]
@@ -179,12 +212,16 @@ def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_o
     (results / "compare_dp").mkdir(parents=True)
     (results / "compare_dp" / "compare_dp.json").write_text(json.dumps({"machine": {"device_name": "cpu"}}))
     out = tmp_path / "reports"
-    completed = run_command([sys.executable, str(ROOT / "report.py"), "--runs", str(runs), "--results", str(results),
-                             "--out", str(out)], env=cpu_env())
+    completed = run_command(
+        [sys.executable, str(ROOT / "report.py"), "--runs", str(runs), "--results", str(results), "--out", str(out)],
+        env=cpu_env(),
+    )
     assert completed.returncode == 0, completed.stderr
     text = (out / "report.md").read_text()
-    assert ("section data_parallel: its inputs lack benchmark, compare, results, comparison, code_changes, "
-            "projection" in text.split("## Skipped inputs")[1])
+    assert (
+        "section data_parallel: its inputs lack benchmark, compare, results, comparison, code_changes, "
+        "projection" in text.split("## Skipped inputs")[1]
+    )
     assert "(skipped: its inputs lack" in text.split("## DataParallel vs DDP")[1].split("## ")[0]
     assert "## Configs and switches side by side" in text
     assert "Traceback" not in completed.stderr
@@ -198,8 +235,11 @@ def test_a_bug_in_a_section_ends_the_report_instead_of_passing_for_a_foreign_inp
     def broken(report_writer, found):
         raise KeyError("a bug in trainscope")
 
-    monkeypatch.setattr(report, "SECTIONS", [dataclasses.replace(e, section=broken) if e.name == "matrix" else e
-                                             for e in report.SECTIONS])
+    monkeypatch.setattr(
+        report,
+        "SECTIONS",
+        [dataclasses.replace(e, section=broken) if e.name == "matrix" else e for e in report.SECTIONS],
+    )
     with pytest.raises(KeyError, match="a bug in trainscope"):
         report.build(runs, results, tmp_path / "reports")
     assert not (tmp_path / "reports").exists() and not list(tmp_path.glob(".reports.building*"))
@@ -231,27 +271,50 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     titles = glance_titles((clone / "reports" / "report.md").read_text())
     assert sorted(titles) == sorted(e.title for e in SECTIONS)
     check_report(clone / "reports" / "report.pdf", titles)  # its PDF reads as a person reads it
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone, capture_output=True,
-                            text=True).stdout.splitlines()
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone, capture_output=True, text=True
+    ).stdout.splitlines()
     assert status and all(line[3:].startswith("reports/") for line in status)  # only the report's own outputs
 
 
 def test_figures_go_to_the_wandb_run_that_used_it(tmp_path):
     runs = tmp_path / "runs"
-    completed = run_command([sys.executable, str(ROOT / "train.py"), *TINY.split()[:-4], "--report-to", "wandb",
-                             "--output-dir", str(runs), "--run-name", "default"], env=cpu_env(WANDB_MODE="offline"))
+    completed = run_command(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *TINY.split()[:-4],
+            "--report-to",
+            "wandb",
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "default",
+        ],
+        env=cpu_env(WANDB_MODE="offline"),
+    )
     assert completed.returncode == 0, completed.stderr[-2000:]
     out = tmp_path / "reports"
-    completed = run_command([sys.executable, str(ROOT / "report.py"), "--runs", str(runs), "--results",
-                             str(tmp_path / "none"), "--out", str(out)], env=cpu_env(WANDB_MODE="offline"))
+    completed = run_command(
+        [
+            sys.executable,
+            str(ROOT / "report.py"),
+            "--runs",
+            str(runs),
+            "--results",
+            str(tmp_path / "none"),
+            "--out",
+            str(out),
+        ],
+        env=cpu_env(WANDB_MODE="offline"),
+    )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "logged the report's figures to W&B run default" in completed.stdout
     images = [p for p in (runs / "default" / "wandb").rglob("*.png") if "media" in p.parts]
     assert images and any("time_breakdown" in image.name for image in images)
 
 
-@pytest.mark.parametrize("experiment", [e for e in REGISTRY if e.run is not None and e.target],
-                         ids=lambda e: e.name)
+@pytest.mark.parametrize("experiment", [e for e in REGISTRY if e.run is not None and e.target], ids=lambda e: e.name)
 def test_each_experiments_make_target_runs_its_declaration_into_its_folder(experiment):
     """The Makefile line and the declaration agree: the target runs the experiment's subcommand, writing under
     its folder, so the report finds what the target made."""
@@ -272,11 +335,16 @@ def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_rec
     from trainscope.reporting import rejudged
 
     speeds = {"base": [10.0, 10.2, 9.9, 10.1, 10.0], "new": [10.2, 10.4, 10.1, 10.3, 10.2]}  # 2%: all pairs above 1
-    records = {f"{arm}-r{i}": {"summary": {"throughput": {"samples_per_s": v}}}
-               for arm, values in speeds.items() for i, v in enumerate(values)}
-    old = {"baseline": "base", "arms": {arm: {"status": "complete", "runs": [f"{arm}-r{i}" for i in range(5)]}
-                                        for arm in speeds},
-           "comparisons": {"new": {"speed": {"verdict": "faster", "median_ratio": 1.02}}}}  # the old sign rule's
+    records = {
+        f"{arm}-r{i}": {"summary": {"throughput": {"samples_per_s": v}}}
+        for arm, values in speeds.items()
+        for i, v in enumerate(values)
+    }
+    old = {
+        "baseline": "base",
+        "arms": {arm: {"status": "complete", "runs": [f"{arm}-r{i}" for i in range(5)]} for arm in speeds},
+        "comparisons": {"new": {"speed": {"verdict": "faster", "median_ratio": 1.02}}},
+    }  # the old sign rule's
     speed = rejudged(old, records)["comparisons"]["new"]["speed"]
     assert speed["verdict"] == "within noise" and speed["test"].startswith("two-sided Mann-Whitney U")  # under 3%
     partial = {k: v for k, v in records.items() if k != "new-r4"}  # a run missing: the written verdict stands
@@ -286,37 +354,79 @@ def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_rec
 
 # ---------------------------------------------------------------- the machine of every figure
 
-EPYC = {"device": "cpu", "device_name": "AMD EPYC", "device_count": 0, "cpu_capability": "AVX2, no native bf16",
-        "cpu_native_bf16": False, "usable_cores": 2}
-XEON = {"device": "cpu", "device_name": "Intel(R) Xeon(R) Processor", "device_count": 0,
-        "cpu_capability": "AVX512 + amx_bf16, avx512_bf16", "cpu_native_bf16": True, "usable_cores": 2,
-        "cpu_bf16": {"flags": ["amx_bf16", "avx512_bf16"], "native_by_flags": True}}
+EPYC = {
+    "device": "cpu",
+    "device_name": "AMD EPYC",
+    "device_count": 0,
+    "cpu_capability": "AVX2, no native bf16",
+    "cpu_native_bf16": False,
+    "usable_cores": 2,
+}
+XEON = {
+    "device": "cpu",
+    "device_name": "Intel(R) Xeon(R) Processor",
+    "device_count": 0,
+    "cpu_capability": "AVX512 + amx_bf16, avx512_bf16",
+    "cpu_native_bf16": True,
+    "usable_cores": 2,
+    "cpu_bf16": {"flags": ["amx_bf16", "avx512_bf16"], "native_by_flags": True},
+}
 
 
 def on_machine(record: dict, environment: dict) -> dict:
     """A record as another machine would have written it: its environment's machine keys and its provenance's."""
-    host = {"device_name": environment["device_name"], "device_count": environment["device_count"],
-            "cpu": environment.get("cpu", environment["device_name"]), "cpu_capability": environment["cpu_capability"],
-            "usable_cores": environment["usable_cores"]}
+    host = {
+        "device_name": environment["device_name"],
+        "device_count": environment["device_count"],
+        "cpu": environment.get("cpu", environment["device_name"]),
+        "cpu_capability": environment["cpu_capability"],
+        "usable_cores": environment["usable_cores"],
+    }
     env = {k: v for k, v in {**record.get("environment", {}), **environment}.items() if k != "cpu"}
     if "cpu_bf16" not in environment:
         env.pop("cpu_bf16", None)
-    return {**record, "environment": env,
-            "provenance": {**record.get("provenance", {}), "machine": {**record.get("provenance", {}).get("machine", {}),
-                                                                       **host}}}
+    return {
+        **record,
+        "environment": env,
+        "provenance": {
+            **record.get("provenance", {}),
+            "machine": {**record.get("provenance", {}).get("machine", {}), **host},
+        },
+    }
 
 
-@pytest.mark.parametrize("environment, text", [
-    (EPYC, "AMD EPYC, AVX2, bf16 emulated, 2 cores"),
-    (XEON, "Intel Xeon, AVX512-BF16 + AMX, 2 cores"),
-    ({**XEON, "cpu_bf16": None}, "Intel Xeon, AVX512-BF16 + AMX, 2 cores"),  # schema 2: the flags in the capability
-    ({**EPYC, "device_name": "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz", "cpu_capability": "AVX512, no native bf16",
-      "usable_cores": 16}, "Intel Xeon Gold 6338 @ 2.00GHz, AVX512, bf16 emulated, 16 cores"),
-    ({**EPYC, "device_name": "ARM CPU implementer 0x41 part 0xd40", "cpu_capability": "SVE256 + bf16, svebf16"},
-     "ARM CPU implementer 0x41 part 0xd40, SVE256 + SVE-BF16, 2 cores"),
-    ({**XEON, "device": "cuda:0", "device_name": "NVIDIA H200", "device_count": 1, "usable_cores": 16,
-      "cpu": "Intel(R) Xeon(R) Processor"}, "NVIDIA H200 (host Intel Xeon, AVX512-BF16 + AMX, 16 cores)"),
-])
+@pytest.mark.parametrize(
+    "environment, text",
+    [
+        (EPYC, "AMD EPYC, AVX2, bf16 emulated, 2 cores"),
+        (XEON, "Intel Xeon, AVX512-BF16 + AMX, 2 cores"),
+        ({**XEON, "cpu_bf16": None}, "Intel Xeon, AVX512-BF16 + AMX, 2 cores"),  # schema 2: the flags in the capability
+        (
+            {
+                **EPYC,
+                "device_name": "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz",
+                "cpu_capability": "AVX512, no native bf16",
+                "usable_cores": 16,
+            },
+            "Intel Xeon Gold 6338 @ 2.00GHz, AVX512, bf16 emulated, 16 cores",
+        ),
+        (
+            {**EPYC, "device_name": "ARM CPU implementer 0x41 part 0xd40", "cpu_capability": "SVE256 + bf16, svebf16"},
+            "ARM CPU implementer 0x41 part 0xd40, SVE256 + SVE-BF16, 2 cores",
+        ),
+        (
+            {
+                **XEON,
+                "device": "cuda:0",
+                "device_name": "NVIDIA H200",
+                "device_count": 1,
+                "usable_cores": 16,
+                "cpu": "Intel(R) Xeon(R) Processor",
+            },
+            "NVIDIA H200 (host Intel Xeon, AVX512-BF16 + AMX, 16 cores)",
+        ),
+    ],
+)
 def test_a_records_machine_is_its_cpu_model_and_isa_class_or_its_gpu(environment, text):
     from trainscope.record_view import RunView, results_machine
 
@@ -347,14 +457,20 @@ def test_every_section_figure_and_first_page_group_names_its_machine(built, tmp_
     text = (out / "report.md").read_text()
     xeon, epyc = "Intel Xeon, AVX512-BF16 + AMX, 2 cores", "AMD EPYC, AVX2, bf16 emulated, 2 cores"
     glance = text.split("## At a glance")[1].split("\n## ")[0]
-    groups = {part.split(": what each")[0]: [line.split(" | ")[0][2:] for line in part.splitlines()
-                                             if line.startswith("| ")][1:] for part in glance.split("\n**")[1:]}
+    groups = {
+        part.split(": what each")[0]: [line.split(" | ")[0][2:] for line in part.splitlines() if line.startswith("| ")][
+            1:
+        ]
+        for part in glance.split("\n**")[1:]
+    }
     assert list(groups) == [f"Measured on {xeon}", f"Measured on {epyc}", "Not measured (not run yet, or skipped)"]
     assert groups[f"Measured on {xeon}"] == ["Where the time went", "Optimization: what to try next"]
     assert groups[f"Measured on {epyc}"] == ["Mixed precision vs FP32", "Configs and switches side by side"]
     time_went = text.split("## Where the time went")[1].split("\n## ")[0]
     matrix = text.split("## Configs and switches side by side")[1].split("\n## ")[0]
-    assert time_went.strip().startswith(f"**Measured on:** {xeon}.") and matrix.strip().startswith(f"**Measured on:** {epyc}.")
+    assert time_went.strip().startswith(f"**Measured on:** {xeon}.") and matrix.strip().startswith(
+        f"**Measured on:** {epyc}."
+    )
     assert f"*Stage time per step for each variant (measured on {epyc})*" in matrix
     assert f"(measured on {epyc})** (LaTeX: `matrix.tex`)" in matrix and epyc in (out / "matrix.tex").read_text()
     assert f"*Share of wall time per category (measured on {xeon})*" in time_went
@@ -365,8 +481,11 @@ def test_every_section_figure_and_first_page_group_names_its_machine(built, tmp_
     # in the PDF, the caption under the matrix figure names the machine
     words = drawn_words(out / "report.pdf")
     pages = {w.page for w in words if w.text == "Stage"}
-    assert any(squeeze(f"Stage time per step for each variant (measured on {epyc})")
-               in squeeze(" ".join(w.text for w in words if w.page == page)) for page in pages)
+    assert any(
+        squeeze(f"Stage time per step for each variant (measured on {epyc})")
+        in squeeze(" ".join(w.text for w in words if w.page == page))
+        for page in pages
+    )
 
 
 def test_a_comparison_whose_runs_come_from_two_machines_is_refused(built, tmp_path):

@@ -12,25 +12,25 @@ from pathlib import Path
 import pypdfium2
 import pypdfium2.raw as pdfium
 import pytest
+from conftest import ROOT
 
 import report as report_script
-from conftest import ROOT
 from trainscope import reporting
 from trainscope.experiments import SECTIONS, optimization
 from trainscope.records import read_record
 from trainscope.tables import PdfBook, ReportWriter, Table, pyplot
 from trainscope.tune_judge import rejudged
 
-EDGE = 18.0         # points (a quarter inch): no glyph this close to a page's edge
-HEADING_SIZE = 12   # points: text this large is a heading
-TOLERANCE = 0.3     # points: glyph boxes meeting by less than this do not overlap
+EDGE = 18.0  # points (a quarter inch): no glyph this close to a page's edge
+HEADING_SIZE = 12  # points: text this large is a heading
+TOLERANCE = 0.3  # points: glyph boxes meeting by less than this do not overlap
 
 
 @dataclass
 class Word:
     page: int
     text: str
-    box: list            # tight: the ink (left, bottom, right, top), points from the page's bottom left
+    box: list  # tight: the ink (left, bottom, right, top), points from the page's bottom left
     baseline: float
     size: float
     page_size: tuple
@@ -55,8 +55,12 @@ def drawn_words(path: Path) -> list[Word]:
             x, y = ctypes.c_double(), ctypes.c_double()
             pdfium.FPDFText_GetCharOrigin(text, index, ctypes.byref(x), ctypes.byref(y))
             last = current.box if current else None
-            if (current and abs(y.value - current.baseline) < 0.5 and box[0] >= current.last[0] - 0.01
-                    and (abs(box[0] - current.last[0]) < 0.01 or -0.3 * size <= box[0] - current.last[2] < 0.5 * size)):
+            if (
+                current
+                and abs(y.value - current.baseline) < 0.5
+                and box[0] >= current.last[0] - 0.01
+                and (abs(box[0] - current.last[0]) < 0.01 or -0.3 * size <= box[0] - current.last[2] < 0.5 * size)
+            ):
                 current.text += char
                 current.box = [min(last[0], box[0]), min(last[1], box[1]), max(last[2], box[2]), max(last[3], box[3])]
                 current.last = box
@@ -76,13 +80,19 @@ def glyph(text, index: int) -> str:
 def chars_of(path: Path, page: int) -> list[tuple[str, list]]:
     """(glyph, tight box) of every glyph drawn on a page."""
     text = pypdfium2.PdfDocument(str(path))[page].get_textpage()
-    return [(glyph(text, i), list(text.get_charbox(i))) for i in range(text.count_chars())
-            if glyph(text, i).strip() and not pdfium.FPDFText_IsGenerated(text, i)]
+    return [
+        (glyph(text, i), list(text.get_charbox(i)))
+        for i in range(text.count_chars())
+        if glyph(text, i).strip() and not pdfium.FPDFText_IsGenerated(text, i)
+    ]
 
 
 def past_the_edge(words: list[Word]) -> list[str]:
-    return [f"page {w.page + 1}: {w.text!r} at {[round(v) for v in w.box]}" for w in words
-            if min(w.box[0], w.box[1]) < EDGE or w.box[2] > w.page_size[0] - EDGE or w.box[3] > w.page_size[1] - EDGE]
+    return [
+        f"page {w.page + 1}: {w.text!r} at {[round(v) for v in w.box]}"
+        for w in words
+        if min(w.box[0], w.box[1]) < EDGE or w.box[2] > w.page_size[0] - EDGE or w.box[3] > w.page_size[1] - EDGE
+    ]
 
 
 def overlapping(words: list[Word]) -> list[str]:
@@ -90,11 +100,13 @@ def overlapping(words: list[Word]) -> list[str]:
     for page in {w.page for w in words}:
         on_page = sorted((w for w in words if w.page == page), key=lambda w: w.box[0])
         for index, a in enumerate(on_page):
-            for b in on_page[index + 1:]:
+            for b in on_page[index + 1 :]:
                 if b.box[0] >= a.box[2] - TOLERANCE:
                     break
-                if (min(a.box[2], b.box[2]) - max(a.box[0], b.box[0]) > TOLERANCE
-                        and min(a.box[3], b.box[3]) - max(a.box[1], b.box[1]) > TOLERANCE):
+                if (
+                    min(a.box[2], b.box[2]) - max(a.box[0], b.box[0]) > TOLERANCE
+                    and min(a.box[3], b.box[3]) - max(a.box[1], b.box[1]) > TOLERANCE
+                ):
                     found.append(f"page {page + 1}: {a.text!r} over {b.text!r}")
     return found
 
@@ -125,16 +137,23 @@ def squeeze(text: str) -> str:
 # ---------------------------------------------------------------- a report of planted long cells
 
 
-LONG = ("a cell of many words that cannot fit on one line of its column and must wrap within it, "
-        "with a path/that/has/no/spaces/at/all/and/runs/on/much/further/than/any/column/is/wide")
+LONG = (
+    "a cell of many words that cannot fit on one line of its column and must wrap within it, "
+    "with a path/that/has/no/spaces/at/all/and/runs/on/much/further/than/any/column/is/wide"
+)
 
 
 def planted_tune(tune: dict) -> dict:
     """The committed `make tune` comparison with longer texts in its cells and a trial of long flags."""
     first = tune["trials"][0]
-    long_trial = {**tune["trials"][1], "name": "s3", "config": None,
-                  "flags": ["--max-seq-length-of-the-training-batches-when-grouped-by-length=128"],
-                  "gain_text": f"{first['gain_text']} and {LONG}", "result": f"{first['result']}; {LONG}"}
+    long_trial = {
+        **tune["trials"][1],
+        "name": "s3",
+        "config": None,
+        "flags": ["--max-seq-length-of-the-training-batches-when-grouped-by-length=128"],
+        "gain_text": f"{first['gain_text']} and {LONG}",
+        "result": f"{first['result']}; {LONG}",
+    }
     return {**tune, "trials": [*tune["trials"][:2], long_trial, tune["trials"][-1]]}
 
 
@@ -154,14 +173,27 @@ def planted_report(out: Path, filler: int = 0) -> tuple[PdfBook, ReportWriter]:
     tune = planted_tune(rejudged(json.loads((tune_runs / "comparison.json").read_text()), records))
     found = reporting.Collected(runs={"profile": {"default-r0": record}}, comparisons={"tune": tune})
     report_script.write_section(report, found, optimization.EXPERIMENT)
-    long_table = Table("A long table", ["run", "what", "seconds", "verdict"],
-                       [[f"r{n}", LONG if n % 9 == 0 else f"row {n}", f"{n * 1.2345:.4f}", "within noise"]
-                        for n in range(40)], "long", align="llrl")
-    wide_table = Table("A wide table", [f"column number {c}" for c in range(14)],
-                       [[f"{r}.{c} wide-cells-of-long-words-{c}" for c in range(14)] for r in range(3)], "wide")
-    for n, block in enumerate([lambda: report.table(long_table), lambda: report.table(wide_table),
-                               lambda: report.code("\n".join(f"line {i}: " + "x" * (40 * i) for i in range(5))),
-                               lambda: report.figure(pyplot().subplots(figsize=(12, 3))[0], "planted", "A figure")]):
+    long_table = Table(
+        "A long table",
+        ["run", "what", "seconds", "verdict"],
+        [[f"r{n}", LONG if n % 9 == 0 else f"row {n}", f"{n * 1.2345:.4f}", "within noise"] for n in range(40)],
+        "long",
+        align="llrl",
+    )
+    wide_table = Table(
+        "A wide table",
+        [f"column number {c}" for c in range(14)],
+        [[f"{r}.{c} wide-cells-of-long-words-{c}" for c in range(14)] for r in range(3)],
+        "wide",
+    )
+    for n, block in enumerate(
+        [
+            lambda: report.table(long_table),
+            lambda: report.table(wide_table),
+            lambda: report.code("\n".join(f"line {i}: " + "x" * (40 * i) for i in range(5))),
+            lambda: report.figure(pyplot().subplots(figsize=(12, 3))[0], "planted", "A figure"),
+        ]
+    ):
         section(report, f"Planted findings {n}", 40 + 60 * n)
         block()
     foot(report, filler)
@@ -218,8 +250,11 @@ def test_a_report_of_long_cells_reads_as_a_person_reads_it(planted):
     glyphs = {page: chars_of(path, page) for page in {page for page, _ in cells}}
     for page, cell in cells:
         x0, y0, x1, y1 = cell["rect"]
-        inside = [(char, box) for char, box in glyphs[page]
-                  if x0 <= (box[0] + box[2]) / 2 <= x1 and y0 <= (box[1] + box[3]) / 2 <= y1]
+        inside = [
+            (char, box)
+            for char, box in glyphs[page]
+            if x0 <= (box[0] + box[2]) / 2 <= x1 and y0 <= (box[1] + box[3]) / 2 <= y1
+        ]
         assert Counter(char for char, _ in inside) == Counter(cell["text"].replace(" ", "")), (page + 1, cell)
         for char, box in inside:
             assert x0 - TOLERANCE <= box[0] and box[2] <= x1 + TOLERANCE, (page + 1, char, box, cell)
@@ -233,8 +268,10 @@ def test_a_report_of_long_cells_reads_as_a_person_reads_it(planted):
     assert continued and all("run what seconds verdict" in text[page] for page in continued)
     # the wide table gets a landscape page (or its columns split), never a cell past the edge
     wide = [page for page, line in text.items() if "A wide table" in line]
-    assert wide and all(words_on[0].page_size[0] > words_on[0].page_size[1]
-                        for words_on in ([w for w in words if w.page == page] for page in wide))
+    assert wide and all(
+        words_on[0].page_size[0] > words_on[0].page_size[1]
+        for words_on in ([w for w in words if w.page == page] for page in wide)
+    )
     # the heading that would have fit alone at the foot of its page went to the next one with its text
     kept = next(page for page in text if "Kept with its text" in text[page] and page)
     assert lines_of(words, kept)[0][0].size >= HEADING_SIZE
@@ -261,8 +298,11 @@ def test_the_first_page_names_each_answer_and_the_page_its_section_is_on(planted
 def glance_titles(markdown: str) -> list[str]:
     """The section titles of the report's first page in the order its rows are drawn (grouped by machine)."""
     glance = markdown.split("## At a glance")[1].split("\n## ")[0]
-    return [line.split(" | ")[0][2:] for line in glance.splitlines()
-            if line.startswith("| ") and not line.startswith("| experiment |")]
+    return [
+        line.split(" | ")[0][2:]
+        for line in glance.splitlines()
+        if line.startswith("| ") and not line.startswith("| experiment |")
+    ]
 
 
 def check_report(path: Path, titles: list[str]) -> None:
@@ -273,16 +313,23 @@ def check_report(path: Path, titles: list[str]) -> None:
     assert not headings_ending_a_page(words)
     first = squeeze(" ".join(w.text for w in words if w.page == 0))
     assert "Ataglance" in first and all(squeeze(title) in first for title in titles)
-    headings = {squeeze(" ".join(w.text for w in line)): page + 1 for page in range(1, max(w.page for w in words) + 1)
-                for line in lines_of(words, page) if all(w.size >= HEADING_SIZE for w in line)}
+    headings = {
+        squeeze(" ".join(w.text for w in line)): page + 1
+        for page in range(1, max(w.page for w in words) + 1)
+        for line in lines_of(words, page)
+        if all(w.size >= HEADING_SIZE for w in line)
+    }
     assert all(squeeze(title) in headings for title in titles), (titles, headings)
     assert page_column(words) == [headings[squeeze(title)] for title in titles]
 
 
 def page_column(words: list[Word]) -> list[int]:
     """The numbers at the right edge of the first page's table, top to bottom."""
-    return [int(line[-1].text) for line in lines_of(words, 0)
-            if line[-1].text.isdigit() and line[-1].box[2] > line[-1].page_size[0] - 43.2 - 5]
+    return [
+        int(line[-1].text)
+        for line in lines_of(words, 0)
+        if line[-1].text.isdigit() and line[-1].box[2] > line[-1].page_size[0] - 43.2 - 5
+    ]
 
 
 def test_the_committed_report_reads_as_a_person_reads_it():
@@ -296,6 +343,8 @@ def test_a_pipe_in_a_markdown_cell_stays_in_its_cell():
     """'median |error|' in a cell: escaped, so the row keeps its columns (the first page's prediction row did not)."""
     from trainscope.tables import Table
 
-    row = Table("t", ["experiment", "answer"], [["Prediction", "median |error| 7.0%"]], "t", align="ll").markdown_lines()[2]
+    row = Table(
+        "t", ["experiment", "answer"], [["Prediction", "median |error| 7.0%"]], "t", align="ll"
+    ).markdown_lines()[2]
     assert row == "| Prediction | median \\|error\\| 7.0% |"
     assert len([c for c in row.replace("\\|", "").split("|") if c.strip()]) == 2

@@ -30,27 +30,33 @@ def test_dashes_and_underscores_both_work():
     assert a == b and a.per_device_batch_size == 8 and a.lora
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--no-such-flag", "1"], "unknown argument"),
-    (["--per-device-batch-size", "0"], "per-device-batch-size must be a positive integer"),
-    (["--per-device-batch-size", "-4"], "per-device-batch-size must be a positive integer"),
-    (["--num-workers", "-1"], "num-workers must be 0 or more"),
-    (["--prefetch-factor", "4"], "prefetch-factor needs --num-workers"),
-    (["--resume"], "--resume needs --run-name"),
-    (["--timing", "sometimes"], "invalid choice"),
-    (["--test-fraction", "0.7"], "test-fraction must be between"),
-    (["--run-name", "../escape"], "plain directory name"),
-    (["--learning-rate", "nan"], "--learning-rate must be a finite number"),
-    (["--max-grad-norm", "inf"], "--max-grad-norm must be a finite number"),
-    (["--warmup-fraction", "1.0"], "--warmup-fraction must be in [0, 1)"),
-    (["--ddp-bucket-cap-mb", "0"], "--ddp-bucket-cap-mb must be positive"),
-    (["--threads", "0"], "--threads takes auto, launcher or a positive number"),
-    (["--memory-every", "0"], "--memory-every must be a positive integer"),
-    (["--ddp-static-graph", "--gradient-accumulation-steps", "2"], "--ddp-static-graph with --gradient-accumulation"),
-    (["--hidden-dropout", "1"], "--hidden-dropout must be in [0, 1)"),
-    (["--attention-dropout", "nan"], "--attention-dropout must be a finite number"),
-    (["--optimizer-implementation", "magic"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--no-such-flag", "1"], "unknown argument"),
+        (["--per-device-batch-size", "0"], "per-device-batch-size must be a positive integer"),
+        (["--per-device-batch-size", "-4"], "per-device-batch-size must be a positive integer"),
+        (["--num-workers", "-1"], "num-workers must be 0 or more"),
+        (["--prefetch-factor", "4"], "prefetch-factor needs --num-workers"),
+        (["--resume"], "--resume needs --run-name"),
+        (["--timing", "sometimes"], "invalid choice"),
+        (["--test-fraction", "0.7"], "test-fraction must be between"),
+        (["--run-name", "../escape"], "plain directory name"),
+        (["--learning-rate", "nan"], "--learning-rate must be a finite number"),
+        (["--max-grad-norm", "inf"], "--max-grad-norm must be a finite number"),
+        (["--warmup-fraction", "1.0"], "--warmup-fraction must be in [0, 1)"),
+        (["--ddp-bucket-cap-mb", "0"], "--ddp-bucket-cap-mb must be positive"),
+        (["--threads", "0"], "--threads takes auto, launcher or a positive number"),
+        (["--memory-every", "0"], "--memory-every must be a positive integer"),
+        (
+            ["--ddp-static-graph", "--gradient-accumulation-steps", "2"],
+            "--ddp-static-graph with --gradient-accumulation",
+        ),
+        (["--hidden-dropout", "1"], "--hidden-dropout must be in [0, 1)"),
+        (["--attention-dropout", "nan"], "--attention-dropout must be a finite number"),
+        (["--optimizer-implementation", "magic"], "invalid choice"),
+    ],
+)
 def test_bad_settings_exit_2_with_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         parse_settings(argv=argv)
@@ -119,16 +125,20 @@ def test_each_rank_reports_its_first_error_once_per_distinct_message(tmp_path, m
 def test_exit_with_names_the_rank_in_a_multi_process_launch(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     with pytest.raises(SystemExit) as exit_info:
-        exit_with(UserError("bad https://u:secret@h/x.csv"), 2, {"WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "x"})
+        exit_with(
+            UserError("bad https://u:secret@h/x.csv"), 2, {"WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "x"}
+        )
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: (rank 1) bad https://h/x.csv\n"
 
 
 def test_console_output_is_redacted_tracebacks_included():
-    code = ("from trainscope.errors import redacted_output\n"
-            "with redacted_output():\n"
-            "    print('reading https://user:hunter2@host/data.csv?token=abc')\n"
-            "    raise RuntimeError('cannot open https://user:hunter2@host/data.csv')\n")
+    code = (
+        "from trainscope.errors import redacted_output\n"
+        "with redacted_output():\n"
+        "    print('reading https://user:hunter2@host/data.csv?token=abc')\n"
+        "    raise RuntimeError('cannot open https://user:hunter2@host/data.csv')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 1 and "RuntimeError: cannot open https://host/data.csv" in result.stderr
     assert "hunter2" not in result.stdout + result.stderr and "token=abc" not in result.stdout

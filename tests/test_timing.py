@@ -301,7 +301,8 @@ def test_state_dict_and_restore_continue_the_totals():
 def test_the_five_categories_are_sums_of_stages():
     table = stage_table({"data": 1, "forward": 2, "backward": 3, "optimizer": 0.5, "eval": 1.5}, wall_seconds=10)
     assert table["category_seconds"] == pytest.approx(
-        {"data loading": 1, "forward": 2, "loss+backward": 3, "evaluation": 1.5, "other": 2.5})
+        {"data loading": 1, "forward": 2, "loss+backward": 3, "evaluation": 1.5, "other": 2.5}
+    )
     assert sorted(s for stages in CATEGORIES.values() for s in stages) == sorted(ALL_STAGES)
 
 
@@ -381,9 +382,16 @@ def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_firs
     """Two ranks (or two runs on one machine) evaluate at once: `evaluate`'s default cache file has one name for
     all of them, and the second waited a second on the first one's lock per split, charged to `eval`."""
     holder = subprocess.Popen(  # another process that has started its evaluation and holds on to it
-        [sys.executable, "-c", "import time; from trainscope.loop import load_metric; m = load_metric(); "
-         "m.add_batch(predictions=[0], references=[0]); print('holding', flush=True); time.sleep(30)"],
-        cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import time; from trainscope.loop import load_metric; m = load_metric(); "
+            "m.add_batch(predictions=[0], references=[0]); print('holding', flush=True); time.sleep(30)",
+        ],
+        cwd=Path(__file__).parents[1],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "holding"
         metric = load_metric()

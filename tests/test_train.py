@@ -4,12 +4,15 @@ import time
 
 import pytest
 import torch
-
 from conftest import ONE_THREAD, TINY, assert_ok, error_line, read_record, read_steps, run_in_process
+
 from trainscope.environment import usable_cores
 
+
 def test_a_user_thread_count_is_kept_and_recorded(runs):
-    result = run_in_process([*TINY, "--output-dir", str(runs), "--run-name", "one", "--threads", "1", "--max-steps", "4"])
+    result = run_in_process(
+        [*TINY, "--output-dir", str(runs), "--run-name", "one", "--threads", "1", "--max-steps", "4"]
+    )
     assert_ok(result)
     threads = read_record(runs / "one")["environment"]["threads"]
     assert threads["torch_threads"] == 1 and threads["threads_source"] == "user"
@@ -19,10 +22,31 @@ def test_a_user_thread_count_is_kept_and_recorded(runs):
 
 def test_loss_falls_on_the_embedded_data(runs):
     """The pretrained embedded MiniLM learns the embedded tweets within 24 steps."""
-    result = run_in_process([*ONE_THREAD, "--max-train-samples", "384", "--max-eval-samples", "96",
-                             "--max-test-samples", "32", "--per-device-batch-size", "16", "--max-seq-length", "40",
-                             "--learning-rate", "3e-4", "--log-every", "6", "--report-to", "none",
-                             "--output-dir", str(runs), "--run-name", "learn"])
+    result = run_in_process(
+        [
+            *ONE_THREAD,
+            "--max-train-samples",
+            "384",
+            "--max-eval-samples",
+            "96",
+            "--max-test-samples",
+            "32",
+            "--per-device-batch-size",
+            "16",
+            "--max-seq-length",
+            "40",
+            "--learning-rate",
+            "3e-4",
+            "--log-every",
+            "6",
+            "--report-to",
+            "none",
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "learn",
+        ]
+    )
     assert_ok(result)
     losses = [line["loss"] for line in read_steps(runs / "learn")]
     assert len(losses) == 4
@@ -31,8 +55,20 @@ def test_loss_falls_on_the_embedded_data(runs):
 
 
 def test_record_holds_settings_environment_provenance_and_step_lines(runs):
-    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "full",
-                             "--gradient-accumulation-steps", "2", "--timing-warmup-steps", "1"])
+    result = run_in_process(
+        [
+            *TINY,
+            *ONE_THREAD,
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "full",
+            "--gradient-accumulation-steps",
+            "2",
+            "--timing-warmup-steps",
+            "1",
+        ]
+    )
     assert_ok(result)
     record = read_record(runs / "full")
     assert record["settings"]["gradient_accumulation_steps"] == 2
@@ -76,6 +112,7 @@ def test_an_injected_loader_delay_shows_up_in_data_not_in_other(runs, monkeypatc
         def slow(rows):
             time.sleep(0.05)
             return collate(rows)
+
         return slow
 
     monkeypatch.setattr(trainscope.data, "build_collator", slow_collator)
@@ -96,13 +133,17 @@ def test_gradient_checkpointing_recomputes_the_layers_in_backward():
         model.train()
         calls = []
         for layer in model.bert.encoder.layer:  # tiny-bert: 2 layers
-            layer.attention.self.register_forward_hook(lambda *_: calls.append(1))
+            layer.attention.self.register_forward_hook(lambda *_: calls.append(1))  # noqa: B023 (the hook runs within this iteration)
         model(input_ids=torch.randint(5, 100, (2, 8))).logits.sum().backward()
         assert len(calls) == 2 * forwards_per_layer, flags  # checkpointed layers run forward again in backward
 
 
 def test_lora_records_trainable_parameters(runs):
-    assert_ok(run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "lora", "--lora", "--max-steps", "4"]))
+    assert_ok(
+        run_in_process(
+            [*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "lora", "--lora", "--max-steps", "4"]
+        )
+    )
     model = read_record(runs / "lora")["model"]
     assert model["lora"]["target_modules"] == ["query", "value"]
     assert 0 < model["trainable_parameters"] < model["parameters"] / 10
@@ -123,8 +164,20 @@ def test_overwrite_replaces_and_its_absence_refuses(runs):
 
 
 def test_a_too_long_max_seq_length_is_clamped_with_a_recorded_warning(runs):
-    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "long", "--max-seq-length", "100000",
-                             "--max-steps", "2"])
+    result = run_in_process(
+        [
+            *TINY,
+            *ONE_THREAD,
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "long",
+            "--max-seq-length",
+            "100000",
+            "--max-steps",
+            "2",
+        ]
+    )
     assert_ok(result)
     assert "--max-seq-length 100000 is above the model's 512 positions" in result.stdout + result.stderr
     record = read_record(runs / "long")
@@ -133,9 +186,26 @@ def test_a_too_long_max_seq_length_is_clamped_with_a_recorded_warning(runs):
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(runs):
-    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "nan", "--learning-rate", "1e12",
-                             "--max-grad-norm", "0", "--log-every", "1", "--lr-scheduler", "constant_with_warmup",
-                             "--warmup-fraction", "0"])
+    result = run_in_process(
+        [
+            *TINY,
+            *ONE_THREAD,
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "nan",
+            "--learning-rate",
+            "1e12",
+            "--max-grad-norm",
+            "0",
+            "--log-every",
+            "1",
+            "--lr-scheduler",
+            "constant_with_warmup",
+            "--warmup-fraction",
+            "0",
+        ]
+    )
     assert result.returncode == 1
     assert "at optimizer step" in error_line(result)
     record = read_record(runs / "nan")
@@ -179,21 +249,24 @@ def test_an_unforeseen_failure_marks_the_run_failed_and_prints_a_traceback(runs,
     assert record["status"] == "failed" and record["error"] == "a bug at https://host/x"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--per-device-batch-size", "0"], "must be a positive integer"),
-    (["--no-such-flag"], "unknown argument"),
-    (["--learning-rate", "nan"], "--learning-rate must be a finite number"),
-    (["--learning-rate", "inf"], "--learning-rate must be a finite number"),
-    (["--weight-decay", "-0.1"], "--weight-decay must be 0 or more"),
-    (["--validation-fraction", "1.5"], "--validation-fraction must be between"),
-    (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
-    (["--threads", "many"], "--threads takes auto, launcher or a positive number"),
-    (["--dataset", "missing/file.csv"], "no such dataset file"),
-    (["--dataset", "no-such-owner/no-such-dataset-xyz"], "not found"),
-    (["--model", "no-such-owner/no-such-model-xyz"], "not found"),
-    (["--label-column", "stars"], "label column 'stars' is not in the data"),
-    (["--model", "./nowhere"], "no such model directory: ./nowhere"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--per-device-batch-size", "0"], "must be a positive integer"),
+        (["--no-such-flag"], "unknown argument"),
+        (["--learning-rate", "nan"], "--learning-rate must be a finite number"),
+        (["--learning-rate", "inf"], "--learning-rate must be a finite number"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be 0 or more"),
+        (["--validation-fraction", "1.5"], "--validation-fraction must be between"),
+        (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+        (["--threads", "many"], "--threads takes auto, launcher or a positive number"),
+        (["--dataset", "missing/file.csv"], "no such dataset file"),
+        (["--dataset", "no-such-owner/no-such-dataset-xyz"], "not found"),
+        (["--model", "no-such-owner/no-such-model-xyz"], "not found"),
+        (["--label-column", "stars"], "label column 'stars' is not in the data"),
+        (["--model", "./nowhere"], "no such model directory: ./nowhere"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(runs, args, message):
     result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), *args])
     assert result.returncode == 2

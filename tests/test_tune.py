@@ -11,8 +11,8 @@ import re
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ONE_THREAD, ROOT, TINY, read_record, run_in_process
+
 from trainscope import bench, health, tune, tune_judge
 from trainscope.errors import UserError
 from trainscope.experiments import tune_confirm
@@ -30,8 +30,12 @@ def monte_carlo_se(rate: float, repetitions: int = REPETITIONS) -> float:
 
 # The seed noise of the committed make tune (benchmarks/runs/tune, s3: --attention-dropout 0 against the baseline on
 # the same six seeds): the SDs of the paired differences, trial minus baseline, of each result metric.
-COMMITTED_PAIRED_SD = {"validation_accuracy": 0.0186, "test_accuracy": 0.0171, "validation_loss": 0.0062,
-                       "test_loss": 0.0061}
+COMMITTED_PAIRED_SD = {
+    "validation_accuracy": 0.0186,
+    "test_accuracy": 0.0171,
+    "validation_loss": 0.0062,
+    "test_loss": 0.0061,
+}
 
 
 class Machine:
@@ -47,8 +51,16 @@ class Machine:
     by its own draw with these SDs (by metric), as the committed runs show (COMMITTED_PAIRED_SD); without it the
     arms of a seed differ by run-to-run noise only (SD about 0.003), as an exact or nearly exact change's do."""
 
-    def __init__(self, rng: random.Random, speed: dict | None = None, shift: dict | None = None, noise: float = 0.05,
-                 drift: float = 0.005, tokens: dict | None = None, paired_sd: dict | None = None):
+    def __init__(
+        self,
+        rng: random.Random,
+        speed: dict | None = None,
+        shift: dict | None = None,
+        noise: float = 0.05,
+        drift: float = 0.005,
+        tokens: dict | None = None,
+        paired_sd: dict | None = None,
+    ):
         self.rng, self.speed, self.shift, self.noise, self.drift = rng, speed or {}, shift or {}, noise, drift
         self.tokens, self.paired_sd = tokens or {}, paired_sd or {}
         self.level, self.luck, self.path, self.exact_noise = 0.0, {}, {}, {}
@@ -66,17 +78,27 @@ class Machine:
         path = {}
         if self.paired_sd and not arm.name.startswith("baseline"):  # this arm's own path on this seed
             accuracy_z, loss_z = self.path.setdefault((arm.name, seed), (rng.gauss(0, 1), rng.gauss(0, 1)))
-            path = {m: sd * (accuracy_z if m.endswith("accuracy") else -0.6 * accuracy_z + 0.8 * loss_z)
-                    for m, sd in self.paired_sd.items()}
+            path = {
+                m: sd * (accuracy_z if m.endswith("accuracy") else -0.6 * accuracy_z + 0.8 * loss_z)
+                for m, sd in self.paired_sd.items()
+            }
         accuracy = 0.65 + luck + shift + run_noise
-        return {"run": f"{arm.name}-r{round_index}", "seed": seed, "eval_s": 5.0 * factor,
-                "train_wall_s": 10.0 * factor * tokens / 10_000, "train_tokens": tokens, "wall_s": 15.0 * factor,
-                "validation_accuracy": accuracy + path.get("validation_accuracy", 0.0),
-                "test_accuracy": accuracy - run_noise / 2 + path.get("test_accuracy", 0.0),
-                "validation_loss": 0.9 - (luck + shift) / 2 + run_noise + path.get("validation_loss", 0.0),
-                "test_loss": 0.92 - (luck + shift) / 2 - run_noise + path.get("test_loss", 0.0),
-                "optimizer_steps": 30, "steps_per_epoch": 125, "epochs": 1,
-                "step_losses": [[step, 1.1 - step / 100 - luck] for step in (10, 20, 30)]}  # the seed's, exactly
+        return {
+            "run": f"{arm.name}-r{round_index}",
+            "seed": seed,
+            "eval_s": 5.0 * factor,
+            "train_wall_s": 10.0 * factor * tokens / 10_000,
+            "train_tokens": tokens,
+            "wall_s": 15.0 * factor,
+            "validation_accuracy": accuracy + path.get("validation_accuracy", 0.0),
+            "test_accuracy": accuracy - run_noise / 2 + path.get("test_accuracy", 0.0),
+            "validation_loss": 0.9 - (luck + shift) / 2 + run_noise + path.get("validation_loss", 0.0),
+            "test_loss": 0.92 - (luck + shift) / 2 - run_noise + path.get("test_loss", 0.0),
+            "optimizer_steps": 30,
+            "steps_per_epoch": 125,
+            "epochs": 1,
+            "step_losses": [[step, 1.1 - step / 100 - luck] for step in (10, 20, 30)],
+        }  # the seed's, exactly
 
 
 def decide(machine: Machine, trials: int, rounds: int = tune_judge.ROUNDS, exact: int = 0) -> tuple[dict, object]:
@@ -86,16 +108,23 @@ def decide(machine: Machine, trials: int, rounds: int = tune_judge.ROUNDS, exact
     design = Design(rounds=rounds, trials=trials + exact, exact=exact)
     tuner = tune.Tuner(machine, budget_s=math.inf, clock=lambda: 0.0, log=lambda line: None)
     baseline = Arm("baseline", None)
-    arms = [tune.Trial(f"s{i + 1}", Arm(f"s{i + 1}", None, [f"--s{i + 1}"]), own_flags=[f"--s{i + 1}"])
-            for i in range(trials)]
-    exacts = [tune.Trial(f"e{i + 1}", Arm(f"e{i + 1}", None, [f"--e{i + 1}"]), kind="exact", phase="exact",
-                         own_flags=[f"--e{i + 1}"]) for i in range(exact)]
+    arms = [
+        tune.Trial(f"s{i + 1}", Arm(f"s{i + 1}", None, [f"--s{i + 1}"]), own_flags=[f"--s{i + 1}"])
+        for i in range(trials)
+    ]
+    exacts = [
+        tune.Trial(
+            f"e{i + 1}", Arm(f"e{i + 1}", None, [f"--e{i + 1}"]), kind="exact", phase="exact", own_flags=[f"--e{i + 1}"]
+        )
+        for i in range(exact)
+    ]
     judged, ran = tuner.decide(design, baseline, exacts, arms)
     return judged, next((t for t, _, _ in ran if t.name == "kept"), None)
 
 
-def false_rate(trials: int, speed: dict, nulls: set[str], seed: int, repetitions: int = REPETITIONS
-               ) -> tuple[float, dict, int]:
+def false_rate(
+    trials: int, speed: dict, nulls: set[str], seed: int, repetitions: int = REPETITIONS
+) -> tuple[float, dict, int]:
     """Share of repetitions with a false faster/slower among the `nulls`, how often each trial was called faster,
     and how often the kept ones together ran."""
     rng = random.Random(seed)
@@ -134,8 +163,10 @@ def test_the_exact_size_of_6_against_6_is_38_of_924():
     true null 4.11% of the time; below Holm's first threshold over 4 tests (0.0125) 8 do."""
     assert ONE_TRIAL_SIZE == 38 / 924 == pytest.approx(0.0411, abs=5e-5)
     assert bench.rejection_rate(6, 6, ALPHA / 4) == 8 / 924 and bench.rejection_rate(4, 4, ALPHA) == 2 / 70
-    counted = sum(bench.mann_whitney_p(list(c), [r for r in range(12) if r not in c]) < ALPHA
-                  for c in itertools.combinations(range(12), 6))
+    counted = sum(
+        bench.mann_whitney_p(list(c), [r for r in range(12) if r not in c]) < ALPHA
+        for c in itertools.combinations(range(12), 6)
+    )
     assert counted == 38
     assert Design(rounds=6, trials=1).size == ONE_TRIAL_SIZE
 
@@ -251,8 +282,9 @@ def test_the_chances_of_same_and_changed_are_exact_against_simulation():
     rng = random.Random(12)
     for n, mean, sd in [(6, 0.0, 0.019), (3, 0.004, 0.003), (10, 0.006, 0.01), (40, 0.0, 0.025), (8, 0.014, 0.006)]:
         same, changed = bench.equivalence_chances(n, mean, sd, 0.01)
-        verdicts = [bench.equivalence([rng.gauss(mean, sd) for _ in range(n)], 0.01, power=None)["verdict"]
-                    for _ in range(4000)]
+        verdicts = [
+            bench.equivalence([rng.gauss(mean, sd) for _ in range(n)], 0.01, power=None)["verdict"] for _ in range(4000)
+        ]
         for rate, exact in ((verdicts.count("same") / 4000, same), (verdicts.count("changed") / 4000, changed)):
             assert abs(rate - exact) <= 3 * monte_carlo_se(max(exact, 1e-3), 4000) + 2e-4
 
@@ -262,9 +294,12 @@ def test_the_seeds_needed_are_the_fewest_with_80_percent_power_and_the_closed_fo
     283 seeds: the sample size of Chow, Shao & Wang at a true difference of 0 (t_{1-beta/2}), applied where the
     difference is not 0. Its exact power is 90% there; 80% takes 205, the other closed form (t_{1-beta}). At a true
     difference of 0 it is the first form that holds (33 seeds at the committed attention-dropout trial's SD 0.019)."""
+
     def closed(mean, sd, margin, quantile):
         n = 2
-        while (bench.t_quantile(0.95, n - 1) + bench.t_quantile(quantile, n - 1)) ** 2 * sd ** 2 / (margin - abs(mean)) ** 2 > n:
+        while (bench.t_quantile(0.95, n - 1) + bench.t_quantile(quantile, n - 1)) ** 2 * sd**2 / (
+            margin - abs(mean)
+        ) ** 2 > n:
             n += 1
         return n
 
@@ -274,10 +309,16 @@ def test_the_seeds_needed_are_the_fewest_with_80_percent_power_and_the_closed_fo
     assert bench.pairs_to_show(0.0, 0.019, 0.01) == closed(0.0, 0.019, 0.01, 0.9) == 33
     for m, s, margin in [(mean, sd, 0.02), (0.0, 0.019, 0.01), (0.005, 0.01, 0.01), (0.02, 0.01, 0.01)]:
         n, answer = bench.pairs_to_show(m, s, margin), 0 if abs(m) < margin else 1
-        assert bench.equivalence_chances(n, m, s, margin)[answer] >= 0.8 > bench.equivalence_chances(n - 1, m, s, margin)[answer]
+        assert (
+            bench.equivalence_chances(n, m, s, margin)[answer]
+            >= 0.8
+            > bench.equivalence_chances(n - 1, m, s, margin)[answer]
+        )
     rng = random.Random(13)  # and simulated, at 205 seeds: 80% "same"
-    found = sum(bench.equivalence([rng.gauss(mean, sd) for _ in range(205)], 0.02, power=None)["verdict"] == "same"
-                for _ in range(1000))
+    found = sum(
+        bench.equivalence([rng.gauss(mean, sd) for _ in range(205)], 0.02, power=None)["verdict"] == "same"
+        for _ in range(1000)
+    )
     assert abs(found / 1000 - 0.8) <= 3 * monte_carlo_se(0.8, 1000)
 
 
@@ -306,11 +347,14 @@ def test_a_change_exactly_at_the_margin_is_called_same_at_most_alpha_of_the_time
     """TOST's size: a true difference equal to the margin is 'same' in at most 5% of the repetitions; a true
     difference of zero with small noise is 'same' nearly always (its power)."""
     rng = random.Random(8)
-    at_margin = sum(bench.equivalence([0.01 + rng.gauss(0, 0.004) for _ in range(6)], 0.01, power=None)["verdict"]
-                    == "same" for _ in range(REPETITIONS))
+    at_margin = sum(
+        bench.equivalence([0.01 + rng.gauss(0, 0.004) for _ in range(6)], 0.01, power=None)["verdict"] == "same"
+        for _ in range(REPETITIONS)
+    )
     assert at_margin / REPETITIONS <= ALPHA + 3 * monte_carlo_se(ALPHA)
-    none = sum(bench.equivalence([rng.gauss(0, 0.004) for _ in range(6)], 0.01)["verdict"] == "same"
-               for _ in range(500))
+    none = sum(
+        bench.equivalence([rng.gauss(0, 0.004) for _ in range(6)], 0.01)["verdict"] == "same" for _ in range(500)
+    )
     assert none / 500 >= 0.95
 
 
@@ -320,10 +364,17 @@ def at_the_margins(rng: random.Random, seeds: int = 6) -> tuple[list[dict], list
     baseline, trial = [], []
     for seed in range(42, 42 + seeds):
         shared = rng.gauss(0, 1)
-        base = {"seed": seed, "validation_accuracy": 0.65, "test_accuracy": 0.64, "validation_loss": 0.9,
-                "test_loss": 0.92}
+        base = {
+            "seed": seed,
+            "validation_accuracy": 0.65,
+            "test_accuracy": 0.64,
+            "validation_loss": 0.9,
+            "test_loss": 0.92,
+        }
         noise = {m: math.sqrt(0.5) * shared + math.sqrt(0.5) * rng.gauss(0, 1) for m in tune_judge.METRICS}
-        trial.append({"seed": seed, **{m: base[m] + Design().margin(m) * (1 + 0.8 * noise[m]) for m in tune_judge.METRICS}})
+        trial.append(
+            {"seed": seed, **{m: base[m] + Design().margin(m) * (1 + 0.8 * noise[m]) for m in tune_judge.METRICS}}
+        )
         baseline.append(base)
     return baseline, trial
 
@@ -355,7 +406,10 @@ def test_a_faster_change_that_learns_something_else_is_changed_and_one_too_noisy
 
     def scattered(arm, index, extra):
         run = noisy(arm, index, extra)
-        return {**run, "validation_accuracy": run["validation_accuracy"] + (offsets[index] if arm.name == "s1" else 0.0)}
+        return {
+            **run,
+            "validation_accuracy": run["validation_accuracy"] + (offsets[index] if arm.name == "s1" else 0.0),
+        }
 
     undecided, _ = decide(scattered, 1)
     text = undecided["s1"]["result"]
@@ -371,9 +425,15 @@ def test_the_student_t_quantile_matches_the_tables():
     assert bench.t_quantile(0.975, 10_000) == pytest.approx(1.960, abs=1e-3)
     assert bench.t_cdf(0.0, 3) == 0.5 and bench.t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi
     # scipy.stats.t.ppf's values (scipy is not a dependency: checked against them once, here as numbers)
-    for (p, df), quantile in {(0.9, 1): 3.0776835371752544, (0.999, 3): 10.214531852407383, (0.95, 7): 1.8945786050900062,
-                              (0.6, 8): 0.26192109674883235, (0.975, 29): 2.045229642132703,
-                              (0.999, 120): 3.15953874331711, (0.95, 1000): 1.6463788172854643}.items():
+    for (p, df), quantile in {
+        (0.9, 1): 3.0776835371752544,
+        (0.999, 3): 10.214531852407383,
+        (0.95, 7): 1.8945786050900062,
+        (0.6, 8): 0.26192109674883235,
+        (0.975, 29): 2.045229642132703,
+        (0.999, 120): 3.15953874331711,
+        (0.95, 1000): 1.6463788172854643,
+    }.items():
         assert bench.t_quantile(p, df) == pytest.approx(quantile, rel=1e-10)
 
 
@@ -399,7 +459,9 @@ def test_a_committed_make_tune_is_judged_again_by_todays_rules():
     from trainscope import reporting
     from trainscope.experiments import REGISTRY
 
-    found = reporting.collect(ROOT / "benchmarks" / "runs", ROOT / "benchmarks", [e for e in REGISTRY if e.name == "tune"])
+    found = reporting.collect(
+        ROOT / "benchmarks" / "runs", ROOT / "benchmarks", [e for e in REGISTRY if e.name == "tune"]
+    )
     result = found.comparisons["tune"]
     assert "test" in result["design"] and "boundary" in result["design"] and "accuracy_margin" in result["design"]
     for trial in result["trials"]:
@@ -419,19 +481,33 @@ def test_a_committed_make_tune_is_judged_again_by_todays_rules():
 
 
 def test_the_machine_kind_make_tune_writes_is_compared_by_device_instruction_set_and_native_bf16():
-    here = {"environment": {"device": "cpu", "device_name": "AMD EPYC 7B13", "cpu_capability": "AVX2, no native bf16",
-                            "cpu_native_bf16": False}}
+    here = {
+        "environment": {
+            "device": "cpu",
+            "device_name": "AMD EPYC 7B13",
+            "cpu_capability": "AVX2, no native bf16",
+            "cpu_native_bf16": False,
+        }
+    }
     written = health.machine_kind(RunView(here))
     assert written == "cpu AVX2, bf16 emulated: AMD EPYC 7B13"
     assert health.kind_difference(written, written) is None
     assert health.kind_difference("cpu AVX2, bf16 emulated: AMD EPYC 7763", written) is None  # another model, same kind
     assert health.kind_difference("cpu AVX512, bf16 native: Intel(R) Xeon(R) Processor", written) == (
-        "instruction set AVX512 there, AVX2 here; bf16 native there, emulated here")
-    gpu = {"environment": {"device": "cuda:0", "device_name": "NVIDIA A10G", "gpu_compute_capability": "8.6",
-                           "gpu_native_bf16": True}}
+        "instruction set AVX512 there, AVX2 here; bf16 native there, emulated here"
+    )
+    gpu = {
+        "environment": {
+            "device": "cuda:0",
+            "device_name": "NVIDIA A10G",
+            "gpu_compute_capability": "8.6",
+            "gpu_native_bf16": True,
+        }
+    }
     assert health.machine_kind(RunView(gpu)) == "cuda compute capability 8.6, bf16 native: NVIDIA A10G"
     assert "name NVIDIA H100 80GB HBM3 there, NVIDIA A10G here" in health.kind_difference(
-        "cuda compute capability 8.6, bf16 native: NVIDIA H100 80GB HBM3", health.machine_kind(RunView(gpu)))
+        "cuda compute capability 8.6, bf16 native: NVIDIA H100 80GB HBM3", health.machine_kind(RunView(gpu))
+    )
     assert "cannot be compared" in health.kind_difference("my laptop", written)
     assert health.check({**here, "settings": {"tuned_on": written}}, at_start=True) == []
 
@@ -440,8 +516,20 @@ def test_make_tunes_command_on_a_machine_of_another_kind_warns_once_before_its_f
     """The final command of a make tune run elsewhere (a CPU with native bf16 and AMX) run here: one warning, said
     at the start (before the loop: the start-up warnings), recorded, and nothing else changed."""
     elsewhere = "cpu AMX, bf16 native: Intel(R) Xeon(R) Platinum 8480+"
-    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "tuned", "--max-steps", "4",
-                             "--tuned-on", elsewhere])
+    result = run_in_process(
+        [
+            *TINY,
+            *ONE_THREAD,
+            "--output-dir",
+            str(runs),
+            "--run-name",
+            "tuned",
+            "--max-steps",
+            "4",
+            "--tuned-on",
+            elsewhere,
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     record = read_record(runs / "tuned")
     (warning,) = [w for w in record["warnings"] if w["code"] == "tuned_elsewhere"]
@@ -455,26 +543,57 @@ def test_make_tunes_command_on_a_machine_of_another_kind_warns_once_before_its_f
 
 
 def confirm_args(tmp_path, **overrides):
-    return SimpleNamespace(**{"runs": str(tmp_path / "confirm"), "rounds": 5, "config": None,
-                              "tune": str(tmp_path / "tune.json"), "tuned_flags": None, "tuned_config": None,
-                              "accuracy_margin": None, "loss_margin": None, **overrides})
+    return SimpleNamespace(
+        **{
+            "runs": str(tmp_path / "confirm"),
+            "rounds": 5,
+            "config": None,
+            "tune": str(tmp_path / "tune.json"),
+            "tuned_flags": None,
+            "tuned_config": None,
+            "accuracy_margin": None,
+            "loss_margin": None,
+            **overrides,
+        }
+    )
 
 
 def test_tune_confirm_runs_both_commands_in_paired_rounds_and_judges_speed_and_result(tmp_path, monkeypatch):
-    (tmp_path / "tune.json").write_text(json.dumps({"final_flags": ["--group-by-length"], "final_config": "bf16",
-                                                    "design": {"accuracy_margin": 0.02, "loss_margin": 0.05},
-                                                    "tuned_on": "cpu AVX2, bf16 emulated: AMD EPYC 7B13"}))
+    (tmp_path / "tune.json").write_text(
+        json.dumps(
+            {
+                "final_flags": ["--group-by-length"],
+                "final_config": "bf16",
+                "design": {"accuracy_margin": 0.02, "loss_margin": 0.05},
+                "tuned_on": "cpu AVX2, bf16 emulated: AMD EPYC 7B13",
+            }
+        )
+    )
     machine, calls = Machine(random.Random(12), {"make-tune": 5.5}), []
 
     def run_arm(arm, train_args, runs, round_index, extra=()):
         calls.append((arm.name, arm.config, arm.flags, round_index, list(extra)))
         figures = machine(arm, round_index, list(extra))
-        return {**figures, "samples_per_s": 4000 / figures["train_wall_s"], "tokens_per_s": 1.0, "step_s": 1.0,
-                "peak_memory_gib": 1.0, "memory_kind": "peak RSS", "precision": "fp32", "world_size": 1, "warnings": []}
+        return {
+            **figures,
+            "samples_per_s": 4000 / figures["train_wall_s"],
+            "tokens_per_s": 1.0,
+            "step_s": 1.0,
+            "peak_memory_gib": 1.0,
+            "memory_kind": "peak RSS",
+            "precision": "fp32",
+            "world_size": 1,
+            "warnings": [],
+        }
 
     monkeypatch.setattr(tune_confirm, "run_arm", run_arm)
     report = tune_confirm.run(confirm_args(tmp_path), ["--max-train-samples", "4000"])
-    assert [(c[0], c[3]) for c in calls[:4]] == [("make-train", 0), ("make-tune", 0), ("make-tune", 1), ("make-train", 1)]
+    assert [(c[0], c[3]) for c in calls[:4]] == [
+        ("make-train", 0),
+        ("make-tune", 0),
+        ("make-tune", 1),
+        ("make-train", 1),
+    ]
     assert calls[1][1:3] == ("bf16", ["--group-by-length", "--tuned-on", "cpu AVX2, bf16 emulated: AMD EPYC 7B13"])
     assert calls[1][4] == ["--seed", "42", "--data-seed", "42"]
     against = report["comparisons"]["make-tune"]

@@ -17,14 +17,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ONE_THREAD, ROOT, TINY, assert_ok, cpu_env, launch, read_record, run_in_process
-from trainscope import flops, modeling, unpad
 from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
+
+from trainscope import flops, modeling, unpad
 from trainscope.errors import UserError
 from trainscope.settings import parse_settings
 
-U = 2.0 ** -24
+U = 2.0**-24
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
@@ -70,8 +70,11 @@ def side_by_side(*args, autocast=None):
     torch.manual_seed(0)
     free, facts = modeling.build_model(settings_for(*args, "--unpad"), ["a", "b", "c"], tokenizer)
     data = batches(padded.config.pad_token_id if hasattr(padded, "config") else 0)
-    return (train_losses(padded, data, settings_for(), autocast), train_losses(free, data, settings_for(), autocast),
-            facts)
+    return (
+        train_losses(padded, data, settings_for(), autocast),
+        train_losses(free, data, settings_for(), autocast),
+        facts,
+    )
 
 
 def assert_exact(padded, free):
@@ -86,11 +89,14 @@ def test_padding_free_layers_train_as_the_padded_model_does_in_bf16():
     bound is k u_bf16 of the loss at step k, to first order."""
     padded, free, _ = side_by_side(*DROPOUT, "--lora", autocast=torch.bfloat16)
     for step, (a, b) in enumerate(zip(padded, free), start=1):
-        assert abs(a - b) <= step * 2.0 ** -8 * abs(a), (step, padded, free)
+        assert abs(a - b) <= step * 2.0**-8 * abs(a), (step, padded, free)
 
 
-@pytest.mark.parametrize("variant", [[], ["--lora"], ["--gradient-checkpointing"], ["--attn-implementation", "eager"]],
-                         ids=["plain", "lora", "checkpointing", "eager-attention"])
+@pytest.mark.parametrize(
+    "variant",
+    [[], ["--lora"], ["--gradient-checkpointing"], ["--attn-implementation", "eager"]],
+    ids=["plain", "lora", "checkpointing", "eager-attention"],
+)
 def test_padding_free_layers_train_as_the_padded_model_does(variant):
     padded, free, facts = side_by_side(*DROPOUT, *variant)
     assert facts["unpad"]["layers"] == 2
@@ -115,8 +121,15 @@ def test_roberta_runs_padding_free():
 
     values = dict(embedded.bundled_architecture("roberta-base"))
     values.pop("model_type")
-    values.update(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=1000,
-                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    values.update(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=1000,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
     torch.manual_seed(0)
     padded = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("roberta", num_labels=3, **values))
     free = copy.deepcopy(padded)
@@ -128,8 +141,9 @@ def test_roberta_runs_padding_free():
 def test_other_models_and_left_padding_are_refused_in_one_line():
     tokenizer = modeling.build_tokenizer(settings_for())
     with pytest.raises(UserError, match=r"^--unpad supports the BERT family \(bert, roberta.*not distilbert$"):
-        modeling.build_model(settings_for("--model", "distilbert-base-uncased", "--architecture-only", "--unpad"),
-                             ["a", "b"], tokenizer)
+        modeling.build_model(
+            settings_for("--model", "distilbert-base-uncased", "--architecture-only", "--unpad"), ["a", "b"], tokenizer
+        )
     tokenizer.padding_side = "left"
     with pytest.raises(UserError, match="right padding"):
         modeling.build_model(settings_for("--unpad"), ["a", "b"], tokenizer)
@@ -138,8 +152,9 @@ def test_other_models_and_left_padding_are_refused_in_one_line():
 def test_a_padding_free_run_counts_the_work_its_kernels_did(runs):
     """train.py --unpad: the record says so; its counted FLOPs are the real tokens' 6N plus attention on the padded
     layout, beside the FLOPs on real tokens; the layer probed at the run's shapes is the padding-free one."""
-    result = run_in_process([*TINY, *ONE_THREAD, *DROPOUT, "--unpad", "--max-steps", "4", "--output-dir", str(runs),
-                             "--run-name", "unpad"])
+    result = run_in_process(
+        [*TINY, *ONE_THREAD, *DROPOUT, "--unpad", "--max-steps", "4", "--output-dir", str(runs), "--run-name", "unpad"]
+    )
     assert_ok(result)
     record = read_record(runs / "unpad")
     assert record["model"]["unpad"]["layers"] == 2 and record["settings"]["unpad"] is True
@@ -159,8 +174,14 @@ def test_two_processes_train_padding_free_as_padded(tmp_path):
     """DDP over gloo, 2 processes, the run's own builders and training step: per-step losses (the mean over both
     ranks) agree within the rounding bound over both ranks' B x T positions (n = 2 x 8 x 40)."""
     out = tmp_path / "losses.json"
-    assert_ok(launch("tests/unpad_ddp_pair.py", [str(out), "--model", "embedded:tiny-bert", *DROPOUT],
-                     config=ROOT / "accelerate_configs" / "ddp.yaml", env=cpu_env(PYTHONPATH=str(ROOT))))
+    assert_ok(
+        launch(
+            "tests/unpad_ddp_pair.py",
+            [str(out), "--model", "embedded:tiny-bert", *DROPOUT],
+            config=ROOT / "accelerate_configs" / "ddp.yaml",
+            env=cpu_env(PYTHONPATH=str(ROOT)),
+        )
+    )
     losses = json.loads(out.read_text())
     assert losses["world_size"] == 2 and len(losses["padded"]) == STEPS
     n = 2 * BATCH * LONGEST

@@ -53,8 +53,18 @@ def main(out: str, args: list[str]) -> None:
         data = batches(0, seed=1 + rank)  # each rank its own batches, as a sharded loader gives them
         torch.manual_seed(5 + rank)
         model.train()
-        mine = [train_step(accelerator, model, batch, optimizer, scheduler, lambda _: contextlib.nullcontext(),
-                           settings.max_grad_norm)[0] for batch in data]
+        mine = [
+            train_step(
+                accelerator,
+                model,
+                batch,
+                optimizer,
+                scheduler,
+                lambda _: contextlib.nullcontext(),
+                settings.max_grad_norm,
+            )[0]
+            for batch in data
+        ]
         losses[name] = accelerator.gather(torch.stack(mine)).view(world, -1).mean(0).tolist()
     if accelerator.is_main_process:
         Path(out).write_text(json.dumps({**losses, "world_size": world}))

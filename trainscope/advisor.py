@@ -57,15 +57,15 @@ class Suggestion:
     change: str
     evidence: str
     flags: list = field(default_factory=list)  # train.py flags that make the change ([] when it is not a flag)
-    config: str | None = None                   # an Accelerate config to launch with instead
-    gain: float | None = None                   # the whole run this many times faster (None: no speed claim)
-    gain_kind: str | None = None                # "bound" (at most, Amdahl on a measured share) or "estimate"
-    factor: str | None = None                   # for an estimate: the assumed or measured factor, said
-    confidence: str = "medium"                  # high / medium / low
-    fix_first: bool = False                     # a health warning: the figures themselves are doubtful
-    changes_result: str | None = None           # what the change alters in what is learned, if anything
-    kind: str | None = None                     # exact / numeric / training (trainscope.changes), set by advise()
-    unavailable: str | None = None              # why this build cannot make the change (a flag it lacks), or None
+    config: str | None = None  # an Accelerate config to launch with instead
+    gain: float | None = None  # the whole run this many times faster (None: no speed claim)
+    gain_kind: str | None = None  # "bound" (at most, Amdahl on a measured share) or "estimate"
+    factor: str | None = None  # for an estimate: the assumed or measured factor, said
+    confidence: str = "medium"  # high / medium / low
+    fix_first: bool = False  # a health warning: the figures themselves are doubtful
+    changes_result: str | None = None  # what the change alters in what is learned, if anything
+    kind: str | None = None  # exact / numeric / training (trainscope.changes), set by advise()
+    unavailable: str | None = None  # why this build cannot make the change (a flag it lacks), or None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,8 +129,9 @@ def predicted(view: RunView, suggestion: Suggestion) -> Suggestion | None:
 def fix_first(warning: dict) -> Suggestion:
     entry = health.fix_for(warning["code"])
     change, flags = (entry.fix, list(entry.flags)) if entry else ("see the warning", [])
-    return Suggestion(f"warning:{warning['code']}", change, warning["message"], flags, fix_first=True,
-                      confidence="high")
+    return Suggestion(
+        f"warning:{warning['code']}", change, warning["message"], flags, fix_first=True, confidence="high"
+    )
 
 
 # ---------------------------------------------------------------- the rules
@@ -148,11 +149,22 @@ def data_loading(view: RunView) -> list[Suggestion]:
         flags.append("--pin-memory")
     if view.setting("epochs", 1) > 1:
         flags.append("--persistent-workers")
-    evidence = (f"data {share:.1%} of the steady step, {workers_now} workers, {threads['usable_cores']} usable "
-                f"cores / {threads['local_processes']} processes = {budget} per process")
+    evidence = (
+        f"data {share:.1%} of the steady step, {workers_now} workers, {threads['usable_cores']} usable "
+        f"cores / {threads['local_processes']} processes = {budget} per process"
+    )
     confidence = "high" if budget >= 4 else "low"  # with 2 cores a worker takes a core from the compute threads
-    return [Suggestion("data_loading", f"load batches in {workers} worker process(es)", evidence, flags, gain=gain,
-                       gain_kind="bound", confidence=confidence)]
+    return [
+        Suggestion(
+            "data_loading",
+            f"load batches in {workers} worker process(es)",
+            evidence,
+            flags,
+            gain=gain,
+            gain_kind="bound",
+            confidence=confidence,
+        )
+    ]
 
 
 def threads(view: RunView) -> list[Suggestion]:
@@ -162,12 +174,22 @@ def threads(view: RunView) -> list[Suggestion]:
     below = t["torch_threads"] < t["thread_budget"]
     compute = sum(view.shares().get(s, 0.0) for s in ("forward", "backward", "optimizer"))
     ratio = t["thread_budget"] / t["torch_threads"]
-    evidence = (f"{t['torch_threads']} torch threads, budget {t['thread_budget']} ({t['usable_cores']} usable cores / "
-                f"{t['local_processes']} processes; source {t['threads_source']})")
-    return [Suggestion("threads", "use each process's share of the cores as threads", evidence, ["--threads", "auto"],
-                       gain=amdahl(compute, ratio) if below else None, gain_kind="estimate" if below else None,
-                       factor=f"compute x{ratio:g}: linear scaling with threads assumed" if below else None,
-                       confidence="high" if below else "medium")]
+    evidence = (
+        f"{t['torch_threads']} torch threads, budget {t['thread_budget']} ({t['usable_cores']} usable cores / "
+        f"{t['local_processes']} processes; source {t['threads_source']})"
+    )
+    return [
+        Suggestion(
+            "threads",
+            "use each process's share of the cores as threads",
+            evidence,
+            ["--threads", "auto"],
+            gain=amdahl(compute, ratio) if below else None,
+            gain_kind="estimate" if below else None,
+            factor=f"compute x{ratio:g}: linear scaling with threads assumed" if below else None,
+            confidence="high" if below else "medium",
+        )
+    ]
 
 
 def padding(view: RunView) -> list[Suggestion]:
@@ -178,13 +200,22 @@ def padding(view: RunView) -> list[Suggestion]:
     train_share = run_shares.get("forward", 0.0) + run_shares.get("backward", 0.0)
     eval_share = run_shares.get("eval", 0.0)
     waste = 1 - pad["train_tokens"] / pad["train_padded"]
-    train_saved = padding_flops_share(shape, pad["train_tokens"], pad["train_padded"], pad["train_samples"],
-                                      pad["train_padded_squares"], training=True)
-    eval_saved = padding_flops_share(shape, pad["eval_tokens"], pad["eval_padded"], pad["eval_samples"],
-                                     pad["eval_padded_squares"], training=False)
+    train_saved = padding_flops_share(
+        shape,
+        pad["train_tokens"],
+        pad["train_padded"],
+        pad["train_samples"],
+        pad["train_padded_squares"],
+        training=True,
+    )
+    eval_saved = padding_flops_share(
+        shape, pad["eval_tokens"], pad["eval_padded"], pad["eval_samples"], pad["eval_padded_squares"], training=False
+    )
     # No time share of padding is measured: the saving is the FLOPs share taken as a time share, an estimate.
-    assumed = ["forward, backward and evaluation time taken as proportional to their matmul FLOPs (softmax, mask and "
-               "dropout tensors, not counted, shrink more)"]
+    assumed = [
+        "forward, backward and evaluation time taken as proportional to their matmul FLOPs (softmax, mask and "
+        "dropout tensors, not counted, shrink more)"
+    ]
     if train_saved is None:  # a record without the model's shape: the FLOPs share taken as the positions' share
         train_saved = waste
         assumed.append("padding's FLOPs share taken as its share of positions (the record lacks the model's shape)")
@@ -194,20 +225,32 @@ def padding(view: RunView) -> list[Suggestion]:
     if gain < MIN_GAIN:
         return []
     flops = "" if shape is None else f", {train_saved:.0%} of the training matmul FLOPs"
-    evidence = (f"{waste:.0%} of the training token positions are padding ({pad['train_tokens']} real of "
-                f"{pad['train_padded']}){flops}; forward and backward take {train_share:.0%} of the wall time, "
-                f"evaluation {eval_share:.0%}")
+    evidence = (
+        f"{waste:.0%} of the training token positions are padding ({pad['train_tokens']} real of "
+        f"{pad['train_padded']}){flops}; forward and backward take {train_share:.0%} of the wall time, "
+        f"evaluation {eval_share:.0%}"
+    )
     if eval_saved is not None:
         evidence += f" ({1 - pad['eval_tokens'] / pad['eval_padded']:.0%} of its positions padding)"
-    found = [Suggestion("padding", "batch sequences of similar length (and evaluate in length order)", evidence,
-                        ["--group-by-length"], gain=gain, gain_kind="estimate", factor="; ".join(assumed),
-                        confidence="high", changes_result=order_change(view, "grouped by length")
-                        + "; evaluation in length order (the same samples)")]
+    found = [
+        Suggestion(
+            "padding",
+            "batch sequences of similar length (and evaluate in length order)",
+            evidence,
+            ["--group-by-length"],
+            gain=gain,
+            gain_kind="estimate",
+            factor="; ".join(assumed),
+            confidence="high",
+            changes_result=order_change(view, "grouped by length") + "; evaluation in length order (the same samples)",
+        )
+    ]
     return found + padding_free(view, evidence, train_share, eval_share, eval_saved)
 
 
-def padding_free(view: RunView, evidence: str, train_share: float, eval_share: float,
-                 eval_saved: float | None) -> list[Suggestion]:
+def padding_free(
+    view: RunView, evidence: str, train_share: float, eval_share: float, eval_saved: float | None
+) -> list[Suggestion]:
     """The exact changes that skip padding without touching what is learned: padding-free encoder layers (the
     token-wise matmuls -- projections and feed-forward -- on the real tokens; attention stays padded, so only the
     6N part of the padded FLOPs is saved) and evaluation in length order (its own padding share). Estimates, on the
@@ -221,18 +264,36 @@ def padding_free(view: RunView, evidence: str, train_share: float, eval_share: f
         saved = tokenwise * (pad["train_padded"] - pad["train_tokens"]) / padded
         gain = amdahl(train_share * saved)
         if gain >= MIN_GAIN:
-            found.append(Suggestion("unpad", "run the encoder's token-wise layers on the real tokens only "
-                                    "(padding-free layers)", evidence, ["--unpad"], gain=gain, gain_kind="estimate",
-                                    factor=f"forward and backward time x(1 - {saved:.0%}): the token-wise matmul "
-                                    "FLOPs on padding positions, taken as time (attention stays padded)",
-                                    confidence="medium", changes_result=changes.does(["--unpad"])))
+            found.append(
+                Suggestion(
+                    "unpad",
+                    "run the encoder's token-wise layers on the real tokens only (padding-free layers)",
+                    evidence,
+                    ["--unpad"],
+                    gain=gain,
+                    gain_kind="estimate",
+                    factor=f"forward and backward time x(1 - {saved:.0%}): the token-wise matmul "
+                    "FLOPs on padding positions, taken as time (attention stays padded)",
+                    confidence="medium",
+                    changes_result=changes.does(["--unpad"]),
+                )
+            )
     if eval_saved:
         gain = amdahl(eval_share * eval_saved)
         if gain >= MIN_GAIN:
-            found.append(Suggestion("eval_order", "evaluate in length order (the same samples, less padding)", evidence,
-                                    ["--eval-order", "length"], gain=gain, gain_kind="estimate",
-                                    factor=f"evaluation time x(1 - {eval_saved:.0%}): its padding FLOPs taken as time",
-                                    confidence="medium", changes_result=changes.does(["--eval-order"])))
+            found.append(
+                Suggestion(
+                    "eval_order",
+                    "evaluate in length order (the same samples, less padding)",
+                    evidence,
+                    ["--eval-order", "length"],
+                    gain=gain,
+                    gain_kind="estimate",
+                    factor=f"evaluation time x(1 - {eval_saved:.0%}): its padding FLOPs taken as time",
+                    confidence="medium",
+                    changes_result=changes.does(["--eval-order"]),
+                )
+            )
     return found
 
 
@@ -243,10 +304,15 @@ def order_change(view: RunView, how: str) -> str:
     if partial is None:
         return f"training batches {how}: the same samples, another order"
     steps, epoch = partial
-    where = (f"shorter than an epoch ({steps} of {epoch} steps)" if steps < epoch else
-             f"not a whole number of epochs ({steps} steps of {epoch} each)")
-    return (f"training batches {how}: different samples -- the run is {where}, so it trains on those the new order "
-            "puts first")
+    where = (
+        f"shorter than an epoch ({steps} of {epoch} steps)"
+        if steps < epoch
+        else f"not a whole number of epochs ({steps} steps of {epoch} each)"
+    )
+    return (
+        f"training batches {how}: different samples -- the run is {where}, so it trains on those the new order "
+        "puts first"
+    )
 
 
 def evaluation(view: RunView) -> list[Suggestion]:
@@ -255,14 +321,23 @@ def evaluation(view: RunView) -> list[Suggestion]:
         return []
     # settings.default_eval_batch_size's rule (not imported: settings pulls in transformers); older records: given order
     current = view.setting("eval_batch_size") or (
-        (4 if view.setting("eval_order") == "length" else 2) * view.setting("per_device_batch_size", 32))
+        (4 if view.setting("eval_order") == "length" else 2) * view.setting("per_device_batch_size", 32)
+    )
     gain = amdahl(share, 1.25)
     if share < 0.05 or gain < MIN_GAIN:
         return []
-    return [Suggestion("evaluation", f"evaluate in batches of {2 * current} (or on fewer samples)",
-                       f"evaluation {share:.1%} of the wall time at batch {current} on {view.device_name}",
-                       ["--eval-batch-size", str(2 * current)], gain=gain, gain_kind="estimate",
-                       factor="evaluation x1.25 from fewer kernel launches per sample (assumed)", confidence="low")]
+    return [
+        Suggestion(
+            "evaluation",
+            f"evaluate in batches of {2 * current} (or on fewer samples)",
+            f"evaluation {share:.1%} of the wall time at batch {current} on {view.device_name}",
+            ["--eval-batch-size", str(2 * current)],
+            gain=gain,
+            gain_kind="estimate",
+            factor="evaluation x1.25 from fewer kernel launches per sample (assumed)",
+            confidence="low",
+        )
+    ]
 
 
 def optimizer(view: RunView) -> list[Suggestion]:
@@ -274,11 +349,18 @@ def optimizer(view: RunView) -> list[Suggestion]:
     if not (view.on_cuda or view.on_cpu) or facts.get("fused", True) or amdahl(share, 3) < MIN_GAIN:
         return []
     now = "foreach" if facts.get("foreach") else "for-loop"
-    return [Suggestion("optimizer", "use the fused AdamW: one kernel per step over every parameter",
-                       f"optimizer {share:.1%} of the steady step, {facts.get('name')} {now}, not fused",
-                       ["--optimizer-implementation", "fused"], gain=amdahl(share, 3), gain_kind="estimate",
-                       factor="optimizer x3 when fused (assumed)",
-                       changes_result=changes.does(["--optimizer-implementation"]))]
+    return [
+        Suggestion(
+            "optimizer",
+            "use the fused AdamW: one kernel per step over every parameter",
+            f"optimizer {share:.1%} of the steady step, {facts.get('name')} {now}, not fused",
+            ["--optimizer-implementation", "fused"],
+            gain=amdahl(share, 3),
+            gain_kind="estimate",
+            factor="optimizer x3 when fused (assumed)",
+            changes_result=changes.does(["--optimizer-implementation"]),
+        )
+    ]
 
 
 def gpu_precision(view: RunView) -> list[Suggestion]:
@@ -288,11 +370,19 @@ def gpu_precision(view: RunView) -> list[Suggestion]:
     if not fp32 or not bf16:
         return []
     compute = view.shares().get("forward", 0.0) + view.shares().get("backward", 0.0)
-    return [Suggestion("precision", "train in bf16 (accelerate_configs/bf16.yaml), or allow TF32 with --tf32",
-                       f"fp32 on {view.device_name}: dense peaks {fp32:g} TFLOP/s fp32, {bf16:g} bf16; forward and "
-                       f"backward {compute:.0%} of the step", config="bf16", gain=amdahl(compute, bf16 / fp32),
-                       gain_kind="estimate", factor=f"forward and backward x{bf16 / fp32:.1f}, the datasheet peak ratio",
-                       changes_result="bf16 rounding (losses agree to about 1e-2)")]
+    return [
+        Suggestion(
+            "precision",
+            "train in bf16 (accelerate_configs/bf16.yaml), or allow TF32 with --tf32",
+            f"fp32 on {view.device_name}: dense peaks {fp32:g} TFLOP/s fp32, {bf16:g} bf16; forward and "
+            f"backward {compute:.0%} of the step",
+            config="bf16",
+            gain=amdahl(compute, bf16 / fp32),
+            gain_kind="estimate",
+            factor=f"forward and backward x{bf16 / fp32:.1f}, the datasheet peak ratio",
+            changes_result="bf16 rounding (losses agree to about 1e-2)",
+        )
+    ]
 
 
 def cpu_precision(view: RunView) -> list[Suggestion]:
@@ -308,21 +398,37 @@ def cpu_precision(view: RunView) -> list[Suggestion]:
     if speedup < NATIVE_BF16_MIN_SPEEDUP or gain < MIN_GAIN:
         return []
     if bf16.get("bf16_tflops"):
-        measured = (f"bf16 matmuls measured {speedup:.2f}x fp32's here ({bf16['bf16_tflops'] * 1e3:.0f} against "
-                    f"{bf16['fp32_tflops'] * 1e3:.0f} GFLOP/s, the machine's measured peaks at {view.torch_threads} "
-                    "threads)")
+        measured = (
+            f"bf16 matmuls measured {speedup:.2f}x fp32's here ({bf16['bf16_tflops'] * 1e3:.0f} against "
+            f"{bf16['fp32_tflops'] * 1e3:.0f} GFLOP/s, the machine's measured peaks at {view.torch_threads} "
+            "threads)"
+        )
     else:  # a schema 3 record: a 1024^2 matmul timed at start-up
-        measured = (f"a {bf16.get('size')}x{bf16.get('size')} matmul at {bf16.get('threads')} threads ran "
-                    f"{speedup:.2f}x faster in bf16 autocast than fp32 here")
-    flags = (f"flags {', '.join(bf16['flags'])}" if bf16.get("flags") else
-             {True: "native bf16 by its flags", False: "no native-bf16 flag listed", None: "flags unread"}[
-                 bf16.get("native_by_flags")])
-    return [Suggestion("cpu_precision", "train in bf16 autocast (accelerate_configs/bf16.yaml): this CPU computes "
-                       "bf16 faster than fp32", f"{view.env.get('cpu_capability')} ({flags}); {measured}; forward, "
-                       f"backward and evaluation take {compute:.0%} of the wall time", config="bf16",
-                       gain=gain, gain_kind="estimate",
-                       factor=f"all of forward, backward and evaluation x{speedup:.2f}, the measured matmul speed-up",
-                       confidence="medium", changes_result="bf16 rounding (losses agree to about 1e-2)")]
+        measured = (
+            f"a {bf16.get('size')}x{bf16.get('size')} matmul at {bf16.get('threads')} threads ran "
+            f"{speedup:.2f}x faster in bf16 autocast than fp32 here"
+        )
+    flags = (
+        f"flags {', '.join(bf16['flags'])}"
+        if bf16.get("flags")
+        else {True: "native bf16 by its flags", False: "no native-bf16 flag listed", None: "flags unread"}[
+            bf16.get("native_by_flags")
+        ]
+    )
+    return [
+        Suggestion(
+            "cpu_precision",
+            "train in bf16 autocast (accelerate_configs/bf16.yaml): this CPU computes bf16 faster than fp32",
+            f"{view.env.get('cpu_capability')} ({flags}); {measured}; forward, "
+            f"backward and evaluation take {compute:.0%} of the wall time",
+            config="bf16",
+            gain=gain,
+            gain_kind="estimate",
+            factor=f"all of forward, backward and evaluation x{speedup:.2f}, the measured matmul speed-up",
+            confidence="medium",
+            changes_result="bf16 rounding (losses agree to about 1e-2)",
+        )
+    ]
 
 
 def gpu_batch(view: RunView) -> list[Suggestion]:
@@ -335,15 +441,29 @@ def gpu_batch(view: RunView) -> list[Suggestion]:
         flags = ["--per-device-batch-size", str(batch)]
         if steps % 2 == 0:
             flags += ["--gradient-accumulation-steps", str(steps // 2)]
-        found.append(Suggestion("batch", f"double the per-device batch to {batch}" + (" and halve accumulation" if
-                                steps % 2 == 0 else ""), f"MFU {mfu:.0%} with {used:.1f} of {total:.0f} GiB in use",
-                                flags, gain=min(2.0, 0.5 / max(mfu, 1e-3)), gain_kind="estimate",
-                                factor="MFU rising towards 50% with the batch (assumed)", confidence="medium",
-                                changes_result=None if steps % 2 == 0 else "the effective batch doubles"))
+        found.append(
+            Suggestion(
+                "batch",
+                f"double the per-device batch to {batch}" + (" and halve accumulation" if steps % 2 == 0 else ""),
+                f"MFU {mfu:.0%} with {used:.1f} of {total:.0f} GiB in use",
+                flags,
+                gain=min(2.0, 0.5 / max(mfu, 1e-3)),
+                gain_kind="estimate",
+                factor="MFU rising towards 50% with the batch (assumed)",
+                confidence="medium",
+                changes_result=None if steps % 2 == 0 else "the effective batch doubles",
+            )
+        )
     if used > 0.9 * total:
-        found.append(Suggestion("memory", "add --gradient-checkpointing (or --lora) to make room",
-                                f"{used:.1f} of {total:.0f} GiB allocated at the peak", ["--gradient-checkpointing"],
-                                confidence="medium"))
+        found.append(
+            Suggestion(
+                "memory",
+                "add --gradient-checkpointing (or --lora) to make room",
+                f"{used:.1f} of {total:.0f} GiB allocated at the peak",
+                ["--gradient-checkpointing"],
+                confidence="medium",
+            )
+        )
     return found
 
 
@@ -354,30 +474,55 @@ def communication(view: RunView) -> list[Suggestion]:
     if not figures.get("resolved") or not share or share <= 0 or amdahl(share) < MIN_GAIN:
         return []
     interval, transfer = figures.get("exposed_interval"), figures.get("transfer_s")
-    evidence = (f"exposed communication {figures['exposed_s'] * 1e3:.1f} ms"
-                + (f" (95% interval {interval[0] * 1e3:.1f}-{interval[1] * 1e3:.1f})" if interval else "")
-                + f", {share:.1%} of the step"
-                + (f"; the same buckets' all-reduces alone {transfer * 1e3:.1f} ms" if transfer else "")
-                + f" on {view.backend}")
+    evidence = (
+        f"exposed communication {figures['exposed_s'] * 1e3:.1f} ms"
+        + (f" (95% interval {interval[0] * 1e3:.1f}-{interval[1] * 1e3:.1f})" if interval else "")
+        + f", {share:.1%} of the step"
+        + (f"; the same buckets' all-reduces alone {transfer * 1e3:.1f} ms" if transfer else "")
+        + f" on {view.backend}"
+    )
     found = []
     if view.backend in ("nccl", "xccl"):  # bucket timing and compression pay off where the link is the limit
-        found.append(Suggestion("ddp_buckets", "smaller buckets start the all-reduce earlier in backward (more overlap)",
-                                evidence, ["--ddp-bucket-cap-mb", "5"], gain=amdahl(share), gain_kind="bound",
-                                confidence="low"))
+        found.append(
+            Suggestion(
+                "ddp_buckets",
+                "smaller buckets start the all-reduce earlier in backward (more overlap)",
+                evidence,
+                ["--ddp-bucket-cap-mb", "5"],
+                gain=amdahl(share),
+                gain_kind="bound",
+                confidence="low",
+            )
+        )
         if view.setting("ddp_comm_hook") == "none":
-            found.append(Suggestion("ddp_compression", "all-reduce gradients in fp16 (half the bytes)", evidence,
-                                    ["--ddp-comm-hook", "fp16"], gain=amdahl(share, 2), gain_kind="estimate",
-                                    factor="communication x2 from half the bytes (assumed)",
-                                    changes_result="gradients rounded to fp16 before the all-reduce"))
-    found.append(Suggestion("ddp_accumulation", "accumulate 2 micro-batches per all-reduce (no_sync on the first)",
-                            evidence, ["--gradient-accumulation-steps", str(2 * view.setting("gradient_accumulation_steps", 1))],
-                            gain=amdahl(share, 2), gain_kind="estimate", factor="half the all-reduces per sample",
-                            changes_result="the effective batch doubles"))
+            found.append(
+                Suggestion(
+                    "ddp_compression",
+                    "all-reduce gradients in fp16 (half the bytes)",
+                    evidence,
+                    ["--ddp-comm-hook", "fp16"],
+                    gain=amdahl(share, 2),
+                    gain_kind="estimate",
+                    factor="communication x2 from half the bytes (assumed)",
+                    changes_result="gradients rounded to fp16 before the all-reduce",
+                )
+            )
+    found.append(
+        Suggestion(
+            "ddp_accumulation",
+            "accumulate 2 micro-batches per all-reduce (no_sync on the first)",
+            evidence,
+            ["--gradient-accumulation-steps", str(2 * view.setting("gradient_accumulation_steps", 1))],
+            gain=amdahl(share, 2),
+            gain_kind="estimate",
+            factor="half the all-reduces per sample",
+            changes_result="the effective batch doubles",
+        )
+    )
     return found
 
 
-RULES = [data_loading, threads, padding, evaluation, optimizer, gpu_precision, cpu_precision, gpu_batch,
-         communication]
+RULES = [data_loading, threads, padding, evaluation, optimizer, gpu_precision, cpu_precision, gpu_batch, communication]
 
 
 # ---------------------------------------------------------------- the gap rules (trainscope.gap)
@@ -393,8 +538,11 @@ def gap_evidence(view: RunView) -> dict | None:
         shares = {k: v / window * training for k, v in breakdown["categories"].items()}
         shares["attention total"] = breakdown.get("attention_total_s", 0.0) / window * training
         shares["attention dropout"] = breakdown.get("attention_dropout_s", 0.0) / window * training
-        return {"shares": shares, "kind": "bound",
-                "text": f"the profiled steps ({breakdown['basis']}) x training's {training:.0%} of the run"}
+        return {
+            "shares": shares,
+            "kind": "bound",
+            "text": f"the profiled steps ({breakdown['basis']}) x training's {training:.0%} of the run",
+        }
     layer = ((view.measured_peak or {}).get("run_shapes") or {}).get("layer")
     if layer and layer.get("window_s"):
         run_shares = view.shares("run")
@@ -403,9 +551,12 @@ def gap_evidence(view: RunView) -> dict | None:
         shares = {k: v / window * compute for k, v in layer["categories"].items()}
         shares["attention total"] = layer.get("attention_total_s", 0.0) / window * compute
         shares["attention dropout"] = layer.get("attention_dropout_s", 0.0) / window * compute
-        return {"shares": shares, "kind": "estimate",
-                "text": f"one encoder layer profiled apart at batch {layer['batch']} x length {layer['length']} "
-                        f"({layer['precision']}), its shares taken for forward + backward's {compute:.0%} of the run"}
+        return {
+            "shares": shares,
+            "kind": "estimate",
+            "text": f"one encoder layer profiled apart at batch {layer['batch']} x length {layer['length']} "
+            f"({layer['precision']}), its shares taken for forward + backward's {compute:.0%} of the run",
+        }
     return None
 
 
@@ -415,11 +566,31 @@ def _gap_suggestion(rule, change, evidence_text, flags, share, found, changes_re
     if gain < MIN_GAIN:
         return []
     kind = "bound" if found["kind"] == "bound" and factor is None else "estimate"
-    stated = None if kind == "bound" else "; ".join(x for x in (
-        f"the share from {found['text']}" if found["kind"] == "estimate" else None,
-        f"that time x{factor:g} (assumed)" if factor else "that time removed") if x)
-    return [Suggestion(rule, change, f"{evidence_text} ({found['text']})", flags, gain=gain, gain_kind=kind,
-                       factor=stated, confidence=confidence, changes_result=changes_result)]
+    stated = (
+        None
+        if kind == "bound"
+        else "; ".join(
+            x
+            for x in (
+                f"the share from {found['text']}" if found["kind"] == "estimate" else None,
+                f"that time x{factor:g} (assumed)" if factor else "that time removed",
+            )
+            if x
+        )
+    )
+    return [
+        Suggestion(
+            rule,
+            change,
+            f"{evidence_text} ({found['text']})",
+            flags,
+            gain=gain,
+            gain_kind=kind,
+            factor=stated,
+            confidence=confidence,
+            changes_result=changes_result,
+        )
+    ]
 
 
 def attention_kernel(view: RunView, found: dict | None) -> list[Suggestion]:
@@ -427,27 +598,48 @@ def attention_kernel(view: RunView, found: dict | None) -> list[Suggestion]:
     runs MATH, evaluation -- no dropout -- a fused one): everything inside attention is what the fused kernel
     replaces, so its share bounds the gain."""
     kernels = view.sdpa_kernels or {}
-    if not found or kernels.get("training") != "MATH" or kernels.get("evaluation") == "MATH" \
-            or not kernels.get("attention_dropout"):
+    if (
+        not found
+        or kernels.get("training") != "MATH"
+        or kernels.get("evaluation") == "MATH"
+        or not kernels.get("attention_dropout")
+    ):
         return []
     share = found["shares"].get("attention total", 0.0)
-    text = (f"training attention runs torch's {kernels['training']} path because of attention dropout "
-            f"{kernels['attention_dropout']:g} (evaluation, without dropout: {kernels['evaluation']}); everything "
-            f"inside attention (its matmuls, softmax, masking and dropout) is {share:.1%} of the run")
-    return _gap_suggestion("attention_kernel", "drop attention dropout so the fused attention kernel runs in training",
-                           text, ["--attention-dropout", "0"], share, found,
-                           "no dropout on the attention weights: less regularization")
+    text = (
+        f"training attention runs torch's {kernels['training']} path because of attention dropout "
+        f"{kernels['attention_dropout']:g} (evaluation, without dropout: {kernels['evaluation']}); everything "
+        f"inside attention (its matmuls, softmax, masking and dropout) is {share:.1%} of the run"
+    )
+    return _gap_suggestion(
+        "attention_kernel",
+        "drop attention dropout so the fused attention kernel runs in training",
+        text,
+        ["--attention-dropout", "0"],
+        share,
+        found,
+        "no dropout on the attention weights: less regularization",
+    )
 
 
 def dropout(view: RunView, found: dict | None) -> list[Suggestion]:
     """Hidden dropout's masks (bernoulli, scaling, the masked multiply, forward and backward) on its measured share."""
-    hidden = ((view.model_facts.get("dropout") or {}).get("hidden"))
+    hidden = (view.model_facts.get("dropout") or {}).get("hidden")
     if not found or hidden == 0:
         return []
     share = found["shares"].get("dropout", 0.0) - found["shares"].get("attention dropout", 0.0)
-    text = f"dropout outside attention (hidden dropout {hidden if hidden is not None else '?'}) is {share:.1%} of the run"
-    return _gap_suggestion("dropout", "train without hidden dropout", text, ["--hidden-dropout", "0"], share, found,
-                           "no dropout on the hidden states: less regularization")
+    text = (
+        f"dropout outside attention (hidden dropout {hidden if hidden is not None else '?'}) is {share:.1%} of the run"
+    )
+    return _gap_suggestion(
+        "dropout",
+        "train without hidden dropout",
+        text,
+        ["--hidden-dropout", "0"],
+        share,
+        found,
+        "no dropout on the hidden states: less regularization",
+    )
 
 
 def compile_fusion(view: RunView, found: dict | None) -> list[Suggestion]:
@@ -465,15 +657,29 @@ def compile_fusion(view: RunView, found: dict | None) -> list[Suggestion]:
     gain = 1.0 / max(1e-9, 1.0 - saved + compile_s / wall)
     if gain < MIN_GAIN:
         return []
-    lengths = ("one shape (--pad-to-max-length)" if view.setting("pad_to_max_length") else
-               "dynamic shapes, since lengths vary (a new length can still recompile: the recompiles warning counts it)")
-    text = (f"elementwise work ({', '.join(ELEMENTWISE)}) is {share:.1%} of the run ({found['text']}); compiled with "
-            f"{lengths}")
-    return [Suggestion("compile", "compile the model (torch.compile fuses the elementwise operators)", text,
-                       ["--compile"], gain=gain, gain_kind="estimate",
-                       factor=f"elementwise time x1/{FUSION_FACTOR:g} (assumed), compile time {compile_s:.0f} s "
-                              f"(assumed) against a {wall:.0f} s run", confidence="low",
-                       changes_result=changes.does(["--compile"]))]
+    lengths = (
+        "one shape (--pad-to-max-length)"
+        if view.setting("pad_to_max_length")
+        else "dynamic shapes, since lengths vary (a new length can still recompile: the recompiles warning counts it)"
+    )
+    text = (
+        f"elementwise work ({', '.join(ELEMENTWISE)}) is {share:.1%} of the run ({found['text']}); compiled with "
+        f"{lengths}"
+    )
+    return [
+        Suggestion(
+            "compile",
+            "compile the model (torch.compile fuses the elementwise operators)",
+            text,
+            ["--compile"],
+            gain=gain,
+            gain_kind="estimate",
+            factor=f"elementwise time x1/{FUSION_FACTOR:g} (assumed), compile time {compile_s:.0f} s "
+            f"(assumed) against a {wall:.0f} s run",
+            confidence="low",
+            changes_result=changes.does(["--compile"]),
+        )
+    ]
 
 
 def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
@@ -489,8 +695,9 @@ def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
         return []
     batch, steps = view.setting("per_device_batch_size"), view.setting("gradient_accumulation_steps", 1)
     halves_accumulation = steps % 2 == 0
-    resolved = (doubled / rate >= BATCH_MIN_RATE_GAIN
-                and (shapes.get("tflops_doubled_low") or doubled) > (shapes.get("tflops_high") or rate))
+    resolved = doubled / rate >= BATCH_MIN_RATE_GAIN and (shapes.get("tflops_doubled_low") or doubled) > (
+        shapes.get("tflops_high") or rate
+    )
     factor = doubled / rate if resolved else 1.0
     matmul_s = estimate["floor_s"] * measured["peak_tflops"] / rate  # the model FLOPs at the run's measured rate
     train_share = estimate["train_s"] / (view.wall_s or estimate["train_s"])
@@ -500,22 +707,36 @@ def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
     gain = 1.0 / max(1e-9, 1.0 - saved)
     if gain < MIN_GAIN:
         return []
-    flags = ["--per-device-batch-size", str(2 * batch)] + (["--gradient-accumulation-steps", str(steps // 2)]
-                                                           if halves_accumulation else [])
-    parts = [f"matmuls at the run's shapes ({shapes['tokens']} tokens per micro-batch: batch {shapes['batch']} x "
-             f"{shapes['length']}) measured {rate * 1e3:.0f} GFLOP/s, at twice the tokens {doubled * 1e3:.0f} GFLOP/s"
-             + ("" if resolved else " (not apart from the first: counted as no faster)")
-             + f"; the model's matmuls at that rate are {matmul_share:.0%} of the run"]
+    flags = ["--per-device-batch-size", str(2 * batch)] + (
+        ["--gradient-accumulation-steps", str(steps // 2)] if halves_accumulation else []
+    )
+    parts = [
+        f"matmuls at the run's shapes ({shapes['tokens']} tokens per micro-batch: batch {shapes['batch']} x "
+        f"{shapes['length']}) measured {rate * 1e3:.0f} GFLOP/s, at twice the tokens {doubled * 1e3:.0f} GFLOP/s"
+        + ("" if resolved else " (not apart from the first: counted as no faster)")
+        + f"; the model's matmuls at that rate are {matmul_share:.0%} of the run"
+    ]
     if optimizer_share:
         parts.append(f"the optimizer stage is {optimizer_share:.1%} of the run, once per step")
-    factors = [f"the matmuls x{factor:.2f}, measured at twice the tokens" if resolved else None,
-               "the optimizer half as often (one step per twice the samples)" if optimizer_share else None]
-    return [Suggestion("batch_at_peak", f"double the per-device batch to {2 * batch}" +
-                       (" and halve accumulation" if halves_accumulation else ""), "; ".join(parts), flags,
-                       gain=gain, gain_kind="estimate", factor="; ".join(f for f in factors if f), confidence="low",
-                       changes_result=None if halves_accumulation else
-                       "the effective batch doubles and the optimizer takes half the steps (the learning rate is "
-                       "not scaled)")]
+    factors = [
+        f"the matmuls x{factor:.2f}, measured at twice the tokens" if resolved else None,
+        "the optimizer half as often (one step per twice the samples)" if optimizer_share else None,
+    ]
+    return [
+        Suggestion(
+            "batch_at_peak",
+            f"double the per-device batch to {2 * batch}" + (" and halve accumulation" if halves_accumulation else ""),
+            "; ".join(parts),
+            flags,
+            gain=gain,
+            gain_kind="estimate",
+            factor="; ".join(f for f in factors if f),
+            confidence="low",
+            changes_result=None
+            if halves_accumulation
+            else "the effective batch doubles and the optimizer takes half the steps (the learning rate is not scaled)",
+        )
+    ]
 
 
 GAP_RULES = [attention_kernel, dropout, compile_fusion, batch_at_peak]
@@ -527,7 +748,9 @@ def lines(suggestions: list[Suggestion]) -> list[str]:
     for rank, s in enumerate(suggestions, 1):
         what = " ".join(s.flags) or (launching.config_argument(s.config) if s.config else "")
         kind = f"; {s.kind}" + (f", {s.unavailable}" if s.unavailable else "") if s.kind else ""
-        out.append(f"{rank}. {s.change}" + (f" (`{what}`{kind})" if what else "") + f" -- {s.gain_text()}, "
-                   f"confidence {s.confidence}.")
+        out.append(
+            f"{rank}. {s.change}" + (f" (`{what}`{kind})" if what else "") + f" -- {s.gain_text()}, "
+            f"confidence {s.confidence}."
+        )
         out.append(f"   evidence: {s.evidence}" + (f"; changes: {s.changes_result}" if s.changes_result else ""))
     return out or ["No suggestion: no measured share leaves 2% to gain."]

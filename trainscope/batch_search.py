@@ -72,6 +72,8 @@ def _fits(try_batch: Callable[[int], object], size: int) -> bool:
 def refuse_multi_process(config: str, processes: int) -> None:
     """UserError (one line) when `config` launches more than one process."""
     if processes > 1:
-        raise UserError(f"the batch-size search runs one process, and {config} launches {processes}: an "
-                        "out-of-memory error on one rank would leave the others waiting in an all-reduce. Search "
-                        f"with a single-process config (single_gpu, bf16, fp16), or sweep {config} with --search-from 0")
+        raise UserError(
+            f"the batch-size search runs one process, and {config} launches {processes}: an "
+            "out-of-memory error on one rank would leave the others waiting in an all-reduce. Search "
+            f"with a single-process config (single_gpu, bf16, fp16), or sweep {config} with --search-from 0"
+        )

@@ -48,8 +48,9 @@ def round_order(names: list[str], round_index: int) -> list[str]:
     return list(names) if round_index % 2 == 0 else list(reversed(names))
 
 
-def alternate(arms: dict[str, Callable[[int], dict]], rounds: int, log: Callable[[str], None] = print,
-              first_round: int = 0) -> list[dict]:
+def alternate(
+    arms: dict[str, Callable[[int], dict]], rounds: int, log: Callable[[str], None] = print, first_round: int = 0
+) -> list[dict]:
     """Run every arm once per round, alternating the order; returns one {arm: result} per round.
 
     An arm is called with the round index and returns a dict of measurements (e.g. samples_per_s).
@@ -68,7 +69,9 @@ def alternate(arms: dict[str, Callable[[int], dict]], rounds: int, log: Callable
 
 
 def _brief(result: dict) -> str:
-    return ", ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    return ", ".join(
+        f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
 
 
 # ---------------------------------------------------------------- the test
@@ -102,7 +105,7 @@ def mann_whitney_p(x: list[float], y: list[float]) -> float:
             return _exact_p(n, m, round(observed))
         sums = [sum(c) for c in itertools.combinations(ranks, n)]
         return sum(abs(s - expected) >= distance for s in sums) / len(sums)
-    ties = sum(c ** 3 - c for c in _tie_counts(ranks))
+    ties = sum(c**3 - c for c in _tie_counts(ranks))
     variance = n * m / 12 * ((n + m + 1) - ties / ((n + m) * (n + m - 1)))
     z = distance / math.sqrt(variance) if variance > 0 else 0.0
     return math.erfc(z / math.sqrt(2))
@@ -121,7 +124,7 @@ def _rank_sum_counts(n: int, m: int) -> tuple[int, ...]:
             row, below = ways[j], ways[j - 1]
             for s in range(top, rank - 1, -1):
                 row[s] += below[s - rank]
-    return tuple(ways[n][n * (n + 1) // 2:])
+    return tuple(ways[n][n * (n + 1) // 2 :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,8 +169,14 @@ def holm(p_values: list[float]) -> list[float]:
     return adjusted
 
 
-def verdict(median_ratio: float, p_value: float, pairs: int, min_pairs: int = MIN_PAIRS,
-            alpha: float = ALPHA, min_effect: float = MIN_EFFECT) -> str:
+def verdict(
+    median_ratio: float,
+    p_value: float,
+    pairs: int,
+    min_pairs: int = MIN_PAIRS,
+    alpha: float = ALPHA,
+    min_effect: float = MIN_EFFECT,
+) -> str:
     """faster / slower / within noise / too few pairs, from the test and the effect (higher ratio = faster)."""
     if pairs < min_pairs:
         return "too few pairs"
@@ -178,8 +187,13 @@ def verdict(median_ratio: float, p_value: float, pairs: int, min_pairs: int = MI
     return "within noise"
 
 
-def compare_samples(baseline: list[float], candidate: list[float], higher_is_better: bool = True,
-                    min_pairs: int = MIN_PAIRS, p_value: float | None = None) -> dict:
+def compare_samples(
+    baseline: list[float],
+    candidate: list[float],
+    higher_is_better: bool = True,
+    min_pairs: int = MIN_PAIRS,
+    p_value: float | None = None,
+) -> dict:
     """The candidate arm against the baseline: per-round speed ratios (candidate over baseline, inverted
     for times), their median with min-max, the test's p-value (or a corrected one passed in) and the
     verdict they support."""
@@ -187,16 +201,30 @@ def compare_samples(baseline: list[float], candidate: list[float], higher_is_bet
     ratios = [(c / b if higher_is_better else b / c) for b, c in zip(baseline, candidate)]
     p = mann_whitney_p(list(baseline), list(candidate)) if p_value is None else p_value
     median = statistics.median(ratios)
-    return {"pairs": pairs, "ratios": ratios, "median_ratio": median, "min_ratio": min(ratios),
-            "max_ratio": max(ratios), "p_value": p, "test": METHOD,
-            "verdict": verdict(median, p, pairs, min_pairs)}
+    return {
+        "pairs": pairs,
+        "ratios": ratios,
+        "median_ratio": median,
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+        "p_value": p,
+        "test": METHOD,
+        "verdict": verdict(median, p, pairs, min_pairs),
+    }
 
 
-def compare_rounds(rounds: list[dict], candidate: str, baseline: str, metric: str, higher_is_better: bool = True,
-                   min_pairs: int = MIN_PAIRS) -> dict:
+def compare_rounds(
+    rounds: list[dict],
+    candidate: str,
+    baseline: str,
+    metric: str,
+    higher_is_better: bool = True,
+    min_pairs: int = MIN_PAIRS,
+) -> dict:
     """`compare_samples` of one metric of two arms measured in the same alternating rounds."""
-    return compare_samples([r[baseline][metric] for r in rounds], [r[candidate][metric] for r in rounds],
-                           higher_is_better, min_pairs)
+    return compare_samples(
+        [r[baseline][metric] for r in rounds], [r[candidate][metric] for r in rounds], higher_is_better, min_pairs
+    )
 
 
 # ---------------------------------------------------------------- Student's t and equivalence
@@ -245,7 +273,7 @@ def t_quantile(p: float, df: int) -> float:
     low, high = 0.0, 1.0
     while t_cdf(high, df) < p:
         low, high = high, 2 * high
-    t = min(max(z + (z ** 3 + z) / (4 * df), low), high)
+    t = min(max(z + (z**3 + z) / (4 * df), low), high)
     for _ in range(200):
         error = t_cdf(t, df) - p
         if error == 0 or high - low < 1e-12 * t:
@@ -257,11 +285,12 @@ def t_quantile(p: float, df: int) -> float:
 
 
 EQUIVALENCE_ALPHA = 0.05  # each one-sided test: a 90% confidence interval inside the margin
-EQUIVALENCE_POWER = 0.8   # the power the seeds needed are sized for
+EQUIVALENCE_POWER = 0.8  # the power the seeds needed are sized for
 
 
-def equivalence(differences: list[float], margin: float, alpha: float = EQUIVALENCE_ALPHA,
-                power: float | None = EQUIVALENCE_POWER) -> dict:
+def equivalence(
+    differences: list[float], margin: float, alpha: float = EQUIVALENCE_ALPHA, power: float | None = EQUIVALENCE_POWER
+) -> dict:
     """Two one-sided tests (Schuirmann 1987) of paired differences against +-margin, with its three answers:
 
     * "same": the (1 - 2 alpha) t interval of the mean difference lies inside (-margin, +margin) -- both
@@ -275,8 +304,19 @@ def equivalence(differences: list[float], margin: float, alpha: float = EQUIVALE
       with power None: not computed, as a simulation of the verdicts alone asks).
     """
     n = len(differences)
-    result = {"n": n, "margin": margin, "alpha": alpha, "confidence": 1 - 2 * alpha, "mean": None, "sd": None,
-              "interval": None, "verdict": "undecided", "needed": None, "shows": None, "p_changed": 1.0}
+    result = {
+        "n": n,
+        "margin": margin,
+        "alpha": alpha,
+        "confidence": 1 - 2 * alpha,
+        "mean": None,
+        "sd": None,
+        "interval": None,
+        "verdict": "undecided",
+        "needed": None,
+        "shows": None,
+        "p_changed": 1.0,
+    }
     if n == 0:
         return result
     mean = math.fsum(differences) / n
@@ -306,8 +346,9 @@ def changed_p(mean: float, sd: float, n: int, margin: float) -> float:
     return 1.0 - t_cdf((abs(mean) - margin) / (sd / math.sqrt(n)), n - 1)
 
 
-def equivalence_chances(n: int, mean: float, sd: float, margin: float, alpha: float = EQUIVALENCE_ALPHA
-                        ) -> tuple[float, float]:
+def equivalence_chances(
+    n: int, mean: float, sd: float, margin: float, alpha: float = EQUIVALENCE_ALPHA
+) -> tuple[float, float]:
     """(P("same"), P("changed")): how often `equivalence` answers each for n paired differences drawn from a normal
     distribution of this mean and SD, exactly up to quadrature: the sample mean and SD are independent, the SD
     (as u = s / sd) has the chi density of n - 1 degrees of freedom, and for each u the interval mean +- t s / sqrt n
@@ -331,11 +372,16 @@ def _chance(n: int, mean: float, sd: float, margin: float, alpha: float, answer:
         if weight < 1e-14:
             continue
         if answer == "same":  # P(-margin + half < mean-hat < margin - half)
-            inside = (math.erfc(-(margin - half - mean) / se / root2) - math.erfc(-(-margin + half - mean) / se / root2)) / 2
+            inside = (
+                math.erfc(-(margin - half - mean) / se / root2) - math.erfc(-(-margin + half - mean) / se / root2)
+            ) / 2
             total += weight * max(0.0, inside)
         else:  # P(mean-hat > margin + half) + P(mean-hat < -margin - half)
-            total += weight * (math.erfc((margin + half - mean) / se / root2)
-                               + math.erfc((margin + half + mean) / se / root2)) / 2
+            total += (
+                weight
+                * (math.erfc((margin + half - mean) / se / root2) + math.erfc((margin + half + mean) / se / root2))
+                / 2
+            )
     return min(1.0, total)
 
 
@@ -350,14 +396,23 @@ def _chi_grid(k: int, intervals: int = 240) -> tuple[tuple[float, float], ...]:
     step, grid = (high - low) / intervals, []
     for i in range(intervals + 1):
         u = low + i * step
-        density = (math.exp(log_scale) if k == 1 else 0.0) if u <= 0 else \
-            math.exp(log_scale + (k - 1) * math.log(u) - k * u * u / 2)
+        density = (
+            (math.exp(log_scale) if k == 1 else 0.0)
+            if u <= 0
+            else math.exp(log_scale + (k - 1) * math.log(u) - k * u * u / 2)
+        )
         grid.append((u, (1 if i in (0, intervals) else 4 if i % 2 else 2) * step / 3 * density))
     return tuple(grid)
 
 
-def pairs_to_show(mean: float, sd: float, margin: float, alpha: float = EQUIVALENCE_ALPHA,
-                  power: float = EQUIVALENCE_POWER, most: int = 1000) -> int | None:
+def pairs_to_show(
+    mean: float,
+    sd: float,
+    margin: float,
+    alpha: float = EQUIVALENCE_ALPHA,
+    power: float = EQUIVALENCE_POWER,
+    most: int = 1000,
+) -> int | None:
     """The fewest pairs that show a true difference `mean` (with this SD) "same" (|mean| < margin) or "changed"
     (|mean| > margin) with probability `power`, by the exact chances (`equivalence_chances`); None where
     |mean| = margin or more than `most` would be needed.
@@ -412,8 +467,10 @@ def spread(values: list[float]) -> dict:
 def ratio_text(comparison: dict) -> str:
     """'1.0037 (0.9940-1.0160, 5 pairs, p 0.69)': the median pair ratio with its range and the test's p."""
     p = comparison.get("p_value")
-    return (f"{comparison['median_ratio']:.4f} ({comparison['min_ratio']:.4f}-{comparison['max_ratio']:.4f}, "
-            f"{comparison['pairs']} pairs" + (f", p {p:.2g}" if p is not None else "") + ")")
+    return (
+        f"{comparison['median_ratio']:.4f} ({comparison['min_ratio']:.4f}-{comparison['max_ratio']:.4f}, "
+        f"{comparison['pairs']} pairs" + (f", p {p:.2g}" if p is not None else "") + ")"
+    )
 
 
 def describe(comparison: dict) -> str:

@@ -70,8 +70,12 @@ def fit_allocator(points: list[tuple[float, float]]) -> dict:
     else:
         factor, constant = 0.0, float(ys.mean()) if len(points) else 0.0
     residuals = ys - (factor * xs + constant)
-    return {"factor": float(factor), "constant_bytes": float(constant), "runs": len(points),
-            "residual_bytes": float(np.abs(residuals).max()) if len(points) else None}
+    return {
+        "factor": float(factor),
+        "constant_bytes": float(constant),
+        "runs": len(points),
+        "residual_bytes": float(np.abs(residuals).max()) if len(points) else None,
+    }
 
 
 # ---------------------------------------------------------------- the runs it is fitted on
@@ -87,8 +91,20 @@ CALIBRATION_SHAPES = {
     "tiny-bs64": ("cpu", ["--model", "embedded:tiny-bert", "--per-device-batch-size", "64"]),
     "ddp-bs8": ("ddp", ["--per-device-batch-size", "8"]),
 }
-CALIBRATION_ARGS = ["--max-train-samples", "1000", "--max-eval-samples", "96", "--max-test-samples", "96",
-                    "--max-steps", "10", "--log-every", "10", "--report-to", "none"]
+CALIBRATION_ARGS = [
+    "--max-train-samples",
+    "1000",
+    "--max-eval-samples",
+    "96",
+    "--max-test-samples",
+    "96",
+    "--max-steps",
+    "10",
+    "--log-every",
+    "10",
+    "--report-to",
+    "none",
+]
 
 
 def allocator_point(record: dict) -> tuple[float, float] | None:
@@ -117,11 +133,16 @@ def time_point(record: dict) -> dict | None:
     if block is None or not view.step_s or block["time"].get("calibration") or view.world_size > 1:
         return None
     timing = block["time"]
-    return {"step_s": view.step_s, "step_residual_s": view.step_s - timing["step_s"],
-            "step_operator_s": timing["kinds_s"]["operator"],
-            "step_dispatches": timing["dispatches"]["step"],
-            "evaluation_residual_s": view.eval_s - timing["evaluation_s"], "evaluation_passes": timing["evaluation_passes"],
-            "evaluation_operator_s": timing["evaluation_operator_s"], "evaluation_dispatches": timing["dispatches"]["evaluation"]}
+    return {
+        "step_s": view.step_s,
+        "step_residual_s": view.step_s - timing["step_s"],
+        "step_operator_s": timing["kinds_s"]["operator"],
+        "step_dispatches": timing["dispatches"]["step"],
+        "evaluation_residual_s": view.eval_s - timing["evaluation_s"],
+        "evaluation_passes": timing["evaluation_passes"],
+        "evaluation_operator_s": timing["evaluation_operator_s"],
+        "evaluation_dispatches": timing["dispatches"]["evaluation"],
+    }
 
 
 def _bounded_least_squares(columns: np.ndarray, target: np.ndarray, lower: list, upper: list) -> np.ndarray:
@@ -134,7 +155,11 @@ def _bounded_least_squares(columns: np.ndarray, target: np.ndarray, lower: list,
         if any(h is not None and not math.isfinite(h) for h in held):
             continue
         if free:
-            rest = target - columns[:, [i for i in range(len(x)) if i not in free]] @ x[[i for i in range(len(x)) if i not in free]]
+            rest = (
+                target
+                - columns[:, [i for i in range(len(x)) if i not in free]]
+                @ x[[i for i in range(len(x)) if i not in free]]
+            )
             x[free] = np.linalg.lstsq(columns[:, free], rest, rcond=None)[0]
         if all(lo - 1e-12 <= v <= hi + 1e-12 for v, lo, hi in zip(x, lower, upper)):
             cost = float(np.sum((columns @ x - target) ** 2))
@@ -159,19 +184,35 @@ def fit_time(points: list[dict]) -> dict:
     weights = np.array([1.0 / p["step_s"] for p in points], float)
     slope, dispatch, constant = (
         _bounded_least_squares(columns * weights[:, None], residual * weights, TIME_LOWER, TIME_UPPER)
-        if len(points) >= 3 else (0.0, 0.0, float(max(0.0, np.median(residual)))))
-    passes = [(p["evaluation_residual_s"] - dispatch * p["evaluation_dispatches"]) / p["evaluation_passes"]
-              for p in points if p["evaluation_passes"]]
+        if len(points) >= 3
+        else (0.0, 0.0, float(max(0.0, np.median(residual))))
+    )
+    passes = [
+        (p["evaluation_residual_s"] - dispatch * p["evaluation_dispatches"]) / p["evaluation_passes"]
+        for p in points
+        if p["evaluation_passes"]
+    ]
     fitted = columns @ np.array([slope, dispatch, constant])
-    bounds = {"operator_factor": (1 + slope, 1 + TIME_LOWER[0], 1 + TIME_UPPER[0]),
-              "dispatch_s": (dispatch, TIME_LOWER[1], TIME_UPPER[1]), "step_s": (constant, TIME_LOWER[2], TIME_UPPER[2])}
-    at_bound = [f"{name} at its {'lower' if math.isclose(value, low, abs_tol=1e-12) else 'upper'} bound "
-                f"{low if math.isclose(value, low, abs_tol=1e-12) else high:g}"
-                for name, (value, low, high) in bounds.items()
-                if len(points) >= 3 and (math.isclose(value, low, abs_tol=1e-12) or math.isclose(value, high, abs_tol=1e-12))]
-    return {"operator_factor": float(1 + slope), "dispatch_s": float(dispatch), "step_s": float(constant),
-            "evaluation_pass_s": float(max(0.0, statistics.median(passes))) if passes else 0.0, "runs": len(points),
-            "residual_s": float(np.abs(residual - fitted).max()) if len(points) else None, "at_bound": at_bound}
+    bounds = {
+        "operator_factor": (1 + slope, 1 + TIME_LOWER[0], 1 + TIME_UPPER[0]),
+        "dispatch_s": (dispatch, TIME_LOWER[1], TIME_UPPER[1]),
+        "step_s": (constant, TIME_LOWER[2], TIME_UPPER[2]),
+    }
+    at_bound = [
+        f"{name} at its {'lower' if math.isclose(value, low, abs_tol=1e-12) else 'upper'} bound "
+        f"{low if math.isclose(value, low, abs_tol=1e-12) else high:g}"
+        for name, (value, low, high) in bounds.items()
+        if len(points) >= 3 and (math.isclose(value, low, abs_tol=1e-12) or math.isclose(value, high, abs_tol=1e-12))
+    ]
+    return {
+        "operator_factor": float(1 + slope),
+        "dispatch_s": float(dispatch),
+        "step_s": float(constant),
+        "evaluation_pass_s": float(max(0.0, statistics.median(passes))) if passes else 0.0,
+        "runs": len(points),
+        "residual_s": float(np.abs(residual - fitted).max()) if len(points) else None,
+        "at_bound": at_bound,
+    }
 
 
 def fit(records: dict, method: str, seconds: float) -> dict:
@@ -184,11 +225,19 @@ def fit(records: dict, method: str, seconds: float) -> dict:
         if point is not None:
             points[name] = point
     device = torch.device(next(iter(records.values()))["environment"]["device"].split(":")[0])
-    return {"key": calibration_key(device), "measured": now_iso(), "method": method, "seconds": seconds,
-            "shapes": list(records), "allocator": {**fit_allocator(list(points.values())), "calibrated": True}
-            if points else None, "time": fit_time(list(timings.values())) if timings else None,
-            "points": {"allocator": {k: [v[0] / GIB, v[1] / GIB] for k, v in points.items()},
-                       "time": {k: v["step_residual_s"] / v["step_s"] for k, v in timings.items()}}}
+    return {
+        "key": calibration_key(device),
+        "measured": now_iso(),
+        "method": method,
+        "seconds": seconds,
+        "shapes": list(records),
+        "allocator": {**fit_allocator(list(points.values())), "calibrated": True} if points else None,
+        "time": fit_time(list(timings.values())) if timings else None,
+        "points": {
+            "allocator": {k: [v[0] / GIB, v[1] / GIB] for k, v in points.items()},
+            "time": {k: v["step_residual_s"] / v["step_s"] for k, v in timings.items()},
+        },
+    }
 
 
 def _uncalibrated_env(extra: dict | None = None) -> dict:
@@ -216,17 +265,22 @@ def calibrate(runs: Path, train_args: list[str]) -> dict:
         if not plan.runnable:
             print(f"skipped {name}: {plan.reason}", flush=True)
             continue
-        result = launching.run_training([*CALIBRATION_ARGS, *flags, *train_args, "--output-dir", str(runs),
-                                         "--run-name", name, "--overwrite"], config=config,
-                                        env=launching.training_env(plan.on_cpu, {SWITCH_ENV: "off"}))
+        result = launching.run_training(
+            [*CALIBRATION_ARGS, *flags, *train_args, "--output-dir", str(runs), "--run-name", name, "--overwrite"],
+            config=config,
+            env=launching.training_env(plan.on_cpu, {SWITCH_ENV: "off"}),
+        )
         if result.returncode != 0:
             raise RuntimeError(f"calibration run {name} failed: {launching.failure_reason(result)}")
         records[name] = read_record(runs / name)
         _say(name, records[name])
     if not records:
         raise RuntimeError("no calibration shape can run here")
-    fitted = fit(records, f"full: {len(records)} train.py runs (python -m trainscope.predict --calibrate)",
-                 time.perf_counter() - started)
+    fitted = fit(
+        records,
+        f"full: {len(records)} train.py runs (python -m trainscope.predict --calibrate)",
+        time.perf_counter() - started,
+    )
     write_json_atomic(calibration_path(_device_of(records)), fitted)
     return fitted
 
@@ -238,8 +292,11 @@ def _device_of(records: dict) -> torch.device:
 def _say(name: str, record: dict) -> None:
     timing, point = time_point(record), allocator_point(record)
     if point is not None:
-        step = (f"step {timing['step_residual_s']:+.4f} s off" if timing else
-                "step time not fitted (several processes: the framework's time is fitted on one)")
+        step = (
+            f"step {timing['step_residual_s']:+.4f} s off"
+            if timing
+            else "step time not fitted (several processes: the framework's time is fitted on one)"
+        )
         print(f"{name}: live {point[0] / GIB:.3f} GiB, beyond the tensors {point[1] / GIB:.3f} GiB; {step}", flush=True)
 
 
@@ -254,9 +311,24 @@ QUICK_SHAPES = {
     "bs24": ["--per-device-batch-size", "24"],
     "bs16-ckpt": ["--per-device-batch-size", "16", "--gradient-checkpointing"],
 }
-QUICK_ARGS = ["--max-train-samples", "400", "--max-eval-samples", "32", "--max-test-samples", "32",
-              "--max-steps", "5", "--log-every", "5", "--timing-warmup-steps", "2", "--report-to", "none",
-              "--threads", "auto"]
+QUICK_ARGS = [
+    "--max-train-samples",
+    "400",
+    "--max-eval-samples",
+    "32",
+    "--max-test-samples",
+    "32",
+    "--max-steps",
+    "5",
+    "--log-every",
+    "5",
+    "--timing-warmup-steps",
+    "2",
+    "--report-to",
+    "none",
+    "--threads",
+    "auto",
+]
 
 
 def _lock(path: Path):
@@ -275,6 +347,7 @@ def _lock(path: Path):
                 yield
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
     return held()
 
 
@@ -297,8 +370,10 @@ def ensure(device: torch.device, budget_s: float | None = None, shapes: dict | N
         except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as error:
             from trainscope.errors import one_line
 
-            failed = {"error": f"the first-use calibration failed ({one_line(error)}); make predict-calibrate makes it",
-                      "at": time.time()}
+            failed = {
+                "error": f"the first-use calibration failed ({one_line(error)}); make predict-calibrate makes it",
+                "at": time.time(),
+            }
             write_json_atomic(_failure_path(device), failed)
             return failed
 
@@ -328,20 +403,36 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
     shapes = QUICK_SHAPES if shapes is None else shapes
     budget_s = budget_s or FIRST_USE_BUDGET_S
     started = time.perf_counter()
-    print(f"calibrating the predictor on this machine (first use, at most {budget_s:.0f} s; cached)", file=sys.stderr,
-          flush=True)
+    print(
+        f"calibrating the predictor on this machine (first use, at most {budget_s:.0f} s; cached)",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="trainscope-calibration-") as folder:
         runs = Path(folder)
         (runs / "shapes.json").write_text(json.dumps(shapes))
         deadline = time.time() + budget_s  # the worker starts no shape it would not finish by then
         command = [sys.executable, "-m", "trainscope.calibration", "--worker", str(runs), "--deadline", str(deadline)]
         env = _uncalibrated_env({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else None)
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "ACCELERATE_MIXED_PRECISION"):
+        for name in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "ACCELERATE_MIXED_PRECISION",
+        ):
             env.pop(name, None)  # the worker is one process of its own, in fp32, whatever launched this one
         try:
-            subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=max(1.0, deadline - time.time()), check=False)
+            subprocess.run(
+                command,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=max(1.0, deadline - time.time()),
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             pass  # killed at the budget: what finished in time is fitted
         records = {name: read_record(runs / name) for name in shapes if (runs / name / "record.json").exists()}
@@ -350,8 +441,12 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
         raise RuntimeError(f"the first-use calibration finished no run within {budget_s:.0f} s")
     seconds = time.perf_counter() - started
     left_out = [name for name in shapes if name not in records]
-    fitted = fit(records, f"first use: {len(records)} short run{'s' if len(records) > 1 else ''} in one process"
-                 + (f" ({', '.join(left_out)} left out: the {budget_s:.0f} s budget)" if left_out else ""), seconds)
+    fitted = fit(
+        records,
+        f"first use: {len(records)} short run{'s' if len(records) > 1 else ''} in one process"
+        + (f" ({', '.join(left_out)} left out: the {budget_s:.0f} s budget)" if left_out else ""),
+        seconds,
+    )
     write_json_atomic(calibration_path(_device_of(records)), fitted)
     _failure_path(device).unlink(missing_ok=True)
     print(f"calibrated in {seconds:.0f} s: {calibration_path(_device_of(records))}", file=sys.stderr, flush=True)
@@ -400,7 +495,8 @@ def main(argv=None) -> None:
         "factor on the non-matmul operators) -- from short train.py runs of six shapes, uncalibrated (a few minutes "
         "on 2 cores); the 2-process one also measures DDP's all-reduce. Flags after -- go to every run. Without it, a "
         "prediction on an uncalibrated machine calibrates it on first use (four shorter runs, at most a minute). "
-        "Predictions themselves: python train.py --predict [flags].")
+        "Predictions themselves: python train.py --predict [flags].",
+    )
     parser.add_argument("--calibrate", action="store_true", help="run the full calibration")
     parser.add_argument("--first-use", action="store_true", help="run the first-use calibration now (forgetting any)")
     parser.add_argument("--runs", default=None, help="keep the calibration runs here (default: a temporary folder)")
@@ -431,12 +527,16 @@ def summary_lines(fitted: dict) -> list[str]:
     allocator, timing = fitted.get("allocator"), fitted.get("time")
     lines = [f"calibration: {fitted.get('method', 'full')}, {fitted.get('seconds') or 0:.0f} s"]
     if allocator:
-        lines.append(f"allocator's share: {allocator['factor']:.3f} x live + {allocator['constant_bytes'] / GIB:.3f} GiB "
-                     f"over {allocator['runs']} runs (largest residual {allocator['residual_bytes'] / GIB:.3f} GiB)")
+        lines.append(
+            f"allocator's share: {allocator['factor']:.3f} x live + {allocator['constant_bytes'] / GIB:.3f} GiB "
+            f"over {allocator['runs']} runs (largest residual {allocator['residual_bytes'] / GIB:.3f} GiB)"
+        )
     if timing:
-        lines.append(f"the framework's own costs: operators x{timing['operator_factor']:.3f}, "
-                     f"{timing['dispatch_s'] * 1e6:.1f} us per operator dispatched, {timing['step_s'] * 1e3:.1f} ms per "
-                     f"step, {timing['evaluation_pass_s'] * 1e3:.1f} ms per evaluation pass over {timing['runs']} runs")
+        lines.append(
+            f"the framework's own costs: operators x{timing['operator_factor']:.3f}, "
+            f"{timing['dispatch_s'] * 1e6:.1f} us per operator dispatched, {timing['step_s'] * 1e3:.1f} ms per "
+            f"step, {timing['evaluation_pass_s'] * 1e3:.1f} ms per evaluation pass over {timing['runs']} runs"
+        )
         lines += [f"warning: {bound} (the fit wanted beyond it)" for bound in timing.get("at_bound") or []]
     return lines
 

@@ -30,47 +30,67 @@ KINDS = (EXACT, NUMERIC, TRAINING)  # the order make tune tries them in; a chang
 # 6e-8), room for another order of summation to compound over a run's steps while a change of one dropout draw
 # (1e-3 and more) stays far outside. Autocast: one unit of the half precision's rounding (bf16 2^-8, fp16 2^-11),
 # since the same operands can round to the other side once the fp32 weights differ in their last bits.
-ROUNDING_TOLERANCE = {"fp32": 2.0 ** -14, "tf32": 2.0 ** -11, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+ROUNDING_TOLERANCE = {"fp32": 2.0**-14, "tf32": 2.0**-11, "fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
 @dataclass(frozen=True)
 class Change:
-    flag: str                     # the train.py flag, or "config:<name>"
+    flag: str  # the train.py flag, or "config:<name>"
     kind: str
-    does: str                     # what it does to the result, in words
+    does: str  # what it does to the result, in words
 
 
-CATALOGUE = {change.flag: change for change in (
-    # ---- exact: the same samples, order and random draws
-    Change("--unpad", EXACT, "nothing: the token-wise layers run on the real tokens only, with the padded model's "
-           "dropout draws (rounding only)"),
-    Change("--eval-order", EXACT, "nothing: evaluation in length order, the same samples and metrics (rounding only)"),
-    Change("--eval-batch-size", EXACT, "nothing: evaluation in other batches (rounding only)"),
-    Change("--optimizer-implementation", EXACT, "nothing: the same update, up to rounding"),
-    Change("--compile", EXACT, "nothing: fused kernels with eager's random numbers (inductor's fallback_random; "
-           "rounding only)"),
-    Change("--num-workers", EXACT, "nothing: the same batches, loaded in worker processes"),
-    Change("--pin-memory", EXACT, "nothing: the same batches, in page-locked memory"),
-    Change("--persistent-workers", EXACT, "nothing: the same batches, the workers kept between epochs"),
-    Change("--prefetch-factor", EXACT, "nothing: the same batches, loaded further ahead"),
-    Change("--threads", EXACT, "nothing: the same operations over other threads (rounding only)"),
-    Change("--gradient-checkpointing", EXACT, "nothing: activations recomputed with the same random state "
-           "(rounding only)"),
-    Change("--ddp-bucket-cap-mb", EXACT, "nothing: the same gradients, all-reduced in other buckets (rounding only)"),
-    # ---- numeric: another rounding
-    Change("config:bf16", NUMERIC, "bf16 autocast rounding"),
-    Change("config:fp16", NUMERIC, "fp16 autocast rounding and loss scaling"),
-    Change("--tf32", NUMERIC, "TF32 matmuls (10-bit mantissas)"),
-    Change("--ddp-comm-hook", NUMERIC, "gradients rounded before the all-reduce"),
-    # ---- training: what is learned
-    Change("--hidden-dropout", TRAINING, "the hidden states' dropout: regularization"),
-    Change("--attention-dropout", TRAINING, "the attention weights' dropout: regularization"),
-    Change("--lora-dropout", TRAINING, "the LoRA branch's dropout: regularization"),
-    Change("--group-by-length", TRAINING, "the order of the training batches"),
-    Change("--per-device-batch-size", TRAINING, "the batches (their dropout draws; the effective batch unless "
-           "accumulation compensates)"),
-    Change("--gradient-accumulation-steps", TRAINING, "the effective batch and the optimizer's steps"),
-)}
+CATALOGUE = {
+    change.flag: change
+    for change in (
+        # ---- exact: the same samples, order and random draws
+        Change(
+            "--unpad",
+            EXACT,
+            "nothing: the token-wise layers run on the real tokens only, with the padded model's "
+            "dropout draws (rounding only)",
+        ),
+        Change(
+            "--eval-order", EXACT, "nothing: evaluation in length order, the same samples and metrics (rounding only)"
+        ),
+        Change("--eval-batch-size", EXACT, "nothing: evaluation in other batches (rounding only)"),
+        Change("--optimizer-implementation", EXACT, "nothing: the same update, up to rounding"),
+        Change(
+            "--compile",
+            EXACT,
+            "nothing: fused kernels with eager's random numbers (inductor's fallback_random; rounding only)",
+        ),
+        Change("--num-workers", EXACT, "nothing: the same batches, loaded in worker processes"),
+        Change("--pin-memory", EXACT, "nothing: the same batches, in page-locked memory"),
+        Change("--persistent-workers", EXACT, "nothing: the same batches, the workers kept between epochs"),
+        Change("--prefetch-factor", EXACT, "nothing: the same batches, loaded further ahead"),
+        Change("--threads", EXACT, "nothing: the same operations over other threads (rounding only)"),
+        Change(
+            "--gradient-checkpointing",
+            EXACT,
+            "nothing: activations recomputed with the same random state (rounding only)",
+        ),
+        Change(
+            "--ddp-bucket-cap-mb", EXACT, "nothing: the same gradients, all-reduced in other buckets (rounding only)"
+        ),
+        # ---- numeric: another rounding
+        Change("config:bf16", NUMERIC, "bf16 autocast rounding"),
+        Change("config:fp16", NUMERIC, "fp16 autocast rounding and loss scaling"),
+        Change("--tf32", NUMERIC, "TF32 matmuls (10-bit mantissas)"),
+        Change("--ddp-comm-hook", NUMERIC, "gradients rounded before the all-reduce"),
+        # ---- training: what is learned
+        Change("--hidden-dropout", TRAINING, "the hidden states' dropout: regularization"),
+        Change("--attention-dropout", TRAINING, "the attention weights' dropout: regularization"),
+        Change("--lora-dropout", TRAINING, "the LoRA branch's dropout: regularization"),
+        Change("--group-by-length", TRAINING, "the order of the training batches"),
+        Change(
+            "--per-device-batch-size",
+            TRAINING,
+            "the batches (their dropout draws; the effective batch unless accumulation compensates)",
+        ),
+        Change("--gradient-accumulation-steps", TRAINING, "the effective batch and the optimizer's steps"),
+    )
+}
 
 
 def _setting(flag: str) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from trainscope.errors import Fault, UserError, one_line
 
 KEEP_CHECKPOINTS = 2
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def loop_state_name(rank: int) -> str:
@@ -72,11 +72,15 @@ def save_failed(error: BaseException, directory: Path, needed: int) -> Fault:
         free = None
     if disk_full(error) or (free is not None and free < needed):
         have = f", {free / GIB:.2f} GiB free there" if free is not None else ""
-        return Fault(f"no space left on the disk of {folder} for checkpoint {directory.name}: it needs about "
-                     f"{needed / GIB:.2f} GiB{have}; free some space, point --output-dir at a larger disk or save "
-                     "less often (--save-every); the partial checkpoint was removed")
-    return Fault(f"checkpoint {directory.name} could not be written in {folder}: {one_line(error)}; the partial "
-                 "checkpoint was removed")
+        return Fault(
+            f"no space left on the disk of {folder} for checkpoint {directory.name}: it needs about "
+            f"{needed / GIB:.2f} GiB{have}; free some space, point --output-dir at a larger disk or save "
+            "less often (--save-every); the partial checkpoint was removed"
+        )
+    return Fault(
+        f"checkpoint {directory.name} could not be written in {folder}: {one_line(error)}; the partial "
+        "checkpoint was removed"
+    )
 
 
 def disk_full(error: BaseException) -> bool:
@@ -111,6 +115,7 @@ def state_bytes(accelerator) -> int:
 
 
 # ---------------------------------------------------------------- choosing one on --resume
+
 
 def problem(directory: Path) -> str | None:
     """Why a checkpoint folder cannot be resumed from (a part missing or unreadable), or None when it can."""
@@ -186,14 +191,14 @@ def choose(run_dir: Path, processes: int) -> tuple[Path, list[dict]]:
         skipped.append({"checkpoint": directory.name, "problem": trouble})
     else:
         reasons = "; ".join(f"{s['checkpoint']}: {s['problem']}" for s in skipped)
-        raise UserError(f"--resume: no usable checkpoint in {folder} ({reasons}); start the run again with "
-                        "--overwrite")
+        raise UserError(f"--resume: no usable checkpoint in {folder} ({reasons}); start the run again with --overwrite")
     written_by = world_size_of(directory)
     if written_by != processes:
         raise UserError(
             f"--resume: {directory.name} was written by {written_by} process{'es' * (written_by != 1)} and this launch "
             f"has {processes}: resume with {written_by} (the data order and the learning-rate schedule depend on the "
-            "number of processes), or start a new run")
+            "number of processes), or start a new run"
+        )
     return directory, skipped
 
 
@@ -212,7 +217,9 @@ def load(accelerator, directory: Path) -> dict:
         accelerator.load_state(str(directory))
         loop_state = json.loads((directory / loop_state_name(accelerator.process_index)).read_text())
     except Exception as error:  # a model or optimizer of another shape, a file that changed since the check
-        raise UserError(f"--resume: {directory.name} cannot be loaded into this run ({one_line(error)[:300]}): resume "
-                        "with the settings it was written with (--model, --lora, the config)") from None
+        raise UserError(
+            f"--resume: {directory.name} cannot be loaded into this run ({one_line(error)[:300]}): resume "
+            "with the settings it was written with (--model, --lora, the config)"
+        ) from None
     accelerator.print(f"resuming {Path(directory).parent.parent.name} from {directory.name}")
     return {**loop_state, "checkpoint": directory.name}

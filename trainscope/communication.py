@@ -156,8 +156,10 @@ def build(settings, accelerator, model, clock=None):
     if ddp is None or accelerator.num_processes < 2:
         return NoCommunication()
     if settings.ddp_comm_hook == "bf16" and accelerator.state.backend not in ("nccl", "xccl"):
-        raise UserError(f"--ddp-comm-hook bf16 needs NCCL (CUDA) or XCCL; {accelerator.state.backend} cannot "
-                        "all-reduce bf16: use fp16 or none")
+        raise UserError(
+            f"--ddp-comm-hook bf16 needs NCCL (CUDA) or XCCL; {accelerator.state.backend} cannot "
+            "all-reduce bf16: use fp16 or none"
+        )
     return Communication(settings, accelerator, ddp, settings.measure_communication != "off", clock)
 
 
@@ -262,10 +264,16 @@ class Communication:
     def settings_in_effect(self) -> dict:
         """The DDP settings read back from the wrapped model (what really reached DDP), with DDP's own name for its
         communication hook (None: the reducer's built-in all-reduce)."""
-        return {"bucket_cap_mb": self.ddp.bucket_bytes_cap / 2**20, "gradient_as_bucket_view": self.ddp.gradient_as_bucket_view,
-                "static_graph": self.ddp.static_graph, "find_unused_parameters": self.ddp.find_unused_parameters,
-                "comm_hook": self.kind, "comm_hook_in_ddp": (ddp_logging(self.ddp) or {}).get("comm_hook"),
-                "measure_communication": self.measure, "transfer_repetitions": self.repetitions if self.measure else 0}
+        return {
+            "bucket_cap_mb": self.ddp.bucket_bytes_cap / 2**20,
+            "gradient_as_bucket_view": self.ddp.gradient_as_bucket_view,
+            "static_graph": self.ddp.static_graph,
+            "find_unused_parameters": self.ddp.find_unused_parameters,
+            "comm_hook": self.kind,
+            "comm_hook_in_ddp": (ddp_logging(self.ddp) or {}).get("comm_hook"),
+            "measure_communication": self.measure,
+            "transfer_repetitions": self.repetitions if self.measure else 0,
+        }
 
     @contextlib.contextmanager
     def backward(self, synchronizing: bool):
@@ -298,8 +306,11 @@ class Communication:
             self.current = None
         self._resolve(block=False)
         self._read_ddp_logger()
-        if self.measure and self.layout is None and (getattr(self.ddp, "_has_rebuilt_buckets", False)
-                                                     or self.synchronized >= 3):
+        if (
+            self.measure
+            and self.layout is None
+            and (getattr(self.ddp, "_has_rebuilt_buckets", False) or self.synchronized >= 3)
+        ):
             with paused() if paused is not None else contextlib.nullcontext():
                 self.layout = self._read_buckets()
             self._watch_first_bucket()
@@ -335,8 +346,14 @@ class Communication:
             return
         data = ddp_logging(self.ddp)
         if data and data.get("iteration") == previous and data.get("comm_s"):
-            self.ddp_iterations.append({"iteration": previous, "exposed_s": data["comm_s"] - data["overlap_s"],
-                                        "comm_s": data["comm_s"], "overlap": data["overlap_s"] / data["comm_s"]})
+            self.ddp_iterations.append(
+                {
+                    "iteration": previous,
+                    "exposed_s": data["comm_s"] - data["overlap_s"],
+                    "comm_s": data["comm_s"],
+                    "overlap": data["overlap_s"] / data["comm_s"],
+                }
+            )
 
     def _read_buckets(self, buckets=None) -> list[dict]:
         """DDP's buckets in launch order: which parameters, how many elements of which size. The reducer lends them
@@ -345,8 +362,13 @@ class Communication:
         layout = []
         for bucket in buckets if buckets is not None else self.ddp.reducer._get_zeros_like_grad_buckets():
             buffer = bucket.buffer()
-            layout.append({"parameters": [index[id(p)] for p in bucket.parameters() if id(p) in index],
-                           "numel": buffer.numel(), "element_size": buffer.element_size()})
+            layout.append(
+                {
+                    "parameters": [index[id(p)] for p in bucket.parameters() if id(p) in index],
+                    "numel": buffer.numel(),
+                    "element_size": buffer.element_size(),
+                }
+            )
         return layout
 
     def barrier(self) -> None:
@@ -366,19 +388,32 @@ class Communication:
         self.layout = self._read_buckets(buckets)  # the final layout, whenever the buckets were rebuilt
         bucket_s, collective_s = [], [] if self.kind != "none" else None
         for bucket in buckets:
-            bucket_s.append([self._timed(lambda: self.ddp.reducer._run_comm_hook(bucket).wait())
-                             for _ in range(self.repetitions)])
+            bucket_s.append(
+                [self._timed(lambda: self.ddp.reducer._run_comm_hook(bucket).wait()) for _ in range(self.repetitions)]  # noqa: B023 (called at once)
+            )
             if collective_s is not None:
                 wire = torch.zeros(bucket.buffer().numel(), dtype=WIRE[self.kind], device=bucket.buffer().device)
-                collective_s.append([self._timed(lambda: torch.distributed.all_reduce(wire, group=self.ddp.process_group))
-                                     for _ in range(self.repetitions)])
+                collective_s.append(
+                    [
+                        self._timed(lambda: torch.distributed.all_reduce(wire, group=self.ddp.process_group))  # noqa: B023 (called at once)
+                        for _ in range(self.repetitions)
+                    ]
+                )
                 del wire
         del buckets
-        timed = ("each bucket through DDP's built-in all-reduce" if self.kind == "none" else
-                 f"each bucket through the {self.kind} compression hook (compress, all-reduce, decompress); the bus "
-                 f"bandwidth from the bare all-reduce of the same elements in {self.kind}")
-        return {"bucket_s": bucket_s, "collective_s": collective_s, "repetitions": self.repetitions, "timed": timed,
-                "measurement_s": time.perf_counter() - started}
+        timed = (
+            "each bucket through DDP's built-in all-reduce"
+            if self.kind == "none"
+            else f"each bucket through the {self.kind} compression hook (compress, all-reduce, decompress); the bus "
+            f"bandwidth from the bare all-reduce of the same elements in {self.kind}"
+        )
+        return {
+            "bucket_s": bucket_s,
+            "collective_s": collective_s,
+            "repetitions": self.repetitions,
+            "timed": timed,
+            "measurement_s": time.perf_counter() - started,
+        }
 
     def rank_summary(self, counts: dict, trace: dict | None = None, final: bool = False) -> dict:
         """This rank's measurements; `counts` are the loop's {phase: {optimizer_steps, micro_batches}}. `final`: the
@@ -386,13 +421,32 @@ class Communication:
         self._resolve(block=True)
         transfer = self.time_transfer() if final and self.measure else None
         wire = WIRE[self.kind].itemsize if self.kind in WIRE else None
-        buckets = [{"numel": b["numel"], "bytes": b["numel"] * (wire or b["element_size"]),
-                    "parameters": len(b["parameters"])} for b in self.layout] if self.layout else None
-        return {"method": METHOD, "measured": self.measure, "clock": self.clock_name, "comm_hook": self.kind,
-                "gradient_bytes": self.gradient_bytes, "buckets": buckets,
-                "optimizer_steps": sum(c["optimizer_steps"] for c in counts.values()),
-                "micro_batches": sum(c["micro_batches"] for c in counts.values()),
-                "steps": self.steps, "ddp_iterations": self.ddp_iterations, "transfer": transfer, "trace": trace}
+        buckets = (
+            [
+                {
+                    "numel": b["numel"],
+                    "bytes": b["numel"] * (wire or b["element_size"]),
+                    "parameters": len(b["parameters"]),
+                }
+                for b in self.layout
+            ]
+            if self.layout
+            else None
+        )
+        return {
+            "method": METHOD,
+            "measured": self.measure,
+            "clock": self.clock_name,
+            "comm_hook": self.kind,
+            "gradient_bytes": self.gradient_bytes,
+            "buckets": buckets,
+            "optimizer_steps": sum(c["optimizer_steps"] for c in counts.values()),
+            "micro_batches": sum(c["micro_batches"] for c in counts.values()),
+            "steps": self.steps,
+            "ddp_iterations": self.ddp_iterations,
+            "transfer": transfer,
+            "trace": trace,
+        }
 
 
 def time_collective(collective, barrier, synchronize, clock=None, iterations: int = TRANSFER_ITERATIONS) -> float:
@@ -421,8 +475,12 @@ def ddp_logging(ddp) -> dict | None:
         data = ddp._get_ddp_logging_data()
     except (AttributeError, RuntimeError):
         return None
-    keys = {"backward_comm_time": "comm_s", "backward_compute_comm_overlap_time": "overlap_s",
-            "backward_compute_time": "backward_compute_s", "forward_compute_time": "forward_compute_s"}
+    keys = {
+        "backward_comm_time": "comm_s",
+        "backward_compute_comm_overlap_time": "overlap_s",
+        "backward_compute_time": "backward_compute_s",
+        "forward_compute_time": "forward_compute_s",
+    }
     facts = {ours: data[theirs] / 1e9 for theirs, ours in keys.items() if theirs in data}
     facts["iteration"] = data.get("iteration")
     facts["comm_hook"] = data.get("comm_hook") or None
@@ -460,8 +518,13 @@ def agreement(differences: list[float], tolerance: float) -> dict:
         verdict = "disagree"
     else:
         verdict = "undecided"
-    return {"pairs": len(differences), "median_difference": statistics.median(differences) if differences else None,
-            "interval": list(interval) if interval else None, "tolerance": tolerance, "verdict": verdict}
+    return {
+        "pairs": len(differences),
+        "median_difference": statistics.median(differences) if differences else None,
+        "interval": list(interval) if interval else None,
+        "tolerance": tolerance,
+        "verdict": verdict,
+    }
 
 
 def time_tolerance(quantity: float, clock: str = "host") -> float:
@@ -475,7 +538,11 @@ def same_events_tolerance(clock: str = "host") -> float:
 
 
 def spread_of(values: list[float]) -> dict | None:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)} if values else None
+    return (
+        {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+        if values
+        else None
+    )
 
 
 # ---------------------------------------------------------------- across ranks (pure)
@@ -489,14 +556,25 @@ def combine(per_rank: list[dict], throughput: dict) -> dict | None:
     ids = [r["rank"] for r in per_rank]
     world, first = len(ranks), ranks[0]
     step_s = throughput.get("step_s") or None
-    block = {"method": METHOD, "world_size": world, "clock": first["clock"], "comm_hook": first["comm_hook"],
-             **layout_figures(first, world), **transfer_figures(ranks, first, world)}
+    block = {
+        "method": METHOD,
+        "world_size": world,
+        "clock": first["clock"],
+        "comm_hook": first["comm_hook"],
+        **layout_figures(first, world),
+        **transfer_figures(ranks, first, world),
+    }
     rows = step_rows(ids, ranks)
     block.update({**ddp_figures(ids, ranks), **trace_figures(ids, ranks)})
     if not first["measured"] or not rows:
         block["agreement"] = {}
-        return {"measured": False, "reason": ("--measure-communication off" if not first["measured"] else
-                                              "no steady step measured on every rank"), **block}
+        return {
+            "measured": False,
+            "reason": (
+                "--measure-communication off" if not first["measured"] else "no steady step measured on every rank"
+            ),
+            **block,
+        }
     exposures = [row["exposed_s"] for row in rows]
     exposed = statistics.median(exposures)
     interval = median_interval(exposures)
@@ -505,14 +583,24 @@ def combine(per_rank: list[dict], throughput: dict) -> dict | None:
     windows = [row["window_s"] for row in rows if row["window_s"] is not None]
     transfer = block.get("transfer_s")
     hidden = hidden_share(exposed, interval, transfer)
-    block.update({
-        "measured": True, "steps": len(rows), "unmeasured_steps": unmeasured(ranks),
-        "exposed_s": exposed, "exposed_interval": list(interval) if interval else None, "exposed_resolved": clear,
-        "exposed_spread": spread_of(exposures), "exposed_share": exposed / step_s if clear and step_s else None,
-        "overlap": statistics.median(overlaps) if overlaps else None, "overlap_spread": spread_of(overlaps),
-        "window_s": statistics.median(windows) if windows else None, "hidden_share": hidden,
-        "per_rank": rank_rows(ids, ranks, rows), "stragglers": stragglers(ids, rows, step_s),
-    })
+    block.update(
+        {
+            "measured": True,
+            "steps": len(rows),
+            "unmeasured_steps": unmeasured(ranks),
+            "exposed_s": exposed,
+            "exposed_interval": list(interval) if interval else None,
+            "exposed_resolved": clear,
+            "exposed_spread": spread_of(exposures),
+            "exposed_share": exposed / step_s if clear and step_s else None,
+            "overlap": statistics.median(overlaps) if overlaps else None,
+            "overlap_spread": spread_of(overlaps),
+            "window_s": statistics.median(windows) if windows else None,
+            "hidden_share": hidden,
+            "per_rank": rank_rows(ids, ranks, rows),
+            "stragglers": stragglers(ids, rows, step_s),
+        }
+    )
     block["slowest_rank"] = max(block["per_rank"], key=lambda r: r["exposed_s"])["rank"]
     block["agreement"] = {"ddp": ddp_agreement(ids, ranks), "trace": trace_agreement(ids, ranks)}
     return block
@@ -536,8 +624,16 @@ def step_rows(ids: list[int], ranks: list[dict]) -> list[dict]:
         entries = [s[step] for s in per_rank]
         carrier = min(range(len(entries)), key=lambda i: entries[i]["exposed_s"])
         least = entries[carrier]["exposed_s"]
-        rows.append({"step": step, "exposed_s": least, "carrier": ids[carrier], "window_s": entries[carrier]["window_s"],
-                     "overlap": entries[carrier]["overlap"], "waits": [e["exposed_s"] - least for e in entries]})
+        rows.append(
+            {
+                "step": step,
+                "exposed_s": least,
+                "carrier": ids[carrier],
+                "window_s": entries[carrier]["window_s"],
+                "overlap": entries[carrier]["overlap"],
+                "waits": [e["exposed_s"] - least for e in entries],
+            }
+        )
     return rows
 
 
@@ -548,10 +644,17 @@ def rank_rows(ids: list[int], ranks: list[dict], rows: list[dict]) -> list[dict]
     for index, (rank, measured) in enumerate(zip(ids, ranks)):
         own = [e["exposed_s"] for e in measured_steps(measured).values()]
         overlaps = [e["overlap"] for e in measured_steps(measured).values() if e["overlap"] is not None]
-        out.append({"rank": rank, "exposed_s": statistics.median(own), "exposed_min": min(own), "exposed_max": max(own),
-                    "steps": len(own),
-                    "wait_s": statistics.median(row["waits"][index] for row in rows),
-                    "overlap": statistics.median(overlaps) if overlaps else None})
+        out.append(
+            {
+                "rank": rank,
+                "exposed_s": statistics.median(own),
+                "exposed_min": min(own),
+                "exposed_max": max(own),
+                "steps": len(own),
+                "wait_s": statistics.median(row["waits"][index] for row in rows),
+                "overlap": statistics.median(overlaps) if overlaps else None,
+            }
+        )
     return out
 
 
@@ -563,8 +666,9 @@ def stragglers(ids: list[int], rows: list[dict], step_s: float | None) -> list[d
         carried = [row for row in rows if row["carrier"] == rank]
         if 2 * len(carried) <= len(rows) or not step_s:
             continue
-        excess = statistics.median(statistics.median(w for i, w in enumerate(row["waits"]) if i != index)
-                                   for row in carried)
+        excess = statistics.median(
+            statistics.median(w for i, w in enumerate(row["waits"]) if i != index) for row in carried
+        )
         if excess > STRAGGLER_SHARE * step_s:
             found.append({"rank": rank, "excess_s": excess, "steps_last": len(carried)})
     return found
@@ -575,19 +679,30 @@ def layout_figures(rank: dict, world: int) -> dict:
     buckets = rank.get("buckets")
     steps, micro = rank.get("optimizer_steps") or 0, rank.get("micro_batches") or 0
     if not buckets:
-        return {"gradient_bytes": rank["gradient_bytes"], "buckets": None, "allreduces_per_optimizer_step": None,
-                "allreduces_per_micro_batch": None, "allreduce_bytes_per_step": None}
-    return {"gradient_bytes": rank["gradient_bytes"], "buckets": len(buckets),
-            "bucket_bytes": [b["bytes"] for b in buckets], "allreduces_per_optimizer_step": float(len(buckets)),
-            "allreduces_per_micro_batch": len(buckets) * steps / micro if micro else None,
-            "allreduce_bytes_per_step": float(sum(b["bytes"] for b in buckets))}
+        return {
+            "gradient_bytes": rank["gradient_bytes"],
+            "buckets": None,
+            "allreduces_per_optimizer_step": None,
+            "allreduces_per_micro_batch": None,
+            "allreduce_bytes_per_step": None,
+        }
+    return {
+        "gradient_bytes": rank["gradient_bytes"],
+        "buckets": len(buckets),
+        "bucket_bytes": [b["bytes"] for b in buckets],
+        "allreduces_per_optimizer_step": float(len(buckets)),
+        "allreduces_per_micro_batch": len(buckets) * steps / micro if micro else None,
+        "allreduce_bytes_per_step": float(sum(b["bytes"] for b in buckets)),
+    }
 
 
 def shortest_then_median(per_rank: list[list[list[float]]]) -> list[float]:
     """Per bucket: per repetition the shortest across ranks (the last to arrive saw the collective alone), then
     the median over repetitions."""
-    return [statistics.median(min(rank[b][r] for rank in per_rank) for r in range(len(per_rank[0][b])))
-            for b in range(len(per_rank[0]))]
+    return [
+        statistics.median(min(rank[b][r] for rank in per_rank) for r in range(len(per_rank[0][b])))
+        for b in range(len(per_rank[0]))
+    ]
 
 
 def transfer_figures(ranks: list[dict], first: dict, world: int) -> dict:
@@ -599,10 +714,15 @@ def transfer_figures(ranks: list[dict], first: dict, world: int) -> dict:
     transfer = sum(buckets)
     size = sum(b["bytes"] for b in first["buckets"]) if first.get("buckets") else None
     seconds = sum(collective) if collective else transfer
-    return {"transfer_s": transfer, "transfer_bucket_s": buckets, "collective_s": seconds,
-            "transfer_timed": timed[0]["timed"], "transfer_repetitions": timed[0]["repetitions"],
-            "bus_bandwidth_gbs": bus_bandwidth_gbs(size, world, seconds) if size else None,
-            "measurement_s": max(t["measurement_s"] for t in timed)}
+    return {
+        "transfer_s": transfer,
+        "transfer_bucket_s": buckets,
+        "collective_s": seconds,
+        "transfer_timed": timed[0]["timed"],
+        "transfer_repetitions": timed[0]["repetitions"],
+        "bus_bandwidth_gbs": bus_bandwidth_gbs(size, world, seconds) if size else None,
+        "measurement_s": max(t["measurement_s"] for t in timed),
+    }
 
 
 def by_iteration(rank: dict) -> dict:
@@ -618,10 +738,13 @@ def ddp_figures(ids: list[int], ranks: list[dict]) -> dict:
     if not steady:
         return {"ddp_exposed_s": None, "ddp_iterations": []}
     least = [min((by_iteration(r)[i] for r in ranks), key=lambda d: d["exposed_s"]) for i in steady]
-    return {"ddp_exposed_s": statistics.median(d["exposed_s"] for d in least),
-            "ddp_exposed_spread": spread_of([d["exposed_s"] for d in least]),
-            "ddp_comm_s": statistics.median(d["comm_s"] for d in least),
-            "ddp_overlap": statistics.median(d["overlap"] for d in least), "ddp_iterations": steady}
+    return {
+        "ddp_exposed_s": statistics.median(d["exposed_s"] for d in least),
+        "ddp_exposed_spread": spread_of([d["exposed_s"] for d in least]),
+        "ddp_comm_s": statistics.median(d["comm_s"] for d in least),
+        "ddp_overlap": statistics.median(d["overlap"] for d in least),
+        "ddp_iterations": steady,
+    }
 
 
 def ddp_agreement(ids: list[int], ranks: list[dict]) -> dict:
@@ -633,15 +756,23 @@ def ddp_agreement(ids: list[int], ranks: list[dict]) -> dict:
     paired = sorted(set.intersection(*(set(o) & set(t) for o, t in zip(ours, theirs))))
     if not paired:
         return {"pairs": 0, "verdict": "undecided", "iterations": []}
-    differences = [statistics.median(o[i]["exposed_s"] - t[i]["exposed_s"] for o, t in zip(ours, theirs)) for i in paired]
+    differences = [
+        statistics.median(o[i]["exposed_s"] - t[i]["exposed_s"] for o, t in zip(ours, theirs)) for i in paired
+    ]
     # DDP's exposure (least over ranks: the others' excess is wait, not communication), beside the verdict
     quantity = statistics.median(min(t[i]["exposed_s"] for t in theirs) for i in paired)
-    result = {**agreement(differences, same_events_tolerance(ranks[0].get("clock", "host"))), "iterations": paired,
-              "ddp_exposed_s": quantity, "instrument": "the same reducer events: an implementation check"}
+    result = {
+        **agreement(differences, same_events_tolerance(ranks[0].get("clock", "host"))),
+        "iterations": paired,
+        "ddp_exposed_s": quantity,
+        "instrument": "the same reducer events: an implementation check",
+    }
     windows = [i for i in paired if all(o[i]["overlap"] is not None for o in ours)]
     if windows:
-        result["overlap"] = agreement([statistics.median(o[i]["overlap"] - t[i]["overlap"] for o, t in zip(ours, theirs))
-                                       for i in windows], OVERLAP_TOLERANCE)
+        result["overlap"] = agreement(
+            [statistics.median(o[i]["overlap"] - t[i]["overlap"] for o, t in zip(ours, theirs)) for i in windows],
+            OVERLAP_TOLERANCE,
+        )
     return result
 
 
@@ -651,8 +782,13 @@ def trace_steps(trace: dict) -> dict:
     if not first or not last or spans % (last - first + 1):
         return {}
     per_step = spans // (last - first + 1)
-    return {first + i: {"exposed_s": trace["exposed_s"][(i + 1) * per_step - 1],
-                        "allreduce_s": trace["allreduce_s"][(i + 1) * per_step - 1]} for i in range(last - first + 1)}
+    return {
+        first + i: {
+            "exposed_s": trace["exposed_s"][(i + 1) * per_step - 1],
+            "allreduce_s": trace["allreduce_s"][(i + 1) * per_step - 1],
+        }
+        for i in range(last - first + 1)
+    }
 
 
 def trace_figures(ids: list[int], ranks: list[dict]) -> dict:
@@ -661,12 +797,16 @@ def trace_figures(ids: list[int], ranks: list[dict]) -> dict:
     ranks; medians over the traced steps."""
     traces = [trace_steps(r["trace"]) if r.get("trace") else {} for r in ranks]
     common = sorted(set.intersection(*(set(t) for t in traces))) if all(traces) else []
-    exposed = [min(t[s]["exposed_s"] for t in traces) for s in common if all(t[s]["exposed_s"] is not None for t in traces)]
+    exposed = [
+        min(t[s]["exposed_s"] for t in traces) for s in common if all(t[s]["exposed_s"] is not None for t in traces)
+    ]
     if not common:
         return {}
-    return {"trace_exposed_s": statistics.median(exposed) if exposed else None,
-            "trace_allreduce_s": statistics.median(statistics.median(t[s]["allreduce_s"] for t in traces) for s in common),
-            "trace_steps": common}
+    return {
+        "trace_exposed_s": statistics.median(exposed) if exposed else None,
+        "trace_allreduce_s": statistics.median(statistics.median(t[s]["allreduce_s"] for t in traces) for s in common),
+        "trace_steps": common,
+    }
 
 
 def trace_agreement(ids: list[int], ranks: list[dict]) -> dict | None:
@@ -675,11 +815,16 @@ def trace_agreement(ids: list[int], ranks: list[dict]) -> dict | None:
     if not all(traces):
         return None
     ours = [{e["step"]: e for e in r["steps"] if e.get("exposed_s") is not None} for r in ranks]
-    paired = sorted(s for s in set.intersection(*(set(t) for t in traces))
-                    if all(s in o and t[s]["exposed_s"] is not None for o, t in zip(ours, traces)))
+    paired = sorted(
+        s
+        for s in set.intersection(*(set(t) for t in traces))
+        if all(s in o and t[s]["exposed_s"] is not None for o, t in zip(ours, traces))
+    )
     if not paired:
         return {"pairs": 0, "verdict": "undecided", "steps": []}
-    differences = [statistics.median(t[s]["exposed_s"] - o[s]["exposed_s"] for o, t in zip(ours, traces)) for s in paired]
+    differences = [
+        statistics.median(t[s]["exposed_s"] - o[s]["exposed_s"] for o, t in zip(ours, traces)) for s in paired
+    ]
     quantity = statistics.median(min(o[s]["exposed_s"] for o in ours) for s in paired)
     return {**agreement(differences, time_tolerance(quantity, ranks[0].get("clock", "host"))), "steps": paired}
 
@@ -708,8 +853,12 @@ def from_trace(events) -> dict | None:
     if kernels:
         return _from_device_kernels(spans, events, kernels)
     autograd = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
-    collectives = [e for e in events if e.name.startswith(("gloo:all_reduce", "nccl:all_reduce"))
-                   or ("nccl" in e.name.lower() and "allreduce" in e.name.lower().replace("_", ""))]
+    collectives = [
+        e
+        for e in events
+        if e.name.startswith(("gloo:all_reduce", "nccl:all_reduce"))
+        or ("nccl" in e.name.lower() and "allreduce" in e.name.lower().replace("_", ""))
+    ]
     exposed, allreduce, unphysical = [], [], 0
     for span in spans:
         start, end = span.time_range.start, span.time_range.end
@@ -718,10 +867,21 @@ def from_trace(events) -> dict | None:
         if waited is not None and waited < 0:
             waited, unphysical = None, unphysical + 1
         exposed.append(waited)
-        allreduce.append(sum(min(e.time_range.end, end) - max(e.time_range.start, start) for e in collectives
-                             if e.time_range.start < end and e.time_range.end > start) / 1e6)
-    return {"spans": len(spans), "exposed_s": exposed, "allreduce_s": allreduce, "basis": "host",
-            "unphysical": unphysical}
+        allreduce.append(
+            sum(
+                min(e.time_range.end, end) - max(e.time_range.start, start)
+                for e in collectives
+                if e.time_range.start < end and e.time_range.end > start
+            )
+            / 1e6
+        )
+    return {
+        "spans": len(spans),
+        "exposed_s": exposed,
+        "allreduce_s": allreduce,
+        "basis": "host",
+        "unphysical": unphysical,
+    }
 
 
 def _from_device_kernels(spans, events, kernels) -> dict:
@@ -729,16 +889,28 @@ def _from_device_kernels(spans, events, kernels) -> dict:
     exposed, allreduce = [], []
     for span in spans:
         start, end = span.time_range.start, span.time_range.end
-        mine = [k for k in kernels if (launcher := launchers.get(getattr(k, "linked_correlation_id", None))) is not None
-                and start <= launcher.time_range.start <= end]
+        mine = [
+            k
+            for k in kernels
+            if (launcher := launchers.get(getattr(k, "linked_correlation_id", None))) is not None
+            and start <= launcher.time_range.start <= end
+        ]
         collectives = [k.time_range for k in mine if "nccl" in k.name.lower()]
         allreduce.append(sum(t.end - t.start for t in collectives) / 1e6)
         last = max(collectives, key=lambda t: t.end, default=None)
-        compute = [k.time_range.end for k in mine if "nccl" not in k.name.lower()
-                   and last is not None and k.time_range.start < last.start]
+        compute = [
+            k.time_range.end
+            for k in mine
+            if "nccl" not in k.name.lower() and last is not None and k.time_range.start < last.start
+        ]
         exposed.append(max(0.0, last.end - max(compute)) / 1e6 if last is not None and compute else None)
-    return {"spans": len(spans), "exposed_s": exposed, "allreduce_s": allreduce, "basis": "device kernels",
-            "unphysical": 0}
+    return {
+        "spans": len(spans),
+        "exposed_s": exposed,
+        "allreduce_s": allreduce,
+        "basis": "device kernels",
+        "unphysical": 0,
+    }
 
 
 # ---------------------------------------------------------------- the end-of-run table
@@ -752,8 +924,11 @@ def exposed_text(block: dict) -> str:
     """The exposed time as a physical figure: a resolved median with its interval, else 'not resolved'."""
     interval = block.get("exposed_interval")
     if block.get("exposed_resolved"):
-        return (f"exposed {ms(block['exposed_s'])} ms per step (95% interval {ms(interval[0])}-{ms(interval[1])} ms"
-                + (f", {block['exposed_share']:.1%} of the step" if block.get("exposed_share") is not None else "") + ")")
+        return (
+            f"exposed {ms(block['exposed_s'])} ms per step (95% interval {ms(interval[0])}-{ms(interval[1])} ms"
+            + (f", {block['exposed_share']:.1%} of the step" if block.get("exposed_share") is not None else "")
+            + ")"
+        )
     low, high = interval if interval else (block["exposed_spread"]["min"], block["exposed_spread"]["max"])
     return f"exposed not resolved: between {ms(max(0.0, low))} and {ms(high)} ms per step"
 
@@ -764,10 +939,15 @@ def verdict_text(found: dict | None, unit: str = "ms") -> str:
     scale, suffix = (1e3, " ms") if unit == "ms" else (100, " points")
     interval = found.get("interval")
     what = {"agree": "agrees", "disagree": "DISAGREES", "undecided": "undecided"}[found["verdict"]]
-    return (f"{what} (median difference {found['median_difference'] * scale:+.1f}{suffix}"
-            + (f", 95% interval {interval[0] * scale:+.1f} to {interval[1] * scale:+.1f}" if interval else
-               ", too few pairs for a 95% interval")
-            + f", tolerance +-{found['tolerance'] * scale:.1f}{suffix}, {found['pairs']} pairs)")
+    return (
+        f"{what} (median difference {found['median_difference'] * scale:+.1f}{suffix}"
+        + (
+            f", 95% interval {interval[0] * scale:+.1f} to {interval[1] * scale:+.1f}"
+            if interval
+            else ", too few pairs for a 95% interval"
+        )
+        + f", tolerance +-{found['tolerance'] * scale:.1f}{suffix}, {found['pairs']} pairs)"
+    )
 
 
 def table_lines(block: dict | None) -> list[str]:
@@ -777,26 +957,43 @@ def table_lines(block: dict | None) -> list[str]:
     if not block.get("measured"):
         return [f"communication: not measured ({block.get('reason')})", *instrument_lines(block)]
     hook = "DDP's built-in all-reduce" if block["comm_hook"] == "none" else f"the {block['comm_hook']} compression hook"
-    lines = [f"communication ({block['world_size']} ranks, {hook}, {block['clock']} clock, {block['steps']} steady steps "
-             f"measured on every rank): {exposed_text(block)}"]
+    lines = [
+        f"communication ({block['world_size']} ranks, {hook}, {block['clock']} clock, {block['steps']} steady steps "
+        f"measured on every rank): {exposed_text(block)}"
+    ]
     parts = []
     if block.get("overlap") is not None:
         parts.append(f"overlap {block['overlap']:.0%} of the {block['window_s'] * 1e3:.0f} ms communication window")
     if block.get("transfer_s") is not None:
-        parts.append(f"transfer (the buckets' all-reduces alone) {ms(block['transfer_s'])} ms"
-                     + (f", {block['hidden_share']:.0%} of it hidden behind backward" if block.get("hidden_share") is not None
-                        else ", hidden share not resolved"))
+        parts.append(
+            f"transfer (the buckets' all-reduces alone) {ms(block['transfer_s'])} ms"
+            + (
+                f", {block['hidden_share']:.0%} of it hidden behind backward"
+                if block.get("hidden_share") is not None
+                else ", hidden share not resolved"
+            )
+        )
     if block.get("buckets"):
-        parts.append(f"{block['buckets']} bucket(s), {block['allreduce_bytes_per_step'] / 1e6:.1f} MB per step"
-                     + (f", {block['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth" if block.get("bus_bandwidth_gbs") else ""))
+        parts.append(
+            f"{block['buckets']} bucket(s), {block['allreduce_bytes_per_step'] / 1e6:.1f} MB per step"
+            + (f", {block['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth" if block.get("bus_bandwidth_gbs") else "")
+        )
     if parts:
         lines.append("  " + "; ".join(parts))
-    lines.append("  per rank (median, min-max): " + ", ".join(
-        f"rank {r['rank']} {ms(r['exposed_s'])} ms ({ms(r['exposed_min'])}-{ms(r['exposed_max'])})" for r in block["per_rank"])
-        + f"; slowest: rank {block['slowest_rank']}")
+    lines.append(
+        "  per rank (median, min-max): "
+        + ", ".join(
+            f"rank {r['rank']} {ms(r['exposed_s'])} ms ({ms(r['exposed_min'])}-{ms(r['exposed_max'])})"
+            for r in block["per_rank"]
+        )
+        + f"; slowest: rank {block['slowest_rank']}"
+    )
     lines += instrument_lines(block)
-    lines += [f"straggler: rank {s['rank']} arrived last in {s['steps_last']} steps; the others waited "
-              f"{ms(s['excess_s'])} ms per step for it (not communication)" for s in block.get("stragglers") or []]
+    lines += [
+        f"straggler: rank {s['rank']} arrived last in {s['steps_last']} steps; the others waited "
+        f"{ms(s['excess_s'])} ms per step for it (not communication)"
+        for s in block.get("stragglers") or []
+    ]
     return lines
 
 
@@ -805,12 +1002,16 @@ def instrument_lines(block: dict) -> list[str]:
     lines, agreed = [], block.get("agreement") or {}
     if block.get("ddp_exposed_s") is not None:
         ddp = agreed.get("ddp")
-        lines.append(f"  DDP's own logger: exposed {ms(block['ddp_exposed_s'])} ms, overlap {block['ddp_overlap']:.0%} of "
-                     f"its {block['ddp_comm_s'] * 1e3:.0f} ms window (steady iterations {block['ddp_iterations']})"
-                     + (f"; exposed {verdict_text(ddp)}" if ddp else "")
-                     + (f"; overlap {verdict_text(ddp['overlap'], unit='points')}" if ddp and ddp.get("overlap") else ""))
+        lines.append(
+            f"  DDP's own logger: exposed {ms(block['ddp_exposed_s'])} ms, overlap {block['ddp_overlap']:.0%} of "
+            f"its {block['ddp_comm_s'] * 1e3:.0f} ms window (steady iterations {block['ddp_iterations']})"
+            + (f"; exposed {verdict_text(ddp)}" if ddp else "")
+            + (f"; overlap {verdict_text(ddp['overlap'], unit='points')}" if ddp and ddp.get("overlap") else "")
+        )
     if block.get("trace_exposed_s") is not None:
         trace = agreed.get("trace")
-        lines.append(f"  profiler trace: exposed {ms(block['trace_exposed_s'])} ms, collectives "
-                     f"{ms(block['trace_allreduce_s'])} ms per traced step" + (f"; {verdict_text(trace)}" if trace else ""))
+        lines.append(
+            f"  profiler trace: exposed {ms(block['trace_exposed_s'])} ms, collectives "
+            f"{ms(block['trace_allreduce_s'])} ms per traced step" + (f"; {verdict_text(trace)}" if trace else "")
+        )
     return lines

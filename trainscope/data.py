@@ -23,7 +23,12 @@ from trainscope.records import redact
 from trainscope.settings import EMBEDDED_DATASET
 
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "tweet", "document", "comment", "body")
-TEXT_PAIRS = (("sentence1", "sentence2"), ("question", "sentence"), ("premise", "hypothesis"), ("question1", "question2"))
+TEXT_PAIRS = (
+    ("sentence1", "sentence2"),
+    ("question", "sentence"),
+    ("premise", "hypothesis"),
+    ("question1", "question2"),
+)
 LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "target", "category")
 VALIDATION_SPLITS = ("validation", "valid", "dev", "val")
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -46,8 +51,12 @@ class ClassificationData:
 
     def record_facts(self) -> dict:
         """The run record's `data` block."""
-        return {"labels": self.label_names, "text_columns": self.text_columns, "label_column": self.label_column,
-                **self.provenance}
+        return {
+            "labels": self.label_names,
+            "text_columns": self.text_columns,
+            "label_column": self.label_column,
+            **self.provenance,
+        }
 
 
 # ---------------------------------------------------------------- loading
@@ -97,7 +106,11 @@ def load_raw(settings) -> tuple[DatasetDict, dict]:
         raise UserError(f"no such dataset file: {name}")
     if config is None and local.parent.is_dir() and str(local.parent) not in ("", "."):
         # `some/dir/config` with a local dataset directory: the local twin of hub `name/config`.
-        return _load(str(local.parent), local.name), {"kind": "directory", "name": str(local.parent), "config": local.name}
+        return _load(str(local.parent), local.name), {
+            "kind": "directory",
+            "name": str(local.parent),
+            "config": local.name,
+        }
     if _looks_like_path(name):
         raise UserError(f"no such dataset file or directory: {name}")
     return _load_from_hub(name, config)
@@ -132,7 +145,9 @@ def _load(builder: str, config: str | None = None, **kwargs) -> DatasetDict:
     try:
         return datasets.load_dataset(builder, config, **kwargs)
     except (FileNotFoundError, ValueError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read dataset {redact(str(kwargs.get('data_files', builder)))}: {_first_line(error)}") from None
+        raise UserError(
+            f"cannot read dataset {redact(str(kwargs.get('data_files', builder)))}: {_first_line(error)}"
+        ) from None
     except Exception as error:  # parser errors (pandas, pyarrow) name the broken row
         where = redact(str(kwargs.get("data_files", builder)))
         if isinstance(error, StopIteration):  # the json builder on an empty file
@@ -190,7 +205,9 @@ def detect_columns(features: datasets.Features, text_column: str | None, label_c
     for candidate in TEXT_COLUMNS:
         if candidate in features:
             return [candidate], label_column
-    strings = [c for c, f in features.items() if c != label_column and getattr(f, "dtype", None) in ("string", "large_string")]
+    strings = [
+        c for c, f in features.items() if c != label_column and getattr(f, "dtype", None) in ("string", "large_string")
+    ]
     if len(strings) == 1:
         return strings, label_column
     raise UserError(f"cannot tell which column holds the text among {names}: pass --text-column")
@@ -281,10 +298,14 @@ def make_splits(raw: DatasetDict, label_column: str, settings) -> tuple[dict[str
         if len(train) < 10:
             raise UserError(f"only {len(train)} labelled training rows: too few to hold out a {split} split")
         stratify = label_column if _stratifiable(train, label_column, fraction) else None
-        parts = train.train_test_split(test_size=fraction, seed=settings.resolved_data_seed, stratify_by_column=stratify)
+        parts = train.train_test_split(
+            test_size=fraction, seed=settings.resolved_data_seed, stratify_by_column=stratify
+        )
         splits["train"], splits[split] = parts["train"], parts["test"]
         origin["train"] = "source split 'train' less the held-out splits"
-        origin[split] = f"{fraction:.0%} of train, seed {settings.resolved_data_seed}{', stratified' if stratify else ''}"
+        origin[split] = (
+            f"{fraction:.0%} of train, seed {settings.resolved_data_seed}{', stratified' if stratify else ''}"
+        )
     return splits, origin
 
 
@@ -327,8 +348,16 @@ def tokenize(split: Dataset, tokenizer, text_columns: list[str], label_column: s
     columns), so the cache hit is known before `map` and does not hinge on pickling the tokenizer.
     """
     fingerprint = Hasher.hash(
-        [split._fingerprint, tokenizer.name_or_path, type(tokenizer).__name__, len(tokenizer),
-         text_columns, label_column, max_seq_length, TOKENIZATION_VERSION]
+        [
+            split._fingerprint,
+            tokenizer.name_or_path,
+            type(tokenizer).__name__,
+            len(tokenizer),
+            text_columns,
+            label_column,
+            max_seq_length,
+            TOKENIZATION_VERSION,
+        ]
     )
     cache_dir = Path(split.cache_files[0]["filename"]).parent if split.cache_files else None
     cached = bool(cache_dir and (cache_dir / f"cache-{fingerprint}.arrow").exists())
@@ -341,8 +370,7 @@ def tokenize(split: Dataset, tokenizer, text_columns: list[str], label_column: s
 
     with progress_bars(True):  # the one step worth a bar: it can take minutes on a large corpus
         tokenized = split.map(
-            encode, batched=True, remove_columns=split.column_names, new_fingerprint=fingerprint,
-            desc="tokenizing",
+            encode, batched=True, remove_columns=split.column_names, new_fingerprint=fingerprint, desc="tokenizing"
         )
     keep = [c for c in (*MODEL_INPUTS, "labels") if c in tokenized.column_names]
     return tokenized.select_columns(keep), cached
@@ -361,8 +389,11 @@ class LabelledSplits:
     dropped: dict
 
     def subset(self, split: str, settings) -> Dataset:
-        limits = {"train": settings.max_train_samples, "validation": settings.max_eval_samples,
-                  "test": settings.max_test_samples}
+        limits = {
+            "train": settings.max_train_samples,
+            "validation": settings.max_eval_samples,
+            "test": settings.max_test_samples,
+        }
         return subsample(self.splits[split], limits[split], settings.resolved_data_seed)
 
 
@@ -391,18 +422,28 @@ def load_classification_data(settings, tokenizer, main_process_first) -> Classif
         labelled = labelled_splits(settings)
         tokenized, cached = {}, {}
         for split in ("train", "validation", "test"):
-            tokenized[split], cached[split] = tokenize(labelled.subset(split, settings), tokenizer,
-                                                       labelled.text_columns, labelled.label_column,
-                                                       settings.max_seq_length)
+            tokenized[split], cached[split] = tokenize(
+                labelled.subset(split, settings),
+                tokenizer,
+                labelled.text_columns,
+                labelled.label_column,
+                settings.max_seq_length,
+            )
     provenance = {
         "source": labelled.source,
-        "splits": {s: {"rows": len(tokenized[s]), "origin": labelled.origin[s], "tokenization_cached": cached[s]}
-                   for s in tokenized},
+        "splits": {
+            s: {"rows": len(tokenized[s]), "origin": labelled.origin[s], "tokenization_cached": cached[s]}
+            for s in tokenized
+        },
         "dropped_rows": labelled.dropped,
     }
     return ClassificationData(
-        train=tokenized["train"], validation=tokenized["validation"], test=tokenized["test"],
-        label_names=labelled.label_names, text_columns=labelled.text_columns, label_column=labelled.label_column,
+        train=tokenized["train"],
+        validation=tokenized["validation"],
+        test=tokenized["test"],
+        label_names=labelled.label_names,
+        text_columns=labelled.text_columns,
+        label_column=labelled.label_column,
         provenance=provenance,
     )
 
@@ -420,9 +461,11 @@ def _training_splits(raw) -> DatasetDict:
 
 def dropped_rows_lines(dropped: dict) -> list[str]:
     """One line per split that lost rows, for the console."""
-    return [f"dropped {d['missing_label'] + d['empty_text']} of {d['rows_in']} rows from {split}: "
-            f"{d['missing_label']} without a label, {d['empty_text']} with an empty text"
-            for split, d in dropped.items()]
+    return [
+        f"dropped {d['missing_label'] + d['empty_text']} of {d['rows_in']} rows from {split}: "
+        f"{d['missing_label']} without a label, {d['empty_text']} with an empty text"
+        for split, d in dropped.items()
+    ]
 
 
 # ---------------------------------------------------------------- loaders
@@ -444,8 +487,9 @@ def worker_options(settings, pin_memory: bool) -> dict:
     return options
 
 
-def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory: bool = False,
-                      pad_to_multiple_of: int | None = None):
+def build_dataloaders(
+    data: ClassificationData, tokenizer, settings, pin_memory: bool = False, pad_to_multiple_of: int | None = None
+):
     """Train (shuffled), validation and test DataLoaders with the same collate and worker settings."""
     collate = build_collator(tokenizer, settings, pad_to_multiple_of)
     options = worker_options(settings, pin_memory)
@@ -459,15 +503,31 @@ def build_dataloaders(data: ClassificationData, tokenizer, settings, pin_memory:
 
         lengths = [len(ids) for ids in data.train["input_ids"]]
         sampler = LengthGroupedSampler(settings.per_device_batch_size, lengths=lengths, generator=generator())
-        train = torch.utils.data.DataLoader(data.train, batch_size=settings.per_device_batch_size, sampler=sampler,
-                                            collate_fn=collate, generator=generator(), **options)
+        train = torch.utils.data.DataLoader(
+            data.train,
+            batch_size=settings.per_device_batch_size,
+            sampler=sampler,
+            collate_fn=collate,
+            generator=generator(),
+            **options,
+        )
     else:
-        train = torch.utils.data.DataLoader(data.train, batch_size=settings.per_device_batch_size, shuffle=True,
-                                            collate_fn=collate, generator=generator(), **options)
+        train = torch.utils.data.DataLoader(
+            data.train,
+            batch_size=settings.per_device_batch_size,
+            shuffle=True,
+            collate_fn=collate,
+            generator=generator(),
+            **options,
+        )
     evaluation = [
         torch.utils.data.DataLoader(
-            by_length(split) if settings.eval_order == "length" else split, batch_size=settings.resolved_eval_batch_size,
-            shuffle=False, collate_fn=collate, generator=generator(), **options
+            by_length(split) if settings.eval_order == "length" else split,
+            batch_size=settings.resolved_eval_batch_size,
+            shuffle=False,
+            collate_fn=collate,
+            generator=generator(),
+            **options,
         )
         for split in (data.validation, data.test)
     ]

@@ -132,9 +132,15 @@ def apply_thread_budget(setting: str, environ=None, workers: int = 0, accelerato
     else:
         source = "auto" if setting == "auto" else "user"
         torch.set_num_threads(budget if setting == "auto" else int(setting))
-    return {"torch_threads": torch.get_num_threads(), "threads_source": source, "thread_budget": budget,
-            "usable_cores": cores, "local_processes": processes, "omp_num_threads": environ.get("OMP_NUM_THREADS"),
-            "kept_for_workers": kept}
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "threads_source": source,
+        "thread_budget": budget,
+        "usable_cores": cores,
+        "local_processes": processes,
+        "omp_num_threads": environ.get("OMP_NUM_THREADS"),
+        "kept_for_workers": kept,
+    }
 
 
 def cpu_capability() -> str:

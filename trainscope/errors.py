@@ -51,8 +51,10 @@ def _launch_id(environ) -> str | None:
     time) tells one launch from the next."""
     if int(environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
-    parts = [environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR",
-                                                  "MASTER_PORT")]
+    parts = [
+        environ.get(name, "")
+        for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
+    ]
     return ":".join([*parts, _launcher_process()])
 
 

@@ -91,11 +91,17 @@ _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro"}
 # Words of a device name that make it another part than the full card a key names; a key matches such a name
 # only when it has the word itself (an entry for that exact part, with its source). None is known here, so
 # these parts have no peak and no MFU, and the record says why (`variant_reason`).
-_MIG = ("a MIG slice has a fraction of the GPU's SMs (a 1g slice is one of its 7 compute slices), so the full GPU's peak "
-        "would understate its MFU up to 7x")
+_MIG = (
+    "a MIG slice has a fraction of the GPU's SMs (a 1g slice is one of its 7 compute slices), so the full GPU's peak "
+    "would understate its MFU up to 7x"
+)
 _LAPTOP = "a laptop part runs at lower clocks and power than the desktop card of the same name"
-VARIANT_WORDS = {"mig": _MIG, "laptop": _LAPTOP, "mobile": _LAPTOP,
-                 "d": "a D variant has fewer SMs than the card of the same number (RTX 4090 D: 114 of 128)"}
+VARIANT_WORDS = {
+    "mig": _MIG,
+    "laptop": _LAPTOP,
+    "mobile": _LAPTOP,
+    "d": "a D variant has fewer SMs than the card of the same number (RTX 4090 D: 114 of 128)",
+}
 
 
 def device_tokens(device_name: str) -> tuple[str, ...]:
@@ -135,10 +141,10 @@ def training_flops_per_token(layers: int, hidden: int, intermediate: int, sequen
 class Training:
     """What one training step computes gradients for, beyond the forward (read from a model by `training_of`)."""
 
-    trained_share: float = 1.0    # of the encoder's matmul weights N, the share with gradients (LoRA: 0)
-    adapter_weights: int = 0      # LoRA adapters' weights in the encoder layers (all trained)
-    input_gradient: bool = True   # the first layer's input needs a gradient (the embeddings train)
-    recomputed: bool = False      # activation checkpointing: each layer's forward runs again in backward
+    trained_share: float = 1.0  # of the encoder's matmul weights N, the share with gradients (LoRA: 0)
+    adapter_weights: int = 0  # LoRA adapters' weights in the encoder layers (all trained)
+    input_gradient: bool = True  # the first layer's input needs a gradient (the embeddings train)
+    recomputed: bool = False  # activation checkpointing: each layer's forward runs again in backward
 
 
 FULL = Training()
@@ -179,10 +185,15 @@ def training_of(model, checkpointing: bool) -> Training:
     weight = getattr(embeddings, "weight", None)
     # transformers' enable_input_require_grads (which checkpointing a frozen model calls) hooks the embeddings so
     # their output requires a gradient: the first layer's input gradients are then computed although nothing uses them
-    forced = any(getattr(m, "_require_grads_hooks", None) or getattr(m, "_require_grads_hook", None)
-                 for m in model.modules())
-    return Training(trained_share=trained / seen if seen else 1.0, adapter_weights=int(adapters),
-                    input_gradient=bool(weight is None or weight.requires_grad or forced), recomputed=bool(checkpointing))
+    forced = any(
+        getattr(m, "_require_grads_hooks", None) or getattr(m, "_require_grads_hook", None) for m in model.modules()
+    )
+    return Training(
+        trained_share=trained / seen if seen else 1.0,
+        adapter_weights=int(adapters),
+        input_gradient=bool(weight is None or weight.requires_grad or forced),
+        recomputed=bool(checkpointing),
+    )
 
 
 def encoder_shape(config) -> tuple[int, int, int] | None:
@@ -202,7 +213,7 @@ def training_flops(config, batch_size: int, sequence_length: int, training: Trai
     if shape is None:
         return None
     a, b = flops_coefficients(*shape, training)["model"]
-    return int(round(a * batch_size * sequence_length + b * batch_size * sequence_length ** 2))
+    return int(round(a * batch_size * sequence_length + b * batch_size * sequence_length**2))
 
 
 def recomputed_flops(config, padded_tokens: int, padded_squares: int, training: Training) -> int | None:
@@ -228,8 +239,14 @@ def mfu(achieved_tflops: float | None, device_name: str, precision: str) -> floa
     return achieved_tflops / peak
 
 
-def padding_flops_share(shape: dict | None, tokens: int | None, padded_tokens: int | None, samples: int | None,
-                        padded_squares: int | None, training: bool = True) -> float | None:
+def padding_flops_share(
+    shape: dict | None,
+    tokens: int | None,
+    padded_tokens: int | None,
+    samples: int | None,
+    padded_squares: int | None,
+    training: bool = True,
+) -> float | None:
     """At most this share of the model FLOPs went to padding positions (None when it cannot be told).
 
     Padded FLOPs, exactly: a N P + b L d Q, with P the positions processed (sum of batch x padded length)
@@ -244,7 +261,7 @@ def padding_flops_share(shape: dict | None, tokens: int | None, padded_tokens: i
     n = matmul_parameters(shape["layers"], shape["hidden"], shape["intermediate"])
     attention = shape["layers"] * shape["hidden"]
     padded = a * n * padded_tokens + b * attention * padded_squares
-    real_at_least = a * n * tokens + b * attention * tokens ** 2 / samples
+    real_at_least = a * n * tokens + b * attention * tokens**2 / samples
     return max(0.0, 1.0 - real_at_least / padded)
 
 
@@ -254,8 +271,9 @@ def shape_facts(config) -> dict | None:
     return dict(zip(("layers", "hidden", "intermediate"), shape)) if shape else None
 
 
-def real_training_flops(shape: tuple[int, int, int] | None, tokens: int | None, squares: int | None,
-                        training: Training = FULL) -> int | None:
+def real_training_flops(
+    shape: tuple[int, int, int] | None, tokens: int | None, squares: int | None, training: Training = FULL
+) -> int | None:
     """Training FLOPs on real tokens only (no padding position counted): the coefficients of `flops_coefficients`
     (what trains: `training`) on the real tokens and on the sum of each sequence's real length squared (`squares`).
     `shape`: (layers, hidden, intermediate) (encoder_shape). None when unknown."""
@@ -265,8 +283,9 @@ def real_training_flops(shape: tuple[int, int, int] | None, tokens: int | None, 
     return int(round(a * tokens + b * squares))
 
 
-def padding_free_training_flops(config, batch_size: int, sequence_length: int, tokens: int,
-                                training: Training = FULL) -> int | None:
+def padding_free_training_flops(
+    config, batch_size: int, sequence_length: int, tokens: int, training: Training = FULL
+) -> int | None:
     """FLOPs of one training micro-batch with padding-free encoder layers (--unpad, trainscope.unpad): the token-wise
     matmuls on the `tokens` real tokens, attention's on the padded layout (batch x length^2) where it still runs;
     what trains: `training`."""
@@ -274,4 +293,4 @@ def padding_free_training_flops(config, batch_size: int, sequence_length: int, t
     if shape is None:
         return None
     a, b = flops_coefficients(*shape, training)["model"]
-    return int(round(a * tokens + b * batch_size * sequence_length ** 2))
+    return int(round(a * tokens + b * batch_size * sequence_length**2))

@@ -22,20 +22,66 @@ gap is everything above the floor. Two ways to see it:
 import re
 
 # The categories, in the order tables and figures show them.
-CATEGORIES = ("matmul", "attention", "dropout", "layer norm", "activation", "optimizer", "copies and casts",
-              "communication", "other operators", "outside operators")
-MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
-                        "aten::linear", "aten::_scaled_mm", "aten::mv", "aten::addmv", "aten::dot", "aten::vdot",
-                        "aten::convolution", "aten::_convolution", "aten::mkldnn_convolution"})
-COPY_OPS = frozenset({"aten::copy_", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone", "aten::copy",
-                      "aten::_copy_from", "aten::_copy_from_and_resize"})
+CATEGORIES = (
+    "matmul",
+    "attention",
+    "dropout",
+    "layer norm",
+    "activation",
+    "optimizer",
+    "copies and casts",
+    "communication",
+    "other operators",
+    "outside operators",
+)
+MATMUL_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::addbmm",
+        "aten::matmul",
+        "aten::linear",
+        "aten::_scaled_mm",
+        "aten::mv",
+        "aten::addmv",
+        "aten::dot",
+        "aten::vdot",
+        "aten::convolution",
+        "aten::_convolution",
+        "aten::mkldnn_convolution",
+    }
+)
+COPY_OPS = frozenset(
+    {
+        "aten::copy_",
+        "aten::to",
+        "aten::_to_copy",
+        "aten::contiguous",
+        "aten::clone",
+        "aten::copy",
+        "aten::_copy_from",
+        "aten::_copy_from_and_resize",
+    }
+)
 # Substrings of lower-cased operator names (with underscores removed, so a backward node's CamelCase name matches
 # too), first match wins. log_softmax is the loss, not attention.
 KEYWORDS = (
     ("communication", ("allreduce", "allgather", "reducescatter", "gloo", "nccl", "c10d::", "recordparamcomms")),
     ("optimizer", ("optimizer.", "fusedadam", "foreach", "fusedsgd", "clipgrad")),
-    ("attention", ("scaleddotproduct", "flashattention", "efficientattention", "cudnnattention", "safesoftmax",
-                   "aten::softmax", "softmaxbackward")),
+    (
+        "attention",
+        (
+            "scaleddotproduct",
+            "flashattention",
+            "efficientattention",
+            "cudnnattention",
+            "safesoftmax",
+            "aten::softmax",
+            "softmaxbackward",
+        ),
+    ),
     ("dropout", ("dropout", "bernoulli")),
     ("layer norm", ("layernorm", "rmsnorm", "groupnorm", "batchnorm")),
     ("activation", ("gelu", "relu", "silu", "tanh", "sigmoid", "aten::glu", "mish")),
@@ -111,7 +157,8 @@ def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
                 found = forward_inside.get(event.sequence_nr, False)
             else:
                 found = category(event) == "attention" or (
-                    event.cpu_parent is not None and inside_attention(event.cpu_parent))
+                    event.cpu_parent is not None and inside_attention(event.cpu_parent)
+                )
             memo_inside[id(event)] = found
         return memo_inside[id(event)]
 
@@ -144,11 +191,19 @@ def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
         seconds["communication"] = max(0.0, seconds["communication"] - hidden)
         busy = sum(v for k, v in seconds.items() if k != "outside operators")
         seconds["outside operators"], overlap = max(0.0, window - busy), max(0.0, busy - window)
-    return {"basis": "self device time" if on_device else "self CPU time, main thread", "window_s": window,
-            "categories": seconds, "communication_hidden_s": hidden, "overlap_s": overlap,
-            "calls": calls, "matmul_flops": flops, "matmul_s": matmul_s,
-            "attention_ops": dict(sorted(attention_ops.items(), key=lambda kv: -kv[1])),
-            "attention_total_s": attention_total, "attention_dropout_s": attention_dropout}
+    return {
+        "basis": "self device time" if on_device else "self CPU time, main thread",
+        "window_s": window,
+        "categories": seconds,
+        "communication_hidden_s": hidden,
+        "overlap_s": overlap,
+        "calls": calls,
+        "matmul_flops": flops,
+        "matmul_s": matmul_s,
+        "attention_ops": dict(sorted(attention_ops.items(), key=lambda kv: -kv[1])),
+        "attention_total_s": attention_total,
+        "attention_dropout_s": attention_dropout,
+    }
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -194,8 +249,10 @@ def rows(breakdown: dict, peak_tflops: float | None, padding_share: float | None
     above = real * categories["matmul"] - floor if floor is not None else None
     on_real = " on real tokens" if padding_share is not None else ""
     # below the floor the matmuls beat the measured peak: impossible, so not printed (above_measured_peak says why)
-    out = [{"part": f"matmuls{on_real} at the measured peak (floor)", "seconds": floor},
-           {"part": f"matmuls{on_real} above the floor", "seconds": above if above is None or above >= 0 else None}]
+    out = [
+        {"part": f"matmuls{on_real} at the measured peak (floor)", "seconds": floor},
+        {"part": f"matmuls{on_real} above the floor", "seconds": above if above is None or above >= 0 else None},
+    ]
     if padding_share is not None:
         out.append({"part": "padding positions (their matmuls)", "seconds": padding_share * categories["matmul"]})
     out += [{"part": name, "seconds": categories[name]} for name in CATEGORIES if name != "matmul"]
@@ -211,18 +268,26 @@ def matmul_rate(breakdown: dict) -> float | None:
     return breakdown["matmul_flops"] / breakdown["matmul_s"] / 1e12
 
 
-def estimate(flops_per_device: float | None, peak_tflops: float | None, stage_seconds: dict,
-             train_s: float | None, padding_share: float | None = None) -> dict | None:
+def estimate(
+    flops_per_device: float | None,
+    peak_tflops: float | None,
+    stage_seconds: dict,
+    train_s: float | None,
+    padding_share: float | None = None,
+) -> dict | None:
     """Without a profile: the model FLOPs at the measured peak (the floor) against the training time of the same
     steps, split into forward + backward, optimizer, and data + other (one device's share of the work); with
     `padding_share` (the counted FLOPs' share on padding positions) the floor's part on padding (`padding_floor_s`)."""
     if not (flops_per_device and peak_tflops and train_s):
         return None
     floor = flops_per_device / (peak_tflops * 1e12)
-    return {"method": "estimate: model FLOPs (PaLM) at the measured peak against the measured steady stages",
-            "floor_s": floor, "train_s": train_s,
-            "padding_floor_s": floor * padding_share if padding_share is not None else None,
-            "forward_backward_s": stage_seconds.get("forward", 0.0) + stage_seconds.get("backward", 0.0),
-            "optimizer_s": stage_seconds.get("optimizer", 0.0),
-            "data_other_s": stage_seconds.get("data", 0.0) + stage_seconds.get("other", 0.0),
-            "floor_share": floor / train_s}
+    return {
+        "method": "estimate: model FLOPs (PaLM) at the measured peak against the measured steady stages",
+        "floor_s": floor,
+        "train_s": train_s,
+        "padding_floor_s": floor * padding_share if padding_share is not None else None,
+        "forward_backward_s": stage_seconds.get("forward", 0.0) + stage_seconds.get("backward", 0.0),
+        "optimizer_s": stage_seconds.get("optimizer", 0.0),
+        "data_other_s": stage_seconds.get("data", 0.0) + stage_seconds.get("other", 0.0),
+        "floor_share": floor / train_s,
+    }

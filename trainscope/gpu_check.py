@@ -62,14 +62,36 @@ from trainscope.records import RECORD_FILE, STEPS_FILE, read_record
 ROOT = launching.ROOT
 # RoBERTa-base (architecture only) at sequence length 128, batch 32 per GPU. Padded to the maximum length:
 # one shape, so precisions and configs compare on the same work. DYNAMIC pads per batch (lengths vary).
-DYNAMIC = ["--model", "roberta-base", "--architecture-only", "--tokenizer", "embedded:minilm-l6", "--max-seq-length",
-           "128", "--per-device-batch-size", "32", "--max-train-samples", "4096", "--max-eval-samples", "64",
-           "--max-test-samples", "64", "--report-to", "none", "--log-every", "10"]
+DYNAMIC = [
+    "--model",
+    "roberta-base",
+    "--architecture-only",
+    "--tokenizer",
+    "embedded:minilm-l6",
+    "--max-seq-length",
+    "128",
+    "--per-device-batch-size",
+    "32",
+    "--max-train-samples",
+    "4096",
+    "--max-eval-samples",
+    "64",
+    "--max-test-samples",
+    "64",
+    "--report-to",
+    "none",
+    "--log-every",
+    "10",
+]
 MODEL = [*DYNAMIC, "--pad-to-max-length"]
 # The embedded MiniLM's architecture (its configuration and tokenizer ship without weights on an offline machine)
 SMALL_MODEL = ["--model", "embedded:minilm-l6", "--architecture-only"]
-PRECISIONS = {"fp32": ("single_gpu", []), "tf32": ("single_gpu", ["--tf32"]), "bf16": ("bf16", []),
-              "fp16": ("fp16", [])}
+PRECISIONS = {
+    "fp32": ("single_gpu", []),
+    "tf32": ("single_gpu", ["--tf32"]),
+    "bf16": ("bf16", []),
+    "fp16": ("fp16", []),
+}
 
 # ---- what the estimates rest on. MEASURED_*: the first make gpu-check on a GPU (one NVIDIA H200, a 16-core Xeon
 # host, torch 2.11; benchmarks/gpu/nvidia-h200.*). ASSUMED_*: not measured on GPU.
@@ -106,19 +128,34 @@ LOADER_BATCH, LOADER_LENGTH = 512, 512
 
 # ---- the goals, each reachable by the plan's own step times above (the reason says why it is set where it is)
 GOALS = {
-    "timing_agreement": (1.0, "at most", "the largest disagreement over its tolerance, max(5% of the stage, 1 ms): "
-                         "forward and backward (device-bound in fp32) |events - sync|; data and optimizer only events "
-                         "above sync (sync adds the host's work that events hides behind the queued device work: the "
-                         "second check's optimizer 0.076 s events against 0.181 s sync); a 2 ms optimizer stage cannot "
-                         "be told apart at 5% (0.1 ms)"),
-    "bf16_over_fp32": (1.3, "at least", "bf16 samples/s over fp32's: the second check measured 1.50 (0.060 against "
-                       "0.040 s a step); bf16 at batch 32 x 128 is bound by the host (5.4% MFU on an H200), so not the "
-                       "matmul peaks' 8x: the goal keeps room for a run's noise below what was measured"),
-    "bf16_over_tf32": (1.0, "at least", "bf16 no slower than TF32: 0.06 s (assumed) against 0.040 s (1.5x); both "
-                       "bound by the host at this size"),
-    "compile_recompiles": (0, "at most", "graphs compiled in the compiled run's steady window (its first evaluation's "
-                           "compile is warm-up); no MFU goal: per-batch-padded tweets at batch 32 keep a GPU bound by "
-                           "the host (1.5% MFU compiled on an H200)"),
+    "timing_agreement": (
+        1.0,
+        "at most",
+        "the largest disagreement over its tolerance, max(5% of the stage, 1 ms): "
+        "forward and backward (device-bound in fp32) |events - sync|; data and optimizer only events "
+        "above sync (sync adds the host's work that events hides behind the queued device work: the "
+        "second check's optimizer 0.076 s events against 0.181 s sync); a 2 ms optimizer stage cannot "
+        "be told apart at 5% (0.1 ms)",
+    ),
+    "bf16_over_fp32": (
+        1.3,
+        "at least",
+        "bf16 samples/s over fp32's: the second check measured 1.50 (0.060 against "
+        "0.040 s a step); bf16 at batch 32 x 128 is bound by the host (5.4% MFU on an H200), so not the "
+        "matmul peaks' 8x: the goal keeps room for a run's noise below what was measured",
+    ),
+    "bf16_over_tf32": (
+        1.0,
+        "at least",
+        "bf16 no slower than TF32: 0.06 s (assumed) against 0.040 s (1.5x); both bound by the host at this size",
+    ),
+    "compile_recompiles": (
+        0,
+        "at most",
+        "graphs compiled in the compiled run's steady window (its first evaluation's "
+        "compile is warm-up); no MFU goal: per-batch-padded tweets at batch 32 keep a GPU bound by "
+        "the host (1.5% MFU compiled on an H200)",
+    ),
 }
 TIMING_TOLERANCE = (0.05, 0.001)  # a share of the stage, and at least this many seconds
 
@@ -129,27 +166,46 @@ def step_seconds(precision: str) -> float:
 
 def train_estimate(steps: int, precision: str, processes: int = 1, extra: float = 0.0) -> float:
     """Seconds for one launch of train.py: the fixed cost, the steps at their step time, and extras."""
-    return (MEASURED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if processes > 1 else 0.0)
-            + steps * step_seconds(precision) + extra)
+    return (
+        MEASURED_LAUNCH_S
+        + (ASSUMED_PROCESS_GROUP_S if processes > 1 else 0.0)
+        + steps * step_seconds(precision)
+        + extra
+    )
 
 
 def timeout_for(estimate: float) -> float:
     return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * estimate)
 
 
-def training_check(name: str, config: str, args: list[str], steps: int, precision: str, confirms: str,
-                   extra: float = 0.0) -> dict:
+def training_check(
+    name: str, config: str, args: list[str], steps: int, precision: str, confirms: str, extra: float = 0.0
+) -> dict:
     processes = launching.config_facts(launching.config_path(config))["num_processes"]
     estimate = train_estimate(steps, precision, processes, extra)
-    return {"name": name, "config": config, "args": [*args, "--max-steps", str(steps)], "confirms": confirms,
-            "estimate_s": estimate, "timeout_s": timeout_for(estimate), "precision": precision,
-            "processes": processes, "estimate": f"{processes} process{'es' if processes > 1 else ''}, {steps} "
-                                                f"{precision} steps" + (f" + {extra:.0f} s" if extra else "")}
+    return {
+        "name": name,
+        "config": config,
+        "args": [*args, "--max-steps", str(steps)],
+        "confirms": confirms,
+        "estimate_s": estimate,
+        "timeout_s": timeout_for(estimate),
+        "precision": precision,
+        "processes": processes,
+        "estimate": f"{processes} process{'es' if processes > 1 else ''}, {steps} "
+        f"{precision} steps" + (f" + {extra:.0f} s" if extra else ""),
+    }
 
 
 def command_check(name: str, command: list[str], estimate: float, how: str, confirms: str) -> dict:
-    return {"name": name, "command": command, "confirms": confirms, "estimate_s": estimate,
-            "timeout_s": timeout_for(estimate), "estimate": how}
+    return {
+        "name": name,
+        "command": command,
+        "confirms": confirms,
+        "estimate_s": estimate,
+        "timeout_s": timeout_for(estimate),
+        "estimate": how,
+    }
 
 
 def _first_costs(steps: list[dict]) -> None:
@@ -182,89 +238,262 @@ def plan(gpus: int | None = None) -> list[dict]:
     needs more GPUs than `gpus` is marked skipped with launching.plan's reason. With no GPU (a dry run) it is
     planned as for one."""
     gpus = max(launching.cuda_devices() if gpus is None else gpus, 1)
-    precision = {name: training_check(f"precision-{name}", config, [*MODEL, *flags, "--timing", "events"],
-                                      PRECISION_STEPS, name, f"{name} is the precision in effect; samples/s, MFU and "
-                                      "per-stage peak memory in it") for name, (config, flags) in PRECISIONS.items()}
-    precision["fp32"]["confirms"] += ("; the prediction's operator benchmark survives fp32's memory-efficient "
-                                      "attention (its backward takes random-generator state: the first check's fp32 "
-                                      "runs died of SIGSEGV there)")
-    steps = [command_check("scaler", [sys.executable, "-m", "trainscope.gpu_check", "--scaler-check", "--out",
-                                      "{out}"], ASSUMED_SCALER_S, "a process of its own: Python, torch, a CUDA "
-                           "context, 16 tiny steps", SCALER_CONFIRMS)]
+    precision = {
+        name: training_check(
+            f"precision-{name}",
+            config,
+            [*MODEL, *flags, "--timing", "events"],
+            PRECISION_STEPS,
+            name,
+            f"{name} is the precision in effect; samples/s, MFU and per-stage peak memory in it",
+        )
+        for name, (config, flags) in PRECISIONS.items()
+    }
+    precision["fp32"]["confirms"] += (
+        "; the prediction's operator benchmark survives fp32's memory-efficient "
+        "attention (its backward takes random-generator state: the first check's fp32 "
+        "runs died of SIGSEGV there)"
+    )
+    steps = [
+        command_check(
+            "scaler",
+            [sys.executable, "-m", "trainscope.gpu_check", "--scaler-check", "--out", "{out}"],
+            ASSUMED_SCALER_S,
+            "a process of its own: Python, torch, a CUDA context, 16 tiny steps",
+            SCALER_CONFIRMS,
+        )
+    ]
     steps.append(precision["fp32"])
-    steps.append(training_check("memory-snapshot", "single_gpu", [*MODEL, "--memory-snapshot"], 20, "fp32",
-                                "the allocator's history (Python frames) is recorded over the window after warm-up "
-                                "and dumped for pytorch.org/memory_viz within its timeout",
-                                extra=ASSUMED_EXTRA_S["snapshot"]))
+    steps.append(
+        training_check(
+            "memory-snapshot",
+            "single_gpu",
+            [*MODEL, "--memory-snapshot"],
+            20,
+            "fp32",
+            "the allocator's history (Python frames) is recorded over the window after warm-up "
+            "and dumped for pytorch.org/memory_viz within its timeout",
+            extra=ASSUMED_EXTRA_S["snapshot"],
+        )
+    )
     steps.append(precision["bf16"])
     # the same run with padding-free encoder layers: trainscope.unpad's kernels on CUDA, and its loss as the padded run's
-    steps.append(training_check("unpad-bf16", "bf16", [*MODEL, "--unpad", "--timing", "events"], PRECISION_STEPS,
-                                "bf16", "--unpad on CUDA in bf16: the padding-free layers run and train (their first "
-                                "losses against precision-bf16's, the same seed and batches), samples/s against "
-                                "precision-bf16's on the same padded-to-128 batches (one run each: an observation)"))
+    steps.append(
+        training_check(
+            "unpad-bf16",
+            "bf16",
+            [*MODEL, "--unpad", "--timing", "events"],
+            PRECISION_STEPS,
+            "bf16",
+            "--unpad on CUDA in bf16: the padding-free layers run and train (their first "
+            "losses against precision-bf16's, the same seed and batches), samples/s against "
+            "precision-bf16's on the same padded-to-128 batches (one run each: an observation)",
+        )
+    )
     # precision-fp32 is timed with --timing events; the same run with --timing sync is the second clock
-    steps.append(training_check("timing-sync", "single_gpu", [*MODEL, "--timing", "sync"], PRECISION_STEPS, "fp32",
-                                "--timing events charges each stage its device time: precision-fp32 (events) and "
-                                "this run (sync) agree per stage within max(5%, 1 ms)"))
+    steps.append(
+        training_check(
+            "timing-sync",
+            "single_gpu",
+            [*MODEL, "--timing", "sync"],
+            PRECISION_STEPS,
+            "fp32",
+            "--timing events charges each stage its device time: precision-fp32 (events) and "
+            "this run (sync) agree per stage within max(5%, 1 ms)",
+        )
+    )
     steps += [precision["tf32"], precision["fp16"]]
     # two GPUs: what one cannot show
-    steps.append(training_check("fsdp2", "fsdp", MODEL, 50, "bf16",
-                                "FSDP2 over NCCL (accelerate_configs/fsdp.yaml, bf16): each layer sharded, the run's "
-                                "measurements read the DTensors' local shards, per-GPU memory and speed"))
-    steps.append(training_check("ddp-communication-memory", "ddp",
-                                [*MODEL, "--measure-communication", "on", "--memory-every", "1"], 40, "fp32",
-                                "exposed communication over NCCL, measured on every step with CUDA events on the "
-                                "compute stream, agrees with DDP's own logger on the same iterations; the one read of "
-                                "DDP's buckets stays out of each GPU's peak memory (measurement_peak_allocated_gib)"))
-    steps.append(training_check("ddp-profile", "ddp", [*MODEL, "--profile"], 20, "fp32",
-                                "torch.profiler under DDP over NCCL: the trace's exposed communication from the "
-                                "kernels' device timestamps against trainscope's (comm_instruments_disagree), each "
-                                "collective counted once, the gap's shares within the window",
-                                extra=ASSUMED_EXTRA_S["profile"]))
-    steps.append(training_check("ddp-fp16", "ddp_fp16", MODEL, 50, "fp16",
-                                "DDP in fp16 over NCCL (accelerate_configs/ddp_fp16.yaml): the loss scaler's skipped "
-                                "steps on every rank, speed per GPU"))
-    steps += [training_check(f"ddp-comm-hook-{hook}", "ddp", [*MODEL, "--ddp-comm-hook", hook], 40, "fp32",
-                             f"DDP's {hook} compression hook over NCCL: half the all-reduce bytes; exposed "
-                             "communication against DDP's logger") for hook in ("fp16", "bf16")]
-    steps.append(training_check("ddp-compile", "ddp", [*MODEL, "--compile"], 50, "fp32",
-                                "torch.compile under DDP over NCCL: compile time, recompiles, speed per GPU",
-                                extra=MEASURED_COMPILE_S * ASSUMED_COMPILE_PROCESSES))
+    steps.append(
+        training_check(
+            "fsdp2",
+            "fsdp",
+            MODEL,
+            50,
+            "bf16",
+            "FSDP2 over NCCL (accelerate_configs/fsdp.yaml, bf16): each layer sharded, the run's "
+            "measurements read the DTensors' local shards, per-GPU memory and speed",
+        )
+    )
+    steps.append(
+        training_check(
+            "ddp-communication-memory",
+            "ddp",
+            [*MODEL, "--measure-communication", "on", "--memory-every", "1"],
+            40,
+            "fp32",
+            "exposed communication over NCCL, measured on every step with CUDA events on the "
+            "compute stream, agrees with DDP's own logger on the same iterations; the one read of "
+            "DDP's buckets stays out of each GPU's peak memory (measurement_peak_allocated_gib)",
+        )
+    )
+    steps.append(
+        training_check(
+            "ddp-profile",
+            "ddp",
+            [*MODEL, "--profile"],
+            20,
+            "fp32",
+            "torch.profiler under DDP over NCCL: the trace's exposed communication from the "
+            "kernels' device timestamps against trainscope's (comm_instruments_disagree), each "
+            "collective counted once, the gap's shares within the window",
+            extra=ASSUMED_EXTRA_S["profile"],
+        )
+    )
+    steps.append(
+        training_check(
+            "ddp-fp16",
+            "ddp_fp16",
+            MODEL,
+            50,
+            "fp16",
+            "DDP in fp16 over NCCL (accelerate_configs/ddp_fp16.yaml): the loss scaler's skipped "
+            "steps on every rank, speed per GPU",
+        )
+    )
+    steps += [
+        training_check(
+            f"ddp-comm-hook-{hook}",
+            "ddp",
+            [*MODEL, "--ddp-comm-hook", hook],
+            40,
+            "fp32",
+            f"DDP's {hook} compression hook over NCCL: half the all-reduce bytes; exposed "
+            "communication against DDP's logger",
+        )
+        for hook in ("fp16", "bf16")
+    ]
+    steps.append(
+        training_check(
+            "ddp-compile",
+            "ddp",
+            [*MODEL, "--compile"],
+            50,
+            "fp32",
+            "torch.compile under DDP over NCCL: compile time, recompiles, speed per GPU",
+            extra=MEASURED_COMPILE_S * ASSUMED_COMPILE_PROCESSES,
+        )
+    )
     pairs = bench.MIN_PAIRS
     several = gpus > 1  # DataParallel's loop, and a second DDP process
-    dp_round = ASSUMED_DP_LOOP_S * (2 if several else 1) + MEASURED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if several else 0)
-    steps.append(command_check("compare-dp", [sys.executable, "compare_dp.py", "--rounds", str(pairs),
-                                              "--results-dir", "{out}", *SMALL_MODEL],
-                               ASSUMED_SCRIPT_S + pairs * dp_round, f"{pairs} rounds of the in-process loops and a "
-                               "DDP launch", "each DDP worker binds its own GPU (NCCL); DataParallel needs two GPUs"))
+    dp_round = (
+        ASSUMED_DP_LOOP_S * (2 if several else 1) + MEASURED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if several else 0)
+    )
+    steps.append(
+        command_check(
+            "compare-dp",
+            [sys.executable, "compare_dp.py", "--rounds", str(pairs), "--results-dir", "{out}", *SMALL_MODEL],
+            ASSUMED_SCRIPT_S + pairs * dp_round,
+            f"{pairs} rounds of the in-process loops and a DDP launch",
+            "each DDP worker binds its own GPU (NCCL); DataParallel needs two GPUs",
+        )
+    )
     passes = 2 * 2 * len(LOADER_WORKERS) * pairs  # pinned and not, with and without the copy
-    steps.append(command_check("loaders", [
-        sys.executable, "loaders_bench.py", "--workers", *LOADER_WORKERS, "--repeats", str(pairs), "--modes",
-        "pretokenized", "device-copy", "--pin-memory-values", "true", "false", "--batch-sizes", str(LOADER_BATCH),
-        "--max-seq-length", str(LOADER_LENGTH), "--pad-to-max-length", "--max-train-samples", "4096",
-        *SMALL_MODEL, "--results-dir", "{out}"], ASSUMED_SCRIPT_S + passes * MEASURED_LOADER_PASS_S,
-        f"{passes} passes at {MEASURED_LOADER_PASS_S:g} s", "what the copy to the device costs the loop pinned "
-        f"(non-blocking) and not, with 0 and 4 workers, at a batch whose copy shows ({LOADER_BATCH} x "
-        f"{LOADER_LENGTH} positions: 4 MiB of int64 a batch): copy_s per pass, and pass times with and without it"))
+    steps.append(
+        command_check(
+            "loaders",
+            [
+                sys.executable,
+                "loaders_bench.py",
+                "--workers",
+                *LOADER_WORKERS,
+                "--repeats",
+                str(pairs),
+                "--modes",
+                "pretokenized",
+                "device-copy",
+                "--pin-memory-values",
+                "true",
+                "false",
+                "--batch-sizes",
+                str(LOADER_BATCH),
+                "--max-seq-length",
+                str(LOADER_LENGTH),
+                "--pad-to-max-length",
+                "--max-train-samples",
+                "4096",
+                *SMALL_MODEL,
+                "--results-dir",
+                "{out}",
+            ],
+            ASSUMED_SCRIPT_S + passes * MEASURED_LOADER_PASS_S,
+            f"{passes} passes at {MEASURED_LOADER_PASS_S:g} s",
+            "what the copy to the device costs the loop pinned "
+            f"(non-blocking) and not, with 0 and 4 workers, at a batch whose copy shows ({LOADER_BATCH} x "
+            f"{LOADER_LENGTH} positions: 4 MiB of int64 a batch): copy_s per pass, and pass times with and without it",
+        )
+    )
     search = train_estimate(0, "fp32", extra=ASSUMED_EXTRA_S["search"]) + train_estimate(6, "fp32")
-    steps.append(command_check("batch-search", [
-        sys.executable, "-m", "trainscope.experiments", "batch-sweep", "--config", "single_gpu", "--runs", "{out}",
-        "--batch-sizes", "32", "--steps", "6", "--rounds", "1", "--search-from", "4096", "--", *MODEL],
-        ASSUMED_SCRIPT_S + search, "the search's launch (the prediction and the tries), then one 6-step run of batch "
-        "32 (one arm: nothing compared)", "a real CUDA out-of-memory error is caught, the allocator recovers between "
-        "tries, and the search halves to the largest batch that fits"))
-    steps.append(training_check("compile-bf16", "bf16", [*DYNAMIC, "--compile"], 50, "bf16",
-                                "torch.compile in bf16 with dynamic shapes (per-batch padding; the record's "
-                                "compile.dynamic is true): compile time, recompiles, MFU; the first evaluation's "
-                                "compile timed as warm-up, not in the steady figures", extra=MEASURED_COMPILE_S))
+    steps.append(
+        command_check(
+            "batch-search",
+            [
+                sys.executable,
+                "-m",
+                "trainscope.experiments",
+                "batch-sweep",
+                "--config",
+                "single_gpu",
+                "--runs",
+                "{out}",
+                "--batch-sizes",
+                "32",
+                "--steps",
+                "6",
+                "--rounds",
+                "1",
+                "--search-from",
+                "4096",
+                "--",
+                *MODEL,
+            ],
+            ASSUMED_SCRIPT_S + search,
+            "the search's launch (the prediction and the tries), then one 6-step run of batch "
+            "32 (one arm: nothing compared)",
+            "a real CUDA out-of-memory error is caught, the allocator recovers between "
+            "tries, and the search halves to the largest batch that fits",
+        )
+    )
+    steps.append(
+        training_check(
+            "compile-bf16",
+            "bf16",
+            [*DYNAMIC, "--compile"],
+            50,
+            "bf16",
+            "torch.compile in bf16 with dynamic shapes (per-batch padding; the record's "
+            "compile.dynamic is true): compile time, recompiles, MFU; the first evaluation's "
+            "compile timed as warm-up, not in the steady figures",
+            extra=MEASURED_COMPILE_S,
+        )
+    )
     overhead_run = train_estimate(OVERHEAD_STEPS, "fp32")
-    steps.append(command_check("overhead", [
-        sys.executable, "-m", "trainscope.benchmarks.overhead", "--pairs", str(pairs), "--modes", "events",
-        "--out", "{out}/overhead", *MODEL, "--max-steps", str(OVERHEAD_STEPS), "--timing-warmup-steps",
-        str(OVERHEAD_WARMUP)], ASSUMED_SCRIPT_S + 2 * pairs * overhead_run,
-        f"{pairs} pairs x 2 arms (bare, events) x {OVERHEAD_STEPS} fp32 steps of RoBERTa-base; written after every "
-        "round", "--timing events costs at most 1% against a bare loop on one GPU (a steady window of about 4.2 s per "
-        "run at the measured fp32 step: 1% of it is 42 ms, far above the clock's resolution)"))
+    steps.append(
+        command_check(
+            "overhead",
+            [
+                sys.executable,
+                "-m",
+                "trainscope.benchmarks.overhead",
+                "--pairs",
+                str(pairs),
+                "--modes",
+                "events",
+                "--out",
+                "{out}/overhead",
+                *MODEL,
+                "--max-steps",
+                str(OVERHEAD_STEPS),
+                "--timing-warmup-steps",
+                str(OVERHEAD_WARMUP),
+            ],
+            ASSUMED_SCRIPT_S + 2 * pairs * overhead_run,
+            f"{pairs} pairs x 2 arms (bare, events) x {OVERHEAD_STEPS} fp32 steps of RoBERTa-base; written after every "
+            "round",
+            "--timing events costs at most 1% against a bare loop on one GPU (a steady window of about 4.2 s per "
+            "run at the measured fp32 step: 1% of it is 42 ms, far above the clock's resolution)",
+        )
+    )
     for step in steps:
         if "config" in step:
             verdict = launching.plan(step["config"], gpus)
@@ -355,22 +584,36 @@ def run_step(step: dict, scratch: Path, timeout: float | None = None, kept: Path
     started = time.monotonic()
     out = scratch / step["name"]
     if "command" in step:
-        result = launching.run_captured([part.replace("{out}", str(out)) for part in step["command"]], check_env(),
-                                        timeout)
+        result = launching.run_captured(
+            [part.replace("{out}", str(out)) for part in step["command"]], check_env(), timeout
+        )
         figures = {"exit": result.returncode}
         for path in out.glob("*.json") if out.exists() else []:  # results, not the records of the runs under it
             figures[path.stem] = json.loads(path.read_text())
     else:
-        result = launching.run_training([*step["args"], "--output-dir", str(out), "--run-name", step["name"]],
-                                        step["config"], env=check_env(), echo=False, timeout=timeout)
+        result = launching.run_training(
+            [*step["args"], "--output-dir", str(out), "--run-name", step["name"]],
+            step["config"],
+            env=check_env(),
+            echo=False,
+            timeout=timeout,
+        )
         figures = {"exit": result.returncode}
         if result.returncode == 0:
             view = RunView(read_record(out / step["name"]))
-            figures.update(throughput=view.throughput, mfu=view.mfu, memory=view.memory, compile=view.compile,
-                           timing=view.summary.get("timing"), memory_snapshot=view.summary.get("memory_snapshot"),
-                           communication=view.communication, precision=view.precision, warnings=view.warnings,
-                           measured_peak=view.summary.get("measured_peak"),
-                           prediction_notes=(view.record.get("prediction") or {}).get("notes"))
+            figures.update(
+                throughput=view.throughput,
+                mfu=view.mfu,
+                memory=view.memory,
+                compile=view.compile,
+                timing=view.summary.get("timing"),
+                memory_snapshot=view.summary.get("memory_snapshot"),
+                communication=view.communication,
+                precision=view.precision,
+                warnings=view.warnings,
+                measured_peak=view.summary.get("measured_peak"),
+                prediction_notes=(view.record.get("prediction") or {}).get("notes"),
+            )
     if result.returncode != 0:
         figures.update(error=launching.failure_reason(result), output_tail=output_tail(result))
     figures["records"] = keep_records(out, kept / step["name"] if kept else None)
@@ -388,6 +631,7 @@ class Interrupted(Exception):
 @contextlib.contextmanager
 def stop_on_signals():
     """SIGINT and SIGTERM raise Interrupted in the main thread (run_captured then kills the running launch)."""
+
     def interrupt(signum, frame):
         raise Interrupted(signum)
 
@@ -399,9 +643,15 @@ def stop_on_signals():
             signal.signal(signum, handler)
 
 
-def execute(steps: list[dict], report: dict, write: Callable[[dict], None], budget_s: float,
-            runner: Callable[[dict, float], dict], clock: Callable[[], float] = time.monotonic,
-            started: float | None = None) -> dict:
+def execute(
+    steps: list[dict],
+    report: dict,
+    write: Callable[[dict], None],
+    budget_s: float,
+    runner: Callable[[dict, float], dict],
+    clock: Callable[[], float] = time.monotonic,
+    started: float | None = None,
+) -> dict:
     """Run the checks in order within `budget_s` seconds from `started`, calling `write(report)` after each.
 
     Before a check starts, one whose estimate does not fit in what is left is skipped ("over the budget");
@@ -418,24 +668,39 @@ def execute(steps: list[dict], report: dict, write: Callable[[dict], None], budg
                 current = step["name"]
                 left = budget_s - (clock() - started)
                 if step.get("skipped"):
-                    result = {"name": step["name"], "estimate_s": step["estimate_s"], "seconds": 0.0,
-                              "skipped": step["skipped"]}
+                    result = {
+                        "name": step["name"],
+                        "estimate_s": step["estimate_s"],
+                        "seconds": 0.0,
+                        "skipped": step["skipped"],
+                    }
                 elif step["estimate_s"] > left:
-                    result = {"name": step["name"], "estimate_s": step["estimate_s"], "seconds": 0.0,
-                              "skipped": f"over the budget (estimated {step['estimate_s']:.0f} s, "
-                                         f"{max(left, 0):.0f} s of the {budget_s:.0f} s left)"}
+                    result = {
+                        "name": step["name"],
+                        "estimate_s": step["estimate_s"],
+                        "seconds": 0.0,
+                        "skipped": f"over the budget (estimated {step['estimate_s']:.0f} s, "
+                        f"{max(left, 0):.0f} s of the {budget_s:.0f} s left)",
+                    }
                 else:
                     result = runner(step, min(step["timeout_s"], left))
-                    if left < step["timeout_s"] and result.get("exit", 0) != 0 and "timed out" in str(result.get("error")):
-                        result["budget_cut"] = (f"stopped where the budget ended ({left:.0f} s were left of its "
-                                                f"{step['timeout_s']:.0f} s timeout)")
+                    if (
+                        left < step["timeout_s"]
+                        and result.get("exit", 0) != 0
+                        and "timed out" in str(result.get("error"))
+                    ):
+                        result["budget_cut"] = (
+                            f"stopped where the budget ended ({left:.0f} s were left of its "
+                            f"{step['timeout_s']:.0f} s timeout)"
+                        )
                 report["checks"].append(result)
                 report["not_run"].remove(step["name"])
                 report["seconds"] = clock() - started
                 write(report)
     except Interrupted as stop:
-        report.update(status="interrupted", interrupted={"signal": str(stop), "during": current},
-                      seconds=clock() - started)
+        report.update(
+            status="interrupted", interrupted={"signal": str(stop), "during": current}, seconds=clock() - started
+        )
         write(report)
         raise
     report.update(status="complete", seconds=clock() - started)
@@ -457,7 +722,9 @@ def timing_agreement(events: dict, sync: dict) -> float:
     share, floor = TIMING_TOLERANCE
     tolerance = lambda stage: max(share * b[stage]["median"], floor)  # noqa: E731
     both = [abs(a[s]["median"] - b[s]["median"]) / tolerance(s) for s in ("forward", "backward")]
-    above = [max(0.0, a[s]["median"] - b[s]["median"]) / tolerance(s) for s in ("data", "optimizer") if s in a and s in b]
+    above = [
+        max(0.0, a[s]["median"] - b[s]["median"]) / tolerance(s) for s in ("data", "optimizer") if s in a and s in b
+    ]
     return max(both + above)
 
 
@@ -492,17 +759,21 @@ def outcome(result: dict) -> str:
         return f"failed: {result.get('error', 'see JSON')}"
     if result.get("throughput") and result.get("throughput", {}).get("samples_per_s") is not None:
         throughput = result["throughput"]
-        text = (f"{throughput['samples_per_s']:.1f} samples/s, {throughput.get('tokens_per_s') or 0:.0f} tokens/s, "
-                + (f"MFU {result['mfu']:.1%}" if result.get("mfu") is not None else "MFU unknown"))
+        text = f"{throughput['samples_per_s']:.1f} samples/s, {throughput.get('tokens_per_s') or 0:.0f} tokens/s, " + (
+            f"MFU {result['mfu']:.1%}" if result.get("mfu") is not None else "MFU unknown"
+        )
         compiled = result.get("compile")
         if compiled:
-            text += (f"; compile {compiled.get('compile_s') or 0:.0f} s, dynamic shapes "
-                     f"{'yes' if compiled.get('dynamic') else 'no'}, {compiled.get('recompiles')} recompiles")
+            text += (
+                f"; compile {compiled.get('compile_s') or 0:.0f} s, dynamic shapes "
+                f"{'yes' if compiled.get('dynamic') else 'no'}, {compiled.get('recompiles')} recompiles"
+            )
         return text
     scaler = result.get("scaler")
     if scaler:
-        return (f"planted {scaler['planted']} overflows, counted {scaler['counted']}"
-                + (f" ({scaler['error']})" if scaler.get("error") else ""))
+        return f"planted {scaler['planted']} overflows, counted {scaler['counted']}" + (
+            f" ({scaler['error']})" if scaler.get("error") else ""
+        )
     return "ok"
 
 
@@ -513,27 +784,44 @@ def markdown(report: dict) -> list[str]:
         status = f"interrupted by {stop['signal']} during {stop['during']}: what finished before is kept"
     elif status == "running":
         status = f"running: {len(report['checks'])} of {len(report['plan'])} checks done"
-    lines = [f"# GPU check: {report['device']}", "", f"Status: {status}.", "",
-             f"Driver {report['driver']}, torch {torch.__version__}, CUDA {torch.version.cuda}, {report['gpus']} GPU(s); "
-             f"{report.get('seconds', 0):.0f} s of the {report['budget_s']:.0f} s budget. Estimates are from the launch "
-             "and step times measured by the first check on one H200 and assumed ones (trainscope/gpu_check.py "
-             "MEASURED_* and ASSUMED_*).", "",
-             "| check | estimate s | timeout s | seconds | outcome |", "|---|---:|---:|---:|---|"]
+    lines = [
+        f"# GPU check: {report['device']}",
+        "",
+        f"Status: {status}.",
+        "",
+        f"Driver {report['driver']}, torch {torch.__version__}, CUDA {torch.version.cuda}, {report['gpus']} GPU(s); "
+        f"{report.get('seconds', 0):.0f} s of the {report['budget_s']:.0f} s budget. Estimates are from the launch "
+        "and step times measured by the first check on one H200 and assumed ones (trainscope/gpu_check.py "
+        "MEASURED_* and ASSUMED_*).",
+        "",
+        "| check | estimate s | timeout s | seconds | outcome |",
+        "|---|---:|---:|---:|---|",
+    ]
     for r in report["checks"]:
         timeout = f"{r['timeout_s']:.0f}" if r.get("timeout_s") else ""
-        lines.append(f"| {r['name']} | {r.get('estimate_s') or 0:.0f} | {timeout} | {r['seconds']:.0f} | {outcome(r)} |")
-    lines += [f"| {name} | | | | not run ({'interrupted' if report.get('status') == 'interrupted' else 'pending'}) |"
-              for name in report.get("not_run", [])]
+        lines.append(
+            f"| {r['name']} | {r.get('estimate_s') or 0:.0f} | {timeout} | {r['seconds']:.0f} | {outcome(r)} |"
+        )
+    lines += [
+        f"| {name} | | | | not run ({'interrupted' if report.get('status') == 'interrupted' else 'pending'}) |"
+        for name in report.get("not_run", [])
+    ]
     skipped = [r for r in report["checks"] if r.get("skipped")]
     if skipped:
         lines += ["", "Skipped: " + "; ".join(f"{r['name']} ({r['skipped']})" for r in skipped) + "."]
     lines += ["", "Goals:"]
     for goal, (target, direction, why) in GOALS.items():
         value = report.get("verdicts", {}).get(goal)
-        shown = "not measured" if value is None else (f"{value:.3g}, " + ("met" if goal_met(goal, value) else "NOT met"))
+        shown = (
+            "not measured" if value is None else (f"{value:.3g}, " + ("met" if goal_met(goal, value) else "NOT met"))
+        )
         lines.append(f"- {goal} {direction} {target}: {shown} ({why})")
-    notes = [(r["name"], note) for r in report["checks"] for note in r.get("prediction_notes") or []
-             if "could not be timed" in note]
+    notes = [
+        (r["name"], note)
+        for r in report["checks"]
+        for note in r.get("prediction_notes") or []
+        if "could not be timed" in note
+    ]
     if notes:
         lines += ["", "Prediction notes:", *[f"- {name}: {note}" for name, note in notes]]
     failed = [r for r in report["checks"] if r.get("output_tail")]
@@ -585,8 +873,12 @@ def python_shown() -> str:
     return str(python.relative_to(ROOT) if python.is_relative_to(ROOT) else python)
 
 
-def cuda_torch_command(smi_output: str | None, torch_version: str = torch.__version__,
-                       torch_cuda: str | None = torch.version.cuda, environ=None) -> str | None:
+def cuda_torch_command(
+    smi_output: str | None,
+    torch_version: str = torch.__version__,
+    torch_cuda: str | None = torch.version.cuda,
+    environ=None,
+) -> str | None:
     """Where the NVIDIA driver answers (`smi_output`: nvidia-smi's output, None without a driver) and this torch
     cannot use the GPU: why, and which torch to install, as one sentence. None where there is no driver, the
     GPU is usable, or CUDA_VISIBLE_DEVICES hides every GPU on purpose (as `make test` does).
@@ -601,18 +893,22 @@ def cuda_torch_command(smi_output: str | None, torch_version: str = torch.__vers
     driver = f"CUDA {driver_cuda[0]}.{driver_cuda[1]}" if driver_cuda else "no CUDA version stated"
     built_for = tuple(int(part) for part in torch_cuda.split(".")[:2]) if torch_cuda else None
     if built_for is not None and (driver_cuda is None or built_for <= driver_cuda):
-        return (f"the NVIDIA driver answers (nvidia-smi: {driver}) but torch {torch_version} (built for CUDA "
-                f"{torch_cuda}) cannot use the GPU: check CUDA_VISIBLE_DEVICES and the GPU's device files "
-                "(/dev/nvidia*) in this container")
+        return (
+            f"the NVIDIA driver answers (nvidia-smi: {driver}) but torch {torch_version} (built for CUDA "
+            f"{torch_cuda}) cannot use the GPU: check CUDA_VISIBLE_DEVICES and the GPU's device files "
+            "(/dev/nvidia*) in this container"
+        )
     tag = cuda_wheel_tag(driver_cuda) if driver_cuda else None
     advice = ""
     if tag is None:
         (major, minor), tag = TORCH_CUDA_BUILDS[0], "cu{}{}".format(*TORCH_CUDA_BUILDS[0])
         advice = f"update the NVIDIA driver to one of CUDA {major}.{minor} or later, then "
     what = "is a CPU-only build" if built_for is None else f"is built for CUDA {torch_cuda}, newer than the driver"
-    return (f"the NVIDIA driver answers (nvidia-smi: {driver}) but torch {torch_version} {what}: {advice}install "
-            f"the CUDA build: {python_shown()} -m pip install torch=={torch_version.split('+')[0]}+{tag} "
-            f"--index-url https://download.pytorch.org/whl/{tag}")
+    return (
+        f"the NVIDIA driver answers (nvidia-smi: {driver}) but torch {torch_version} {what}: {advice}install "
+        f"the CUDA build: {python_shown()} -m pip install torch=={torch_version.split('+')[0]}+{tag} "
+        f"--index-url https://download.pytorch.org/whl/{tag}"
+    )
 
 
 def print_plan(steps: list[dict], gpus: int, budget_s: float) -> None:
@@ -621,8 +917,10 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float) -> None:
         if step.get("skipped"):
             print(f"{step['name']}: skipped ({step['skipped']})")
         else:
-            print(f"{step['name']} (estimate {step['estimate_s']:.0f} s: {step['estimate']}; timeout "
-                  f"{step['timeout_s']:.0f} s): {command}")
+            print(
+                f"{step['name']} (estimate {step['estimate_s']:.0f} s: {step['estimate']}; timeout "
+                f"{step['timeout_s']:.0f} s): {command}"
+            )
         print(f"    confirms: {step['confirms']}")
     total, left, over = planned_seconds(steps), budget_s, []
     for step in steps:
@@ -632,10 +930,12 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float) -> None:
             over.append(step["name"])
         else:
             left -= step["estimate_s"]
-    print(f"total estimated for {gpus} GPU{'s' if gpus > 1 else ''}: {total:.0f} s ({total / 60:.1f} min) against a "
-          f"budget of {budget_s:.0f} s (default: the estimate and {MARGIN - 1:.0%}, {default_budget(steps):.0f} s); "
-          "estimates from the launch and step times measured on one H200 and assumed ones (MEASURED_* and ASSUMED_* "
-          "in trainscope/gpu_check.py)")
+    print(
+        f"total estimated for {gpus} GPU{'s' if gpus > 1 else ''}: {total:.0f} s ({total / 60:.1f} min) against a "
+        f"budget of {budget_s:.0f} s (default: the estimate and {MARGIN - 1:.0%}, {default_budget(steps):.0f} s); "
+        "estimates from the launch and step times measured on one H200 and assumed ones (MEASURED_* and ASSUMED_* "
+        "in trainscope/gpu_check.py)"
+    )
     if over:
         print(f"over the budget by these estimates (skipped when run): {', '.join(over)}")
     cut = parts(steps)
@@ -643,23 +943,42 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float) -> None:
         print(f"in parts of at most {PART_LIMIT_S:.0f} s a command (each part's estimate and {MARGIN - 1:.0%}):")
         for index, part in enumerate(cut, 1):
             names = [step["name"] for step in part if not step.get("skipped")]
-            print(f"  part {index} ({planned_seconds(part):.0f} s: {', '.join(names)}): python -m trainscope.gpu_check "
-                  f"--part {index}")
+            print(
+                f"  part {index} ({planned_seconds(part):.0f} s: {', '.join(names)}): python -m trainscope.gpu_check "
+                f"--part {index}"
+            )
 
 
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu"), help="results folder (default benchmarks/gpu)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help=f"seconds for all the checks (default: the plan's estimate and {MARGIN - 1:.0%}); a check "
-                        "whose estimate does not fit in what is left is skipped, and no launch runs past it")
-    parser.add_argument("--part", type=int, default=None,
-                        help=f"run only part K of the plan cut into parts of at most {PART_LIMIT_S:.0f} s (the dry "
-                        "run lists them); results in <device>.partK.*")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the checks, their commands, estimates and timeouts, the total and the parts; run nothing")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="with --dry-run: plan for this many GPUs (default: the GPUs present, or one)")
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "gpu"), help="results folder (default benchmarks/gpu)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for all the checks (default: the plan's estimate and {MARGIN - 1:.0%}); a check "
+        "whose estimate does not fit in what is left is skipped, and no launch runs past it",
+    )
+    parser.add_argument(
+        "--part",
+        type=int,
+        default=None,
+        help=f"run only part K of the plan cut into parts of at most {PART_LIMIT_S:.0f} s (the dry "
+        "run lists them); results in <device>.partK.*",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the checks, their commands, estimates and timeouts, the total and the parts; run nothing",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="with --dry-run: plan for this many GPUs (default: the GPUs present, or one)",
+    )
     parser.add_argument("--torch-check", action="store_true", help=argparse.SUPPRESS)  # make setup's check
     parser.add_argument("--scaler-check", action="store_true", help=argparse.SUPPRESS)  # the scaler check's process
     return parser
@@ -679,8 +998,9 @@ def main(argv=None) -> None:
     if args.budget is not None and args.budget <= 0:
         parser().error("--budget must be positive")
     if args.gpus is not None and (not args.dry_run or args.gpus < 1):
-        parser().error("--gpus plans for that many GPUs (at least 1) with --dry-run; a real check uses the GPUs "
-                       "present")
+        parser().error(
+            "--gpus plans for that many GPUs (at least 1) with --dry-run; a real check uses the GPUs present"
+        )
     if args.torch_check:  # make setup: a warning, since CPU work still runs with this torch
         missing = cuda_torch_command(nvidia_smi())
         if missing:
@@ -707,7 +1027,9 @@ def main(argv=None) -> None:
         missing = cuda_torch_command(nvidia_smi())
         if missing:
             exit_with(UserError(missing), code=1)
-        print(f"gpu-check: no usable CUDA device for this torch ({torch.__version__}): nothing measured, nothing written")
+        print(
+            f"gpu-check: no usable CUDA device for this torch ({torch.__version__}): nothing measured, nothing written"
+        )
         return
     # the device's name and count without a CUDA context in this process (the properties need none)
     name, gpus = torch.cuda.get_device_name(0), launching.cuda_devices()
@@ -718,11 +1040,22 @@ def main(argv=None) -> None:
     budget = args.budget or default_budget(steps)
     stem = Path(args.out) / (device_slug(name) + (f".part{args.part}" if args.part else ""))
     kept = stem.with_name(stem.name + ".runs")
-    report = {"benchmark": "gpu_check", "benchmark_version": 3, "device": name, "driver": driver_version(),
-              "gpus": gpus, "part": args.part, "plan": steps,
-              "estimates": {"measured_launch_s": MEASURED_LAUNCH_S, "measured_step_s": MEASURED_STEP_S,
-                            "measured_compile_s": MEASURED_COMPILE_S, "assumed_step_s": ASSUMED_STEP_S,
-                            "planned_s": planned_seconds(steps)}}
+    report = {
+        "benchmark": "gpu_check",
+        "benchmark_version": 3,
+        "device": name,
+        "driver": driver_version(),
+        "gpus": gpus,
+        "part": args.part,
+        "plan": steps,
+        "estimates": {
+            "measured_launch_s": MEASURED_LAUNCH_S,
+            "measured_step_s": MEASURED_STEP_S,
+            "measured_compile_s": MEASURED_COMPILE_S,
+            "assumed_step_s": ASSUMED_STEP_S,
+            "planned_s": planned_seconds(steps),
+        },
+    }
     shown = []
 
     def write(current: dict) -> None:
@@ -730,13 +1063,17 @@ def main(argv=None) -> None:
         current["verdicts"] = verdicts(by_name)
         current["scaler"] = (by_name.get("scaler") or {}).get("scaler")
         bench.write_results(stem, current, markdown(current))
-        for check in current["checks"][len(shown):]:  # what finished since the last write, as the file says it
+        for check in current["checks"][len(shown) :]:  # what finished since the last write, as the file says it
             print(f"  {check['name']}: {outcome(check)} ({check['seconds']:.0f} s)", flush=True)
             shown.append(check["name"])
 
-    print(f"gpu-check: {len(steps)} checks on {gpus} x {name}, budget {budget:.0f} s; results after every check "
-          f"in {stem}.md", flush=True)
+    print(
+        f"gpu-check: {len(steps)} checks on {gpus} x {name}, budget {budget:.0f} s; results after every check "
+        f"in {stem}.md",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as scratch:
+
         def runner(step: dict, timeout: float) -> dict:
             print(f"{step['name']} (estimate {step['estimate_s']:.0f} s, timeout {timeout:.0f} s)", flush=True)
             return run_step(step, Path(scratch), timeout, kept)
@@ -745,11 +1082,18 @@ def main(argv=None) -> None:
             execute(steps, report, write, budget, runner, started=started)
         except Interrupted as stop:
             done = len([c for c in report["checks"] if not c.get("skipped")])
-            exit_with(UserError(f"{stop} during {report['interrupted']['during']}, which was stopped (its launch "
-                                f"killed); the {done} checks that finished are in {stem}.json and .md"),
-                      code=128 + stop.signum)
-    failed = [c["name"] for c in report["checks"]
-              if not c.get("skipped") and not c.get("budget_cut") and c.get("exit", 0) != 0]
+            exit_with(
+                UserError(
+                    f"{stop} during {report['interrupted']['during']}, which was stopped (its launch "
+                    f"killed); the {done} checks that finished are in {stem}.json and .md"
+                ),
+                code=128 + stop.signum,
+            )
+    failed = [
+        c["name"]
+        for c in report["checks"]
+        if not c.get("skipped") and not c.get("budget_cut") and c.get("exit", 0) != 0
+    ]
     if report.get("scaler") is not None and not report["scaler"].get("ok") and "scaler" not in failed:
         failed.append("scaler")
     print(f"wrote {stem}.json and {stem}.md")

@@ -41,6 +41,7 @@ def register(code: str, meaning: str, fix: str, flags: tuple[str, ...] = (), at_
     def add(condition):
         REGISTRY[code] = Check(code, meaning, condition, fix, tuple(flags), at_start)
         return condition
+
     return add
 
 
@@ -71,145 +72,233 @@ def fix_for(code: str) -> Check | None:
 
 
 def _threads_where(t: dict) -> str:
-    return (f"{t['torch_threads']} torch threads, budget {t['thread_budget']} ({t['usable_cores']} usable cores / "
-            f"{t['local_processes']} processes on this node; source: {t['threads_source']})")
+    return (
+        f"{t['torch_threads']} torch threads, budget {t['thread_budget']} ({t['usable_cores']} usable cores / "
+        f"{t['local_processes']} processes on this node; source: {t['threads_source']})"
+    )
 
 
-@register("threads_below_budget", "fewer torch threads than the cores this process may use",
-          "give each process its share of the cores", ("--threads", "auto"), at_start=True)
+@register(
+    "threads_below_budget",
+    "fewer torch threads than the cores this process may use",
+    "give each process its share of the cores",
+    ("--threads", "auto"),
+    at_start=True,
+)
 def _threads_below(view: RunView):
     t = view.threads
     if t and t["torch_threads"] < t["thread_budget"]:
-        return (f"{_threads_where(t)}: the run used less CPU than it could, so its speed understates the machine "
-                "(--threads auto sets the budget)")
+        return (
+            f"{_threads_where(t)}: the run used less CPU than it could, so its speed understates the machine "
+            "(--threads auto sets the budget)"
+        )
 
 
-@register("threads_above_budget", "more torch threads than this process's share of the cores (oversubscribed)",
-          "stop the processes oversubscribing the cores", ("--threads", "auto"), at_start=True)
+@register(
+    "threads_above_budget",
+    "more torch threads than this process's share of the cores (oversubscribed)",
+    "stop the processes oversubscribing the cores",
+    ("--threads", "auto"),
+    at_start=True,
+)
 def _threads_above(view: RunView):
     t = view.threads
     if t and t["torch_threads"] > t["thread_budget"]:
         return f"{_threads_where(t)}: processes compete for cores, so speed varies and understates the machine"
 
 
-@register("ran_on_cpu", "a multi-process GPU config ran as DDP over gloo on the CPU (no usable GPU)",
-          "run the config on a machine with GPUs, or use accelerate_configs/ddp.yaml on a CPU", at_start=True)
+@register(
+    "ran_on_cpu",
+    "a multi-process GPU config ran as DDP over gloo on the CPU (no usable GPU)",
+    "run the config on a machine with GPUs, or use accelerate_configs/ddp.yaml on a CPU",
+    at_start=True,
+)
 def _ran_on_cpu(view: RunView):
     fallback = view.env.get("cpu_fallback")
     if fallback:
         requested = fallback.get("requested_precision", "no")
-        return (f"a {fallback['processes']}-process launch ({'FSDP, ' if fallback.get('fsdp_requested') else ''}"
-                f"precision {requested}) found no usable GPU: it ran as DDP over gloo on the CPU "
-                f"({view.world_size} processes, {view.precision}); its figures are CPU figures")
+        return (
+            f"a {fallback['processes']}-process launch ({'FSDP, ' if fallback.get('fsdp_requested') else ''}"
+            f"precision {requested}) found no usable GPU: it ran as DDP over gloo on the CPU "
+            f"({view.world_size} processes, {view.precision}); its figures are CPU figures"
+        )
 
 
-@register("profiler_on", "the profiler was on while stages were timed",
-          "time without --profile (profile in a separate run)", at_start=True)
+@register(
+    "profiler_on",
+    "the profiler was on while stages were timed",
+    "time without --profile (profile in a separate run)",
+    at_start=True,
+)
 def _profiler(view: RunView):
     if view.setting("profile"):
-        return ("--profile traced steps while stages were timed: the traced steps are slower; take stage shares "
-                "from a run without --profile")
+        return (
+            "--profile traced steps while stages were timed: the traced steps are slower; take stage shares "
+            "from a run without --profile"
+        )
 
 
-@register("memory_snapshot_on", "the CUDA allocator history was recorded for a window of steps",
-          "take speed figures from a run without --memory-snapshot", at_start=True)
+@register(
+    "memory_snapshot_on",
+    "the CUDA allocator history was recorded for a window of steps",
+    "take speed figures from a run without --memory-snapshot",
+    at_start=True,
+)
 def _memory_snapshot(view: RunView):
     if view.setting("memory_snapshot") and view.on_cuda:
-        return ("--memory-snapshot recorded the allocator history over a window of steps, which slows them: "
-                "those steps are kept out of the steady figures (phase `snapshot`), but compare speed from a run "
-                "without it")
+        return (
+            "--memory-snapshot recorded the allocator history over a window of steps, which slows them: "
+            "those steps are kept out of the steady figures (phase `snapshot`), but compare speed from a run "
+            "without it"
+        )
 
 
-@register("bf16_emulated", "bf16 on a CPU without native bf16 (AVX512-BF16 / AMX): emulated and slow",
-          "compare speed in fp32 on this CPU (bf16 is emulated here); measure bf16 on a GPU or on a CPU with "
-          "AVX512-BF16 or AMX", at_start=True)
+@register(
+    "bf16_emulated",
+    "bf16 on a CPU without native bf16 (AVX512-BF16 / AMX): emulated and slow",
+    "compare speed in fp32 on this CPU (bf16 is emulated here); measure bf16 on a GPU or on a CPU with "
+    "AVX512-BF16 or AMX",
+    at_start=True,
+)
 def _bf16_emulated(view: RunView):
     if view.precision == "bf16" and view.on_cpu and view.env.get("cpu_native_bf16") is False:
-        return (f"bf16 autocast on {view.device_name} ({view.env.get('cpu_capability', 'no AVX512-BF16/AMX')}) is "
-                "emulated in software: its speed says nothing about bf16 on a GPU or on a CPU with AVX512-BF16 or AMX")
+        return (
+            f"bf16 autocast on {view.device_name} ({view.env.get('cpu_capability', 'no AVX512-BF16/AMX')}) is "
+            "emulated in software: its speed says nothing about bf16 on a GPU or on a CPU with AVX512-BF16 or AMX"
+        )
 
 
-@register("bf16_not_faster", "bf16 on a CPU whose bf16 matmuls measured no faster than fp32",
-          "train in fp32 on this CPU (accelerate_configs/cpu.yaml): its bf16 matmuls are not faster", at_start=True)
+@register(
+    "bf16_not_faster",
+    "bf16 on a CPU whose bf16 matmuls measured no faster than fp32",
+    "train in fp32 on this CPU (accelerate_configs/cpu.yaml): its bf16 matmuls are not faster",
+    at_start=True,
+)
 def _bf16_not_faster(view: RunView):
     bf16 = view.cpu_bf16
     native = bf16.get("native_by_flags")
     if view.precision == "bf16" and view.on_cpu and bf16.get("faster") is False and native is not False:
-        said = {True: f"although its flags list {', '.join(bf16.get('flags') or ['native bf16'])}",
-                None: "(its flags could not be read)"}[native]
+        said = {
+            True: f"although its flags list {', '.join(bf16.get('flags') or ['native bf16'])}",
+            None: "(its flags could not be read)",
+        }[native]
         rates = [(bf16.get(k) or 0) * 1e3 for k in ("bf16_tflops", "fp32_tflops")]
-        return (f"bf16 matmuls on {view.device_name} {said} measured {bf16['speedup']:.2f}x fp32's at this run's "
-                f"threads (bf16 {rates[0]:.0f} against fp32 {rates[1]:.0f} GFLOP/s): bf16 autocast is not buying "
-                "speed here")
+        return (
+            f"bf16 matmuls on {view.device_name} {said} measured {bf16['speedup']:.2f}x fp32's at this run's "
+            f"threads (bf16 {rates[0]:.0f} against fp32 {rates[1]:.0f} GFLOP/s): bf16 autocast is not buying "
+            "speed here"
+        )
 
 
-@register("fp16_unavailable", "fp16 was requested but the device ran another precision",
-          "use a config whose precision this device runs (fp16 needs CUDA)", at_start=True)
+@register(
+    "fp16_unavailable",
+    "fp16 was requested but the device ran another precision",
+    "use a config whose precision this device runs (fp16 needs CUDA)",
+    at_start=True,
+)
 def _fp16_unavailable(view: RunView):
     effective = view.precision
     if view.requested_precision == "fp16" and effective not in (None, "fp16"):
         return f"fp16 was requested but {view.device or 'the device'} ran {effective}: figures are {effective} figures"
 
 
-@register("tf32_implicit", "TF32 matmuls were in effect without --tf32",
-          "ask for TF32 explicitly, or keep true fp32: an implicit TF32 figure is mislabeled", ("--tf32",),
-          at_start=True)
+@register(
+    "tf32_implicit",
+    "TF32 matmuls were in effect without --tf32",
+    "ask for TF32 explicitly, or keep true fp32: an implicit TF32 figure is mislabeled",
+    ("--tf32",),
+    at_start=True,
+)
 def _tf32(view: RunView):
     if view.env.get("tf32_in_effect") and not view.setting("tf32"):
         return "TF32 matmuls were in effect although --tf32 was not given: an 'fp32' figure is a TF32 figure"
 
 
-@register("gpu_bf16_emulated", "bf16 on a GPU without native bf16 (compute capability below 8.0): emulated and slow",
-          "use fp16 on this GPU (accelerate_configs/fp16.yaml); measure bf16 on an Ampere or later GPU", at_start=True)
+@register(
+    "gpu_bf16_emulated",
+    "bf16 on a GPU without native bf16 (compute capability below 8.0): emulated and slow",
+    "use fp16 on this GPU (accelerate_configs/fp16.yaml); measure bf16 on an Ampere or later GPU",
+    at_start=True,
+)
 def _gpu_bf16_emulated(view: RunView):
     if view.precision == "bf16" and view.on_cuda and view.env.get("gpu_native_bf16") is False:
-        return (f"bf16 autocast on {view.device_name} (compute capability {view.env.get('gpu_compute_capability', '?')}, "
-                "no bf16 tensor cores) is emulated: its speed and memory say nothing about bf16 on an Ampere or later "
-                "GPU; fp16 is this GPU's fast precision")
+        return (
+            f"bf16 autocast on {view.device_name} (compute capability {view.env.get('gpu_compute_capability', '?')}, "
+            "no bf16 tensor cores) is emulated: its speed and memory say nothing about bf16 on an Ampere or later "
+            "GPU; fp16 is this GPU's fast precision"
+        )
 
 
-@register("tf32_unsupported", "--tf32 on a GPU without TF32 units: the matmuls ran in fp32",
-          "drop --tf32 on this GPU (TF32 needs compute capability 8.0, Ampere or later)", at_start=True)
+@register(
+    "tf32_unsupported",
+    "--tf32 on a GPU without TF32 units: the matmuls ran in fp32",
+    "drop --tf32 on this GPU (TF32 needs compute capability 8.0, Ampere or later)",
+    at_start=True,
+)
 def _tf32_unsupported(view: RunView):
     if view.setting("tf32") and view.on_cuda and view.env.get("tf32_supported") is False:
-        return (f"--tf32 was given but {view.device_name} (compute capability "
-                f"{view.env.get('gpu_compute_capability', '?')}) has no TF32 units: matmuls ran in fp32, and the "
-                "record says fp32")
+        return (
+            f"--tf32 was given but {view.device_name} (compute capability "
+            f"{view.env.get('gpu_compute_capability', '?')}) has no TF32 units: matmuls ran in fp32, and the "
+            "record says fp32"
+        )
 
 
-@register("stage_memory_every_step", "per-stage memory statistics read at every step cost time on CUDA",
-          "sample per-stage memory every 10 steps", ("--memory-every", "10"), at_start=True)
+@register(
+    "stage_memory_every_step",
+    "per-stage memory statistics read at every step cost time on CUDA",
+    "sample per-stage memory every 10 steps",
+    ("--memory-every", "10"),
+    at_start=True,
+)
 def _memory_statistics(view: RunView):
     if view.on_cuda and view.setting("memory_every") == 1:
         return "--memory-every 1 reads the allocator at every stage boundary: a few percent of step time on fast GPUs"
 
 
-@register("max_seq_length_clamped", "--max-seq-length was above what the model's position embeddings allow",
-          "lower --max-seq-length to the model's limit", at_start=True)
+@register(
+    "max_seq_length_clamped",
+    "--max-seq-length was above what the model's position embeddings allow",
+    "lower --max-seq-length to the model's limit",
+    at_start=True,
+)
 def _sequence_length(view: RunView):
     limit, requested = view.env.get("model_sequence_limit"), view.env.get("requested_max_seq_length")
     if limit is not None and requested is not None and requested > limit:
-        return f"--max-seq-length {requested} is above the model's {limit} positions: sequences were truncated to {limit}"
+        return (
+            f"--max-seq-length {requested} is above the model's {limit} positions: sequences were truncated to {limit}"
+        )
 
 
-@register("checkpoint_skipped", "--resume passed over checkpoints it could not read and continued from an older one",
-          "keep --output-dir on a disk with room, and let saves finish (a killed or failed save is never used)",
-          at_start=True)
+@register(
+    "checkpoint_skipped",
+    "--resume passed over checkpoints it could not read and continued from an older one",
+    "keep --output-dir on a disk with room, and let saves finish (a killed or failed save is never used)",
+    at_start=True,
+)
 def _checkpoint_skipped(view: RunView):
     skipped = view.checkpoints_skipped
     if skipped:
         listed = "; ".join(f"{s['checkpoint']} ({s['problem']})" for s in skipped)
-        return (f"--resume could not use {listed}: it was removed and the run continued from an older checkpoint, "
-                "retraining the steps in between")
+        return (
+            f"--resume could not use {listed}: it was removed and the run continued from an older checkpoint, "
+            "retraining the steps in between"
+        )
 
 
-@register("record_rebuilt", "the record of a resumed run was unreadable and began again from the checkpoint",
-          "do not edit record.json by hand; keep runs/ on a disk with room", at_start=True)
+@register(
+    "record_rebuilt",
+    "the record of a resumed run was unreadable and began again from the checkpoint",
+    "do not edit record.json by hand; keep runs/ on a disk with room",
+    at_start=True,
+)
 def _record_rebuilt(view: RunView):
     if view.record_rebuilt:
-        return (f"the run's record could not be read ({view.record_rebuilt}): the resumed run wrote a new one, so "
-                "it lacks what the earlier record said (its creation time, earlier resumes); the timing continues "
-                "from the checkpoint")
+        return (
+            f"the run's record could not be read ({view.record_rebuilt}): the resumed run wrote a new one, so "
+            "it lacks what the earlier record said (its creation time, earlier resumes); the timing continues "
+            "from the checkpoint"
+        )
 
 
 def machine_kind(view: RunView) -> str:
@@ -237,80 +326,124 @@ def kind_difference(tuned_on: str, here: str) -> str | None:
     if there is None or found is None:
         return f"'{tuned_on}' is not a machine as make tune writes it, so it cannot be compared"
     keys = ["device", "isa", "bf16"] + (["name"] if found["device"] == "cuda" else [])
-    differ = [f"{key if key != 'isa' else 'instruction set'} {there[key]} there, {found[key]} here" for key in keys
-              if there[key] != found[key] and "unknown" not in (there[key], found[key])]
+    differ = [
+        f"{key if key != 'isa' else 'instruction set'} {there[key]} there, {found[key]} here"
+        for key in keys
+        if there[key] != found[key] and "unknown" not in (there[key], found[key])
+    ]
     return "; ".join(differ) or None
 
 
-@register("tuned_elsewhere", "the command was tuned by make tune on a machine of another kind (--tuned-on)",
-          "run make tune on this machine: what it kept elsewhere (bf16 where bf16 was native, a batch that fit) may be "
-          "slower here", at_start=True)
+@register(
+    "tuned_elsewhere",
+    "the command was tuned by make tune on a machine of another kind (--tuned-on)",
+    "run make tune on this machine: what it kept elsewhere (bf16 where bf16 was native, a batch that fit) may be "
+    "slower here",
+    at_start=True,
+)
 def _tuned_elsewhere(view: RunView):
     tuned_on = view.setting("tuned_on")
     if not tuned_on:
         return None
     differ = kind_difference(tuned_on, machine_kind(view))
     if differ:
-        return (f"this command was tuned on {tuned_on}, this run is on {machine_kind(view)} ({differ}): the speed-ups "
-                "make tune measured there need not hold here")
+        return (
+            f"this command was tuned on {tuned_on}, this run is on {machine_kind(view)} ({differ}): the speed-ups "
+            "make tune measured there need not hold here"
+        )
 
 
-@register("recompiles", "torch.compile recompiled during the run", "give torch.compile one input shape",
-          ("--pad-to-max-length",))
+@register(
+    "recompiles",
+    "torch.compile recompiled during the run",
+    "give torch.compile one input shape",
+    ("--pad-to-max-length",),
+)
 def _compile(view: RunView):
     recompiles = (view.compile or {}).get("recompiles") or 0
     if recompiles > 0:
-        return (f"torch.compile recompiled {recompiles} times (new input shapes): compile time leaked into training "
-                "steps; --pad-to-max-length gives one shape")
+        return (
+            f"torch.compile recompiled {recompiles} times (new input shapes): compile time leaked into training "
+            "steps; --pad-to-max-length gives one shape"
+        )
 
 
-@register("eval_dominates", "evaluation took most of the wall time", "evaluate on fewer samples",
-          ("--max-eval-samples", "1000", "--max-test-samples", "1000"))
+@register(
+    "eval_dominates",
+    "evaluation took most of the wall time",
+    "evaluate on fewer samples",
+    ("--max-eval-samples", "1000", "--max-test-samples", "1000"),
+)
 def _evaluation(view: RunView):
     share = view.shares("run").get("eval")
     if share is not None and share > EVAL_SHARE_LIMIT:
-        return (f"evaluation took {share:.0%} of wall time: the time breakdown describes evaluation more than "
-                "training (--max-eval-samples, --max-test-samples)")
+        return (
+            f"evaluation took {share:.0%} of wall time: the time breakdown describes evaluation more than "
+            "training (--max-eval-samples, --max-test-samples)"
+        )
 
 
-@register("few_steady_steps", "too few steady-state steps for a steady-state figure",
-          "run more steps (--max-steps) so the steady phase has enough samples")
+@register(
+    "few_steady_steps",
+    "too few steady-state steps for a steady-state figure",
+    "run more steps (--max-steps) so the steady phase has enough samples",
+)
 def _steady(view: RunView):
     if not view.throughput:
         return None
     steps = view.optimizer_steps_timed or 0
     if steps < MIN_STEADY_STEPS:
-        return (f"only {steps} steady-state optimizer steps (at least {MIN_STEADY_STEPS} wanted): throughput rests on "
-                "few samples")
+        return (
+            f"only {steps} steady-state optimizer steps (at least {MIN_STEADY_STEPS} wanted): throughput rests on "
+            "few samples"
+        )
 
 
-@register("mfu_unknown", "no datasheet peak for this GPU: no MFU",
-          "add the device's datasheet peak to trainscope/flops.py")
+@register(
+    "mfu_unknown", "no datasheet peak for this GPU: no MFU", "add the device's datasheet peak to trainscope/flops.py"
+)
 def _mfu(view: RunView):
     if view.on_cuda and "mfu" in view.summary and view.mfu is None:
         known, variant = peak_tflops(view.device_name, view.precision or "fp32"), variant_reason(view.device_name)
-        return (f"{view.device_name} is not in the datasheet peak table (trainscope/flops.py) for {view.precision}"
-                f"{f' ({variant})' if variant else ''}: MFU is not computed rather than guessed") if known is None else None
+        return (
+            (
+                f"{view.device_name} is not in the datasheet peak table (trainscope/flops.py) for {view.precision}"
+                f"{f' ({variant})' if variant else ''}: MFU is not computed rather than guessed"
+            )
+            if known is None
+            else None
+        )
 
 
 def _comm_transfer(block: dict):
     return block.get("transfer_s", block.get("total_allreduce_s"))  # schema 3 named it total_allreduce_s
 
 
-@register("comm_not_resolved", "the exposed communication's interval includes 0 or spans more than the time itself",
-          "run more steps, on a quieter machine")
+@register(
+    "comm_not_resolved",
+    "the exposed communication's interval includes 0 or spans more than the time itself",
+    "run more steps, on a quieter machine",
+)
 def _exposed_not_resolved(view: RunView):
     block = view.communication or {}
     interval = block.get("exposed_interval")
     if block.get("measured") and block.get("method") and not block.get("exposed_resolved"):
-        where = (f"between {max(0.0, interval[0]) * 1e3:.1f} and {interval[1] * 1e3:.1f} ms" if interval else
-                 f"too few steps for a 95% interval ({block.get('steps')})")
-        return (f"exposed communication not resolved over {block.get('steps')} steady steps: {where} per step; no "
-                "share of the step is given")
+        where = (
+            f"between {max(0.0, interval[0]) * 1e3:.1f} and {interval[1] * 1e3:.1f} ms"
+            if interval
+            else f"too few steps for a 95% interval ({block.get('steps')})"
+        )
+        return (
+            f"exposed communication not resolved over {block.get('steps')} steady steps: {where} per step; no "
+            "share of the step is given"
+        )
 
 
-@register("above_measured_peak", "the run's matmuls measured faster than the machine's measured matmul peak",
-          "measure the peak again on a quiet machine (delete the trainscope cache folder named in the record)")
+@register(
+    "above_measured_peak",
+    "the run's matmuls measured faster than the machine's measured matmul peak",
+    "measure the peak again on a quiet machine (delete the trainscope cache folder named in the record)",
+)
 def _above_measured_peak(view: RunView):
     """The measured peak checked against a second instrument: the FLOP/s the run's matmuls executed (its model FLOPs,
     frozen weights without weight gradients, and activation checkpointing's recomputation: trainscope.flops), and
@@ -323,72 +456,103 @@ def _above_measured_peak(view: RunView):
     if not peak:
         return None
     executed = measured.get("executed_tflops", measured.get("achieved_tflops"))  # older records: model FLOPs alone
-    readings = [("the run's executed FLOP/s", executed),
-                ("the profiled matmuls", matmul_rate(view.gap_breakdown or {}))]
+    readings = [
+        ("the run's executed FLOP/s", executed),
+        ("the profiled matmuls", matmul_rate(view.gap_breakdown or {})),
+    ]
     over = [f"{name} {rate * 1e3:.1f} GFLOP/s" for name, rate in readings if rate and rate > peak * (1 + spread)]
     if over:
-        return (f"{' and '.join(over)} above this machine's measured {measured['precision']} matmul peak "
-                f"{peak * 1e3:.1f} GFLOP/s (+{spread:.0%}, its spread): the peak was measured low (a busy machine?) "
-                f"-- shares of it are overstated")
+        return (
+            f"{' and '.join(over)} above this machine's measured {measured['precision']} matmul peak "
+            f"{peak * 1e3:.1f} GFLOP/s (+{spread:.0%}, its spread): the peak was measured low (a busy machine?) "
+            f"-- shares of it are overstated"
+        )
 
 
-@register("prediction_fit_at_bound", "a coefficient of the predictor's calibration is held at a bound of its fit",
-          "calibrate again on a quiet machine (make predict-calibrate); if it stays there, the framework's time on this "
-          "machine is not what the predictor models")
+@register(
+    "prediction_fit_at_bound",
+    "a coefficient of the predictor's calibration is held at a bound of its fit",
+    "calibrate again on a quiet machine (make predict-calibrate); if it stays there, the framework's time on this "
+    "machine is not what the predictor models",
+)
 def _prediction_fit_at_bound(view: RunView):
     bounds = ((view.prediction or {}).get("calibration") or {}).get("at_bound") or []
     if bounds:
-        return (f"the prediction's calibration has {'; '.join(bounds)}: the fit wanted beyond it, so that fitted term "
-                "is off on this machine (trainscope.calibration)")
+        return (
+            f"the prediction's calibration has {'; '.join(bounds)}: the fit wanted beyond it, so that fitted term "
+            "is off on this machine (trainscope.calibration)"
+        )
 
 
-@register("comm_exposed_above_total", "exposed communication measured above the all-reduce's own duration",
-          "re-measure on a quieter machine: backward waited for more than the transfer alone takes")
+@register(
+    "comm_exposed_above_total",
+    "exposed communication measured above the all-reduce's own duration",
+    "re-measure on a quieter machine: backward waited for more than the transfer alone takes",
+)
 def _exposed_above_total(view: RunView):
     block = view.communication or {}
     exposed, total = block.get("exposed_s"), _comm_transfer(block)
     interval = block.get("exposed_interval") or ([exposed, exposed] if block.get("method") is None else None)
     if block.get("measured") and block.get("exposed_resolved", True) and exposed_above_transfer(interval, total):
-        return (f"exposed communication {exposed * 1e3:.1f} ms (95% interval {interval[0] * 1e3:.1f}-"
-                f"{interval[1] * 1e3:.1f} ms) is more than the all-reduce of the same buckets alone "
-                f"({total * 1e3:.1f} ms): backward waited for more than communication (contention for the cores); "
-                "the figures are reported as measured, not clamped, and no hidden share is given")
+        return (
+            f"exposed communication {exposed * 1e3:.1f} ms (95% interval {interval[0] * 1e3:.1f}-"
+            f"{interval[1] * 1e3:.1f} ms) is more than the all-reduce of the same buckets alone "
+            f"({total * 1e3:.1f} ms): backward waited for more than communication (contention for the cores); "
+            "the figures are reported as measured, not clamped, and no hidden share is given"
+        )
 
 
 def _verdicts(block: dict, verdict: str) -> list[str]:
     """'<what> by <instrument> (median difference, interval, tolerance)' for each comparison with this verdict."""
     found = []
-    for name, agreed in (("DDP's own logger", (block.get("agreement") or {}).get("ddp")),
-                         ("the profiler trace", (block.get("agreement") or {}).get("trace"))):
-        for what, result, scale, unit in (("exposed time", agreed, 1e3, " ms"),
-                                          ("overlap", (agreed or {}).get("overlap"), 100, " points")):
+    for name, agreed in (
+        ("DDP's own logger", (block.get("agreement") or {}).get("ddp")),
+        ("the profiler trace", (block.get("agreement") or {}).get("trace")),
+    ):
+        for what, result, scale, unit in (
+            ("exposed time", agreed, 1e3, " ms"),
+            ("overlap", (agreed or {}).get("overlap"), 100, " points"),
+        ):
             if result and result.get("verdict") == verdict and not result.get("pairs"):
                 found.append(f"{what} against {name}: no paired steps")
             elif result and result.get("verdict") == verdict:
                 interval = result.get("interval")
-                found.append(f"{what} against {name}: median difference {result['median_difference'] * scale:+.1f}{unit}"
-                             + (f", 95% interval {interval[0] * scale:+.1f} to {interval[1] * scale:+.1f}" if interval
-                                else ", too few pairs for a 95% interval")
-                             + f", tolerance +-{result['tolerance'] * scale:.1f}{unit}, {result['pairs']} paired steps")
+                found.append(
+                    f"{what} against {name}: median difference {result['median_difference'] * scale:+.1f}{unit}"
+                    + (
+                        f", 95% interval {interval[0] * scale:+.1f} to {interval[1] * scale:+.1f}"
+                        if interval
+                        else ", too few pairs for a 95% interval"
+                    )
+                    + f", tolerance +-{result['tolerance'] * scale:.1f}{unit}, {result['pairs']} paired steps"
+                )
     return found
 
 
-@register("comm_instruments_disagree",
-          "trainscope's per-step communication figures disagree with DDP's own logger (or the profiler trace) on "
-          "the same steps",
-          "read both instruments' figures in the record; re-measure with more steps")
+@register(
+    "comm_instruments_disagree",
+    "trainscope's per-step communication figures disagree with DDP's own logger (or the profiler trace) on "
+    "the same steps",
+    "read both instruments' figures in the record; re-measure with more steps",
+)
 def _instruments_disagree(view: RunView):
     found = _verdicts(view.communication or {}, "disagree")
     if found:
-        return ("the instruments disagree beyond the tolerance stated before measuring (the 95% interval of the "
-                f"median paired difference lies outside it): {'; '.join(found)}; neither figure is trusted alone")
+        return (
+            "the instruments disagree beyond the tolerance stated before measuring (the 95% interval of the "
+            f"median paired difference lies outside it): {'; '.join(found)}; neither figure is trusted alone"
+        )
 
 
-@register("comm_instruments_undecided",
-          "trainscope's per-step communication figures could not be shown to agree with DDP's own logger (or the trace)",
-          "run more steps: DDP's logger samples iterations 1-10, then every 100th")
+@register(
+    "comm_instruments_undecided",
+    "trainscope's per-step communication figures could not be shown to agree with DDP's own logger (or the trace)",
+    "run more steps: DDP's logger samples iterations 1-10, then every 100th",
+)
 def _instruments_undecided(view: RunView):
     found = _verdicts(view.communication or {}, "undecided")
     if found:
-        return ("agreement with a second instrument not shown (too few paired steps, or paired differences too spread "
-                f"to tell against the tolerance): {'; '.join(found)}")
+        return (
+            "agreement with a second instrument not shown (too few paired steps, or paired differences too spread "
+            f"to tell against the tolerance): {'; '.join(found)}"
+        )

@@ -41,8 +41,12 @@ def config_argument(name: str) -> str:
 def config_facts(config: Path | None) -> dict:
     """What a config asks for: processes, distributed type, precision, CPU only."""
     values = yaml.safe_load(Path(config).read_text()) if config else {}
-    return {"num_processes": int(values.get("num_processes", 1)), "distributed_type": values.get("distributed_type", "NO"),
-            "mixed_precision": values.get("mixed_precision", "no"), "use_cpu": bool(values.get("use_cpu", False))}
+    return {
+        "num_processes": int(values.get("num_processes", 1)),
+        "distributed_type": values.get("distributed_type", "NO"),
+        "mixed_precision": values.get("mixed_precision", "no"),
+        "use_cpu": bool(values.get("use_cpu", False)),
+    }
 
 
 def cuda_devices() -> int:
@@ -77,11 +81,16 @@ def accelerate_launch(config: str | None = None) -> list[str]:
     With no config and no default config, accelerate 1.15 starts one process per visible GPU
     (`_validate_launch_command` in accelerate/commands/launch.py): a run meant as one process would
     turn into DDP on a multi-GPU host and report a global figure next to a single process's."""
-    return [ACCELERATE, "launch", *(["--config_file", str(config_path(config))] if config else ["--num_processes", "1"])]
+    return [
+        ACCELERATE,
+        "launch",
+        *(["--config_file", str(config_path(config))] if config else ["--num_processes", "1"]),
+    ]
 
 
-def train_command(train_args: list[str], config: str | None = None, launcher: str = "accelerate",
-                  script: Path = TRAIN_SCRIPT) -> list[str]:
+def train_command(
+    train_args: list[str], config: str | None = None, launcher: str = "accelerate", script: Path = TRAIN_SCRIPT
+) -> list[str]:
     """The documented command; `script` is train.py unless a caller runs a wrapper of it (tests do)."""
     if launcher == "python":
         return [PYTHON, str(script), *train_args]
@@ -96,9 +105,15 @@ def training_env(on_cpu: bool | None = None, extra: dict | None = None) -> dict:
     return env
 
 
-def run_training(train_args: list[str], config: str | None = None, launcher: str = "accelerate",
-                 env: dict | None = None, timeout: float | None = None, echo: bool = True,
-                 script: Path = TRAIN_SCRIPT) -> subprocess.CompletedProcess:
+def run_training(
+    train_args: list[str],
+    config: str | None = None,
+    launcher: str = "accelerate",
+    env: dict | None = None,
+    timeout: float | None = None,
+    echo: bool = True,
+    script: Path = TRAIN_SCRIPT,
+) -> subprocess.CompletedProcess:
     """Run train.py by the documented command; output captured. On timeout the whole launch
     (launcher and workers) is killed."""
     command = train_command(train_args, config, launcher, script)
@@ -130,15 +145,17 @@ def run_captured(command: list[str], env: dict, timeout: float | None = None) ->
     and the result ends in `error: timed out after N s`. An exception while waiting (Ctrl-C's
     KeyboardInterrupt, a signal handler's exception) kills it too before going on: in its own session
     the launch never sees the terminal's Ctrl-C and would run on, orphaned."""
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(process.pid)
         stdout, stderr = process.communicate()
-        return subprocess.CompletedProcess(command, -signal.SIGKILL, stdout,
-                                           stderr + f"\nerror: timed out after {timeout:.0f} s")
+        return subprocess.CompletedProcess(
+            command, -signal.SIGKILL, stdout, stderr + f"\nerror: timed out after {timeout:.0f} s"
+        )
     except BaseException:
         kill_tree(process.pid)
         process.communicate()
@@ -168,6 +185,6 @@ def failure_reason(result: subprocess.CompletedProcess) -> str:
     """The run's own `error:` line, else the last line of its output."""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     if errors:
-        return errors[-1][len("error: "):]
+        return errors[-1][len("error: ") :]
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     return lines[-1] if lines else f"exit status {result.returncode}"

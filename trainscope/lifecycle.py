@@ -56,8 +56,18 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # torchrun gives the survivors between its SIGTERM and SIGKILL.
 WATCH_SILENCE_S = 10.0
 # What a record says of how a run ended (and of its latest resume), dropped when it is resumed.
-ENDING_KEYS = ("finished", "interruption", "error", "failed_at_step", "failed_rank", "lost_ranks", "summary", "warnings",
-               "record_rebuilt", "checkpoints_skipped")
+ENDING_KEYS = (
+    "finished",
+    "interruption",
+    "error",
+    "failed_at_step",
+    "failed_rank",
+    "lost_ranks",
+    "summary",
+    "warnings",
+    "record_rebuilt",
+    "checkpoints_skipped",
+)
 
 
 def exit_code(signum: int) -> int:
@@ -223,8 +233,9 @@ class RunLifecycle:
         metrics.resume_from(resumed)
         env = metrics.environment()
         names = trackers.trackers_for(self.settings.report_to)
-        init_kwargs, tracker_facts = trackers.init_kwargs(names, self.run_dir.name, self.run_dir,
-                                                          self.settings.tracker_group)
+        init_kwargs, tracker_facts = trackers.init_kwargs(
+            names, self.run_dir.name, self.run_dir, self.settings.tracker_group
+        )
         if self.record:
             self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
             self._prepare_forced_exit()
@@ -235,10 +246,16 @@ class RunLifecycle:
         if self.watch is not None:  # the main process watches every peer; the others watch the main process
             self.watch.watch(self._peer_lost, None if self.record else [0], silence_s=WATCH_SILENCE_S)
         if names:
-            self.accelerator.init_trackers("trainscope", config=trackers.flat_config(asdict(self.settings)),
-                                           init_kwargs=init_kwargs)
-        self.progress = tqdm(total=self.plan["optimizer_steps"], initial=metrics.loop.step, desc="training",
-                             unit="step", disable=not self.accelerator.is_local_main_process)
+            self.accelerator.init_trackers(
+                "trainscope", config=trackers.flat_config(asdict(self.settings)), init_kwargs=init_kwargs
+            )
+        self.progress = tqdm(
+            total=self.plan["optimizer_steps"],
+            initial=metrics.loop.step,
+            desc="training",
+            unit="step",
+            disable=not self.accelerator.is_local_main_process,
+        )
 
     def _write_header(self, resumed, env, model_facts, data_facts, tracker_facts, prediction=None) -> None:
         resume = {}
@@ -252,9 +269,16 @@ class RunLifecycle:
             self.record.truncate_steps(after_step=resumed["step"])
             resume["checkpoints_skipped"] = self.started.checkpoints_skipped or None
         self.record.update(
-            run_name=self.run_dir.name, status="running", created=self.record.data.get("created", now_iso()),
-            settings=asdict(self.settings), environment=env, provenance=provenance.collect(),
-            model=model_facts, data=data_facts, trackers=tracker_facts, plan=self.plan,
+            run_name=self.run_dir.name,
+            status="running",
+            created=self.record.data.get("created", now_iso()),
+            settings=asdict(self.settings),
+            environment=env,
+            provenance=provenance.collect(),
+            model=model_facts,
+            data=data_facts,
+            trackers=tracker_facts,
+            plan=self.plan,
             prediction=self.record.data.get("prediction") if resumed else prediction,
             resumed_from=self.record.data.get("resumed_from", []) + ([resumed["checkpoint"]] if resumed else []),
             **resume,
@@ -264,12 +288,28 @@ class RunLifecycle:
         """The record a second signal writes (the handler may not build it): interrupted, forced, no summary; or,
         once the run is failing, the failure."""
         if failure:
-            records = {signum: self.record.render(status="failed", finished=_FINISHED_MARK, failed_at_step=_STEP_MARK,
-                                                  **failure) for signum in STOP_SIGNALS}
+            records = {
+                signum: self.record.render(
+                    status="failed", finished=_FINISHED_MARK, failed_at_step=_STEP_MARK, **failure
+                )
+                for signum in STOP_SIGNALS
+            }
         else:
-            records = {signum: self.record.render(status="interrupted", finished=_FINISHED_MARK, interruption={
-                "signal": signal.Signals(signum).name, "step": _STEP_MARK, "checkpoint": None, "forced": True,
-                "received_here": True, "received_by": self.rank}) for signum in STOP_SIGNALS}
+            records = {
+                signum: self.record.render(
+                    status="interrupted",
+                    finished=_FINISHED_MARK,
+                    interruption={
+                        "signal": signal.Signals(signum).name,
+                        "step": _STEP_MARK,
+                        "checkpoint": None,
+                        "forced": True,
+                        "received_here": True,
+                        "received_by": self.rank,
+                    },
+                )
+                for signum in STOP_SIGNALS
+            }
         self.signals.prepare(self.record.path, records, lambda: self.metrics.loop.step if self.metrics else 0)
 
     def batches(self, loader, epoch: int):
@@ -284,8 +324,12 @@ class RunLifecycle:
         """Say, once, from the training thread, that a signal was received (the handler does not print)."""
         if self.signals.received and not self._noticed:
             self._noticed = True
-            print(f"\n{signal.Signals(self.signals.received).name} received: stopping at the next step boundary "
-                  "and recording what was measured (send it again to exit at once)", file=sys.stderr, flush=True)
+            print(
+                f"\n{signal.Signals(self.signals.received).name} received: stopping at the next step boundary "
+                "and recording what was measured (send it again to exit at once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def check(self) -> None:
         """A boundary inside the loop: a single process stops here if asked and its state is whole. With
@@ -329,7 +373,9 @@ class RunLifecycle:
         """A checkpoint of this step (the one already written when --save-every just did)."""
         step = self.metrics.loop.step
         if self.saved_step != step:
-            self.saved_checkpoint = checkpoints.save(self.accelerator, self.run_dir, self.metrics.checkpoint_state()).name
+            self.saved_checkpoint = checkpoints.save(
+                self.accelerator, self.run_dir, self.metrics.checkpoint_state()
+            ).name
             self.saved_step = step
         return self.saved_checkpoint
 
@@ -382,16 +428,20 @@ class RunLifecycle:
         result, _ = self.metrics.summarize(test_scores)
         if self.record:
             self._forget_a_failure_the_run_outlived()
-            self.record.update(status="complete", finished=now_iso(), summary=result,
-                               warnings=self._warnings(self.record, result))
+            self.record.update(
+                status="complete", finished=now_iso(), summary=result, warnings=self._warnings(self.record, result)
+            )
             self.signals.prepare(self.record.path, None)  # complete stays complete, whatever comes now
             print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)
         late = self.signals.received
         shut_down(self.accelerator)
         self._stop_watch()
         if late and not self._noticed:  # after every rank had agreed the run was complete
-            print(f"{signal.Signals(late).name} received after the run completed: its record is complete",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(late).name} received after the run completed: its record is complete",
+                file=sys.stderr,
+                flush=True,
+            )
         return result
 
     def _forget_a_failure_the_run_outlived(self) -> None:
@@ -420,20 +470,39 @@ class RunLifecycle:
         if self.vote is not None:
             self.vote.settle()
         result, _ = self._partial_summary(gather=True)
-        interruption = {"signal": name, "step": step, "checkpoint": checkpoint,
-                        "received_here": self.signals.received == signum, "received_by": by,
-                        **({"checkpoint_error": one_line(unsaved)} if unsaved else {})}
+        interruption = {
+            "signal": name,
+            "step": step,
+            "checkpoint": checkpoint,
+            "received_here": self.signals.received == signum,
+            "received_by": by,
+            **({"checkpoint_error": one_line(unsaved)} if unsaved else {}),
+        }
         if self.record and self.record.path.exists():
             self._forget_a_failure_the_run_outlived()
-            self._write(self.record, status="interrupted", finished=now_iso(), interruption=interruption,
-                        **({"summary": result, "warnings": self._warnings(self.record, result)} if result else {}))
+            self._write(
+                self.record,
+                status="interrupted",
+                finished=now_iso(),
+                interruption=interruption,
+                **({"summary": result, "warnings": self._warnings(self.record, result)} if result else {}),
+            )
             self.signals.prepare(self.record.path, None)  # written whole: a forced exit now leaves it so
             if result:
                 print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)
-            resume = (f"; continue with --resume --run-name {self.run_dir.name}" if checkpoint else
-                      "" if self.settings.save_on_interrupt else "; --save-on-interrupt would have kept a checkpoint")
-            print(f"interrupted by {name} after optimizer step {step}: the record says so "
-                  f"({self.run_dir / 'record.json'}){resume}", file=sys.stderr, flush=True)
+            resume = (
+                f"; continue with --resume --run-name {self.run_dir.name}"
+                if checkpoint
+                else ""
+                if self.settings.save_on_interrupt
+                else "; --save-on-interrupt would have kept a checkpoint"
+            )
+            print(
+                f"interrupted by {name} after optimizer step {step}: the record says so "
+                f"({self.run_dir / 'record.json'}){resume}",
+                file=sys.stderr,
+                flush=True,
+            )
         if unsaved is not None:
             report(unsaved)
         shut_down(self.accelerator, wait=False)
@@ -446,9 +515,11 @@ class RunLifecycle:
         self._begin_ending()
         step = self.metrics.loop.step if self.metrics else 0
         if isinstance(error, torch.OutOfMemoryError):
-            error.add_note(f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
-                           f"{step + 1}): halve it and double --gradient-accumulation-steps, or add "
-                           "--gradient-checkpointing, a bf16/fp16 config or --lora")
+            error.add_note(
+                f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
+                f"{step + 1}): halve it and double --gradient-accumulation-steps, or add "
+                "--gradient-checkpointing, a bf16/fp16 config or --lora"
+            )
         if lost_a_peer(error):
             raised, failure = self._collective_failure(error)
         else:
@@ -462,8 +533,14 @@ class RunLifecycle:
             self._prepare_forced_exit(**failure)
         if record is not None and record.path.exists():
             result, _ = self._partial_summary(gather=False)
-            self._write(record, status="failed", finished=now_iso(), failed_at_step=step, **failure,
-                        **({"summary": result, "warnings": self._warnings(record, result)} if result else {}))
+            self._write(
+                record,
+                status="failed",
+                finished=now_iso(),
+                failed_at_step=step,
+                **failure,
+                **({"summary": result, "warnings": self._warnings(record, result)} if result else {}),
+            )
             self.signals.prepare(record.path, None)
         shut_down(self.accelerator, wait=False)
         if self.watch is not None:
@@ -510,9 +587,15 @@ class RunLifecycle:
                 if record is None:
                     return
             line = f"rank {cause.rank} failed: {cause.error}" if cause.state == "failed" else cause.describe()
-            self._write(record, status="failed", finished=now_iso(), error=line,
-                        failed_at_step=self.metrics.loop.step if self.metrics else 0, failed_rank=cause.rank,
-                        lost_ranks=[v.name for v in verdicts if v.state == "vanished"] or None)
+            self._write(
+                record,
+                status="failed",
+                finished=now_iso(),
+                error=line,
+                failed_at_step=self.metrics.loop.step if self.metrics else 0,
+                failed_rank=cause.rank,
+                lost_ranks=[v.name for v in verdicts if v.state == "vanished"] or None,
+            )
 
     @staticmethod
     def _warnings(record: RunRecord, summary: dict) -> list[dict]:

@@ -71,8 +71,9 @@ def lost_a_peer(error: BaseException) -> bool:
     if isinstance(error, getattr(torch.distributed, "DistError", ())):
         return True
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(word in text for word in ("connection", "gloo", "nccl", "timed out",
-                                                                              "timeout", "broken pipe"))
+    return isinstance(error, RuntimeError) and any(
+        word in text for word in ("connection", "gloo", "nccl", "timed out", "timeout", "broken pipe")
+    )
 
 
 def collective_timed_out(error: BaseException) -> bool:
@@ -112,8 +113,8 @@ def _own_connection(store):
 class PeerWatch:
     def __init__(self, store, rank: int, world: int, beat_s: float = BEAT_S, patience_s: float = PATIENCE_S):
         self.rank, self.world, self.beat_s, self.patience_s = rank, world, beat_s, patience_s
-        self._store = _own_connection(store)          # the training thread's
-        self._thread_store = _own_connection(store)   # the beating thread's
+        self._store = _own_connection(store)  # the training thread's
+        self._thread_store = _own_connection(store)  # the beating thread's
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._on_lost, self._watched, self._silence_s = None, (), patience_s
@@ -156,9 +157,11 @@ class PeerWatch:
 
     def _look(self) -> None:
         """One look at the watched peers; the callback, once, for those found failed or silent for too long."""
-        lost = [v if v.state != "vanished" or v.silent_s >= self._silence_s else None
-                for v in self._observe(self._thread_store, self._watched, self._last_seen)
-                if v.state in ("failed", "vanished")]
+        lost = [
+            v if v.state != "vanished" or v.silent_s >= self._silence_s else None
+            for v in self._observe(self._thread_store, self._watched, self._last_seen)
+            if v.state in ("failed", "vanished")
+        ]
         lost = [v for v in lost if v is not None]
         with self._lock:
             callback = self._on_lost
@@ -177,8 +180,11 @@ class PeerWatch:
         `seen`: rank -> (beat, when it was last seen to move), updated."""
         now = time.monotonic()
         published = int(store.add(self._key("errors", "count"), 0)) > 0  # one call, unless some rank failed
-        failed = {r: json.loads(store.get(self._key("error", r)))
-                  for r in ranks if published and store.check([self._key("error", r)])}
+        failed = {
+            r: json.loads(store.get(self._key("error", r)))
+            for r in ranks
+            if published and store.check([self._key("error", r)])
+        }
         beats = store.multi_get([self._key("beat", r) for r in ranks]) if ranks else []
         found = []
         for rank, beat in zip(ranks, beats):
@@ -193,8 +199,11 @@ class PeerWatch:
                 found.append(Verdict(rank, "alive") if moved else Verdict(rank, "silent", silent_s=0.0))
                 continue
             silent = now - previous[1]
-            found.append(Verdict(rank, "vanished", where=self._where(store, rank), silent_s=silent)
-                         if silent >= self.patience_s else Verdict(rank, "silent", silent_s=silent))
+            found.append(
+                Verdict(rank, "vanished", where=self._where(store, rank), silent_s=silent)
+                if silent >= self.patience_s
+                else Verdict(rank, "silent", silent_s=silent)
+            )
         return found
 
     def _where(self, store, rank: int) -> str | None:
@@ -224,8 +233,9 @@ class PeerWatch:
         from trainscope.records import redact  # the store is a network service: no credential goes there
 
         try:
-            self._store.compare_set(self._key("error", self.rank), "",
-                                    json.dumps({"line": redact(line), "caused_by": caused_by}))
+            self._store.compare_set(
+                self._key("error", self.rank), "", json.dumps({"line": redact(line), "caused_by": caused_by})
+            )
             self._store.add(self._key("errors", "count"), 1)
         except Exception:  # the store is gone: the peers will say `unknown`
             pass
@@ -242,8 +252,10 @@ class PeerWatch:
         deadline, seen = started + self.patience_s + self.beat_s, dict(self._last_seen)  # the thread's looks so far
         try:
             while True:
-                found = {v.rank: v for v in self._observe(self._store, [r for r in peers if r not in known], seen,
-                                                          since=started)}
+                found = {
+                    v.rank: v
+                    for v in self._observe(self._store, [r for r in peers if r not in known], seen, since=started)
+                }
                 found.update(known)
                 undecided = [v for v in found.values() if v.state == "silent"]
                 if not undecided or time.monotonic() > deadline:
@@ -252,8 +264,12 @@ class PeerWatch:
         except Exception as error:
             reason = f"the launcher's store is unreachable: {first_line(error)}"
             return {r: known.get(r) or Verdict(r, "unknown", reason=reason) for r in peers}
-        found = {r: v if v.state != "silent" else Verdict(r, "vanished", where=self._where(self._store, r),
-                                                            silent_s=v.silent_s) for r, v in found.items()}
+        found = {
+            r: v
+            if v.state != "silent"
+            else Verdict(r, "vanished", where=self._where(self._store, r), silent_s=v.silent_s)
+            for r, v in found.items()
+        }
         with self._lock:
             self.judged.update({r: v for r, v in found.items() if v.state in ("failed", "vanished")})
         return found
@@ -271,7 +287,9 @@ class PeerWatch:
         self.quiet()
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)  # a thread stuck on an unreachable store is a daemon: it ends with the process
+            self._thread.join(
+                timeout=1.0
+            )  # a thread stuck on an unreachable store is a daemon: it ends with the process
         if _current is self:
             _current = None
 
@@ -286,8 +304,11 @@ def root_cause(verdicts) -> "Verdict | None":
     """The peer whose failure ended the run: the lowest rank that failed of its own error, else the lowest that
     vanished, else the lowest that failed because of another (whose cause was not found)."""
     lost = sorted(verdicts, key=lambda v: v.rank)
-    for wanted in (lambda v: v.state == "failed" and v.caused_by is None, lambda v: v.state == "vanished",
-                   lambda v: v.state == "failed"):
+    for wanted in (
+        lambda v: v.state == "failed" and v.caused_by is None,
+        lambda v: v.state == "vanished",
+        lambda v: v.state == "failed",
+    ):
         found = [v for v in lost if wanted(v)]
         if found:
             return found[0]
@@ -307,19 +328,26 @@ def explain_collective_failure(error: BaseException, verdicts: dict, timeout_s: 
     vanished = [v for v in verdicts.values() if v.state == "vanished"]
     if cause is not None and cause.state == "failed":
         return Fault(cause.error, rank=cause.rank, caused_by=cause.rank), {
-            "error": f"rank {cause.rank} failed: {cause.error}", "failed_rank": cause.rank,
-            "lost_ranks": [v.name for v in vanished] or None}
+            "error": f"rank {cause.rank} failed: {cause.error}",
+            "failed_rank": cause.rank,
+            "lost_ranks": [v.name for v in vanished] or None,
+        }
     if cause is not None:
         line = f"{'; '.join(v.describe() for v in vanished)}: {first_line(error)}"
-        return Fault(line, caused_by=cause.rank), {"error": line, "failed_rank": cause.rank,
-                                                   "lost_ranks": [v.name for v in vanished]}
+        return Fault(line, caused_by=cause.rank), {
+            "error": line,
+            "failed_rank": cause.rank,
+            "lost_ranks": [v.name for v in vanished],
+        }
     unknown = [v for v in verdicts.values() if v.state == "unknown"]
     if unknown:
         line = f"a collective failed and the other ranks' state is unknown ({unknown[0].reason}): {first_line(error)}"
     elif collective_timed_out(error):
-        line = (f"a collective timed out after --distributed-timeout {timeout_s:g} s with "
-                f"{'every rank alive' if verdicts else 'no peer to ask'}: a rank was in another collective or too "
-                f"slow (raise --distributed-timeout for long checkpoints): {first_line(error)}")
+        line = (
+            f"a collective timed out after --distributed-timeout {timeout_s:g} s with "
+            f"{'every rank alive' if verdicts else 'no peer to ask'}: a rank was in another collective or too "
+            f"slow (raise --distributed-timeout for long checkpoints): {first_line(error)}"
+        )
     else:
         line = f"a collective failed with every rank alive: {first_line(error)}"
     return Fault(line), {"error": line, "failed_rank": None, "lost_ranks": None}

@@ -12,8 +12,9 @@ from trainscope.timing import PHASES
 METRIC_MODULE = str(Path(__file__).parent / "metrics" / "classification")
 
 
-def train_step(accelerator, model, batch, optimizer, scheduler, stage, max_grad_norm: float | None,
-               skips=None, communication=None):
+def train_step(
+    accelerator, model, batch, optimizer, scheduler, stage, max_grad_norm: float | None, skips=None, communication=None
+):
     """One micro-batch: forward, loss + backward, then clipping and the optimizer step when the
     gradients synchronize (Accelerate skips the step inside an accumulation window).
 
@@ -28,8 +29,11 @@ def train_step(accelerator, model, batch, optimizer, scheduler, stage, max_grad_
             logits = model(**batch).logits
         with stage("backward"):
             loss = classification_loss(logits, labels)
-            with (communication.backward(accelerator.sync_gradients) if communication is not None
-                  else contextlib.nullcontext()):
+            with (
+                communication.backward(accelerator.sync_gradients)
+                if communication is not None
+                else contextlib.nullcontext()
+            ):
                 accelerator.backward(loss)
         with stage("optimizer"):
             if accelerator.sync_gradients and max_grad_norm:
@@ -65,12 +69,32 @@ class LoopState:
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
         # squares: the sum of each sequence's real length squared (the attention term of the FLOPs on real tokens)
         self.counts = checkpoint.get("counts") or {
-            phase: {"samples": 0, "tokens": 0, "optimizer_steps": 0, "micro_batches": 0, "flops": 0,
-                    "padded_tokens": 0, "padded_squares": 0, "squares": 0}
-            for phase in PHASES}
+            phase: {
+                "samples": 0,
+                "tokens": 0,
+                "optimizer_steps": 0,
+                "micro_batches": 0,
+                "flops": 0,
+                "padded_tokens": 0,
+                "padded_squares": 0,
+                "squares": 0,
+            }
+            for phase in PHASES
+        }
         for phase in PHASES:  # a checkpoint of an older run may lack a phase
-            self.counts.setdefault(phase, {"samples": 0, "tokens": 0, "optimizer_steps": 0, "micro_batches": 0,
-                                           "flops": 0, "padded_tokens": 0, "padded_squares": 0, "squares": 0})
+            self.counts.setdefault(
+                phase,
+                {
+                    "samples": 0,
+                    "tokens": 0,
+                    "optimizer_steps": 0,
+                    "micro_batches": 0,
+                    "flops": 0,
+                    "padded_tokens": 0,
+                    "padded_squares": 0,
+                    "squares": 0,
+                },
+            )
             self.counts[phase].setdefault("squares", 0)
         self.evaluations = []
         self.micro_batches_in_step = 0
@@ -121,8 +145,12 @@ class LoopState:
 
     def take_interval(self) -> dict:
         """The micro-batches since the last step line."""
-        interval = {"losses": self.interval_losses, "tokens": self.interval_tokens,
-                    "samples": self.interval_samples, "flops": self.interval_flops}
+        interval = {
+            "losses": self.interval_losses,
+            "tokens": self.interval_tokens,
+            "samples": self.interval_samples,
+            "flops": self.interval_flops,
+        }
         self._reset_interval()
         return interval
 
@@ -137,8 +165,13 @@ class LoopState:
 
     def checkpoint(self) -> dict:
         self.finish()
-        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
-                "skipped_steps": self.skipped_steps, "counts": self.counts}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "skipped_steps": self.skipped_steps,
+            "counts": self.counts,
+        }
 
 
 def load_metric():
@@ -163,7 +196,11 @@ def evaluate_split(model, loader, accelerator, metric, between_batches=None) -> 
         labels = batch.pop("labels")
         mask = batch["attention_mask"]
         real += mask.sum()
-        padded, squares, samples = padded + mask.numel(), squares + mask.numel() * mask.shape[-1], samples + mask.shape[0]
+        padded, squares, samples = (
+            padded + mask.numel(),
+            squares + mask.numel() * mask.shape[-1],
+            samples + mask.shape[0],
+        )
         logits = model(**batch).logits
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         predictions, references, losses = accelerator.gather_for_metrics((logits.argmax(-1), labels, losses))
@@ -175,5 +212,8 @@ def evaluate_split(model, loader, accelerator, metric, between_batches=None) -> 
     model.train()
     local = torch.stack([real, *(torch.tensor(v, device=real.device) for v in (padded, squares, samples))])
     tokens, padded, squares, samples = accelerator.reduce(local, reduction="sum").tolist()
-    return {**metric.compute(), "loss": loss_sum.item() / count,
-            "positions": {"tokens": tokens, "padded_tokens": padded, "padded_squares": squares, "samples": samples}}
+    return {
+        **metric.compute(),
+        "loss": loss_sum.item() / count,
+        "positions": {"tokens": tokens, "padded_tokens": padded, "padded_squares": squares, "samples": samples},
+    }

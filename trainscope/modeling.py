@@ -18,12 +18,28 @@ EMBEDDED_MODELS = (EMBEDDED_MODEL, TINY_MODEL)
 # Architectures peft has no default LoRA targets for.
 EXTRA_LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"]}
 # Models whose position ids start after the padding index (fairseq's convention): fewer usable positions.
-PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "data2vec-text",
-                            "roberta-prelayernorm")
+PADDING_OFFSET_POSITIONS = (
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "camembert",
+    "longformer",
+    "data2vec-text",
+    "roberta-prelayernorm",
+)
 # Configuration attributes that set dropout, by what they drop (BERT and RoBERTa, DistilBERT, GPT-2 style names).
-DROPOUT_ATTRIBUTES = {"hidden": ("hidden_dropout_prob", "dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
-                                 "seq_classif_dropout", "classifier_dropout"),
-                      "attention": ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")}
+DROPOUT_ATTRIBUTES = {
+    "hidden": (
+        "hidden_dropout_prob",
+        "dropout",
+        "hidden_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "seq_classif_dropout",
+        "classifier_dropout",
+    ),
+    "attention": ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop"),
+}
 
 
 def _is_local(name: str) -> bool:
@@ -40,8 +56,10 @@ def _from_hub_or_path(load, name: str, what: str, **kwargs):
             return load(str(Path(name).expanduser()) if local else name, **kwargs)
         except (OSError, ValueError) as error:
             if "trust_remote_code" in str(error):
-                raise UserError(f"{what} {redact(name)!r} runs its own code on loading: pass --trust-remote-code "
-                                "only if you trust it") from None
+                raise UserError(
+                    f"{what} {redact(name)!r} runs its own code on loading: pass --trust-remote-code "
+                    "only if you trust it"
+                ) from None
             where = "in the local Hugging Face cache (the Hub is unreachable)" if offline else "on the Hub or on disk"
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UserError(redact(f"{what} {name!r} not found {where}: {first_line}")) from None
@@ -57,7 +75,9 @@ def build_tokenizer(settings):
         try:
             return _from_hub_or_path(AutoTokenizer.from_pretrained, name, "tokenizer")
         except UserError as error:
-            raise UserError(f"{error} -- with --architecture-only, --tokenizer {EMBEDDED_MODEL} works offline") from None
+            raise UserError(
+                f"{error} -- with --architecture-only, --tokenizer {EMBEDDED_MODEL} works offline"
+            ) from None
     return _from_hub_or_path(
         AutoTokenizer.from_pretrained, name, "tokenizer", trust_remote_code=settings.trust_remote_code
     )
@@ -68,8 +88,9 @@ def sequence_limit(settings) -> int | None:
     if settings.model in EMBEDDED_MODELS or settings.architecture_only:
         config, _ = _config_for(settings, 2, ["0", "1"])
     else:
-        config = _from_hub_or_path(AutoConfig.from_pretrained, settings.model, "model",
-                                   trust_remote_code=settings.trust_remote_code)
+        config = _from_hub_or_path(
+            AutoConfig.from_pretrained, settings.model, "model", trust_remote_code=settings.trust_remote_code
+        )
     return config_positions(config)
 
 
@@ -99,8 +120,11 @@ def transformer_layer_classes(model) -> list[str]:
 
 
 def _config_for(settings, num_labels: int, label_names: list[str]):
-    labels = {"num_labels": num_labels, "id2label": dict(enumerate(label_names)),
-              "label2id": {n: i for i, n in enumerate(label_names)}}
+    labels = {
+        "num_labels": num_labels,
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {n: i for i, n in enumerate(label_names)},
+    }
     if settings.model == EMBEDDED_MODEL:
         return AutoConfig.from_pretrained(embedded.minilm_dir(), **labels), "embedded MiniLM-L6 configuration"
     if settings.model == TINY_MODEL:
@@ -109,10 +133,15 @@ def _config_for(settings, num_labels: int, label_names: list[str]):
     bundled = embedded.bundled_architecture(settings.model) if not _is_local(settings.model) else None
     if bundled is not None:
         values = dict(bundled)
-        return AutoConfig.for_model(values.pop("model_type"), **values, **labels), f"bundled {settings.model} configuration"
+        return AutoConfig.for_model(
+            values.pop("model_type"), **values, **labels
+        ), f"bundled {settings.model} configuration"
     config = _from_hub_or_path(
-        AutoConfig.from_pretrained, settings.model, "model configuration",
-        trust_remote_code=settings.trust_remote_code, **labels,
+        AutoConfig.from_pretrained,
+        settings.model,
+        "model configuration",
+        trust_remote_code=settings.trust_remote_code,
+        **labels,
     )
     return config, f"{settings.model} configuration"
 
@@ -127,8 +156,10 @@ def dropout_overrides(config, settings) -> dict:
         # classifier_dropout None means "as the hidden layers": left alone then
         names = [n for n in DROPOUT_ATTRIBUTES[kind] if getattr(config, n, None) is not None]
         if not names:
-            raise UserError(f"--{kind}-dropout: the {config.model_type} configuration has none of "
-                            f"{', '.join(DROPOUT_ATTRIBUTES[kind])}")
+            raise UserError(
+                f"--{kind}-dropout: the {config.model_type} configuration has none of "
+                f"{', '.join(DROPOUT_ATTRIBUTES[kind])}"
+            )
         overrides.update(dict.fromkeys(names, value))
     return overrides
 
@@ -150,15 +181,29 @@ def build_model(settings, label_names: list[str], tokenizer):
         weights = f"random ({source})"
     else:
         path = str(embedded.minilm_dir()) if settings.model == EMBEDDED_MODEL else settings.model
-        labels = {"num_labels": num_labels, "id2label": dict(enumerate(label_names)),
-                  "label2id": {n: i for i, n in enumerate(label_names)}}
+        labels = {
+            "num_labels": num_labels,
+            "id2label": dict(enumerate(label_names)),
+            "label2id": {n: i for i, n in enumerate(label_names)},
+        }
         if settings.hidden_dropout is not None or settings.attention_dropout is not None:
-            dropout = dropout_overrides(_from_hub_or_path(AutoConfig.from_pretrained, path, "model configuration",
-                                                          trust_remote_code=settings.trust_remote_code), settings)
+            dropout = dropout_overrides(
+                _from_hub_or_path(
+                    AutoConfig.from_pretrained,
+                    path,
+                    "model configuration",
+                    trust_remote_code=settings.trust_remote_code,
+                ),
+                settings,
+            )
         model = _from_hub_or_path(
-            AutoModelForSequenceClassification.from_pretrained, path, "model",
-            attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code,
-            **labels, **dropout,  # configuration attributes given as keywords replace the saved ones
+            AutoModelForSequenceClassification.from_pretrained,
+            path,
+            "model",
+            attn_implementation=settings.attn_implementation,
+            trust_remote_code=settings.trust_remote_code,
+            **labels,
+            **dropout,  # configuration attributes given as keywords replace the saved ones
         )
         weights = "pretrained"
     if len(tokenizer) > model.config.vocab_size:
@@ -168,9 +213,15 @@ def build_model(settings, label_names: list[str], tokenizer):
         )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    facts = {"class": type(model).__name__, "model_type": model.config.model_type, "weights": weights,
-             "parameters": sum(p.numel() for p in model.parameters()), "shape": shape_facts(model.config),
-             "dropout": dropout_facts(model.config), "dropout_overrides": dropout or None}
+    facts = {
+        "class": type(model).__name__,
+        "model_type": model.config.model_type,
+        "weights": weights,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "shape": shape_facts(model.config),
+        "dropout": dropout_facts(model.config),
+        "dropout_overrides": dropout or None,
+    }
     if settings.unpad:
         unpad.check(model.config)  # before LoRA and checkpointing are built for nothing
     model, lora = _checkpointing_and_lora(model, settings)
@@ -208,8 +259,11 @@ def build_architecture(settings, label_names: list[str], config=None):
     pretrained = not (settings.architecture_only or settings.model == TINY_MODEL)
     dtype = getattr(config, "dtype", None) if pretrained else None
     model = AutoModelForSequenceClassification.from_config(
-        config, attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code,
-        **({"dtype": dtype} if isinstance(dtype, torch.dtype) else {}))
+        config,
+        attn_implementation=settings.attn_implementation,
+        trust_remote_code=settings.trust_remote_code,
+        **({"dtype": dtype} if isinstance(dtype, torch.dtype) else {}),
+    )
     return _checkpointing_and_lora(model, settings)[0]
 
 
@@ -227,13 +281,22 @@ def apply_lora(model, settings):
     if missing:
         raise UserError(f"--lora-target-modules {missing} not found in {type(model).__name__}")
     config = LoraConfig(
-        task_type=TaskType.SEQ_CLS, r=settings.lora_r, lora_alpha=settings.lora_alpha,
-        lora_dropout=settings.lora_dropout, target_modules=list(targets),
+        task_type=TaskType.SEQ_CLS,
+        r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=list(targets),
     )
     model = get_peft_model(model, config)
     trainable, total = model.get_nb_trainable_parameters()
-    return model, {"r": settings.lora_r, "alpha": settings.lora_alpha, "dropout": settings.lora_dropout,
-                   "target_modules": sorted(targets), "trainable_parameters": trainable, "all_parameters": total}
+    return model, {
+        "r": settings.lora_r,
+        "alpha": settings.lora_alpha,
+        "dropout": settings.lora_dropout,
+        "target_modules": sorted(targets),
+        "trainable_parameters": trainable,
+        "all_parameters": total,
+    }
 
 
 def optimizer_groups(model, weight_decay: float):
@@ -247,8 +310,10 @@ def optimizer_groups(model, weight_decay: float):
 
 def dropout_facts(config) -> dict:
     """The model's dropout probabilities as built: {hidden, attention} (None where the configuration has none)."""
+
     def first(names):
         return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), None)
+
     return {"hidden": first(DROPOUT_ATTRIBUTES["hidden"]), "attention": first(DROPOUT_ATTRIBUTES["attention"])}
 
 
@@ -294,16 +359,21 @@ def attention_kernels(config, attn_implementation: str, device: torch.device, pr
 
 def optimizer_facts(optimizer) -> dict:
     """What the record says of the optimizer (the advisor reads whether it is fused)."""
-    return {"name": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")),
-            "foreach": bool(optimizer.defaults.get("foreach"))}
+    return {
+        "name": type(optimizer).__name__,
+        "fused": bool(optimizer.defaults.get("fused")),
+        "foreach": bool(optimizer.defaults.get("foreach")),
+    }
 
 
 def compile_stats() -> dict:
     """torch.compile so far in this process: distinct graphs compiled and seconds spent compiling."""
     import torch._dynamo.utils as dynamo_utils
 
-    return {"graphs": int(dynamo_utils.counters["stats"]["unique_graphs"]),
-            "compile_s": float(dynamo_utils.calculate_time_spent().get("total_wall_time", 0.0))}
+    return {
+        "graphs": int(dynamo_utils.counters["stats"]["unique_graphs"]),
+        "compile_s": float(dynamo_utils.calculate_time_spent().get("total_wall_time", 0.0)),
+    }
 
 
 def fsdp_wrap_rule(model, accelerator) -> list[str] | None:

@@ -108,8 +108,11 @@ def check_generator_state(func, spec) -> None:
 
 
 def _spec_bytes(spec) -> int:
-    return sum(_storage_elements(s[1], s[2], s[3]) * torch.empty((), dtype=getattr(torch, s[4])).element_size()
-               for s in pytree.tree_leaves(spec, is_leaf=is_tensor_spec) if is_tensor_spec(s))
+    return sum(
+        _storage_elements(s[1], s[2], s[3]) * torch.empty((), dtype=getattr(torch, s[4])).element_size()
+        for s in pytree.tree_leaves(spec, is_leaf=is_tensor_spec)
+        if is_tensor_spec(s)
+    )
 
 
 def _shrink(spec) -> tuple:
@@ -153,8 +156,9 @@ def time_call(call, device: torch.device) -> float:
     call()
     _synchronize(device)
     if device.type == "cuda":
-        return min(peak.device_call_seconds(call, peak.calls_within(time.perf_counter() - started, CALL_BUDGET_S),
-                                            device))
+        return min(
+            peak.device_call_seconds(call, peak.calls_within(time.perf_counter() - started, CALL_BUDGET_S), device)
+        )
     times, spent = [], 0.0
     while len(times) < MAX_CALLS and (len(times) < MIN_CALLS or spent < CALL_BUDGET_S):
         started = time.perf_counter()
@@ -197,8 +201,9 @@ class OpCosts:
     GPU) times the operators in a child process (`time_guarded`): a kernel that crashes on made-up inputs ends that
     child, not the run."""
 
-    def __init__(self, device: torch.device, threads: int, processes: int, store: bool = True,
-                 guarded: bool | None = None):
+    def __init__(
+        self, device: torch.device, threads: int, processes: int, store: bool = True, guarded: bool | None = None
+    ):
         self.device, self.threads, self.processes, self.store = device, threads, processes, store
         self.guarded = device.type == "cuda" if guarded is None else guarded
         self.key = {**peak.machine_key(device, threads=threads, processes=processes), "op_costs": VERSION}
@@ -220,8 +225,11 @@ class OpCosts:
         """Time every operator of `ops` not known here yet, all at once: in one guarded child process when guarded
         (in this process where no child can use the device, e.g. a GPU in exclusive-process mode), else one by one
         as `seconds` asks."""
-        todo = {op.key: (op.name, op.spec) for op in ops
-                if op.gemm is None and op.spec is not None and op.key not in self.cached}
+        todo = {
+            op.key: (op.name, op.spec)
+            for op in ops
+            if op.gemm is None and op.spec is not None and op.key not in self.cached
+        }
         if not self.guarded or not todo:
             return
         found = time_guarded([(key, name, spec) for key, (name, spec) in todo.items()], self.device, self.threads)
@@ -272,8 +280,9 @@ GUARD_CRASHES = 3  # children a guarded benchmark may lose to crashing operators
 GUARD_TIMEOUT_S = 300.0
 
 
-def time_guarded(items: list[tuple], device: torch.device, threads: int,
-                 timeout_s: float = GUARD_TIMEOUT_S) -> dict | None:
+def time_guarded(
+    items: list[tuple], device: torch.device, threads: int, timeout_s: float = GUARD_TIMEOUT_S
+) -> dict | None:
     """Seconds of each (key, operator, spec) of `items`, timed by `python -m trainscope.op_costs` in a child process
     that says which operator it starts before it starts it: {key: (seconds, None) or (None, why not)}. An operator
     that kills its child (a segmentation fault in a kernel given made-up inputs) is counted as unmeasured with the
@@ -286,20 +295,33 @@ def time_guarded(items: list[tuple], device: torch.device, threads: int,
     found: dict = {}
     crashes, ended = 0, "not timed"
     package_root = str(Path(__file__).resolve().parent.parent)  # `-m trainscope.op_costs` from any folder
-    environ = {**os.environ, "PYTHONFAULTHANDLER": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    environ = {
+        **os.environ,
+        "PYTHONFAULTHANDLER": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+    }
     with tempfile.TemporaryDirectory(prefix="trainscope-op-costs-") as folder:
         inputs, progress = Path(folder) / "ops.pickle", Path(folder) / "progress.jsonl"
         while len(found) < len(items):
             left = [(key, name, pickle.dumps(spec)) for key, name, spec in items if key not in found]
             inputs.write_bytes(pickle.dumps(left))
             progress.write_text("")
-            command = [sys.executable, "-m", "trainscope.op_costs", str(inputs), str(progress), str(device),
-                       str(threads)]
+            command = [
+                sys.executable,
+                "-m",
+                "trainscope.op_costs",
+                str(inputs),
+                str(progress),
+                str(device),
+                str(threads),
+            ]
             try:
                 child = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environ)
-                ended = (f"crashed the benchmark's process ({signal.Signals(-child.returncode).name})"
-                         if child.returncode < 0 else f"ended the benchmark's process (exit {child.returncode})")
+                ended = (
+                    f"crashed the benchmark's process ({signal.Signals(-child.returncode).name})"
+                    if child.returncode < 0
+                    else f"ended the benchmark's process (exit {child.returncode})"
+                )
             except subprocess.TimeoutExpired:
                 child, ended = None, f"hung the benchmark's process past {timeout_s:.0f} s"
             started, timed_now = None, 0
@@ -333,6 +355,7 @@ def _child(argv: list[str]) -> None:
         torch.cuda.set_device(device)
     items = pickle.loads(Path(inputs).read_bytes())
     with open(progress, "a") as out, threads(int(thread_count)):
+
         def say(entry: dict) -> None:
             out.write(json.dumps(entry) + "\n")
             out.flush()

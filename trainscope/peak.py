@@ -77,13 +77,13 @@ class Rate:
     """One (precision, shape) measurement: TFLOP/s over the timed calls (median, min, max)."""
 
     precision: str
-    shape: tuple          # (m, n, k): an (m x k) @ (k x n) matmul, 2 m n k FLOPs
-    tflops: float         # median over the timed calls
+    shape: tuple  # (m, n, k): an (m x k) @ (k x n) matmul, 2 m n k FLOPs
+    tflops: float  # median over the timed calls
     low: float
     high: float
-    calls: int            # timed calls (after one warm-up call)
-    measured: str         # UTC ISO-8601 time of the measurement
-    seconds: float        # what measuring it cost, warm-up included
+    calls: int  # timed calls (after one warm-up call)
+    measured: str  # UTC ISO-8601 time of the measurement
+    seconds: float  # what measuring it cost, warm-up included
     skipped: str | None = None  # why the shape was not timed (too slow at the probe's rate): tflops is the probe's
 
     @property
@@ -130,15 +130,25 @@ def _clocks_of(index: int) -> tuple:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         driver = pynvml.nvmlSystemGetDriverVersion()
-        return (("driver", driver.decode() if isinstance(driver, bytes) else driver),
-                ("max_sm_clock_mhz", pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
-                ("application_clock_mhz", pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_SM)))
+        return (
+            ("driver", driver.decode() if isinstance(driver, bytes) else driver),
+            ("max_sm_clock_mhz", pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            ("application_clock_mhz", pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_SM)),
+        )
     except Exception:  # no NVML binding or no NVML: ask nvidia-smi
         pass
     try:
-        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=driver_version,clocks.max.sm,"
-                              "clocks.applications.graphics", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                f"--id={index}",
+                "--query-gpu=driver_version,clocks.max.sm,clocks.applications.graphics",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         driver, max_clock, application = [part.strip() for part in out.split(",")]
         return (("driver", driver), ("max_sm_clock_mhz", max_clock), ("application_clock_mhz", application))
     except (OSError, ValueError, subprocess.SubprocessError):
@@ -149,15 +159,23 @@ def machine_key(device: torch.device, threads: int | None = None, processes: int
     """What a measured rate belongs to (see the module's docstring); `threads` default: torch's now, `processes`
     default: this launch's local processes."""
     processes = environment.local_processes() if processes is None else processes
-    common = {"device": device.type, "name": environment.device_name(device), "torch": torch.__version__,
-              "processes": processes}
+    common = {
+        "device": device.type,
+        "name": environment.device_name(device),
+        "torch": torch.__version__,
+        "processes": processes,
+    }
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return {**common, "capability": f"{major}.{minor}", "cuda": torch.version.cuda, **_gpu_clocks(device)}
     flags = precision.cpu_flags()
-    return {**common, "flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12],
-            "isa": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
-            "threads": torch.get_num_threads() if threads is None else threads}
+    return {
+        **common,
+        "flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12],
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads() if threads is None else threads,
+    }
 
 
 def key_id(key: dict) -> str:
@@ -195,8 +213,9 @@ def _read_cache(key: dict, section: str = "rates") -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _store(key: dict, rates: dict[str, Rate] | None = None, section: str = "rates",
-           entries: dict | None = None) -> None:
+def _store(
+    key: dict, rates: dict[str, Rate] | None = None, section: str = "rates", entries: dict | None = None
+) -> None:
     """Merge `rates` (or `entries` of another section) into the key's cache file (atomic; a concurrent writer's new
     entries may be lost: measured again next time)."""
     data = _read_file(key) or {"key": key}
@@ -309,24 +328,45 @@ def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops
     flops = 2 * shape[0] * shape[1] * shape[2]
     started = time.perf_counter()
     if best_tflops and flops / (best_tflops * 1e12) > MAX_CALL_S:
-        return Rate(precision_name, tuple(shape), best_tflops, best_tflops, best_tflops, 0, now_iso(), 0.0,
-                    skipped=f"about {flops / (best_tflops * 1e12):.1f} s per call at the best rate of a smaller "
-                            f"shape ({best_tflops * 1e3:.1f} GFLOP/s), which stands for it")
+        return Rate(
+            precision_name,
+            tuple(shape),
+            best_tflops,
+            best_tflops,
+            best_tflops,
+            0,
+            now_iso(),
+            0.0,
+            skipped=f"about {flops / (best_tflops * 1e12):.1f} s per call at the best rate of a smaller "
+            f"shape ({best_tflops * 1e3:.1f} GFLOP/s), which stands for it",
+        )
     with _Tf32(precision_name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
         a, b = _operands(device, precision_name, shape)
         first = _call_seconds(device, a, b)  # warm-up: kernel selection, JIT, first touch of the output
         times = [first] if first > MAX_CALL_S else []
         if not times and device.type == "cuda":
-            times = device_call_seconds(lambda: a @ b, calls_within(first, SHAPE_BUDGET_S), device)
-        while first <= MAX_CALL_S and device.type != "cuda" and len(times) < MAX_CALLS and (
-                len(times) < MIN_CALLS or first + sum(times) < SHAPE_BUDGET_S):
+            times = device_call_seconds(lambda: a @ b, calls_within(first, SHAPE_BUDGET_S), device)  # noqa: F821 (called before the del below)
+        while (
+            first <= MAX_CALL_S
+            and device.type != "cuda"
+            and len(times) < MAX_CALLS
+            and (len(times) < MIN_CALLS or first + sum(times) < SHAPE_BUDGET_S)
+        ):
             times.append(_call_seconds(device, a, b))
         del a, b
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the operands' blocks back: the run's reserved-memory peak is not the benchmark's
     rates = [flops / t / 1e12 for t in times]
-    return Rate(precision_name, tuple(shape), statistics.median(rates), min(rates), max(rates), len(times), now_iso(),
-                time.perf_counter() - started)
+    return Rate(
+        precision_name,
+        tuple(shape),
+        statistics.median(rates),
+        min(rates),
+        max(rates),
+        len(times),
+        now_iso(),
+        time.perf_counter() - started,
+    )
 
 
 class _Threads:
@@ -347,8 +387,15 @@ class _Threads:
         return False
 
 
-def rates(device: torch.device, precision_name: str, shapes: list[tuple], threads: int | None = None,
-          processes: int | None = None, store: bool = True, use_cache: bool = True) -> dict[tuple, Rate]:
+def rates(
+    device: torch.device,
+    precision_name: str,
+    shapes: list[tuple],
+    threads: int | None = None,
+    processes: int | None = None,
+    store: bool = True,
+    use_cache: bool = True,
+) -> dict[tuple, Rate]:
     """Rates of several shapes in one precision: from the cache (unless `use_cache` is false), the misses measured
     now and stored (unless `store` is false: a process measuring beside its peers leaves the writing to one).
 
@@ -358,8 +405,9 @@ def rates(device: torch.device, precision_name: str, shapes: list[tuple], thread
     with _Threads(threads):
         key = machine_key(device, processes=processes)
         cached = _read_cache(key) if use_cache else {}
-        found = {s: Rate.from_dict(cached[_entry(precision_name, s)]) for s in shapes
-                 if _entry(precision_name, s) in cached}
+        found = {
+            s: Rate.from_dict(cached[_entry(precision_name, s)]) for s in shapes if _entry(precision_name, s) in cached
+        }
         missing = sorted((s for s in shapes if s not in found), key=lambda s: s[0] * s[1] * s[2])
         if missing:
             best = measure(device, precision_name, (PROBE_SIDE,) * 3).high  # the best call: noise only slows
@@ -373,8 +421,9 @@ def rates(device: torch.device, precision_name: str, shapes: list[tuple], thread
     return {s: found[s] for s in shapes}
 
 
-def rate(device: torch.device, precision_name: str, shape: tuple, threads: int | None = None,
-         processes: int | None = None) -> Rate | None:
+def rate(
+    device: torch.device, precision_name: str, shape: tuple, threads: int | None = None, processes: int | None = None
+) -> Rate | None:
     """Measured TFLOP/s of one (m, n, k) matmul shape on this machine: from the cache, measured on a miss; None when
     the device does not run `precision_name`."""
     if precision_name not in precisions(device):
@@ -414,8 +463,14 @@ def square(device: torch.device, environ=None) -> tuple:
     return (side, side, side)
 
 
-def machine_peak(device: torch.device, shapes: list[tuple] = (), threads: int | None = None,
-                 processes: int | None = None, together=None, store: bool = True) -> dict:
+def machine_peak(
+    device: torch.device,
+    shapes: list[tuple] = (),
+    threads: int | None = None,
+    processes: int | None = None,
+    together=None,
+    store: bool = True,
+) -> dict:
     """The run record's block: every precision this device runs, at `shapes` and one large square.
 
     `together(missing: bool) -> bool`, when given, is a collective across the launch's processes returning whether
@@ -439,9 +494,13 @@ def machine_peak(device: torch.device, shapes: list[tuple] = (), threads: int | 
             found = rates(device, name, shapes, processes=processes, store=store, use_cache=use_cache)
             timed = [r for r in found.values() if not r.skipped] or list(found.values())
             best = max(timed, key=lambda r: r.tflops)
-            block["precisions"][name] = {"peak_tflops": best.tflops, "peak_shape": list(best.shape),
-                                         "spread": best.spread, "measured": best.measured,
-                                         "rates": [r.to_dict() for r in found.values()]}
+            block["precisions"][name] = {
+                "peak_tflops": best.tflops,
+                "peak_shape": list(best.shape),
+                "spread": best.spread,
+                "measured": best.measured,
+                "rates": [r.to_dict() for r in found.values()],
+            }
         block["seconds"] = time.perf_counter() - started
         block["from_cache"] = not any_missed
     return block

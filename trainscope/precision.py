@@ -63,8 +63,12 @@ def cuda_precision_facts() -> dict:
     TF32 units, and whether TF32 is really in effect (the flags on a GPU that has the units)."""
     major, minor = torch.cuda.get_device_capability()
     tf32_units = cuda_tf32_supported()
-    return {"gpu_compute_capability": f"{major}.{minor}", "gpu_native_bf16": cuda_native_bf16(),
-            "tf32_supported": tf32_units, "tf32_in_effect": tf32_in_effect() and tf32_units}
+    return {
+        "gpu_compute_capability": f"{major}.{minor}",
+        "gpu_native_bf16": cuda_native_bf16(),
+        "tf32_supported": tf32_units,
+        "tf32_in_effect": tf32_in_effect() and tf32_units,
+    }
 
 
 def enforce_tf32(requested: bool) -> bool:
@@ -110,9 +114,14 @@ def cpu_bf16(flags: frozenset, machine_peak: dict | None) -> dict:
     rates = (machine_peak or {}).get("precisions") or {}
     fp32, bf16 = (rates.get(p, {}).get("peak_tflops") for p in ("fp32", "bf16"))
     speedup = bf16 / fp32 if fp32 and bf16 else None
-    return {"flags": sorted(NATIVE_BF16_FLAGS & flags), "native_by_flags": cpu_native_bf16(flags),
-            "fp32_tflops": fp32, "bf16_tflops": bf16, "speedup": speedup,
-            "faster": None if speedup is None else speedup > BF16_NOT_FASTER_BELOW}
+    return {
+        "flags": sorted(NATIVE_BF16_FLAGS & flags),
+        "native_by_flags": cpu_native_bf16(flags),
+        "fp32_tflops": fp32,
+        "bf16_tflops": bf16,
+        "speedup": speedup,
+        "faster": None if speedup is None else speedup > BF16_NOT_FASTER_BELOW,
+    }
 
 
 class SkippedSteps:

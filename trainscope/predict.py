@@ -76,9 +76,17 @@ def _round_up(values: np.ndarray, multiple: int | None) -> np.ndarray:
     return values if not multiple else -(-values // multiple) * multiple
 
 
-def training_lengths(lengths: np.ndarray, batch: int, micro_batches: int, processes: int = 1,
-                     pad_to_max_length: bool = False, max_seq_length: int = 128, group_by_length: bool = False,
-                     pad_to_multiple_of: int | None = None, seed: int = 0) -> np.ndarray:
+def training_lengths(
+    lengths: np.ndarray,
+    batch: int,
+    micro_batches: int,
+    processes: int = 1,
+    pad_to_max_length: bool = False,
+    max_seq_length: int = 128,
+    group_by_length: bool = False,
+    pad_to_multiple_of: int | None = None,
+    seed: int = 0,
+) -> np.ndarray:
     """The padded length of each micro-batch one process trains, in the order it trains them: the whole run's
     batches (shuffled, or length-grouped as transformers' LengthGroupedSampler groups them), every `processes`-th
     going to this process as Accelerate shards them. The order is a simulation with its own seed (the run's comes
@@ -103,9 +111,15 @@ def training_lengths(lengths: np.ndarray, batch: int, micro_batches: int, proces
     return _round_up(padded, pad_to_multiple_of)
 
 
-def evaluation_lengths(lengths: np.ndarray, batch: int, processes: int = 1, pad_to_max_length: bool = False,
-                       max_seq_length: int = 128, group_by_length: bool = False,
-                       pad_to_multiple_of: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def evaluation_lengths(
+    lengths: np.ndarray,
+    batch: int,
+    processes: int = 1,
+    pad_to_max_length: bool = False,
+    max_seq_length: int = 128,
+    group_by_length: bool = False,
+    pad_to_multiple_of: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """(padded length, rows) of each evaluation batch one process runs: the split in order (sorted by length with
     --group-by-length), batches shared out in turn among the processes; the last batch holds what is left."""
     if len(lengths) == 0:
@@ -145,8 +159,10 @@ class PhaseModel:
 
     def seconds(self, length: float, operator_factor: float = 1.0) -> float:
         """Seconds at `length`; `operator_factor` scales the operators other than matrix products (a calibration)."""
-        return sum(s * (length / self.length) ** p * (operator_factor if kind == "operator" else 1.0)
-                   for s, p, kind in self.terms)
+        return sum(
+            s * (length / self.length) ** p * (operator_factor if kind == "operator" else 1.0)
+            for s, p, kind in self.terms
+        )
 
     def by_kind(self, length: float) -> dict:
         kinds: dict = {}
@@ -160,12 +176,21 @@ def phase_models(traced: trace.Trace, costs: op_costs.OpCosts) -> dict[str, Phas
     costs.prepare(traced.ops)  # what is not known yet, timed at once (on a GPU in a child process)
     for op in traced.ops:
         models.setdefault(op.phase, PhaseModel(traced.length, [])).terms.append(
-            (costs.seconds(op) * op.count, op.power, "matmul" if op.gemm is not None else "operator"))
+            (costs.seconds(op) * op.count, op.power, "matmul" if op.gemm is not None else "operator")
+        )
     return models
 
 
-def traced_step(kind: str, workload: "Workload", batch: int, length: int, avoid: set, costs: op_costs.OpCosts,
-                settings=None, label_names=None) -> trace.Trace:
+def traced_step(
+    kind: str,
+    workload: "Workload",
+    batch: int,
+    length: int,
+    avoid: set,
+    costs: op_costs.OpCosts,
+    settings=None,
+    label_names=None,
+) -> trace.Trace:
     """The training step (`kind` "train") or evaluation batch ("eval") traced, or read from the cache of traces
     (`<cache>/predict/traces/`) when it was traced before with the same model, settings, shapes and versions and
     every operator's cost is known here."""
@@ -174,10 +199,19 @@ def traced_step(kind: str, workload: "Workload", batch: int, length: int, avoid:
     settings = settings or workload.settings
     label_names = label_names or workload.label_names
     config = modeling.model_config(settings, label_names)
-    identity = {"kind": kind, "version": [VERSION, trace.VERSION], "config": config.to_json_string(use_diff=False),
-                "settings": {k: getattr(settings, k) for k in TRACE_SETTINGS}, "inputs": sorted(workload.input_names),
-                "precision": workload.precision, "device": workload.device.type, "batch": batch, "length": length,
-                "avoid": sorted(avoid), "packages": environment.package_versions()}
+    identity = {
+        "kind": kind,
+        "version": [VERSION, trace.VERSION],
+        "config": config.to_json_string(use_diff=False),
+        "settings": {k: getattr(settings, k) for k in TRACE_SETTINGS},
+        "inputs": sorted(workload.input_names),
+        "precision": workload.precision,
+        "device": workload.device.type,
+        "batch": batch,
+        "length": length,
+        "avoid": sorted(avoid),
+        "packages": environment.package_versions(),
+    }
     path = peak.cache_dir() / "predict" / "traces" / f"{peak.key_id(identity)}.json"
     try:
         cached = trace.Trace.from_dict(json.loads(path.read_text()))
@@ -188,19 +222,40 @@ def traced_step(kind: str, workload: "Workload", batch: int, length: int, avoid:
     build = lambda: _on_meta(lambda: modeling.build_architecture(settings, label_names, config=config))  # noqa: E731
     with quiet_fake_tensors():
         if kind == "train":
-            made = trace.trace_training(build, workload.input_names, batch, length, workload.precision,
-                                        workload.device, settings.max_grad_norm, settings.weight_decay, avoid)
+            made = trace.trace_training(
+                build,
+                workload.input_names,
+                batch,
+                length,
+                workload.precision,
+                workload.device,
+                settings.max_grad_norm,
+                settings.weight_decay,
+                avoid,
+            )
         else:
-            made = trace.trace_evaluation(build, workload.input_names, batch, length, workload.precision,
-                                          workload.device, avoid)
+            made = trace.trace_evaluation(
+                build, workload.input_names, batch, length, workload.precision, workload.device, avoid
+            )
     if costs.store:
         write_json_atomic(path, made.to_dict())
     return made
 
 
 # The settings that change what a traced step is (everything else changes only how often it runs).
-TRACE_SETTINGS = ("model", "architecture_only", "attn_implementation", "gradient_checkpointing", "lora", "lora_r",
-                  "lora_alpha", "lora_dropout", "lora_target_modules", "max_grad_norm", "weight_decay")
+TRACE_SETTINGS = (
+    "model",
+    "architecture_only",
+    "attn_implementation",
+    "gradient_checkpointing",
+    "lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "max_grad_norm",
+    "weight_decay",
+)
 
 
 @contextlib.contextmanager
@@ -283,12 +338,12 @@ class Workload:
     label_names: list
     input_names: list
     device: torch.device
-    precision: str               # in effect: fp32, tf32, bf16, fp16
-    processes: int               # this launch's processes (the world size)
+    precision: str  # in effect: fp32, tf32, bf16, fp16
+    processes: int  # this launch's processes (the world size)
     local_processes: int
-    threads: int                 # torch threads per process
-    lengths: dict                # split -> token lengths (np arrays)
-    rss_bytes: int | None        # this process's RSS now (a CPU run's baseline)
+    threads: int  # torch threads per process
+    lengths: dict  # split -> token lengths (np arrays)
+    rss_bytes: int | None  # this process's RSS now (a CPU run's baseline)
     collate_s: dict = dataclasses.field(default_factory=dict)  # {"train": s per batch, "eval": s per batch}
     plan: dict = dataclasses.field(default_factory=dict)
 
@@ -362,17 +417,32 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
     plan = workload.plan
     accumulation = settings.gradient_accumulation_steps
     micro_batches = max(1, plan.get("optimizer_steps", 1) * accumulation)
-    train = training_lengths(workload.lengths["train"], settings.per_device_batch_size, micro_batches,
-                             workload.processes, settings.pad_to_max_length, settings.max_seq_length,
-                             settings.group_by_length, workload.pad_to_multiple_of, seed=settings.seed)
+    train = training_lengths(
+        workload.lengths["train"],
+        settings.per_device_batch_size,
+        micro_batches,
+        workload.processes,
+        settings.pad_to_max_length,
+        settings.max_seq_length,
+        settings.group_by_length,
+        workload.pad_to_multiple_of,
+        seed=settings.seed,
+    )
     eval_batch = settings.resolved_eval_batch_size
-    evaluation = {split: evaluation_lengths(workload.lengths[split], eval_batch, workload.processes,
-                                            settings.pad_to_max_length, settings.max_seq_length,
-                                            getattr(settings, "eval_order", "given") == "length",
-                                            workload.pad_to_multiple_of)
-                  for split in ("validation", "test")}
+    evaluation = {
+        split: evaluation_lengths(
+            workload.lengths[split],
+            eval_batch,
+            workload.processes,
+            settings.pad_to_max_length,
+            settings.max_seq_length,
+            getattr(settings, "eval_order", "given") == "length",
+            workload.pad_to_multiple_of,
+        )
+        for split in ("validation", "test")
+    }
     warmup = min(settings.timing_warmup_steps, plan.get("optimizer_steps", 1))
-    steady = train[warmup * accumulation:] if len(train) > warmup * accumulation else train
+    steady = train[warmup * accumulation :] if len(train) > warmup * accumulation else train
 
     from trainscope import modeling
 
@@ -391,30 +461,47 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
     # The framework's own time (Python, module calls, autograd, dispatch) per operator dispatched, as calibrated
     dispatches = {**traced.dispatches, **evaluated.dispatches}
     framework = {phase: timing.get("dispatch_s", 0.0) * count for phase, count in dispatches.items()}
-    time_block = _time(workload, phases, framework, train, steady, warmup, evaluation, traced, costs, notes, dispatches,
-                       timing)
+    time_block = _time(
+        workload, phases, framework, train, steady, warmup, evaluation, traced, costs, notes, dispatches, timing
+    )
     memory_block = _memory(workload, traced, longest, notes, fitted.get("allocator"))
     costs.save()
     if costs.unmeasured:
         notes.append(f"operators that could not be timed alone, counted as free: {', '.join(sorted(costs.unmeasured))}")
     if settings.compile:
-        notes.append("--compile: the prediction is of the eager model (compiled kernels and compile time are not "
-                     "modelled)")
+        notes.append(
+            "--compile: the prediction is of the eager model (compiled kernels and compile time are not modelled)"
+        )
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         notes.append("FSDP: parameters, gradients and optimizer state are predicted unsharded")
     return {
-        "version": VERSION, "made": now_iso(), "seconds": time.perf_counter() - started,
+        "version": VERSION,
+        "made": now_iso(),
+        "seconds": time.perf_counter() - started,
         "calibration": calibration_state(fitted, device),
         "sources": sources(memory_block, time_block),
-        "machine": {"device": str(device), "device_name": environment.device_name(device),
-                    "precision": workload.precision, "threads": workload.threads, "processes": workload.processes,
-                    "cost_cache": str(costs.path), "timed_now": costs.measured},
-        "batches": {"batch": settings.per_device_batch_size, "micro_batches": int(len(train)),
-                    "accumulation": accumulation, "warmup_steps": warmup, "traced_length": length,
-                    "mean_length": float(steady.mean()), "longest": longest,
-                    "mean_real_length": float(workload.lengths["train"].mean()) if len(workload.lengths["train"]) else 0.0,
-                    "eval_batch": eval_batch, "eval_batches": {k: int(len(v[0])) for k, v in evaluation.items()},
-                    "eval_mean_length": float(eval_all.mean()) if len(eval_all) else None},
+        "machine": {
+            "device": str(device),
+            "device_name": environment.device_name(device),
+            "precision": workload.precision,
+            "threads": workload.threads,
+            "processes": workload.processes,
+            "cost_cache": str(costs.path),
+            "timed_now": costs.measured,
+        },
+        "batches": {
+            "batch": settings.per_device_batch_size,
+            "micro_batches": int(len(train)),
+            "accumulation": accumulation,
+            "warmup_steps": warmup,
+            "traced_length": length,
+            "mean_length": float(steady.mean()),
+            "longest": longest,
+            "mean_real_length": float(workload.lengths["train"].mean()) if len(workload.lengths["train"]) else 0.0,
+            "eval_batch": eval_batch,
+            "eval_batches": {k: int(len(v[0])) for k, v in evaluation.items()},
+            "eval_mean_length": float(eval_all.mean()) if len(eval_all) else None,
+        },
         "memory": memory_block,
         "time": time_block,
         "notes": notes,
@@ -424,8 +511,19 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
 def _model_dims(config, batch: int, eval_batch: int, labels: int) -> set:
     """Every size a traced tensor has besides the length, so the traced length can be chosen apart from them."""
     dims = {batch, eval_batch, labels, 1}
-    for name in ("hidden_size", "dim", "intermediate_size", "hidden_dim", "num_attention_heads", "n_heads",
-                 "vocab_size", "max_position_embeddings", "type_vocab_size", "num_hidden_layers", "n_layers"):
+    for name in (
+        "hidden_size",
+        "dim",
+        "intermediate_size",
+        "hidden_dim",
+        "num_attention_heads",
+        "n_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "type_vocab_size",
+        "num_hidden_layers",
+        "n_layers",
+    ):
         value = getattr(config, name, None)
         if isinstance(value, int):
             dims.add(value)
@@ -436,32 +534,44 @@ def _model_dims(config, batch: int, eval_batch: int, labels: int) -> set:
     return dims
 
 
-def _time(workload, phases, framework, train, steady, warmup, evaluation, traced, costs, notes, dispatches,
-          calibration: dict) -> dict:
+def _time(
+    workload, phases, framework, train, steady, warmup, evaluation, traced, costs, notes, dispatches, calibration: dict
+) -> dict:
     settings = workload.settings
     accumulation = settings.gradient_accumulation_steps
     factor = calibration.get("operator_factor", 1.0)
     if not calibration:
-        notes.append("the framework's own time (per operator dispatched, per step, per evaluation pass) is not "
-                     "calibrated on this machine: left out (python -m trainscope.predict --calibrate)")
+        notes.append(
+            "the framework's own time (per operator dispatched, per step, per evaluation pass) is not "
+            "calibrated on this machine: left out (python -m trainscope.predict --calibrate)"
+        )
 
     def micro(length: float) -> dict:
-        return {phase: phases[phase].seconds(length, factor) + framework.get(phase, 0.0)
-                for phase in ("forward", "backward")}
+        return {
+            phase: phases[phase].seconds(length, factor) + framework.get(phase, 0.0)
+            for phase in ("forward", "backward")
+        }
 
     per_length = {int(t): micro(t) for t in np.unique(train)}
     forward = float(np.mean([per_length[int(t)]["forward"] for t in steady]))
     backward = float(np.mean([per_length[int(t)]["backward"] for t in steady]))
     optimizer = phases["optimizer"].seconds(traced.length, factor) + framework.get("optimizer", 0.0)
-    first_optimizer = phases.get("optimizer_first", phases["optimizer"]).seconds(traced.length, factor) \
-        + framework.get("optimizer_first", 0.0)
+    first_optimizer = phases.get("optimizer_first", phases["optimizer"]).seconds(traced.length, factor) + framework.get(
+        "optimizer_first", 0.0
+    )
     data = workload.collate_s.get("train", 0.0) if settings.num_workers == 0 else 0.0
     if settings.num_workers:
         notes.append(f"{settings.num_workers} loader workers: the data wait is taken as none")
     communication = _communication(workload, traced, costs, notes)
     loop = calibration.get("step_s", 0.0)
-    stages = {"data": data * accumulation, "forward": forward * accumulation, "backward": backward * accumulation,
-              "optimizer": optimizer, "communication": communication, "other": loop}
+    stages = {
+        "data": data * accumulation,
+        "forward": forward * accumulation,
+        "backward": backward * accumulation,
+        "optimizer": optimizer,
+        "communication": communication,
+        "other": loop,
+    }
     step = sum(stages.values())
     kinds = {"matmul": 0.0, "operator": 0.0}
     for phase in ("forward", "backward"):
@@ -469,8 +579,11 @@ def _time(workload, phases, framework, train, steady, warmup, evaluation, traced
             kinds[kind] += seconds * accumulation * (factor if kind == "operator" else 1.0)
     for kind, seconds in phases["optimizer"].by_kind(traced.length).items():
         kinds[kind] += seconds * (factor if kind == "operator" else 1.0)
-    kinds["framework"] = sum(framework.get(p, 0.0) for p in ("forward", "backward")) * accumulation \
-        + framework.get("optimizer", 0.0) + loop
+    kinds["framework"] = (
+        sum(framework.get(p, 0.0) for p in ("forward", "backward")) * accumulation
+        + framework.get("optimizer", 0.0)
+        + loop
+    )
     kinds["data"], kinds["communication"] = stages["data"], communication
 
     # The first step creates the optimizer state, and touches fresh memory for everything it holds.
@@ -480,8 +593,12 @@ def _time(workload, phases, framework, train, steady, warmup, evaluation, traced
     step_seconds = []
     for index in range(len(train) // accumulation):
         lengths = train_lengths_by_step[index] if train_lengths_by_step is not None else [train[index]]
-        seconds = sum(per_length[int(t)]["forward"] + per_length[int(t)]["backward"] + data for t in lengths) \
-            + optimizer + communication + loop
+        seconds = (
+            sum(per_length[int(t)]["forward"] + per_length[int(t)]["backward"] + data for t in lengths)
+            + optimizer
+            + communication
+            + loop
+        )
         step_seconds.append(seconds + (first_extra if index == 0 else 0.0))
     eval_forward = phases["eval"]
     eval_collate = workload.collate_s.get("eval", 0.0) if settings.num_workers == 0 else 0.0
@@ -489,22 +606,43 @@ def _time(workload, phases, framework, train, steady, warmup, evaluation, traced
     # A batch's operators scale with its rows (a last, partial batch costs its share); the framework's per batch.
     eval_batch = settings.resolved_eval_batch_size
     eval_batches = sum(passes * len(evaluation[split][0]) for split, passes in eval_passes.items())
-    evaluation_s = sum(passes * (calibration.get("evaluation_pass_s", 0.0) + sum(
-        (eval_forward.seconds(t) + eval_collate) * rows / eval_batch + framework.get("eval", 0.0)
-        for t, rows in zip(*evaluation[split]))) for split, passes in eval_passes.items())
-    evaluation_operators = sum(passes * sum(eval_forward.by_kind(t).get("operator", 0.0) * rows / eval_batch
-                                            for t, rows in zip(*evaluation[split]))
-                               for split, passes in eval_passes.items())
+    evaluation_s = sum(
+        passes
+        * (
+            calibration.get("evaluation_pass_s", 0.0)
+            + sum(
+                (eval_forward.seconds(t) + eval_collate) * rows / eval_batch + framework.get("eval", 0.0)
+                for t, rows in zip(*evaluation[split])
+            )
+        )
+        for split, passes in eval_passes.items()
+    )
+    evaluation_operators = sum(
+        passes
+        * sum(eval_forward.by_kind(t).get("operator", 0.0) * rows / eval_batch for t, rows in zip(*evaluation[split]))
+        for split, passes in eval_passes.items()
+    )
     warmup_s = sum(step_seconds[:warmup])
     run_s = sum(step_seconds) + evaluation_s
-    return {"step_s": step, "stages_s": stages, "kinds_s": kinds, "first_step_s": step_seconds[0] if step_seconds else None,
-            "warmup_s": warmup_s, "steady_steps": max(0, len(step_seconds) - warmup), "evaluation_s": evaluation_s,
-            "evaluation_passes": sum(eval_passes.values()), "evaluation_operator_s": evaluation_operators,
-            "dispatches": {"step": sum(traced.dispatches.get(p, 0) for p in ("forward", "backward")) * accumulation
-                           + traced.dispatches.get("optimizer", 0),
-                           "evaluation": eval_batches * dispatches.get("eval", 0)},
-            "run_s": run_s, "collate_s": dict(workload.collate_s),
-            "calibration": calibration or None}
+    return {
+        "step_s": step,
+        "stages_s": stages,
+        "kinds_s": kinds,
+        "first_step_s": step_seconds[0] if step_seconds else None,
+        "warmup_s": warmup_s,
+        "steady_steps": max(0, len(step_seconds) - warmup),
+        "evaluation_s": evaluation_s,
+        "evaluation_passes": sum(eval_passes.values()),
+        "evaluation_operator_s": evaluation_operators,
+        "dispatches": {
+            "step": sum(traced.dispatches.get(p, 0) for p in ("forward", "backward")) * accumulation
+            + traced.dispatches.get("optimizer", 0),
+            "evaluation": eval_batches * dispatches.get("eval", 0),
+        },
+        "run_s": run_s,
+        "collate_s": dict(workload.collate_s),
+        "calibration": calibration or None,
+    }
 
 
 def _communication(workload, traced, costs, notes) -> float:
@@ -514,15 +652,19 @@ def _communication(workload, traced, costs, notes) -> float:
         return 0.0
     measured = costs.cached.get("communication")
     if not measured:
-        notes.append("DDP communication: this machine has not measured its all-reduce yet (no multi-process run with "
-                     "these processes and threads): left out")
+        notes.append(
+            "DDP communication: this machine has not measured its all-reduce yet (no multi-process run with "
+            "these processes and threads): left out"
+        )
         return 0.0
     gradient_bytes = traced.trainable_bytes
     ring = 2 * (workload.processes - 1) / workload.processes
     total = ring * gradient_bytes / (measured["bus_bandwidth_gbs"] * 1e9)
     resolved = "" if measured.get("exposed_resolved", True) else " (the median of an exposed time not resolved)"
-    notes.append(f"DDP communication from this machine's last measurement ({measured['bus_bandwidth_gbs']:.2f} GB/s, "
-                 f"{measured['exposed_fraction']:.0%} of it exposed{resolved}) and the buckets' copies")
+    notes.append(
+        f"DDP communication from this machine's last measurement ({measured['bus_bandwidth_gbs']:.2f} GB/s, "
+        f"{measured['exposed_fraction']:.0%} of it exposed{resolved}) and the buckets' copies"
+    )
     # DDP copies the gradients into its buckets and back (without --ddp-gradient-as-bucket-view): two copies
     copies = 0 if workload.settings.ddp_gradient_as_bucket_view else 2 * gradient_bytes * copy_seconds_per_byte(costs)
     return total * measured["exposed_fraction"] + copies
@@ -534,12 +676,18 @@ def _memory(workload, traced: trace.Trace, longest: int, notes, calibration: dic
     saved_by_module = traced.saved_at(longest)
     saved = sum(saved_by_module.values())
     # DDP keeps its gradient buckets (a flat copy of the gradients) for the whole run, beside the gradients.
-    buckets = traced.trainable_bytes if workload.processes > 1 and not workload.settings.ddp_gradient_as_bucket_view else 0
+    buckets = (
+        traced.trainable_bytes if workload.processes > 1 and not workload.settings.ddp_gradient_as_bucket_view else 0
+    )
     live = kinds["optimizer"] + kinds["activations"] + kinds["temporary"] + buckets
     # The live peak, split: the optimizer state, what autograd keeps for backward, and the rest of what lives at that
     # moment (gradients as backward makes them, backward's temporaries, the forward's outputs not kept).
-    terms = {"parameters": traced.parameter_bytes, "optimizer": kinds["optimizer"], "activations": saved,
-             "temporaries": max(0.0, live - buckets - kinds["optimizer"] - saved)}
+    terms = {
+        "parameters": traced.parameter_bytes,
+        "optimizer": kinds["optimizer"],
+        "activations": saved,
+        "temporaries": max(0.0, live - buckets - kinds["optimizer"] - saved),
+    }
     if buckets:
         terms["ddp_buckets"] = buckets
     on_cpu = workload.device.type == "cpu"
@@ -548,21 +696,28 @@ def _memory(workload, traced: trace.Trace, longest: int, notes, calibration: dic
     if on_cpu and calibration:
         allocator = calibration["factor"] * live + calibration["constant_bytes"]
     elif on_cpu:
-        notes.append("the allocator's share of a CPU process (freed heap kept, fragmented) is not calibrated on this "
-                     "machine: left out (python -m trainscope.predict --calibrate, or make predict-calibrate)")
+        notes.append(
+            "the allocator's share of a CPU process (freed heap kept, fragmented) is not calibrated on this "
+            "machine: left out (python -m trainscope.predict --calibrate, or make predict-calibrate)"
+        )
     baseline = workload.rss_bytes if on_cpu and workload.rss_bytes is not None else 0
     terms = {"baseline": baseline, **terms, "allocator": allocator}
     peak_bytes = sum(terms.values())
     capacity = device_memory_bytes(workload.device)
-    return {"kind": "peak RSS" if on_cpu else "max allocated", "peak_gib": peak_bytes / GIB,
-            "terms_gib": {k: v / GIB for k, v in terms.items()}, "live_gib": live / GIB,
-            "gradients_gib": traced.trainable_bytes / GIB,
-            "activations_by_layer_gib": {k: v / GIB for k, v in saved_by_module.items() if v},
-            "saved_by_power": {module: {str(p): b for p, b in powers.items()} for module, powers in traced.saved.items()},
-            "traced": {"batch": traced.batch, "length": traced.length}, "at_length": longest,
-            "allocator": {"calibrated": bool(calibration), **(calibration or {})} if on_cpu else None,
-            "capacity_gib": capacity / GIB if capacity else None,
-            "fits": bool(capacity is None or peak_bytes * max(1, workload.local_processes if on_cpu else 1) <= capacity)}
+    return {
+        "kind": "peak RSS" if on_cpu else "max allocated",
+        "peak_gib": peak_bytes / GIB,
+        "terms_gib": {k: v / GIB for k, v in terms.items()},
+        "live_gib": live / GIB,
+        "gradients_gib": traced.trainable_bytes / GIB,
+        "activations_by_layer_gib": {k: v / GIB for k, v in saved_by_module.items() if v},
+        "saved_by_power": {module: {str(p): b for p, b in powers.items()} for module, powers in traced.saved.items()},
+        "traced": {"batch": traced.batch, "length": traced.length},
+        "at_length": longest,
+        "allocator": {"calibrated": bool(calibration), **(calibration or {})} if on_cpu else None,
+        "capacity_gib": capacity / GIB if capacity else None,
+        "fits": bool(capacity is None or peak_bytes * max(1, workload.local_processes if on_cpu else 1) <= capacity),
+    }
 
 
 def calibration_state(fitted: dict, device: torch.device) -> dict:
@@ -571,17 +726,29 @@ def calibration_state(fitted: dict, device: torch.device) -> dict:
     fitted coefficient held at a bound of its fit (a warning: the fitted model does not fit this machine)."""
     timing = fitted.get("time") or {}
     state = "first use" if fitted.get("made_now") else "calibrated" if fitted.get("key") else "uncalibrated"
-    return {"state": state, "method": fitted.get("method") or ("full" if fitted.get("key") else None),
-            "measured": fitted.get("measured"), "seconds": fitted.get("seconds"), "error": fitted.get("error"),
-            "at_bound": list(timing.get("at_bound") or []),
-            "path": str(calibration.calibration_path(device)) if fitted.get("key") else None}
+    return {
+        "state": state,
+        "method": fitted.get("method") or ("full" if fitted.get("key") else None),
+        "measured": fitted.get("measured"),
+        "seconds": fitted.get("seconds"),
+        "error": fitted.get("error"),
+        "at_bound": list(timing.get("at_bound") or []),
+        "path": str(calibration.calibration_path(device)) if fitted.get("key") else None,
+    }
 
 
 # What each term of a prediction rests on: derived from first principles (the traced step's shapes and bytes, at
 # this machine's benchmarked costs: the matmul peak, each operator timed alone, a measured all-reduce bandwidth),
 # fitted (the calibration), or measured in the same run before it starts (the process's memory, the collate).
-MEMORY_SOURCES = {"baseline": "measured", "parameters": "derived", "optimizer": "derived", "activations": "derived",
-                  "temporaries": "derived", "ddp_buckets": "derived", "allocator": "fitted"}
+MEMORY_SOURCES = {
+    "baseline": "measured",
+    "parameters": "derived",
+    "optimizer": "derived",
+    "activations": "derived",
+    "temporaries": "derived",
+    "ddp_buckets": "derived",
+    "allocator": "fitted",
+}
 
 
 def sources(memory: dict, timing: dict) -> dict:
@@ -594,9 +761,11 @@ def sources(memory: dict, timing: dict) -> dict:
     kinds = timing["kinds_s"]
     factor = (timing.get("calibration") or {}).get("operator_factor", 1.0)
     alone = kinds.get("operator", 0.0) / factor if factor else kinds.get("operator", 0.0)
-    step = {"derived": kinds.get("matmul", 0.0) + alone + kinds.get("communication", 0.0),
-            "fitted": kinds.get("operator", 0.0) - alone + kinds.get("framework", 0.0),
-            "measured": kinds.get("data", 0.0)}
+    step = {
+        "derived": kinds.get("matmul", 0.0) + alone + kinds.get("communication", 0.0),
+        "fitted": kinds.get("operator", 0.0) - alone + kinds.get("framework", 0.0),
+        "measured": kinds.get("data", 0.0),
+    }
     share = lambda parts: {k: v / sum(parts.values()) if sum(parts.values()) else None for k, v in parts.items()}  # noqa: E731
     return {"peak_gib": peak, "peak_share": share(peak), "step_s": step, "step_share": share(step)}
 
@@ -624,10 +793,14 @@ def with_collate_costs(workload: Workload, tokenizer, data) -> Workload:
     from trainscope.data import build_collator
 
     settings, pad = workload.settings, workload.pad_to_multiple_of
-    workload.collate_s = {"train": collate_seconds(data.train, build_collator(tokenizer, settings, pad),
-                                                   settings.per_device_batch_size, settings.seed),
-                          "eval": collate_seconds(data.validation, build_collator(tokenizer, settings, pad),
-                                                  settings.resolved_eval_batch_size, settings.seed)}
+    workload.collate_s = {
+        "train": collate_seconds(
+            data.train, build_collator(tokenizer, settings, pad), settings.per_device_batch_size, settings.seed
+        ),
+        "eval": collate_seconds(
+            data.validation, build_collator(tokenizer, settings, pad), settings.resolved_eval_batch_size, settings.seed
+        ),
+    }
     return workload
 
 
@@ -640,12 +813,18 @@ def workload_for(settings, started, tokenizer, data, label_names=None) -> Worklo
     device = state.device
     precision_name = precision_from_environment(device)
     workload = Workload(
-        settings=settings, label_names=list(label_names or data.label_names),
-        input_names=[c for c in data.train.column_names if c in MODEL_INPUTS], device=device,
-        precision=precision_name, processes=state.num_processes, local_processes=environment.local_processes(),
+        settings=settings,
+        label_names=list(label_names or data.label_names),
+        input_names=[c for c in data.train.column_names if c in MODEL_INPUTS],
+        device=device,
+        precision=precision_name,
+        processes=state.num_processes,
+        local_processes=environment.local_processes(),
         threads=torch.get_num_threads(),
         lengths={split: token_lengths(getattr(data, split)) for split in ("train", "validation", "test")},
-        rss_bytes=current_rss_bytes(), plan=plan_steps(settings, len(data.train), state.num_processes))
+        rss_bytes=current_rss_bytes(),
+        plan=plan_steps(settings, len(data.train), state.num_processes),
+    )
     return with_collate_costs(workload, tokenizer, data)
 
 
@@ -680,14 +859,23 @@ def screen_lines(block: dict, settings, wall_s: float | None = None) -> list[str
         + (f" in {memory['capacity_gib']:.1f} GiB" if memory.get("capacity_gib") else ""),
     ]
     allocator = memory.get("allocator") or {}
-    names = [("baseline", "framework and data now (measured)"), ("parameters", "parameters"),
-             ("optimizer", "optimizer state (AdamW)"),
-             ("activations", f"activations kept for backward (length {memory['at_length']})"),
-             ("temporaries", f"gradients ({memory['gradients_gib']:.3f} in all), backward's temporaries"),
-             ("ddp_buckets", "DDP's gradient buckets"),
-             ("allocator", f"allocator ({allocator['factor']:.2f} x live + {allocator['constant_bytes'] / GIB:.2f})"
-              if allocator.get("calibrated") else "allocator (not calibrated)")]
-    lines += [f"  {label:<56} {gib[key]:7.3f} GiB" for key, label in names if key in gib and (key != "allocator" or allocator)]
+    names = [
+        ("baseline", "framework and data now (measured)"),
+        ("parameters", "parameters"),
+        ("optimizer", "optimizer state (AdamW)"),
+        ("activations", f"activations kept for backward (length {memory['at_length']})"),
+        ("temporaries", f"gradients ({memory['gradients_gib']:.3f} in all), backward's temporaries"),
+        ("ddp_buckets", "DDP's gradient buckets"),
+        (
+            "allocator",
+            f"allocator ({allocator['factor']:.2f} x live + {allocator['constant_bytes'] / GIB:.2f})"
+            if allocator.get("calibrated")
+            else "allocator (not calibrated)",
+        ),
+    ]
+    lines += [
+        f"  {label:<56} {gib[key]:7.3f} GiB" for key, label in names if key in gib and (key != "allocator" or allocator)
+    ]
     layers = {k: v for k, v in (memory.get("activations_by_layer_gib") or {}).items() if v * 1024 >= 0.5}
     if layers:
         lines.append("  activations by layer: " + ", ".join(f"{k} {v * 1024:.0f} MiB" for k, v in layers.items()))
@@ -695,18 +883,23 @@ def screen_lines(block: dict, settings, wall_s: float | None = None) -> list[str
     kinds = timing["kinds_s"]
     step = timing["step_s"]
     lines += [
-        f"time        steady step {step:.3f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items() if v)
+        f"time        steady step {step:.3f} s: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in stages.items() if v)
         + f"; matmuls {kinds.get('matmul', 0) / step:.0%} (at the measured peak), other operators "
-          f"{kinds.get('operator', 0) / step:.0%}, framework {kinds.get('framework', 0) / step:.0%}" if step else "",
+        f"{kinds.get('operator', 0) / step:.0%}, framework {kinds.get('framework', 0) / step:.0%}"
+        if step
+        else "",
         f"            run: {batches['micro_batches'] // max(1, batches['accumulation'])} steps "
         f"({batches['warmup_steps']} warm-up, first {timing['first_step_s'] or 0:.2f} s), evaluation "
         f"{timing['evaluation_s']:.1f} s -> {timing['run_s']:.1f} s ({timing['run_s'] / 60:.1f} min)",
     ]
     lines += source_lines(block)
     lines += [f"note: {note}" for note in block.get("notes", [])]
-    lines.append(f"predicted in {wall_s if wall_s is not None else block['seconds']:.1f} s "
-                 f"({machine['timed_now']} costs timed now, cached in {machine['cost_cache']}); nothing trained, "
-                 "no run record written")
+    lines.append(
+        f"predicted in {wall_s if wall_s is not None else block['seconds']:.1f} s "
+        f"({machine['timed_now']} costs timed now, cached in {machine['cost_cache']}); nothing trained, "
+        "no run record written"
+    )
     return [line for line in lines if line]
 
 
@@ -718,18 +911,26 @@ def source_lines(block: dict) -> list[str]:
         return []
     peak, step = found["peak_share"], found["step_share"]
     pct = lambda share: f"{share:.0%}" if share is not None else "-"  # noqa: E731
-    lines = [f"rests on    peak: {pct(peak['derived'])} derived, {pct(peak['fitted'])} fitted, {pct(peak['measured'])} "
-             f"measured in this run; step: {pct(step['derived'])} derived, {pct(step['fitted'])} fitted, "
-             f"{pct(step['measured'])} measured"]
+    lines = [
+        f"rests on    peak: {pct(peak['derived'])} derived, {pct(peak['fitted'])} fitted, {pct(peak['measured'])} "
+        f"measured in this run; step: {pct(step['derived'])} derived, {pct(step['fitted'])} fitted, "
+        f"{pct(step['measured'])} measured"
+    ]
     if state.get("state") == "uncalibrated":
         why = f" ({state['error']})" if state.get("error") else ""
-        lines.append(f"UNCALIBRATED: this machine has no calibration{why}: the allocator's share and the framework's "
-                     "time are left out, so memory and time are predicted low (make predict-calibrate)")
+        lines.append(
+            f"UNCALIBRATED: this machine has no calibration{why}: the allocator's share and the framework's "
+            "time are left out, so memory and time are predicted low (make predict-calibrate)"
+        )
     elif state.get("state") == "first use":
-        lines.append(f"calibrated now (first use on this machine, {state.get('seconds') or 0:.0f} s, cached: "
-                     f"{state.get('path')})")
-    lines += [f"warning: the calibration's {bound}: the fitted term does not fit this machine"
-              for bound in state.get("at_bound") or []]
+        lines.append(
+            f"calibrated now (first use on this machine, {state.get('seconds') or 0:.0f} s, cached: "
+            f"{state.get('path')})"
+        )
+    lines += [
+        f"warning: the calibration's {bound}: the fitted term does not fit this machine"
+        for bound in state.get("at_bound") or []
+    ]
     return lines
 
 
@@ -806,8 +1007,12 @@ class Check:
         if stepped and self.block is not None and "optimizer" not in self.measured and self.optimizer is not None:
             from trainscope.memory import local_tensor
 
-            tensors = [local_tensor(t) for state in self.optimizer.state.values() for t in state.values()
-                       if isinstance(t, torch.Tensor)]
+            tensors = [
+                local_tensor(t)
+                for state in self.optimizer.state.values()
+                for t in state.values()
+                if isinstance(t, torch.Tensor)
+            ]
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
             self.measured["optimizer"] = sum(storages.values())
 
@@ -819,8 +1024,11 @@ class Check:
 def _error(predicted, measured) -> dict | None:
     if predicted is None or measured is None:
         return None
-    return {"predicted": predicted, "measured": measured,
-            "error": (predicted - measured) / measured if measured else None}
+    return {
+        "predicted": predicted,
+        "measured": measured,
+        "error": (predicted - measured) / measured if measured else None,
+    }
 
 
 def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
@@ -835,12 +1043,15 @@ def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
     memory, timing = block["memory"], block["time"]
     peak, kind = view.peak_memory
     baseline = memory["terms_gib"].get("baseline", 0.0)
-    result = {"peak_memory_gib": _error(memory["peak_gib"], peak), "memory_kind": kind,
-              "peak_above_baseline_gib": _error(memory["peak_gib"] - baseline, peak - baseline if peak else None),
-              "step_s": _error(timing["step_s"], view.step_s),
-              "evaluation_s": _error(timing["evaluation_s"], view.eval_s or None),
-              "warmup_s": _error(timing["warmup_s"], view.wall_median("warmup")),
-              "run_s": _error(timing["run_s"], view.wall_s)}
+    result = {
+        "peak_memory_gib": _error(memory["peak_gib"], peak),
+        "memory_kind": kind,
+        "peak_above_baseline_gib": _error(memory["peak_gib"] - baseline, peak - baseline if peak else None),
+        "step_s": _error(timing["step_s"], view.step_s),
+        "evaluation_s": _error(timing["evaluation_s"], view.eval_s or None),
+        "warmup_s": _error(timing["warmup_s"], view.wall_median("warmup")),
+        "run_s": _error(timing["run_s"], view.wall_s),
+    }
     per_step = view.stage_seconds_per_step() if view.step_s else {}
     stages = dict(timing["stages_s"])
     stages["backward"] = stages.get("backward", 0.0) + stages.pop("communication", 0.0)  # measured inside backward
@@ -854,8 +1065,9 @@ def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
     if measured.get("saved_at"):
         batch, length = measured["saved_at"]
         predicted_saved = saved_bytes_at(block, batch, length)
-        memory_terms["activations"] = _error(predicted_saved / GIB if predicted_saved else None,
-                                             measured["saved"] / GIB)
+        memory_terms["activations"] = _error(
+            predicted_saved / GIB if predicted_saved else None, measured["saved"] / GIB
+        )
     if peak is not None and all(t in memory_terms for t in ("parameters", "optimizer")):
         # The residual (gradients and temporaries at the peak, the allocator's share) is what the measured peak leaves
         # after the measured terms, the activations at the longest batch scaled by their measured error.
@@ -865,7 +1077,8 @@ def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
         held = sum(memory_terms[t]["measured"] for t in ("parameters", "optimizer"))
         remainder = peak - gib.get("baseline", 0.0) - held - gib["activations"] * ratio
         result["memory_residual"] = _error(
-            gib["temporaries"] + gib.get("allocator", 0.0) + gib.get("ddp_buckets", 0.0), remainder)
+            gib["temporaries"] + gib.get("allocator", 0.0) + gib.get("ddp_buckets", 0.0), remainder
+        )
     result["memory_terms"] = memory_terms
     result["time_terms"] = time_terms
     result["calibration"] = (block.get("calibration") or {}).get("state")
@@ -904,9 +1117,12 @@ def remember_communication(block: dict | None, summary: dict, settings, started)
     exposed = figures.get("exposed_median_s") or 0.0
     device = torch.device(block["machine"]["device"].split(":")[0])
     costs = op_costs.OpCosts(device, block["machine"]["threads"], environment.local_processes())
-    costs.cached["communication"] = {"bus_bandwidth_gbs": bandwidth,
-                                     "exposed_fraction": min(1.0, max(0.0, exposed / transfer)),
-                                     "exposed_resolved": bool(figures.get("resolved")), "measured": now_iso()}
+    costs.cached["communication"] = {
+        "bus_bandwidth_gbs": bandwidth,
+        "exposed_fraction": min(1.0, max(0.0, exposed / transfer)),
+        "exposed_resolved": bool(figures.get("resolved")),
+        "measured": now_iso(),
+    }
     costs.measured += 1
     costs.save()
 
@@ -922,25 +1138,38 @@ def error_lines(errors: dict | None) -> list[str]:
     memory, step, run = errors.get("peak_memory_gib"), errors.get("step_s"), errors.get("run_s")
     parts = []
     if memory:
-        parts.append(f"peak memory {memory['predicted']:.2f} GiB predicted, {memory['measured']:.2f} measured ({pct(memory)})")
+        parts.append(
+            f"peak memory {memory['predicted']:.2f} GiB predicted, {memory['measured']:.2f} measured ({pct(memory)})"
+        )
     if step:
         parts.append(f"steady step {step['predicted']:.3f} s, {step['measured']:.3f} ({pct(step)})")
     if run:
         parts.append(f"run {run['predicted']:.1f} s, {run['measured']:.1f} ({pct(run)})")
     state = errors.get("calibration")
-    said = f" ({state}: {'calibrated now, on first use' if state == 'first use' else 'fitted terms left out'})" \
-        if state and state != "calibrated" else ""
+    said = (
+        f" ({state}: {'calibrated now, on first use' if state == 'first use' else 'fitted terms left out'})"
+        if state and state != "calibrated"
+        else ""
+    )
     lines = ["prediction: " + "; ".join(parts) + said] if parts else []
     above, residual = errors.get("peak_above_baseline_gib"), errors.get("memory_residual")
     if above:
-        lines.append(f"  peak above the memory before the model {above['predicted']:.2f} GiB predicted, "
-                     f"{above['measured']:.2f} measured ({pct(above)})"
-                     + (f"; residual (the peak less the measured terms) {residual['predicted']:.2f} GiB predicted, "
-                        f"{residual['measured']:.2f} left" if residual else ""))
+        lines.append(
+            f"  peak above the memory before the model {above['predicted']:.2f} GiB predicted, "
+            f"{above['measured']:.2f} measured ({pct(above)})"
+            + (
+                f"; residual (the peak less the measured terms) {residual['predicted']:.2f} GiB predicted, "
+                f"{residual['measured']:.2f} left"
+                if residual
+                else ""
+            )
+        )
     furthest = errors.get("furthest")
     if furthest:
-        lines.append(f"  furthest off: {furthest['term']} ({pct(furthest)} of itself, "
-                     f"{furthest['share_of_total']:.0%} of its total)")
+        lines.append(
+            f"  furthest off: {furthest['term']} ({pct(furthest)} of itself, "
+            f"{furthest['share_of_total']:.0%} of its total)"
+        )
     return lines
 
 
@@ -953,7 +1182,7 @@ def settings_of(record_or_settings):
 
     if isinstance(record_or_settings, Settings):
         return record_or_settings
-    values = (record_or_settings.get("settings") or {})
+    values = record_or_settings.get("settings") or {}
     known = {f.name for f in dataclasses.fields(Settings)}
     return Settings(**{k: v for k, v in values.items() if k in known})
 
@@ -966,8 +1195,11 @@ def changed_settings(settings, flags) -> object:
         return settings
     (given,) = parse_settings(argv=list(flags))
     default = Settings()
-    changes = {f.name: getattr(given, f.name) for f in dataclasses.fields(Settings)
-               if getattr(given, f.name) != getattr(default, f.name)}
+    changes = {
+        f.name: getattr(given, f.name)
+        for f in dataclasses.fields(Settings)
+        if getattr(given, f.name) != getattr(default, f.name)
+    }
     return dataclasses.replace(settings, **changes)
 
 
@@ -979,9 +1211,21 @@ def _data_for(settings):
     from trainscope.data import load_classification_data
     from trainscope.modeling import build_tokenizer
 
-    key = (settings.model, settings.tokenizer, settings.dataset, settings.dataset_config, settings.max_seq_length,
-           settings.max_train_samples, settings.max_eval_samples, settings.max_test_samples, settings.resolved_data_seed,
-           settings.text_column, settings.label_column, settings.validation_fraction, settings.test_fraction)
+    key = (
+        settings.model,
+        settings.tokenizer,
+        settings.dataset,
+        settings.dataset_config,
+        settings.max_seq_length,
+        settings.max_train_samples,
+        settings.max_eval_samples,
+        settings.max_test_samples,
+        settings.resolved_data_seed,
+        settings.text_column,
+        settings.label_column,
+        settings.validation_fraction,
+        settings.test_fraction,
+    )
     if key not in _DATA_MEMO:
         tokenizer = build_tokenizer(settings)
         _DATA_MEMO[key] = (tokenizer, load_classification_data(settings, tokenizer, contextlib.nullcontext))
@@ -1008,11 +1252,19 @@ def workload_of(record: dict | None, settings, config: str | None = None) -> Wor
         if settings.threads == "auto":
             threads = max(1, environment.usable_cores() // processes)
     tokenizer, data = _data_for(settings)
-    workload = Workload(settings=settings, label_names=list(data.label_names),
-                        input_names=[c for c in data.train.column_names if c in MODEL_INPUTS], device=device,
-                        precision=precision_name, processes=processes, local_processes=processes, threads=threads,
-                        lengths={split: token_lengths(getattr(data, split)) for split in ("train", "validation", "test")},
-                        rss_bytes=None, plan=plan_steps(settings, len(data.train), processes))
+    workload = Workload(
+        settings=settings,
+        label_names=list(data.label_names),
+        input_names=[c for c in data.train.column_names if c in MODEL_INPUTS],
+        device=device,
+        precision=precision_name,
+        processes=processes,
+        local_processes=processes,
+        threads=threads,
+        lengths={split: token_lengths(getattr(data, split)) for split in ("train", "validation", "test")},
+        rss_bytes=None,
+        plan=plan_steps(settings, len(data.train), processes),
+    )
     return with_collate_costs(workload, tokenizer, data)
 
 
@@ -1021,8 +1273,12 @@ def same_work_seconds(block: dict, workload: Workload) -> tuple[float, float, fl
     training part per real token (trainscope.tune.work_seconds)."""
     timing = block["time"]
     settings = workload.settings
-    tokens = block["batches"]["micro_batches"] * settings.per_device_batch_size * workload.processes \
+    tokens = (
+        block["batches"]["micro_batches"]
+        * settings.per_device_batch_size
+        * workload.processes
         * block["batches"]["mean_real_length"]
+    )
     return timing["run_s"] - timing["evaluation_s"], timing["evaluation_s"], tokens
 
 
@@ -1044,12 +1300,25 @@ def speedup(baseline, flags=(), config: str | None = None) -> dict:
     train_a, eval_a, tokens_a = same_work_seconds(after, after_work)
     baseline_s = train_b + eval_b
     changed_s = train_a * (tokens_b / tokens_a if tokens_a else 1.0) + eval_a
-    return {"ratio": baseline_s / changed_s if changed_s else None, "baseline_s": baseline_s, "changed_s": changed_s,
-            "flags": list(flags), "config": config}
+    return {
+        "ratio": baseline_s / changed_s if changed_s else None,
+        "baseline_s": baseline_s,
+        "changed_s": changed_s,
+        "flags": list(flags),
+        "config": config,
+    }
 
 
-def largest_batch(settings, label_names, input_names, device: torch.device, precision_name: str, length: int,
-                  capacity_bytes: int | None = None, baseline_bytes: int = 0) -> dict:
+def largest_batch(
+    settings,
+    label_names,
+    input_names,
+    device: torch.device,
+    precision_name: str,
+    length: int,
+    capacity_bytes: int | None = None,
+    baseline_bytes: int = 0,
+) -> dict:
     """The largest per-device batch whose predicted peak fits in `capacity_bytes` (the device's memory by default)
     at sequences of `length`: what grows with the length grows with the batch (trainscope.trace), the parameters and
     the optimizer state do not; on a CPU with the calibrated allocator's share."""
@@ -1061,8 +1330,17 @@ def largest_batch(settings, label_names, input_names, device: torch.device, prec
     traced_at = traced_length(length, 8, avoid | {16 * length}, modeling.config_positions(config))
     build = lambda: _on_meta(lambda: modeling.build_architecture(settings, label_names, config=config))  # noqa: E731
     with quiet_fake_tensors():
-        traced = trace.trace_training(build, input_names, 8, traced_at, precision_name, device,
-                                      settings.max_grad_norm, settings.weight_decay, avoid)
+        traced = trace.trace_training(
+            build,
+            input_names,
+            8,
+            traced_at,
+            precision_name,
+            device,
+            settings.max_grad_norm,
+            settings.weight_decay,
+            avoid,
+        )
     live = lambda batch: sum(v for k, v in traced.memory_at(length, batch).items() if k != "parameters")  # noqa: E731
     per_sample = (live(16) - live(8)) / 8
     fixed_live = live(8) - 8 * per_sample
@@ -1072,8 +1350,13 @@ def largest_batch(settings, label_names, input_names, device: torch.device, prec
     # peak(b) = baseline + parameters + (fixed_live + b x per_sample) x factor + constant
     room = capacity - baseline_bytes - traced.parameter_bytes - constant - fixed_live * factor
     batch = int(room // (per_sample * factor)) if per_sample > 0 and room > 0 else 0
-    return {"batch": batch, "per_sample_bytes": per_sample, "fixed_bytes": fixed_live + traced.parameter_bytes,
-            "capacity_bytes": capacity, "length": length}
+    return {
+        "batch": batch,
+        "per_sample_bytes": per_sample,
+        "fixed_bytes": fixed_live + traced.parameter_bytes,
+        "capacity_bytes": capacity,
+        "length": length,
+    }
 
 
 # ---------------------------------------------------------------- python -m trainscope.predict --calibrate

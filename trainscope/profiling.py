@@ -97,12 +97,14 @@ def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) ->
         device_us = getattr(event, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(event, "self_cuda_time_total", 0)
-        rows.append({
-            "name": event.key,
-            "calls": event.count,
-            "self_cpu_s": event.self_cpu_time_total / 1e6,
-            "self_device_s": device_us / 1e6 if on_device else None,
-        })
+        rows.append(
+            {
+                "name": event.key,
+                "calls": event.count,
+                "self_cpu_s": event.self_cpu_time_total / 1e6,
+                "self_device_s": device_us / 1e6 if on_device else None,
+            }
+        )
     key = "self_device_s" if on_device else "self_cpu_s"
     # the stage labels (record_function spans) and the step markers are not operators
     rows = [r for r in rows if not r["name"].startswith("ProfilerStep") and r["name"] not in STAGES]
@@ -112,8 +114,9 @@ def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) ->
 def build_profiler(settings, run_dir: Path, device: torch.device, rank: int):
     if not settings.profile:
         return NoProfiler()
-    return StepProfiler(run_dir / "profile", device, settings.profile_wait, settings.profile_warmup,
-                        settings.profile_active, rank)
+    return StepProfiler(
+        run_dir / "profile", device, settings.profile_wait, settings.profile_warmup, settings.profile_active, rank
+    )
 
 
 class MemorySnapshot:
@@ -183,8 +186,9 @@ class NoSnapshot:
 def build_memory_snapshot(settings, run_dir: Path, device: torch.device, rank: int):
     if not (settings.memory_snapshot and device.type == "cuda"):
         return NoSnapshot()
-    return MemorySnapshot(run_dir / "memory" / f"snapshot_rank{rank}.pickle", settings.timing_warmup_steps,
-                          settings.memory_snapshot_steps)
+    return MemorySnapshot(
+        run_dir / "memory" / f"snapshot_rank{rank}.pickle", settings.timing_warmup_steps, settings.memory_snapshot_steps
+    )
 
 
 def first_layer(model):
@@ -215,8 +219,10 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
         probe = copy.deepcopy(layer).to(device).train()
 
         def step():
-            with record_function("forward"), (torch.autocast(device.type, dtype=dtype) if dtype
-                                              else contextlib.nullcontext()):
+            with (
+                record_function("forward"),
+                torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext(),
+            ):
                 out = probe(hidden)
                 out = out[0] if isinstance(out, tuple) else out
             with record_function("backward"):

@@ -48,7 +48,7 @@ def launch_command(pid: int | None = None) -> str:
     parent = _cmdline(os.getppid() if pid is None else pid) or []
     for index, part in enumerate(parent[:3]):
         if Path(part).name in LAUNCHERS:
-            return shlex.join([Path(part).name, *parent[index + 1:]])
+            return shlex.join([Path(part).name, *parent[index + 1 :]])
     own = getattr(sys, "orig_argv", [sys.executable, *sys.argv])
     return shlex.join(["python" if "python" in Path(own[0]).name else own[0], *own[1:]])
 
@@ -100,16 +100,20 @@ def markdown(block: dict, machine_label: str = "machine") -> list[str]:
     """The provenance block as Markdown lines (the footer of every results file); `machine_label` names its machine
     line (a report says it was built there, not measured)."""
     m = block["machine"]
-    commit = (block["commit"] or "unknown")[:12] + (" (dirty: " + ", ".join(block["changed"][:5]) + ")"
-                                                  if block["dirty"] else " (clean)")
+    commit = (block["commit"] or "unknown")[:12] + (
+        " (dirty: " + ", ".join(block["changed"][:5]) + ")" if block["dirty"] else " (clean)"
+    )
     packages = ", ".join(f"{k} {v}" for k, v in block["packages"].items() if v)
-    lines = ["## Provenance", "",
-             f"- commit: {commit}",
-             f"- command: `{block['command']}`",
-             f"- date: {block['date']}",
-             f"- {machine_label}: {m['device_name']} x {max(m['device_count'], 1)}, CPU {m['cpu']} ({m['cpu_capability']}), "
-             f"{m['usable_cores']} usable cores, {m['torch_threads']} torch threads in the measuring process",
-             f"- packages: {packages}"]
+    lines = [
+        "## Provenance",
+        "",
+        f"- commit: {commit}",
+        f"- command: `{block['command']}`",
+        f"- date: {block['date']}",
+        f"- {machine_label}: {m['device_name']} x {max(m['device_count'], 1)}, CPU {m['cpu']} ({m['cpu_capability']}), "
+        f"{m['usable_cores']} usable cores, {m['torch_threads']} torch threads in the measuring process",
+        f"- packages: {packages}",
+    ]
     if block["inputs"]:
         lines.append(f"- inputs ({len(block['inputs'])} files, sha256): see the JSON")
     return lines

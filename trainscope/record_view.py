@@ -84,11 +84,14 @@ class RunView:
         env, host = self.env, (self.record.get("provenance") or {}).get("machine") or {}
         gpu = env.get("device_name") if self.on_cuda else None
         flags = (env.get("cpu_bf16") or {}).get("flags")
-        return Machine(cpu=host.get("cpu") or (env.get("device_name") if self.on_cpu else None),
-                       capability=env.get("cpu_capability") or host.get("cpu_capability"),
-                       bf16_flags=tuple(flags) if flags else None, gpu=gpu,
-                       gpus=(env.get("device_count") or 1) if gpu else 0,
-                       cores=env.get("usable_cores") or host.get("usable_cores"))
+        return Machine(
+            cpu=host.get("cpu") or (env.get("device_name") if self.on_cpu else None),
+            capability=env.get("cpu_capability") or host.get("cpu_capability"),
+            bf16_flags=tuple(flags) if flags else None,
+            gpu=gpu,
+            gpus=(env.get("device_count") or 1) if gpu else 0,
+            cores=env.get("usable_cores") or host.get("usable_cores"),
+        )
 
     @property
     def requested_precision(self) -> str | None:
@@ -216,17 +219,22 @@ class RunView:
     def padding(self) -> dict:
         """Real and padded token positions of the steady training phase, and of evaluation where recorded."""
         evaluation = self.summary.get("evaluation_tokens") or {}
-        return {"train_tokens": self.throughput.get("tokens"), "train_padded": self.throughput.get("padded_tokens"),
-                "train_samples": self.throughput.get("samples"),
-                "train_padded_squares": self.throughput.get("padded_squares"),
-                "eval_tokens": evaluation.get("tokens"), "eval_padded": evaluation.get("padded_tokens"),
-                "eval_samples": evaluation.get("samples"), "eval_padded_squares": evaluation.get("padded_squares")}
+        return {
+            "train_tokens": self.throughput.get("tokens"),
+            "train_padded": self.throughput.get("padded_tokens"),
+            "train_samples": self.throughput.get("samples"),
+            "train_padded_squares": self.throughput.get("padded_squares"),
+            "eval_tokens": evaluation.get("tokens"),
+            "eval_padded": evaluation.get("padded_tokens"),
+            "eval_samples": evaluation.get("samples"),
+            "eval_padded_squares": evaluation.get("padded_squares"),
+        }
 
     def run_counts(self) -> dict:
         """Samples, real tokens and optimizer steps trained over the whole run, all ranks."""
         totals = {"samples": 0, "tokens": 0, "optimizer_steps": 0}
         for rank in self.per_rank:
-            for phase, counts in (rank.get("counts") or {}).items():
+            for counts in (rank.get("counts") or {}).values():
                 totals["samples"] += counts.get("samples", 0)
                 totals["tokens"] += counts.get("tokens", 0)
                 if rank is self.per_rank[0]:
@@ -329,8 +337,14 @@ class RunView:
             return self.env["cpu_bf16"]
         old = self.env.get("cpu_bf16_matmul")
         if old and old.get("speedup"):
-            return {"flags": [], "native_by_flags": self.env.get("cpu_native_bf16"), "speedup": old["speedup"],
-                    "faster": old["speedup"] > 1.0, "size": old.get("size"), "threads": old.get("threads")}
+            return {
+                "flags": [],
+                "native_by_flags": self.env.get("cpu_native_bf16"),
+                "speedup": old["speedup"],
+                "faster": old["speedup"] > 1.0,
+                "size": old.get("size"),
+                "threads": old.get("threads"),
+            }
         return {}
 
     @property
@@ -371,9 +385,22 @@ class RunView:
         if not block:
             return None
         old = block.get("method") is None
-        figures = {key: block.get(key) for key in ("measured", "world_size", "bus_bandwidth_gbs", "allreduce_bytes_per_step",
-                                                    "allreduces_per_optimizer_step", "gradient_bytes", "buckets",
-                                                    "ddp_exposed_s", "ddp_comm_s", "ddp_overlap", "measurement_s")}
+        figures = {
+            key: block.get(key)
+            for key in (
+                "measured",
+                "world_size",
+                "bus_bandwidth_gbs",
+                "allreduce_bytes_per_step",
+                "allreduces_per_optimizer_step",
+                "gradient_bytes",
+                "buckets",
+                "ddp_exposed_s",
+                "ddp_comm_s",
+                "ddp_overlap",
+                "measurement_s",
+            )
+        }
         figures["method"] = "two-pass estimate (schema 3)" if old else block["method"]
         if not block.get("measured"):
             return {**figures, "reason": block.get("reason"), "resolved": False, "agreement": None}
@@ -386,17 +413,28 @@ class RunView:
         else:
             interval = tuple(block["exposed_interval"]) if block.get("exposed_interval") else None
             transfer, overlap = block.get("transfer_s"), block.get("overlap")
-            per_rank = [{"rank": r["rank"], "exposed_s": r["exposed_s"], "wait_s": r["wait_s"]}
-                        for r in block.get("per_rank") or []]
+            per_rank = [
+                {"rank": r["rank"], "exposed_s": r["exposed_s"], "wait_s": r["wait_s"]}
+                for r in block.get("per_rank") or []
+            ]
             agreed = ((block.get("agreement") or {}).get("ddp") or {}).get("verdict")
         clear = exposed is not None and resolved(exposed, interval)
         share = block.get("exposed_share") if not old else exposed / self.step_s if exposed and self.step_s else None
-        return {**figures, "exposed_s": exposed if clear else None, "exposed_median_s": exposed,
-                "exposed_interval": interval, "resolved": clear,
-                "exposed_share": share if clear else None, "transfer_s": transfer,
-                "hidden_share": hidden_share(exposed, interval, transfer),
-                "overlap": overlap if overlap is not None and 0 <= overlap <= 1 else None, "window_s": block.get("window_s"),
-                "per_rank": per_rank, "stragglers": block.get("stragglers") or [], "agreement": agreed}
+        return {
+            **figures,
+            "exposed_s": exposed if clear else None,
+            "exposed_median_s": exposed,
+            "exposed_interval": interval,
+            "resolved": clear,
+            "exposed_share": share if clear else None,
+            "transfer_s": transfer,
+            "hidden_share": hidden_share(exposed, interval, transfer),
+            "overlap": overlap if overlap is not None and 0 <= overlap <= 1 else None,
+            "window_s": block.get("window_s"),
+            "per_rank": per_rank,
+            "stragglers": block.get("stragglers") or [],
+            "agreement": agreed,
+        }
 
     @property
     def prediction(self) -> dict | None:
@@ -420,20 +458,41 @@ class RunView:
         peak, kind = self.peak_memory
         communication = self.communication_figures or {}
         counts = self.run_counts()
-        return {"run": self.name, "wall_s": self.wall_s, "samples_per_s": self.samples_per_s,
-                "tokens_per_s": self.tokens_per_s, "step_s": self.step_s,
-                "train_wall_s": self.train_wall_s, "eval_s": self.eval_s,
-                "train_tokens": counts["tokens"], "train_samples": counts["samples"],
-                "communication": ({**{k: communication.get(k) for k in COMMUNICATION_FIGURES},
-                                   "resolved": communication["resolved"], "exposed_interval": communication["exposed_interval"],
-                                   "agreement": communication["agreement"], "method": communication["method"]}
-                                  if communication.get("measured") else None),
-                "peak_memory_gib": peak, "memory_kind": kind, "test_accuracy": self.test.get("accuracy"),
-                "validation_accuracy": self.last_validation.get("accuracy"),
-                "validation_loss": self.last_validation.get("loss"), "test_loss": self.test.get("loss"),
-                "precision": self.precision, "world_size": self.world_size, "warnings": self.warning_codes,
-                "seed": self.setting("seed"), "data_seed": self.data_seed,
-                "optimizer_steps": self.plan.get("optimizer_steps"), "steps_per_epoch": self.plan.get("steps_per_epoch")}
+        return {
+            "run": self.name,
+            "wall_s": self.wall_s,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "step_s": self.step_s,
+            "train_wall_s": self.train_wall_s,
+            "eval_s": self.eval_s,
+            "train_tokens": counts["tokens"],
+            "train_samples": counts["samples"],
+            "communication": (
+                {
+                    **{k: communication.get(k) for k in COMMUNICATION_FIGURES},
+                    "resolved": communication["resolved"],
+                    "exposed_interval": communication["exposed_interval"],
+                    "agreement": communication["agreement"],
+                    "method": communication["method"],
+                }
+                if communication.get("measured")
+                else None
+            ),
+            "peak_memory_gib": peak,
+            "memory_kind": kind,
+            "test_accuracy": self.test.get("accuracy"),
+            "validation_accuracy": self.last_validation.get("accuracy"),
+            "validation_loss": self.last_validation.get("loss"),
+            "test_loss": self.test.get("loss"),
+            "precision": self.precision,
+            "world_size": self.world_size,
+            "warnings": self.warning_codes,
+            "seed": self.setting("seed"),
+            "data_seed": self.data_seed,
+            "optimizer_steps": self.plan.get("optimizer_steps"),
+            "steps_per_epoch": self.plan.get("steps_per_epoch"),
+        }
 
     @property
     def data_seed(self) -> int | None:
@@ -450,9 +509,22 @@ class RunView:
 
 
 # The numeric communication figures an experiment sets side by side (RunView.communication_figures).
-COMMUNICATION_FIGURES = ("exposed_s", "exposed_share", "transfer_s", "hidden_share", "window_s", "overlap",
-                         "bus_bandwidth_gbs", "allreduces_per_optimizer_step", "allreduce_bytes_per_step",
-                         "gradient_bytes", "ddp_exposed_s", "ddp_comm_s", "ddp_overlap", "measurement_s")
+COMMUNICATION_FIGURES = (
+    "exposed_s",
+    "exposed_share",
+    "transfer_s",
+    "hidden_share",
+    "window_s",
+    "overlap",
+    "bus_bandwidth_gbs",
+    "allreduces_per_optimizer_step",
+    "allreduce_bytes_per_step",
+    "gradient_bytes",
+    "ddp_exposed_s",
+    "ddp_comm_s",
+    "ddp_overlap",
+    "measurement_s",
+)
 
 
 def resolved(value: float, interval) -> bool:
@@ -503,13 +575,17 @@ class Machine:
         if not self.capability:
             return "ISA not recorded"
         vector, _, rest = self.capability.replace(" + ", ", ", 1).partition(", ")
-        flags = set(self.bf16_flags) if self.bf16_flags is not None else (
-            set() if "no native bf16" in rest else {f.strip() for f in rest.split(",") if f.strip()})
+        flags = (
+            set(self.bf16_flags)
+            if self.bf16_flags is not None
+            else (set() if "no native bf16" in rest else {f.strip() for f in rest.split(",") if f.strip()})
+        )
         if not flags:
             return f"{vector}, bf16 emulated"
         if "avx512_bf16" in flags or "amx_bf16" in flags:
-            return " + ".join([f"{vector}-BF16" if "avx512_bf16" in flags else vector]
-                              + (["AMX"] if "amx_bf16" in flags else []))
+            return " + ".join(
+                [f"{vector}-BF16" if "avx512_bf16" in flags else vector] + (["AMX"] if "amx_bf16" in flags else [])
+            )
         return f"{vector} + {'SVE-BF16' if 'svebf16' in flags else 'BF16'}"
 
     @property
@@ -519,8 +595,9 @@ class Machine:
         if not self.cpu:
             return "CPU not recorded"
         words = self.cpu.replace("(R)", "").replace("(TM)", "").replace("(tm)", "").split()
-        kept = [w for i, w in enumerate(words)
-                if w != "Processor" and not (w == "CPU" and words[i + 1:i + 2] == ["@"])]
+        kept = [
+            w for i, w in enumerate(words) if w != "Processor" and not (w == "CPU" and words[i + 1 : i + 2] == ["@"])
+        ]
         return " ".join(kept) or self.cpu
 
     @property
@@ -553,8 +630,13 @@ def results_machine(result: dict) -> Machine | None:
     if not block:
         return None
     gpus = block.get("device_count") or 0
-    return Machine(cpu=block.get("cpu"), capability=block.get("cpu_capability"),
-                   gpu=block.get("device_name") if gpus else None, gpus=gpus, cores=block.get("usable_cores"))
+    return Machine(
+        cpu=block.get("cpu"),
+        capability=block.get("cpu_capability"),
+        gpu=block.get("device_name") if gpus else None,
+        gpus=gpus,
+        cores=block.get("usable_cores"),
+    )
 
 
 def machines_text(grouped: dict) -> str:
@@ -562,5 +644,6 @@ def machines_text(grouped: dict) -> str:
     measured, and that their figures are not comparable."""
     if len(grouped) == 1:
         return next(iter(grouped)).text
-    return (f"{len(grouped)} machines, whose figures are not comparable with each other: "
-            + "; ".join(f"{machine.text} ({', '.join(names)})" for machine, names in grouped.items()))
+    return f"{len(grouped)} machines, whose figures are not comparable with each other: " + "; ".join(
+        f"{machine.text} ({', '.join(names)})" for machine, names in grouped.items()
+    )

@@ -30,8 +30,10 @@ REQUIRED_SUMMARY = ("world_size", "timing", "throughput", "memory", "test")
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|AUTH", re.I)
 _SECRET_VALUE_MIN_LENGTH = 8
 # scheme://[userinfo@]rest[?query][#fragment]; rest stops at white space and quotes
-_URL = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<userinfo>[^\s/@'\"<>]*@)?"
-                  r"(?P<rest>[^\s?#'\"<>]*)(?P<query>\?[^\s#'\"<>]*)?(?P<fragment>#[^\s'\"<>]*)?")
+_URL = re.compile(
+    r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<userinfo>[^\s/@'\"<>]*@)?"
+    r"(?P<rest>[^\s?#'\"<>]*)(?P<query>\?[^\s#'\"<>]*)?(?P<fragment>#[^\s'\"<>]*)?"
+)
 
 
 def now_iso() -> str:
@@ -94,7 +96,7 @@ def write_prepared(path: str, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -165,8 +167,10 @@ def check_schema(record, path: Path) -> dict:
         raise ValueError(f"{path}: not a trainscope run record (no schema_version)")
     version = record["schema_version"]
     if isinstance(version, bool) or version not in READABLE_SCHEMAS:
-        raise ValueError(f"{path}: schema_version {version!r} is not one this trainscope reads "
-                         f"({', '.join(map(str, READABLE_SCHEMAS))})")
+        raise ValueError(
+            f"{path}: schema_version {version!r} is not one this trainscope reads "
+            f"({', '.join(map(str, READABLE_SCHEMAS))})"
+        )
     if record.get("status") == "complete":
         missing = [k for k in REQUIRED_COMPLETE if k not in record]
         summary = record.get("summary")

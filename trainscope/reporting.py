@@ -29,13 +29,13 @@ class Headline:
 
 @dataclass
 class Collected:
-    runs: dict = field(default_factory=dict)          # experiment -> {run name: record (with "steps")}
-    other_runs: list = field(default_factory=list)    # complete records outside the experiment folders
-    comparisons: dict = field(default_factory=dict)   # experiment -> comparison.json
-    results: dict = field(default_factory=dict)       # experiment -> its results file, parsed
-    inputs: list = field(default_factory=list)        # every file read, for the digests
-    machines: dict = field(default_factory=dict)      # Machine -> the inputs it measured (records, results files)
-    skipped: list = field(default_factory=list)       # one line per input that could not be used
+    runs: dict = field(default_factory=dict)  # experiment -> {run name: record (with "steps")}
+    other_runs: list = field(default_factory=list)  # complete records outside the experiment folders
+    comparisons: dict = field(default_factory=dict)  # experiment -> comparison.json
+    results: dict = field(default_factory=dict)  # experiment -> its results file, parsed
+    inputs: list = field(default_factory=list)  # every file read, for the digests
+    machines: dict = field(default_factory=dict)  # Machine -> the inputs it measured (records, results files)
+    skipped: list = field(default_factory=list)  # one line per input that could not be used
 
 
 def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
@@ -50,7 +50,8 @@ def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
             comparison = _read_json(runs_dir / experiment.folder / "comparison.json", found)
             if comparison is not None:
                 found.comparisons[experiment.name] = (experiment.rejudge or rejudged)(
-                    comparison, found.runs.get(experiment.name, {}))
+                    comparison, found.runs.get(experiment.name, {})
+                )
         if experiment.results:
             found.results[experiment.name] = _read_json(results_dir / experiment.results, found)
     return found
@@ -137,8 +138,15 @@ def time_breakdown(record: dict) -> dict:
     total = sum(c["seconds"] for c in categories)
     for row in categories + stages:
         row["percent"] = 100 * row["seconds"] / total if total else 0.0
-    return {"run": view.name, "wall_s": view.wall_median("run"), "categories": categories, "stages": stages,
-            "world_size": view.world_size, "device": view.device_name, "precision": view.precision}
+    return {
+        "run": view.name,
+        "wall_s": view.wall_median("run"),
+        "categories": categories,
+        "stages": stages,
+        "world_size": view.world_size,
+        "device": view.device_name,
+        "precision": view.precision,
+    }
 
 
 def pick_breakdown_run(found: Collected) -> dict | None:
@@ -147,8 +155,11 @@ def pick_breakdown_run(found: Collected) -> dict | None:
     profile_runs = found.runs.get("profile", {})
     if "default-r0" in profile_runs:
         return profile_runs["default-r0"]
-    candidates = [r for r in found.other_runs + [r for runs in found.runs.values() for r in runs.values()]
-                  if not RunView(r).setting("profile")]
+    candidates = [
+        r
+        for r in found.other_runs + [r for runs in found.runs.values() for r in runs.values()]
+        if not RunView(r).setting("profile")
+    ]
     return max(candidates, key=lambda r: RunView(r).finished, default=None)
 
 
@@ -181,13 +192,22 @@ def attribution(baseline: dict, other: dict) -> list[dict]:
     """
     before, after = RunView(baseline).stage_seconds_per_step(), RunView(other).stage_seconds_per_step()
     total = sum(after.values()) - sum(before.values())
-    return [{"stage": stage, "baseline_s": before[stage], "other_s": after[stage],
-             "delta_s": after[stage] - before[stage],
-             "share_of_change": (after[stage] - before[stage]) / total if total else 0.0}
-            for stage in before]
+    return [
+        {
+            "stage": stage,
+            "baseline_s": before[stage],
+            "other_s": after[stage],
+            "delta_s": after[stage] - before[stage],
+            "share_of_change": (after[stage] - before[stage]) / total if total else 0.0,
+        }
+        for stage in before
+    ]
 
 
 def first_round_runs(comparison: dict, runs: dict) -> dict:
     """arm -> its first round's record (the run a figure of per-run detail shows)."""
-    return {name: runs[arm["runs"][0]] for name, arm in comparison["arms"].items()
-            if arm["status"] == "complete" and arm["runs"][0] in runs}
+    return {
+        name: runs[arm["runs"][0]]
+        for name, arm in comparison["arms"].items()
+        if arm["status"] == "complete" and arm["runs"][0] in runs
+    }

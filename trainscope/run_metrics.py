@@ -19,13 +19,33 @@ from dataclasses import asdict
 import torch
 from accelerate.utils import gather_object
 
-from trainscope import communication, environment, gap, health, modeling, peak, precision, predict, summary, unpad
-from trainscope.flops import (FULL, Training, encoder_shape, mfu, padding_free_training_flops, real_training_flops,
-                              recomputed_flops, training_flops, training_of)
+from trainscope import (
+    communication,
+    environment,
+    gap,
+    health,
+    modeling,
+    peak,
+    precision,
+    predict,
+    profiling,
+    summary,
+    unpad,
+)
+from trainscope.flops import (
+    FULL,
+    Training,
+    encoder_shape,
+    mfu,
+    padding_free_training_flops,
+    real_training_flops,
+    recomputed_flops,
+    training_flops,
+    training_of,
+)
 from trainscope.loop import LoopState
 from trainscope.memory import GIB, peak_rss_bytes
 from trainscope.precision import SkippedSteps, effective_precision
-from trainscope import profiling
 from trainscope.profiling import build_memory_snapshot, build_profiler
 from trainscope.record_view import RunView
 from trainscope.records import now_iso
@@ -81,12 +101,16 @@ class RunMetrics:
         """The record's environment block: what the run really ran on and in (read once, after attach), with this
         machine's measured matmul peak (trainscope.peak: cached, or measured now by every local process at once)."""
         effective = effective_precision(self.accelerator)
-        self.env = {**environment.describe(self.accelerator, effective, self.started.threads),
-                    "timing_mode": self.timing_mode, **self.started.environment_facts(),
-                    "ddp": self.communication.settings_in_effect(),
-                    "machine_peak": self._machine_peak(),
-                    "sdpa_kernels": modeling.attention_kernels(self.model_config, self.settings.attn_implementation,
-                                                               self.accelerator.device, effective)}
+        self.env = {
+            **environment.describe(self.accelerator, effective, self.started.threads),
+            "timing_mode": self.timing_mode,
+            **self.started.environment_facts(),
+            "ddp": self.communication.settings_in_effect(),
+            "machine_peak": self._machine_peak(),
+            "sdpa_kernels": modeling.attention_kernels(
+                self.model_config, self.settings.attn_implementation, self.accelerator.device, effective
+            ),
+        }
         if self.accelerator.device.type == "cpu":
             self.env["cpu_bf16"] = precision.cpu_bf16(precision.cpu_flags(), self.env["machine_peak"])
         return self.env
@@ -100,9 +124,13 @@ class RunMetrics:
         shapes = peak.transformer_shapes(*shape, tokens) if shape else []
         several = self.accelerator.num_processes > 1
         try:
-            return peak.machine_peak(self.accelerator.device, shapes, processes=self.started.threads["local_processes"],
-                                     together=self._any_rank if several else None,
-                                     store=self.accelerator.is_local_main_process)
+            return peak.machine_peak(
+                self.accelerator.device,
+                shapes,
+                processes=self.started.threads["local_processes"],
+                together=self._any_rank if several else None,
+                store=self.accelerator.is_local_main_process,
+            )
         except (RuntimeError, torch.OutOfMemoryError) as error:
             return {"error": " ".join(str(error).split())[:300]}
 
@@ -134,8 +162,9 @@ class RunMetrics:
         """Count one trained micro-batch; True when it completed an optimizer step."""
         phase = self.timer.phase
         if self.settings.unpad:  # the work the kernels did: the real tokens' (the forward's index of them synced)
-            flops = padding_free_training_flops(self.model_config, *batch["input_ids"].shape,
-                                                int(batch["attention_mask"].sum()), self.training)
+            flops = padding_free_training_flops(
+                self.model_config, *batch["input_ids"].shape, int(batch["attention_mask"].sum()), self.training
+            )
         else:
             flops = training_flops(self.model_config, *batch["input_ids"].shape, self.training)  # from shapes: no sync
         self.loop.add_micro_batch(phase, loss, labels, batch["attention_mask"], flops)
@@ -182,17 +211,25 @@ class RunMetrics:
             raise NonFiniteLoss(
                 f"loss became {gathered[:, first].tolist()} at optimizer step "
                 f"{self.loop.step - len(interval['losses']) + first + 1}: lower --learning-rate, keep "
-                "--max-grad-norm, or use bf16 instead of fp16")
+                "--max-grad-norm, or use bf16 instead of fp16"
+            )
         self._last_loss = gathered.mean().item()
         wall = timing["wall_s"]
-        return {"step": self.loop.step, "epoch": self.loop.epoch, "loss": self._last_loss,
-                "lr": self.scheduler.get_last_lr()[0], "micro_batches": len(interval["losses"]),
-                "samples": interval["samples"] * world,
-                "tokens": self.accelerator.reduce(interval["tokens"], reduction="sum").item(),
-                "stage_s": timing["stage_s"], "wall_s": wall, "skipped_steps": self._skipped_total(),
-                "exposed_communication_s": self.communication.take_interval(),
-                "tflops_per_device": interval["flops"] / wall / 1e12 if interval["flops"] and wall > 0 else None,
-                "time": now_iso()}
+        return {
+            "step": self.loop.step,
+            "epoch": self.loop.epoch,
+            "loss": self._last_loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "micro_batches": len(interval["losses"]),
+            "samples": interval["samples"] * world,
+            "tokens": self.accelerator.reduce(interval["tokens"], reduction="sum").item(),
+            "stage_s": timing["stage_s"],
+            "wall_s": wall,
+            "skipped_steps": self._skipped_total(),
+            "exposed_communication_s": self.communication.take_interval(),
+            "tflops_per_device": interval["flops"] / wall / 1e12 if interval["flops"] and wall > 0 else None,
+            "time": now_iso(),
+        }
 
     @contextlib.contextmanager
     def evaluation(self):
@@ -243,34 +280,52 @@ class RunMetrics:
             result.update(partial=True, ranks_summarized=[r["rank"] for r in per_rank])
         else:
             predict.remember_communication(self.prediction.block, result, self.settings, self.started)
-        warnings = health.check({"settings": asdict(self.settings), "environment": self.env, "summary": result,
-                                 "prediction": self.prediction.block})
+        warnings = health.check(
+            {
+                "settings": asdict(self.settings),
+                "environment": self.env,
+                "summary": result,
+                "prediction": self.prediction.block,
+            }
+        )
         return result, warnings
 
     def _rank_summary(self, final: bool = False) -> dict:
         """This rank's figures. `final`: every rank finished the run and is here, so the communication measurement
         times its buckets' transfer now (a collective), after the memory peaks were read."""
         memory = {**self.timer.memory_summary(), "peak_rss_gib": peak_rss_bytes() / GIB}
-        return {"rank": self.accelerator.process_index, "timing": self.timer.summary(), "counts": self.loop.counts,
-                "memory": memory, "measurement_s": self.timer.paused_seconds,
-                "communication": self.communication.rank_summary(self.loop.counts, self.profiler.communication, final)}
+        return {
+            "rank": self.accelerator.process_index,
+            "timing": self.timer.summary(),
+            "counts": self.loop.counts,
+            "memory": memory,
+            "measurement_s": self.timer.paused_seconds,
+            "communication": self.communication.rank_summary(self.loop.counts, self.profiler.communication, final),
+        }
 
     def _summary(self, per_rank: list[dict], test_scores: dict | None, snapshot: dict | None) -> dict:
         phase = "steady" if self.loop.counts["steady"]["optimizer_steps"] else "warmup"
         throughput = summary.throughput(per_rank, phase)
-        throughput.update(real_token_throughput(throughput, encoder_shape(self.model_config), len(per_rank),
-                                                self.training))
+        throughput.update(
+            real_token_throughput(throughput, encoder_shape(self.model_config), len(per_rank), self.training)
+        )
         model_flops = self._model_flops(throughput, len(per_rank))
         return {
             "world_size": self.accelerator.num_processes,
             "optimizer_steps": self.loop.step,
             "skipped_steps": self.loop.skipped_steps,
-            "timing": {"mode": self.timing_mode, "warmup_steps": min(self.settings.timing_warmup_steps, self.loop.step),
-                       "across_ranks": {p: summary.combine_ranks(per_rank, p) for p in ("run", *PHASES)},
-                       "per_rank": per_rank},
+            "timing": {
+                "mode": self.timing_mode,
+                "warmup_steps": min(self.settings.timing_warmup_steps, self.loop.step),
+                "across_ranks": {p: summary.combine_ranks(per_rank, p) for p in ("run", *PHASES)},
+                "per_rank": per_rank,
+            },
             "throughput": throughput,
-            "mfu": mfu(throughput["tflops_per_device"], self.env.get("device_name", ""),
-                       self.env.get("effective_precision", "fp32")),
+            "mfu": mfu(
+                throughput["tflops_per_device"],
+                self.env.get("device_name", ""),
+                self.env.get("effective_precision", "fp32"),
+            ),
             "model_flops": model_flops,
             "measured_peak": measured_peak(self.env, throughput, per_rank, phase, self.run_shapes, model_flops),
             "memory": summary.memory_across_ranks(per_rank),
@@ -279,9 +334,16 @@ class RunMetrics:
             "evaluation_tokens": dict(self.evaluation_positions),
             "final_train_loss": self._last_loss,
             "wall_s": per_rank[0]["timing"]["run"]["wall_s"],
-            "profile": ({"directory": str(self.run_dir / "profile"), "window": self.profiler.window,
-                         "top_operators": self.profiler.top_operators, "breakdown": self.profiler.breakdown}
-                        if self.profiler.enabled else None),
+            "profile": (
+                {
+                    "directory": str(self.run_dir / "profile"),
+                    "window": self.profiler.window,
+                    "top_operators": self.profiler.top_operators,
+                    "breakdown": self.profiler.breakdown,
+                }
+                if self.profiler.enabled
+                else None
+            ),
             "memory_snapshot": snapshot,
             "compile": self._compile_summary(),
             "communication": communication.combine(per_rank, throughput),
@@ -292,11 +354,19 @@ class RunMetrics:
         adapters, whether the first layer's input gets a gradient; and what activation checkpointing recomputed,
         per device and second, which the model FLOPs leave out (as PaLM's MFU)."""
         wall = throughput.get("train_wall_s") or 0.0
-        recomputed = recomputed_flops(self.model_config, throughput.get("padded_tokens") or 0,
-                                      throughput.get("padded_squares") or 0, self.training)
-        return {"trained_share": self.training.trained_share, "adapter_weights": self.training.adapter_weights,
-                "input_gradient": self.training.input_gradient, "recomputed": self.training.recomputed,
-                "recomputed_tflops_per_device": recomputed / wall / world / 1e12 if recomputed and wall > 0 else 0.0}
+        recomputed = recomputed_flops(
+            self.model_config,
+            throughput.get("padded_tokens") or 0,
+            throughput.get("padded_squares") or 0,
+            self.training,
+        )
+        return {
+            "trained_share": self.training.trained_share,
+            "adapter_weights": self.training.adapter_weights,
+            "input_gradient": self.training.input_gradient,
+            "recomputed": self.training.recomputed,
+            "recomputed_tflops_per_device": recomputed / wall / world / 1e12 if recomputed and wall > 0 else 0.0,
+        }
 
     def _measure_run_shapes(self) -> dict | None:
         """The matmul rate at the run's own GEMM shapes (its batch x mean padded length of the timed steps) and at
@@ -316,13 +386,18 @@ class RunMetrics:
         shapes, doubled = (peak.transformer_shapes(*shape, tokens) for tokens in (batch * length, 2 * batch * length))
         store = self.accelerator.is_local_main_process
         dropout = modeling.dropout_facts(self.model_config)
-        name = (f"layer {self.model_config.model_type} {'x'.join(map(str, shape))} dropout {dropout['hidden']}/"
-                f"{dropout['attention']} {self.settings.attn_implementation} {precision_name} {batch}x{length}"
-                + (" unpad" if unpadded else ""))
+        name = (
+            f"layer {self.model_config.model_type} {'x'.join(map(str, shape))} dropout {dropout['hidden']}/"
+            f"{dropout['attention']} {self.settings.attn_implementation} {precision_name} {batch}x{length}"
+            + (" unpad" if unpadded else "")
+        )
 
         def layer_breakdown():  # a padding-free layer probed on `batch` sequences of `length` real tokens
-            with (unpad.probing(self.model, batch, length, device) if unpadded
-                  else contextlib.nullcontext((batch, length))) as (probe_batch, probe_length):
+            with (
+                unpad.probing(self.model, batch, length, device)
+                if unpadded
+                else contextlib.nullcontext((batch, length))
+            ) as (probe_batch, probe_length):
                 found = profiling.layer_breakdown(self.model, probe_batch, probe_length, precision_name, device)
             return {**found, "batch": batch, "length": length, "unpad": unpadded} if found else found
 
@@ -331,9 +406,11 @@ class RunMetrics:
             layer = peak.cached(device, name, layer_breakdown, processes=processes, store=store)
         except (RuntimeError, torch.OutOfMemoryError):
             return None
-        rate = {f"{name}{suffix}": peak.matmul_rate(found, group, peak.TRANSFORMER_WEIGHTS, which)
-                for name, group in (("tflops", shapes), ("tflops_doubled", doubled))
-                for suffix, which in (("", "tflops"), ("_low", "low"), ("_high", "high"))}
+        rate = {
+            f"{name}{suffix}": peak.matmul_rate(found, group, peak.TRANSFORMER_WEIGHTS, which)
+            for name, group in (("tflops", shapes), ("tflops_doubled", doubled))
+            for suffix, which in (("", "tflops"), ("_low", "low"), ("_high", "high"))
+        }
         return {"batch": batch, "length": length, "tokens": batch * length, "layers": shape[0], **rate, "layer": layer}
 
     def _compile_summary(self) -> dict | None:
@@ -341,9 +418,14 @@ class RunMetrics:
             return None
         stats = modeling.compile_stats()
         first = self._graphs_after_first_step
-        return {"dynamic": not self.settings.pad_to_max_length, "compile_s": stats["compile_s"],
-                "graphs": stats["graphs"], "graphs_after_first_step": first, "evaluation_graphs": self._evaluation_graphs,
-                "recompiles": max(0, stats["graphs"] - first - self._evaluation_graphs) if first is not None else None}
+        return {
+            "dynamic": not self.settings.pad_to_max_length,
+            "compile_s": stats["compile_s"],
+            "graphs": stats["graphs"],
+            "graphs_after_first_step": first,
+            "evaluation_graphs": self._evaluation_graphs,
+            "recompiles": max(0, stats["graphs"] - first - self._evaluation_graphs) if first is not None else None,
+        }
 
 
 def real_token_throughput(throughput: dict, shape: tuple | None, ranks: int, training: Training = FULL) -> dict:
@@ -352,13 +434,21 @@ def real_token_throughput(throughput: dict, shape: tuple | None, ranks: int, tra
     padded layers; attention's on the padded layout with --unpad). None where the model's shape is unknown."""
     real = real_training_flops(shape, throughput.get("tokens"), throughput.get("squares"), training)
     wall, counted = throughput.get("train_wall_s"), throughput.get("flops")
-    return {"real_flops": real,
-            "real_tflops_per_device": real / wall / ranks / 1e12 if real and wall and wall > 0 else None,
-            "padding_flops_share": max(0.0, 1.0 - real / counted) if real and counted else None}
+    return {
+        "real_flops": real,
+        "real_tflops_per_device": real / wall / ranks / 1e12 if real and wall and wall > 0 else None,
+        "padding_flops_share": max(0.0, 1.0 - real / counted) if real and counted else None,
+    }
 
 
-def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str,
-                  run_shapes: dict | None = None, model_flops: dict | None = None) -> dict | None:
+def measured_peak(
+    env: dict,
+    throughput: dict,
+    per_rank: list[dict],
+    phase: str,
+    run_shapes: dict | None = None,
+    model_flops: dict | None = None,
+) -> dict | None:
     """The run against its machine's measured matmul peak for the precision in effect: the achieved model TFLOP/s
     (PaLM, frozen weights without weight gradients: trainscope.flops) per device as a share of that peak -- named
     apart from the datasheet MFU -- what the hardware executed (the model FLOPs and checkpointing's recomputation,
@@ -372,14 +462,29 @@ def measured_peak(env: dict, throughput: dict, per_rank: list[dict], phase: str,
     achieved, real = throughput.get("tflops_per_device"), throughput.get("real_tflops_per_device")
     stages = summary.combine_ranks(per_rank, phase)["seconds"]
     flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank) / len(per_rank)
-    return {"precision": precision_name, "peak_tflops": found["peak_tflops"], "peak_shape": found["peak_shape"],
-            "spread": found["spread"], "measured": found["measured"], "key_id": env["machine_peak"].get("key_id"),
-            "achieved_tflops": achieved, "share": achieved / found["peak_tflops"] if achieved else None,
-            "executed_tflops": achieved + (model_flops or {}).get("recomputed_tflops_per_device", 0.0) if achieved else None,
-            "real_tflops": real, "real_share": real / found["peak_tflops"] if real else None,
-            "gap_estimate": gap.estimate(flops, found["peak_tflops"], {k: v["median"] for k, v in stages.items()},
-                                         throughput.get("train_wall_s"), throughput.get("padding_flops_share")),
-            "run_shapes": run_shapes}
+    return {
+        "precision": precision_name,
+        "peak_tflops": found["peak_tflops"],
+        "peak_shape": found["peak_shape"],
+        "spread": found["spread"],
+        "measured": found["measured"],
+        "key_id": env["machine_peak"].get("key_id"),
+        "achieved_tflops": achieved,
+        "share": achieved / found["peak_tflops"] if achieved else None,
+        "executed_tflops": achieved + (model_flops or {}).get("recomputed_tflops_per_device", 0.0)
+        if achieved
+        else None,
+        "real_tflops": real,
+        "real_share": real / found["peak_tflops"] if real else None,
+        "gap_estimate": gap.estimate(
+            flops,
+            found["peak_tflops"],
+            {k: v["median"] for k, v in stages.items()},
+            throughput.get("train_wall_s"),
+            throughput.get("padding_flops_share"),
+        ),
+        "run_shapes": run_shapes,
+    }
 
 
 def table_lines(record: dict, run_dir) -> list[str]:
@@ -390,8 +495,10 @@ def table_lines(record: dict, run_dir) -> list[str]:
     rows = [f"{'stage':<10} {'seconds':>9} {'share':>7}" + ("  (median / max over ranks)" if several else "")]
     for stage in (*STAGES, "other"):
         seconds, share = run["seconds"][stage], run["shares"][stage]
-        rows.append(f"{stage:<10} {seconds['median']:>9.2f} {share['median']:>7.1%}"
-                    + (f"  max {seconds['max']:.2f}s" if several else ""))
+        rows.append(
+            f"{stage:<10} {seconds['median']:>9.2f} {share['median']:>7.1%}"
+            + (f"  max {seconds['max']:.2f}s" if several else "")
+        )
     rows.append(f"{'wall':<10} {run['wall_s']['median']:>9.2f}")
     peak_memory, kind = view.peak_memory
     threads, test = view.threads, view.test
@@ -400,19 +507,27 @@ def table_lines(record: dict, run_dir) -> list[str]:
         f"({view.env['world_size']} x {view.device_name}, {view.precision}, timing: {view.env['timing_mode']}, "
         f"{threads['torch_threads']} threads per process ({threads['threads_source']}))",
         f"model FLOPs {view.throughput.get('tflops_per_device') or 0:.3f} TFLOP/s per device"
-        + (f", MFU {view.mfu:.1%} of the datasheet peak" if view.mfu is not None else "") + real_tokens_clause(view),
+        + (f", MFU {view.mfu:.1%} of the datasheet peak" if view.mfu is not None else "")
+        + real_tokens_clause(view),
         peak_line(view),
         f"peak memory {peak_memory:.2f} GiB ({kind})",
     ]
     if test:
         rows.append(f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}")
-    rows += [*communication.table_lines(view.communication), *predict.error_lines(view.prediction_error),
-             f"record: {run_dir / 'record.json'}"]
+    rows += [
+        *communication.table_lines(view.communication),
+        *predict.error_lines(view.prediction_error),
+        f"record: {run_dir / 'record.json'}",
+    ]
     if view.profile:
-        rows.append(f"profile: {view.profile['directory']} (tensorboard --logdir, or open a .pt.trace.json "
-                    "in ui.perfetto.dev); top operators by self time:")
-        rows += [f"  {op['milliseconds']:9.2f} ms  {op['calls']:6d}x  {op['name']}"
-                 for op in operator_rows(view.profile["top_operators"][:8])]
+        rows.append(
+            f"profile: {view.profile['directory']} (tensorboard --logdir, or open a .pt.trace.json "
+            "in ui.perfetto.dev); top operators by self time:"
+        )
+        rows += [
+            f"  {op['milliseconds']:9.2f} ms  {op['calls']:6d}x  {op['name']}"
+            for op in operator_rows(view.profile["top_operators"][:8])
+        ]
     rows += [f"warning [{w['code']}]: {w['message']}" for w in view.warnings]
     return rows
 
@@ -422,8 +537,9 @@ def real_tokens_clause(view: RunView) -> str:
     real, padding = view.real_tflops_per_device, view.padding_flops_share
     if real is None:
         return ""
-    return f"; on real tokens {real:.3f} TFLOP/s" + (f" ({padding:.0%} of the counted FLOPs padding)"
-                                                    if padding is not None else "")
+    return f"; on real tokens {real:.3f} TFLOP/s" + (
+        f" ({padding:.0%} of the counted FLOPs padding)" if padding is not None else ""
+    )
 
 
 def peak_line(view: RunView) -> str:
@@ -435,14 +551,22 @@ def peak_line(view: RunView) -> str:
     key = (view.machine_peak or {}).get("key") or {}
     where = ", ".join(f"{k} {key[k]}" for k in ("threads", "processes", "driver") if key.get(k) is not None)
     real = f", {measured['real_share']:.1%} on real tokens" if measured.get("real_share") is not None else ""
-    return (f"{measured['share']:.1%} of this machine's measured {measured['precision']} matmul peak{real} "
-            f"({measured['peak_tflops']:.3f} TFLOP/s at {'x'.join(map(str, measured['peak_shape']))}, spread "
-            f"{measured['spread']:.0%}, measured {measured['measured']}, key {measured['key_id']}: {view.device_name}"
-            + (f", {where}" if where else "") + ")")
+    return (
+        f"{measured['share']:.1%} of this machine's measured {measured['precision']} matmul peak{real} "
+        f"({measured['peak_tflops']:.3f} TFLOP/s at {'x'.join(map(str, measured['peak_shape']))}, spread "
+        f"{measured['spread']:.0%}, measured {measured['measured']}, key {measured['key_id']}: {view.device_name}"
+        + (f", {where}" if where else "")
+        + ")"
+    )
 
 
 def operator_rows(top_operators: list[dict]) -> list[dict]:
     """The profiler's top operators with their self time in milliseconds (device time on CUDA, else CPU)."""
-    return [{"name": op["name"], "calls": op["calls"],
-             "milliseconds": (op["self_device_s"] if op["self_device_s"] is not None else op["self_cpu_s"]) * 1e3}
-            for op in top_operators]
+    return [
+        {
+            "name": op["name"],
+            "calls": op["calls"],
+            "milliseconds": (op["self_device_s"] if op["self_device_s"] is not None else op["self_cpu_s"]) * 1e3,
+        }
+        for op in top_operators
+    ]

@@ -108,8 +108,7 @@ class Settings:
     data_encoding: str = HfArg(default="utf-8", help="Text encoding of local csv/tsv/json files.")
     max_seq_length: int = HfArg(default=128, help="Truncate token sequences to this length.")
     pad_to_max_length: bool = HfArg(
-        default=False,
-        help="Pad every batch to --max-seq-length (fixed shapes) instead of to its longest sequence.",
+        default=False, help="Pad every batch to --max-seq-length (fixed shapes) instead of to its longest sequence."
     )
     validation_fraction: float = HfArg(
         default=0.1, help="Share of train held out (fixed seed, stratified) when the source has no validation split."
@@ -212,7 +211,8 @@ class Settings:
 
     # ---- DDP (multi-process runs; passed to DistributedDataParallel through Accelerate) ----
     ddp_bucket_cap_mb: float | None = HfArg(
-        default=None, help="DDP gradient bucket size in MB (PyTorch's default: 25). Smaller buckets start "
+        default=None,
+        help="DDP gradient bucket size in MB (PyTorch's default: 25). Smaller buckets start "
         "all-reducing earlier in backward; larger ones send fewer, bigger messages.",
     )
     ddp_gradient_as_bucket_view: bool = HfArg(
@@ -225,7 +225,8 @@ class Settings:
         default=False, help="DDP: look for parameters without gradients each step (needed only for such models)."
     )
     ddp_comm_hook: Literal["none", "fp16", "bf16"] = HfArg(
-        default="none", help="DDP gradient compression hook: all-reduce gradients in fp16 or bf16 (half the bytes). "
+        default="none",
+        help="DDP gradient compression hook: all-reduce gradients in fp16 or bf16 (half the bytes). "
         "none registers no hook: DDP's reducer keeps its built-in all-reduce.",
     )
     measure_communication: Literal["auto", "on", "off"] = HfArg(
@@ -236,8 +237,9 @@ class Settings:
         "communication hook is registered for it. auto and on: measure; off: register nothing.",
     )
     communication_samples: int = HfArg(
-        default=3, help="Times each DDP bucket's all-reduce is timed alone after training (the transfer figure; the "
-        "median over them is kept)."
+        default=3,
+        help="Times each DDP bucket's all-reduce is timed alone after training (the transfer figure; the "
+        "median over them is kept).",
     )
     distributed_timeout: int = HfArg(
         default=600,
@@ -267,8 +269,7 @@ class Settings:
     run_name: str | None = HfArg(default=None, help="Run directory name; default <model>-<dataset>-<precision>-<time>.")
     overwrite: bool = HfArg(default=False, help="Replace an existing run directory of the same name.")
     report_to: Literal["wandb", "tensorboard", "all", "none"] = HfArg(
-        default="wandb",
-        help="Trackers through Accelerate. W&B runs offline when it has no API key or no network.",
+        default="wandb", help="Trackers through Accelerate. W&B runs offline when it has no API key or no network."
     )
     tracker_group: str | None = HfArg(
         default=None,
@@ -326,11 +327,18 @@ class Settings:
                 raise UserError(f"--{flag} must be 0 or more, got {value}")
         if self.profile_active < 1:
             raise UserError(f"--profile-active must be at least 1, got {self.profile_active}")
-        for flag, value in (("learning-rate", self.learning_rate), ("weight-decay", self.weight_decay),
-                            ("max-grad-norm", self.max_grad_norm), ("lora-dropout", self.lora_dropout),
-                            ("hidden-dropout", self.hidden_dropout), ("attention-dropout", self.attention_dropout),
-                            ("warmup-fraction", self.warmup_fraction), ("ddp-bucket-cap-mb", self.ddp_bucket_cap_mb),
-                            ("validation-fraction", self.validation_fraction), ("test-fraction", self.test_fraction)):
+        for flag, value in (
+            ("learning-rate", self.learning_rate),
+            ("weight-decay", self.weight_decay),
+            ("max-grad-norm", self.max_grad_norm),
+            ("lora-dropout", self.lora_dropout),
+            ("hidden-dropout", self.hidden_dropout),
+            ("attention-dropout", self.attention_dropout),
+            ("warmup-fraction", self.warmup_fraction),
+            ("ddp-bucket-cap-mb", self.ddp_bucket_cap_mb),
+            ("validation-fraction", self.validation_fraction),
+            ("test-fraction", self.test_fraction),
+        ):
             if value is not None and not math.isfinite(value):
                 raise UserError(f"--{flag} must be a finite number, got {value}")
         if self.learning_rate <= 0:
@@ -341,8 +349,11 @@ class Settings:
             raise UserError(f"--max-grad-norm must be 0 (off) or more, got {self.max_grad_norm}")
         if self.ddp_bucket_cap_mb is not None and self.ddp_bucket_cap_mb <= 0:
             raise UserError(f"--ddp-bucket-cap-mb must be positive, got {self.ddp_bucket_cap_mb}")
-        for flag, value in (("lora-dropout", self.lora_dropout), ("hidden-dropout", self.hidden_dropout),
-                            ("attention-dropout", self.attention_dropout)):
+        for flag, value in (
+            ("lora-dropout", self.lora_dropout),
+            ("hidden-dropout", self.hidden_dropout),
+            ("attention-dropout", self.attention_dropout),
+        ):
             if value is not None and not 0 <= value < 1:
                 raise UserError(f"--{flag} must be in [0, 1), got {value}")
         if not 0 <= self.warmup_fraction < 1:
@@ -355,8 +366,10 @@ class Settings:
 
     def _validate_combinations(self) -> None:
         if self.ddp_static_graph and self.gradient_accumulation_steps > 1:
-            raise UserError("--ddp-static-graph with --gradient-accumulation-steps > 1: DDP records its static graph "
-                            "on the first iteration, which accumulation runs without all-reduce (no_sync); use one")
+            raise UserError(
+                "--ddp-static-graph with --gradient-accumulation-steps > 1: DDP records its static graph "
+                "on the first iteration, which accumulation runs without all-reduce (no_sync); use one"
+            )
         if self.timing_warmup_steps < 0:
             raise UserError(f"--timing-warmup-steps must be 0 or more, got {self.timing_warmup_steps}")
         if self.prefetch_factor is not None and self.num_workers == 0:
@@ -408,4 +421,3 @@ def parse_settings(*extra_dataclasses, argv: list[str] | None = None, descriptio
     except UserError as error:
         parser.error(str(error))
     return tuple(parsed)
-

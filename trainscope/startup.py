@@ -19,8 +19,16 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelKwargs, ProjectConfiguration,
-                              TorchDynamoPlugin, broadcast_object_list, gather_object, parse_flag_from_env, set_seed)
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+    broadcast_object_list,
+    gather_object,
+    parse_flag_from_env,
+    set_seed,
+)
 
 from trainscope import checkpoints, environment, modeling, precision, trackers
 from trainscope.errors import UserError
@@ -33,7 +41,7 @@ class Startup:
     """What start-up found and decided, for the rest of the run."""
 
     state: PartialState
-    settings: Settings       # with --max-seq-length clamped to the model's limit
+    settings: Settings  # with --max-seq-length clamped to the model's limit
     threads: dict
     run_dir: Path
     requested_max_seq_length: int
@@ -45,9 +53,12 @@ class Startup:
     checkpoints_skipped: list = field(default_factory=list)  # newer checkpoints found unusable ({checkpoint, problem})
 
     def environment_facts(self) -> dict:
-        return {"requested_max_seq_length": self.requested_max_seq_length,
-                "model_sequence_limit": self.model_sequence_limit, "cpu_fallback": self.cpu_fallback,
-                "process_group": self.process_group or None}
+        return {
+            "requested_max_seq_length": self.requested_max_seq_length,
+            "model_sequence_limit": self.model_sequence_limit,
+            "cpu_fallback": self.cpu_fallback,
+            "process_group": self.process_group or None,
+        }
 
 
 def configure_process(settings: Settings) -> dict:
@@ -114,10 +125,13 @@ def open_process_group(settings: Settings, cpu: bool, environ=None) -> tuple[Par
     state = PartialState(cpu=cpu, **options)  # as Accelerator() reads it; the Accelerator reuses this group
     facts = {}
     if options:
-        facts = {"timeout_s": settings.distributed_timeout,
-                 "device_id": str(options["device_id"]) if "device_id" in options else None,
-                 "nccl_async_error_handling": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") if "device_id" in options
-                 else None}
+        facts = {
+            "timeout_s": settings.distributed_timeout,
+            "device_id": str(options["device_id"]) if "device_id" in options else None,
+            "nccl_async_error_handling": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            if "device_id" in options
+            else None,
+        }
     return state, facts
 
 
@@ -146,11 +160,20 @@ def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ
                 output.rmdir()
     blind = [f"rank {rank} on {host}" for rank, host, sees in seen if not sees]
     if blind:
-        flags = "/".join(f for f, on in (("--save-every", settings.save_every), ("--save-on-interrupt",
-                                          settings.save_on_interrupt), ("--resume", settings.resume)) if on)
-        raise UserError(f"{flags} on several machines needs --output-dir on a filesystem they all share: "
-                        f"{', '.join(blind)} cannot see {shared[1]} as the main process writes it (each machine "
-                        "would keep only its own part of a checkpoint)")
+        flags = "/".join(
+            f
+            for f, on in (
+                ("--save-every", settings.save_every),
+                ("--save-on-interrupt", settings.save_on_interrupt),
+                ("--resume", settings.resume),
+            )
+            if on
+        )
+        raise UserError(
+            f"{flags} on several machines needs --output-dir on a filesystem they all share: "
+            f"{', '.join(blind)} cannot see {shared[1]} as the main process writes it (each machine "
+            "would keep only its own part of a checkpoint)"
+        )
 
 
 SHARED_WAIT_S = 5.0  # a network filesystem may show another machine's new file a moment late
@@ -185,9 +208,12 @@ def cpu_fallback(environ=None) -> dict | None:
     if processes < 2 or "ACCELERATE_USE_CPU" in environ or environment.accelerator_available():
         return None
     environ["ACCELERATE_USE_CPU"] = "1"
-    return {"processes": processes, "requested_precision": environ.get("ACCELERATE_MIXED_PRECISION", "no"),
-            "fsdp_requested": environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
-            "reason": "no usable GPU or other accelerator"}
+    return {
+        "processes": processes,
+        "requested_precision": environ.get("ACCELERATE_MIXED_PRECISION", "no"),
+        "fsdp_requested": environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
+        "reason": "no usable GPU or other accelerator",
+    }
 
 
 def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
@@ -217,10 +243,12 @@ def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
 
 def ddp_kwargs(settings: Settings) -> DistributedDataParallelKwargs:
     """The DDP flags of --ddp-*; the compression hook is registered by trainscope.communication."""
-    options = {"gradient_as_bucket_view": settings.ddp_gradient_as_bucket_view,
-               "static_graph": settings.ddp_static_graph,
-               "find_unused_parameters": settings.ddp_find_unused_parameters,
-               "comm_hook": DDPCommunicationHookType.NO}
+    options = {
+        "gradient_as_bucket_view": settings.ddp_gradient_as_bucket_view,
+        "static_graph": settings.ddp_static_graph,
+        "find_unused_parameters": settings.ddp_find_unused_parameters,
+        "comm_hook": DDPCommunicationHookType.NO,
+    }
     if settings.ddp_bucket_cap_mb is not None:
         options["bucket_cap_mb"] = settings.ddp_bucket_cap_mb
     return DistributedDataParallelKwargs(**options)
@@ -232,14 +260,17 @@ def build_accelerator(settings: Settings, started: Startup) -> Accelerator:
     accelerator = Accelerator(
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         log_with=trackers.trackers_for(settings.report_to) or None,
-        project_config=ProjectConfiguration(project_dir=str(started.run_dir),
-                                            logging_dir=str(started.run_dir / "tensorboard")),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=settings.seed,
-                                                  non_blocking=pin_memory(settings, on_cuda)),
+        project_config=ProjectConfiguration(
+            project_dir=str(started.run_dir), logging_dir=str(started.run_dir / "tensorboard")
+        ),
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=settings.seed, non_blocking=pin_memory(settings, on_cuda)
+        ),
         # dynamic shapes: with dynamic padding every new sequence length would recompile otherwise
         # (accelerate launch exports dynamic=False); one fixed shape with --pad-to-max-length
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", dynamic=not settings.pad_to_max_length)
-        if settings.compile else None,
+        if settings.compile
+        else None,
         kwargs_handlers=[ddp_kwargs(settings)],
     )
     precision.enforce_tf32(settings.tf32)  # Accelerate's dynamo set-up turns TF32 on for fp32 CUDA runs
@@ -269,17 +300,23 @@ def plan_steps(settings: Settings, train_rows: int, processes: int) -> dict:
             f"{train_rows} training rows make {batches} batches of {settings.per_device_batch_size}, "
             f"fewer than the {processes} processes: lower --per-device-batch-size or use more data"
         )
-    steps_per_epoch = math.ceil(math.ceil(train_rows / (settings.per_device_batch_size * processes))
-                                / settings.gradient_accumulation_steps)
+    steps_per_epoch = math.ceil(
+        math.ceil(train_rows / (settings.per_device_batch_size * processes)) / settings.gradient_accumulation_steps
+    )
     total = settings.max_steps or settings.epochs * steps_per_epoch
-    return {"optimizer_steps": total, "steps_per_epoch": steps_per_epoch,
-            "epochs": math.ceil(total / steps_per_epoch),
-            "global_batch_size": settings.per_device_batch_size * processes * settings.gradient_accumulation_steps}
+    return {
+        "optimizer_steps": total,
+        "steps_per_epoch": steps_per_epoch,
+        "epochs": math.ceil(total / steps_per_epoch),
+        "global_batch_size": settings.per_device_batch_size * processes * settings.gradient_accumulation_steps,
+    }
 
 
 def device_loader_options(settings: Settings, accelerator) -> dict:
     """build_dataloaders' keyword arguments for this device and precision: pinned host memory on CUDA,
     sequences padded to multiples of 8 (tensor-core shapes) in mixed precision on CUDA."""
     on_cuda = accelerator.device.type == "cuda"
-    return {"pin_memory": pin_memory(settings, on_cuda),
-            "pad_to_multiple_of": 8 if on_cuda and accelerator.mixed_precision in ("fp16", "bf16") else None}
+    return {
+        "pin_memory": pin_memory(settings, on_cuda),
+        "pad_to_multiple_of": 8 if on_cuda and accelerator.mixed_precision in ("fp16", "bf16") else None,
+    }

@@ -52,4 +52,3 @@ def throughput(per_rank: list[dict], phase: str) -> dict:
 def memory_across_ranks(per_rank: list[dict]) -> dict:
     keys = sorted({k for rank in per_rank for k, v in rank["memory"].items() if isinstance(v, (int, float))})
     return {k: across_ranks([rank["memory"][k] for rank in per_rank if k in rank["memory"]]) for k in keys}
-

@@ -11,8 +11,18 @@ rows elsewhere) and asks it for Markdown or LaTeX; the report draws the same tab
 from dataclasses import dataclass
 from pathlib import Path
 
-LATEX_SPECIALS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+LATEX_SPECIALS = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
 
 
 def latex_escape(text) -> str:
@@ -32,19 +42,32 @@ class Table:
             raise ValueError(f"table {label!r}: every row and the alignment need {len(headers)} cells")
 
     def markdown_lines(self) -> list[str]:
-        lines = ["| " + " | ".join(markdown_cell(h) for h in self.headers) + " |",
-                 "|" + "|".join("---" if a == "l" else "---:" for a in self.align) + "|"]
+        lines = [
+            "| " + " | ".join(markdown_cell(h) for h in self.headers) + " |",
+            "|" + "|".join("---" if a == "l" else "---:" for a in self.align) + "|",
+        ]
         return lines + ["| " + " | ".join(markdown_cell(cell) for cell in row) + " |" for row in self.rows]
 
     def markdown(self) -> str:
         return "\n".join(self.markdown_lines())
 
     def latex(self) -> str:
-        lines = [r"\begin{table}[t]", r"\centering", rf"\begin{{tabular}}{{{self.align}}}", r"\toprule",
-                 " & ".join(latex_escape(h) for h in self.headers) + r" \\", r"\midrule"]
+        lines = [
+            r"\begin{table}[t]",
+            r"\centering",
+            rf"\begin{{tabular}}{{{self.align}}}",
+            r"\toprule",
+            " & ".join(latex_escape(h) for h in self.headers) + r" \\",
+            r"\midrule",
+        ]
         lines += [" & ".join(latex_escape(cell) for cell in row) + r" \\" for row in self.rows]
-        lines += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{latex_escape(self.title)}}}",
-                  rf"\label{{tab:{self.label}}}", r"\end{table}"]
+        lines += [
+            r"\bottomrule",
+            r"\end{tabular}",
+            rf"\caption{{{latex_escape(self.title)}}}",
+            rf"\label{{tab:{self.label}}}",
+            r"\end{table}",
+        ]
         return "\n".join(lines) + "\n"
 
 
@@ -66,8 +89,9 @@ def ranged(value, bounds, digits=2) -> str:
     """'12.34 (12.01-12.80)': a median with its min-max over rounds."""
     if value is None:
         return "n/a"
-    return num(value, digits) + (f" ({num(bounds[0], digits)}-{num(bounds[1], digits)})"
-                                 if bounds and bounds[0] != bounds[1] else "")
+    return num(value, digits) + (
+        f" ({num(bounds[0], digits)}-{num(bounds[1], digits)})" if bounds and bounds[0] != bounds[1] else ""
+    )
 
 
 def spread_cell(spread: dict | None, digits=2) -> str:
@@ -80,7 +104,7 @@ def spread_cell(spread: dict | None, digits=2) -> str:
 # ---------------------------------------------------------------- the PDF book: fonts and line breaking
 
 POINT = 1 / 72  # inch
-LEADING = 1.3   # line height / font size
+LEADING = 1.3  # line height / font size
 ASCENT, DESCENT = 0.928, 0.236  # DejaVu's ascender and descender, in font sizes
 CONTINUED = "\u21aa "  # the mark of a code line broken to fit the page
 
@@ -165,7 +189,7 @@ def wrap(text: str, width: float, font: Font) -> list[str]:
     advances, lines = font.advances(), []
     for paragraph in text.split("\n"):
         body = paragraph.lstrip(" ")
-        indent = paragraph[:len(paragraph) - len(body)]
+        indent = paragraph[: len(paragraph) - len(body)]
         hang = indent + ("  " if body.startswith(("- ", "* ")) else "")
         limit = max(width - advances.width(hang), font.size)
         prefix, words, used = indent, [], advances.raw(indent)
@@ -246,25 +270,48 @@ class Canvas:
         return x / self.width, y / self.height
 
     def text(self, x: float, baseline: float, text: str, font: Font, align: str = "left", color="black"):
-        self.figure.text(*self._at(x, baseline), text, fontproperties=font.properties(), ha=align, va="baseline",
-                         color=color, parse_math=False)
+        self.figure.text(
+            *self._at(x, baseline),
+            text,
+            fontproperties=font.properties(),
+            ha=align,
+            va="baseline",
+            color=color,
+            parse_math=False,
+        )
 
     def rule(self, x0: float, x1: float, y: float, width: float = 0.5, color="black"):
         from matplotlib.lines import Line2D
 
-        self.figure.add_artist(Line2D([x0 / self.width, x1 / self.width], [y / self.height] * 2, linewidth=width,
-                                      color=color, transform=self.figure.transFigure))
+        self.figure.add_artist(
+            Line2D(
+                [x0 / self.width, x1 / self.width],
+                [y / self.height] * 2,
+                linewidth=width,
+                color=color,
+                transform=self.figure.transFigure,
+            )
+        )
 
     def fill(self, x0: float, y0: float, x1: float, y1: float, color):
         from matplotlib.patches import Rectangle
 
-        self.figure.add_artist(Rectangle(self._at(x0, y0), (x1 - x0) / self.width, (y1 - y0) / self.height,
-                                         facecolor=color, edgecolor="none", transform=self.figure.transFigure,
-                                         zorder=-1))
+        self.figure.add_artist(
+            Rectangle(
+                self._at(x0, y0),
+                (x1 - x0) / self.width,
+                (y1 - y0) / self.height,
+                facecolor=color,
+                edgecolor="none",
+                transform=self.figure.transFigure,
+                zorder=-1,
+            )
+        )
 
     def image(self, pixels, x0: float, y0: float, x1: float, y1: float):
-        axes = self.figure.add_axes([x0 / self.width, y0 / self.height, (x1 - x0) / self.width,
-                                     (y1 - y0) / self.height])
+        axes = self.figure.add_axes(
+            [x0 / self.width, y0 / self.height, (x1 - x0) / self.width, (y1 - y0) / self.height]
+        )
         axes.imshow(pixels, interpolation="none", aspect="auto")  # embedded as rendered, not resampled
         axes.set_axis_off()
 
@@ -297,9 +344,18 @@ class Lines(Block):
 
     PAD = 3.0  # around the text on a tint
 
-    def __init__(self, text: str, font: Font = BODY, space_before: float = 0.0, space_after: float = 6.0,
-                 code: bool = False, heading: bool = False, anchor: str | None = None, tint: str | None = None,
-                 fixed=None):
+    def __init__(
+        self,
+        text: str,
+        font: Font = BODY,
+        space_before: float = 0.0,
+        space_after: float = 6.0,
+        code: bool = False,
+        heading: bool = False,
+        anchor: str | None = None,
+        tint: str | None = None,
+        fixed=None,
+    ):
         self.text, self.font, self.code, self.tint = text, font, code, tint
         self.space_before, self.space_after = space_before, space_after
         self.keep_with_next, self.anchor = heading, anchor
@@ -330,8 +386,15 @@ class Lines(Block):
             fit -= 1
         if fit < 2 or self.keep_with_next:  # nor at the foot of this one
             return None, self
-        part = lambda chunk, before, after: Lines(self.text, self.font, before, after, self.code,  # noqa: E731
-                                                  tint=self.tint, fixed=(width, chunk))
+        part = lambda chunk, before, after: Lines(
+            self.text,
+            self.font,
+            before,
+            after,
+            self.code,  # noqa: E731
+            tint=self.tint,
+            fixed=(width, chunk),
+        )
         return part(lines[:fit], self.space_before, 0.0), part(lines[fit:], 0.0, self.space_after)
 
     def draw(self, canvas: Canvas, x: float, top: float, width: float):
@@ -428,8 +491,8 @@ class Figure(Block):
 
 @dataclass
 class TableLayout:
-    widths: list[float]          # per column, padding included
-    header: list[list[str]]      # wrapped lines per header cell
+    widths: list[float]  # per column, padding included
+    header: list[list[str]]  # wrapped lines per header cell
     rows: list[list[list[str]]]  # wrapped lines per cell, per row
 
 
@@ -444,8 +507,15 @@ class TableBlock(Block):
     WHOLE = 12  # rows: a table this short is never split (it goes to the next page whole)
     GAP_TITLE, SPACE_AFTER = 3.0, 10.0
 
-    def __init__(self, table: Table, font: Font = SMALL, landscape: bool = False, rows: range | None = None,
-                 part: str = "", continued: bool = False):
+    def __init__(
+        self,
+        table: Table,
+        font: Font = SMALL,
+        landscape: bool = False,
+        rows: range | None = None,
+        part: str = "",
+        continued: bool = False,
+    ):
         self.table, self.font, self.landscape = table, font, landscape
         self.bold = Font(font.size, font.family, "bold")
         self.rows = rows if rows is not None else range(len(table.rows))
@@ -455,8 +525,9 @@ class TableBlock(Block):
     # -- columns
 
     def _cells(self, column: int) -> list[tuple[str, Font]]:
-        return [(plain(self.table.headers[column]), self.bold)] + [(plain(row[column]), self.font)
-                                                                   for row in self.table.rows]
+        return [(plain(self.table.headers[column]), self.bold)] + [
+            (plain(row[column]), self.font) for row in self.table.rows
+        ]
 
     def natural(self, column: int) -> float:
         """The column's width with every cell on one line."""
@@ -464,8 +535,13 @@ class TableBlock(Block):
 
     def least(self, column: int) -> float:
         """The column's narrowest: its longest word (up to the limit)."""
-        return min(self.WORD_LIMIT, max((font.width(word) for text, font in self._cells(column)
-                                         for word in text.split()), default=0.0)) + 2 * self.PAD_X
+        return (
+            min(
+                self.WORD_LIMIT,
+                max((font.width(word) for text, font in self._cells(column) for word in text.split()), default=0.0),
+            )
+            + 2 * self.PAD_X
+        )
 
     def widths(self, width: float) -> list[float] | None:
         """Column widths within `width`: natural where they all fit; else, from every column at its longest
@@ -505,8 +581,11 @@ class TableBlock(Block):
                 if not more or count(c, steps[c] + more) == now:
                     continue
                 wider = count(c, steps[c] + more)
-                key = ((height(c, wider) - height(c, now)) / more, (sum(wider) - sum(now)) / more,
-                       width_of(c, steps[c]) - natural[c])
+                key = (
+                    (height(c, wider) - height(c, now)) / more,
+                    (sum(wider) - sum(now)) / more,
+                    width_of(c, steps[c]) - natural[c],
+                )
                 if best is None or key < best[0]:
                     best = (key, c, more)
             if best is None:  # no widening saves a line: the rest is shared out
@@ -521,8 +600,10 @@ class TableBlock(Block):
             widths = self.widths(width) or [width / len(self.table.headers)] * len(self.table.headers)
             cell = lambda text, font, w: wrap(plain(text), w - 2 * self.PAD_X, font)  # noqa: E731
             self._layouts[width] = TableLayout(
-                widths, [cell(h, self.bold, w) for h, w in zip(self.table.headers, widths)],
-                [[cell(text, self.font, w) for text, w in zip(row, widths)] for row in self.table.rows])
+                widths,
+                [cell(h, self.bold, w) for h, w in zip(self.table.headers, widths)],
+                [[cell(text, self.font, w) for text, w in zip(row, widths)] for row in self.table.rows],
+            )
         return self._layouts[width]
 
     # -- rows
@@ -534,8 +615,12 @@ class TableBlock(Block):
         return max(len(cell) for cell in lines) * self.font.line + 2 * self.PAD_Y
 
     def _head(self, width: float) -> float:
-        return (len(self.title_lines(width)) * TITLE_BOLD.line + self.GAP_TITLE
-                + self._row_height(self.layout(width).header) + self.SPACE_AFTER)
+        return (
+            len(self.title_lines(width)) * TITLE_BOLD.line
+            + self.GAP_TITLE
+            + self._row_height(self.layout(width).header)
+            + self.SPACE_AFTER
+        )
 
     def height(self, width: float) -> float:
         rows = self.layout(width).rows
@@ -612,15 +697,25 @@ def table_blocks(table: Table, font: Font, portrait: float, landscape: float) ->
             current = [0]
         current.append(column)
     groups.append(current)
-    named = lambda group: (f"column {group[1] + 1}" if len(group) == 2  # noqa: E731
-                           else f"columns {group[1] + 1}-{group[-1] + 1}")
-    return [TableBlock(_columns(table, group), font, landscape=True, part=f" ({named(group)} of {len(table.headers)})")
-            for group in groups]
+    named = lambda group: (
+        f"column {group[1] + 1}"
+        if len(group) == 2  # noqa: E731
+        else f"columns {group[1] + 1}-{group[-1] + 1}"
+    )
+    return [
+        TableBlock(_columns(table, group), font, landscape=True, part=f" ({named(group)} of {len(table.headers)})")
+        for group in groups
+    ]
 
 
 def _columns(table: Table, columns: list[int]) -> Table:
-    return Table(table.title, [table.headers[c] for c in columns], [[row[c] for c in columns] for row in table.rows],
-                 table.label, "".join(table.align[c] for c in columns))
+    return Table(
+        table.title,
+        [table.headers[c] for c in columns],
+        [[row[c] for c in columns] for row in table.rows],
+        table.label,
+        "".join(table.align[c] for c in columns),
+    )
 
 
 @dataclass
@@ -642,15 +737,23 @@ class PdfBook:
         self.path, self.title = path, title
         self.blocks: list = []
         self.anchors: dict[str, int] = {}  # a heading's anchor -> its page (1-based), once laid out
-        self.pages: list[Canvas] = []      # once drawn: every page, with the table cells drawn on it
+        self.pages: list[Canvas] = []  # once drawn: every page, with the table cells drawn on it
 
     def _content(self, landscape: bool) -> tuple[float, float]:
         width, height = self.PORTRAIT[::-1] if landscape else self.PORTRAIT
         return width / POINT - 2 * self.MARGIN, height / POINT - 2 * self.MARGIN
 
     def heading(self, text: str, size: float = 14, anchor: str | None = None):
-        self.blocks.append(Lines(text, Font(size, weight="bold"), space_before=size * 0.6, space_after=size * 0.35,
-                                 heading=True, anchor=anchor))
+        self.blocks.append(
+            Lines(
+                text,
+                Font(size, weight="bold"),
+                space_before=size * 0.6,
+                space_after=size * 0.35,
+                heading=True,
+                anchor=anchor,
+            )
+        )
 
     def text(self, text: str, size: float = BODY.size, tint: str | None = None):
         self.blocks.append(Lines(text, Font(size), tint=tint))
@@ -680,8 +783,11 @@ class PdfBook:
         for block in self.blocks:
             if isinstance(block, Deferred):
                 made = block.make(dict(self.anchors))
-                block = [part for table in (made if isinstance(made, list) else [made])
-                         for part in self._table_blocks(table, block.font)]
+                block = [
+                    part
+                    for table in (made if isinstance(made, list) else [made])
+                    for part in self._table_blocks(table, block.font)
+                ]
             out += block if isinstance(block, list) else [block]
         return out
 
@@ -702,8 +808,9 @@ class PdfBook:
                 if pages and pages[-1][1]:
                     new_page(False)
                 continue
-            following = (next((b for b in blocks[index + 1:] if not b.keep_with_next), None) if block.keep_with_next
-                         else None)
+            following = (
+                next((b for b in blocks[index + 1 :] if not b.keep_with_next), None) if block.keep_with_next else None
+            )
             landscape = (following or block).landscape
             if not pages or pages[-1][0] != landscape:
                 if pages and not pages[-1][1]:
@@ -747,8 +854,14 @@ class PdfBook:
                 width, height = self._content(landscape)
                 for block, offset in placed:
                     block.draw(canvas, self.MARGIN, canvas.height - self.MARGIN - offset, width)
-                canvas.text(canvas.width / 2, self.MARGIN / 2, f"{self.title} - page {number} of {len(pages)}", SMALL,
-                            align="center", color="0.4")
+                canvas.text(
+                    canvas.width / 2,
+                    self.MARGIN / 2,
+                    f"{self.title} - page {number} of {len(pages)}",
+                    SMALL,
+                    align="center",
+                    color="0.4",
+                )
                 pdf.savefig(canvas.figure)
                 plt.close(canvas.figure)
                 canvas.figure = None
@@ -788,9 +901,11 @@ class ReportWriter:
     def answers_page(self):
         """The first page: one line per section, grouped by the machine that measured it, filled in once every
         section is written."""
-        intro = ("What each experiment found: its headline figure and its verdict, worded as its section words them "
-                 "(under the section's heading, 'In short'), and the page the section is on; grouped by the machine "
-                 "that measured it, since figures from different machines are not comparable.")
+        intro = (
+            "What each experiment found: its headline figure and its verdict, worded as its section words them "
+            "(under the section's heading, 'In short'), and the page the section is on; grouped by the machine "
+            "that measured it, since figures from different machines are not comparable."
+        )
         self.markdown += [f"## {self.ANSWERS}", "", intro.replace(", and the page the section is on", ""), ""]
         self._answers_at = len(self.markdown)
         self.book.heading(self.ANSWERS)
@@ -810,8 +925,15 @@ class ReportWriter:
         groups: dict[str, list[str]] = {}
         for title, answer in self.answers.items():
             machines = self.machines.get(title) or {}
-            label = (f"Measured on {next(iter(machines)).text}" if len(machines) == 1 else self.SEVERAL if machines
-                     else self.UNNAMED if hasattr(answer, "verdict") else self.NONE)
+            label = (
+                f"Measured on {next(iter(machines)).text}"
+                if len(machines) == 1
+                else self.SEVERAL
+                if machines
+                else self.UNNAMED
+                if hasattr(answer, "verdict")
+                else self.NONE
+            )
             groups.setdefault(label, []).append(title)
         last = (self.SEVERAL, self.UNNAMED, self.NONE)
         order = [label for label in groups if label not in last] + [label for label in last if label in groups]
@@ -831,8 +953,15 @@ class ReportWriter:
                     text += f" (measured on {machines_text(self.machines[title])})"
                 rows.append([title, text, verdict] + ([str(pages.get(title, "?"))] if pages is not None else []))
             headers = ["experiment", "answer", "verdict"] + (["page"] if pages is not None else [])
-            tables.append(Table(f"{label}: what each experiment found", headers, rows, "answers",
-                                "lllr" if pages is not None else "lll"))
+            tables.append(
+                Table(
+                    f"{label}: what each experiment found",
+                    headers,
+                    rows,
+                    "answers",
+                    "lllr" if pages is not None else "lll",
+                )
+            )
         return tables
 
     def begin(self, title: str, inputs, missing_line: str) -> bool:
@@ -909,8 +1038,9 @@ class ReportWriter:
     def close(self):
         """Fill in the answers, then lay out and draw the PDF."""
         if self._answers_at is not None:
-            self.markdown[self._answers_at:self._answers_at] = [
-                line for table in self.answers_tables() for line in (f"**{table.title}**", "", table.markdown(), "")]
+            self.markdown[self._answers_at : self._answers_at] = [
+                line for table in self.answers_tables() for line in (f"**{table.title}**", "", table.markdown(), "")
+            ]
         self.book.close()
 
 

@@ -132,8 +132,14 @@ class StageTimer:
     Misuse raises: a stage inside a stage, an unknown stage, timing outside start()/stop().
     """
 
-    def __init__(self, clock=None, device: torch.device | None = None, memory=None,
-                 profiler_labels: bool = False, nvtx: Nvtx | None = None):
+    def __init__(
+        self,
+        clock=None,
+        device: torch.device | None = None,
+        memory=None,
+        profiler_labels: bool = False,
+        nvtx: Nvtx | None = None,
+    ):
         self.clock = clock or HostClock()
         self.device = device or torch.device("cpu")
         self._synchronize = synchronizer(self.device)
@@ -219,9 +225,12 @@ class StageTimer:
         wall = dict(self.wall_seconds)
         if self._running:
             wall[self.phase] += now - self._phase_started
-        return {"phase": self.phase, "wall_seconds": wall,
-                "stage_seconds": {p: dict(s) for p, s in self.stage_seconds.items()},
-                "stage_calls": {p: dict(c) for p, c in self.stage_calls.items()}}
+        return {
+            "phase": self.phase,
+            "wall_seconds": wall,
+            "stage_seconds": {p: dict(s) for p, s in self.stage_seconds.items()},
+            "stage_calls": {p: dict(c) for p, c in self.stage_calls.items()},
+        }
 
     @contextmanager
     def paused(self):
@@ -322,8 +331,10 @@ class StageTimer:
         clock; for per-step log lines. Flushes first."""
         now = self._host_now()
         self.flush()
-        interval = {"stage_s": {stage: self._interval.get(stage, 0.0) for stage in STAGES},
-                    "wall_s": now - self._interval_started}
+        interval = {
+            "stage_s": {stage: self._interval.get(stage, 0.0) for stage in STAGES},
+            "wall_s": now - self._interval_started,
+        }
         self._interval.clear()
         self._interval_started = now
         return interval

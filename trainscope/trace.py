@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
 
 VERSION = 2  # bump when what a trace holds changes (cached traces of another version are traced again)
 aten = torch.ops.aten
@@ -44,16 +44,16 @@ OPTIMIZER_PHASES = ("optimizer", "optimizer_first")  # a steady step's, the firs
 class Op:
     """One operator of a phase with its arguments' shapes, and how many identical calls the phase makes."""
 
-    phase: str            # forward, backward, optimizer (the steady step's), optimizer_first, eval
-    name: str             # aten overload, e.g. aten.addmm.default
-    key: str              # the name and its arguments (shapes, strides, dtypes, scalars): what a cost is cached by
+    phase: str  # forward, backward, optimizer (the steady step's), optimizer_first, eval
+    name: str  # aten overload, e.g. aten.addmm.default
+    key: str  # the name and its arguments (shapes, strides, dtypes, scalars): what a cost is cached by
     spec: tuple | None = field(default=None, repr=False)  # the arguments, to make real tensors of (not cached)
     count: int = 1
-    flops: int = 0        # from torch.utils.flop_counter (matrix products and attention), else 0
+    flops: int = 0  # from torch.utils.flop_counter (matrix products and attention), else 0
     gemm: tuple | None = None  # (m, n, k) of an mm/addmm: an (m x k) @ (k x n) product
     dtype: str = "float32"  # the first floating-point input's dtype
-    work: int = 0         # elements of the op's largest tensor: what a memory-bound op's time grows with
-    power: int = 1        # how its work grows with the sequence length: length ** power (0, 1 or 2)
+    work: int = 0  # elements of the op's largest tensor: what a memory-bound op's time grows with
+    power: int = 1  # how its work grows with the sequence length: length ** power (0, 1 or 2)
 
 
 @dataclass
@@ -61,12 +61,12 @@ class Trace:
     batch: int
     length: int
     ops: list
-    memory: dict          # bytes the step holds throughout, by kind, then by power of the length: {kind: {power: b}}
-    saved: dict           # bytes saved for backward by autograd, by top module, then by power: {module: {power: b}}
+    memory: dict  # bytes the step holds throughout, by kind, then by power of the length: {kind: {power: b}}
+    saved: dict  # bytes saved for backward by autograd, by top module, then by power: {module: {power: b}}
     peaks: list = field(default_factory=list)  # the forward and backward's candidate peaks: [{kind: {power: b}}]
     dispatches: dict = field(default_factory=dict)  # operators dispatched by phase, views included (each costs the
     # framework's dispatch and Python time whatever its size: what trainscope.predict's calibration charges per call)
-    parameters: int = 0   # elements
+    parameters: int = 0  # elements
     trainable: int = 0
     parameter_bytes: int = 0
     trainable_bytes: int = 0
@@ -76,8 +76,9 @@ class Trace:
         batch too). Which moment of forward and backward is the peak depends on the size (activations or the weights'
         gradients may dominate): every moment that could be is kept, and the largest at this size taken."""
         held = {kind: _scaled(powers, self, length, batch) for kind, powers in self.memory.items()}
-        moments = [{kind: _scaled(powers, self, length, batch) for kind, powers in moment.items()}
-                   for moment in self.peaks] or [{}]
+        moments = [
+            {kind: _scaled(powers, self, length, batch) for kind, powers in moment.items()} for moment in self.peaks
+        ] or [{}]
         peak = max(moments, key=lambda moment: sum(moment.values()))
         return {**held, "activations": peak.get("activations", 0.0), "temporary": peak.get("temporary", 0.0)}
 
@@ -101,8 +102,15 @@ class Trace:
     def from_dict(cls, data: dict) -> "Trace":
         ops = [Op(**{**op, "gemm": tuple(op["gemm"]) if op["gemm"] else None}) for op in data["ops"]]
         fix = lambda table: {k: {int(p): b for p, b in v.items()} for k, v in table.items()}  # noqa: E731
-        return cls(**{**data, "ops": ops, "memory": fix(data["memory"]), "saved": fix(data["saved"]),
-                      "peaks": [fix(moment) for moment in data.get("peaks", [])]})
+        return cls(
+            **{
+                **data,
+                "ops": ops,
+                "memory": fix(data["memory"]),
+                "saved": fix(data["saved"]),
+                "peaks": [fix(moment) for moment in data.get("peaks", [])],
+            }
+        )
 
 
 def _scaled(powers: dict, traced: Trace, length: float, batch: int | None) -> float:
@@ -127,8 +135,14 @@ def _spec(value):
     a CPU scalar tensor beside CUDA ones (an operator's host-side argument) is read by the host, and made on the GPU it
     would be a device pointer the host dereferences."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), tuple(value.stride()), int(value.storage_offset()),
-                str(value.dtype).removeprefix("torch."), value.device.type)
+        return (
+            "tensor",
+            tuple(value.shape),
+            tuple(value.stride()),
+            int(value.storage_offset()),
+            str(value.dtype).removeprefix("torch."),
+            value.device.type,
+        )
     return value
 
 
@@ -190,10 +204,10 @@ class _Recorder(TorchDispatchMode):
         self.ops: dict[tuple, Op] = {}
         self.dispatches: dict[str, int] = {}  # every operator dispatched, views included, by phase
         self.live: dict[int, tuple] = {}  # storage -> (bytes, kind, power, weak reference)
-        self.totals = [0] * 6             # live bytes by (kind, power): activations 0, 1, 2, temporary 0, 1, 2
-        self.moments: list[tuple] = []    # the totals at each local maximum while watching
+        self.totals = [0] * 6  # live bytes by (kind, power): activations 0, 1, 2, temporary 0, 1, 2
+        self.moments: list[tuple] = []  # the totals at each local maximum while watching
         self.rising = False
-        self.watching = False             # peaks are taken over the forward and backward only
+        self.watching = False  # peaks are taken over the forward and backward only
         self.rng_made = WeakIdKeyDictionary()  # tensor -> its rng spec, for the outputs that hold generator state
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -214,15 +228,29 @@ class _Recorder(TorchDispatchMode):
             return out
         tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         floats = [t.dtype for t in tensors if t.dtype.is_floating_point]
-        flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out) if func.overloadpacket in flop_registry else 0
+        flops = (
+            flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            if func.overloadpacket in flop_registry
+            else 0
+        )
         power = max((length_power(t.shape, self.batch, self.length, self.avoid) for t in tensors), default=0)
-        self.ops[(self.phase, key)] = Op(self.phase, str(func), key, spec, 1, int(flops), _gemm_shape(func, args),
-                                         str(floats[0]).removeprefix("torch.") if floats else "float32",
-                                         max((t.numel() for t in tensors), default=0), power)
+        self.ops[(self.phase, key)] = Op(
+            self.phase,
+            str(func),
+            key,
+            spec,
+            1,
+            int(flops),
+            _gemm_shape(func, args),
+            str(floats[0]).removeprefix("torch.") if floats else "float32",
+            max((t.numel() for t in tensors), default=0),
+            power,
+        )
         return out
 
     def _spec_of(self, func, args, kwargs) -> tuple:
         """(args, kwargs) as specs; a tensor of generator state as the rng spec of the call that made it."""
+
         def spec(value):
             if isinstance(value, torch.Tensor) and value in self.rng_made:
                 return self.rng_made[value]
@@ -260,8 +288,13 @@ class _Recorder(TorchDispatchMode):
         for moment in sorted(set(self.moments), key=sum, reverse=True):
             if not any(all(k >= m for k, m in zip(other, moment)) for other in kept):
                 kept.append(moment)
-        return [{"activations": {p: m[p] for p in range(3) if m[p]}, "temporary": {p: m[3 + p] for p in range(3) if m[3 + p]}}
-                for m in kept]
+        return [
+            {
+                "activations": {p: m[p] for p in range(3) if m[p]},
+                "temporary": {p: m[3 + p] for p in range(3) if m[3 + p]},
+            }
+            for m in kept
+        ]
 
 
 class _SavedTensors:
@@ -316,8 +349,10 @@ def _fake_parameters(model, fake_mode, device: torch.device) -> None:
             for name, param in list(module._parameters.items()):
                 if param is not None:
                     if id(param) not in made:
-                        made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                                                             requires_grad=param.requires_grad)
+                        made[id(param)] = torch.nn.Parameter(
+                            torch.empty(param.shape, dtype=param.dtype, device=device),
+                            requires_grad=param.requires_grad,
+                        )
                     module._parameters[name] = made[id(param)]
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
@@ -334,8 +369,17 @@ def _autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def trace_training(build_model, input_names, batch: int, length: int, precision: str, device: torch.device,
-                   max_grad_norm: float | None, weight_decay: float = 0.01, avoid: set = frozenset()) -> Trace:
+def trace_training(
+    build_model,
+    input_names,
+    batch: int,
+    length: int,
+    precision: str,
+    device: torch.device,
+    max_grad_norm: float | None,
+    weight_decay: float = 0.01,
+    avoid: set = frozenset(),
+) -> Trace:
     """A training step of `build_model()` (a model on the meta device) on a fake (batch x length) batch. `avoid`:
     every size of the model and batch besides the length (so each tensor's power of the length can be read)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -378,18 +422,33 @@ def trace_training(build_model, input_names, batch: int, length: int, precision:
                     torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        state = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                 for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
+        state = {
+            t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+            for s in optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        }
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     memory = {"parameters": {0: param_bytes}, "optimizer": {0: sum(state.values())}}
     ops = [op for op in recorder.ops.values() if op.phase != "setup"]
-    return Trace(batch, length, ops, memory, saved.by_module, peaks=recorder.peaks(), dispatches=recorder.dispatches,
-                 parameters=sum(p.numel() for p in params), trainable=sum(p.numel() for p in trainable),
-                 parameter_bytes=param_bytes, trainable_bytes=sum(p.numel() * p.element_size() for p in trainable))
+    return Trace(
+        batch,
+        length,
+        ops,
+        memory,
+        saved.by_module,
+        peaks=recorder.peaks(),
+        dispatches=recorder.dispatches,
+        parameters=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in trainable),
+        parameter_bytes=param_bytes,
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+    )
 
 
-def trace_evaluation(build_model, input_names, batch: int, length: int, precision: str, device: torch.device,
-                     avoid: set = frozenset()) -> Trace:
+def trace_evaluation(
+    build_model, input_names, batch: int, length: int, precision: str, device: torch.device, avoid: set = frozenset()
+) -> Trace:
     """One evaluation batch as trainscope.loop.evaluate_split runs it: forward without gradients in eval mode, the
     per-sample loss and the argmax."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -57,7 +57,10 @@ def init_kwargs(trackers: list[str], run_name: str, run_dir, group: str | None =
 
         mode = wandb_mode()
         kwargs["wandb"] = {
-            "name": run_name, "dir": str(run_dir), "mode": mode, "group": group,
+            "name": run_name,
+            "dir": str(run_dir),
+            "mode": mode,
+            "group": group,
             # no command line, git remote or code snapshot: they can carry tokens
             "settings": wandb.Settings(x_disable_meta=True, disable_git=True, save_code=False, silent=True),
         }

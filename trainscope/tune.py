@@ -42,9 +42,22 @@ from trainscope.experiments.base import Arm, ExperimentFailed, run_arm, split_ar
 from trainscope.experiments.optimization import equivalence_table, tune_table
 from trainscope.record_view import RunView
 from trainscope.records import read_record, read_steps
-from trainscope.tune_judge import (ACCURACY_MARGIN, LOSS_MARGIN, ROUNDS, TOGETHER, Design, final_choice, final_trial,
-                                   in_family, judged_in_phases, measure, merge_flags, method_text, run_figures,
-                                   trial_verdicts)
+from trainscope.tune_judge import (
+    ACCURACY_MARGIN,
+    LOSS_MARGIN,
+    ROUNDS,
+    TOGETHER,
+    Design,
+    final_choice,
+    final_trial,
+    in_family,
+    judged_in_phases,
+    measure,
+    merge_flags,
+    method_text,
+    run_figures,
+    trial_verdicts,
+)
 
 __all__ = ["merge_flags", "tune", "main"]
 
@@ -59,7 +72,7 @@ class Trial:
     arm: Arm
     suggestion: object = None
     kind: str = changes.NUMERIC
-    phase: str = "other"                          # "exact" (tried first, stacked) or "other" (on top of the stack)
+    phase: str = "other"  # "exact" (tried first, stacked) or "other" (on top of the stack)
     own_flags: list = field(default_factory=list)  # the change's flags, without the stack's
 
 
@@ -67,8 +80,13 @@ class Tuner:
     """Runs arms in alternating rounds within the budget: the world make tune measures, behind a runner and a clock
     (a test passes simulated ones), apart from the decision (trainscope.tune_judge.judge)."""
 
-    def __init__(self, runner: Runner, budget_s: float, clock: Callable[[], float] = time.monotonic,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        runner: Runner,
+        budget_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        log: Callable[[str], None] = print,
+    ):
         self.runner, self.budget_s, self.clock, self.log = runner, budget_s, clock, log
         self.started = clock()
         self.run_s: dict[str, float] = {}
@@ -81,27 +99,33 @@ class Tuner:
         result = self.runner(arm, round_index, list(extra))
         self.run_s[arm.name] = self.clock() - began
         label = label or f"round {round_index + 1} {arm.name}"
-        self.log(f"{label} (seed {result.get('seed')}): wall {result['wall_s']:.1f} s "
-                 f"(training {result['train_wall_s']:.1f} s for {result['train_tokens']} tokens, evaluation "
-                 f"{result['eval_s']:.1f} s), validation accuracy {result['validation_accuracy']}; "
-                 f"{self.remaining():.0f} s of the budget left")
+        self.log(
+            f"{label} (seed {result.get('seed')}): wall {result['wall_s']:.1f} s "
+            f"(training {result['train_wall_s']:.1f} s for {result['train_tokens']} tokens, evaluation "
+            f"{result['eval_s']:.1f} s), validation accuracy {result['validation_accuracy']}; "
+            f"{self.remaining():.0f} s of the budget left"
+        )
         return result
 
     def rounds(self, design: Design, arms: list[Arm], indices: range, measured: dict) -> None:
         """Every arm once per round, alternating the order, with the round's seed; a round the budget cannot hold
         (by the arms' last run times) is not started."""
         for index in indices:
-            cost = sum(self.run_s.get(arm.name, self.run_s.get("baseline", self.run_s.get("advice", 0.0)))
-                       for arm in arms)
+            cost = sum(
+                self.run_s.get(arm.name, self.run_s.get("baseline", self.run_s.get("advice", 0.0))) for arm in arms
+            )
             if cost > self.remaining():
-                self.log(f"budget: round {index + 1} (about {cost:.0f} s) does not fit the {self.remaining():.0f} s "
-                         "left; the trials of these rounds are not judged")
+                self.log(
+                    f"budget: round {index + 1} (about {cost:.0f} s) does not fit the {self.remaining():.0f} s "
+                    "left; the trials of these rounds are not judged"
+                )
                 return
             for arm in bench.round_order(arms, index):
                 measured[arm.name][index] = self.run(arm, index, design.flags(index))
 
-    def decide(self, design: Design, baseline: Arm, exact: list[Trial], others: list[Trial]
-               ) -> tuple[dict[str, dict], list[tuple[Trial, dict, dict]]]:
+    def decide(
+        self, design: Design, baseline: Arm, exact: list[Trial], others: list[Trial]
+    ) -> tuple[dict[str, dict], list[tuple[Trial, dict, dict]]]:
         """The whole decision: the exact trials' phase against the baseline, judged on its own (the stack is built
         on those verdicts), then the other trials' phase on top of the stack and against it, judged in the whole
         family. (judgement by trial, [(trial, its runs by round, its baseline's runs by round)] for every trial run,
@@ -112,8 +136,12 @@ class Tuner:
             judged = in_family(design, measures)
             ran = [(t, measured[t.name], measured[baseline.name]) for t in exact + ([together] if together else [])]
             start = design.rounds * (2 if together else 1)
-            stack = (final_trial([{"name": t.name, "phase": t.phase, "flags": t.own_flags, **judged[t.name]}
-                                  for t, _, _ in ran]) or {}).get("flags", [])
+            stack = (
+                final_trial(
+                    [{"name": t.name, "phase": t.phase, "flags": t.own_flags, **judged[t.name]} for t, _, _ in ran]
+                )
+                or {}
+            ).get("flags", [])
         if others:
             base = replace(baseline, name="stacked", flags=baseline.flags + stack) if stack else baseline
             others = [replace(t, arm=replace(t.arm, flags=base.flags + t.own_flags)) for t in others]
@@ -123,14 +151,16 @@ class Tuner:
         exact_names = {t.name for t, _, _ in ran if t.phase == changes.EXACT}
         return judged_in_phases(design, measures, exact_names), ran
 
-    def phase(self, design: Design, baseline: Arm, trials: list[Trial], first_round: int,
-              earlier: dict) -> tuple[dict, dict, Trial | None]:
+    def phase(
+        self, design: Design, baseline: Arm, trials: list[Trial], first_round: int, earlier: dict
+    ) -> tuple[dict, dict, Trial | None]:
         """One phase: R rounds of its baseline and its trials from `first_round`, the judgement (in the family with
         the `earlier` phases' measures), and with two or more kept R rounds of the kept ones together. (measured
         by arm, the measures of its trials, the together trial or None)."""
         measured = {baseline.name: {}, **{t.name: {} for t in trials}}
-        self.rounds(design, [baseline, *(t.arm for t in trials)], range(first_round, first_round + design.rounds),
-                    measured)
+        self.rounds(
+            design, [baseline, *(t.arm for t in trials)], range(first_round, first_round + design.rounds), measured
+        )
         measures = {t.name: measure(design, measured[baseline.name], measured[t.name], t.kind) for t in trials}
         judged = in_family(design, {**earlier, **measures})  # each trial measured once for both stages
         kept = [t for t in trials if judged[t.name]["keep"]]
@@ -138,10 +168,19 @@ class Tuner:
             return measured, measures, None
         name = TOGETHER[trials[0].phase]
         own = [f for t in kept for f in t.own_flags]
-        together = Trial(name, Arm(name, next((t.arm.config for t in kept if t.arm.config), baseline.config),
-                                   baseline.flags + own, launcher=baseline.launcher, script=baseline.script),
-                         kind=max((t.kind for t in kept), key=changes.KINDS.index), phase=trials[0].phase,
-                         own_flags=own)
+        together = Trial(
+            name,
+            Arm(
+                name,
+                next((t.arm.config for t in kept if t.arm.config), baseline.config),
+                baseline.flags + own,
+                launcher=baseline.launcher,
+                script=baseline.script,
+            ),
+            kind=max((t.kind for t in kept), key=changes.KINDS.index),
+            phase=trials[0].phase,
+            own_flags=own,
+        )
         measured[name] = {}
         start = first_round + design.rounds
         self.rounds(design, [baseline, together.arm], range(start, start + design.rounds), measured)
@@ -163,8 +202,10 @@ def plan_trials(suggestions: list, run_s: float, remaining_s: float, rounds: int
     """How many suggestions the budget holds, decided before measuring, in runs of the advice run's length: the
     exact ones first, then the numeric, then the training ones (the advisor's order within each); a suggestion
     this build cannot run, or with nothing to run, is never planned. (tried, over the budget)."""
-    candidates = sorted((s for s in suggestions if (s.flags or s.config) and not changes.unavailable(s.flags, s.config)),
-                        key=lambda s: changes.KINDS.index(kind_of(s)))[:most]
+    candidates = sorted(
+        (s for s in suggestions if (s.flags or s.config) and not changes.unavailable(s.flags, s.config)),
+        key=lambda s: changes.KINDS.index(kind_of(s)),
+    )[:most]
     for k in range(len(candidates), 0, -1):
         exact = sum(kind_of(s) == changes.EXACT for s in candidates[:k])
         if plan_cost(exact, k - exact, rounds) * run_s <= remaining_s:
@@ -181,47 +222,77 @@ def tuning_figures(runs: Path, figures: dict) -> dict:
     return {**figures, **run_figures(read_record(folder), read_steps(folder))}
 
 
-def tune(args, train_args: list[str], runner: Runner | None = None, clock: Callable[[], float] = time.monotonic,
-         log: Callable[[str], None] = print) -> dict:
+def tune(
+    args,
+    train_args: list[str],
+    runner: Runner | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    log: Callable[[str], None] = print,
+) -> dict:
     runs = Path(args.runs)
     runner = runner or (lambda arm, index, extra: tuning_figures(runs, run_arm(arm, train_args, runs, index, extra)))
     tuner = Tuner(runner, args.budget, clock, lambda line: log(line) or sys.stdout.flush())
-    arm = lambda name, config=args.config, flags=(): Arm(name, config, list(flags), launcher=args.launcher,  # noqa: E731
-                                                         script=Path(args.script))
+    arm = lambda name, config=args.config, flags=(): Arm(
+        name,
+        config,
+        list(flags),
+        launcher=args.launcher,  # noqa: E731
+        script=Path(args.script),
+    )
     first = tuner.run(arm("advice"), 0, [], "advice run")  # the advice comes from it; in no round (the warm-up)
     record = read_record(runs / first["run"])
     suggestions = advisor.advise(record)
-    tried, untried = plan_trials(suggestions, tuner.run_s["advice"], tuner.remaining(), args.rounds,
-                                 args.max_suggestions)
+    tried, untried = plan_trials(
+        suggestions, tuner.run_s["advice"], tuner.remaining(), args.rounds, args.max_suggestions
+    )
     exact_tried = [s for s in tried if kind_of(s) == changes.EXACT]
     precision = effective_precision(record)
-    design = Design(rounds=args.rounds, trials=len(tried), exact=len(exact_tried), accuracy_margin=args.accuracy_margin,
-                    loss_margin=args.loss_margin, seed=first["seed"], data_seed=first["data_seed"],
-                    precision=precision, tolerance=changes.tolerance(precision))
+    design = Design(
+        rounds=args.rounds,
+        trials=len(tried),
+        exact=len(exact_tried),
+        accuracy_margin=args.accuracy_margin,
+        loss_margin=args.loss_margin,
+        seed=first["seed"],
+        data_seed=first["data_seed"],
+        precision=precision,
+        tolerance=changes.tolerance(precision),
+    )
     tuned_on = health.machine_kind(RunView(record)) if record else None
-    log(f"advice run took {tuner.run_s['advice']:.0f} s; {len(suggestions)} suggestion(s), trying {len(tried)} within "
-        f"the {args.budget:.0f} s budget" + (f" on {tuned_on}" if tuned_on else ""))
+    log(
+        f"advice run took {tuner.run_s['advice']:.0f} s; {len(suggestions)} suggestion(s), trying {len(tried)} within "
+        f"the {args.budget:.0f} s budget" + (f" on {tuned_on}" if tuned_on else "")
+    )
     for line in design.lines():
         log(line)
-    exact = [Trial(f"e{i + 1}", arm(f"e{i + 1}", args.config, s.flags), s, changes.EXACT, changes.EXACT, list(s.flags))
-             for i, s in enumerate(exact_tried)]
-    others = [Trial(f"s{i + 1}", arm(f"s{i + 1}", s.config or args.config, s.flags), s, kind_of(s), "other",
-                    list(s.flags)) for i, s in enumerate(s for s in tried if kind_of(s) != changes.EXACT)]
+    exact = [
+        Trial(f"e{i + 1}", arm(f"e{i + 1}", args.config, s.flags), s, changes.EXACT, changes.EXACT, list(s.flags))
+        for i, s in enumerate(exact_tried)
+    ]
+    others = [
+        Trial(f"s{i + 1}", arm(f"s{i + 1}", s.config or args.config, s.flags), s, kind_of(s), "other", list(s.flags))
+        for i, s in enumerate(s for s in tried if kind_of(s) != changes.EXACT)
+    ]
     for t in exact + others:
-        log(f"{t.name}: {t.suggestion.change} ({changes_text(t)}): {t.kind} -- "
+        log(
+            f"{t.name}: {t.suggestion.change} ({changes_text(t)}): {t.kind} -- "
             f"{changes.does(t.own_flags, t.suggestion.config)}"
-            + (" (tried first; the others run on top of the kept ones)" if t.kind == changes.EXACT and others else ""))
+            + (" (tried first; the others run on top of the kept ones)" if t.kind == changes.EXACT and others else "")
+        )
     judged, ran = tuner.decide(design, arm("baseline"), exact, others)
     results = [trial_result(t, judged[t.name], mine, base) for t, mine, base in ran]
     for r in results:
         log(f"{r['name']}: {verdict_line(r)}")
-    return summarize(args, train_args, design, first, suggestions, results, tried, untried,
-                     clock() - tuner.started, tuned_on)
+    return summarize(
+        args, train_args, design, first, suggestions, results, tried, untried, clock() - tuner.started, tuned_on
+    )
 
 
 def changes_text(trial: Trial) -> str:
     config = trial.suggestion.config if trial.suggestion else None
-    return ", ".join(([f"config {config}"] if config else []) + ([" ".join(trial.own_flags)] if trial.own_flags else []))
+    return ", ".join(
+        ([f"config {config}"] if config else []) + ([" ".join(trial.own_flags)] if trial.own_flags else [])
+    )
 
 
 def effective_precision(record: dict) -> str:
@@ -233,14 +304,24 @@ def effective_precision(record: dict) -> str:
 
 def trial_result(trial: Trial, judged: dict, runs: dict[int, dict], baseline: dict[int, dict]) -> dict:
     s = trial.suggestion
-    return {"name": trial.name, "rule": s.rule if s else "together", "kind": trial.kind, "phase": trial.phase,
-            "change": s.change if s else "the kept suggestions together", "flags": trial.arm.flags,
-            "own_flags": trial.own_flags, "config": trial.arm.config, "gain": s.gain if s else None,
-            "gain_kind": s.gain_kind if s else None, "gain_text": s.gain_text() if s else None,
-            "changes_result": (s.changes_result if s else None) or changes.does(trial.own_flags),
-            "runs": [runs[i]["run"] for i in sorted(runs)],
-            "baseline_runs": [baseline[i]["run"] for i in sorted(runs) if i in baseline], **trial_verdicts(judged),
-            "tokens_per_run": statistics.median(r["train_tokens"] for r in runs.values()) if runs else None}
+    return {
+        "name": trial.name,
+        "rule": s.rule if s else "together",
+        "kind": trial.kind,
+        "phase": trial.phase,
+        "change": s.change if s else "the kept suggestions together",
+        "flags": trial.arm.flags,
+        "own_flags": trial.own_flags,
+        "config": trial.arm.config,
+        "gain": s.gain if s else None,
+        "gain_kind": s.gain_kind if s else None,
+        "gain_text": s.gain_text() if s else None,
+        "changes_result": (s.changes_result if s else None) or changes.does(trial.own_flags),
+        "runs": [runs[i]["run"] for i in sorted(runs)],
+        "baseline_runs": [baseline[i]["run"] for i in sorted(runs) if i in baseline],
+        **trial_verdicts(judged),
+        "tokens_per_run": statistics.median(r["train_tokens"] for r in runs.values()) if runs else None,
+    }
 
 
 def verdict_line(trial: dict) -> str:
@@ -248,17 +329,28 @@ def verdict_line(trial: dict) -> str:
     speed = trial["speed"]
     if not speed.get("pairs"):
         return f"{trial['verdict']}; result {trial['result']}"
-    return (f"{trial['verdict']} {speed['median_ratio']:.3f}x ({speed['min_ratio']:.3f}-{speed['max_ratio']:.3f}) on "
-            f"the same work, {speed['n_baseline']} baseline / {speed['n_trial']} trial runs, {speed['looks']} look, "
-            f"p {speed['p_raw']:.2g} raw, {speed['p_value']:.2g} {speed['correction']}; result {trial['result']}")
+    return (
+        f"{trial['verdict']} {speed['median_ratio']:.3f}x ({speed['min_ratio']:.3f}-{speed['max_ratio']:.3f}) on "
+        f"the same work, {speed['n_baseline']} baseline / {speed['n_trial']} trial runs, {speed['looks']} look, "
+        f"p {speed['p_raw']:.2g} raw, {speed['p_value']:.2g} {speed['correction']}; result {trial['result']}"
+    )
 
 
 def summarize(args, train_args, design, first, suggestions, trials, tried, untried, elapsed, tuned_on=None) -> dict:
-    return {"experiment": "tune", "baseline_args": train_args, "baseline_config": args.config, "budget_s": args.budget,
-            "elapsed_s": elapsed, "advice_run": first["run"], "design": design.to_dict(), "method": method_text(design),
-            "suggestions": [s.to_dict() for s in suggestions], "trials": trials,
-            "not_tried": not_tried(suggestions, tried, untried, args.max_suggestions),
-            **final_choice(trials, train_args, args.config, tuned_on)}
+    return {
+        "experiment": "tune",
+        "baseline_args": train_args,
+        "baseline_config": args.config,
+        "budget_s": args.budget,
+        "elapsed_s": elapsed,
+        "advice_run": first["run"],
+        "design": design.to_dict(),
+        "method": method_text(design),
+        "suggestions": [s.to_dict() for s in suggestions],
+        "trials": trials,
+        "not_tried": not_tried(suggestions, tried, untried, args.max_suggestions),
+        **final_choice(trials, train_args, args.config, tuned_on),
+    }
 
 
 def not_tried(suggestions: list, tried: list, untried: list, most: int) -> list[dict]:
@@ -269,30 +361,54 @@ def not_tried(suggestions: list, tried: list, untried: list, most: int) -> list[
     def why(s) -> str:
         if not (s.flags or s.config):
             return "not a flag or config (see the advice)"
-        return (changes.unavailable(s.flags, s.config) or
-                ("over the time budget" if id(s) in over_budget else f"beyond --max-suggestions {most}"))
+        return changes.unavailable(s.flags, s.config) or (
+            "over the time budget" if id(s) in over_budget else f"beyond --max-suggestions {most}"
+        )
 
-    return [{"change": s.change, "flags": s.flags, "kind": kind_of(s) if (s.flags or s.config) else None, "why": why(s)}
-            for s in suggestions if id(s) not in tried_ids]
+    return [
+        {"change": s.change, "flags": s.flags, "kind": kind_of(s) if (s.flags or s.config) else None, "why": why(s)}
+        for s in suggestions
+        if id(s) not in tried_ids
+    ]
 
 
 def markdown(result: dict) -> list[str]:
     design = result["design"]
-    lines = ["# make tune", "", f"Baseline flags: `{' '.join(result['baseline_args'])}`; advice from "
-             f"`{result.get('advice_run', '?')}`; budget {result['budget_s']:.0f} s, used {result['elapsed_s']:.0f} s.",
-             "", f"Design (fixed before measuring): {design['trials']} trial(s), {design['rounds']} alternating rounds "
-             f"each, seeds {design['seed']}-{design['seed'] + design['rounds'] - 1} (data seed {design['data_seed']}); "
-             f"test: {design['test']}; boundary: {design['boundary']}; margins: accuracy +-{design['accuracy_margin']:g}, "
-             f"loss +-{design['loss_margin']:g}.", "", result["method"], "", *tune_table(result).markdown_lines(), "",
-             *equivalence_lines(result), result["summary"], "",
-             f"Final command: `{result['final_command']}`"
-             + (f" (tuned on {result['tuned_on']}: a run on a machine of another kind warns)" if result.get("tuned_on")
-                else ""), ""]
-    lines += [f"- {t['name']} ({t.get('kind', 'numeric')}): {verdict_line(t)}; rounds {t['rounds']}; runs "
-              f"{', '.join(t['runs'])}" + (f"; changes: {t['changes_result']}" if t.get("changes_result") else "")
-              for t in result["trials"]]
-    lines += [f"- not tried: {n['change']} ({n['why']}" + (f"; {n['kind']}" if n.get("kind") else "") + ")"
-              for n in result["not_tried"]]
+    lines = [
+        "# make tune",
+        "",
+        f"Baseline flags: `{' '.join(result['baseline_args'])}`; advice from "
+        f"`{result.get('advice_run', '?')}`; budget {result['budget_s']:.0f} s, used {result['elapsed_s']:.0f} s.",
+        "",
+        f"Design (fixed before measuring): {design['trials']} trial(s), {design['rounds']} alternating rounds "
+        f"each, seeds {design['seed']}-{design['seed'] + design['rounds'] - 1} (data seed {design['data_seed']}); "
+        f"test: {design['test']}; boundary: {design['boundary']}; margins: accuracy +-{design['accuracy_margin']:g}, "
+        f"loss +-{design['loss_margin']:g}.",
+        "",
+        result["method"],
+        "",
+        *tune_table(result).markdown_lines(),
+        "",
+        *equivalence_lines(result),
+        result["summary"],
+        "",
+        f"Final command: `{result['final_command']}`"
+        + (
+            f" (tuned on {result['tuned_on']}: a run on a machine of another kind warns)"
+            if result.get("tuned_on")
+            else ""
+        ),
+        "",
+    ]
+    lines += [
+        f"- {t['name']} ({t.get('kind', 'numeric')}): {verdict_line(t)}; rounds {t['rounds']}; runs "
+        f"{', '.join(t['runs'])}" + (f"; changes: {t['changes_result']}" if t.get("changes_result") else "")
+        for t in result["trials"]
+    ]
+    lines += [
+        f"- not tried: {n['change']} ({n['why']}" + (f"; {n['kind']}" if n.get("kind") else "") + ")"
+        for n in result["not_tried"]
+    ]
     return lines
 
 
@@ -305,20 +421,38 @@ def equivalence_lines(result: dict) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", required=True, help="where the runs and comparison.{json,md} go")
-    parser.add_argument("--budget", type=float, default=2400,
-                        help="seconds for the whole tuning (default 2400); decides how many suggestions are tried")
-    parser.add_argument("--rounds", type=int, default=ROUNDS,
-                        help=f"alternating rounds per trial, one seed each, judged once after the last (default "
-                        f"{ROUNDS}: 6 against 6 can pass Holm over up to 23 tests; 5 over up to 6; 4 over 1 only)")
-    parser.add_argument("--accuracy-margin", type=float, default=ACCURACY_MARGIN,
-                        help=f"equivalence margin of validation and test accuracy, stated before measuring (default "
-                        f"{ACCURACY_MARGIN:g}: one point)")
-    parser.add_argument("--loss-margin", type=float, default=LOSS_MARGIN,
-                        help=f"equivalence margin of validation and test loss in nats (default {LOSS_MARGIN:g}: the "
-                        "right label's geometric-mean probability within about 2%%)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=2400,
+        help="seconds for the whole tuning (default 2400); decides how many suggestions are tried",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help=f"alternating rounds per trial, one seed each, judged once after the last (default "
+        f"{ROUNDS}: 6 against 6 can pass Holm over up to 23 tests; 5 over up to 6; 4 over 1 only)",
+    )
+    parser.add_argument(
+        "--accuracy-margin",
+        type=float,
+        default=ACCURACY_MARGIN,
+        help=f"equivalence margin of validation and test accuracy, stated before measuring (default "
+        f"{ACCURACY_MARGIN:g}: one point)",
+    )
+    parser.add_argument(
+        "--loss-margin",
+        type=float,
+        default=LOSS_MARGIN,
+        help=f"equivalence margin of validation and test loss in nats (default {LOSS_MARGIN:g}: the "
+        "right label's geometric-mean probability within about 2%%)",
+    )
     parser.add_argument("--max-suggestions", type=int, default=3, help="suggestions to try at most (default 3)")
     parser.add_argument("--config", default=None, help="Accelerate config of every run (default: none, as make train)")
-    parser.add_argument("--launcher", default="accelerate", choices=["accelerate", "python"], help="how runs are launched")
+    parser.add_argument(
+        "--launcher", default="accelerate", choices=["accelerate", "python"], help="how runs are launched"
+    )
     parser.add_argument("--script", default=str(launching.TRAIN_SCRIPT), help=argparse.SUPPRESS)
     return parser
 

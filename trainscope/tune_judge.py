@@ -59,16 +59,16 @@ METRICS = ("validation_accuracy", "test_accuracy", "validation_loss", "test_loss
 class Design:
     """What make tune decides by, fixed before it measures (printed first, written into the result)."""
 
-    rounds: int = ROUNDS              # alternating rounds per trial, one seed each; one look after the last
-    trials: int = 1                   # suggestions tried (k); with two or more of a kind the kept ones together too
+    rounds: int = ROUNDS  # alternating rounds per trial, one seed each; one look after the last
+    trials: int = 1  # suggestions tried (k); with two or more of a kind the kept ones together too
     accuracy_margin: float = ACCURACY_MARGIN
     loss_margin: float = LOSS_MARGIN
-    seed: int = 42                    # round r runs seed + r (the kept ones' rounds: the same seeds again)
-    data_seed: int = 42               # held in every run: the same data split and subsets
+    seed: int = 42  # round r runs seed + r (the kept ones' rounds: the same seeds again)
+    data_seed: int = 42  # held in every run: the same data split and subsets
     alpha: float = bench.ALPHA
     min_effect: float = bench.MIN_EFFECT
-    exact: int = 0                    # of the trials, the exact changes (trainscope.changes): tried first
-    precision: str = "fp32"           # the precision the advice run had in effect
+    exact: int = 0  # of the trials, the exact changes (trainscope.changes): tried first
+    precision: str = "fp32"  # the precision the advice run had in effect
     tolerance: float = changes.ROUNDING_TOLERANCE["fp32"]  # an exact change's rounding tolerance at that precision
 
     @property
@@ -85,9 +85,11 @@ class Design:
 
     @property
     def boundary(self) -> str:
-        return (f"fixed: one look after {self.rounds} rounds per trial (no interim looks, no alpha spent on them); "
-                f"Holm over {self.tests} test(s): the smallest p must be below {self.alpha:g}/{self.tests} = "
-                f"{self.alpha / self.tests:.4g}")
+        return (
+            f"fixed: one look after {self.rounds} rounds per trial (no interim looks, no alpha spent on them); "
+            f"Holm over {self.tests} test(s): the smallest p must be below {self.alpha:g}/{self.tests} = "
+            f"{self.alpha / self.tests:.4g}"
+        )
 
     @property
     def size(self) -> float:
@@ -106,9 +108,15 @@ class Design:
         return self.accuracy_margin if metric.endswith("accuracy") else self.loss_margin
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tests": self.tests, "boundary": self.boundary, "test": bench.METHOD,
-                "equivalence": equivalence_method(self), "exactness": exactness_method(self),
-                "min_rounds": bench.min_rounds(self.alpha / self.tests)}
+        return {
+            **asdict(self),
+            "tests": self.tests,
+            "boundary": self.boundary,
+            "test": bench.METHOD,
+            "equivalence": equivalence_method(self),
+            "exactness": exactness_method(self),
+            "min_rounds": bench.min_rounds(self.alpha / self.tests),
+        }
 
     @classmethod
     def from_dict(cls, values: dict) -> "Design":
@@ -116,32 +124,42 @@ class Design:
 
     def lines(self) -> list[str]:
         """The design as make tune prints it before measuring."""
-        out = [f"design: {self.trials} trial(s), {self.rounds} alternating rounds each (seeds {self.seed}-"
-               f"{self.seed + self.rounds - 1}, data seed {self.data_seed}); speed: {bench.METHOD} on the same work, "
-               f"against the baseline runs of the trial's own rounds; boundary: {self.boundary}"]
+        out = [
+            f"design: {self.trials} trial(s), {self.rounds} alternating rounds each (seeds {self.seed}-"
+            f"{self.seed + self.rounds - 1}, data seed {self.data_seed}); speed: {bench.METHOD} on the same work, "
+            f"against the baseline runs of the trial's own rounds; boundary: {self.boundary}"
+        ]
         if self.exact:
             out.append(f"exact changes ({self.exact}, tried first and stacked): {exactness_method(self)}")
         if self.trials > self.exact:
-            out.append(f"same result of the others: {equivalence_method(self)}; a training change is 'same' only "
-                       "from the full job")
+            out.append(
+                f"same result of the others: {equivalence_method(self)}; a training change is 'same' only "
+                "from the full job"
+            )
         if not self.reachable:
-            out.append(f"note: {self.rounds} against {self.rounds} rounds give p >= {bench.smallest_p(self.rounds):.4g}, "
-                       f"which cannot pass {self.alpha:g}/{self.tests}: no speed verdict is possible (at least "
-                       f"{bench.min_rounds(self.alpha / self.tests)} rounds are)")
+            out.append(
+                f"note: {self.rounds} against {self.rounds} rounds give p >= {bench.smallest_p(self.rounds):.4g}, "
+                f"which cannot pass {self.alpha:g}/{self.tests}: no speed verdict is possible (at least "
+                f"{bench.min_rounds(self.alpha / self.tests)} rounds are)"
+            )
         return out
 
 
 def equivalence_method(design: Design) -> str:
-    return (f"two one-sided tests (alpha {bench.EQUIVALENCE_ALPHA:g} each: the 90% t interval of the paired "
-            f"differences, trial minus baseline on the same seed) inside +-{design.accuracy_margin:g} for validation "
-            f"and test accuracy and +-{design.loss_margin:g} for their losses; changed: a metric's one-sided test "
-            f"beyond its margin passing Holm over the metrics; else undecided")
+    return (
+        f"two one-sided tests (alpha {bench.EQUIVALENCE_ALPHA:g} each: the 90% t interval of the paired "
+        f"differences, trial minus baseline on the same seed) inside +-{design.accuracy_margin:g} for validation "
+        f"and test accuracy and +-{design.loss_margin:g} for their losses; changed: a metric's one-sided test "
+        f"beyond its margin passing Holm over the metrics; else undecided"
+    )
 
 
 def exactness_method(design: Design) -> str:
-    return (f"kept when faster and every pair (same seed) agrees: each logged step's loss and the final losses within "
-            f"{design.tolerance:.2g} relative, the accuracies within {design.tolerance:.2g} ({design.precision}'s "
-            "rounding tolerance, stated before measuring); a disagreement is 'not exact', a defect, never kept")
+    return (
+        f"kept when faster and every pair (same seed) agrees: each logged step's loss and the final losses within "
+        f"{design.tolerance:.2g} relative, the accuracies within {design.tolerance:.2g} ({design.precision}'s "
+        "rounding tolerance, stated before measuring); a disagreement is 'not exact', a defect, never kept"
+    )
 
 
 def work_seconds(run: dict, reference_tokens: float) -> float:
@@ -164,8 +182,12 @@ def ratio(baseline: list[float], candidate: list[float]) -> dict:
 # ---------------------------------------------------------------- the judgement
 
 
-def judge(design: Design, measured: dict[str, dict[int, dict]], kinds: dict[str, str] | None = None,
-          against: dict[str, str] | None = None) -> dict[str, dict]:
+def judge(
+    design: Design,
+    measured: dict[str, dict[int, dict]],
+    kinds: dict[str, str] | None = None,
+    against: dict[str, str] | None = None,
+) -> dict[str, dict]:
     """Every trial of `measured` judged by `design`: {trial: judgement}.
 
     `measured` maps each arm (the baselines and the trials) to {round index: its run's figures}
@@ -176,9 +198,14 @@ def judge(design: Design, measured: dict[str, dict[int, dict]], kinds: dict[str,
     """
     kinds, against = kinds or {}, against or {}
     baselines = {"baseline", *against.values()}
-    return in_family(design, {name: measure(design, measured[against.get(name, "baseline")], runs,
-                                            kinds.get(name, changes.NUMERIC))
-                              for name, runs in measured.items() if name not in baselines})
+    return in_family(
+        design,
+        {
+            name: measure(design, measured[against.get(name, "baseline")], runs, kinds.get(name, changes.NUMERIC))
+            for name, runs in measured.items()
+            if name not in baselines
+        },
+    )
 
 
 def in_family(design: Design, measures: dict[str, dict]) -> dict[str, dict]:
@@ -195,11 +222,15 @@ def in_family(design: Design, measures: dict[str, dict]) -> dict[str, dict]:
         speed = entry["speed"]
         speed.update(p_value=p, correction=f"Holm over {design.tests} test(s)", looks=1, boundary=design.boundary)
         if not entry["complete"]:
-            speed["verdict"] = (f"not judged: {speed['pairs']} of {design.rounds} rounds (the budget ended)"
-                                if speed["pairs"] else "not run (the budget ended)")
+            speed["verdict"] = (
+                f"not judged: {speed['pairs']} of {design.rounds} rounds (the budget ended)"
+                if speed["pairs"]
+                else "not run (the budget ended)"
+            )
         else:
-            speed["verdict"] = bench.verdict(speed["median_ratio"], p, speed["pairs"], bench.MIN_DECIDABLE,
-                                             design.alpha, design.min_effect)
+            speed["verdict"] = bench.verdict(
+                speed["median_ratio"], p, speed["pairs"], bench.MIN_DECIDABLE, design.alpha, design.min_effect
+            )
         entry["verdict"] = speed["verdict"]
         entry["keep"] = entry["verdict"] == "faster" and entry["same_result"] is True
     return judged
@@ -212,8 +243,12 @@ def measure(design: Design, baseline: dict[int, dict], trial: dict[int, dict], k
     not decided, `training_text` says what would decide it)."""
     rounds = sorted(r for r in trial if r in baseline)
     base, mine = [baseline[r] for r in rounds], [trial[r] for r in rounds]
-    entry = {"kind": kind, "rounds": rounds, "complete": len(rounds) >= design.rounds,
-             "equivalence": equivalent(design, base, mine)}
+    entry = {
+        "kind": kind,
+        "rounds": rounds,
+        "complete": len(rounds) >= design.rounds,
+        "equivalence": equivalent(design, base, mine),
+    }
     if kind == changes.EXACT:
         entry["exactness"] = exactness(design, base, mine)
         entry["same_result"] = {"exact": True, "not exact": False}.get(entry["exactness"]["verdict"])
@@ -229,11 +264,17 @@ def measure(design: Design, baseline: dict[int, dict], trial: dict[int, dict], k
         entry["training"] = entry["evaluation"] = None
         return entry
     reference = statistics.median(r["train_tokens"] for r in base)
-    speed = bench.compare_samples([work_seconds(r, reference) for r in base], [work_seconds(r, reference) for r in mine],
-                                  higher_is_better=False, min_pairs=bench.MIN_DECIDABLE)
+    speed = bench.compare_samples(
+        [work_seconds(r, reference) for r in base],
+        [work_seconds(r, reference) for r in mine],
+        higher_is_better=False,
+        min_pairs=bench.MIN_DECIDABLE,
+    )
     speed.update(p_raw=speed["p_value"], n_baseline=len(base), n_trial=len(mine), rounds=rounds)
     entry["speed"] = speed
-    entry["training"] = ratio([training_seconds(r, reference) for r in base], [training_seconds(r, reference) for r in mine])
+    entry["training"] = ratio(
+        [training_seconds(r, reference) for r in base], [training_seconds(r, reference) for r in mine]
+    )
     entry["evaluation"] = ratio([r["eval_s"] for r in base], [r["eval_s"] for r in mine])
     entry["tokens_per_run"] = statistics.median(r["train_tokens"] for r in mine)
     return entry
@@ -244,8 +285,11 @@ def run_figures(record: dict, steps: list[dict] | None = None) -> dict:
     its epochs, and the loss of each logged step (the mean over the steps since the line before, so every step's
     loss is in one) from its step lines."""
     view = RunView(record)
-    return {**view.headline(), "epochs": view.setting("epochs"),
-            "step_losses": [[line["step"], line["loss"]] for line in steps or [] if line.get("loss") is not None]}
+    return {
+        **view.headline(),
+        "epochs": view.setting("epochs"),
+        "step_losses": [[line["step"], line["loss"]] for line in steps or [] if line.get("loss") is not None],
+    }
 
 
 def full_job(run: dict) -> bool:
@@ -268,24 +312,45 @@ def exactness(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
     for b, t in paired:
         mine, theirs = dict(map(tuple, t["step_losses"])), dict(map(tuple, b["step_losses"]))
         if set(mine) != set(theirs):
-            found = found or {"seed": b["seed"], "what": "logged steps", "baseline": sorted(theirs),
-                              "trial": sorted(mine), "difference": math.inf}
+            found = found or {
+                "seed": b["seed"],
+                "what": "logged steps",
+                "baseline": sorted(theirs),
+                "trial": sorted(mine),
+                "difference": math.inf,
+            }
             continue
         numbers = [(f"step {step} loss", theirs[step], mine[step], True) for step in sorted(theirs)]
-        numbers += [(metric.replace("_", " "), b[metric], t[metric], metric.endswith("loss")) for metric in METRICS
-                    if b.get(metric) is not None and t.get(metric) is not None]
+        numbers += [
+            (metric.replace("_", " "), b[metric], t[metric], metric.endswith("loss"))
+            for metric in METRICS
+            if b.get(metric) is not None and t.get(metric) is not None
+        ]
         for what, ours, yours, relative in numbers:
             difference = abs(yours - ours) / (abs(ours) if relative and ours else 1.0)
             checked += 1
-            entry = {"seed": b["seed"], "what": what, "baseline": ours, "trial": yours, "difference": difference,
-                     "relative": relative}
+            entry = {
+                "seed": b["seed"],
+                "what": what,
+                "baseline": ours,
+                "trial": yours,
+                "difference": difference,
+                "relative": relative,
+            }
             if worst is None or difference > worst["difference"]:
                 worst = entry
             if difference > tolerance and found is None:
                 found = entry
     verdict = "not exact" if found else "exact" if paired else "undecided"
-    result = {"verdict": verdict, "pairs": len(paired), "numbers": checked, "tolerance": tolerance,
-              "precision": design.precision, "largest": worst, "first_beyond": found}
+    result = {
+        "verdict": verdict,
+        "pairs": len(paired),
+        "numbers": checked,
+        "tolerance": tolerance,
+        "precision": design.precision,
+        "largest": worst,
+        "first_beyond": found,
+    }
     result["text"] = exactness_text(result)
     return result
 
@@ -297,17 +362,24 @@ def exactness_text(result: dict) -> str:
         return "undecided: no pair of runs with their step losses logged to compare"
     if result["verdict"] == "exact":
         worst = result["largest"]
-        largest = ("all identical" if not worst or worst["difference"] == 0 else
-                   f"largest difference {worst['difference']:.2g} ({worst['what']}, seed {worst['seed']})")
-        return (f"exact over {result['pairs']} pair(s): {result['numbers']} step losses and final metrics each within "
-                f"{tolerance}, {largest}")
+        largest = (
+            "all identical"
+            if not worst or worst["difference"] == 0
+            else f"largest difference {worst['difference']:.2g} ({worst['what']}, seed {worst['seed']})"
+        )
+        return (
+            f"exact over {result['pairs']} pair(s): {result['numbers']} step losses and final metrics each within "
+            f"{tolerance}, {largest}"
+        )
     found = result["first_beyond"]
     if found["what"] == "logged steps":
         said = f"seed {found['seed']} logged steps {found['trial']} against the baseline's {found['baseline']}"
     else:
-        said = (f"seed {found['seed']}, {found['what']} {found['trial']:.6g} against the baseline's "
-                f"{found['baseline']:.6g} ({'relative ' if found['relative'] else ''}difference "
-                f"{found['difference']:.2g}, beyond {tolerance})")
+        said = (
+            f"seed {found['seed']}, {found['what']} {found['trial']:.6g} against the baseline's "
+            f"{found['baseline']:.6g} ({'relative ' if found['relative'] else ''}difference "
+            f"{found['difference']:.2g}, beyond {tolerance})"
+        )
     return f"not exact: {said}: the change alters the computation -- a defect to report, never kept"
 
 
@@ -333,11 +405,22 @@ def equivalent(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
             mean, sd, margin = entry["mean"], entry["sd"], entry["margin"]
             entry.update(verdict="undecided", shows="changed", needed=bench.pairs_to_show(mean, sd, margin))
     verdicts = [m["verdict"] for m in metrics.values()]
-    verdict = ("changed" if "changed" in verdicts else "same" if verdicts and all(v == "same" for v in verdicts)
-               else "undecided")
-    result = {"verdict": verdict, "seeds": seeds, "pairs": len(paired), "unpaired": len(baseline) - len(paired),
-              "metrics": metrics, "margins": {"accuracy": design.accuracy_margin, "loss": design.loss_margin},
-              "correction": f"changed: Holm over {len(metrics)} metric(s)"}
+    verdict = (
+        "changed"
+        if "changed" in verdicts
+        else "same"
+        if verdicts and all(v == "same" for v in verdicts)
+        else "undecided"
+    )
+    result = {
+        "verdict": verdict,
+        "seeds": seeds,
+        "pairs": len(paired),
+        "unpaired": len(baseline) - len(paired),
+        "metrics": metrics,
+        "margins": {"accuracy": design.accuracy_margin, "loss": design.loss_margin},
+        "correction": f"changed: Holm over {len(metrics)} metric(s)",
+    }
     result["text"] = equivalence_text(result, trial)
     return result
 
@@ -372,31 +455,46 @@ def equivalence_text(result: dict, trial_runs: list[dict]) -> str:
         widest = max(metrics, key=lambda m: max(abs(v) for v in metrics[m]["interval"]) / metrics[m]["margin"])
         return f"same over {n} seeds: every 90% interval inside its margin (widest: {metric_text(widest, metrics[widest])})"
     if verdict == "changed":
-        name = min((m for m in metrics if metrics[m]["verdict"] == "changed"), key=lambda m: metrics[m]["p_changed_holm"])
+        name = min(
+            (m for m in metrics if metrics[m]["verdict"] == "changed"), key=lambda m: metrics[m]["p_changed_holm"]
+        )
         entry = metrics[name]
-        return (f"changed over {n} seeds: {metric_text(name, entry)} (one-sided p {entry['p_changed']:.2g}, "
-                f"{entry['p_changed_holm']:.2g} Holm over {len(metrics)} metrics)" + _steps_text(trial_runs, changed=True))
+        return (
+            f"changed over {n} seeds: {metric_text(name, entry)} (one-sided p {entry['p_changed']:.2g}, "
+            f"{entry['p_changed_holm']:.2g} Holm over {len(metrics)} metrics)" + _steps_text(trial_runs, changed=True)
+        )
     open_ = [m for m in metrics if metrics[m]["verdict"] == "undecided"]
     if n < 2:  # no interval: show the metric furthest from zero for its margin
         name = max(open_, key=lambda m: abs(metrics[m]["mean"]) / metrics[m]["margin"])
-        return (f"undecided: one seed ({metric_text(name, metrics[name])}), no spread to test; make tune runs seed "
-                f"S + r in round r" + _steps_text(trial_runs))
+        return (
+            f"undecided: one seed ({metric_text(name, metrics[name])}), no spread to test; make tune runs seed "
+            f"S + r in round r" + _steps_text(trial_runs)
+        )
     beyond = [m for m in open_ if abs(metrics[m]["mean"]) >= metrics[m]["margin"]]
     if beyond:  # the difference itself is at or past the margin: seeds can only show it changed
         name = max(beyond, key=lambda m: abs(metrics[m]["mean"]) / metrics[m]["margin"])
         entry = metrics[name]
         why = "more seeds would show it changed" + (
             f" (about {entry['needed']} at this difference and SD with 80% power, Holm aside; --rounds "
-            f"{entry['needed']})" if entry["shows"] == "changed" and entry["needed"] else "")
+            f"{entry['needed']})"
+            if entry["shows"] == "changed" and entry["needed"]
+            else ""
+        )
     else:
         name = max(open_, key=lambda m: math.inf if metrics[m]["needed"] is None else metrics[m]["needed"])
         entry = metrics[name]
-        why = (f"about {entry['needed']} seeds ({max(0, entry['needed'] - n)} more; --rounds {entry['needed']}) would "
-               f"show it same at this difference and SD with 80% power" if entry["needed"] is not None else
-               "more than 1000 seeds would be needed to show it same at this difference and SD")
+        why = (
+            f"about {entry['needed']} seeds ({max(0, entry['needed'] - n)} more; --rounds {entry['needed']}) would "
+            f"show it same at this difference and SD with 80% power"
+            if entry["needed"] is not None
+            else "more than 1000 seeds would be needed to show it same at this difference and SD"
+        )
     power = power_of_same(metrics, n)
-    said = (f"; at these SDs {n} seeds call a change that alters nothing 'same' at most {power:.1%} of the time"
-            if power is not None else "")
+    said = (
+        f"; at these SDs {n} seeds call a change that alters nothing 'same' at most {power:.1%} of the time"
+        if power is not None
+        else ""
+    )
     return f"undecided over {n} seeds: {metric_text(name, entry)}; {why}{said}" + _steps_text(trial_runs)
 
 
@@ -428,15 +526,20 @@ def training_text(equivalence: dict, baseline: list[dict], trial: list[dict]) ->
     name = max(needed, key=lambda m: math.inf if needed[m] is None else needed[m])
     entry, seeds = metrics[name], needed[name]
     spread = [b[name] for b in baseline if b.get(name) is not None]
-    noise = (f"{name.replace('_', ' ')}: paired differences SD {entry['sd']:.4f} over {entry['n']} seeds"
-             + (f", the baseline's SD across seeds {statistics.stdev(spread):.4f}" if len(spread) > 1 else ""))
+    noise = f"{name.replace('_', ' ')}: paired differences SD {entry['sd']:.4f} over {entry['n']} seeds" + (
+        f", the baseline's SD across seeds {statistics.stdev(spread):.4f}" if len(spread) > 1 else ""
+    )
     if seeds is None:
         return f"{head}; at the seed noise measured here ({noise}) more than 1000 seeds would be needed"
-    pair_s = statistics.median(full_job_seconds(b) for b in baseline) + statistics.median(full_job_seconds(t) for t in trial)
-    return (f"{head}; at the seed noise measured here ({noise}) the full job needs about {seeds} seeds for 80% power "
-            f"to call a change that alters nothing 'same' within +-{entry['margin']:g} (make tune-confirm --rounds "
-            f"{seeds}: about {_duration(seeds * pair_s)} on this machine, {pair_s:.0f} s a pair estimated from these "
-            f"runs' step and evaluation times); on these runs: {equivalence['verdict']}")
+    pair_s = statistics.median(full_job_seconds(b) for b in baseline) + statistics.median(
+        full_job_seconds(t) for t in trial
+    )
+    return (
+        f"{head}; at the seed noise measured here ({noise}) the full job needs about {seeds} seeds for 80% power "
+        f"to call a change that alters nothing 'same' within +-{entry['margin']:g} (make tune-confirm --rounds "
+        f"{seeds}: about {_duration(seeds * pair_s)} on this machine, {pair_s:.0f} s a pair estimated from these "
+        f"runs' step and evaluation times); on these runs: {equivalence['verdict']}"
+    )
 
 
 def _steps_text(trial_runs: list[dict], changed: bool = False) -> str:
@@ -446,10 +549,14 @@ def _steps_text(trial_runs: list[dict], changed: bool = False) -> str:
     if not (done and epoch and done < epoch):
         return ""
     if changed:
-        return (f" -- on runs of {done} of an epoch's {epoch} steps, where a change to the order trains on other "
-                "samples; make tune-confirm judges the full job")
-    return (f"; or train longer: these runs stop after {done} of an epoch's {epoch} steps ({epoch - done} more for "
-            "one epoch; make tune-confirm judges the full job)")
+        return (
+            f" -- on runs of {done} of an epoch's {epoch} steps, where a change to the order trains on other "
+            "samples; make tune-confirm judges the full job"
+        )
+    return (
+        f"; or train longer: these runs stop after {done} of an epoch's {epoch} steps ({epoch - done} more for "
+        "one epoch; make tune-confirm judges the full job)"
+    )
 
 
 # ---------------------------------------------------------------- the choice and its words
@@ -477,57 +584,74 @@ NONE_KEPT = "No suggestion was faster on the same work with a result shown the s
 def final_text(final: dict | None) -> str:
     if final is None:
         return f"{NONE_KEPT}; the trials above are the evidence."
-    return (f"Best: {final['name']} ({change_of(final)}), {bench.describe(final['speed'])} on the same work, "
-            f"{final['speed']['n_baseline']} baseline / {final['speed']['n_trial']} trial runs; result {final['result']}.")
+    return (
+        f"Best: {final['name']} ({change_of(final)}), {bench.describe(final['speed'])} on the same work, "
+        f"{final['speed']['n_baseline']} baseline / {final['speed']['n_trial']} trial runs; result {final['result']}."
+    )
 
 
 def change_of(trial: dict) -> str:
     """A trial's change as a user types it: the config it launches with, then its flags."""
-    parts = ([f"config {trial['config']}"] if trial.get("config") else []) + ([" ".join(trial["flags"])] if trial["flags"] else [])
+    parts = ([f"config {trial['config']}"] if trial.get("config") else []) + (
+        [" ".join(trial["flags"])] if trial["flags"] else []
+    )
     return ", ".join(parts)
 
 
 def merge_flags(base: list[str], extra: list[str]) -> list[str]:
     """`base` with `extra` applied: a flag given in `extra` replaces its earlier value in `base`."""
+
     def pairs(flags):
         out, i = [], 0
         while i < len(flags):
             takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
-            out.append(flags[i:i + 2] if takes_value else flags[i:i + 1])
+            out.append(flags[i : i + 2] if takes_value else flags[i : i + 1])
             i += 2 if takes_value else 1
         return out
+
     overridden = {pair[0] for pair in pairs(extra)}
     return [f for pair in pairs(base) if pair[0] not in overridden for f in pair] + list(extra)
 
 
-def final_choice(trials: list[dict], baseline_args: list[str], baseline_config: str | None,
-                 tuned_on: str | None = None) -> dict:
+def final_choice(
+    trials: list[dict], baseline_args: list[str], baseline_config: str | None, tuned_on: str | None = None
+) -> dict:
     """The kept trial, its flags and config, the command to use (naming the machine it was tuned on, `tuned_on`:
     train.py warns before its first step on a machine of another kind) and the sentence that says so."""
     final = final_trial(trials)
     config = final["config"] if final else baseline_config
     flags = merge_flags(baseline_args, final["flags"] if final else [])
-    command = (f"accelerate launch {launching.config_argument(config) + ' ' if config else ''}train.py "
-               + shlex.join(flags + (["--tuned-on", tuned_on] if tuned_on else [])))
-    return {"final_flags": final["flags"] if final else [], "final_config": config, "final_command": command,
-            "tuned_on": tuned_on, "summary": final_text(final)}
+    command = f"accelerate launch {launching.config_argument(config) + ' ' if config else ''}train.py " + shlex.join(
+        flags + (["--tuned-on", tuned_on] if tuned_on else [])
+    )
+    return {
+        "final_flags": final["flags"] if final else [],
+        "final_config": config,
+        "final_command": command,
+        "tuned_on": tuned_on,
+        "summary": final_text(final),
+    }
 
 
 def method_text(design: Design, rounds: str | None = None, boundary: str | None = None) -> str:
     exact = f" Exact changes, tried first and stacked: {exactness_method(design)}." if design.exact else ""
-    return (f"Speed on the same work (training scaled to the baseline's real tokens, evaluation as measured); test: "
-            f"{bench.METHOD}; each trial against the baseline runs of its own {rounds or f'{design.rounds} rounds'}; "
-            f"boundary: {boundary or design.boundary}.{exact} Same result: {equivalence_method(design)}; a training "
-            "change only on the full job. Kept: faster and same.")
+    return (
+        f"Speed on the same work (training scaled to the baseline's real tokens, evaluation as measured); test: "
+        f"{bench.METHOD}; each trial against the baseline runs of its own {rounds or f'{design.rounds} rounds'}; "
+        f"boundary: {boundary or design.boundary}.{exact} Same result: {equivalence_method(design)}; a training "
+        "change only on the full job. Kept: faster and same."
+    )
 
 
 # ---------------------------------------------------------------- a committed make tune, judged again
 
 
-HISTORY = ("Measured by an earlier make tune, judged again here from its runs' records by today's rules: its rounds "
-           "were added while a trial was undecided (looks at 3 to 6 rounds) and its trials ran on the baseline's seed "
-           "only, so these error rates are not those of today's fixed design, and no result can be shown the same "
-           "from one seed. Re-run `make tune`.")
+HISTORY = (
+    "Measured by an earlier make tune, judged again here from its runs' records by today's rules: its rounds "
+    "were added while a trial was undecided (looks at 3 to 6 rounds) and its trials ran on the baseline's seed "
+    "only, so these error rates are not those of today's fixed design, and no result can be shown the same "
+    "from one seed. Re-run `make tune`."
+)
 
 
 def judged_in_phases(design: Design, measures: dict[str, dict], exact: set[str]) -> dict[str, dict]:
@@ -558,7 +682,9 @@ def rejudged(comparison: dict, records: dict) -> dict:
         mine = measured.setdefault(trial["name"], {})
         kinds[trial["name"]] = trial_kind(trial, comparison.get("baseline_config"))
         runs = trial.get("runs", [])
-        for run, base in zip(runs, trial.get("baseline_runs") or [re.sub(r".*-r(\d+)$", r"baseline-r\1", r) for r in runs]):
+        for run, base in zip(
+            runs, trial.get("baseline_runs") or [re.sub(r".*-r(\d+)$", r"baseline-r\1", r) for r in runs]
+        ):
             found, of_base = re.fullmatch(r"(.+)-r(\d+)", run), re.fullmatch(r"(.+)-r(\d+)", base)
             if not found or not of_base or run not in records or base not in records:
                 return comparison
@@ -571,30 +697,55 @@ def rejudged(comparison: dict, records: dict) -> dict:
         design = Design.from_dict(comparison["design"])
     else:  # judged at the rounds each trial took: the design's R is the fewest, so every trial is judged
         first = measured["baseline"][min(measured["baseline"])]
-        design = Design(rounds=min(len(t.get("runs", [])) for t in trials) or 1,
-                        trials=sum(t["name"] != "kept" for t in trials), seed=first["seed"] or 42,
-                        data_seed=first.get("data_seed") or first["seed"] or 42)
+        design = Design(
+            rounds=min(len(t.get("runs", [])) for t in trials) or 1,
+            trials=sum(t["name"] != "kept" for t in trials),
+            seed=first["seed"] or 42,
+            data_seed=first.get("data_seed") or first["seed"] or 42,
+        )
         rounds = "rounds (" + ", ".join(f"{t['name']} {len(t.get('runs', []))}" for t in trials) + ")"
-        boundary = (f"none held: looks after 3 to 6 rounds when measured, judged here once at the rounds each took; "
-                    f"Holm over {design.tests} test(s)")
+        boundary = (
+            f"none held: looks after 3 to 6 rounds when measured, judged here once at the rounds each took; "
+            f"Holm over {design.tests} test(s)"
+        )
         comparison = {**comparison, "design": {**design.to_dict(), "boundary": boundary}, "history": HISTORY}
     baselines = set(against.values()) | {"baseline"}
-    measures = {name: measure(design, measured[against.get(name, "baseline")], runs, kinds[name])
-                for name, runs in measured.items() if name not in baselines}
+    measures = {
+        name: measure(design, measured[against.get(name, "baseline")], runs, kinds[name])
+        for name, runs in measured.items()
+        if name not in baselines
+    }
     judged = judged_in_phases(design, measures, {t["name"] for t in trials if t.get("phase") == changes.EXACT})
     for entry in judged.values():
         entry["speed"]["boundary"] = comparison["design"]["boundary"]
-    comparison = {**comparison, "trials": [{**t, **trial_verdicts(judged[t["name"]])} for t in trials],
-                  "method": method_text(design, rounds, comparison["design"]["boundary"])}
-    comparison.update(final_choice(comparison["trials"], comparison.get("baseline_args", []),
-                                   comparison.get("baseline_config"), comparison.get("tuned_on")))
+    comparison = {
+        **comparison,
+        "trials": [{**t, **trial_verdicts(judged[t["name"]])} for t in trials],
+        "method": method_text(design, rounds, comparison["design"]["boundary"]),
+    }
+    comparison.update(
+        final_choice(
+            comparison["trials"],
+            comparison.get("baseline_args", []),
+            comparison.get("baseline_config"),
+            comparison.get("tuned_on"),
+        )
+    )
     return comparison
 
 
 def trial_verdicts(judgement: dict) -> dict:
     """What a trial's entry in the result takes from its judgement."""
-    return {"kind": judgement["kind"], "speed": judgement["speed"], "training": judgement["training"],
-            "evaluation": judgement["evaluation"], "verdict": judgement["verdict"],
-            "equivalence": judgement["equivalence"], "exactness": judgement.get("exactness"),
-            "same_result": judgement["same_result"], "result": judgement["result"], "rounds": judgement["rounds"],
-            "pairs": judgement["speed"]["pairs"]}
+    return {
+        "kind": judgement["kind"],
+        "speed": judgement["speed"],
+        "training": judgement["training"],
+        "evaluation": judgement["evaluation"],
+        "verdict": judgement["verdict"],
+        "equivalence": judgement["equivalence"],
+        "exactness": judgement.get("exactness"),
+        "same_result": judgement["same_result"],
+        "result": judgement["result"],
+        "rounds": judgement["rounds"],
+        "pairs": judgement["speed"]["pairs"],
+    }

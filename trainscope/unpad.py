@@ -102,8 +102,10 @@ def supported_types() -> str:
 def check(config) -> None:
     """One line when a model cannot run padding-free."""
     if config.model_type not in SUPPORTED:
-        raise UserError(f"--unpad supports the BERT family ({supported_types()}: the embedded minilm-l6 and tiny-bert, "
-                        f"bert-*, roberta-*), not {config.model_type}")
+        raise UserError(
+            f"--unpad supports the BERT family ({supported_types()}: the embedded minilm-l6 and tiny-bert, "
+            f"bert-*, roberta-*), not {config.model_type}"
+        )
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
         raise UserError("--unpad supports encoders only: this configuration is a decoder")
     if getattr(config, "chunk_size_feed_forward", 0):
@@ -130,8 +132,11 @@ def apply(model, tokenizer=None) -> dict:
         attention = layer.attention.self
         attention.forward = MethodType(_self_attention_forward(layout), attention)
         replaced += _replace_dropouts(layer, layout)
-    return {"layers": len(encoder.layer), "dropouts_drawn_padded": replaced,
-            "attention": f"{config._attn_implementation} on the padded layout"}
+    return {
+        "layers": len(encoder.layer),
+        "dropouts_drawn_padded": replaced,
+        "attention": f"{config._attn_implementation} on the padded layout",
+    }
 
 
 @contextlib.contextmanager
@@ -152,6 +157,7 @@ def _mask_keeper(layout: Layout):
     def keep(module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         layout.mask = mask
+
     return keep
 
 
@@ -168,11 +174,26 @@ def _replace_dropouts(layer: nn.Module, layout: Layout) -> int:
 
 
 def _encoder_forward(layout: Layout):
-    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
-                past_key_values=None, use_cache=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        use_cache=None,
+        **kwargs,
+    ):
         if layout.mask is None:  # no padding to skip
-            return self.padded_forward(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
-                                       past_key_values, use_cache, **kwargs)
+            return self.padded_forward(
+                hidden_states,
+                attention_mask,
+                encoder_hidden_states,
+                encoder_attention_mask,
+                past_key_values,
+                use_cache,
+                **kwargs,
+            )
         layout.set(layout.mask)
         real = layout.unpad(hidden_states)
         for layer in self.layer:
@@ -191,8 +212,9 @@ def _self_attention_forward(layout: Layout):
         eager = sys.modules[type(self).__module__].eager_attention_forward
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
         dropout = self.dropout.p if self.training else 0.0
-        output, weights = attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
-                                    **kwargs)
+        output, weights = attention(
+            self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+        )
         return layout.unpad(output.reshape(layout.batch * layout.length, -1)), weights
 
     return forward

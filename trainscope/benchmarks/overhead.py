@@ -30,9 +30,24 @@ from trainscope.records import read_record
 from trainscope.tables import Table, num
 
 ROOT = launching.ROOT
-DEFAULT_TRAIN_ARGS = ["--max-train-samples", "1280", "--per-device-batch-size", "16", "--max-seq-length", "64",
-                      "--max-steps", "40", "--timing-warmup-steps", "5", "--max-eval-samples", "32",
-                      "--max-test-samples", "32", "--report-to", "none"]
+DEFAULT_TRAIN_ARGS = [
+    "--max-train-samples",
+    "1280",
+    "--per-device-batch-size",
+    "16",
+    "--max-seq-length",
+    "64",
+    "--max-steps",
+    "40",
+    "--timing-warmup-steps",
+    "5",
+    "--max-eval-samples",
+    "32",
+    "--max-test-samples",
+    "32",
+    "--report-to",
+    "none",
+]
 TARGETS = {"host": 0.02, "events": 0.01, "sync": 0.03, "memory-every-step": 0.01}
 MEMORY_ARM = "memory-every-step"
 
@@ -55,11 +70,16 @@ def bare_loop(argv: list[str]) -> None:
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
     model, _ = build_model(settings, data.label_names, tokenizer)
     on_cuda = torch.cuda.is_available()
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(
-        use_seedable_sampler=True, data_seed=settings.seed, non_blocking=on_cuda))
+    accelerator = Accelerator(
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=settings.seed, non_blocking=on_cuda
+        )
+    )
     train_loader, _, _ = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)
     optimizer = build_optimizer(model, settings, accelerator.device)
-    scheduler = build_scheduler(settings, optimizer, settings.max_steps, int(settings.warmup_fraction * settings.max_steps))
+    scheduler = build_scheduler(
+        settings, optimizer, settings.max_steps, int(settings.warmup_fraction * settings.max_steps)
+    )
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     model.train()
     samples, step, started = 0, 0, None
@@ -110,10 +130,13 @@ def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path, 
     clocks = [mode for mode in modes if mode != MEMORY_ARM] or ["events"]
     for mode in [mode for mode in modes if mode != MEMORY_ARM]:
         label = mode if on_gpu else "host"
-        arms[label] = lambda i, mode=mode, label=label: timed_run([*train_args, "--timing", mode], scratch, f"{label}-{i}")
+        arms[label] = lambda i, mode=mode, label=label: timed_run(
+            [*train_args, "--timing", mode], scratch, f"{label}-{i}"
+        )
     if on_gpu and MEMORY_ARM in modes:
-        arms[MEMORY_ARM] = lambda i: timed_run([*train_args, "--timing", clocks[0], "--memory-every", "1"],
-                                               scratch, f"memory-{i}")
+        arms[MEMORY_ARM] = lambda i: timed_run(
+            [*train_args, "--timing", clocks[0], "--memory-every", "1"], scratch, f"memory-{i}"
+        )
     rounds = []
     for index in range(pairs):
         rounds += bench.alternate(arms, 1, first_round=index)
@@ -129,27 +152,62 @@ def figures(rounds: list[dict], arms: dict) -> dict:
         comparison = bench.compare_rounds(rounds, label, "bare", "samples_per_s")
         overhead = 1 - comparison["median_ratio"]
         decided = comparison["pairs"] >= bench.MIN_PAIRS  # below it a median of ratios is no figure to judge
-        results[label] = {**comparison, "overhead": overhead, "target_overhead": TARGETS[label],
-                          "meets_target": (overhead <= TARGETS[label]) if decided else None,
-                          "samples_per_s": bench.spread([r[label]["samples_per_s"] for r in rounds])}
-    return {"rounds": rounds, "bare_samples_per_s": bench.spread([r["bare"]["samples_per_s"] for r in rounds]),
-            "threads": sorted({r[a]["threads"] for r in rounds for a in arms}), "results": results}
+        results[label] = {
+            **comparison,
+            "overhead": overhead,
+            "target_overhead": TARGETS[label],
+            "meets_target": (overhead <= TARGETS[label]) if decided else None,
+            "samples_per_s": bench.spread([r[label]["samples_per_s"] for r in rounds]),
+        }
+    return {
+        "rounds": rounds,
+        "bare_samples_per_s": bench.spread([r["bare"]["samples_per_s"] for r in rounds]),
+        "threads": sorted({r[a]["threads"] for r in rounds for a in arms}),
+        "results": results,
+    }
 
 
 def markdown(report: dict) -> list[str]:
-    table = Table("train.py against a bare loop", ["timing clock", "bare samples/s (median)",
-                  "train.py samples/s (median)", "ratio train.py / bare", "verdict", "overhead (median)", "target"],
-                  [[label, num(report["bare_samples_per_s"]["median"]), num(r["samples_per_s"]["median"]),
-                    bench.ratio_text(r), r["verdict"], f"{r['overhead']:+.2%}",
-                    f"<= {r['target_overhead']:.0%} " + {True: "met", False: "NOT met", None: "not judged (too few pairs)"}[
-                        r["meets_target"]]]
-                   for label, r in report["results"].items()], "timing_overhead", align="lrrrlrl")
-    lines = ["# Stage-timing overhead", "", *([f"Status: {report['status']}.", ""] if report.get("status") else []),
-             f"train.py flags: `{' '.join(report['train_args'])}`; both arms by "
-             f"`accelerate launch --num_processes 1`; {len(report['rounds'])} alternating rounds; torch threads per process: "
-             f"{', '.join(map(str, report['threads']))}; verdicts: {bench.METHOD}.", "", *table.markdown_lines(), "",
-             "Within noise, timing costs less than this machine's run-to-run noise can show; 1 - the lowest ratio "
-             "bounds what it can cost."]
+    table = Table(
+        "train.py against a bare loop",
+        [
+            "timing clock",
+            "bare samples/s (median)",
+            "train.py samples/s (median)",
+            "ratio train.py / bare",
+            "verdict",
+            "overhead (median)",
+            "target",
+        ],
+        [
+            [
+                label,
+                num(report["bare_samples_per_s"]["median"]),
+                num(r["samples_per_s"]["median"]),
+                bench.ratio_text(r),
+                r["verdict"],
+                f"{r['overhead']:+.2%}",
+                f"<= {r['target_overhead']:.0%} "
+                + {True: "met", False: "NOT met", None: "not judged (too few pairs)"}[r["meets_target"]],
+            ]
+            for label, r in report["results"].items()
+        ],
+        "timing_overhead",
+        align="lrrrlrl",
+    )
+    lines = [
+        "# Stage-timing overhead",
+        "",
+        *([f"Status: {report['status']}.", ""] if report.get("status") else []),
+        f"train.py flags: `{' '.join(report['train_args'])}`; both arms by "
+        f"`accelerate launch --num_processes 1`; {len(report['rounds'])} alternating rounds; torch threads per process: "
+        f"{', '.join(map(str, report['threads']))}; verdicts: {bench.METHOD}.",
+        "",
+        *table.markdown_lines(),
+        "",
+        "Within noise, timing costs less than this machine's run-to-run noise can show; 1 - the lowest ratio "
+        "bounds what it can cost.",
+    ]
     if not torch.cuda.is_available():
         lines += ["", "GPU (events <= 1%, sync <= 3%, per-stage memory statistics every step): not measured on GPU."]
     return lines
@@ -157,10 +215,15 @@ def markdown(report: dict) -> list[str]:
 
 def main() -> None:
     parser = bench.driver_parser(__doc__, ROOT / "benchmarks" / "timing_overhead", "--bare")
-    parser.add_argument("--modes", nargs="+", default=None, choices=["events", "sync", MEMORY_ARM],
-                        help="arms to measure against the bare loop: timing clocks, and on a GPU the per-stage "
-                        f"memory statistics read every step ({MEMORY_ARM}, with the first clock given) "
-                        "(default: all three on a GPU, the host clock on a CPU)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        choices=["events", "sync", MEMORY_ARM],
+        help="arms to measure against the bare loop: timing clocks, and on a GPU the per-stage "
+        f"memory statistics read every step ({MEMORY_ARM}, with the first clock given) "
+        "(default: all three on a GPU, the host clock on a CPU)",
+    )
     args, train_args = parser.parse_known_args()
     if args.bare:
         return bare_loop(train_args)

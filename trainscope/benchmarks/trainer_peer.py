@@ -32,11 +32,31 @@ from trainscope.records import read_record, read_steps
 from trainscope.tables import Table, spread_cell
 
 ROOT = launching.ROOT
-DEFAULT_ARGS = ["--max-train-samples", "1600", "--per-device-batch-size", "32", "--max-steps", "30",
-                "--timing-warmup-steps", "5", "--max-eval-samples", "32", "--max-test-samples", "32",
-                "--report-to", "none", "--log-every", "5"]
-CONFIG_FOR = {("cpu", "fp32"): None, ("cuda", "fp32"): "single_gpu", ("cuda", "bf16"): "bf16",
-              ("cuda", "fp16"): "fp16", ("cpu", "bf16"): "bf16"}
+DEFAULT_ARGS = [
+    "--max-train-samples",
+    "1600",
+    "--per-device-batch-size",
+    "32",
+    "--max-steps",
+    "30",
+    "--timing-warmup-steps",
+    "5",
+    "--max-eval-samples",
+    "32",
+    "--max-test-samples",
+    "32",
+    "--report-to",
+    "none",
+    "--log-every",
+    "5",
+]
+CONFIG_FOR = {
+    ("cpu", "fp32"): None,
+    ("cuda", "fp32"): "single_gpu",
+    ("cuda", "bf16"): "bf16",
+    ("cuda", "fp16"): "fp16",
+    ("cpu", "bf16"): "bf16",
+}
 GOAL = 1.05  # train.py by its documented launcher against the Trainer
 
 
@@ -79,21 +99,34 @@ def trainer_loop(argv: list[str], precision: str) -> None:
                 if on_cuda:
                     torch.cuda.synchronize()
                 now = time.perf_counter()
-                self.started, self.finished = (now, None) if step == settings.timing_warmup_steps else (self.started, now)
+                self.started, self.finished = (
+                    (now, None) if step == settings.timing_warmup_steps else (self.started, now)
+                )
             if step % settings.log_every == 0 or step in (settings.timing_warmup_steps, settings.max_steps):
                 self.tokens_at[step] = int(trainer.tokens.item())  # sync point: log steps and the window's ends
 
     clock = SteadyClock()
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = PeerTrainer(model=model, args=training_arguments(settings, precision, scratch, on_cuda),
-                              train_dataset=data.train, callbacks=[clock])
+        trainer = PeerTrainer(
+            model=model,
+            args=training_arguments(settings, precision, scratch, on_cuda),
+            train_dataset=data.train,
+            callbacks=[clock],
+        )
         trainer.train()
     seconds = clock.finished - clock.started
     steady_steps = settings.max_steps - settings.timing_warmup_steps
     tokens = clock.tokens_at[settings.max_steps] - clock.tokens_at[settings.timing_warmup_steps]
-    print(json.dumps({"samples_per_s": steady_steps * settings.per_device_batch_size / seconds,
-                      "tokens_per_s": tokens / seconds, "threads": torch.get_num_threads(),
-                      "tokens_at": clock.tokens_at}))
+    print(
+        json.dumps(
+            {
+                "samples_per_s": steady_steps * settings.per_device_batch_size / seconds,
+                "tokens_per_s": tokens / seconds,
+                "threads": torch.get_num_threads(),
+                "tokens_at": clock.tokens_at,
+            }
+        )
+    )
 
 
 def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):
@@ -101,19 +134,42 @@ def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=scratch, per_device_train_batch_size=settings.per_device_batch_size,
-        max_steps=settings.max_steps, learning_rate=settings.learning_rate, weight_decay=settings.weight_decay,
-        lr_scheduler_type=settings.lr_scheduler, warmup_steps=int(settings.warmup_fraction * settings.max_steps),
-        max_grad_norm=settings.max_grad_norm or 0.0, logging_steps=settings.log_every, report_to=[],
-        save_strategy="no", eval_strategy="no", dataloader_num_workers=settings.num_workers,
-        dataloader_pin_memory=on_cuda, seed=settings.seed, data_seed=settings.seed, optim="adamw_torch_fused",
-        bf16=precision == "bf16", fp16=precision == "fp16", tf32=settings.tf32 if on_cuda else None,
-        disable_tqdm=True, use_cpu=not on_cuda, dataloader_drop_last=False)
+        output_dir=scratch,
+        per_device_train_batch_size=settings.per_device_batch_size,
+        max_steps=settings.max_steps,
+        learning_rate=settings.learning_rate,
+        weight_decay=settings.weight_decay,
+        lr_scheduler_type=settings.lr_scheduler,
+        warmup_steps=int(settings.warmup_fraction * settings.max_steps),
+        max_grad_norm=settings.max_grad_norm or 0.0,
+        logging_steps=settings.log_every,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        dataloader_num_workers=settings.num_workers,
+        dataloader_pin_memory=on_cuda,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        optim="adamw_torch_fused",
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        tf32=settings.tf32 if on_cuda else None,
+        disable_tqdm=True,
+        use_cpu=not on_cuda,
+        dataloader_drop_last=False,
+    )
 
 
 def run_trainer(train_args: list[str], precision: str, config: str | None) -> dict:
-    command = [*launching.accelerate_launch(config), "-m", "trainscope.benchmarks.trainer_peer", "--trainer",
-               "--precision", precision, *train_args]
+    command = [
+        *launching.accelerate_launch(config),
+        "-m",
+        "trainscope.benchmarks.trainer_peer",
+        "--trainer",
+        "--precision",
+        precision,
+        *train_args,
+    ]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise SystemExit(f"error: the Trainer arm failed: {launching.failure_reason(result)}")
@@ -121,8 +177,9 @@ def run_trainer(train_args: list[str], precision: str, config: str | None) -> di
 
 
 def run_train_py(train_args: list[str], config: str | None, launcher: str, output_dir: Path, name: str) -> dict:
-    result = launching.run_training([*train_args, "--output-dir", str(output_dir), "--run-name", name], config,
-                                    launcher, echo=False)
+    result = launching.run_training(
+        [*train_args, "--output-dir", str(output_dir), "--run-name", name], config, launcher, echo=False
+    )
     if result.returncode != 0:
         raise SystemExit(f"error: train.py ({launcher}) failed: {launching.failure_reason(result)}")
     view = RunView(read_record(output_dir / name))
@@ -131,54 +188,104 @@ def run_train_py(train_args: list[str], config: str | None, launcher: str, outpu
     for line in steps:
         cumulative += line["tokens"]
         tokens_at[str(line["step"])] = cumulative
-    return {"samples_per_s": view.samples_per_s, "tokens_per_s": view.tokens_per_s,
-            "threads": view.torch_threads, "tokens_at": tokens_at, "effective_precision": view.precision,
-            "warnings": view.warning_codes}
+    return {
+        "samples_per_s": view.samples_per_s,
+        "tokens_per_s": view.tokens_per_s,
+        "threads": view.torch_threads,
+        "tokens_at": tokens_at,
+        "effective_precision": view.precision,
+        "warnings": view.warning_codes,
+    }
 
 
 def same_batches(rounds: list[dict]) -> bool:
     """Both trainers counted the same non-padding tokens at every step train.py logged: the same batches."""
-    return all(all(str(step) in r["trainer"]["tokens_at"] and r["trainer"]["tokens_at"][str(step)] == tokens
-                   for step, tokens in r["accelerate"]["tokens_at"].items()) for r in rounds)
+    return all(
+        all(
+            str(step) in r["trainer"]["tokens_at"] and r["trainer"]["tokens_at"][str(step)] == tokens
+            for step, tokens in r["accelerate"]["tokens_at"].items()
+        )
+        for r in rounds
+    )
 
 
 def measure(args, train_args: list[str]) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIG_FOR[(device, args.precision)]
     with tempfile.TemporaryDirectory() as scratch:
-        arms = {"trainer": lambda i: run_trainer(train_args, args.precision, config),
-                "accelerate": lambda i: run_train_py(train_args, config, "accelerate", Path(scratch), f"a{i}"),
-                "python": lambda i: run_train_py(train_args, config, "python", Path(scratch), f"p{i}")}
+        arms = {
+            "trainer": lambda i: run_trainer(train_args, args.precision, config),
+            "accelerate": lambda i: run_train_py(train_args, config, "accelerate", Path(scratch), f"a{i}"),
+            "python": lambda i: run_train_py(train_args, config, "python", Path(scratch), f"p{i}"),
+        }
         if config is not None:
             arms.pop("python")  # a precision needs its config: python train.py runs fp32 only
         rounds = bench.alternate(arms, args.pairs)
-    comparisons = {"accelerate_over_trainer": bench.compare_rounds(rounds, "accelerate", "trainer", "samples_per_s"),
-                   "accelerate_over_trainer_tokens": bench.compare_rounds(rounds, "accelerate", "trainer", "tokens_per_s")}
+    comparisons = {
+        "accelerate_over_trainer": bench.compare_rounds(rounds, "accelerate", "trainer", "samples_per_s"),
+        "accelerate_over_trainer_tokens": bench.compare_rounds(rounds, "accelerate", "trainer", "tokens_per_s"),
+    }
     if "python" in arms:
         comparisons["accelerate_over_python"] = bench.compare_rounds(rounds, "accelerate", "python", "samples_per_s")
-    return {"benchmark": "trainer_peer", "benchmark_version": 2, "precision": args.precision,
-            "accelerate_config": config, "train_args": train_args, "rounds": rounds,
-            "arms": {name: {"samples_per_s": bench.spread([r[name]["samples_per_s"] for r in rounds]),
-                            "tokens_per_s": bench.spread([r[name]["tokens_per_s"] for r in rounds]),
-                            "threads": sorted({r[name]["threads"] for r in rounds})} for name in arms},
-            "same_batches": same_batches(rounds), "comparisons": comparisons, "goal": GOAL,
-            "meets_goal": comparisons["accelerate_over_trainer"]["min_ratio"] >= GOAL}
+    return {
+        "benchmark": "trainer_peer",
+        "benchmark_version": 2,
+        "precision": args.precision,
+        "accelerate_config": config,
+        "train_args": train_args,
+        "rounds": rounds,
+        "arms": {
+            name: {
+                "samples_per_s": bench.spread([r[name]["samples_per_s"] for r in rounds]),
+                "tokens_per_s": bench.spread([r[name]["tokens_per_s"] for r in rounds]),
+                "threads": sorted({r[name]["threads"] for r in rounds}),
+            }
+            for name in arms
+        },
+        "same_batches": same_batches(rounds),
+        "comparisons": comparisons,
+        "goal": GOAL,
+        "meets_goal": comparisons["accelerate_over_trainer"]["min_ratio"] >= GOAL,
+    }
 
 
 def markdown(report: dict) -> list[str]:
-    arms = Table("Arms", ["arm", "samples/s (median, min-max)", "tokens/s (median)", "threads"],
-                 [[name, spread_cell(arm["samples_per_s"]), f"{arm['tokens_per_s']['median']:.0f}",
-                   ", ".join(map(str, arm["threads"]))] for name, arm in report["arms"].items()], "trainer_peer_arms")
-    comparisons = Table("Comparisons", ["comparison", "ratio (median, min-max)", "verdict"],
-                        [[name.replace("_", " "), bench.ratio_text(c), c["verdict"]]
-                         for name, c in report["comparisons"].items()], "trainer_peer", align="lrl")
-    lines = ["# train.py against transformers.Trainer", "",
-             f"Precision {report['precision']} (config {report['accelerate_config'] or 'none'}); flags "
-             f"`{' '.join(report['train_args'])}`; {len(report['rounds'])} alternating rounds; same batches in "
-             f"both trainers: **{'yes' if report['same_batches'] else 'NO'}** (non-padding tokens per logged interval); "
-             f"verdicts: {bench.METHOD}.", "", *arms.markdown_lines(), "", *comparisons.markdown_lines(), "",
-             f"Goal: accelerate launch train.py >= {report['goal']}x the Trainer in every round: "
-             f"{'met' if report['meets_goal'] else 'not met'}."]
+    arms = Table(
+        "Arms",
+        ["arm", "samples/s (median, min-max)", "tokens/s (median)", "threads"],
+        [
+            [
+                name,
+                spread_cell(arm["samples_per_s"]),
+                f"{arm['tokens_per_s']['median']:.0f}",
+                ", ".join(map(str, arm["threads"])),
+            ]
+            for name, arm in report["arms"].items()
+        ],
+        "trainer_peer_arms",
+    )
+    comparisons = Table(
+        "Comparisons",
+        ["comparison", "ratio (median, min-max)", "verdict"],
+        [[name.replace("_", " "), bench.ratio_text(c), c["verdict"]] for name, c in report["comparisons"].items()],
+        "trainer_peer",
+        align="lrl",
+    )
+    lines = [
+        "# train.py against transformers.Trainer",
+        "",
+        f"Precision {report['precision']} (config {report['accelerate_config'] or 'none'}); flags "
+        f"`{' '.join(report['train_args'])}`; {len(report['rounds'])} alternating rounds; same batches in "
+        f"both trainers: **{'yes' if report['same_batches'] else 'NO'}** (non-padding tokens per logged interval); "
+        f"verdicts: {bench.METHOD}.",
+        "",
+        *arms.markdown_lines(),
+        "",
+        *comparisons.markdown_lines(),
+        "",
+        f"Goal: accelerate launch train.py >= {report['goal']}x the Trainer in every round: "
+        f"{'met' if report['meets_goal'] else 'not met'}.",
+    ]
     if not torch.cuda.is_available():
         lines += ["", "GPU: not measured on GPU."]
     return lines
@@ -186,8 +293,12 @@ def markdown(report: dict) -> list[str]:
 
 def main() -> None:
     parser = bench.driver_parser(__doc__, ROOT / "benchmarks" / "trainer_peer", "--trainer")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                        help="precision of both (train.py gets the matching Accelerate config)")
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="precision of both (train.py gets the matching Accelerate config)",
+    )
     args, train_args = parser.parse_known_args()
     if args.trainer:
         return trainer_loop(train_args, args.precision)
@@ -197,8 +308,10 @@ def main() -> None:
         parser.error(f"{args.precision} cannot run on this device")
     report = measure(args, [*DEFAULT_ARGS, *train_args])
     bench.publish(Path(args.out), report, markdown(report))
-    print("median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
-          file=sys.stderr)
+    print(
+        "median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

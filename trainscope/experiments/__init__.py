@@ -13,16 +13,41 @@ import argparse
 import sys
 
 from trainscope.errors import UserError
-from trainscope.experiments import (amp, batch, ckpt, compare, compiling, data_parallel, ddp_cost, loaders, matrix,
-                                    optimization, prediction, profile, tune_confirm)
+from trainscope.experiments import (
+    amp,
+    batch,
+    ckpt,
+    compare,
+    compiling,
+    data_parallel,
+    ddp_cost,
+    loaders,
+    matrix,
+    optimization,
+    prediction,
+    profile,
+    tune_confirm,
+)
 from trainscope.experiments.base import Experiment, ExperimentFailed, split_args
 
 # In the report's order; `compare` and `find-batch` have no section (a tool and a child process), `tune-confirm`
 # shows in the Optimization section.
-REGISTRY: list[Experiment] = [profile.EXPERIMENT, optimization.EXPERIMENT, loaders.EXPERIMENT, amp.EXPERIMENT,
-                              data_parallel.EXPERIMENT, ddp_cost.EXPERIMENT, ckpt.EXPERIMENT, batch.EXPERIMENT,
-                              matrix.EXPERIMENT, compiling.EXPERIMENT, prediction.EXPERIMENT, compare.EXPERIMENT,
-                              batch.FIND_BATCH, tune_confirm.EXPERIMENT]
+REGISTRY: list[Experiment] = [
+    profile.EXPERIMENT,
+    optimization.EXPERIMENT,
+    loaders.EXPERIMENT,
+    amp.EXPERIMENT,
+    data_parallel.EXPERIMENT,
+    ddp_cost.EXPERIMENT,
+    ckpt.EXPERIMENT,
+    batch.EXPERIMENT,
+    matrix.EXPERIMENT,
+    compiling.EXPERIMENT,
+    prediction.EXPERIMENT,
+    compare.EXPERIMENT,
+    batch.FIND_BATCH,
+    tune_confirm.EXPERIMENT,
+]
 SECTIONS = [e for e in REGISTRY if e.section is not None]
 USAGE = """python -m trainscope.experiments NAME --runs DIR [options] -- [train.py flags]
 
@@ -30,13 +55,13 @@ Every experiment that runs train.py is a subcommand; `--help` after its name lis
 <runs>/comparison.{json,md} with provenance; `make report` reads them."""
 
 
-
 # ---------------------------------------------------------------- python -m trainscope.experiments NAME ... -- [train.py flags]
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="python -m trainscope.experiments", description=USAGE,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    root = argparse.ArgumentParser(
+        prog="python -m trainscope.experiments", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = root.add_subparsers(dest="command", required=True)
     for experiment in REGISTRY:
         if experiment.run is not None:

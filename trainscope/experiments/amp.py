@@ -9,8 +9,7 @@ fewer than bench.MIN_PAIRS rounds says "too few pairs" and gives no verdict."""
 from pathlib import Path
 
 from trainscope import bench, reporting
-from trainscope.experiments.base import (Experiment, arms_headline, experiment, planned_arm, runs_option,
-                                         speed_cells)
+from trainscope.experiments.base import Experiment, arms_headline, experiment, planned_arm, runs_option, speed_cells
 from trainscope.record_view import RunView
 from trainscope.tables import Table, num, pyplot
 
@@ -40,20 +39,40 @@ def section(report, found: reporting.Collected) -> None:
     axis.grid(alpha=0.3)
     axis.legend()
     report.figure(figure, "amp_loss", "Training loss, FP32 and mixed precision (first round)", list(records.values()))
-    rows = [[r["arm"], r.get("precision", "-"), num(r.get("validation_accuracy"), 4), num(r.get("test_accuracy"), 4),
-             num(r.get("samples_per_s"), 1), num(r.get("peak_memory_gib")), *speed_cells(r)]
-            for r in reporting.arm_rows(comparison)]
+    rows = [
+        [
+            r["arm"],
+            r.get("precision", "-"),
+            num(r.get("validation_accuracy"), 4),
+            num(r.get("test_accuracy"), 4),
+            num(r.get("samples_per_s"), 1),
+            num(r.get("peak_memory_gib")),
+            *speed_cells(r),
+        ]
+        for r in reporting.arm_rows(comparison)
+    ]
     rounds = comparison.get("rounds", 1)
-    report.table(Table(f"Mixed precision vs FP32 ({rounds} alternating round{'s' * (rounds != 1)} of whole runs, "
-                       "same seed, steps and threads; medians)",
-                       ["config", "precision", "val acc", "test acc", "samples/s", "peak GiB", "speed vs fp32", "verdict"],
-                       rows, "amp", align="llrrrrrl"))
-    few = [name for name, against in comparison["comparisons"].items()
-           if against.get("speed") and against["speed"]["pairs"] < bench.MIN_PAIRS]
+    report.table(
+        Table(
+            f"Mixed precision vs FP32 ({rounds} alternating round{'s' * (rounds != 1)} of whole runs, "
+            "same seed, steps and threads; medians)",
+            ["config", "precision", "val acc", "test acc", "samples/s", "peak GiB", "speed vs fp32", "verdict"],
+            rows,
+            "amp",
+            align="llrrrrrl",
+        )
+    )
+    few = [
+        name
+        for name, against in comparison["comparisons"].items()
+        if against.get("speed") and against["speed"]["pairs"] < bench.MIN_PAIRS
+    ]
     if few:
-        report.text(f"{', '.join(f'`{n}`' for n in few)} against `{comparison['baseline']}`: too few pairs for a "
-                    f"verdict ({rounds} round{'s' * (rounds != 1)} of whole runs; a verdict needs {bench.MIN_PAIRS}, as "
-                    f"`{EXPERIMENT.target}` runs).")
+        report.text(
+            f"{', '.join(f'`{n}`' for n in few)} against `{comparison['baseline']}`: too few pairs for a "
+            f"verdict ({rounds} round{'s' * (rounds != 1)} of whole runs; a verdict needs {bench.MIN_PAIRS}, as "
+            f"`{EXPERIMENT.target}` runs)."
+        )
 
 
 def headline(found: reporting.Collected):
@@ -68,6 +87,14 @@ def headline(found: reporting.Collected):
     return arms_headline(comparison, found.runs.get("amp", {}), warned)
 
 
-EXPERIMENT = Experiment(name="amp", title="Mixed precision vs FP32", target="make amp-compare", folder="amp",
-                        section=section, headline=headline, arguments=arguments, run=run,
-                        help="fp32 and mixed precision: whole runs in alternating rounds")
+EXPERIMENT = Experiment(
+    name="amp",
+    title="Mixed precision vs FP32",
+    target="make amp-compare",
+    folder="amp",
+    section=section,
+    headline=headline,
+    arguments=arguments,
+    run=run,
+    help="fp32 and mixed precision: whole runs in alternating rounds",
+)

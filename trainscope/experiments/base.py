@@ -68,14 +68,19 @@ class Experiment:
         """Why this experiment's comparison or results file cannot feed its section (an older trainscope's or a
         hand-edited one), or None."""
         source = found.results.get(self.name) if self.results else found.comparisons.get(self.name)
-        lacking = ([key for key in self.needs if key not in source] if isinstance(source, dict) else ["an object"]
-                   ) if source is not None else []
+        lacking = (
+            ([key for key in self.needs if key not in source] if isinstance(source, dict) else ["an object"])
+            if source is not None
+            else []
+        )
         if lacking:
             return f"its inputs lack {', '.join(lacking)}"
         machines = self.machines(found)
         if self.one_machine and len(machines) > 1:
-            return (f"its runs come from {machines_text(machines)}; a comparison needs them all from one machine "
-                    f"(run `{self.target}` there)")
+            return (
+                f"its runs come from {machines_text(machines)}; a comparison needs them all from one machine "
+                f"(run `{self.target}` there)"
+            )
         return None
 
     def machines(self, found) -> dict:
@@ -106,7 +111,7 @@ def planned_arm(name: str, config: str, flags: list[str]) -> Arm:
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """(our flags, train.py flags): everything after `--` goes to train.py."""
-    return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
 
 
 # ---------------------------------------------------------------- running arms in rounds
@@ -116,20 +121,26 @@ def run_arm(arm: Arm, train_args: list[str], runs: Path, round_index: int, extra
     """One train.py run of an arm; its record's headline figures."""
     name = f"{arm.name}-r{round_index}"
     on_cpu = launching.plan(arm.config).on_cpu if arm.config else None
-    result = launching.run_training([*train_args, *arm.flags, *extra, "--output-dir", str(runs), "--run-name", name,
-                                     "--overwrite"], config=arm.config, launcher=arm.launcher,
-                                    env=launching.training_env(on_cpu), script=arm.script)
+    result = launching.run_training(
+        [*train_args, *arm.flags, *extra, "--output-dir", str(runs), "--run-name", name, "--overwrite"],
+        config=arm.config,
+        launcher=arm.launcher,
+        env=launching.training_env(on_cpu),
+        script=arm.script,
+    )
     if result.returncode != 0:
-        raise ExperimentFailed(f"{name} ({arm.config or 'no config'} {' '.join(arm.flags)}) failed: "
-                               f"{launching.failure_reason(result)}")
+        raise ExperimentFailed(
+            f"{name} ({arm.config or 'no config'} {' '.join(arm.flags)}) failed: {launching.failure_reason(result)}"
+        )
     return RunView(read_record(runs / name)).headline()
 
 
 def run_rounds(arms: list[Arm], train_args: list[str], runs: Path, rounds: int) -> dict:
     """Every runnable arm once per round, alternating order; the figures of each run, by arm."""
     runnable = [arm for arm in arms if arm.skipped is None]
-    measured = bench.alternate({arm.name: (lambda i, arm=arm: run_arm(arm, train_args, runs, i)) for arm in runnable},
-                               rounds)
+    measured = bench.alternate(
+        {arm.name: (lambda i, arm=arm: run_arm(arm, train_args, runs, i)) for arm in runnable}, rounds
+    )
     return {arm.name: [r[arm.name] for r in measured] for arm in runnable}
 
 
@@ -145,9 +156,14 @@ def summarize(arms: list[Arm], results: dict, baseline: str) -> dict:
             summary["arms"][arm.name] = {**entry, "status": "skipped", "reason": arm.skipped}
             continue
         rows = results[arm.name]
-        entry.update(status="complete", runs=[r["run"] for r in rows], precision=rows[0]["precision"],
-                     world_size=rows[0]["world_size"], memory_kind=rows[0]["memory_kind"],
-                     warnings=sorted({w for r in rows for w in r["warnings"]}))
+        entry.update(
+            status="complete",
+            runs=[r["run"] for r in rows],
+            precision=rows[0]["precision"],
+            world_size=rows[0]["world_size"],
+            memory_kind=rows[0]["memory_kind"],
+            warnings=sorted({w for r in rows for w in r["warnings"]}),
+        )
         for metric in ARM_FIGURES:
             values = [r[metric] for r in rows if r[metric] is not None]
             entry[metric] = bench.spread(values) if values else None
@@ -157,8 +173,13 @@ def summarize(arms: list[Arm], results: dict, baseline: str) -> dict:
             if name != baseline:
                 base = results[baseline]
                 summary["comparisons"][name] = {
-                    "speed": bench.compare_samples([b["samples_per_s"] for b in base], [r["samples_per_s"] for r in rows]),
-                    "memory_ratio": bench.spread([r["peak_memory_gib"] / b["peak_memory_gib"] for r, b in zip(rows, base)])}
+                    "speed": bench.compare_samples(
+                        [b["samples_per_s"] for b in base], [r["samples_per_s"] for r in rows]
+                    ),
+                    "memory_ratio": bench.spread(
+                        [r["peak_memory_gib"] / b["peak_memory_gib"] for r, b in zip(rows, base)]
+                    ),
+                }
     return summary
 
 
@@ -171,10 +192,23 @@ def arm_table(comparison: dict, title: str, label: str) -> Table:
         if r["status"] != "complete":
             rows.append([r["arm"], what, f"skipped: {r['reason']}", "", "", "", ""])
             continue
-        rows.append([r["arm"], what, ranged(r["samples_per_s"], r["samples_per_s_range"], 1),
-                     ranged(r["step_s"], r["step_s_range"], 3), *speed_cells(r), num(r["peak_memory_gib"])])
-    return Table(title, ["arm", "config + flags", "samples/s", "s/step", "speed vs baseline", "verdict", "peak GiB"],
-                 rows, label, align="llrrrlr")
+        rows.append(
+            [
+                r["arm"],
+                what,
+                ranged(r["samples_per_s"], r["samples_per_s_range"], 1),
+                ranged(r["step_s"], r["step_s_range"], 3),
+                *speed_cells(r),
+                num(r["peak_memory_gib"]),
+            ]
+        )
+    return Table(
+        title,
+        ["arm", "config + flags", "samples/s", "s/step", "speed vs baseline", "verdict", "peak GiB"],
+        rows,
+        label,
+        align="llrrrlr",
+    )
 
 
 def speed_cells(row: dict) -> list[str]:
@@ -200,9 +234,13 @@ def arms_headline(comparison: dict | None, runs: dict | None = None, said=lambda
     compared = {name: against for name, against in comparison["comparisons"].items() if against.get("speed")}
     if not compared:
         return Headline(f"only the baseline `{comparison['baseline']}` ran", "nothing compared")
-    return Headline(f"speed against `{comparison['baseline']}`: " + "; ".join(
-        f"`{name}` {bench.ratio_text(against['speed'])}{said(name, against)}" for name, against in compared.items()),
-                    verdicts_text({name: against["speed"]["verdict"] for name, against in compared.items()}))
+    return Headline(
+        f"speed against `{comparison['baseline']}`: "
+        + "; ".join(
+            f"`{name}` {bench.ratio_text(against['speed'])}{said(name, against)}" for name, against in compared.items()
+        ),
+        verdicts_text({name: against["speed"]["verdict"] for name, against in compared.items()}),
+    )
 
 
 def errors(rows: list[dict], metric: str) -> list[list[float]]:
@@ -213,8 +251,14 @@ def errors(rows: list[dict], metric: str) -> list[list[float]]:
 def write(runs: Path, experiment: str, summary: dict, train_args: list[str], rounds: int) -> None:
     report = {"experiment": experiment, "rounds": rounds, "train_args": train_args, **summary}
     table = arm_table(summary, f"Experiment: {experiment}", experiment)
-    lines = [f"# Experiment: {experiment}", "", f"train.py flags: `{shlex.join(train_args)}`; {rounds} alternating "
-             f"round(s); each arm against the baseline arm ({bench.METHOD}).", "", *table.markdown_lines()]
+    lines = [
+        f"# Experiment: {experiment}",
+        "",
+        f"train.py flags: `{shlex.join(train_args)}`; {rounds} alternating "
+        f"round(s); each arm against the baseline arm ({bench.METHOD}).",
+        "",
+        *table.markdown_lines(),
+    ]
     bench.write_results(runs / "comparison", report, lines)
 
 
@@ -232,9 +276,11 @@ def experiment(runs: Path, name: str, arms: list[Arm], train_args: list[str], ro
 
 def fixed_arms(name: str, arms: dict[str, list[str]]) -> Callable:
     """The run of an experiment whose arms are fixed flags on one config (the first arm is the baseline)."""
+
     def run(args, train_args: list[str]) -> dict:
         planned = [planned_arm(arm, args.config, flags) for arm, flags in arms.items()]
         return experiment(Path(args.runs), name, planned, train_args, args.rounds)
+
     return run
 
 

@@ -10,8 +10,16 @@ import json
 from pathlib import Path
 
 from trainscope import batch_search, bench, launching, reporting
-from trainscope.experiments.base import (Experiment, ExperimentFailed, arm_table, errors, experiment, planned_arm,
-                                         runs_option, write)
+from trainscope.experiments.base import (
+    Experiment,
+    ExperimentFailed,
+    arm_table,
+    errors,
+    experiment,
+    planned_arm,
+    runs_option,
+    write,
+)
 from trainscope.reporting import Headline
 from trainscope.tables import pyplot
 
@@ -22,9 +30,12 @@ def arguments(parser) -> None:
     runs_option(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="batch sizes")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run (2 of them timing warm-up)")
-    parser.add_argument("--search-from", type=int, default=4096,
-                        help="on a GPU, find the largest batch that fits by halving from this (0: skip); "
-                        "single-process configs only")
+    parser.add_argument(
+        "--search-from",
+        type=int,
+        default=4096,
+        help="on a GPU, find the largest batch that fits by halving from this (0: skip); single-process configs only",
+    )
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -36,7 +47,9 @@ def run(args, train_args: list[str]) -> dict:
     (user,) = parse_settings(argv=train_args)
     searching = launching.cuda_devices() and args.search_from
     if searching:
-        batch_search.refuse_multi_process(args.config, launching.config_facts(launching.config_path(args.config))["num_processes"])
+        batch_search.refuse_multi_process(
+            args.config, launching.config_facts(launching.config_path(args.config))["num_processes"]
+        )
     largest, predicted = None, None
     if searching:  # on a GPU the prediction is the search's child's: no CUDA context here while the runs use the GPU
         found = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], args.search_from, predict=True)
@@ -44,26 +57,52 @@ def run(args, train_args: list[str]) -> dict:
     elif not launching.cuda_devices():
         predicted = predicted_largest_batch(args.config, user)
     if predicted:
-        print(f"predicted largest batch that fits: {predicted['batch']} (at length {predicted['length']}, "
-              f"{predicted['capacity_bytes'] / 2**30:.1f} GiB)")
+        print(
+            f"predicted largest batch that fits: {predicted['batch']} (at length {predicted['length']}, "
+            f"{predicted['capacity_bytes'] / 2**30:.1f} GiB)"
+        )
     if searching:
-        print(f"largest batch that fits ({'from the prediction, doubling or halving' if predicted else 'halving'} "
-              f"from {start}): {largest}")
+        print(
+            f"largest batch that fits ({'from the prediction, doubling or halving' if predicted else 'halving'} "
+            f"from {start}): {largest}"
+        )
     sizes = sorted(args.batch_sizes, key=lambda b: (b != user.per_device_batch_size, b))
-    arms = [planned_arm(f"bs{b}", args.config, ["--per-device-batch-size", str(b), "--gradient-accumulation-steps", "1",
-                                                "--max-steps", str(args.steps), "--log-every", str(args.steps)])
-            for b in sizes]
+    arms = [
+        planned_arm(
+            f"bs{b}",
+            args.config,
+            [
+                "--per-device-batch-size",
+                str(b),
+                "--gradient-accumulation-steps",
+                "1",
+                "--max-steps",
+                str(args.steps),
+                "--log-every",
+                str(args.steps),
+            ],
+        )
+        for b in sizes
+    ]
     for arm, b in zip(arms, sizes):
         if largest and b > largest and arm.skipped is None:
             arm.skipped = f"above the largest batch that fits ({largest})"
     summary = experiment(Path(args.runs), "batch", arms, [*train_args, *SMALL_EVAL], args.rounds)
-    summary.update(largest_fitting_batch=largest, search=(
-        ("from the predicted largest batch, doubling while it fits, else halving" if predicted else
-         "find_executable_batch_size, halving") if largest is not None
-        else "no device-memory limit to search on a CPU: the largest swept batch stands"),
+    summary.update(
+        largest_fitting_batch=largest,
+        search=(
+            (
+                "from the predicted largest batch, doubling while it fits, else halving"
+                if predicted
+                else "find_executable_batch_size, halving"
+            )
+            if largest is not None
+            else "no device-memory limit to search on a CPU: the largest swept batch stands"
+        ),
         predicted_largest_batch=predicted["batch"] if predicted else None,
         prediction_error=(predicted["batch"] - largest) / largest if predicted and largest else None,
-        recommendation=recommend(summary, user.per_device_batch_size * user.gradient_accumulation_steps))
+        recommendation=recommend(summary, user.per_device_batch_size * user.gradient_accumulation_steps),
+    )
     write(Path(args.runs), "batch", summary, [*train_args, *SMALL_EVAL], args.rounds)
     return summary
 
@@ -76,17 +115,26 @@ def recommend(summary: dict, effective_batch: int) -> dict:
         return {}
     fastest = max(fitted, key=lambda b: fitted[b]["samples_per_s"]["median"])
     comparison = summary["comparisons"].get(f"bs{fastest}", {}).get("speed")
-    result = {"fastest_batch_size": fastest, "fastest_verdict": comparison["verdict"] if comparison else "baseline",
-              "largest_swept_that_fits": max(fitted), "effective_batch": effective_batch}
+    result = {
+        "fastest_batch_size": fastest,
+        "fastest_verdict": comparison["verdict"] if comparison else "baseline",
+        "largest_swept_that_fits": max(fitted),
+        "effective_batch": effective_batch,
+    }
     dividing = [b for b in fitted if effective_batch % b == 0]
     if dividing:
         keep = max(dividing, key=lambda b: fitted[b]["samples_per_s"]["median"])
-        result.update(keep_effective_batch_size=keep, gradient_accumulation_steps=effective_batch // keep,
-                      flags=f"--per-device-batch-size {keep} --gradient-accumulation-steps {effective_batch // keep}")
+        result.update(
+            keep_effective_batch_size=keep,
+            gradient_accumulation_steps=effective_batch // keep,
+            flags=f"--per-device-batch-size {keep} --gradient-accumulation-steps {effective_batch // keep}",
+        )
     return result
 
 
-def predicted_largest_batch(config: str | None, settings, device=None, precision_name: str | None = None) -> dict | None:
+def predicted_largest_batch(
+    config: str | None, settings, device=None, precision_name: str | None = None
+) -> dict | None:
     """The largest batch predicted to fit (trainscope.predict.largest_batch) at full-length sequences, as the search
     tries them, on this machine's device and in the config's precision (or the `device` and `precision_name` of the
     process asking: the search's child); None when it cannot be predicted."""
@@ -98,28 +146,46 @@ def predicted_largest_batch(config: str | None, settings, device=None, precision
     if device is None:
         facts = launching.config_facts(launching.config_path(config))
         device = torch.device("cuda" if torch.cuda.is_available() and not facts["use_cpu"] else "cpu")
-        precision_name = predict.precision_from_environment(device, {"ACCELERATE_MIXED_PRECISION": facts["mixed_precision"]})
+        precision_name = predict.precision_from_environment(
+            device, {"ACCELERATE_MIXED_PRECISION": facts["mixed_precision"]}
+        )
     try:
         _, data = predict._data_for(settings)
-        return predict.largest_batch(settings, data.label_names, [c for c in data.train.column_names if c in MODEL_INPUTS],
-                                     device, precision_name, settings.max_seq_length,
-                                     baseline_bytes=predict.current_rss_bytes() or 0 if device.type == "cpu" else 0)
+        return predict.largest_batch(
+            settings,
+            data.label_names,
+            [c for c in data.train.column_names if c in MODEL_INPUTS],
+            device,
+            precision_name,
+            settings.max_seq_length,
+            baseline_bytes=predict.current_rss_bytes() or 0 if device.type == "cpu" else 0,
+        )
     except Exception as error:  # the sweep goes on with its own search
         print(f"no predicted largest batch: {' '.join(str(error).split())[:200]}")
         return None
 
 
-def largest_fitting_batch(config: str, train_args: list[str], start: int, grow: bool = False,
-                          predict: bool = False) -> dict:
+def largest_fitting_batch(
+    config: str, train_args: list[str], start: int, grow: bool = False, predict: bool = False
+) -> dict:
     """{largest_batch, ...}: the largest batch (halving from `start`; with `grow`, first doubling while it fits)
     whose training steps fit in device memory, found in a child process launched with the config (its precision), so
     nothing stays allocated here; with `predict` the child first predicts the largest batch and searches from it
     (doubling or halving: {predicted, start} too). A multi-process config is refused before anything is launched
     (see trainscope.batch_search)."""
     batch_search.refuse_multi_process(config, launching.config_facts(launching.config_path(config))["num_processes"])
-    command = [*launching.accelerate_launch(config), "-m", "trainscope.experiments", "find-batch",
-               "--start", str(start), *(["--grow"] if grow else []), *(["--predict"] if predict else []),
-               "--", *train_args]
+    command = [
+        *launching.accelerate_launch(config),
+        "-m",
+        "trainscope.experiments",
+        "find-batch",
+        "--start",
+        str(start),
+        *(["--grow"] if grow else []),
+        *(["--predict"] if predict else []),
+        "--",
+        *train_args,
+    ]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise ExperimentFailed(f"the batch-size search failed: {launching.failure_reason(result)}")
@@ -153,9 +219,11 @@ def find_batch(args, train_args: list[str]) -> None:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(trial, optimizer, 2, 0))
         shape = (batch_size, trial.max_seq_length)
         for _ in range(2):
-            batch = {"input_ids": torch.randint(1000, 2000, shape, device=accelerator.device),
-                     "attention_mask": torch.ones(shape, dtype=torch.long, device=accelerator.device),
-                     "labels": torch.zeros(batch_size, dtype=torch.long, device=accelerator.device)}
+            batch = {
+                "input_ids": torch.randint(1000, 2000, shape, device=accelerator.device),
+                "attention_mask": torch.ones(shape, dtype=torch.long, device=accelerator.device),
+                "labels": torch.zeros(batch_size, dtype=torch.long, device=accelerator.device),
+            }
             train_step(accelerator, model, batch, optimizer, scheduler, _untimed, trial.max_grad_norm)
         del model, optimizer, scheduler
 
@@ -164,8 +232,9 @@ def find_batch(args, train_args: list[str]) -> None:
         return
     from trainscope import predict
 
-    predicted = predicted_largest_batch(None, settings, accelerator.device,
-                                        predict.precision_from_environment(accelerator.device))
+    predicted = predicted_largest_batch(
+        None, settings, accelerator.device, predict.precision_from_environment(accelerator.device)
+    )
     start = predicted["batch"] if predicted and predicted["batch"] >= 1 else args.start
     largest = batch_search.search(two_steps, start, grow=args.grow or bool(predicted))
     print(json.dumps({"largest_batch": largest, "predicted": predicted, "start": start}))
@@ -180,20 +249,32 @@ def _untimed(stage: str):
 def find_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=int, required=True)
     parser.add_argument("--grow", action="store_true", help="double from --start while it fits (a predicted start)")
-    parser.add_argument("--predict", action="store_true", help="predict the largest batch first and search from it, "
-                        "doubling or halving (the prediction made here, in the search's process)")
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="predict the largest batch first and search from it, "
+        "doubling or halving (the prediction made here, in the search's process)",
+    )
 
 
 def section(report, found: reporting.Collected) -> None:
     comparison = found.comparisons.get(EXPERIMENT.name)
     if not report.begin(EXPERIMENT.title, comparison, EXPERIMENT.missing()):
         return
-    rows = sorted([r for r in reporting.arm_rows(comparison) if r["status"] == "complete"], key=lambda r: int(r["arm"][2:]))
+    rows = sorted(
+        [r for r in reporting.arm_rows(comparison) if r["status"] == "complete"], key=lambda r: int(r["arm"][2:])
+    )
     if rows:
         figure, axis = pyplot().subplots(figsize=(7, 4))
         sizes = [int(r["arm"][2:]) for r in rows]
-        axis.errorbar(sizes, [r["samples_per_s"] for r in rows], yerr=errors(rows, "samples_per_s"), marker="o",
-                      capsize=4, color="tab:blue")
+        axis.errorbar(
+            sizes,
+            [r["samples_per_s"] for r in rows],
+            yerr=errors(rows, "samples_per_s"),
+            marker="o",
+            capsize=4,
+            color="tab:blue",
+        )
         axis.set_xscale("log", base=2)
         axis.set_xlabel("per-device batch size")
         axis.set_ylabel("samples/s (median, min-max)", color="tab:blue")
@@ -202,19 +283,33 @@ def section(report, found: reporting.Collected) -> None:
         twin.set_ylabel(f"peak memory GiB ({rows[0]['memory_kind']})", color="tab:orange")
         axis.set_ylim(bottom=0)
         twin.set_ylim(bottom=0)
-        report.figure(figure, "batch", "Throughput and memory against batch size",
-                      list(reporting.first_round_runs(comparison, found.runs.get(EXPERIMENT.name, {})).values()))
-    report.table(arm_table(comparison, f"Batch-size sweep ({comparison['rounds']} alternating rounds; baseline: the "
-                           "configured batch)", "batch"))
+        report.figure(
+            figure,
+            "batch",
+            "Throughput and memory against batch size",
+            list(reporting.first_round_runs(comparison, found.runs.get(EXPERIMENT.name, {})).values()),
+        )
+    report.table(
+        arm_table(
+            comparison,
+            f"Batch-size sweep ({comparison['rounds']} alternating rounds; baseline: the configured batch)",
+            "batch",
+        )
+    )
     advice = comparison.get("recommendation") or {}
     predicted = comparison.get("predicted_largest_batch")
-    report.text(f"Largest batch that fits: {largest(comparison)} ({comparison.get('search')})"
-                + (f"; predicted {predicted}" + (f" ({comparison['prediction_error']:+.0%})"
-                                                 if comparison.get("prediction_error") is not None else "")
-                   if predicted is not None else "")
-                + ". Fastest: "
-                f"{advice.get('fastest_batch_size')} ({advice.get('fastest_verdict')} against the baseline). Keeping "
-                f"the effective batch of {advice.get('effective_batch')}: `{keeping(advice)}`.")
+    report.text(
+        f"Largest batch that fits: {largest(comparison)} ({comparison.get('search')})"
+        + (
+            f"; predicted {predicted}"
+            + (f" ({comparison['prediction_error']:+.0%})" if comparison.get("prediction_error") is not None else "")
+            if predicted is not None
+            else ""
+        )
+        + ". Fastest: "
+        f"{advice.get('fastest_batch_size')} ({advice.get('fastest_verdict')} against the baseline). Keeping "
+        f"the effective batch of {advice.get('effective_batch')}: `{keeping(advice)}`."
+    )
 
 
 def largest(comparison: dict):
@@ -236,14 +331,35 @@ def headline(found: reporting.Collected) -> Headline | None:
     if not advice:
         return Headline("no batch size completed", "nothing compared")
     speed = (comparison["comparisons"].get(f"bs{advice['fastest_batch_size']}") or {}).get("speed")
-    fastest = (f"{advice['fastest_batch_size']}, {bench.ratio_text(speed)} against the configured "
-               f"{comparison['baseline'][2:]}" if speed else f"the configured {advice['fastest_batch_size']}")
-    return Headline(f"fastest: {fastest}; largest that fits: {largest(comparison)}; keeping the effective batch of "
-                    f"{advice['effective_batch']}: `{keeping(advice)}`", advice["fastest_verdict"])
+    fastest = (
+        f"{advice['fastest_batch_size']}, {bench.ratio_text(speed)} against the configured {comparison['baseline'][2:]}"
+        if speed
+        else f"the configured {advice['fastest_batch_size']}"
+    )
+    return Headline(
+        f"fastest: {fastest}; largest that fits: {largest(comparison)}; keeping the effective batch of "
+        f"{advice['effective_batch']}: `{keeping(advice)}`",
+        advice["fastest_verdict"],
+    )
 
 
-EXPERIMENT = Experiment(name="batch-sweep", title="Batch size", target="make batch-sweep", folder="batch",
-                        section=section, headline=headline, arguments=arguments, run=run,
-                        help="throughput and memory against batch size")
-FIND_BATCH = Experiment(name="find-batch", title="", target="", section=None, arguments=find_batch_arguments,
-                        run=find_batch, help=argparse.SUPPRESS)
+EXPERIMENT = Experiment(
+    name="batch-sweep",
+    title="Batch size",
+    target="make batch-sweep",
+    folder="batch",
+    section=section,
+    headline=headline,
+    arguments=arguments,
+    run=run,
+    help="throughput and memory against batch size",
+)
+FIND_BATCH = Experiment(
+    name="find-batch",
+    title="",
+    target="",
+    section=None,
+    arguments=find_batch_arguments,
+    run=find_batch,
+    help=argparse.SUPPRESS,
+)

@@ -19,15 +19,24 @@ def section(report, found: reporting.Collected) -> None:
     memory_axis.bar(labels, [r["peak_memory_gib"] for r in rows], color="tab:orange")
     memory_axis.set_ylabel(f"peak memory GiB ({rows[0]['memory_kind']})")
     figure.tight_layout()
-    report.figure(figure, "ckpt", "Activation checkpointing: time and memory",
-                  list(reporting.first_round_runs(comparison, runs).values()))
-    report.table(arm_table(comparison, f"Activation checkpointing off and on ({comparison['rounds']} alternating rounds)",
-                           "ckpt"))
+    report.figure(
+        figure,
+        "ckpt",
+        "Activation checkpointing: time and memory",
+        list(reporting.first_round_runs(comparison, runs).values()),
+    )
+    report.table(
+        arm_table(
+            comparison, f"Activation checkpointing off and on ({comparison['rounds']} alternating rounds)", "ckpt"
+        )
+    )
     for name, against in comparison["comparisons"].items():
         report.text(f"`{name}`: {memory_text(against)}, speed {bench.describe(against['speed'])}.")
     if rows[0]["memory_kind"] == "peak RSS":
-        report.text("On a CPU the memory column is the process's peak RSS, which includes the Python runtime and "
-                    "libraries; activation savings show in full as device memory on a GPU.")
+        report.text(
+            "On a CPU the memory column is the process's peak RSS, which includes the Python runtime and "
+            "libraries; activation savings show in full as device memory on a GPU."
+        )
 
 
 def memory_text(against: dict) -> str:
@@ -35,10 +44,19 @@ def memory_text(against: dict) -> str:
 
 
 def headline(found: reporting.Collected):
-    return arms_headline(found.comparisons.get("ckpt"), found.runs.get("ckpt", {}),
-                         lambda name, against: f", {memory_text(against)}")
+    return arms_headline(
+        found.comparisons.get("ckpt"), found.runs.get("ckpt", {}), lambda name, against: f", {memory_text(against)}"
+    )
 
 
-EXPERIMENT = Experiment(name="ckpt", title="Activation checkpointing", target="make ckpt-compare", folder="ckpt",
-                        section=section, headline=headline, arguments=runs_option, run=fixed_arms("ckpt", ARMS),
-                        help="activation checkpointing off and on: step time and peak memory")
+EXPERIMENT = Experiment(
+    name="ckpt",
+    title="Activation checkpointing",
+    target="make ckpt-compare",
+    folder="ckpt",
+    section=section,
+    headline=headline,
+    arguments=runs_option,
+    run=fixed_arms("ckpt", ARMS),
+    help="activation checkpointing off and on: step time and peak memory",
+)

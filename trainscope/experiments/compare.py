@@ -22,5 +22,12 @@ def run(args, train_args: list[str]) -> dict:
     return experiment(Path(args.runs), Path(args.runs).name, arms, train_args, args.rounds)
 
 
-EXPERIMENT = Experiment(name="compare", title="", target="", section=None, arguments=arguments, run=run,
-                        help="arms of one config, in alternating rounds (not in the report)")
+EXPERIMENT = Experiment(
+    name="compare",
+    title="",
+    target="",
+    section=None,
+    arguments=arguments,
+    run=run,
+    help="arms of one config, in alternating rounds (not in the report)",
+)

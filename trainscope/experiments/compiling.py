@@ -11,16 +11,21 @@ def section(report, found: reporting.Collected) -> None:
     comparison, runs = found.comparisons.get("compile"), found.runs.get("compile", {})
     if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
         return
-    report.table(arm_table(comparison, f"--compile against eager ({comparison['rounds']} alternating rounds)", "compile"))
+    report.table(
+        arm_table(comparison, f"--compile against eager ({comparison['rounds']} alternating rounds)", "compile")
+    )
     compiled = compile_blocks(comparison, runs)
     if compiled:
-        report.text(f"Compile time {compile_time(compiled)} (outside the timed steady phase), recompiles "
-                    f"{sorted({c['recompiles'] for c in compiled})} with dynamic shapes.")
+        report.text(
+            f"Compile time {compile_time(compiled)} (outside the timed steady phase), recompiles "
+            f"{sorted({c['recompiles'] for c in compiled})} with dynamic shapes."
+        )
 
 
 def compile_blocks(comparison: dict, runs: dict) -> list[dict]:
-    return [RunView(runs[name]).compile for name in comparison["arms"].get("compiled", {}).get("runs", [])
-            if name in runs]
+    return [
+        RunView(runs[name]).compile for name in comparison["arms"].get("compiled", {}).get("runs", []) if name in runs
+    ]
 
 
 def compile_time(compiled: list[dict]) -> str:
@@ -31,11 +36,21 @@ def compile_time(compiled: list[dict]) -> str:
 def headline(found: reporting.Collected):
     comparison, runs = found.comparisons.get("compile"), found.runs.get("compile", {})
     compiled = compile_blocks(comparison, runs) if comparison else []
-    return arms_headline(comparison, runs, lambda name, against: (f", compile time {compile_time(compiled)}"
-                                                                  if name == "compiled" and compiled else ""))
+    return arms_headline(
+        comparison,
+        runs,
+        lambda name, against: f", compile time {compile_time(compiled)}" if name == "compiled" and compiled else "",
+    )
 
 
-EXPERIMENT = Experiment(name="compile", title="torch.compile against eager", target="make bench-compile",
-                        folder="compile", section=section, headline=headline, arguments=runs_option,
-                        run=fixed_arms("compile", ARMS),
-                        help="--compile against eager: compile time, recompiles, speed")
+EXPERIMENT = Experiment(
+    name="compile",
+    title="torch.compile against eager",
+    target="make bench-compile",
+    folder="compile",
+    section=section,
+    headline=headline,
+    arguments=runs_option,
+    run=fixed_arms("compile", ARMS),
+    help="--compile against eager: compile time, recompiles, speed",
+)

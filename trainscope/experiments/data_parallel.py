@@ -20,23 +20,32 @@ def rows(result: dict) -> list[dict]:
             continue
         comparison = result["comparison"].get(name)
         speed = judged(result, name) if comparison else None
-        out.append({
-            "variant": label, "runs_on": result["machine"]["hardware"].get(name, ""),
-            "wall_s": measured["wall_s"]["median"], "samples_per_s": measured["samples_per_s"]["median"],
-            "samples_per_s_min": measured["samples_per_s"]["min"], "samples_per_s_max": measured["samples_per_s"]["max"],
-            "speed": bench.ratio_text(speed) if speed else "baseline", "speed_median": speed["median_ratio"] if speed else 1.0,
-            "verdict": speed["verdict"] if speed else "", "efficiency": comparison["scaling_efficiency"] if comparison else 1.0,
-            "peak_memory": ", ".join(f"{k} {v:.2f}" for k, v in measured["peak_memory_gib"].items()),
-            "final_loss": measured["final_loss"],
-        })
+        out.append(
+            {
+                "variant": label,
+                "runs_on": result["machine"]["hardware"].get(name, ""),
+                "wall_s": measured["wall_s"]["median"],
+                "samples_per_s": measured["samples_per_s"]["median"],
+                "samples_per_s_min": measured["samples_per_s"]["min"],
+                "samples_per_s_max": measured["samples_per_s"]["max"],
+                "speed": bench.ratio_text(speed) if speed else "baseline",
+                "speed_median": speed["median_ratio"] if speed else 1.0,
+                "verdict": speed["verdict"] if speed else "",
+                "efficiency": comparison["scaling_efficiency"] if comparison else 1.0,
+                "peak_memory": ", ".join(f"{k} {v:.2f}" for k, v in measured["peak_memory_gib"].items()),
+                "final_loss": measured["final_loss"],
+            }
+        )
     return out
 
 
 def judged(result: dict, name: str) -> dict:
     """A variant's speed against the single device, judged by today's test from the per-round figures the
     results file keeps (the verdict it was written with when they are not there)."""
-    rounds = {variant: [r["samples_per_s"] for r in result["results"][variant].get("rounds", [])]
-              for variant in ("single", name)}
+    rounds = {
+        variant: [r["samples_per_s"] for r in result["results"][variant].get("rounds", [])]
+        for variant in ("single", name)
+    }
     if rounds["single"] and len(rounds["single"]) == len(rounds[name]):
         return bench.compare_samples(rounds["single"], rounds[name])
     return result["comparison"][name]["speed"]
@@ -48,20 +57,46 @@ def results_table(result: dict) -> Table:
         if "status" in row:
             cells.append([row["variant"], f"not measurable here: {row['status']}", "", "", "", "", "", ""])
             continue
-        cells.append([row["variant"], row["runs_on"], num(row["wall_s"]),
-                      ranged(row["samples_per_s"], (row["samples_per_s_min"], row["samples_per_s_max"]), 1),
-                      row["speed"], row["verdict"], num(row["efficiency"], 1, percent=True), num(row["final_loss"], 4)])
-    return Table(f"DataParallel vs DDP on {result['machine']['device_name']} ({result['compare']['rounds']} "
-                 "alternating rounds)", ["variant", "runs on", "wall s", "samples/s", "speed vs single", "verdict",
-                                         "scaling efficiency", "final loss"], cells, "compare_dp", align="llrrrlrr")
+        cells.append(
+            [
+                row["variant"],
+                row["runs_on"],
+                num(row["wall_s"]),
+                ranged(row["samples_per_s"], (row["samples_per_s_min"], row["samples_per_s_max"]), 1),
+                row["speed"],
+                row["verdict"],
+                num(row["efficiency"], 1, percent=True),
+                num(row["final_loss"], 4),
+            ]
+        )
+    return Table(
+        f"DataParallel vs DDP on {result['machine']['device_name']} ({result['compare']['rounds']} alternating rounds)",
+        ["variant", "runs on", "wall s", "samples/s", "speed vs single", "verdict", "scaling efficiency", "final loss"],
+        cells,
+        "compare_dp",
+        align="llrrrlrr",
+    )
 
 
 def projection_table(result: dict) -> Table:
-    cells = [[name, str(row["gpus"]), num(row["step_s"], 4), num(row["allreduce_s"], 4), num(row["samples_per_s"], 1),
-              num(row["efficiency"], 1, percent=True)]
-             for name, preset in result["projection"]["interconnects"].items() for row in preset["rows"]]
-    return Table("Projected DDP scaling", ["interconnect", "GPUs", "step s", "all-reduce s", "samples/s", "efficiency"],
-                 cells, "compare_dp_projection")
+    cells = [
+        [
+            name,
+            str(row["gpus"]),
+            num(row["step_s"], 4),
+            num(row["allreduce_s"], 4),
+            num(row["samples_per_s"], 1),
+            num(row["efficiency"], 1, percent=True),
+        ]
+        for name, preset in result["projection"]["interconnects"].items()
+        for row in preset["rows"]
+    ]
+    return Table(
+        "Projected DDP scaling",
+        ["interconnect", "GPUs", "step s", "all-reduce s", "samples/s", "efficiency"],
+        cells,
+        "compare_dp_projection",
+    )
 
 
 def figure(result: dict):
@@ -69,8 +104,10 @@ def figure(result: dict):
     measured = [r for r in rows(result) if "status" not in r]
     drawn, (speed, memory) = pyplot().subplots(1, 2, figsize=(10, 3.8))
     medians = [r["samples_per_s"] for r in measured]
-    errors = [[m - r["samples_per_s_min"] for m, r in zip(medians, measured)],
-              [r["samples_per_s_max"] - m for m, r in zip(medians, measured)]]
+    errors = [
+        [m - r["samples_per_s_min"] for m, r in zip(medians, measured)],
+        [r["samples_per_s_max"] - m for m, r in zip(medians, measured)],
+    ]
     speed.bar([f"{r['variant']}\n{r['runs_on']}" for r in measured], medians, yerr=errors, capsize=4, color="tab:blue")
     speed.set_ylabel("samples/s (median, min-max)")
     speed.set_title("throughput")
@@ -115,11 +152,14 @@ def section(report, found: reporting.Collected) -> None:
     report.text(result["machine"]["hardware"]["note"])
     report.figure(figure(result), "compare_dp", "Throughput and per-device memory")
     report.table(results_table(result))
-    reconcile_with_matrix(report, result, found.comparisons.get("matrix"),
-                          reporting.machines(found.runs.get("matrix", {}).items()))
+    reconcile_with_matrix(
+        report, result, found.comparisons.get("matrix"), reporting.machines(found.runs.get("matrix", {}).items())
+    )
     for diff in result["code_changes"]:
-        report.text(f"From `single_device` to `{diff['to']}`: {diff['changed_lines']} changed lines "
-                    f"(+{diff['added']} -{diff['removed']}).")
+        report.text(
+            f"From `single_device` to `{diff['to']}`: {diff['changed_lines']} changed lines "
+            f"(+{diff['added']} -{diff['removed']})."
+        )
         report.code(diff["diff"], "diff")
     report.text(result["projection"]["assumptions"])
 
@@ -133,17 +173,27 @@ def reconcile_with_matrix(report, result: dict, matrix: dict | None, matrix_mach
         return
     mine = results_machine(result)
     if set(matrix_machines) != {mine}:
-        report.text(f"`make matrix` also compares DDP with one process, measured on "
-                    f"{machines_text(matrix_machines) if matrix_machines else 'a machine its runs do not name'}, not "
-                    f"on {mine.text if mine else 'the machine of this comparison'}: its answer is not set beside this one.")
+        report.text(
+            f"`make matrix` also compares DDP with one process, measured on "
+            f"{machines_text(matrix_machines) if matrix_machines else 'a machine its runs do not name'}, not "
+            f"on {mine.text if mine else 'the machine of this comparison'}: its answer is not set beside this one."
+        )
         return
-    report.text(f"The same question twice: compare_dp.py's bare loops put DDP at {bench.describe(judged(result, 'ddp'))}; "
-                f"`make matrix` (train.py, `ddp` against `{matrix['baseline']}`) at {bench.describe(against)}. Both give "
-                "the two sides the same cores; they differ in what they time: compare_dp.py times the loop alone "
-                "(no Accelerate, dropout off, a fixed global batch split over the processes), the matrix times "
-                "train.py's steady steps with the per-process batch kept (each DDP step trains twice the samples).")
+    report.text(
+        f"The same question twice: compare_dp.py's bare loops put DDP at {bench.describe(judged(result, 'ddp'))}; "
+        f"`make matrix` (train.py, `ddp` against `{matrix['baseline']}`) at {bench.describe(against)}. Both give "
+        "the two sides the same cores; they differ in what they time: compare_dp.py times the loop alone "
+        "(no Accelerate, dropout off, a fixed global batch split over the processes), the matrix times "
+        "train.py's steady steps with the per-process batch kept (each DDP step trains twice the samples)."
+    )
 
 
-EXPERIMENT = Experiment(name="data_parallel", title="DataParallel vs DDP", target="make compare-dp",
-                        results="compare_dp/compare_dp.json", section=section, headline=headline,
-                        needs=("benchmark", "machine", "compare", "results", "comparison", "code_changes", "projection"))
+EXPERIMENT = Experiment(
+    name="data_parallel",
+    title="DataParallel vs DDP",
+    target="make compare-dp",
+    results="compare_dp/compare_dp.json",
+    section=section,
+    headline=headline,
+    needs=("benchmark", "machine", "compare", "results", "comparison", "code_changes", "projection"),
+)

@@ -7,7 +7,6 @@ shows, per setting, a step split into the rest / the transfer hidden behind back
 and per rank the exposure and the wait for a straggler; every sentence is computed from the figures it cites.
 """
 
-import statistics
 from pathlib import Path
 
 from trainscope import bench, launching, reporting
@@ -19,34 +18,56 @@ from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot, ranged
 
 # The DDP settings compared with DDP's defaults (25 MB buckets, no flags, no communication hook).
-SETTINGS = {"default": [], "bucket1": ["--ddp-bucket-cap-mb", "1"], "bucket5": ["--ddp-bucket-cap-mb", "5"],
-            "bucket100": ["--ddp-bucket-cap-mb", "100"], "bucket_view": ["--ddp-gradient-as-bucket-view"],
-            "static_graph": ["--ddp-static-graph"], "fp16_hook": ["--ddp-comm-hook", "fp16"],
-            "bf16_hook": ["--ddp-comm-hook", "bf16"]}
+SETTINGS = {
+    "default": [],
+    "bucket1": ["--ddp-bucket-cap-mb", "1"],
+    "bucket5": ["--ddp-bucket-cap-mb", "5"],
+    "bucket100": ["--ddp-bucket-cap-mb", "100"],
+    "bucket_view": ["--ddp-gradient-as-bucket-view"],
+    "static_graph": ["--ddp-static-graph"],
+    "fp16_hook": ["--ddp-comm-hook", "fp16"],
+    "bf16_hook": ["--ddp-comm-hook", "bf16"],
+}
 
 
 def arguments(parser) -> None:
     runs_option(parser, config="ddp")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), help="settings (default: all)")
-    parser.add_argument("--samples", type=int, default=5,
-                        help="times each bucket's all-reduce is timed alone after training, per run (default 5)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=5,
+        help="times each bucket's all-reduce is timed alone after training, per run (default 5)",
+    )
 
 
 def run(args, train_args: list[str]) -> dict:
     runs = Path(args.runs)
     names = args.settings or list(SETTINGS)
-    arms = [planned_arm(name, args.config, SETTINGS[name]) for name in ["default"] + [n for n in names if n != "default"]]
+    arms = [
+        planned_arm(name, args.config, SETTINGS[name]) for name in ["default"] + [n for n in names if n != "default"]
+    ]
     for arm in arms:
         if arm.name == "bf16_hook" and launching.plan(args.config).on_cpu and arm.skipped is None:
             arm.skipped = "gloo cannot all-reduce bf16 (the bf16 hook needs NCCL or XCCL)"
-    summary = experiment(runs, "ddp_cost", arms, [*train_args, "--communication-samples", str(args.samples)], args.rounds)
-    results = {arm.name: [RunView(read_record(runs / run)).headline()["communication"]
-                          for run in summary["arms"][arm.name]["runs"]]
-               for arm in arms if arm.skipped is None}
+    summary = experiment(
+        runs, "ddp_cost", arms, [*train_args, "--communication-samples", str(args.samples)], args.rounds
+    )
+    results = {
+        arm.name: [
+            RunView(read_record(runs / run)).headline()["communication"] for run in summary["arms"][arm.name]["runs"]
+        ]
+        for arm in arms
+        if arm.skipped is None
+    }
     summary["communication"] = {name: aggregate(rows) for name, rows in results.items()}
     faster = [n for n, c in summary["comparisons"].items() if c["speed"]["verdict"] == "faster"]
     best = max(faster, key=lambda n: summary["comparisons"][n]["speed"]["median_ratio"]) if faster else "default"
-    summary["best"] = {"setting": best, "flags": SETTINGS[best], "speed": summary["comparisons"].get(best, {}).get("speed")}
+    summary["best"] = {
+        "setting": best,
+        "flags": SETTINGS[best],
+        "speed": summary["comparisons"].get(best, {}).get("speed"),
+    }
     summary["ring_model"] = ring_model(summary["communication"].get("default", {}), args.config)
     write(runs, "ddp_cost", summary, train_args, args.rounds)
     return summary
@@ -57,8 +78,11 @@ def aggregate(rows: list[dict | None]) -> dict:
     figure as {median, min, max, n} where every round has it; the exposed time only where every round resolved it,
     else the range its rounds allow; how many rounds' instruments agreed."""
     rows = [r for r in rows if r]
-    out = {k: bench.spread([r[k] for r in rows]) for k in COMMUNICATION_FIGURES
-           if rows and all(r.get(k) is not None for r in rows)}
+    out = {
+        k: bench.spread([r[k] for r in rows])
+        for k in COMMUNICATION_FIGURES
+        if rows and all(r.get(k) is not None for r in rows)
+    }
     intervals = [r["exposed_interval"] for r in rows if r.get("exposed_interval")]
     out["rounds"], out["resolved_rounds"] = len(rows), sum(1 for r in rows if r.get("resolved"))
     out["exposed_range"] = [max(0.0, min(i[0] for i in intervals)), max(i[1] for i in intervals)] if intervals else None
@@ -78,8 +102,13 @@ def ring_model(measured: dict, config: str) -> dict | None:
     for name, p in INTERCONNECTS.items():
         model = ring_allreduce_seconds(size, world, p["bandwidth_gbs"], p["latency_us"])
         presets[name] = {"model_s": model, "measured_over_model": seconds / model}
-    return {"gradient_bytes": size, "world_size": world, "measured_s": seconds,
-            "measured_bus_bandwidth_gbs": measured["bus_bandwidth_gbs"]["median"], "presets": presets}
+    return {
+        "gradient_bytes": size,
+        "world_size": world,
+        "measured_s": seconds,
+        "measured_bus_bandwidth_gbs": measured["bus_bandwidth_gbs"]["median"],
+        "presets": presets,
+    }
 
 
 def setting_figures(comparison: dict, runs: dict) -> dict:
@@ -105,16 +134,36 @@ def rows(comparison: dict, runs: dict | None = None) -> list[dict]:
             out.append({"setting": row["arm"], "flags": row["flags"], "skipped": row["reason"]})
             continue
         found = figures.get(row["arm"], {})
-        pick = lambda key: found[key]["median"] if key in found else None  # noqa: E731
+        pick = lambda key, found=found: found[key]["median"] if key in found else None
         rounds = found.get("rounds") or 0
-        out.append({"setting": row["arm"], "flags": row["flags"], "step_s": row["step_s"],
-                    "step_s_range": row["step_s_range"], "speed": row["speed"],
-                    "resolved": bool(rounds) and found.get("resolved_rounds") == rounds,
-                    "resolved_rounds": found.get("resolved_rounds") or 0,
-                    "exposed_range": found.get("exposed_range"), "rounds": rounds, "method": found.get("method"),
-                    "verdicts": found.get("verdicts") or [],
-                    **{key: pick(key) for key in ("exposed_s", "exposed_share", "transfer_s", "hidden_share", "overlap",
-                                                  "ddp_exposed_s", "ddp_overlap", "bus_bandwidth_gbs")}})
+        out.append(
+            {
+                "setting": row["arm"],
+                "flags": row["flags"],
+                "step_s": row["step_s"],
+                "step_s_range": row["step_s_range"],
+                "speed": row["speed"],
+                "resolved": bool(rounds) and found.get("resolved_rounds") == rounds,
+                "resolved_rounds": found.get("resolved_rounds") or 0,
+                "exposed_range": found.get("exposed_range"),
+                "rounds": rounds,
+                "method": found.get("method"),
+                "verdicts": found.get("verdicts") or [],
+                **{
+                    key: pick(key)
+                    for key in (
+                        "exposed_s",
+                        "exposed_share",
+                        "transfer_s",
+                        "hidden_share",
+                        "overlap",
+                        "ddp_exposed_s",
+                        "ddp_overlap",
+                        "bus_bandwidth_gbs",
+                    )
+                },
+            }
+        )
     return out
 
 
@@ -142,12 +191,14 @@ def figure(comparison: dict, runs: dict, default_record: dict | None):
     if any(parts):
         steps.bar(names, rest, label="the rest of the step (no transfer beside it)", color="tab:blue")
         steps.bar(names, hidden, bottom=rest, label="transfer hidden behind backward", color="tab:green")
-        steps.bar(names, exposed, bottom=[a + b for a, b in zip(rest, hidden)], label="exposed communication",
-                  color="tab:red")
+        steps.bar(
+            names, exposed, bottom=[a + b for a, b in zip(rest, hidden)], label="exposed communication", color="tab:red"
+        )
     unresolved = [r["step_s"] if p is None else 0.0 for r, p in zip(measured, parts)]
     if any(unresolved):
-        steps.bar(names, unresolved, label="step; communication not resolved", color="none", edgecolor="tab:gray",
-                  hatch="//")
+        steps.bar(
+            names, unresolved, label="step; communication not resolved", color="none", edgecolor="tab:gray", hatch="//"
+        )
     steps.set_ylabel("seconds per optimizer step (median)")
     steps.tick_params(axis="x", labelsize=7)
     steps.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
@@ -156,13 +207,25 @@ def figure(comparison: dict, runs: dict, default_record: dict | None):
     if per_rank and figures.get("resolved"):
         labels = [f"rank {r['rank']}" for r in per_rank]
         ranks.bar(labels, [figures["exposed_s"]] * len(per_rank), label="exposed communication", color="tab:red")
-        ranks.bar(labels, [r["wait_s"] for r in per_rank], bottom=[figures["exposed_s"]] * len(per_rank),
-                  label="wait for the last rank to arrive", color="tab:orange")
+        ranks.bar(
+            labels,
+            [r["wait_s"] for r in per_rank],
+            bottom=[figures["exposed_s"]] * len(per_rank),
+            label="wait for the last rank to arrive",
+            color="tab:orange",
+        )
         ranks.set_ylabel("seconds per step, median (defaults)")
         ranks.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     else:
-        ranks.text(0.5, 0.5, "per rank: not measured per step\n(" + ((figures or {}).get("method") or "no record") + ")",
-                   ha="center", va="center", fontsize=8, transform=ranks.transAxes)
+        ranks.text(
+            0.5,
+            0.5,
+            "per rank: not measured per step\n(" + ((figures or {}).get("method") or "no record") + ")",
+            ha="center",
+            va="center",
+            fontsize=8,
+            transform=ranks.transAxes,
+        )
         ranks.set_axis_off()
     drawn.tight_layout()
     return drawn
@@ -194,14 +257,41 @@ def settings_table(comparison: dict, runs: dict | None = None) -> Table:
             cells.append([r["setting"], r["flags"], f"skipped: {r['skipped']}", "", "", "", "", "", "", "", "", ""])
             continue
         ms = lambda v: num(v * 1e3, 1) if v is not None else "n/a"  # noqa: E731
-        cells.append([r["setting"], r["flags"], ranged(r["step_s"], r["step_s_range"], 3), *speed_cells(r),
-                      exposed_cell(r), ms(r["ddp_exposed_s"]), agreement_cell(r), ms(r["transfer_s"]),
-                      num(r["hidden_share"] if r["resolved"] else None, 0, percent=True),
-                      num(r["overlap"], 0, percent=True), num(r["ddp_overlap"], 0, percent=True)])
-    return Table(f"DDP settings against DDP's defaults ({comparison['rounds']} alternating rounds)",
-                 ["setting", "flags", "s/step", "speed vs default", "verdict", "exposed ms", "DDP's exposed ms",
-                  "agreement", "transfer ms", "hidden", "overlap", "DDP's overlap"], cells, "ddp_cost",
-                 align="llrrlrrlrrrr")
+        cells.append(
+            [
+                r["setting"],
+                r["flags"],
+                ranged(r["step_s"], r["step_s_range"], 3),
+                *speed_cells(r),
+                exposed_cell(r),
+                ms(r["ddp_exposed_s"]),
+                agreement_cell(r),
+                ms(r["transfer_s"]),
+                num(r["hidden_share"] if r["resolved"] else None, 0, percent=True),
+                num(r["overlap"], 0, percent=True),
+                num(r["ddp_overlap"], 0, percent=True),
+            ]
+        )
+    return Table(
+        f"DDP settings against DDP's defaults ({comparison['rounds']} alternating rounds)",
+        [
+            "setting",
+            "flags",
+            "s/step",
+            "speed vs default",
+            "verdict",
+            "exposed ms",
+            "DDP's exposed ms",
+            "agreement",
+            "transfer ms",
+            "hidden",
+            "overlap",
+            "DDP's overlap",
+        ],
+        cells,
+        "ddp_cost",
+        align="llrrlrrlrrrr",
+    )
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -212,18 +302,26 @@ def section(report, found: reporting.Collected) -> None:
     if "default" in records:
         report.text(summary_text(RunView(records["default"])))
     report.text(agreement_text(rows(comparison, runs)))
-    report.figure(figure(comparison, runs, records.get("default")), "ddp_cost",
-                  "Where a DDP step goes, per setting; the exposure and the wait per rank", list(records.values()))
+    report.figure(
+        figure(comparison, runs, records.get("default")),
+        "ddp_cost",
+        "Where a DDP step goes, per setting; the exposure and the wait per rank",
+        list(records.values()),
+    )
     report.table(settings_table(comparison, runs))
     report.text(f"Best setting here: {best_text(comparison.get('best') or {})}.")
     ring = comparison.get("ring_model")
     if ring:
-        report.text(f"The measured all-reduce of {ring['gradient_bytes'] / 1e6:.1f} MB over {ring['world_size']} processes "
-                    f"took {ring['measured_s'] * 1e3:.1f} ms ({ring['measured_bus_bandwidth_gbs']:.2f} GB/s); the ring "
-                    "model with compare_dp.py's presets predicts "
-                    + ", ".join(f"{name} {p['model_s'] * 1e3:.2f} ms (measured {p['measured_over_model']:.0f}x)"
-                                for name, p in ring["presets"].items())
-                    + ". `compare_dp.py --ddp-cost` projects with the measured bandwidth beside the presets.")
+        report.text(
+            f"The measured all-reduce of {ring['gradient_bytes'] / 1e6:.1f} MB over {ring['world_size']} processes "
+            f"took {ring['measured_s'] * 1e3:.1f} ms ({ring['measured_bus_bandwidth_gbs']:.2f} GB/s); the ring "
+            "model with compare_dp.py's presets predicts "
+            + ", ".join(
+                f"{name} {p['model_s'] * 1e3:.2f} ms (measured {p['measured_over_model']:.0f}x)"
+                for name, p in ring["presets"].items()
+            )
+            + ". `compare_dp.py --ddp-cost` projects with the measured bandwidth beside the presets."
+        )
 
 
 def agreement_text(setting_rows: list[dict]) -> str:
@@ -233,12 +331,17 @@ def agreement_text(setting_rows: list[dict]) -> str:
     for r in setting_rows:
         if "skipped" in r:
             continue
-        parts.append(f"`{r['setting']}` {agreement_cell(r)}, exposed time resolved in {r['resolved_rounds']} of "
-                     f"{r['rounds']} rounds")
-    return ("Per setting, trainscope's per-step exposed time against DDP's own logger on the iterations DDP sampled "
-            "(agree: the 95% interval of the median paired difference within +-max(30%, 15 ms)): " + "; ".join(parts)
-            + ". Runs measured by the two-pass estimate of schema 3 are not compared (the instruments sampled other "
-            "steps) and their exposed time is shown only where its interval resolves it.")
+        parts.append(
+            f"`{r['setting']}` {agreement_cell(r)}, exposed time resolved in {r['resolved_rounds']} of "
+            f"{r['rounds']} rounds"
+        )
+    return (
+        "Per setting, trainscope's per-step exposed time against DDP's own logger on the iterations DDP sampled "
+        "(agree: the 95% interval of the median paired difference within +-max(30%, 15 ms)): "
+        + "; ".join(parts)
+        + ". Runs measured by the two-pass estimate of schema 3 are not compared (the instruments sampled other "
+        "steps) and their exposed time is shown only where its interval resolves it."
+    )
 
 
 def hidden_text(figures: dict) -> str:
@@ -249,8 +352,10 @@ def hidden_text(figures: dict) -> str:
         return f", so {figures['hidden_share']:.0%} of the transfer hides behind backward"
     if exposed_above_transfer(interval, figures.get("transfer_s")):
         return ", less than the exposed time (backward waited for more than the transfer: contention)"
-    return (f", inside the exposed time's interval ({interval[0] * 1e3:.1f}-{interval[1] * 1e3:.1f} ms): how much "
-            "of it hides is not resolved")
+    return (
+        f", inside the exposed time's interval ({interval[0] * 1e3:.1f}-{interval[1] * 1e3:.1f} ms): how much "
+        "of it hides is not resolved"
+    )
 
 
 def summary_text(view: RunView) -> str:
@@ -263,21 +368,32 @@ def summary_text(view: RunView) -> str:
     text = step_text(view)
     if figures["resolved"]:
         if transfer:
-            text += (f"; the same buckets' all-reduces alone take {transfer * 1e3:.1f} ms"
-                     + (f" ({figures['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth)" if figures.get("bus_bandwidth_gbs") else "")
-                     + hidden_text(figures))
+            text += (
+                f"; the same buckets' all-reduces alone take {transfer * 1e3:.1f} ms"
+                + (
+                    f" ({figures['bus_bandwidth_gbs']:.2f} GB/s bus bandwidth)"
+                    if figures.get("bus_bandwidth_gbs")
+                    else ""
+                )
+                + hidden_text(figures)
+            )
         if figures.get("overlap") is not None:
             text += f"; the compute overlaps {figures['overlap']:.0%} of the communication window"
     if figures.get("ddp_exposed_s") is not None:
-        text += (f". DDP's own logger, over its steady iterations, puts the exposed part at "
-                 f"{figures['ddp_exposed_s'] * 1e3:.1f} ms and its overlap at {figures['ddp_overlap']:.0%}"
-                 + (f" ({figures['agreement']} on the same iterations)" if figures.get("agreement") else ""))
+        text += (
+            f". DDP's own logger, over its steady iterations, puts the exposed part at "
+            f"{figures['ddp_exposed_s'] * 1e3:.1f} ms and its overlap at {figures['ddp_overlap']:.0%}"
+            + (f" ({figures['agreement']} on the same iterations)" if figures.get("agreement") else "")
+        )
     return head + text + "."
 
 
 def best_text(best: dict) -> str:
-    return f"`{best.get('setting')}`" + (f" (`{' '.join(best['flags'])}`), {bench.describe(best['speed'])}"
-                                         if best.get("speed") else ": no setting was faster than DDP's defaults outside noise")
+    return f"`{best.get('setting')}`" + (
+        f" (`{' '.join(best['flags'])}`), {bench.describe(best['speed'])}"
+        if best.get("speed")
+        else ": no setting was faster than DDP's defaults outside noise"
+    )
 
 
 def headline(found: reporting.Collected) -> Headline | None:
@@ -289,10 +405,15 @@ def headline(found: reporting.Collected) -> Headline | None:
     view = RunView(default) if default else None
     best = comparison.get("best") or {}
     figures = view.communication_figures if view else None
-    cost = (f"with DDP's defaults ({figures['world_size']} processes): {step_text(view)}; "
-            if figures and figures.get("measured") else "")
-    return Headline(f"{cost}best setting: {best_text(best)}",
-                    best["speed"]["verdict"] if best.get("speed") else "the defaults stand")
+    cost = (
+        f"with DDP's defaults ({figures['world_size']} processes): {step_text(view)}; "
+        if figures and figures.get("measured")
+        else ""
+    )
+    return Headline(
+        f"{cost}best setting: {best_text(best)}",
+        best["speed"]["verdict"] if best.get("speed") else "the defaults stand",
+    )
 
 
 def step_text(view: RunView) -> str:
@@ -301,11 +422,23 @@ def step_text(view: RunView) -> str:
     step = f"{view.step_s * 1e3:.1f} ms per step" if view.step_s else "step time unknown"
     if not figures["resolved"]:
         low, high = figures["exposed_interval"] or (0.0, 0.0)
-        return (f"{step}; exposed communication not resolved: between {max(0.0, low) * 1e3:.1f} and {high * 1e3:.1f} "
-                "ms per step, so no share of the step or of the transfer is given")
-    return f"{step}, of which exposed communication {figures['exposed_s'] * 1e3:.1f} ms ({figures['exposed_share']:.1%})"
+        return (
+            f"{step}; exposed communication not resolved: between {max(0.0, low) * 1e3:.1f} and {high * 1e3:.1f} "
+            "ms per step, so no share of the step or of the transfer is given"
+        )
+    return (
+        f"{step}, of which exposed communication {figures['exposed_s'] * 1e3:.1f} ms ({figures['exposed_share']:.1%})"
+    )
 
 
-EXPERIMENT = Experiment(name="ddp-cost", title="What DDP communication costs", target="make ddp-cost",
-                        folder="ddp_cost", section=section, headline=headline, arguments=arguments, run=run,
-                        help="DDP settings against DDP's defaults: exposed communication, speed")
+EXPERIMENT = Experiment(
+    name="ddp-cost",
+    title="What DDP communication costs",
+    target="make ddp-cost",
+    folder="ddp_cost",
+    section=section,
+    headline=headline,
+    arguments=arguments,
+    run=run,
+    help="DDP settings against DDP's defaults: exposed communication, speed",
+)

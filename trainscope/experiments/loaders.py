@@ -10,8 +10,10 @@ PYTORCH_DEFAULT_WORKERS = 0
 
 
 def curve_name(entry: dict) -> str:
-    return (f"{entry['mode']} (batch {entry['batch_size']}, pin {'on' if entry['pin_memory'] else 'off'}, "
-            f"persistent {'on' if entry['persistent_workers'] else 'off'}, prefetch {entry['prefetch_factor']})")
+    return (
+        f"{entry['mode']} (batch {entry['batch_size']}, pin {'on' if entry['pin_memory'] else 'off'}, "
+        f"persistent {'on' if entry['persistent_workers'] else 'off'}, prefetch {entry['prefetch_factor']})"
+    )
 
 
 def figure(report: dict):
@@ -28,17 +30,25 @@ def figure(report: dict):
         for name, points in curves.items():
             points.sort(key=lambda p: p["num_workers"])
             x = [p["num_workers"] for p in points]
-            line, = axis.plot(x, [p["median"] * scale for p in points], marker="o", label=name)
-            axis.fill_between(x, [p["min"] * scale for p in points], [p["max"] * scale for p in points],
-                              alpha=0.2, color=line.get_color())
+            (line,) = axis.plot(x, [p["median"] * scale for p in points], marker="o", label=name)
+            axis.fill_between(
+                x,
+                [p["min"] * scale for p in points],
+                [p["max"] * scale for p in points],
+                alpha=0.2,
+                color=line.get_color(),
+            )
         axis.set_xlabel("num_workers (PyTorch default: 0)")
         axis.set_ylabel("pass over all training batches (s)" if metric == "pass_s" else "data share of step time (%)")
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
     machine = report["machine"]
-    drawn.suptitle(f"DataLoader sweep: {report['dataset_rows']} rows, {machine['device_name']}, "
-                   f"{machine['usable_cores']} cores (median, min-max band)", fontsize=9)
+    drawn.suptitle(
+        f"DataLoader sweep: {report['dataset_rows']} rows, {machine['device_name']}, "
+        f"{machine['usable_cores']} cores (median, min-max band)",
+        fontsize=9,
+    )
     drawn.tight_layout()
     return drawn
 
@@ -48,11 +58,24 @@ def settings_table(report: dict) -> Table:
     for s in report["summary"]["settings"]:
         passes = s["metric"] == "pass_s"
         cell = (lambda v: num(v, 3)) if passes else (lambda v: num(v, 1, percent=True))
-        rows.append([s["mode"], str(s["batch_size"]), "on" if s["pin_memory"] else "off", str(s["num_workers"]),
-                     f"{cell(s['median'])} ({'s/pass' if passes else 'data share'})", f"{cell(s['min'])} - {cell(s['max'])}",
-                     num(s.get("median_first_batch_s"), 3)])
-    return Table("DataLoader sweep: median over repeats, min - max", ["mode", "batch", "pin", "workers", "median",
-                 "range", "first batch s"], rows, "loaders", align="lrlrrrr")
+        rows.append(
+            [
+                s["mode"],
+                str(s["batch_size"]),
+                "on" if s["pin_memory"] else "off",
+                str(s["num_workers"]),
+                f"{cell(s['median'])} ({'s/pass' if passes else 'data share'})",
+                f"{cell(s['min'])} - {cell(s['max'])}",
+                num(s.get("median_first_batch_s"), 3),
+            ]
+        )
+    return Table(
+        "DataLoader sweep: median over repeats, min - max",
+        ["mode", "batch", "pin", "workers", "median", "range", "first batch s"],
+        rows,
+        "loaders",
+        align="lrlrrrr",
+    )
 
 
 def knee_verdict(rows: list[dict], curve: str, summary: dict) -> dict | None:
@@ -67,8 +90,9 @@ def knee_verdict(rows: list[dict], curve: str, summary: dict) -> dict | None:
     both = [r for r in by_repeat.values() if PYTORCH_DEFAULT_WORKERS in r and summary["knee_workers"] in r]
     if not both:
         return None
-    return bench.compare_samples([r[PYTORCH_DEFAULT_WORKERS] for r in both], [r[summary["knee_workers"]] for r in both],
-                                 higher_is_better=False)
+    return bench.compare_samples(
+        [r[PYTORCH_DEFAULT_WORKERS] for r in both], [r[summary["knee_workers"]] for r in both], higher_is_better=False
+    )
 
 
 KNEE_IS_DEFAULT = "the knee is the default"
@@ -76,19 +100,37 @@ KNEE_IS_DEFAULT = "the knee is the default"
 
 def knees(report: dict) -> list[tuple[str, dict, dict | None]]:
     """(curve, its summary, its knee against the default judged by today's test from the sweep's own rows)."""
-    return [(name, curve, knee_verdict(report["rows"], name, curve) if report.get("rows")
-             else curve.get("knee_against_default")) for name, curve in report["summary"]["curves"].items()]
+    return [
+        (
+            name,
+            curve,
+            knee_verdict(report["rows"], name, curve) if report.get("rows") else curve.get("knee_against_default"),
+        )
+        for name, curve in report["summary"]["curves"].items()
+    ]
 
 
 def knee_table(report: dict) -> Table:
     """The knee of each curve against the default."""
     rows = []
     for name, curve, against in knees(report):
-        rows.append([name, str(curve["knee_workers"]), str(curve["best_workers"]),
-                     bench.ratio_text(against) if against else KNEE_IS_DEFAULT,
-                     against["verdict"] if against else "", f"`{curve['flags']}`"])
-    return Table("The knee of each curve against PyTorch's default (0 workers)", ["curve", "knee (workers)",
-                 "best (workers)", "knee vs default", "verdict", "flags"], rows, "loaders_knee", align="lrrrll")
+        rows.append(
+            [
+                name,
+                str(curve["knee_workers"]),
+                str(curve["best_workers"]),
+                bench.ratio_text(against) if against else KNEE_IS_DEFAULT,
+                against["verdict"] if against else "",
+                f"`{curve['flags']}`",
+            ]
+        )
+    return Table(
+        "The knee of each curve against PyTorch's default (0 workers)",
+        ["curve", "knee (workers)", "best (workers)", "knee vs default", "verdict", "flags"],
+        rows,
+        "loaders_knee",
+        align="lrrrll",
+    )
 
 
 def headline(found: reporting.Collected) -> Headline | None:
@@ -97,9 +139,13 @@ def headline(found: reporting.Collected) -> Headline | None:
     if not sweep:
         return None
     mode = lambda name: name.split(" (")[0]  # noqa: E731  the curve's loading mode
-    parts = [f"{mode(name)}: knee at {curve['knee_workers']} workers, {bench.ratio_text(against)} against "
-             f"{PYTORCH_DEFAULT_WORKERS}" if against else f"{mode(name)}: {KNEE_IS_DEFAULT} ({PYTORCH_DEFAULT_WORKERS} workers)"
-             for name, curve, against in knees(sweep)]
+    parts = [
+        f"{mode(name)}: knee at {curve['knee_workers']} workers, {bench.ratio_text(against)} against "
+        f"{PYTORCH_DEFAULT_WORKERS}"
+        if against
+        else f"{mode(name)}: {KNEE_IS_DEFAULT} ({PYTORCH_DEFAULT_WORKERS} workers)"
+        for name, curve, against in knees(sweep)
+    ]
     verdicts = [f"{mode(name)}: {against['verdict']}" for name, _, against in knees(sweep) if against]
     return Headline("; ".join(parts), "; ".join(verdicts) or KNEE_IS_DEFAULT)
 
@@ -109,15 +155,23 @@ def section(report, found: reporting.Collected) -> None:
     if not report.begin(EXPERIMENT.title, sweep, EXPERIMENT.missing()):
         return
     machine = sweep["machine"]
-    report.text(f"{machine['device_name']}, {machine['usable_cores']} usable cores "
-                f"({machine['cpu_budget_per_process']} per training process), {sweep['dataset_rows']} training rows, "
-                f"{sweep['sweep']['repeats']} repeats in alternating order. PyTorch's default is num_workers="
-                f"{sweep['pytorch_default_num_workers']} (loading in the training process).")
+    report.text(
+        f"{machine['device_name']}, {machine['usable_cores']} usable cores "
+        f"({machine['cpu_budget_per_process']} per training process), {sweep['dataset_rows']} training rows, "
+        f"{sweep['sweep']['repeats']} repeats in alternating order. PyTorch's default is num_workers="
+        f"{sweep['pytorch_default_num_workers']} (loading in the training process)."
+    )
     report.figure(figure(sweep), "loaders", "Pass time against num_workers")
     report.table(settings_table(sweep))
     report.table(knee_table(sweep))
 
 
-EXPERIMENT = Experiment(name="loaders", title="DataLoader num_workers", target="make sweep-workers",
-                        results="loaders/loaders.json", section=section, headline=headline,
-                        needs=("benchmark", "machine", "sweep", "summary", "dataset_rows", "pytorch_default_num_workers"))
+EXPERIMENT = Experiment(
+    name="loaders",
+    title="DataLoader num_workers",
+    target="make sweep-workers",
+    results="loaders/loaders.json",
+    section=section,
+    headline=headline,
+    needs=("benchmark", "machine", "sweep", "summary", "dataset_rows", "pytorch_default_num_workers"),
+)

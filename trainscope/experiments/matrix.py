@@ -7,19 +7,36 @@ skipped with their reason; the first variant is the baseline.
 from pathlib import Path
 
 from trainscope import launching, reporting
-from trainscope.experiments.base import (Arm, Experiment, ExperimentFailed, arm_table, arms_headline, experiment,
-                                         runs_option)
+from trainscope.experiments.base import (
+    Arm,
+    Experiment,
+    ExperimentFailed,
+    arm_table,
+    arms_headline,
+    experiment,
+    runs_option,
+)
 from trainscope.record_view import RunView
 from trainscope.tables import Table, num, pyplot
 
-SWITCHES = {"ckpt": ["--gradient-checkpointing"], "compile": ["--compile"], "lora": ["--lora"],
-            "events": ["--timing", "events"], "sync": ["--timing", "sync"], "tf32": ["--tf32"]}
+SWITCHES = {
+    "ckpt": ["--gradient-checkpointing"],
+    "compile": ["--compile"],
+    "lora": ["--lora"],
+    "events": ["--timing", "events"],
+    "sync": ["--timing", "sync"],
+    "tf32": ["--tf32"],
+}
 
 
 def arguments(parser) -> None:
     runs_option(parser, config=None)
-    parser.add_argument("--variants", nargs="+", required=True,
-                        help=f"config[+switch...], switches: {', '.join(SWITCHES)}; the first is the baseline")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        required=True,
+        help=f"config[+switch...], switches: {', '.join(SWITCHES)}; the first is the baseline",
+    )
 
 
 def parse_variant(variant: str) -> Arm:
@@ -31,7 +48,9 @@ def parse_variant(variant: str) -> Arm:
     if not launching.config_path(config).exists():
         raise ExperimentFailed(f"no {launching.config_path(config)} for variant {variant!r}")
     plan = launching.plan(config)
-    return Arm(variant, config, [flag for s in switches for flag in SWITCHES[s]], None if plan.runnable else plan.reason)
+    return Arm(
+        variant, config, [flag for s in switches for flag in SWITCHES[s]], None if plan.runnable else plan.reason
+    )
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -55,21 +74,45 @@ def section(report, found: reporting.Collected) -> None:
     axis.legend(fontsize=8)
     axis.tick_params(axis="x", labelsize=8)
     report.figure(figure, "matrix", "Stage time per step for each variant", list(records.values()))
-    report.table(arm_table(comparison, f"Variants (same seed and steps, {comparison['rounds']} alternating rounds)",
-                           "matrix"))
-    cells = [[f"{names[0]} -> {name}", part["stage"], num(part["baseline_s"], 4), num(part["other_s"], 4),
-              f"{part['delta_s']:+.4f}", num(part["share_of_change"], 1, percent=True)]
-             for name in names[1:] for part in reporting.attribution(records[names[0]], records[name])]
+    report.table(
+        arm_table(comparison, f"Variants (same seed and steps, {comparison['rounds']} alternating rounds)", "matrix")
+    )
+    cells = [
+        [
+            f"{names[0]} -> {name}",
+            part["stage"],
+            num(part["baseline_s"], 4),
+            num(part["other_s"], 4),
+            f"{part['delta_s']:+.4f}",
+            num(part["share_of_change"], 1, percent=True),
+        ]
+        for name in names[1:]
+        for part in reporting.attribution(records[names[0]], records[name])
+    ]
     if cells:
-        report.table(Table("Speed-up attribution: per-step stage seconds against the first variant (first round)",
-                           ["comparison", "stage", "before s", "after s", "change s", "share of change"],
-                           cells, "attribution", align="llrrrr"))
+        report.table(
+            Table(
+                "Speed-up attribution: per-step stage seconds against the first variant (first round)",
+                ["comparison", "stage", "before s", "after s", "change s", "share of change"],
+                cells,
+                "attribution",
+                align="llrrrr",
+            )
+        )
 
 
 def headline(found: reporting.Collected):
     return arms_headline(found.comparisons.get("matrix"), found.runs.get("matrix", {}))
 
 
-EXPERIMENT = Experiment(name="matrix", title="Configs and switches side by side", target="make matrix",
-                        folder="matrix", section=section, headline=headline, arguments=arguments, run=run,
-                        help="train.py under each config and switch")
+EXPERIMENT = Experiment(
+    name="matrix",
+    title="Configs and switches side by side",
+    target="make matrix",
+    folder="matrix",
+    section=section,
+    headline=headline,
+    arguments=arguments,
+    run=run,
+    help="train.py under each config and switch",
+)

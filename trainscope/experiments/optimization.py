@@ -19,9 +19,11 @@ def section(report, found: reporting.Collected) -> None:
     if not report.begin(EXPERIMENT.title, record, "Not run yet: `make profile` produces the main run."):
         return
     view = RunView(record)
-    report.text(f"From run `{view.name}` (`python report.py --advise {view.path}`): each 'at most' is Amdahl's law "
-                "on the measured share the change would shrink; an 'estimate' states its factor. `make tune` tries "
-                "them and keeps what is faster with a result shown the same.")
+    report.text(
+        f"From run `{view.name}` (`python report.py --advise {view.path}`): each 'at most' is Amdahl's law "
+        "on the measured share the change would shrink; an 'estimate' states its factor. `make tune` tries "
+        "them and keeps what is faster with a result shown the same."
+    )
     report.code("\n".join(advisor.lines(advisor.advise(record)[:6])))
     tune = found.comparisons.get("tune")
     if tune:
@@ -35,25 +37,31 @@ def section(report, found: reporting.Collected) -> None:
     confirm, why = readable_confirm(found)
     if confirm:
         report.table(tune_confirm.confirm_table(confirm))
-        report.text("Result over the paired seeds (every metric): "
-                    f"{confirm['comparisons'][tune_confirm.TUNED]['equivalence']['text']}.")
+        report.text(
+            "Result over the paired seeds (every metric): "
+            f"{confirm['comparisons'][tune_confirm.TUNED]['equivalence']['text']}."
+        )
     else:
-        report.text("On the full job: `make tune-confirm` measures make tune's final command against make train's "
-                    + (f"(its result here is skipped: {why})." if why else "(not among these inputs)."))
+        report.text(
+            "On the full job: `make tune-confirm` measures make tune's final command against make train's "
+            + (f"(its result here is skipped: {why})." if why else "(not among these inputs).")
+        )
 
 
 def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
     """The advisor's run, make tune's runs and make tune-confirm's, each labelled by what it is."""
     main = reporting.pick_breakdown_run(found)
     return ([(f"main run {RunView(main).name}", main)] if main else []) + [
-        (f"make {name}", record) for name in ("tune", "tune-confirm") for record in found.runs.get(name, {}).values()]
+        (f"make {name}", record) for name in ("tune", "tune-confirm") for record in found.runs.get(name, {}).values()
+    ]
 
 
 def _ratio_cell(ratio: dict | None) -> str:
     if not ratio:
         return "-"
-    return (f"{ratio['median_ratio']:.3f} ({ratio['min_ratio']:.3f}-{ratio['max_ratio']:.3f}, p {ratio['p_value']:.2g} "
-            "raw)")
+    return (
+        f"{ratio['median_ratio']:.3f} ({ratio['min_ratio']:.3f}-{ratio['max_ratio']:.3f}, p {ratio['p_value']:.2g} raw)"
+    )
 
 
 def headline(found: reporting.Collected) -> Headline | None:
@@ -67,13 +75,18 @@ def headline(found: reporting.Collected) -> Headline | None:
         final = final_trial(tune["trials"])
         if final is None:
             return Headline(NONE_KEPT, "nothing kept")
-        return Headline(f"{final['name']} ({change_of(final)}): {bench.ratio_text(final['speed'])} on the same work, "
-                        f"result {final['result']}" + confirmed_text(found), f"{final['verdict']}, kept")
+        return Headline(
+            f"{final['name']} ({change_of(final)}): {bench.ratio_text(final['speed'])} on the same work, "
+            f"result {final['result']}" + confirmed_text(found),
+            f"{final['verdict']}, kept",
+        )
     suggestions = advisor.advise(record)
     if not suggestions:
         return Headline(advisor.lines([])[0], "nothing to try")
-    return Headline(f"first suggestion: {suggestions[0].change} -- {suggestions[0].gain_text()}",
-                    f"not tried yet: `{EXPERIMENT.target}` tries it")
+    return Headline(
+        f"first suggestion: {suggestions[0].change} -- {suggestions[0].gain_text()}",
+        f"not tried yet: `{EXPERIMENT.target}` tries it",
+    )
 
 
 def readable_confirm(found: reporting.Collected) -> tuple[dict | None, str | None]:
@@ -88,28 +101,58 @@ def confirmed_text(found: reporting.Collected) -> str:
     if confirm is None:
         return ""
     against = confirm["comparisons"][tune_confirm.TUNED]
-    return (f"; on the full job (make tune-confirm): training samples/s {bench.ratio_text(against['speed'])}, "
-            f"{against['speed']['verdict']}, result {against['equivalence']['verdict']}")
+    return (
+        f"; on the full job (make tune-confirm): training samples/s {bench.ratio_text(against['speed'])}, "
+        f"{against['speed']['verdict']}, result {against['equivalence']['verdict']}"
+    )
 
 
 def _speed_cell(speed: dict) -> str:
     if not speed.get("pairs"):
         return "-"
-    return (f"{speed['median_ratio']:.3f} ({speed['min_ratio']:.3f}-{speed['max_ratio']:.3f}), "
-            f"{speed['n_baseline']}/{speed['n_trial']} runs, p {speed['p_raw']:.2g} raw, {speed['p_value']:.2g} Holm")
+    return (
+        f"{speed['median_ratio']:.3f} ({speed['min_ratio']:.3f}-{speed['max_ratio']:.3f}), "
+        f"{speed['n_baseline']}/{speed['n_trial']} runs, p {speed['p_raw']:.2g} raw, {speed['p_value']:.2g} Holm"
+    )
 
 
 def tune_table(result: dict) -> Table:
     """Each trial against the baseline runs of its own rounds: its predicted gain, the speed on the same work
     (n baseline / n trial, raw and Holm p), the verdict, the training-only and evaluation-only ratios, the result."""
     tests = (result.get("design") or {}).get("tests", "?")
-    rows = [[t["name"], change_of(t), t.get("kind") or "-", t.get("gain_text") or "-", _speed_cell(t["speed"]),
-             t["verdict"], _ratio_cell(t.get("training")), _ratio_cell(t.get("evaluation")), result_cell(t)]
-            for t in result["trials"]]
-    return Table(f"make tune: each suggestion (the exact ones first, then the others on top of the kept exact ones), "
-                 f"then the kept ones together, against the baseline runs of its own rounds (Holm over {tests} tests, "
-                 "one look)", ["trial", "change", "kind", "predicted", "speed (same work)", "verdict", "training only",
-                               "evaluation only", "result"], rows, "tune", align="llllrlrrl")
+    rows = [
+        [
+            t["name"],
+            change_of(t),
+            t.get("kind") or "-",
+            t.get("gain_text") or "-",
+            _speed_cell(t["speed"]),
+            t["verdict"],
+            _ratio_cell(t.get("training")),
+            _ratio_cell(t.get("evaluation")),
+            result_cell(t),
+        ]
+        for t in result["trials"]
+    ]
+    return Table(
+        f"make tune: each suggestion (the exact ones first, then the others on top of the kept exact ones), "
+        f"then the kept ones together, against the baseline runs of its own rounds (Holm over {tests} tests, "
+        "one look)",
+        [
+            "trial",
+            "change",
+            "kind",
+            "predicted",
+            "speed (same work)",
+            "verdict",
+            "training only",
+            "evaluation only",
+            "result",
+        ],
+        rows,
+        "tune",
+        align="llllrlrrl",
+    )
 
 
 def result_cell(trial: dict) -> str:
@@ -135,22 +178,52 @@ def equivalence_table(result: dict) -> Table:
             if entry is None:
                 continue
             interval = entry["interval"]
-            rows.append([t["name"], metric.replace("_", " "), f"{entry['mean']:+.4f}",
-                         f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "- (one seed)",
-                         f"+-{entry['margin']:g}", str(entry["n"]), entry["verdict"]
-                         + (f" ({entry['needed']} seeds would show it {entry.get('shows') or 'decided'})"
-                            if entry.get("needed") else "")])
-    return Table("make tune: the same result? Paired differences (trial minus baseline, same seed), 90% interval, "
-                 "two one-sided tests", ["trial", "metric", "mean difference", "90% interval", "margin", "seeds",
-                                         "verdict"], rows, "tune_result", align="llrrrrl")
+            rows.append(
+                [
+                    t["name"],
+                    metric.replace("_", " "),
+                    f"{entry['mean']:+.4f}",
+                    f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "- (one seed)",
+                    f"+-{entry['margin']:g}",
+                    str(entry["n"]),
+                    entry["verdict"]
+                    + (
+                        f" ({entry['needed']} seeds would show it {entry.get('shows') or 'decided'})"
+                        if entry.get("needed")
+                        else ""
+                    ),
+                ]
+            )
+    return Table(
+        "make tune: the same result? Paired differences (trial minus baseline, same seed), 90% interval, "
+        "two one-sided tests",
+        ["trial", "metric", "mean difference", "90% interval", "margin", "seeds", "verdict"],
+        rows,
+        "tune_result",
+        align="llrrrrl",
+    )
 
 
 def rejudged_with_steps(comparison: dict, records: dict) -> dict:
     """`rejudged` with each record's step lines beside it (an exact trial is judged by its step losses)."""
-    return rejudged(comparison, {name: {**record, "steps": read_steps(Path(record["path"]), problems=[])}
-                                 if record.get("path") else record for name, record in records.items()})
+    return rejudged(
+        comparison,
+        {
+            name: {**record, "steps": read_steps(Path(record["path"]), problems=[])} if record.get("path") else record
+            for name, record in records.items()
+        },
+    )
 
 
-EXPERIMENT = Experiment(name="tune", title="Optimization: what to try next", target="make tune", folder="tune",
-                        section=section, headline=headline, needs=("experiment", "trials", "final_command", "summary"),
-                        rejudge=rejudged_with_steps, sources=sources, one_machine=False)
+EXPERIMENT = Experiment(
+    name="tune",
+    title="Optimization: what to try next",
+    target="make tune",
+    folder="tune",
+    section=section,
+    headline=headline,
+    needs=("experiment", "trials", "final_command", "summary"),
+    rejudge=rejudged_with_steps,
+    sources=sources,
+    one_machine=False,
+)

@@ -25,10 +25,10 @@ import torch
 
 from trainscope import bench, calibration, predict, reporting
 from trainscope.experiments.base import Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
-from trainscope.record_view import RunView
-from trainscope.reporting import Headline
 from trainscope.memory import GIB
+from trainscope.record_view import RunView
 from trainscope.records import read_record
+from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot
 
 ROBERTA = ["--model", "roberta-base", "--architecture-only", "--tokenizer", "embedded:minilm-l6"]
@@ -50,17 +50,30 @@ SHAPES = {
     "roberta-bs8": ("cpu", [*ROBERTA, "--per-device-batch-size", "8"]),
     "roberta-bs8-lora": ("cpu", [*ROBERTA, "--per-device-batch-size", "8", "--lora"]),
 }
-QUANTITIES = {"peak_memory_gib": "peak memory", "peak_above_baseline_gib": "peak above the start",
-              "step_s": "steady step", "run_s": "run time"}
+QUANTITIES = {
+    "peak_memory_gib": "peak memory",
+    "peak_above_baseline_gib": "peak above the start",
+    "step_s": "steady step",
+    "run_s": "run time",
+}
 MODES = {"calibrated": "calibrated", "first_use": "first use"}
 
 
 def arguments(parser) -> None:
     runs_option(parser, rounds=None, config=None)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE",
-                        help=f"shapes to run (default all {len(SHAPES)}): {', '.join(SHAPES)}")
-    parser.add_argument("--no-first-use", action="store_true",
-                        help="judge only the calibrated predictions (no first-use calibration, no second prediction)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=list(SHAPES),
+        choices=list(SHAPES),
+        metavar="SHAPE",
+        help=f"shapes to run (default all {len(SHAPES)}): {', '.join(SHAPES)}",
+    )
+    parser.add_argument(
+        "--no-first-use",
+        action="store_true",
+        help="judge only the calibrated predictions (no first-use calibration, no second prediction)",
+    )
 
 
 def machine_load() -> dict:
@@ -70,15 +83,23 @@ def machine_load() -> dict:
     them, for the record."""
     from trainscope.environment import usable_cores
 
-    own = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for field in ("ru_utime", "ru_stime"))
+    own = sum(
+        getattr(resource.getrusage(who), field)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for field in ("ru_utime", "ru_stime")
+    )
     try:
         fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
         busy = (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")  # user nice system, irq softirq steal
     except (OSError, ValueError, IndexError):
         busy = None
-    return {"load_average_1min": round(os.getloadavg()[0], 2), "usable_cores": usable_cores(),
-            "machine_cpu_s": busy, "own_cpu_s": own, "monotonic_s": time.monotonic()}
+    return {
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "usable_cores": usable_cores(),
+        "machine_cpu_s": busy,
+        "own_cpu_s": own,
+        "monotonic_s": time.monotonic(),
+    }
 
 
 def other_cores(load: dict) -> float | None:
@@ -110,8 +131,14 @@ def run(args, train_args: list[str]) -> dict:
     rows = run_rows(records)
     if not rows:
         raise ExperimentFailed("no run recorded a prediction and its error")
-    result = {"experiment": "predict-check", "train_args": train_args, "runs": rows, "summary": summarize(rows),
-              "machine_load": load, "skipped": {a.name: a.skipped for a in arms if a.skipped}}
+    result = {
+        "experiment": "predict-check",
+        "train_args": train_args,
+        "runs": rows,
+        "summary": summarize(rows),
+        "machine_load": load,
+        "skipped": {a.name: a.skipped for a in arms if a.skipped},
+    }
     if not args.no_first_use:
         result["first_use"] = first_use_check(records)
     bench.write_results(runs / "comparison", result, markdown(result, train_args))
@@ -134,11 +161,18 @@ def first_use_check(records: dict) -> dict:
             from trainscope.records import write_json_atomic
 
             write_json_atomic(calibration.calibration_path(device), full)
-    again = {name: {**record, "summary": {**record["summary"], "prediction_error": repredicted(record, fitted)}}
-             for name, record in records.items() if RunView(record).prediction}
+    again = {
+        name: {**record, "summary": {**record["summary"], "prediction_error": repredicted(record, fitted)}}
+        for name, record in records.items()
+        if RunView(record).prediction
+    }
     rows = run_rows(again)
-    return {"calibration": {k: fitted.get(k) for k in ("method", "seconds", "measured", "shapes")},
-            "at_bound": (fitted.get("time") or {}).get("at_bound") or [], "runs": rows, "summary": summarize(rows)}
+    return {
+        "calibration": {k: fitted.get(k) for k in ("method", "seconds", "measured", "shapes")},
+        "at_bound": (fitted.get("time") or {}).get("at_bound") or [],
+        "runs": rows,
+        "summary": summarize(rows),
+    }
 
 
 def repredicted(record: dict, fitted: dict) -> dict:
@@ -164,9 +198,14 @@ def run_rows(records: dict) -> list[dict]:
         errors = view.prediction_error
         if not errors:
             continue
-        row = {"run": name.removesuffix("-r0"), "precision": view.precision, "world_size": view.world_size,
-               "batch": view.setting("per_device_batch_size"), "memory_kind": errors.get("memory_kind"),
-               "calibration": errors.get("calibration")}
+        row = {
+            "run": name.removesuffix("-r0"),
+            "precision": view.precision,
+            "world_size": view.world_size,
+            "batch": view.setting("per_device_batch_size"),
+            "memory_kind": errors.get("memory_kind"),
+            "calibration": errors.get("calibration"),
+        }
         for key in QUANTITIES:
             entry = errors.get(key) or {}
             row[key] = {k: entry.get(k) for k in ("predicted", "measured", "error")}
@@ -181,8 +220,11 @@ def run_rows(records: dict) -> list[dict]:
                 entry["share_of_total"] = abs(entry["predicted"] - entry["measured"]) / total if total else None
         row["terms"].pop("memory: rest", None)
         # the measured term furthest off, from the terms themselves (older records named their residual so)
-        shares = {term: entry["share_of_total"] for term, entry in row["terms"].items()
-                  if entry.get("share_of_total") is not None}
+        shares = {
+            term: entry["share_of_total"]
+            for term, entry in row["terms"].items()
+            if entry.get("share_of_total") is not None
+        }
         row["furthest"] = max(shares, key=shares.get) if shares else None
         rows.append(row)
     return rows
@@ -196,23 +238,34 @@ def summarize(rows: list[dict]) -> dict:
         errors = [(abs(r[key]["error"]), r[key]["error"], r["run"]) for r in rows if r[key].get("error") is not None]
         if errors:
             worst = max(errors)
-            result[key] = {"median_abs_error": statistics.median(e[0] for e in errors), "worst_error": worst[1],
-                           "worst_run": worst[2], "runs": len(errors)}
+            result[key] = {
+                "median_abs_error": statistics.median(e[0] for e in errors),
+                "worst_error": worst[1],
+                "worst_run": worst[2],
+                "runs": len(errors),
+            }
     shares: dict = {}
     for row in rows:
         for term, entry in row["terms"].items():
             if entry.get("share_of_total") is not None:
                 shares.setdefault(term, []).append((entry["share_of_total"], abs(entry["error"] or 0.0)))
-    result["terms"] = {term: {"median_share_of_total": statistics.median(s for s, _ in values),
-                              "median_abs_error": statistics.median(e for _, e in values), "runs": len(values)}
-                       for term, values in shares.items()}
+    result["terms"] = {
+        term: {
+            "median_share_of_total": statistics.median(s for s, _ in values),
+            "median_abs_error": statistics.median(e for _, e in values),
+            "runs": len(values),
+        }
+        for term, values in shares.items()
+    }
     if result["terms"]:
         result["furthest_term"] = max(result["terms"], key=lambda t: result["terms"][t]["median_share_of_total"])
     residuals = [r["residual"] for r in rows if r.get("residual") and r["residual"].get("share_of_total") is not None]
     if residuals:
-        result["residual"] = {"median_share_of_total": statistics.median(e["share_of_total"] for e in residuals),
-                              "median_abs_error": statistics.median(abs(e["error"] or 0.0) for e in residuals),
-                              "runs": len(residuals)}
+        result["residual"] = {
+            "median_share_of_total": statistics.median(e["share_of_total"] for e in residuals),
+            "median_abs_error": statistics.median(abs(e["error"] or 0.0) for e in residuals),
+            "runs": len(residuals),
+        }
     return result
 
 
@@ -224,26 +277,47 @@ TABLE_QUANTITIES = {"peak_memory_gib": "memory GiB", "step_s": "step s", "run_s"
 
 
 def run_table(rows: list[dict], mode: str = "calibrated") -> Table:
-    cells = [[r["run"], r["precision"], str(r["world_size"]),
-              *(cell for key in TABLE_QUANTITIES for cell in (num(r[key]["predicted"], 3), num(r[key]["measured"], 3),
-                                                              _pct(r[key]["error"]))),
-              _pct((r.get("peak_above_baseline_gib") or {}).get("error")), r["furthest"] or "-"] for r in rows]
+    cells = [
+        [
+            r["run"],
+            r["precision"],
+            str(r["world_size"]),
+            *(
+                cell
+                for key in TABLE_QUANTITIES
+                for cell in (num(r[key]["predicted"], 3), num(r[key]["measured"], 3), _pct(r[key]["error"]))
+            ),
+            _pct((r.get("peak_above_baseline_gib") or {}).get("error")),
+            r["furthest"] or "-",
+        ]
+        for r in rows
+    ]
     header = ["run", "precision", "procs"]
     for label in TABLE_QUANTITIES.values():
         header += [f"{label} pred.", "meas.", "error"]
-    return Table(f"Predicted against measured, each run once ({mode})", [*header, "peak above start", "furthest term"],
-                 cells, "prediction" if mode == "calibrated" else "prediction-first-use",
-                 align="lll" + "rrr" * 3 + "rl")
+    return Table(
+        f"Predicted against measured, each run once ({mode})",
+        [*header, "peak above start", "furthest term"],
+        cells,
+        "prediction" if mode == "calibrated" else "prediction-first-use",
+        align="lll" + "rrr" * 3 + "rl",
+    )
 
 
 def term_table(summary: dict) -> Table:
     terms = sorted(summary.get("terms", {}).items(), key=lambda item: -item[1]["median_share_of_total"])
     if summary.get("residual"):
         terms.append(("memory: residual (the peak less the measured terms)", summary["residual"]))
-    cells = [[term, f"{t['median_abs_error']:.1%}", f"{t['median_share_of_total']:.1%}", str(t["runs"])]
-             for term, t in terms]
-    return Table("Each term of the model: its median error, and its error as a share of its total (peak or step)",
-                 ["term", "median abs. error", "median share of total", "runs"], cells, "prediction-terms", align="lrrr")
+    cells = [
+        [term, f"{t['median_abs_error']:.1%}", f"{t['median_share_of_total']:.1%}", str(t["runs"])] for term, t in terms
+    ]
+    return Table(
+        "Each term of the model: its median error, and its error as a share of its total (peak or step)",
+        ["term", "median abs. error", "median share of total", "runs"],
+        cells,
+        "prediction-terms",
+        align="lrrr",
+    )
 
 
 def summary_text(summary: dict, mode: str | None = None) -> str:
@@ -251,15 +325,23 @@ def summary_text(summary: dict, mode: str | None = None) -> str:
     for key, label in QUANTITIES.items():
         entry = summary.get(key)
         if entry:
-            parts.append(f"{label}: median |error| {entry['median_abs_error']:.1%}, worst {_pct(entry['worst_error'])} "
-                         f"({entry['worst_run']})")
+            parts.append(
+                f"{label}: median |error| {entry['median_abs_error']:.1%}, worst {_pct(entry['worst_error'])} "
+                f"({entry['worst_run']})"
+            )
     furthest, residual = summary.get("furthest_term"), summary.get("residual")
     text = f"{MODES[mode].capitalize() + ', o' if mode else 'O'}ver {summary['runs']} runs, " + "; ".join(parts) + "."
     if furthest:
-        text += (f" The measured term furthest off: {furthest} (its error is "
-                 f"{summary['terms'][furthest]['median_share_of_total']:.1%} of its total in the median run)")
-        text += (f"; the residual (the peak less the measured terms, not a term) is off by "
-                 f"{residual['median_share_of_total']:.1%} of the peak in the median run." if residual else ".")
+        text += (
+            f" The measured term furthest off: {furthest} (its error is "
+            f"{summary['terms'][furthest]['median_share_of_total']:.1%} of its total in the median run)"
+        )
+        text += (
+            f"; the residual (the peak less the measured terms, not a term) is off by "
+            f"{residual['median_share_of_total']:.1%} of the peak in the median run."
+            if residual
+            else "."
+        )
     return text
 
 
@@ -270,9 +352,11 @@ def goals_text(result: dict) -> str:
         summary = result["summary"] if mode == "calibrated" else (result.get("first_use") or {}).get("summary")
         if not summary:
             continue
-        met = [f"{QUANTITIES[key]} {(summary.get(key) or {}).get('median_abs_error', float('nan')):.1%} "
-               f"({'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} {goal:.0%})"
-               for key, goal in GOALS[mode].items()]
+        met = [
+            f"{QUANTITIES[key]} {(summary.get(key) or {}).get('median_abs_error', float('nan')):.1%} "
+            f"({'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} {goal:.0%})"
+            for key, goal in GOALS[mode].items()
+        ]
         lines.append(f"{MODES[mode]}: median |error| " + ", ".join(met))
     return "Goals: " + "; ".join(lines) + "." if lines else ""
 
@@ -284,9 +368,11 @@ def first_use_text(first: dict | None) -> str:
         return f"First use: not judged ({first['error']})."
     made = first["calibration"]
     bounds = f" Held at a bound of its fit: {'; '.join(first['at_bound'])}." if first.get("at_bound") else ""
-    return (f"First use: the calibration a new machine makes by itself took {made.get('seconds') or 0:.0f} s "
-            f"({made.get('method')}); each run predicted again with it from its record.{bounds} "
-            + summary_text(first["summary"], "first_use"))
+    return (
+        f"First use: the calibration a new machine makes by itself took {made.get('seconds') or 0:.0f} s "
+        f"({made.get('method')}); each run predicted again with it from its record.{bounds} "
+        + summary_text(first["summary"], "first_use")
+    )
 
 
 def load_text(load: dict | None) -> str:
@@ -295,21 +381,40 @@ def load_text(load: dict | None) -> str:
     before, after = load["before"], load["after"]
     others = other_cores(load)
     if others is None:
-        return (f"Machine load while the shapes ran: 1-minute load average {before['load_average_1min']} before, "
-                f"{after['load_average_1min']} after, on {after['usable_cores']} usable cores (its own runs "
-                "included: other processes not told apart).")
-    return (f"Machine load while the shapes ran: other processes kept {others:.2f} of the {after['usable_cores']} "
-            "usable cores busy on average (the machine's CPU time less this command's and its runs')"
-            + (" -- a busy machine: its runs were slowed by other processes, which the predictions do not model."
-               if others > BUSY_CORES else f": a quiet machine (at most {BUSY_CORES} of a core)."))
+        return (
+            f"Machine load while the shapes ran: 1-minute load average {before['load_average_1min']} before, "
+            f"{after['load_average_1min']} after, on {after['usable_cores']} usable cores (its own runs "
+            "included: other processes not told apart)."
+        )
+    return (
+        f"Machine load while the shapes ran: other processes kept {others:.2f} of the {after['usable_cores']} "
+        "usable cores busy on average (the machine's CPU time less this command's and its runs')"
+        + (
+            " -- a busy machine: its runs were slowed by other processes, which the predictions do not model."
+            if others > BUSY_CORES
+            else f": a quiet machine (at most {BUSY_CORES} of a core)."
+        )
+    )
 
 
 def markdown(result: dict, train_args: list[str]) -> list[str]:
-    lines = ["# Experiment: predict-check", "", f"train.py flags: `{shlex.join(train_args)}`; each shape once.", "",
-             goals_text(result), "", summary_text(result["summary"], "calibrated"), "",
-             first_use_text(result.get("first_use")), "", load_text(result.get("machine_load")), "",
-             *run_table(result["runs"]).markdown_lines(), "",
-             *term_table(result["summary"]).markdown_lines()]
+    lines = [
+        "# Experiment: predict-check",
+        "",
+        f"train.py flags: `{shlex.join(train_args)}`; each shape once.",
+        "",
+        goals_text(result),
+        "",
+        summary_text(result["summary"], "calibrated"),
+        "",
+        first_use_text(result.get("first_use")),
+        "",
+        load_text(result.get("machine_load")),
+        "",
+        *run_table(result["runs"]).markdown_lines(),
+        "",
+        *term_table(result["summary"]).markdown_lines(),
+    ]
     if (result.get("first_use") or {}).get("runs"):
         lines += ["", *run_table(result["first_use"]["runs"], "first use").markdown_lines()]
     if result.get("skipped"):
@@ -329,8 +434,11 @@ def section(report, found: reporting.Collected) -> None:
     figure, axes = pyplot().subplots(1, 3, figsize=(11, 3.8))
     for axis, key in zip(axes, TABLE_QUANTITIES):
         label = QUANTITIES[key]
-        points = [(r[key]["measured"], r[key]["predicted"], r["run"]) for r in rows
-                  if r[key]["measured"] is not None and r[key]["predicted"] is not None]
+        points = [
+            (r[key]["measured"], r[key]["predicted"], r["run"])
+            for r in rows
+            if r[key]["measured"] is not None and r[key]["predicted"] is not None
+        ]
         if not points:
             continue
         measured, predicted, _ = zip(*points)
@@ -365,7 +473,10 @@ def section(report, found: reporting.Collected) -> None:
 
 
 # The errors a prediction is held to (median over the shapes): the goals it is judged by on the report's first page.
-GOALS = {"calibrated": {"peak_memory_gib": 0.10, "step_s": 0.15}, "first_use": {"peak_memory_gib": 0.15, "step_s": 0.15}}
+GOALS = {
+    "calibrated": {"peak_memory_gib": 0.10, "step_s": 0.15},
+    "first_use": {"peak_memory_gib": 0.15, "step_s": 0.15},
+}
 
 
 def headline(found: reporting.Collected) -> Headline | None:
@@ -374,12 +485,24 @@ def headline(found: reporting.Collected) -> Headline | None:
     if not rows:
         return None
     summary = summarize(rows)
-    met = [f"{QUANTITIES[key]} {'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} "
-           f"{goal:.0%}" for key, goal in GOALS["calibrated"].items()]
+    met = [
+        f"{QUANTITIES[key]} {'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} "
+        f"{goal:.0%}"
+        for key, goal in GOALS["calibrated"].items()
+    ]
     return Headline(summary_text(summary).rstrip("."), "median |error|: " + ", ".join(met))
 
 
-EXPERIMENT = Experiment(name="predict-check", title="Prediction against measurement", target="make predict-check",
-                        folder="predict", section=section, headline=headline, arguments=arguments, run=run,
-                        help="the prediction of every run against what it measured, over many shapes",
-                        needs=("experiment", "runs", "summary"), one_machine=False)
+EXPERIMENT = Experiment(
+    name="predict-check",
+    title="Prediction against measurement",
+    target="make predict-check",
+    folder="predict",
+    section=section,
+    headline=headline,
+    arguments=arguments,
+    run=run,
+    help="the prediction of every run against what it measured, over many shapes",
+    needs=("experiment", "runs", "summary"),
+    one_machine=False,
+)

@@ -53,8 +53,11 @@ def profiler_overhead(default_run: Path, profiled_run: Path, window: dict) -> di
     steps = [s for s in range(window["first_step"], window["last_step"] + 1) if s in default and s in traced]
     if not steps:
         return None
-    return {"steps": steps, **bench.spread([traced[s] / default[s] for s in steps]),
-            "total_ratio": sum(traced[s] for s in steps) / sum(default[s] for s in steps)}
+    return {
+        "steps": steps,
+        **bench.spread([traced[s] / default[s] for s in steps]),
+        "total_ratio": sum(traced[s] for s in steps) / sum(default[s] for s in steps),
+    }
 
 
 def section(report, found: reporting.Collected) -> None:
@@ -62,14 +65,22 @@ def section(report, found: reporting.Collected) -> None:
     if not report.begin(EXPERIMENT.title, record, EXPERIMENT.missing()):
         return
     breakdown = reporting.time_breakdown(record)
-    report.text(f"From run `{breakdown['run']}`, which ran without the profiler"
-                + ("." if "profile" in found.runs else f" ({EXPERIMENT.missing()})"))
+    report.text(
+        f"From run `{breakdown['run']}`, which ran without the profiler"
+        + ("." if "profile" in found.runs else f" ({EXPERIMENT.missing()})")
+    )
     report.figure(pie(breakdown), "time_breakdown", "Share of wall time per category", [record])
     rows = [[c["name"], num(c["seconds"]), share(c)] for c in breakdown["categories"]]
     rows += [[f"  stage: {s['name']}", num(s["seconds"]), share(s)] for s in breakdown["stages"]]
     rows.append(["wall time", num(breakdown["wall_s"]), "100.0%"])
-    report.table(Table("Where the time went (median over ranks, profiler off): the five categories, then the stages",
-                       ["category / stage", "seconds", "share"], rows, "time_breakdown"))
+    report.table(
+        Table(
+            "Where the time went (median over ranks, profiler off): the five categories, then the stages",
+            ["category / stage", "seconds", "share"],
+            rows,
+            "time_breakdown",
+        )
+    )
     top_operators(report, found)
     peak_gap(report, found)
 
@@ -93,8 +104,11 @@ def headline(found: reporting.Collected) -> Headline | None:
         return None
     breakdown = reporting.time_breakdown(record)
     ordered = sorted(breakdown["categories"], key=lambda c: -c["seconds"])
-    return Headline(", ".join(f"{c['name']} {share(c)}" for c in ordered) + f" of {num(breakdown['wall_s'])} s "
-                    f"(run `{breakdown['run']}`, profiler off)", f"{ordered[0]['name']} takes the most")
+    return Headline(
+        ", ".join(f"{c['name']} {share(c)}" for c in ordered) + f" of {num(breakdown['wall_s'])} s "
+        f"(run `{breakdown['run']}`, profiler off)",
+        f"{ordered[0]['name']} takes the most",
+    )
 
 
 def pie(breakdown: dict):
@@ -102,10 +116,18 @@ def pie(breakdown: dict):
 
     figure, axis = pyplot().subplots(figsize=(6.5, 4.5))
     shown = [c for c in breakdown["categories"] if c["percent"] > 0]
-    axis.pie([c["seconds"] for c in shown], labels=[f"{c['name']}\n{c['percent']:.1f}%" for c in shown],
-             startangle=90, counterclock=False, wedgeprops={"linewidth": 1, "edgecolor": "white"})
-    axis.set_title(f"{breakdown['run']}: {breakdown['wall_s']:.1f} s on {breakdown['world_size']} x "
-                   f"{breakdown['device']} ({breakdown['precision']}, profiler off)", fontsize=9)
+    axis.pie(
+        [c["seconds"] for c in shown],
+        labels=[f"{c['name']}\n{c['percent']:.1f}%" for c in shown],
+        startangle=90,
+        counterclock=False,
+        wedgeprops={"linewidth": 1, "edgecolor": "white"},
+    )
+    axis.set_title(
+        f"{breakdown['run']}: {breakdown['wall_s']:.1f} s on {breakdown['world_size']} x "
+        f"{breakdown['device']} ({breakdown['precision']}, profiler off)",
+        fontsize=9,
+    )
     return figure
 
 
@@ -114,62 +136,119 @@ def top_operators(report, found: reporting.Collected) -> None:
     profile = RunView(profiled).profile if profiled else None
     if not profile or not profile.get("top_operators"):
         return
-    rows = [[op["name"][:60], str(op["calls"]), num(op["milliseconds"])] for op in operator_rows(profile["top_operators"][:10])]
-    report.table(Table("Top operators by self time (torch.profiler window of a separate, profiled run)",
-                       ["operator", "calls", "ms"], rows, "top_operators"))
+    rows = [
+        [op["name"][:60], str(op["calls"]), num(op["milliseconds"])]
+        for op in operator_rows(profile["top_operators"][:10])
+    ]
+    report.table(
+        Table(
+            "Top operators by self time (torch.profiler window of a separate, profiled run)",
+            ["operator", "calls", "ms"],
+            rows,
+            "top_operators",
+        )
+    )
     overhead = (found.comparisons.get("profile") or {}).get("profiler_overhead")
     if overhead:
         window = profile["window"]
-        report.text(f"Profiler overhead on the traced steps {window['first_step']}-{window['last_step']}: profiled / "
-                    f"unprofiled step time {overhead['total_ratio']:.2f}x (per step {overhead['median']:.2f}x, "
-                    f"{overhead['min']:.2f}-{overhead['max']:.2f}); the same steps and batches in both runs.")
+        report.text(
+            f"Profiler overhead on the traced steps {window['first_step']}-{window['last_step']}: profiled / "
+            f"unprofiled step time {overhead['total_ratio']:.2f}x (per step {overhead['median']:.2f}x, "
+            f"{overhead['min']:.2f}-{overhead['max']:.2f}); the same steps and batches in both runs."
+        )
 
 
 def peak_gap(report, found: reporting.Collected) -> None:
     """Per precision: the unprofiled run's share of this machine's measured matmul peak, and the profiled run's gap
     table and figure (the floor, the matmuls above it, every other category)."""
     runs = found.runs.get("profile", {})
-    pairs = [(name, runs.get(f"{name}-r0"), runs.get(f"{profiled}-r0")) for name, profiled in
-             (("default", "profiled"), ("bf16", "bf16-profiled"))]
+    pairs = [
+        (name, runs.get(f"{name}-r0"), runs.get(f"{profiled}-r0"))
+        for name, profiled in (("default", "profiled"), ("bf16", "bf16-profiled"))
+    ]
     pairs = [(name, plain, traced) for name, plain, traced in pairs if traced and RunView(traced).gap_breakdown]
     if not pairs:
         return
-    report.text("The gap to the machine's limit: achieved model FLOP/s (PaLM) over this machine's measured matmul "
-                "peak for the precision in effect (a benchmark of its own matmuls, trainscope.peak) -- not the "
-                "datasheet MFU. The floor is the profiled matmuls' FLOPs at that peak; everything above it is the gap.")
+    report.text(
+        "The gap to the machine's limit: achieved model FLOP/s (PaLM) over this machine's measured matmul "
+        "peak for the precision in effect (a benchmark of its own matmuls, trainscope.peak) -- not the "
+        "datasheet MFU. The floor is the profiled matmuls' FLOPs at that peak; everything above it is the gap."
+    )
     rows = []
-    for name, plain, traced in pairs:
+    for _name, plain, traced in pairs:
         view = RunView(plain or traced)
         measured = view.measured_peak or {}
         estimate = measured.get("gap_estimate") or {}
-        rows.append([view.name, view.precision, num((measured.get("peak_tflops") or 0) * 1e3, 0),
-                     num((measured.get("achieved_tflops") or 0) * 1e3, 0), num(measured.get("share"), 1, percent=True),
-                     num(measured.get("real_tflops") * 1e3 if measured.get("real_tflops") else None, 0),
-                     num(measured.get("real_share"), 1, percent=True),
-                     num(estimate.get("floor_s")), num(estimate.get("train_s"))])
-    report.table(Table("Each run against this machine's measured matmul peak (steady training, profiler off; the "
-                       "floor is the model FLOPs at the peak, an estimate; real tokens: padding positions not counted)",
-                       ["run", "precision", "peak GFLOP/s", "achieved GFLOP/s", "share of peak",
-                        "on real tokens GFLOP/s", "share on real tokens", "floor s", "training s"], rows, "peak_share"))
-    for name, plain, traced in pairs:
+        rows.append(
+            [
+                view.name,
+                view.precision,
+                num((measured.get("peak_tflops") or 0) * 1e3, 0),
+                num((measured.get("achieved_tflops") or 0) * 1e3, 0),
+                num(measured.get("share"), 1, percent=True),
+                num(measured.get("real_tflops") * 1e3 if measured.get("real_tflops") else None, 0),
+                num(measured.get("real_share"), 1, percent=True),
+                num(estimate.get("floor_s")),
+                num(estimate.get("train_s")),
+            ]
+        )
+    report.table(
+        Table(
+            "Each run against this machine's measured matmul peak (steady training, profiler off; the "
+            "floor is the model FLOPs at the peak, an estimate; real tokens: padding positions not counted)",
+            [
+                "run",
+                "precision",
+                "peak GFLOP/s",
+                "achieved GFLOP/s",
+                "share of peak",
+                "on real tokens GFLOP/s",
+                "share on real tokens",
+                "floor s",
+                "training s",
+            ],
+            rows,
+            "peak_share",
+        )
+    )
+    for name, _plain, traced in pairs:
         view = RunView(traced)
         peak_tflops = view.measured_peak_tflops()
         gap_rows = gap.rows(view.gap_breakdown, peak_tflops, view.padding_flops_share)
         breakdown = view.gap_breakdown
         rate = gap.matmul_rate(breakdown)
-        table_rows = [[r["part"], num(r["seconds"] * 1e3 if r["seconds"] is not None else None, 1),
-                       num(r["share"], 1, percent=True)] for r in gap_rows]
+        table_rows = [
+            [
+                r["part"],
+                num(r["seconds"] * 1e3 if r["seconds"] is not None else None, 1),
+                num(r["share"], 1, percent=True),
+            ]
+            for r in gap_rows
+        ]
         table_rows.append(["traced steps", num(breakdown["window_s"] * 1e3, 1), "100.0%"])
-        report.table(Table(f"Where the gap to the measured {view.precision} matmul peak went ({view.name}: "
-                           f"{breakdown['basis']} over the traced steps; the matmuls ran at "
-                           f"{num((rate or 0) * 1e3, 0)} GFLOP/s against a peak of {num((peak_tflops or 0) * 1e3, 0)})",
-                           ["part", "ms", "share"], table_rows, f"peak_gap_{name}"))
-        report.figure(gap_figure(view.name, view.precision, gap_rows), f"peak_gap_{name}",
-                      f"Where the traced steps' time went against the {view.precision} matmul floor", [traced])
+        report.table(
+            Table(
+                f"Where the gap to the measured {view.precision} matmul peak went ({view.name}: "
+                f"{breakdown['basis']} over the traced steps; the matmuls ran at "
+                f"{num((rate or 0) * 1e3, 0)} GFLOP/s against a peak of {num((peak_tflops or 0) * 1e3, 0)})",
+                ["part", "ms", "share"],
+                table_rows,
+                f"peak_gap_{name}",
+            )
+        )
+        report.figure(
+            gap_figure(view.name, view.precision, gap_rows),
+            f"peak_gap_{name}",
+            f"Where the traced steps' time went against the {view.precision} matmul floor",
+            [traced],
+        )
         attention = breakdown.get("attention_ops") or {}
         if attention:
-            report.text(f"Attention in {view.name} ran as: " + ", ".join(f"`{op}` {s * 1e3:.1f} ms" for op, s in
-                                                                       list(attention.items())[:5]) + ".")
+            report.text(
+                f"Attention in {view.name} ran as: "
+                + ", ".join(f"`{op}` {s * 1e3:.1f} ms" for op, s in list(attention.items())[:5])
+                + "."
+            )
 
 
 def gap_figure(run: str, precision: str, gap_rows: list[dict]):
@@ -177,8 +256,11 @@ def gap_figure(run: str, precision: str, gap_rows: list[dict]):
 
     shown = [r for r in gap_rows if r["seconds"] is not None and r["seconds"] > 0]
     figure, axis = pyplot().subplots(figsize=(6.5, 3.8))
-    axis.barh([r["part"] for r in shown][::-1], [r["seconds"] * 1e3 for r in shown][::-1],
-              color=["tab:green" if r["part"].endswith("(floor)") else "tab:gray" for r in shown][::-1])
+    axis.barh(
+        [r["part"] for r in shown][::-1],
+        [r["seconds"] * 1e3 for r in shown][::-1],
+        color=["tab:green" if r["part"].endswith("(floor)") else "tab:gray" for r in shown][::-1],
+    )
     axis.set_xlabel("ms over the traced steps (self time)")
     axis.set_title(f"{run} ({precision}): the matmul floor and the gap", fontsize=9)
     figure.tight_layout()
@@ -186,11 +268,24 @@ def gap_figure(run: str, precision: str, gap_rows: list[dict]):
 
 
 EXPERIMENT = Experiment(
-    name="profile", title="Where the time went", target="make profile", folder="profile", section=section,
-    headline=headline, sources=sources,
-    arguments=lambda parser: (runs_option(parser, rounds=None), parser.add_argument(
-        "--bf16", choices=["auto", "on", "off"], default="auto",
-        help="also the pair under accelerate_configs/bf16.yaml: auto where bf16 matmuls measured faster than fp32 "
-             "here (always on a GPU)")), run=run,
+    name="profile",
+    title="Where the time went",
+    target="make profile",
+    folder="profile",
+    section=section,
+    headline=headline,
+    sources=sources,
+    arguments=lambda parser: (
+        runs_option(parser, rounds=None),
+        parser.add_argument(
+            "--bf16",
+            choices=["auto", "on", "off"],
+            default="auto",
+            help="also the pair under accelerate_configs/bf16.yaml: auto where bf16 matmuls measured faster than fp32 "
+            "here (always on a GPU)",
+        ),
+    ),
+    run=run,
     help="a run without and a run with the profiler (and the same in bf16 where it is faster here): the time "
-         "breakdown, the top operators and the gap to the measured matmul peak")
+    "breakdown, the top operators and the gap to the measured matmul peak",
+)

@@ -27,21 +27,39 @@ BASELINE, TUNED = "make-train", "make-tune"
 
 def arguments(parser) -> None:
     parser.add_argument("--runs", required=True, help="where the runs and comparison.{json,md} go")
-    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
-                        help=f"alternating rounds, one seed each (at least {MIN_ROUNDS}; default {MIN_ROUNDS}: about "
-                        "25 minutes on 2 CPU cores, a full job being ~3.5 min in fp32 and ~1 min tuned)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=MIN_ROUNDS,
+        help=f"alternating rounds, one seed each (at least {MIN_ROUNDS}; default {MIN_ROUNDS}: about "
+        "25 minutes on 2 CPU cores, a full job being ~3.5 min in fp32 and ~1 min tuned)",
+    )
     parser.add_argument("--config", default=None, help="make train's Accelerate config (default: none, as make train)")
-    parser.add_argument("--tune", default="runs/tune/comparison.json",
-                        help="make tune's result, whose final flags, config and margins are confirmed "
-                        "(default runs/tune/comparison.json)")
-    parser.add_argument("--tuned-flags", default=None,
-                        help="the tuned train.py flags, stated instead of read from --tune, as one argument with '=' "
-                        "(e.g. --tuned-flags='--group-by-length')")
+    parser.add_argument(
+        "--tune",
+        default="runs/tune/comparison.json",
+        help="make tune's result, whose final flags, config and margins are confirmed "
+        "(default runs/tune/comparison.json)",
+    )
+    parser.add_argument(
+        "--tuned-flags",
+        default=None,
+        help="the tuned train.py flags, stated instead of read from --tune, as one argument with '=' "
+        "(e.g. --tuned-flags='--group-by-length')",
+    )
     parser.add_argument("--tuned-config", default=None, help="the tuned Accelerate config, with --tuned-flags")
-    parser.add_argument("--accuracy-margin", type=float, default=None,
-                        help=f"equivalence margin of accuracy (default: make tune's, else {ACCURACY_MARGIN:g})")
-    parser.add_argument("--loss-margin", type=float, default=None,
-                        help=f"equivalence margin of loss in nats (default: make tune's, else {LOSS_MARGIN:g})")
+    parser.add_argument(
+        "--accuracy-margin",
+        type=float,
+        default=None,
+        help=f"equivalence margin of accuracy (default: make tune's, else {ACCURACY_MARGIN:g})",
+    )
+    parser.add_argument(
+        "--loss-margin",
+        type=float,
+        default=None,
+        help=f"equivalence margin of loss in nats (default: make tune's, else {LOSS_MARGIN:g})",
+    )
 
 
 def tuned_command(args) -> tuple[str | None, list[str], dict]:
@@ -52,8 +70,10 @@ def tuned_command(args) -> tuple[str | None, list[str], dict]:
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise UserError(f"no make tune result at {path} ({type(error).__name__}): run make tune first, or state the "
-                        "command with --tuned-flags/--tuned-config") from None
+        raise UserError(
+            f"no make tune result at {path} ({type(error).__name__}): run make tune first, or state the "
+            "command with --tuned-flags/--tuned-config"
+        ) from None
     if not isinstance(result, dict) or "final_flags" not in result:
         raise UserError(f"{path} is not a make tune result (no final_flags)")
     if not result["final_flags"] and result.get("final_config") == args.config:
@@ -64,27 +84,41 @@ def tuned_command(args) -> tuple[str | None, list[str], dict]:
 
 def run(args, train_args: list[str]) -> dict:
     if args.rounds < MIN_ROUNDS:
-        raise UserError(f"--rounds must be at least {MIN_ROUNDS}: fewer cannot show a speed-up at 0.05 with room to spare")
+        raise UserError(
+            f"--rounds must be at least {MIN_ROUNDS}: fewer cannot show a speed-up at 0.05 with room to spare"
+        )
     if any(m is not None and m <= 0 for m in (args.accuracy_margin, args.loss_margin)):
         raise UserError("--accuracy-margin and --loss-margin must be positive")
     config, flags, tune_design = tuned_command(args)
-    design = Design(rounds=args.rounds, trials=1, seed=flag_value(train_args, "--seed", 42),
-                    data_seed=flag_value(train_args, "--data-seed", flag_value(train_args, "--seed", 42)),
-                    accuracy_margin=args.accuracy_margin or tune_design.get("accuracy_margin", ACCURACY_MARGIN),
-                    loss_margin=args.loss_margin or tune_design.get("loss_margin", LOSS_MARGIN))
+    design = Design(
+        rounds=args.rounds,
+        trials=1,
+        seed=flag_value(train_args, "--seed", 42),
+        data_seed=flag_value(train_args, "--data-seed", flag_value(train_args, "--seed", 42)),
+        accuracy_margin=args.accuracy_margin or tune_design.get("accuracy_margin", ACCURACY_MARGIN),
+        loss_margin=args.loss_margin or tune_design.get("loss_margin", LOSS_MARGIN),
+    )
     runs = Path(args.runs)
     arms = [Arm(BASELINE, args.config, []), Arm(TUNED, config, flags)]
-    print(f"design: {args.rounds} alternating rounds of the full job, seeds {design.seed}-"
-          f"{design.seed + args.rounds - 1} (data seed {design.data_seed}); speed: {bench.METHOD} on training "
-          f"samples/s, one look; same result: {design.to_dict()['equivalence']}", flush=True)
-    measured = bench.alternate({arm.name: (lambda i, arm=arm: run_arm(arm, train_args, runs, i, design.flags(i)))
-                                for arm in arms}, args.rounds)
+    print(
+        f"design: {args.rounds} alternating rounds of the full job, seeds {design.seed}-"
+        f"{design.seed + args.rounds - 1} (data seed {design.data_seed}); speed: {bench.METHOD} on training "
+        f"samples/s, one look; same result: {design.to_dict()['equivalence']}",
+        flush=True,
+    )
+    measured = bench.alternate(
+        {arm.name: (lambda i, arm=arm: run_arm(arm, train_args, runs, i, design.flags(i))) for arm in arms}, args.rounds
+    )
     results = {arm.name: [r[arm.name] for r in measured] for arm in arms}
     report = judge_confirm(design, arms, results)
-    report.update(experiment="tune-confirm", rounds=args.rounds, train_args=train_args, design=design.to_dict(),
-                  commands={BASELINE: command(args.config, train_args),
-                            TUNED: command(config, merge_flags(train_args, flags))},
-                  tune_result=None if args.tuned_flags is not None or args.tuned_config is not None else str(args.tune))
+    report.update(
+        experiment="tune-confirm",
+        rounds=args.rounds,
+        train_args=train_args,
+        design=design.to_dict(),
+        commands={BASELINE: command(args.config, train_args), TUNED: command(config, merge_flags(train_args, flags))},
+        tune_result=None if args.tuned_flags is not None or args.tuned_config is not None else str(args.tune),
+    )
     bench.write_results(runs / "comparison", report, markdown(report))
     print((runs / "comparison.md").read_text())
     return report
@@ -96,8 +130,9 @@ def judge_confirm(design: Design, arms: list[Arm], results: dict[str, list[dict]
     summary = summarize(arms, results, BASELINE)
     base, tuned = results[BASELINE], results[TUNED]
     against = summary["comparisons"][TUNED]
-    against["whole_job"] = bench.compare_samples([r["wall_s"] for r in base], [r["wall_s"] for r in tuned],
-                                                 higher_is_better=False)
+    against["whole_job"] = bench.compare_samples(
+        [r["wall_s"] for r in base], [r["wall_s"] for r in tuned], higher_is_better=False
+    )
     against["equivalence"] = equivalent(design, base, tuned)
     return summary
 
@@ -124,16 +159,32 @@ def confirm_table(comparison: dict) -> Table:
     for name in (BASELINE, TUNED):
         arm = arms[name]
         accuracy = arm.get("test_accuracy") or {}
-        rows.append([name, comparison.get("commands", {}).get(name, ""), _ranged(arm.get("samples_per_s"), 1),
-                     _ranged(accuracy, 4)])
+        rows.append(
+            [
+                name,
+                comparison.get("commands", {}).get(name, ""),
+                _ranged(arm.get("samples_per_s"), 1),
+                _ranged(accuracy, 4),
+            ]
+        )
     speed = against["speed"]
     metrics = equivalence.get("metrics", {})
-    rows.append(["make-tune / make-train", f"speed {bench.describe(speed)}; whole job "
-                 f"{bench.ratio_text(against['whole_job'])}", f"{speed['median_ratio']:.2f}x",
-                 _equivalence_cell(metrics.get("test_accuracy"), equivalence)])
-    return Table(f"The full make train job: make train against make tune's command ({comparison['rounds']} "
-                 "alternating rounds, paired seeds)", ["arm", "command / comparison", "samples/s",
-                                                      "test accuracy"], rows, "tune_confirm", align="llrl")
+    rows.append(
+        [
+            "make-tune / make-train",
+            f"speed {bench.describe(speed)}; whole job {bench.ratio_text(against['whole_job'])}",
+            f"{speed['median_ratio']:.2f}x",
+            _equivalence_cell(metrics.get("test_accuracy"), equivalence),
+        ]
+    )
+    return Table(
+        f"The full make train job: make train against make tune's command ({comparison['rounds']} "
+        "alternating rounds, paired seeds)",
+        ["arm", "command / comparison", "samples/s", "test accuracy"],
+        rows,
+        "tune_confirm",
+        align="llrl",
+    )
 
 
 def _ranged(spread: dict | None, digits: int) -> str:
@@ -148,22 +199,39 @@ def _equivalence_cell(entry: dict | None, equivalence: dict) -> str:
     if entry["interval"] is None:
         return f"difference {entry['mean']:+.4f}: one seed, undecided"
     low, high = entry["interval"]
-    return (f"difference {entry['mean']:+.4f}, 90% [{low:+.4f}, {high:+.4f}] against +-{entry['margin']:g}: "
-            f"{entry['verdict']} ({len(equivalence.get('seeds', []))} seeds)")
+    return (
+        f"difference {entry['mean']:+.4f}, 90% [{low:+.4f}, {high:+.4f}] against +-{entry['margin']:g}: "
+        f"{entry['verdict']} ({len(equivalence.get('seeds', []))} seeds)"
+    )
 
 
 def markdown(report: dict) -> list[str]:
     against = report["comparisons"][TUNED]
-    return ["# make tune-confirm", "", f"make train: `{report['commands'][BASELINE]}`", "",
-            f"make tune's command: `{report['commands'][TUNED]}`", "",
-            f"Design: {report['rounds']} alternating rounds, seeds {report['design']['seed']}-"
-            f"{report['design']['seed'] + report['rounds'] - 1} (data seed {report['design']['data_seed']}); speed: "
-            f"{bench.METHOD} on training samples/s, one look; same result: {report['design']['equivalence']}.", "",
-            *confirm_table(report).markdown_lines(), "",
-            f"Result over the paired seeds (every metric): {against['equivalence']['text']}"]
+    return [
+        "# make tune-confirm",
+        "",
+        f"make train: `{report['commands'][BASELINE]}`",
+        "",
+        f"make tune's command: `{report['commands'][TUNED]}`",
+        "",
+        f"Design: {report['rounds']} alternating rounds, seeds {report['design']['seed']}-"
+        f"{report['design']['seed'] + report['rounds'] - 1} (data seed {report['design']['data_seed']}); speed: "
+        f"{bench.METHOD} on training samples/s, one look; same result: {report['design']['equivalence']}.",
+        "",
+        *confirm_table(report).markdown_lines(),
+        "",
+        f"Result over the paired seeds (every metric): {against['equivalence']['text']}",
+    ]
 
 
-EXPERIMENT = Experiment(name="tune-confirm", title="make tune on the full job", target="make tune-confirm",
-                        folder="tune_confirm", section=None, arguments=arguments, run=run,
-                        help="make tune's final command against make train's on the full job (about 25 min on 2 cores)",
-                        needs=("experiment", "arms", "comparisons", "commands"))
+EXPERIMENT = Experiment(
+    name="tune-confirm",
+    title="make tune on the full job",
+    target="make tune-confirm",
+    folder="tune_confirm",
+    section=None,
+    arguments=arguments,
+    run=run,
+    help="make tune's final command against make train's on the full job (about 25 min on 2 cores)",
+    needs=("experiment", "arms", "comparisons", "commands"),
+)

@@ -28,9 +28,7 @@ class Classification(evaluate.Metric):
             description=_DESCRIPTION,
             citation="",
             inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}
-            ),
+            features=datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}),
         )
 
     def _compute(self, predictions, references):
@@ -46,7 +44,4 @@ class Classification(evaluate.Metric):
             false_negative = np.sum((predictions != c) & (references == c))
             denominator = 2 * true_positive + false_positive + false_negative
             f1_per_class.append(2 * true_positive / denominator if denominator else 0.0)
-        return {
-            "accuracy": float(np.mean(predictions == references)),
-            "macro_f1": float(np.mean(f1_per_class)),
-        }
+        return {"accuracy": float(np.mean(predictions == references)), "macro_f1": float(np.mean(f1_per_class))}
