@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from conftest import ONE_THREAD, ROOT, TINY, assert_ok, launch, read_record, read_steps
 
-from trainscope import communication, health
+from trainscope import communication, communication_agreement, communication_block, health
 from trainscope.record_view import RunView
 
 DDP = ROOT / "accelerate_configs" / "ddp.yaml"
@@ -151,7 +151,7 @@ def test_the_profiler_trace_is_a_third_instrument_of_the_same_steps(ddp_runs):
     assert found["trace_steps"] == [4, 5, 6, 7, 8, 9] and found["trace_allreduce_s"] > 0
     trace = found["agreement"]["trace"]
     assert trace["steps"] == [4, 5, 6, 7, 8, 9] and trace["verdict"] == "agree", trace
-    assert "profiler trace: exposed" in " ".join(communication.table_lines(found))
+    assert "profiler trace: exposed" in " ".join(communication_block.table_lines(found))
 
 
 def test_planted_delays_show_where_they_belong_link_as_communication_compute_and_straggler_not(ddp_runs):
@@ -181,7 +181,7 @@ def test_planted_delays_show_where_they_belong_link_as_communication_compute_and
     waits = {row["rank"]: row["wait_s"] for row in planted["per_rank"]}
     assert waits[0] == pytest.approx(STRAGGLER_DELAY_S, rel=0.2) and waits[1] < 0.2 * DELAY_S
     assert planted["slowest_rank"] == 0  # rank 0's backward waited longest: for rank 1, then for the link
-    assert "straggler: rank 1" in " ".join(communication.table_lines(planted))
+    assert "straggler: rank 1" in " ".join(communication_block.table_lines(planted))
     assert planted["agreement"]["ddp"]["verdict"] == "agree"  # DDP's logger on each rank says the same
 
 
@@ -241,7 +241,7 @@ def measured(ddp, steps=12, comm_hook="none", clock=None, between=None):
         if between:
             between(found)
     mine = found.rank_summary({"steady": {"optimizer_steps": steps, "micro_batches": steps}}, final=True)
-    return found, communication.combine([{"rank": 0, "communication": mine}], {"step_s": 1.0})
+    return found, communication_block.combine([{"rank": 0, "communication": mine}], {"step_s": 1.0})
 
 
 def late_by(delay):
@@ -306,9 +306,9 @@ def test_measuring_changes_nothing_learned_and_measuring_off_registers_nothing(g
             assert found.handles == [] and found.layout is None  # no hook, no read of the buckets
             mine = found.rank_summary({"steady": {"optimizer_steps": 4, "micro_batches": 4}}, final=True)
             assert mine["transfer"] is None and all(e["exposed_s"] is None for e in mine["steps"])
-            off = communication.combine([{"rank": 0, "communication": mine}], {"step_s": 1.0})
+            off = communication_block.combine([{"rank": 0, "communication": mine}], {"step_s": 1.0})
             assert off["measured"] is False and off["ddp_exposed_s"] is not None  # DDP's logger stands alone
-            assert communication.table_lines(off)[0].startswith(
+            assert communication_block.table_lines(off)[0].startswith(
                 "communication: not measured (--measure-communication off)"
             )
     assert all(torch.equal(a, b) for a, b in zip(trained[True], trained[False]))
@@ -377,10 +377,12 @@ def test_the_trace_takes_autograd_events_from_any_thread_and_reads_the_collectiv
         event("gloo:all_reduce", 26_000, 30_500, thread=3),
         event("gloo:all_reduce", 40_000, 41_000, thread=3),
     ]
-    found = communication.from_trace(events)  # microseconds in, seconds out; the third collective is no step's
+    found = communication_agreement.from_trace(
+        events
+    )  # microseconds in, seconds out; the third collective is no step's
     assert found["spans"] == 2 and found["exposed_s"] == pytest.approx([0.003, 0.003])
     assert found["allreduce_s"] == pytest.approx([0.0065, 0.0045])
-    steps = communication.trace_steps({**found, "first_step": 5, "last_step": 6})
+    steps = communication_agreement.trace_steps({**found, "first_step": 5, "last_step": 6})
     assert steps[6]["exposed_s"] == pytest.approx(0.003)
 
 
@@ -448,7 +450,7 @@ def planted_rank(
 def test_per_step_the_rank_that_waited_least_carries_the_communication_and_the_others_wait():
     late = [0.050, 0.055, 0.045, 0.050, 0.052, 0.048, 0.051]
     fast = [e + 0.100 for e in late]  # rank 0 waits 100 ms for rank 1 every step
-    combined = communication.combine([planted_rank(0, fast), planted_rank(1, late)], {"step_s": 0.5})
+    combined = communication_block.combine([planted_rank(0, fast), planted_rank(1, late)], {"step_s": 0.5})
     assert combined["exposed_s"] == pytest.approx(0.050) and combined["exposed_share"] == pytest.approx(0.1)
     assert combined["exposed_resolved"] and combined["exposed_interval"] == [0.045, 0.055]  # order statistics
     rows = {row["rank"]: row for row in combined["per_rank"]}
@@ -456,15 +458,15 @@ def test_per_step_the_rank_that_waited_least_carries_the_communication_and_the_o
     assert rows[0]["exposed_s"] == pytest.approx(0.150) and combined["slowest_rank"] == 0
     (straggler,) = combined["stragglers"]
     assert straggler["rank"] == 1 and straggler["excess_s"] == pytest.approx(0.100) and straggler["steps_last"] == 7
-    balanced = communication.combine([planted_rank(0, late), planted_rank(1, late[::-1])], {"step_s": 0.5})
+    balanced = communication_block.combine([planted_rank(0, late), planted_rank(1, late[::-1])], {"step_s": 0.5})
     assert balanced["stragglers"] == []
 
 
 def test_an_exposed_time_whose_interval_reaches_zero_or_spans_more_than_itself_is_not_resolved():
     noisy = [0.001, 0.030, 0.002, 0.060, 0.004, 0.050, 0.003, 0.045]
-    combined = communication.combine([planted_rank(0, noisy)], {"step_s": 0.5})
+    combined = communication_block.combine([planted_rank(0, noisy)], {"step_s": 0.5})
     assert not combined["exposed_resolved"] and combined["exposed_share"] is None and combined["hidden_share"] is None
-    line = communication.table_lines(combined)[0]
+    line = communication_block.table_lines(combined)[0]
     assert "not resolved: between 1.0 and 60.0 ms" in line and "%" not in line.split("not resolved")[1]
     codes = [w["code"] for w in health.check({"summary": {"communication": combined}})]
     assert "comm_not_resolved" in codes
@@ -478,7 +480,7 @@ def test_the_transfer_is_the_shortest_rank_per_repetition_then_the_median_and_th
         planted_rank(0, exposed, transfer=transfer0, buckets=2),
         planted_rank(1, exposed, transfer=transfer1, buckets=2),
     ]
-    combined = communication.combine(ranks, {"step_s": 0.5})
+    combined = communication_block.combine(ranks, {"step_s": 0.5})
     # bucket 0: min over ranks 0.022, 0.020, 0.021 -> 0.021; bucket 1: 0.010, 0.010, 0.011 -> 0.010
     assert combined["transfer_bucket_s"] == pytest.approx([0.021, 0.010]) and combined["transfer_s"] == pytest.approx(
         0.031
@@ -488,7 +490,7 @@ def test_the_transfer_is_the_shortest_rank_per_repetition_then_the_median_and_th
     hooked = [
         planted_rank(r, exposed, transfer=transfer0, collective=[[0.005] * 3, [0.004] * 3], buckets=2) for r in (0, 1)
     ]
-    compressed = communication.combine(hooked, {"step_s": 0.5})  # under a hook: the bare collective's bandwidth
+    compressed = communication_block.combine(hooked, {"step_s": 0.5})  # under a hook: the bare collective's bandwidth
     assert compressed["collective_s"] == pytest.approx(0.009)
     assert compressed["bus_bandwidth_gbs"] == pytest.approx(2 * 1 / 2 * 100e6 / 0.009 / 1e9)
 
@@ -515,22 +517,24 @@ def test_an_exposed_time_within_noise_of_the_transfer_hides_nothing_resolved_and
 
 def test_agreement_is_paired_per_iteration_and_fails_beyond_the_tolerance_stated_before_measuring():
     ours = [0.050, 0.052, 0.049, 0.051, 0.050, 0.053, 0.048, 0.050]
-    same = communication.combine([planted_rank(0, ours, ddp=[e - 0.0004 for e in ours])], {"step_s": 0.5})
+    same = communication_block.combine([planted_rank(0, ours, ddp=[e - 0.0004 for e in ours])], {"step_s": 0.5})
     assert same["agreement"]["ddp"]["verdict"] == "agree" and same["agreement"]["ddp"]["pairs"] == 8
     # DDP's logger stamps the same reducer events: held to what pairing them resolves, not 30% of 50 ms
     assert same["agreement"]["ddp"]["tolerance"] == pytest.approx(0.003)
     # the old rule (50% + 5 ms) let 2.17x pass; now an offset of 40 ms on every iteration is a disagreement
-    off = communication.combine([planted_rank(0, ours, ddp=[e - 0.040 for e in ours])], {"step_s": 0.5})
+    off = communication_block.combine([planted_rank(0, ours, ddp=[e - 0.040 for e in ours])], {"step_s": 0.5})
     assert off["agreement"]["ddp"]["verdict"] == "disagree"
     assert [w["code"] for w in health.check({"summary": {"communication": off}})] == ["comm_instruments_disagree"]
-    few = communication.combine([planted_rank(0, ours[:5], ddp=ours[:5])], {"step_s": 0.5})
+    few = communication_block.combine([planted_rank(0, ours[:5], ddp=ours[:5])], {"step_s": 0.5})
     assert few["agreement"]["ddp"]["verdict"] == "undecided"  # 5 pairs: no 95% interval of a median exists
     assert "comm_instruments_undecided" in [w["code"] for w in health.check({"summary": {"communication": few}})]
     shifted = planted_rank(0, ours, overlap=0.7, ddp=ours)  # DDP's overlap 70% on every iteration
-    assert communication.combine([shifted], {"step_s": 0.5})["agreement"]["ddp"]["overlap"]["verdict"] == "agree"
+    assert communication_block.combine([shifted], {"step_s": 0.5})["agreement"]["ddp"]["overlap"]["verdict"] == "agree"
     for entry in shifted["communication"]["steps"]:
         entry["overlap"] = 0.9  # ours 20 points above DDP's, beyond the 10 points stated
-    assert communication.combine([shifted], {"step_s": 0.5})["agreement"]["ddp"]["overlap"]["verdict"] == "disagree"
+    assert (
+        communication_block.combine([shifted], {"step_s": 0.5})["agreement"]["ddp"]["overlap"]["verdict"] == "disagree"
+    )
 
 
 def test_the_median_interval_covers_the_median_as_often_as_it_says():
@@ -541,18 +545,18 @@ def test_the_median_interval_covers_the_median_as_often_as_it_says():
     for n in (6, 10, 20):
         covered = 0
         for _ in range(2000):
-            low, high = communication.median_interval([rng.expovariate(1.0) for _ in range(n)])
+            low, high = communication_agreement.median_interval([rng.expovariate(1.0) for _ in range(n)])
             covered += low <= true_median <= high
         assert covered / 2000 >= 0.94, (n, covered)
-    assert communication.median_interval([1.0] * 5) is None
-    assert communication.median_interval(list(range(10))) == (1, 8)
+    assert communication_agreement.median_interval([1.0] * 5) is None
+    assert communication_agreement.median_interval(list(range(10))) == (1, 8)
 
 
 def test_ddps_steady_figure_is_its_comm_less_overlap_on_the_rank_that_did_not_wait():
     ours = [0.05] * 6
     waited = planted_rank(0, ours, ddp=[0.10] * 6)
     least = planted_rank(1, ours, ddp=[0.04] * 6)
-    combined = communication.combine([waited, least], {"step_s": 0.5})
+    combined = communication_block.combine([waited, least], {"step_s": 0.5})
     assert combined["ddp_exposed_s"] == pytest.approx(0.04) and combined["ddp_iterations"] == [3, 4, 5, 6, 7, 8]
 
 
@@ -701,12 +705,12 @@ def test_on_cuda_events_a_trace_three_ms_off_a_two_ms_exposure_disagrees():
     On CUDA events the floor is what the device's stamps resolve; on the host it stays 15 ms."""
     ours = [0.0020, 0.0021, 0.0019, 0.0020, 0.0022, 0.0020, 0.0021, 0.0019]
     trace = [e + 0.003 for e in ours]
-    on_gpu = communication.combine([planted_rank(0, ours, clock="cuda events", trace=trace)], {"step_s": 0.05})
+    on_gpu = communication_block.combine([planted_rank(0, ours, clock="cuda events", trace=trace)], {"step_s": 0.05})
     assert on_gpu["agreement"]["trace"]["verdict"] == "disagree"
     assert on_gpu["agreement"]["trace"]["tolerance"] == pytest.approx(0.3 * 0.002)  # 30%, above the 0.5 ms floor
-    on_cpu = communication.combine([planted_rank(0, ours, trace=trace)], {"step_s": 0.05})
+    on_cpu = communication_block.combine([planted_rank(0, ours, trace=trace)], {"step_s": 0.05})
     assert on_cpu["agreement"]["trace"]["verdict"] == "agree" and on_cpu["agreement"]["trace"]["tolerance"] == 0.015
-    same = communication.combine([planted_rank(0, ours, ddp=ours, clock="cuda events")], {"step_s": 0.05})
+    same = communication_block.combine([planted_rank(0, ours, ddp=ours, clock="cuda events")], {"step_s": 0.05})
     assert same["agreement"]["ddp"]["tolerance"] == pytest.approx(0.0002)
     assert "implementation check" in same["agreement"]["ddp"]["instrument"]
 
@@ -736,7 +740,7 @@ def test_on_a_gpu_the_trace_reads_exposure_from_the_kernels_and_counts_each_coll
         gpu_event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 6_000, 9_000, linked=2, device="CUDA"),
         gpu_event("copy_kernel", 9_000, 9_100, linked=3, device="CUDA"),
     ]
-    found = communication.from_trace(events)
+    found = communication_agreement.from_trace(events)
     assert found["basis"] == "device kernels"
     assert found["allreduce_s"] == pytest.approx([0.003]) and found["exposed_s"] == pytest.approx([0.001])
 
@@ -747,7 +751,7 @@ def test_a_negative_wait_in_the_host_trace_is_no_time_not_zero():
         gpu_event("backward", 0, 5_000),
         gpu_event("autograd::engine::evaluate_function: MmBackward0", 100, 6_000),
     ]
-    found = communication.from_trace(events)
+    found = communication_agreement.from_trace(events)
     assert found["exposed_s"] == [None] and found["unphysical"] == 1
 
 

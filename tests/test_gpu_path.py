@@ -192,15 +192,15 @@ COMPARISONS = ["compare-dp", "loaders", "overhead"]
 
 
 def test_gpu_check_plans_every_check_by_the_documented_commands():
-    from trainscope import gpu_check
+    from trainscope import gpu_check, gpu_check_plan, gpu_check_report
 
-    steps = gpu_check.plan(gpus=2)
+    steps = gpu_check_plan.plan(gpus=2)
     assert [step["name"] for step in steps] == [*SINGLE_GPU_CHECKS, *TWO_GPU_CHECKS, *LATER_CHECKS]
     configs = {step["name"]: step.get("config") for step in steps}
     assert configs["precision-bf16"] == "bf16" and configs["precision-fp16"] == "fp16"
     assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert (
-        gpu_check.verdicts(
+        gpu_check_report.verdicts(
             {
                 "precision-fp32": {"throughput": {"samples_per_s": 100}},
                 "precision-tf32": {"throughput": {"samples_per_s": 250}},
@@ -219,9 +219,9 @@ def flag_value(command: list[str], flag: str) -> str | None:
 def test_every_comparison_in_the_plan_has_enough_rounds_and_every_check_a_timeout(gpus):
     """--pairs 3, --rounds 3 and --repeats 2 gave "too few pairs" verdicts: at least bench.MIN_PAIRS now. The
     batch search's sweep has one batch size, one arm: nothing is compared, so one round is all it runs."""
-    from trainscope import bench, gpu_check
+    from trainscope import bench, gpu_check_plan
 
-    steps = gpu_check.plan(gpus=gpus)
+    steps = gpu_check_plan.plan(gpus=gpus)
     for step in steps:
         assert 0 < step["estimate_s"] <= step["timeout_s"] and step["estimate"], step["name"]
         command = step.get("command") or []
@@ -241,11 +241,11 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
     """A misspelt flag would cost a GPU check its launch: each command's own flags and its train.py flags are
     parsed here as the script parses them (nothing is run)."""
     import loaders_bench
-    from trainscope import experiments, gpu_check
+    from trainscope import experiments, gpu_check, gpu_check_plan
     from trainscope.benchmarks import overhead
     from trainscope.settings import parse_settings
 
-    for step in gpu_check.plan(gpus=2):
+    for step in gpu_check_plan.plan(gpus=2):
         if "args" in step:
             parse_settings(argv=step["args"])
             continue
@@ -273,33 +273,36 @@ def test_the_default_budget_holds_the_plan_and_each_part_fits_a_ten_minute_comma
     """One GPU planned 509 s of a 540 s budget with 12 s launches (measured: 29 s and 11 s more for the first), and
     two GPUs dropped compare-dp, the one DataParallel check: the budget now is the plan's estimate from the measured
     launch costs and a margin, and the parts each fit one 10-minute command."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check_plan
 
-    steps = gpu_check.plan(gpus=gpus)
+    steps = gpu_check_plan.plan(gpus=gpus)
     assert [step["name"] for step in steps if step.get("skipped")] == (TWO_GPU_CHECKS if gpus == 1 else [])
-    total = gpu_check.planned_seconds(steps)
-    assert gpu_check.default_budget(steps) >= gpu_check.MARGIN * total
+    total = gpu_check_plan.planned_seconds(steps)
+    assert gpu_check_plan.default_budget(steps) >= gpu_check_plan.MARGIN * total
     fp32 = next(step for step in steps if step["name"] == "precision-fp32")
-    assert fp32["estimate_s"] >= gpu_check.MEASURED_LAUNCH_S + gpu_check.MEASURED_FIRST_LAUNCH_S  # the cold launch
+    cold = gpu_check_plan.MEASURED_LAUNCH_S + gpu_check_plan.MEASURED_FIRST_LAUNCH_S
+    assert fp32["estimate_s"] >= cold  # the cold launch
     compiled = next(step for step in steps if step["name"] == "compile-bf16")
     assert compiled["estimate_s"] == pytest.approx(129, abs=1)  # measured on an H200, its compile included
-    cut = gpu_check.parts(steps)
+    cut = gpu_check_plan.parts(steps)
     assert [step["name"] for part in cut for step in part] == [step["name"] for step in steps]
-    assert all(gpu_check.planned_seconds(part) * gpu_check.MARGIN <= gpu_check.PART_LIMIT_S for part in cut)
+    assert all(
+        gpu_check_plan.planned_seconds(part) * gpu_check_plan.MARGIN <= gpu_check_plan.PART_LIMIT_S for part in cut
+    )
     overhead = next(step["command"] for step in steps if step["name"] == "overhead")
     steady = int(flag_value(overhead, "--max-steps")) - int(flag_value(overhead, "--timing-warmup-steps"))
-    assert flag_value(overhead, "--model") == "roberta-base" and steady * gpu_check.step_seconds("fp32") >= 4.0
+    assert flag_value(overhead, "--model") == "roberta-base" and steady * gpu_check_plan.step_seconds("fp32") >= 4.0
 
 
 def test_every_goal_is_reachable_by_the_plans_own_step_times():
     """bf16 over TF32 >= 1.5 while the assumed step times gave 1.33, compiled MFU >= 40% on short per-batch-padded
     tweets, 5% on a 2 ms optimizer stage: goals the plan itself said it would miss."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check_plan, gpu_check_report
 
-    step = gpu_check.step_seconds
-    assert step("fp32") / step("bf16") >= gpu_check.GOALS["bf16_over_fp32"][0]
-    assert step("tf32") / step("bf16") >= gpu_check.GOALS["bf16_over_tf32"][0]
-    assert "compiled_bf16_mfu" not in gpu_check.GOALS
+    step = gpu_check_plan.step_seconds
+    assert step("fp32") / step("bf16") >= gpu_check_report.GOALS["bf16_over_fp32"][0]
+    assert step("tf32") / step("bf16") >= gpu_check_report.GOALS["bf16_over_tf32"][0]
+    assert "compiled_bf16_mfu" not in gpu_check_report.GOALS
     stage = lambda seconds: {"median": seconds}  # noqa: E731
     timing = lambda optimizer: {
         "across_ranks": {
@@ -313,26 +316,30 @@ def test_every_goal_is_reachable_by_the_plans_own_step_times():
         }
     }
     # a 2 ms optimizer stage 0.3 ms apart agrees (within 1 ms); a 3 ms gap does not
-    assert gpu_check.goal_met("timing_agreement", gpu_check.timing_agreement(timing(0.0023), timing(0.0020)))
-    assert not gpu_check.goal_met("timing_agreement", gpu_check.timing_agreement(timing(0.005), timing(0.002)))
+    assert gpu_check_report.goal_met(
+        "timing_agreement", gpu_check_report.timing_agreement(timing(0.0023), timing(0.0020))
+    )
+    assert not gpu_check_report.goal_met(
+        "timing_agreement", gpu_check_report.timing_agreement(timing(0.005), timing(0.002))
+    )
 
 
 def test_the_compile_check_runs_with_dynamic_shapes():
     """--pad-to-max-length made every batch one shape (dynamic=False): the check claimed dynamic shapes."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check_plan
     from trainscope.settings import parse_settings
 
-    step = next(step for step in gpu_check.plan(gpus=1) if step["name"] == "compile-bf16")
+    step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "compile-bf16")
     (settings,) = parse_settings(argv=step["args"])
     assert settings.compile and not settings.pad_to_max_length  # the record's compile.dynamic is not pad_to_max_length
-    padded = [step for step in gpu_check.plan(gpus=1) if step["name"].startswith("precision-")]
+    padded = [step for step in gpu_check_plan.plan(gpus=1) if step["name"].startswith("precision-")]
     assert all("--pad-to-max-length" in step["args"] for step in padded)  # the speed comparisons: one shape
 
 
 def test_the_two_gpu_plan_adds_fsdp2_fp16_ddp_both_compression_hooks_and_the_profiler():
-    from trainscope import gpu_check
+    from trainscope import gpu_check_plan
 
-    by_name = {step["name"]: step for step in gpu_check.plan(gpus=2)}
+    by_name = {step["name"]: step for step in gpu_check_plan.plan(gpus=2)}
     assert launching.config_facts(launching.config_path(by_name["fsdp2"]["config"]))["distributed_type"] == "FSDP"
     assert "fsdp_version: 2" in launching.config_path("fsdp").read_text()
     assert launching.config_facts(launching.config_path(by_name["ddp-fp16"]["config"]))["mixed_precision"] == "fp16"
@@ -347,9 +354,9 @@ def test_the_two_gpu_plan_adds_fsdp2_fp16_ddp_both_compression_hooks_and_the_pro
 def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_runs():
     """What the plan runs for each new check, and that a 2-GPU check is skipped with its reason on one GPU.
     The checks themselves need a GPU: not measured on GPU."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check, gpu_check_plan, gpu_check_report
 
-    by_name = {step["name"]: step for step in gpu_check.plan(gpus=1)}
+    by_name = {step["name"]: step for step in gpu_check_plan.plan(gpus=1)}
     search = by_name["batch-search"]["command"]
     experiments_flags, train_flags = search[: search.index("--")], search[search.index("--") + 1 :]
     assert experiments_flags[1:4] == ["-m", "trainscope.experiments", "batch-sweep"]
@@ -379,21 +386,21 @@ def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_run
         "scaler": {"planted": 3, "counted": 3},
         "plan": list(by_name.values()),
     }
-    lines = gpu_check.markdown(report)
+    lines = gpu_check_report.markdown(report)
     estimate = by_name["ddp-compile"]["estimate_s"]
     assert f"| ddp-compile | {estimate:.0f} |  | 0 | skipped: needs 2 GPUs (one per process), 1 present |" in lines
     assert f"- batch-search: {by_name['batch-search']['confirms']}" in lines
 
 
 def test_gpu_check_dry_run_shows_the_plan_for_n_gpus_with_estimates_the_total_and_the_parts(capsys):
-    from trainscope import gpu_check
+    from trainscope import gpu_check, gpu_check_plan
 
     gpu_check.main(["--dry-run", "--gpus", "2"])
     out = capsys.readouterr().out
-    steps = gpu_check.plan(gpus=2)
+    steps = gpu_check_plan.plan(gpus=2)
     assert out.count("confirms: ") == len(steps)  # every check, the scaler's process included
     assert "fsdp2 (estimate " in out and "timeout " in out and "--memory-snapshot" in out and "--search-from" in out
-    total = gpu_check.planned_seconds(steps)
+    total = gpu_check_plan.planned_seconds(steps)
     assert f"total estimated for 2 GPUs: {total:.0f} s" in out and "measured on one H200" in out
     assert "over the budget" not in out  # the default budget holds the plan
     assert "part 1 (" in out and "python -m trainscope.gpu_check --part 2" in out
@@ -443,7 +450,7 @@ def test_checks_run_within_the_budget_each_written_as_it_finishes():
 def test_a_check_the_budget_cut_short_is_not_finished_rather_than_failed():
     """The second gpu-check started its loader sweep with 30 s left of the budget (its estimate 28 s, its timeout
     84 s): killed at 30 s it read "failed" and the whole check exited 1, though nothing had gone wrong but time."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check, gpu_check_report
 
     clock = FakeClock()
     steps = [
@@ -465,32 +472,33 @@ def test_a_check_the_budget_cut_short_is_not_finished_rather_than_failed():
     report = gpu_check.execute(steps, {}, lambda r: None, 100, runner, clock)
     loaders = report["checks"][1]
     assert loaders["budget_cut"] == "stopped where the budget ended (30 s were left of its 84 s timeout)"
-    assert gpu_check.outcome(loaders).startswith("not finished: stopped where the budget ended")
+    assert gpu_check_report.outcome(loaders).startswith("not finished: stopped where the budget ended")
     # a check that times out inside its own timeout, with budget to spare, still failed
     timed_out = {"name": "x", "exit": -9, "error": "timed out after 15 s"}
-    assert gpu_check.outcome(timed_out) == "failed: timed out after 15 s"
+    assert gpu_check_report.outcome(timed_out) == "failed: timed out after 15 s"
 
 
 def test_events_and_sync_agree_where_both_see_the_device_and_sync_may_add_host_work_elsewhere():
     """The second gpu-check (one H200, fp32, 48 steady steps): forward 0.977 / 0.986 s, backward 1.769 / 1.831 s
     (events / sync) agree; the optimizer's 0.076 / 0.181 s and data's 0.025 / 0.186 s are the host's work sync
     exposes. Events above sync on a host-bound stage, or forward apart, is a disagreement."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check_report
 
     def timing(**stages):
         return {"across_ranks": {"steady": {"seconds": {k: {"median": v} for k, v in stages.items()}}}}
 
     measured = dict(data=0.025, forward=0.977, backward=1.769, optimizer=0.076)
     synced = dict(data=0.186, forward=0.986, backward=1.831, optimizer=0.181)
-    agreement = gpu_check.timing_agreement(timing(**measured), timing(**synced))
-    assert agreement == pytest.approx(0.062 / (0.05 * 1.831), rel=0.01) and gpu_check.goal_met(
+    agreement = gpu_check_report.timing_agreement(timing(**measured), timing(**synced))
+    assert agreement == pytest.approx(0.062 / (0.05 * 1.831), rel=0.01) and gpu_check_report.goal_met(
         "timing_agreement", agreement
     )
-    assert not gpu_check.goal_met(
-        "timing_agreement", gpu_check.timing_agreement(timing(**{**measured, "optimizer": 0.2}), timing(**synced))
+    assert not gpu_check_report.goal_met(
+        "timing_agreement",
+        gpu_check_report.timing_agreement(timing(**{**measured, "optimizer": 0.2}), timing(**synced)),
     )  # the device's time above the serialized time
-    assert not gpu_check.goal_met(
-        "timing_agreement", gpu_check.timing_agreement(timing(**{**measured, "forward": 0.90}), timing(**synced))
+    assert not gpu_check_report.goal_met(
+        "timing_agreement", gpu_check_report.timing_agreement(timing(**{**measured, "forward": 0.90}), timing(**synced))
     )  # a device-bound stage 9% apart
 
 
@@ -525,7 +533,7 @@ def test_a_signal_during_a_check_kills_its_launch_and_keeps_what_finished(tmp_pa
     import signal
     import threading
 
-    from trainscope import bench, gpu_check
+    from trainscope import bench, gpu_check, gpu_check_report
 
     steps = [
         {"name": "first", "estimate_s": 1, "timeout_s": 60, "confirms": "x"},
@@ -542,7 +550,7 @@ def test_a_signal_during_a_check_kills_its_launch_and_keeps_what_finished(tmp_pa
         return {"name": step["name"], "seconds": 0.1, "exit": 0}
 
     def write(current):
-        bench.write_results(stem, current, gpu_check.markdown({**current, "verdicts": {}}))
+        bench.write_results(stem, current, gpu_check_report.markdown({**current, "verdicts": {}}))
 
     with pytest.raises(gpu_check.Interrupted):
         gpu_check.execute(steps, report, write, 540, runner)
@@ -556,7 +564,7 @@ def test_a_signal_during_a_check_kills_its_launch_and_keeps_what_finished(tmp_pa
 def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_failed_one(monkeypatch, tmp_path, capsys):
     """main() on a stand-in one-GPU host whose checks are stand-ins: every check's result reaches the files, a
     2-GPU check is listed as skipped, a failed check fails the command in one line after the rest ran."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check, gpu_check_plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -593,7 +601,7 @@ def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_fai
     assert written["status"] == "complete" and written["not_run"] == [] and written["provenance"]["commit"]
     assert [c["name"] for c in written["checks"]] == [*SINGLE_GPU_CHECKS, *TWO_GPU_CHECKS, *LATER_CHECKS]
     assert [name for name, _ in ran] == [*SINGLE_GPU_CHECKS, *LATER_CHECKS]
-    budget = gpu_check.default_budget(gpu_check.plan(gpus=1))
+    budget = gpu_check_plan.default_budget(gpu_check_plan.plan(gpus=1))
     assert written["budget_s"] == budget and all(0 < timeout <= budget for _, timeout in ran)
     assert written["scaler"] == {"planted": 3, "counted": 3, "ok": True}
     markdown = (tmp_path / "nvidia-h100-80gb-hbm3.md").read_text()
@@ -964,7 +972,7 @@ def test_a_check_that_crashes_keeps_where_it_crashed_and_every_check_keeps_its_r
     """The H200's fp32 runs each said only "CalledProcessError ... died with SIGSEGV", and their records went with the
     scratch folder. A check runs with faulthandler on: its failure keeps the tail of its output (the Python stack of
     the crash), and the records of its runs are copied beside the results."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check, gpu_check_plan, gpu_check_report
 
     script = (
         "import ctypes, json, os, pathlib, sys\n"
@@ -975,13 +983,13 @@ def test_a_check_that_crashes_keeps_where_it_crashed_and_every_check_keeps_its_r
         "    ctypes.string_at(0)\n"
         "benchmark()\n"
     )
-    step = gpu_check.command_check("crashing", [sys.executable, "-c", script, "{out}"], 1.0, "planted", "nothing")
+    step = gpu_check_plan.command_check("crashing", [sys.executable, "-c", script, "{out}"], 1.0, "planted", "nothing")
     result = gpu_check.run_step(step, tmp_path / "scratch", 60, kept=tmp_path / "device.runs")
     assert result["exit"] == -11 and "Segmentation fault" in result["output_tail"]
     assert "line 6 in benchmark" in result["output_tail"]  # faulthandler's stack: where it crashed
     kept = tmp_path / "device.runs" / "crashing" / "run" / "record.json"
     assert json.loads(kept.read_text()) == {"status": "running"} and result["records"] == [str(kept)]
-    lines = gpu_check.markdown(
+    lines = gpu_check_report.markdown(
         {
             "device": "stand-in",
             "driver": None,
@@ -998,15 +1006,17 @@ def test_a_check_that_crashes_keeps_where_it_crashed_and_every_check_keeps_its_r
 def test_the_scaler_check_runs_in_a_process_of_its_own_and_writes_its_counts(tmp_path):
     """In gpu-check's own process the scaler check held a CUDA context on GPU 0 all session (every check had less
     memory there, and none could start under EXCLUSIVE_PROCESS): it is the plan's first check, a process of its own."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check_plan, gpu_check_report
 
-    step = gpu_check.plan(gpus=1)[0]
+    step = gpu_check_plan.plan(gpus=1)[0]
     assert step["name"] == "scaler" and step["command"][1:4] == ["-m", "trainscope.gpu_check", "--scaler-check"]
     completed = run_command([part.replace("{out}", str(tmp_path)) for part in step["command"]], env=cpu_env())
     assert completed.returncode == 0, completed.stderr[-2000:]
     found = json.loads((tmp_path / "scaler.json").read_text())
     assert found["planted"] == 3 and found["ok"] is False and found["error"]  # no CUDA here: said, not raised
-    assert gpu_check.outcome({"name": "scaler", "seconds": 1, "exit": 0, "scaler": found}).startswith("planted 3")
+    assert gpu_check_report.outcome({"name": "scaler", "seconds": 1, "exit": 0, "scaler": found}).startswith(
+        "planted 3"
+    )
 
 
 def test_on_a_gpu_the_batch_search_predicts_in_its_child_not_in_the_sweeps_process(monkeypatch, tmp_path):
@@ -1101,9 +1111,9 @@ def test_the_overhead_benchmark_writes_its_rounds_as_they_finish(monkeypatch, tm
 
 def test_the_loaders_check_sweeps_pinned_and_pageable_copies_at_a_batch_whose_copy_shows():
     """Only pin_memory=auto (pinned on CUDA) was swept, at 20 KB batches whose pass time is the collate's."""
-    from trainscope import gpu_check
+    from trainscope import gpu_check_plan
 
-    command = next(step["command"] for step in gpu_check.plan(gpus=1) if step["name"] == "loaders")
+    command = next(step["command"] for step in gpu_check_plan.plan(gpus=1) if step["name"] == "loaders")
     values = (
         lambda flag: command[
             command.index(flag) + 1 : next(  # noqa: E731

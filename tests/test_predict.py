@@ -432,12 +432,12 @@ def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_predic
 
     from test_communication import planted_rank
 
-    from trainscope import communication
+    from trainscope import communication_block
 
     monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
     transfer = [[0.040, 0.041, 0.039]]
     ranks = [planted_rank(r, [0.010, 0.011, 0.009, 0.010, 0.012, 0.010, 0.011], transfer=transfer) for r in (0, 1)]
-    summary = {"communication": communication.combine(ranks, {"step_s": 0.5})}
+    summary = {"communication": communication_block.combine(ranks, {"step_s": 0.5})}
     started = SimpleNamespace(state=SimpleNamespace(is_main_process=True))
     block = {"machine": {"device": "cpu", "threads": 1}}
     monkeypatch.setattr(predict.environment, "local_processes", lambda: 2)

@@ -17,8 +17,10 @@ from conftest import ROOT
 import report as report_script
 from trainscope import reporting
 from trainscope.experiments import SECTIONS, optimization
+from trainscope.pdf_book import PdfBook
 from trainscope.records import read_record
-from trainscope.tables import PdfBook, ReportWriter, Table, pyplot
+from trainscope.report_writer import ReportWriter
+from trainscope.tables import Table, pyplot
 from trainscope.tune_judge import rejudged
 
 EDGE = 18.0  # points (a quarter inch): no glyph this close to a page's edge

@@ -127,64 +127,8 @@ def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
     main_thread = steps[0].thread if steps else None
     if not on_device and main_thread is not None:
         events = [e for e in events if e.thread == main_thread]
-    forward_by_sequence, forward_inside, memo, memo_inside = {}, {}, {}, {}
-
-    def own(event) -> str | None:
-        if event.name.startswith("ProfilerStep#") or event.name in labels:
-            return "outside operators"
-        return _keyword_category(event.name)
-
-    def category(event) -> str:
-        if id(event) in memo:
-            return memo[id(event)]
-        found = None
-        if _BACKWARD_NODE.match(event.name):  # a backward node: what its forward operator was
-            found = forward_by_sequence.get(event.sequence_nr) or _keyword_category(event.name.split(": ")[-1])
-        found = found or own(event)
-        if found is None:  # a generic operator: the nearest enclosing one that says what it serves
-            parent = event.cpu_parent
-            inherited = category(parent) if parent is not None else None
-            if parent is not None and parent.name == "optimizer" and "optimizer" in labels:
-                inherited = "optimizer"
-            # a matmul's other work (a bias gradient's sum) is not matmul time; a span is no operator
-            found = inherited if inherited not in (None, "matmul", "outside operators") else "other operators"
-        memo[id(event)] = found
-        return found
-
-    def inside_attention(event) -> bool:
-        if id(event) not in memo_inside:
-            if _BACKWARD_NODE.match(event.name):
-                found = forward_inside.get(event.sequence_nr, False)
-            else:
-                found = category(event) == "attention" or (
-                    event.cpu_parent is not None and inside_attention(event.cpu_parent)
-                )
-            memo_inside[id(event)] = found
-        return memo_inside[id(event)]
-
-    for event in events:  # the outermost forward operator of each autograd sequence number
-        if event.sequence_nr is not None and event.sequence_nr >= 0 and not _BACKWARD_NODE.match(event.name):
-            parent = event.cpu_parent
-            if parent is None or parent.sequence_nr != event.sequence_nr:
-                forward_by_sequence.setdefault(event.sequence_nr, category(event))
-                forward_inside.setdefault(event.sequence_nr, inside_attention(event))
-    seconds = dict.fromkeys(CATEGORIES, 0.0)
-    calls = dict.fromkeys(CATEGORIES, 0)
-    flops = matmul_s = attention_total = attention_dropout = 0.0
-    attention_ops: dict[str, float] = {}
-    for event in events:
-        name = category(event)
-        self_us = (event.self_device_time_total if on_device else event.self_cpu_time_total) or 0.0
-        seconds[name] += self_us / 1e6
-        calls[name] += 1
-        if inside_attention(event):
-            attention_total += self_us / 1e6
-            attention_dropout += self_us / 1e6 if name == "dropout" else 0.0
-        if name == "matmul":
-            flops += getattr(event, "flops", 0) or 0
-            matmul_s += self_us / 1e6
-        if name == "attention" and event.name.startswith("aten::"):
-            attention_ops[event.name] = attention_ops.get(event.name, 0.0) + self_us / 1e6
+    found = _tally(events, _Categories(events, labels), on_device)
+    seconds = found["categories"]
     window = sum(e.cpu_time_total for e in steps) / 1e6 if steps else sum(seconds.values())
     overlap = 0.0
     if on_device:  # device time that no operator accounts for: the device waited
@@ -197,10 +141,90 @@ def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
         "categories": seconds,
         "communication_hidden_s": hidden,
         "overlap_s": overlap,
+        "calls": found["calls"],
+        "matmul_flops": found["matmul_flops"],
+        "matmul_s": found["matmul_s"],
+        "attention_ops": dict(sorted(found["attention_ops"].items(), key=lambda kv: -kv[1])),
+        "attention_total_s": found["attention_total_s"],
+        "attention_dropout_s": found["attention_dropout_s"],
+    }
+
+
+class _Categories:
+    """Each operator's category and whether it runs inside attention, memoized per event: a backward node takes its
+    forward operator's (by autograd sequence number), a generic operator the nearest enclosing one that says what
+    it serves."""
+
+    def __init__(self, events: list, labels: tuple[str, ...]):
+        self.labels = labels
+        self.forward_by_sequence, self.forward_inside, self.memo, self.memo_inside = {}, {}, {}, {}
+        for event in events:  # the outermost forward operator of each autograd sequence number
+            if event.sequence_nr is not None and event.sequence_nr >= 0 and not _BACKWARD_NODE.match(event.name):
+                parent = event.cpu_parent
+                if parent is None or parent.sequence_nr != event.sequence_nr:
+                    self.forward_by_sequence.setdefault(event.sequence_nr, self.category(event))
+                    self.forward_inside.setdefault(event.sequence_nr, self.inside_attention(event))
+
+    def own(self, event) -> str | None:
+        if event.name.startswith("ProfilerStep#") or event.name in self.labels:
+            return "outside operators"
+        return _keyword_category(event.name)
+
+    def category(self, event) -> str:
+        if id(event) in self.memo:
+            return self.memo[id(event)]
+        found = None
+        if _BACKWARD_NODE.match(event.name):  # a backward node: what its forward operator was
+            found = self.forward_by_sequence.get(event.sequence_nr) or _keyword_category(event.name.split(": ")[-1])
+        found = found or self.own(event)
+        if found is None:  # a generic operator: the nearest enclosing one that says what it serves
+            parent = event.cpu_parent
+            inherited = self.category(parent) if parent is not None else None
+            if parent is not None and parent.name == "optimizer" and "optimizer" in self.labels:
+                inherited = "optimizer"
+            # a matmul's other work (a bias gradient's sum) is not matmul time; a span is no operator
+            found = inherited if inherited not in (None, "matmul", "outside operators") else "other operators"
+        self.memo[id(event)] = found
+        return found
+
+    def inside_attention(self, event) -> bool:
+        if id(event) not in self.memo_inside:
+            if _BACKWARD_NODE.match(event.name):
+                found = self.forward_inside.get(event.sequence_nr, False)
+            else:
+                found = self.category(event) == "attention" or (
+                    event.cpu_parent is not None and self.inside_attention(event.cpu_parent)
+                )
+            self.memo_inside[id(event)] = found
+        return self.memo_inside[id(event)]
+
+
+def _tally(events: list, categories: _Categories, on_device: bool) -> dict:
+    """Self time and calls per category; the matmuls' FLOPs and time; attention's operators, everything inside
+    attention and the dropout inside it."""
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    calls = dict.fromkeys(CATEGORIES, 0)
+    flops = matmul_s = attention_total = attention_dropout = 0.0
+    attention_ops: dict[str, float] = {}
+    for event in events:
+        name = categories.category(event)
+        self_us = (event.self_device_time_total if on_device else event.self_cpu_time_total) or 0.0
+        seconds[name] += self_us / 1e6
+        calls[name] += 1
+        if categories.inside_attention(event):
+            attention_total += self_us / 1e6
+            attention_dropout += self_us / 1e6 if name == "dropout" else 0.0
+        if name == "matmul":
+            flops += getattr(event, "flops", 0) or 0
+            matmul_s += self_us / 1e6
+        if name == "attention" and event.name.startswith("aten::"):
+            attention_ops[event.name] = attention_ops.get(event.name, 0.0) + self_us / 1e6
+    return {
+        "categories": seconds,
         "calls": calls,
         "matmul_flops": flops,
         "matmul_s": matmul_s,
-        "attention_ops": dict(sorted(attention_ops.items(), key=lambda kv: -kv[1])),
+        "attention_ops": attention_ops,
         "attention_total_s": attention_total,
         "attention_dropout_s": attention_dropout,
     }

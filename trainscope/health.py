@@ -210,7 +210,7 @@ def _fp16_unavailable(view: RunView):
     at_start=True,
 )
 def _tf32(view: RunView):
-    if view.env.get("tf32_in_effect") and not view.setting("tf32"):
+    if view.tf32_in_effect and not view.setting("tf32"):
         return "TF32 matmuls were in effect although --tf32 was not given: an 'fp32' figure is a TF32 figure"
 
 
@@ -529,6 +529,12 @@ def _verdicts(block: dict, verdict: str) -> list[str]:
     return found
 
 
+def _instrument_warning(view: RunView, verdict: str, message: str) -> str | None:
+    """`message` with the communication's comparisons of this verdict in place of {found}; None without any."""
+    found = _verdicts(view.communication or {}, verdict)
+    return message.format(found="; ".join(found)) if found else None
+
+
 @register(
     "comm_instruments_disagree",
     "trainscope's per-step communication figures disagree with DDP's own logger (or the profiler trace) on "
@@ -536,12 +542,12 @@ def _verdicts(block: dict, verdict: str) -> list[str]:
     "read both instruments' figures in the record; re-measure with more steps",
 )
 def _instruments_disagree(view: RunView):
-    found = _verdicts(view.communication or {}, "disagree")
-    if found:
-        return (
-            "the instruments disagree beyond the tolerance stated before measuring (the 95% interval of the "
-            f"median paired difference lies outside it): {'; '.join(found)}; neither figure is trusted alone"
-        )
+    return _instrument_warning(
+        view,
+        "disagree",
+        "the instruments disagree beyond the tolerance stated before measuring (the 95% interval of the "
+        "median paired difference lies outside it): {found}; neither figure is trusted alone",
+    )
 
 
 @register(
@@ -550,9 +556,9 @@ def _instruments_disagree(view: RunView):
     "run more steps: DDP's logger samples iterations 1-10, then every 100th",
 )
 def _instruments_undecided(view: RunView):
-    found = _verdicts(view.communication or {}, "undecided")
-    if found:
-        return (
-            "agreement with a second instrument not shown (too few paired steps, or paired differences too spread "
-            f"to tell against the tolerance): {'; '.join(found)}"
-        )
+    return _instrument_warning(
+        view,
+        "undecided",
+        "agreement with a second instrument not shown (too few paired steps, or paired differences too spread "
+        "to tell against the tolerance): {found}",
+    )

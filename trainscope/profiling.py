@@ -50,7 +50,7 @@ class StepProfiler:
         self.rank = rank
         self.top_operators: list[dict] = []
         self.breakdown: dict | None = None  # self time per category and the matmuls' FLOPs (trainscope.gap)
-        self.communication = None  # what the trace says of DDP's all-reduces (trainscope.communication)
+        self.communication = None  # what the trace says of DDP's all-reduces (trainscope.communication_agreement)
         self.window = {"first_step": wait + warmup + 1, "last_step": wait + warmup + active}
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -80,7 +80,7 @@ class StepProfiler:
         torch.profiler.tensorboard_trace_handler(str(self.directory), worker_name=f"rank{self.rank}")(profiler)
         self.top_operators = top_operators(profiler.key_averages(), self.device)
         self.breakdown = gap.categorize(profiler.events(), self.device.type == "cuda", STAGES)
-        from trainscope.communication import from_trace
+        from trainscope.communication_agreement import from_trace
 
         found = from_trace(profiler.events())  # per traced `backward` span, in order
         self.communication = {**self.window, **found} if found else None

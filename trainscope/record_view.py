@@ -98,6 +98,11 @@ class RunView:
         return self.env.get("requested_precision")
 
     @property
+    def tf32_in_effect(self) -> bool:
+        """Whether TF32 matmuls were in effect (asked for or not)."""
+        return bool(self.env.get("tf32_in_effect"))
+
+    @property
     def threads(self) -> dict:
         return self.env.get("threads") or {}
 

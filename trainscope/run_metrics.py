@@ -21,6 +21,7 @@ from accelerate.utils import gather_object
 
 from trainscope import (
     communication,
+    communication_block,
     environment,
     gap,
     health,
@@ -346,7 +347,7 @@ class RunMetrics:
             ),
             "memory_snapshot": snapshot,
             "compile": self._compile_summary(),
-            "communication": communication.combine(per_rank, throughput),
+            "communication": communication_block.combine(per_rank, throughput),
         }
 
     def _model_flops(self, throughput: dict, world: int) -> dict:
@@ -515,7 +516,7 @@ def table_lines(record: dict, run_dir) -> list[str]:
     if test:
         rows.append(f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}")
     rows += [
-        *communication.table_lines(view.communication),
+        *communication_block.table_lines(view.communication),
         *predict.error_lines(view.prediction_error),
         f"record: {run_dir / 'record.json'}",
     ]

@@ -241,12 +241,13 @@ def tune(
     )
     first = tuner.run(arm("advice"), 0, [], "advice run")  # the advice comes from it; in no round (the warm-up)
     record = read_record(runs / first["run"])
+    view = RunView(record)
     suggestions = advisor.advise(record)
     tried, untried = plan_trials(
         suggestions, tuner.run_s["advice"], tuner.remaining(), args.rounds, args.max_suggestions
     )
     exact_tried = [s for s in tried if kind_of(s) == changes.EXACT]
-    precision = effective_precision(record)
+    precision = effective_precision(view)
     design = Design(
         rounds=args.rounds,
         trials=len(tried),
@@ -258,27 +259,14 @@ def tune(
         precision=precision,
         tolerance=changes.tolerance(precision),
     )
-    tuned_on = health.machine_kind(RunView(record)) if record else None
+    tuned_on = health.machine_kind(view) if record else None
     log(
         f"advice run took {tuner.run_s['advice']:.0f} s; {len(suggestions)} suggestion(s), trying {len(tried)} within "
         f"the {args.budget:.0f} s budget" + (f" on {tuned_on}" if tuned_on else "")
     )
     for line in design.lines():
         log(line)
-    exact = [
-        Trial(f"e{i + 1}", arm(f"e{i + 1}", args.config, s.flags), s, changes.EXACT, changes.EXACT, list(s.flags))
-        for i, s in enumerate(exact_tried)
-    ]
-    others = [
-        Trial(f"s{i + 1}", arm(f"s{i + 1}", s.config or args.config, s.flags), s, kind_of(s), "other", list(s.flags))
-        for i, s in enumerate(s for s in tried if kind_of(s) != changes.EXACT)
-    ]
-    for t in exact + others:
-        log(
-            f"{t.name}: {t.suggestion.change} ({changes_text(t)}): {t.kind} -- "
-            f"{changes.does(t.own_flags, t.suggestion.config)}"
-            + (" (tried first; the others run on top of the kept ones)" if t.kind == changes.EXACT and others else "")
-        )
+    exact, others = build_trials(tried, arm, args.config, log)
     judged, ran = tuner.decide(design, arm("baseline"), exact, others)
     results = [trial_result(t, judged[t.name], mine, base) for t, mine, base in ran]
     for r in results:
@@ -288,6 +276,26 @@ def tune(
     )
 
 
+def build_trials(tried: list, arm: Callable[..., Arm], config: str, log: Callable[[str], None]) -> tuple[list, list]:
+    """The tried suggestions as trials, each logged: the exact changes (e1, e2, ...: tried first, the others run on
+    top of the kept ones) and the others (s1, s2, ...)."""
+    exact = [
+        Trial(f"e{i + 1}", arm(f"e{i + 1}", config, s.flags), s, changes.EXACT, changes.EXACT, list(s.flags))
+        for i, s in enumerate(s for s in tried if kind_of(s) == changes.EXACT)
+    ]
+    others = [
+        Trial(f"s{i + 1}", arm(f"s{i + 1}", s.config or config, s.flags), s, kind_of(s), "other", list(s.flags))
+        for i, s in enumerate(s for s in tried if kind_of(s) != changes.EXACT)
+    ]
+    for t in exact + others:
+        log(
+            f"{t.name}: {t.suggestion.change} ({changes_text(t)}): {t.kind} -- "
+            f"{changes.does(t.own_flags, t.suggestion.config)}"
+            + (" (tried first; the others run on top of the kept ones)" if t.kind == changes.EXACT and others else "")
+        )
+    return exact, others
+
+
 def changes_text(trial: Trial) -> str:
     config = trial.suggestion.config if trial.suggestion else None
     return ", ".join(
@@ -295,11 +303,10 @@ def changes_text(trial: Trial) -> str:
     )
 
 
-def effective_precision(record: dict) -> str:
+def effective_precision(view: RunView) -> str:
     """The precision the advice run had in effect, as the rounding tolerance names it (TF32 where it was on)."""
-    view = RunView(record)
     precision = view.precision if view.precision in changes.ROUNDING_TOLERANCE else "fp32"
-    return "tf32" if precision == "fp32" and view.env.get("tf32_in_effect") else precision
+    return "tf32" if precision == "fp32" and view.tf32_in_effect else precision
 
 
 def trial_result(trial: Trial, judged: dict, runs: dict[int, dict], baseline: dict[int, dict]) -> dict:

@@ -35,7 +35,7 @@ class Experiment:
     results  its results file under --results (scripts that write their own), or None
     arguments(parser)   adds its options (None: it has no subcommand, e.g. a script's results)
     run(args, train_args)   runs it and writes <runs>/<folder>/comparison.{json,md}
-    section(report, found)  writes its report section (trainscope.tables.ReportWriter, reporting.Collected)
+    section(report, found)  writes its report section (trainscope.report_writer.ReportWriter, reporting.Collected)
     headline(found)  its answer on the report's first page: a reporting.Headline worded by the functions the
                      section uses, or None when its inputs are missing (the page then names its make target)
     rejudge(comparison, records)  judges a comparison again from its runs' records (default: every arm's speed

@@ -1,0 +1,487 @@
+"""make gpu-check's plan: the checks in the order they run, each with its command, what only a GPU run confirms,
+its estimated seconds and timeout, and the plan's total, default budget and parts.
+
+Durations are estimates from each check's workload (launches, steps, precision) and the MEASURED_* figures (the
+first gpu-check on one H200) and ASSUMED_* ones (not measured on GPU) below.
+"""
+
+import math
+import sys
+
+from trainscope import bench, launching
+
+# RoBERTa-base (architecture only) at sequence length 128, batch 32 per GPU. Padded to the maximum length:
+# one shape, so precisions and configs compare on the same work. DYNAMIC pads per batch (lengths vary).
+DYNAMIC = [
+    "--model",
+    "roberta-base",
+    "--architecture-only",
+    "--tokenizer",
+    "embedded:minilm-l6",
+    "--max-seq-length",
+    "128",
+    "--per-device-batch-size",
+    "32",
+    "--max-train-samples",
+    "4096",
+    "--max-eval-samples",
+    "64",
+    "--max-test-samples",
+    "64",
+    "--report-to",
+    "none",
+    "--log-every",
+    "10",
+]
+MODEL = [*DYNAMIC, "--pad-to-max-length"]
+# The embedded MiniLM's architecture (its configuration and tokenizer ship without weights on an offline machine)
+SMALL_MODEL = ["--model", "embedded:minilm-l6", "--architecture-only"]
+PRECISIONS = {
+    "fp32": ("single_gpu", []),
+    "tf32": ("single_gpu", ["--tf32"]),
+    "bf16": ("bf16", []),
+    "fp16": ("fp16", []),
+}
+
+# ---- what the estimates rest on. MEASURED_*: the first make gpu-check on a GPU (one NVIDIA H200, a 16-core Xeon
+# host, torch 2.11; benchmarks/gpu/nvidia-h200.*). ASSUMED_*: not measured on GPU.
+MEASURED_LAUNCH_S = 29.0  # one single-GPU launch of train.py less its steps: the 50-step bf16 and fp16 launches
+#                           took 31 s each (evaluation and the record included), 2.1-2.4 s of it their loops
+MEASURED_FIRST_LAUNCH_S = 45.0  # the first launch's extra: the second check's precision-fp32 took 77 s against
+#                                  24 s for the fp32 launches after it (8 s of the rest its operator costs); the first
+#                                  check: 33 s against 22 s
+MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.040, "fp16": 0.047}  # steady steps, batch 32 x 128: fp32 and bf16
+#                   from the second check (536 and 803 samples/s), fp16 from the first (677 samples/s)
+MEASURED_COMPILE_S = 98.0  # compile-bf16's launch (129 s) less precision-bf16's (31 s): 82 s compiling, 59 s of
+#                            it in the first forward and 24.5 s at the first evaluation
+ASSUMED_STEP_S = {"tf32": 0.06}  # not yet run on a GPU (the second check's budget ended before it)
+ASSUMED_PROCESS_GROUP_S = 5.0  # a 2-process launch: the second process and NCCL's communicator
+ASSUMED_COMPILE_PROCESSES = 1.5  # two processes compiling at once on one host's cores: 1.5x one compile
+ASSUMED_OP_COSTS_S = 8.0  # a launch whose precision and process count this machine has not predicted before times
+#                           the prediction's operators in a child process (Python, torch, a CUDA context)
+ASSUMED_SCRIPT_S = 8.0  # a benchmark script's own start: imports, data, CUDA context
+ASSUMED_EXTRA_S = {"snapshot": 5.0, "profile": 10.0, "search": 15.0}  # a snapshot's pickle (Python frames only),
+#                                                 the trace and CUPTI, the batch search's out-of-memory tries
+MEASURED_LOADER_PASS_S = 1.0  # loaders_bench: one pass over 4096 samples at batch 512 x 512, the second check:
+#                                1.4 s without workers, 0.5-0.7 s with 4, passes alternating
+ASSUMED_DP_LOOP_S = 2.0  # compare_dp.py: one in-process loop (22 MiniLM steps of 32)
+ASSUMED_SCALER_S = 10.0  # the scaler check's process: Python, torch, a CUDA context and 16 tiny steps
+TIMEOUT_FACTOR, MIN_TIMEOUT_S = 3.0, 60.0  # a launch is killed past 3x its estimate (at least a minute)
+MARGIN = 1.15  # the default budget: the plan's estimate and 15%
+PART_LIMIT_S = 600.0  # at most one command's time on a machine that lends its GPU 10 minutes a command
+PRECISION_STEPS = 50
+OVERHEAD_STEPS, OVERHEAD_WARMUP = 75, 5  # 70 steady fp32 steps: about 4.2 s per arm and round (0.060 s measured)
+LOADER_WORKERS = ("0", "4")
+# A batch whose copy shows: 512 rows padded to 512 positions, 2 MiB of token ids and 2 MiB of mask (int64) a batch,
+# against 20 KB at the run's batch of 32 short tweets, where the pass measured the collate
+LOADER_BATCH, LOADER_LENGTH = 512, 512
+
+
+def step_seconds(precision: str) -> float:
+    return MEASURED_STEP_S.get(precision) or ASSUMED_STEP_S[precision]
+
+
+def train_estimate(steps: int, precision: str, processes: int = 1, extra: float = 0.0) -> float:
+    """Seconds for one launch of train.py: the fixed cost, the steps at their step time, and extras."""
+    return (
+        MEASURED_LAUNCH_S
+        + (ASSUMED_PROCESS_GROUP_S if processes > 1 else 0.0)
+        + steps * step_seconds(precision)
+        + extra
+    )
+
+
+def timeout_for(estimate: float) -> float:
+    return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * estimate)
+
+
+def training_check(
+    name: str, config: str, args: list[str], steps: int, precision: str, confirms: str, extra: float = 0.0
+) -> dict:
+    processes = launching.config_facts(launching.config_path(config))["num_processes"]
+    estimate = train_estimate(steps, precision, processes, extra)
+    return {
+        "name": name,
+        "config": config,
+        "args": [*args, "--max-steps", str(steps)],
+        "confirms": confirms,
+        "estimate_s": estimate,
+        "timeout_s": timeout_for(estimate),
+        "precision": precision,
+        "processes": processes,
+        "estimate": f"{processes} process{'es' if processes > 1 else ''}, {steps} "
+        f"{precision} steps" + (f" + {extra:.0f} s" if extra else ""),
+    }
+
+
+def command_check(name: str, command: list[str], estimate: float, how: str, confirms: str) -> dict:
+    return {
+        "name": name,
+        "command": command,
+        "confirms": confirms,
+        "estimate_s": estimate,
+        "timeout_s": timeout_for(estimate),
+        "estimate": how,
+    }
+
+
+def _first_costs(steps: list[dict]) -> None:
+    """Add to the estimates what only a first launch costs: the first launch of all (MEASURED_FIRST_LAUNCH_S) and the
+    first of each precision and process count (its operators timed in a child process, ASSUMED_OP_COSTS_S). TF32
+    runs the fp32 operators (timed by fp32's launch)."""
+    first, timed = True, set()
+    for step in steps:
+        if step.get("skipped") or "config" not in step:
+            continue
+        extra, notes = 0.0, []
+        if first:
+            extra, first = extra + MEASURED_FIRST_LAUNCH_S, False
+            notes.append(f"first launch +{MEASURED_FIRST_LAUNCH_S:.0f} s")
+        kind = ("fp32" if step["precision"] == "tf32" else step["precision"], step["processes"])
+        if kind not in timed:
+            timed.add(kind)
+            extra += ASSUMED_OP_COSTS_S
+            notes.append(f"operator costs +{ASSUMED_OP_COSTS_S:.0f} s")
+        if extra:
+            step["estimate_s"] += extra
+            step["timeout_s"] = timeout_for(step["estimate_s"])
+            step["estimate"] += "; " + ", ".join(notes)
+
+
+def plan(gpus: int | None = None) -> list[dict]:
+    """The checks, in the order they run (the most informative first: a short budget skips the tail). Each has a
+    name, what only a GPU run confirms, a train.py run (config + args) or a command ("{out}" stands for its
+    results folder), its estimated seconds (with how they were estimated) and its timeout. A run whose config
+    needs more GPUs than `gpus` is marked skipped with launching.plan's reason. With no GPU (a dry run) it is
+    planned as for one."""
+    gpus = max(launching.cuda_devices() if gpus is None else gpus, 1)
+    steps = [
+        *_single_gpu_checks(_precision_checks()),
+        *_two_gpu_checks(),
+        *_ddp_variant_checks(),
+        _compare_dp_check(gpus),
+        _loaders_check(),
+        _batch_search_check(),
+        _compile_check(),
+        _overhead_check(),
+    ]
+    for step in steps:
+        if "config" in step:
+            verdict = launching.plan(step["config"], gpus)
+            if not verdict.runnable:
+                step["skipped"] = verdict.reason
+    _first_costs(steps)
+    return steps
+
+
+def _precision_checks() -> dict[str, dict]:
+    """precision-<name>: RoBERTa-base in each precision of PRECISIONS, timed with --timing events."""
+    precision = {
+        name: training_check(
+            f"precision-{name}",
+            config,
+            [*MODEL, *flags, "--timing", "events"],
+            PRECISION_STEPS,
+            name,
+            f"{name} is the precision in effect; samples/s, MFU and per-stage peak memory in it",
+        )
+        for name, (config, flags) in PRECISIONS.items()
+    }
+    precision["fp32"]["confirms"] += (
+        "; the prediction's operator benchmark survives fp32's memory-efficient "
+        "attention (its backward takes random-generator state: the first check's fp32 "
+        "runs died of SIGSEGV there)"
+    )
+    return precision
+
+
+def _single_gpu_checks(precision: dict[str, dict]) -> list[dict]:
+    """What one GPU shows: the scaler, the precisions, a memory snapshot, --unpad and the second clock."""
+    steps = [
+        command_check(
+            "scaler",
+            [sys.executable, "-m", "trainscope.gpu_check", "--scaler-check", "--out", "{out}"],
+            ASSUMED_SCALER_S,
+            "a process of its own: Python, torch, a CUDA context, 16 tiny steps",
+            SCALER_CONFIRMS,
+        )
+    ]
+    steps.append(precision["fp32"])
+    steps.append(
+        training_check(
+            "memory-snapshot",
+            "single_gpu",
+            [*MODEL, "--memory-snapshot"],
+            20,
+            "fp32",
+            "the allocator's history (Python frames) is recorded over the window after warm-up "
+            "and dumped for pytorch.org/memory_viz within its timeout",
+            extra=ASSUMED_EXTRA_S["snapshot"],
+        )
+    )
+    steps.append(precision["bf16"])
+    # the same run with padding-free encoder layers: trainscope.unpad's kernels on CUDA, and its loss as the padded run's
+    steps.append(
+        training_check(
+            "unpad-bf16",
+            "bf16",
+            [*MODEL, "--unpad", "--timing", "events"],
+            PRECISION_STEPS,
+            "bf16",
+            "--unpad on CUDA in bf16: the padding-free layers run and train (their first "
+            "losses against precision-bf16's, the same seed and batches), samples/s against "
+            "precision-bf16's on the same padded-to-128 batches (one run each: an observation)",
+        )
+    )
+    # precision-fp32 is timed with --timing events; the same run with --timing sync is the second clock
+    steps.append(
+        training_check(
+            "timing-sync",
+            "single_gpu",
+            [*MODEL, "--timing", "sync"],
+            PRECISION_STEPS,
+            "fp32",
+            "--timing events charges each stage its device time: precision-fp32 (events) and "
+            "this run (sync) agree per stage within max(5%, 1 ms)",
+        )
+    )
+    steps += [precision["tf32"], precision["fp16"]]
+    return steps
+
+
+def _two_gpu_checks() -> list[dict]:
+    """Two GPUs: what one cannot show (FSDP2, DDP's communication and its memory, the profiler under DDP)."""
+    steps = []
+    steps.append(
+        training_check(
+            "fsdp2",
+            "fsdp",
+            MODEL,
+            50,
+            "bf16",
+            "FSDP2 over NCCL (accelerate_configs/fsdp.yaml, bf16): each layer sharded, the run's "
+            "measurements read the DTensors' local shards, per-GPU memory and speed",
+        )
+    )
+    steps.append(
+        training_check(
+            "ddp-communication-memory",
+            "ddp",
+            [*MODEL, "--measure-communication", "on", "--memory-every", "1"],
+            40,
+            "fp32",
+            "exposed communication over NCCL, measured on every step with CUDA events on the "
+            "compute stream, agrees with DDP's own logger on the same iterations; the one read of "
+            "DDP's buckets stays out of each GPU's peak memory (measurement_peak_allocated_gib)",
+        )
+    )
+    steps.append(
+        training_check(
+            "ddp-profile",
+            "ddp",
+            [*MODEL, "--profile"],
+            20,
+            "fp32",
+            "torch.profiler under DDP over NCCL: the trace's exposed communication from the "
+            "kernels' device timestamps against trainscope's (comm_instruments_disagree), each "
+            "collective counted once, the gap's shares within the window",
+            extra=ASSUMED_EXTRA_S["profile"],
+        )
+    )
+    return steps
+
+
+def _ddp_variant_checks() -> list[dict]:
+    """Two GPUs: DDP in fp16, under the compression hooks and compiled."""
+    steps = []
+    steps.append(
+        training_check(
+            "ddp-fp16",
+            "ddp_fp16",
+            MODEL,
+            50,
+            "fp16",
+            "DDP in fp16 over NCCL (accelerate_configs/ddp_fp16.yaml): the loss scaler's skipped "
+            "steps on every rank, speed per GPU",
+        )
+    )
+    steps += [
+        training_check(
+            f"ddp-comm-hook-{hook}",
+            "ddp",
+            [*MODEL, "--ddp-comm-hook", hook],
+            40,
+            "fp32",
+            f"DDP's {hook} compression hook over NCCL: half the all-reduce bytes; exposed "
+            "communication against DDP's logger",
+        )
+        for hook in ("fp16", "bf16")
+    ]
+    steps.append(
+        training_check(
+            "ddp-compile",
+            "ddp",
+            [*MODEL, "--compile"],
+            50,
+            "fp32",
+            "torch.compile under DDP over NCCL: compile time, recompiles, speed per GPU",
+            extra=MEASURED_COMPILE_S * ASSUMED_COMPILE_PROCESSES,
+        )
+    )
+    return steps
+
+
+def _compare_dp_check(gpus: int) -> dict:
+    """compare_dp.py: one device, DataParallel and DDP, bench.MIN_PAIRS rounds."""
+    pairs = bench.MIN_PAIRS
+    several = gpus > 1  # DataParallel's loop, and a second DDP process
+    dp_round = (
+        ASSUMED_DP_LOOP_S * (2 if several else 1) + MEASURED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if several else 0)
+    )
+    return command_check(
+        "compare-dp",
+        [sys.executable, "compare_dp.py", "--rounds", str(pairs), "--results-dir", "{out}", *SMALL_MODEL],
+        ASSUMED_SCRIPT_S + pairs * dp_round,
+        f"{pairs} rounds of the in-process loops and a DDP launch",
+        "each DDP worker binds its own GPU (NCCL); DataParallel needs two GPUs",
+    )
+
+
+def _loaders_check() -> dict:
+    """loaders_bench.py: the copy to the device, pinned and not, at a batch whose copy shows."""
+    pairs = bench.MIN_PAIRS
+    passes = 2 * 2 * len(LOADER_WORKERS) * pairs  # pinned and not, with and without the copy
+    return command_check(
+        "loaders",
+        [
+            sys.executable,
+            "loaders_bench.py",
+            "--workers",
+            *LOADER_WORKERS,
+            "--repeats",
+            str(pairs),
+            "--modes",
+            "pretokenized",
+            "device-copy",
+            "--pin-memory-values",
+            "true",
+            "false",
+            "--batch-sizes",
+            str(LOADER_BATCH),
+            "--max-seq-length",
+            str(LOADER_LENGTH),
+            "--pad-to-max-length",
+            "--max-train-samples",
+            "4096",
+            *SMALL_MODEL,
+            "--results-dir",
+            "{out}",
+        ],
+        ASSUMED_SCRIPT_S + passes * MEASURED_LOADER_PASS_S,
+        f"{passes} passes at {MEASURED_LOADER_PASS_S:g} s",
+        "what the copy to the device costs the loop pinned "
+        f"(non-blocking) and not, with 0 and 4 workers, at a batch whose copy shows ({LOADER_BATCH} x "
+        f"{LOADER_LENGTH} positions: 4 MiB of int64 a batch): copy_s per pass, and pass times with and without it",
+    )
+
+
+def _batch_search_check() -> dict:
+    """The batch-size search against a real out-of-memory error, then one short run of batch 32."""
+    search = train_estimate(0, "fp32", extra=ASSUMED_EXTRA_S["search"]) + train_estimate(6, "fp32")
+    return command_check(
+        "batch-search",
+        [
+            sys.executable,
+            "-m",
+            "trainscope.experiments",
+            "batch-sweep",
+            "--config",
+            "single_gpu",
+            "--runs",
+            "{out}",
+            "--batch-sizes",
+            "32",
+            "--steps",
+            "6",
+            "--rounds",
+            "1",
+            "--search-from",
+            "4096",
+            "--",
+            *MODEL,
+        ],
+        ASSUMED_SCRIPT_S + search,
+        "the search's launch (the prediction and the tries), then one 6-step run of batch "
+        "32 (one arm: nothing compared)",
+        "a real CUDA out-of-memory error is caught, the allocator recovers between "
+        "tries, and the search halves to the largest batch that fits",
+    )
+
+
+def _compile_check() -> dict:
+    return training_check(
+        "compile-bf16",
+        "bf16",
+        [*DYNAMIC, "--compile"],
+        50,
+        "bf16",
+        "torch.compile in bf16 with dynamic shapes (per-batch padding; the record's "
+        "compile.dynamic is true): compile time, recompiles, MFU; the first evaluation's "
+        "compile timed as warm-up, not in the steady figures",
+        extra=MEASURED_COMPILE_S,
+    )
+
+
+def _overhead_check() -> dict:
+    """--timing events against a bare loop (trainscope.benchmarks.overhead)."""
+    pairs = bench.MIN_PAIRS
+    overhead_run = train_estimate(OVERHEAD_STEPS, "fp32")
+    return command_check(
+        "overhead",
+        [
+            sys.executable,
+            "-m",
+            "trainscope.benchmarks.overhead",
+            "--pairs",
+            str(pairs),
+            "--modes",
+            "events",
+            "--out",
+            "{out}/overhead",
+            *MODEL,
+            "--max-steps",
+            str(OVERHEAD_STEPS),
+            "--timing-warmup-steps",
+            str(OVERHEAD_WARMUP),
+        ],
+        ASSUMED_SCRIPT_S + 2 * pairs * overhead_run,
+        f"{pairs} pairs x 2 arms (bare, events) x {OVERHEAD_STEPS} fp32 steps of RoBERTa-base; written after every "
+        "round",
+        "--timing events costs at most 1% against a bare loop on one GPU (a steady window of about 4.2 s per "
+        "run at the measured fp32 step: 1% of it is 42 ms, far above the clock's resolution)",
+    )
+
+
+def planned_seconds(steps: list[dict]) -> float:
+    """The plan's estimated total: every check that is not skipped."""
+    return sum(step["estimate_s"] for step in steps if not step.get("skipped"))
+
+
+def default_budget(steps: list[dict]) -> float:
+    """The plan's estimate and MARGIN, rounded up to 10 s."""
+    return 10.0 * math.ceil(planned_seconds(steps) * MARGIN / 10.0)
+
+
+def parts(steps: list[dict], limit_s: float = PART_LIMIT_S) -> list[list[dict]]:
+    """The plan in order, cut into parts whose estimates and MARGIN fit `limit_s` each (skipped checks ride along
+    with the part before them, at no cost)."""
+    cut: list[list[dict]] = [[]]
+    for step in steps:
+        spent = planned_seconds(cut[-1])
+        if not step.get("skipped") and cut[-1] and (spent + step["estimate_s"]) * MARGIN > limit_s:
+            cut.append([])
+        cut[-1].append(step)
+    return cut
+
+
+SCALER_CONFIRMS = "a CUDA GradScaler with the fused AdamW skips exactly the steps with planted inf gradients"

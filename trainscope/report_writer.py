@@ -1,0 +1,183 @@
+"""The report's section writer: each section to report.md, report.pdf, and its own figures and .tex tables."""
+
+from pathlib import Path
+
+from trainscope.pdf_book import PdfBook
+from trainscope.pdf_text import Font
+from trainscope.tables import Table, save_figure
+
+
+class ReportWriter:
+    """Each section goes to report.md, to report.pdf, and to its own PNG/PDF figures and .tex tables.
+
+    A section's answer (a `Headline`: its headline figure and its verdict, or the line saying why it has
+    none) and the machines its figures come from are declared before the section is written: the machines head
+    the section and follow every figure's caption and table's title; the answer goes under the section's heading
+    ('In short') and, with the page the section landed on, to the report's first page of answers, grouped by
+    machine."""
+
+    ANSWERS = "At a glance"
+    SEVERAL = "Measured on several machines (each section says which figure comes from which)"
+    UNNAMED = "Measured on a machine its inputs do not name"
+    NONE = "Not measured (not run yet, or skipped)"
+
+    def __init__(self, out: Path, book: PdfBook):
+        self.out = out
+        self.book = book
+        self.markdown: list[str] = []
+        self.files: list[Path] = []
+        self.figure_runs: dict[str, list[dict]] = {}  # figure name -> the records it shows
+        self.answers: dict[str, object] = {}  # section title -> its Headline, or the line saying why there is none
+        self.machines: dict[str, dict] = {}  # section title -> {Machine: what it measured}
+        self.current: dict = {}  # the machines of the section being written
+        self._answers_at: int | None = None  # where the answers go in the Markdown
+
+    def title(self, title: str, line: str):
+        self.markdown += [f"# {title}", "", line, ""]
+        self.book.heading(title, size=20)
+        self.book.text(line)
+
+    def answers_page(self):
+        """The first page: one line per section, grouped by the machine that measured it, filled in once every
+        section is written."""
+        intro = (
+            "What each experiment found: its headline figure and its verdict, worded as its section words them "
+            "(under the section's heading, 'In short'), and the page the section is on; grouped by the machine "
+            "that measured it, since figures from different machines are not comparable."
+        )
+        self.markdown += [f"## {self.ANSWERS}", "", intro.replace(", and the page the section is on", ""), ""]
+        self._answers_at = len(self.markdown)
+        self.book.heading(self.ANSWERS)
+        self.book.text(intro)
+        self.book.table_of_pages(self.answers_tables, Font(8.0))
+        self.book.page_break()
+
+    def answer(self, title: str, headline, machines: dict | None = None):
+        """Declare a section's answer (a Headline, or the line saying why it has none) and the machines its
+        figures come from ({Machine: what it measured}) before it is written."""
+        self.answers[title] = headline
+        self.machines[title] = machines or {}
+
+    def answer_groups(self) -> list[tuple[str, list[str]]]:
+        """(what measured them, section titles): one group per machine in the order the sections first name it,
+        then the sections measured on several machines, those whose inputs name none, and those not measured."""
+        groups: dict[str, list[str]] = {}
+        for title, answer in self.answers.items():
+            machines = self.machines.get(title) or {}
+            label = (
+                f"Measured on {next(iter(machines)).text}"
+                if len(machines) == 1
+                else self.SEVERAL
+                if machines
+                else self.UNNAMED
+                if hasattr(answer, "verdict")
+                else self.NONE
+            )
+            groups.setdefault(label, []).append(title)
+        last = (self.SEVERAL, self.UNNAMED, self.NONE)
+        order = [label for label in groups if label not in last] + [label for label in last if label in groups]
+        return [(label, groups[label]) for label in order]
+
+    def answers_tables(self, pages: dict | None = None) -> list[Table]:
+        """One table per group of `answer_groups`, titled by its machine; with `pages`, the page of each section."""
+        from trainscope.record_view import machines_text
+
+        tables = []
+        for label, titles in self.answer_groups():
+            rows = []
+            for title in titles:
+                answer = self.answers[title]
+                text, verdict = (answer.text, answer.verdict) if hasattr(answer, "verdict") else (answer, "")
+                if len(self.machines.get(title) or {}) > 1:
+                    text += f" (measured on {machines_text(self.machines[title])})"
+                rows.append([title, text, verdict] + ([str(pages.get(title, "?"))] if pages is not None else []))
+            headers = ["experiment", "answer", "verdict"] + (["page"] if pages is not None else [])
+            tables.append(
+                Table(
+                    f"{label}: what each experiment found",
+                    headers,
+                    rows,
+                    "answers",
+                    "lllr" if pages is not None else "lll",
+                )
+            )
+        return tables
+
+    def begin(self, title: str, inputs, missing_line: str) -> bool:
+        """Open a section; when its inputs are missing, write `missing_line` (which make target produces
+        them) and return False. Else the machines its figures come from, then its answer."""
+        from trainscope.record_view import machines_text
+
+        self.markdown += [f"## {title}", ""]
+        self.book.heading(title, anchor=title)
+        self.current = self.machines.get(title) or {}
+        if not inputs:
+            self.text(missing_line)
+            return False
+        if self.current:
+            line = f"**Measured on:** {machines_text(self.current)}."
+            self.markdown += [line, ""]
+            self.book.text(line)
+        answer = self.answers.get(title)
+        if hasattr(answer, "verdict"):
+            line = f"**In short:** {answer.text}. Verdict: {answer.verdict}."
+            self.markdown += [line, ""]
+            self.book.text(line, tint="#e9f0f8")
+        return True
+
+    def measured_on(self, records=None) -> str:
+        """'measured on AMD EPYC, AVX2, bf16 emulated, 2 cores': the machines of `records` where given, else the
+        section's; '' where none is known."""
+        from trainscope.record_view import RunView, machines_text
+        from trainscope.reporting import machines
+
+        grouped = machines([(RunView(r).name, r) for r in records]) if records else self.current
+        return f"measured on {machines_text(grouped)}" if grouped else ""
+
+    def text(self, line: str):
+        self.markdown += [line, ""]
+        self.book.text(line)
+
+    def figure(self, figure, name: str, caption: str, records=()):
+        """A figure, then the health warnings of the runs it shows."""
+        from trainscope.record_view import warning_lines
+
+        on = self.measured_on(records)
+        caption = f"{caption} ({on})" if on else caption
+        self.markdown += [f"![{caption}]({name}.png)", "", f"*{caption}*", ""]
+        self.book.image(figure, caption)
+        self.files += save_figure(figure, self.out / name, bbox_inches="tight")
+        self.figure_runs.setdefault(name, []).extend(records)
+        lines = warning_lines(records)
+        if lines:
+            self.text("Warnings for these figures:\n" + "\n".join(f"- {line}" for line in lines))
+
+    def table(self, table: Table):
+        from trainscope.records import write_text_atomic
+
+        on = self.measured_on()
+        if on:
+            table = Table(f"{table.title} ({on})", table.headers, table.rows, table.label, table.align)
+        path = self.out / f"{table.label}.tex"
+        write_text_atomic(path, table.latex())
+        self.files.append(path)
+        self.markdown += [f"**{table.title}** (LaTeX: `{path.name}`)", "", table.markdown(), ""]
+        self.book.table(table)
+
+    def code(self, text: str, language: str = ""):
+        self.markdown += [f"```{language}", text, "```", ""]
+        self.book.code(text)
+
+    def appendix(self, lines: list[str]):
+        """A closing part given as Markdown lines: its '## ' heading, then its lines as one block of text."""
+        self.markdown += lines
+        self.book.heading(lines[0].lstrip("# "))
+        self.book.text("\n".join(line for line in lines[1:] if line))
+
+    def close(self):
+        """Fill in the answers, then lay out and draw the PDF."""
+        if self._answers_at is not None:
+            self.markdown[self._answers_at : self._answers_at] = [
+                line for table in self.answers_tables() for line in (f"**{table.title}**", "", table.markdown(), "")
+            ]
+        self.book.close()
