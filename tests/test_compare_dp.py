@@ -170,3 +170,13 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path):
     )
     assert completed.returncode == 2 and "--rounds must be at least 1" in completed.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "x").exists()
+
+
+def test_the_script_stays_its_lesson():
+    """compare_dp.py holds the three loops and its main; launching, analysis and writing live in trainscope."""
+    from pathlib import Path
+
+    source = Path(compare_dp.__file__).read_text()
+    assert len(source.splitlines()) <= 220
+    for loop in ("def single_device(", "def data_parallel(", "def distributed_data_parallel(", "def main("):
+        assert loop in source
