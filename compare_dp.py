@@ -19,6 +19,7 @@ DataParallel needs at least two CUDA devices; with fewer it is reported as not m
 Writes <results-dir>/compare_dp.{json,md,tex,png,pdf} and the two diffs.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trainscope import bench, dp_compare, startup
+from trainscope.data import build_collator, load_classification_data
 from trainscope.distributed import destroy_process_group
 from trainscope.dp_compare import (
     CompareSettings,
@@ -37,12 +39,12 @@ from trainscope.dp_compare import (
     bind,
     devices_of,
     gather_floats,
-    prepare_inputs,
     process_group_arguments,
     run_variant,
     worker_device,
 )
 from trainscope.errors import UserError, exit_with, redacted_output
+from trainscope.modeling import build_model, build_tokenizer
 from trainscope.settings import parse_settings
 
 ROOT = Path(__file__).resolve().parent
@@ -128,7 +130,24 @@ def distributed_data_parallel(model, dataset, collate, global_batch, lr, seed, w
     return result
 
 
-# ---------------------------------------------------------------- DDP worker and main
+# ---------------------------------------------------------------- inputs, DDP worker and main
+
+
+def prepare_inputs(settings, compare):
+    """Model (dropout off) and exactly (warm-up + steps) x global-batch training rows, built as train.py builds them."""
+    tokenizer = build_tokenizer(settings)
+    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
+    dataset, collate = dp_compare.training_rows(data.train, compare), build_collator(tokenizer, settings)
+
+    def fresh_model():
+        torch.manual_seed(settings.seed)
+        model, facts = build_model(settings, data.label_names, tokenizer)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0  # dropout masks would differ between one big and two half batches
+        return model, facts
+
+    return fresh_model, dataset, collate
 
 
 def ddp_worker(settings, compare) -> None:
@@ -163,15 +182,12 @@ def compare_all(settings, compare, argv) -> dict:
     """The three loops in alternating rounds on the same model, data and global batch."""
     gpus = torch.cuda.device_count()
     processes = compare.ddp_processes or (gpus if gpus else 2)
-    global_batch, note = dp_compare.plan_batch(compare, processes)
-    if note:
-        print(f"note: {note}", flush=True)
-    compare.global_batch_size = global_batch
+    note = dp_compare.plan_batch(compare, processes)  # a global batch that splits evenly over the processes
     threads = startup.configure_process(settings)  # the single process gets every core as threads
     fresh_model, dataset, collate = prepare_inputs(settings, compare)
     arms = {
         "single": lambda i: run_variant(single_device, settings, compare, fresh_model, dataset, collate),
-        "ddp": lambda i: launch_ddp(processes, argv, global_batch),
+        "ddp": lambda i: launch_ddp(processes, argv, compare.global_batch_size),
     }
     if gpus >= 2:
         arms["data_parallel"] = lambda i: run_variant(data_parallel, settings, compare, fresh_model, dataset, collate)

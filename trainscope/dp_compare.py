@@ -4,7 +4,6 @@ its results (the speed ratios with their verdicts, the code diffs, the N-GPU pro
 the figure). The loops themselves (single device, nn.DataParallel, DDP) stay in compare_dp.py, where a reader
 sees them side by side."""
 
-import contextlib
 import difflib
 import gc
 import inspect
@@ -21,14 +20,11 @@ from transformers.hf_argparser import HfArg
 
 from trainscope import bench, environment, launching
 from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
-from trainscope.data import build_collator, load_classification_data
 from trainscope.errors import UserError
 from trainscope.experiments.data_parallel import figure, projection_table, results_table
 from trainscope.memory import GIB, CudaMemoryProbe, peak_rss_bytes
-from trainscope.modeling import build_model, build_tokenizer
 from trainscope.record_view import RunView
 from trainscope.records import read_record, write_text_atomic
-from trainscope.settings import Settings
 from trainscope.tables import save_figure
 
 # Published multi-node data-parallel scaling, for scale: NVIDIA NeMo, 4B-parameter BERT on a DGX
@@ -209,28 +205,15 @@ def divisible_batch(global_batch: int, processes: int) -> int:
     return below if global_batch - below < above - global_batch else above
 
 
-def prepare_inputs(settings: Settings, compare: CompareSettings):
-    """Model (dropout off) and exactly (warm-up + steps) x global-batch training rows, built as train.py builds them."""
-    tokenizer = build_tokenizer(settings)
-    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
+def training_rows(train, compare: CompareSettings):
+    """Exactly (warm-up + steps) x global-batch training rows, the same for every loop."""
     needed = (compare.warmup_steps + compare.steps) * compare.global_batch_size
-    if len(data.train) < needed:
+    if len(train) < needed:
         raise UserError(
             f"{compare.warmup_steps} + {compare.steps} steps of {compare.global_batch_size} need {needed} "
-            f"training rows; the data has {len(data.train)}: lower --steps or raise --max-train-samples"
+            f"training rows; the data has {len(train)}: lower --steps or raise --max-train-samples"
         )
-    dataset = data.train.select(range(needed))
-    collate = build_collator(tokenizer, settings)
-
-    def fresh_model():
-        torch.manual_seed(settings.seed)
-        model, facts = build_model(settings, data.label_names, tokenizer)
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0  # dropout masks would differ between one big and two half batches
-        return model, facts
-
-    return fresh_model, dataset, collate
+    return train.select(range(needed))
 
 
 def run_variant(loop, settings, compare, fresh_model, dataset, collate, **extra) -> dict:
@@ -456,14 +439,18 @@ def markdown(report: dict) -> list[str]:
     return lines
 
 
-def plan_batch(compare: CompareSettings, processes: int) -> tuple[int, str | None]:
+def plan_batch(compare: CompareSettings, processes: int) -> str | None:
+    """Sets compare.global_batch_size to a multiple of the DDP processes; the note that says so where it changed."""
     batch = divisible_batch(compare.global_batch_size, processes)
     if batch == compare.global_batch_size:
-        return batch, None
-    return batch, (
+        return None
+    note = (
         f"--global-batch-size {compare.global_batch_size} does not split over {processes} DDP processes: "
         f"using {batch}, the nearest multiple."
     )
+    print(f"note: {note}", flush=True)
+    compare.global_batch_size = batch
+    return note
 
 
 def build_report(settings, compare, rounds: list[dict], gpus: int, processes: int, cores: int, note, loops) -> dict:
