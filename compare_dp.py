@@ -20,120 +20,34 @@ Writes <results-dir>/compare_dp.{json,md,tex,png,pdf} and the two diffs.
 """
 
 import contextlib
-import difflib
-import gc
-import inspect
 import json
 import os
 import sys
-import tempfile
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers.hf_argparser import HfArg
 
-from trainscope import bench, environment, launching, startup
-from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
+from trainscope import bench, dp_compare, startup
 from trainscope.data import build_collator, load_classification_data
 from trainscope.distributed import destroy_process_group
+from trainscope.dp_compare import (
+    CompareSettings,
+    NotMeasurable,
+    StepClock,
+    average_over_ranks,
+    bind,
+    devices_of,
+    gather_floats,
+    process_group_arguments,
+    run_variant,
+    worker_device,
+)
 from trainscope.errors import UserError, exit_with, redacted_output
-from trainscope.experiments.data_parallel import figure, projection_table, results_table
-from trainscope.memory import GIB, CudaMemoryProbe, peak_rss_bytes
 from trainscope.modeling import build_model, build_tokenizer
-from trainscope.record_view import RunView
-from trainscope.records import read_record, write_text_atomic
-from trainscope.settings import Settings, parse_settings
-from trainscope.tables import save_figure
+from trainscope.settings import parse_settings
 
 ROOT = Path(__file__).resolve().parent
-# Published multi-node data-parallel scaling, for scale: NVIDIA NeMo, 4B-parameter BERT on a DGX
-# SuperPOD (8 x A100 80GB per node), tokens/s relative to one node.
-ANCHORS = [
-    {
-        "what": "NeMo BERT 4B, 2 nodes (16 A100)",
-        "gpus": 16,
-        "speedup_over_8": 1.89,
-        "efficiency": 1.89 / 2,
-        "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
-    },
-    {
-        "what": "NeMo BERT 4B, 16 nodes (128 A100)",
-        "gpus": 128,
-        "speedup_over_8": 12.71,
-        "efficiency": 12.71 / 16,
-        "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
-    },
-]
-ASSUMED_COMPUTE_STEP_S = 0.1
-
-
-@dataclass
-class CompareSettings:
-    steps: int = HfArg(default=20, help="Timed optimizer steps in every loop (after the warm-up steps).")
-    warmup_steps: int = HfArg(default=2, help="Untimed first steps of every loop (allocations, lazy set-up).")
-    global_batch_size: int = HfArg(
-        default=32,
-        help="Samples per optimizer step, summed over devices; rounded "
-        "to the nearest multiple of the DDP process count when it does not divide.",
-    )
-    ddp_processes: int | None = HfArg(default=None, help="DDP processes; default: the GPU count, or 2 on a CPU.")
-    rounds: int = HfArg(default=5, help="Alternating rounds of the variants (median, min-max, verdict).")
-    results_dir: str = HfArg(default="results/compare_dp", help="Where results, tables, plot and diffs go.")
-    projection_gpus: list[int] = HfArg(
-        default_factory=lambda: [1, 2, 4, 8, 16], help="GPU counts for the DDP step-time projection."
-    )
-    interconnect: list[str] = HfArg(
-        default_factory=lambda: list(INTERCONNECTS), help=f"Presets to project for: {', '.join(INTERCONNECTS)}."
-    )
-    bandwidth_gbs: float | None = HfArg(default=None, help="Custom all-reduce bandwidth in GB/s (adds a 'custom' row).")
-    latency_us: float = HfArg(default=10.0, help="Per-hop latency in microseconds for --bandwidth-gbs.")
-    overlap: float = HfArg(
-        default=0.0,
-        help="Share of the all-reduce hidden behind backward (DDP buckets); 0 assumes none, the pessimistic bound.",
-    )
-    gpu_record: str | None = HfArg(
-        default=None,
-        help="A run record (record.json or its folder) of a GPU run: the "
-        "projection takes its measured steady step time as the compute per step.",
-    )
-    assumed_compute_step_s: float = HfArg(
-        default=ASSUMED_COMPUTE_STEP_S,
-        help="Compute seconds per step assumed "
-        "by the projection when no --gpu-record is given (said so in the output).",
-    )
-    ddp_cost: str | None = HfArg(
-        default=None,
-        help="A `make ddp-cost` comparison.json: the projection adds a row "
-        "with the all-reduce bandwidth measured there.",
-    )
-    role: str = HfArg(default="compare", help="Internal: 'ddp-worker' runs one DDP process.")
-    result_file: str | None = HfArg(default=None, help="Internal: where a DDP worker writes its result.")
-
-    def validate(self):
-        for flag, value in (
-            ("steps", self.steps),
-            ("global-batch-size", self.global_batch_size),
-            ("rounds", self.rounds),
-        ):
-            if value < 1:
-                raise UserError(f"--{flag} must be at least 1, got {value}")
-        if self.warmup_steps < 0:
-            raise UserError(f"--warmup-steps must be 0 or more, got {self.warmup_steps}")
-        if self.ddp_processes is not None and self.ddp_processes < 1:
-            raise UserError(f"--ddp-processes must be at least 1, got {self.ddp_processes}")
-        unknown = [name for name in self.interconnect if name not in INTERCONNECTS]
-        if unknown:
-            raise UserError(f"unknown interconnect(s) {unknown}: choose from {', '.join(INTERCONNECTS)}")
-        if not 0 <= self.overlap <= 1:
-            raise UserError(f"--overlap must be between 0 and 1, got {self.overlap}")
-        if any(n < 1 for n in self.projection_gpus):
-            raise UserError("--projection-gpus must be positive")
-        if self.assumed_compute_step_s <= 0:
-            raise UserError("--assumed-compute-step-s must be positive")
-
 
 # ---------------------------------------------------------------- the three loops
 
@@ -216,110 +130,14 @@ def distributed_data_parallel(model, dataset, collate, global_batch, lr, seed, w
     return result
 
 
-# ---------------------------------------------------------------- helpers the loops share
+# ---------------------------------------------------------------- inputs, DDP worker and main
 
 
-class NotMeasurable(Exception):
-    """The hardware here cannot run this variant; reported, never faked."""
-
-
-class StepClock:
-    """Times the steps after `warmup`; the device memory peaks are reset when the loop starts, so a peak
-    belongs to this loop alone (not to one run before it in the same process)."""
-
-    def __init__(self, warmup: int, devices: list[torch.device], barrier=None, probes=None):
-        self.warmup, self.devices, self.barrier = warmup, devices, barrier
-        self.probes = probes if probes is not None else [CudaMemoryProbe(d) for d in devices if d.type == "cuda"]
-        gc.collect()
-        if self.probes:
-            torch.cuda.empty_cache()  # the parent's cached blocks from the previous loop
-        for probe in self.probes:
-            probe.reset()
-        self.losses, self.steps, self.started = [], 0, None
-        if warmup == 0:
-            self._start()
-
-    def _start(self):
-        synchronize(self.devices)
-        if self.barrier is not None:
-            self.barrier()
-        self.started = time.perf_counter()
-
-    def step(self, loss) -> None:
-        self.steps += 1
-        if self.steps > self.warmup:
-            self.losses.append(loss.detach())
-        if self.steps == self.warmup:
-            self._start()
-
-    def finish(self) -> dict:
-        """Wall time of the timed steps, their losses and each device's peak memory."""
-        synchronize(self.devices)
-        wall = time.perf_counter() - self.started
-        memory = {str(p.device): p.read()[0] / GIB for p in self.probes} or {"cpu (peak RSS)": peak_rss_bytes() / GIB}
-        return {"wall_s": wall, "losses": torch.stack(self.losses).float().cpu().tolist(), "peak_memory_gib": memory}
-
-
-def worker_device(local_rank: int, cuda_available: bool) -> torch.device:
-    """A DDP worker's device: the GPU of its local rank (one per process), else the CPU."""
-    return torch.device("cuda", local_rank) if cuda_available else torch.device("cpu")
-
-
-def bind(device: torch.device) -> None:
-    """Make a worker's GPU its current device. Unbound, every rank's current device is cuda:0: barrier()
-    has to guess a device (and warns), and what names no device (a CUDA context) can land on GPU 0."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
-def process_group_arguments(device: torch.device) -> dict:
-    """init_process_group's arguments: NCCL bound to the worker's GPU (device_id), gloo on a CPU."""
-    return {"backend": "nccl", "device_id": device} if device.type == "cuda" else {"backend": "gloo"}
-
-
-def synchronize(devices) -> None:
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-
-def devices_of(model) -> list[torch.device]:
-    ids = getattr(model, "device_ids", None) or []
-    return [torch.device("cuda", i) for i in ids] or [next(model.parameters()).device]
-
-
-def average_over_ranks(values: list[float], device) -> list[float]:
-    tensor = torch.tensor(values, device=device)
-    torch.distributed.all_reduce(tensor)
-    return (tensor / torch.distributed.get_world_size()).cpu().tolist()
-
-
-def gather_floats(value: float, device) -> list[float]:
-    tensor = torch.tensor([value], device=device)
-    gathered = [torch.zeros_like(tensor) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(gathered, tensor)
-    return [t.item() for t in gathered]
-
-
-def divisible_batch(global_batch: int, processes: int) -> int:
-    """The multiple of `processes` nearest to `global_batch` (the larger one on a tie, never 0)."""
-    below = max(processes, global_batch // processes * processes)
-    above = below + processes
-    return below if global_batch - below < above - global_batch else above
-
-
-def prepare_inputs(settings: Settings, compare: CompareSettings):
+def prepare_inputs(settings, compare):
     """Model (dropout off) and exactly (warm-up + steps) x global-batch training rows, built as train.py builds them."""
     tokenizer = build_tokenizer(settings)
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
-    needed = (compare.warmup_steps + compare.steps) * compare.global_batch_size
-    if len(data.train) < needed:
-        raise UserError(
-            f"{compare.warmup_steps} + {compare.steps} steps of {compare.global_batch_size} need {needed} "
-            f"training rows; the data has {len(data.train)}: lower --steps or raise --max-train-samples"
-        )
-    dataset = data.train.select(range(needed))
-    collate = build_collator(tokenizer, settings)
+    dataset, collate = dp_compare.training_rows(data.train, compare), build_collator(tokenizer, settings)
 
     def fresh_model():
         torch.manual_seed(settings.seed)
@@ -332,34 +150,6 @@ def prepare_inputs(settings: Settings, compare: CompareSettings):
     return fresh_model, dataset, collate
 
 
-def run_variant(loop, settings, compare, fresh_model, dataset, collate, **extra) -> dict:
-    model, facts = fresh_model()
-    result = loop(
-        model,
-        dataset,
-        collate,
-        compare.global_batch_size,
-        settings.learning_rate,
-        settings.seed,
-        compare.warmup_steps,
-        **extra,
-    )
-    samples = compare.steps * compare.global_batch_size
-    result.update(
-        status="measured",
-        samples=samples,
-        samples_per_s=samples / result["wall_s"],
-        step_s=result["wall_s"] / compare.steps,
-        final_loss=result["losses"][-1],
-        threads=torch.get_num_threads(),
-        gradient_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
-    )
-    return result
-
-
-# ---------------------------------------------------------------- DDP worker and launcher
-
-
 def ddp_worker(settings, compare) -> None:
     startup.configure_process(settings)  # cores / processes threads each (torchrun sets LOCAL_WORLD_SIZE)
     fresh_model, dataset, collate = prepare_inputs(settings, compare)
@@ -369,200 +159,8 @@ def ddp_worker(settings, compare) -> None:
 
 
 def launch_ddp(processes: int, argv: list[str], global_batch: int) -> dict:
-    """torchrun one worker per device: plain torch.distributed, no Accelerate, so the set-up is visible."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # this process's cached blocks (DataParallel's, on every GPU) would crowd the workers
-    with tempfile.TemporaryDirectory() as scratch:
-        result_file = Path(scratch) / "ddp.json"
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        command = [
-            torchrun,
-            "--standalone",
-            "--nproc_per_node",
-            str(processes),
-            str(ROOT / "compare_dp.py"),
-            *argv,
-            "--global-batch-size",
-            str(global_batch),
-            "--role",
-            "ddp-worker",
-            "--result-file",
-            str(result_file),
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
-        completed = launching.run_captured(command, env)
-        if completed.returncode != 0:
-            tail = "\n".join(completed.stderr.strip().splitlines()[-15:])
-            raise RuntimeError(f"the DDP workers failed (exit {completed.returncode}):\n{tail}")
-        return json.loads(result_file.read_text())
-
-
-# ---------------------------------------------------------------- analysis (pure)
-
-
-def code_diff(before, after) -> dict:
-    """Unified diff between two loops' source and the number of lines it adds and removes."""
-    a, b = inspect.getsource(before).splitlines(), inspect.getsource(after).splitlines()
-    diff = list(difflib.unified_diff(a, b, before.__name__, after.__name__, lineterm="", n=1))
-    added = sum(1 for line in diff if line.startswith("+") and not line.startswith("+++"))
-    removed = sum(1 for line in diff if line.startswith("-") and not line.startswith("---"))
-    return {
-        "from": before.__name__,
-        "to": after.__name__,
-        "added": added,
-        "removed": removed,
-        "changed_lines": added + removed,
-        "diff": "\n".join(diff),
-    }
-
-
-def project_ddp(
-    compute_step_s: float,
-    gradient_bytes: float,
-    per_device_batch: int,
-    gpus: list[int],
-    bandwidth_gbs: float,
-    latency_us: float,
-    overlap: float,
-) -> list[dict]:
-    """DDP step time for N GPUs at a fixed per-device batch (weak scaling).
-
-    step(N) = compute + (1 - overlap) * allreduce(N); efficiency = step(1) / step(N).
-    """
-    rows = []
-    for n in gpus:
-        communication = ring_allreduce_seconds(gradient_bytes, n, bandwidth_gbs, latency_us)
-        step = compute_step_s + (1 - overlap) * communication
-        rows.append(
-            {
-                "gpus": n,
-                "step_s": step,
-                "allreduce_s": communication,
-                "samples_per_s": n * per_device_batch / step,
-                "efficiency": compute_step_s / step,
-            }
-        )
-    return rows
-
-
-def hardware(gpus: int, processes: int, cores: int) -> dict:
-    """What each variant runs on, and by how much more hardware DDP runs than the single device."""
-    if gpus:
-        return {
-            "kind": "gpu",
-            "single": "1 GPU",
-            "ddp": f"{processes} GPUs",
-            "data_parallel": f"{gpus} GPUs",
-            "ddp_hardware_ratio": processes,
-            "data_parallel_hardware_ratio": gpus,
-            "note": "one GPU against N GPUs: scaling efficiency = speed-up / N",
-        }
-    threads = max(1, cores // processes)
-    return {
-        "kind": "cpu",
-        "single": f"1 process x {cores} threads",
-        "ddp": f"{processes} processes x {threads} thread(s)",
-        "ddp_hardware_ratio": 1,
-        "note": (
-            f"the same {cores} cores on both sides: 1 process x {cores} threads against {processes} processes x "
-            f"{threads} thread(s). This measures how well DDP uses the same cores (its communication and "
-            "bookkeeping against intra-op threading), not what adding devices buys: efficiency = speed-up."
-        ),
-    }
-
-
-def summarize_variant(rounds: list[dict]) -> dict:
-    first = rounds[0]
-    return {
-        **{k: v for k, v in first.items() if k not in ("wall_s", "samples_per_s", "step_s")},
-        "status": "measured",
-        "rounds": [
-            {k: r[k] for k in ("wall_s", "samples_per_s", "step_s", "peak_memory_gib") if k in r}
-            | ({"per_rank_wall_s": r["per_rank_wall_s"]} if "per_rank_wall_s" in r else {})
-            for r in rounds
-        ],
-        "wall_s": bench.spread([r["wall_s"] for r in rounds]),
-        "samples_per_s": bench.spread([r["samples_per_s"] for r in rounds]),
-        "step_s": bench.spread([r["step_s"] for r in rounds]),
-    }
-
-
-def compare_results(results: dict, rounds: list[dict], machine: dict) -> dict:
-    """Per variant against the single device: speed ratios per round with a verdict, efficiency on an
-    equal hardware budget, and how closely the losses agree."""
-    single = results["single"]
-    comparison = {}
-    for name in ("data_parallel", "ddp"):
-        if results[name].get("status") != "measured":
-            continue
-        speed = bench.compare_rounds(rounds, name, "single", "samples_per_s")
-        ratio = machine[f"{name}_hardware_ratio"]
-        comparison[name] = {
-            "speed": speed,
-            "hardware_ratio": ratio,
-            "scaling_efficiency": speed["median_ratio"] / ratio,
-            "max_abs_loss_difference": max(abs(a - b) for a, b in zip(single["losses"], results[name]["losses"])),
-            "final_loss_difference": results[name]["final_loss"] - single["final_loss"],
-        }
-    return comparison
-
-
-# ---------------------------------------------------------------- output
-
-
-def write_outputs(report: dict, results_dir: Path) -> list[Path]:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    paths = bench.write_results(results_dir / "compare_dp", report, markdown(report))
-    for diff in report["code_changes"]:
-        path = results_dir / f"{diff['from']}_to_{diff['to']}.diff"
-        write_text_atomic(path, diff["diff"] + "\n")
-        paths.append(path)
-    write_text_atomic(results_dir / "compare_dp.tex", results_table(report).latex())
-    return [*paths, results_dir / "compare_dp.tex", *save_figure(figure(report), results_dir / "compare_dp")]
-
-
-def markdown(report: dict) -> list[str]:
-    compare = report["compare"]
-    lines = [
-        "# DataParallel vs DDP",
-        "",
-        f"{report['machine']['device_name']}: {report['machine']['hardware']['note']}",
-        f"{compare['steps']} timed steps (after {compare['warmup_steps']} untimed) of global batch "
-        f"{report['global_batch_size']}, {compare['rounds']} alternating rounds, model {report['settings']['model']}; "
-        f"verdicts: {bench.METHOD}." + (f" {report['global_batch_note']}" if report.get("global_batch_note") else ""),
-        "",
-        *results_table(report).markdown_lines(),
-        "",
-        "## Code changes from the single-device loop",
-        "",
-    ]
-    for diff in report["code_changes"]:
-        lines += [
-            f"{diff['to']}: {diff['changed_lines']} changed lines (+{diff['added']} -{diff['removed']})",
-            "",
-            "```diff",
-            diff["diff"],
-            "```",
-            "",
-        ]
-    lines += [
-        "## Projected DDP scaling",
-        "",
-        report["projection"]["assumptions"],
-        "",
-        *projection_table(report).markdown_lines(),
-        "",
-        "Published anchors:",
-    ]
-    lines += [
-        f"- {a['what']}: {a['speedup_over_8']}x one node, {a['efficiency']:.0%} efficiency ({a['source']})"
-        for a in ANCHORS
-    ]
-    return lines
-
-
-# ---------------------------------------------------------------- main
+    """torchrun one DDP worker per device, each running this file's distributed_data_parallel loop."""
+    return dp_compare.launch_ddp(ROOT / "compare_dp.py", processes, argv, global_batch)
 
 
 def main(argv=None) -> None:
@@ -575,130 +173,27 @@ def main(argv=None) -> None:
             report = compare_all(settings, compare, argv)
         except UserError as error:
             exit_with(error)
-        for path in write_outputs(report, Path(compare.results_dir)):
+        for path in dp_compare.write_outputs(report, Path(compare.results_dir)):
             print(f"wrote {path}")
         print((Path(compare.results_dir) / "compare_dp.md").read_text())
 
 
-def plan_batch(compare: CompareSettings, processes: int) -> tuple[int, str | None]:
-    batch = divisible_batch(compare.global_batch_size, processes)
-    if batch == compare.global_batch_size:
-        return batch, None
-    return batch, (
-        f"--global-batch-size {compare.global_batch_size} does not split over {processes} DDP processes: "
-        f"using {batch}, the nearest multiple."
-    )
-
-
 def compare_all(settings, compare, argv) -> dict:
+    """The three loops in alternating rounds on the same model, data and global batch."""
     gpus = torch.cuda.device_count()
     processes = compare.ddp_processes or (gpus if gpus else 2)
-    global_batch, note = plan_batch(compare, processes)
-    if note:
-        print(f"note: {note}", flush=True)
-    compare.global_batch_size = global_batch
+    note = dp_compare.plan_batch(compare, processes)  # a global batch that splits evenly over the processes
     threads = startup.configure_process(settings)  # the single process gets every core as threads
     fresh_model, dataset, collate = prepare_inputs(settings, compare)
     arms = {
         "single": lambda i: run_variant(single_device, settings, compare, fresh_model, dataset, collate),
-        "ddp": lambda i: launch_ddp(processes, argv, global_batch),
+        "ddp": lambda i: launch_ddp(processes, argv, compare.global_batch_size),
     }
     if gpus >= 2:
         arms["data_parallel"] = lambda i: run_variant(data_parallel, settings, compare, fresh_model, dataset, collate)
     rounds = bench.alternate(arms, compare.rounds)
-    results = {name: summarize_variant([r[name] for r in rounds]) for name in arms}
-    results.setdefault(
-        "data_parallel",
-        {
-            "status": "not measurable here",
-            "reason": (f"nn.DataParallel needs at least 2 CUDA devices; this machine has {gpus}"),
-        },
-    )
-    results["ddp"]["backend"] = "nccl" if gpus else "gloo"
-    machine = {
-        "device_name": environment.device_name(torch.device("cuda" if gpus else "cpu")),
-        "device_count": gpus,
-        "usable_cores": threads["usable_cores"],
-        "hardware": hardware(gpus, processes, threads["usable_cores"]),
-    }
-    machine.update({k: v for k, v in machine["hardware"].items() if k.endswith("hardware_ratio")})
-    return {
-        "benchmark": "compare_dp",
-        "benchmark_version": 2,
-        "machine": machine,
-        "settings": asdict(settings),
-        "compare": {k: v for k, v in asdict(compare).items() if k not in ("role", "result_file")},
-        "global_batch_size": global_batch,
-        "global_batch_note": note,
-        "results": results,
-        "comparison": compare_results(results, rounds, machine),
-        "code_changes": [code_diff(single_device, data_parallel), code_diff(single_device, distributed_data_parallel)],
-        "projection": projection(compare, results["single"], processes),
-        "note_one_gpu": (
-            "With one GPU, DDP runs a single process (world size 1: no all-reduce traffic, only its "
-            "bookkeeping) and DataParallel cannot run; scaling needs two or more devices."
-            if gpus == 1
-            else None
-        ),
-    }
-
-
-def projection(compare: CompareSettings, single: dict, processes: int) -> dict:
-    """The N-GPU projection: compute per step from a measured GPU record, or an assumption said as such."""
-    if compare.gpu_record:
-        view = RunView(
-            read_record(Path(compare.gpu_record).parent if compare.gpu_record.endswith(".json") else compare.gpu_record)
-        )
-        compute, per_device = view.step_s, view.plan["global_batch_size"] // view.world_size
-        source = (
-            f"the measured steady step of {view.name} ({compute:.4f} s at batch {per_device} per device on "
-            f"{view.device_name}, {view.precision})"
-        )
-    else:
-        compute, per_device = compare.assumed_compute_step_s, compare.global_batch_size
-        source = (
-            f"an ASSUMED {compute:.3f} s of compute per step at batch {per_device} (no --gpu-record given: this "
-            "CPU's step time says nothing about a GPU's)"
-        )
-    presets = {name: INTERCONNECTS[name] for name in compare.interconnect}
-    measured = json.loads(Path(compare.ddp_cost).read_text()).get("ring_model") if compare.ddp_cost else None
-    if measured:
-        presets["measured"] = {
-            "bandwidth_gbs": measured["measured_bus_bandwidth_gbs"],
-            "latency_us": 0.0,
-            "what": f"the bus bandwidth make ddp-cost measured ({measured['world_size']} processes)",
-        }
-    if compare.bandwidth_gbs:
-        presets["custom"] = {
-            "bandwidth_gbs": compare.bandwidth_gbs,
-            "latency_us": compare.latency_us,
-            "what": "--bandwidth-gbs / --latency-us",
-        }
-    return {
-        "compute_step_s": compute,
-        "compute_source": "gpu_record" if compare.gpu_record else "assumed",
-        "assumptions": (
-            f"Weak scaling: every GPU computes a step in {source} and all-reduces {single['gradient_bytes'] / 1e6:.1f} MB "
-            f"of gradients per step with a ring (2(N-1)/N x bytes / bandwidth + 2(N-1) x latency); {compare.overlap:.0%} "
-            "of it hidden behind backward. Ignores stragglers, the data loader, and compute slowing under contention."
-        ),
-        "interconnects": {
-            name: {
-                **preset,
-                "rows": project_ddp(
-                    compute,
-                    single["gradient_bytes"],
-                    per_device,
-                    compare.projection_gpus,
-                    preset["bandwidth_gbs"],
-                    preset["latency_us"],
-                    compare.overlap,
-                ),
-            }
-            for name, preset in presets.items()
-        },
-        "anchors": ANCHORS,
-    }
+    loops = (single_device, data_parallel, distributed_data_parallel)
+    return dp_compare.build_report(settings, compare, rounds, gpus, processes, threads["usable_cores"], note, loops)
 
 
 if __name__ == "__main__":

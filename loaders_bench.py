@@ -20,105 +20,19 @@ knee faster than PyTorch's default (0 workers) in every repeat, slower, or withi
 """
 
 import contextlib
-import csv
 import dataclasses
-import io
-import itertools
-import os
-import statistics
-import sys
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers.hf_argparser import HfArg
 
-from trainscope import bench, environment, startup
-from trainscope.data import build_collator, labelled_splits, load_classification_data, worker_options
+from trainscope import bench, loader_sweep, startup
+from trainscope.data import build_collator, load_classification_data, worker_options
 from trainscope.errors import UserError, exit_with, redacted_output
-from trainscope.experiments.loaders import PYTORCH_DEFAULT_WORKERS, curve_name, figure, knee_table, knee_verdict
-from trainscope.records import write_text_atomic
+from trainscope.loader_sweep import SweepSettings
 from trainscope.settings import Settings, parse_settings
-from trainscope.tables import save_figure
-
-MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
-MAX_WORKERS = 64
-
-
-@dataclass
-class SweepSettings:
-    workers: list[int] = HfArg(
-        default_factory=lambda: list(range(11)), help="num_workers values to time (default 0 to 10)."
-    )
-    repeats: int = HfArg(
-        default=5,
-        help="Timed passes per setting, in alternating order; median, min and max are "
-        "reported, and a verdict against the default needs 5.",
-    )
-    modes: list[str] = HfArg(default_factory=lambda: ["pretokenized", "on-the-fly"], help=f"Any of {', '.join(MODES)}.")
-    pin_memory_values: list[str] = HfArg(
-        default_factory=lambda: ["auto"], help="pin_memory values to sweep: true, false, auto (on with CUDA)."
-    )
-    persistent_workers_values: list[str] = HfArg(
-        default_factory=lambda: ["false"], help="persistent_workers values to sweep: true, false."
-    )
-    prefetch_factors: list[int] = HfArg(
-        default_factory=lambda: [2], help="prefetch_factor values to sweep (used when num_workers > 0)."
-    )
-    batch_sizes: list[int] | None = HfArg(default=None, help="Batch sizes to sweep; default --per-device-batch-size.")
-    passes: int = HfArg(
-        default=1,
-        help="Passes per loader; with --persistent-workers the second pass shows what keeping workers alive saves.",
-    )
-    train_steps: int = HfArg(
-        default=8, help="Timed training steps per setting in the in-training mode (after 2 untimed ones)."
-    )
-    knee_tolerance: float = HfArg(
-        default=0.05,
-        help="The knee is the fewest workers within this fraction "
-        "of the best median pass time; in the in-training mode, within this "
-        "many points of step time of the lowest data share (0.05: 5 points).",
-    )
-    results_dir: str = HfArg(default="results/loaders", help="Where the results and the plot go.")
-    processes_per_node: int = HfArg(
-        default=1,
-        help="Training processes that will share this machine's "
-        "cores (the CPU budget per process is usable cores / this).",
-    )
-
-    def validate(self):
-        if not self.workers:
-            raise UserError("--workers needs at least one value")
-        if any(w < 0 for w in self.workers):
-            raise UserError(f"--workers must be 0 or more, got {self.workers}")
-        if max(self.workers) > MAX_WORKERS:
-            raise UserError(f"--workers above {MAX_WORKERS} is not a sane DataLoader setting, got {max(self.workers)}")
-        unknown = [m for m in self.modes if m not in MODES]
-        if unknown:
-            raise UserError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
-        bad_pin = [p for p in self.pin_memory_values if p not in ("true", "false", "auto")]
-        if bad_pin:
-            raise UserError(f"--pin-memory-values takes true, false or auto, got {bad_pin}")
-        bad_persistent = [p for p in self.persistent_workers_values if p not in ("true", "false")]
-        if bad_persistent:
-            raise UserError(f"--persistent-workers-values takes true or false, got {bad_persistent}")
-        for flag, values in (("prefetch-factors", self.prefetch_factors), ("batch-sizes", self.batch_sizes or [1])):
-            if any(v <= 0 for v in values):
-                raise UserError(f"--{flag} must be positive, got {values}")
-        for flag, value in (
-            ("repeats", self.repeats),
-            ("passes", self.passes),
-            ("train-steps", self.train_steps),
-            ("processes-per-node", self.processes_per_node),
-        ):
-            if value < 1:
-                raise UserError(f"--{flag} must be at least 1, got {value}")
-        if not 0 <= self.knee_tolerance < 1:  # checked up front: a sweep must not end without its knee
-            raise UserError(f"--knee-tolerance must be at least 0 and below 1, got {self.knee_tolerance}")
-
 
 # ---------------------------------------------------------------- timing one pass
 
@@ -169,51 +83,11 @@ def time_passes(loader, passes: int = 1, to_device=None, synchronize=None) -> li
     return results
 
 
-def device_copier(device: torch.device, non_blocking: bool):
-    def to_device(batch):
-        return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
-
-    return to_device
-
-
-class TokenizingCollator:
-    """Collate raw rows by tokenizing them: the on-the-fly mode's per-batch work, done in the workers."""
-
-    def __init__(self, tokenizer, text_columns, label_column, max_length, label_ids):
-        self.tokenizer, self.text_columns, self.label_column = tokenizer, text_columns, label_column
-        self.max_length, self.label_ids = max_length, label_ids
-
-    def __call__(self, rows):
-        texts = [[str(row[c]) for row in rows] for c in self.text_columns]
-        batch = self.tokenizer(*texts, truncation=True, max_length=self.max_length, padding=True, return_tensors="pt")
-        batch["labels"] = torch.tensor([self.label_ids(row[self.label_column]) for row in rows])
-        return dict(batch)
-
-
 # ---------------------------------------------------------------- the sweep
 
 
-def settings_grid(sweep: SweepSettings, settings: Settings):
-    batch_sizes = sweep.batch_sizes or [settings.per_device_batch_size]
-    for mode, batch_size, pin, persistent, prefetch, workers in itertools.product(
-        sweep.modes,
-        batch_sizes,
-        sweep.pin_memory_values,
-        sweep.persistent_workers_values,
-        sweep.prefetch_factors,
-        sweep.workers,
-    ):
-        yield {
-            "mode": mode,
-            "batch_size": batch_size,
-            "pin_memory_setting": pin,
-            "persistent_workers": persistent == "true",
-            "prefetch_factor": prefetch,
-            "num_workers": workers,
-        }
-
-
 def make_loader(dataset, collate, batch_size, point, settings, pin_memory, seed):
+    """One setting's DataLoader, its worker options made as train.py makes them (trainscope.data.worker_options)."""
     loader_settings = dataclasses.replace(
         settings,
         num_workers=point["num_workers"],
@@ -230,72 +104,15 @@ def make_loader(dataset, collate, batch_size, point, settings, pin_memory, seed)
     )
 
 
-def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
-    from trainscope.modeling import build_tokenizer
-
-    threads = startup.configure_process(settings)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = build_tokenizer(settings)
-    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
-    raw_train = raw_training_rows(settings, data) if "on-the-fly" in sweep.modes else None
-    trainer = InTraining(settings, data, tokenizer, device) if "in-training" in sweep.modes else None
-    cores = threads["usable_cores"]
-    budget = max(1, cores // sweep.processes_per_node)
-    if max(sweep.workers) > budget:
-        print(
-            f"warning: up to {max(sweep.workers)} workers but {cores} usable cores / "
-            f"{sweep.processes_per_node} process(es) = {budget} per training process: above that, workers "
-            "compete with each other and with the training process",
-            file=sys.stderr,
-        )
-    print(
-        f"PyTorch's DataLoader default is num_workers={PYTORCH_DEFAULT_WORKERS}: batches load in the "
-        "training process, one after the other."
-    )
-    grid = list(settings_grid(sweep, settings))
-    rows = []
-    for repeat in range(sweep.repeats):
-        for index, point in enumerate(bench.round_order(grid, repeat), 1):
-            rows += measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, trainer, device)
-            metric = "data_share" if point["mode"] == "in-training" else "pass_s"
-            print(
-                f"[repeat {repeat + 1}/{sweep.repeats}, {index}/{len(grid)}] {point['mode']:<12} "
-                f"workers={point['num_workers']:<2} batch={point['batch_size']} prefetch={point['prefetch_factor']}: "
-                f"{metric} {rows[-1][metric]:.4f}",
-                flush=True,
-            )
-    return {
-        "benchmark": "loaders",
-        "benchmark_version": 2,
-        "machine": {
-            "device": str(device),
-            "device_name": environment.device_name(device),
-            "usable_cores": cores,
-            "cpu_count": os.cpu_count(),
-            "torch_threads": threads["torch_threads"],
-            "processes_per_node": sweep.processes_per_node,
-            "cpu_budget_per_process": budget,
-        },
-        "pytorch_default_num_workers": PYTORCH_DEFAULT_WORKERS,
-        "settings": asdict(settings),
-        "sweep": asdict(sweep),
-        "dataset_rows": len(data.train),
-        "rows": rows,
-        "summary": summarize(rows, sweep.knee_tolerance),
-    }
-
-
 def measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, trainer, device) -> list[dict]:
     """The rows of one setting in one repeat: a training measurement or one row per timed pass."""
-    pin_memory = (
-        device.type == "cuda" if point["pin_memory_setting"] == "auto" else point["pin_memory_setting"] == "true"
-    )
+    pin_memory = loader_sweep.pin_memory_of(point, device)
     base = {**point, "pin_memory": pin_memory, "repeat": repeat}
-    if point["mode"] == "in-training":
-        return [{**base, **trainer.measure(point, pin_memory, sweep.train_steps)}]
     dataset, collate = raw_train if point["mode"] == "on-the-fly" else (data.train, build_collator(tokenizer, settings))
     loader = make_loader(dataset, collate, point["batch_size"], point, settings, pin_memory, settings.seed)
-    to_device = device_copier(device, pin_memory) if point["mode"] == "device-copy" else None
+    if point["mode"] == "in-training":
+        return [{**base, **trainer.measure(loader, sweep.train_steps)}]
+    to_device = loader_sweep.device_copier(device, pin_memory) if point["mode"] == "device-copy" else None
     synchronize = torch.cuda.synchronize if device.type == "cuda" and to_device else None
     return [
         {**base, "pass": i, **timing}
@@ -303,242 +120,24 @@ def measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, tr
     ]
 
 
-def raw_training_rows(settings, data):
-    """The training split as raw text rows (the same rows as the tokenized split) with a tokenizing collate."""
+def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
+    """Every setting of the grid, once per repeat, in alternating order (drift hits all of them alike)."""
     from trainscope.modeling import build_tokenizer
 
-    train = labelled_splits(settings).subset("train", settings)
-    train = train.select_columns([*data.text_columns, data.label_column])
-    collate = TokenizingCollator(
-        build_tokenizer(settings), data.text_columns, data.label_column, settings.max_seq_length, label_ids=int
-    )
-    return train, collate
-
-
-class InTraining:
-    """A few real training steps per setting: train.py's model, optimizer and step, timed by stage."""
-
-    def __init__(self, settings, data, tokenizer, device):
-        from accelerate import Accelerator, DataLoaderConfiguration
-
-        from trainscope.modeling import build_model, build_optimizer, build_scheduler
-
-        self.settings, self.data, self.tokenizer = settings, data, tokenizer
-        self.accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=device.type == "cuda"))
-        model, _ = build_model(settings, data.label_names, tokenizer)
-        optimizer = build_optimizer(model, settings, self.accelerator.device)
-        constant = dataclasses.replace(settings, lr_scheduler="constant_with_warmup")
-        scheduler = build_scheduler(constant, optimizer, training_steps=1, warmup_steps=0)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-
-    def measure(self, point, pin_memory, steps) -> dict:
-        from trainscope.loop import train_step
-        from trainscope.timing import StageTimer, make_clock
-
-        loader = make_loader(
-            self.data.train,
-            build_collator(self.tokenizer, self.settings),
-            point["batch_size"],
-            point,
-            self.settings,
-            pin_memory,
-            self.settings.seed,
-        )
-        loader = self.accelerator.prepare(loader)
-        clock, _ = make_clock("sync", self.accelerator.device)
-        timer = StageTimer(clock, self.accelerator.device, memory=False)
-        batches = endless(loader)
-        timer.start()
-        for step in range(steps + 2):
-            if step == 2:
-                timer.set_phase("steady")  # worker start-up and first steps are not the steady state
-            with timer("data"):
-                batch = next(batches)
-            train_step(
-                self.accelerator, self.model, batch, self.optimizer, self.scheduler, timer, self.settings.max_grad_norm
-            )
-        timer.stop()
-        steady = timer.summary()["steady"]
-        self.accelerator._dataloaders.clear()
-        return {
-            "data_share": steady["shares"]["data"],
-            "data_s": steady["seconds"]["data"],
-            "step_s": steady["wall_s"] / steps,
-            "first_steps_s": timer.summary()["warmup"]["wall_s"],
-        }
-
-
-def endless(loader):
-    """Batches from the loader, epoch after epoch. Not itertools.cycle: that replays the same batch
-    objects, and the training step takes the labels out of each batch it is given."""
-    while True:
-        yield from loader
-
-
-# ---------------------------------------------------------------- summary (pure)
-
-
-def setting_key(row) -> tuple:
-    return (
-        row["mode"],
-        row["batch_size"],
-        row["pin_memory"],
-        row["persistent_workers"],
-        row["prefetch_factor"],
-        row["num_workers"],
-    )
-
-
-def summarize(rows: list[dict], knee_tolerance: float) -> dict:
-    """Per setting: median/min/max of the pass time (or data share); per curve: best, knee, speed-up."""
-    groups = {}
-    for row in rows:
-        if row.get("pass", 0) == 0 or row["mode"] == "in-training":
-            groups.setdefault(setting_key(row), []).append(row)
-    settings = []
-    for key, group in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0][:5])) + (kv[0][5],)):
-        metric = "data_share" if key[0] == "in-training" else "pass_s"
-        values = [r[metric] for r in group]
-        entry = {
-            "mode": key[0],
-            "batch_size": key[1],
-            "pin_memory": key[2],
-            "persistent_workers": key[3],
-            "prefetch_factor": key[4],
-            "num_workers": key[5],
-            "metric": metric,
-            "median": statistics.median(values),
-            "min": min(values),
-            "max": max(values),
-            "repeats": len(values),
-        }
-        if metric == "pass_s":
-            copies = [r["copy_s"] for r in group if r.get("copy_s") is not None]
-            entry["median_copy_s"] = statistics.median(copies) if copies else None
-            entry["median_first_batch_s"] = statistics.median(r["first_batch_s"] for r in group)
-            entry["median_samples_per_s"] = statistics.median(r["samples_per_s"] for r in group)
-            entry["median_batches_per_s"] = statistics.median(r["batches_per_s"] for r in group)
-        else:
-            entry["median_step_s"] = statistics.median(r["step_s"] for r in group)
-        settings.append(entry)
-    curves = {}
-    for entry in settings:
-        curves.setdefault(curve_name(entry), []).append(entry)
-    summaries = {name: knee(points, knee_tolerance) for name, points in curves.items()}
-    for name, curve in summaries.items():
-        curve["knee_against_default"] = knee_verdict(rows, name, curve)
-    return {"settings": settings, "curves": summaries}
-
-
-def knee(points: list[dict], tolerance: float) -> dict:
-    """Best setting, the fewest workers within `tolerance` of it, and speed-ups over the default (0).
-
-    A pass time is within a fraction of the best. A data share is within that many points of step
-    time: workers can save at most the share the data stage takes, so when the default's share is
-    already small (0.4% against 0.2%), the workers buy nothing and the knee stays at the default.
-    """
-    points = sorted(points, key=lambda p: p["num_workers"])
-    best = min(points, key=lambda p: p["median"])
-    if best["metric"] == "data_share":
-        limit = best["median"] + tolerance
-    else:
-        limit = best["median"] * (1 + tolerance) if best["median"] > 0 else tolerance
-    knee_point = next(p for p in points if p["median"] <= limit)
-    default = next((p for p in points if p["num_workers"] == PYTORCH_DEFAULT_WORKERS), None)
-    result = {
-        "best_workers": best["num_workers"],
-        "best_median": best["median"],
-        "knee_workers": knee_point["num_workers"],
-        "knee_median": knee_point["median"],
-        "metric": best["metric"],
-        "flags": train_flags(knee_point),
-    }
-    if default is not None:
-        result["default_median"] = default["median"]
-        if best["metric"] == "pass_s" and best["median"] > 0:
-            result["best_speedup_over_default"] = default["median"] / best["median"]
-            result["knee_speedup_over_default"] = default["median"] / knee_point["median"]
-    return result
-
-
-def train_flags(entry: dict) -> str:
-    """The train.py flags that reproduce a sweep setting."""
-    flags = [f"--num-workers {entry['num_workers']}", f"--per-device-batch-size {entry['batch_size']}"]
-    flags.append("--pin-memory" if entry["pin_memory"] else "--pin-memory false")
-    if entry["num_workers"] > 0:
-        flags.append(f"--prefetch-factor {entry['prefetch_factor']}")
-        if entry["persistent_workers"]:
-            flags.append("--persistent-workers")
-    return " ".join(flags)
-
-
-# ---------------------------------------------------------------- output
-
-
-def write_outputs(report: dict, results_dir: Path) -> list[Path]:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    paths = bench.write_results(results_dir / "loaders", report, markdown(report))
-    columns = sorted({k for row in report["rows"] for k in row})
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(report["rows"])
-    write_text_atomic(results_dir / "loaders.csv", buffer.getvalue())
-    return [*paths, results_dir / "loaders.csv", *save_figure(figure(report), results_dir / "loaders")]
-
-
-def markdown(report: dict) -> list[str]:
-    machine = report["machine"]
-    return [
-        "# DataLoader num_workers sweep",
-        "",
-        f"{report['dataset_rows']} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
-        f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch threads; "
-        f"{report['sweep']['repeats']} repeats in alternating order; verdicts: {bench.METHOD}.",
-        "",
-        *knee_table(report).markdown_lines(),
-        *copy_lines(report),
-    ]
-
-
-def copy_lines(report: dict) -> list[str]:
-    """The copy to the device, per setting: the time the loop spent in it per pass, against the pass."""
-    rows = [e for e in report["summary"]["settings"] if e.get("median_copy_s") is not None]
-    if not rows:
-        return []
-    return [
-        "",
-        "| batch | pin_memory | workers | copy s per pass (median) | pass s (median) |",
-        "|---:|---|---:|---:|---:|",
-        *[
-            f"| {e['batch_size']} | {'pinned, non-blocking' if e['pin_memory'] else 'pageable'} | {e['num_workers']} | "
-            f"{e['median_copy_s']:.4f} | {e['median']:.4f} |"
-            for e in rows
-        ],
-    ]
-
-
-def print_recommendations(report: dict) -> None:
-    for name, curve in report["summary"]["curves"].items():
-        if curve["metric"] == "pass_s":
-            speedup = curve.get("knee_speedup_over_default")
-            gain = f", {speedup:.2f}x the default's speed" if speedup else ""
-            print(
-                f"{name}: best {curve['best_workers']} workers ({curve['best_median']:.3f} s/pass); "
-                f"knee {curve['knee_workers']} workers ({curve['knee_median']:.3f} s{gain})"
-            )
-        else:
-            default = (
-                f"{curve['default_median']:.1%} of step time with 0 workers, " if "default_median" in curve else ""
-            )
-            print(
-                f"{name}: data share {default}lowest {curve['best_median']:.1%} with {curve['best_workers']}; "
-                f"knee {curve['knee_workers']} workers ({curve['knee_median']:.1%})"
-            )
-        against = curve.get("knee_against_default")
-        if against:
-            print(f"  knee against the default: {bench.describe(against)}")
-        print(f"  use: {curve['flags']}")
+    threads = startup.configure_process(settings)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = build_tokenizer(settings)
+    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
+    raw_train = loader_sweep.raw_training_rows(settings, data) if "on-the-fly" in sweep.modes else None
+    trainer = loader_sweep.InTraining(settings, data, tokenizer, device) if "in-training" in sweep.modes else None
+    budget = loader_sweep.cpu_budget(threads["usable_cores"], sweep)
+    grid = list(loader_sweep.settings_grid(sweep, settings))
+    rows = []
+    for repeat in range(sweep.repeats):
+        for index, point in enumerate(bench.round_order(grid, repeat), 1):
+            rows += measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, trainer, device)
+            print(loader_sweep.progress(point, rows[-1], repeat, index, sweep, len(grid)), flush=True)
+    return loader_sweep.build_report(settings, sweep, device, threads, budget, len(data.train), rows)
 
 
 def main(argv=None) -> None:
@@ -549,8 +148,8 @@ def main(argv=None) -> None:
             report = run_sweep(settings, sweep)
         except UserError as error:
             exit_with(error)
-        paths = write_outputs(report, Path(sweep.results_dir))
-        print_recommendations(report)
+        paths = loader_sweep.write_outputs(report, Path(sweep.results_dir))
+        loader_sweep.print_recommendations(report)
         print("wrote " + ", ".join(str(p) for p in paths))
 
 

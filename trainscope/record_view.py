@@ -652,3 +652,42 @@ def machines_text(grouped: dict) -> str:
     return f"{len(grouped)} machines, whose figures are not comparable with each other: " + "; ".join(
         f"{machine.text} ({', '.join(names)})" for machine, names in grouped.items()
     )
+
+
+class LoaderSweepView:
+    """The typed view of a DataLoader sweep's results file (loaders.json, written by trainscope.loader_sweep for
+    loaders_bench.py): its readers (the script's Markdown and recommendations, the report's section) ask it."""
+
+    def __init__(self, result: dict):
+        self.result = result
+
+    @property
+    def settings_summary(self) -> list[dict]:
+        """Per setting swept: its median, min and max over the repeats (pass time or data share)."""
+        return (self.result.get("summary") or {}).get("settings") or []
+
+    @property
+    def curves(self) -> dict:
+        """Per curve (mode, batch, pin, persistent, prefetch): the best setting, the knee and its flags."""
+        return (self.result.get("summary") or {}).get("curves") or {}
+
+    @property
+    def rows(self) -> list[dict]:
+        """Every timed pass or training measurement, per setting and repeat."""
+        return self.result.get("rows") or []
+
+    @property
+    def machine(self) -> dict:
+        return self.result.get("machine") or {}
+
+    @property
+    def dataset_rows(self) -> int | None:
+        return self.result.get("dataset_rows")
+
+    @property
+    def repeats(self) -> int | None:
+        return (self.result.get("sweep") or {}).get("repeats")
+
+    @property
+    def default_workers(self) -> int | None:
+        return self.result.get("pytorch_default_num_workers")

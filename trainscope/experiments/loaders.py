@@ -3,6 +3,7 @@ section. The script writes <results>/loaders/loaders.json; the report and the sc
 
 from trainscope import bench, reporting
 from trainscope.experiments.base import Experiment
+from trainscope.record_view import LoaderSweepView
 from trainscope.reporting import Headline
 from trainscope.tables import Table, num, pyplot
 
@@ -18,7 +19,8 @@ def curve_name(entry: dict) -> str:
 
 def figure(report: dict):
     """Time per pass against num_workers (median, min-max band), one line per mode; data share in training."""
-    settings = report["summary"]["settings"]
+    view = LoaderSweepView(report)
+    settings = view.settings_summary
     panels = [m for m in ("pass_s", "data_share") if any(s["metric"] == m for s in settings)]
     drawn, axes = pyplot().subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
     for axis, metric in zip(axes[0], panels):
@@ -43,9 +45,9 @@ def figure(report: dict):
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
-    machine = report["machine"]
+    machine = view.machine
     drawn.suptitle(
-        f"DataLoader sweep: {report['dataset_rows']} rows, {machine['device_name']}, "
+        f"DataLoader sweep: {view.dataset_rows} rows, {machine['device_name']}, "
         f"{machine['usable_cores']} cores (median, min-max band)",
         fontsize=9,
     )
@@ -55,7 +57,7 @@ def figure(report: dict):
 
 def settings_table(report: dict) -> Table:
     rows = []
-    for s in report["summary"]["settings"]:
+    for s in LoaderSweepView(report).settings_summary:
         passes = s["metric"] == "pass_s"
         cell = (lambda v: num(v, 3)) if passes else (lambda v: num(v, 1, percent=True))
         rows.append(
@@ -100,13 +102,10 @@ KNEE_IS_DEFAULT = "the knee is the default"
 
 def knees(report: dict) -> list[tuple[str, dict, dict | None]]:
     """(curve, its summary, its knee against the default judged by today's test from the sweep's own rows)."""
+    view = LoaderSweepView(report)
     return [
-        (
-            name,
-            curve,
-            knee_verdict(report["rows"], name, curve) if report.get("rows") else curve.get("knee_against_default"),
-        )
-        for name, curve in report["summary"]["curves"].items()
+        (name, curve, knee_verdict(view.rows, name, curve) if view.rows else curve.get("knee_against_default"))
+        for name, curve in view.curves.items()
     ]
 
 
@@ -154,12 +153,13 @@ def section(report, found: reporting.Collected) -> None:
     sweep = found.results.get("loaders")
     if not report.begin(EXPERIMENT.title, sweep, EXPERIMENT.missing()):
         return
-    machine = sweep["machine"]
+    view = LoaderSweepView(sweep)
+    machine = view.machine
     report.text(
         f"{machine['device_name']}, {machine['usable_cores']} usable cores "
-        f"({machine['cpu_budget_per_process']} per training process), {sweep['dataset_rows']} training rows, "
-        f"{sweep['sweep']['repeats']} repeats in alternating order. PyTorch's default is num_workers="
-        f"{sweep['pytorch_default_num_workers']} (loading in the training process)."
+        f"({machine['cpu_budget_per_process']} per training process), {view.dataset_rows} training rows, "
+        f"{view.repeats} repeats in alternating order. PyTorch's default is num_workers="
+        f"{view.default_workers} (loading in the training process)."
     )
     report.figure(figure(sweep), "loaders", "Pass time against num_workers")
     report.table(settings_table(sweep))
