@@ -22,23 +22,28 @@ import yaml
 
 from trainscope.launching import kill_tree
 
-# The files that launch the most processes, longest first: two workers take whole files in collection
-# order, so starting with the long ones leaves no worker idle at the end (the others are seconds each).
+# The files that launch the most processes, longest first (from the suite's --durations on a 2-core EPYC): two workers
+# take whole files in this order (pytest.ini turns off xdist's own reordering by test count), so the long ones start
+# first and the many short files fill in at the end, leaving no worker idle while the other runs a long launch.
 LONGEST_FIRST = (
-    "test_launches.py",
+    "test_report.py",
     "test_communication.py",
     "test_endings.py",
+    "test_advisor.py",
     "test_train.py",
-    "test_report.py",
+    "test_benchmarks.py",
+    "test_launches.py",
+    "test_gpu_path.py",
+    "test_compare_dp.py",
     "test_unpad.py",
     "test_multinode.py",
     "test_faults.py",
-    "test_advisor.py",
-    "test_compile.py",
-    "test_benchmarks.py",
     "test_secrets.py",
-    "test_compare_dp.py",
+    "test_predict.py",
+    "test_compile.py",
     "test_loaders_bench.py",
+    "test_flops_profile.py",
+    "test_tune.py",
 )
 
 
