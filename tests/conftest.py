@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -111,6 +112,13 @@ def config_processes(config: Path) -> int:
     return int(yaml.safe_load(config.read_text()).get("num_processes", 1)) if config.exists() else 1
 
 
+def free_port() -> int:
+    """A TCP port no process listens on now, for a multi-process launch's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(
     script: str,
     args: list[str],
@@ -123,6 +131,8 @@ def launch(
     """`accelerate launch [--config_file X] script args` (the README's command), `python script args` or torchrun."""
     if launcher == "accelerate":
         command = [ACCELERATE, "launch"] + (["--config_file", str(config)] if config else [])
+        if config and config_processes(config) > 1:  # not the fixed 29500: two launches at once would collide on it
+            command += ["--main_process_port", str(free_port())]
     elif launcher == "python":
         command = [sys.executable]
     else:
