@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,23 +23,28 @@ import yaml
 
 from trainscope.launching import kill_tree
 
-# The files that launch the most processes, longest first: two workers take whole files in collection
-# order, so starting with the long ones leaves no worker idle at the end (the others are seconds each).
+# The files that launch the most processes, longest first (from the suite's --durations on a 2-core EPYC): two workers
+# take whole files in this order (pytest.ini turns off xdist's own reordering by test count), so the long ones start
+# first and the many short files fill in at the end, leaving no worker idle while the other runs a long launch.
 LONGEST_FIRST = (
-    "test_launches.py",
+    "test_report.py",
     "test_communication.py",
     "test_endings.py",
+    "test_advisor.py",
     "test_train.py",
-    "test_report.py",
+    "test_benchmarks.py",
+    "test_launches.py",
+    "test_gpu_path.py",
+    "test_compare_dp.py",
     "test_unpad.py",
     "test_multinode.py",
     "test_faults.py",
-    "test_advisor.py",
-    "test_compile.py",
-    "test_benchmarks.py",
     "test_secrets.py",
-    "test_compare_dp.py",
+    "test_predict.py",
+    "test_compile.py",
     "test_loaders_bench.py",
+    "test_flops_profile.py",
+    "test_tune.py",
 )
 
 
@@ -106,6 +112,13 @@ def config_processes(config: Path) -> int:
     return int(yaml.safe_load(config.read_text()).get("num_processes", 1)) if config.exists() else 1
 
 
+def free_port() -> int:
+    """A TCP port no process listens on now, for a multi-process launch's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(
     script: str,
     args: list[str],
@@ -118,6 +131,8 @@ def launch(
     """`accelerate launch [--config_file X] script args` (the README's command), `python script args` or torchrun."""
     if launcher == "accelerate":
         command = [ACCELERATE, "launch"] + (["--config_file", str(config)] if config else [])
+        if config and config_processes(config) > 1:  # not the fixed 29500: two launches at once would collide on it
+            command += ["--main_process_port", str(free_port())]
     elif launcher == "python":
         command = [sys.executable]
     else:

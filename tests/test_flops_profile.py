@@ -308,20 +308,28 @@ def test_the_memory_snapshot_covers_a_window_after_warmup_and_is_written_after_t
     assert pickle.loads(path.read_bytes())["device_traces"] == [[{"action": "alloc"}]]
 
 
+TAKE_S = 3.0
+
+
 def test_the_snapshot_window_and_taking_the_snapshot_stay_out_of_the_steady_figures(runs, monkeypatch):
-    """A planted 0.5 s to take the snapshot lands in the `snapshot` phase with the window's steps; steady
-    throughput never sees it. (On CUDA the recording also slows the window's steps: make gpu-check runs it.)"""
+    """A planted TAKE_S to take the snapshot lands in the `snapshot` phase with the window's steps; steady
+    throughput never sees it. (On CUDA the recording also slows the window's steps: make gpu-check runs it.)
+    Steady figures that took the snapshot in would exceed TAKE_S: the steps are made tiny (4 samples of at most 32
+    tokens) so that TAKE_S stands several times above the 7 steady steps' wall time on a loaded machine."""
     import trainscope.run_metrics as run_metrics
 
     monkeypatch.setattr(
         run_metrics,
         "build_memory_snapshot",
         lambda settings, run_dir, device, rank: MemorySnapshot(
-            run_dir / "memory" / "snapshot_rank0.pickle", settings.timing_warmup_steps, 3, backend=FakeAllocator(0.5)
+            run_dir / "memory" / "snapshot_rank0.pickle", settings.timing_warmup_steps, 3, backend=FakeAllocator(TAKE_S)
         ),
     )
     assert_ok(
-        run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "snap", "--max-steps", "12"])
+        run_in_process(
+            [*TINY, *ONE_THREAD, "--per-device-batch-size", "4", "--max-seq-length", "32", "--max-steps", "12"]
+            + ["--output-dir", str(runs), "--run-name", "snap"]
+        )
     )
     summary = read_record(runs / "snap")["summary"]
     counts = summary["timing"]["per_rank"][0]["counts"]
@@ -331,7 +339,7 @@ def test_the_snapshot_window_and_taking_the_snapshot_stay_out_of_the_steady_figu
         counts["steady"]["optimizer_steps"],
     ) == (2, 3, 7)
     across = summary["timing"]["across_ranks"]
-    assert across["snapshot"]["wall_s"]["median"] >= 0.5 > across["steady"]["wall_s"]["median"]
+    assert across["snapshot"]["wall_s"]["median"] >= TAKE_S > across["steady"]["wall_s"]["median"]
     assert summary["throughput"]["optimizer_steps"] == 7 and summary["memory_snapshot"]["first_step"] == 3
     assert (runs / "snap" / "memory" / "snapshot_rank0.pickle").exists()
 
