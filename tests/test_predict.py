@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
 
-from trainscope import batch_search, calibration, modeling, op_costs, peak, predict, trace
+from trainscope import batch_search, calibration, environment, modeling, op_costs, peak, predict, trace
 from trainscope.experiments import prediction as predict_check
 from trainscope.loop import classification_loss
+from trainscope.predictor import workload as predictor_workload
 from trainscope.settings import parse_settings
 
 CPU = torch.device("cpu")
@@ -377,7 +378,7 @@ def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
     grouping by length, which pads less, is predicted faster per real token."""
     planted = PlantedCosts({"fp32": 0.01, "bf16": 0.02})
     monkeypatch.setattr(op_costs.OpCosts, "seconds", lambda self, op: planted.seconds(op))
-    monkeypatch.setattr(predict, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
     (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "8"])
     same = predict.speedup(settings)
     grouped = predict.speedup(settings, ["--group-by-length"])
@@ -440,14 +441,14 @@ def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_predic
     summary = {"communication": communication.combine(ranks, {"step_s": 0.5})}
     started = SimpleNamespace(state=SimpleNamespace(is_main_process=True))
     block = {"machine": {"device": "cpu", "threads": 1}}
-    monkeypatch.setattr(predict.environment, "local_processes", lambda: 2)
+    monkeypatch.setattr(environment, "local_processes", lambda: 2)
     predict.remember_communication(block, summary, None, started)
     stored = op_costs.OpCosts(CPU, 1, 2, store=False).cached["communication"]
     assert stored["bus_bandwidth_gbs"] == pytest.approx(summary["communication"]["bus_bandwidth_gbs"])
     assert stored["exposed_fraction"] == pytest.approx(0.010 / 0.040) and stored["exposed_resolved"]
     workload = SimpleNamespace(processes=2, settings=SimpleNamespace(ddp_gradient_as_bucket_view=True))
     notes = []
-    seconds = predict._communication(
+    seconds = predict.communication_seconds(
         workload, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes
     )
     assert seconds == pytest.approx(0.010, rel=0.05)  # the same bytes: the measured exposed time
@@ -603,7 +604,7 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
             "tiny-bs32": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "32", "--threads", "1"],
         },
     )
-    monkeypatch.setattr(predict, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
     (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "4"])
     block = predict.predict(predict.workload_of(None, settings), store=False)
     state = block["calibration"]
