@@ -337,6 +337,36 @@ def test_the_report_rows_give_median_and_worst_error_and_the_term_furthest_off()
     assert "calibrated: median |error| peak memory 9.1% (within 10%)" in goals and "first use:" in goals
 
 
+def test_a_run_predicted_again_keeps_the_memory_it_held_before_its_model(monkeypatch):
+    """make predict-check's first-use pass (repredicted): the memory the run held before its model, as its own
+    prediction measured it, goes into the new prediction, which is judged on the run's summary; the record's copy
+    carries the new error, the record itself is left as it was."""
+    from types import SimpleNamespace
+
+    from trainscope.record_view import RunView
+
+    record = {
+        "run_name": "a-r0",
+        "settings": {"per_device_batch_size": 8, "no_such_setting": 1},
+        "prediction": planted_block(),
+        "summary": planted_summary(),
+    }
+    seen = {}
+    monkeypatch.setattr(predict, "workload_of", lambda record, settings: SimpleNamespace(rss_bytes=None))
+
+    def planted_predict(workload, store, fitted):
+        seen["rss_bytes"], seen["fitted"] = workload.rss_bytes, fitted
+        return planted_block(peak_gib=1.1)
+
+    monkeypatch.setattr(predict, "predict", planted_predict)
+    errors = predict_check.repredicted(record, {"method": "first use"})
+    assert seen == {"rss_bytes": int(0.4 * 2**30), "fitted": {"method": "first use"}}
+    assert errors["peak_memory_gib"]["predicted"] == 1.1 and errors["peak_memory_gib"]["measured"] == pytest.approx(1.2)
+    again = RunView(record).with_prediction_error(errors)
+    assert RunView(again).prediction_error is errors and "prediction_error" not in record["summary"]
+    assert RunView({"summary": {}}).prediction_baseline_gib == 0.0
+
+
 def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_prediction(monkeypatch):
     from test_advisor import record
 
@@ -384,6 +414,23 @@ def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
     grouped = predict.speedup(settings, ["--group-by-length"])
     assert same["ratio"] == pytest.approx(1.0)
     assert grouped["ratio"] > 1.05 and grouped["changed_s"] < grouped["baseline_s"]
+
+
+def test_a_records_launch_is_the_workload_predicted_for_it(monkeypatch):
+    """predict.workload_of: the device, processes, precision and threads of the run a record describes (read through
+    its typed view); a config given beside it sets the processes and precision."""
+    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD])
+    environment_block = {
+        "device": "cpu",
+        "world_size": 2,
+        "effective_precision": "bf16",
+        "threads": {"torch_threads": 3},
+    }
+    workload = predict.workload_of({"environment": environment_block}, settings)
+    assert (workload.device.type, workload.processes, workload.precision, workload.threads) == ("cpu", 2, "bf16", 3)
+    assert workload.collate_s == {"train": 1e-3, "eval": 1e-3}
+    assert predict.workload_of({"environment": environment_block}, settings, "cpu").processes == 1
 
 
 def test_the_machines_load_counts_other_processes_not_the_runs_it_launched():
