@@ -4,6 +4,7 @@ from the source (ast), nothing imported: an import inside a function counts as t
 apart from the module-level one (it runs later, but it is a dependency all the same)."""
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,7 @@ def _with_packages(target: str, module: str) -> list[str]:
     return [name for name in names if name != module and not module.startswith(name + ".")]
 
 
+@functools.cache
 def import_graph() -> tuple[dict, dict, dict]:
     """(module-level edges, function-level edges, imports of the top-level scripts) of every module."""
     module_level, function_level, scripts = {}, {}, {}
