@@ -83,7 +83,7 @@ def traced_steps(workload: Workload, batches: Batches, costs) -> tuple[trace.Tra
     positions = modeling.config_positions(config)
     length = traced_length(float(batches.steady.mean()), settings.per_device_batch_size, avoid, positions)
     traced = traced_step("train", workload, settings.per_device_batch_size, length, avoid, costs)
-    eval_all = batches.evaluated
+    eval_all = batches.eval_lengths
     eval_length = traced_length(float(eval_all.mean()) if len(eval_all) else length, eval_batch, avoid, positions)
     return traced, traced_step("eval", workload, eval_batch, eval_length, avoid, costs)
 
@@ -104,7 +104,7 @@ def _left_out(workload: Workload, costs) -> list[str]:
 
 def _batches_block(workload: Workload, batches: Batches, length: int) -> dict:
     """The prediction's `batches` block: what the run's batches are, and the length its step was traced at."""
-    settings, eval_all, real = workload.settings, batches.evaluated, workload.lengths["train"]
+    settings, eval_all, real = workload.settings, batches.eval_lengths, workload.lengths["train"]
     return {
         "batch": settings.per_device_batch_size,
         "micro_batches": int(len(batches.train)),

@@ -165,7 +165,7 @@ class Batches:
         return int(self.train.max())
 
     @property
-    def evaluated(self) -> np.ndarray:
+    def eval_lengths(self) -> np.ndarray:
         """Every evaluation batch's padded length, validation then test."""
         return np.concatenate([self.evaluation["validation"][0], self.evaluation["test"][0]])
 
