@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
 
-from trainscope import batch_search, calibration, modeling, op_costs, peak, predict, trace
+from trainscope import batch_search, calibration, environment, modeling, op_costs, peak, predict, trace
 from trainscope.experiments import prediction as predict_check
 from trainscope.loop import classification_loss
+from trainscope.predictor import workload as predictor_workload
 from trainscope.settings import parse_settings
 
 CPU = torch.device("cpu")
@@ -336,6 +337,36 @@ def test_the_report_rows_give_median_and_worst_error_and_the_term_furthest_off()
     assert "calibrated: median |error| peak memory 9.1% (within 10%)" in goals and "first use:" in goals
 
 
+def test_a_run_predicted_again_keeps_the_memory_it_held_before_its_model(monkeypatch):
+    """make predict-check's first-use pass (repredicted): the memory the run held before its model, as its own
+    prediction measured it, goes into the new prediction, which is judged on the run's summary; the record's copy
+    carries the new error, the record itself is left as it was."""
+    from types import SimpleNamespace
+
+    from trainscope.record_view import RunView
+
+    record = {
+        "run_name": "a-r0",
+        "settings": {"per_device_batch_size": 8, "no_such_setting": 1},
+        "prediction": planted_block(),
+        "summary": planted_summary(),
+    }
+    seen = {}
+    monkeypatch.setattr(predict, "workload_of", lambda record, settings: SimpleNamespace(rss_bytes=None))
+
+    def planted_predict(workload, store, fitted):
+        seen["rss_bytes"], seen["fitted"] = workload.rss_bytes, fitted
+        return planted_block(peak_gib=1.1)
+
+    monkeypatch.setattr(predict, "predict", planted_predict)
+    errors = predict_check.repredicted(record, {"method": "first use"})
+    assert seen == {"rss_bytes": int(0.4 * 2**30), "fitted": {"method": "first use"}}
+    assert errors["peak_memory_gib"]["predicted"] == 1.1 and errors["peak_memory_gib"]["measured"] == pytest.approx(1.2)
+    again = RunView(record).with_prediction_error(errors)
+    assert RunView(again).prediction_error is errors and "prediction_error" not in record["summary"]
+    assert RunView({"summary": {}}).prediction_baseline_gib == 0.0
+
+
 def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_prediction(monkeypatch):
     from test_advisor import record
 
@@ -377,12 +408,29 @@ def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
     grouping by length, which pads less, is predicted faster per real token."""
     planted = PlantedCosts({"fp32": 0.01, "bf16": 0.02})
     monkeypatch.setattr(op_costs.OpCosts, "seconds", lambda self, op: planted.seconds(op))
-    monkeypatch.setattr(predict, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
     (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "8"])
     same = predict.speedup(settings)
     grouped = predict.speedup(settings, ["--group-by-length"])
     assert same["ratio"] == pytest.approx(1.0)
     assert grouped["ratio"] > 1.05 and grouped["changed_s"] < grouped["baseline_s"]
+
+
+def test_a_records_launch_is_the_workload_predicted_for_it(monkeypatch):
+    """predict.workload_of: the device, processes, precision and threads of the run a record describes (read through
+    its typed view); a config given beside it sets the processes and precision."""
+    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD])
+    environment_block = {
+        "device": "cpu",
+        "world_size": 2,
+        "effective_precision": "bf16",
+        "threads": {"torch_threads": 3},
+    }
+    workload = predict.workload_of({"environment": environment_block}, settings)
+    assert (workload.device.type, workload.processes, workload.precision, workload.threads) == ("cpu", 2, "bf16", 3)
+    assert workload.collate_s == {"train": 1e-3, "eval": 1e-3}
+    assert predict.workload_of({"environment": environment_block}, settings, "cpu").processes == 1
 
 
 def test_the_machines_load_counts_other_processes_not_the_runs_it_launched():
@@ -440,14 +488,14 @@ def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_predic
     summary = {"communication": communication_block.combine(ranks, {"step_s": 0.5})}
     started = SimpleNamespace(state=SimpleNamespace(is_main_process=True))
     block = {"machine": {"device": "cpu", "threads": 1}}
-    monkeypatch.setattr(predict.environment, "local_processes", lambda: 2)
+    monkeypatch.setattr(environment, "local_processes", lambda: 2)
     predict.remember_communication(block, summary, None, started)
     stored = op_costs.OpCosts(CPU, 1, 2, store=False).cached["communication"]
     assert stored["bus_bandwidth_gbs"] == pytest.approx(summary["communication"]["bus_bandwidth_gbs"])
     assert stored["exposed_fraction"] == pytest.approx(0.010 / 0.040) and stored["exposed_resolved"]
     workload = SimpleNamespace(processes=2, settings=SimpleNamespace(ddp_gradient_as_bucket_view=True))
     notes = []
-    seconds = predict._communication(
+    seconds = predict.communication_seconds(
         workload, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes
     )
     assert seconds == pytest.approx(0.010, rel=0.05)  # the same bytes: the measured exposed time
@@ -603,7 +651,7 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
             "tiny-bs32": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "32", "--threads", "1"],
         },
     )
-    monkeypatch.setattr(predict, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
     (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "4"])
     block = predict.predict(predict.workload_of(None, settings), store=False)
     state = block["calibration"]

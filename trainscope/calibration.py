@@ -485,7 +485,7 @@ def worker(runs: Path, deadline: float) -> None:
 def main(argv=None) -> None:
     import tempfile
 
-    from trainscope.experiments.base import split_args
+    from trainscope.launching import split_args
 
     ours, train_args = split_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(

@@ -1,8 +1,7 @@
 """Errors the user reads: one line, once, from whichever rank failed, with secrets redacted.
 
-* `UserError`: bad input or an impossible setting; the message says what to do (exit status 2).
-* `Fault`: a fault of the run's surroundings -- a lost peer, a full disk, a collective that timed out:
-  one line that says what happened and what to do (exit status 1), never a traceback.
+* `UserError`, `Fault` (trainscope.faults): bad input (exit status 2); a fault of the run's surroundings
+  (exit status 1), never a traceback.
 * `exit_with`: prints `error: <message>` and exits. In a launch of several processes every rank
   that fails reports its first error, but a message that another rank of the same launch on the same
   machine already printed is not printed again (every rank usually hits the same validation error;
@@ -20,28 +19,9 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from trainscope import liveness
+from trainscope.faults import Fault, UserError, one_line  # noqa: F401 (raised through this module by every script)
 from trainscope.records import redact, secret_values
-
-
-class UserError(Exception):
-    """Bad input or an impossible setting. The message is one line and says what to do."""
-
-
-class Fault(Exception):
-    """A fault of the run's surroundings (a lost peer, a full disk, a collective that timed out). The message is
-    one line and says what to do. `rank`: the rank whose line it is, when another rank raised it; `caused_by`:
-    the peer whose failure or disappearance this rank's failure follows."""
-
-    def __init__(self, message: str, rank: int | None = None, caused_by: int | None = None):
-        super().__init__(message)
-        self.rank, self.caused_by = rank, caused_by
-
-
-def one_line(error: BaseException) -> str:
-    """The error's message, or its note when one was added (`add_note`), folded to one line."""
-    notes = getattr(error, "__notes__", None)
-    text = notes[-1] if notes else (str(error) or type(error).__name__)
-    return " ".join(text.split())
 
 
 def _launch_id(environ) -> str | None:
@@ -104,8 +84,6 @@ def report(error: BaseException, environ=None) -> None:
 
 def tell_peers(message: str, caused_by: int | None = None) -> None:
     """This rank's one line, for the other ranks of a multi-process run to name (trainscope.liveness)."""
-    from trainscope import liveness
-
     liveness.publish_error(message, caused_by)
 
 

@@ -88,6 +88,11 @@ def accelerate_launch(config: str | None = None) -> list[str]:
     ]
 
 
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(our flags, train.py flags) of a command that launches training: everything after `--` goes to train.py."""
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+
+
 def train_command(
     train_args: list[str], config: str | None = None, launcher: str = "accelerate", script: Path = TRAIN_SCRIPT
 ) -> list[str]:

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from trainscope.faults import Fault
+
 BEAT_S = 0.5
 PATIENCE_S = 3.0
 STORE_TIMEOUT_S = 10.0
@@ -322,8 +324,6 @@ def current() -> PeerWatch | None:
 def explain_collective_failure(error: BaseException, verdicts: dict, timeout_s: float):
     """The one line of a collective that failed, from the peers' verdicts: the failed peer's own line (a Fault
     under its rank), the peers that vanished, or why it cannot be told; and the record's failure fields."""
-    from trainscope.errors import Fault
-
     cause = root_cause(verdicts.values())
     vanished = [v for v in verdicts.values() if v.state == "vanished"]
     if cause is not None and cause.state == "failed":

@@ -453,6 +453,15 @@ class RunView:
         return self.summary.get("prediction_error")
 
     @property
+    def prediction_baseline_gib(self) -> float:
+        """The memory the run held before its model, as its prediction measured it (GiB; 0 without a prediction)."""
+        return (((self.prediction or {}).get("memory") or {}).get("terms_gib") or {}).get("baseline", 0.0)
+
+    def with_prediction_error(self, errors: dict) -> dict:
+        """A copy of the record whose summary `prediction_error` is `errors` (the record itself left as it is)."""
+        return {**self.record, "summary": {**self.summary, "prediction_error": errors}}
+
+    @property
     def losses(self) -> tuple[list[int], list[float]]:
         return [line["step"] for line in self.steps], [line["loss"] for line in self.steps]
 

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainscope import advisor, bench, changes, health, launching
-from trainscope.experiments.base import Arm, ExperimentFailed, run_arm, split_args
+from trainscope.experiments.base import Arm, ExperimentFailed, run_arm
 from trainscope.experiments.optimization import equivalence_table, tune_table
+from trainscope.launching import split_args
 from trainscope.record_view import RunView
 from trainscope.records import read_record, read_steps
 from trainscope.tune_judge import (

@@ -28,7 +28,8 @@ from trainscope.experiments import (
     profile,
     tune_confirm,
 )
-from trainscope.experiments.base import Experiment, ExperimentFailed, split_args
+from trainscope.experiments.base import Experiment, ExperimentFailed
+from trainscope.launching import split_args
 
 # In the report's order; `compare` and `find-batch` have no section (a tool and a child process), `tune-confirm`
 # shows in the Optimization section.

@@ -109,11 +109,6 @@ def planned_arm(name: str, config: str, flags: list[str]) -> Arm:
     return Arm(name, config, list(flags), None if plan.runnable else plan.reason)
 
 
-def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(our flags, train.py flags): everything after `--` goes to train.py."""
-    return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-
-
 # ---------------------------------------------------------------- running arms in rounds
 
 

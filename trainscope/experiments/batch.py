@@ -150,7 +150,7 @@ def predicted_largest_batch(
             device, {"ACCELERATE_MIXED_PRECISION": facts["mixed_precision"]}
         )
     try:
-        _, data = predict._data_for(settings)
+        _, data = predict.data_for(settings)
         return predict.largest_batch(
             settings,
             data.label_names,

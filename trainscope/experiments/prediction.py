@@ -149,7 +149,7 @@ def run(args, train_args: list[str]) -> dict:
 def first_use_check(records: dict) -> dict:
     """The runs predicted again with the calibration a new machine makes on first use (made now, timed), judged on
     what they measured; the machine's full calibration is put back afterwards."""
-    device = torch.device(RunView(next(iter(records.values()))).env.get("device", "cpu").split(":")[0])
+    device = torch.device((RunView(next(iter(records.values()))).device or "cpu").split(":")[0])
     full = calibration.read_calibration(device)
     try:
         calibration.calibration_path(device).unlink(missing_ok=True)
@@ -162,7 +162,7 @@ def first_use_check(records: dict) -> dict:
 
             write_json_atomic(calibration.calibration_path(device), full)
     again = {
-        name: {**record, "summary": {**record["summary"], "prediction_error": repredicted(record, fitted)}}
+        name: RunView(record).with_prediction_error(repredicted(record, fitted))
         for name, record in records.items()
         if RunView(record).prediction
     }
@@ -181,9 +181,9 @@ def repredicted(record: dict, fitted: dict) -> dict:
     view = RunView(record)
     settings = predict.settings_of(record)
     workload = predict.workload_of(record, settings)
-    workload.rss_bytes = int(view.prediction["memory"]["terms_gib"].get("baseline", 0.0) * GIB)
+    workload.rss_bytes = int(view.prediction_baseline_gib * GIB)
     block = predict.predict(workload, store=False, fitted=fitted)
-    return predict.prediction_errors(block, record["summary"], {})
+    return predict.prediction_errors(block, view.summary, {})
 
 
 # ---------------------------------------------------------------- rows (pure)

@@ -1,0 +1,28 @@
+"""The two kinds of error a user reads, and their one line: the bottom of the error path, so that both the reporting
+(trainscope.errors) and the peers' watch (trainscope.liveness) raise and read them without importing each other.
+
+* `UserError`: bad input or an impossible setting; the message says what to do (exit status 2).
+* `Fault`: a fault of the run's surroundings -- a lost peer, a full disk, a collective that timed out: one line that
+  says what happened and what to do (exit status 1), never a traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input or an impossible setting. The message is one line and says what to do."""
+
+
+class Fault(Exception):
+    """A fault of the run's surroundings (a lost peer, a full disk, a collective that timed out). The message is
+    one line and says what to do. `rank`: the rank whose line it is, when another rank raised it; `caused_by`:
+    the peer whose failure or disappearance this rank's failure follows."""
+
+    def __init__(self, message: str, rank: int | None = None, caused_by: int | None = None):
+        super().__init__(message)
+        self.rank, self.caused_by = rank, caused_by
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message, or its note when one was added (`add_note`), folded to one line."""
+    notes = getattr(error, "__notes__", None)
+    text = notes[-1] if notes else (str(error) or type(error).__name__)
+    return " ".join(text.split())

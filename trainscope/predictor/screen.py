@@ -1,0 +1,154 @@
+"""What the predictor prints: the one screen of `train.py --predict`, what a prediction rests on, and the end-of-run
+table's lines on the prediction's error."""
+
+from trainscope.memory import GIB
+
+
+def screen_lines(block: dict, settings, wall_s: float | None = None) -> list[str]:
+    """The one screen `train.py --predict` prints."""
+    if block.get("error"):
+        return [f"no prediction: {block['error']}"]
+    machine, batches, memory, timing = block["machine"], block["batches"], block["memory"], block["time"]
+    gib = memory["terms_gib"]
+    lines = [
+        f"prediction: {settings.model} on {settings.dataset}, batch {batches['batch']} x {machine['processes']} "
+        f"process(es), {machine['precision']}, {machine['device_name']} ({machine['threads']} threads per process)",
+        f"batches     {batches['micro_batches']} micro-batches per process: padded length {batches['mean_length']:.1f} "
+        f"on average (real {batches['mean_real_length']:.1f}), longest {batches['longest']}; evaluation at batch "
+        f"{batches['eval_batch']}: {sum(batches['eval_batches'].values())} batches",
+        f"memory      {memory['kind']} {memory['peak_gib']:.2f} GiB per process -- "
+        + ("fits" if memory["fits"] else "DOES NOT FIT")
+        + (f" in {memory['capacity_gib']:.1f} GiB" if memory.get("capacity_gib") else ""),
+    ]
+    allocator = memory.get("allocator") or {}
+    names = [
+        ("baseline", "framework and data now (measured)"),
+        ("parameters", "parameters"),
+        ("optimizer", "optimizer state (AdamW)"),
+        ("activations", f"activations kept for backward (length {memory['at_length']})"),
+        ("temporaries", f"gradients ({memory['gradients_gib']:.3f} in all), backward's temporaries"),
+        ("ddp_buckets", "DDP's gradient buckets"),
+        (
+            "allocator",
+            f"allocator ({allocator['factor']:.2f} x live + {allocator['constant_bytes'] / GIB:.2f})"
+            if allocator.get("calibrated")
+            else "allocator (not calibrated)",
+        ),
+    ]
+    lines += [
+        f"  {label:<56} {gib[key]:7.3f} GiB" for key, label in names if key in gib and (key != "allocator" or allocator)
+    ]
+    layers = {k: v for k, v in (memory.get("activations_by_layer_gib") or {}).items() if v * 1024 >= 0.5}
+    if layers:
+        lines.append("  activations by layer: " + ", ".join(f"{k} {v * 1024:.0f} MiB" for k, v in layers.items()))
+    stages = timing["stages_s"]
+    kinds = timing["kinds_s"]
+    step = timing["step_s"]
+    lines += [
+        f"time        steady step {step:.3f} s: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in stages.items() if v)
+        + f"; matmuls {kinds.get('matmul', 0) / step:.0%} (at the measured peak), other operators "
+        f"{kinds.get('operator', 0) / step:.0%}, framework {kinds.get('framework', 0) / step:.0%}"
+        if step
+        else "",
+        f"            run: {batches['micro_batches'] // max(1, batches['accumulation'])} steps "
+        f"({batches['warmup_steps']} warm-up, first {timing['first_step_s'] or 0:.2f} s), evaluation "
+        f"{timing['evaluation_s']:.1f} s -> {timing['run_s']:.1f} s ({timing['run_s'] / 60:.1f} min)",
+    ]
+    lines += source_lines(block)
+    lines += [f"note: {note}" for note in block.get("notes", [])]
+    lines.append(
+        f"predicted in {wall_s if wall_s is not None else block['seconds']:.1f} s "
+        f"({machine['timed_now']} costs timed now, cached in {machine['cost_cache']}); nothing trained, "
+        "no run record written"
+    )
+    return [line for line in lines if line]
+
+
+def source_lines(block: dict) -> list[str]:
+    """What the prediction rests on, its calibration, and a warning for each fit held at a bound."""
+    found = block.get("sources")
+    state = block.get("calibration") or {}
+    if not found:
+        return []
+    peak, step = found["peak_share"], found["step_share"]
+    pct = lambda share: f"{share:.0%}" if share is not None else "-"  # noqa: E731
+    lines = [
+        f"rests on    peak: {pct(peak['derived'])} derived, {pct(peak['fitted'])} fitted, {pct(peak['measured'])} "
+        f"measured in this run; step: {pct(step['derived'])} derived, {pct(step['fitted'])} fitted, "
+        f"{pct(step['measured'])} measured"
+    ]
+    if state.get("state") == "uncalibrated":
+        why = f" ({state['error']})" if state.get("error") else ""
+        lines.append(
+            f"UNCALIBRATED: this machine has no calibration{why}: the allocator's share and the framework's "
+            "time are left out, so memory and time are predicted low (make predict-calibrate)"
+        )
+    elif state.get("state") == "first use":
+        lines.append(
+            f"calibrated now (first use on this machine, {state.get('seconds') or 0:.0f} s, cached: "
+            f"{state.get('path')})"
+        )
+    lines += [
+        f"warning: the calibration's {bound}: the fitted term does not fit this machine"
+        for bound in state.get("at_bound") or []
+    ]
+    return lines
+
+
+def show(block: dict, settings, started) -> dict:
+    """--predict: the screen, on the main process only; nothing else happens. A prediction that could not be made
+    is the command's one error line."""
+    from trainscope.errors import UserError
+
+    if block.get("error"):
+        raise UserError(f"no prediction: {block['error']}")
+    if started.state.is_main_process:
+        print("\n".join(screen_lines(block, settings)), flush=True)
+    return {"prediction": block}
+
+
+def error_lines(errors: dict | None) -> list[str]:
+    """The end-of-run table's lines on the prediction."""
+    if not errors:
+        return []
+
+    def pct(entry):
+        return f"{entry['error']:+.0%}" if entry and entry.get("error") is not None else "n/a"
+
+    memory, step, run = errors.get("peak_memory_gib"), errors.get("step_s"), errors.get("run_s")
+    parts = []
+    if memory:
+        parts.append(
+            f"peak memory {memory['predicted']:.2f} GiB predicted, {memory['measured']:.2f} measured ({pct(memory)})"
+        )
+    if step:
+        parts.append(f"steady step {step['predicted']:.3f} s, {step['measured']:.3f} ({pct(step)})")
+    if run:
+        parts.append(f"run {run['predicted']:.1f} s, {run['measured']:.1f} ({pct(run)})")
+    state = errors.get("calibration")
+    said = (
+        f" ({state}: {'calibrated now, on first use' if state == 'first use' else 'fitted terms left out'})"
+        if state and state != "calibrated"
+        else ""
+    )
+    lines = ["prediction: " + "; ".join(parts) + said] if parts else []
+    above, residual = errors.get("peak_above_baseline_gib"), errors.get("memory_residual")
+    if above:
+        lines.append(
+            f"  peak above the memory before the model {above['predicted']:.2f} GiB predicted, "
+            f"{above['measured']:.2f} measured ({pct(above)})"
+            + (
+                f"; residual (the peak less the measured terms) {residual['predicted']:.2f} GiB predicted, "
+                f"{residual['measured']:.2f} left"
+                if residual
+                else ""
+            )
+        )
+    furthest = errors.get("furthest")
+    if furthest:
+        lines.append(
+            f"  furthest off: {furthest['term']} ({pct(furthest)} of itself, "
+            f"{furthest['share_of_total']:.0%} of its total)"
+        )
+    return lines
