@@ -1,4 +1,4 @@
-"""Several machines: the README's two-node command run on one host (machine ranks 0 and 1 meeting at
+"""Several machines: the documented two-node command (docs/running.md) run on one host (machine ranks 0 and 1 meeting at
 127.0.0.1), how a run counts its machines, and the SLURM batch script that launches it on a cluster."""
 
 import os
@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 def launch_machines(args: list[str], logs, machines: int = 2, timeout: float = 180) -> list[int]:
-    """The README's multi-node command once per machine rank, all at once, as on separate nodes; the
+    """The documented multi-node command (docs/running.md) once per machine rank, all at once, as on separate nodes; the
     exit codes. Output goes to files (a full pipe would stall one rank and with it the others); on timeout
     every launch is killed, workers included (torchrun starts them in sessions of their own)."""
     port = free_port()
