@@ -53,6 +53,20 @@ def classification_loss(logits, labels):
     return F.cross_entropy(logits.float(), labels)
 
 
+# what each phase counts; squares: the sum of each sequence's real length squared (the attention term of the FLOPs
+# on real tokens)
+COUNTED = (
+    "samples",
+    "tokens",
+    "optimizer_steps",
+    "micro_batches",
+    "flops",
+    "padded_tokens",
+    "padded_squares",
+    "squares",
+)
+
+
 class LoopState:
     """Where the training loop is and what it has counted, checkpointed for --resume.
 
@@ -67,34 +81,9 @@ class LoopState:
         self.epoch = checkpoint.get("epoch", 0)
         self.batches_in_epoch = checkpoint.get("batches_in_epoch", 0)
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
-        # squares: the sum of each sequence's real length squared (the attention term of the FLOPs on real tokens)
-        self.counts = checkpoint.get("counts") or {
-            phase: {
-                "samples": 0,
-                "tokens": 0,
-                "optimizer_steps": 0,
-                "micro_batches": 0,
-                "flops": 0,
-                "padded_tokens": 0,
-                "padded_squares": 0,
-                "squares": 0,
-            }
-            for phase in PHASES
-        }
-        for phase in PHASES:  # a checkpoint of an older run may lack a phase
-            self.counts.setdefault(
-                phase,
-                {
-                    "samples": 0,
-                    "tokens": 0,
-                    "optimizer_steps": 0,
-                    "micro_batches": 0,
-                    "flops": 0,
-                    "padded_tokens": 0,
-                    "padded_squares": 0,
-                    "squares": 0,
-                },
-            )
+        self.counts = checkpoint.get("counts") or {}
+        for phase in PHASES:  # a fresh run, or a checkpoint of an older run that lacks a phase
+            self.counts.setdefault(phase, dict.fromkeys(COUNTED, 0))
             self.counts[phase].setdefault("squares", 0)
         self.evaluations = []
         self.micro_batches_in_step = 0
