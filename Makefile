@@ -10,8 +10,10 @@ ACCELERATE := $(VENV)/bin/accelerate
 CONFIG ?=
 ARGS ?=
 LAUNCH = $(ACCELERATE) launch $(if $(CONFIG),--config_file $(CONFIG))
-# A GPU is one that the project's torch can use (not merely one nvidia-smi lists).
-HAS_GPU := $(shell test -x $(PY) && $(PY) -c "import torch; print(1 if torch.cuda.is_available() else '')" 2>/dev/null)
+# A GPU is one that the project's torch can use (not merely one nvidia-smi lists). Asked only where the machine shows
+# a GPU's device files (NVIDIA, ROCm, WSL) or nvidia-smi: elsewhere every make call would import torch for nothing.
+GPU_SIGNS := $(wildcard /dev/nvidiactl /dev/nvidia0 /dev/kfd /dev/dxg)$(shell command -v nvidia-smi 2>/dev/null)
+HAS_GPU := $(if $(GPU_SIGNS),$(shell test -x $(PY) && $(PY) -c "import torch; print(1 if torch.cuda.is_available() else '')" 2>/dev/null))
 # Without a GPU the default run trains on a documented subset (about 3 minutes on 2 cores).
 CPU_SUBSET := --max-train-samples 4000 --max-eval-samples 1000 --max-test-samples 2000
 TRAIN_ARGS ?= $(if $(HAS_GPU),,$(CPU_SUBSET))

@@ -156,6 +156,9 @@ def test_padding_also_gets_the_exact_changes_that_skip_it_each_with_its_kind():
     listed = "\n".join(advisor.lines(list(found.values())))
     assert "(`--unpad`; exact)" in listed
     assert "(`--group-by-length`; training)" in listed
+    # a run that used them already is not told to: what padding is left there is no flag's to remove
+    used = {s.rule for s in advisor.advise(plant(planted, settings__unpad=True, settings__eval_order="length"))}
+    assert "padding" in used and not used & {"unpad", "eval_order"}
 
 
 def test_every_suggestion_carries_the_kind_the_catalogue_gives_its_flags():

@@ -331,6 +331,19 @@ def test_make_report_passes_no_inputs_unless_asked():
     assert "--runs r" in asked and "--results s" in asked
 
 
+def test_make_asks_torch_for_a_gpu_only_where_the_machine_shows_one(tmp_path):
+    """Every make call reads HAS_GPU: without a GPU's device files or nvidia-smi it imports no torch (a PY that
+    leaves a mark when run is never run); where they are, torch's answer decides the CPU subset."""
+    mark = tmp_path / "asked"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ntouch {mark}\necho 1\n")
+    fake.chmod(0o755)
+    plain = run_command(["make", "-n", "train", "GPU_SIGNS=", f"PY={fake}"], env=cpu_env())
+    assert plain.returncode == 0 and not mark.exists() and "--max-train-samples 4000" in plain.stdout
+    shown = run_command(["make", "-n", "train", "GPU_SIGNS=/dev/nvidiactl", f"PY={fake}"], env=cpu_env())
+    assert shown.returncode == 0 and mark.exists() and "--max-train-samples" not in shown.stdout
+
+
 def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_records():
     from trainscope.reporting import rejudged
 

@@ -253,11 +253,11 @@ def padding_free(
 ) -> list[Suggestion]:
     """The exact changes that skip padding without touching what is learned: padding-free encoder layers (the
     token-wise matmuls -- projections and feed-forward -- on the real tokens; attention stays padded, so only the
-    6N part of the padded FLOPs is saved) and evaluation in length order (its own padding share). Estimates, on the
-    FLOPs as time, like the padding rule."""
+    6N part of the padded FLOPs is saved) and evaluation in length order (its own padding share), each where the
+    run did not use it already. Estimates, on the FLOPs as time, like the padding rule."""
     pad, shape = view.padding, view.model_facts.get("shape")
     found = []
-    if shape and pad["train_padded_squares"]:
+    if shape and pad["train_padded_squares"] and not view.setting("unpad"):
         tokenwise = 6 * matmul_parameters(shape["layers"], shape["hidden"], shape["intermediate"])
         attention = 12 * shape["layers"] * shape["hidden"]
         padded = tokenwise * pad["train_padded"] + attention * pad["train_padded_squares"]
@@ -278,7 +278,7 @@ def padding_free(
                     changes_result=changes.does(["--unpad"]),
                 )
             )
-    if eval_saved:
+    if eval_saved and view.setting("eval_order") != "length":  # in length order already: what is left stays
         gain = amdahl(eval_share * eval_saved)
         if gain >= MIN_GAIN:
             found.append(
