@@ -28,8 +28,8 @@ def monte_carlo_se(rate: float, repetitions: int = REPETITIONS) -> float:
     return math.sqrt(rate * (1 - rate) / repetitions)
 
 
-# The seed noise of the committed make tune (benchmarks/runs/tune, s3: --attention-dropout 0 against the baseline on
-# the same six seeds): the SDs of the paired differences, trial minus baseline, of each result metric.
+# The seed noise of the committed make tune on machine C (benchmarks/runs/tune_amx, s3: --attention-dropout 0 against
+# the baseline on the same six seeds): the SDs of the paired differences, trial minus baseline, of each result metric.
 COMMITTED_PAIRED_SD = {
     "validation_accuracy": 0.0186,
     "test_accuracy": 0.0171,

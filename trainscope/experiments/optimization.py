@@ -14,8 +14,16 @@ from trainscope.tables import Table
 from trainscope.tune_judge import METRICS, NONE_KEPT, change_of, final_text, final_trial, rejudged
 
 
+def advice_record(found: reporting.Collected) -> dict | None:
+    """The run the advisor reads here: make tune's own advice run where make tune's result and that run are among the
+    inputs (its suggestions are the ones make tune tried, on the machine it tuned on), else the report's main run."""
+    tune = found.comparisons.get("tune") or {}
+    advice = found.runs.get("tune", {}).get(tune.get("advice_run") or "")
+    return advice or reporting.pick_breakdown_run(found)
+
+
 def section(report, found: reporting.Collected) -> None:
-    record = reporting.pick_breakdown_run(found)
+    record = advice_record(found)
     if not report.begin(EXPERIMENT.title, record, "Not run yet: `make profile` produces the main run."):
         return
     view = RunView(record)
@@ -50,10 +58,13 @@ def section(report, found: reporting.Collected) -> None:
 
 def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
     """The advisor's run, make tune's runs and make tune-confirm's, each labelled by what it is."""
-    main = reporting.pick_breakdown_run(found)
-    return ([(f"main run {RunView(main).name}", main)] if main else []) + [
-        (f"make {name}", record) for name in ("tune", "tune-confirm") for record in found.runs.get(name, {}).values()
-    ]
+    main = advice_record(found)
+    tuned = [(f"make {name}", r) for name in ("tune", "tune-confirm") for r in found.runs.get(name, {}).values()]
+    return (
+        tuned
+        if any(main is r for _, r in tuned)
+        else ([(f"main run {RunView(main).name}", main)] if main else []) + tuned
+    )
 
 
 def _ratio_cell(ratio: dict | None) -> str:
@@ -67,7 +78,7 @@ def _ratio_cell(ratio: dict | None) -> str:
 def headline(found: reporting.Collected) -> Headline | None:
     """What `make tune` kept and how much faster it is (the section's final trial, in its words); before
     `make tune`, the advisor's first suggestion."""
-    record = reporting.pick_breakdown_run(found)
+    record = advice_record(found)
     if record is None:
         return None
     tune = found.comparisons.get("tune")
