@@ -86,7 +86,7 @@ def train(settings: Settings) -> dict:
     run.open(metrics, model_facts, data.record_facts(), prediction)
 
     # ---------------------------------------------------------------- the timed loop
-    # Stages: `data` around next(batches) below; `forward`, `backward` (loss + backward) and `optimizer`
+    # Stages: `data` around next(batches) in train_epoch; `forward`, `backward` (loss + backward) and `optimizer`
     # inside train_step (trainscope/loop.py); `eval` in metrics.evaluation() below; the rest is `other`.
     # run.check(), run.step_finished() and run.between_batches() (evaluation) are where a Ctrl-C or SIGTERM
     # stops the run, its state whole.
@@ -96,25 +96,7 @@ def train(settings: Settings) -> dict:
         with metrics.profiler:
             for epoch in range(metrics.loop.epoch, plan["epochs"]):
                 batches = run.batches(train_loader, epoch)
-                while not metrics.done:
-                    run.check()
-                    with metrics.stage("data"):
-                        batch = next(batches, None)
-                    if batch is None:
-                        break
-                    loss, labels = train_step(
-                        accelerator,
-                        model,
-                        batch,
-                        optimizer,
-                        scheduler,
-                        metrics.stage,
-                        settings.max_grad_norm,
-                        metrics.skips,
-                        metrics.communication,
-                    )
-                    if metrics.micro_batch(batch, loss, labels):
-                        run.step_finished()  # step line, checkpoint when due, the stop vote
+                train_epoch(accelerator, model, batches, optimizer, scheduler, settings.max_grad_norm, metrics, run)
                 with metrics.evaluation():
                     run.evaluated(
                         epoch, evaluate_split(model, validation_loader, accelerator, metric, run.between_batches)
@@ -126,6 +108,29 @@ def train(settings: Settings) -> dict:
 
         # ---------------------------------------------------------------- summary
         return run.finish(test_scores)  # reads the last stop vote, gathers every rank, writes the record, the table
+
+
+def train_epoch(accelerator, model, batches, optimizer, scheduler, max_grad_norm, metrics, run) -> None:
+    """Train on the epoch's batches until they run out or the run is done (its steps, or a stop)."""
+    while not metrics.done:
+        run.check()
+        with metrics.stage("data"):
+            batch = next(batches, None)
+        if batch is None:
+            break
+        loss, labels = train_step(
+            accelerator,
+            model,
+            batch,
+            optimizer,
+            scheduler,
+            metrics.stage,
+            max_grad_norm,
+            metrics.skips,
+            metrics.communication,
+        )
+        if metrics.micro_batch(batch, loss, labels):
+            run.step_finished()  # step line, checkpoint when due, the stop vote
 
 
 if __name__ == "__main__":

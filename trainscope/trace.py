@@ -412,24 +412,44 @@ def trace_training(
             if recorder.rising:  # the backward ended on a maximum
                 recorder.moments.append(tuple(recorder.totals))
             recorder.watching = recorder.rising = False
-            for phase in OPTIMIZER_PHASES[::-1]:  # the first step (it creates the state), then a steady one
-                recorder.phase = "setup"
-                for p in trainable:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                recorder.phase = phase
-                if max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        state = {
-            t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-            for s in optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor)
-        }
+            _trace_optimizer_steps(optimizer, trainable, recorder, max_grad_norm)
+        optimizer_bytes = _optimizer_state_bytes(optimizer)
+    return _training_trace(batch, length, recorder, saved, params, trainable, optimizer_bytes)
+
+
+def _trace_optimizer_steps(optimizer, trainable: list, recorder: _Recorder, max_grad_norm: float | None) -> None:
+    """Clipping, the optimizer's step and zero_grad, as the first step runs them (it creates the optimizer state),
+    then as a steady one; the gradients they read are made in a `setup` phase, which is no part of the step."""
+    for phase in OPTIMIZER_PHASES[::-1]:
+        recorder.phase = "setup"
+        for p in trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        recorder.phase = phase
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's state tensors, each storage once."""
+    state = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    }
+    return sum(state.values())
+
+
+def _training_trace(
+    batch: int, length: int, recorder: _Recorder, saved: _SavedTensors, params: list, trainable: list, optimizer_bytes
+) -> Trace:
+    """The step's operators (the setup phase's left out), the memory it holds throughout (parameters, optimizer
+    state), what it saves for backward, its candidate peaks and its parameters' sizes."""
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    memory = {"parameters": {0: param_bytes}, "optimizer": {0: sum(state.values())}}
+    memory = {"parameters": {0: param_bytes}, "optimizer": {0: optimizer_bytes}}
     ops = [op for op in recorder.ops.values() if op.phase != "setup"]
     return Trace(
         batch,

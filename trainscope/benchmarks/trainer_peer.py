@@ -62,8 +62,6 @@ GOAL = 1.05  # train.py by its documented launcher against the Trainer
 
 def trainer_loop(argv: list[str], precision: str) -> None:
     """Fine-tune with transformers.Trainer on train.py's own loader; print steady-state figures as JSON."""
-    from transformers import Trainer, TrainerCallback
-
     from trainscope import startup
     from trainscope.data import build_dataloaders, load_classification_data
     from trainscope.modeling import build_model, build_tokenizer
@@ -77,6 +75,21 @@ def trainer_loop(argv: list[str], precision: str) -> None:
     model, _ = build_model(settings, data.label_names, tokenizer)
     on_cuda = torch.cuda.is_available()
     loader = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)[0]
+    clock = steady_clock(settings, on_cuda, lambda: trainer.tokens)  # the trainer made below counts them
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = peer_trainer_class(loader)(
+            model=model,
+            args=training_arguments(settings, precision, scratch, on_cuda),
+            train_dataset=data.train,
+            callbacks=[clock],
+        )
+        trainer.train()
+    print(json.dumps(steady_figures(settings, clock)))
+
+
+def peer_trainer_class(loader):
+    """A Trainer that trains on `loader` (train.py's own) and counts the non-padding tokens it trains on."""
+    from transformers import Trainer
 
     class PeerTrainer(Trainer):
         tokens = None
@@ -88,6 +101,14 @@ def trainer_loop(argv: list[str], precision: str) -> None:
             mask = inputs["attention_mask"].sum()  # on the device: read at log steps only, as train.py does
             self.tokens = mask if self.tokens is None else self.tokens + mask
             return super().training_step(model, inputs, num_items_in_batch)
+
+    return PeerTrainer
+
+
+def steady_clock(settings, on_cuda: bool, tokens):
+    """A callback that times the steps after the timing warm-up and reads `tokens()` (the trainer's count so far)
+    at log steps and at the timed window's ends."""
+    from transformers import TrainerCallback
 
     class SteadyClock(TrainerCallback):
         started = finished = None
@@ -103,30 +124,23 @@ def trainer_loop(argv: list[str], precision: str) -> None:
                     (now, None) if step == settings.timing_warmup_steps else (self.started, now)
                 )
             if step % settings.log_every == 0 or step in (settings.timing_warmup_steps, settings.max_steps):
-                self.tokens_at[step] = int(trainer.tokens.item())  # sync point: log steps and the window's ends
+                self.tokens_at[step] = int(tokens().item())  # sync point: log steps and the window's ends
 
-    clock = SteadyClock()
-    with tempfile.TemporaryDirectory() as scratch:
-        trainer = PeerTrainer(
-            model=model,
-            args=training_arguments(settings, precision, scratch, on_cuda),
-            train_dataset=data.train,
-            callbacks=[clock],
-        )
-        trainer.train()
+    return SteadyClock()
+
+
+def steady_figures(settings, clock) -> dict:
+    """Samples/s and tokens/s over the timed window, the thread count, and the token counts the batches are
+    compared by."""
     seconds = clock.finished - clock.started
     steady_steps = settings.max_steps - settings.timing_warmup_steps
     tokens = clock.tokens_at[settings.max_steps] - clock.tokens_at[settings.timing_warmup_steps]
-    print(
-        json.dumps(
-            {
-                "samples_per_s": steady_steps * settings.per_device_batch_size / seconds,
-                "tokens_per_s": tokens / seconds,
-                "threads": torch.get_num_threads(),
-                "tokens_at": clock.tokens_at,
-            }
-        )
-    )
+    return {
+        "samples_per_s": steady_steps * settings.per_device_batch_size / seconds,
+        "tokens_per_s": tokens / seconds,
+        "threads": torch.get_num_threads(),
+        "tokens_at": clock.tokens_at,
+    }
 
 
 def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):

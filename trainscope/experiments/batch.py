@@ -45,13 +45,31 @@ def run(args, train_args: list[str]) -> dict:
     if args.steps < 3 or min(args.batch_sizes) < 1:
         raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
     (user,) = parse_settings(argv=train_args)
+    largest, predicted = largest_and_predicted(args, train_args, user)
+    arms = batch_arms(args, user.per_device_batch_size, largest)
+    summary = experiment(Path(args.runs), "batch", arms, [*train_args, *SMALL_EVAL], args.rounds)
+    summary.update(
+        largest_fitting_batch=largest,
+        search=search_description(largest, predicted),
+        predicted_largest_batch=predicted["batch"] if predicted else None,
+        prediction_error=(predicted["batch"] - largest) / largest if predicted and largest else None,
+        recommendation=recommend(summary, user.per_device_batch_size * user.gradient_accumulation_steps),
+    )
+    write(Path(args.runs), "batch", summary, [*train_args, *SMALL_EVAL], args.rounds)
+    return summary
+
+
+def largest_and_predicted(args, train_args: list[str], user) -> tuple[int | None, dict | None]:
+    """(largest batch that fits, predicted largest batch), each printed when known: on a GPU both from the search's
+    child (no CUDA context here while the runs use the GPU; neither with --search-from 0), on a CPU only the
+    prediction, made here."""
     searching = launching.cuda_devices() and args.search_from
     if searching:
         batch_search.refuse_multi_process(
             args.config, launching.config_facts(launching.config_path(args.config))["num_processes"]
         )
     largest, predicted = None, None
-    if searching:  # on a GPU the prediction is the search's child's: no CUDA context here while the runs use the GPU
+    if searching:
         found = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], args.search_from, predict=True)
         largest, predicted, start = found["largest_batch"], found.get("predicted"), found.get("start", args.search_from)
     elif not launching.cuda_devices():
@@ -66,7 +84,12 @@ def run(args, train_args: list[str]) -> dict:
             f"largest batch that fits ({'from the prediction, doubling or halving' if predicted else 'halving'} "
             f"from {start}): {largest}"
         )
-    sizes = sorted(args.batch_sizes, key=lambda b: (b != user.per_device_batch_size, b))
+    return largest, predicted
+
+
+def batch_arms(args, user_batch: int, largest: int | None) -> list:
+    """One arm per swept batch size, the user's first (the baseline); those above the largest that fits skipped."""
+    sizes = sorted(args.batch_sizes, key=lambda b: (b != user_batch, b))
     arms = [
         planned_arm(
             f"bs{b}",
@@ -87,24 +110,16 @@ def run(args, train_args: list[str]) -> dict:
     for arm, b in zip(arms, sizes):
         if largest and b > largest and arm.skipped is None:
             arm.skipped = f"above the largest batch that fits ({largest})"
-    summary = experiment(Path(args.runs), "batch", arms, [*train_args, *SMALL_EVAL], args.rounds)
-    summary.update(
-        largest_fitting_batch=largest,
-        search=(
-            (
-                "from the predicted largest batch, doubling while it fits, else halving"
-                if predicted
-                else "find_executable_batch_size, halving"
-            )
-            if largest is not None
-            else "no device-memory limit to search on a CPU: the largest swept batch stands"
-        ),
-        predicted_largest_batch=predicted["batch"] if predicted else None,
-        prediction_error=(predicted["batch"] - largest) / largest if predicted and largest else None,
-        recommendation=recommend(summary, user.per_device_batch_size * user.gradient_accumulation_steps),
-    )
-    write(Path(args.runs), "batch", summary, [*train_args, *SMALL_EVAL], args.rounds)
-    return summary
+    return arms
+
+
+def search_description(largest: int | None, predicted: dict | None) -> str:
+    """How the largest batch that fits was found, for the summary."""
+    if largest is None:
+        return "no device-memory limit to search on a CPU: the largest swept batch stands"
+    if predicted:
+        return "from the predicted largest batch, doubling while it fits, else halving"
+    return "find_executable_batch_size, halving"
 
 
 def recommend(summary: dict, effective_batch: int) -> dict:

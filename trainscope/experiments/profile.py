@@ -161,12 +161,7 @@ def top_operators(report, found: reporting.Collected) -> None:
 def peak_gap(report, found: reporting.Collected) -> None:
     """Per precision: the unprofiled run's share of this machine's measured matmul peak, and the profiled run's gap
     table and figure (the floor, the matmuls above it, every other category)."""
-    runs = found.runs.get("profile", {})
-    pairs = [
-        (name, runs.get(f"{name}-r0"), runs.get(f"{profiled}-r0"))
-        for name, profiled in (("default", "profiled"), ("bf16", "bf16-profiled"))
-    ]
-    pairs = [(name, plain, traced) for name, plain, traced in pairs if traced and RunView(traced).gap_breakdown]
+    pairs = profiled_pairs(found)
     if not pairs:
         return
     report.text(
@@ -174,81 +169,103 @@ def peak_gap(report, found: reporting.Collected) -> None:
         "peak for the precision in effect (a benchmark of its own matmuls, trainscope.peak) -- not the "
         "datasheet MFU. The floor is the profiled matmuls' FLOPs at that peak; everything above it is the gap."
     )
-    rows = []
-    for _name, plain, traced in pairs:
-        view = RunView(plain or traced)
-        measured = view.measured_peak or {}
-        estimate = measured.get("gap_estimate") or {}
-        rows.append(
-            [
-                view.name,
-                view.precision,
-                num((measured.get("peak_tflops") or 0) * 1e3, 0),
-                num((measured.get("achieved_tflops") or 0) * 1e3, 0),
-                num(measured.get("share"), 1, percent=True),
-                num(measured.get("real_tflops") * 1e3 if measured.get("real_tflops") else None, 0),
-                num(measured.get("real_share"), 1, percent=True),
-                num(estimate.get("floor_s")),
-                num(estimate.get("train_s")),
-            ]
-        )
-    report.table(
-        Table(
-            "Each run against this machine's measured matmul peak (steady training, profiler off; the "
-            "floor is the model FLOPs at the peak, an estimate; real tokens: padding positions not counted)",
-            [
-                "run",
-                "precision",
-                "peak GFLOP/s",
-                "achieved GFLOP/s",
-                "share of peak",
-                "on real tokens GFLOP/s",
-                "share on real tokens",
-                "floor s",
-                "training s",
-            ],
-            rows,
-            "peak_share",
-        )
-    )
+    report.table(peak_share_table(pairs))
     for name, _plain, traced in pairs:
-        view = RunView(traced)
-        peak_tflops = view.measured_peak_tflops()
-        gap_rows = gap.rows(view.gap_breakdown, peak_tflops, view.padding_flops_share)
-        breakdown = view.gap_breakdown
-        rate = gap.matmul_rate(breakdown)
-        table_rows = [
-            [
-                r["part"],
-                num(r["seconds"] * 1e3 if r["seconds"] is not None else None, 1),
-                num(r["share"], 1, percent=True),
-            ]
-            for r in gap_rows
+        where_the_gap_went(report, name, traced)
+
+
+def profiled_pairs(found: reporting.Collected) -> list[tuple[str, dict | None, dict]]:
+    """(name, unprofiled run, profiled run) for the default precision and bf16, where the profiled run has a gap
+    breakdown."""
+    runs = found.runs.get("profile", {})
+    pairs = [
+        (name, runs.get(f"{name}-r0"), runs.get(f"{profiled}-r0"))
+        for name, profiled in (("default", "profiled"), ("bf16", "bf16-profiled"))
+    ]
+    return [(name, plain, traced) for name, plain, traced in pairs if traced and RunView(traced).gap_breakdown]
+
+
+def peak_share_row(plain: dict | None, traced: dict) -> list[str]:
+    """One run against the measured peak: the unprofiled run's figures (the profiled run's where it is missing)."""
+    view = RunView(plain or traced)
+    measured = view.measured_peak or {}
+    estimate = measured.get("gap_estimate") or {}
+    return [
+        view.name,
+        view.precision,
+        num((measured.get("peak_tflops") or 0) * 1e3, 0),
+        num((measured.get("achieved_tflops") or 0) * 1e3, 0),
+        num(measured.get("share"), 1, percent=True),
+        num(measured.get("real_tflops") * 1e3 if measured.get("real_tflops") else None, 0),
+        num(measured.get("real_share"), 1, percent=True),
+        num(estimate.get("floor_s")),
+        num(estimate.get("train_s")),
+    ]
+
+
+def peak_share_table(pairs: list[tuple[str, dict | None, dict]]) -> Table:
+    """A row per precision: its run against this machine's measured matmul peak."""
+    return Table(
+        "Each run against this machine's measured matmul peak (steady training, profiler off; the "
+        "floor is the model FLOPs at the peak, an estimate; real tokens: padding positions not counted)",
+        [
+            "run",
+            "precision",
+            "peak GFLOP/s",
+            "achieved GFLOP/s",
+            "share of peak",
+            "on real tokens GFLOP/s",
+            "share on real tokens",
+            "floor s",
+            "training s",
+        ],
+        [peak_share_row(plain, traced) for _name, plain, traced in pairs],
+        "peak_share",
+    )
+
+
+def where_the_gap_went(report, name: str, traced: dict) -> None:
+    """The profiled run's gap table and figure, and the attention kernels it ran."""
+    view = RunView(traced)
+    peak_tflops = view.measured_peak_tflops()
+    gap_rows = gap.rows(view.gap_breakdown, peak_tflops, view.padding_flops_share)
+    report.table(gap_table(name, view, gap_rows, peak_tflops))
+    report.figure(
+        gap_figure(view.name, view.precision, gap_rows),
+        f"peak_gap_{name}",
+        f"Where the traced steps' time went against the {view.precision} matmul floor",
+        [traced],
+    )
+    attention = view.gap_breakdown.get("attention_ops") or {}
+    if attention:
+        report.text(
+            f"Attention in {view.name} ran as: "
+            + ", ".join(f"`{op}` {s * 1e3:.1f} ms" for op, s in list(attention.items())[:5])
+            + "."
+        )
+
+
+def gap_table(name: str, view: RunView, gap_rows: list[dict], peak_tflops: float | None) -> Table:
+    """The gap's parts in ms and as shares of the traced steps, which close the table."""
+    breakdown = view.gap_breakdown
+    rate = gap.matmul_rate(breakdown)
+    table_rows = [
+        [
+            r["part"],
+            num(r["seconds"] * 1e3 if r["seconds"] is not None else None, 1),
+            num(r["share"], 1, percent=True),
         ]
-        table_rows.append(["traced steps", num(breakdown["window_s"] * 1e3, 1), "100.0%"])
-        report.table(
-            Table(
-                f"Where the gap to the measured {view.precision} matmul peak went ({view.name}: "
-                f"{breakdown['basis']} over the traced steps; the matmuls ran at "
-                f"{num((rate or 0) * 1e3, 0)} GFLOP/s against a peak of {num((peak_tflops or 0) * 1e3, 0)})",
-                ["part", "ms", "share"],
-                table_rows,
-                f"peak_gap_{name}",
-            )
-        )
-        report.figure(
-            gap_figure(view.name, view.precision, gap_rows),
-            f"peak_gap_{name}",
-            f"Where the traced steps' time went against the {view.precision} matmul floor",
-            [traced],
-        )
-        attention = breakdown.get("attention_ops") or {}
-        if attention:
-            report.text(
-                f"Attention in {view.name} ran as: "
-                + ", ".join(f"`{op}` {s * 1e3:.1f} ms" for op, s in list(attention.items())[:5])
-                + "."
-            )
+        for r in gap_rows
+    ]
+    table_rows.append(["traced steps", num(breakdown["window_s"] * 1e3, 1), "100.0%"])
+    return Table(
+        f"Where the gap to the measured {view.precision} matmul peak went ({view.name}: "
+        f"{breakdown['basis']} over the traced steps; the matmuls ran at "
+        f"{num((rate or 0) * 1e3, 0)} GFLOP/s against a peak of {num((peak_tflops or 0) * 1e3, 0)})",
+        ["part", "ms", "share"],
+        table_rows,
+        f"peak_gap_{name}",
+    )
 
 
 def gap_figure(run: str, precision: str, gap_rows: list[dict]):
