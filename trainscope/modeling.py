@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from trainscope import embedded, hub, unpad
 from trainscope.errors import UserError
 from trainscope.flops import shape_facts
+from trainscope.layers import transformer_layer_classes
 from trainscope.records import redact
 from trainscope.settings import EMBEDDED_MODEL
 
@@ -102,21 +103,6 @@ def config_positions(config) -> int | None:
     if config.model_type in PADDING_OFFSET_POSITIONS:
         positions -= (config.pad_token_id or 0) + 1
     return int(positions)
-
-
-def transformer_layer_classes(model) -> list[str]:
-    """Class names of the model's repeated blocks: what FSDP shards one by one.
-
-    The model's own `_no_split_modules` where it declares them; otherwise the class of the items of
-    its longest ModuleList (DistilBERT's TransformerBlock declares nothing).
-    """
-    declared = [name for name in (getattr(model, "_no_split_modules", None) or []) if "Embedding" not in name]
-    if declared:
-        return sorted(declared)
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    return [type(max(lists, key=len)[0]).__name__]
 
 
 def _config_for(settings, num_labels: int, label_names: list[str]):
