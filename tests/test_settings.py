@@ -65,6 +65,36 @@ def test_bad_settings_exit_2_with_one_line(capsys, argv, message):
     assert message in error_line
 
 
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"per_device_batch_size": 0}, "--per-device-batch-size must be a positive integer, got 0"),
+        ({"distributed_timeout": -5}, "--distributed-timeout must be a positive integer, got -5"),
+        ({"num_workers": -1}, "--num-workers must be 0 or more, got -1"),
+        ({"profile_warmup": -2}, "--profile-warmup must be 0 or more, got -2"),
+        ({"profile_active": 0}, "--profile-active must be at least 1, got 0"),
+        ({"test_fraction": float("nan")}, "--test-fraction must be a finite number, got nan"),
+        ({"learning_rate": 0.0}, "--learning-rate must be positive, got 0.0"),
+        ({"weight_decay": -0.5}, "--weight-decay must be 0 or more, got -0.5"),
+        ({"max_grad_norm": -1.0}, "--max-grad-norm must be 0 (off) or more, got -1.0"),
+        ({"ddp_bucket_cap_mb": 0.0}, "--ddp-bucket-cap-mb must be positive, got 0.0"),
+        ({"lora_dropout": 1.0}, "--lora-dropout must be in [0, 1), got 1.0"),
+        ({"warmup_fraction": -0.1}, "--warmup-fraction must be in [0, 1), got -0.1"),
+        ({"validation_fraction": 0.5}, "--validation-fraction must be between 0 and 0.5, got 0.5"),
+        ({"threads": "0"}, "--threads takes auto, launcher or a positive number, got '0'"),
+        # several broken at once: the first in the order of the checks is the one said
+        ({"learning_rate": float("inf"), "eval_batch_size": 0}, "--eval-batch-size must be a positive integer, got 0"),
+        ({"learning_rate": 0.0, "profile_wait": -1}, "--profile-wait must be 0 or more, got -1"),
+        ({"warmup_fraction": float("nan")}, "--warmup-fraction must be a finite number, got nan"),
+        ({"hidden_dropout": 2.0, "weight_decay": -1.0}, "--weight-decay must be 0 or more, got -1.0"),
+    ],
+)
+def test_each_numeric_bound_is_refused_with_its_own_whole_line(changes, message):
+    with pytest.raises(UserError) as error:
+        dataclasses.replace(Settings(), **changes).validate()
+    assert str(error.value) == message
+
+
 def test_max_grad_norm_zero_turns_clipping_off():
     (settings,) = parse_settings(argv=["--max-grad-norm", "0"])
     assert settings.max_grad_norm is None

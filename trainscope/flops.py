@@ -168,7 +168,7 @@ def training_of(model, checkpointing: bool) -> Training:
     """What `model` (unwrapped: no DDP or compile wrapper) trains: the share of its encoder layers' matmul weights
     (their 2-D weights, adapters apart) with gradients, LoRA's adapter weights there (peft names them lora_A and
     lora_B), whether its input embeddings train; `checkpointing` as --gradient-checkpointing."""
-    from trainscope.modeling import transformer_layer_classes
+    from trainscope.layers import transformer_layer_classes  # here: importing flops imports no torch
 
     classes = set(transformer_layer_classes(model))
     seen = trained = adapters = 0

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from trainscope import embedded, hub, unpad
 from trainscope.errors import UserError
 from trainscope.flops import shape_facts
+from trainscope.layers import transformer_layer_classes
 from trainscope.records import redact
 from trainscope.settings import EMBEDDED_MODEL
 
@@ -104,21 +105,6 @@ def config_positions(config) -> int | None:
     return int(positions)
 
 
-def transformer_layer_classes(model) -> list[str]:
-    """Class names of the model's repeated blocks: what FSDP shards one by one.
-
-    The model's own `_no_split_modules` where it declares them; otherwise the class of the items of
-    its longest ModuleList (DistilBERT's TransformerBlock declares nothing).
-    """
-    declared = [name for name in (getattr(model, "_no_split_modules", None) or []) if "Embedding" not in name]
-    if declared:
-        return sorted(declared)
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    return [type(max(lists, key=len)[0]).__name__]
-
-
 def _config_for(settings, num_labels: int, label_names: list[str]):
     labels = {
         "num_labels": num_labels,
@@ -166,53 +152,13 @@ def dropout_overrides(config, settings) -> dict:
 
 def build_model(settings, label_names: list[str], tokenizer):
     """Sequence classifier for `label_names`; returns (model, facts for the run record)."""
-    num_labels = len(label_names)
     if settings.model.startswith("embedded:") and settings.model not in EMBEDDED_MODELS:
         raise UserError(f"unknown embedded model {settings.model!r}: choose one of {', '.join(EMBEDDED_MODELS)}")
-    dropout = {}
     if settings.architecture_only or settings.model == TINY_MODEL:
-        config, source = _config_for(settings, num_labels, label_names)
-        dropout = dropout_overrides(config, settings)
-        for name, value in dropout.items():
-            setattr(config, name, value)
-        model = AutoModelForSequenceClassification.from_config(
-            config, attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code
-        )
-        weights = f"random ({source})"
+        model, weights, dropout = _random_model(settings, label_names)
     else:
-        path = str(embedded.minilm_dir()) if settings.model == EMBEDDED_MODEL else settings.model
-        labels = {
-            "num_labels": num_labels,
-            "id2label": dict(enumerate(label_names)),
-            "label2id": {n: i for i, n in enumerate(label_names)},
-        }
-        if settings.hidden_dropout is not None or settings.attention_dropout is not None:
-            dropout = dropout_overrides(
-                _from_hub_or_path(
-                    AutoConfig.from_pretrained,
-                    path,
-                    "model configuration",
-                    trust_remote_code=settings.trust_remote_code,
-                ),
-                settings,
-            )
-        model = _from_hub_or_path(
-            AutoModelForSequenceClassification.from_pretrained,
-            path,
-            "model",
-            attn_implementation=settings.attn_implementation,
-            trust_remote_code=settings.trust_remote_code,
-            **labels,
-            **dropout,  # configuration attributes given as keywords replace the saved ones
-        )
-        weights = "pretrained"
-    if len(tokenizer) > model.config.vocab_size:
-        raise UserError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {model.config.vocab_size}: "
-            "pass the model's own --tokenizer"
-        )
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
+        model, weights, dropout = _pretrained_model(settings, label_names)
+    _fit_tokenizer(model, tokenizer)
     facts = {
         "class": type(model).__name__,
         "model_type": model.config.model_type,
@@ -231,6 +177,61 @@ def build_model(settings, label_names: list[str], tokenizer):
         facts["unpad"] = unpad.apply(model, tokenizer)
     facts["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return model, facts
+
+
+def _random_model(settings, label_names: list[str]):
+    """A model of the configuration (--architecture-only, the tiny model) with random weights: (model, weights,
+    dropout overrides)."""
+    config, source = _config_for(settings, len(label_names), label_names)
+    dropout = dropout_overrides(config, settings)
+    for name, value in dropout.items():
+        setattr(config, name, value)
+    model = AutoModelForSequenceClassification.from_config(
+        config, attn_implementation=settings.attn_implementation, trust_remote_code=settings.trust_remote_code
+    )
+    return model, f"random ({source})", dropout
+
+
+def _pretrained_model(settings, label_names: list[str]):
+    """The model's pretrained weights with a new classification head: (model, weights, dropout overrides)."""
+    path = str(embedded.minilm_dir()) if settings.model == EMBEDDED_MODEL else settings.model
+    labels = {
+        "num_labels": len(label_names),
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {n: i for i, n in enumerate(label_names)},
+    }
+    dropout = {}
+    if settings.hidden_dropout is not None or settings.attention_dropout is not None:
+        dropout = dropout_overrides(
+            _from_hub_or_path(
+                AutoConfig.from_pretrained,
+                path,
+                "model configuration",
+                trust_remote_code=settings.trust_remote_code,
+            ),
+            settings,
+        )
+    model = _from_hub_or_path(
+        AutoModelForSequenceClassification.from_pretrained,
+        path,
+        "model",
+        attn_implementation=settings.attn_implementation,
+        trust_remote_code=settings.trust_remote_code,
+        **labels,
+        **dropout,  # configuration attributes given as keywords replace the saved ones
+    )
+    return model, "pretrained", dropout
+
+
+def _fit_tokenizer(model, tokenizer) -> None:
+    """Refuse a tokenizer whose ids the model cannot embed; give the model the tokenizer's padding id if it has none."""
+    if len(tokenizer) > model.config.vocab_size:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {model.config.vocab_size}: "
+            "pass the model's own --tokenizer"
+        )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
 
 
 def _checkpointing_and_lora(model, settings):

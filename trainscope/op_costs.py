@@ -288,18 +288,11 @@ def time_guarded(
     that kills its child (a segmentation fault in a kernel given made-up inputs) is counted as unmeasured with the
     signal, and a new child times the ones after it (GUARD_CRASHES children at most). None when the first child
     could not time anything (it cannot use the device): the caller times them itself."""
-    import signal
-    import subprocess
     import tempfile
 
     found: dict = {}
     crashes, ended = 0, "not timed"
-    package_root = str(Path(__file__).resolve().parent.parent)  # `-m trainscope.op_costs` from any folder
-    environ = {
-        **os.environ,
-        "PYTHONFAULTHANDLER": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
-    }
+    environ = _child_environment()
     with tempfile.TemporaryDirectory(prefix="trainscope-op-costs-") as folder:
         inputs, progress = Path(folder) / "ops.pickle", Path(folder) / "progress.jsonl"
         while len(found) < len(items):
@@ -315,24 +308,9 @@ def time_guarded(
                 str(device),
                 str(threads),
             ]
-            try:
-                child = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environ)
-                ended = (
-                    f"crashed the benchmark's process ({signal.Signals(-child.returncode).name})"
-                    if child.returncode < 0
-                    else f"ended the benchmark's process (exit {child.returncode})"
-                )
-            except subprocess.TimeoutExpired:
-                child, ended = None, f"hung the benchmark's process past {timeout_s:.0f} s"
-            started, timed_now = None, 0
-            for line in progress.read_text().splitlines():
-                entry = json.loads(line)
-                if entry.get("start"):
-                    started = entry["key"]
-                else:
-                    found[entry["key"]] = (entry.get("seconds"), entry.get("error"))
-                    started, timed_now = None, timed_now + 1
-            if child is not None and child.returncode == 0:
+            succeeded, ended = _run_child(command, environ, timeout_s)
+            started, timed_now = _read_progress(progress, found)
+            if succeeded:
                 break
             if started is None and not timed_now and not found:
                 return None  # the child could not start on the device
@@ -344,6 +322,48 @@ def time_guarded(
     for key, _, _ in items:
         found.setdefault(key, (None, f"not timed: an operator before it {ended}"))
     return found
+
+
+def _child_environment() -> dict:
+    """This process's environment for a guarded benchmark's child: faulthandler on (a crash prints its stack), and
+    the package importable as `-m trainscope.op_costs` from any folder."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    return {
+        **os.environ,
+        "PYTHONFAULTHANDLER": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+    }
+
+
+def _run_child(command: list[str], environ: dict, timeout_s: float) -> tuple[bool, str]:
+    """Run one guarded benchmark's child: (whether it ended well, how it ended, as the reason of what it left)."""
+    import signal
+    import subprocess
+
+    try:
+        child = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environ)
+    except subprocess.TimeoutExpired:
+        return False, f"hung the benchmark's process past {timeout_s:.0f} s"
+    ended = (
+        f"crashed the benchmark's process ({signal.Signals(-child.returncode).name})"
+        if child.returncode < 0
+        else f"ended the benchmark's process (exit {child.returncode})"
+    )
+    return child.returncode == 0, ended
+
+
+def _read_progress(progress: Path, found: dict) -> tuple[str | None, int]:
+    """Put the operators a child timed (its progress file) into `found`: (the key of the one it started and did not
+    finish, or None; how many it timed)."""
+    started, timed_now = None, 0
+    for line in progress.read_text().splitlines():
+        entry = json.loads(line)
+        if entry.get("start"):
+            started = entry["key"]
+        else:
+            found[entry["key"]] = (entry.get("seconds"), entry.get("error"))
+            started, timed_now = None, timed_now + 1
+    return started, timed_now
 
 
 def _child(argv: list[str]) -> None:

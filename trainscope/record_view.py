@@ -390,39 +390,12 @@ class RunView:
         if not block:
             return None
         old = block.get("method") is None
-        figures = {
-            key: block.get(key)
-            for key in (
-                "measured",
-                "world_size",
-                "bus_bandwidth_gbs",
-                "allreduce_bytes_per_step",
-                "allreduces_per_optimizer_step",
-                "gradient_bytes",
-                "buckets",
-                "ddp_exposed_s",
-                "ddp_comm_s",
-                "ddp_overlap",
-                "measurement_s",
-            )
-        }
+        figures = {key: block.get(key) for key in COMMUNICATION_BLOCK_FIGURES}
         figures["method"] = "two-pass estimate (schema 3)" if old else block["method"]
         if not block.get("measured"):
             return {**figures, "reason": block.get("reason"), "resolved": False, "agreement": None}
         exposed = block.get("exposed_s")
-        if old:
-            spread = block.get("exposed_spread") or {}
-            interval = (spread["min"], spread["max"]) if "min" in spread else None
-            transfer, overlap, per_rank = block.get("total_allreduce_s"), None, None
-            agreed = None  # the two instruments sampled different steps: not comparable
-        else:
-            interval = tuple(block["exposed_interval"]) if block.get("exposed_interval") else None
-            transfer, overlap = block.get("transfer_s"), block.get("overlap")
-            per_rank = [
-                {"rank": r["rank"], "exposed_s": r["exposed_s"], "wait_s": r["wait_s"]}
-                for r in block.get("per_rank") or []
-            ]
-            agreed = ((block.get("agreement") or {}).get("ddp") or {}).get("verdict")
+        interval, transfer, overlap, per_rank, agreed = (_two_pass_readings if old else _per_step_readings)(block)
         clear = exposed is not None and resolved(exposed, interval)
         share = block.get("exposed_share") if not old else exposed / self.step_s if exposed and self.step_s else None
         return {
@@ -539,6 +512,42 @@ COMMUNICATION_FIGURES = (
     "ddp_overlap",
     "measurement_s",
 )
+
+
+# The communication block's figures RunView.communication_figures passes on as they were recorded.
+COMMUNICATION_BLOCK_FIGURES = (
+    "measured",
+    "world_size",
+    "bus_bandwidth_gbs",
+    "allreduce_bytes_per_step",
+    "allreduces_per_optimizer_step",
+    "gradient_bytes",
+    "buckets",
+    "ddp_exposed_s",
+    "ddp_comm_s",
+    "ddp_overlap",
+    "measurement_s",
+)
+
+
+def _two_pass_readings(block: dict) -> tuple:
+    """(exposed time's interval, transfer, overlap, per rank, agreement with DDP's logger) of a schema 3 block: the
+    interval of its calibration samples and its all-reduce total; no overlap, per rank or agreement."""
+    spread = block.get("exposed_spread") or {}
+    interval = (spread["min"], spread["max"]) if "min" in spread else None
+    agreed = None  # the two instruments sampled different steps: not comparable
+    return interval, block.get("total_allreduce_s"), None, None, agreed
+
+
+def _per_step_readings(block: dict) -> tuple:
+    """(exposed time's interval, transfer, overlap, per rank, agreement with DDP's logger) of a block measured at
+    every step (schema 4)."""
+    interval = tuple(block["exposed_interval"]) if block.get("exposed_interval") else None
+    per_rank = [
+        {"rank": r["rank"], "exposed_s": r["exposed_s"], "wait_s": r["wait_s"]} for r in block.get("per_rank") or []
+    ]
+    agreed = ((block.get("agreement") or {}).get("ddp") or {}).get("verdict")
+    return interval, block.get("transfer_s"), block.get("overlap"), per_rank, agreed
 
 
 def resolved(value: float, interval) -> bool:

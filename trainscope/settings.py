@@ -17,6 +17,63 @@ EMBEDDED_MODEL = "embedded:minilm-l6"
 EMBEDDED_DATASET = "embedded:tweets"
 
 
+# The numeric settings' bounds, checked in this order (the first one broken is the error): (fields, what breaks the
+# rule, what the flag must be). A field left None (its flag not given) is not checked.
+NUMBER_RULES = (
+    (
+        (
+            "per_device_batch_size",
+            "eval_batch_size",
+            "epochs",
+            "max_steps",
+            "gradient_accumulation_steps",
+            "max_seq_length",
+            "log_every",
+            "save_every",
+            "max_train_samples",
+            "max_eval_samples",
+            "max_test_samples",
+            "lora_r",
+            "prefetch_factor",
+            "memory_snapshot_steps",
+            "memory_every",
+            "communication_samples",
+            "distributed_timeout",
+        ),
+        lambda value: value <= 0,
+        "a positive integer",
+    ),
+    (("num_workers", "profile_wait", "profile_warmup"), lambda value: value < 0, "0 or more"),
+    (("profile_active",), lambda value: value < 1, "at least 1"),
+    (
+        (
+            "learning_rate",
+            "weight_decay",
+            "max_grad_norm",
+            "lora_dropout",
+            "hidden_dropout",
+            "attention_dropout",
+            "warmup_fraction",
+            "ddp_bucket_cap_mb",
+            "validation_fraction",
+            "test_fraction",
+        ),
+        lambda value: not math.isfinite(value),
+        "a finite number",
+    ),
+    (("learning_rate",), lambda value: value <= 0, "positive"),
+    (("weight_decay",), lambda value: value < 0, "0 or more"),
+    (("max_grad_norm",), lambda value: value < 0, "0 (off) or more"),
+    (("ddp_bucket_cap_mb",), lambda value: value <= 0, "positive"),
+    (
+        ("lora_dropout", "hidden_dropout", "attention_dropout", "warmup_fraction"),
+        lambda value: not 0 <= value < 1,
+        "in [0, 1)",
+    ),
+    (("validation_fraction", "test_fraction"), lambda value: not 0 < value < 0.5, "between 0 and 0.5"),
+)
+
+
 @dataclass
 class Settings:
     # ---- model ----
@@ -298,69 +355,11 @@ class Settings:
         self._validate_combinations()
 
     def _validate_numbers(self) -> None:
-        positive = {
-            "per-device-batch-size": self.per_device_batch_size,
-            "eval-batch-size": self.eval_batch_size,
-            "epochs": self.epochs,
-            "max-steps": self.max_steps,
-            "gradient-accumulation-steps": self.gradient_accumulation_steps,
-            "max-seq-length": self.max_seq_length,
-            "log-every": self.log_every,
-            "save-every": self.save_every,
-            "max-train-samples": self.max_train_samples,
-            "max-eval-samples": self.max_eval_samples,
-            "max-test-samples": self.max_test_samples,
-            "lora-r": self.lora_r,
-            "prefetch-factor": self.prefetch_factor,
-            "memory-snapshot-steps": self.memory_snapshot_steps,
-            "memory-every": self.memory_every,
-            "communication-samples": self.communication_samples,
-            "distributed-timeout": self.distributed_timeout,
-        }
-        for flag, value in positive.items():
-            if value is not None and value <= 0:
-                raise UserError(f"--{flag} must be a positive integer, got {value}")
-        if self.num_workers < 0:
-            raise UserError(f"--num-workers must be 0 or more, got {self.num_workers}")
-        for flag, value in (("profile-wait", self.profile_wait), ("profile-warmup", self.profile_warmup)):
-            if value < 0:
-                raise UserError(f"--{flag} must be 0 or more, got {value}")
-        if self.profile_active < 1:
-            raise UserError(f"--profile-active must be at least 1, got {self.profile_active}")
-        for flag, value in (
-            ("learning-rate", self.learning_rate),
-            ("weight-decay", self.weight_decay),
-            ("max-grad-norm", self.max_grad_norm),
-            ("lora-dropout", self.lora_dropout),
-            ("hidden-dropout", self.hidden_dropout),
-            ("attention-dropout", self.attention_dropout),
-            ("warmup-fraction", self.warmup_fraction),
-            ("ddp-bucket-cap-mb", self.ddp_bucket_cap_mb),
-            ("validation-fraction", self.validation_fraction),
-            ("test-fraction", self.test_fraction),
-        ):
-            if value is not None and not math.isfinite(value):
-                raise UserError(f"--{flag} must be a finite number, got {value}")
-        if self.learning_rate <= 0:
-            raise UserError(f"--learning-rate must be positive, got {self.learning_rate}")
-        if self.weight_decay < 0:
-            raise UserError(f"--weight-decay must be 0 or more, got {self.weight_decay}")
-        if self.max_grad_norm is not None and self.max_grad_norm < 0:
-            raise UserError(f"--max-grad-norm must be 0 (off) or more, got {self.max_grad_norm}")
-        if self.ddp_bucket_cap_mb is not None and self.ddp_bucket_cap_mb <= 0:
-            raise UserError(f"--ddp-bucket-cap-mb must be positive, got {self.ddp_bucket_cap_mb}")
-        for flag, value in (
-            ("lora-dropout", self.lora_dropout),
-            ("hidden-dropout", self.hidden_dropout),
-            ("attention-dropout", self.attention_dropout),
-        ):
-            if value is not None and not 0 <= value < 1:
-                raise UserError(f"--{flag} must be in [0, 1), got {value}")
-        if not 0 <= self.warmup_fraction < 1:
-            raise UserError(f"--warmup-fraction must be in [0, 1), got {self.warmup_fraction}")
-        for flag, value in (("validation-fraction", self.validation_fraction), ("test-fraction", self.test_fraction)):
-            if not 0 < value < 0.5:
-                raise UserError(f"--{flag} must be between 0 and 0.5, got {value}")
+        for fields, wrong, must_be in NUMBER_RULES:
+            for field in fields:
+                value = getattr(self, field)
+                if value is not None and wrong(value):
+                    raise UserError(f"--{field.replace('_', '-')} must be {must_be}, got {value}")
         if self.threads not in ("auto", "launcher") and not (self.threads.isdigit() and int(self.threads) > 0):
             raise UserError(f"--threads takes auto, launcher or a positive number, got {self.threads!r}")
 

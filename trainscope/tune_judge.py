@@ -677,38 +677,15 @@ def rejudged(comparison: dict, records: dict) -> dict:
     trials = comparison.get("trials") if isinstance(comparison, dict) else None
     if not trials:
         return comparison
-    measured, kinds, against = {"baseline": {}}, {}, {}
-    for trial in trials:
-        mine = measured.setdefault(trial["name"], {})
-        kinds[trial["name"]] = trial_kind(trial, comparison.get("baseline_config"))
-        runs = trial.get("runs", [])
-        for run, base in zip(
-            runs, trial.get("baseline_runs") or [re.sub(r".*-r(\d+)$", r"baseline-r\1", r) for r in runs]
-        ):
-            found, of_base = re.fullmatch(r"(.+)-r(\d+)", run), re.fullmatch(r"(.+)-r(\d+)", base)
-            if not found or not of_base or run not in records or base not in records:
-                return comparison
-            index = int(found.group(2))
-            against[trial["name"]] = of_base.group(1)
-            mine[index] = run_figures(records[run], records[run].get("steps"))
-            measured.setdefault(of_base.group(1), {})[index] = run_figures(records[base], records[base].get("steps"))
+    readings = _runs_measured(comparison, records, trials)
+    if readings is None:
+        return comparison
+    measured, kinds, against = readings
     rounds = None
     if "design" in comparison:
         design = Design.from_dict(comparison["design"])
-    else:  # judged at the rounds each trial took: the design's R is the fewest, so every trial is judged
-        first = measured["baseline"][min(measured["baseline"])]
-        design = Design(
-            rounds=min(len(t.get("runs", [])) for t in trials) or 1,
-            trials=sum(t["name"] != "kept" for t in trials),
-            seed=first["seed"] or 42,
-            data_seed=first.get("data_seed") or first["seed"] or 42,
-        )
-        rounds = "rounds (" + ", ".join(f"{t['name']} {len(t.get('runs', []))}" for t in trials) + ")"
-        boundary = (
-            f"none held: looks after 3 to 6 rounds when measured, judged here once at the rounds each took; "
-            f"Holm over {design.tests} test(s)"
-        )
-        comparison = {**comparison, "design": {**design.to_dict(), "boundary": boundary}, "history": HISTORY}
+    else:
+        design, rounds, comparison = _with_design_of_its_runs(comparison, trials, measured)
     baselines = set(against.values()) | {"baseline"}
     measures = {
         name: measure(design, measured[against.get(name, "baseline")], runs, kinds[name])
@@ -732,6 +709,48 @@ def rejudged(comparison: dict, records: dict) -> dict:
         )
     )
     return comparison
+
+
+def _runs_measured(comparison: dict, records: dict, trials: list[dict]) -> tuple | None:
+    """(figures of each trial's and baseline's runs by round: {name: {round: figures}}, each trial's kind, the
+    baseline each trial ran against), or None when a run's name is not of the form name-rN or its record is not
+    there."""
+    measured, kinds, against = {"baseline": {}}, {}, {}
+    for trial in trials:
+        mine = measured.setdefault(trial["name"], {})
+        kinds[trial["name"]] = trial_kind(trial, comparison.get("baseline_config"))
+        runs = trial.get("runs", [])
+        for run, base in zip(
+            runs, trial.get("baseline_runs") or [re.sub(r".*-r(\d+)$", r"baseline-r\1", r) for r in runs]
+        ):
+            found, of_base = re.fullmatch(r"(.+)-r(\d+)", run), re.fullmatch(r"(.+)-r(\d+)", base)
+            if not found or not of_base or run not in records or base not in records:
+                return None
+            index = int(found.group(2))
+            against[trial["name"]] = of_base.group(1)
+            mine[index] = run_figures(records[run], records[run].get("steps"))
+            measured.setdefault(of_base.group(1), {})[index] = run_figures(records[base], records[base].get("steps"))
+    return measured, kinds, against
+
+
+def _with_design_of_its_runs(comparison: dict, trials: list[dict], measured: dict) -> tuple:
+    """An older make tune's result (no design) judged at the rounds each trial took: the design's R is the fewest, so
+    every trial is judged. (design, the rounds as the method says them, the comparison with the design and its
+    `history`)."""
+    first = measured["baseline"][min(measured["baseline"])]
+    design = Design(
+        rounds=min(len(t.get("runs", [])) for t in trials) or 1,
+        trials=sum(t["name"] != "kept" for t in trials),
+        seed=first["seed"] or 42,
+        data_seed=first.get("data_seed") or first["seed"] or 42,
+    )
+    rounds = "rounds (" + ", ".join(f"{t['name']} {len(t.get('runs', []))}" for t in trials) + ")"
+    boundary = (
+        f"none held: looks after 3 to 6 rounds when measured, judged here once at the rounds each took; "
+        f"Holm over {design.tests} test(s)"
+    )
+    comparison = {**comparison, "design": {**design.to_dict(), "boundary": boundary}, "history": HISTORY}
+    return design, rounds, comparison
 
 
 def trial_verdicts(judgement: dict) -> dict:
