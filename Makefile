@@ -57,7 +57,7 @@ TUNE_BUDGET ?= 2400
 # Alternating rounds per trial (one seed each, judged once after the last): 6 against 6 can pass Holm over 23 tests.
 TUNE_ROUNDS ?= 6
 # make tune-confirm: make train's full job (TRAIN_ARGS, trackers off in both arms) against the same with make tune's
-# final flags and config; 5 rounds take about 25 minutes on 2 CPU cores (3.5 min fp32, 1 min tuned, per round).
+# final flags and config; 5 rounds took 34 minutes on 2 CPU cores (about 4 min fp32, 3 min with --unpad, per round).
 CONFIRM_ARGS ?= $(TRAIN_ARGS) --report-to none
 CONFIRM_ROUNDS ?= 5
 # The command to confirm: make tune's final one (empty), or stated, e.g. "--tuned-config bf16 --tuned-flags=--group-by-length"
@@ -145,7 +145,7 @@ ddp-cost: setup ## what DDP communication costs: bucket sizes, flags, compressio
 tune: setup ## the advisor's suggestions for the main command tried against it; keeps what is faster with the same result (TUNE_BUDGET s) -> runs/tune/
 	$(PY) -m trainscope.tune --runs $(RUNS)/tune --budget $(TUNE_BUDGET) --rounds $(TUNE_ROUNDS) $(if $(CONFIG),--config $(CONFIG)) -- $(TUNE_ARGS)
 
-tune-confirm: setup ## make tune's final command against make train's on the full job, paired seeds (about 25 min on 2 CPU cores) -> runs/tune_confirm/
+tune-confirm: setup ## make tune's final command against make train's on the full job, paired seeds (about 35 min on 2 CPU cores) -> runs/tune_confirm/
 	$(EXPERIMENTS) tune-confirm --runs $(RUNS)/tune_confirm $(or $(CONFIRM_TUNED),--tune $(RUNS)/tune/comparison.json) \
 		--rounds $(CONFIRM_ROUNDS) $(if $(CONFIG),--config $(CONFIG)) -- $(CONFIRM_ARGS)
 

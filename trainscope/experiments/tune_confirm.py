@@ -7,8 +7,8 @@ samples/s by the project's test (trainscope.bench, one test, one look after the 
 wall time beside it; the result: two one-sided tests of the paired differences of test (and validation)
 accuracy and loss at the margins make tune stated (trainscope.tune_judge.equivalent).
 
-A full job takes about 3.5 minutes in fp32 on 2 CPU cores and about 1 minute tuned (bf16 with length
-grouping, machine B of the README): 5 rounds are about 25 minutes.
+A full job takes about 3.5-4 minutes in fp32 on 2 CPU cores and about 3 tuned with --unpad (machine A of the
+README: 5 rounds took 34 minutes); where bf16 is native and kept, a tuned job is about 1 minute.
 """
 
 import json
@@ -32,7 +32,7 @@ def arguments(parser) -> None:
         type=int,
         default=MIN_ROUNDS,
         help=f"alternating rounds, one seed each (at least {MIN_ROUNDS}; default {MIN_ROUNDS}: about "
-        "25 minutes on 2 CPU cores, a full job being ~3.5 min in fp32 and ~1 min tuned)",
+        "35 minutes on 2 CPU cores, a full job being ~4 min in fp32 and ~3 min tuned with --unpad)",
     )
     parser.add_argument("--config", default=None, help="make train's Accelerate config (default: none, as make train)")
     parser.add_argument(
@@ -232,6 +232,6 @@ EXPERIMENT = Experiment(
     section=None,
     arguments=arguments,
     run=run,
-    help="make tune's final command against make train's on the full job (about 25 min on 2 cores)",
+    help="make tune's final command against make train's on the full job (about 35 min on 2 cores)",
     needs=("experiment", "arms", "comparisons", "commands"),
 )
