@@ -87,7 +87,7 @@ def build_tokenizer(settings):
 def sequence_limit(settings) -> int | None:
     """Token positions the model can embed (None when its configuration does not say)."""
     if settings.model in EMBEDDED_MODELS or settings.architecture_only:
-        config, _ = _config_for(settings, 2, ["0", "1"])
+        config, _ = _config_for(settings, ["0", "1"])
     else:
         config = _from_hub_or_path(
             AutoConfig.from_pretrained, settings.model, "model", trust_remote_code=settings.trust_remote_code
@@ -105,12 +105,17 @@ def config_positions(config) -> int | None:
     return int(positions)
 
 
-def _config_for(settings, num_labels: int, label_names: list[str]):
-    labels = {
-        "num_labels": num_labels,
+def _label_fields(label_names: list[str]) -> dict:
+    """The configuration's label attributes for a classifier of `label_names`."""
+    return {
+        "num_labels": len(label_names),
         "id2label": dict(enumerate(label_names)),
         "label2id": {n: i for i, n in enumerate(label_names)},
     }
+
+
+def _config_for(settings, label_names: list[str]):
+    labels = _label_fields(label_names)
     if settings.model == EMBEDDED_MODEL:
         return AutoConfig.from_pretrained(embedded.minilm_dir(), **labels), "embedded MiniLM-L6 configuration"
     if settings.model == TINY_MODEL:
@@ -182,7 +187,7 @@ def build_model(settings, label_names: list[str], tokenizer):
 def _random_model(settings, label_names: list[str]):
     """A model of the configuration (--architecture-only, the tiny model) with random weights: (model, weights,
     dropout overrides)."""
-    config, source = _config_for(settings, len(label_names), label_names)
+    config, source = _config_for(settings, label_names)
     dropout = dropout_overrides(config, settings)
     for name, value in dropout.items():
         setattr(config, name, value)
@@ -195,11 +200,6 @@ def _random_model(settings, label_names: list[str]):
 def _pretrained_model(settings, label_names: list[str]):
     """The model's pretrained weights with a new classification head: (model, weights, dropout overrides)."""
     path = str(embedded.minilm_dir()) if settings.model == EMBEDDED_MODEL else settings.model
-    labels = {
-        "num_labels": len(label_names),
-        "id2label": dict(enumerate(label_names)),
-        "label2id": {n: i for i, n in enumerate(label_names)},
-    }
     dropout = {}
     if settings.hidden_dropout is not None or settings.attention_dropout is not None:
         dropout = dropout_overrides(
@@ -217,7 +217,7 @@ def _pretrained_model(settings, label_names: list[str]):
         "model",
         attn_implementation=settings.attn_implementation,
         trust_remote_code=settings.trust_remote_code,
-        **labels,
+        **_label_fields(label_names),
         **dropout,  # configuration attributes given as keywords replace the saved ones
     )
     return model, "pretrained", dropout
@@ -246,7 +246,7 @@ def _checkpointing_and_lora(model, settings):
 def model_config(settings, label_names: list[str]):
     """The model's configuration (with the run's labels and its --hidden-dropout / --attention-dropout), read
     without its weights."""
-    config = _config_for(settings, len(label_names), label_names)[0]
+    config = _config_for(settings, label_names)[0]
     for name, value in dropout_overrides(config, settings).items():
         setattr(config, name, value)
     return config

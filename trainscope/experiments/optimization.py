@@ -60,11 +60,9 @@ def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
     """The advisor's run, make tune's runs and make tune-confirm's, each labelled by what it is."""
     main = advice_record(found)
     tuned = [(f"make {name}", r) for name in ("tune", "tune-confirm") for r in found.runs.get(name, {}).values()]
-    return (
-        tuned
-        if any(main is r for _, r in tuned)
-        else ([(f"main run {RunView(main).name}", main)] if main else []) + tuned
-    )
+    if main is None or any(main is record for _, record in tuned):  # make tune's advice run is among its runs
+        return tuned
+    return [(f"main run {RunView(main).name}", main), *tuned]
 
 
 def _ratio_cell(ratio: dict | None) -> str:
