@@ -4,6 +4,7 @@ the process changed."""
 
 import atexit
 import contextlib
+import http.server
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -161,22 +163,25 @@ def run_command(command: list[str], cwd: Path = ROOT, env: dict | None = None, t
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
-    """train.py's main() in this process (no launcher, no imports to pay again): exit code and output.
+def run_in_process(args: list[str], main=None) -> subprocess.CompletedProcess:
+    """train.py's main() (or another script's `main`) in this process (no launcher, no imports to pay again): exit
+    code and what it printed to Python's streams.
 
-    What a run changes process-wide is put back: torch threads, TF32 flags, Accelerate's state.
+    What a run changes process-wide is put back: torch threads, TF32 flags, Accelerate's state, the environment.
     """
     from accelerate.state import AcceleratorState
 
-    import train
+    if main is None:
+        import train
 
+        main = train.main
     threads, tf32 = torch.get_num_threads(), (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     environ = dict(os.environ)
     out, err = io.StringIO(), io.StringIO()
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            train.main(args)
+            main(args)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
@@ -185,7 +190,9 @@ def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         os.environ.clear()
         os.environ.update(environ)
-    return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(
+        [getattr(main, "__module__", "train"), *args], code, out.getvalue(), err.getvalue()
+    )
 
 
 def signal_at_training_batch(monkeypatch, batch: int, signum: int) -> list:
@@ -369,3 +376,45 @@ class PlantedGPU:
                 return self
 
         return Matrix()
+
+
+# ---------------------------------------------------------------- a dataset URL with credentials
+
+PASSWORD, TOKEN = "s3cretpass-7781", "tok-55419203"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """An HTTP server on localhost with a small labelled CSV; the URL carries user:password@ and a token."""
+    root = tmp_path_factory.mktemp("served")
+    rows = "".join(
+        f"tweet number {i} is {'good' if i % 2 else 'bad'},{'good' if i % 2 else 'bad'}\n" for i in range(400)
+    )
+    (root / "data.csv").write_text("text,label\n" + rows)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://reader:{PASSWORD}@127.0.0.1:{server.server_address[1]}"
+    yield base
+    server.shutdown()
+
+
+def leaks(completed, folder: Path) -> list[str]:
+    """Where either secret shows: the console (a finished process, or what capfd captured), or any file under
+    `folder`."""
+    printed = getattr(completed, "stdout", None) or "", getattr(completed, "stderr", None) or ""
+    if hasattr(completed, "out"):
+        printed = completed.out, completed.err
+    found = [f"console ({secret})" for secret in (PASSWORD, TOKEN) if secret in "".join(printed)]
+    for path in folder.rglob("*") if folder.exists() else []:
+        if path.is_file():
+            content = path.read_bytes()
+            found += [f"{path} ({secret})" for secret in (PASSWORD, TOKEN) if secret.encode() in content]
+    return found

@@ -1,9 +1,10 @@
 """The benchmark drivers run end to end in CI-sized time (their figures come from `make bench-*`)."""
 
+import importlib
 import json
 import sys
 
-from conftest import cpu_env, run_command
+from conftest import run_in_process
 
 from trainscope import bench
 from trainscope.benchmarks import trainer_peer
@@ -24,19 +25,19 @@ TINY = [
 ]
 
 
-def one_round_of(module: str, out) -> dict:
-    """`python -m trainscope.benchmarks.<module> --pairs 1` on the tiny model; its results file."""
-    completed = run_command(
-        [sys.executable, "-m", f"trainscope.benchmarks.{module}", "--pairs", "1", "--out", str(out), *TINY],
-        env=cpu_env(),
-    )
+def one_round_of(module: str, out, monkeypatch) -> dict:
+    """`python -m trainscope.benchmarks.<module> --pairs 1` on the tiny model, the driver in this process (its
+    arms are launched processes, as always); its results file."""
+    driver = importlib.import_module(f"trainscope.benchmarks.{module}")
+    monkeypatch.setattr(sys, "argv", [f"{module}.py", "--pairs", "1", "--out", str(out), *TINY])
+    completed = run_in_process([], main=lambda _: driver.main())
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(out.with_suffix(".json").read_text())
 
 
-def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path):
+def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path, monkeypatch):
     out = tmp_path / "peer"
-    report = one_round_of("trainer_peer", out)
+    report = one_round_of("trainer_peer", out, monkeypatch)
     (round_,) = report["rounds"]
     assert set(round_) == {"trainer", "accelerate", "python"}
     assert report["same_batches"] is True  # the Trainer saw train.py's batches, step for step
@@ -47,8 +48,8 @@ def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path):
     assert report["provenance"]["commit"] and "not measured on GPU" in out.with_suffix(".md").read_text()
 
 
-def test_overhead_benchmark_pairs_a_bare_loop_with_train_py(tmp_path):
-    report = one_round_of("overhead", tmp_path / "overhead")
+def test_overhead_benchmark_pairs_a_bare_loop_with_train_py(tmp_path, monkeypatch):
+    report = one_round_of("overhead", tmp_path / "overhead", monkeypatch)
     (round_,) = report["rounds"]
     assert round_["bare"]["samples_per_s"] > 0 and round_["host"]["samples_per_s"] > 0
     assert round_["bare"]["threads"] == round_["host"]["threads"]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import cpu_env, run_command
+from conftest import TOKEN, cpu_env, leaks, run_command
 
 import compare_dp
 from trainscope import dp_compare
@@ -20,14 +20,23 @@ TINY = ["--model", "embedded:tiny-bert", "--max-train-samples", "320"]
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(tmp_path_factory, served):
+    """make compare-dp on a dataset URL that carries credentials (tests/conftest.py's local server): the run that
+    the tests below read, and the one that shows no secret reaches the console or the results."""
     results = tmp_path_factory.mktemp("compare") / "out"
+    dataset = f"--dataset {served}/data.csv?token={TOKEN}"
     completed = run_command(
-        ["make", "-s", "compare-dp", "ROUNDS=1", f"DP_ARGS={' '.join(TINY)} --steps 6 --results-dir {results}"],
+        [
+            "make",
+            "-s",
+            "compare-dp",
+            "ROUNDS=1",
+            f"DP_ARGS={' '.join(TINY)} {dataset} --steps 6 --results-dir {results}",
+        ],
         env=cpu_env(),
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    return results, json.loads((results / "compare_dp.json").read_text())
+    return results, json.loads((results / "compare_dp.json").read_text()), completed
 
 
 def test_the_data_parallel_loop_differs_from_the_single_device_loop_only_in_its_wrapping():
@@ -70,7 +79,7 @@ def test_a_global_batch_that_does_not_divide_becomes_the_nearest_multiple(batch,
 
 
 def test_make_compare_dp_runs_ddp_on_two_processes_on_the_same_cores(made):
-    results, report = made
+    results, report, _ = made
     ddp, single = report["results"]["ddp"], report["results"]["single"]
     assert ddp["world_size"] == 2 and ddp["backend"] == "gloo"
     (round_,) = ddp["rounds"]
@@ -107,8 +116,13 @@ def test_make_compare_dp_runs_ddp_on_two_processes_on_the_same_cores(made):
     assert report["provenance"]["command"].startswith("python compare_dp.py")
 
 
+def test_a_credential_url_reaches_neither_the_console_nor_the_results(made):
+    results, _, completed = made
+    assert any(results.iterdir()) and leaks(completed, results) == []
+
+
 def test_diffs_hold_the_lines_that_matter(made):
-    _, report = made
+    _, report, _ = made
     dp, ddp = report["code_changes"]
     added_dp = [line for line in dp["diff"].splitlines() if line.startswith("+")]
     added_ddp = [line for line in ddp["diff"].splitlines() if line.startswith("+")]
@@ -121,7 +135,7 @@ def test_diffs_hold_the_lines_that_matter(made):
 
 
 def test_the_projection_assumes_its_compute_out_loud_unless_a_gpu_record_is_given(made, tmp_path):
-    _, report = made
+    _, report, _ = made
     assert report["projection"]["compute_source"] == "assumed" and "ASSUMED" in report["projection"]["assumptions"]
     run = tmp_path / "gpu-run"
     run.mkdir()
@@ -156,19 +170,11 @@ def test_projection_arithmetic():
     assert four["efficiency"] == pytest.approx(0.1 / four["step_s"])
 
 
-def test_bad_input_exits_2_and_writes_nothing(tmp_path):
-    completed = run_command(
-        [
-            compare_dp.sys.executable,
-            str(compare_dp.ROOT / "compare_dp.py"),
-            *TINY,
-            "--rounds",
-            "0",
-            "--results-dir",
-            str(tmp_path / "x"),
-        ]
-    )
-    assert completed.returncode == 2 and "--rounds must be at least 1" in completed.stderr.strip().splitlines()[-1]
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        compare_dp.main([*TINY, "--rounds", "0", "--results-dir", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "x").exists()
 
 

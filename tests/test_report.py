@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cpu_env, run_command
+from conftest import ROOT, cpu_env, run_command, run_in_process
 from test_report_pdf import check_report, glance_titles
 
 import report
@@ -43,6 +43,14 @@ def built(tmp_path_factory):
         completed = run_command(["make", "-s", *target, *common], env=cpu_env(), timeout=900)
         assert completed.returncode == 0, f"make {target}: {completed.stderr[-3000:]}"
     return runs, results, out
+
+
+def report_in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """`python report.py ARGS` as report.main in this process (its imports paid once): what it printed, exit 0."""
+    capsys.readouterr()
+    report.main([str(arg) for arg in args])
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["report.py", *args], 0, printed.out, printed.err)
 
 
 def test_every_section_is_there_or_names_its_make_target(built):
@@ -165,7 +173,7 @@ def test_the_pdf_renders(built):
     assert image.size[0] > 500 and lightest - darkest > 100  # not a blank page
 
 
-def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built, tmp_path):
+def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built, tmp_path, capsys):
     runs, _, _ = built
     partial = tmp_path / "runs"
     shutil.copytree(runs / "matrix", partial / "matrix")
@@ -182,20 +190,7 @@ def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built,
     with open(partial / "matrix" / "cpu+ckpt-r0" / "steps.jsonl", "a") as handle:
         handle.write('{"step": 99, "lo')  # a killed run's last line
     out = tmp_path / "reports"
-    completed = run_command(
-        [
-            sys.executable,
-            str(ROOT / "report.py"),
-            "--runs",
-            str(partial),
-            "--results",
-            str(tmp_path / "none"),
-            "--out",
-            str(out),
-        ],
-        env=cpu_env(),
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = report_in_process(capsys, "--runs", partial, "--results", tmp_path / "none", "--out", out)
     text = (out / "report.md").read_text()
     skipped = text.split("## Skipped inputs")[1]
     for name in broken:
@@ -206,17 +201,13 @@ def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built,
     assert "Traceback" not in completed.stderr
 
 
-def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_on(built, tmp_path):
+def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_on(built, tmp_path, capsys):
     runs, _, _ = built
     results = tmp_path / "results"
     (results / "compare_dp").mkdir(parents=True)
     (results / "compare_dp" / "compare_dp.json").write_text(json.dumps({"machine": {"device_name": "cpu"}}))
     out = tmp_path / "reports"
-    completed = run_command(
-        [sys.executable, str(ROOT / "report.py"), "--runs", str(runs), "--results", str(results), "--out", str(out)],
-        env=cpu_env(),
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = report_in_process(capsys, "--runs", runs, "--results", results, "--out", out)
     text = (out / "report.md").read_text()
     assert (
         "section data_parallel: its inputs lack benchmark, compare, results, comparison, code_changes, "
@@ -277,38 +268,16 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     assert status and all(line[3:].startswith("reports/") for line in status)  # only the report's own outputs
 
 
-def test_figures_go_to_the_wandb_run_that_used_it(tmp_path):
+def test_figures_go_to_the_wandb_run_that_used_it(tmp_path, monkeypatch, capsys):
+    """A run that logged to W&B (offline), then the report of it: its figures go to that run (both in this
+    process: neither the launcher nor the imports are what this is about)."""
     runs = tmp_path / "runs"
-    completed = run_command(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *TINY.split()[:-4],
-            "--report-to",
-            "wandb",
-            "--output-dir",
-            str(runs),
-            "--run-name",
-            "default",
-        ],
-        env=cpu_env(WANDB_MODE="offline"),
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    completed = run_in_process(
+        [*TINY.split()[:-4], "--report-to", "wandb", "--output-dir", str(runs), "--run-name", "default"]
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
-    out = tmp_path / "reports"
-    completed = run_command(
-        [
-            sys.executable,
-            str(ROOT / "report.py"),
-            "--runs",
-            str(runs),
-            "--results",
-            str(tmp_path / "none"),
-            "--out",
-            str(out),
-        ],
-        env=cpu_env(WANDB_MODE="offline"),
-    )
-    assert completed.returncode == 0, completed.stderr[-2000:]
+    completed = report_in_process(capsys, "--runs", runs, "--results", tmp_path / "none", "--out", tmp_path / "out")
     assert "logged the report's figures to W&B run default" in completed.stdout
     images = [p for p in (runs / "default" / "wandb").rglob("*.png") if "media" in p.parts]
     assert images and any("time_breakdown" in image.name for image in images)
