@@ -251,3 +251,15 @@ def _activities(device: torch.device) -> list:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     return activities
+
+
+def operator_rows(top_operators: list[dict]) -> list[dict]:
+    """The profiler's top operators with their self time in milliseconds (device time on CUDA, else CPU)."""
+    return [
+        {
+            "name": op["name"],
+            "calls": op["calls"],
+            "milliseconds": (op["self_device_s"] if op["self_device_s"] is not None else op["self_cpu_s"]) * 1e3,
+        }
+        for op in top_operators
+    ]

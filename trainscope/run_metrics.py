@@ -527,7 +527,7 @@ def table_lines(record: dict, run_dir) -> list[str]:
         )
         rows += [
             f"  {op['milliseconds']:9.2f} ms  {op['calls']:6d}x  {op['name']}"
-            for op in operator_rows(view.profile["top_operators"][:8])
+            for op in profiling.operator_rows(view.profile["top_operators"][:8])
         ]
     rows += [f"warning [{w['code']}]: {w['message']}" for w in view.warnings]
     return rows
@@ -559,15 +559,3 @@ def peak_line(view: RunView) -> str:
         + (f", {where}" if where else "")
         + ")"
     )
-
-
-def operator_rows(top_operators: list[dict]) -> list[dict]:
-    """The profiler's top operators with their self time in milliseconds (device time on CUDA, else CPU)."""
-    return [
-        {
-            "name": op["name"],
-            "calls": op["calls"],
-            "milliseconds": (op["self_device_s"] if op["self_device_s"] is not None else op["self_cpu_s"]) * 1e3,
-        }
-        for op in top_operators
-    ]

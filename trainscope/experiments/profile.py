@@ -14,10 +14,10 @@ import torch
 
 from trainscope import bench, gap, launching, peak, reporting
 from trainscope.experiments.base import Arm, Experiment, experiment, runs_option, write
+from trainscope.profiling import operator_rows
 from trainscope.record_view import RunView
 from trainscope.records import read_record, read_steps
 from trainscope.reporting import Headline
-from trainscope.run_metrics import operator_rows
 from trainscope.tables import Table, num
 
 
