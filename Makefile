@@ -79,8 +79,11 @@ help: ## list the targets
 	@echo "  variables: CONFIG=accelerate_configs/<x>.yaml ARGS='<train.py flags>' RUNS=runs RESULTS=results ROUNDS=$(ROUNDS)"
 	@echo "  the committed report: make report (on a clone without runs/ or results/), or make report RUNS=benchmarks/runs RESULTS=benchmarks"
 
+# The venv sees the system's packages only where the system Python has torch (a GPU host's CUDA build, reused).
+# Elsewhere it is isolated: packages the system happens to have change what every process imports (boto3 through
+# accelerate, scipy through evaluate and transformers, trio through the HTTP client): 2 s more per process.
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
-	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --no-compile -r requirements.txt
 	$(PY) -m pip install -q --no-compile --no-deps -r requirements-embedded.txt
