@@ -313,6 +313,26 @@ def test_make_asks_torch_for_a_gpu_only_where_the_machine_shows_one(tmp_path):
     assert shown.returncode == 0 and mark.exists() and "--max-train-samples" not in shown.stdout
 
 
+@pytest.mark.parametrize("system_torch", [True, False], ids=["system-torch", "no-system-torch"])
+def test_make_setup_isolates_the_venv_unless_the_system_python_has_torch(tmp_path, system_torch):
+    """A system Python whose torch can be reused gives a venv that sees the system's packages; any other gives an
+    isolated one (the system's other packages would change what every process imports). Planted Pythons log
+    what make asks of them; the venv's is a stand-in that answers every step."""
+    log, venv = tmp_path / "log", tmp_path / "venv"
+    system = tmp_path / "python3"
+    system.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {log}\n'
+        f'if [ "$1" = -c ]; then exit {0 if system_torch else 1}; fi\n'
+        f'mkdir -p {venv}/bin && printf "#!/bin/sh\\necho /nonexistent\\n" > {venv}/bin/python && chmod +x {venv}/bin/python\n'
+    )
+    system.chmod(0o755)
+    made = run_command(["make", "-s", "-B", "setup", f"PYTHON={system}", f"VENV={venv}", "GPU_SIGNS="], env=cpu_env())
+    assert made.returncode == 0, made.stderr
+    (created,) = [line for line in log.read_text().splitlines() if line.startswith("-m venv")]
+    assert created == (f"-m venv --system-site-packages {venv}" if system_torch else f"-m venv {venv}")
+
+
 def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_records():
     from trainscope.reporting import rejudged
 
