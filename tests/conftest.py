@@ -407,13 +407,9 @@ def served(tmp_path_factory):
     server.shutdown()
 
 
-def leaks(completed, folder: Path) -> list[str]:
-    """Where either secret shows: the console (a finished process, or what capfd captured), or any file under
-    `folder`."""
-    printed = getattr(completed, "stdout", None) or "", getattr(completed, "stderr", None) or ""
-    if hasattr(completed, "out"):
-        printed = completed.out, completed.err
-    found = [f"console ({secret})" for secret in (PASSWORD, TOKEN) if secret in "".join(printed)]
+def leaks(printed: str, folder: Path) -> list[str]:
+    """Where either secret shows: what a script printed, or any file under `folder`."""
+    found = [f"console ({secret})" for secret in (PASSWORD, TOKEN) if secret in printed]
     for path in folder.rglob("*") if folder.exists() else []:
         if path.is_file():
             content = path.read_bytes()

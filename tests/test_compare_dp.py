@@ -118,7 +118,7 @@ def test_make_compare_dp_runs_ddp_on_two_processes_on_the_same_cores(made):
 
 def test_a_credential_url_reaches_neither_the_console_nor_the_results(made):
     results, _, completed = made
-    assert any(results.iterdir()) and leaks(completed, results) == []
+    assert any(results.iterdir()) and leaks(completed.stdout + completed.stderr, results) == []
 
 
 def test_diffs_hold_the_lines_that_matter(made):

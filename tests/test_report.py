@@ -45,14 +45,6 @@ def built(tmp_path_factory):
     return runs, results, out
 
 
-def report_in_process(capsys, *args) -> subprocess.CompletedProcess:
-    """`python report.py ARGS` as report.main in this process (its imports paid once): what it printed, exit 0."""
-    capsys.readouterr()
-    report.main([str(arg) for arg in args])
-    printed = capsys.readouterr()
-    return subprocess.CompletedProcess(["report.py", *args], 0, printed.out, printed.err)
-
-
 def test_every_section_is_there_or_names_its_make_target(built):
     runs, _, out = built
     text = (out / "report.md").read_text()
@@ -173,7 +165,7 @@ def test_the_pdf_renders(built):
     assert image.size[0] > 500 and lightest - darkest > 100  # not a blank page
 
 
-def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built, tmp_path, capsys):
+def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built, tmp_path):
     runs, _, _ = built
     partial = tmp_path / "runs"
     shutil.copytree(runs / "matrix", partial / "matrix")
@@ -190,7 +182,10 @@ def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built,
     with open(partial / "matrix" / "cpu+ckpt-r0" / "steps.jsonl", "a") as handle:
         handle.write('{"step": 99, "lo')  # a killed run's last line
     out = tmp_path / "reports"
-    completed = report_in_process(capsys, "--runs", partial, "--results", tmp_path / "none", "--out", out)
+    completed = run_in_process(
+        ["--runs", str(partial), "--results", str(tmp_path / "none"), "--out", str(out)], main=report.main
+    )
+    assert completed.returncode == 0, completed.stderr
     text = (out / "report.md").read_text()
     skipped = text.split("## Skipped inputs")[1]
     for name in broken:
@@ -201,13 +196,14 @@ def test_bad_records_are_skipped_with_their_reason_and_the_report_goes_on(built,
     assert "Traceback" not in completed.stderr
 
 
-def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_on(built, tmp_path, capsys):
+def test_a_results_file_of_another_shape_skips_its_section_and_the_report_goes_on(built, tmp_path):
     runs, _, _ = built
     results = tmp_path / "results"
     (results / "compare_dp").mkdir(parents=True)
     (results / "compare_dp" / "compare_dp.json").write_text(json.dumps({"machine": {"device_name": "cpu"}}))
     out = tmp_path / "reports"
-    completed = report_in_process(capsys, "--runs", runs, "--results", results, "--out", out)
+    completed = run_in_process(["--runs", str(runs), "--results", str(results), "--out", str(out)], main=report.main)
+    assert completed.returncode == 0, completed.stderr
     text = (out / "report.md").read_text()
     assert (
         "section data_parallel: its inputs lack benchmark, compare, results, comparison, code_changes, "
@@ -268,7 +264,7 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     assert status and all(line[3:].startswith("reports/") for line in status)  # only the report's own outputs
 
 
-def test_figures_go_to_the_wandb_run_that_used_it(tmp_path, monkeypatch, capsys):
+def test_figures_go_to_the_wandb_run_that_used_it(tmp_path, monkeypatch):
     """A run that logged to W&B (offline), then the report of it: its figures go to that run (both in this
     process: neither the launcher nor the imports are what this is about)."""
     runs = tmp_path / "runs"
@@ -277,7 +273,10 @@ def test_figures_go_to_the_wandb_run_that_used_it(tmp_path, monkeypatch, capsys)
         [*TINY.split()[:-4], "--report-to", "wandb", "--output-dir", str(runs), "--run-name", "default"]
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
-    completed = report_in_process(capsys, "--runs", runs, "--results", tmp_path / "none", "--out", tmp_path / "out")
+    completed = run_in_process(
+        ["--runs", str(runs), "--results", str(tmp_path / "none"), "--out", str(tmp_path / "out")], main=report.main
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
     assert "logged the report's figures to W&B run default" in completed.stdout
     images = [p for p in (runs / "default" / "wandb").rglob("*.png") if "media" in p.parts]
     assert images and any("time_breakdown" in image.name for image in images)

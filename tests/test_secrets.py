@@ -27,7 +27,7 @@ def test_train_py_trains_from_a_credential_url_and_writes_no_secret(served, tmp_
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert (runs / "remote" / "record.json").exists()
-    assert leaks(completed, runs) == []
+    assert leaks(completed.stdout + completed.stderr, runs) == []
 
 
 def test_a_missing_credential_url_is_one_line_without_the_secret(served, tmp_path, capfd):
@@ -36,7 +36,8 @@ def test_a_missing_credential_url_is_one_line_without_the_secret(served, tmp_pat
     completed = run_in_process([*TINY, "--dataset", f"{served}/missing.csv?token={TOKEN}", "--output-dir", str(runs)])
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines()[-1].startswith("error: cannot read dataset http://127.0.0.1:")
-    assert leaks(completed, runs) == [] and leaks(capfd.readouterr(), runs) == [] and not runs.exists()
+    printed = completed.stdout + completed.stderr + "".join(capfd.readouterr())  # Python's streams, the descriptors
+    assert leaks(printed, runs) == [] and not runs.exists()
 
 
 def test_loaders_bench_writes_no_secret(served, tmp_path, capfd):
@@ -58,4 +59,5 @@ def test_loaders_bench_writes_no_secret(served, tmp_path, capfd):
         main=loaders_bench.main,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert any(results.iterdir()) and leaks(completed, results) == [] and leaks(capfd.readouterr(), results) == []
+    printed = completed.stdout + completed.stderr + "".join(capfd.readouterr())  # Python's streams, the descriptors
+    assert any(results.iterdir()) and leaks(printed, results) == []
