@@ -196,6 +196,42 @@ def run_in_process(args: list[str], main=None) -> subprocess.CompletedProcess:
     )
 
 
+def run_in_forked_ranks(args: list[str], main=None, processes: int = 2) -> int:
+    """train.py's main() (or another `main(args)`) on `processes` DDP ranks (gloo on the CPU) forked from this process
+    by Accelerate's notebook_launcher, which runs torch's elastic agent (torchrun's) here: for the tests of what DDP
+    does, not of how `accelerate launch` starts it. The ranks start with this process's imports (an `accelerate
+    launch` of two ranks pays about 20 s of CPU for its interpreters and imports on a 2-core machine). `main` runs in
+    the ranks only, so it may patch what it likes; what they print goes to this process's file descriptors (capfd).
+    0 when every rank succeeded, else 1 (torchrun's status).
+
+    Put back as `run_in_process` puts it back: Accelerate's state, the environment, and the signal handlers the
+    elastic agent installs."""
+    from accelerate import notebook_launcher
+    from accelerate.state import AcceleratorState
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if main is None:
+        import train
+
+        main = train.main
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    environ = dict(os.environ)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        os.environ.update(cpu_env())
+        os.environ.pop("OMP_NUM_THREADS", None)
+        notebook_launcher(main, args=(args,), num_processes=processes, use_port=str(free_port()))
+        return 0
+    except ChildFailedError:
+        return 1
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def signal_at_training_batch(monkeypatch, batch: int, signum: int) -> list:
     """Send `signum` to this process while the `batch`-th batch of the run loads (counted once the run's own
     handler is installed: the predictor collates batches of its own before the run starts). A signal whose handler

@@ -2,6 +2,7 @@
 logger and the profiler's trace; planted delays in the all-reduce and in compute show up where they belong."""
 
 import math
+import os
 import random
 import socket
 import threading
@@ -11,12 +12,11 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ONE_THREAD, ROOT, TINY, assert_ok, launch, read_record, read_steps
+from conftest import ONE_THREAD, TINY, read_record, read_steps, run_in_forked_ranks
 
 from trainscope import communication, communication_agreement, communication_block, health
 from trainscope.record_view import RunView
 
-DDP = ROOT / "accelerate_configs" / "ddp.yaml"
 DELAY_S = 0.1  # several times the tiny model's step-to-step noise, on a loaded 2-core machine too
 # The straggler's delay is judged on the difference of two ranks' compute, whose noise on a loaded machine is
 # several times one rank's (24 ms seen at load 7): a larger delay keeps that inside its 20%.
@@ -37,67 +37,65 @@ ARGS = [
     "--ddp-bucket-cap-mb",
     "0.05",
 ]
-WRAPPER = """import os, sys, time
-sys.path.insert(0, {root!r})
-{patch}
-import train
-train.main(sys.argv[1:])
-"""
-# A test-only communication hook, a slow link: every bucket's all-reduce completes DELAY_S late, off the autograd
-# thread (backward goes on meanwhile), on every DDP the run builds.
-SLOW_LINK = """import threading
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+
 
 def slow_link(state, bucket):
+    """A test-only communication hook, a slow link: the bucket's all-reduce completes DELAY_S late, off the autograd
+    thread (backward goes on meanwhile)."""
     done = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True).get_future()
     late = torch.futures.Future()
+
     def finish():
         done.wait()
-        time.sleep({delay})
+        time.sleep(DELAY_S)
         late.set_result(bucket.buffer())
+
     threading.Thread(target=finish, daemon=True).start()
     return late
 
-wrap = DistributedDataParallel.__init__
-def __init__(self, *args, **kwargs):
-    wrap(self, *args, **kwargs)
-    self.register_comm_hook(None, slow_link)
-DistributedDataParallel.__init__ = __init__"""
-# Compute delays: rank 1's forward is DELAY_S slower (a straggler), and on every rank backward pauses DELAY_S below
-# the encoder, before the embeddings' gradients (the last ones): compute, on both ranks alike.
-SLOW_COMPUTE = """import trainscope.modeling as modeling
-build_model_as_usual = modeling.build_model
-def build_model(*args, **kwargs):
-    model, facts = build_model_as_usual(*args, **kwargs)
-    if os.environ["RANK"] == "1":
-        model.register_forward_pre_hook(lambda *_: time.sleep({straggler}))
-    def pause_backward(module, inputs, output):
-        if output.requires_grad:
-            output.register_hook(lambda grad: time.sleep({delay}))
-    model.base_model.embeddings.register_forward_hook(pause_backward)
-    return model, facts
-modeling.build_model = build_model"""
+
+def planted(argv: list[str]) -> None:
+    """train.py's main in a forked rank, with a slow link (slow_link on every DDP the run builds) and compute delays:
+    rank 1's forward is STRAGGLER_DELAY_S slower (a straggler), and on every rank backward pauses DELAY_S below the
+    encoder, before the embeddings' gradients (the last ones): compute, on both ranks alike. Patched in the rank
+    only (it exits after the run)."""
+    import train
+
+    wrap = torch.nn.parallel.DistributedDataParallel.__init__
+
+    def with_slow_link(self, *args, **kwargs):
+        wrap(self, *args, **kwargs)
+        self.register_comm_hook(None, slow_link)
+
+    build_model_as_usual = train.build_model
+
+    def build_model(*args, **kwargs):
+        model, facts = build_model_as_usual(*args, **kwargs)
+        if os.environ["RANK"] == "1":
+            model.register_forward_pre_hook(lambda *_: time.sleep(STRAGGLER_DELAY_S))
+
+        def pause_backward(module, inputs, output):
+            if output.requires_grad:
+                output.register_hook(lambda grad: time.sleep(DELAY_S))
+
+        model.base_model.embeddings.register_forward_hook(pause_backward)
+        return model, facts
+
+    torch.nn.parallel.DistributedDataParallel.__init__ = with_slow_link
+    train.build_model = build_model
+    train.main(argv)
 
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("communication")
-    runs = root / "runs"
-    planted = root / "planted.py"  # a slow link, a straggler and a pause in compute, in one run
-    planted.write_text(
-        WRAPPER.format(
-            root=str(ROOT),
-            patch="\n".join((SLOW_LINK, SLOW_COMPUTE)).format(delay=DELAY_S, straggler=STRAGGLER_DELAY_S),
-        )
-    )
+    """Three runs of two ranks forked from this process (what DDP does is the subject here, not the launcher)."""
+    runs = tmp_path_factory.mktemp("communication") / "runs"
     # the default run is profiled (steps 4-9): the trace is a third instrument of the same steps
     plans = {
-        "default": ("train.py", ["--profile", "--profile-wait", "2", "--profile-active", "6"]),
-        "planted": (planted, ["--ddp-static-graph"]),
+        "default": (None, ["--profile", "--profile-wait", "2", "--profile-active", "6"]),
+        "planted": (planted, ["--ddp-static-graph"]),  # a slow link, a straggler and a pause in compute, in one run
         "flags": (
-            "train.py",
+            None,
             [
                 "--ddp-bucket-cap-mb",
                 "100",
@@ -111,8 +109,8 @@ def ddp_runs(tmp_path_factory):
             ],
         ),
     }
-    for name, (script, extra) in plans.items():
-        assert_ok(launch(str(script), [*ARGS, *extra, "--output-dir", str(runs), "--run-name", name], config=DDP))
+    for name, (main, extra) in plans.items():
+        assert run_in_forked_ranks([*ARGS, *extra, "--output-dir", str(runs), "--run-name", name], main=main) == 0
     return runs
 
 

@@ -2,15 +2,18 @@
 killed main process, a rank that fails during evaluation, a second Ctrl-C, and --save-on-interrupt with --resume continuing
 with the same losses. (Faults that need no launch of their own: tests/test_faults.py.)"""
 
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from conftest import (
     ACCELERATE,
     ONE_THREAD,
@@ -21,6 +24,7 @@ from conftest import (
     rank_tracebacks,
     read_record,
     read_steps,
+    run_in_forked_ranks,
     run_in_process,
     signal_at_training_batch,
 )
@@ -49,32 +53,49 @@ SLOW_SAVE = """import trainscope.checkpoints as checkpoints
 save = checkpoints.save
 checkpoints.save = lambda *args, **kwargs: (time.sleep(10), save(*args, **kwargs))[1]"""
 
-# The test split's batches wait 0.3 s each and the first one leaves a marker per rank: a window in the final test
-# evaluation, after the last optimizer step's vote, for a signal to arrive in.
-SLOW_TEST = """import pathlib, train
-evaluate, evaluations = train.evaluate_split, []
-def evaluate_split(model, loader, accelerator, metric, between_batches=None):
-    evaluations.append(loader)
-    if len(evaluations) == 1:  # the validation (at the end of the only epoch); then the final test
-        return evaluate(model, loader, accelerator, metric, between_batches)
-    marker = pathlib.Path(sys.argv[sys.argv.index("--output-dir") + 1]) / f"test-evaluation-rank{accelerator.process_index}"
-    def between():
-        marker.touch()
-        time.sleep(0.3)
-        between_batches()
-    return evaluate(model, loader, accelerator, metric, between)
-train.evaluate_split = evaluate_split"""
 
-# Rank 1 runs out of memory in the validation's first batch (a rank that errs: it does not vanish).
-OOM_IN_EVALUATION = """import torch, train
-evaluate = train.evaluate_split
-def evaluate_split(model, loader, accelerator, metric, between_batches=None):
-    def between():
-        if accelerator.process_index == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        between_batches()
-    return evaluate(model, loader, accelerator, metric, between)
-train.evaluate_split = evaluate_split"""
+def slow_test_evaluation(argv: list[str]) -> None:
+    """train.py's main in a forked rank, the test split's batches waiting 0.3 s each, the first leaving a marker per
+    rank holding its process id: a window in the final test evaluation, after the last optimizer step's vote, for a
+    signal to arrive in."""
+    import train
+
+    evaluate, evaluations = train.evaluate_split, []
+
+    def evaluate_split(model, loader, accelerator, metric, between_batches=None):
+        evaluations.append(loader)
+        if len(evaluations) == 1:  # the validation (at the end of the only epoch); then the final test
+            return evaluate(model, loader, accelerator, metric, between_batches)
+        marker = Path(argv[argv.index("--output-dir") + 1]) / f"test-evaluation-rank{accelerator.process_index}"
+
+        def between():
+            marker.write_text(str(os.getpid()))
+            time.sleep(0.3)
+            between_batches()
+
+        return evaluate(model, loader, accelerator, metric, between)
+
+    train.evaluate_split = evaluate_split
+    train.main(argv)
+
+
+def out_of_memory_in_evaluation(argv: list[str]) -> None:
+    """train.py's main in a forked rank; rank 1 runs out of memory in the validation's first batch (a rank that
+    errs: it does not vanish)."""
+    import train
+
+    evaluate = train.evaluate_split
+
+    def evaluate_split(model, loader, accelerator, metric, between_batches=None):
+        def between():
+            if accelerator.process_index == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            between_batches()
+
+        return evaluate(model, loader, accelerator, metric, between)
+
+    train.evaluate_split = evaluate_split
+    train.main(argv)
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +192,8 @@ def test_ctrl_c_of_a_ddp_launch_then_resume_gives_the_same_losses_as_an_uninterr
     runs = tmp_path / "runs"
     args = [*ARGS, "--max-steps", "40", "--log-every", "1", "--output-dir", str(runs)]
     launch = [ACCELERATE, "launch", "--config_file", str(DDP), str(slow_script), *args]
-    whole = subprocess.run(
-        [*launch, "--run-name", "whole"], cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300
-    )
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    # the uninterrupted run: what it trains is compared, not how it was launched (its loader need not be slow)
+    assert run_in_forked_ranks([*args, "--run-name", "whole"]) == 0
     launcher = start([*launch, "--run-name", "cut", "--save-on-interrupt"], tmp_path / "log")
     wait_for_steps(runs / "cut", 12, launcher)
     launcher.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does to the launcher; it forwards to the ranks
@@ -199,110 +218,93 @@ def test_ctrl_c_of_a_ddp_launch_then_resume_gives_the_same_losses_as_an_uninterr
     assert record["summary"]["test"] == pytest.approx(read_record(runs / "whole")["summary"]["test"])
 
 
-def test_sigterm_to_one_rank_during_the_final_test_evaluation_stops_both_and_is_recorded(tmp_path):
+def test_sigterm_to_one_rank_during_the_final_test_evaluation_stops_both_and_is_recorded(tmp_path, capfd):
     """After the last optimizer step's vote, the ranks vote between evaluation batches and once more before the
-    run is complete: a signal to one rank there is not lost."""
-    script, runs = tmp_path / "slow_test.py", tmp_path / "runs"
-    script.write_text(SLOW.format(root=str(ROOT), patch=SLOW_TEST))
-    launcher = start(
-        [
-            ACCELERATE,
-            "launch",
-            "--config_file",
-            str(DDP),
-            str(script),
-            *TINY,
-            *ONE_THREAD,
-            "--max-steps",
-            "4",
-            "--max-test-samples",
-            "512",
-            "--output-dir",
-            str(runs),
-            "--run-name",
-            "term",
-        ],
-        tmp_path / "log",
-    )
-    deadline = time.monotonic() + 120
-    while not (runs / "test-evaluation-rank1").exists():
-        assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
-        time.sleep(0.05)
-    ranks(launcher, "slow_test.py")[1].send_signal(signal.SIGTERM)  # as a scheduler pre-empting one node would
-    assert finish(launcher) != 0
+    run is complete: a signal to one rank there is not lost. (Ranks forked here: the ranks' vote is the subject.)"""
+    runs = tmp_path / "runs"
+    args = [*TINY, *ONE_THREAD, "--max-steps", "4", "--max-test-samples", "512", "--output-dir", str(runs)]
+
+    def terminate_rank_1_in_the_test_evaluation():
+        deadline = time.monotonic() + 120
+        marker = runs / "test-evaluation-rank1"
+        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(int(marker.read_text()), signal.SIGTERM)  # as a scheduler pre-empting one node would
+
+    sender = threading.Thread(target=terminate_rank_1_in_the_test_evaluation, daemon=True)
+    sender.start()
+    assert run_in_forked_ranks([*args, "--run-name", "term"], main=slow_test_evaluation) != 0
+    sender.join()
     record = read_record(runs / "term")
     assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGTERM", record.get("status")
     assert record["interruption"]["received_here"] is False  # rank 0 stopped because rank 1 voted to
     assert record["interruption"]["received_by"] == 1 and record["interruption"]["step"] == 4
     assert_partial(record, 4)
-    log = (tmp_path / "log").read_text()
+    log = "".join(capfd.readouterr())
     assert not rank_tracebacks(log) and "interrupted by SIGTERM after optimizer step 4" in log
 
 
-def test_a_killed_main_process_leaves_a_failed_record_naming_it(slow_script, tmp_path):
-    """Rank 0, the record's writer, is killed: rank 1 finds its heartbeat stopped in the launcher's store (which
-    torchrun's agent hosts, so it outlives rank 0), claims the record there and writes the failure."""
+def slowly_leaving_the_pid(argv: list[str]) -> None:
+    """train.py's main in a forked rank, every batch waiting 30 ms in the loader (as slow_train.py), the rank's process
+    id in <output-dir>/rank<RANK>.pid."""
+    import train
+    import trainscope.data as data
+
+    (Path(argv[argv.index("--output-dir") + 1]) / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    build = data.build_collator
+
+    def build_collator(*args, **kwargs):
+        collate = build(*args, **kwargs)
+        return lambda rows: (time.sleep(0.03), collate(rows))[1]
+
+    data.build_collator = build_collator
+    train.main(argv)
+
+
+def test_a_killed_main_process_leaves_a_failed_record_naming_it(tmp_path, capfd):
+    """Rank 0, the record's writer, is killed: rank 1 finds its heartbeat stopped in the store of torch's elastic
+    agent (torchrun's; here it runs in this process, which forked the ranks), which outlives rank 0, claims the
+    record there and writes the failure."""
     runs = tmp_path / "runs"
-    launcher = start(
-        [
-            ACCELERATE,
-            "launch",
-            "--config_file",
-            str(DDP),
-            str(slow_script),
-            *ARGS,
-            "--output-dir",
-            str(runs),
-            "--run-name",
-            "killed",
-        ],
-        tmp_path / "log",
-    )
-    wait_for_steps(runs / "killed", 2, launcher)
-    victim = ranks(launcher)[0]
-    victim.send_signal(signal.SIGKILL)
-    finish(launcher)
+    runs.mkdir()
+    victim = []
+
+    def kill_rank_0_in_training():
+        deadline = time.monotonic() + HANG_S
+        while time.monotonic() < deadline:
+            if (runs / "killed" / "steps.jsonl").exists() and len(read_steps(runs / "killed")) >= 2:
+                victim.append(int((runs / "rank0.pid").read_text()))
+                os.kill(victim[0], signal.SIGKILL)
+                return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_rank_0_in_training, daemon=True)
+    killer.start()
+    assert run_in_forked_ranks([*ARGS, "--output-dir", str(runs), "--run-name", "killed"], slowly_leaving_the_pid) != 0
+    killer.join()
     record = read_record(runs / "killed")
     assert record["status"] == "failed" and record["failed_at_step"] >= 10
     # named through the launcher's store (its heartbeat stopped), not the local process table
-    name = f"rank 0 (pid {victim.pid} on {socket.gethostname()})"
+    name = f"rank 0 (pid {victim[0]} on {socket.gethostname()})"
     assert record["lost_ranks"] == [name] and record["failed_rank"] == 0
     assert record["error"].startswith(f"{name} vanished (no heartbeat for")
     assert_partial(record, 10)
     assert record["summary"]["ranks_summarized"] == [1]  # written by the survivor
-    log = (tmp_path / "log").read_text()
+    log = "".join(capfd.readouterr())
     assert not rank_tracebacks(log) and [line for line in error_lines(log) if "(rank 1) rank 0 (pid" in line]
 
 
-def test_a_rank_that_errs_during_evaluation_is_named_with_its_error(tmp_path):
+def test_a_rank_that_errs_during_evaluation_is_named_with_its_error(tmp_path, capfd):
     """Rank 1 runs out of memory in the validation: it says so in one line, and rank 0's record names rank 1 and its
-    error (it did not vanish), with the cause in one line and no traceback from either rank."""
-    script, runs = tmp_path / "oom.py", tmp_path / "runs"
-    script.write_text(SLOW.format(root=str(ROOT), patch=OOM_IN_EVALUATION))
-    launcher = start(
-        [
-            ACCELERATE,
-            "launch",
-            "--config_file",
-            str(DDP),
-            str(script),
-            *TINY,
-            *ONE_THREAD,
-            "--max-steps",
-            "3",
-            "--output-dir",
-            str(runs),
-            "--run-name",
-            "oom",
-        ],
-        tmp_path / "log",
-    )
-    assert finish(launcher) != 0
+    error (it did not vanish), with the cause in one line and no traceback from either rank. (Ranks forked here.)"""
+    runs = tmp_path / "runs"
+    args = [*TINY, *ONE_THREAD, "--max-steps", "3", "--output-dir", str(runs), "--run-name", "oom"]
+    assert run_in_forked_ranks(args, main=out_of_memory_in_evaluation) != 0
     record = read_record(runs / "oom")
     assert record["status"] == "failed" and record["failed_rank"] == 1 and record["lost_ranks"] is None
     assert record["error"].startswith("rank 1 failed: out of memory at --per-device-batch-size 16")
     assert record["failed_at_step"] == 3 and record["summary"]["ranks_summarized"] == [0]
-    log = (tmp_path / "log").read_text()
+    log = "".join(capfd.readouterr())
     assert not rank_tracebacks(log), rank_tracebacks(log)
     # one line: rank 0's is rank 1's own, printed once on this host
     assert [line.split(":", 2)[1] for line in error_lines(log)] == [

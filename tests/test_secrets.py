@@ -1,33 +1,21 @@
 """A dataset URL with credentials, served by a local HTTP server, through every script: the credentials
 never reach the console or anything written."""
 
-from conftest import ONE_THREAD, TINY, TOKEN, launch, leaks, run_in_process
+from conftest import ONE_THREAD, TINY, TOKEN, leaks, run_in_process
 
 import loaders_bench
 
 
-def test_train_py_trains_from_a_credential_url_and_writes_no_secret(served, tmp_path):
+def test_train_py_trains_from_a_credential_url_and_writes_no_secret(served, tmp_path, capfd):
+    """In this process, TensorBoard writing too (what it prints to Python's streams and to the file descriptors)."""
     runs = tmp_path / "runs"
     url = f"{served}/data.csv?token={TOKEN}"
-    completed = launch(
-        "train.py",
-        [
-            *TINY,
-            *ONE_THREAD,
-            "--dataset",
-            url,
-            "--report-to",
-            "tensorboard",
-            "--output-dir",
-            str(runs),
-            "--run-name",
-            "remote",
-        ],
-        launcher="python",
-    )
+    args = [*TINY, *ONE_THREAD, "--dataset", url, "--report-to", "tensorboard"]
+    completed = run_in_process([*args, "--output-dir", str(runs), "--run-name", "remote"])
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert (runs / "remote" / "record.json").exists()
-    assert leaks(completed.stdout + completed.stderr, runs) == []
+    printed = completed.stdout + completed.stderr + "".join(capfd.readouterr())  # Python's streams, the descriptors
+    assert leaks(printed, runs) == []
 
 
 def test_a_missing_credential_url_is_one_line_without_the_secret(served, tmp_path, capfd):

@@ -17,7 +17,15 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ONE_THREAD, ROOT, TINY, assert_ok, cpu_env, launch, read_record, run_in_process
+import unpad_ddp_pair
+from conftest import (
+    ONE_THREAD,
+    TINY,
+    assert_ok,
+    read_record,
+    run_in_forked_ranks,
+    run_in_process,
+)
 from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
 
 from trainscope import flops, modeling, unpad
@@ -174,14 +182,8 @@ def test_two_processes_train_padding_free_as_padded(tmp_path):
     """DDP over gloo, 2 processes, the run's own builders and training step: per-step losses (the mean over both
     ranks) agree within the rounding bound over both ranks' B x T positions (n = 2 x 8 x 40)."""
     out = tmp_path / "losses.json"
-    assert_ok(
-        launch(
-            "tests/unpad_ddp_pair.py",
-            [str(out), "--model", "embedded:tiny-bert", *DROPOUT],
-            config=ROOT / "accelerate_configs" / "ddp.yaml",
-            env=cpu_env(PYTHONPATH=str(ROOT)),
-        )
-    )
+    pair = lambda args: unpad_ddp_pair.main(str(out), args)  # noqa: E731
+    assert run_in_forked_ranks(["--model", "embedded:tiny-bert", *DROPOUT], main=pair) == 0
     losses = json.loads(out.read_text())
     assert losses["world_size"] == 2 and len(losses["padded"]) == STEPS
     n = 2 * BATCH * LONGEST

@@ -1,4 +1,5 @@
-"""The padded and the padding-free model side by side in one multi-process launch, as tests/test_unpad.py runs it:
+"""The padded and the padding-free model side by side on the ranks of one DDP run. tests/test_unpad.py runs `main`
+on two ranks forked from its process (conftest.run_in_forked_ranks); by hand:
 
     accelerate launch --config_file accelerate_configs/ddp.yaml tests/unpad_ddp_pair.py OUT [train.py flags]
 
