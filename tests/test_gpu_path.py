@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cpu_env, run_command
+from conftest import ROOT, cpu_env, run_command, run_in_process
 
 import compare_dp
 from trainscope import bench, launching
@@ -37,25 +37,12 @@ def test_runs_are_planned_from_the_devices_present(config, gpus, runnable, on_cp
 
 
 def test_a_planned_run_that_fails_fails_the_experiment(tmp_path):
-    completed = run_command(
-        [
-            sys.executable,
-            "-m",
-            "trainscope.experiments",
-            "matrix",
-            "--runs",
-            str(tmp_path / "m"),
-            "--rounds",
-            "1",
-            "--variants",
-            "cpu",
-            "--",
-            "--model",
-            "embedded:tiny-bert",
-            "--dataset",
-            str(tmp_path / "missing.csv"),
-        ],
-        env=cpu_env(),
+    """The driver in this process (its run is launched, as always)."""
+    from trainscope import experiments
+
+    args = ["matrix", "--runs", str(tmp_path / "m"), "--rounds", "1", "--variants", "cpu", "--"]
+    completed = run_in_process(
+        [*args, "--model", "embedded:tiny-bert", "--dataset", str(tmp_path / "missing.csv")], main=experiments.main
     )
     assert completed.returncode == 1
     assert completed.stderr.strip().splitlines()[-1].startswith("error: cpu-r0 (cpu ) failed:")
