@@ -196,13 +196,14 @@ def run_in_process(args: list[str], main=None) -> subprocess.CompletedProcess:
     )
 
 
-def run_in_forked_ranks(args: list[str], main=None, processes: int = 2) -> int:
+def run_in_forked_ranks(args: list[str], main=None, processes: int = 2, **env) -> int:
     """train.py's main() (or another `main(args)`) on `processes` DDP ranks (gloo on the CPU) forked from this process
     by Accelerate's notebook_launcher, which runs torch's elastic agent (torchrun's) here: for the tests of what DDP
     does, not of how `accelerate launch` starts it. The ranks start with this process's imports (an `accelerate
     launch` of two ranks pays about 20 s of CPU for its interpreters and imports on a 2-core machine). `main` runs in
     the ranks only, so it may patch what it likes; what they print goes to this process's file descriptors (capfd).
-    0 when every rank succeeded, else 1 (torchrun's status).
+    0 when every rank succeeded, else 1 (torchrun's status). Keyword arguments: environment variables for the ranks
+    beyond cpu_env()'s.
 
     Put back as `run_in_process` puts it back: Accelerate's state, the environment, and the signal handlers the
     elastic agent installs."""
@@ -218,7 +219,7 @@ def run_in_forked_ranks(args: list[str], main=None, processes: int = 2) -> int:
     environ = dict(os.environ)
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        os.environ.update(cpu_env())
+        os.environ.update(cpu_env(**env))
         os.environ.pop("OMP_NUM_THREADS", None)
         notebook_launcher(main, args=(args,), num_processes=processes, use_port=str(free_port()))
         return 0

@@ -3,7 +3,18 @@
 import statistics
 
 import pytest
-from conftest import CONFIGS, ROOT, TINY, assert_ok, config_processes, cpu_env, launch, read_record, read_steps
+from conftest import (
+    CONFIGS,
+    ROOT,
+    TINY,
+    assert_ok,
+    config_processes,
+    cpu_env,
+    launch,
+    read_record,
+    read_steps,
+    run_in_forked_ranks,
+)
 
 from trainscope.environment import usable_cores
 from trainscope.records import SCHEMA_VERSION
@@ -109,17 +120,13 @@ def test_the_missions_command_on_a_machine_without_a_gpu(config_runs):
     assert {"ran_on_cpu", "fp16_unavailable"} <= {w["code"] for w in record["warnings"]}
 
 
-def test_a_launch_that_would_train_n_times_over_is_refused(runs):
-    """A plain torchrun on a CPU-only machine falls back to DDP over gloo; told not to (ACCELERATE_USE_CPU=false),
-    Accelerate would make N independent single-process runs: refused."""
-    result = launch(
-        "train.py",
-        [*TINY, "--output-dir", str(runs)],
-        launcher="torchrun",
-        env={**cpu_env(), "ACCELERATE_USE_CPU": "false"},
-    )
-    assert result.returncode == 1  # torchrun's status when its workers fail; each worker exited 2
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+def test_a_launch_that_would_train_n_times_over_is_refused(runs, capfd):
+    """Two ranks under torch's elastic agent (torchrun's) on a CPU-only machine fall back to DDP over gloo; told not
+    to (ACCELERATE_USE_CPU=false), Accelerate would make N independent single-process runs: refused. (The ranks are
+    forked from this process: what they are told is the subject, not the launcher.)"""
+    code = run_in_forked_ranks([*TINY, "--output-dir", str(runs)], ACCELERATE_USE_CPU="false")
+    assert code == 1  # torchrun's status when its workers fail; each worker exited 2
+    errors = [line for line in "".join(capfd.readouterr()).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "independent single-process runs" in errors[0]  # once, not once per rank
     assert not runs.exists() or not any(runs.iterdir())
 
