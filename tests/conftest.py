@@ -18,6 +18,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  importing it sets TORCHINDUCTOR_CACHE_DIR: before any test looks at the environment
@@ -199,14 +200,15 @@ def run_in_process(args: list[str], main=None) -> subprocess.CompletedProcess:
     )
 
 
-def run_in_forked_ranks(args: list[str], main=None, processes: int = 2, **env) -> int:
+def run_in_forked_ranks(args: list[str], main=None, processes: int = 2, timeout: float = 300, **env) -> int:
     """train.py's main() (or another `main(args)`) on `processes` DDP ranks (gloo on the CPU) forked from this process
     by Accelerate's notebook_launcher, which runs torch's elastic agent (torchrun's) here: for the tests of what DDP
     does, not of how `accelerate launch` starts it. The ranks start with this process's imports (an `accelerate
     launch` of two ranks pays about 20 s of CPU for its interpreters and imports on a 2-core machine). `main` runs in
     the ranks only, so it may patch what it likes; what they print goes to this process's file descriptors (capfd).
-    0 when every rank succeeded, else 1 (torchrun's status). Keyword arguments: environment variables for the ranks
-    beyond cpu_env()'s.
+    0 when every rank succeeded, else 1 (torchrun's status). Ranks still running after `timeout` seconds (a hang
+    guard, not a measurement) are killed and the test fails. Other keyword arguments: environment variables for the
+    ranks beyond cpu_env()'s.
 
     Put back as `run_in_process` puts it back: Accelerate's state, the environment, and the signal handlers the
     elastic agent installs."""
@@ -220,15 +222,27 @@ def run_in_forked_ranks(args: list[str], main=None, processes: int = 2, **env) -
         main = train.main
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     environ = dict(os.environ)
+    hung = threading.Event()
+
+    def kill_the_ranks():
+        hung.set()
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+    guard = threading.Timer(timeout, kill_the_ranks)
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         os.environ.update(cpu_env(**env))
         os.environ.pop("OMP_NUM_THREADS", None)
+        guard.start()
         notebook_launcher(main, args=(args,), num_processes=processes, use_port=str(free_port()))
         return 0
     except ChildFailedError:
+        assert not hung.is_set(), f"the ranks were still running after {timeout} s: killed"
         return 1
     finally:
+        guard.cancel()
         AcceleratorState._reset_state(reset_partial_state=True)
         for signum, handler in handlers.items():
             signal.signal(signum, handler)

@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from conftest import (
@@ -133,18 +132,6 @@ def finish(process: subprocess.Popen, timeout: float = HANG_S) -> int:
     except subprocess.TimeoutExpired:
         kill_tree(process.pid)
         raise AssertionError(f"the run did not end within {timeout} s") from None
-
-
-def ranks(launcher: subprocess.Popen, script: str = "slow_train.py") -> dict[int, psutil.Process]:
-    """The training processes under an `accelerate launch`, by rank."""
-    found = {}
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        try:
-            if "RANK" in child.environ() and any(script in part for part in child.cmdline()):
-                found[int(child.environ()["RANK"])] = child
-        except psutil.NoSuchProcess:
-            pass
-    return found
 
 
 def assert_partial(record: dict, step_at_least: int) -> None:
