@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import slow_loader
 import torch
 from conftest import (
     ACCELERATE,
@@ -31,16 +32,12 @@ from conftest import (
 from trainscope.launching import kill_tree
 
 DDP = ROOT / "accelerate_configs" / "ddp.yaml"
-# Every batch waits 30 ms in the loader: a run long enough to be interrupted in its middle, on any machine.
+# Every batch waits 30 ms in the loader (tests/slow_loader.py): a run long enough to be interrupted in its middle.
 SLOW = """import sys, time
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {tests!r}]
 {patch}
-import trainscope.data as data
-build = data.build_collator
-def build_collator(*args, **kwargs):
-    collate = build(*args, **kwargs)
-    return lambda rows: (time.sleep(0.03), collate(rows))[1]
-data.build_collator = build_collator
+import slow_loader
+slow_loader.every_batch_waits()
 import train
 train.main(sys.argv[1:])
 """
@@ -100,7 +97,7 @@ def out_of_memory_in_evaluation(argv: list[str]) -> None:
 @pytest.fixture(scope="module")
 def slow_script(tmp_path_factory):
     path = tmp_path_factory.mktemp("endings") / "slow_train.py"
-    path.write_text(SLOW.format(root=str(ROOT), patch=""))
+    path.write_text(SLOW.format(root=str(ROOT), tests=str(ROOT / "tests"), patch=""))
     return path
 
 
@@ -157,7 +154,7 @@ def test_ctrl_c_of_a_single_process_records_the_interruption_and_exits_130(runs,
 
 def test_a_second_ctrl_c_exits_at_once_and_still_marks_the_record(tmp_path):
     script, runs = tmp_path / "slow_train.py", tmp_path / "runs"
-    script.write_text(SLOW.format(root=str(ROOT), patch=SLOW_SAVE))
+    script.write_text(SLOW.format(root=str(ROOT), tests=str(ROOT / "tests"), patch=SLOW_SAVE))
     process = start(
         [sys.executable, str(script), *ARGS, "--output-dir", str(runs), "--run-name", "twice", "--save-on-interrupt"],
         tmp_path / "log",
@@ -233,16 +230,9 @@ def slowly_leaving_the_pid(argv: list[str]) -> None:
     """train.py's main in a forked rank, every batch waiting 30 ms in the loader (as slow_train.py), the rank's process
     id in <output-dir>/rank<RANK>.pid."""
     import train
-    import trainscope.data as data
 
     (Path(argv[argv.index("--output-dir") + 1]) / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
-    build = data.build_collator
-
-    def build_collator(*args, **kwargs):
-        collate = build(*args, **kwargs)
-        return lambda rows: (time.sleep(0.03), collate(rows))[1]
-
-    data.build_collator = build_collator
+    slow_loader.every_batch_waits()
     train.main(argv)
 
 
