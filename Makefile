@@ -79,14 +79,42 @@ help: ## list the targets
 	@echo "  variables: CONFIG=accelerate_configs/<x>.yaml ARGS='<train.py flags>' RUNS=runs RESULTS=results ROUNDS=$(ROUNDS)"
 	@echo "  the committed report: make report (on a clone without runs/ or results/), or make report RUNS=benchmarks/runs RESULTS=benchmarks"
 
+# uv installs what pip would from the same places, about ten times faster (requirements.txt: 5 s against 52 s on
+# 2 cores). It reads none of pip's settings, so pip's own are passed on (`pip config list`: index, extra indexes,
+# find-links and constraints, from pip's files and PIP_* variables), with pip's rule of the best match over every
+# index. The uv on PATH, or one pip installs into the venv; where neither works, or uv fails, pip installs.
+define PIP_SETTINGS_FOR_UV
+import ast, shlex, subprocess, sys
+flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+         "constraint": "--constraint"}
+listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+found = {}
+for line in listed.splitlines():
+    key, _, value = line.partition("=")
+    section, _, name = key.rpartition(".")
+    found.setdefault(name, {})[section] = ast.literal_eval(value).split()
+args = ["--index-strategy", "unsafe-best-match"]
+for name, flag in flags.items():
+    # pip's order: a PIP_* variable, then the install command's own section, then the global one
+    items = next((found[name][s] for s in (":env:", "install", "global") if s in found.get(name, {})), [])
+    args += [part for item in items for part in (flag, item)]
+print(shlex.join(args))
+endef
+export PIP_SETTINGS_FOR_UV
+# $(call INSTALL,<pip arguments>)
+INSTALL = { uv=$$(command -v uv || { { test -x $(VENV)/bin/uv || $(PY) -m pip install -q uv >/dev/null 2>&1; } && \
+	echo $(VENV)/bin/uv; }) && settings=$$($(PY) -c "$$PIP_SETTINGS_FOR_UV") && \
+	eval "$$uv pip install -q --python $(PY) $$settings $(1)"; } || \
+	$(PY) -m pip install -q --no-compile $(1)
+
 # The venv sees the system's packages only where the system Python has torch (a GPU host's CUDA build, reused).
 # Elsewhere it is isolated: packages the system happens to have change what every process imports (boto3 through
 # accelerate, scipy through evaluate and transformers, trio through the HTTP client): 2 s more per process.
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	test -x $(PY) || $(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q --no-compile -r requirements.txt
-	$(PY) -m pip install -q --no-compile --no-deps -r requirements-embedded.txt
+	$(call INSTALL,-r requirements.txt)
+	$(call INSTALL,--no-deps -r requirements-embedded.txt)
 	@# bytecode on every core at once (pip compiles one file after another); like pip, skip files that do not compile.
 	@# Not for packages' own tests, pip's, or transformers' model families other than the BERT family: 6,000 of
 	@# 15,000 files that no run imports (one that does compiles it when it imports it)

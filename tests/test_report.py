@@ -3,6 +3,7 @@ committed inputs."""
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -330,6 +331,37 @@ def test_make_setup_isolates_the_venv_unless_the_system_python_has_torch(tmp_pat
     assert made.returncode == 0, made.stderr
     (created,) = [line for line in log.read_text().splitlines() if line.startswith("-m venv")]
     assert created == (f"-m venv --system-site-packages {venv}" if system_torch else f"-m venv {venv}")
+
+
+def test_make_setup_passes_pips_own_settings_on_to_uv(tmp_path):
+    """uv reads none of pip's files: the index, extra indexes, find-links and constraints pip would use (its config
+    file and PIP_* variables, a variable before the file) reach uv's command line, with pip's rule of the best match
+    over every index."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text(
+        "[global]\nindex-url = https://mirror.example/simple\n"
+        "extra-index-url = file:///srv/a/simple\n    file:///srv/b/simple\n"
+        "find-links = /srv/wheels\nconstraint = /srv/constraints.txt\ntimeout = 60\n"
+    )
+    env = {k: v for k, v in cpu_env().items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=str(conf), PIP_FIND_LINKS="/srv/env-wheels")
+    show = 'show: ; @$(PY) -c "$$PIP_SETTINGS_FOR_UV"'
+    made = run_command(["make", "-s", "--eval", show, "show"], env=env)
+    assert made.returncode == 0, made.stderr
+    assert shlex.split(made.stdout) == [
+        "--index-strategy",
+        "unsafe-best-match",
+        "--index-url",
+        "https://mirror.example/simple",
+        "--extra-index-url",
+        "file:///srv/a/simple",
+        "--extra-index-url",
+        "file:///srv/b/simple",
+        "--find-links",
+        "/srv/env-wheels",
+        "--constraint",
+        "/srv/constraints.txt",
+    ]
 
 
 def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_records():
