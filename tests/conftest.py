@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -198,6 +199,121 @@ def run_in_process(args: list[str], main=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(
         [getattr(main, "__module__", "train"), *args], code, out.getvalue(), err.getvalue()
     )
+
+
+def run_script_forked(command: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`python <script> [args]` or `python -m <module> [args]` (what trainscope.launching.run_captured runs for
+    `--launcher python`, and what a one-process `accelerate launch` runs) in a child
+    forked from this process, which has the imports done (a tiny run's own interpreter spends about 85% of its
+    10 s on them on a 2-core machine): for tests whose subject is what the runs do, not how their interpreter
+    starts. The child gets `env`, the script's folder as the launch's, its own session, and its output captured;
+    past `timeout` it is killed and the result ends in run_captured's timeout line."""
+    assert Path(command[0]).name.startswith("python"), command
+    import evaluate  # noqa: F401  (what a run imports only when it evaluates: once here, not in every child)
+    from accelerate.state import AcceleratorState
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.setsid()
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the child's streams)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                os.environ.clear()
+                os.environ.update(env)
+                os.chdir(ROOT)
+                AcceleratorState._reset_state(reset_partial_state=True)
+                import runpy
+
+                if command[1] == "-m":
+                    sys.argv = command[2:]
+                    runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = command[1:]
+                    runpy.run_path(command[1], run_name="__main__")
+                code = 0
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                kill_tree(pid)
+                os.waitpid(pid, 0)
+                status = -1
+                break
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if status == -1:
+        return subprocess.CompletedProcess(
+            command, -signal.SIGKILL, stdout, stderr + f"\nerror: timed out after {timeout:.0f} s"
+        )
+    return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), stdout, stderr)
+
+
+def one_process_launch(command: list[str], env: dict) -> tuple[list[str], dict, str] | None:
+    """What `accelerate launch [flags] <script or -m module> [args]` (`command`, run with `env`) would run when it
+    starts one process by its simple launcher: the command and environment Accelerate's own code prepares for it
+    (its flags and config file read as the launcher reads them) and what it printed doing so. None for any other
+    launch (several processes, FSDP, DeepSpeed, a GPU launcher)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+
+    if Path(command[0]).name != "accelerate" or command[1:2] != ["launch"]:
+        return None
+    environ, printed = dict(os.environ), io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(command[2:]))
+            others = (args.use_deepspeed, args.use_fsdp, args.use_megatron_lm, args.multi_gpu, args.tpu)
+            if (any(others) and not args.cpu) or (args.num_processes or 1) > 1 or args.mpirun_hostfile:
+                return None
+            if defaults is not None and defaults.compute_environment != "LOCAL_MACHINE":
+                return None
+            launched, launch_env = prepare_simple_launcher_cmd_env(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return launched, launch_env, printed.getvalue()
+
+
+def fork_launches(monkeypatch) -> None:
+    """Every `python <script>` or `python -m <module>` that trainscope.launching.run_captured starts (`--launcher
+    python` runs, benchmark arms), and every one-process `accelerate launch`, runs forked (run_script_forked) with
+    the command and environment the launcher would give it; other launches (several processes: torchrun) start as
+    always. For tests of what drivers make of their runs: the launches themselves are tested in test_launches.py."""
+    from trainscope import launching
+
+    launched = launching.run_captured
+
+    def run_captured(command, env, timeout=None):
+        if Path(command[0]).name.startswith("python"):
+            return run_script_forked(command, env, timeout)
+        one = one_process_launch(command, env)
+        if one is None:
+            return launched(command, env, timeout)
+        result = run_script_forked(one[0], one[1], timeout)
+        result.args, result.stderr = command, one[2] + result.stderr
+        return result
+
+    monkeypatch.setattr(launching, "run_captured", run_captured)
 
 
 def run_in_forked_ranks(args: list[str], main=None, processes: int = 2, timeout: float = 300, **env) -> int:

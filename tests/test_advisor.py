@@ -7,7 +7,7 @@ import shlex
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, TINY, cpu_env, plant
+from conftest import ROOT, TINY, cpu_env, fork_launches, plant
 
 import report
 from trainscope import advisor, changes, flops, health, tune
@@ -675,7 +675,9 @@ train.main(sys.argv[1:])
 
 
 def test_tune_judges_exact_changes_on_real_runs_and_finds_a_planted_inexact_one(tmp_path, monkeypatch, capsys):
-    """make tune's command (its main(), in this process so the advice can be planted) on real runs of the tiny model,
+    """make tune's command (its main(), in this process so the advice can be planted) on real runs of the tiny model
+    (each `python <script>` forked from this process: the subject is what tune makes of the runs; the make targets'
+    runs in tests/test_report.py start their interpreters as every experiment does),
     one round (the verdicts on speed are tested on planted and simulated runs above and in tests/test_tune.py): the
     advice run's own suggestion (a slow loader's --num-workers 1) is exact -- every logged step's loss and the final
     metrics agree within fp32's tolerance; another hidden dropout probability, planted in the catalogue as exact (as
@@ -700,6 +702,7 @@ def test_tune_judges_exact_changes_on_real_runs_and_finds_a_planted_inexact_one(
         "--hidden-dropout",
         changes.Change("--hidden-dropout", changes.EXACT, "planted as exact: other dropout masks"),
     )
+    fork_launches(monkeypatch)  # the runs' imports paid once, here
     runs = tmp_path / "tune"
     tune.main(
         [

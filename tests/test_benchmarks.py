@@ -4,7 +4,7 @@ import importlib
 import json
 import sys
 
-from conftest import run_in_process
+from conftest import fork_launches, run_in_process
 
 from trainscope import bench
 from trainscope.benchmarks import trainer_peer
@@ -26,8 +26,10 @@ TINY = [
 
 
 def one_round_of(module: str, out, monkeypatch) -> dict:
-    """`python -m trainscope.benchmarks.<module> --pairs 1` on the tiny model, the driver in this process (its
-    arms are launched processes, as always); its results file."""
+    """`python -m trainscope.benchmarks.<module> --pairs 1` on the tiny model, the driver in this process; its arms
+    (one process each, by `accelerate launch` or `python`) run forked from this process with the command and
+    environment their launcher gives them (conftest.fork_launches); its results file."""
+    fork_launches(monkeypatch)
     driver = importlib.import_module(f"trainscope.benchmarks.{module}")
     monkeypatch.setattr(sys, "argv", [f"{module}.py", "--pairs", "1", "--out", str(out), *TINY])
     completed = run_in_process([], main=lambda _: driver.main())

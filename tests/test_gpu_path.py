@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cpu_env, run_command, run_in_process
+from conftest import ROOT, cpu_env, fork_launches, one_process_launch, run_command, run_in_process, run_script_forked
 
 import compare_dp
 from trainscope import bench, launching
@@ -36,9 +36,11 @@ def test_runs_are_planned_from_the_devices_present(config, gpus, runnable, on_cp
         assert plan.reason == f"needs 2 GPUs (one per process), {gpus} present"
 
 
-def test_a_planned_run_that_fails_fails_the_experiment(tmp_path):
-    """The driver in this process (its run is launched, as always)."""
+def test_a_planned_run_that_fails_fails_the_experiment(tmp_path, monkeypatch):
+    """The driver in this process, its run's launch forked with what the launcher would give it."""
     from trainscope import experiments
+
+    fork_launches(monkeypatch)
 
     args = ["matrix", "--runs", str(tmp_path / "m"), "--rounds", "1", "--variants", "cpu", "--"]
     completed = run_in_process(
@@ -121,7 +123,10 @@ def test_the_batch_size_search_runs_in_a_child_launched_with_the_config():
         "--report-to",
         "none",
     ]
-    completed = run_command(command, env=cpu_env())
+    # the command and environment `accelerate launch` gives its one process under the config, run forked
+    launched, env, _ = one_process_launch(command, cpu_env())
+    assert launched[1:4] == ["-m", "trainscope.experiments", "find-batch"] and env["ACCELERATE_USE_CPU"] == "True"
+    completed = run_script_forked(launched, env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"largest_batch": 8}  # a CPU never runs out
 
