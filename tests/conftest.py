@@ -228,6 +228,7 @@ def run_script_forked(command: list[str], env: dict, timeout: float | None = Non
                 AcceleratorState._reset_state(reset_partial_state=True)
                 import runpy
 
+                sys.orig_argv = list(command)  # the command its record names (provenance.launch_command)
                 if command[1] == "-m":
                     sys.argv = command[2:]
                     runpy.run_module(command[2], run_name="__main__", alter_sys=True)

@@ -10,17 +10,28 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cpu_env, run_command, run_in_process
+from conftest import ROOT, cpu_env, fork_launches, run_command, run_in_process
 from test_report_pdf import check_report, glance_titles
 
 import report
-from trainscope import provenance, reporting
+from trainscope import experiments, provenance, reporting
 from trainscope.experiments import REGISTRY, SECTIONS
 
 TINY = (
     "--model embedded:tiny-bert --max-train-samples 256 --max-eval-samples 64 --max-test-samples 64 "
     "--per-device-batch-size 16 --learning-rate 3e-3 --report-to none --log-every 2 --threads 1"
 )
+
+
+def driven_in_process(target: list[str]) -> subprocess.CompletedProcess:
+    """A make target's own command (`make -n`), its experiment driver run in this process and its runs forked with
+    what their launcher gives them (conftest.fork_launches)."""
+    planned = run_command(["make", "-n", *target]).stdout.splitlines()
+    (command,) = [shlex.split(line) for line in planned if " -m trainscope.experiments " in line]
+    with pytest.MonkeyPatch.context() as patch:
+        fork_launches(patch)
+        patch.setattr(sys, "orig_argv", command)  # the command its comparison records
+        return run_in_process(command[3:], main=experiments.main)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +46,14 @@ def built(tmp_path_factory):
         f"AMP_ARGS={TINY} --max-steps 6",
         "ROUNDS=1",
     ]
-    for target in (
-        ["profile", "PROFILE_BF16=off"],
-        ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"],
-        ["amp-compare"],
-        ["report", f"REPORT_ARGS=--out {out}"],
-    ):
-        completed = run_command(["make", "-s", *target, *common], env=cpu_env(), timeout=900)
+    # make amp-compare launches its runs for real, as every experiment's driver does
+    completed = run_command(["make", "-s", "amp-compare", *common], env=cpu_env(), timeout=900)
+    assert completed.returncode == 0, f"make amp-compare: {completed.stderr[-3000:]}"
+    for target in (["profile", "PROFILE_BF16=off"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"]):
+        completed = driven_in_process([*target, *common])
         assert completed.returncode == 0, f"make {target}: {completed.stderr[-3000:]}"
+    completed = run_command(["make", "-s", "report", f"REPORT_ARGS=--out {out}", *common], env=cpu_env())
+    assert completed.returncode == 0, f"make report: {completed.stderr[-3000:]}"
     return runs, results, out
 
 
