@@ -16,10 +16,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  importing it sets TORCHINDUCTOR_CACHE_DIR: before any test looks at the environment
@@ -66,10 +64,14 @@ def pytest_collection_modifyitems(items):
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Every run measures the machine's matmul peak (trainscope.peak) on a miss of its cache: the session's runs share
 # one temporary cache (a miss per thread count, model shape and process count, then hits), and the large square
-# is small, so no test pays the full benchmark and no developer's own cache is touched.
-_PEAK_CACHE = tempfile.mkdtemp(prefix="trainscope-test-cache-")
-atexit.register(shutil.rmtree, _PEAK_CACHE, ignore_errors=True)
-os.environ["TRAINSCOPE_CACHE_DIR"] = _PEAK_CACHE
+# is small, so no test pays the full benchmark and no developer's own cache is touched. The first process to load
+# this file makes it (pytest's controller, before it starts the workers, which inherit it, as every process they
+# start does) and removes it at exit.
+SESSION_CACHE = "TRAINSCOPE_TEST_SESSION_CACHE"
+if not Path(os.environ.get(SESSION_CACHE) or "/nonexistent").is_dir():
+    os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="trainscope-test-cache-")
+    atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], ignore_errors=True)
+os.environ["TRAINSCOPE_CACHE_DIR"] = os.environ[SESSION_CACHE]
 os.environ["TRAINSCOPE_PEAK_SQUARE"] = "256"
 # No run calibrates the predictor on first use (a minute of short runs): the tests that calibrate say so.
 os.environ["TRAINSCOPE_CALIBRATION"] = "off"
@@ -201,70 +203,46 @@ def run_in_process(args: list[str], main=None) -> subprocess.CompletedProcess:
     )
 
 
+_FORK_SERVER = None
+
+
+def fork_server():
+    """This test worker's fork server (multiprocessing's "forkserver" context), which imports train.py's modules
+    once: its children start with them."""
+    global _FORK_SERVER
+    import multiprocessing
+
+    if _FORK_SERVER is None:
+        _FORK_SERVER = multiprocessing.get_context("forkserver")
+        _FORK_SERVER.set_forkserver_preload(["forked", "train", "evaluate", "trainscope.experiments", "accelerate"])
+    return _FORK_SERVER
+
+
 def run_script_forked(command: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
     """`python <script> [args]` or `python -m <module> [args]` (what trainscope.launching.run_captured runs for
-    `--launcher python`, and what a one-process `accelerate launch` runs) in a child
-    forked from this process, which has the imports done (a tiny run's own interpreter spends about 85% of its
-    10 s on them on a 2-core machine): for tests whose subject is what the runs do, not how their interpreter
-    starts. The child gets `env`, the script's folder as the launch's, its own session, and its output captured;
-    past `timeout` it is killed and the result ends in run_captured's timeout line."""
-    assert Path(command[0]).name.startswith("python"), command
-    import evaluate  # noqa: F401  (what a run imports only when it evaluates: once here, not in every child)
-    from accelerate.state import AcceleratorState
+    `--launcher python`, and what a one-process `accelerate launch` runs) in a child forked from a fork server that
+    has train.py's imports done (a tiny run's own interpreter spends about 85% of its 10 s on them on a 2-core
+    machine): for tests whose subject is what the runs do, not how their interpreter starts. The child gets `env`,
+    the project's folder, its own session, and its output captured (tests/forked.py); past `timeout` it is killed
+    and the result ends in run_captured's timeout line. The server (one a test worker) is not this process: a child
+    forked from a process whose torch ran on several threads can hang in its first parallel region."""
+    import forked
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code = 1
-            try:
-                os.setsid()
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the child's streams)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-                os.environ.clear()
-                os.environ.update(env)
-                os.chdir(ROOT)
-                AcceleratorState._reset_state(reset_partial_state=True)
-                import runpy
-
-                sys.orig_argv = list(command)  # the command its record names (provenance.launch_command)
-                if command[1] == "-m":
-                    sys.argv = command[2:]
-                    runpy.run_module(command[2], run_name="__main__", alter_sys=True)
-                else:
-                    sys.argv = command[1:]
-                    runpy.run_path(command[1], run_name="__main__")
-                code = 0
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                kill_tree(pid)
-                os.waitpid(pid, 0)
-                status = -1
-                break
-            time.sleep(0.05)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    if status == -1:
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        child = fork_server().Process(target=forked.run, args=(list(command), dict(env), str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        timed_out = child.exitcode is None
+        if timed_out:
+            kill_tree(child.pid)
+            child.join()
+        stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
+    if timed_out:
         return subprocess.CompletedProcess(
             command, -signal.SIGKILL, stdout, stderr + f"\nerror: timed out after {timeout:.0f} s"
         )
-    return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), stdout, stderr)
+    return subprocess.CompletedProcess(command, child.exitcode, stdout, stderr)
 
 
 def one_process_launch(command: list[str], env: dict) -> tuple[list[str], dict, str] | None:
@@ -318,53 +296,39 @@ def fork_launches(monkeypatch) -> None:
 
 
 def run_in_forked_ranks(args: list[str], main=None, processes: int = 2, timeout: float = 300, **env) -> int:
-    """train.py's main() (or another `main(args)`) on `processes` DDP ranks (gloo on the CPU) forked from this process
-    by Accelerate's notebook_launcher, which runs torch's elastic agent (torchrun's) here: for the tests of what DDP
-    does, not of how `accelerate launch` starts it. The ranks start with this process's imports (an `accelerate
-    launch` of two ranks pays about 20 s of CPU for its interpreters and imports on a 2-core machine). `main` runs in
-    the ranks only, so it may patch what it likes; what they print goes to this process's file descriptors (capfd).
-    0 when every rank succeeded, else 1 (torchrun's status). Ranks still running after `timeout` seconds (a hang
-    guard, not a measurement) are killed and the test fails. Other keyword arguments: environment variables for the
-    ranks beyond cpu_env()'s.
-
-    Put back as `run_in_process` puts it back: Accelerate's state, the environment, and the signal handlers the
-    elastic agent installs."""
-    from accelerate import notebook_launcher
-    from accelerate.state import AcceleratorState
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    """train.py's main() (or another `main(args)`, importable by name: a fork server's child runs it) on `processes`
+    DDP ranks (gloo on the CPU) by Accelerate's notebook_launcher, which runs torch's elastic agent (torchrun's) in a
+    child of the fork server of run_script_forked and forks the ranks from it: for the tests of what DDP does, not
+    of how `accelerate launch` starts it. The ranks start with train.py's imports done (an `accelerate launch` of
+    two ranks pays about 20 s of CPU for its interpreters and imports on a 2-core machine); what they print goes to
+    this process's file descriptors once they end (capfd). 0 when every rank succeeded, else 1 (torchrun's
+    status). Ranks still running after `timeout` seconds (a hang guard, not a measurement) are killed and the test
+    fails. Other keyword arguments: environment variables for the ranks beyond cpu_env()'s."""
+    import forked
 
     if main is None:
         import train
 
         main = train.main
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-    environ = dict(os.environ)
-    hung = threading.Event()
-
-    def kill_the_ranks():
-        hung.set()
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-
-    guard = threading.Timer(timeout, kill_the_ranks)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        os.environ.update(cpu_env(**env))
-        os.environ.pop("OMP_NUM_THREADS", None)
-        guard.start()
-        notebook_launcher(main, args=(args,), num_processes=processes, use_port=str(free_port()))
-        return 0
-    except ChildFailedError:
-        assert not hung.is_set(), f"the ranks were still running after {timeout} s: killed"
-        return 1
-    finally:
-        guard.cancel()
-        AcceleratorState._reset_state(reset_partial_state=True)
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        os.environ.clear()
-        os.environ.update(environ)
+    environment = cpu_env(**env)
+    environment.pop("OMP_NUM_THREADS", None)
+    server = fork_server()
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        agent = server.Process(
+            target=forked.ranks, args=(main, list(args), processes, str(free_port()), environment, str(out), str(err))
+        )
+        agent.start()
+        agent.join(timeout)
+        hung = agent.exitcode is None
+        if hung:
+            kill_tree(agent.pid)
+            agent.join()
+        for fd, path in ((1, out), (2, err)):
+            if path.exists():
+                os.write(fd, path.read_bytes())
+    assert not hung, f"the ranks were still running after {timeout} s: killed"
+    return agent.exitcode
 
 
 def signal_at_training_batch(monkeypatch, batch: int, signum: int) -> list:
@@ -411,11 +375,12 @@ def error_line(result: subprocess.CompletedProcess) -> str:
 
 
 def rank_tracebacks(log: str) -> list[str]:
-    """The exceptions of the tracebacks in a launch's output, less the launcher's own report (ChildFailedError)."""
+    """The exceptions of the tracebacks in a launch's output, less the launcher's own report (ChildFailedError; for
+    forked ranks the elastic agent's ProcessExitedException, the exit code of a rank that ended)."""
     raised = []
     for block in log.split("Traceback (most recent call last):")[1:]:
         last = next((line for line in block.splitlines() if line.strip() and not line.startswith(" ")), "")
-        if "ChildFailedError" not in last:
+        if "ChildFailedError" not in last and "ProcessExitedException:" not in block:
             raised.append(last)
     return raised
 

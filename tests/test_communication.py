@@ -88,7 +88,7 @@ def planted(argv: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
-    """Three runs of two ranks forked from this process (what DDP does is the subject here, not the launcher)."""
+    """Three runs of two forked ranks (run_in_forked_ranks; what DDP does is the subject here, not the launcher)."""
     runs = tmp_path_factory.mktemp("communication") / "runs"
     # the default run is profiled (steps 4-9): the trace is a third instrument of the same steps
     plans = {

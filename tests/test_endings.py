@@ -202,7 +202,7 @@ def test_ctrl_c_of_a_ddp_launch_then_resume_gives_the_same_losses_as_an_uninterr
 
 def test_sigterm_to_one_rank_during_the_final_test_evaluation_stops_both_and_is_recorded(tmp_path, capfd):
     """After the last optimizer step's vote, the ranks vote between evaluation batches and once more before the
-    run is complete: a signal to one rank there is not lost. (Ranks forked here: the ranks' vote is the subject.)"""
+    run is complete: a signal to one rank there is not lost. (Forked ranks, run_in_forked_ranks: the ranks' vote is the subject.)"""
     runs = tmp_path / "runs"
     args = [*TINY, *ONE_THREAD, "--max-steps", "4", "--max-test-samples", "512", "--output-dir", str(runs)]
 
@@ -238,7 +238,7 @@ def slowly_leaving_the_pid(argv: list[str]) -> None:
 
 def test_a_killed_main_process_leaves_a_failed_record_naming_it(tmp_path, capfd):
     """Rank 0, the record's writer, is killed: rank 1 finds its heartbeat stopped in the store of torch's elastic
-    agent (torchrun's; here it runs in this process, which forked the ranks), which outlives rank 0, claims the
+    agent (torchrun's; here it runs in the process that forked the ranks, run_in_forked_ranks), which outlives rank 0, claims the
     record there and writes the failure."""
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -271,7 +271,7 @@ def test_a_killed_main_process_leaves_a_failed_record_naming_it(tmp_path, capfd)
 
 def test_a_rank_that_errs_during_evaluation_is_named_with_its_error(tmp_path, capfd):
     """Rank 1 runs out of memory in the validation: it says so in one line, and rank 0's record names rank 1 and its
-    error (it did not vanish), with the cause in one line and no traceback from either rank. (Ranks forked here.)"""
+    error (it did not vanish), with the cause in one line and no traceback from either rank. (Forked ranks.)"""
     runs = tmp_path / "runs"
     args = [*TINY, *ONE_THREAD, "--max-steps", "3", "--output-dir", str(runs), "--run-name", "oom"]
     assert run_in_forked_ranks(args, main=out_of_memory_in_evaluation) != 0

@@ -1,8 +1,10 @@
 """train.py launched exactly as the README says, under every shipped config and launcher (subprocesses)."""
 
 import statistics
+import sys
 
 import pytest
+import torch
 from conftest import (
     ACCELERATE,
     CONFIGS,
@@ -27,7 +29,7 @@ EXPECTED_PRECISION = {"fp16": "fp32", "ddp_fp16": "fp32", "bf16": "bf16", "fsdp"
 
 # Launched for real: cpu.yaml (make train's one-process command) and every config of several processes (torchrun).
 # The other one-process configs (fp16, bf16, single_gpu) differ from cpu.yaml only in what the launcher reads from
-# them: their one process runs forked from the test worker, with the command and environment Accelerate's own
+# them: their one process runs forked from the test worker's fork server, with the command and environment Accelerate's own
 # launcher code prepares from the yaml (conftest.one_process_launch). (make amp-compare launches bf16.yaml for real
 # in tests/test_report.py.)
 LAUNCHED = {"cpu"}
@@ -84,7 +86,7 @@ def test_every_config_launches_as_documented(config, config_runs):
     # the launcher's OMP_NUM_THREADS does not decide: each process gets its share of the usable cores
     assert env["threads"]["threads_source"] == "auto"
     assert env["torch_threads"] == env["threads"]["thread_budget"] == usable_cores() // world_size
-    if config.stem in LAUNCHED or world_size > 1:  # a forked process's parent is the test worker
+    if config.stem in LAUNCHED or world_size > 1:  # a forked process's parent is the fork server
         command = record["provenance"]["command"]
         assert command.startswith("accelerate launch --config_file") and f"{config.stem}.yaml" in command
     if config.stem in ("fp16", "ddp_fp16"):  # said when the run starts, and recorded
@@ -124,8 +126,16 @@ def test_ranks_combine_into_median_and_max(config_runs):
 
 
 def test_a_plain_python_launch_uses_every_usable_core(runs):
-    """(`accelerate launch`, which exports OMP_NUM_THREADS=1, is every config's test above.)"""
-    result = launch("train.py", [*TINY, "--output-dir", str(runs), "--run-name", "plain"], launcher="python")
+    """`python train.py`, forked from the test worker's fork server with the command and environment it would start with (no
+    launcher's variables). (`accelerate launch`, which exports OMP_NUM_THREADS=1, is every config's test above.)"""
+    command = [sys.executable, str(ROOT / "train.py"), *TINY, "--output-dir", str(runs), "--run-name", "plain"]
+    threads = torch.get_num_threads()
+    try:  # this process's torch on every core first: a child forked from it would hang in its first parallel region
+        torch.set_num_threads(usable_cores())
+        torch.ones(256, 256) @ torch.ones(256, 256)
+    finally:
+        torch.set_num_threads(threads)
+    result = run_script_forked(command, cpu_env(), timeout=120)
     assert_ok(result)
     record = check_record(runs / "plain", 1)
     assert record["environment"]["torch_threads"] == usable_cores()
@@ -142,7 +152,7 @@ def test_the_missions_command_on_a_machine_without_a_gpu(config_runs):
 def test_a_launch_that_would_train_n_times_over_is_refused(runs, capfd):
     """Two ranks under torch's elastic agent (torchrun's) on a CPU-only machine fall back to DDP over gloo; told not
     to (ACCELERATE_USE_CPU=false), Accelerate would make N independent single-process runs: refused. (The ranks are
-    forked from this process: what they are told is the subject, not the launcher.)"""
+    forked, run_in_forked_ranks: what they are told is the subject, not the launcher.)"""
     code = run_in_forked_ranks([*TINY, "--output-dir", str(runs)], ACCELERATE_USE_CPU="false")
     assert code == 1  # torchrun's status when its workers fail; each worker exited 2
     errors = [line for line in "".join(capfd.readouterr()).splitlines() if line.startswith("error:")]

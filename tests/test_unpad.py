@@ -13,6 +13,7 @@ move by k (n - 1) u of itself to first order. The planted change moves the first
 import contextlib
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -178,12 +179,17 @@ def test_a_padding_free_run_counts_the_work_its_kernels_did(runs):
     assert "on real tokens" in result.stdout
 
 
+def pair_writing_where_told(args: list[str]) -> None:
+    """tests/unpad_ddp_pair.py's main on a forked rank, writing where PAIR_OUT says."""
+    unpad_ddp_pair.main(os.environ["PAIR_OUT"], args)
+
+
 def test_two_processes_train_padding_free_as_padded(tmp_path):
     """DDP over gloo, 2 processes, the run's own builders and training step: per-step losses (the mean over both
     ranks) agree within the rounding bound over both ranks' B x T positions (n = 2 x 8 x 40)."""
     out = tmp_path / "losses.json"
-    pair = lambda args: unpad_ddp_pair.main(str(out), args)  # noqa: E731
-    assert run_in_forked_ranks(["--model", "embedded:tiny-bert", *DROPOUT], main=pair) == 0
+    args = ["--model", "embedded:tiny-bert", *DROPOUT]
+    assert run_in_forked_ranks(args, main=pair_writing_where_told, PAIR_OUT=str(out)) == 0
     losses = json.loads(out.read_text())
     assert losses["world_size"] == 2 and len(losses["padded"]) == STEPS
     n = 2 * BATCH * LONGEST

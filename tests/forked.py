@@ -1,0 +1,50 @@
+"""The child side of conftest.run_script_forked: a script or module run as `python` would run it, in a process
+forked from a fork server that imported train.py's modules once (and never ran a parallel region: GNU OpenMP, which
+torch's CPU builds use, hangs in a child forked from a process that ran one on several threads)."""
+
+import os
+import runpy
+import sys
+
+
+def run(command: list[str], env: dict, out: str, err: str) -> None:
+    """`command` ([python, script, args...] or [python, -m, module, args...]) with `env`, its folder the project's,
+    in a session of its own, its output to the files `out` and `err`; exits with the script's status."""
+    os.setsid()
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the child's streams)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.orig_argv = list(command)  # the command its record names (trainscope.provenance.launch_command)
+    if command[1] == "-m":
+        sys.argv = command[2:]
+        runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = command[1:]
+        runpy.run_path(command[1], run_name="__main__")
+
+
+def ranks(main, args: list[str], processes: int, port: str, env: dict, out: str, err: str) -> None:
+    """`main(args)` on `processes` ranks by Accelerate's notebook_launcher (torch's elastic agent, torchrun's, in this
+    process, the ranks forked from it), with `env`, their output to the files `out` and `err`; exits 0 when every
+    rank succeeded, else 1 (torchrun's status)."""
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the child's streams)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    from accelerate import notebook_launcher
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        notebook_launcher(main, args=(args,), num_processes=processes, use_port=port)
+    except ChildFailedError:
+        sys.exit(1)
