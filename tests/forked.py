@@ -2,14 +2,22 @@
 forked from a fork server that imported train.py's modules once (and never ran a parallel region: GNU OpenMP, which
 torch's CPU builds use, hangs in a child forked from a process that ran one on several threads)."""
 
+import multiprocessing
 import os
 import runpy
 import sys
 
 
+def as_a_fresh_interpreter() -> None:
+    """multiprocessing's start method back to a fresh interpreter's default (a fork server's child has the fork
+    server's: a DataLoader's workers would then need its collate function picklable)."""
+    multiprocessing.set_start_method(None, force=True)
+
+
 def run(command: list[str], env: dict, out: str, err: str) -> None:
     """`command` ([python, script, args...] or [python, -m, module, args...]) with `env`, its folder the project's,
     in a session of its own, its output to the files `out` and `err`; exits with the script's status."""
+    as_a_fresh_interpreter()
     os.setsid()
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -33,6 +41,7 @@ def ranks(main, args: list[str], processes: int, port: str, env: dict, out: str,
     """`main(args)` on `processes` ranks by Accelerate's notebook_launcher (torch's elastic agent, torchrun's, in this
     process, the ranks forked from it), with `env`, their output to the files `out` and `err`; exits 0 when every
     rank succeeded, else 1 (torchrun's status)."""
+    as_a_fresh_interpreter()
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
