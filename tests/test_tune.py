@@ -613,3 +613,10 @@ def test_tune_confirm_refuses_what_it_cannot_confirm(tmp_path):
         tune_confirm.run(confirm_args(tmp_path), [])
     with pytest.raises(UserError, match="at least 5"):
         tune_confirm.run(confirm_args(tmp_path, rounds=3, tuned_flags="--group-by-length"), [])
+
+
+def test_the_tune_tables_title_counts_its_tests_in_words():
+    from trainscope.experiments import optimization
+
+    for tests, words in ((1, "(Holm over 1 test, one look)"), (3, "(Holm over 3 tests, one look)")):
+        assert optimization.tune_table({"design": {"tests": tests}, "trials": []}).title.endswith(words)

@@ -145,7 +145,7 @@ def tune_table(result: dict) -> Table:
     ]
     return Table(
         f"make tune: each suggestion (the exact ones first, then the others on top of the kept exact ones), "
-        f"then the kept ones together, against the baseline runs of its own rounds (Holm over {tests} tests, "
+        f"then the kept ones together, against the baseline runs of its own rounds (Holm over {tests} test{'s' * (tests != 1)}, "
         "one look)",
         [
             "trial",
