@@ -229,21 +229,28 @@ def run_script_forked(command: list[str], env: dict, timeout: float | None = Non
     forked from a process whose torch ran on several threads can hang in its first parallel region."""
     import forked
 
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = Path(folder) / "out", Path(folder) / "err"
-        child = fork_server().Process(target=forked.run, args=(list(command), dict(env), str(out), str(err)))
-        child.start()
-        child.join(timeout)
-        timed_out = child.exitcode is None
-        if timed_out:
-            kill_tree(child.pid)
-            child.join()
-        stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
-    if timed_out:
+    code, stdout, stderr = in_fork_server_child(forked.run, (list(command), dict(env)), timeout)
+    if code is None:
         return subprocess.CompletedProcess(
             command, -signal.SIGKILL, stdout, stderr + f"\nerror: timed out after {timeout:.0f} s"
         )
-    return subprocess.CompletedProcess(command, child.exitcode, stdout, stderr)
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+
+def in_fork_server_child(target, args: tuple, timeout: float | None) -> tuple[int | None, str, str]:
+    """`target(*args, out, err)` in a child of the fork server, its output written to the files `out` and `err`:
+    its exit code (None when it ran past `timeout` and was killed, with its children) and what it printed."""
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        child = fork_server().Process(target=target, args=(*args, str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        code = child.exitcode
+        if code is None:
+            kill_tree(child.pid)
+            child.join()
+        stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
+    return code, stdout, stderr
 
 
 def one_process_launch(command: list[str], env: dict) -> tuple[list[str], dict, str] | None:
@@ -313,23 +320,13 @@ def run_in_forked_ranks(args: list[str], main=None, processes: int = 2, timeout:
         main = train.main
     environment = cpu_env(**env)
     environment.pop("OMP_NUM_THREADS", None)
-    server = fork_server()
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = Path(folder) / "out", Path(folder) / "err"
-        agent = server.Process(
-            target=forked.ranks, args=(main, list(args), processes, str(free_port()), environment, str(out), str(err))
-        )
-        agent.start()
-        agent.join(timeout)
-        hung = agent.exitcode is None
-        if hung:
-            kill_tree(agent.pid)
-            agent.join()
-        for fd, path in ((1, out), (2, err)):
-            if path.exists():
-                os.write(fd, path.read_bytes())
-    assert not hung, f"the ranks were still running after {timeout} s: killed"
-    return agent.exitcode
+    code, stdout, stderr = in_fork_server_child(
+        forked.ranks, (main, list(args), processes, str(free_port()), environment), timeout
+    )
+    os.write(1, stdout.encode())
+    os.write(2, stderr.encode())
+    assert code is not None, f"the ranks were still running after {timeout} s: killed"
+    return code
 
 
 def signal_at_training_batch(monkeypatch, batch: int, signum: int) -> list:

@@ -14,11 +14,9 @@ def as_a_fresh_interpreter() -> None:
     multiprocessing.set_start_method(None, force=True)
 
 
-def run(command: list[str], env: dict, out: str, err: str) -> None:
-    """`command` ([python, script, args...] or [python, -m, module, args...]) with `env`, its folder the project's,
-    in a session of its own, its output to the files `out` and `err`; exits with the script's status."""
-    as_a_fresh_interpreter()
-    os.setsid()
+def with_output_to(out: str, err: str, env: dict) -> None:
+    """This process's output to the files `out` and `err` (file descriptors and Python's streams), its environment
+    `env`."""
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
@@ -27,6 +25,14 @@ def run(command: list[str], env: dict, out: str, err: str) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
+
+
+def run(command: list[str], env: dict, out: str, err: str) -> None:
+    """`command` ([python, script, args...] or [python, -m, module, args...]) with `env`, its folder the project's,
+    in a session of its own, its output to the files `out` and `err`; exits with the script's status."""
+    as_a_fresh_interpreter()
+    os.setsid()
+    with_output_to(out, err, env)
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.orig_argv = list(command)  # the command its record names (trainscope.provenance.launch_command)
     if command[1] == "-m":
@@ -42,14 +48,7 @@ def ranks(main, args: list[str], processes: int, port: str, env: dict, out: str,
     process, the ranks forked from it), with `env`, their output to the files `out` and `err`; exits 0 when every
     rank succeeded, else 1 (torchrun's status)."""
     as_a_fresh_interpreter()
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the child's streams)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    os.environ.clear()
-    os.environ.update(env)
+    with_output_to(out, err, env)
     from accelerate import notebook_launcher
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
