@@ -87,7 +87,12 @@ define PIP_SETTINGS_FOR_UV
 import ast, shlex, subprocess, sys
 flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
          "constraint": "--constraint"}
-listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+# the venv's pip where it has one, else the system Python's (given as the argument)
+for python in (sys.executable, *sys.argv[1:]):
+    listed = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    if listed.returncode == 0:
+        break
+listed = listed.stdout if listed.returncode == 0 else ""
 found = {}
 for line in listed.splitlines():
     key, _, value = line.partition("=")
@@ -101,18 +106,25 @@ for name, flag in flags.items():
 print(shlex.join(args))
 endef
 export PIP_SETTINGS_FOR_UV
-# $(call INSTALL,<pip arguments>)
-INSTALL = { uv=$$(command -v uv || { { test -x $(VENV)/bin/uv || $(PY) -m pip install -q uv >/dev/null 2>&1; } && \
-	echo $(VENV)/bin/uv; }) && settings=$$($(PY) -c "$$PIP_SETTINGS_FOR_UV") && \
-	eval "$$uv pip install -q --python $(PY) $$settings $(1)"; } || \
-	$(PY) -m pip install -q --no-compile $(1)
+UV_SETTINGS = $(PY) -c "$$PIP_SETTINGS_FOR_UV" $(PYTHON)
+# The venv's own pip, put there (ensurepip: 6 s) only when it is needed: to install uv where the system's pip cannot,
+# or to install what uv could not.
+# $(call VENV_PIP,<pip arguments>)
+VENV_PIP = { { $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip >/dev/null 2>&1; } && $(PY) -m pip $(1); }
+# $(call INSTALL,<pip arguments>): by uv (on PATH, else installed into the venv by the system's pip or the venv's),
+# else by pip
+INSTALL = { uv=$$(command -v uv || { { test -x $(VENV)/bin/uv || $(PYTHON) -m pip --python $(PY) install -q uv \
+	>/dev/null 2>&1 || $(call VENV_PIP,install -q uv) >/dev/null 2>&1; } && echo $(VENV)/bin/uv; }) && \
+	settings=$$($(UV_SETTINGS)) && eval "$$uv pip install -q --python $(PY) $$settings $(1)"; } || \
+	$(call VENV_PIP,install -q --no-compile $(1))
 
 # The venv sees the system's packages only where the system Python has torch (a GPU host's CUDA build, reused).
 # Elsewhere it is isolated: packages the system happens to have change what every process imports (boto3 through
 # accelerate, scipy through evaluate and transformers, trio through the HTTP client): 2 s more per process.
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
-	test -x $(PY) || $(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
+	test -x $(PY) || $(PYTHON) -m venv --without-pip \
+		$$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(call INSTALL,torch==$(TORCH_VERSION))
 	$(call INSTALL,-r requirements.txt)
 	$(call INSTALL,--no-deps -r requirements-embedded.txt)
 	@# bytecode on every core at once (pip compiles one file after another); like pip, skip files that do not compile.

@@ -229,7 +229,12 @@ def run_script_forked(command: list[str], env: dict, timeout: float | None = Non
     forked from a process whose torch ran on several threads can hang in its first parallel region."""
     import forked
 
-    code, stdout, stderr = in_fork_server_child(forked.run, (list(command), dict(env)), timeout)
+    return completed(command, *in_fork_server_child(forked.run, (list(command), dict(env)), timeout), timeout)
+
+
+def completed(command, code: int | None, stdout: str, stderr: str, timeout: float | None):
+    """A fork server's child's ending (in_fork_server_child) as subprocess.run gives one back; one killed at its
+    timeout ends in run_captured's timeout line."""
     if code is None:
         return subprocess.CompletedProcess(
             command, -signal.SIGKILL, stdout, stderr + f"\nerror: timed out after {timeout:.0f} s"
@@ -253,13 +258,16 @@ def in_fork_server_child(target, args: tuple, timeout: float | None) -> tuple[in
     return code, stdout, stderr
 
 
-def one_process_launch(command: list[str], env: dict) -> tuple[list[str], dict, str] | None:
-    """What `accelerate launch [flags] <script or -m module> [args]` (`command`, run with `env`) would run when it
-    starts one process by its simple launcher: the command and environment Accelerate's own code prepares for it
-    (its flags and config file read as the launcher reads them) and what it printed doing so. None for any other
-    launch (several processes, FSDP, DeepSpeed, a GPU launcher)."""
+def planned_launch(command: list[str], env: dict) -> tuple[str, object, dict, str] | None:
+    """What `accelerate launch [flags] <script or -m module> [args]` (`command`, run with `env`) would start, by
+    Accelerate's own code (its flags and config file read as its launcher reads them), and what it printed doing
+    so: ("python", the command, its environment, printed) for its simple launcher (one process); ("torchrun",
+    torchrun's arguments, the environment, printed) for its multi-GPU launcher (DDP and FSDP: torch's elastic agent
+    starts the ranks). None for any other launch (DeepSpeed, Megatron-LM, TPU, mpirun, several processes on the
+    simple launcher, a cloud's)."""
+    import torch.distributed.run as distrib_run
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     if Path(command[0]).name != "accelerate" or command[1:2] != ["launch"]:
         return None
@@ -269,23 +277,56 @@ def one_process_launch(command: list[str], env: dict) -> tuple[list[str], dict, 
         os.environ.update(env)
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
             args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(command[2:]))
-            others = (args.use_deepspeed, args.use_fsdp, args.use_megatron_lm, args.multi_gpu, args.tpu)
-            if (any(others) and not args.cpu) or (args.num_processes or 1) > 1 or args.mpirun_hostfile:
-                return None
             if defaults is not None and defaults.compute_environment != "LOCAL_MACHINE":
                 return None
-            launched, launch_env = prepare_simple_launcher_cmd_env(args)
+            others = (args.use_deepspeed, args.use_megatron_lm, args.tpu)
+            if args.cpu or not any((*others, args.use_fsdp, args.multi_gpu)):  # launch_command's simple_launcher
+                if (args.num_processes or 1) > 1 or args.mpirun_hostfile:
+                    return None
+                launched, launch_env = prepare_simple_launcher_cmd_env(args)
+                plan = ("python", launched, launch_env)
+            elif not any(others):  # launch_command's multi_gpu_launcher
+                launch_env = prepare_multi_gpu_env(args)
+                script = [
+                    "--training_script",
+                    args.training_script,
+                    "--training_script_args",
+                    args.training_script_args,
+                ]
+                plan = ("torchrun", _filter_args(args, distrib_run.get_args_parser(), script), launch_env)
+            else:
+                return None
     finally:
         os.environ.clear()
         os.environ.update(environ)
-    return launched, launch_env, printed.getvalue()
+    return (*plan, printed.getvalue())
+
+
+def launch_forked(command: list[str], env: dict, timeout: float | None = None):
+    """An `accelerate launch` command run forked with what Accelerate's launcher would start (planned_launch), as
+    subprocess.run would give it back: `args` the command, stderr starting with what the launcher printed. One
+    process: run_script_forked. Several (DDP, FSDP): torch's elastic agent, torchrun's, with the launcher's
+    arguments and environment in a child of the fork server, the ranks forked from it, each running the script as
+    `python` would. None for any other launch: those start for real."""
+    import forked
+
+    plan = planned_launch(command, env)
+    if plan is None:
+        return None
+    kind, launched, launch_env, printed = plan
+    if kind == "python":
+        result = run_script_forked(launched, launch_env, timeout)
+    else:
+        result = completed(command, *in_fork_server_child(forked.torchrun, (launched, launch_env), timeout), timeout)
+    result.args, result.stderr = command, printed + result.stderr
+    return result
 
 
 def fork_launches(monkeypatch) -> None:
     """Every `python <script>` or `python -m <module>` that trainscope.launching.run_captured starts (`--launcher
-    python` runs, benchmark arms), and every one-process `accelerate launch`, runs forked (run_script_forked) with
-    the command and environment the launcher would give it; other launches (several processes: torchrun) start as
-    always. For tests of what drivers make of their runs: the launches themselves are tested in test_launches.py."""
+    python` runs, benchmark arms), and every `accelerate launch` of one process or of DDP or FSDP ranks, runs forked
+    (run_script_forked, launch_forked) with what the launcher would start; other launches start as always. For tests of what drivers make of their runs: the
+    launches themselves are tested in test_launches.py."""
     from trainscope import launching
 
     launched = launching.run_captured
@@ -293,12 +334,8 @@ def fork_launches(monkeypatch) -> None:
     def run_captured(command, env, timeout=None):
         if Path(command[0]).name.startswith("python"):
             return run_script_forked(command, env, timeout)
-        one = one_process_launch(command, env)
-        if one is None:
-            return launched(command, env, timeout)
-        result = run_script_forked(one[0], one[1], timeout)
-        result.args, result.stderr = command, one[2] + result.stderr
-        return result
+        result = launch_forked(command, env, timeout)
+        return launched(command, env, timeout) if result is None else result
 
     monkeypatch.setattr(launching, "run_captured", run_captured)
 

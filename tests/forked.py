@@ -43,6 +43,43 @@ def run(command: list[str], env: dict, out: str, err: str) -> None:
         runpy.run_path(command[1], run_name="__main__")
 
 
+def torchrun(launch_args, env: dict, out: str, err: str) -> None:
+    """What `torchrun <launch_args>` does (the multi-GPU launcher of `accelerate launch` runs torch.distributed.run
+    with these arguments and `env`), torch's elastic agent in this process forking the ranks (script_rank) instead of
+    starting interpreters; their output to the files `out` and `err`. Exits 0 when every rank succeeded, else 1."""
+    as_a_fresh_interpreter()
+    with_output_to(out, err, env)
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch.distributed.run as distrib_run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    config, _, command = distrib_run.config_from_args(launch_args)  # ("-u", script or "-m" module, args...)
+    config.start_method = "fork"
+    try:
+        elastic_launch(config, entrypoint=script_rank)([sys.executable, *command])
+    except ChildFailedError:
+        sys.exit(1)
+
+
+def script_rank(command: list[str]) -> None:
+    """One rank of `torchrun`: `command` ([python, -u, script, args...] or [python, -u, -m, module, args...]) as
+    `python` runs it; a script's exit status is the rank's."""
+    as_a_fresh_interpreter()
+    sys.orig_argv = list(command)
+    command = [command[0], *command[2:]] if command[1:2] == ["-u"] else command
+    try:
+        if command[1] == "-m":
+            sys.argv = command[2:]
+            runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = command[1:]
+            runpy.run_path(command[1], run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise
+
+
 def ranks(main, args: list[str], processes: int, port: str, env: dict, out: str, err: str) -> None:
     """`main(args)` on `processes` ranks by Accelerate's notebook_launcher (torch's elastic agent, torchrun's, in this
     process, the ranks forked from it), with `env`, their output to the files `out` and `err`; exits 0 when every

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cpu_env, fork_launches, one_process_launch, run_command, run_in_process, run_script_forked
+from conftest import ROOT, cpu_env, fork_launches, planned_launch, run_command, run_in_process, run_script_forked
 
 import compare_dp
 from trainscope import bench, launching
@@ -124,7 +124,8 @@ def test_the_batch_size_search_runs_in_a_child_launched_with_the_config():
         "none",
     ]
     # the command and environment `accelerate launch` gives its one process under the config, run forked
-    launched, env, _ = one_process_launch(command, cpu_env())
+    kind, launched, env, _ = planned_launch(command, cpu_env())
+    assert kind == "python"
     assert launched[1:4] == ["-m", "trainscope.experiments", "find-batch"] and env["ACCELERATE_USE_CPU"] == "True"
     completed = run_script_forked(launched, env)
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -14,7 +14,7 @@ from conftest import (
     config_processes,
     cpu_env,
     launch,
-    one_process_launch,
+    launch_forked,
     read_record,
     read_steps,
     run_in_forked_ranks,
@@ -27,12 +27,12 @@ from trainscope.records import SCHEMA_VERSION
 EXPECTED_PRECISION = {"fp16": "fp32", "ddp_fp16": "fp32", "bf16": "bf16", "fsdp": "bf16"}
 
 
-# Launched for real: cpu.yaml (make train's one-process command) and every config of several processes (torchrun).
-# The other one-process configs (fp16, bf16, single_gpu) differ from cpu.yaml only in what the launcher reads from
-# them: their one process runs forked from the test worker's fork server, with the command and environment Accelerate's own
-# launcher code prepares from the yaml (conftest.one_process_launch). (make amp-compare launches bf16.yaml for real
-# in tests/test_report.py.)
-LAUNCHED = {"cpu"}
+# Launched for real: cpu.yaml (make train's one-process command) and ddp.yaml (torchrun's ranks). The other configs
+# differ from one of these only in what the launcher reads from them: they run forked from the test worker's fork
+# server with what Accelerate's own launcher code prepares from the yaml (conftest.launch_forked): one process
+# (fp16, bf16, single_gpu) as `python` would run it, several (ddp_fp16, fsdp) by torch's elastic agent with the
+# launcher's arguments and environment, the ranks forked.
+LAUNCHED = {"cpu", "ddp"}
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +49,11 @@ def config_runs(tmp_path_factory):
             args = [*TINY, "--output-dir", str(runs), "--run-name", "r"]
             if stem == "bf16":  # 4 steps: bf16 is emulated, many times slower, on a CPU without native bf16
                 args += ["--max-steps", "4"]
-            if stem in LAUNCHED or config_processes(config) > 1:
+            if stem in LAUNCHED:
                 result = launch("train.py", args, config=config, env=laptop)
             else:
                 command = [ACCELERATE, "launch", "--config_file", str(config), str(ROOT / "train.py"), *args]
-                launched, env, printed = one_process_launch(command, laptop)
-                result = run_script_forked(launched, env, timeout=600)
-                result.stderr = printed + result.stderr
+                result = launch_forked(command, laptop, timeout=600)
             cache[stem] = (result, runs / "r")
         return cache[stem]
 
@@ -86,7 +84,7 @@ def test_every_config_launches_as_documented(config, config_runs):
     # the launcher's OMP_NUM_THREADS does not decide: each process gets its share of the usable cores
     assert env["threads"]["threads_source"] == "auto"
     assert env["torch_threads"] == env["threads"]["thread_budget"] == usable_cores() // world_size
-    if config.stem in LAUNCHED or world_size > 1:  # a forked process's parent is the fork server
+    if config.stem in LAUNCHED:  # a forked process's parent is the fork server
         command = record["provenance"]["command"]
         assert command.startswith("accelerate launch --config_file") and f"{config.stem}.yaml" in command
     if config.stem in ("fp16", "ddp_fp16"):  # said when the run starts, and recorded

@@ -46,10 +46,9 @@ def built(tmp_path_factory):
         f"AMP_ARGS={TINY} --max-steps 6",
         "ROUNDS=1",
     ]
-    # make amp-compare launches its runs for real, as every experiment's driver does
-    completed = run_command(["make", "-s", "amp-compare", *common], env=cpu_env(), timeout=900)
-    assert completed.returncode == 0, f"make amp-compare: {completed.stderr[-3000:]}"
-    for target in (["profile", "PROFILE_BF16=off"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"]):
+    # the drivers' own launches are tested by make compare-dp and make sweep-workers (test_compare_dp.py,
+    # test_loaders_bench.py), and the configs' by test_launches.py: here their runs are forked
+    for target in (["amp-compare"], ["profile", "PROFILE_BF16=off"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"]):
         completed = driven_in_process([*target, *common])
         assert completed.returncode == 0, f"make {target}: {completed.stderr[-3000:]}"
     completed = run_command(["make", "-s", "report", f"REPORT_ARGS=--out {out}", *common], env=cpu_env())
@@ -341,7 +340,8 @@ def test_make_setup_isolates_the_venv_unless_the_system_python_has_torch(tmp_pat
     made = run_command(["make", "-s", "-B", "setup", f"PYTHON={system}", f"VENV={venv}", "GPU_SIGNS="], env=cpu_env())
     assert made.returncode == 0, made.stderr
     (created,) = [line for line in log.read_text().splitlines() if line.startswith("-m venv")]
-    assert created == (f"-m venv --system-site-packages {venv}" if system_torch else f"-m venv {venv}")
+    # without pip: uv installs (the venv's pip is put there only where uv cannot be had)
+    assert created == f"-m venv --without-pip {'--system-site-packages ' if system_torch else ''}{venv}"
 
 
 def test_make_setup_passes_pips_own_settings_on_to_uv(tmp_path):
@@ -356,7 +356,7 @@ def test_make_setup_passes_pips_own_settings_on_to_uv(tmp_path):
     )
     env = {k: v for k, v in cpu_env().items() if not k.startswith("PIP_")}
     env.update(PIP_CONFIG_FILE=str(conf), PIP_FIND_LINKS="/srv/env-wheels")
-    show = 'show: ; @$(PY) -c "$$PIP_SETTINGS_FOR_UV"'
+    show = "show: ; @$(UV_SETTINGS)"
     made = run_command(["make", "-s", "--eval", show, "show"], env=env)
     assert made.returncode == 0, made.stderr
     assert shlex.split(made.stdout) == [
