@@ -128,9 +128,9 @@ $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	$(call INSTALL,-r requirements.txt)
 	$(call INSTALL,--no-deps -r requirements-embedded.txt)
 	@# bytecode on every core at once (pip compiles one file after another); like pip, skip files that do not compile.
-	@# Not for packages' own tests, pip's, or transformers' model families other than the BERT family: 6,000 of
-	@# 15,000 files that no run imports (one that does compiles it when it imports it)
-	$(PY) -m compileall -q -j 0 -x '/tests?/|/site-packages/(pip|setuptools|pkg_resources)/|/transformers/models/(?!(auto|bert|roberta|distilbert|xlm_roberta|deberta|deberta_v2|electra|albert|encoder_decoder)/)[^/]+/' \
+	@# Not for packages' own tests, pip's, torch's test suite's, sympy's physics or transformers' model families
+	@# other than the BERT family: files that no run imports (one that does compiles it when it imports it)
+	$(PY) -m compileall -q -j 0 -x '/tests?/|/site-packages/(pip|setuptools|pkg_resources|torch/testing/_internal|sympy/physics)/|/transformers/models/(?!(auto|bert|roberta|distilbert|xlm_roberta|deberta|deberta_v2|electra|albert|encoder_decoder)/)[^/]+/' \
 		$$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))") >/dev/null || true
 	touch $@
 

@@ -20,8 +20,13 @@ def test_a_user_thread_count_is_kept_and_recorded(runs):
         assert "threads_below_budget" in [w["code"] for w in read_record(runs / "one")["warnings"]]
 
 
-def test_loss_falls_on_the_embedded_data(runs):
-    """The pretrained embedded MiniLM learns the embedded tweets within 12 steps."""
+def test_loss_falls_on_the_embedded_data(runs, monkeypatch):
+    """The pretrained embedded MiniLM learns the embedded tweets within 12 steps. (Without the prediction made at
+    the start, which is not this test's subject: it traces two of MiniLM's steps, 9 of this run's 25 s on a 2-core
+    AVX2 CPU.)"""
+    from trainscope import predict
+
+    monkeypatch.setattr(predict, "before_run", lambda *args: {"version": predict.VERSION, "error": "not predicted"})
     result = run_in_process(
         [
             *ONE_THREAD,
