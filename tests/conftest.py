@@ -303,14 +303,19 @@ def planned_launch(command: list[str], env: dict) -> tuple[str, object, dict, st
 
 
 def launch_forked(command: list[str], env: dict, timeout: float | None = None):
-    """An `accelerate launch` command run forked with what Accelerate's launcher would start (planned_launch), as
-    subprocess.run would give it back: `args` the command, stderr starting with what the launcher printed. One
-    process: run_script_forked. Several (DDP, FSDP): torch's elastic agent, torchrun's, with the launcher's
-    arguments and environment in a child of the fork server, the ranks forked from it, each running the script as
-    `python` would. None for any other launch: those start for real."""
+    """An `accelerate launch` command run forked with what Accelerate's launcher would start (planned_launch), or a
+    `torchrun` command, as subprocess.run would give it back: `args` the command, stderr starting with what the
+    launcher printed. One process: run_script_forked. Several (DDP, FSDP, torchrun): torch.distributed.run's code
+    with the launcher's arguments and environment in a child of the fork server, its elastic agent forking the
+    ranks, each running the script as `python` would (tests/forked.py). None for any other launch: those start
+    for real."""
     import forked
+    import torch.distributed.run as distrib_run
 
-    plan = planned_launch(command, env)
+    if Path(command[0]).name == "torchrun":
+        plan = ("torchrun", distrib_run.get_args_parser().parse_args(command[1:]), dict(env), "")
+    else:
+        plan = planned_launch(command, env)
     if plan is None:
         return None
     kind, launched, launch_env, printed = plan
@@ -324,9 +329,10 @@ def launch_forked(command: list[str], env: dict, timeout: float | None = None):
 
 def fork_launches(monkeypatch) -> None:
     """Every `python <script>` or `python -m <module>` that trainscope.launching.run_captured starts (`--launcher
-    python` runs, benchmark arms), and every `accelerate launch` of one process or of DDP or FSDP ranks, runs forked
-    (run_script_forked, launch_forked) with what the launcher would start; other launches start as always. For tests of what drivers make of their runs: the
-    launches themselves are tested in test_launches.py."""
+    python` runs, benchmark arms), every `torchrun` and every `accelerate launch` of one process or of DDP or FSDP
+    ranks, runs forked (run_script_forked, launch_forked) with what the launcher would start; other launches start
+    as always. For tests of what drivers make of their runs: the launches themselves are tested in
+    test_launches.py."""
     from trainscope import launching
 
     launched = launching.run_captured

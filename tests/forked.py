@@ -44,20 +44,25 @@ def run(command: list[str], env: dict, out: str, err: str) -> None:
 
 
 def torchrun(launch_args, env: dict, out: str, err: str) -> None:
-    """What `torchrun <launch_args>` does (the multi-GPU launcher of `accelerate launch` runs torch.distributed.run
-    with these arguments and `env`), torch's elastic agent in this process forking the ranks (script_rank) instead of
-    starting interpreters; their output to the files `out` and `err`. Exits 0 when every rank succeeded, else 1."""
+    """`torchrun` with its parsed arguments `launch_args` (the multi-GPU launcher of `accelerate launch` runs
+    torch.distributed.run with such arguments and its environment `env`): torch.distributed.run's own code, its
+    elastic agent in this process, forking the ranks (script_rank) where torchrun would start interpreters. Their
+    output to the files `out` and `err`; exits 0 when every rank succeeded, else 1."""
     as_a_fresh_interpreter()
     with_output_to(out, err, env)
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch.distributed.run as distrib_run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
 
-    config, _, command = distrib_run.config_from_args(launch_args)  # ("-u", script or "-m" module, args...)
-    config.start_method = "fork"
+    launch = distrib_run.elastic_launch
+
+    def forking(config, entrypoint):  # entrypoint: the Python (or program) torchrun would start
+        config.start_method = "fork"
+        return lambda *command: launch(config, entrypoint=script_rank)([entrypoint, *command])
+
+    distrib_run.elastic_launch = forking
     try:
-        elastic_launch(config, entrypoint=script_rank)([sys.executable, *command])
+        distrib_run.run(launch_args)
     except ChildFailedError:
         sys.exit(1)
 

@@ -3,12 +3,14 @@ processes timed by its slowest rank, warm-up stays out of the timed window, the 
 passes a CPU step off as GPU compute."""
 
 import json
+import shlex
+import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TOKEN, cpu_env, leaks, run_command
+from conftest import TOKEN, cpu_env, fork_launches, leaks, run_command, run_in_process
 
 import compare_dp
 from trainscope import dp_compare
@@ -22,19 +24,19 @@ TINY = ["--model", "embedded:tiny-bert", "--max-train-samples", "320"]
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, served):
     """make compare-dp on a dataset URL that carries credentials (tests/conftest.py's local server): the run that
-    the tests below read, and the one that shows no secret reaches the console or the results."""
+    the tests below read, and the one that shows no secret reaches the console or the results. Its own command
+    (`make -n`) runs in this process, its torchrun launch forked (conftest.fork_launches): the launch of DDP ranks
+    is tested in test_launches.py and test_multinode.py."""
     results = tmp_path_factory.mktemp("compare") / "out"
     dataset = f"--dataset {served}/data.csv?token={TOKEN}"
-    completed = run_command(
-        [
-            "make",
-            "-s",
-            "compare-dp",
-            "ROUNDS=1",
-            f"DP_ARGS={' '.join(TINY)} {dataset} --steps 6 --results-dir {results}",
-        ],
-        env=cpu_env(),
-    )
+    target = ["compare-dp", "ROUNDS=1", f"DP_ARGS={' '.join(TINY)} {dataset} --steps 6 --results-dir {results}"]
+    planned = run_command(["make", "-n", *target], env=cpu_env()).stdout.splitlines()
+    (command,) = [shlex.split(line) for line in planned if "compare_dp.py" in line]
+    with pytest.MonkeyPatch.context() as patch:
+        fork_launches(patch)
+        patch.setattr(sys, "orig_argv", command)  # the command its results record
+        patch.setattr(sys, "argv", command[1:])
+        completed = run_in_process(command[2:], main=compare_dp.main)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return results, json.loads((results / "compare_dp.json").read_text()), completed
 
