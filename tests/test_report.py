@@ -24,13 +24,16 @@ TINY = (
 
 
 def driven_in_process(target: list[str]) -> subprocess.CompletedProcess:
-    """A make target's own command (`make -n`), its experiment driver run in this process and its runs forked with
-    what their launcher gives them (conftest.fork_launches)."""
-    planned = run_command(["make", "-n", *target]).stdout.splitlines()
-    (command,) = [shlex.split(line) for line in planned if " -m trainscope.experiments " in line]
+    """A make target's own command (`make -n`), its experiment driver (or report.py) run in this process and its
+    runs forked with what their launcher gives them (conftest.fork_launches)."""
+    planned = run_command(["make", "-n", *target]).stdout.replace("\\\n", " ").splitlines()
+    drivers = [line for line in planned if " -m trainscope.experiments " in line or " report.py " in f"{line} "]
+    (command,) = [shlex.split(line) for line in drivers]
     with pytest.MonkeyPatch.context() as patch:
         fork_launches(patch)
-        patch.setattr(sys, "orig_argv", command)  # the command its comparison records
+        patch.setattr(sys, "orig_argv", command)  # the command its comparison or report records
+        if command[1] == "report.py":
+            return run_in_process(command[2:], main=report.main)
         return run_in_process(command[3:], main=experiments.main)
 
 
@@ -46,12 +49,12 @@ def built(tmp_path_factory):
         f"AMP_ARGS={TINY} --max-steps 6",
         "ROUNDS=1",
     ]
-    # the drivers' own launches are tested by make compare-dp and make sweep-workers (test_compare_dp.py,
-    # test_loaders_bench.py), and the configs' by test_launches.py: here their runs are forked
+    # a driver's own launches are tested by make sweep-workers (test_loaders_bench.py), the configs' by
+    # test_launches.py and make report's by its fresh-clone rebuild below: here the runs are forked
     for target in (["amp-compare"], ["profile", "PROFILE_BF16=off"], ["matrix", "MATRIX_VARIANTS=cpu cpu+ckpt"]):
         completed = driven_in_process([*target, *common])
         assert completed.returncode == 0, f"make {target}: {completed.stderr[-3000:]}"
-    completed = run_command(["make", "-s", "report", f"REPORT_ARGS=--out {out}", *common], env=cpu_env())
+    completed = driven_in_process(["report", f"REPORT_ARGS=--out {out}", *common])
     assert completed.returncode == 0, f"make report: {completed.stderr[-3000:]}"
     return runs, results, out
 
