@@ -34,7 +34,14 @@ def run(command: list[str], env: dict, out: str, err: str) -> None:
     os.setsid()
     with_output_to(out, err, env)
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    as_python(command)
+
+
+def as_python(command: list[str]) -> None:
+    """`command` ([python, (-u,) script, args...] or [python, (-u,) -m, module, args...]) run in this process as
+    `python` runs it."""
     sys.orig_argv = list(command)  # the command its record names (trainscope.provenance.launch_command)
+    command = [command[0], *command[2:]] if command[1:2] == ["-u"] else command
     if command[1] == "-m":
         sys.argv = command[2:]
         runpy.run_module(command[2], run_name="__main__", alter_sys=True)
@@ -71,15 +78,8 @@ def script_rank(command: list[str]) -> None:
     """One rank of `torchrun`: `command` ([python, -u, script, args...] or [python, -u, -m, module, args...]) as
     `python` runs it; a script's exit status is the rank's."""
     as_a_fresh_interpreter()
-    sys.orig_argv = list(command)
-    command = [command[0], *command[2:]] if command[1:2] == ["-u"] else command
     try:
-        if command[1] == "-m":
-            sys.argv = command[2:]
-            runpy.run_module(command[2], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = command[1:]
-            runpy.run_path(command[1], run_name="__main__")
+        as_python(command)
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             raise
