@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -344,6 +345,25 @@ def fork_launches(monkeypatch) -> None:
         return launched(command, env, timeout) if result is None else result
 
     monkeypatch.setattr(launching, "run_captured", run_captured)
+
+
+def driven_in_process(target: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """A make target's own command (`make -n`, run with `env`): its driver (an experiment's, report.py or
+    compare_dp.py) run in this process (run_in_process) with the command it records as its own, the runs it
+    launches forked with what their launcher would start (fork_launches)."""
+    import compare_dp
+    import report
+    from trainscope import experiments
+
+    drivers = {"trainscope.experiments": experiments.main, "report.py": report.main, "compare_dp.py": compare_dp.main}
+    planned = run_command(["make", "-n", *target], env=env).stdout.replace("\\\n", " ").splitlines()
+    (command,) = [shlex.split(line) for line in planned if any(f" {name} " in f"{line} " for name in drivers)]
+    script = 3 if command[1] == "-m" else 2  # where the driver's own arguments start
+    with pytest.MonkeyPatch.context() as patch:
+        fork_launches(patch)
+        patch.setattr(sys, "orig_argv", command)  # the command its results record
+        patch.setattr(sys, "argv", command[script - 1 :])
+        return run_in_process(command[script:], main=drivers[command[script - 1]])
 
 
 def run_in_forked_ranks(args: list[str], main=None, processes: int = 2, timeout: float = 300, **env) -> int:

@@ -7,6 +7,8 @@ import os
 import runpy
 import sys
 
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def as_a_fresh_interpreter() -> None:
     """multiprocessing's start method back to a fresh interpreter's default (a fork server's child has the fork
@@ -33,7 +35,7 @@ def run(command: list[str], env: dict, out: str, err: str) -> None:
     as_a_fresh_interpreter()
     os.setsid()
     with_output_to(out, err, env)
-    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.chdir(PROJECT)
     as_python(command)
 
 
@@ -57,7 +59,7 @@ def torchrun(launch_args, env: dict, out: str, err: str) -> None:
     output to the files `out` and `err`; exits 0 when every rank succeeded, else 1."""
     as_a_fresh_interpreter()
     with_output_to(out, err, env)
-    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.chdir(PROJECT)
     import torch.distributed.run as distrib_run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -3,14 +3,12 @@ processes timed by its slowest rank, warm-up stays out of the timed window, the 
 passes a CPU step off as GPU compute."""
 
 import json
-import shlex
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TOKEN, cpu_env, fork_launches, leaks, run_command, run_in_process
+from conftest import TOKEN, cpu_env, driven_in_process, leaks
 
 import compare_dp
 from trainscope import dp_compare
@@ -30,13 +28,7 @@ def made(tmp_path_factory, served):
     results = tmp_path_factory.mktemp("compare") / "out"
     dataset = f"--dataset {served}/data.csv?token={TOKEN}"
     target = ["compare-dp", "ROUNDS=1", f"DP_ARGS={' '.join(TINY)} {dataset} --steps 6 --results-dir {results}"]
-    planned = run_command(["make", "-n", *target], env=cpu_env()).stdout.splitlines()
-    (command,) = [shlex.split(line) for line in planned if "compare_dp.py" in line]
-    with pytest.MonkeyPatch.context() as patch:
-        fork_launches(patch)
-        patch.setattr(sys, "orig_argv", command)  # the command its results record
-        patch.setattr(sys, "argv", command[1:])
-        completed = run_in_process(command[2:], main=compare_dp.main)
+    completed = driven_in_process(target, env=cpu_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
     return results, json.loads((results / "compare_dp.json").read_text()), completed
 

@@ -202,7 +202,8 @@ def test_ctrl_c_of_a_ddp_launch_then_resume_gives_the_same_losses_as_an_uninterr
 
 def test_sigterm_to_one_rank_during_the_final_test_evaluation_stops_both_and_is_recorded(tmp_path, capfd):
     """After the last optimizer step's vote, the ranks vote between evaluation batches and once more before the
-    run is complete: a signal to one rank there is not lost. (Forked ranks, run_in_forked_ranks: the ranks' vote is the subject.)"""
+    run is complete: a signal to one rank there is not lost. (Forked ranks, run_in_forked_ranks: the ranks' vote is
+    the subject.)"""
     runs = tmp_path / "runs"
     args = [*TINY, *ONE_THREAD, "--max-steps", "4", "--max-test-samples", "512", "--output-dir", str(runs)]
 
@@ -238,8 +239,8 @@ def slowly_leaving_the_pid(argv: list[str]) -> None:
 
 def test_a_killed_main_process_leaves_a_failed_record_naming_it(tmp_path, capfd):
     """Rank 0, the record's writer, is killed: rank 1 finds its heartbeat stopped in the store of torch's elastic
-    agent (torchrun's; here it runs in the process that forked the ranks, run_in_forked_ranks), which outlives rank 0, claims the
-    record there and writes the failure."""
+    agent (torchrun's; here it runs in the process that forked the ranks, run_in_forked_ranks), which outlives rank
+    0, claims the record there and writes the failure."""
     runs = tmp_path / "runs"
     runs.mkdir()
     victim = []

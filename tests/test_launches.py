@@ -124,8 +124,9 @@ def test_ranks_combine_into_median_and_max(config_runs):
 
 
 def test_a_plain_python_launch_uses_every_usable_core(runs):
-    """`python train.py`, forked from the test worker's fork server with the command and environment it would start with (no
-    launcher's variables). (`accelerate launch`, which exports OMP_NUM_THREADS=1, is every config's test above.)"""
+    """`python train.py`, forked from the test worker's fork server with the command and environment it would start
+    with (no launcher's variables). (`accelerate launch`, which exports OMP_NUM_THREADS=1, is every config's test
+    above.)"""
     command = [sys.executable, str(ROOT / "train.py"), *TINY, "--output-dir", str(runs), "--run-name", "plain"]
     threads = torch.get_num_threads()
     try:  # this process's torch on every core first: a child forked from it would hang in its first parallel region

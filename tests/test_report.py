@@ -10,31 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cpu_env, fork_launches, run_command, run_in_process
+from conftest import ROOT, cpu_env, driven_in_process, run_command, run_in_process
 from test_report_pdf import check_report, glance_titles
 
 import report
-from trainscope import experiments, provenance, reporting
+from trainscope import provenance, reporting
 from trainscope.experiments import REGISTRY, SECTIONS
 
 TINY = (
     "--model embedded:tiny-bert --max-train-samples 256 --max-eval-samples 64 --max-test-samples 64 "
     "--per-device-batch-size 16 --learning-rate 3e-3 --report-to none --log-every 2 --threads 1"
 )
-
-
-def driven_in_process(target: list[str]) -> subprocess.CompletedProcess:
-    """A make target's own command (`make -n`), its experiment driver (or report.py) run in this process and its
-    runs forked with what their launcher gives them (conftest.fork_launches)."""
-    planned = run_command(["make", "-n", *target]).stdout.replace("\\\n", " ").splitlines()
-    drivers = [line for line in planned if " -m trainscope.experiments " in line or " report.py " in f"{line} "]
-    (command,) = [shlex.split(line) for line in drivers]
-    with pytest.MonkeyPatch.context() as patch:
-        fork_launches(patch)
-        patch.setattr(sys, "orig_argv", command)  # the command its comparison or report records
-        if command[1] == "report.py":
-            return run_in_process(command[2:], main=report.main)
-        return run_in_process(command[3:], main=experiments.main)
 
 
 @pytest.fixture(scope="module")
