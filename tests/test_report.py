@@ -333,6 +333,18 @@ def test_make_setup_isolates_the_venv_unless_the_system_python_has_torch(tmp_pat
     assert created == f"-m venv --without-pip {'--system-site-packages ' if system_torch else ''}{venv}"
 
 
+def test_make_writes_bytecode_whatever_the_callers_environment_says():
+    """No package is compiled at set-up: the first process that imports a module writes its bytecode into the venv,
+    as Python does by default, also where the caller set PYTHONDONTWRITEBYTECODE (every launched process would
+    otherwise compile torch and transformers again)."""
+    env = {**cpu_env(), "PYTHONDONTWRITEBYTECODE": "1"}
+    probe = 'probe: ; @$(PY) -c "import sys; print(sys.dont_write_bytecode)"'
+    made = run_command(["make", "-s", "--eval", probe, "probe"], env=env)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == "False"
+    assert "compileall" not in run_command(["make", "-n", "-B", "setup", "test"], env=cpu_env()).stdout
+
+
 def test_make_setup_passes_pips_own_settings_on_to_uv(tmp_path):
     """uv reads none of pip's files: the index, extra indexes, find-links and constraints pip would use (its config
     file and PIP_* variables, a variable before the file) reach uv's command line, with pip's rule of the best match
