@@ -589,6 +589,19 @@ def test_the_amp_comparison_judges_whole_runs_never_the_intervals_of_one(tmp_pat
     assert "`bf16` 0.05" in answer.text and "1 pairs" in answer.text and "warned: bf16_emulated" in answer.text
 
 
+def test_a_folder_named_as_an_experiments_deeper_down_holds_other_runs_not_the_experiments(tmp_path):
+    """<runs>/amp/<run> are make amp-compare's runs; <runs>/elsewhere/amp/<run> of the same names are other runs,
+    which neither replace nor join them."""
+    from trainscope.experiments import amp
+
+    shutil.copytree(ROOT / "benchmarks" / "runs" / "amp", tmp_path / "amp")
+    shutil.copytree(ROOT / "benchmarks" / "runs" / "amp", tmp_path / "elsewhere" / "amp")
+    found = reporting.collect(tmp_path, tmp_path / "none", [amp.EXPERIMENT])
+    names = sorted(p.parent.name for p in (tmp_path / "amp").glob("*/record.json"))
+    assert sorted(found.runs["amp"]) == names and len(found.other_runs) == len(names) > 0
+    assert {r["path"] for r in found.runs["amp"].values()} == {str(tmp_path / "amp" / n) for n in names}
+
+
 def test_make_amp_compare_runs_alternating_rounds_sized_for_emulated_bf16_on_a_cpu():
     command = " ".join(run_command(["make", "-n", "amp-compare", "RUNS=R", "HAS_GPU="], env=cpu_env()).stdout.split())
     assert "-m trainscope.experiments amp --runs R/amp --configs cpu bf16 --rounds 5 --" in command

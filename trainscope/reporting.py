@@ -70,7 +70,9 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict)
     record["path"] = str(path.parent)
     found.inputs += [path] + ([path.parent / "steps.jsonl"] if (path.parent / "steps.jsonl").exists() else [])
     found.machines.setdefault(RunView(record).machine, []).append(path)
-    folder = path.parent.parent.name if path.parent.parent != runs_dir else None
+    # an experiment's runs are <runs>/<its folder>/<run>: a folder of that name deeper down (another experiment's
+    # output kept beside, e.g. <runs>/full_job/compile/) holds other runs, whose names may repeat the experiment's
+    folder = path.parent.parent.name if path.parent.parent.parent == runs_dir else None
     if folder in folders:
         found.runs.setdefault(folders[folder], {})[path.parent.name] = record
     else:
