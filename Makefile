@@ -14,7 +14,8 @@ unexport PYTHONDONTWRITEBYTECODE
 ACCELERATE := $(VENV)/bin/accelerate
 CONFIG ?=
 ARGS ?=
-LAUNCH = $(ACCELERATE) launch $(if $(CONFIG),--config_file $(CONFIG))
+# --quiet: a one-process run that fails ends in its own error line, without the launcher's CalledProcessError traceback
+LAUNCH = $(ACCELERATE) launch --quiet $(if $(CONFIG),--config_file $(CONFIG))
 # A GPU is one that the project's torch can use (not merely one nvidia-smi lists). Asked only where the machine shows
 # a GPU's device files (NVIDIA, ROCm, WSL) or nvidia-smi: elsewhere every make call would import torch for nothing.
 GPU_SIGNS := $(wildcard /dev/nvidiactl /dev/nvidia0 /dev/kfd /dev/dxg)$(shell command -v nvidia-smi 2>/dev/null)

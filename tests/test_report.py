@@ -333,6 +333,16 @@ def test_make_setup_isolates_the_venv_unless_the_system_python_has_torch(tmp_pat
     assert created == f"-m venv --without-pip {'--system-site-packages ' if system_torch else ''}{venv}"
 
 
+def test_a_failing_run_of_make_train_ends_in_its_own_line_without_the_launchers_traceback():
+    """make train's launcher (`$(LAUNCH)`) is Accelerate's with --quiet: a one-process run that fails ends in the
+    run's own `error:` line and a non-zero exit, not also in the launcher's CalledProcessError traceback. (A planted
+    failing program stands in for train.py.)"""
+    probe = 'probe: ; @$(LAUNCH) --no_python sh -c "echo error: planted >&2; exit 3"'
+    made = run_command(["make", "-s", "--eval", probe, "probe"], env=cpu_env())
+    assert made.returncode != 0 and "error: planted" in made.stderr
+    assert "Traceback" not in made.stderr and "CalledProcessError" not in made.stderr
+
+
 def test_make_writes_bytecode_whatever_the_callers_environment_says():
     """No package is compiled at set-up: the first process that imports a module writes its bytecode into the venv,
     as Python does by default, also where the caller set PYTHONDONTWRITEBYTECODE (every launched process would
