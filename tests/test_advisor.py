@@ -656,6 +656,35 @@ def test_tune_plans_only_the_trials_its_budget_holds():
     assert plan(420, found=mixed) == ([*exact, ideas[0]], []) and plan(419, found=mixed) == (exact, [ideas[0]])
 
 
+@pytest.mark.parametrize("calibration, planned", [("first use", 2), ("calibrated", 0)])
+def test_the_budget_counts_runs_without_the_advice_runs_one_time_set_up(monkeypatch, calibration, planned):
+    # the advice run on a new machine: 52 s, 40 s of it the predictor's calibration and 2 s the matmul peak, both
+    # cached for every later run (10 s each); 2 numeric trials need 6 x 3 + 12 = 30 runs: 300 s of the 448 s left
+    monkeypatch.setattr(tune.advisor, "advise", lambda record: NUMERIC[:2])
+    planted_runs(monkeypatch, {})
+    record = {
+        "prediction": {"calibration": {"state": calibration, "seconds": 40.0}},
+        "environment": {"machine_peak": {"from_cache": calibration == "calibrated", "seconds": 2.0}},
+    }
+    monkeypatch.setattr(tune, "read_record", lambda folder: record)
+    now, planted = [0.0], tune.run_arm
+
+    def timed(arm, *args, **kwargs):
+        now[0] += 52.0 if arm.name == "advice" else 10.0
+        return planted(arm, *args, **kwargs)
+
+    monkeypatch.setattr(tune, "run_arm", timed)
+    monkeypatch.setattr(tune.health, "machine_kind", lambda view: "cpu AVX512, bf16 native: planted")
+    lines = []
+    result = tune.tune(tune_args(budget=500), [], clock=lambda: now[0], log=lines.append)
+    assert len(result["trials"]) == planned
+    (line,) = [line for line in lines if line.startswith("advice run took 52 s")]
+    if planned:
+        assert "42 s of it this machine's one-time set-up" in line and "planned at 10 s a run" in line
+    else:
+        assert "one-time" not in line and "trying 0 within" in line
+
+
 # ---------------------------------------------------------------- make tune end to end: plumbing only
 
 SLOW_LOADER = """import sys, time

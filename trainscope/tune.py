@@ -23,8 +23,10 @@ shown to be the same -- each change judged by what can decide it.
    and how long they take on this machine. Two or more kept: together in R more rounds.
 5. The final command: the last phase's kept trial (its flags hold the stack), else the stack, else the baseline;
    it names the machine it was tuned on (--tuned-on), so a run of it on a machine of another kind warns.
-6. The budget (seconds) decides how many suggestions are tried, before anything is measured; a round that
-   would overrun it is not started, and a trial left with fewer than R rounds is not judged.
+6. The budget (seconds) decides how many suggestions are tried, before anything is measured, in runs of the
+   advice run's length less the one-time set-up its record states (the predictor's calibration and the matmul
+   peak, cached for later runs on the machine); a round that would overrun it is not started, and a trial left
+   with fewer than R rounds is not judged.
 Writes <runs>/comparison.{json,md} with provenance; the report's Optimization section shows it. What make tune
 keeps is measured on a short proxy of the job; `make tune-confirm` measures it on the full job.
 """
@@ -199,6 +201,20 @@ def plan_cost(exact: int, other: int, rounds: int) -> int:
     return sum(rounds * (1 + k) + (2 * rounds if k > 1 else 0) for k in (exact, other) if k)
 
 
+def one_time_s(record: dict) -> dict[str, float]:
+    """What the advice run spent, by its record, on set-up a later run on this machine finds cached: the predictor's
+    first-use calibration and the matmul peak's measurement. The budget is planned in runs without them (the first
+    run on a new machine would otherwise count them once for every planned run)."""
+    found = {}
+    calibration = (record.get("prediction") or {}).get("calibration") or {}
+    if calibration.get("state") == "first use" and calibration.get("seconds"):
+        found["the predictor's calibration"] = float(calibration["seconds"])
+    peak = (record.get("environment") or {}).get("machine_peak") or {}
+    if peak.get("from_cache") is False and peak.get("seconds"):
+        found["the matmul peak"] = float(peak["seconds"])
+    return found
+
+
 def plan_trials(suggestions: list, run_s: float, remaining_s: float, rounds: int, most: int) -> tuple[list, list]:
     """How many suggestions the budget holds, decided before measuring, in runs of the advice run's length: the
     exact ones first, then the numeric, then the training ones (the advisor's order within each); a suggestion
@@ -244,9 +260,9 @@ def tune(
     record = read_record(runs / first["run"])
     view = RunView(record)
     suggestions = advisor.advise(record)
-    tried, untried = plan_trials(
-        suggestions, tuner.run_s["advice"], tuner.remaining(), args.rounds, args.max_suggestions
-    )
+    one_time = one_time_s(record)
+    run_s = max(tuner.run_s["advice"] - sum(one_time.values()), 0.0)
+    tried, untried = plan_trials(suggestions, run_s, tuner.remaining(), args.rounds, args.max_suggestions)
     exact_tried = [s for s in tried if kind_of(s) == changes.EXACT]
     precision = effective_precision(view)
     design = Design(
@@ -261,9 +277,16 @@ def tune(
         tolerance=changes.tolerance(precision),
     )
     tuned_on = health.machine_kind(view) if record else None
+    setup = (
+        f" ({sum(one_time.values()):.0f} s of it this machine's one-time set-up: "
+        + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in one_time.items())
+        + f"; planned at {run_s:.0f} s a run)"
+        if one_time
+        else ""
+    )
     log(
-        f"advice run took {tuner.run_s['advice']:.0f} s; {len(suggestions)} suggestion(s), trying {len(tried)} within "
-        f"the {args.budget:.0f} s budget" + (f" on {tuned_on}" if tuned_on else "")
+        f"advice run took {tuner.run_s['advice']:.0f} s{setup}; {len(suggestions)} suggestion(s), trying {len(tried)} "
+        f"within the {args.budget:.0f} s budget" + (f" on {tuned_on}" if tuned_on else "")
     )
     for line in design.lines():
         log(line)
