@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from trainscope import liveness, predict, startup
+from trainscope import dropout_draws, liveness, predict, startup
 from trainscope.data import build_dataloaders, load_classification_data
 from trainscope.errors import Fault, UserError, exit_with, redacted_output
 from trainscope.lifecycle import RunLifecycle
@@ -68,6 +68,8 @@ def train(settings: Settings) -> dict:
     )
     optimizer = build_optimizer(model, settings, accelerator.device)
     model_facts.update(optimizer=optimizer_facts(optimizer), fsdp_wrap=fsdp_wrap_rule(model, accelerator))
+    if "unpad" in model_facts:  # how its dropout masks are drawn: built and checked here, before the first step
+        model_facts["unpad"]["dropout_draws"] = dropout_draws.status(accelerator.device)
     # Accelerate steps a prepared scheduler once per process for every optimizer step.
     scheduler = build_scheduler(
         settings,

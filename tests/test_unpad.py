@@ -29,7 +29,7 @@ from conftest import (
 )
 from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
 
-from trainscope import flops, modeling, unpad
+from trainscope import dropout_draws, flops, modeling, unpad
 from trainscope.errors import UserError
 from trainscope.settings import parse_settings
 
@@ -113,6 +113,22 @@ def test_padding_free_layers_train_as_the_padded_model_does(variant):
     assert facts["unpad"]["dropouts_drawn_padded"] == 2 * (4 if "--lora" in variant else 2)
     assert_exact(padded, free)
     assert len(set(padded)) == STEPS  # the model trains: the comparison is of losses that move
+
+
+def test_the_layers_draw_their_masks_with_the_checked_loop_where_torch_draws_that_way(monkeypatch):
+    """trainscope.dropout_draws: each layer's attention mask (B, H, T, T) and its two hidden masks (B, T, width),
+    drawn by the loop, and the run the padded model's (on an Intel CPU with MKL torch draws them: skipped)."""
+    if not dropout_draws._load()["dtypes"]:
+        pytest.skip("torch's bernoulli_ takes MKL's path on this CPU: the layers draw with it")
+    shapes, fill = [], dropout_draws._fill
+    monkeypatch.setattr(
+        dropout_draws, "_fill", lambda library, shape, *rest: shapes.append(tuple(shape)) or fill(library, shape, *rest)
+    )
+    padded, free, _ = side_by_side(*DROPOUT)
+    assert_exact(padded, free)
+    heads = sum(1 for shape in shapes if len(shape) == 4)
+    assert len(shapes) == STEPS * 2 * 3 and heads == STEPS * 2
+    assert all(shape[0] == BATCH and shape[-1] == shape[-2] <= LONGEST for shape in shapes if len(shape) == 4)
 
 
 def test_dropout_drawn_on_real_tokens_only_is_caught(monkeypatch):

@@ -37,6 +37,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from trainscope import dropout_draws
 from trainscope.errors import UserError
 
 # model_type -> the name of the encoder model inside the task model (BERT's layout: embeddings, encoder.layer[i] with
@@ -89,7 +90,7 @@ class PaddedShapeDropout(nn.Dropout):
         layout = self.layout
         shape = (layout.batch, layout.length, real.shape[-1])
         if real.device.type == "cpu":
-            mask = torch.empty(shape, dtype=real.dtype, device=real.device).bernoulli_(1 - self.p)
+            mask = dropout_draws.bernoulli(shape, 1 - self.p, real.dtype, real.device)
             return real * layout.unpad(mask).div_(1 - self.p)
         ones = torch.ones(shape, dtype=real.dtype, device=real.device)
         return real * layout.unpad(F.dropout(ones, self.p, True))
@@ -209,12 +210,33 @@ def _self_attention_forward(layout: Layout):
             return layout.pad(projected).view(layout.batch, layout.length, -1, self.attention_head_size).transpose(1, 2)
 
         query, key, value = (heads(projection(hidden_states)) for projection in (self.query, self.key, self.value))
-        eager = sys.modules[type(self).__module__].eager_attention_forward
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
         dropout = self.dropout.p if self.training else 0.0
-        output, weights = attention(
-            self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
-        )
+        if dropout and dropout_draws.drawn_here(torch.float32, query.device):
+            output, weights = _attention_drawn(query, key, value, attention_mask, self.scaling, dropout)
+        else:
+            eager = sys.modules[type(self).__module__].eager_attention_forward
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+            output, weights = attention(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )
         return layout.unpad(output.reshape(layout.batch * layout.length, -1)), weights
 
     return forward
+
+
+def _attention_drawn(query, key, value, attention_mask, scaling: float, p: float):
+    """Attention on the padded layout with its dropout mask drawn by trainscope.dropout_draws: the BERT family's
+    eager attention (transformers' eager_attention_forward: scores, mask, softmax, dropout, values), the mask the
+    one the padded model's attention kernel draws (`empty_like(weights).bernoulli_(1 - p)` on the (B, H, T, T)
+    weights, then divided by 1 - p and multiplied: aten's _dropout_impl, which sdpa's math kernel calls on a CPU).
+    The mask holds 0 and 1 in any dtype, so the draw is made in float32 whatever the weights' dtype."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1)
+    mask = dropout_draws.bernoulli(weights.shape, 1 - p, torch.float32, weights.device)
+    weights = weights * mask.div_(1 - p).to(weights.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
