@@ -16,8 +16,11 @@ Same result, to the precision's rounding:
   values changes no real token's output, and a padding position's gradient is exactly 0 in the padded model too;
 * the random draws are the padded model's: attention dropout runs on the padded layout as before, and every other
   dropout inside the layers (the hidden dropout, LoRA's dropout) draws its mask for the padded shape (B, T, width)
-  with the random call the padded model's dropout makes, in the same order, and keeps the real rows. The generator
-  advances exactly as in the padded model, so the embeddings', the classifier's and the next step's draws match too.
+  with the random numbers the padded model's dropout draws, in the same order, and keeps the real rows. The
+  generator advances exactly as in the padded model, so the embeddings', the classifier's and the next step's
+  draws match too. On a CPU the masks -- the attention's (B, H, T, T) included, then applied by the eager
+  attention's steps -- come from trainscope.dropout_draws, torch's bernoulli_ loop made faster and checked
+  against it before use; torch draws them where that check fails or the loop cannot be built.
 What differs is the order of floating-point sums (matmuls over N rows instead of B x T, gradient sums without the
 padding's exact zeros). The last hidden state at padding positions is zero (the padded model's is meaningless
 there); the classifier reads the first token, which is real with right padding.
