@@ -29,7 +29,7 @@ from conftest import (
 )
 from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
 
-from trainscope import dropout_draws, flops, modeling, unpad
+from trainscope import dropout_draws, flops, gap, modeling, unpad
 from trainscope.errors import UserError
 from trainscope.settings import parse_settings
 
@@ -129,6 +129,22 @@ def test_the_layers_draw_their_masks_with_the_checked_loop_where_torch_draws_tha
     heads = sum(1 for shape in shapes if len(shape) == 4)
     assert len(shapes) == STEPS * 2 * 3 and heads == STEPS * 2
     assert all(shape[0] == BATCH and shape[-1] == shape[-2] <= LONGEST for shape in shapes if len(shape) == 4)
+
+
+def test_the_profilers_gap_table_files_the_padding_free_draw_under_dropout():
+    """The loop's draw is no aten operator and the mask's multiply a generic one: inside the layer's span the gap
+    table (trainscope.gap) counts them as dropout, as it counts the padded model's aten::dropout."""
+    layout = unpad.Layout()
+    layout.set(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
+    dropout = unpad.PaddedShapeDropout(0.1, layout).train()
+    real = torch.randn(1, 5, 256)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        with torch.profiler.record_function("ProfilerStep#1"):
+            for _ in range(3):
+                dropout(real)
+    categories = gap.categorize(profile.events(), on_device=False)["categories"]
+    # all but the scalar's conversion for the division (the padded model's aten::dropout makes it too)
+    assert categories["dropout"] > 0.9 * (categories["dropout"] + categories["copies and casts"]), categories
 
 
 def test_dropout_drawn_on_real_tokens_only_is_caught(monkeypatch):
