@@ -2,6 +2,8 @@
 mt19937 (numpy's, started from torch's state) drawn as torch's default CPU bernoulli_ draws; on a machine whose
 torch takes that path, against torch's own bernoulli_; and torch's draw wherever the loop is not checked."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -91,3 +93,22 @@ def test_a_loop_that_disagrees_or_cannot_be_built_leaves_the_draw_to_torch(fresh
     assert not dropout_draws.drawn_here(torch.float32, torch.device("cpu"))
     assert dropout_draws.status(torch.device("cpu")).startswith("torch's bernoulli_ (the faster loop not used:")
     assert sorted((fresh / "cache").rglob("*")) == built  # nothing half-built left behind
+
+
+def test_a_compiler_that_refuses_march_native_builds_the_loop_portable(fresh, monkeypatch):
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler here")
+    picky = fresh / "picky-cc"
+    picky.write_text(
+        f'#!/bin/sh\ncase "$*" in *-march=native*) echo "unsupported: -march=native" >&2; exit 1;; esac\nexec {gcc} "$@"\n'
+    )
+    picky.chmod(0o755)
+    monkeypatch.setenv("CC", str(picky))
+    library = dropout_draws._build()
+    torch.manual_seed(2)
+    generator = numpy_generator()
+    assert np.array_equal(
+        dropout_draws._fill(library, (999,), 0.9, torch.float32).numpy().astype(bool),
+        expected_mask(generator, 999, 0.9),
+    )

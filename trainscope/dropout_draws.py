@@ -8,9 +8,10 @@ made dropout 15% of a padding-free step on machine A and 28% of a padding-free b
 same comparison (on integers), reading and writing back torch's generator state (`torch.get_rng_state()`).
 
 It is used only where it is checked: on first use in a process it is compiled (the C compiler, `-O3
--march=native`, into the trainscope cache, keyed by the source, the compiler and this CPU) and checked against
-torch's own `bernoulli_` -- masks of several lengths, each dtype, with the generator state after each -- and a
-dtype whose masks or state differ (MKL's path, another torch) keeps torch's draw. Without a compiler, on other
+-march=native`, or without `-march` where the compiler refuses it, into the trainscope cache, keyed by the source,
+the compiler and this CPU) and checked against torch's own `bernoulli_` -- masks of several lengths, each dtype,
+with the generator state after each -- and a dtype whose masks or state differ (MKL's path, another torch) keeps
+torch's draw. Without a compiler, on other
 devices, or while torch.compile traces, torch draws. `status()` says which happened (the record's
 `model.unpad.dropout_draws`).
 """
@@ -67,12 +68,15 @@ def _build() -> ctypes.CDLL:
         handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(handle)
         try:
-            done = subprocess.run(
-                [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", partial, str(SOURCE)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            for tuning in (["-march=native"], []):  # a compiler that knows no -march=native builds it portable
+                done = subprocess.run(
+                    [compiler, "-O3", *tuning, "-shared", "-fPIC", "-o", partial, str(SOURCE)],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                if not done.returncode:
+                    break
             if done.returncode:
                 raise RuntimeError(f"{Path(compiler).name} failed: {done.stderr.strip().splitlines()[-1:]}")
             os.replace(partial, target)
