@@ -11,9 +11,8 @@ It is used only where it is checked: on first use in a process it is compiled (t
 -march=native`, or without `-march` where the compiler refuses it, into the trainscope cache, keyed by the source,
 the compiler and this CPU) and checked against torch's own `bernoulli_` -- masks of several lengths, each dtype,
 with the generator state after each -- and a dtype whose masks or state differ (MKL's path, another torch) keeps
-torch's draw. Without a compiler, on other
-devices, or while torch.compile traces, torch draws. `status()` says which happened (the record's
-`model.unpad.dropout_draws`).
+torch's draw. Without a compiler, on other devices, or while torch.compile traces, torch draws. `status()` says
+which happened (the record's `model.unpad.dropout_draws`).
 """
 
 import ctypes

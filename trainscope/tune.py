@@ -261,7 +261,8 @@ def tune(
     view = RunView(record)
     suggestions = advisor.advise(record)
     one_time = one_time_s(record)
-    run_s = max(tuner.run_s["advice"] - sum(one_time.values()), 0.0)
+    spent_once = sum(one_time.values())
+    run_s = max(tuner.run_s["advice"] - spent_once, 0.0)
     tried, untried = plan_trials(suggestions, run_s, tuner.remaining(), args.rounds, args.max_suggestions)
     exact_tried = [s for s in tried if kind_of(s) == changes.EXACT]
     precision = effective_precision(view)
@@ -278,7 +279,7 @@ def tune(
     )
     tuned_on = health.machine_kind(view) if record else None
     setup = (
-        f" ({sum(one_time.values()):.0f} s of it this machine's one-time set-up: "
+        f" ({spent_once:.0f} s of it this machine's one-time set-up: "
         + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in one_time.items())
         + f"; planned at {run_s:.0f} s a run)"
         if one_time
