@@ -142,9 +142,11 @@ def test_the_profilers_gap_table_files_the_padding_free_draw_under_dropout():
         with torch.profiler.record_function("ProfilerStep#1"):
             for _ in range(3):
                 dropout(real)
-    categories = gap.categorize(profile.events(), on_device=False)["categories"]
-    # all but the scalar's conversion for the division (the padded model's aten::dropout makes it too)
-    assert categories["dropout"] > 0.9 * (categories["dropout"] + categories["copies and casts"]), categories
+    found = gap.categorize(profile.events(), on_device=False)
+    # every operator of the draw and of the mask's multiply is dropout's, counted by calls (their times are tens of
+    # microseconds, too small to compare): left out are the scalar's conversion for the division (copies, as in the
+    # padded model's aten::dropout) and the profiler's own step span
+    assert found["categories"]["dropout"] > 0 and found["calls"]["other operators"] <= 1, found["calls"]
 
 
 def test_dropout_drawn_on_real_tokens_only_is_caught(monkeypatch):
