@@ -101,6 +101,17 @@ class PaddedShapeDropout(nn.Dropout):
         return real * layout.unpad(F.dropout(ones, self.p, True))
 
 
+def attention_text(implementation: str) -> str:
+    """What the record says of the attention: the kernel, and the steps that replace it where the loop draws."""
+    said = f"{implementation} on the padded layout"
+    if implementation == "eager":
+        return said + " (with attention dropout on a CPU: its steps with the mask drawn by the checked loop)"
+    return said + (
+        " (with attention dropout on a CPU: sdpa's math path written out -- fp32 scores, softmax and dropout, "
+        "the mask drawn by the checked loop)"
+    )
+
+
 def supported_types() -> str:
     return ", ".join(SUPPORTED)
 
@@ -141,7 +152,7 @@ def apply(model, tokenizer=None) -> dict:
     return {
         "layers": len(encoder.layer),
         "dropouts_drawn_padded": replaced,
-        "attention": f"{config._attn_implementation} on the padded layout",
+        "attention": attention_text(config._attn_implementation),
     }
 
 
@@ -217,7 +228,9 @@ def _self_attention_forward(layout: Layout):
         query, key, value = (heads(projection(hidden_states)) for projection in (self.query, self.key, self.value))
         dropout = self.dropout.p if self.training else 0.0
         if dropout and dropout_draws.drawn_here(torch.float32, query.device):
-            output, weights = _attention_drawn(query, key, value, attention_mask, self.scaling, dropout)
+            output, weights = _attention_drawn(
+                query, key, value, attention_mask, self.scaling, dropout, self.config._attn_implementation
+            )
         else:
             eager = sys.modules[type(self).__module__].eager_attention_forward
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
@@ -229,24 +242,41 @@ def _self_attention_forward(layout: Layout):
     return forward
 
 
-def _attention_drawn(query, key, value, attention_mask, scaling: float, p: float):
-    """Attention on the padded layout with its dropout mask drawn by trainscope.dropout_draws: the BERT family's
-    eager attention (transformers' eager_attention_forward: scores, mask, softmax, dropout, values), the mask the
-    one the padded model's attention kernel draws (`empty_like(weights).bernoulli_(1 - p)` on the (B, H, T, T)
-    weights, then divided by 1 - p and multiplied: aten's _dropout_impl, which sdpa's math kernel calls on a CPU).
-    The mask holds 0 and 1 in any dtype, so the draw is made in float32 whatever the weights' dtype."""
+def _attention_drawn(query, key, value, attention_mask, scaling: float, p: float, implementation: str):
+    """Attention on the padded layout with its dropout mask drawn by trainscope.dropout_draws, in the steps and the
+    precision of the kernel the padded model runs, its mask the one that kernel draws (`empty_like(weights).
+    bernoulli_(1 - p)` on the (B, H, T, T) weights, then divided by 1 - p and multiplied: aten's _dropout_impl).
+
+    * sdpa: with dropout on a CPU sdpa takes its math path (aten's _scaled_dot_product_attention_math), which turns
+      bf16 and fp16 operands to fp32 first, scales query and key by the square root of the scale each, and returns
+      the output in the operands' dtype: the same steps here, outside autocast, so a bf16 run's scores, softmax and
+      dropout are fp32 as the padded model's are (its output is bitwise sdpa's math path's without dropout).
+    * eager: transformers' eager_attention_forward (scores, mask, softmax, dropout, values) in the autocast dtype.
+    The mask holds 0 and 1 in any dtype and the loop draws the same numbers for each, so it is drawn in float32."""
     with _span("trainscope::scaled_dot_product_attention"):
-        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-        if attention_mask is not None:
-            if attention_mask.dtype == torch.bool:
-                scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-            else:
-                scores = scores + attention_mask
-        weights = F.softmax(scores, dim=-1)
-        with _span("trainscope::dropout"):
-            mask = dropout_draws.bernoulli(weights.shape, 1 - p, torch.float32, weights.device)
-            weights = weights * mask.div_(1 - p).to(weights.dtype)
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+        if implementation == "eager":
+            scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+            steps = contextlib.nullcontext()
+        else:
+            dtype, root = query.dtype, scaling**0.5
+            query, key, value = query.float() * root, key.float(), value.float()
+            steps = torch.autocast(query.device.type, enabled=False)
+        with steps:
+            if implementation != "eager":
+                scores = torch.matmul(query, key.transpose(2, 3) * root)
+            if attention_mask is not None:
+                if attention_mask.dtype == torch.bool:
+                    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+                else:
+                    scores = scores + attention_mask
+            weights = F.softmax(scores, dim=-1)
+            with _span("trainscope::dropout"):
+                mask = dropout_draws.bernoulli(weights.shape, 1 - p, torch.float32, weights.device)
+                weights = weights * mask.div_(1 - p).to(weights.dtype)
+            output = torch.matmul(weights, value)
+        if implementation != "eager":
+            output, weights = output.to(dtype), weights.to(dtype)
+        return output.transpose(1, 2).contiguous(), weights
 
 
 def _span(name: str):
