@@ -498,7 +498,12 @@ def test_exact_changes_are_tried_first_stacked_and_the_others_run_on_top_of_them
     assert [t["name"] for t in result["trials"]] == ["e1", "e2", "s1"]
     assert trials["e1"]["kind"] == trials["e2"]["kind"] == "exact" and trials["s1"]["kind"] == "numeric"
     assert trials["e1"]["verdict"] == "faster" and trials["e1"]["exactness"]["verdict"] == "exact"
-    assert trials["e1"]["result"].startswith("exact over 6 pair(s): 42 step losses and final metrics each within")
+    counted = trials["e1"]["exactness"]
+    assert (counted["logged_losses"], counted["final_metrics"]) == (18, 24)  # 3 logged losses and 4 metrics a pair
+    assert trials["e1"]["result"].startswith(
+        "exact over 6 pair(s): 18 logged losses (each the mean of the steps since the line before) and 24 final "
+        "metrics each within fp32's exactness tolerance 3.8e-06"
+    )
     assert trials["e2"]["verdict"] == "within noise" and trials["e2"]["same_result"] is True
     assert trials["s1"]["flags"] == ["--num-workers", "1", "--tf32"] and trials["s1"]["own_flags"] == ["--tf32"]
     assert trials["s1"]["baseline_runs"] == [f"stacked-r{i}" for i in range(6, 12)] and trials["s1"]["rounds"] == list(
@@ -510,7 +515,7 @@ def test_exact_changes_are_tried_first_stacked_and_the_others_run_on_top_of_them
     assert result["final_command"].endswith(
         "--num-workers 1 --tf32 --tuned-on 'cpu AVX2, bf16 emulated: AMD EPYC 7B13'"
     )
-    assert any("exact changes (2, tried first and stacked)" in line and "6.1e-05" in line for line in lines)
+    assert any("exact changes (2, tried first and stacked)" in line and "3.8e-06" in line for line in lines)
 
 
 def test_an_exact_change_whose_numbers_differ_is_not_exact_and_never_kept(monkeypatch):
@@ -755,10 +760,10 @@ def test_tune_judges_exact_changes_on_real_runs_and_finds_a_planted_inexact_one(
     assert (workers["rule"], workers["flags"]) == ("data_loading", ["--num-workers", "1"])
     assert all(t["kind"] == "exact" and t["pairs"] == 1 and t["verdict"] == "too few pairs" for t in result["trials"])
     assert workers["exactness"]["verdict"] == "exact"
-    assert workers["exactness"]["numbers"] == 8 + 4  # 16 steps logged every 2, and the final metrics
+    assert (workers["exactness"]["logged_losses"], workers["exactness"]["final_metrics"]) == (8, 4)  # 16 steps, every 2
     assert dropout["exactness"]["verdict"] == "not exact" and dropout["same_result"] is False
     assert dropout["result"].startswith("not exact: seed 42, step 2 loss")
-    assert result["design"]["exact"] == 2 and result["design"]["tolerance"] == 2**-14
+    assert result["design"]["exact"] == 2 and result["design"]["tolerance"] == 2**-18
     assert result["final_flags"] == [] and "--seed" not in result["final_command"]
     machine = health.machine_kind(RunView(json.loads((runs / "advice-r0" / "record.json").read_text())))
     assert result["tuned_on"] == machine and result["final_command"].endswith(f"--tuned-on {shlex.quote(machine)}")

@@ -42,7 +42,10 @@ class Machine:
     """Simulated runs of a noisy, drifting machine: a run's time is its arm's work (divided by the planted speed-up)
     times the machine's speed, a random walk over the runs (drift, 0.5% a run), times log-normal noise; its results
     are the seed's luck (shared by every arm on that seed) plus a little run-to-run noise, and a planted shift; the
-    baseline and exact arms (e1, e2, ..., their together and the stack) compute the same numbers on a seed.
+    baseline and exact arms (e1, e2, ..., their together, the stack and their fp32 pairs) compute the same numbers on
+    a seed up to rounding: each figure moved by a relative draw of SD `rounding` (fp32's, 1e-7: what --unpad and
+    --compile showed) or, in a run at `precision` bf16, of SD `low_rounding` (5e-4: within bf16's unit, 2^-8). An exact arm in `wrong`
+    draws its dropout masks wrongly: its losses move by 1e-3 of themselves (as a wrong draw moves them).
 
     The noise is 5%, over twice this machine's 2%: there the 3% minimum effect seldom stops a false verdict, so the
     rates below are the test's and the design's own.
@@ -60,9 +63,14 @@ class Machine:
         drift: float = 0.005,
         tokens: dict | None = None,
         paired_sd: dict | None = None,
+        precision: str = "fp32",
+        wrong: frozenset = frozenset(),
+        rounding: float = 1e-7,
+        low_rounding: float = 5e-4,
     ):
         self.rng, self.speed, self.shift, self.noise, self.drift = rng, speed or {}, shift or {}, noise, drift
         self.tokens, self.paired_sd = tokens or {}, paired_sd or {}
+        self.precision, self.wrong, self.rounding, self.low_rounding = precision, wrong, rounding, low_rounding
         self.level, self.luck, self.path, self.exact_noise = 0.0, {}, {}, {}
 
     def __call__(self, arm: Arm, round_index: int, extra: list[str]) -> dict:
@@ -73,7 +81,8 @@ class Machine:
         factor = math.exp(self.level + rng.gauss(0, self.noise)) / self.speed.get(arm.name, 1.0)
         tokens = 10_000 * self.tokens.get(arm.name, 1.0)
         shift, run_noise = self.shift.get(arm.name, 0.0), rng.gauss(0, 0.002)
-        if re.fullmatch(r"baseline|stacked|exact|e\d+", arm.name):  # an exact change computes what the baseline does
+        exact = re.fullmatch(r"(baseline|stacked|exact|e\d+)(-fp32)?", arm.name)
+        if exact:  # an exact change computes what the baseline does
             run_noise = self.exact_noise.setdefault(seed, run_noise)
         path = {}
         if self.paired_sd and not arm.name.startswith("baseline"):  # this arm's own path on this seed
@@ -83,7 +92,7 @@ class Machine:
                 for m, sd in self.paired_sd.items()
             }
         accuracy = 0.65 + luck + shift + run_noise
-        return {
+        figures = {
             "run": f"{arm.name}-r{round_index}",
             "seed": seed,
             "eval_s": 5.0 * factor,
@@ -98,14 +107,26 @@ class Machine:
             "steps_per_epoch": 125,
             "epochs": 1,
             "step_losses": [[step, 1.1 - step / 100 - luck] for step in (10, 20, 30)],
-        }  # the seed's, exactly
+        }
+        if not exact:
+            return figures
+        # rounding: the run's precision (fp32 in an fp32 pair), then a wrong draw's shift of the losses
+        low = self.precision != "fp32" and arm.mixed_precision != "no"
+        sd, shift = (self.low_rounding if low else self.rounding), 1e-3 if exact.group(1) in self.wrong else 0.0
+        moved = lambda value, loss: value * (1 + rng.gauss(0, sd) + (shift if loss else 0.0))  # noqa: E731
+        for metric in ("validation_accuracy", "test_accuracy", "validation_loss", "test_loss"):
+            figures[metric] = moved(figures[metric], metric.endswith("loss"))
+        figures["step_losses"] = [[step, moved(loss, True)] for step, loss in figures["step_losses"]]
+        return figures
 
 
-def decide(machine: Machine, trials: int, rounds: int = tune_judge.ROUNDS, exact: int = 0) -> tuple[dict, object]:
+def decide(
+    machine: Machine, trials: int, rounds: int = tune_judge.ROUNDS, exact: int = 0, precision: str = "fp32"
+) -> tuple[dict, object]:
     """The real decision path with the simulated machine as its runner: (judged, the together trial or None). The
     first `exact` trials are exact changes (e1, e2, ...: tried first, their kept ones stacked), the others numeric
-    (s1, s2, ...: judged by the equivalence test)."""
-    design = Design(rounds=rounds, trials=trials + exact, exact=exact)
+    (s1, s2, ...: judged by the equivalence test); the rounds run at `precision` (the machine's)."""
+    design = Design(rounds=rounds, trials=trials + exact, exact=exact, precision=precision)
     tuner = tune.Tuner(machine, budget_s=math.inf, clock=lambda: 0.0, log=lambda line: None)
     baseline = Arm("baseline", None)
     arms = [
@@ -157,6 +178,35 @@ def looking_after_4_5_and_6_rounds(machine: Machine) -> str:
 ONE_TRIAL_SIZE = bench.rejection_rate(6, 6, ALPHA)  # 38 / 924
 
 
+def binomial_bound(size: float, repetitions: int, confidence: float = 0.99) -> int:
+    """The most false verdicts `repetitions` simulated decisions of a design whose error rate is `size` give at the
+    one-sided `confidence`: the smallest c with P(X <= c) >= confidence, X ~ Binomial(repetitions, size). A count
+    above it rejects "the rate is at most `size`"; each test asserts c < alpha x repetitions first, so that a design
+    whose rate is alpha fails it (more often than not: the count of such a design reaches c about 85% of the time
+    at the sizes used here)."""
+    log_q = math.log1p(-size)
+    pmf = math.exp(repetitions * log_q)  # P(X = 0)
+    total, count = pmf, 0
+    while total < confidence:
+        pmf *= (repetitions - count) / (count + 1) * size / (1 - size)
+        count += 1
+        total += pmf
+    return count
+
+
+def test_the_binomial_bound_is_the_binomials_quantile_and_fails_a_design_at_alpha():
+    """By hand: Binomial(10, 0.5) has P(X <= 8) = 1013/1024 < 0.99 <= P(X <= 9) = 1023/1024. At 6,000 repetitions
+    the bound of 38/924 (0.0411) is 4.7% of them, below 0.05 (the earlier bound, 0.0411 + 3 SE at 4,000, was 0.0505:
+    above alpha, so a 5% design passed it)."""
+    assert binomial_bound(0.5, 10) == 9
+    assert binomial_bound(ONE_TRIAL_SIZE, 6000) < ALPHA * 6000
+    rng = random.Random(0)
+    at_alpha = sum(
+        sum(rng.random() < ALPHA for _ in range(6000)) > binomial_bound(ONE_TRIAL_SIZE, 6000) for _ in range(40)
+    )
+    assert at_alpha >= 24  # a design whose rate is alpha fails the check most of the time
+
+
 def test_the_exact_size_of_6_against_6_is_38_of_924():
     """The bound the null simulations assert, from the test's exact null distribution (every one of the 924
     equally likely rank arrangements of 6 against 6): 38 have a two-sided p below 0.05, so a test at 0.05 rejects a
@@ -172,39 +222,70 @@ def test_the_exact_size_of_6_against_6_is_38_of_924():
 
 
 def test_one_no_op_trial_is_called_faster_or_slower_at_the_exact_rate_and_optional_stopping_is_not():
-    """The fixed design holds the test's exact size, 0.0411, within Monte Carlo error (4.15% measured over 4,000
-    repetitions); the earlier design (looks after 4, 5 and 6 rounds, stopping at the first verdict) run through the
-    same machine breaks it (6.9% measured): the test can tell them apart."""
-    repetitions = 4000
-    bound = ONE_TRIAL_SIZE + 3 * monte_carlo_se(ONE_TRIAL_SIZE, repetitions)  # 0.0505
+    """The fixed design holds the test's exact size, 0.0411: over 6,000 repetitions its false verdicts stay within
+    the one-sided binomial bound of that size (`binomial_bound`, below 5% of them, so a 5% design fails); the
+    earlier design (looks after 4, 5 and 6 rounds, stopping at the first verdict) run through the same machine
+    breaks it (6.9% measured over 2,000): the test can tell them apart."""
+    repetitions = 6000
+    bound = binomial_bound(ONE_TRIAL_SIZE, repetitions)
+    assert bound < ALPHA * repetitions
     rate, _, _ = false_rate(1, {}, {"s1"}, seed=1, repetitions=repetitions)
-    assert rate <= bound
+    assert rate * repetitions <= bound
     rng = random.Random(1)
-    stopped = sum(looking_after_4_5_and_6_rounds(Machine(rng)) in ("faster", "slower") for _ in range(repetitions))
-    assert stopped / repetitions > bound
+    stopped = sum(looking_after_4_5_and_6_rounds(Machine(rng)) in ("faster", "slower") for _ in range(2000))
+    assert stopped / 2000 > bound / repetitions
 
 
 def test_three_no_op_trials_and_the_kept_ones_together_keep_the_familys_exact_bound():
     """The global null: no change does anything. A false verdict anywhere in the family needs a p-value below Holm's
     first threshold, 0.05/4, which 6 against 6 passes exactly 8/924 of the time: at most 4 x 8/924 = 0.035 over the
-    four tests (2.25% measured; without Holm about three times one trial's rate)."""
-    bound = 4 * bench.rejection_rate(6, 6, ALPHA / 4)
+    four tests (2.25% measured; without Holm about three times one trial's rate), within its binomial bound."""
+    bound = binomial_bound(4 * bench.rejection_rate(6, 6, ALPHA / 4), REPETITIONS)
+    assert bound < ALPHA * REPETITIONS
     rate, _, _ = false_rate(3, {}, {"s1", "s2", "s3", "kept"}, seed=2)
-    assert rate <= bound + 3 * monte_carlo_se(bound)
+    assert rate * REPETITIONS <= bound
 
 
 def test_exact_and_numeric_no_ops_in_their_two_phases_keep_the_familys_exact_bound():
     """Two exact no-ops (tried first, judged on their own) and two numeric no-ops on top of whatever was stacked:
     one family of six tests (each phase's kept ones together included), whose first Holm threshold, 0.05/6, 6
     against 6 passes exactly 4/924 of the time: a false verdict anywhere at most 6 x 4/924 = 0.026 (1.7% measured
-    over 1,000 repetitions); an exact no-op's runs agree number for number, so it is "exact" every time."""
-    bound = 6 * bench.rejection_rate(6, 6, ALPHA / 6)
-    rng, false, exact = random.Random(16), 0, 0
+    over 1,000 repetitions, within its binomial bound); an exact no-op's runs differ by fp32's rounding (1e-7), well
+    inside the exactness tolerance, so it is "exact" every time, and one that draws its masks wrongly (e2, its
+    losses 1e-3 off) is "not exact" every time."""
+    bound = binomial_bound(6 * bench.rejection_rate(6, 6, ALPHA / 6), 1000)
+    assert bound < ALPHA * 1000
+    rng, false, exact, caught = random.Random(16), 0, 0, 0
     for _ in range(1000):
-        judged, _ = decide(Machine(rng), 2, exact=2)
+        judged, _ = decide(Machine(rng, wrong=frozenset({"e2"})), 2, exact=2)
         false += any(entry["verdict"] in ("faster", "slower") for entry in judged.values())
         exact += judged["e1"]["exactness"]["verdict"] == "exact"
-    assert false / 1000 <= bound + 3 * monte_carlo_se(bound, 1000) and exact == 1000
+        caught += judged["e2"]["exactness"]["verdict"] == "not exact" and not judged["e2"]["keep"]
+    assert false <= bound and exact == 1000 and caught == 1000
+
+
+def test_in_bf16_exact_changes_are_judged_on_their_own_fp32_pair_and_a_wrong_draw_is_rejected():
+    """Rounds in bf16, whose rounding (5e-4 here) is of a wrong draw's shift's size (1e-3): the rounds' pairs could
+    not tell the two apart, so each exact change is judged on one fp32 pair (mixed precision off, the first round's
+    seed) -- a wrong draw "not exact" every time, an exact change "exact" every time, each judged once."""
+    rng, verdicts = random.Random(17), {"e1": set(), "e2": set()}
+    for _ in range(200):
+        runs = []
+        machine = Machine(rng, {"e1": 1.3, "e2": 1.3}, precision="bf16", wrong=frozenset({"e2"}))
+        recording = lambda arm, index, extra, runs=runs, machine=machine: (  # noqa: E731
+            runs.append(arm) or machine(arm, index, extra)
+        )
+        judged, _ = decide(recording, 0, exact=2, precision="bf16")
+        for name in verdicts:
+            verdicts[name].add((judged[name]["exactness"]["verdict"], judged[name]["exactness"]["pairs"]))
+        fp32 = [arm.name for arm in runs if arm.mixed_precision == "no"]
+        assert sorted(fp32) == ["baseline-fp32", "e1-fp32", "e2-fp32"]  # one each; e1 alone is kept: no together
+    assert verdicts == {"e1": {("exact", 1)}, "e2": {("not exact", 1)}}
+    # judged on the rounds' own bf16 pairs at bf16's rounding tolerance (2^-8, the earlier rule) it was kept
+    machine, rounds = Machine(random.Random(18), precision="bf16", wrong=frozenset({"e2"})), Design()
+    base, wrong = ([machine(Arm(name, None), r, rounds.flags(r)) for r in range(6)] for name in ("baseline", "e2"))
+    earlier = tune_judge.exactness(Design(tolerance=2.0**-8), base, wrong)
+    assert earlier["verdict"] == "exact" and earlier["pairs"] == 6
 
 
 def test_the_kept_ones_together_are_inside_the_family_and_a_planted_one_point_three_is_found():

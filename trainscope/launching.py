@@ -75,16 +75,18 @@ def plan(config: str, gpus: int | None = None) -> Plan:
     return Plan(config, True)
 
 
-def accelerate_launch(config: str | None = None) -> list[str]:
+def accelerate_launch(config: str | None = None, mixed_precision: str | None = None) -> list[str]:
     """`accelerate launch --config_file <config>`, or `accelerate launch --num_processes 1` without one.
 
     With no config and no default config, accelerate 1.15 starts one process per visible GPU
     (`_validate_launch_command` in accelerate/commands/launch.py): a run meant as one process would
-    turn into DDP on a multi-GPU host and report a global figure next to a single process's."""
+    turn into DDP on a multi-GPU host and report a global figure next to a single process's. `mixed_precision`
+    overrides the config's (the launcher's own flag wins over its config file)."""
     return [
         ACCELERATE,
         "launch",
         *(["--config_file", str(config_path(config))] if config else ["--num_processes", "1"]),
+        *(["--mixed_precision", mixed_precision] if mixed_precision else []),
     ]
 
 
@@ -94,12 +96,16 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def train_command(
-    train_args: list[str], config: str | None = None, launcher: str = "accelerate", script: Path = TRAIN_SCRIPT
+    train_args: list[str],
+    config: str | None = None,
+    launcher: str = "accelerate",
+    script: Path = TRAIN_SCRIPT,
+    mixed_precision: str | None = None,
 ) -> list[str]:
     """The documented command; `script` is train.py unless a caller runs a wrapper of it (tests do)."""
     if launcher == "python":
         return [PYTHON, str(script), *train_args]
-    return [*accelerate_launch(config), str(script), *train_args]
+    return [*accelerate_launch(config, mixed_precision), str(script), *train_args]
 
 
 def training_env(on_cpu: bool | None = None, extra: dict | None = None) -> dict:
@@ -118,10 +124,11 @@ def run_training(
     timeout: float | None = None,
     echo: bool = True,
     script: Path = TRAIN_SCRIPT,
+    mixed_precision: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Run train.py by the documented command; output captured. On timeout the whole launch
     (launcher and workers) is killed."""
-    command = train_command(train_args, config, launcher, script)
+    command = train_command(train_args, config, launcher, script, mixed_precision)
     if echo:
         print("$ " + " ".join(Path(command[0]).name if i == 0 else part for i, part in enumerate(command)), flush=True)
     return run_captured(command, env if env is not None else training_env(), timeout)

@@ -10,13 +10,15 @@ shown to be the same -- each change judged by what can decide it.
    one whose flag this build lacks is listed "not available in this build". The design is fixed before anything
    is measured, and printed (trainscope.tune_judge.Design): the suggestions the budget holds (k, at most
    --max-suggestions, the exact ones first), --rounds R rounds per trial, the test, the family Holm corrects
-   over, the rounding tolerance of exact changes and the margins of "the same result".
+   over, the exactness tolerance of exact changes and the margins of "the same result".
 3. The exact changes first: R alternating rounds of the baseline and every exact trial (round r: seed S + r, the
    data held by --data-seed, the order reversed every other round), each judged once after the last round
    against the baseline runs of its own rounds: speed on the same work by the project's test, Holm-corrected over
-   the family; the result by the paired runs themselves (every logged step's loss and the final metrics within
-   the tolerance: "exact"; else "not exact", a defect, never kept). Two or more kept: together in R rounds of their
-   own. The kept exact changes are the stack.
+   the family; the result by paired runs in fp32 (every logged loss and the final metrics within the exactness
+   tolerance: "exact"; else "not exact", a defect, never kept): the rounds' own pairs where they run in fp32, else
+   one fp32 pair per change (mixed precision off, TF32 off, the first round's seed), since bf16's or fp16's
+   rounding would hide a wrong random draw. Two or more kept: together in R rounds of their own. The kept exact
+   changes are the stack.
 4. Then the numeric and training changes, on top of the stack and against it (the stack as their baseline, in
    R rounds of their own): a numeric change's result by two one-sided tests on the paired seeds; a training
    change's only on the full job, its verdict saying how many seeds that needs at the seed noise measured here
@@ -161,10 +163,17 @@ class Tuner:
         the `earlier` phases' measures), and with two or more kept R rounds of the kept ones together. (measured
         by arm, the measures of its trials, the together trial or None)."""
         measured = {baseline.name: {}, **{t.name: {} for t in trials}}
+        exact = trials[0].phase == changes.EXACT
+        checked = self.fp32_pairs(design, [baseline, *(t.arm for t in trials)]) if exact else {}
         self.rounds(
             design, [baseline, *(t.arm for t in trials)], range(first_round, first_round + design.rounds), measured
         )
-        measures = {t.name: measure(design, measured[baseline.name], measured[t.name], t.kind) for t in trials}
+        measures = {
+            t.name: measure(
+                design, measured[baseline.name], measured[t.name], t.kind, self.pair(checked, baseline, t.arm)
+            )
+            for t in trials
+        }
         judged = in_family(design, {**earlier, **measures})  # each trial measured once for both stages
         kept = [t for t in trials if judged[t.name]["keep"]]
         if len(kept) < 2:
@@ -186,19 +195,47 @@ class Tuner:
         )
         measured[name] = {}
         start = first_round + design.rounds
+        if exact:
+            checked.update(self.fp32_pairs(design, [together.arm]))
         self.rounds(design, [baseline, together.arm], range(start, start + design.rounds), measured)
-        measures[name] = measure(design, measured[baseline.name], measured[name], together.kind)
+        measures[name] = measure(
+            design, measured[baseline.name], measured[name], together.kind, self.pair(checked, baseline, together.arm)
+        )
         return measured, measures, together
+
+    def fp32_pairs(self, design: Design, arms: list[Arm]) -> dict[str, list[dict]]:
+        """Where the rounds run at another precision than fp32: one fp32 run of each arm (mixed precision and TF32
+        off, the first round's seed), by arm, for the exact changes' judgement; {} where the rounds are fp32."""
+        if not design.exact_check:
+            return {}
+        return {
+            arm.name: [
+                self.run(
+                    replace(arm, name=f"{arm.name}-fp32", mixed_precision="no"),
+                    0,
+                    design.check_flags(),
+                    f"exactness pair {arm.name} (fp32)",
+                )
+            ]
+            for arm in arms
+        }
+
+    @staticmethod
+    def pair(checked: dict[str, list[dict]], baseline: Arm, trial: Arm) -> tuple[list[dict], list[dict]] | None:
+        return (checked[baseline.name], checked[trial.name]) if baseline.name in checked else None
 
 
 def kind_of(suggestion) -> str:
     return changes.kind_of(suggestion.flags, suggestion.config)
 
 
-def plan_cost(exact: int, other: int, rounds: int) -> int:
+def plan_cost(exact: int, other: int, rounds: int, fp32_pairs: bool = False) -> int:
     """Runs make tune's phases take: R rounds of a baseline and the phase's k trials, and for k >= 2 R rounds of the
-    baseline and the kept ones together -- for the exact phase, then the others."""
-    return sum(rounds * (1 + k) + (2 * rounds if k > 1 else 0) for k in (exact, other) if k)
+    baseline and the kept ones together -- for the exact phase, then the others; with `fp32_pairs` (rounds at
+    another precision) one fp32 run of the exact phase's baseline, of each exact trial and of the kept ones
+    together."""
+    pairs = (1 + exact + (1 if exact > 1 else 0)) if fp32_pairs and exact else 0
+    return pairs + sum(rounds * (1 + k) + (2 * rounds if k > 1 else 0) for k in (exact, other) if k)
 
 
 def one_time_s(record: dict) -> dict[str, float]:
@@ -215,7 +252,9 @@ def one_time_s(record: dict) -> dict[str, float]:
     return found
 
 
-def plan_trials(suggestions: list, run_s: float, remaining_s: float, rounds: int, most: int) -> tuple[list, list]:
+def plan_trials(
+    suggestions: list, run_s: float, remaining_s: float, rounds: int, most: int, fp32_pairs: bool = False
+) -> tuple[list, list]:
     """How many suggestions the budget holds, decided before measuring, in runs of the advice run's length: the
     exact ones first, then the numeric, then the training ones (the advisor's order within each); a suggestion
     this build cannot run, or with nothing to run, is never planned. (tried, over the budget)."""
@@ -225,7 +264,7 @@ def plan_trials(suggestions: list, run_s: float, remaining_s: float, rounds: int
     )[:most]
     for k in range(len(candidates), 0, -1):
         exact = sum(kind_of(s) == changes.EXACT for s in candidates[:k])
-        if plan_cost(exact, k - exact, rounds) * run_s <= remaining_s:
+        if plan_cost(exact, k - exact, rounds, fp32_pairs) * run_s <= remaining_s:
             return candidates[:k], candidates[k:]
     return [], candidates
 
@@ -263,9 +302,16 @@ def tune(
     one_time = one_time_s(record)
     spent_once = sum(one_time.values())
     run_s = max(tuner.run_s["advice"] - spent_once, 0.0)
-    tried, untried = plan_trials(suggestions, run_s, tuner.remaining(), args.rounds, args.max_suggestions)
-    exact_tried = [s for s in tried if kind_of(s) == changes.EXACT]
     precision = effective_precision(view)
+    tried, untried = plan_trials(
+        suggestions,
+        run_s,
+        tuner.remaining(),
+        args.rounds,
+        args.max_suggestions,
+        fp32_pairs=precision != changes.EXACT_PRECISION,
+    )
+    exact_tried = [s for s in tried if kind_of(s) == changes.EXACT]
     design = Design(
         rounds=args.rounds,
         trials=len(tried),
@@ -275,7 +321,7 @@ def tune(
         seed=first["seed"],
         data_seed=first["data_seed"],
         precision=precision,
-        tolerance=changes.tolerance(precision),
+        tolerance=changes.EXACT_TOLERANCE,
     )
     tuned_on = health.machine_kind(view) if record else None
     setup = (
@@ -329,8 +375,8 @@ def changes_text(trial: Trial) -> str:
 
 
 def effective_precision(view: RunView) -> str:
-    """The precision the advice run had in effect, as the rounding tolerance names it (TF32 where it was on)."""
-    precision = view.precision if view.precision in changes.ROUNDING_TOLERANCE else "fp32"
+    """The precision the advice run had in effect: fp32, tf32 (where it was on), bf16 or fp16."""
+    precision = view.precision if view.precision in ("fp32", "bf16", "fp16") else "fp32"
     return "tf32" if precision == "fp32" and view.tf32_in_effect else precision
 
 

@@ -41,7 +41,7 @@ import math
 import re
 import shlex
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from trainscope import bench, changes, launching
 from trainscope.record_view import RunView
@@ -69,7 +69,16 @@ class Design:
     min_effect: float = bench.MIN_EFFECT
     exact: int = 0  # of the trials, the exact changes (trainscope.changes): tried first
     precision: str = "fp32"  # the precision the advice run had in effect
-    tolerance: float = changes.ROUNDING_TOLERANCE["fp32"]  # an exact change's rounding tolerance at that precision
+    tolerance: float = changes.EXACT_TOLERANCE  # exact changes are judged in fp32 (trainscope.changes)
+
+    @property
+    def exact_check(self) -> bool:
+        """Whether exact changes need their own fp32 pair: the rounds run at another precision."""
+        return self.precision != changes.EXACT_PRECISION
+
+    def check_flags(self) -> list[str]:
+        """The train.py flags of an exact change's fp32 pair: the first round's seed, TF32 off."""
+        return [*self.flags(0), "--tf32", "false"]
 
     @property
     def tests(self) -> int:
@@ -155,10 +164,16 @@ def equivalence_method(design: Design) -> str:
 
 
 def exactness_method(design: Design) -> str:
+    pairs = (
+        f"one fp32 pair per change (the rounds run in {design.precision}, whose rounding would hide a wrong random "
+        f"draw), seed {design.seed}"
+        if design.exact_check
+        else "every pair of the rounds (same seed, fp32)"
+    )
     return (
-        f"kept when faster and every pair (same seed) agrees: each logged step's loss and the final losses within "
-        f"{design.tolerance:.2g} relative, the accuracies within {design.tolerance:.2g} ({design.precision}'s "
-        "rounding tolerance, stated before measuring); a disagreement is 'not exact', a defect, never kept"
+        f"kept when faster and {pairs} agrees: each logged loss (the mean of the steps since the line before) and "
+        f"the final losses within {design.tolerance:.2g} relative, the accuracies within {design.tolerance:.2g} "
+        "(fp32's exactness tolerance, stated before measuring); a disagreement is 'not exact', a defect, never kept"
     )
 
 
@@ -236,11 +251,18 @@ def in_family(design: Design, measures: dict[str, dict]) -> dict[str, dict]:
     return judged
 
 
-def measure(design: Design, baseline: dict[int, dict], trial: dict[int, dict], kind: str = changes.NUMERIC) -> dict:
+def measure(
+    design: Design,
+    baseline: dict[int, dict],
+    trial: dict[int, dict],
+    kind: str = changes.NUMERIC,
+    fp32_pair: tuple[list[dict], list[dict]] | None = None,
+) -> dict:
     """One trial against the baseline runs of its own rounds, before the family: speed on the same work (raw p),
     the training-only and evaluation-only ratios, and the result as its kind is judged (`exactness` for an exact
-    change, `equivalent` for a numeric one and for a training one on the full job; a training one on a proxy is
-    not decided, `training_text` says what would decide it)."""
+    change -- on its fp32 pair, (baseline runs, trial runs), where the rounds ran at another precision --,
+    `equivalent` for a numeric one and for a training one on the full job; a training one on a proxy is not
+    decided, `training_text` says what would decide it)."""
     rounds = sorted(r for r in trial if r in baseline)
     base, mine = [baseline[r] for r in rounds], [trial[r] for r in rounds]
     entry = {
@@ -250,7 +272,10 @@ def measure(design: Design, baseline: dict[int, dict], trial: dict[int, dict], k
         "equivalence": equivalent(design, base, mine),
     }
     if kind == changes.EXACT:
-        entry["exactness"] = exactness(design, base, mine)
+        if design.exact_check:
+            entry["exactness"] = exactness(design, *(fp32_pair or ([], [])))
+        else:
+            entry["exactness"] = exactness(design, base, mine)
         entry["same_result"] = {"exact": True, "not exact": False}.get(entry["exactness"]["verdict"])
         entry["result"] = entry["exactness"]["text"]
     elif kind == changes.TRAINING and not all(full_job(r) for r in mine):
@@ -304,10 +329,11 @@ def _pairs(baseline: list[dict], trial: list[dict]) -> list[tuple[dict, dict]]:
 
 def exactness(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
     """An exact change's paired runs (same round and seed) compared number by number: each logged step's loss and
-    the final losses relative to the baseline's, the accuracies as they are, against the design's rounding
-    tolerance. "exact" when every pair agrees throughout, "not exact" at the first number beyond it (or steps
-    logged in one run and not the other), "undecided" without a pair whose step losses both runs logged."""
-    tolerance, checked, worst, found = design.tolerance, 0, None, None
+    the final losses relative to the baseline's, the accuracies as they are, against the design's tolerance
+    (trainscope.changes.exact_difference; the runs are fp32 ones). "exact" when every pair agrees throughout, "not
+    exact" at the first number beyond it (or steps logged in one run and not the other), "undecided" without a pair
+    whose step losses both runs logged."""
+    tolerance, counted, worst, found = design.tolerance, {"losses": 0, "metrics": 0}, None, None
     paired = [(b, t) for b, t in _pairs(baseline, trial) if b.get("step_losses") and t.get("step_losses")]
     for b, t in paired:
         mine, theirs = dict(map(tuple, t["step_losses"])), dict(map(tuple, b["step_losses"]))
@@ -320,15 +346,15 @@ def exactness(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
                 "difference": math.inf,
             }
             continue
-        numbers = [(f"step {step} loss", theirs[step], mine[step], True) for step in sorted(theirs)]
+        numbers = [(f"step {step} loss", theirs[step], mine[step], True, "losses") for step in sorted(theirs)]
         numbers += [
-            (metric.replace("_", " "), b[metric], t[metric], metric.endswith("loss"))
+            (metric.replace("_", " "), b[metric], t[metric], metric.endswith("loss"), "metrics")
             for metric in METRICS
             if b.get(metric) is not None and t.get(metric) is not None
         ]
-        for what, ours, yours, relative in numbers:
-            difference = abs(yours - ours) / (abs(ours) if relative and ours else 1.0)
-            checked += 1
+        for what, ours, yours, relative, kind in numbers:
+            difference = changes.exact_difference(ours, yours, relative)
+            counted[kind] += 1
             entry = {
                 "seed": b["seed"],
                 "what": what,
@@ -345,11 +371,15 @@ def exactness(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
     result = {
         "verdict": verdict,
         "pairs": len(paired),
-        "numbers": checked,
+        "numbers": counted["losses"] + counted["metrics"],
+        "logged_losses": counted["losses"],
+        "final_metrics": counted["metrics"],
         "tolerance": tolerance,
-        "precision": design.precision,
+        "precision": changes.EXACT_PRECISION,
+        "rounds_precision": design.precision,
         "largest": worst,
         "first_beyond": found,
+        "pair_runs": [[b.get("run"), t.get("run")] for b, t in paired],
     }
     result["text"] = exactness_text(result)
     return result
@@ -357,7 +387,7 @@ def exactness(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
 
 def exactness_text(result: dict) -> str:
     """'exact over 6 pairs: ...' / 'not exact: ...' / 'undecided: ...'."""
-    tolerance = f"{result['precision']}'s tolerance {result['tolerance']:.2g}"
+    tolerance = f"{result.get('precision', 'fp32')}'s exactness tolerance {result['tolerance']:.2g}"
     if result["verdict"] == "undecided":
         return "undecided: no pair of runs with their step losses logged to compare"
     if result["verdict"] == "exact":
@@ -367,10 +397,14 @@ def exactness_text(result: dict) -> str:
             if not worst or worst["difference"] == 0
             else f"largest difference {worst['difference']:.2g} ({worst['what']}, seed {worst['seed']})"
         )
-        return (
-            f"exact over {result['pairs']} pair(s): {result['numbers']} step losses and final metrics each within "
-            f"{tolerance}, {largest}"
+        counted = (
+            f"{result['logged_losses']} logged losses (each the mean of the steps since the line before) and "
+            f"{result['final_metrics']} final metrics"
+            if "logged_losses" in result
+            else f"{result['numbers']} logged losses and final metrics"
         )
+        pairs = f"{result['pairs']} fp32 pair(s)" if result.get("rounds_precision", "fp32") != "fp32" else None
+        return f"exact over {pairs or str(result['pairs']) + ' pair(s)'}: {counted} each within {tolerance}, {largest}"
     found = result["first_beyond"]
     if found["what"] == "logged steps":
         said = f"seed {found['seed']} logged steps {found['trial']} against the baseline's {found['baseline']}"
@@ -682,13 +716,14 @@ def rejudged(comparison: dict, records: dict) -> dict:
         return comparison
     measured, kinds, against = readings
     rounds = None
-    if "design" in comparison:
-        design = Design.from_dict(comparison["design"])
+    if "design" in comparison:  # today's exactness tolerance, whatever the result was judged by
+        design = replace(Design.from_dict(comparison["design"]), tolerance=changes.EXACT_TOLERANCE)
     else:
         design, rounds, comparison = _with_design_of_its_runs(comparison, trials, measured)
     baselines = set(against.values()) | {"baseline"}
+    pairs = _fp32_pairs(trials, records) if design.exact_check else {}
     measures = {
-        name: measure(design, measured[against.get(name, "baseline")], runs, kinds[name])
+        name: measure(design, measured[against.get(name, "baseline")], runs, kinds[name], pairs.get(name))
         for name, runs in measured.items()
         if name not in baselines
     }
@@ -731,6 +766,17 @@ def _runs_measured(comparison: dict, records: dict, trials: list[dict]) -> tuple
             mine[index] = run_figures(records[run], records[run].get("steps"))
             measured.setdefault(of_base.group(1), {})[index] = run_figures(records[base], records[base].get("steps"))
     return measured, kinds, against
+
+
+def _fp32_pairs(trials: list[dict], records: dict) -> dict[str, tuple[list[dict], list[dict]]]:
+    """The exact trials' fp32 pairs (make tune's runs at another precision) from their records, by trial."""
+    pairs = {}
+    for trial in trials:
+        names = (trial.get("exactness") or {}).get("pair_runs") or []
+        if names and all(b in records and t in records for b, t in names):
+            figures = lambda run: run_figures(records[run], records[run].get("steps"))  # noqa: E731
+            pairs[trial["name"]] = ([figures(b) for b, _ in names], [figures(t) for _, t in names])
+    return pairs
 
 
 def _with_design_of_its_runs(comparison: dict, trials: list[dict], measured: dict) -> tuple:

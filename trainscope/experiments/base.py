@@ -101,6 +101,7 @@ class Arm:
     skipped: str | None = None  # why this arm cannot run here
     launcher: str = "accelerate"
     script: Path = launching.TRAIN_SCRIPT
+    mixed_precision: str | None = None  # --mixed_precision over the config's (make tune's fp32 pairs)
 
 
 def planned_arm(name: str, config: str, flags: list[str]) -> Arm:
@@ -122,6 +123,7 @@ def run_arm(arm: Arm, train_args: list[str], runs: Path, round_index: int, extra
         launcher=arm.launcher,
         env=launching.training_env(on_cpu),
         script=arm.script,
+        mixed_precision=arm.mixed_precision,
     )
     if result.returncode != 0:
         raise ExperimentFailed(
