@@ -7,20 +7,29 @@ made dropout 15% of a padding-free step on machine A and 28% of a padding-free b
 `native/mt19937_bernoulli.c` is that loop, vectorizable: the same generator, the same two draws an element, the
 same comparison (on integers), reading and writing back torch's generator state (`torch.get_rng_state()`).
 
-It is used only where it is checked: on first use in a process it is compiled (the C compiler, `-O3
--march=native`, or without `-march` where the compiler refuses it, into the trainscope cache, keyed by the source,
-the compiler and this CPU) and checked against torch's own `bernoulli_` -- masks of several lengths, each dtype,
-with the generator state after each -- and a dtype whose masks or state differ (MKL's path, another torch) keeps
-torch's draw. Without a compiler, on other devices, or while torch.compile traces, torch draws. `status()` says
-which happened (the record's `model.unpad.dropout_draws`).
+It is used only where it is checked. On first use on a machine it is compiled (the C compiler, `-O3
+-march=native`, or without `-march` where the compiler refuses it) into the trainscope cache, keyed by the source,
+the compiler's path, version and flags, and what the compiler targets with `-march=native` (`-Q --help=target`, or
+the `-m` options its `-###` line passes on; where neither answers, the CPU's model, flags and architecture). A new
+build is loaded first by a child process, which checks it against torch's own `bernoulli_` -- masks of several
+lengths, each dtype, with the generator state after each -- and the verdict is kept next to the library (a marker,
+written by renaming: passed with its dtypes, differs, failed, or crashed with its signal), per torch version. A run
+loads the library only where its marker says it passed (and checks the dtypes again, in a few milliseconds), so an
+illegal instruction ends only that child, once. A dtype whose masks or state differ (MKL's path, another torch)
+keeps torch's draw. Without a compiler, on other devices, or while torch.compile traces, torch draws. `status()`
+says which happened (the record's `model.unpad.dropout_draws`).
 """
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,16 +37,26 @@ import torch
 
 SOURCE = Path(__file__).parent / "native" / "mt19937_bernoulli.c"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in KINDS}
+# what bernoulli_fill reads and writes of torch.get_rng_state()'s bytes (CPUGeneratorImplState's legacy_pod: seed,
+# left, seeded, next, then 624 64-bit words); torch 2.x's state is 5,056 bytes (a normal-distribution cache after)
+STATE_BYTES = 24 + 8 * 624
+# the build: these flags, with -march=native, else without it (a compiler that knows no -march=native)
+FLAGS = ("-O3", "-shared", "-fPIC")
+TUNINGS = (("-march=native",), ())
 # the lengths the check draws: under one state block, across a twist with an element split over it, several blocks
 CHECK_LENGTHS = (3, 311, 625, 7 * 1249)
 CHECK_KEEP = (0.9, 0.5, 1 / 3)
+CHECK_TIMEOUT_S = 300  # the child's check takes seconds (mostly importing torch)
+VERDICTS = ("passed", "differs", "failed", "crashed")
+DIFFER = "its masks differ from torch's bernoulli_ here (MKL's path?)"
 
-_loaded: dict = {}  # "lib", "dtypes" (checked ones), "why" (when none), once per process
+_loaded: dict = {}  # "lib", "dtypes" (checked ones), "why" (when none), "verdict", "marker", once per process
 
 
 def _cpu_signature() -> str:
-    """What -march=native compiles for: the CPU's model and flags (a cache shared by other machines must not hand
-    this one code built for another)."""
+    """The CPU's model and flags: the cache key's stand-in for what -march=native compiles for, where the compiler
+    does not say."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
@@ -46,18 +65,81 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def _ask(command: list[str]) -> str | None:
+    """A compiler query's output (stdout, then stderr), or None where it cannot run or fails."""
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "LC_ALL": "C"},  # the same words whatever the language: the same key
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return None if done.returncode else done.stdout + done.stderr
+
+
+def _listed_target(compiler: str) -> str | None:
+    """gcc's own list of its target options under -march=native (the CPU it chose, each instruction set on or off)."""
+    listed = _ask([compiler, "-march=native", "-Q", "--help=target"])
+    return listed if listed and "-march=" in listed else None
+
+
+def _passed_target(compiler: str) -> str | None:
+    """The target options the driver passes its compiler proper under -march=native (`-###`: clang's -target-cpu
+    and -target-features, gcc's expanded -m options), without the temporary file names."""
+    shown = _ask([compiler, "-###", "-march=native", "-x", "c", "-c", "-o", os.devnull, os.devnull])
+    if not shown:
+        return None
+    kept = []
+    for line in shown.splitlines():
+        if not line.startswith(" "):
+            continue
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        for index, word in enumerate(words):
+            if word in ("-triple", "-target-cpu", "-target-feature", "-target-abi", "--param", "-tune-cpu"):
+                kept.append(f"{word} {words[index + 1] if index + 1 < len(words) else ''}")
+            elif word.startswith("-m") and word != "-mllvm":
+                kept.append(word)
+        if kept:
+            break  # the compiler proper's line; the assembler's and linker's lines follow
+    return "\n".join(kept) or None
+
+
+def _key_facts(compiler: str) -> dict:
+    """What the cache key is made of: a build is shared only by processes that would build the same bytes."""
+    version = _ask([compiler, "--version"])
+    target = _listed_target(compiler) or _passed_target(compiler)
+    return {
+        "source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "compiler": compiler,
+        "version": version.strip().splitlines()[0] if version and version.strip() else None,
+        "flags": [list(FLAGS), *map(list, TUNINGS)],
+        "target": target if target is not None else _cpu_signature(),
+        "machine": platform.machine(),
+    }
+
+
 def _library_path(compiler: str) -> Path:
     from trainscope.peak import cache_dir
 
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), _cpu_signature().encode(), platform.machine().encode()):
-        digest.update(part)
-    return cache_dir() / "native" / f"mt19937_bernoulli-{digest.hexdigest()[:16]}.so"
+    digest = hashlib.sha256(json.dumps(_key_facts(compiler), sort_keys=True).encode()).hexdigest()
+    return cache_dir() / "native" / f"mt19937_bernoulli-{digest[:16]}.so"
 
 
-def _build() -> ctypes.CDLL:
-    """The compiled loop, from the cache or built now (written under a temporary name, then renamed: processes
-    building it at once each leave a whole file). Raises RuntimeError saying why not."""
+def _marker_path(library: Path) -> Path:
+    return library.with_suffix(".check.json")
+
+
+def _build() -> Path:
+    """The compiled loop's path, from the cache or built now (written under a temporary name, then renamed:
+    processes building it at once each leave a whole file). Not loaded here: see `_verdict`. Raises RuntimeError
+    saying why not."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc, gcc or $CC)")
@@ -67,9 +149,9 @@ def _build() -> ctypes.CDLL:
         handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(handle)
         try:
-            for tuning in (["-march=native"], []):  # a compiler that knows no -march=native builds it portable
+            for tuning in TUNINGS:
                 done = subprocess.run(
-                    [compiler, "-O3", *tuning, "-shared", "-fPIC", "-o", partial, str(SOURCE)],
+                    [compiler, FLAGS[0], *tuning, *FLAGS[1:], "-o", partial, str(SOURCE)],
                     capture_output=True,
                     text=True,
                     timeout=120,
@@ -82,8 +164,21 @@ def _build() -> ctypes.CDLL:
         finally:
             if os.path.exists(partial):
                 os.unlink(partial)
-    library = ctypes.CDLL(str(target))
-    library.bernoulli_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_int]
+    return target
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """The library loaded into this process. `_load` opens only one whose check in a child process passed (the tests
+    open theirs to check the loop itself)."""
+    library = ctypes.CDLL(str(path))
+    library.bernoulli_fill.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_double,
+        ctypes.c_int,
+    ]
     library.bernoulli_fill.restype = ctypes.c_int
     return library
 
@@ -91,7 +186,11 @@ def _build() -> ctypes.CDLL:
 def _fill(library, shape, keep: float, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype)
     state = torch.get_rng_state()
-    if library.bernoulli_fill(state.data_ptr(), out.data_ptr(), out.numel(), float(keep), KINDS[dtype]):
+    if state.dtype != torch.uint8 or state.device.type != "cpu" or not state.is_contiguous():
+        raise RuntimeError(f"torch's generator state is not the bytes this loop knows ({state.dtype}, {state.device})")
+    if state.numel() < STATE_BYTES:  # the loop reads and writes STATE_BYTES of it: never past its end
+        raise RuntimeError(f"torch's generator state is {state.numel()} bytes; this loop reads {STATE_BYTES}")
+    if library.bernoulli_fill(state.data_ptr(), state.numel(), out.data_ptr(), out.numel(), float(keep), KINDS[dtype]):
         raise RuntimeError("torch's generator state is not the one this loop knows")
     torch.set_rng_state(state)
     return out
@@ -116,15 +215,117 @@ def _agrees(library, dtype: torch.dtype) -> bool:
         torch.set_rng_state(start)
 
 
+def _child(path: str) -> int:
+    """The check in a child process (`_check_in_child`): loads the library, prints the dtypes that agree."""
+    library = _open(Path(path))
+    print(json.dumps({"dtypes": [NAMES[dtype] for dtype in KINDS if _agrees(library, dtype)]}), flush=True)
+    return 0
+
+
+CHILD = "import sys; sys.path.insert(0, sys.argv[1]); from trainscope.dropout_draws import _child; sys.exit(_child(sys.argv[2]))"
+
+
+def _check_in_child(library: Path) -> dict:
+    """The library loaded and checked in a child process, so an illegal instruction (a build for another CPU) or
+    a crash ends the child, not this process: the verdict, as the marker keeps it."""
+    verdict = {"verdict": "failed", "dtypes": [], "why": None, "returncode": None, "signal": None}
+    verdict.update(library=library.name, sha256=_digest(library), torch=str(torch.__version__))
+    root = str(Path(__file__).resolve().parent.parent)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, root, str(library)],
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            cwd=library.parent,  # where a crash's core file, if the system writes one, lands
+        )
+    except subprocess.TimeoutExpired:
+        verdict["why"] = f"its check in a child process ran past {CHECK_TIMEOUT_S} s"
+        return verdict
+    verdict["returncode"] = done.returncode
+    if done.returncode < 0:
+        try:
+            verdict["signal"] = signal.Signals(-done.returncode).name
+        except ValueError:
+            verdict["signal"] = f"signal {-done.returncode}"
+        verdict.update(verdict="crashed", why=f"loading and checking it killed a child process ({verdict['signal']})")
+    elif done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        verdict["why"] = f"its check failed in a child process (exit {done.returncode}: {last})"
+    else:
+        try:
+            said = json.loads((done.stdout.strip().splitlines() or ["null"])[-1])
+            dtypes = [name for name in NAMES.values() if name in said["dtypes"]]
+        except (ValueError, TypeError, KeyError):
+            verdict["why"] = "its check in a child process said nothing readable"
+            return verdict
+        verdict.update(verdict="passed" if dtypes else "differs", dtypes=dtypes, why=None if dtypes else DIFFER)
+    return verdict
+
+
+def _digest(library: Path) -> str:
+    return hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+def _read_marker(library: Path) -> dict | None:
+    """The kept verdict, where it is whole, of these bytes, and was reached with this torch (another torch is
+    checked again)."""
+    try:
+        kept = json.loads(_marker_path(library).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (
+        isinstance(kept, dict)
+        and kept.get("verdict") in VERDICTS
+        and isinstance(kept.get("dtypes"), list)
+        and isinstance(kept.get("why"), (str, type(None)))
+        and kept.get("torch") == str(torch.__version__)
+        and kept.get("sha256") == _digest(library)
+    ):
+        return None
+    return kept
+
+
+def _verdict(library: Path) -> dict:
+    """The library's check: kept in its marker, else run in a child process and kept (written under a temporary
+    name, then renamed). A marker that cannot be written leaves the verdict to this process."""
+    marker = _marker_path(library)
+    kept = _read_marker(library)
+    if kept is not None:
+        return kept
+    verdict = _check_in_child(library)
+    try:
+        handle, partial = tempfile.mkstemp(suffix=".json", dir=marker.parent)
+        try:
+            with os.fdopen(handle, "w") as file:
+                json.dump(verdict, file, indent=1)
+            os.replace(partial, marker)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    except OSError:
+        pass
+    return verdict
+
+
 def _load() -> dict:
     if not _loaded:
+        library, marker, verdict = None, None, None
         try:
-            library = _build()
-            dtypes = [dtype for dtype in KINDS if _agrees(library, dtype)]
-            why = None if dtypes else "its masks differ from torch's bernoulli_ here (MKL's path?)"
+            path = _build()
+            marker = _marker_path(path)
+            kept = _verdict(path)
+            verdict = kept["verdict"]
+            if verdict == "passed":
+                library = _open(path)  # the check in this process too: milliseconds
+                dtypes = [dtype for dtype in KINDS if NAMES[dtype] in kept["dtypes"] and _agrees(library, dtype)]
+                why = None if dtypes else DIFFER
+            else:
+                dtypes, why = [], f"{kept['why'] or DIFFER} (kept in {marker}: delete it to check again)"
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             library, dtypes, why = None, [], str(error)
-        _loaded.update(lib=library, dtypes=dtypes, why=why)
+        _loaded.update(lib=library, dtypes=dtypes, why=why, verdict=verdict, marker=marker and str(marker))
     return _loaded
 
 

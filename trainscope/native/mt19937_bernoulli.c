@@ -22,6 +22,7 @@
 #define LEFT_AT 8
 #define NEXT_AT 16
 #define STATE_AT 24
+#define STATE_END (STATE_AT + 8 * N) /* 5016: the bytes read and written (torch 2.x's state is 5056) */
 
 static inline uint32_t twist(uint32_t u, uint32_t v) {
     return (((u & UPPER) | (v & LOWER)) >> 1) ^ ((v & 1u) ? MATRIX_A : 0u);
@@ -48,12 +49,14 @@ static inline void put(void *out, size_t k, int kind, int keep) {
     else ((uint16_t *)out)[k] = keep ? (kind == 1 ? 0x3f80 : 0x3c00) : 0;
 }
 
-/* Fills out[0..n) as `out.bernoulli_(p)` would and advances the state in `rng` (torch.get_rng_state()'s bytes) as
-   torch's generator would advance. Returns 0, or -1 for a state this does not know. */
-int bernoulli_fill(uint8_t *rng, void *out, size_t n, double p, int kind) {
+/* Fills out[0..n) as `out.bernoulli_(p)` would and advances the state in `rng` (torch.get_rng_state()'s bytes,
+   rng_bytes of them) as torch's generator would advance. Returns 0, or -1 for a state this does not know (one
+   shorter than STATE_END is never read). */
+int bernoulli_fill(uint8_t *rng, size_t rng_bytes, void *out, size_t n, double p, int kind) {
     uint32_t s[N];
     uint64_t wide[N], next64;
     int32_t left;
+    if (rng_bytes < STATE_END) return -1;
     memcpy(&left, rng + LEFT_AT, 4);
     memcpy(&next64, rng + NEXT_AT, 8);
     memcpy(wide, rng + STATE_AT, 8 * N);
