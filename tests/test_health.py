@@ -1,11 +1,13 @@
 """Every health warning fires on a record planted with its condition and stays silent on a clean one."""
 
 import copy
+import json
 
 import pytest
-from conftest import plant
+from conftest import ROOT, plant
 
 from trainscope import health
+from trainscope.record_view import RunView
 
 CLEAN = {
     "settings": {"profile": False, "tf32": False, "compile": False, "memory_every": 10},
@@ -264,3 +266,80 @@ def test_every_warning_is_one_registry_entry_with_its_fix_and_the_start_ones_are
 def test_unknown_codes_are_refused():
     with pytest.raises(ValueError):
         health.warning("made_up", "x")
+
+
+# ---------------------------------------------------------------- the machine a command was tuned on (--tuned-on)
+
+RUNS = ROOT / "benchmarks" / "runs"
+
+
+def committed(run: str) -> dict:
+    """A committed record: machine A (AMD EPYC, AVX2) in tune/, B (AMD EPYC, AVX512-BF16) in tune_avx512bf16/, C
+    (Intel Xeon, AMX) in tune_amx/."""
+    return json.loads((RUNS / run / "record.json").read_text())
+
+
+def on_cores(record: dict, cores: int) -> dict:
+    """The record as the same machine with `cores` usable cores writes it."""
+    moved = copy.deepcopy(record)
+    moved["environment"]["usable_cores"] = moved["environment"]["threads"]["usable_cores"] = cores
+    moved["provenance"]["machine"]["usable_cores"] = cores
+    return moved
+
+
+def kind(record: dict) -> str:
+    return health.machine_kind(RunView(record))
+
+
+def test_the_machine_kind_tells_amx_from_avx512_bf16_by_the_records_flags():
+    """Machines C and B both run torch's AVX512 kernels with native bf16, but C's matmuls run on AMX (3,153 GFLOP/s
+    bf16) and B's on AVX512-BF16 (427): a command tuned on one, run on the other, is warned of."""
+    amx, avx512 = committed("tune_amx/advice-r0"), committed("tune_avx512bf16/advice-r0")
+    assert kind(amx) == "cpu AVX512, bf16 AMX, 2 cores: Intel(R) Xeon(R) Processor"
+    assert kind(avx512) == "cpu AVX512, bf16 AVX512-BF16, 2 cores: AMD EPYC"
+    assert health.kind_difference(kind(amx), kind(avx512)) == "bf16 AMX there, AVX512-BF16 here"
+    assert health.kind_difference(kind(avx512), kind(amx)) == "bf16 AVX512-BF16 there, AMX here"
+    assert health.kind_difference(kind(amx), kind(committed("tune/advice-r0"))) == (
+        "instruction set AVX512 there, AVX2 here; bf16 AMX there, emulated here"
+    )
+    (warning,) = health.check({**avx512, "settings": {"tuned_on": kind(amx)}}, at_start=True)
+    assert warning["code"] == "tuned_elsewhere" and "(bf16 AMX there, AVX512-BF16 here)" in warning["message"]
+
+
+def test_the_machine_kind_names_the_usable_cores_the_threads_and_workers_were_tuned_for():
+    avx512 = committed("tune_avx512bf16/advice-r0")
+    eight = kind(on_cores(avx512, 8))
+    assert eight == "cpu AVX512, bf16 AVX512-BF16, 8 cores: AMD EPYC"
+    assert health.kind_difference(eight, kind(avx512)) == "8 cores there, 2 here"
+    assert health.kind_difference(kind(on_cores(avx512, 1)), eight) == "1 core there, 8 here"
+    (warning,) = health.check({**avx512, "settings": {"tuned_on": eight}}, at_start=True)
+    assert "(8 cores there, 2 here)" in warning["message"]
+
+
+def test_the_same_machine_is_the_same_kind_whatever_run_wrote_it():
+    for tuned, here in (
+        ("tune_amx/advice-r0", "tune_confirm_amx/make-tune-r0"),
+        ("tune_avx512bf16/advice-r0", "tune_confirm_avx512bf16/make-tune-r0"),
+        ("tune/advice-r0", "tune_confirm/make-tune-r0"),
+    ):
+        assert health.kind_difference(kind(committed(tuned)), kind(committed(here))) is None
+
+
+def test_an_older_tuned_on_string_compares_on_the_fields_it_has():
+    """make tune wrote 'cpu AVX512, bf16 native: AMD EPYC' before it named the bf16 path and the cores (the committed
+    tune-confirm runs carry such strings): the same machine is the same kind, with no warning; what the string
+    lacks is unknown, not a difference; what it has still differs."""
+    for run in ("tune_confirm_avx512bf16/make-tune-r0", "tune_confirm/make-tune-r0"):
+        record = committed(run)
+        old = record["settings"]["tuned_on"]
+        assert "core" not in old and health.kind_difference(old, kind(record)) is None
+        assert [w["code"] for w in health.check(record, at_start=True) if w["code"] == "tuned_elsewhere"] == []
+    old_b = committed("tune_confirm_avx512bf16/make-tune-r0")["settings"]["tuned_on"]
+    assert old_b == "cpu AVX512, bf16 native: AMD EPYC"
+    assert health.kind_difference(old_b, kind(committed("tune_amx/advice-r0"))) is None  # native: AMX or AVX512-BF16
+    assert health.kind_difference(old_b, kind(committed("tune/advice-r0"))) == (
+        "instruction set AVX512 there, AVX2 here; bf16 native there, emulated here"
+    )
+    assert health.kind_difference(kind(committed("tune/advice-r0")), old_b) == (
+        "instruction set AVX2 there, AVX512 here; bf16 emulated there, native here"
+    )

@@ -633,6 +633,88 @@ def test_a_fit_held_at_its_bound_is_named_and_warned_of():
     assert "operator_factor" not in " ".join(plain["at_bound"])
 
 
+def few_time_points(*residuals: float) -> list[dict]:
+    """The time points of a first-use calibration its budget cut to len(residuals) shapes."""
+    return [
+        {
+            "step_s": 0.5,
+            "step_residual_s": residual,
+            "step_operator_s": 0.1 * (k + 1),
+            "step_dispatches": 1000 * (k + 1),
+            "evaluation_residual_s": 0.1,
+            "evaluation_passes": 2,
+            "evaluation_operator_s": 0.0,
+            "evaluation_dispatches": 0,
+        }
+        for k, residual in enumerate(residuals)
+    ]
+
+
+def calibrated_with(fitted: dict) -> tuple[dict, list[dict]]:
+    """A run's record predicted with the time calibration `fitted`, and its prediction_fit_at_bound warnings."""
+    from trainscope import health
+
+    state = predict.calibration_state({"key": {"device": "cpu"}, "time": fitted, "method": "first use"}, CPU)
+    block = planted_block()
+    block["time"]["calibration"] = fitted  # as trainscope.predictor.timing stores the calibration it used
+    record = {"settings": {}, "environment": {}, "summary": {}, "prediction": {**block, "calibration": state}}
+    return state, [w for w in health.check(record) if w["code"] == "prediction_fit_at_bound"]
+
+
+@pytest.mark.parametrize("residuals", [(-0.004,), (-0.006, -0.002), (-0.006, 0.002)], ids=["1 shape", "2", "2 mixed"])
+def test_a_calibration_from_one_or_two_shapes_says_its_constant_is_held_at_0(residuals):
+    """A first-use calibration cut to 1-2 shapes fits only the per-step constant, as their median residual; where that
+    median is below 0 the constant is clamped at 0 -- held at its bound, said as the bounded fit of 3+ shapes says it
+    (time.at_bound, warning prediction_fit_at_bound, the prediction's screen); the operators' factor and the cost per
+    dispatch were not fitted, and are said as such, not as at a bound."""
+    fitted = calibration.fit_time(few_time_points(*residuals))
+    shapes = f"{len(residuals)} shape{'s' if len(residuals) > 1 else ''}"
+    assert fitted["step_s"] == 0.0 and fitted["operator_factor"] == 1.0 and fitted["dispatch_s"] == 0.0
+    (held,) = fitted["at_bound"]
+    assert held.startswith(f"step_s at its lower bound 0 (fitted from {shapes}: their median residual -")
+    assert "make predict-calibrate for a full fit" in held
+    assert [term.split(" (")[0] for term in fitted["not_fitted"]] == [
+        "operator_factor not fitted",
+        "dispatch_s not fitted",
+    ]
+    assert not any("bound" in term for term in fitted["not_fitted"])
+    state, (warning,) = calibrated_with(fitted)
+    assert state["at_bound"] == [held]
+    assert "step_s at its lower bound 0" in warning["message"] and "the fit wanted beyond it" in warning["message"]
+    assert "operator_factor not fitted" in warning["message"] and "dispatch_s not fitted" in warning["message"]
+    lines = predict.source_lines(
+        {"sources": predict.sources(planted_block()["memory"], {"kinds_s": {"matmul": 1.0}}), "calibration": state}
+    )
+    assert any(line.startswith("warning: the calibration's step_s at its lower bound 0 (fitted from") for line in lines)
+    said = calibration.summary_lines({"method": "first use", "seconds": 40, "time": fitted})
+    assert f"warning: {held} (the fit wanted beyond it)" in said
+    assert any(line.startswith("warning: operator_factor not fitted") for line in said)
+
+
+def test_a_calibration_from_two_shapes_with_a_positive_residual_says_only_what_it_did_not_fit():
+    """Two shapes whose median residual is above 0: the constant is fitted within its bounds (nothing held at one),
+    and what the calibration says is that the operators' factor and the cost per dispatch were not fitted (held at
+    1 and 0) -- not that the fit wanted beyond a bound."""
+    fitted = calibration.fit_time(few_time_points(0.002, 0.006))
+    assert fitted["step_s"] == pytest.approx(0.004) and fitted["at_bound"] == []
+    assert fitted["not_fitted"] == [
+        "operator_factor not fitted (from 2 shapes, 3 needed): held at 1, the operators as timed alone",
+        "dispatch_s not fitted (from 2 shapes, 3 needed): held at 0, nothing per operator dispatched",
+    ]
+    state, (warning,) = calibrated_with(fitted)
+    assert state["at_bound"] == [] and "bound" not in warning["message"] and "wanted beyond" not in warning["message"]
+    assert warning["message"].startswith("the prediction's calibration has operator_factor not fitted (from 2 shapes")
+    assert "make predict-calibrate fits them" in warning["message"]
+    full = calibration.fit_time(
+        [
+            {**p, "step_residual_s": 0.001 + 0.01 * p["step_operator_s"] + 2e-6 * d, "step_dispatches": d}
+            for p, d in zip(few_time_points(0, 0, 0, 0), (1000, 1500, 3000, 2000))
+        ]
+    )  # 4 shapes, a residual the model fits within its bounds: every term fitted, nothing said
+    assert full["operator_factor"] == pytest.approx(1.01) and full["dispatch_s"] == pytest.approx(2e-6)
+    assert full["not_fitted"] == full["at_bound"] == [] and calibrated_with(full)[1] == []
+
+
 def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_caches_it(tmp_path, monkeypatch):
     """A prediction on a machine with no calibration runs the first-use calibration (here two tiny shapes), within
     its budget, caches it, and says it calibrated now; the next prediction reads the cache and runs nothing. (The

@@ -14,9 +14,12 @@ Two ways to get them, the same fit on the same kind of points:
   train.py runs of 10 steps launched as the README launches them, the 2-process one also measuring DDP's all-reduce
   (minutes).
 
-Each calibration records how it was made (`method`, `seconds`) and which fitted coefficient sits at a bound
-(`time.at_bound`): a fit held at its bound says the model of the framework's time does not fit this machine, and
-every prediction made with it carries that warning (health's prediction_fit_at_bound).
+Each calibration records how it was made (`method`, `seconds`), which fitted coefficient sits at a bound
+(`time.at_bound`: the bounded fit's, and a constant clamped at 0) and which it did not fit at all (`time.not_fitted`:
+from fewer than 3 runs, a first use its budget cut short, the operators' factor and the cost per dispatch are held at
+1 and 0): a fit held at its bound says the model of the framework's time does not fit this machine, a term not fitted
+that the time leaves it out, and every prediction made with it carries that warning (health's
+prediction_fit_at_bound).
 """
 
 import argparse
@@ -170,6 +173,17 @@ def _bounded_least_squares(columns: np.ndarray, target: np.ndarray, lower: list,
 
 # The framework's time, fitted within: the operators' factor less 1, seconds per operator dispatched, per step.
 TIME_LOWER, TIME_UPPER = [-0.5, 0.0, 0.0], [1.0, 1e-3, 1.0]
+# Fewer calibration runs than this (a first-use calibration its budget cut short): only the per-step constant is
+# fitted, the operators' factor and the cost per dispatch are not (held at 1 and 0).
+MIN_TIME_POINTS = 3
+
+
+def _at_bound(name: str, value: float, low: float, high: float) -> str | None:
+    if math.isclose(value, low, abs_tol=1e-12):
+        return f"{name} at its lower bound {low:g}"
+    if math.isclose(value, high, abs_tol=1e-12):
+        return f"{name} at its upper bound {high:g}"
+    return None
 
 
 def fit_time(points: list[dict]) -> dict:
@@ -178,40 +192,63 @@ def fit_time(points: list[dict]) -> dict:
     residuals (each run's row over its measured step: the prediction is judged by its relative error), with
     -0.5 <= a <= 1 and d, c at least 0: a training step's operators scale by 1 + a (inside a step their inputs are
     colder than when timed alone), each dispatch costs d, each step c more (the loop). Each evaluation pass costs
-    the median of what its residual leaves after its dispatches."""
+    the median of what its residual leaves after its dispatches, at least 0.
+
+    From fewer than MIN_TIME_POINTS runs only c is fitted (the median residual, at least 0); a and d are not fitted
+    (`not_fitted`: held at 0, the operators as timed alone and nothing per dispatch). Every term held at a bound
+    because the fit wanted beyond it -- the bounded fit's, c's or an evaluation pass's clamp at 0 -- is in
+    `at_bound` (each prediction made with it carries health's prediction_fit_at_bound)."""
     columns = np.array([[p["step_operator_s"], p["step_dispatches"], 1.0] for p in points], float)
     residual = np.array([p["step_residual_s"] for p in points], float)
     weights = np.array([1.0 / p["step_s"] for p in points], float)
-    slope, dispatch, constant = (
-        _bounded_least_squares(columns * weights[:, None], residual * weights, TIME_LOWER, TIME_UPPER)
-        if len(points) >= 3
-        else (0.0, 0.0, float(max(0.0, np.median(residual))))
-    )
+    few = len(points) < MIN_TIME_POINTS
+    shapes = f"{len(points)} shape{'s' if len(points) != 1 else ''}"
+    at_bound, not_fitted = [], []
+    if few:
+        wanted = float(np.median(residual)) if len(points) else 0.0
+        slope, dispatch, constant = 0.0, 0.0, max(0.0, wanted)
+        if wanted < 0:
+            at_bound.append(
+                f"step_s at its lower bound 0 (fitted from {shapes}: their median residual {wanted * 1e3:+.1f} ms "
+                "a step wanted below it; make predict-calibrate for a full fit)"
+            )
+        not_fitted = [
+            f"operator_factor not fitted (from {shapes}, {MIN_TIME_POINTS} needed): held at 1, the operators as "
+            "timed alone",
+            f"dispatch_s not fitted (from {shapes}, {MIN_TIME_POINTS} needed): held at 0, nothing per operator "
+            "dispatched",
+        ]
+    else:
+        slope, dispatch, constant = _bounded_least_squares(
+            columns * weights[:, None], residual * weights, TIME_LOWER, TIME_UPPER
+        )
+        bounds = {
+            "operator_factor": (1 + slope, 1 + TIME_LOWER[0], 1 + TIME_UPPER[0]),
+            "dispatch_s": (dispatch, TIME_LOWER[1], TIME_UPPER[1]),
+            "step_s": (constant, TIME_LOWER[2], TIME_UPPER[2]),
+        }
+        at_bound = [held for name, limits in bounds.items() if (held := _at_bound(name, *limits))]
     passes = [
         (p["evaluation_residual_s"] - dispatch * p["evaluation_dispatches"]) / p["evaluation_passes"]
         for p in points
         if p["evaluation_passes"]
     ]
+    per_pass = statistics.median(passes) if passes else 0.0
+    if per_pass < 0:
+        at_bound.append(
+            f"evaluation_pass_s at its lower bound 0 (the median pass's residual {per_pass * 1e3:+.1f} ms wanted "
+            "below it)"
+        )
     fitted = columns @ np.array([slope, dispatch, constant])
-    bounds = {
-        "operator_factor": (1 + slope, 1 + TIME_LOWER[0], 1 + TIME_UPPER[0]),
-        "dispatch_s": (dispatch, TIME_LOWER[1], TIME_UPPER[1]),
-        "step_s": (constant, TIME_LOWER[2], TIME_UPPER[2]),
-    }
-    at_bound = [
-        f"{name} at its {'lower' if math.isclose(value, low, abs_tol=1e-12) else 'upper'} bound "
-        f"{low if math.isclose(value, low, abs_tol=1e-12) else high:g}"
-        for name, (value, low, high) in bounds.items()
-        if len(points) >= 3 and (math.isclose(value, low, abs_tol=1e-12) or math.isclose(value, high, abs_tol=1e-12))
-    ]
     return {
         "operator_factor": float(1 + slope),
         "dispatch_s": float(dispatch),
         "step_s": float(constant),
-        "evaluation_pass_s": float(max(0.0, statistics.median(passes))) if passes else 0.0,
+        "evaluation_pass_s": float(max(0.0, per_pass)),
         "runs": len(points),
         "residual_s": float(np.abs(residual - fitted).max()) if len(points) else None,
         "at_bound": at_bound,
+        "not_fitted": not_fitted,
     }
 
 
@@ -538,6 +575,7 @@ def summary_lines(fitted: dict) -> list[str]:
             f"step, {timing['evaluation_pass_s'] * 1e3:.1f} ms per evaluation pass over {timing['runs']} runs"
         )
         lines += [f"warning: {bound} (the fit wanted beyond it)" for bound in timing.get("at_bound") or []]
+        lines += [f"warning: {term}; make predict-calibrate for a full fit" for term in timing.get("not_fitted") or []]
     return lines
 
 

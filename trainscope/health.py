@@ -301,44 +301,90 @@ def _record_rebuilt(view: RunView):
         )
 
 
+# The CPU's bf16 matmul path, by the native-bf16 flags the record lists (most capable first): AMX tiles, AVX512-BF16
+# dot products, ARM's SVE-BF16 and AdvSIMD BF16. torch's CPU capability says AVX512 for AMX and AVX512-BF16 alike,
+# though their bf16 peaks differ several-fold (machine C's AMX 3,153 GFLOP/s, machine B's AVX512-BF16 427).
+BF16_PATHS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("svebf16", "SVE-BF16"), ("bf16", "ARM-BF16"))
+NATIVE_PATHS = frozenset(name for _, name in BF16_PATHS) | {"native"}  # "native": a path older strings did not name
+
+
+def cpu_bf16_path(env: dict) -> str:
+    """How this CPU computes bf16 matmuls, from the record's environment: 'AMX', 'AVX512-BF16', 'SVE-BF16',
+    'ARM-BF16', 'emulated' (no native-bf16 flag), 'native' (native by a record that names no flag), else 'unknown'
+    (the flags could not be read). The flags: the record's `cpu_bf16.flags` and those its `cpu_capability` names."""
+    capability = env.get("cpu_capability") or ""
+    _, _, rest = capability.replace(" + ", ", ", 1).partition(", ")
+    named = {f.strip() for f in rest.split(",") if f.strip() and "no native bf16" not in f}
+    flags = named | set((env.get("cpu_bf16") or {}).get("flags") or [])
+    for flag, path in BF16_PATHS:
+        if flag in flags:
+            return path
+    native = env.get("cpu_native_bf16")
+    if native is None and "cpu_native_bf16" not in env and "no native bf16" in capability:
+        native = False  # records older than the cpu_native_bf16 key
+    return {True: "native", False: "emulated"}.get(native, "unknown")
+
+
 def machine_kind(view: RunView) -> str:
     """The machine a run ran on, as make tune writes it into the command it tunes (--tuned-on): the device type,
-    the CPU's vector instruction set or the GPU's compute capability, whether bf16 is native, and the device's
-    name -- 'cpu AVX2, bf16 emulated: AMD EPYC 7B13'."""
+    the CPU's vector instruction set or the GPU's compute capability, the bf16 path (on a CPU: AMX, AVX512-BF16,
+    SVE-BF16, ARM-BF16 or emulated; on a GPU native or emulated), the usable cores (what the threads and loader
+    workers make tune tunes are sized for; left out where the record lacks them) and the device's name --
+    'cpu AVX512, bf16 AMX, 2 cores: Intel(R) Xeon(R) Processor', 'cpu AVX2, bf16 emulated, 2 cores: AMD EPYC'."""
     env = view.env
     if view.on_cuda:
-        isa, native = f"compute capability {env.get('gpu_compute_capability', '?')}", env.get("gpu_native_bf16")
+        isa = f"compute capability {env.get('gpu_compute_capability', '?')}"
+        bf16 = {True: "native", False: "emulated"}.get(env.get("gpu_native_bf16"), "unknown")
     else:
         isa = re.split(r"[ ,+]", env.get("cpu_capability") or "?", maxsplit=1)[0] or "?"
-        native = env.get("cpu_native_bf16")
-    bf16 = {True: "native", False: "emulated"}.get(native, "unknown")
-    return f"{view.device.split(':')[0] or '?'} {isa}, bf16 {bf16}: {view.device_name}"
+        bf16 = cpu_bf16_path(env)
+    cores = view.machine.cores or view.threads.get("usable_cores")
+    counted = f", {cores} core{'s' if cores != 1 else ''}" if cores else ""
+    return f"{view.device.split(':')[0] or '?'} {isa}, bf16 {bf16}{counted}: {view.device_name}"
 
 
-MACHINE_KIND = re.compile(r"(?P<device>\S+) (?P<isa>[^,]+), bf16 (?P<bf16>native|emulated|unknown): (?P<name>.*)")
+# Older versions wrote 'cpu AVX512, bf16 native: AMD EPYC' (no bf16 path, no cores): still read, each field they
+# lack unknown.
+MACHINE_KIND = re.compile(
+    r"(?P<device>\S+) (?P<isa>[^,]+), bf16 (?P<bf16>[^,:]+?)(?:, (?P<cores>\d+) cores?)?: (?P<name>.*)"
+)
+
+
+def _bf16_differs(there: str, here: str) -> bool:
+    """Two bf16 paths differ unless equal, either unknown, or one is an older string's bare 'native' and the other
+    a native path it may have been."""
+    if there == here or "unknown" in (there, here):
+        return False
+    return not ({there, here} <= NATIVE_PATHS and "native" in (there, here))
 
 
 def kind_difference(tuned_on: str, here: str) -> str | None:
     """What sets the machine here apart from the one a command was tuned on (None: the same kind): the device
-    type, the instruction set or compute capability, native bf16, and on a GPU its model; a CPU model of the same
-    kind is the same kind."""
-    there, found = MACHINE_KIND.fullmatch(tuned_on.strip()), MACHINE_KIND.fullmatch(here)
+    type, the instruction set or compute capability, the bf16 path, the usable cores, and on a GPU its model; a CPU
+    model of the same kind is the same kind. A field one side lacks (an older --tuned-on string, a record without
+    it) is unknown, not a difference."""
+    there, found = MACHINE_KIND.fullmatch(tuned_on.strip()), MACHINE_KIND.fullmatch(here.strip())
     if there is None or found is None:
         return f"'{tuned_on}' is not a machine as make tune writes it, so it cannot be compared"
-    keys = ["device", "isa", "bf16"] + (["name"] if found["device"] == "cuda" else [])
     differ = [
-        f"{key if key != 'isa' else 'instruction set'} {there[key]} there, {found[key]} here"
-        for key in keys
+        f"{'instruction set' if key == 'isa' else key} {there[key]} there, {found[key]} here"
+        for key in ["device", "isa"]
         if there[key] != found[key] and "unknown" not in (there[key], found[key])
     ]
+    if _bf16_differs(there["bf16"], found["bf16"]):
+        differ.append(f"bf16 {there['bf16']} there, {found['bf16']} here")
+    if there["cores"] and found["cores"] and there["cores"] != found["cores"]:
+        differ.append(f"{there['cores']} core{'s' if there['cores'] != '1' else ''} there, {found['cores']} here")
+    if found["device"] == "cuda" and there["name"] != found["name"]:
+        differ.append(f"name {there['name']} there, {found['name']} here")
     return "; ".join(differ) or None
 
 
 @register(
     "tuned_elsewhere",
     "the command was tuned by make tune on a machine of another kind (--tuned-on)",
-    "run make tune on this machine: what it kept elsewhere (bf16 where bf16 was native, a batch that fit) may be "
-    "slower here",
+    "run make tune on this machine: what it kept elsewhere (bf16 where bf16 was native or ran on AMX, threads and "
+    "loader workers sized for its cores, a batch that fit) may be slower here",
     at_start=True,
 )
 def _tuned_elsewhere(view: RunView):
@@ -471,17 +517,28 @@ def _above_measured_peak(view: RunView):
 
 @register(
     "prediction_fit_at_bound",
-    "a coefficient of the predictor's calibration is held at a bound of its fit",
-    "calibrate again on a quiet machine (make predict-calibrate); if it stays there, the framework's time on this "
-    "machine is not what the predictor models",
+    "a coefficient of the predictor's calibration is held at a bound of its fit, or was not fitted (a calibration "
+    "from fewer than 3 runs)",
+    "calibrate again on a quiet machine (make predict-calibrate: a full fit of every term); if a term stays at its "
+    "bound, the framework's time on this machine is not what the predictor models",
 )
 def _prediction_fit_at_bound(view: RunView):
-    bounds = ((view.prediction or {}).get("calibration") or {}).get("at_bound") or []
+    prediction = view.prediction or {}
+    bounds = (prediction.get("calibration") or {}).get("at_bound") or []
+    # the terms a calibration from too few runs left unfitted: in the calibration the time block was predicted with
+    unfitted = ((prediction.get("time") or {}).get("calibration") or {}).get("not_fitted") or []
+    said = []
     if bounds:
-        return (
+        said.append(
             f"the prediction's calibration has {'; '.join(bounds)}: the fit wanted beyond it, so that fitted term "
             "is off on this machine (trainscope.calibration)"
         )
+    if unfitted:
+        said.append(
+            f"the prediction's calibration has {'; '.join(unfitted)}: the predicted time leaves out what they "
+            "would add; make predict-calibrate fits them"
+        )
+    return "; and ".join(said) or None
 
 
 @register(

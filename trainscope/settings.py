@@ -316,9 +316,10 @@ class Settings:
     )
     tuned_on: str | None = HfArg(
         default=None,
-        help="The machine `make tune` tuned this command on, as it writes it in its final command ('cpu AVX2, bf16 "
-        "emulated: AMD EPYC 7B13'). A run on a machine of another kind (device, instruction set or GPU, native "
-        "bf16) says so in one warning before its first step; it changes nothing else.",
+        help="The machine `make tune` tuned this command on, as it writes it in its final command ('cpu AVX512, "
+        "bf16 AVX512-BF16, 2 cores: AMD EPYC'). A run on a machine of another kind (device, instruction set or GPU, "
+        "bf16 path: AMX, AVX512-BF16 or emulated, usable cores) says so in one warning before its first step; it "
+        "changes nothing else.",
     )
 
     # ---- output ----
