@@ -915,50 +915,81 @@ def one_rank_gloo():
     dist.destroy_process_group()
 
 
-def test_fsdp2s_sharded_parameters_gradients_and_optimizer_state_are_measured_as_the_rank_holds_them(one_rank_gloo):
-    """After Accelerate's FSDP2 prepare every parameter, gradient and optimizer state tensor is a DTensor, which has
-    no storage of its own: the prediction's check read their data pointers and the run died before its first step
-    ("Attempted to access the data pointer on an invalid python storage"). Accelerate enables FSDP only on several
-    GPUs, so FSDP2 is applied here as it applies it (`fully_shard` per layer, then the model) on a one-rank gloo
-    mesh, and the run's measuring code reads it: the prediction's check, the checkpoint's size, the layer probe."""
+def fsdp_yaml_environment() -> dict:
+    """The environment Accelerate's launcher gives a rank of `accelerate launch --config_file fsdp.yaml`: the FSDP
+    plugin's settings (fsdp_version 2, the transformer-based wrap, ...) and the precision, as its code reads the yaml."""
+    command = [launching.ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml"), "x.py"]
+    kind, _, environment, _ = planned_launch(command, cpu_env())
+    assert kind == "torchrun" and environment["ACCELERATE_USE_FSDP"] == "true" and environment["FSDP_VERSION"] == "2"
+    return {k: v for k, v in environment.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+
+
+def test_fsdp_yamls_model_goes_through_accelerates_own_fsdp2_prepare_and_is_measured_as_the_rank_holds_it(
+    one_rank_gloo, monkeypatch
+):
+    """train.py's order on a one-rank gloo mesh: the model and its optimizer built first, the wrap rule
+    (modeling.fsdp_wrap_rule), then Accelerate's own prepare with fsdp.yaml's plugin (FSDP forced as train.py forces
+    it on CPU processes: startup.force_fsdp_on_cpu), which shards each layer and the model with fully_shard and swaps
+    the optimizer's parameters for the sharded ones. With the model's own _no_split_modules (the embeddings' class
+    beside the layer's) that prepare died ("Invariant encountered": the input embedding sharded twice). Then real
+    steps with the run's measuring code reading DTensors (they have no storage of their own: the prediction's check
+    once died on their data pointers): the prediction's check, the checkpoint's size, the layer probe."""
     from types import SimpleNamespace
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from torch.distributed.tensor import DTensor
+
+    from trainscope import checkpoints, embedded, modeling, predict, profiling, startup
+
+    for name, value in fsdp_yaml_environment().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # bf16's emulation would only slow this test down
+    values = embedded.bundled_architecture("tiny-bert")
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from trainscope import checkpoints, embedded, predict, profiling
-
-    values = embedded.bundled_architecture("tiny-bert")
     model = AutoModelForSequenceClassification.from_config(
         AutoConfig.for_model(values.pop("model_type"), **values, num_labels=2), attn_implementation="sdpa"
     )
-    mesh = init_device_mesh("cpu", (1,))
-    for layer in model.bert.encoder.layer:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    assert all(isinstance(p, DTensor) for p in model.parameters())
-    settings = SimpleNamespace(compile=False, resume=None)
-    check = predict.Check({"memory": {}, "time": {}}, settings)
-    check.attach(model, optimizer)
-    check.first_micro_batch()
-    batch = {
-        "input_ids": torch.ones(2, 8, dtype=torch.long),
-        "attention_mask": torch.ones(2, 8, dtype=torch.long),
-        "labels": torch.zeros(2, dtype=torch.long),
-    }
-    model(**batch).loss.backward()
-    optimizer.step()
-    check.micro_batch_done(batch, stepped=True)
-    local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-    assert check.measured["parameters"] == local == check.measured["gradients"]
-    assert check.measured["optimizer"] >= 2 * local  # AdamW's two moments per parameter, and its step counters
-    assert "saved" not in check.measured  # FSDP2's gathered weights are saved in storages of their own: not measured
-    assert profiling.layer_breakdown(model, 2, 8, "fp32", torch.device("cpu")) is None  # a copy would gather shards
-    state = checkpoints.state_bytes(SimpleNamespace(_models=[model], _optimizers=[optimizer]))
-    assert state == local + sum(b.numel() * b.element_size() for b in model.buffers()) + check.measured["optimizer"]
+    assert "BertEmbeddings" in model._no_split_modules
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # before prepare, as train.py builds it
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True)
+        startup.force_fsdp_on_cpu(accelerator)
+        assert accelerator.is_fsdp2 and modeling.fsdp_wrap_rule(model, accelerator) == ["BertLayer"]
+        model, optimizer = accelerator.prepare(model, optimizer)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {
+            id(p) for p in model.parameters()
+        }  # Accelerate swapped the optimizer's parameters for the sharded ones
+        settings = SimpleNamespace(compile=False, resume=None)
+        check = predict.Check({"memory": {}, "time": {}}, settings)
+        check.attach(model, optimizer)
+        batch = {
+            "input_ids": torch.ones(2, 8, dtype=torch.long),
+            "attention_mask": torch.ones(2, 8, dtype=torch.long),
+            "labels": torch.zeros(2, dtype=torch.long),
+        }
+        losses = []
+        for _ in range(2):
+            check.first_micro_batch()
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            check.micro_batch_done(batch, stepped=True)
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] < losses[0]  # the sharded parameters train
+        local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+        assert check.measured["parameters"] == local == check.measured["gradients"]
+        assert check.measured["optimizer"] >= 2 * local  # AdamW's two moments per parameter, and its step counters
+        assert "saved" not in check.measured  # FSDP2's gathered weights are saved in storages of their own
+        assert profiling.layer_breakdown(model, 2, 8, "fp32", torch.device("cpu")) is None  # a copy would gather
+        state = checkpoints.state_bytes(SimpleNamespace(_models=[model], _optimizers=[optimizer]))
+        assert state == local + sum(b.numel() * b.element_size() for b in model.buffers()) + check.measured["optimizer"]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_a_check_that_crashes_keeps_where_it_crashed_and_every_check_keeps_its_records(tmp_path):

@@ -1,5 +1,6 @@
 """train.py launched exactly as the README says, under every shipped config and launcher (subprocesses)."""
 
+import math
 import statistics
 import sys
 
@@ -102,6 +103,28 @@ def test_every_config_launches_as_documented(config, config_runs):
             assert record["summary"]["communication"]["measured"] is True
     else:
         assert env["cpu_fallback"] is None
+
+
+def test_fsdp_yaml_trains_as_fsdp2_over_gloo_on_cpu_processes_where_asked(tmp_path):
+    """fsdp.yaml by its documented command on a machine without a GPU, TRAINSCOPE_FSDP_ON_CPU=1: Accelerate's own
+    FSDP2 prepare with the plugin its launcher reads from the yaml (the layers sharded one by one with fully_shard,
+    the optimizer's parameters swapped), torch's FSDP2 collectives over gloo between the 2 ranks, and train.py's
+    loop with every measuring instrument attached -- the path an FSDP run on GPUs takes (tests/test_gpu_path.py
+    checks the prepare itself). Before, the prepare died in fully_shard ("Invariant encountered")."""
+    laptop = {k: v for k, v in cpu_env().items() if k != "ACCELERATE_USE_CPU"}
+    config = ROOT / "accelerate_configs" / "fsdp.yaml"
+    args = [*TINY, "--max-steps", "4", "--output-dir", str(tmp_path), "--run-name", "r"]
+    command = [ACCELERATE, "launch", "--config_file", str(config), str(ROOT / "train.py"), *args]
+    result = launch_forked(command, {**laptop, "TRAINSCOPE_FSDP_ON_CPU": "1"}, timeout=600)
+    assert_ok(result)
+    record = check_record(tmp_path / "r", 2)
+    env = record["environment"]
+    assert env["distributed_type"] == "FSDP" and env["backend"] == "gloo" and env["cpu_fallback"]["fsdp_on_cpu"]
+    assert record["model"]["fsdp_wrap"] == ["BertLayer"]  # the layer, not the embeddings _no_split_modules names
+    (warning,) = [w for w in record["warnings"] if w["code"] == "ran_on_cpu"]
+    assert "it ran as FSDP2 over gloo on the CPU" in warning["message"]
+    losses = [line["loss"] for line in read_steps(tmp_path / "r")]
+    assert all(math.isfinite(loss) for loss in losses) and record["summary"]["test"]["accuracy"] is not None
 
 
 def test_cpu_and_bf16_configs_train_with_the_same_threads(config_runs):

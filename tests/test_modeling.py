@@ -78,9 +78,13 @@ def test_fsdp_shards_each_bundled_architecture_layer_by_layer(name, layer):
     assert modeling.transformer_layer_classes(model) == [layer]
     plugin = SimpleNamespace(transformer_cls_names_to_wrap=None)
     wrapped = modeling.fsdp_wrap_rule(model, SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
-    assert layer in wrapped
-    if name.startswith("distilbert"):  # declares no _no_split_modules: accelerate would shard only the root
-        assert plugin.transformer_cls_names_to_wrap == ["TransformerBlock"]
+    # the layer alone: BERT's and RoBERTa's _no_split_modules name the embeddings too, which Accelerate's FSDP2
+    # prepare would shard twice (tests/test_gpu_path.py runs that prepare); DistilBERT declares none
+    assert wrapped == [layer] == plugin.transformer_cls_names_to_wrap
+    named = SimpleNamespace(transformer_cls_names_to_wrap=["BertSelfAttention"])  # the config's own choice is kept
+    assert modeling.fsdp_wrap_rule(model, SimpleNamespace(state=SimpleNamespace(fsdp_plugin=named))) == [
+        "BertSelfAttention"
+    ]
     assert modeling.fsdp_wrap_rule(model, SimpleNamespace(state=SimpleNamespace())) is None  # not an FSDP run
 
 

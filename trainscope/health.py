@@ -109,7 +109,7 @@ def _threads_above(view: RunView):
 
 @register(
     "ran_on_cpu",
-    "a multi-process GPU config ran as DDP over gloo on the CPU (no usable GPU)",
+    "a multi-process GPU config ran on the CPU over gloo (no usable GPU): as DDP, or FSDP2 where asked to",
     "run the config on a machine with GPUs, or use accelerate_configs/ddp.yaml on a CPU",
     at_start=True,
 )
@@ -117,9 +117,14 @@ def _ran_on_cpu(view: RunView):
     fallback = view.env.get("cpu_fallback")
     if fallback:
         requested = fallback.get("requested_precision", "no")
+        ran = (
+            "FSDP2 over gloo on the CPU (TRAINSCOPE_FSDP_ON_CPU=1: FSDP's code path, not its speed)"
+            if fallback.get("fsdp_on_cpu")
+            else "DDP over gloo on the CPU"
+        )
         return (
             f"a {fallback['processes']}-process launch ({'FSDP, ' if fallback.get('fsdp_requested') else ''}"
-            f"precision {requested}) found no usable GPU: it ran as DDP over gloo on the CPU "
+            f"precision {requested}) found no usable GPU: it ran as {ran} "
             f"({view.world_size} processes, {view.precision}); its figures are CPU figures"
         )
 

@@ -378,18 +378,21 @@ def compile_stats() -> dict:
 
 
 def fsdp_wrap_rule(model, accelerator) -> list[str] | None:
-    """In FSDP runs, the layer classes sharded one by one (None in other runs).
+    """In FSDP runs, the layer classes sharded one by one (None in other runs): the ones the config names
+    (fsdp_transformer_layer_cls_to_wrap), else the model's repeated block.
 
-    Accelerate's transformer wrap policy takes them from the model's `_no_split_modules`; for a model
-    that declares none it would shard only the root, so trainscope names the repeated block instead.
+    Accelerate's transformer wrap policy would take them from the model's `_no_split_modules`, which for
+    BERT and RoBERTa holds the embeddings class beside the layer's: Accelerate's FSDP2 prepare then shards
+    the embeddings, and shards the input embedding's weight a second time (fsdp2_prepare_model's
+    `fully_shard(input_embed)`), which fails ("Invariant encountered" in DeviceMesh); a model that declares
+    none would have only its root sharded.
     """
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is None:
         return None
-    declared = sorted(getattr(model, "_no_split_modules", None) or [])
-    if not plugin.transformer_cls_names_to_wrap and not declared:
+    if not plugin.transformer_cls_names_to_wrap:
         plugin.transformer_cls_names_to_wrap = transformer_layer_classes(model)
-    return list(plugin.transformer_cls_names_to_wrap or declared)
+    return list(plugin.transformer_cls_names_to_wrap)
 
 
 def build_scheduler(settings, optimizer, training_steps: int, warmup_steps: int):

@@ -208,12 +208,34 @@ def cpu_fallback(environ=None) -> dict | None:
     if processes < 2 or "ACCELERATE_USE_CPU" in environ or environment.accelerator_available():
         return None
     environ["ACCELERATE_USE_CPU"] = "1"
+    fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     return {
         "processes": processes,
         "requested_precision": environ.get("ACCELERATE_MIXED_PRECISION", "no"),
-        "fsdp_requested": environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
+        "fsdp_requested": fsdp,
+        "fsdp_on_cpu": fsdp and environ.get(FSDP_ON_CPU) == "1",
         "reason": "no usable GPU or other accelerator",
     }
+
+
+# Accelerate turns FSDP on for multi-GPU (and other accelerator) states only; on CPU processes an FSDP config runs as
+# DDP. With this variable set to 1 an FSDP config's run on CPU processes is FSDP2 over gloo all the same: Accelerate's
+# own FSDP2 prepare (fsdp2_prepare_model, with the plugin the launcher's config gives) and torch's fully_shard on a
+# CPU mesh -- the code path of an FSDP run on GPUs, checked on a laptop or in CI; not its speed (docs/gpu.md).
+FSDP_ON_CPU = "TRAINSCOPE_FSDP_ON_CPU"
+
+
+def force_fsdp_on_cpu(accelerator: Accelerator) -> None:
+    """The Accelerator's state made an FSDP one, its plugin read from the launcher's environment as Accelerate reads
+    it, the run's precision on it (AcceleratorState.__init__'s FSDP branch, which a CPU state skips)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if accelerator.state.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.state.mixed_precision)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ mirrors it
 
 
 def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
@@ -273,6 +295,8 @@ def build_accelerator(settings: Settings, started: Startup) -> Accelerator:
         else None,
         kwargs_handlers=[ddp_kwargs(settings)],
     )
+    if started.cpu_fallback and started.cpu_fallback.get("fsdp_on_cpu"):
+        force_fsdp_on_cpu(accelerator)
     precision.enforce_tf32(settings.tf32)  # Accelerate's dynamo set-up turns TF32 on for fp32 CUDA runs
     if settings.compile:
         eager_random_numbers()
