@@ -1,10 +1,13 @@
 """The benchmark drivers run end to end in CI-sized time (their figures come from `make bench-*`)."""
 
+import hashlib
 import importlib
 import json
 import sys
 
-from conftest import fork_launches, run_in_process
+import pytest
+import torch
+from conftest import fork_launches, read_record, run_in_process
 
 from trainscope import bench
 from trainscope.benchmarks import trainer_peer
@@ -58,6 +61,116 @@ def test_overhead_benchmark_pairs_a_bare_loop_with_train_py(tmp_path, monkeypatc
     host = report["results"]["host"]
     assert host["verdict"] == "too few pairs" and host["target_overhead"] == 0.02 and "p_value" in host
     assert host["meets_target"] is None and "not judged (too few pairs)" in (tmp_path / "overhead.md").read_text()
+
+
+def digest(tensor) -> str:
+    return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def record_the_work(monkeypatch) -> list:
+    """What every training step of runs in this process works on, recorded where any loop's work passes whatever the
+    loop's own code: the built model's forward in training mode (the batch's shape and a digest of every input, the
+    threads; the initial weights and the configuration once), the training loss (a digest of the labels, the logits'
+    dtype), the clipping (its norm, Accelerate's accumulation steps and precision) and each optimizer step (the class,
+    its settings, every group's learning rate: the scheduler's)."""
+    import accelerate
+    import torch.nn.functional as F
+
+    import train
+    from trainscope import modeling
+    from trainscope.benchmarks import overhead
+
+    work = []
+    built_model, built_optimizer, cross_entropy = modeling.build_model, modeling.build_optimizer, F.cross_entropy
+    clip = accelerate.Accelerator.clip_grad_norm_
+
+    def forward(module, args, kwargs):
+        if not module.training:
+            return
+        if not work:
+            weights = torch.cat([p.detach().flatten() for p in module.parameters()])
+            work.append(("model", type(module).__name__, module.config.to_json_string(), digest(weights)))
+        shape = tuple(kwargs["input_ids"].shape)
+        work.append(("batch", shape, {k: digest(v) for k, v in sorted(kwargs.items())}, torch.get_num_threads()))
+
+    def build_model(*args, **kwargs):
+        model, facts = built_model(*args, **kwargs)
+        model.register_forward_pre_hook(forward, with_kwargs=True)
+        return model, facts
+
+    def build_optimizer(*args, **kwargs):
+        optimizer = built_optimizer(*args, **kwargs)
+        optimizer.register_step_pre_hook(
+            lambda o, *_: work.append(
+                ("step", type(o).__name__, repr(sorted(o.defaults.items())), [g["lr"] for g in o.param_groups])
+            )
+        )
+        return optimizer
+
+    def loss(logits, target, *args, **kwargs):
+        if torch.is_grad_enabled() and kwargs.get("reduction", "mean") == "mean":  # evaluation's is per sample
+            work.append(("labels", digest(target), str(logits.dtype)))
+        return cross_entropy(logits, target, *args, **kwargs)
+
+    def clip_grad_norm_(self, parameters, max_norm, *args, **kwargs):
+        work.append(("clip", max_norm, self.gradient_accumulation_steps, self.mixed_precision))
+        return clip(self, parameters, max_norm, *args, **kwargs)
+
+    for module in (modeling, train, overhead):
+        monkeypatch.setattr(module, "build_model", build_model, raising=module is modeling)
+        monkeypatch.setattr(module, "build_optimizer", build_optimizer, raising=module is modeling)
+    monkeypatch.setattr(F, "cross_entropy", loss)
+    monkeypatch.setattr(accelerate.Accelerator, "clip_grad_norm_", clip_grad_norm_)
+    return work
+
+
+@pytest.mark.parametrize(
+    "flags,padded,steps",
+    [
+        pytest.param([], False, 8, id="defaults"),
+        pytest.param(  # 3 epochs of 2 steps of 2 micro-batches, a validation after each
+            ["--max-train-samples", "64", "--gradient-accumulation-steps", "2", "--max-steps", "5"],
+            False,
+            5,
+            id="accumulation-over-epochs",
+        ),
+        pytest.param([], True, 8, id="cuda-mixed-precision-padding"),
+    ],
+)
+def test_both_arms_of_the_overhead_benchmark_do_the_same_work(tmp_path, monkeypatch, flags, padded, steps):
+    """The bare loop and train.py, each run in this process, train the same model on the same batches of the same
+    shapes with the same optimizer, schedule, clipping, accumulation, precision and threads, step for step, and time
+    the same steady steps and samples. The bare loop once padded nothing where train.py pads to multiples of 8 (CUDA
+    fp16/bf16: trainscope.startup.device_loader_options, whose answer there is given to both arms here), stepped
+    every micro-batch under accumulation and stopped at the first epoch's end."""
+    from trainscope import startup
+    from trainscope.benchmarks import overhead
+
+    if padded:
+        options = startup.device_loader_options
+        monkeypatch.setattr(startup, "device_loader_options", lambda *a: {**options(*a), "pad_to_multiple_of": 8})
+    args = [*overhead.DEFAULT_TRAIN_ARGS, *TINY, *flags]
+    work = record_the_work(monkeypatch)
+    bare = run_in_process(args, main=overhead.bare_loop)
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    bare_work = list(work)
+    work.clear()
+    timed = run_in_process([*args, "--output-dir", str(tmp_path), "--run-name", "timed"])
+    assert timed.returncode == 0, timed.stderr[-3000:]
+    timed_work = list(work)
+
+    shapes = [[entry[1] for entry in arm if entry[0] == "batch"] for arm in (bare_work, timed_work)]
+    assert shapes[0] == shapes[1]  # (batch, sequence length) of every micro-batch, in order
+    if padded:
+        assert all(length % 8 == 0 for _, length in shapes[1])
+    assert len([entry for entry in timed_work if entry[0] == "step"]) == steps
+    first = next((i for i, (ours, theirs) in enumerate(zip(bare_work, timed_work)) if ours != theirs), None)
+    assert bare_work == timed_work, (
+        f"at {first}: bare {bare_work[first : first + 1]}, train.py {timed_work[first : first + 1]}"
+    )
+    measured = json.loads(bare.stdout.strip().splitlines()[-1])  # the same window: steady steps and their samples
+    throughput = read_record(tmp_path / "timed")["summary"]["throughput"]
+    assert (measured["samples"], measured["optimizer_steps"]) == (throughput["samples"], throughput["optimizer_steps"])
 
 
 def test_same_batches_catches_a_trainer_that_saw_other_batches():

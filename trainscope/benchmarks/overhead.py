@@ -2,12 +2,16 @@
 
 Both are launched by the README's command (`accelerate launch`, pinned to one process: on a multi-GPU
 host a launch without a config runs on every GPU, and the bare loop would print one rank's samples/s
-against train.py's global figure), get trainscope's thread budget and are built by the same builders
-with the same model, data, seed, batch size and optimizer steps. The
-bare loop has no timer, no per-stage memory reads, no log lines and no progress bar: it is what a
-user writes without trainscope. Rounds alternate the order (bare, timed, then timed, bare, ...) and
-the result per timing clock is the median of per-round ratios of steady-state training samples/s
-(warm-up steps excluded in both) with their range and a verdict. On CUDA a third arm reads the
+against train.py's global figure). The bare loop is train.py's run less its instruments: the same start-up
+(trainscope.startup: thread budget, seed, TF32, sequence limit, the Accelerator with its accumulation,
+precision and compile), the same builders (tokenizer, data, model, loaders with train.py's padding and pinning,
+optimizer, scheduler), the same prepare(), the same step (trainscope.loop.train_step, its stage timer a stage
+that does nothing) over the same epochs, and the same evaluations, outside the timed window in both. It has no
+timer, no per-stage memory reads, no predictor or matmul-peak measurement, no record, no step lines, no progress
+bar and no stop votes. Both time the same window: the steps after --timing-warmup-steps, the device synchronized
+at its ends, evaluation taken out, samples/s = the samples of those steps / that time. Rounds alternate the order
+(bare, timed, then timed, bare, ...) and the result per timing clock is the median of per-round ratios of
+steady-state training samples/s with their range and a verdict. On CUDA a third arm reads the
 per-stage allocator peaks at every step (--memory-every 1), to show what they cost (`--modes` picks the
 arms). A target is said met or not only with at least bench.MIN_PAIRS rounds (`meets_target` is null below).
 
@@ -17,6 +21,7 @@ Writes benchmarks/timing_overhead.{json,md}.
 """
 
 import contextlib
+import dataclasses
 import json
 import tempfile
 import time
@@ -52,58 +57,113 @@ TARGETS = {"host": 0.02, "events": 0.01, "sync": 0.03, "memory-every-step": 0.01
 MEMORY_ARM = "memory-every-step"
 
 
-def bare_loop(argv: list[str]) -> None:
-    """The loop a user writes without instrumentation; prints steady-state samples/s as JSON."""
-    import torch.nn.functional as F
-    from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import set_seed
+BARE_REFUSES = {  # work train.py does inside its loop that a loop without trainscope has no part of
+    "save_every": "--save-every (checkpoints inside the timed window)",
+    "resume": "--resume (a continued run)",
+    "predict": "--predict (nothing is trained)",
+}
 
-    from trainscope import startup
+
+def unmeasured(stage: str):
+    """The stage timer's place in train_step, doing nothing: the bare loop runs the step without instruments."""
+    return contextlib.nullcontext()
+
+
+def bare_loop(argv: list[str]) -> None:
+    """train.py's run without its instruments (see the module's docstring: what both arms share, what only train.py
+    does); prints the steady window's training samples/s, samples and optimizer steps as JSON."""
+    from trainscope import dropout_draws, startup
     from trainscope.data import build_dataloaders, load_classification_data
+    from trainscope.loop import evaluate_split, load_metric, train_step
     from trainscope.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
     from trainscope.settings import parse_settings
+    from trainscope.timing import synchronizer
 
     (settings,) = parse_settings(argv=argv)
-    startup.configure_process(settings)
-    set_seed(settings.seed)
-    tokenizer = build_tokenizer(settings)
-    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
-    model, _ = build_model(settings, data.label_names, tokenizer)
-    on_cuda = torch.cuda.is_available()
-    accelerator = Accelerator(
-        dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, data_seed=settings.seed, non_blocking=on_cuda
+    refused = [flag for name, flag in BARE_REFUSES.items() if getattr(settings, name)]
+    if refused:
+        raise SystemExit(f"error: the bare loop has no counterpart of {', '.join(refused)}: leave it out")
+    with tempfile.TemporaryDirectory() as scratch:  # start() names a run folder; the bare loop writes none
+        started = startup.start(dataclasses.replace(settings, output_dir=scratch, run_name="bare", overwrite=False))
+        settings = started.settings  # --max-seq-length clamped to the model's limit, as train.py's
+        tokenizer = build_tokenizer(settings)
+        data = load_classification_data(settings, tokenizer, started.state.main_process_first)
+        plan = startup.plan_steps(settings, len(data.train), started.state.num_processes)
+        if settings.timing_warmup_steps >= plan["optimizer_steps"]:
+            raise SystemExit(
+                f"error: --timing-warmup-steps {settings.timing_warmup_steps} leaves none of the "
+                f"{plan['optimizer_steps']} optimizer steps to time"
+            )
+        model, _ = build_model(settings, data.label_names, tokenizer)
+        accelerator = startup.build_accelerator(settings, started)
+        train_loader, validation_loader, test_loader = build_dataloaders(
+            data, tokenizer, settings, **startup.device_loader_options(settings, accelerator)
+        )
+        optimizer = build_optimizer(model, settings, accelerator.device)
+        if settings.unpad:  # train.py loads the mask draw before the first step
+            dropout_draws.status(accelerator.device)
+        scheduler = build_scheduler(
+            settings,
+            optimizer,
+            plan["optimizer_steps"] * accelerator.num_processes,
+            int(settings.warmup_fraction * plan["optimizer_steps"]) * accelerator.num_processes,
+        )
+        model, optimizer, train_loader, validation_loader, test_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, validation_loader, test_loader, scheduler
+        )
+        metric = load_metric()
+        synchronize = synchronizer(accelerator.device)
+
+        def now() -> float:  # as train.py's phase boundaries: the device's work done, then the host clock
+            if synchronize is not None:
+                synchronize()
+            return time.perf_counter()
+
+        warmup, total = settings.timing_warmup_steps, plan["optimizer_steps"]
+        step, samples, evaluation_s = 0, 0, 0.0
+        window_started = now() if warmup == 0 else None
+
+        def evaluate(loader) -> None:
+            nonlocal evaluation_s
+            began = now()
+            evaluate_split(model, loader, accelerator, metric)
+            if window_started is not None:  # train.py times it as `eval` and takes it out of the steady phase
+                evaluation_s += now() - began
+
+        model.train()
+        for epoch in range(plan["epochs"]):
+            train_loader.set_epoch(epoch)
+            batches = iter(train_loader)
+            while step < total:
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                in_window = window_started is not None
+                _, labels = train_step(
+                    accelerator, model, batch, optimizer, scheduler, unmeasured, settings.max_grad_norm
+                )
+                if in_window:
+                    samples += labels.shape[0]
+                if accelerator.sync_gradients:
+                    step += 1
+                    if step == warmup:
+                        window_started = now()
+            evaluate(validation_loader)
+            if step >= total:
+                break
+        evaluate(test_loader)
+        wall = now() - window_started - evaluation_s
+    print(
+        json.dumps(
+            {
+                "samples_per_s": samples / wall,
+                "threads": torch.get_num_threads(),
+                "samples": samples,
+                "optimizer_steps": total - warmup,
+                "train_wall_s": wall,
+            }
         )
     )
-    train_loader, _, _ = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)
-    optimizer = build_optimizer(model, settings, accelerator.device)
-    scheduler = build_scheduler(
-        settings, optimizer, settings.max_steps, int(settings.warmup_fraction * settings.max_steps)
-    )
-    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    model.train()
-    samples, step, started = 0, 0, None
-    batches = iter(train_loader)
-    while step < settings.max_steps:
-        batch = next(batches)
-        labels = batch.pop("labels")
-        logits = model(**batch).logits
-        loss = F.cross_entropy(logits.float(), labels)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step == settings.timing_warmup_steps:
-            if on_cuda:
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-        elif started is not None:
-            samples += labels.shape[0]
-    if on_cuda:
-        torch.cuda.synchronize()
-    print(json.dumps({"samples_per_s": samples / (time.perf_counter() - started), "threads": torch.get_num_threads()}))
 
 
 def bare_run(train_args: list[str]) -> dict:
@@ -203,6 +263,10 @@ def markdown(report: dict) -> list[str]:
         f"`accelerate launch --num_processes 1`; {len(report['rounds'])} alternating rounds; torch threads per process: "
         f"{', '.join(map(str, report['threads']))}; verdicts: {bench.METHOD}.",
         "",
+        "The bare loop is train.py's run less its instruments: the same start-up, builders, loaders (padding, "
+        "pinning, sampler), optimizer, scheduler, step (trainscope.loop.train_step: accumulation, clipping, fp32 loss) "
+        "and evaluations; both time the steps after the warm-up steps, evaluation taken out.",
+        "",
         *table.markdown_lines(),
         "",
         "Within noise, timing costs less than this machine's run-to-run noise can show; 1 - the lowest ratio "
@@ -231,7 +295,11 @@ def main() -> None:
         parser.error("--pairs must be at least 1")
     train_args = [*DEFAULT_TRAIN_ARGS, *train_args]
     modes = args.modes or (["events", "sync", MEMORY_ARM] if torch.cuda.is_available() else ["events"])
-    header = {"benchmark": "timing_overhead", "benchmark_version": 2, "train_args": train_args}
+    header = {
+        "benchmark": "timing_overhead",
+        "benchmark_version": 3,
+        "train_args": train_args,
+    }  # 3: the bare loop is train.py's run less its instruments
 
     def partial(found: dict) -> None:  # the rounds so far, replaced by the next round's and the final results
         report = {**header, **found, "status": f"partial: {len(found['rounds'])} of {args.pairs} rounds"}
