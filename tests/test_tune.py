@@ -705,3 +705,16 @@ def test_the_tune_tables_title_counts_its_tests_in_words():
 
     for tests, words in ((1, "(Holm over 1 test, one look)"), (3, "(Holm over 3 tests, one look)")):
         assert optimization.tune_table({"design": {"tests": tests}, "trials": []}).title.endswith(words)
+
+
+def test_an_exact_changes_fp32_pair_is_launched_in_fp32_whatever_its_config_says():
+    """The fp32 pair's launch (Arm.mixed_precision "no") on bf16.yaml, as Accelerate's own launcher code reads it:
+    the launcher's --mixed_precision wins over the config file's, so the ranks run without autocast."""
+    from conftest import cpu_env, planned_launch
+
+    from trainscope import launching
+
+    for override, expected in ((None, "bf16"), ("no", "no")):
+        command = launching.train_command(["--seed", "42"], config="bf16", mixed_precision=override)
+        _, _, environment, _ = planned_launch(command, cpu_env())
+        assert environment["ACCELERATE_MIXED_PRECISION"] == expected
