@@ -13,12 +13,24 @@ T is the padded length the kernels really process.
 
 What trains changes the backward (`Training`, read from the model by `training_of`): each matmul's
 backward is two of the forward's size (Kaplan et al. 2020, section 2.1; PaLM Appendix B), one for its
-input's gradient and one for its weight's. A frozen weight (LoRA's base model) needs only the first; no
-weight of the first layer's input projections (Q, K, V) needs it where nothing below them trains (the
-embeddings frozen: their input has no gradient). LoRA's adapters (A of d x r, B of r x d on each target)
-are matmul weights of their own, forward and backward. So, per token:
+input's gradient and one for its weight's. A frozen weight (LoRA's base model) needs only the first. LoRA's
+adapters (A of d x r, B of r x d on each target) are matmul weights of their own, forward and backward.
+Where nothing below the first layer trains (the embeddings frozen: its input has no gradient), autograd
+skips what only that input's gradient needs: the input gradients of the first layer's query, key and value
+projections (6 d^2 per token) and of the A of each adapter on them (2 d r each), and, of the attention's
+four backward matmuls (the values' gradient P^T dO, the weights' dO V^T, the queries' dS K, the keys'
+dS^T Q), each one whose projection has nothing that trains: with LoRA's default targets (query and value)
+the keys' gradient, 2 d T per token. So, per token:
 
-    forward 2 (N + A) + 4 L d T,  backward 2 (N + A) + 8 L d T [- 6 d^2 frozen below]  + 2 (N_trained + A)
+    forward 2 (N + A) + 4 L d T,  backward 2 (N + A) + 8 L d T  + 2 (N_trained + A)
+        [- 6 d^2 - 2 A_first - 2 d T x (attention matmuls skipped), nothing below the first layer training]
+
+with A_first the first layer's adapter weights on its query, key and value. These are the matmuls the step
+needs; what it needs is what torch's math attention (on a CPU in training, with attention dropout) executes.
+A fused attention backward (flash or memory-efficient kernels) computes the keys' gradient whether it is
+needed or not: work done, like recomputation, that the model FLOPs leave out. Where none of the first
+layer's query, key and value trains (LoRA on other targets, or on later layers only), the input gradients
+after its attention, and a frozen layer's above it, are counted as if something below trained: an overcount.
 
 Activation checkpointing runs every layer's forward again during backward. Those FLOPs are not model
 FLOPs: as PaLM's MFU (its Appendix B: "rematerialization" counts toward hardware FLOPs utilization, not
@@ -26,7 +38,9 @@ MFU), the recorded model FLOPs and every share of a peak leave them out, so a ch
 lower share its extra work costs; the recomputation is recorded apart (`recomputed`), and what the
 hardware executed (model + recomputation) is what a physical check against the measured peak uses
 (health's above_measured_peak). Checked against torch.utils.flop_counter.FlopCounterMode on the same
-model and shapes (tests/test_flops_profile.py): full fine-tuning, LoRA and checkpointing within 10%.
+model and shapes (tests/test_flops_profile.py): model FLOPs plus the recomputation within 1% of the
+counted step for full fine-tuning, LoRA and checkpointing, at 8 x 64 and 2 x 512 tokens, and the
+padding-free layers' FLOPs (`padding_free_training_flops`) within 1% on a padded batch.
 
 MFU = achieved FLOP/s / the device's dense peak for the precision in effect (peak table below,
 vendor datasheets, dense, no sparsity, each entry with where it was checked). An unknown device has
@@ -145,6 +159,10 @@ class Training:
     adapter_weights: int = 0  # LoRA adapters' weights in the encoder layers (all trained)
     input_gradient: bool = True  # the first layer's input needs a gradient (the embeddings train)
     recomputed: bool = False  # activation checkpointing: each layer's forward runs again in backward
+    # where the first layer's input needs no gradient: which of its query, key and value projections has a weight,
+    # bias or adapter that trains (their outputs need a gradient all the same), and its adapters' weights on them
+    first_layer_trains: tuple[bool, bool, bool] = (True, True, True)
+    first_layer_adapters: int = 0
 
 
 FULL = Training()
@@ -158,10 +176,43 @@ def flops_coefficients(layers: int, hidden: int, intermediate: int, training: Tr
     n, adapters = matmul_parameters(layers, hidden, intermediate), training.adapter_weights
     attention = layers * hidden
     forward = (2 * (n + adapters), 4 * attention)
-    input_gradients = (2 * (n + adapters) - (0 if training.input_gradient else 6 * hidden * hidden), 8 * attention)
+    skipped = (0, 0) if training.input_gradient else first_layer_skipped(hidden, training)
+    input_gradients = (2 * (n + adapters) - skipped[0], 8 * attention - skipped[1])
     weight_gradients = (2 * (training.trained_share * n + adapters), 0)
     model = tuple(f + i + w for f, i, w in zip(forward, input_gradients, weight_gradients))
     return {"model": model, "recomputed": forward if training.recomputed else (0, 0)}
+
+
+def first_layer_skipped(hidden: int, training: Training) -> tuple[int, int]:
+    """The backward matmuls autograd skips where the first layer's input needs no gradient, as (a, b) per token and
+    per token x length: the input gradients of its query, key and value projections and of their adapters' A, and
+    each attention backward matmul no trained projection needs (values': P^T dO; weights': dO V^T, for the queries'
+    or the keys'; queries': dS K; keys': dS^T Q)."""
+    query, key, value = training.first_layer_trains
+    executed = value + (query or key) + query + key
+    return 6 * hidden * hidden + 2 * training.first_layer_adapters, 2 * hidden * (4 - executed)
+
+
+# The names of the query, key and value projections in a layer (BERT and RoBERTa, DistilBERT, most others).
+PROJECTIONS = ({"query", "q_lin", "q_proj"}, {"key", "k_lin", "k_proj"}, {"value", "v_lin", "v_proj"})
+
+
+def first_layer_projections(model, classes: set) -> tuple[bool, bool, bool, int]:
+    """Whether the first encoder layer's query, key and value projections have a parameter that trains, and the
+    weights of LoRA's A on them (their input is the layer's); (True, True, True, 0) where they are not found."""
+    first = next((m for m in model.modules() if type(m).__name__ in classes), None)
+    found = [
+        [m for name, m in (first.named_modules() if first else ()) if name.rsplit(".", 1)[-1] in names]
+        for names in PROJECTIONS
+    ]
+    if not all(len(modules) == 1 for modules in found):
+        return True, True, True, 0
+    modules = [modules[0] for modules in found]
+    trains = [any(p.requires_grad for p in module.parameters()) for module in modules]
+    adapters = sum(
+        p.numel() for module in modules for name, p in module.named_parameters() if "lora_A" in name and p.requires_grad
+    )
+    return *trains, int(adapters)
 
 
 def training_of(model, checkpointing: bool) -> Training:
@@ -188,11 +239,14 @@ def training_of(model, checkpointing: bool) -> Training:
     forced = any(
         getattr(m, "_require_grads_hooks", None) or getattr(m, "_require_grads_hook", None) for m in model.modules()
     )
+    *first_trains, first_adapters = first_layer_projections(model, classes)
     return Training(
         trained_share=trained / seen if seen else 1.0,
         adapter_weights=int(adapters),
         input_gradient=bool(weight is None or weight.requires_grad or forced),
         recomputed=bool(checkpointing),
+        first_layer_trains=tuple(first_trains),
+        first_layer_adapters=first_adapters,
     )
 
 
