@@ -211,6 +211,9 @@ bench-trainer: setup ## train.py (accelerate launch and python) vs transformers.
 bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by accelerate launch -> benchmarks/timing_overhead.*
 	$(PY) -m trainscope.benchmarks.overhead $(ARGS)
 
+bench-dropout-draw: setup ## the dropout loop's draw against torch's bernoulli_, ns an element, alternating pairs -> benchmarks/dropout_draw.*
+	$(PY) -m trainscope.benchmarks.dropout_draw $(ARGS)
+
 bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
 	$(EXPERIMENTS) compile --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) -- $(COMPILE_ARGS)
 

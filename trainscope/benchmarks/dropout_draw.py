@@ -1,0 +1,295 @@
+"""The dropout loop's draw (trainscope.dropout_draws) against torch's bernoulli_: nanoseconds an element.
+
+Two arms, each one draw of --elements elements a pair, the pairs in alternating order (bench.alternate):
+
+  loop   `dropout_draws.bernoulli(shape, keep, dtype, cpu)`: the module's own path, `_fill` (an output from
+         torch.empty, then mt19937_bernoulli.c into it, the generator state read and written back)
+  torch  `torch.empty(shape, dtype=dtype).bernoulli_(keep)`: the module's fallback, word for word
+
+Both arms allocate their output and fill it, as `bernoulli` does, and the timed window (time.perf_counter) holds
+both. The output lands in memory already touched: glibc's allocator is told to keep freed memory (mallopt:
+M_MMAP_MAX 0, so no draw gets fresh pages from mmap; M_TRIM_THRESHOLD high, so none is handed back) while the
+benchmark runs, and each draw reuses what the one before freed. Above 32 MiB glibc otherwise maps every draw
+afresh, and the timed window would hold a page fault per 4 KiB page (about 2-4 ns an element on a 2-core EPYC,
+more than the loop's whole draw); a training step's masks, smaller, reuse freed memory anyway. The minor page
+faults in each timed window are counted and recorded, so the result shows which memory it drew into
+(--fresh-memory leaves the allocator alone). Both arms draw once, outside the timed window, before the first
+pair, and every draw starts from the same generator state.
+
+Before timing, once, the benchmark draws --elements elements by each arm from one seed and records whether the
+masks are equal and the generator is left in the same state (torch.get_rng_state()); where either differs, the
+arms do not do the same work: no speed verdict is given, the result says so, and the command exits 1 after
+writing it. The verdict (the ratio torch / loop of each pair's ns an element; "faster" is the loop faster) comes
+from bench.compare_samples. Threads are set to --threads (default 1: torch's CPU bernoulli_ is a serial loop and
+the dropout loop is single-threaded) and the number in effect is recorded, with the CPU (model, instruction set,
+native bf16) and `dropout_draws.status(cpu)`. Where the loop is not used here (`drawn_here` false), only torch's
+arm is timed and the result says why in one line.
+
+    python -m trainscope.benchmarks.dropout_draw [--elements 10000000] [--pairs 7] [--dtype float32]
+
+Writes benchmarks/dropout_draw.{json,md}.
+"""
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from trainscope import bench, dropout_draws, environment, precision, provenance
+from trainscope.tables import Table, spread_cell
+
+ROOT = provenance.ROOT
+CPU = torch.device("cpu")
+DTYPES = {name: dtype for dtype, name in dropout_draws.NAMES.items()}
+DEFAULT_ELEMENTS = 10_000_000
+DEFAULT_PAIRS = 7
+# glibc's mallopt parameters (malloc.h) and the defaults put back after measuring
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
+KEEP_FREED = 2**31 - 1  # mallopt takes an int: freed memory up to 2 GiB stays with the process
+
+
+@contextlib.contextmanager
+def reused_memory(fresh: bool):
+    """glibc keeps freed memory while the block runs (a draw's output lands where the last one was freed), put back
+    as glibc's defaults after; yields how the outputs' memory was had."""
+    libc = None
+    if not fresh:
+        with contextlib.suppress(OSError, AttributeError):
+            found = ctypes.CDLL(ctypes.util.find_library("c") or None)
+            found.mallopt.argtypes, found.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            libc = found  # a C library with mallopt (glibc's; not macOS's)
+    if libc is None:
+        yield "the allocator's own (fresh pages wherever it maps a draw's output afresh)"
+        return
+    try:
+        kept = libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED)
+        yield (
+            "reused: glibc keeps freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB)"
+            if kept
+            else "the allocator's own (glibc refused mallopt)"
+        )
+    finally:
+        libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+        libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        with contextlib.suppress(AttributeError):
+            libc.malloc_trim(0)
+
+
+def loop_draw(shape, keep: float, dtype: torch.dtype) -> torch.Tensor:
+    return dropout_draws.bernoulli(shape, keep, dtype, CPU)  # looked up at each call: the module's path as it stands
+
+
+def torch_draw(shape, keep: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=CPU).bernoulli_(keep)  # dropout_draws.bernoulli's fallback
+
+
+def timed(draw, elements: int, keep: float, dtype: torch.dtype, start: torch.Tensor) -> dict:
+    """One draw from generator state `start`: ns an element and the minor page faults inside the timed window."""
+    torch.set_rng_state(start)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    began = time.perf_counter()
+    mask = draw((elements,), keep, dtype)
+    seconds = time.perf_counter() - began
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    del mask  # freed outside the window: the next draw's memory
+    return {"ns_per_element": seconds * 1e9 / elements, "page_faults": faults}
+
+
+def same_draw(elements: int, keep: float, dtype: torch.dtype, seed: int) -> dict:
+    """One draw by each arm from `seed`: are the masks equal, and is the generator left in the same state?"""
+    torch.manual_seed(seed)
+    start = torch.get_rng_state()
+    theirs = torch_draw((elements,), keep, dtype)
+    after_theirs = torch.get_rng_state()
+    torch.set_rng_state(start)
+    mine = loop_draw((elements,), keep, dtype)
+    after_mine = torch.get_rng_state()
+    same_mask = bool(torch.equal(theirs, mine))
+    return {
+        "seed": seed,
+        "elements": elements,
+        "same_mask": same_mask,
+        "differing_elements": int((theirs != mine).sum()) if theirs.shape == mine.shape else None,
+        "same_generator_state": bool(torch.equal(after_theirs, after_mine)),
+        "same_work": same_mask and bool(torch.equal(after_theirs, after_mine)),
+    }
+
+
+def cpu_facts() -> dict:
+    return {
+        "model": environment.cpu_model_name(),
+        "capability": environment.cpu_capability(),
+        "instruction_set": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": precision.cpu_native_bf16(),
+    }
+
+
+def measure(args) -> dict:
+    dtype, keep, elements = DTYPES[args.dtype], args.keep, args.elements
+    torch.set_num_threads(args.threads)
+    status = dropout_draws.status(CPU)  # builds and checks the loop on first use: before anything is timed
+    usable = dropout_draws.drawn_here(dtype, CPU)
+    report = {
+        "benchmark": "dropout_draw",
+        "benchmark_version": 1,
+        "elements": elements,
+        "dtype": args.dtype,
+        "keep": keep,
+        "pairs_planned": args.pairs,
+        "threads_requested": args.threads,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_facts(),
+        "dropout_draws": {
+            "status": status,
+            "drawn_here": usable,
+            "checked_dtypes": [dropout_draws.NAMES[d] for d in dropout_draws._loaded.get("dtypes", [])],
+            "marker": Path(dropout_draws._loaded["marker"]).name if dropout_draws._loaded.get("marker") else None,
+        },
+    }
+    arms = {"loop": loop_draw, "torch": torch_draw} if usable else {"torch": torch_draw}
+    with reused_memory(args.fresh_memory) as memory:
+        report["memory"] = memory
+        report["check"] = same_draw(elements, keep, dtype, args.seed) if usable else None
+        torch.manual_seed(args.seed)
+        start = torch.get_rng_state()
+        for draw in arms.values():  # warm-up: code, the generator's path, the output's memory
+            timed(draw, elements, keep, dtype, start)
+        rounds = bench.alternate(
+            {name: (lambda i, draw=draw: timed(draw, elements, keep, dtype, start)) for name, draw in arms.items()},
+            args.pairs,
+        )
+    report["rounds"] = rounds
+    report["arms"] = {
+        name: {
+            "ns_per_element": bench.spread([r[name]["ns_per_element"] for r in rounds]),
+            "page_faults_per_draw": bench.spread([r[name]["page_faults"] for r in rounds]),
+        }
+        for name in arms
+    }
+    if not usable:
+        report["comparison"] = None
+        why = dropout_draws._loaded.get("why") or "its check did not pass this dtype"
+        report["status"] = f"the loop is not used here for {args.dtype} ({why}): torch's bernoulli_ alone timed"
+    elif not report["check"]["same_work"]:
+        report["comparison"] = None
+        report["status"] = (
+            "the loop's draw differs from torch's bernoulli_ "
+            f"(masks {'equal' if report['check']['same_mask'] else 'differ'}, generator state "
+            f"{'equal' if report['check']['same_generator_state'] else 'differs'}): not the same work, no speed verdict"
+        )
+    else:
+        # ratio torch / loop of each pair's ns an element: above 1, and "faster", is the loop faster
+        report["comparison"] = bench.compare_rounds(rounds, "loop", "torch", "ns_per_element", higher_is_better=False)
+        report["status"] = None
+    return report
+
+
+def markdown(report: dict) -> list[str]:
+    cpu, check, comparison = report["cpu"], report["check"], report["comparison"]
+    arms = Table(
+        "Arms",
+        ["arm", "ns an element (median, min-max)", "page faults a draw (median)"],
+        [
+            [
+                name,
+                spread_cell(arm["ns_per_element"], digits=3),
+                f"{arm['page_faults_per_draw']['median']:.0f}",
+            ]
+            for name, arm in report["arms"].items()
+        ],
+        "dropout_draw_arms",
+    )
+    lines = [
+        "# The dropout loop's draw against torch's bernoulli_",
+        "",
+        *([f"Status: {report['status']}.", ""] if report["status"] else []),
+        f"One draw of {report['elements']:,} elements ({report['dtype']}, keep {report['keep']}) per arm per pair, "
+        f"allocated and filled as `dropout_draws.bernoulli` does; {len(report['rounds'])} alternating pairs; "
+        f"memory: {report['memory']}; torch threads: {report['threads']} (asked {report['threads_requested']}); "
+        f"CPU: {cpu['model']} ({cpu['capability']}); verdicts: {bench.METHOD}.",
+        "",
+        f"Draws: {report['dropout_draws']['status']}.",
+        "",
+    ]
+    if check is not None:
+        lines += [
+            f"Same masks and generator state as torch's bernoulli_ ({check['elements']:,} elements from seed "
+            f"{check['seed']}): masks **{'equal' if check['same_mask'] else 'DIFFER'}**"
+            + ("" if check["same_mask"] else f" ({check['differing_elements']} of {check['elements']:,} elements)")
+            + f", generator state **{'equal' if check['same_generator_state'] else 'DIFFERS'}**.",
+            "",
+        ]
+    lines += arms.markdown_lines()
+    if comparison is not None:
+        lines += [
+            "",
+            *Table(
+                "Comparison",
+                ["comparison", "ratio (median, min-max)", "verdict"],
+                [["torch / loop (ns an element)", bench.ratio_text(comparison), f"the loop: {comparison['verdict']}"]],
+                "dropout_draw",
+                align="lrl",
+            ).markdown_lines(),
+        ]
+    elif check is not None:
+        lines += ["", "No speed verdict: the two arms did not draw the same masks, so they did not do the same work."]
+    return lines
+
+
+def parser() -> argparse.ArgumentParser:
+    default_out = ROOT / "benchmarks" / "dropout_draw"
+    made = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    made.add_argument(
+        "--elements",
+        type=int,
+        default=DEFAULT_ELEMENTS,
+        help=f"elements in each draw (default {DEFAULT_ELEMENTS:,})",
+    )
+    made.add_argument("--pairs", type=int, default=DEFAULT_PAIRS, help=f"alternating pairs (default {DEFAULT_PAIRS})")
+    made.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the mask's dtype (default float32)")
+    made.add_argument("--keep", type=float, default=0.9, help="the chance an element is kept, 1 - p (default 0.9)")
+    made.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads while measuring (default 1: both draws are serial loops); the number in effect is recorded",
+    )
+    made.add_argument("--seed", type=int, default=0, help="the seed every draw starts from (default 0)")
+    made.add_argument(
+        "--fresh-memory",
+        action="store_true",
+        help="leave glibc's allocator alone: draws it maps afresh time their page faults too",
+    )
+    made.add_argument("--out", default=str(default_out), help=f"results path without suffix (default {default_out})")
+    return made
+
+
+def main() -> None:
+    made = parser()
+    args = made.parse_args()
+    if args.elements < 1 or args.pairs < 1 or args.threads < 1:
+        made.error("--elements, --pairs and --threads must be at least 1")
+    if not 0 <= args.keep <= 1:
+        made.error("--keep must be between 0 and 1")
+    state = torch.get_rng_state()
+    try:
+        report = measure(args)
+    finally:
+        torch.set_rng_state(state)  # the generator as it was found
+    bench.publish(Path(args.out), report, markdown(report))
+    if report["check"] is not None and not report["check"]["same_work"]:
+        print(f"error: {report['status']}", file=sys.stderr)
+        raise SystemExit(1)
+    if report["comparison"] is not None:
+        print(f"torch / loop: {bench.describe(report['comparison'])}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
