@@ -76,7 +76,7 @@ COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-sa
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
 
-.PHONY: help setup train lint format test bench-overhead bench-trainer bench-compile sweep-workers compare-dp amp-compare \
+.PHONY: help setup train lint format test bench-overhead bench-dropout-draw bench-trainer bench-compile sweep-workers compare-dp amp-compare \
 	ckpt-compare batch-sweep matrix profile ddp-cost tune tune-confirm advise gpu-check report experiments clean predict \
 	predict-calibrate predict-check
 
