@@ -57,7 +57,9 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
     found = reporting.collect(runs, results, REGISTRY)  # sections read inputs of experiments without one too
     for line in found.skipped:
         print(f"warning: skipped {line}", file=sys.stderr)
-    block = provenance.collect(inputs=found.inputs)  # before anything is written: the tree as it was
+    # before anything is written: the tree as it was; every path in it the project's own (reporting.shown_path)
+    block = provenance.collect(inputs=found.inputs, command=reporting.shown_text(provenance.launch_command()))
+    block["inputs"] = [{**entry, "path": reporting.shown_path(entry["path"])} for entry in block["inputs"]]
     out.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the old report (a hidden folder the tree ignores) and swapped in at the end: a failure
     # leaves the old one whole.
@@ -67,7 +69,8 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
         report = ReportWriter(staging, book)
         report.title(
             "trainscope report",
-            f"Built {date.today().isoformat()} from {runs} and {results}{source_line}: "
+            f"Built {date.today().isoformat()} from {reporting.shown_path(runs)} and "
+            f"{reporting.shown_path(results)}{source_line}: "
             f"{len(found.inputs)} input files, listed with their sha256 in inputs.json.",
         )
         report.answers_page()
@@ -76,7 +79,7 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
         if found.skipped:
             report.begin("Skipped inputs", True, "")
             for line in found.skipped:
-                report.text(f"- {line}")
+                report.text(f"- {reporting.shown_text(line)}")
         report.appendix(provenance.markdown(block, machine_label="report built on") + measured_on(found))
         report.close()
         write_text_atomic(staging / "report.md", "\n".join(report.markdown) + "\n")
@@ -84,9 +87,10 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
             staging / "inputs.json",
             {
                 "provenance": block,
-                "skipped": found.skipped,
-                "machines": {m.text: [str(p) for p in paths] for m, paths in found.machines.items()},
+                "skipped": [reporting.shown_text(line) for line in found.skipped],
+                "machines": {m.text: [reporting.shown_path(p) for p in paths] for m, paths in found.machines.items()},
                 "runs": {k: sorted(v) for k, v in found.runs.items()},
+                "folders": {k: [f.name for f in folders] for k, folders in found.folders.items()},
                 "results": {k: v is not None for k, v in found.results.items()},
             },
         )
@@ -171,7 +175,8 @@ def inputs(args, parser) -> tuple[Path, Path, str]:
         return runs, results, ""
     if Path("runs").is_dir() or Path("results").is_dir():
         return Path("runs"), Path("results"), " (your runs)"
-    print(f"No runs/ or results/ here yet: building the committed report from {COMMITTED[0]} and {COMMITTED[1]}.")
+    shown = [reporting.shown_path(path) for path in COMMITTED]
+    print(f"No runs/ or results/ here yet: building the committed report from {shown[0]} and {shown[1]}.")
     return *COMMITTED, " (the committed benchmarks: no runs/ or results/ here yet)"
 
 

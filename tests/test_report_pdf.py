@@ -339,7 +339,7 @@ def page_column(words: list[Word]) -> list[int]:
 def test_the_committed_report_reads_as_a_person_reads_it():
     """reports/report.pdf as committed: the same checks, and a first page of one answer per section."""
     titles = glance_titles((ROOT / "reports" / "report.md").read_text())
-    assert sorted(titles) == sorted(e.title for e in SECTIONS)
+    assert set(titles) == {e.title for e in SECTIONS}  # a section that answers once per machine has several rows
     check_report(ROOT / "reports" / "report.pdf", titles)
 
 

@@ -29,7 +29,8 @@ class ReportWriter:
         self.figure_runs: dict[str, list[dict]] = {}  # figure name -> the records it shows
         self.answers: dict[str, object] = {}  # section title -> its Headline, or the line saying why there is none
         self.machines: dict[str, dict] = {}  # section title -> {Machine: what it measured}
-        self.current: dict = {}  # the machines of the section being written
+        self.current: dict = {}  # the machines of the section being written (or of its part)
+        self.section: str | None = None  # the title of the section being written
         self._answers_at: int | None = None  # where the answers go in the Markdown
 
     def title(self, title: str, line: str):
@@ -54,41 +55,44 @@ class ReportWriter:
 
     def answer(self, title: str, headline, machines: dict | None = None):
         """Declare a section's answer (a Headline, or the line saying why it has none) and the machines its
-        figures come from ({Machine: what it measured}) before it is written."""
+        figures come from ({Machine: what it measured}) before it is written. A section whose figures stand alone
+        per machine may answer once per machine ({Machine: Headline}): each answer goes to its machine's group on
+        the first page and under that machine's heading in the section (`part`)."""
         self.answers[title] = headline
         self.machines[title] = machines or {}
 
-    def answer_groups(self) -> list[tuple[str, list[str]]]:
-        """(what measured them, section titles): one group per machine in the order the sections first name it,
-        then the sections measured on several machines, those whose inputs name none, and those not measured."""
-        groups: dict[str, list[str]] = {}
+    def answer_groups(self) -> list[tuple[str, list[tuple[str, object]]]]:
+        """(what measured them, [(section title, its answer)]): one group per machine in the order the sections
+        first name it, then the sections measured on several machines, those whose inputs name none, and those not
+        measured. A section that answers once per machine is in each of its machines' groups."""
+        groups: dict[str, list] = {}
         for title, answer in self.answers.items():
-            machines = self.machines.get(title) or {}
-            label = (
-                f"Measured on {next(iter(machines)).text}"
-                if len(machines) == 1
-                else self.SEVERAL
-                if machines
-                else self.UNNAMED
-                if hasattr(answer, "verdict")
-                else self.NONE
-            )
-            groups.setdefault(label, []).append(title)
+            if isinstance(answer, dict):
+                for machine, headline in answer.items():
+                    groups.setdefault(self._group({machine: []} if machine else {}, headline), []).append(
+                        (title, headline)
+                    )
+            else:
+                groups.setdefault(self._group(self.machines.get(title) or {}, answer), []).append((title, answer))
         last = (self.SEVERAL, self.UNNAMED, self.NONE)
         order = [label for label in groups if label not in last] + [label for label in last if label in groups]
         return [(label, groups[label]) for label in order]
+
+    def _group(self, machines: dict, answer) -> str:
+        if len(machines) == 1:
+            return f"Measured on {next(iter(machines)).text}"
+        return self.SEVERAL if machines else self.UNNAMED if hasattr(answer, "verdict") else self.NONE
 
     def answers_tables(self, pages: dict | None = None) -> list[Table]:
         """One table per group of `answer_groups`, titled by its machine; with `pages`, the page of each section."""
         from trainscope.record_view import machines_text
 
         tables = []
-        for label, titles in self.answer_groups():
+        for label, answers in self.answer_groups():
             rows = []
-            for title in titles:
-                answer = self.answers[title]
+            for title, answer in answers:
                 text, verdict = (answer.text, answer.verdict) if hasattr(answer, "verdict") else (answer, "")
-                if len(self.machines.get(title) or {}) > 1:
+                if len(self.machines.get(title) or {}) > 1 and not isinstance(self.answers[title], dict):
                     text += f" (measured on {machines_text(self.machines[title])})"
                 rows.append([title, text, verdict] + ([str(pages.get(title, "?"))] if pages is not None else []))
             headers = ["experiment", "answer", "verdict"] + (["page"] if pages is not None else [])
@@ -110,6 +114,7 @@ class ReportWriter:
 
         self.markdown += [f"## {title}", ""]
         self.book.heading(title, anchor=title)
+        self.section = title
         self.current = self.machines.get(title) or {}
         if not inputs:
             self.text(missing_line)
@@ -118,12 +123,27 @@ class ReportWriter:
             line = f"**Measured on:** {machines_text(self.current)}."
             self.markdown += [line, ""]
             self.book.text(line)
-        answer = self.answers.get(title)
+        self._in_short(self.answers.get(title))
+        return True
+
+    def _in_short(self, answer):
         if hasattr(answer, "verdict"):
             line = f"**In short:** {answer.text}. Verdict: {answer.verdict}."
             self.markdown += [line, ""]
             self.book.text(line, tint="#e9f0f8")
-        return True
+
+    def part(self, title: str, machines: dict | None = None):
+        """A part of the section being written, under a heading of its own (e.g. one machine's results where the
+        section shows several): with `machines` ({Machine: what it measured}; {} for none known) its figures'
+        captions and tables' titles name those machines, not the section's, until the next part or section; where the
+        section answers once per machine, this machine's answer follows the heading ('In short')."""
+        self.markdown += [f"### {title}", ""]
+        self.book.heading(title, size=12)
+        if machines is not None:
+            self.current = machines
+        answer = self.answers.get(self.section)
+        if isinstance(answer, dict) and len(machines or {}) == 1:  # the section answers for this machine here
+            self._in_short(answer.get(next(iter(machines))))
 
     def measured_on(self, records=None) -> str:
         """'measured on AMD EPYC, AVX2, bf16 emulated, 2 cores': the machines of `records` where given, else the

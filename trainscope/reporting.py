@@ -4,11 +4,17 @@ and reads the inputs: every record and results file it reads is listed with its 
 provenance), and what it cannot use is skipped with a one-line reason.
 
 Inputs: <runs>/<folder>/<run>/record.json (+ steps.jsonl) and <runs>/<folder>/comparison.json for the
-experiments declared with a folder; <results>/<path> for those declared with a results file
+experiments declared with a folder, and for those declared `kept_beside` also every <runs>/<folder>_<suffix>/ whose
+comparison.json names the experiment (one machine's or one command's results kept beside the others, e.g. the
+committed benchmarks/runs/tune_amx/); <results>/<path> for those declared with a results file
 (trainscope.experiments).
+
+Every path the report prints is the project's own (`shown_path`, `shown_text`): relative to the project's root
+where it lies inside it, else as given, so no report names a folder of the machine that built it.
 """
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +34,23 @@ class Headline:
 
 
 @dataclass
+class Folder:
+    """One folder of an experiment's runs, <runs>/<name>/: its comparison.json (judged again by today's rules, None
+    where it has none) and its run records by name. `kept`: a folder kept beside the experiment's declared one."""
+
+    name: str
+    path: Path
+    comparison: dict | None = None
+    runs: dict = field(default_factory=dict)
+    kept: bool = False
+
+
+@dataclass
 class Collected:
-    runs: dict = field(default_factory=dict)  # experiment -> {run name: record (with "steps")}
+    runs: dict = field(default_factory=dict)  # experiment -> {run name: record (with "steps")} of its declared folder
     other_runs: list = field(default_factory=list)  # complete records outside the experiment folders
-    comparisons: dict = field(default_factory=dict)  # experiment -> comparison.json
+    comparisons: dict = field(default_factory=dict)  # experiment -> its declared folder's comparison.json
+    folders: dict = field(default_factory=dict)  # experiment -> [Folder]: its declared one, then those kept beside it
     results: dict = field(default_factory=dict)  # experiment -> its results file, parsed
     inputs: list = field(default_factory=list)  # every file read, for the digests
     machines: dict = field(default_factory=dict)  # Machine -> the inputs it measured (records, results files)
@@ -42,19 +61,60 @@ def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
     """Read every run record under runs_dir, the declared experiments' comparisons and results files."""
     found = Collected()
     runs_dir, results_dir = Path(runs_dir), Path(results_dir)
-    folders = {e.folder: e.name for e in experiments if e.folder}
+    kept = kept_beside(runs_dir, experiments)
+    folders = {e.folder: Folder(e.folder, runs_dir / e.folder) for e in experiments if e.folder}
+    folders.update({name: Folder(name, runs_dir / name, kept=True) for name in kept})
     for path in sorted(runs_dir.rglob("record.json")) if runs_dir.exists() else []:
         _collect_record(found, path, runs_dir, folders)
     for experiment in experiments:
-        if experiment.folder:
-            comparison = _read_json(runs_dir / experiment.folder / "comparison.json", found)
+        mine = [folders[experiment.folder]] if experiment.folder else []
+        for folder in mine + [folders[name] for name, owner in kept.items() if owner is experiment]:
+            if not folder.kept and folder.runs:
+                found.runs[experiment.name] = folder.runs
+            comparison = _read_json(folder.path / "comparison.json", found)
             if comparison is not None:
-                found.comparisons[experiment.name] = (experiment.rejudge or rejudged)(
-                    comparison, found.runs.get(experiment.name, {})
-                )
+                folder.comparison = (experiment.rejudge or rejudged)(comparison, folder.runs)
+                if not folder.kept:
+                    found.comparisons[experiment.name] = folder.comparison
+            if folder.comparison is not None or folder.runs:
+                found.folders.setdefault(experiment.name, []).append(folder)
         if experiment.results:
             found.results[experiment.name] = _read_json(results_dir / experiment.results, found)
     return found
+
+
+def kept_beside(runs_dir: Path, experiments) -> dict:
+    """{folder name: experiment} of the folders <runs>/<folder>_<suffix>/ kept beside the declared folder of an
+    experiment declared `kept_beside`, by name: those whose comparison.json names that experiment (each holds one
+    machine's or one command's results, e.g. the committed tune_amx/ and tune_confirm_grouped/)."""
+    declared = {e.folder for e in experiments if e.folder}
+    beside = [e for e in experiments if e.folder and getattr(e, "kept_beside", False)]
+    kept = {}
+    for path in sorted(p for p in runs_dir.iterdir() if p.is_dir()) if beside and runs_dir.is_dir() else []:
+        mine = [e for e in beside if path.name.startswith(f"{e.folder}_") and path.name not in declared]
+        named = _experiment_named(path / "comparison.json") if mine else None
+        for experiment in mine:
+            if named == experiment.name:
+                kept[path.name] = experiment
+    return kept
+
+
+def _experiment_named(path: Path) -> str | None:
+    """The experiment a comparison.json names, or None (none there, or not one)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return value.get("experiment") if isinstance(value, dict) else None
+
+
+def folders_of(found: Collected, experiment) -> list[Folder]:
+    """The folders of an experiment's results: its declared one and those kept beside it; where the inputs were
+    gathered by hand (no folders), its declared folder's comparison and runs as one."""
+    if experiment.name in found.folders:
+        return found.folders[experiment.name]
+    comparison, runs = found.comparisons.get(experiment.name), found.runs.get(experiment.name, {})
+    return [Folder(experiment.folder, Path(experiment.folder), comparison, runs)] if comparison or runs else []
 
 
 def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict) -> None:
@@ -74,7 +134,7 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict)
     # output kept beside, e.g. <runs>/full_job/compile/) holds other runs, whose names may repeat the experiment's
     folder = path.parent.parent.name if path.parent.parent.parent == runs_dir else None
     if folder in folders:
-        found.runs.setdefault(folders[folder], {})[path.parent.name] = record
+        folders[folder].runs[path.parent.name] = record
     else:
         found.other_runs.append(record)
 
@@ -128,6 +188,31 @@ def machines(sources) -> dict[Machine, list[str]]:
     return grouped
 
 
+# ---------------------------------------------------------------- paths as the report prints them
+
+ROOT = Path(__file__).resolve().parent.parent  # the project's root
+_IN_ROOT = re.compile(r"(?<![\w./~-])" + re.escape(str(ROOT)) + r"(?:/|(?![\w./-]))")
+
+
+def shown_path(path) -> str:
+    """A path as the report prints it: relative to the project's root where it lies inside it ('.' for the root),
+    else as given (a relative path as it was typed)."""
+    path = Path(path)
+    if path.is_absolute():
+        for candidate in (path, path.resolve()):
+            try:
+                return str(candidate.relative_to(ROOT))
+            except ValueError:
+                pass
+    return str(path)
+
+
+def shown_text(text: str) -> str:
+    """`text` with every absolute path inside the project's root written relative to it (a command line, a skipped
+    input's reason)."""
+    return _IN_ROOT.sub(lambda match: "" if match.group(0).endswith("/") else ".", text)
+
+
 # ---------------------------------------------------------------- where the time went
 
 
@@ -157,9 +242,10 @@ def pick_breakdown_run(found: Collected) -> dict | None:
     profile_runs = found.runs.get("profile", {})
     if "default-r0" in profile_runs:
         return profile_runs["default-r0"]
+    kept = [r for folders in found.folders.values() for f in folders if f.kept for r in f.runs.values()]
     candidates = [
         r
-        for r in found.other_runs + [r for runs in found.runs.values() for r in runs.values()]
+        for r in found.other_runs + [r for runs in found.runs.values() for r in runs.values()] + kept
         if not RunView(r).setting("profile")
     ]
     return max(candidates, key=lambda r: RunView(r).finished, default=None)

@@ -37,13 +37,18 @@ class Experiment:
     run(args, train_args)   runs it and writes <runs>/<folder>/comparison.{json,md}
     section(report, found)  writes its report section (trainscope.report_writer.ReportWriter, reporting.Collected)
     headline(found)  its answer on the report's first page: a reporting.Headline worded by the functions the
-                     section uses, or None when its inputs are missing (the page then names its make target)
+                     section uses, or None when its inputs are missing (the page then names its make target);
+                     one_machine False: one per machine where several measured it, {Machine: Headline} (each
+                     under its machine on the first page, and in the section under its `report.part` heading)
     rejudge(comparison, records)  judges a comparison again from its runs' records (default: every arm's speed
                             against the baseline's, trainscope.reporting.rejudged)
     sources(found)  (label, run record or results file) pairs of every figure its section shows, whose machines the
                     section names (default: the runs of its folder by name, its results file by path)
     one_machine  its section compares its sources with each other, so sources from several machines skip it with
                  that reason (False: each figure stands alone, and the section names which machine measured which)
+    kept_beside  its results may also be kept in folders <folder>_<suffix>/ beside its own (one per machine or
+                 command: the committed benchmarks/runs/tune_amx/, tune_confirm_grouped/), read where their
+                 comparison.json names it (reporting.Folder); its section shows each under its machine
     """
 
     name: str
@@ -60,6 +65,7 @@ class Experiment:
     rejudge: Callable | None = None  # (comparison, its runs' records) -> the comparison judged by today's rules
     sources: Callable | None = None  # found -> [(label, record or results file)] its section shows
     one_machine: bool = True
+    kept_beside: bool = False
 
     def missing(self) -> str:
         return f"Not run yet: `{self.target}` produces it."
@@ -68,14 +74,21 @@ class Experiment:
         """Why this experiment's comparison or results file cannot feed its section (an older trainscope's or a
         hand-edited one), or None."""
         source = found.results.get(self.name) if self.results else found.comparisons.get(self.name)
-        lacking = (
-            ([key for key in self.needs if key not in source] if isinstance(source, dict) else ["an object"])
-            if source is not None
-            else []
-        )
-        if lacking:
-            return f"its inputs lack {', '.join(lacking)}"
-        machines = self.machines(found)
+        return self.lacking(source) or self._several(self.machines(found))
+
+    def unreadable_folder(self, folder) -> str | None:
+        """Why one folder of its results (a reporting.Folder: its own, or one kept beside it) cannot feed its
+        section, or None: as `unreadable`, from that folder's comparison and runs alone."""
+        return self.lacking(folder.comparison) or self._several(reporting.machines(folder.runs.items()))
+
+    def lacking(self, source) -> str | None:
+        """'its inputs lack ...': the keys a comparison or results file of another shape lacks, or None."""
+        if source is None:
+            return None
+        lacking = [key for key in self.needs if key not in source] if isinstance(source, dict) else ["an object"]
+        return f"its inputs lack {', '.join(lacking)}" if lacking else None
+
+    def _several(self, machines: dict) -> str | None:
         if self.one_machine and len(machines) > 1:
             return (
                 f"its runs come from {machines_text(machines)}; a comparison needs them all from one machine "

@@ -1,68 +1,195 @@
 """The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what
 `make tune` (trainscope.tune) measured when it tried them -- judged again from its runs' records by today's
-rules (trainscope.tune_judge.rejudged) -- and what `make tune-confirm` measured on the full job."""
+rules (trainscope.tune_judge.rejudged) -- and what `make tune-confirm` measured on the full job.
 
+Each machine's results stand apart: make tune's and make tune-confirm's folders (their declared ones, runs/tune/ and
+runs/tune_confirm/, and those kept beside them, e.g. the committed benchmarks/runs/tune_amx/) are grouped by the
+machine that measured them, and with several machines each group has its own heading naming its machine, in the
+order of the folders (make tune's first, by name)."""
+
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainscope import advisor, bench, changes, reporting
 from trainscope.experiments import tune_confirm
 from trainscope.experiments.base import Experiment
-from trainscope.record_view import RunView
+from trainscope.record_view import Machine, RunView, results_machine
 from trainscope.records import read_steps
-from trainscope.reporting import Headline
+from trainscope.reporting import Folder, Headline
 from trainscope.tables import Table
 from trainscope.tune_judge import METRICS, NONE_KEPT, change_of, final_text, final_trial, rejudged
 
 
-def advice_record(found: reporting.Collected) -> dict | None:
-    """The run the advisor reads here: make tune's own advice run where make tune's result and that run are among the
-    inputs (its suggestions are the ones make tune tried, on the machine it tuned on), else the report's main run."""
-    tune = found.comparisons.get("tune") or {}
-    advice = found.runs.get("tune", {}).get(tune.get("advice_run") or "")
-    return advice or reporting.pick_breakdown_run(found)
+@dataclass
+class OnMachine:
+    """What one machine measured: its make tune results and its make tune-confirm results (reporting.Folder each)."""
+
+    machine: Machine | None
+    tunes: list = field(default_factory=list)
+    confirms: list = field(default_factory=list)
+
+    @property
+    def heading(self) -> str:
+        return f"Measured on {self.machine.text}" if self.machine else "Measured on a machine its inputs do not name"
+
+
+def folder_machine(folder: Folder) -> Machine | None:
+    """The machine that measured a folder's results: its runs' one machine, else its comparison's provenance."""
+    machines = reporting.machines(folder.runs.items())
+    return next(iter(machines)) if len(machines) == 1 else results_machine(folder.comparison)
+
+
+def on_machines(found: reporting.Collected) -> list[OnMachine]:
+    """make tune's and make tune-confirm's results grouped by machine, in the order of their folders (make tune's
+    first: its declared folder, then those kept beside it by name)."""
+    groups: dict = {}
+    for experiment, kind in ((EXPERIMENT, "tunes"), (tune_confirm.EXPERIMENT, "confirms")):
+        for folder in reporting.folders_of(found, experiment):
+            machine = folder_machine(folder)
+            getattr(groups.setdefault(machine, OnMachine(machine)), kind).append(folder)
+    return list(groups.values())
+
+
+def advice_run(folder: Folder) -> dict | None:
+    """make tune's own advice run in its folder (the run whose suggestions it tried, on the machine it tuned on)."""
+    return folder.runs.get((folder.comparison or {}).get("advice_run") or "")
+
+
+def main_run(found: reporting.Collected, groups: list[OnMachine]) -> dict | None:
+    """The run the advisor reads where no make tune result brings its own advice run: the report's main run."""
+    if any(advice_run(folder) for group in groups for folder in group.tunes):
+        return None
+    return reporting.pick_breakdown_run(found)
+
+
+def label(folder: Folder, target: str) -> str:
+    """'make tune', or 'make tune (tune_amx/)' for a folder kept beside the declared one."""
+    return f"{target} ({folder.name}/)" if folder.kept else target
+
+
+def group_sources(group: OnMachine) -> list[tuple[str, dict]]:
+    return [
+        (label(folder, target), record)
+        for target, folders in (("make tune", group.tunes), ("make tune-confirm", group.confirms))
+        for folder in folders
+        for record in folder.runs.values()
+    ]
 
 
 def section(report, found: reporting.Collected) -> None:
-    record = advice_record(found)
-    if not report.begin(EXPERIMENT.title, record, "Not run yet: `make profile` produces the main run."):
+    groups = on_machines(found)
+    main = main_run(found, groups)
+    if not report.begin(EXPERIMENT.title, groups or main, "Not run yet: `make profile` produces the main run."):
         return
-    view = RunView(record)
-    report.text(
-        f"From run `{view.name}` (`python report.py --advise {view.path}`): each 'at most' is Amdahl's law "
-        "on the measured share the change would shrink; an 'estimate' states its factor. `make tune` tries "
-        "them and keeps what is faster with a result shown the same."
-    )
-    report.code("\n".join(advisor.lines(advisor.advise(record)[:6])))
-    tune = found.comparisons.get("tune")
-    if tune:
-        if tune.get("history"):
-            report.text(tune["history"])
-        report.table(tune_table(tune))
-        if equivalence_table(tune).rows:
-            report.table(equivalence_table(tune))
-        report.text(f"Final command: `{tune['final_command']}`. {final_text(final_trial(tune['trials']))}")
-        report.text(tune.get("method", ""))
-    confirm, why = readable_confirm(found)
-    if confirm:
-        report.table(tune_confirm.confirm_table(confirm))
+    if main is not None:
+        advice(report, main)
+    several = len(groups) > 1
+    if several:
         report.text(
-            "Result over the paired seeds (every metric): "
-            f"{confirm['comparisons'][tune_confirm.TUNED]['equivalence']['text']}."
+            f"`make tune` and `make tune-confirm` on each of the {len(groups)} machines among these inputs, each "
+            "under its own heading: their figures are not comparable with each other."
         )
-    else:
+    for group in groups:
+        if several:
+            labels = list(dict.fromkeys(name for name, _ in group_sources(group)))
+            report.part(group.heading, {group.machine: labels} if group.machine else {})
+        for folder in group.tunes:
+            tune_part(report, found, folder)
+        for folder in group.confirms:
+            confirm_part(report, found, folder, group)
+    if not any(group.confirms for group in groups):
         report.text(
             "On the full job: `make tune-confirm` measures make tune's final command against make train's "
-            + (f"(its result here is skipped: {why})." if why else "(not among these inputs).")
+            "(not among these inputs)."
         )
+
+
+def advice(report, record: dict) -> None:
+    """The advisor's ranked suggestions for one run, with the command that prints them."""
+    view = RunView(record)
+    report.text(
+        f"From run `{view.name}` (`python report.py --advise {reporting.shown_path(view.path or view.name)}`): "
+        "each 'at most' is Amdahl's law on the measured share the change would shrink; an 'estimate' states its "
+        "factor. `make tune` tries them and keeps what is faster with a result shown the same."
+    )
+    report.code("\n".join(advisor.lines(advisor.advise(record)[:6])))
+
+
+def unreadable(found: reporting.Collected, experiment: Experiment, folder: Folder) -> str | None:
+    """Why a folder's result is skipped (listed with the report's skipped inputs), or None."""
+    why = experiment.unreadable_folder(folder)
+    if why and folder.kept:
+        found.skipped.append(f"{reporting.shown_path(folder.path)}: {why}")
+    return why
+
+
+def tune_part(report, found: reporting.Collected, folder: Folder) -> None:
+    """One make tune result: the advisor on its advice run, its trials, their results, its final command."""
+    why = unreadable(found, EXPERIMENT, folder)
+    if why:
+        report.text(f"`make tune` in `{reporting.shown_path(folder.path)}/`: (skipped: {why})")
+        return
+    record, tune = advice_run(folder), folder.comparison
+    if record is not None:
+        advice(report, record)
+    if tune is None:
+        return
+    if tune.get("history"):
+        report.text(tune["history"])
+    name = table_label(folder)
+    report.table(tune_table(tune, name))
+    if equivalence_table(tune).rows:
+        report.table(equivalence_table(tune, f"{name}_result"))
+    report.text(f"Final command: `{tune['final_command']}`. {final_text(final_trial(tune['trials']))}")
+    report.text(tune.get("method", ""))
+
+
+def confirm_part(report, found: reporting.Collected, folder: Folder, group: OnMachine) -> None:
+    """One make tune-confirm result: its table and the result over its paired seeds."""
+    where = f"`make tune-confirm` in `{reporting.shown_path(folder.path)}/`"
+    why = unreadable(found, tune_confirm.EXPERIMENT, folder)
+    if why or folder.comparison is None:
+        report.text(
+            f"On the full job: {where} measures make tune's final command against make train's (its result "
+            f"here is skipped: {why or 'no comparison.json'})."
+        )
+        return
+    confirm = folder.comparison
+    of_tune = any(confirms(confirm, tune.comparison) for tune in group.tunes if tune.comparison)
+    report.text(
+        f"{where}: "
+        + ("make tune's final command above" if of_tune else f"{tune_confirm.tuned_what(confirm)}")
+        + " against make train's, on make train's full job."
+    )
+    report.table(tune_confirm.confirm_table(confirm, table_label(folder)))
+    report.text(
+        "Result over the paired seeds (every metric): "
+        f"{confirm['comparisons'][tune_confirm.TUNED]['equivalence']['text']}."
+    )
+
+
+def table_label(folder: Folder) -> str:
+    """A table's label (its .tex file's name): its folder's, tune.tex, tune_amx.tex, tune_confirm_grouped.tex."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", folder.name)
+
+
+def confirms(confirm: dict, tune: dict) -> bool:
+    """Whether a make tune-confirm result measured this make tune's final command: its tuned arm runs make tune's
+    final config and flags (the --tuned-on note aside)."""
+    arm = ((confirm.get("arms") or {}).get(tune_confirm.TUNED) or {}) if isinstance(confirm, dict) else {}
+    flags = list(arm.get("flags") or [])
+    if "--tuned-on" in flags:
+        del flags[flags.index("--tuned-on") : flags.index("--tuned-on") + 2]
+    return arm.get("config") == tune.get("final_config") and flags == list(tune.get("final_flags") or [])
 
 
 def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
     """The advisor's run, make tune's runs and make tune-confirm's, each labelled by what it is."""
-    main = advice_record(found)
-    tuned = [(f"make {name}", r) for name in ("tune", "tune-confirm") for r in found.runs.get(name, {}).values()]
-    if main is None or any(main is record for _, record in tuned):  # make tune's advice run is among its runs
-        return tuned
-    return [(f"main run {RunView(main).name}", main), *tuned]
+    groups = on_machines(found)
+    tuned = [source for group in groups for source in group_sources(group)]
+    main = main_run(found, groups)
+    return tuned if main is None else [(f"main run {RunView(main).name}", main), *tuned]
 
 
 def _ratio_cell(ratio: dict | None) -> str:
@@ -73,22 +200,28 @@ def _ratio_cell(ratio: dict | None) -> str:
     )
 
 
-def headline(found: reporting.Collected) -> Headline | None:
-    """What `make tune` kept and how much faster it is (the section's final trial, in its words); before
-    `make tune`, the advisor's first suggestion."""
-    record = advice_record(found)
+def headline(found: reporting.Collected):
+    """What `make tune` kept and how much faster it is (the section's final trial, in its words), with what make
+    tune-confirm measured of that command on the same machine; with make tune results from several machines, that
+    answer for each machine ({Machine: Headline}: each goes to its machine on the first page and under its machine's
+    heading here); before `make tune`, the advisor's first suggestion."""
+    groups = on_machines(found)
+    tuned = [
+        (group, folder)
+        for group in groups
+        for folder in group.tunes
+        if folder.comparison is not None and EXPERIMENT.unreadable_folder(folder) is None
+    ]
+    if len(tuned) == 1:
+        return tune_headline(*tuned[0])
+    if tuned:
+        answers = {}
+        for group, folder in tuned:  # a machine's first make tune (its declared folder first) answers for it
+            answers.setdefault(group.machine, tune_headline(group, folder))
+        return answers
+    record = main_run(found, groups)
     if record is None:
         return None
-    tune = found.comparisons.get("tune")
-    if tune:
-        final = final_trial(tune["trials"])
-        if final is None:
-            return Headline(NONE_KEPT, "nothing kept")
-        return Headline(
-            f"{final['name']} ({change_of(final)}): {bench.ratio_text(final['speed'])} on the same work, "
-            f"result {final['result']}" + confirmed_text(found),
-            f"{final['verdict']}, kept",
-        )
     suggestions = advisor.advise(record)
     if not suggestions:
         return Headline(advisor.lines([])[0], "nothing to try")
@@ -98,15 +231,36 @@ def headline(found: reporting.Collected) -> Headline | None:
     )
 
 
-def readable_confirm(found: reporting.Collected) -> tuple[dict | None, str | None]:
-    """(make tune-confirm's comparison, None) where it can be read; else (None, why it is skipped or None)."""
-    confirm, why = found.comparisons.get("tune-confirm"), tune_confirm.EXPERIMENT.unreadable(found)
-    return (confirm, None) if confirm and why is None else (None, why)
+def tune_headline(group: OnMachine, folder: Folder) -> Headline:
+    """One make tune result's answer: its final trial in the section's words (its result as its table's column
+    gives it: the sentence is under the table), and make tune-confirm's of it."""
+    final = final_trial(folder.comparison["trials"])
+    if final is None:
+        return Headline(NONE_KEPT, "nothing kept")
+    return Headline(
+        f"{final['name']} ({change_of(final)}): {bench.ratio_text(final['speed'])} on the same work, "
+        f"result {result_cell(final)}" + confirmed_text(confirm_of(group, folder)),
+        f"{final['verdict']}, kept",
+    )
 
 
-def confirmed_text(found: reporting.Collected) -> str:
+def confirm_of(group: OnMachine, folder: Folder) -> dict | None:
+    """The make tune-confirm result on the same machine that measured this make tune's final command, readable."""
+    return next(
+        (
+            c.comparison
+            for c in group.confirms
+            if c.comparison is not None
+            and tune_confirm.EXPERIMENT.unreadable_folder(c) is None
+            and folder.comparison is not None
+            and confirms(c.comparison, folder.comparison)
+        ),
+        None,
+    )
+
+
+def confirmed_text(confirm: dict | None) -> str:
     """'; on the full job (make tune-confirm): ...' from the confirm's own comparison, or nothing without one."""
-    confirm, _ = readable_confirm(found)
     if confirm is None:
         return ""
     against = confirm["comparisons"][tune_confirm.TUNED]
@@ -125,7 +279,7 @@ def _speed_cell(speed: dict) -> str:
     )
 
 
-def tune_table(result: dict) -> Table:
+def tune_table(result: dict, label: str = "tune") -> Table:
     """Each trial against the baseline runs of its own rounds: its predicted gain, the speed on the same work
     (n baseline / n trial, raw and Holm p), the verdict, the training-only and evaluation-only ratios, the result."""
     tests = (result.get("design") or {}).get("tests", "?")
@@ -159,7 +313,7 @@ def tune_table(result: dict) -> Table:
             "result",
         ],
         rows,
-        "tune",
+        label,
         align="llllrlrrl",
     )
 
@@ -174,7 +328,7 @@ def result_cell(trial: dict) -> str:
     return (trial.get("equivalence") or {}).get("verdict", trial["result"])
 
 
-def equivalence_table(result: dict) -> Table:
+def equivalence_table(result: dict, label: str = "tune_result") -> Table:
     """Each trial's paired differences (trial minus baseline, same seed) with their 90% interval, against the
     margins stated before measuring."""
     rows = []
@@ -208,7 +362,7 @@ def equivalence_table(result: dict) -> Table:
         "two one-sided tests",
         ["trial", "metric", "mean difference", "90% interval", "margin", "seeds", "verdict"],
         rows,
-        "tune_result",
+        label,
         align="llrrrrl",
     )
 
@@ -235,4 +389,5 @@ EXPERIMENT = Experiment(
     rejudge=rejudged_with_steps,
     sources=sources,
     one_machine=False,
+    kept_beside=True,
 )

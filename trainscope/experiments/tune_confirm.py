@@ -150,9 +150,16 @@ def flag_value(flags: list[str], name: str, default: int) -> int:
         raise UserError(f"{name} must be a whole number, not {values[-1]!r}") from None
 
 
-def confirm_table(comparison: dict) -> Table:
-    """make train against make tune's command on the full job: speed, whole-job wall time, test accuracy with
-    the equivalence test."""
+def tuned_what(comparison: dict) -> str:
+    """What the tuned arm ran: make tune's final command (read from its result), or the command stated with
+    --tuned-flags/--tuned-config (the result then names no make tune result)."""
+    stated = "tune_result" in comparison and comparison["tune_result"] is None
+    return "the command stated on its command line" if stated else "make tune's command"
+
+
+def confirm_table(comparison: dict, label: str = "tune_confirm") -> Table:
+    """make train against make tune's command (or a stated one) on the full job: speed, whole-job wall time, test
+    accuracy with the equivalence test."""
     arms, against = comparison["arms"], comparison["comparisons"][TUNED]
     equivalence = against.get("equivalence") or {}
     rows = []
@@ -173,16 +180,16 @@ def confirm_table(comparison: dict) -> Table:
         [
             "make-tune / make-train",
             f"speed {bench.describe(speed)}; whole job {bench.ratio_text(against['whole_job'])}",
-            f"{speed['median_ratio']:.2f}x",
+            f"{speed['median_ratio']:.3f}x",
             _equivalence_cell(metrics.get("test_accuracy"), equivalence),
         ]
     )
     return Table(
-        f"The full make train job: make train against make tune's command ({comparison['rounds']} "
+        f"The full make train job: make train against {tuned_what(comparison)} ({comparison['rounds']} "
         "alternating rounds, paired seeds)",
         ["arm", "command / comparison", "samples/s", "test accuracy"],
         rows,
-        "tune_confirm",
+        label,
         align="llrl",
     )
 
@@ -234,4 +241,5 @@ EXPERIMENT = Experiment(
     run=run,
     help="make tune's final command against make train's on the full job (about 35 min on 2 cores)",
     needs=("experiment", "arms", "comparisons", "commands"),
+    kept_beside=True,
 )
