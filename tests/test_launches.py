@@ -39,7 +39,8 @@ LAUNCHED = {"cpu", "ddp"}
 @pytest.fixture(scope="module")
 def config_runs(tmp_path_factory):
     """Each shipped config by its documented command, as on a laptop without a GPU: no ACCELERATE_USE_CPU
-    (multi-process configs fall back to DDP over gloo on their own); tests read the records."""
+    (multi-process configs fall back to DDP over gloo on their own; fsdp.yaml with TRAINSCOPE_FSDP_ON_CPU=1, as
+    FSDP2 over gloo, the path an FSDP run on GPUs takes); tests read the records."""
     cache = {}
     laptop = {k: v for k, v in cpu_env().items() if k != "ACCELERATE_USE_CPU"}
 
@@ -50,11 +51,12 @@ def config_runs(tmp_path_factory):
             args = [*TINY, "--output-dir", str(runs), "--run-name", "r"]
             if stem == "bf16":  # 4 steps: bf16 is emulated, many times slower, on a CPU without native bf16
                 args += ["--max-steps", "4"]
+            env = {**laptop, "TRAINSCOPE_FSDP_ON_CPU": "1"} if stem == "fsdp" else laptop
             if stem in LAUNCHED:
-                result = launch("train.py", args, config=config, env=laptop)
+                result = launch("train.py", args, config=config, env=env)
             else:
                 command = [ACCELERATE, "launch", "--config_file", str(config), str(ROOT / "train.py"), *args]
-                result = launch_forked(command, laptop, timeout=600)
+                result = launch_forked(command, env, timeout=600)
             cache[stem] = (result, runs / "r")
         return cache[stem]
 
@@ -93,8 +95,10 @@ def test_every_config_launches_as_documented(config, config_runs):
         assert "fp16_unavailable" in [w["code"] for w in record["warnings"]]
     if config.stem == "bf16" and env["cpu_native_bf16"] is False:
         assert "bf16_emulated" in [w["code"] for w in record["warnings"]]
-    if world_size > 1:  # a GPU config on a machine without a GPU: real DDP over gloo, and said so
-        assert env["distributed_type"] == "MULTI_CPU" and env["backend"] == "gloo"
+    if world_size > 1:  # a GPU config on a machine without a GPU: real DDP (or FSDP2) over gloo, and said so
+        assert (
+            env["distributed_type"] == ("FSDP" if config.stem == "fsdp" else "MULTI_CPU") and env["backend"] == "gloo"
+        )
         assert env["cpu_fallback"]["processes"] == world_size and "ran_on_cpu" in [
             w["code"] for w in record["warnings"]
         ]
@@ -105,25 +109,20 @@ def test_every_config_launches_as_documented(config, config_runs):
         assert env["cpu_fallback"] is None
 
 
-def test_fsdp_yaml_trains_as_fsdp2_over_gloo_on_cpu_processes_where_asked(tmp_path):
+def test_fsdp_yaml_trains_as_fsdp2_over_gloo_on_cpu_processes_where_asked(config_runs):
     """fsdp.yaml by its documented command on a machine without a GPU, TRAINSCOPE_FSDP_ON_CPU=1: Accelerate's own
     FSDP2 prepare with the plugin its launcher reads from the yaml (the layers sharded one by one with fully_shard,
     the optimizer's parameters swapped), torch's FSDP2 collectives over gloo between the 2 ranks, and train.py's
     loop with every measuring instrument attached -- the path an FSDP run on GPUs takes (tests/test_gpu_path.py
     checks the prepare itself). Before, the prepare died in fully_shard ("Invariant encountered")."""
-    laptop = {k: v for k, v in cpu_env().items() if k != "ACCELERATE_USE_CPU"}
-    config = ROOT / "accelerate_configs" / "fsdp.yaml"
-    args = [*TINY, "--max-steps", "4", "--output-dir", str(tmp_path), "--run-name", "r"]
-    command = [ACCELERATE, "launch", "--config_file", str(config), str(ROOT / "train.py"), *args]
-    result = launch_forked(command, {**laptop, "TRAINSCOPE_FSDP_ON_CPU": "1"}, timeout=600)
-    assert_ok(result)
-    record = check_record(tmp_path / "r", 2)
+    _, run_dir = config_runs("fsdp")
+    record = read_record(run_dir)
     env = record["environment"]
     assert env["distributed_type"] == "FSDP" and env["backend"] == "gloo" and env["cpu_fallback"]["fsdp_on_cpu"]
     assert record["model"]["fsdp_wrap"] == ["BertLayer"]  # the layer, not the embeddings _no_split_modules names
     (warning,) = [w for w in record["warnings"] if w["code"] == "ran_on_cpu"]
     assert "it ran as FSDP2 over gloo on the CPU" in warning["message"]
-    losses = [line["loss"] for line in read_steps(tmp_path / "r")]
+    losses = [line["loss"] for line in read_steps(run_dir)]
     assert all(math.isfinite(loss) for loss in losses) and record["summary"]["test"]["accuracy"] is not None
 
 

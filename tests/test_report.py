@@ -240,16 +240,23 @@ def test_report_without_inputs_is_refused(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean_tree(tmp_path):
-    """`git clone ... && make report`: no runs/ or results/ there, so the committed benchmarks; every LaTeX table
-    comes out as committed, the PDF reads cleanly (test_report_pdf), and provenance says the tree was clean (the
-    report's scratch folder is ignored).
-    (make report runs `python report.py` without --runs or --results unless they are given: checked below.)"""
-    clone = tmp_path / "clone"
+@pytest.fixture(scope="module")
+def fresh_clone(tmp_path_factory):
+    """`git clone ... && python report.py` (make report's command): no runs/ or results/ there, so the committed
+    benchmarks, built by the committed code; (the clone, the command's result, the committed LaTeX tables)."""
+    clone = tmp_path_factory.mktemp("fresh") / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     committed = {p.name: p.read_text() for p in (clone / "reports").glob("*.tex")}
     completed = run_command([sys.executable, "report.py"], cwd=clone, env=cpu_env())
     assert completed.returncode == 0, completed.stderr[-3000:]
+    return clone, completed, committed
+
+
+def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean_tree(fresh_clone):
+    """Every LaTeX table comes out as committed, the PDF reads cleanly (test_report_pdf), and provenance says the
+    tree was clean (the report's scratch folder is ignored).
+    (make report runs `python report.py` without --runs or --results unless they are given: checked below.)"""
+    clone, completed, committed = fresh_clone
     assert completed.stdout.splitlines()[0].startswith("No runs/ or results/ here yet: building the committed report")
     rebuilt = {p.name: p.read_text() for p in (clone / "reports").glob("*.tex")}
     assert committed and rebuilt == committed
@@ -265,16 +272,13 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     assert status and all(line[3:].startswith("reports/") for line in status)  # only the report's own outputs
 
 
-# ---------------------------------------------------------------- the committed inputs, built from this tree's code
+# ---------------------------------------------------------------- the committed inputs: the fresh clone's report
 
 
 @pytest.fixture(scope="module")
-def committed(tmp_path_factory):
-    """The report of the committed benchmarks as `make report` builds it on a fresh clone (report.py's COMMITTED:
-    absolute paths inside the project), by this tree's code; its folder."""
-    out = tmp_path_factory.mktemp("committed") / "reports"
-    report.build(*report.COMMITTED, out, " (the committed benchmarks: no runs/ or results/ here yet)")
-    return out
+def committed(fresh_clone):
+    """The report of the committed benchmarks as `make report` builds it on a fresh clone; its folder."""
+    return fresh_clone[0] / "reports"
 
 
 A_AVX2, B_AVX512_BF16, C_AMX = (
@@ -334,12 +338,12 @@ def test_every_committed_machines_make_tune_and_tune_confirm_are_shown_under_its
 
 def test_the_report_names_paths_relative_to_the_project_never_the_building_machines_folders(committed):
     """Built from the committed inputs by their absolute paths (as on a fresh clone): the report, its tables and
-    inputs.json name them relative to the project; the project's absolute path appears nowhere."""
+    inputs.json name them relative to the project; the project's absolute path (the clone's) appears nowhere."""
     text = (committed / "report.md").read_text()
     assert text.splitlines()[2].startswith(f"Built {date.today().isoformat()} from benchmarks/runs and benchmarks (")
     assert "(`python report.py --advise benchmarks/runs/tune/advice-r0`)" in text
     for path in [committed / "report.md", committed / "inputs.json", *committed.glob("*.tex")]:
-        assert str(ROOT) not in path.read_text(), path.name
+        assert str(committed.parent) not in path.read_text(), path.name
     inputs = json.loads((committed / "inputs.json").read_text())
     assert {"path": "benchmarks/runs/tune_avx512bf16/comparison.json"} in [
         {"path": entry["path"]} for entry in inputs["provenance"]["inputs"]
