@@ -70,7 +70,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # this file makes it (pytest's controller, before it starts the workers, which inherit it, as every process they
 # start does) and removes it at exit.
 SESSION_CACHE = "TRAINSCOPE_TEST_SESSION_CACHE"
-if not Path(os.environ.get(SESSION_CACHE) or "/nonexistent").is_dir():
+if not (os.environ.get(SESSION_CACHE) and Path(os.environ[SESSION_CACHE]).is_dir()):
     os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="trainscope-test-cache-")
     atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], ignore_errors=True)
 os.environ["TRAINSCOPE_CACHE_DIR"] = os.environ[SESSION_CACHE]

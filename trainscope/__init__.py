@@ -1,3 +1,3 @@
 """trainscope: where training time and memory go, measured on HuggingFace Accelerate."""
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"  # the one version: pyproject.toml reads it (tool.setuptools.dynamic)
