@@ -199,7 +199,7 @@ tune-confirm: setup ## make tune's final command against make train's on the ful
 advise: setup ## what to try next for one run: make advise RUN=runs/<run-name>
 	$(PY) report.py --advise $(RUN)
 
-report: setup ## every figure and table from runs/ and results/ (a fresh clone: the committed benchmarks/) -> reports/
+report: setup ## every figure and table from runs/ and results/ -> results/report/ (a fresh clone: the committed benchmarks/ -> reports/)
 	$(PY) report.py $(if $(filter command line environment,$(origin RUNS)),--runs $(RUNS)) \
 		$(if $(filter command line environment,$(origin RESULTS)),--results $(RESULTS)) $(REPORT_ARGS)
 

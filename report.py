@@ -8,9 +8,11 @@ unknown-schema record is skipped with a one-line reason, listed in the report. r
 every file read with its sha256, and the report's provenance (collected before anything is written).
 
 Without --runs and --results, the report is built from runs/ and results/ when either exists (what you
-have run), else from the committed benchmarks/runs and benchmarks/ (a fresh clone), and says which.
+have run), else from the committed benchmarks/runs and benchmarks/ (a fresh clone), and says which. The
+committed inputs' report goes to reports/ (tracked: the committed report); any other's to results/report/
+(ignored), so a report of your runs never replaces the committed one.
 
-    python report.py [--runs runs] [--results results] [--out reports]
+    python report.py [--runs runs] [--results results] [--out DIR]
     python report.py --advise RUN_FOLDER          # what to try next for one run (no report written)
 """
 
@@ -190,14 +192,25 @@ def main(argv=None) -> None:
         default=None,
         help="sweep and benchmark results (default: results/, or benchmarks/ on a fresh clone)",
     )
-    parser.add_argument("--out", default="reports", help="output folder, replaced (default reports/)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output folder, replaced (default: reports/ for the committed benchmarks, else results/report/)",
+    )
     parser.add_argument("--advise", metavar="RUN", help="print what to try next for one run (its folder) and stop")
     args = parser.parse_args(argv)
     if args.advise:
         return advise(args.advise)
     runs, results, source = inputs(args, parser)
-    build(runs, results, Path(args.out), source)
-    print(f"wrote {Path(args.out) / 'report.md'} and {Path(args.out) / 'report.pdf'}")
+    out = Path(args.out) if args.out else default_out(runs, results)
+    build(runs, results, out, source)
+    print(f"wrote {out / 'report.md'} and {out / 'report.pdf'}")
+
+
+def default_out(runs: Path, results: Path) -> Path:
+    """reports/ (tracked) for the committed inputs' report, results/report/ (ignored) for any other."""
+    committed = all(Path(given).resolve() == path.resolve() for given, path in zip((runs, results), COMMITTED))
+    return Path("reports") if committed else Path("results") / "report"
 
 
 if __name__ == "__main__":

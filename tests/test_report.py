@@ -9,6 +9,7 @@ import subprocess
 import sys
 from datetime import date
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, cpu_env, driven_in_process, run_command, run_in_process
@@ -734,3 +735,21 @@ def test_make_amp_compare_runs_alternating_rounds_sized_for_emulated_bf16_on_a_c
     command = " ".join(run_command(["make", "-n", "amp-compare", "RUNS=R", "HAS_GPU="], env=cpu_env()).stdout.split())
     assert "-m trainscope.experiments amp --runs R/amp --configs cpu bf16 --rounds 5 --" in command
     assert "--per-device-batch-size 8" in command and "--max-steps 12" in command and "--max-eval-samples 64" in command
+
+
+def test_a_report_of_your_runs_never_replaces_the_committed_report(tmp_path, monkeypatch):
+    """make report after make train reads runs/: its report goes to results/report/ (ignored), and the tracked
+    reports/ -- the committed inputs' report -- is left as it is; the committed inputs, named or found on a fresh
+    clone, still build into reports/."""
+    assert report.default_out(*report.COMMITTED) == Path("reports")
+    monkeypatch.chdir(ROOT)
+    assert report.default_out(Path("benchmarks/runs"), Path("benchmarks")) == Path("reports")  # make report RUNS=...
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    runs, results, source = report.inputs(SimpleNamespace(runs=None, results=None), parser=None)
+    assert (runs, results, source) == (Path("runs"), Path("results"), " (your runs)")
+    assert report.default_out(runs, results) == Path("results") / "report"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "results/report/report.md"], cwd=ROOT, capture_output=True
+    ).returncode
+    assert ignored == 0 and "/results/" in (ROOT / ".gitignore").read_text().split()
