@@ -217,10 +217,12 @@ bench-dropout-draw: setup ## the dropout loop's draw against torch's bernoulli_,
 bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
 	$(EXPERIMENTS) compile --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) -- $(COMPILE_ARGS)
 
-# `make gpu-check --dry-run` (make's -n) runs the plan's dry run (a `+` line runs under -n) instead of only echoing it.
+# `make gpu-check --dry-run` (make's -n) runs the plan's dry run (a `+` line runs under -n) instead of only echoing it;
+# under -n the setup prerequisite is only echoed, so the line makes the venv itself first (a sub-make without -n).
 GPU_CHECK_DRY_RUN = $(findstring n,$(firstword -$(MAKEFLAGS)))
 gpu-check: setup ## what only a GPU can confirm, most informative first (ARGS='--budget N' or '--part K'; default budget: the plan's estimate + 15%); the plan: make gpu-check --dry-run -> benchmarks/gpu/<device>.*
-	$(if $(GPU_CHECK_DRY_RUN),+)$(PY) -m trainscope.gpu_check $(if $(GPU_CHECK_DRY_RUN),--dry-run) $(ARGS)
+	$(if $(GPU_CHECK_DRY_RUN),+MAKEFLAGS= $(MAKE) --no-print-directory -s setup VENV=$(VENV) PYTHON=$(PYTHON) && )$(PY) -m trainscope.gpu_check \
+		$(if $(GPU_CHECK_DRY_RUN),--dry-run) $(ARGS)
 
 clean: ## remove runs/, results/ and caches (keeps .venv)
 	rm -rf runs results .pytest_cache
