@@ -945,3 +945,151 @@ def test_bf16_advice_follows_the_measured_matmuls_whatever_the_flags_say(native,
     assert bool(found) is fires
     if fires:
         assert f"x{speedup:.2f}" in found[0].factor and f"measured {speedup:.2f}x fp32's" in found[0].evidence
+
+
+# ---------------------------------------------------------------- a host-bound GPU (summary.device_time)
+
+
+def h200_bf16(**changes) -> dict:
+    """The committed H200 bf16 run (benchmarks/gpu/nvidia-h200.json, check precision-bf16: roberta-base, batch 32 x
+    128, 48 steady steps of 40 ms, MFU 5.4%) as a record: its summary's own figures, `device_time` computed from them
+    as train.py computes it, the settings from its command, the environment its machine had (an H200's 143771 MiB,
+    16 cores; the fused AdamW, the default)."""
+    from trainscope import summary
+
+    checks = json.loads((ROOT / "benchmarks" / "gpu" / "nvidia-h200.json").read_text())
+    check = next(c for c in checks["checks"] if c["name"] == "precision-bf16")
+    timing, measured = check["timing"], check["measured_peak"]
+    planted = {
+        "run_name": "h200-bf16",
+        "warnings": [],
+        "settings": {
+            "per_device_batch_size": 32,
+            "gradient_accumulation_steps": 1,
+            "num_workers": 0,
+            "pin_memory": None,
+            "epochs": 1,
+            "compile": False,
+            "pad_to_max_length": True,
+            "group_by_length": False,
+            "eval_batch_size": None,
+            "ddp_comm_hook": "none",
+        },
+        "environment": {
+            "device": "cuda:0",
+            "device_name": "NVIDIA H200",
+            "effective_precision": check["precision"],
+            "timing_mode": timing["mode"],
+            "device_memory_gib": 143771 / 1024,
+            "backend": None,
+            "threads": {
+                "torch_threads": 16,
+                "thread_budget": 16,
+                "usable_cores": 16,
+                "local_processes": 1,
+                "threads_source": "auto",
+            },
+        },
+        "model": {"optimizer": {"name": "AdamW", "fused": True, "foreach": None}},
+        "summary": {
+            "world_size": 1,
+            "optimizer_steps": 50,
+            "timing": timing,
+            "throughput": check["throughput"],
+            "mfu": check["mfu"],
+            "memory": check["memory"],
+            "measured_peak": measured,
+            "compile": check["compile"],
+            "wall_s": timing["across_ranks"]["run"]["wall_s"]["median"],
+            "device_time": summary.device_time(timing["per_rank"], "steady", timing["mode"], measured["run_shapes"]),
+        },
+    }
+    return plant(planted, **changes)
+
+
+def batch_flags(found) -> list:
+    return [s for s in found if s.flags[:1] == ["--per-device-batch-size"]]
+
+
+def test_the_committed_h200_bf16_run_is_host_bound_and_gets_what_shortens_the_hosts_part_ranked():
+    record = h200_bf16()
+    block = record["summary"]["device_time"]
+    # its spans are host time (the device caught up): the events' bound says little; the layer's kernels say half
+    assert block["idle_share_at_least"] == pytest.approx(0.033, abs=0.001)
+    assert block["kernel_estimate"]["idle_share"] == pytest.approx(0.50, abs=0.01)
+    assert block["host_bound"] is True and block["host_bound_by"] == "kernel estimate"
+    found = advisor.advise(record)
+    assert found[0].rule == "host_bound" and found[0].gain == pytest.approx(1 / (1 - 0.499), rel=0.01)
+    headline = found[0].evidence
+    assert "idle at least 3%" in headline and "idle about 50%" in headline and "MFU 5.4%" in headline
+    ranked = headline.split("what helps, ranked: ")[1]
+    assert ranked.index("--per-device-batch-size 64") < ranked.index("--num-workers 4")  # 1.76x before 1.12x
+    assert "CUDA graphs (no flag here)" in ranked and "fused already" in ranked
+    assert "paying back its compile time (40 s assumed) after about" in ranked and "not in a run this short" in ranked
+    (batch,) = batch_flags(found)  # the host-bound batch, not a second one from the MFU rule
+    assert batch.rule == "batch" and "3.3 of 140 GiB" in batch.evidence and batch.gain_kind == "estimate"
+    wall, data, busy = block["step_wall_s"], block["stage_spans_s"]["data"], block["kernel_estimate"]["busy_s"]
+    assert batch.gain == pytest.approx(wall / max((wall - data) / 2 + data, busy))
+    (graphs,) = [s for s in found if s.rule == "cuda_graphs"]
+    assert "not offered here" in graphs.change and graphs.flags == [] and graphs.gain is None
+    rules_found = rules(found)
+    assert "compile" not in rules_found and "optimizer" not in rules_found  # a 4 s run; fused already
+    assert not {"dropout", "attention_kernel"} & set(rules_found)  # device-time savings: not on a host-bound step
+    assert rules_found.index("batch") < rules_found.index("data_loading")
+
+
+def test_the_host_bound_rule_offers_only_what_applies():
+    long = h200_bf16(summary__wall_s=3600.0)  # an hour: the compile time pays back
+    (compiled,) = [s for s in advisor.advise(long) if s.rule == "compile"]
+    assert compiled.flags == ["--compile"] and compiled.gain_kind == "estimate" and "host's forward" in compiled.factor
+    assert "fused kernels, fewer launches" in compiled.change
+    already = advisor.advise(h200_bf16(summary__wall_s=3600.0, settings__compile=True))
+    assert "compile" not in rules(already) and "--compile: compiled already" in already[0].evidence
+    unfused = h200_bf16(model={"optimizer": {"name": "AdamW", "fused": False, "foreach": True}})
+    found = advisor.advise(unfused)
+    assert "optimizer" in rules(found) and "use the fused AdamW" in found[0].evidence.split("not offered")[0]
+    full = advisor.advise(h200_bf16(summary__memory={"max_allocated_gib": {"max": 80.0}}))
+    assert batch_flags(full) == [] and "twice it does not fit" in full[0].evidence
+    unknown = advisor.advise(h200_bf16(model={}))
+    assert "does not say the optimizer's implementation" in unknown[0].evidence
+
+
+def test_no_host_bound_advice_on_a_device_bound_gpu_run_or_a_cpu_run():
+    from trainscope import summary
+
+    device_bound = h200_bf16()
+    layer = device_bound["summary"]["measured_peak"]["run_shapes"]["layer"]
+    layer["window_s"] = 2.5e-3  # 12 x 2.5 ms: the device fills the step
+    timing = device_bound["summary"]["timing"]
+    device_bound["summary"]["device_time"] = summary.device_time(
+        timing["per_rank"], "steady", "events", device_bound["summary"]["measured_peak"]["run_shapes"]
+    )
+    assert device_bound["summary"]["device_time"]["host_bound"] is False
+    found = advisor.advise(device_bound)
+    assert not {"host_bound", "cuda_graphs"} & set(rules(found))
+    (batch,) = batch_flags(found)  # the MFU rule's batch, as before
+    assert batch.evidence.startswith("MFU 5%")
+    cpu = record(summary__device_time=summary.device_time([], "steady", "host"))
+    assert not {"host_bound", "cuda_graphs"} & set(rules(advisor.advise(cpu)))
+    # a CPU record planted with a host-bound verdict still gets none: the rule is a GPU's
+    planted = record(summary__device_time=h200_bf16()["summary"]["device_time"])
+    assert "host_bound" not in rules(advisor.advise(planted))
+
+
+def test_a_measured_host_bound_verdict_is_high_confidence_and_claims_no_ceiling_without_the_kernel_estimate():
+    measured = h200_bf16()
+    block = measured["summary"]["device_time"]
+    block.update(
+        busy_at_most_s=0.02,
+        idle_share_at_least=0.5,
+        kernel_estimate=None,
+        host_bound=True,
+        host_bound_by="event spans",
+    )
+    found = advisor.advise(measured)
+    assert found[-1].rule == "cuda_graphs"
+    (headline,) = [s for s in found if s.rule == "host_bound"]
+    assert headline.confidence == "high" and headline.gain is None  # a lower bound on idle bounds no gain
+    (batch,) = batch_flags(found)
+    wall, data = block["step_wall_s"], block["stage_spans_s"]["data"]
+    assert batch.gain == pytest.approx(wall / max((wall - data) / 2 + data, 0.02))

@@ -403,3 +403,209 @@ def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_firs
         holder.kill()
         holder.wait()
     assert waited < 0.5  # a lock wait is evaluate's one-second timeout; an in-memory batch takes milliseconds
+
+
+# ---------------------------------------------------------------- the device's busy time and idle share
+
+
+def planted_events(monkeypatch, gpu):
+    """torch.Event and the CUDA synchronize on a planted device (conftest.PlantedGPU: a host clock, one stream), and
+    the timer's host clock on its host clock: EventClock and StageTimer run their own code over it."""
+    import trainscope.timing as timing
+
+    class Event:
+        def __init__(self, device=None, *, enable_timing=False):
+            self.at = None
+
+        def record(self, stream=None):
+            self.at = max(gpu.now, gpu.done)  # completes when the work queued before it has
+
+        def query(self):
+            return self.at <= gpu.now
+
+        def synchronize(self):
+            gpu.now = max(gpu.now, self.at)
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: gpu.synchronize())
+    monkeypatch.setattr(timing.time, "perf_counter", gpu.perf_counter)
+
+
+def run_planted_steps(gpu, steps, data_wait_s, copy_s, kernels, bookkeeping_s=0.0):
+    """A steady phase of `steps` training steps on the planted device: the data stage waits `data_wait_s` on the
+    host for the loader, then launches the copy; each other stage launches its `kernels` {stage: [seconds]}; between
+    steps the host spends `bookkeeping_s` outside the stages. Returns (per_rank, kernel seconds launched)."""
+    device = torch.device("cuda", 0)
+    clock, mode = make_clock("events", device)
+    timer = StageTimer(clock, device, memory=False, nvtx=Nvtx(device, push=lambda name: None, pop=lambda: None))
+    launched = 0.0
+    timer.start()
+    timer.set_phase("steady")
+    for _ in range(steps):
+        with timer("data"):
+            gpu.now += data_wait_s
+            gpu.launch(copy_s)
+        launched += copy_s
+        for stage in ("forward", "backward", "optimizer"):
+            with timer(stage):
+                for seconds in kernels[stage]:
+                    gpu.launch(seconds)
+                    launched += seconds
+        gpu.now += bookkeeping_s
+    timer.stop()
+    counts = {"steady": {"optimizer_steps": steps, "micro_batches": steps}}
+    return mode, [{"rank": 0, "timing": timer.summary(), "counts": counts}], launched
+
+
+def test_the_device_busy_time_is_the_stages_event_spans_and_its_idle_share_a_lower_bound(monkeypatch):
+    """Device-bound (5 ms kernels, 10 us launches): the queue never empties, each span is its kernels, and the idle
+    share is the device's real one. Host-bound (2 us kernels, 10 us launches, the host 3 ms on the loader and 1 ms
+    between steps): the spans hold the device's gaps, so the share is below the real idle (the bound is loose) --
+    what the kernel estimate is for."""
+    from conftest import PlantedGPU
+
+    from trainscope import summary
+
+    gpu = PlantedGPU(kernel_s=0.0)
+    planted_events(monkeypatch, gpu)
+    heavy = {"forward": [5e-3] * 4, "backward": [5e-3] * 8, "optimizer": [1e-3]}
+    mode, per_rank, launched = run_planted_steps(gpu, 20, data_wait_s=1e-3, copy_s=1e-4, kernels=heavy)
+    block = summary.device_time(per_rank, "steady", mode)
+    wall = per_rank[0]["timing"]["steady"]["wall_s"] / 20
+    assert mode == "events" and block["reason"] is None and block["step_wall_s"] == pytest.approx(wall)
+    busy = launched / 20
+    assert block["busy_at_most_s"] == pytest.approx(busy, rel=1e-3)  # one launch's gap at the phase's start
+    assert block["idle_share_at_least"] == pytest.approx(1 - busy / wall, abs=1e-3)
+    assert block["idle_share_at_least"] < 0.05 and block["host_bound"] is None  # no estimate, and the bound says no
+
+    gpu = PlantedGPU(kernel_s=0.0)
+    planted_events(monkeypatch, gpu)
+    light = {"forward": [2e-6] * 400, "backward": [2e-6] * 800, "optimizer": [2e-6] * 50}
+    mode, per_rank, launched = run_planted_steps(
+        gpu, 20, data_wait_s=3e-3, copy_s=2e-6, kernels=light, bookkeeping_s=1e-3
+    )
+    block = summary.device_time(per_rank, "steady", mode)
+    spans = per_rank[0]["timing"]["steady"]["seconds"]
+    wall = per_rank[0]["timing"]["steady"]["wall_s"]
+    assert block["busy_at_most_s"] == pytest.approx(sum(spans[s] for s in summary.STEP_STAGES) / 20)
+    real_idle = 1 - launched / wall
+    assert real_idle > 0.8  # the device works 2.5 ms of each 16 ms step
+    assert block["idle_share_at_least"] <= real_idle  # a lower bound...
+    assert block["idle_share_at_least"] == pytest.approx(1e-3 * 20 / wall, rel=0.01)  # ...of the host's time outside
+    assert block["host_bound"] is None  # 6% at least: not decided without the kernel estimate
+
+
+def planted_rank(wall_s, seconds, steps=10, micro_batches=None, rank=0):
+    return {
+        "rank": rank,
+        "timing": {"steady": {"wall_s": wall_s, "seconds": {"eval": 0.0, **seconds}}},
+        "counts": {"steady": {"optimizer_steps": steps, "micro_batches": micro_batches or steps}},
+    }
+
+
+def device_time_record(block, device="cuda:0"):
+    return {"environment": {"device": device}, "summary": {"device_time": block}}
+
+
+@pytest.mark.parametrize(
+    "busy_s,fires",
+    [
+        (1.0 + 0.009, False),  # above the wall by less than 1% of it: the clocks agree, the idle share is 0
+        (1.0 + 0.02, True),  # 2% above: impossible, a warning and no idle share
+    ],
+)
+def test_device_time_above_the_wall_beyond_the_tolerance_is_a_warning_never_a_clamp(busy_s, fires):
+    from trainscope import health, summary
+    from trainscope.record_view import RunView
+    from trainscope.run_metrics import device_time_lines
+
+    stages = {"data": 0.1 * busy_s, "forward": 0.3 * busy_s, "backward": 0.5 * busy_s, "optimizer": 0.1 * busy_s}
+    block = summary.device_time([planted_rank(1.0, stages)], "steady", "events")
+    assert block["busy_at_most_s"] == pytest.approx(busy_s / 10)  # as measured, either way
+    warnings = [w["code"] for w in health.check(device_time_record(block))]
+    (line,) = device_time_lines(RunView(device_time_record(block)))
+    if fires:
+        assert block["idle_share_at_least"] is None and block["host_bound"] is None
+        assert [r["rank"] for r in block["over_wall"]] == [0] and warnings == ["device_busy_above_wall"]
+        assert "no idle share" in line and "device_busy_above_wall" in line and "idle at least" not in line
+    else:
+        assert block["idle_share_at_least"] == 0.0 and block["over_wall"] == [] and warnings == []
+        assert "idle at least 0.0%" in line
+
+
+def test_the_device_idle_share_is_not_applicable_on_host_clocks_and_the_table_line_absent_on_a_cpu():
+    from trainscope import summary
+    from trainscope.record_view import RunView
+    from trainscope.run_metrics import device_time_lines
+
+    _, mode = make_clock("events", torch.device("cpu"))
+    stages = {"data": 0.01, "forward": 0.3, "backward": 0.5, "optimizer": 0.1}
+    block = summary.device_time([planted_rank(1.0, stages)], "steady", mode)
+    assert block["busy_at_most_s"] is None and block["idle_share_at_least"] is None and block["host_bound"] is None
+    assert block["reason"].startswith("not applicable: host clocks")
+    assert device_time_lines(RunView(device_time_record(block, device="cpu"))) == []
+    synced = summary.device_time([planted_rank(1.0, stages)], "steady", "sync")
+    assert synced["idle_share_at_least"] is None and "--timing sync" in synced["reason"]
+    (line,) = device_time_lines(RunView(device_time_record(synced)))
+    assert line.startswith("device idle share: not applicable: --timing sync")
+
+
+LAYER = {"window_s": 0.8e-3, "basis": "self device time"}
+
+
+def test_the_kernel_estimate_counts_the_layers_kernels_and_the_other_stages_spans_and_decides_host_bound():
+    from trainscope import summary
+    from trainscope.record_view import RunView
+    from trainscope.run_metrics import device_time_lines
+
+    # a 40 ms step, 48 steps: data 5.5 ms, forward 13.4, backward 15.0, optimizer 4.7 (the H200 bf16 run's shape)
+    stages = {"data": 0.0055 * 48, "forward": 0.0134 * 48, "backward": 0.015 * 48, "optimizer": 0.0047 * 48}
+    rank = planted_rank(0.040 * 48, stages, steps=48)
+    shapes = {"layers": 12, "layer": LAYER}
+    block = summary.device_time([rank], "steady", "events", shapes)
+    estimate = block["kernel_estimate"]
+    assert estimate["forward_backward_s"] == pytest.approx(12 * 0.8e-3)
+    assert estimate["busy_s"] == pytest.approx(12 * 0.8e-3 + 0.0055 + 0.0047)
+    assert estimate["idle_share"] == pytest.approx(1 - (12 * 0.8e-3 + 0.0055 + 0.0047) / 0.040)
+    assert block["idle_share_at_least"] == pytest.approx(1 - 0.0386 / 0.040)
+    assert block["host_bound"] is True and block["host_bound_by"] == "kernel estimate"
+    (line,) = device_time_lines(RunView(device_time_record(block)))
+    assert line == (
+        "device busy at most 38.6 ms of each step's 40.0 ms (the stages' CUDA event spans): idle at least 3.5%; "
+        "by kernel time about 19.8 ms (estimate): idle about 50% -- host-bound (idle above 30%, by the kernel "
+        "estimate)"
+    )
+    # two micro-batches a step: twice the layers' kernels; never above the forward and backward spans
+    accumulated = summary.device_time([planted_rank(0.040 * 48, stages, 48, 96)], "steady", "events", shapes)
+    assert accumulated["kernel_estimate"]["forward_backward_s"] == pytest.approx(2 * 12 * 0.8e-3)
+    slow_layer = {"layers": 12, "layer": {**LAYER, "window_s": 0.01}}
+    capped = summary.device_time([rank], "steady", "events", slow_layer)["kernel_estimate"]
+    assert capped["forward_backward_s"] == pytest.approx(0.0134 + 0.015)
+    # device-bound: the layers' kernels fill the step, the estimate says so
+    busy = summary.device_time([rank], "steady", "events", {"layers": 12, "layer": {**LAYER, "window_s": 2.2e-3}})
+    assert busy["host_bound"] is False and "host-bound" not in device_time_lines(RunView(device_time_record(busy)))[0]
+    # no estimate where the layer's profile cannot stand for the step
+    assert summary.device_time([rank], "steady", "events", shapes, recomputed=True)["kernel_estimate"] is None
+    two = [rank, {**rank, "rank": 1}]
+    unresolved = summary.device_time(two, "steady", "events", shapes, communication={"measured": True})
+    assert unresolved["kernel_estimate"] is None and "all-reduce" in unresolved["kernel_estimate_reason"]
+    resolved = {"measured": True, "exposed_resolved": True, "exposed_s": 0.002}
+    found = summary.device_time(two, "steady", "events", shapes, communication=resolved)["kernel_estimate"]
+    assert found["forward_backward_s"] == pytest.approx(12 * 0.8e-3 + 0.002)
+    host_profile = {"layers": 12, "layer": {**LAYER, "basis": "self CPU time, main thread"}}
+    assert summary.device_time([rank], "steady", "events", host_profile)["kernel_estimate"] is None
+
+
+def test_a_measured_idle_share_above_the_threshold_is_host_bound_by_the_event_spans():
+    from trainscope import summary
+
+    stages = {"data": 0.1, "forward": 0.2, "backward": 0.2, "optimizer": 0.1}  # 0.6 s of spans in a 1 s wall
+    block = summary.device_time([planted_rank(1.0, stages)], "steady", "events")
+    assert block["idle_share_at_least"] == pytest.approx(0.4)
+    assert block["host_bound"] is True and block["host_bound_by"] == "event spans"
+    evaluated = planted_rank(1.5, stages)
+    evaluated["timing"]["steady"]["seconds"]["eval"] = 0.5  # evaluation is not a training step's
+    assert summary.device_time([evaluated], "steady", "events")["idle_share_at_least"] == pytest.approx(0.4)

@@ -25,6 +25,13 @@ where the time between the run and its machine's measured matmul peak went (trai
 is a bound; without it, the category's share of one encoder layer profiled apart at the run's shapes times the
 forward + backward share of the run (summary.measured_peak.run_shapes) -- an estimate, which says so.
 
+On a GPU whose device idles above 30% of each step (summary.device_time: the stages' CUDA event spans bound the
+busy time from above, so their idle share is a lower bound; one encoder layer's kernels profiled at the run's shapes
+give an estimate), the run is host-bound: the `host_bound` rule says so and ranks what shortens the host's part of
+the step (a larger batch where memory allows, --compile, the fused optimizer, the loader's workers; CUDA graphs as a
+note, no flag here), and the gap rules and the MFU-based batch stay silent -- the device's time they would save does
+not shorten a step the host sets.
+
 Every suggestion carries its kind (trainscope.changes): *exact* (the same samples, order and random draws:
 padding-free layers, evaluation in length order, the optimizer's implementation, loader settings), *numeric* (bf16,
 TF32) or *training* (dropout, order, batch). Where padding is what costs, the exact changes come beside the training
@@ -436,7 +443,8 @@ def gpu_batch(view: RunView) -> list[Suggestion]:
     if not (view.on_cuda and total and used and mfu is not None):
         return []
     found = []
-    if mfu < 0.3 and used < 0.5 * total:
+    # a host-bound run: the host_bound rule offers the batch with the device's idle time as its evidence
+    if mfu < 0.3 and used < 0.5 * total and not view.host_bound:
         batch, steps = 2 * view.setting("per_device_batch_size"), view.setting("gradient_accumulation_steps", 1)
         flags = ["--per-device-batch-size", str(batch)]
         if steps % 2 == 0:
@@ -522,7 +530,192 @@ def communication(view: RunView) -> list[Suggestion]:
     return found
 
 
-RULES = [data_loading, threads, padding, evaluation, optimizer, gpu_precision, cpu_precision, gpu_batch, communication]
+# ---------------------------------------------------------------- the host-bound rule (summary.device_time)
+
+# torch.compile's fused kernels take this factor off the host's forward and backward time on a host-bound step
+# (fewer launches and less framework work per operator): assumed, like FUSION_FACTOR on the device's.
+COMPILE_HOST_FACTOR = 2.0
+CUDA_GRAPHS_NOTE = (
+    "not offered here: trainscope has no flag for CUDA graphs (torch.compile(mode='reduce-overhead'), or "
+    "torch.cuda.graphs in a loop of your own)"
+)
+
+
+def host_bound(view: RunView) -> list[Suggestion]:
+    """A GPU that idles above summary.device_time's threshold of each step waits for the host: what shortens the
+    host's part of the step helps, what shortens the device's does not. The verdict is measured where the CUDA
+    events' bound on the idle share passes the threshold, else estimated from the kernel time of one layer profiled
+    at the run's shapes. One item says so and ranks what helps, each with its evidence; the changes that carry flags
+    are items of their own (the batch and --compile here; the fused optimizer and the loader's workers from their
+    own rules, which fire on the optimizer and data stages' shares):
+
+    * a larger per-device batch where the peak memory leaves room for twice it: the host's time per step outside the
+      data stage stays (the kernels launched do not grow with the batch), the data stage and the device's work
+      double -- per sample, W / max((W - D) / 2 + D, B) for a step of W, data D and device time B;
+    * --compile where not compiled: the host's forward and backward time x1/COMPILE_HOST_FACTOR (assumed), the
+      device's work unchanged, less an assumed compile time over the run (the break-even steps said);
+    * CUDA graphs: one launch for all of a step's kernels, a note (no flag here);
+    * the fused optimizer, unless the record says it is fused; the loader's workers where the data stage's share
+      leaves MIN_GAIN.
+    """
+    block = view.device_time
+    if not view.on_cuda or not block.get("host_bound"):
+        return []
+    wall, spans, estimate = block["step_wall_s"], block["stage_spans_s"], block.get("kernel_estimate")
+    measured = block["host_bound_by"] == "event spans"
+    busy = estimate["busy_s"] if estimate else block["busy_at_most_s"]
+    idle = estimate["idle_share"] if estimate else block["idle_share_at_least"]
+    said = (
+        f"the device is busy at most {block['busy_at_most_s'] * 1e3:.1f} ms of each {wall * 1e3:.1f} ms step by the "
+        f"stages' CUDA events (idle at least {block['idle_share_at_least']:.0%})"
+    )
+    if estimate:
+        said += (
+            f", about {estimate['busy_s'] * 1e3:.1f} ms by kernel time (idle about {estimate['idle_share']:.0%}: "
+            f"{estimate['layers']} layers x {estimate['layer_s'] * 1e3:.2f} ms, one layer's forward and backward "
+            f"kernels profiled at the run's shapes, plus the data and optimizer stages' spans)"
+        )
+    if view.mfu is not None:
+        said += f"; MFU {view.mfu:.1%}"
+    offered = [
+        s
+        for s in (_host_bound_batch(view, said, wall, spans, busy), _host_bound_compile(view, said, wall, spans, busy))
+        if s
+    ]
+    helps = offered + optimizer(view) + data_loading(view)  # those two from their own rules, on their stages' shares
+    helps.sort(key=lambda s: -(s.gain or 1.0))
+    what = "; ".join(
+        f"{n}. {s.change} (`{' '.join(s.flags)}`, {'at most' if s.gain_kind == 'bound' else 'estimate'} {s.gain:.2f}x)"
+        for n, s in enumerate(helps, 1)
+    )
+    notes = ["CUDA graphs (no flag here)", *_host_bound_left_out(view, wall, spans, busy)]
+    headline = Suggestion(
+        "host_bound",
+        "the GPU waits for the host: shorten the host's part of each step (what helps, ranked in the evidence)",
+        f"host-bound: {said}; what helps, ranked: {what or 'no change with a flag applies'}; not offered: "
+        f"{'; '.join(notes)}",
+        gain=amdahl(idle) if estimate else None,
+        gain_kind="estimate" if estimate else None,
+        factor="every idle moment of the device removed, its work unchanged (the kernel estimate): the ceiling of "
+        "every change to the host's part"
+        if estimate
+        else None,
+        confidence="high" if measured else "medium",
+    )
+    graphs = Suggestion(
+        "cuda_graphs",
+        f"capture each step in a CUDA graph: {CUDA_GRAPHS_NOTE}",
+        f"host-bound: {said}",
+        confidence="low",
+    )
+    return [headline, *offered, graphs]
+
+
+def _host_bound_batch(view: RunView, said: str, wall: float, spans: dict, busy: float) -> Suggestion | None:
+    total, used = view.device_memory_gib, view.max_allocated_gib
+    if not (total and used) or 2 * used > 0.9 * total:
+        return None
+    batch, steps = view.setting("per_device_batch_size"), view.setting("gradient_accumulation_steps", 1)
+    if not batch:
+        return None
+    data = spans["data"]
+    gain = wall / max((wall - data) / 2 + data, busy)
+    if gain < MIN_GAIN:
+        return None
+    flags = ["--per-device-batch-size", str(2 * batch)]
+    if steps % 2 == 0:
+        flags += ["--gradient-accumulation-steps", str(steps // 2)]
+    return Suggestion(
+        "batch",
+        f"double the per-device batch to {2 * batch}" + (" and halve accumulation" if steps % 2 == 0 else ""),
+        f"host-bound: {said}; {used:.1f} of {total:.0f} GiB in use at the peak (twice it fits)",
+        flags,
+        gain=gain,
+        gain_kind="estimate",
+        factor=f"per sample: the host's {(wall - data) * 1e3:.1f} ms a step outside the data stage unchanged (the "
+        f"kernels launched do not grow with the batch), the data stage ({data * 1e3:.1f} ms) and the device's "
+        f"{busy * 1e3:.1f} ms doubled",
+        confidence="medium",
+        changes_result=None if steps % 2 == 0 else "the effective batch doubles",
+    )
+
+
+def _host_bound_compile(view: RunView, said: str, wall: float, spans: dict, busy: float) -> Suggestion | None:
+    if view.setting("compile"):
+        return None
+    step = _compiled_step(wall, spans, busy)
+    run, compile_s = view.wall_s or view.wall_median("run"), ASSUMED_COMPILE_S["cuda"]
+    if not run or step >= wall:
+        return None
+    training = 1.0 - view.shares("run").get("eval", 0.0)
+    gain = 1.0 / max(1e-9, 1.0 - (1.0 - step / wall) * training + compile_s / run)
+    if gain < MIN_GAIN:
+        return None
+    return Suggestion(
+        "compile",
+        "compile the model (torch.compile: fused kernels, fewer launches from the host)",
+        f"host-bound: {said}; forward and backward take {(spans['forward'] + spans['backward']) * 1e3:.1f} ms of "
+        "the step, mostly the host's launches",
+        ["--compile"],
+        gain=gain,
+        gain_kind="estimate",
+        factor=f"the host's forward and backward time x1/{COMPILE_HOST_FACTOR:g} (assumed), the device's work "
+        f"unchanged; compile time {compile_s:.0f} s (assumed) against a {run:.0f} s run",
+        confidence="low",
+        changes_result=changes.does(["--compile"]),
+    )
+
+
+def _compiled_step(wall: float, spans: dict, busy: float) -> float:
+    """A host-bound step with the host's forward and backward time cut by COMPILE_HOST_FACTOR, no shorter than the
+    device's work."""
+    compute = spans["forward"] + spans["backward"]
+    return max(busy, wall - compute * (1 - 1 / COMPILE_HOST_FACTOR))
+
+
+def _host_bound_left_out(view: RunView, wall: float, spans: dict, busy: float) -> list[str]:
+    """What the ranked list leaves out, and why."""
+    found = []
+    total, used = view.device_memory_gib, view.max_allocated_gib
+    if not (total and used):
+        found.append("a larger batch: the record lacks the peak or the device's memory")
+    elif 2 * used > 0.9 * total:
+        found.append(f"a larger batch: {used:.1f} of {total:.0f} GiB in use, twice it does not fit")
+    if view.setting("compile"):
+        found.append("--compile: compiled already")
+    elif _host_bound_compile(view, "", wall, spans, busy) is None:
+        step = _compiled_step(wall, spans, busy)
+        if step < wall:
+            even = ASSUMED_COMPILE_S["cuda"] / (wall - step)
+            found.append(
+                f"--compile: about {wall / step:.2f}x on the steady step (estimate: the host's forward and backward "
+                f"time x1/{COMPILE_HOST_FACTOR:g}), paying back its compile time ({ASSUMED_COMPILE_S['cuda']:.0f} s "
+                f"assumed) after about {even:.0f} steps: not in a run this short "
+                f"({view.summary.get('optimizer_steps') or '?'} steps)"
+            )
+    facts = view.model_facts.get("optimizer") or {}
+    if facts.get("fused"):
+        found.append("the fused optimizer: fused already")
+    elif not facts:
+        found.append("the fused optimizer: the record does not say the optimizer's implementation")
+    data = spans["data"]
+    if not data_loading(view):
+        found.append(f"the loader's workers: the data stage, {data * 1e3:.1f} ms a step, leaves too little to gain")
+    return found
+
+
+RULES = [
+    data_loading,
+    threads,
+    padding,
+    evaluation,
+    optimizer,
+    gpu_precision,
+    cpu_precision,
+    gpu_batch,
+    communication,
+    host_bound,
+]
 
 
 # ---------------------------------------------------------------- the gap rules (trainscope.gap)
@@ -530,7 +723,11 @@ RULES = [data_loading, threads, padding, evaluation, optimizer, gpu_precision, c
 
 def gap_evidence(view: RunView) -> dict | None:
     """Each gap category's share of the whole run and where it comes from: {shares, kind ("bound" from the run's
-    own profile, "estimate" from one layer profiled apart), text}. None when neither was recorded."""
+    own profile, "estimate" from one layer profiled apart), text}. None when neither was recorded, and on a
+    host-bound GPU run (summary.device_time): there the device's time saved does not shorten the step, so no gap
+    rule argues from it (the host_bound rule speaks)."""
+    if view.host_bound:  # the device idles waiting for the host: its shares do not shorten the step
+        return None
     breakdown = view.gap_breakdown
     if breakdown and breakdown.get("window_s"):
         training = 1.0 - view.shares("run").get("eval", 0.0)

@@ -521,6 +521,29 @@ def _above_measured_peak(view: RunView):
 
 
 @register(
+    "device_busy_above_wall",
+    "the training stages' device time (CUDA events) adds up to more than the steps' host wall time, beyond the "
+    "clocks' stated tolerance",
+    "compare with --timing sync on the same command; a stage whose work runs on another stream than its events, or "
+    "a device clock that disagrees with the host's, reads this way",
+)
+def _device_busy_above_wall(view: RunView):
+    """The stages' event spans lie inside the steps' wall time (the wall's edges synchronize the device), so their
+    sum above it by more than the tolerance (trainscope.summary.CLOCK_RATE_TOLERANCE) is impossible: no idle share
+    is given, and the figures are reported as measured."""
+    over = view.device_time.get("over_wall") or []
+    if over:
+        ranks = "; ".join(
+            f"rank {r['rank']}: {r['busy_s'] * 1e3:.2f} ms of device time in a {r['wall_s'] * 1e3:.2f} ms step "
+            f"(tolerance {r['tolerance_s'] * 1e3:.2f} ms)"
+            for r in over
+        )
+        return (
+            f"the training stages' CUDA event spans exceed each step's wall time: {ranks}; no device idle share given"
+        )
+
+
+@register(
     "prediction_fit_at_bound",
     "a coefficient of the predictor's calibration is held at a bound of its fit, or was not fitted (a calibration "
     "from fewer than 3 runs)",

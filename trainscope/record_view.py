@@ -268,6 +268,18 @@ class RunView:
         return None, "unknown"
 
     @property
+    def device_time(self) -> dict:
+        """The device's busy time and idle share per training step (trainscope.summary.device_time): the CUDA events'
+        bound `busy_at_most_s` / `idle_share_at_least`, the `kernel_estimate`, `host_bound` (and `host_bound_by`), or
+        the `reason` they are None (a CPU's host clocks, --timing sync); {} in older records."""
+        return self.summary.get("device_time") or {}
+
+    @property
+    def host_bound(self) -> bool:
+        """The device idled above summary.device_time's threshold in each step, measured or estimated."""
+        return bool(self.device_time.get("host_bound"))
+
+    @property
     def max_allocated_gib(self) -> float | None:
         return (self.memory.get("max_allocated_gib") or {}).get("max")
 

@@ -311,6 +311,7 @@ class RunMetrics:
             real_token_throughput(throughput, encoder_shape(self.model_config), len(per_rank), self.training)
         )
         model_flops = self._model_flops(throughput, len(per_rank))
+        communication_summary = communication_block.combine(per_rank, throughput)
         return {
             "world_size": self.accelerator.num_processes,
             "optimizer_steps": self.loop.step,
@@ -347,7 +348,10 @@ class RunMetrics:
             ),
             "memory_snapshot": snapshot,
             "compile": self._compile_summary(),
-            "communication": communication_block.combine(per_rank, throughput),
+            "communication": communication_summary,
+            "device_time": summary.device_time(
+                per_rank, phase, self.timing_mode, self.run_shapes, self.training.recomputed, communication_summary
+            ),
         }
 
     def _model_flops(self, throughput: dict, world: int) -> dict:
@@ -512,6 +516,7 @@ def table_lines(record: dict, run_dir) -> list[str]:
         + real_tokens_clause(view),
         peak_line(view),
         f"peak memory {peak_memory:.2f} GiB ({kind})",
+        *device_time_lines(view),
     ]
     if test:
         rows.append(f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}")
@@ -559,3 +564,33 @@ def peak_line(view: RunView) -> str:
         + (f", {where}" if where else "")
         + ")"
     )
+
+
+def device_time_lines(view: RunView) -> list[str]:
+    """On a GPU, one line: the device's busy time against each step's wall time and the idle share that follows
+    (summary.device_time: the CUDA events' bound, and the kernel estimate where one layer was profiled), with
+    "host-bound" above the threshold; why not, where it is not measured (--timing sync). None on a CPU."""
+    block = view.device_time
+    if not block or not view.on_cuda:
+        return []
+    wall, busy = block.get("step_wall_s"), block.get("busy_at_most_s")
+    if block.get("over_wall"):
+        return [
+            f"device busy {busy * 1e3:.1f} ms measured above each step's {wall * 1e3:.1f} ms by more than the "
+            f"clocks' tolerance ({block['tolerance_s'] * 1e3:.2f} ms): no idle share (warning device_busy_above_wall)"
+        ]
+    if block.get("idle_share_at_least") is None:
+        return [f"device idle share: {block.get('reason') or 'not measured'}"]
+    line = (
+        f"device busy at most {busy * 1e3:.1f} ms of each step's {wall * 1e3:.1f} ms (the stages' CUDA event "
+        f"spans): idle at least {block['idle_share_at_least']:.1%}"
+    )
+    estimate = block.get("kernel_estimate")
+    if estimate:
+        line += (
+            f"; by kernel time about {estimate['busy_s'] * 1e3:.1f} ms (estimate): idle about "
+            f"{estimate['idle_share']:.0%}"
+        )
+    if block.get("host_bound"):
+        line += f" -- host-bound (idle above {block['threshold']:.0%}, by the {block['host_bound_by']})"
+    return [line]
