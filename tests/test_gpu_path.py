@@ -15,6 +15,7 @@ from conftest import ROOT, cpu_env, fork_launches, planned_launch, run_command, 
 
 import compare_dp
 from trainscope import bench, launching
+from trainscope.errors import UserError
 
 
 @pytest.mark.parametrize(
@@ -160,7 +161,32 @@ def test_make_gpu_check_dry_run_runs_the_plans_dry_run(make_flags, ran):
     assert ran in [line.strip() for line in completed.stdout.splitlines()]
 
 
-# the order they run in: the most informative first (a short budget keeps them)
+def test_make_gpu_check_dry_run_on_a_clone_without_a_venv_makes_it_first(tmp_path):
+    """Under make's -n the setup prerequisite is only echoed: on a fresh clone the dry run would call a .venv/bin/python
+    that does not exist. The `+` line makes the venv first, with the caller's VENV and PYTHON (here a PYTHON that
+    records how it was called, and fails)."""
+    called = tmp_path / "called"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho "$@" >> {called}\nexit 1\n')
+    python.chmod(0o755)
+    completed = run_command(
+        ["make", "-s", "gpu-check", "-n", f"VENV={tmp_path / 'venv'}", f"PYTHON={python}"], env=cpu_env()
+    )
+    assert completed.returncode != 0  # the planted PYTHON cannot make a venv
+    assert any(line.startswith("-m venv --without-pip") for line in called.read_text().splitlines())
+
+
+# the order they run in: the most informative first (a short budget keeps them): what needs several processes (no
+# GPU has run it yet), then one GPU's checks, then the benchmarks
+TWO_GPU_CHECKS = [
+    "fsdp2",
+    "ddp-communication-memory",
+    "ddp-profile",
+    "ddp-fp16",
+    "ddp-comm-hook-fp16",
+    "ddp-comm-hook-bf16",
+    "ddp-compile",
+]
 SINGLE_GPU_CHECKS = [
     "scaler",
     "precision-fp32",
@@ -171,24 +197,20 @@ SINGLE_GPU_CHECKS = [
     "precision-tf32",
     "precision-fp16",
 ]
-TWO_GPU_CHECKS = [
-    "fsdp2",
-    "ddp-communication-memory",
-    "ddp-profile",
-    "ddp-fp16",
-    "ddp-comm-hook-fp16",
-    "ddp-comm-hook-bf16",
-    "ddp-compile",
-]
-LATER_CHECKS = ["compare-dp", "loaders", "batch-search", "compile-bf16", "overhead"]
+LATER_CHECKS = ["loaders", "batch-search", "compile-bf16", "overhead"]
+ORDER = [*TWO_GPU_CHECKS, "compare-dp", *SINGLE_GPU_CHECKS, *LATER_CHECKS]
 COMPARISONS = ["compare-dp", "loaders", "overhead"]
+# one GPU: the multi-process training checks as 2 processes sharing it over gloo; what needs NCCL, and what the
+# one-GPU plan leaves out to fit one session's 15 minutes, skipped
+SHARED_ON_ONE_GPU = ["fsdp2", "ddp-communication-memory", "ddp-profile", "ddp-fp16", "ddp-comm-hook-fp16"]
+SKIPPED_ON_ONE_GPU = ["ddp-comm-hook-bf16", "ddp-compile", "compare-dp", "memory-snapshot", "overhead"]
 
 
 def test_gpu_check_plans_every_check_by_the_documented_commands():
     from trainscope import gpu_check, gpu_check_plan, gpu_check_report
 
     steps = gpu_check_plan.plan(gpus=2)
-    assert [step["name"] for step in steps] == [*SINGLE_GPU_CHECKS, *TWO_GPU_CHECKS, *LATER_CHECKS]
+    assert [step["name"] for step in steps] == ORDER
     configs = {step["name"]: step.get("config") for step in steps}
     assert configs["precision-bf16"] == "bf16" and configs["precision-fp16"] == "fp16"
     assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
@@ -238,7 +260,7 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
     from trainscope.benchmarks import overhead
     from trainscope.settings import parse_settings
 
-    for step in gpu_check_plan.plan(gpus=2):
+    for step in [*gpu_check_plan.plan(gpus=2), *gpu_check_plan.plan(gpus=1)]:
         if "args" in step:
             parse_settings(argv=step["args"])
             continue
@@ -263,18 +285,21 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
 
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_the_default_budget_holds_the_plan_and_each_part_fits_a_ten_minute_command(gpus):
-    """One GPU planned 509 s of a 540 s budget with 12 s launches (measured: 29 s and 11 s more for the first), and
+    """One GPU planned 509 s of a 540 s budget with 12 s launches (measured: 23 s and 45 s more for the first), and
     two GPUs dropped compare-dp, the one DataParallel check: the budget now is the plan's estimate from the measured
-    launch costs and a margin, and the parts each fit one 10-minute command."""
+    launch costs and a margin, and the parts each fit one 10-minute command. The one-GPU plan (1068 s before its
+    two-process checks were added) fits the 15 minutes of GPU time one session is lent."""
     from trainscope import gpu_check_plan
 
     steps = gpu_check_plan.plan(gpus=gpus)
-    assert [step["name"] for step in steps if step.get("skipped")] == (TWO_GPU_CHECKS if gpus == 1 else [])
+    assert [step["name"] for step in steps if step.get("skipped")] == (SKIPPED_ON_ONE_GPU if gpus == 1 else [])
     total = gpu_check_plan.planned_seconds(steps)
     assert gpu_check_plan.default_budget(steps) >= gpu_check_plan.MARGIN * total
+    if gpus == 1:
+        assert gpu_check_plan.SESSION_S == 900 and gpu_check_plan.default_budget(steps) <= gpu_check_plan.SESSION_S
     fp32 = next(step for step in steps if step["name"] == "precision-fp32")
     cold = gpu_check_plan.MEASURED_LAUNCH_S + gpu_check_plan.MEASURED_FIRST_LAUNCH_S
-    assert fp32["estimate_s"] >= cold  # the cold launch
+    assert fp32["estimate_s"] >= cold  # the first launch of one process: its caches are cold
     compiled = next(step for step in steps if step["name"] == "compile-bf16")
     assert compiled["estimate_s"] == pytest.approx(129, abs=1)  # measured on an H200, its compile included
     cut = gpu_check_plan.parts(steps)
@@ -362,8 +387,8 @@ def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_run
     assert snapshot["args"][snapshot["args"].index("--max-steps") + 1] == "20"
     assert by_name["ddp-compile"]["config"] == "ddp" and "--compile" in by_name["ddp-compile"]["args"]
     assert by_name["ddp-communication-memory"]["config"] == "ddp"
-    for name in TWO_GPU_CHECKS:
-        assert by_name[name]["skipped"].startswith("needs 2 GPUs")
+    assert by_name["ddp-comm-hook-bf16"]["skipped"].startswith("needs NCCL")  # gloo cannot all-reduce bf16
+    assert by_name["compare-dp"]["skipped"].startswith("needs 2 GPUs: compare_dp.py's DDP workers")
     assert all(step["confirms"] for step in by_name.values())  # what only a GPU run will confirm, per check
     checks = [gpu_check.run_step(step, Path("/nonexistent")) for step in by_name.values() if step.get("skipped")]
     report = {
@@ -380,9 +405,9 @@ def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_run
         "plan": list(by_name.values()),
     }
     lines = gpu_check_report.markdown(report)
-    estimate = by_name["ddp-compile"]["estimate_s"]
-    assert f"| ddp-compile | {estimate:.0f} |  | 0 | skipped: needs 2 GPUs (one per process), 1 present |" in lines
-    assert f"- batch-search: {by_name['batch-search']['confirms']}" in lines
+    estimate = by_name["ddp-comm-hook-bf16"]["estimate_s"]
+    reason = by_name["ddp-comm-hook-bf16"]["skipped"]
+    assert f"| ddp-comm-hook-bf16 | {estimate:.0f} |  | 0 | skipped: {reason} |  |" in lines
 
 
 def test_gpu_check_dry_run_shows_the_plan_for_n_gpus_with_estimates_the_total_and_the_parts(capsys):
@@ -399,9 +424,324 @@ def test_gpu_check_dry_run_shows_the_plan_for_n_gpus_with_estimates_the_total_an
     assert "part 1 (" in out and "python -m trainscope.gpu_check --part 2" in out
     gpu_check.main(["--dry-run", "--gpus", "1", "--budget", "240"])
     out = capsys.readouterr().out
-    assert "ddp-compile: skipped (needs 2 GPUs" in out and "over the budget by these estimates" in out
+    assert "ddp-comm-hook-bf16: skipped (needs NCCL" in out and "over the budget by these estimates" in out
     (over,) = [line for line in out.splitlines() if line.startswith("over the budget by these estimates")]
-    assert "precision-fp32" not in over and "timing-sync" not in over and "overhead" in over  # the first checks fit
+    assert "fsdp2" not in over and "ddp-profile" not in over and "compile-bf16" in over  # the first checks fit
+
+
+def test_on_one_gpu_the_multi_process_checks_run_as_two_processes_sharing_it_over_gloo(capsys):
+    """Every multi-process check was skipped on a one-GPU machine, and no machine lent to this project has two: the
+    DDP and FSDP2 code paths never ran on CUDA. On one GPU they run as 2 processes sharing it over gloo (NCCL refuses
+    two ranks on one GPU), fewer steps, their figures labelled as not representative of speed."""
+    from trainscope import gpu_check, gpu_check_plan, startup
+
+    by_name = {step["name"]: step for step in gpu_check_plan.plan(gpus=1)}
+    for name in SHARED_ON_ONE_GPU:
+        step = by_name[name]
+        facts = launching.config_facts(launching.config_path(step["config"]))
+        assert not step.get("skipped") and step["shared_gpu"] and step["processes"] == facts["num_processes"] == 2
+        assert step["env"] == {startup.BACKEND_ENV: "gloo"}
+        assert step["confirms"].startswith("2 processes sharing one GPU over gloo: speed not representative")
+        assert int(flag_value(step["args"], "--max-steps")) == gpu_check_plan.SHARED_STEPS
+    gpu_check.main(["--dry-run", "--gpus", "1"])
+    out = capsys.readouterr().out
+    for name in SHARED_ON_ONE_GPU:
+        (line,) = [line for line in out.splitlines() if line.startswith(f"{name} (estimate ")]
+        assert "2 processes sharing one GPU over gloo" in line and "TRAINSCOPE_DISTRIBUTED_BACKEND=gloo " in line
+    # what the one-GPU plan leaves out runs by name, still on the shared GPU
+    gpu_check.main(["--dry-run", "--gpus", "1", "--only", "overhead", "ddp-compile", "memory-snapshot"])
+    out = capsys.readouterr().out
+    assert "skipped" not in out and "python -m trainscope.gpu_check --only ddp-compile memory-snapshot" in out
+    (compiled,) = gpu_check_plan.plan(gpus=1, only=["ddp-compile"])
+    assert not compiled.get("skipped") and compiled["shared_gpu"] and "first launch of 2" in compiled["estimate"]
+    with pytest.raises(UserError, match="--only nonsense: no such check"):
+        gpu_check_plan.plan(gpus=1, only=["nonsense"])
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_multi_process_checks_run_first_and_each_process_counts_first_launch_is_budgeted_cold(gpus):
+    """plan(gpus=2) began with 304 s of the single-GPU checks the H200 had already run, and its first 2-process launch
+    got 13 s for a cold start (the matmul peak and the layer probes are cached per process count): the multi-process
+    checks now run first, and the first launch of each process count gets the cold launch's 45 s."""
+    from trainscope import gpu_check_plan
+
+    steps = [step for step in gpu_check_plan.plan(gpus=gpus) if not step.get("skipped")]
+    several = [
+        index for index, step in enumerate(steps) if step.get("processes", 1) > 1 or step["name"] == "compare-dp"
+    ]
+    assert several and several == list(range(len(several)))  # all of them before any single-process check
+    training = [step for step in steps if "config" in step]
+    for processes in {step["processes"] for step in training}:
+        first = next(step for step in training if step["processes"] == processes)
+        cold = gpu_check_plan.MEASURED_LAUNCH_S + gpu_check_plan.MEASURED_FIRST_LAUNCH_S
+        assert first["estimate_s"] >= cold and f"first launch of {processes} process(es)" in first["estimate"]
+        later = [step for step in training if step["processes"] == processes and step is not first]
+        assert later and not any("first launch" in step["estimate"] for step in later)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_every_multi_process_check_times_its_collectives_out_before_gpu_check_kills_it(gpus):
+    """The checks' timeouts (109-138 s) were shorter than train.py's --distributed-timeout (600 s): a hung collective
+    was killed with its launch before NCCL's watchdog or the peer watch could say anything. Each multi-process check
+    now passes a --distributed-timeout that leaves its estimate and the time to report and write the record inside
+    its own timeout."""
+    from trainscope import gpu_check_plan
+    from trainscope.settings import parse_settings
+
+    multi = [step for step in gpu_check_plan.plan(gpus=gpus) if step.get("processes", 1) > 1]
+    assert {step["name"] for step in multi} == set(TWO_GPU_CHECKS)
+    for step in multi:
+        (settings,) = parse_settings(argv=step["args"])
+        timeout = settings.distributed_timeout
+        assert int(flag_value(step["args"], "--distributed-timeout")) == timeout, step["name"]
+        assert timeout >= gpu_check_plan.MIN_DISTRIBUTED_TIMEOUT_S, step["name"]
+        assert step["estimate_s"] + timeout + gpu_check_plan.DISTRIBUTED_EVIDENCE_S <= step["timeout_s"], step["name"]
+    single = [step for step in gpu_check_plan.plan(gpus=gpus) if step.get("processes") == 1]
+    assert single and not any("--distributed-timeout" in step["args"] for step in single)
+
+
+def test_the_distributed_backend_option_lets_two_processes_share_one_gpu_over_gloo(monkeypatch):
+    """TRAINSCOPE_DISTRIBUTED_BACKEND=gloo reaches init_process_group through PartialState with no GPU bound
+    (device_id is NCCL's), Accelerate keeps the backend it is given on CUDA with the state a multi-GPU one (so an FSDP
+    config stays FSDP), and every local rank lands on the one GPU present."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    from trainscope import startup
+    from trainscope.settings import parse_settings
+
+    (settings,) = parse_settings(argv=["--distributed-timeout", "90"])
+    monkeypatch.setattr(startup, "_cuda", lambda: True)
+    two = {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    nccl = startup.process_group_options(settings, cpu=False, environ=dict(two))
+    assert nccl["device_id"] == torch.device("cuda", 1) and "backend" not in nccl  # Accelerate picks NCCL
+    gloo = startup.process_group_options(settings, cpu=False, environ={**two, startup.BACKEND_ENV: "gloo"})
+    assert gloo == {"timeout": nccl["timeout"], "backend": "gloo"}
+    with pytest.raises(UserError, match="TRAINSCOPE_DISTRIBUTED_BACKEND=mpi: one of gloo, nccl"):
+        startup.process_group_options(settings, cpu=False, environ={**two, startup.BACKEND_ENV: "mpi"})
+    # Accelerate's own choice of backend and state, on a stand-in CUDA machine with one GPU
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert PartialState._prepare_backend(None, cpu=False, backend="gloo") == ("gloo", DistributedType.MULTI_GPU)
+    assert PartialState._prepare_backend(None, cpu=False) == ("nccl", DistributedType.MULTI_GPU)
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    state = type(
+        "State", (), {"device": None, "distributed_type": DistributedType.MULTI_GPU, "local_process_index": 1}
+    )()
+    PartialState.set_device(state)
+    assert state.device == torch.device("cuda", 0) and bound == [torch.device("cuda", 0)]
+
+
+def shared_ddp_result(**changes) -> dict:
+    """What run_step keeps of a 2-process DDP run on one GPU over gloo that did what its goals ask."""
+    result = {
+        "name": "ddp-communication-memory",
+        "estimate_s": 47.0,
+        "timeout_s": 142.0,
+        "seconds": 60.0,
+        "exit": 0,
+        "shared_gpu": True,
+        "status": "complete",
+        "world_size": 2,
+        "distributed_type": "MULTI_GPU",
+        "backend": "gloo",
+        "device": "cuda:0",
+        "precision": "fp32",
+        "losses": [[5, 1.12], [10, 1.09], [15, 1.05], [20, 1.02]],
+        "throughput": {"samples_per_s": 61.0, "tokens_per_s": 2000.0, "tflops_per_device": 4.0},
+        "mfu": 4.0 / 67.0,
+        "communication": {
+            "measured": True,
+            "agreement": {"ddp": {"verdict": "agree", "median_difference": 0.0003, "tolerance": 0.018}},
+        },
+    }
+    return {**result, **changes}
+
+
+@pytest.mark.parametrize(
+    "changes,missed",
+    [
+        ({}, None),
+        ({"world_size": 1}, "world size 2 (1)"),
+        ({"backend": "nccl"}, "backend gloo (nccl)"),
+        ({"distributed_type": "MULTI_CPU"}, "distributed type MULTI_GPU (MULTI_CPU)"),
+        ({"device": "cpu:0"}, "on CUDA (cpu:0)"),
+        ({"status": "failed"}, "its run record is complete (failed)"),
+        ({"losses": [[5, 1.02], [10, 1.12]]}, "the loss finite and falling (1.02 -> 1.12 over 2 logged steps)"),
+        ({"losses": [[5, 1.12], [10, float("nan")]]}, "the loss finite and falling"),
+        ({"communication": {"measured": False}}, "DDP's communication measured (no)"),
+        (
+            {"communication": {"measured": True, "agreement": {"ddp": {"verdict": "disagree", "tolerance": 0.018}}}},
+            "it agrees with DDP's logger within the stated tolerance (disagree",
+        ),
+    ],
+)
+def test_a_ddp_check_is_confirmed_by_its_records_figures_not_its_exit_code(changes, missed):
+    """The report's goals covered single-GPU figures only: a DDP check that exited 0 read as confirmed whatever its
+    record said. Each multi-process check is held to its record: complete, on CUDA, the planned world size,
+    distributed type and backend, the loss finite and falling, DDP's communication measured and agreeing with DDP's
+    logger within the tolerance the record states."""
+    from trainscope import gpu_check_plan, gpu_check_report
+
+    step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "ddp-communication-memory")
+    result = shared_ddp_result(**changes)
+    results = {result["name"]: result}
+    assert gpu_check_report.confirmed(step, result, results, gpus=1) is (missed is None)
+    text = gpu_check_report.goals_text(gpu_check_report.judge_check(step, result, results, 1))
+    assert text == "all 9 met" if missed is None else text.startswith("NOT met: ") and missed in text
+    outcome = gpu_check_report.outcome(result)
+    assert outcome.startswith("2 processes sharing one GPU over gloo: speed not representative; 61.0 samples/s")
+    bare = {"name": step["name"], "seconds": 60.0, "exit": 0}  # an exit code and nothing else
+    assert not gpu_check_report.confirmed(step, bare, {step["name"]: bare}, gpus=1)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_every_planned_check_has_goals_that_its_figures_can_fail(gpus):
+    """Every check of the plan has goals of its own; one that exited 0 without the figures its goals read confirms
+    nothing (on the old code a DDP check, having no goal, passed on its exit code alone)."""
+    from trainscope import gpu_check_plan, gpu_check_report
+
+    for step in gpu_check_plan.plan(gpus=gpus):
+        goals = gpu_check_report.goals_of(step)
+        assert goals, step["name"]
+        bare = {"name": step["name"], "seconds": 1.0, "exit": 0}
+        judged = gpu_check_report.judge_check(step, bare, {step["name"]: bare}, gpus)
+        assert [g["goal"] for g in judged] == [goal for goal, _ in goals]
+        assert not any(g["met"] for g in judged) and not gpu_check_report.confirmed(step, bare, {}, gpus), step["name"]
+
+
+def test_a_report_confirms_only_what_ran_and_met_its_goals_and_says_why_the_rest_confirms_nothing():
+    """benchmarks/gpu/nvidia-h200.md listed fsdp2 and every ddp-* check under "What these runs confirm" although
+    each had been skipped: the list was the plan's. It is now the checks that ran to their end and met every goal;
+    each other one is listed as confirming nothing, with its skip, failure or missed goal."""
+    from trainscope import gpu_check, gpu_check_plan, gpu_check_report
+
+    steps = gpu_check_plan.plan(gpus=1)
+    good = shared_ddp_result()
+    failing = {**shared_ddp_result(name="ddp-fp16", precision="fp16"), "world_size": 1}
+    stopped = {"name": "fsdp2", "seconds": 90.0, "exit": -9, "error": "timed out", "budget_cut": "stopped"}
+    over = {"name": "ddp-profile", "seconds": 0.0, "skipped": "over the budget (estimated 49 s, 3 s left)"}
+    planted = {r["name"]: r for r in (good, failing, stopped, over)}
+    checks = [  # the plan's own skips as run_step writes them (nothing launched), and the planted results
+        planted.get(step["name"]) or gpu_check.run_step(step, Path("/nonexistent"))
+        for step in steps
+        if step["name"] in planted or step.get("skipped")
+    ]
+    report = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "driver": None,
+        "gpus": 1,
+        "budget_s": 870.0,
+        "seconds": 200.0,
+        "status": "complete",
+        "checks": checks,
+        "not_run": [],
+        "plan": steps,
+    }
+    lines = gpu_check_report.markdown(report)
+    start = lines.index("What these runs confirmed that a CPU cannot (each check ran to its end and met every goal):")
+    end = lines.index("Not confirmed (each confirms nothing):")
+    by_name = {step["name"]: step for step in steps}
+    assert lines[start + 1 : end - 1] == [
+        f"- ddp-communication-memory: {by_name['ddp-communication-memory']['confirms']}"
+    ]
+    not_confirmed = {line.split(":")[0][2:]: line for line in lines[end + 1 :]}
+    assert set(not_confirmed) == {step["name"] for step in steps} - {"ddp-communication-memory"}
+    assert "ran; goals NOT met: world size 2 (1)" in not_confirmed["ddp-fp16"]
+    assert (
+        "not finished: stopped" in not_confirmed["fsdp2"] and "skipped: over the budget" in not_confirmed["ddp-profile"]
+    )
+    for name in SKIPPED_ON_ONE_GPU:
+        assert f"- {name}: skipped: {by_name[name]['skipped']}" == not_confirmed[name]
+    assert not any(by_name[name]["confirms"] in line for name in SKIPPED_ON_ONE_GPU for line in lines)
+    assert gpu_check_report.unmet(report) == ["ddp-fp16"]  # a goal read and not met fails the command
+
+
+H200 = ROOT / "benchmarks" / "gpu" / "nvidia-h200"
+
+
+def test_the_committed_h200_report_is_what_the_report_code_writes_from_its_json(tmp_path):
+    """The committed report was written by the code the run ran, which listed every planned check as confirmed;
+    `--rewrite` writes it again from its JSON (its figures as measured) with today's goals and wording."""
+    from trainscope import gpu_check
+
+    (tmp_path / "nvidia-h200.json").write_bytes(H200.with_suffix(".json").read_bytes())
+    gpu_check.main(["--rewrite", str(tmp_path / "nvidia-h200.json")])
+    rewritten = (tmp_path / "nvidia-h200.md").read_text()
+    committed = H200.with_suffix(".md").read_text()
+    head = lambda text: text[: text.index("## Provenance")]  # noqa: E731 (the provenance is the run's, as kept)
+    assert head(committed) == head(rewritten)
+    confirmed = committed[committed.index("What these runs confirmed") : committed.index("Not confirmed")]
+    assert [line.split(":")[0] for line in confirmed.splitlines()[1:] if line] == [
+        "- scaler",
+        "- precision-fp32",
+        "- memory-snapshot",
+        "- precision-bf16",
+        "- timing-sync",
+    ]
+    for name in ["fsdp2", "ddp-compile", "unpad-bf16", "loaders", "precision-tf32", *TWO_GPU_CHECKS]:
+        assert f"- {name}:" not in confirmed
+    assert json.loads(H200.with_suffix(".json").read_text())["checks"][1]["mfu"] == pytest.approx(0.5361, abs=1e-4)
+
+
+def test_each_mfu_row_is_on_real_tokens_and_names_the_peak_it_is_a_share_of():
+    """The report's MFU column mixed peaks and work: fp32 against the 67 TFLOP/s non-tensor peak, bf16 against
+    989.5, padded runs counting the 74.5% of their FLOPs that are padding and --unpad real tokens. Each row now
+    headlines MFU on real tokens and names its peak (on the committed H200 figures: fp32 13.7%, bf16 1.39%, --unpad
+    1.54%), the share counting padding beside it."""
+    from trainscope import gpu_check_report
+
+    checks = {c["name"]: c for c in json.loads(H200.with_suffix(".json").read_text())["checks"]}
+    expected = {
+        "precision-fp32": "MFU 13.7% on real tokens of the 67 TFLOP/s fp32 non-tensor datasheet peak (53.6% counting",
+        "precision-bf16": "MFU 1.39% on real tokens of the 989.5 TFLOP/s bf16 tensor datasheet peak (5.44% counting",
+        "unpad-bf16": "MFU 1.54% on real tokens of the 989.5 TFLOP/s bf16 tensor datasheet peak (1.69% counting",
+    }
+    for name, text in expected.items():
+        assert text in gpu_check_report.outcome(checks[name]), name
+    committed = H200.with_suffix(".md").read_text()
+    assert all(text in committed for text in expected.values())
+    tf32 = {
+        "exit": 0,
+        "precision": "tf32",
+        "mfu": 0.1,
+        "throughput": {"samples_per_s": 1.0, "tflops_per_device": 49.45},
+    }
+    assert "counting padding of the 494.5 TFLOP/s TF32 tensor datasheet peak" in gpu_check_report.outcome(tf32)
+    tf32["throughput"]["real_tflops_per_device"] = 12.3625
+    assert "MFU 2.5% on real tokens of the 494.5 TFLOP/s TF32 tensor" in gpu_check_report.outcome(tf32)
+
+
+def test_a_training_check_launches_with_its_environment_and_keeps_what_its_goals_read(monkeypatch, tmp_path):
+    """A shared GPU's check is launched with TRAINSCOPE_DISTRIBUTED_BACKEND=gloo, and its results keep what its goals
+    read from the record: status, world size, distributed type, backend, device and the logged losses (a committed
+    2-process CPU record stands in for the run: its goals on CUDA and a multi-GPU state are not met)."""
+    import shutil
+    import subprocess as sp
+
+    from trainscope import gpu_check, gpu_check_plan, gpu_check_report, startup
+
+    step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "ddp-communication-memory")
+    launched = {}
+
+    def run_training(args, config, env, echo, timeout):
+        launched.update(config=config, env=env, timeout=timeout)
+        run = Path(args[args.index("--output-dir") + 1]) / args[args.index("--run-name") + 1]
+        shutil.copytree(ROOT / "benchmarks" / "runs" / "ddp_cost" / "bucket1-r0", run)
+        return sp.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(gpu_check.launching, "run_training", run_training)
+    result = gpu_check.run_step(step, tmp_path / "scratch", 142.0, kept=tmp_path / "kept")
+    assert launched["config"] == "ddp" and launched["env"][startup.BACKEND_ENV] == "gloo"
+    assert launched["env"]["PYTHONFAULTHANDLER"] == "1" and launched["timeout"] == 142.0
+    assert result["shared_gpu"] and result["status"] == "complete" and result["world_size"] == 2
+    assert (result["distributed_type"], result["backend"], result["device"]) == ("MULTI_CPU", "gloo", "cpu:0")
+    assert result["losses"][0][0] == 10 and len(result["losses"]) >= 2 and result["communication"]["measured"]
+    judged = {g["goal"]: g["met"] for g in gpu_check_report.judge_check(step, result, {}, 1)}
+    assert judged["on CUDA"] is False and judged["distributed type MULTI_GPU"] is False
+    assert judged["world size 2"] and judged["backend gloo"] and judged["its run record is complete"]
 
 
 class FakeClock:
@@ -572,7 +912,7 @@ def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_fai
 
     def run_step(step, scratch, timeout, kept):
         ran.append((step["name"], timeout))
-        failed = step["name"] == "memory-snapshot"
+        failed = step["name"] == "timing-sync"
         scaler = {"scaler": {"planted": 3, "counted": 3, "ok": True}} if step["name"] == "scaler" else {}
         return {
             "name": step["name"],
@@ -589,18 +929,16 @@ def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_fai
         gpu_check.main(["--out", str(tmp_path)])
     assert exited.value.code == 1
     stem = tmp_path / "nvidia-h100-80gb-hbm3"
-    assert capsys.readouterr().err.strip().splitlines() == [f"error: memory-snapshot failed: see {stem}.md"]
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: timing-sync failed: see {stem}.md"]
     written = json.loads((tmp_path / "nvidia-h100-80gb-hbm3.json").read_text())
     assert written["status"] == "complete" and written["not_run"] == [] and written["provenance"]["commit"]
-    assert [c["name"] for c in written["checks"]] == [*SINGLE_GPU_CHECKS, *TWO_GPU_CHECKS, *LATER_CHECKS]
-    assert [name for name, _ in ran] == [*SINGLE_GPU_CHECKS, *LATER_CHECKS]
+    assert [c["name"] for c in written["checks"]] == ORDER
+    assert [name for name, _ in ran] == [name for name in ORDER if name not in SKIPPED_ON_ONE_GPU]
     budget = gpu_check_plan.default_budget(gpu_check_plan.plan(gpus=1))
     assert written["budget_s"] == budget and all(0 < timeout <= budget for _, timeout in ran)
     assert written["scaler"] == {"planted": 3, "counted": 3, "ok": True}
     markdown = (tmp_path / "nvidia-h100-80gb-hbm3.md").read_text()
-    assert (
-        "| memory-snapshot |" in markdown and "failed: planted failure" in markdown and "Status: complete." in markdown
-    )
+    assert "| timing-sync |" in markdown and "failed: planted failure" in markdown and "Status: complete." in markdown
 
 
 def stand_in_nvidia_smi(tmp_path, monkeypatch, cuda: str = "12.8") -> None:
@@ -1029,11 +1367,11 @@ def test_a_check_that_crashes_keeps_where_it_crashed_and_every_check_keeps_its_r
 
 def test_the_scaler_check_runs_in_a_process_of_its_own_and_writes_its_counts(tmp_path):
     """In gpu-check's own process the scaler check held a CUDA context on GPU 0 all session (every check had less
-    memory there, and none could start under EXCLUSIVE_PROCESS): it is the plan's first check, a process of its own."""
+    memory there, and none could start under EXCLUSIVE_PROCESS): it is a check of the plan, a process of its own."""
     from trainscope import gpu_check_plan, gpu_check_report
 
-    step = gpu_check_plan.plan(gpus=1)[0]
-    assert step["name"] == "scaler" and step["command"][1:4] == ["-m", "trainscope.gpu_check", "--scaler-check"]
+    step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "scaler")
+    assert step["command"][1:4] == ["-m", "trainscope.gpu_check", "--scaler-check"]
     completed = run_command([part.replace("{out}", str(tmp_path)) for part in step["command"]], env=cpu_env())
     assert completed.returncode == 0, completed.stderr[-2000:]
     found = json.loads((tmp_path / "scaler.json").read_text())

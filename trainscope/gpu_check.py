@@ -1,7 +1,8 @@
 """make gpu-check: what only a GPU can show, checked on the GPUs present, within a time budget.
 
-    python -m trainscope.gpu_check [--out benchmarks/gpu] [--budget S] [--part K]
+    python -m trainscope.gpu_check [--out benchmarks/gpu] [--budget S] [--part K] [--only NAME ...]
     python -m trainscope.gpu_check --dry-run [--gpus N] [--budget S]     # the plan for N GPUs, on any machine
+    python -m trainscope.gpu_check --rewrite benchmarks/gpu/<device>.json  # its .md again, by this code
     make gpu-check [ARGS="--budget 240"]; make gpu-check ARGS=--dry-run (or make gpu-check --dry-run)
 
 Without a usable CUDA device it prints one line, writes nothing and exits 0; but where the NVIDIA driver
@@ -14,27 +15,35 @@ a GPU in exclusive-process mode runs them), by the documented commands, RoBERTa-
 length 128 unless said otherwise, and writes benchmarks/gpu/<device>.{json,md} with provenance, and each training
 run's record.json and steps.jsonl under benchmarks/gpu/<device>.runs/<check>/:
 
-1. fp16 loss scaling: a CUDA GradScaler with the fused AdamW and planted inf gradients;
-2. precision: fp32 (the operator benchmark of the prediction included: its fp32 attention kernels take
-   random-generator state), a memory snapshot in fp32, bf16, --timing sync against events, TF32 and fp16:
-   samples/s, tokens/s, MFU, peak memory per stage (GOALS: what the plan's step times let them reach);
-3. with two GPUs: FSDP2, DDP's per-step communication on device time against its own logger and the trace, the
-   profiler under DDP, DDP in fp16, the fp16 and bf16 compression hooks, DDP with --compile; with fewer, skipped
-   with their reason; single device vs DataParallel vs DDP;
+1. what needs several processes: FSDP2, DDP's per-step communication on device time against its own logger and
+   the trace, the profiler under DDP, DDP in fp16, the fp16 and bf16 compression hooks, DDP with --compile, single
+   device vs DataParallel vs DDP. With two GPUs or more, one GPU per process over NCCL; with one, the training
+   checks run as 2 processes sharing it over gloo (each code path on CUDA tensors, speed not representative; the
+   bf16 hook and compare_dp.py need NCCL, so 2 GPUs);
+2. fp16 loss scaling: a CUDA GradScaler with the fused AdamW and planted inf gradients;
+3. precision: fp32 (the operator benchmark of the prediction included: its fp32 attention kernels take
+   random-generator state), a memory snapshot in fp32, bf16, --unpad, --timing sync against events, TF32 and fp16:
+   samples/s, tokens/s, MFU on real tokens of the peak each names, peak memory per stage;
 4. the DataLoader's copy to the device, pinned and not, at a batch whose copy shows; the batch-size search
    against a real out-of-memory error; torch.compile in bf16 with dynamic shapes; the cost of --timing events
    against a bare loop (alternating comparisons of bench.MIN_PAIRS rounds, written after every round).
 
-Every launch has a timeout (its whole process tree is killed past it) and the plan a budget (--budget, default:
-the plan's estimate plus MARGIN): before each check, one whose estimate does not fit in what is left is skipped
-("over the budget"), and no launch may run past the budget. The results are rewritten (atomically) after every
-check, so a time limit, Ctrl-C or a hung launch keeps what was measured; on SIGINT or SIGTERM the running launch is
-killed and the results say `interrupted`. A check that fails keeps the tail of its output (the checks run with
-PYTHONFAULTHANDLER=1: a crash shows its Python stack). Where one command may run at most PART_LIMIT_S, the dry
-run splits the plan into parts (`--part K`, results in <device>.partK.*).
+Each check has goals its figures can fail (trainscope.gpu_check_report.goals_of); the results list as confirmed
+only the checks that ran to their end and met every goal, and say why each other one confirms nothing. A check
+whose goal is read and not met fails the command, as a failed check does.
 
-Durations are estimates from each check's workload (launches, steps, precision) and the MEASURED_* figures (the
-first gpu-check on one H200) and ASSUMED_* ones (not measured on GPU) of trainscope/gpu_check_plan.py.
+Every launch has a timeout (its whole process tree is killed past it; a multi-process check's --distributed-timeout
+is shorter, so a hung collective is recorded first) and the plan a budget (--budget, default: the plan's estimate
+plus MARGIN): before each check, one whose estimate does not fit in what is left is skipped ("over the budget"),
+and no launch may run past the budget. The results are rewritten (atomically) after every check, so a time limit,
+Ctrl-C or a hung launch keeps what was measured; on SIGINT or SIGTERM the running launch is killed and the results
+say `interrupted`. A check that fails keeps the tail of its output (the checks run with PYTHONFAULTHANDLER=1: a
+crash shows its Python stack). Where one command may run at most PART_LIMIT_S, the dry run splits the plan into
+parts (`--part K`, results in <device>.partK.*); the one-GPU plan fits one session's SESSION_S, and what it leaves
+out runs with `--only NAME` (results in <device>.only.*).
+
+Durations are estimates from each check's workload (launches, steps, precision, processes) and the MEASURED_*
+figures (the gpu-checks on one H200) and ASSUMED_* ones (not measured on GPU) of trainscope/gpu_check_plan.py.
 
 This module runs the plan (trainscope.gpu_check_plan) and is its command line; trainscope.gpu_check_report judges
 the results and writes their Markdown.
@@ -56,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from trainscope import bench, launching
+from trainscope import bench, launching, provenance
 from trainscope.errors import UserError, exit_with
 from trainscope.gpu_check_plan import (
     ASSUMED_STEP_S,
@@ -70,9 +79,9 @@ from trainscope.gpu_check_plan import (
     plan,
     planned_seconds,
 )
-from trainscope.gpu_check_report import markdown, outcome, verdicts
+from trainscope.gpu_check_report import markdown, outcome, unmet, verdicts
 from trainscope.record_view import RunView
-from trainscope.records import RECORD_FILE, STEPS_FILE, read_record
+from trainscope.records import RECORD_FILE, STEPS_FILE, read_record, read_steps, write_text_atomic
 
 ROOT = launching.ROOT
 
@@ -130,14 +139,15 @@ def run_step(step: dict, scratch: Path, timeout: float | None = None, kept: Path
     """One check, launched with `timeout` (its process tree is killed past it): its exit and figures; the records of
     its runs copied under `kept`/<check>, and on a failure the tail of its output."""
     base = {"name": step["name"], "estimate_s": step.get("estimate_s"), "timeout_s": timeout}
+    if step.get("shared_gpu"):
+        base["shared_gpu"] = True
     if step.get("skipped"):
         return {**base, "seconds": 0.0, "skipped": step["skipped"]}
     started = time.monotonic()
     out = scratch / step["name"]
+    env = {**check_env(), **(step.get("env") or {})}
     if "command" in step:
-        result = launching.run_captured(
-            [part.replace("{out}", str(out)) for part in step["command"]], check_env(), timeout
-        )
+        result = launching.run_captured([part.replace("{out}", str(out)) for part in step["command"]], env, timeout)
         figures = {"exit": result.returncode}
         for path in out.glob("*.json") if out.exists() else []:  # results, not the records of the runs under it
             figures[path.stem] = json.loads(path.read_text())
@@ -145,30 +155,44 @@ def run_step(step: dict, scratch: Path, timeout: float | None = None, kept: Path
         result = launching.run_training(
             [*step["args"], "--output-dir", str(out), "--run-name", step["name"]],
             step["config"],
-            env=check_env(),
+            env=env,
             echo=False,
             timeout=timeout,
         )
         figures = {"exit": result.returncode}
         if result.returncode == 0:
-            view = RunView(read_record(out / step["name"]))
-            figures.update(
-                throughput=view.throughput,
-                mfu=view.mfu,
-                memory=view.memory,
-                compile=view.compile,
-                timing=view.summary.get("timing"),
-                memory_snapshot=view.summary.get("memory_snapshot"),
-                communication=view.communication,
-                precision=view.precision,
-                warnings=view.warnings,
-                measured_peak=view.summary.get("measured_peak"),
-                prediction_notes=(view.record.get("prediction") or {}).get("notes"),
-            )
+            figures.update(run_figures(out / step["name"]))
     if result.returncode != 0:
         figures.update(error=launching.failure_reason(result), output_tail=output_tail(result))
     figures["records"] = keep_records(out, kept / step["name"] if kept else None)
     return {**base, "seconds": time.monotonic() - started, **figures}
+
+
+def run_figures(run_dir: Path) -> dict:
+    """What the results keep of one run: its summary's figures, what its goals read (the record's status, world
+    size, distributed type, backend and device, its logged losses, its trace) and its prediction's notes."""
+    view = RunView(read_record(run_dir))
+    profile = view.profile or {}
+    return dict(
+        status=view.status,
+        world_size=view.world_size,
+        distributed_type=view.env.get("distributed_type"),
+        backend=view.backend,
+        device=view.device,
+        losses=[[line["step"], line["loss"]] for line in read_steps(run_dir, []) if line.get("loss") is not None],
+        profile={"directory": profile.get("directory"), "window": profile.get("window")} if profile else None,
+        throughput=view.throughput,
+        mfu=view.mfu,
+        memory=view.memory,
+        compile=view.compile,
+        timing=view.summary.get("timing"),
+        memory_snapshot=view.summary.get("memory_snapshot"),
+        communication=view.communication,
+        precision=view.precision,
+        warnings=view.warnings,
+        measured_peak=view.summary.get("measured_peak"),
+        prediction_notes=(view.record.get("prediction") or {}).get("notes"),
+    )
 
 
 class Interrupted(Exception):
@@ -338,9 +362,15 @@ def cuda_torch_command(
     )
 
 
-def print_plan(steps: list[dict], gpus: int, budget_s: float) -> None:
+def shown_command(step: dict) -> str:
+    """The check's command as it runs: its environment's own variables first (a shared GPU's backend)."""
+    command = step.get("command") or launching.train_command(step["args"], step["config"])
+    return " ".join([*(f"{name}={value}" for name, value in (step.get("env") or {}).items()), *command])
+
+
+def print_plan(steps: list[dict], gpus: int, budget_s: float, only: list[str] | None = None) -> None:
     for step in steps:
-        command = " ".join(step.get("command") or launching.train_command(step["args"], step["config"]))
+        command = shown_command(step)
         if step.get("skipped"):
             print(f"{step['name']}: skipped ({step['skipped']})")
         else:
@@ -370,9 +400,9 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float) -> None:
         print(f"in parts of at most {PART_LIMIT_S:.0f} s a command (each part's estimate and {MARGIN - 1:.0%}):")
         for index, part in enumerate(cut, 1):
             names = [step["name"] for step in part if not step.get("skipped")]
+            run = f"--only {' '.join(names)}" if only else f"--part {index}"  # --only takes no --part
             print(
-                f"  part {index} ({planned_seconds(part):.0f} s: {', '.join(names)}): python -m trainscope.gpu_check "
-                f"--part {index}"
+                f"  part {index} ({planned_seconds(part):.0f} s: {', '.join(names)}): python -m trainscope.gpu_check {run}"
             )
 
 
@@ -406,6 +436,21 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="with --dry-run: plan for this many GPUs (default: the GPUs present, or one)",
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="run only these checks of the plan, those the one-GPU plan leaves out to fit one session included; "
+        "results in <device>.only.*",
+    )
+    parser.add_argument(
+        "--rewrite",
+        default=None,
+        metavar="JSON",
+        help="write a results file's Markdown again from its JSON by this code (the goals and wording of today, "
+        "judged on the figures it holds; the JSON is left as it is); runs nothing",
+    )
     parser.add_argument("--torch-check", action="store_true", help=argparse.SUPPRESS)  # make setup's check
     parser.add_argument("--scaler-check", action="store_true", help=argparse.SUPPRESS)  # the scaler check's process
     return parser
@@ -435,25 +480,45 @@ def write_scaler_check(out: Path) -> None:
     print(json.dumps(found))
 
 
-def dry_run(gpus_asked: int | None, part: int | None, budget: float | None) -> None:
+def dry_run(gpus_asked: int | None, part: int | None, budget: float | None, only: list[str] | None = None) -> None:
     """The plan for `gpus_asked` GPUs (default: those present, or one), printed; nothing run."""
     gpus = gpus_asked or launching.cuda_devices() or 1
     if gpus_asked is None and not launching.cuda_devices():
         print("no CUDA device here: planned as for one GPU (--gpus N plans for N)")
     try:
-        steps = select_part(plan(gpus), part)
+        steps = select_part(plan(gpus, only), part)
     except UserError as error:
         exit_with(error, code=2)
-    print_plan(steps, gpus, budget or default_budget(steps))
+    print_plan(steps, gpus, budget or default_budget(steps), only)
+
+
+REWRITTEN = (
+    "This file was written again from {json} by `python -m trainscope.gpu_check --rewrite` (the report code of a "
+    "later commit): its goals, verdicts and wording are that code's, judged on the figures the run recorded, which "
+    "are as measured; the run's own verdicts are in the JSON."
+)
+
+
+def rewrite(json_path: Path) -> Path:
+    """A results file's Markdown written again from its JSON (left as it is) by this module's report code."""
+    report = json.loads(Path(json_path).read_text())
+    lines = markdown(report, note=REWRITTEN.format(json=Path(json_path).name))
+    text = "\n".join([*lines, "", *provenance.markdown(report["provenance"])]) + "\n"
+    target = Path(json_path).with_suffix(".md")
+    write_text_atomic(target, text)
+    return target
 
 
 def new_report(name: str, gpus: int, part: int | None, steps: list[dict]) -> dict:
-    """The results file before any check: the device, the driver, the plan and what its estimates rest on."""
+    """The results file before any check: the device, the driver, this torch and its CUDA, the plan and what its
+    estimates rest on."""
     return {
         "benchmark": "gpu_check",
-        "benchmark_version": 3,
+        "benchmark_version": 4,
         "device": name,
         "driver": driver_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "gpus": gpus,
         "part": part,
         "plan": steps,
@@ -506,9 +571,13 @@ def run_checks(steps: list[dict], report: dict, budget: float, stem: Path, start
     ]
     if report.get("scaler") is not None and not report["scaler"].get("ok") and "scaler" not in failed:
         failed.append("scaler")
+    missed = [name for name in unmet(report) if name not in failed]
     print(f"wrote {stem}.json and {stem}.md")
-    if failed:
-        exit_with(UserError(f"{', '.join(failed)} failed: see {stem}.md"), code=1)
+    if failed or missed:
+        said = ([f"{', '.join(failed)} failed"] if failed else []) + (
+            [f"{', '.join(missed)} did not meet {'its' if len(missed) == 1 else 'their'} goals"] if missed else []
+        )
+        exit_with(UserError(f"{'; '.join(said)}: see {stem}.md"), code=1)
 
 
 def main(argv=None) -> None:
@@ -523,8 +592,12 @@ def main(argv=None) -> None:
         return torch_check()
     if args.scaler_check:
         return write_scaler_check(Path(args.out))
+    if args.rewrite:
+        return print(f"wrote {rewrite(Path(args.rewrite))}")
+    if args.only and args.part:
+        parser().error("--only runs the checks it names: no --part with it")
     if args.dry_run:
-        return dry_run(args.gpus, args.part, args.budget)
+        return dry_run(args.gpus, args.part, args.budget, args.only)
     started = time.monotonic()
     if not torch.cuda.is_available():
         missing = cuda_torch_command(nvidia_smi())
@@ -537,11 +610,12 @@ def main(argv=None) -> None:
     # the device's name and count without a CUDA context in this process (the properties need none)
     name, gpus = torch.cuda.get_device_name(0), launching.cuda_devices()
     try:
-        steps = select_part(plan(gpus), args.part)
+        steps = select_part(plan(gpus, args.only), args.part)
     except UserError as error:
         exit_with(error, code=2)
     budget = args.budget or default_budget(steps)
-    stem = Path(args.out) / (device_slug(name) + (f".part{args.part}" if args.part else ""))
+    suffix = f".part{args.part}" if args.part else ".only" if args.only else ""
+    stem = Path(args.out) / (device_slug(name) + suffix)
     print(
         f"gpu-check: {len(steps)} checks on {gpus} x {name}, budget {budget:.0f} s; results after every check "
         f"in {stem}.md",

@@ -1,14 +1,27 @@
 """make gpu-check's plan: the checks in the order they run, each with its command, what only a GPU run confirms,
 its estimated seconds and timeout, and the plan's total, default budget and parts.
 
-Durations are estimates from each check's workload (launches, steps, precision) and the MEASURED_* figures (the
-first gpu-check on one H200) and ASSUMED_* ones (not measured on GPU) below.
+The checks that need several processes run first (FSDP2, DDP and its variants, DataParallel: what no GPU has run
+yet), then those of one GPU. With two GPUs or more each process has its own GPU (NCCL). With one, the multi-process
+training checks run as 2 processes sharing the GPU over gloo (TRAINSCOPE_DISTRIBUTED_BACKEND=gloo: NCCL refuses two
+ranks on one GPU): each code path on CUDA tensors, fewer steps, the goals about the code path (it ran, its record is
+complete, on CUDA, 2 processes, FSDP or DDP as planned, the loss finite and falling), its speed not representative.
+The one-GPU plan fits one session's SESSION_S of GPU time: what it leaves out says so, and `--only NAME` runs it.
+
+Every multi-process check passes train.py a --distributed-timeout shorter than its own timeout by its estimate and
+DISTRIBUTED_EVIDENCE_S: a collective that hangs times out, and the run says so in its record, before gpu-check kills
+the launch.
+
+Durations are estimates from each check's workload (launches, steps, precision, processes) and the MEASURED_*
+figures (the gpu-checks on one H200) and ASSUMED_* ones (not measured on GPU) below.
 """
 
 import math
 import sys
 
 from trainscope import bench, launching
+from trainscope.errors import UserError
+from trainscope.startup import BACKEND_ENV
 
 # RoBERTa-base (architecture only) at sequence length 128, batch 32 per GPU. Padded to the maximum length:
 # one shape, so precisions and configs compare on the same work. DYNAMIC pads per batch (lengths vary).
@@ -43,52 +56,80 @@ PRECISIONS = {
     "fp16": ("fp16", []),
 }
 
-# ---- what the estimates rest on. MEASURED_*: the first make gpu-check on a GPU (one NVIDIA H200, a 16-core Xeon
-# host, torch 2.11; benchmarks/gpu/nvidia-h200.*). ASSUMED_*: not measured on GPU.
-MEASURED_LAUNCH_S = 29.0  # one single-GPU launch of train.py less its steps: the 50-step bf16 and fp16 launches
-#                           took 31 s each (evaluation and the record included), 2.1-2.4 s of it their loops
-MEASURED_FIRST_LAUNCH_S = 45.0  # the first launch's extra: the second check's precision-fp32 took 77 s against
-#                                  24 s for the fp32 launches after it (8 s of the rest its operator costs); the first
-#                                  check: 33 s against 22 s
+# ---- what the estimates rest on. MEASURED_*: the make gpu-checks on a GPU (one NVIDIA H200, a 16-core Xeon host,
+# torch 2.11; benchmarks/gpu/nvidia-h200.*). ASSUMED_*: not measured on GPU.
+MEASURED_LAUNCH_S = 23.0  # one single-GPU launch of train.py less its steps, its operators already timed: run 2's
+#                           memory-snapshot, unpad-bf16 and timing-sync launches took 24.3, 24.9 and 24.4 s with 1-3 s
+#                           of steps; run 1's bf16 and fp16 launches 31 s with 2.1-2.4 s of loop and their operators'
+#                           timing (ASSUMED_OP_COSTS_S)
+MEASURED_FIRST_LAUNCH_S = 45.0  # the first launch's extra: run 2's precision-fp32 took 77 s against 24 s for the fp32
+#                                  launches after it (8 s of the rest its operator costs); run 1's first check: 33 s
+#                                  against 22 s. The matmul peak and the layer probes are cached per process count
+#                                  (trainscope.peak.machine_key): the first launch of each process count pays it
 MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.040, "fp16": 0.047}  # steady steps, batch 32 x 128: fp32 and bf16
-#                   from the second check (536 and 803 samples/s), fp16 from the first (677 samples/s)
-MEASURED_COMPILE_S = 98.0  # compile-bf16's launch (129 s) less precision-bf16's (31 s): 82 s compiling, 59 s of
-#                            it in the first forward and 24.5 s at the first evaluation
-ASSUMED_STEP_S = {"tf32": 0.06}  # not yet run on a GPU (the second check's budget ended before it)
-ASSUMED_PROCESS_GROUP_S = 5.0  # a 2-process launch: the second process and NCCL's communicator
+#                   from run 2 (536 and 803 samples/s), fp16 from run 1 (677 samples/s)
+MEASURED_COMPILE_S = 104.0  # run 1's compile-bf16 launch (129 s) less a bf16 launch whose operators were timed
+#                             before (23 s) and its 50 steps (2 s): 82 s compiling, 59 s of it in the first forward
+#                             and 24.5 s at the first evaluation
+ASSUMED_STEP_S = {"tf32": 0.06}  # not yet run on a GPU (run 2's budget ended before it)
+ASSUMED_PROCESS_GROUP_S = 5.0  # a 2-process launch: the second process and the process group
 ASSUMED_COMPILE_PROCESSES = 1.5  # two processes compiling at once on one host's cores: 1.5x one compile
 ASSUMED_OP_COSTS_S = 8.0  # a launch whose precision and process count this machine has not predicted before times
 #                           the prediction's operators in a child process (Python, torch, a CUDA context)
 ASSUMED_SCRIPT_S = 8.0  # a benchmark script's own start: imports, data, CUDA context
 ASSUMED_EXTRA_S = {"snapshot": 5.0, "profile": 10.0, "search": 15.0}  # a snapshot's pickle (Python frames only),
 #                                                 the trace and CUPTI, the batch search's out-of-memory tries
-MEASURED_LOADER_PASS_S = 1.0  # loaders_bench: one pass over 4096 samples at batch 512 x 512, the second check:
-#                                1.4 s without workers, 0.5-0.7 s with 4, passes alternating
+MEASURED_LOADER_PASS_S = 1.0  # loaders_bench: one pass over 4096 samples at batch 512 x 512, run 2: 1.4 s without
+#                                workers, 0.5-0.7 s with 4, passes alternating
 ASSUMED_DP_LOOP_S = 2.0  # compare_dp.py: one in-process loop (22 MiniLM steps of 32)
 ASSUMED_SCALER_S = 10.0  # the scaler check's process: Python, torch, a CUDA context and 16 tiny steps
+# Two processes sharing one GPU over gloo: each step's compute twice over on the one GPU, and the gradients through
+# host memory: RoBERTa-base's 499 MB of fp32 gradients at the 1.2 GB/s bus bandwidth make ddp-cost measured over
+# gloo between 2 CPU processes (benchmarks/runs/ddp_cost), their copies to and from the GPU besides
+ASSUMED_SHARED_STEP_FACTOR = 2.0
+ASSUMED_GLOO_STEP_S = 0.45
+SHARED_STEPS, SHARED_LOG_EVERY = 20, "5"  # a shared GPU's check: the code path (warm-up, steady steps, four logged
+#                                          losses), not its speed
+SHARED_BACKEND = "gloo"
 TIMEOUT_FACTOR, MIN_TIMEOUT_S = 3.0, 60.0  # a launch is killed past 3x its estimate (at least a minute)
+# After a collective times out: the peers name the failed rank and the record is written (seconds); a check's timeout
+# leaves this beyond its estimate and its --distributed-timeout, which is at least MIN_DISTRIBUTED_TIMEOUT_S (a rank
+# may wait that long for another's start-up work: its operators timed, the first evaluation)
+DISTRIBUTED_EVIDENCE_S = 30.0
+MIN_DISTRIBUTED_TIMEOUT_S = 60
 MARGIN = 1.15  # the default budget: the plan's estimate and 15%
 PART_LIMIT_S = 600.0  # at most one command's time on a machine that lends its GPU 10 minutes a command
+SESSION_S = 900.0  # the GPU time one session is lent (15 minutes): the one-GPU plan's default budget fits it
 PRECISION_STEPS = 50
 OVERHEAD_STEPS, OVERHEAD_WARMUP = 75, 5  # 70 steady fp32 steps: about 4.2 s per arm and round (0.060 s measured)
 LOADER_WORKERS = ("0", "4")
 # A batch whose copy shows: 512 rows padded to 512 positions, 2 MiB of token ids and 2 MiB of mask (int64) a batch,
 # against 20 KB at the run's batch of 32 short tweets, where the pass measured the collate
 LOADER_BATCH, LOADER_LENGTH = 512, 512
+# With one GPU: what the plan leaves out to fit SESSION_S (`--only NAME` runs it), and what cannot run there at all
+LEFT_OUT_ON_ONE_GPU = {
+    "memory-snapshot": "run 2 on the H200 recorded its window and dumped it within its timeout",
+    "ddp-compile": "two processes compiling at once (about 3 minutes) on the shared GPU",
+    "overhead": "10 launches of 75 steps (about 4.5 minutes)",
+}
+NEEDS_TWO_GPUS = {
+    "ddp-comm-hook-bf16": "needs NCCL (gloo cannot all-reduce bf16), so 2 GPUs",
+    "compare-dp": "needs 2 GPUs: compare_dp.py's DDP workers each bind cuda:<local rank> over NCCL (a second "
+    "process cannot share the GPU there, and one process has no all-reduce); DataParallel needs two",
+}
 
 
 def step_seconds(precision: str) -> float:
     return MEASURED_STEP_S.get(precision) or ASSUMED_STEP_S[precision]
 
 
-def train_estimate(steps: int, precision: str, processes: int = 1, extra: float = 0.0) -> float:
-    """Seconds for one launch of train.py: the fixed cost, the steps at their step time, and extras."""
-    return (
-        MEASURED_LAUNCH_S
-        + (ASSUMED_PROCESS_GROUP_S if processes > 1 else 0.0)
-        + steps * step_seconds(precision)
-        + extra
+def train_estimate(steps: int, precision: str, processes: int = 1, extra: float = 0.0, shared: bool = False) -> float:
+    """Seconds for one launch of train.py: the fixed cost, the steps at their step time, and extras; on a GPU
+    `shared` by its processes over gloo, each step's compute twice over and the gradients through host memory."""
+    step = step_seconds(precision) * (ASSUMED_SHARED_STEP_FACTOR if shared else 1.0) + (
+        ASSUMED_GLOO_STEP_S if shared else 0.0
     )
+    return MEASURED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if processes > 1 else 0.0) + steps * step + extra
 
 
 def timeout_for(estimate: float) -> float:
@@ -99,19 +140,41 @@ def training_check(
     name: str, config: str, args: list[str], steps: int, precision: str, confirms: str, extra: float = 0.0
 ) -> dict:
     processes = launching.config_facts(launching.config_path(config))["num_processes"]
-    estimate = train_estimate(steps, precision, processes, extra)
-    return {
+    step = {
         "name": name,
         "config": config,
-        "args": [*args, "--max-steps", str(steps)],
+        "args": list(args),
+        "steps": steps,
+        "extra_s": extra,
         "confirms": confirms,
-        "estimate_s": estimate,
-        "timeout_s": timeout_for(estimate),
         "precision": precision,
         "processes": processes,
-        "estimate": f"{processes} process{'es' if processes > 1 else ''}, {steps} "
-        f"{precision} steps" + (f" + {extra:.0f} s" if extra else ""),
     }
+    return _estimated(step)
+
+
+def _estimated(step: dict) -> dict:
+    """The step's args, estimate and timeout from its steps, precision, processes and extras."""
+    shared, steps, extra = bool(step.get("shared_gpu")), step["steps"], step["extra_s"]
+    step["args"] = _with_flag(step["args"], "--max-steps", str(steps))
+    step["estimate_s"] = train_estimate(steps, step["precision"], step["processes"], extra, shared)
+    step["timeout_s"] = timeout_for(step["estimate_s"])
+    processes = step["processes"]
+    step["estimate"] = (
+        f"{processes} process{'es' if processes > 1 else ''}"
+        + (" sharing one GPU over gloo" if shared else "")
+        + f", {steps} {step['precision']} steps"
+        + (f" + {extra:.0f} s" if extra else "")
+    )
+    return step
+
+
+def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
+    """`args` with `flag value` (replacing the flag's value where it is there)."""
+    if flag in args:
+        at = args.index(flag)
+        return [*args[:at], flag, value, *args[at + 2 :]]
+    return [*args, flag, value]
 
 
 def command_check(name: str, command: list[str], estimate: float, how: str, confirms: str) -> dict:
@@ -126,17 +189,19 @@ def command_check(name: str, command: list[str], estimate: float, how: str, conf
 
 
 def _first_costs(steps: list[dict]) -> None:
-    """Add to the estimates what only a first launch costs: the first launch of all (MEASURED_FIRST_LAUNCH_S) and the
-    first of each precision and process count (its operators timed in a child process, ASSUMED_OP_COSTS_S). TF32
-    runs the fp32 operators (timed by fp32's launch)."""
-    first, timed = True, set()
+    """Add to the estimates what only a first launch costs: the first launch of each process count (the machine's
+    matmul peak and layer probes, cached per process count, and on the first of all the predictor's calibration:
+    MEASURED_FIRST_LAUNCH_S) and the first of each precision and process count (its operators timed in a child
+    process, ASSUMED_OP_COSTS_S). TF32 runs the fp32 operators (timed by fp32's launch)."""
+    cold, timed = set(), set()
     for step in steps:
         if step.get("skipped") or "config" not in step:
             continue
         extra, notes = 0.0, []
-        if first:
-            extra, first = extra + MEASURED_FIRST_LAUNCH_S, False
-            notes.append(f"first launch +{MEASURED_FIRST_LAUNCH_S:.0f} s")
+        if step["processes"] not in cold:
+            cold.add(step["processes"])
+            extra += MEASURED_FIRST_LAUNCH_S
+            notes.append(f"first launch of {step['processes']} process(es) +{MEASURED_FIRST_LAUNCH_S:.0f} s")
         kind = ("fp32" if step["precision"] == "tf32" else step["precision"], step["processes"])
         if kind not in timed:
             timed.add(kind)
@@ -148,30 +213,108 @@ def _first_costs(steps: list[dict]) -> None:
             step["estimate"] += "; " + ", ".join(notes)
 
 
-def plan(gpus: int | None = None) -> list[dict]:
-    """The checks, in the order they run (the most informative first: a short budget skips the tail). Each has a
-    name, what only a GPU run confirms, a train.py run (config + args) or a command ("{out}" stands for its
-    results folder), its estimated seconds (with how they were estimated) and its timeout. A run whose config
-    needs more GPUs than `gpus` is marked skipped with launching.plan's reason. With no GPU (a dry run) it is
-    planned as for one."""
+def distributed_timeout(step: dict) -> int:
+    """A multi-process check's --distributed-timeout: what its timeout leaves after its estimate (a collective can
+    hang at the run's end) and DISTRIBUTED_EVIDENCE_S (the peers' report and the record written)."""
+    return math.floor(step["timeout_s"] - step["estimate_s"] - DISTRIBUTED_EVIDENCE_S)
+
+
+def _distributed_timeouts(steps: list[dict]) -> None:
+    """Each multi-process check's timeout made room for MIN_DISTRIBUTED_TIMEOUT_S and DISTRIBUTED_EVIDENCE_S past its
+    estimate, and its --distributed-timeout set to what that timeout leaves (train.py's default, 600 s, outlived the
+    checks' timeouts of 109-138 s: a hung collective was killed before the run could say anything)."""
+    for step in steps:
+        if "config" not in step or step["processes"] < 2:
+            continue
+        least = math.ceil(step["estimate_s"]) + MIN_DISTRIBUTED_TIMEOUT_S + DISTRIBUTED_EVIDENCE_S
+        step["timeout_s"] = max(step["timeout_s"], least)
+        step["args"] = _with_flag(step["args"], "--distributed-timeout", str(distributed_timeout(step)))
+
+
+def plan(gpus: int | None = None, only: list[str] | None = None) -> list[dict]:
+    """The checks, in the order they run (the most informative first: a short budget skips the tail): those of
+    several processes, then those of one GPU, then the benchmarks. Each has a name, what only a GPU run confirms,
+    a train.py run (config + args, and `env` to launch it with) or a command ("{out}" stands for its results folder),
+    its estimated seconds (with how they were estimated) and its timeout. A check that cannot run on `gpus` GPUs is
+    marked skipped with its reason; with one GPU the multi-process training checks share it (`shared_gpu`), and
+    what does not fit SESSION_S is left out (skipped, `left_out`). `only`: just the checks named, the left-out ones
+    among them run. With no GPU (a dry run) it is planned as for one."""
     gpus = max(launching.cuda_devices() if gpus is None else gpus, 1)
     steps = [
-        *_single_gpu_checks(_precision_checks()),
         *_two_gpu_checks(),
         *_ddp_variant_checks(),
         _compare_dp_check(gpus),
+        *_single_gpu_checks(_precision_checks()),
         _loaders_check(),
         _batch_search_check(),
         _compile_check(),
         _overhead_check(),
     ]
     for step in steps:
-        if "config" in step:
-            verdict = launching.plan(step["config"], gpus)
-            if not verdict.runnable:
-                step["skipped"] = verdict.reason
+        _fit(step, gpus)
+    if only:
+        unknown = sorted(set(only) - {step["name"] for step in steps})
+        if unknown:
+            raise UserError(f"--only {' '.join(unknown)}: no such check (the dry run lists them)")
+        steps = [step for step in steps if step["name"] in only]
+        for step in steps:
+            if step.pop("left_out", False):
+                del step["skipped"]
     _first_costs(steps)
+    _distributed_timeouts(steps)
     return steps
+
+
+def _fit(step: dict, gpus: int) -> None:
+    """The check as it runs on `gpus` GPUs: skipped where it cannot, shared over gloo where one GPU holds its
+    processes, left out where the one-GPU plan has no room for it."""
+    name, processes = step["name"], step.get("processes", 1)
+    if gpus == 1 and name in NEEDS_TWO_GPUS:
+        step["skipped"] = NEEDS_TWO_GPUS[name]
+        return
+    if "config" in step and not launching.plan(step["config"], gpus).runnable:
+        if gpus == 1 and processes == 2:
+            share_one_gpu(step)
+        else:
+            step["skipped"] = launching.plan(step["config"], gpus).reason
+            return
+    if gpus == 1 and name in LEFT_OUT_ON_ONE_GPU:
+        step["skipped"] = (
+            f"left out of the one-GPU plan, which fits one session's {SESSION_S / 60:.0f} minutes of GPU time: "
+            f"{LEFT_OUT_ON_ONE_GPU[name]}; `python -m trainscope.gpu_check --only {name}` runs it"
+        )
+        step["left_out"] = True
+
+
+def share_one_gpu(step: dict) -> None:
+    """A 2-process training check on one GPU: both processes on it over gloo, SHARED_STEPS steps (logged every
+    SHARED_LOG_EVERY), what it confirms the code path's, not its speed."""
+    step.update(
+        shared_gpu=True,
+        env={BACKEND_ENV: SHARED_BACKEND},
+        steps=min(step["steps"], SHARED_STEPS),
+        args=_with_flag(step["args"], "--log-every", SHARED_LOG_EVERY),
+        confirms=f"{SHARED_NOTE}. {SHARED_CONFIRMS[step['name']]}",
+    )
+    _estimated(step)
+
+
+SHARED_NOTE = "2 processes sharing one GPU over gloo: speed not representative"
+# What a multi-process check confirms on one GPU shared over gloo: its code path on CUDA tensors
+SHARED_CONFIRMS = {
+    "fsdp2": "FSDP2 (accelerate_configs/fsdp.yaml, bf16) on CUDA tensors: each layer sharded by Accelerate's own "
+    "prepare, the all-gathers and reduce-scatters between the ranks, the run's measurements reading the DTensors' "
+    "local shards, per-process memory",
+    "ddp-communication-memory": "DDP's exposed communication measured on every step with CUDA events on the compute "
+    "stream, against DDP's own logger on the same iterations; the one read of DDP's buckets out of each process's "
+    "peak memory",
+    "ddp-profile": "torch.profiler under DDP on CUDA: the trace written and read with two ranks (gloo's collectives "
+    "are host operators: no NCCL kernels to count)",
+    "ddp-fp16": "DDP in fp16 on CUDA (accelerate_configs/ddp_fp16.yaml): the loss scaler on every rank",
+    "ddp-comm-hook-fp16": "DDP's fp16 compression hook on CUDA tensors; exposed communication against DDP's logger",
+    "ddp-comm-hook-bf16": "DDP's bf16 compression hook on CUDA tensors",
+    "ddp-compile": "torch.compile under DDP on CUDA: compile time, recompiles",
+}
 
 
 def _precision_checks() -> dict[str, dict]:
@@ -250,7 +393,8 @@ def _single_gpu_checks(precision: dict[str, dict]) -> list[dict]:
 
 
 def _two_gpu_checks() -> list[dict]:
-    """Two GPUs: what one cannot show (FSDP2, DDP's communication and its memory, the profiler under DDP)."""
+    """Several processes: FSDP2, DDP's communication and its memory, the profiler under DDP (one GPU each over NCCL;
+    on one GPU, `share_one_gpu`)."""
     steps = []
     steps.append(
         training_check(
@@ -292,7 +436,7 @@ def _two_gpu_checks() -> list[dict]:
 
 
 def _ddp_variant_checks() -> list[dict]:
-    """Two GPUs: DDP in fp16, under the compression hooks and compiled."""
+    """Several processes: DDP in fp16, under the compression hooks and compiled."""
     steps = []
     steps.append(
         training_check(
@@ -343,7 +487,8 @@ def _compare_dp_check(gpus: int) -> dict:
         [sys.executable, "compare_dp.py", "--rounds", str(pairs), "--results-dir", "{out}", *SMALL_MODEL],
         ASSUMED_SCRIPT_S + pairs * dp_round,
         f"{pairs} rounds of the in-process loops and a DDP launch",
-        "each DDP worker binds its own GPU (NCCL); DataParallel needs two GPUs",
+        "each DDP worker binds its own GPU (NCCL), one process per GPU, and DataParallel runs on two GPUs or more: "
+        "speed against one device",
     )
 
 

@@ -90,15 +90,31 @@ def start(settings: Settings) -> Startup:
     return started
 
 
+# The process group's backend where Accelerate's own choice (NCCL on CUDA, gloo on CPU processes) is not wanted.
+# "gloo" lets several processes share one GPU (NCCL refuses two ranks on one device): make gpu-check runs its
+# multi-process checks that way on a machine with one GPU, each code path on CUDA tensors, its speed not
+# representative (docs/gpu.md). Accelerate's PartialState keeps a backend it is given on CUDA (`_prepare_backend`:
+# the distributed type stays MULTI_GPU, so an FSDP config is still FSDP) and puts each process on
+# cuda:(local rank % GPUs present): with one GPU, all on cuda:0.
+BACKEND_ENV = "TRAINSCOPE_DISTRIBUTED_BACKEND"
+BACKENDS = ("gloo", "nccl")
+
+
 def process_group_options(settings: Settings, cpu: bool, environ=None) -> dict:
     """What `init_process_group` is given (through PartialState, which creates the group before the Accelerator):
-    the --distributed-timeout, and on CUDA the rank's own GPU as `device_id`, which binds the NCCL communicator
-    to it at once instead of guessing at the first collective. Nothing for a single process (no group)."""
+    the --distributed-timeout, the backend where TRAINSCOPE_DISTRIBUTED_BACKEND names one, and on CUDA over NCCL the
+    rank's own GPU as `device_id`, which binds the NCCL communicator to it at once instead of guessing at the first
+    collective (over gloo no GPU is bound: processes may share one). Nothing for a single process (no group)."""
     environ = os.environ if environ is None else environ
     if environment.launcher_world_size(environ) < 2:
         return {}
     options = {"timeout": timedelta(seconds=settings.distributed_timeout)}
-    if not cpu and _cuda():
+    backend = environ.get(BACKEND_ENV, "").strip().lower() or None
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise UserError(f"{BACKEND_ENV}={environ[BACKEND_ENV]}: one of {', '.join(BACKENDS)}, or unset")
+        options["backend"] = backend
+    if not cpu and _cuda() and backend in (None, "nccl"):
         options["device_id"] = torch.device("cuda", int(environ.get("LOCAL_RANK", "0") or 0))
     return options
 
