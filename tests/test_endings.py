@@ -227,6 +227,106 @@ def test_sigterm_to_one_rank_during_the_final_test_evaluation_stops_both_and_is_
     assert not rank_tracebacks(log) and "interrupted by SIGTERM after optimizer step 4" in log
 
 
+# The stop vote's interval in the runs below (--log-every 5: K = 5) and the step whose end rank 1 signals itself at,
+# between the votes of steps 5 and 10.
+VOTE_EVERY, SIGNAL_AT_STEP = 5, 6
+
+
+def votes_written_down(argv: list[str]) -> None:
+    """train.py's main in a forked rank, every all-reduce of its stop vote written down, one line each, as the
+    boundary it was taken at (`step N`, `evaluation`, `finish`) in <output-dir>/votes-rank<RANK>.txt; with
+    --run-name signalled, rank 1 sends itself SIGTERM at the end of step SIGNAL_AT_STEP, between two votes."""
+    import types
+
+    import train
+    from trainscope import lifecycle
+
+    out, rank = Path(argv[argv.index("--output-dir") + 1]), os.environ["RANK"]
+    signalled = argv[argv.index("--run-name") + 1] == "signalled"
+    at = ["start"]
+    make_vote, step_finished = lifecycle.StopVote.__init__, lifecycle.RunLifecycle.step_finished
+    between_batches, finish = lifecycle.RunLifecycle.between_batches, lifecycle.RunLifecycle.finish
+
+    def counted_vote(self, *args, **kwargs):
+        make_vote(self, *args, **kwargs)
+        dist = self.dist
+
+        def all_reduce(*args, **kwargs):
+            with open(out / f"votes-rank{rank}.txt", "a") as votes:
+                votes.write(at[0] + "\n")
+            return dist.all_reduce(*args, **kwargs)
+
+        self.dist = types.SimpleNamespace(all_reduce=all_reduce, ReduceOp=dist.ReduceOp)
+
+    def at_step_end(self):
+        at[0] = f"step {self.metrics.loop.step}"
+        if signalled and rank == "1" and self.metrics.loop.step == SIGNAL_AT_STEP:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler pre-empting one node would
+        step_finished(self)
+
+    def between_evaluation_batches(self):
+        at[0] = "evaluation"
+        between_batches(self)
+
+    def finishing(self, *args):
+        at[0] = "finish"
+        return finish(self, *args)
+
+    lifecycle.StopVote.__init__ = counted_vote
+    lifecycle.RunLifecycle.step_finished = at_step_end
+    lifecycle.RunLifecycle.between_batches = between_evaluation_batches
+    lifecycle.RunLifecycle.finish = finishing
+    train.main(argv)
+
+
+def run_voting(runs: Path, name: str, steps: int) -> int:
+    """Two forked ranks (run_in_forked_ranks: the ranks' vote is the subject) voting every VOTE_EVERY steps, their
+    votes written down (votes_written_down)."""
+    args = [
+        *TINY,
+        *ONE_THREAD,
+        "--max-train-samples",
+        "1024",
+        "--log-every",
+        str(VOTE_EVERY),
+        "--max-steps",
+        str(steps),
+    ]
+    return run_in_forked_ranks([*args, "--output-dir", str(runs), "--run-name", name], main=votes_written_down)
+
+
+def votes(runs: Path, rank: int) -> list[str]:
+    return (runs / f"votes-rank{rank}.txt").read_text().splitlines()
+
+
+def test_the_stop_vote_is_one_all_reduce_every_k_steps_not_one_a_step(runs):
+    """12 optimizer steps, K = 5: the vote's all-reduces at the ends of steps 5 and 10 (a vote at every step took 12),
+    then between evaluation batches and one last one before the run is declared complete."""
+    assert run_voting(runs, "complete", 12) == 0
+    record = read_record(runs / "complete")
+    assert record["status"] == "complete" and record["summary"]["optimizer_steps"] == 12
+    for rank in (0, 1):
+        taken = votes(runs, rank)
+        assert [v for v in taken if v.startswith("step")] == ["step 5", "step 10"], taken
+        assert "evaluation" in taken and taken[-1] == "finish", taken
+    assert votes(runs, 0) == votes(runs, 1)  # the same collectives, in the same order, on both ranks
+
+
+def test_a_signal_between_two_votes_stops_both_ranks_after_the_next_vote(runs, capfd):
+    """Rank 1 receives SIGTERM at the end of step 6: no vote there; the vote of step 10 carries it and both ranks stop
+    at the next boundary, step 11 (K - 1 = 4 steps after a vote at every step would have stopped them, at step 7)."""
+    assert run_voting(runs, "signalled", 20) != 0
+    record = read_record(runs / "signalled")
+    assert record["status"] == "interrupted" and record["interruption"]["signal"] == "SIGTERM", record.get("status")
+    interruption = record["interruption"]
+    assert interruption["step"] == 11 and interruption["received_by"] == 1 and interruption["received_here"] is False
+    assert record["summary"]["ranks_summarized"] == [0, 1] and record["summary"]["optimizer_steps"] == 11
+    for rank in (0, 1):
+        assert votes(runs, rank) == ["step 5", "step 10"]  # no vote after the one that stopped them
+    log = "".join(capfd.readouterr())
+    assert not rank_tracebacks(log) and "interrupted by SIGTERM after optimizer step 11" in log
+
+
 def slowly_leaving_the_pid(argv: list[str]) -> None:
     """train.py's main in a forked rank, every batch waiting 30 ms in the loader (as slow_train.py), the rank's process
     id in <output-dir>/rank<RANK>.pid."""

@@ -11,13 +11,14 @@ it down, so that every ending leaves a true record:
   loop stops at the next boundary where the run's state is whole (before a step's first micro-batch,
   after its optimizer step, between evaluation batches); with several processes, the ranks first agree
   on the step (an asynchronous all-reduce on a CPU group, read one boundary later: no rank stops while
-  another waits in a collective, and no step waits for the vote), at every step's end and between
-  evaluation batches, and once more, synchronously, before the run is declared complete, so that no
-  signal is lost. The record gets the signal, the step reached, the rank that received it and a partial
-  summary; with --save-on-interrupt a checkpoint is written first. The exit status is 128 + the signal
-  (130 for SIGINT, 143 for SIGTERM). A second signal (a second Ctrl-C) exits at once: the handler
-  writes a record prepared in advance by the training thread (interrupted, forced, no summary) with
-  system calls only, and leaves.
+  another waits in a collective, and no step waits for the vote), posted at every K-th step's end
+  (`vote_interval`: --log-every, at most VOTE_EVERY_MAX; a signal waits at most K - 1 steps more than
+  with a vote at every step) and between evaluation batches, and once more, synchronously, before the
+  run is declared complete, so that no signal is lost. The record gets the signal, the step reached,
+  the rank that received it and a partial summary; with --save-on-interrupt a checkpoint is written
+  first. The exit status is 128 + the signal (130 for SIGINT, 143 for SIGTERM). A second signal (a
+  second Ctrl-C) exits at once: the handler writes a record prepared in advance by the training thread
+  (interrupted, forced, no summary) with system calls only, and leaves.
 * `failed`: the one line the user read, the step reached, the rank whose failure ended the run and this
   rank's partial summary. A rank that fails publishes its line in the launcher's store; a rank that
   loses a peer in a collective asks the store (trainscope.liveness) whether the peer failed (and names
@@ -138,6 +139,17 @@ class StopSignals:
         os._exit(exit_code(signum))
 
 
+# The most optimizer steps between two stop votes: a signal waits up to K - 1 steps more than with a vote at every
+# step, and SIGTERM's grace before SIGKILL (30 s under torchrun and SLURM) must still hold those steps and a checkpoint.
+VOTE_EVERY_MAX = 10
+
+
+def vote_interval(log_every: int) -> int:
+    """K, the optimizer steps from one stop vote to the next: the log interval (the loop's other pause), at most
+    VOTE_EVERY_MAX."""
+    return max(1, min(log_every, VOTE_EVERY_MAX))
+
+
 # The vote's value: the signal in the high bits, the lowest rank that received it in the low ones (MAX picks
 # the highest signal, and among the ranks that received it the lowest).
 _RANK_BITS = 24
@@ -153,12 +165,13 @@ def vote_of(value: int) -> tuple[int, int]:
 
 
 class StopVote:
-    """Ranks agree on stopping without stalling a step: at every boundary (an optimizer step's end, between
-    evaluation batches) each rank posts the signal it received (0 for none) in an asynchronous MAX all-reduce
-    and reads the previous boundary's result, which has long arrived. Every rank reads the same value at the
-    same boundary. CPU tensors over a gloo group, beside NCCL where the run's own group is NCCL, because on NCCL the
-    vote would be a CUDA tensor: reading it is a device synchronization at every step (the loop's only other sync
-    points are the log steps), behind the step's gradient all-reduces on NCCL's stream. Gloo's group costs one TCP
+    """Ranks agree on stopping without stalling a step: at a voting boundary (every K-th optimizer step's end, every
+    gap between evaluation batches) each rank posts the signal it received (0 for none) in an asynchronous MAX
+    all-reduce, and at the next boundary of any kind reads it, long arrived. Every rank has the same boundaries, so
+    every rank reads the same value at the same boundary. CPU tensors over a gloo group, beside NCCL where the run's
+    own group is NCCL, because on NCCL the vote would be a CUDA tensor: reading it is a device synchronization at
+    every vote (the loop's only other sync points are the log steps), behind the step's gradient all-reduces on
+    NCCL's stream. Gloo's group costs one TCP
     connection per peer (on several machines over GLOO_SOCKET_IFNAME's interface, as NCCL uses NCCL_SOCKET_IFNAME's)."""
 
     def __init__(self, backend: str | None, timeout_s: float | None = None):
@@ -169,10 +182,13 @@ class StopVote:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if backend not in (None, "gloo") else None
         self._pending = None
 
-    def post_and_read(self, local: int) -> int:
+    def post_and_read(self, local: int, post: bool = True) -> int:
+        """The vote posted at the previous boundary (0 where none was); then, when `post`, this boundary's."""
         agreed = self._read()
-        flag = torch.tensor([local], dtype=torch.int64)
-        self._pending = (self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        if post:
+            flag = torch.tensor([local], dtype=torch.int64)
+            work = self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self._pending = (work, flag)
         return agreed
 
     def _read(self) -> int:
@@ -205,6 +221,7 @@ class RunLifecycle:
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
         self.vote = StopVote(accelerator.state.backend, self.settings.distributed_timeout) if self.world > 1 else None
+        self.vote_every = vote_interval(self.settings.log_every)  # K: optimizer steps from one stop vote to the next
         self.watch = started.watch
         self._verdicts = {}  # the peers' states, asked of the store when a collective failed
         self.metrics = None
@@ -351,7 +368,8 @@ class RunLifecycle:
             raise Interrupted(*vote_of(agreed))
 
     def step_finished(self) -> None:
-        """After an optimizer step: progress, the step line, a checkpoint when due, the stop vote."""
+        """After an optimizer step: progress, the step line, a checkpoint when due; the stop vote read when one is
+        pending, and posted every `vote_every` steps."""
         metrics = self.metrics
         self.progress.update(1)
         if metrics.log_due:
@@ -365,7 +383,8 @@ class RunLifecycle:
             self.save_checkpoint()
         self._notice()
         if self.vote is not None:
-            self._vote(self.vote.post_and_read(vote_value(self.signals.received or 0, self.rank)))
+            due = metrics.loop.step % self.vote_every == 0
+            self._vote(self.vote.post_and_read(vote_value(self.signals.received or 0, self.rank), post=due))
         else:
             self.check()
 

@@ -343,8 +343,9 @@ class Settings:
     save_on_interrupt: bool = HfArg(
         default=False,
         help="On SIGINT (Ctrl-C), SIGTERM or SIGUSR1, save a checkpoint before exiting, so --resume continues with "
-        "the same data order and losses. The run stops at the next optimizer-step boundary (one step later with "
-        "several processes, which agree on the step first), then writes the model and optimizer state: that must "
+        "the same data order and losses. The run stops at the next optimizer-step boundary (with several "
+        "processes, which agree on the step first, at the next stop vote: up to min(--log-every, 10) steps "
+        "later, docs/endings.md), then writes the model and optimizer state: that must "
         "fit in the grace time before SIGKILL -- 30 s after torchrun's SIGTERM, SLURM's KillWait (30 s by "
         "default) after its SIGTERM, or ask SLURM for an earlier SIGUSR1 with #SBATCH --signal=USR1@120. Without "
         "this flag an interrupted run still records what it measured, but cannot be resumed from that point.",
