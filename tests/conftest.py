@@ -75,6 +75,7 @@ if not (os.environ.get(SESSION_CACHE) and Path(os.environ[SESSION_CACHE]).is_dir
     atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], ignore_errors=True)
 os.environ["TRAINSCOPE_CACHE_DIR"] = os.environ[SESSION_CACHE]
 os.environ["TRAINSCOPE_PEAK_SQUARE"] = "256"
+os.environ["TRAINSCOPE_PEAK_CACHE_BUSY"] = "any"  # the workers share the cores: the session cache keeps every rate
 # No run calibrates the predictor on first use (a minute of short runs): the tests that calibrate say so.
 os.environ["TRAINSCOPE_CALIBRATION"] = "off"
 
