@@ -5,7 +5,6 @@ import math
 import os
 import random
 import socket
-import statistics
 import threading
 import time
 import types
@@ -203,50 +202,6 @@ def test_ddp_flags_reach_ddp_compression_halves_the_bytes_and_accumulation_the_a
     )
 
 
-def after_the_cut(rank: dict) -> dict:
-    """A rank's measurements of the steps after its hooks were cut to the last gradients' (its `hooks`)."""
-    (cut,) = rank["hooks"]["cut_after"]
-    return {
-        **rank,
-        "steps": [e for e in rank["steps"] if e["iteration"] > cut],
-        "ddp_iterations": [d for d in rank["ddp_iterations"] if d["iteration"] > cut],
-    }
-
-
-def test_on_two_ranks_the_hooks_drop_from_every_parameter_to_two_and_the_exposure_stays_the_same_events(ddp_runs):
-    """A hook call per parameter per step until DDP's buckets are rebuilt (iteration 2, 3 with static_graph) and the
-    gradients' order has been the same, checked against DDP's stamps, on two steps in a row; then two calls a step
-    (the last gradient taken, the first bucket's last one), no_sync micro-batches included. The figures measured
-    with two hooks are those of the same events: DDP's logger agrees with them, and the planted link shows in them."""
-    # default: buckets rebuilt in iteration 2, orders checked in 3 and 4; static_graph (planted): one iteration later
-    for name, cut, micro_batches in (("default", 4, 1), ("planted", 5, 1), ("flags", 4, 2)):
-        for rank in rank_steps(ddp_runs, name):
-            hooks = rank["hooks"]
-            assert hooks["cut_after"] == [cut] and hooks["fell_back_at"] == [], (name, hooks)
-            assert hooks["parameters"] >= 20  # the tiny BERT's trainable tensors
-            before = [e["hook_calls"] for e in rank["steps"] if e["iteration"] <= cut]
-            after = [e["hook_calls"] for e in rank["steps"] if e["iteration"] > cut]
-            assert all(calls >= hooks["parameters"] * micro_batches for calls in before), (name, before)
-            assert after == [2 * micro_batches] * (16 - cut), (name, after)
-            assert all(e["exposed_s"] is not None for e in rank["steps"])  # no step lost to the cut
-    # DDP's logger on the iterations it sampled after the cut (5-10), paired as the block pairs them: the same events,
-    # a fraction of a millisecond apart (6 pairs: their 95% interval is their whole range, one descheduled stamp on a
-    # busy machine leaves it undecided; the whole run's agreement is the default run's test)
-    ranks = [after_the_cut(r) for r in rank_steps(ddp_runs, "default")]
-    ddp = communication_agreement.ddp_agreement([0, 1], ranks)
-    assert ddp["iterations"] == list(range(5, 11)) and ddp["verdict"] != "disagree", ddp
-    assert abs(ddp["median_difference"]) < 0.002, ddp
-    # the slow link's delay is in the exposure of the steps measured with two hooks (the pause in compute is not)
-    exposure = {
-        name: statistics.median(
-            row["exposed_s"]
-            for row in communication_block.step_rows([0, 1], [after_the_cut(r) for r in rank_steps(ddp_runs, name)])
-        )
-        for name in ("planted", "default")
-    }
-    assert exposure["planted"] - exposure["default"] == pytest.approx(DELAY_S, rel=0.2), exposure
-
-
 # ---------------------------------------------------------------- in this process: one-rank DDP over gloo
 
 
@@ -404,52 +359,6 @@ def test_the_gpu_path_records_three_events_a_step_and_reads_them_once_completed_
     assert pending == [1, 2, 3, 4, 1, 2, 3, 4]  # filed, resolved when completed, never waited for in the loop
     assert block["steps"] == 6 and block["exposed_s"] == pytest.approx(DELAY_S, rel=0.2)
     assert all(e["overlap"] is not None for e in found.steps if e["step"] >= 3)
-
-
-class Branches(torch.nn.Module):
-    """Two layers summed. Backward runs the later-built branch first, so building `b` first once `swapped` makes `a`
-    the first branch taken and `b` the last, after a pause of DELAY_S in its backward (compute): a hook kept on the
-    old last gradient would now fire before that pause."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(128, 128), torch.nn.Linear(128, 128)
-        self.swapped = False
-
-    def forward(self, x):
-        if not self.swapped:
-            a = self.a(x)
-            return a + self.b(x)
-        b = self.b(x)
-        b.register_hook(lambda grad: time.sleep(DELAY_S))
-        return self.a(x) + b
-
-
-def test_the_hooks_are_cut_to_the_last_gradients_once_their_order_settles_and_come_back_when_it_changes(gloo):
-    model = Branches()
-    torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.03)  # two buckets: a's, then b's
-
-    def swap_after_step_7(found):
-        model.swapped = found.synchronized >= 7
-
-    found, _ = measured(ddp, steps=14, between=swap_after_step_7)
-    steps = {e["step"]: e for e in found.steps}
-    # no measured step has the pause in compute in its exposure, as the hook kept on `a` would have put it at step 8
-    assert all(e["exposed_s"] is None or e["exposed_s"] < 0.2 * DELAY_S for e in steps.values()), found.steps
-    # every parameter's hook until buckets and order are known (4, then 4 + the first bucket's 2), then two; the step
-    # whose order changed under the cut is not measured (DDP's stamps put another gradient last) and every hook
-    # comes back, until the new order has held twice
-    assert found.hooks == {"parameters": 4, "cut_after": [4, 10], "fell_back_at": [8]}
-    assert [steps[s]["hook_calls"] for s in range(1, 15)] == [4, 4, 6, 6, 2, 2, 2, 2, 6, 6, 2, 2, 2, 2]
-    assert steps[8]["exposed_s"] is None and found.kept[0] in (2, 3)  # b's gradient is now taken last
-
-
-def test_a_graph_declared_dynamic_keeps_every_hook(gloo):
-    """find_unused_parameters without static_graph: the user says the graph may change on any step."""
-    found, _ = measured(one_rank_ddp(find_unused_parameters=True), steps=8)
-    assert found.hooks["cut_after"] == [] and len(found.handles) == 12 + len(found.layout[0]["parameters"])
-    assert all(e["hook_calls"] >= 12 for e in found.steps)
 
 
 def test_the_trace_takes_autograd_events_from_any_thread_and_reads_the_collectives():

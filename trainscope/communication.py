@@ -6,15 +6,14 @@ part is exposed (backward waits for it). trainscope times each step with its own
 on a CPU, CUDA events on the compute stream on a GPU (`trainscope.timing`'s clocks), the same events DDP's
 reducer stamps for its logger (torch/csrc/distributed/c10d/reducer.cpp):
 
-* `compute_end`: the last parameter gradient of the step has been taken by DDP's reducer. A post-hook on a
+* `compute_end`: the last parameter gradient of the step has been taken by DDP's reducer. A post-hook on every
   parameter's gradient accumulator (its AccumulateGrad node), registered after the reducer's own hook on the
   same node, fires once the reducer has copied the gradient into its bucket (mark_variable_ready) and, for the
   last one, launched the last bucket's all-reduce: where DDP records `backward_compute_end` (in the autograd
-  callback that its last mark_variable_ready queues). Until the gradients' order is known, every parameter has
-  the hook and a per-step countdown marks the last one (one CUDA event per step, not one per parameter); a step
-  in which not every parameter produced a gradient (unused parameters) is not measured, and the next step counts
-  the parameters that did.
-* `window_start`: the last gradient of DDP's first bucket produced (a post-accumulate-grad hook on its
+  callback that its last mark_variable_ready queues). A per-step countdown over the parameters marks it once
+  (one CUDA event per step, not one per parameter); a step in which not every parameter produced a gradient
+  (unused parameters) is not measured, and the next step counts the parameters that did.
+* `window_start`: the last gradient of DDP's first bucket produced (a post-accumulate-grad hook on each of its
   parameters, which runs inside AccumulateGrad, before the reducer's hook): DDP copies it in and launches that
   bucket's all-reduce next (`backward_comm_start`, stamped before the launch). A stamp after the launch would be
   late by whatever the communication thread takes from a busy core first. The bucket layout is read once, after
@@ -29,22 +28,6 @@ reducer stamps for its logger (torch/csrc/distributed/c10d/reducer.cpp):
 Both are physical by construction (exposed >= 0, overlap in [0, 1]); a step whose clocks say otherwise is
 counted as unmeasured, never clamped. Nothing here is a DDP communication hook: the reducer keeps its built-in
 C++ all-reduce unless --ddp-comm-hook asks for compression (DDP's own logger then names the hook).
-
-**Fewer hooks once the order is known** (`Communication._settle_hooks`): a Python call per parameter per step is
-host work on the autograd thread (about 200 calls a step for a BERT-base). Once the layout is known and the hooks
-have seen the gradients in the same order on SETTLE_STEPS synchronizing steps in a row -- every gradient once, in
-the order of DDP's own per-parameter ready stamps (`reducer.get_backward_stats()`, stamped in mark_variable_ready
-on every iteration) -- only two hooks stay: the node post-hook of the parameter taken last (`compute_end`) and the
-post-accumulate-grad hook of the first bucket's last one (`window_start`), the events the full set marked. Each
-later step is checked against DDP's own accounting instead of the hooks: the reducer finalized the step
-(`_check_reducer_finalized`: every bucket reduced, so every gradient arrived; DDP itself refuses one marked twice),
-each kept hook fired once, and DDP's stamps still put the kept parameter last (and the window's last in the first
-bucket). A step that fails (a graph that changed) is not measured and every hook comes back until the order
-settles again; after MAX_FALLBACKS the run keeps them all. With find_unused_parameters and no static_graph the
-graph may change on any step by the user's own declaration: every hook stays. Each step's entry counts the hooks'
-calls (`hook_calls`, no_sync micro-batches included); the rank's `hooks` says when they were cut and fell back. A
-removed hook leaves torch's wrapper on the node (one per node, kept for good: it takes the GIL and wraps the
-gradients even for an empty set of hooks), so the cut saves the Python calls, about half the hooks' host time.
 
 **Transfer**: after the training loop, outside every timed figure, each of DDP's buckets is all-reduced alone
 through DDP's own path (`reducer._run_comm_hook`: the built-in all-reduce, or the registered hook), after a
@@ -81,12 +64,6 @@ INTERCONNECTS = {
     "infiniband": {"bandwidth_gbs": 45.0, "latency_us": 8.0, "what": "InfiniBand NDR 400 Gb/s between nodes"},
 }
 WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# Every parameter keeps its gradient hook until DDP's buckets are known and the hooks have seen the gradients in the
-# same order, each once and in the order of DDP's own ready stamps, on this many synchronizing steps in a row; then
-# only the last gradient's hooks stay (the module's docstring).
-SETTLE_STEPS = 2
-# Steps after the cut that DDP's stamps contradicted (a graph that changed): after this many the run keeps every hook.
-MAX_FALLBACKS = 3
 
 
 def ring_allreduce_seconds(gradient_bytes: float, gpus: int, bandwidth_gbs: float, latency_us: float) -> float:
@@ -110,21 +87,6 @@ def unwrap_ddp(model):
     wraps DDP in torch.compile's OptimizedModule (the DDP module is its `_orig_mod`)."""
     inner = getattr(model, "_orig_mod", model)
     return inner if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else None
-
-
-def reducer_variables(ddp) -> list:
-    """The parameters in the order of DDP's reducer, whose variable indices `reducer.get_backward_stats()` uses:
-    DistributedDataParallel._build_params_for_reducer's order (modules in order, each one's own trainable parameters
-    not ignored, each once), without that method's side effect on the module's buffers. The cut of the hooks checks
-    the mapping before relying on it: the hooks' order must match DDP's stamps under it."""
-    ignore = getattr(ddp, "parameters_to_ignore", None) or ()
-    seen, order = set(), []
-    for module_name, module in ddp.module.named_modules():
-        for name, parameter in module.named_parameters(recurse=False):
-            if parameter.requires_grad and f"{module_name}.{name}" not in ignore and id(parameter) not in seen:
-                seen.add(id(parameter))
-                order.append(parameter)
-    return order
 
 
 def ddp_samples(iteration: int) -> bool:
@@ -165,29 +127,24 @@ def build(settings, accelerator, model, clock=None):
 
 
 class BackwardStamps:
-    """One synchronizing backward's marks: a countdown over the hooked parameters' gradient hooks marks the end of
-    compute when the last one fires and the window's start when the last of the first bucket's hooked ones fires (one
-    mark each: one CUDA event each on a GPU); `finish` marks the end of communication right after backward returns.
-    `order`: the parameters whose gradients the hooks saw taken, in order; `calls`: every hook call, armed or not
-    (what the hooks cost the autograd thread)."""
+    """One synchronizing backward's marks: a countdown over the parameters' gradient hooks marks the end of compute
+    when the last one fires and the window's start when the last of the first bucket's fires (one mark each: one
+    CUDA event each on a GPU); `finish` marks the end of communication right after backward returns."""
 
     def __init__(self, clock, parameters: int):
         self.clock = clock
-        self.expected = parameters  # gradients per step: every hooked parameter, until a step says otherwise
-        self.first_bucket: frozenset | None = None  # hooked parameter indices of the bucket DDP all-reduces first
+        self.expected = parameters  # gradients per step: every trainable parameter, until a step says otherwise
+        self.first_bucket: frozenset | None = None  # parameter indices DDP all-reduces first, once known
         self.armed = False
         self.fired, self.first_left, self.compute_end, self.window_start = 0, None, None, None
-        self.order: list[int] = []
-        self.calls = 0
 
     def arm(self) -> None:
-        self.armed, self.fired, self.order = True, 0, []
+        self.armed, self.fired = True, 0
         self.first_left = len(self.first_bucket) if self.first_bucket else None
         self.compute_end = self.window_start = None
 
     def gradient_produced(self, index: int) -> None:
         """A gradient of the first bucket accumulated (before the reducer copies it in)."""
-        self.calls += 1
         if self.armed and self.first_left and index in self.first_bucket:
             self.first_left -= 1
             if self.first_left == 0:
@@ -195,11 +152,9 @@ class BackwardStamps:
 
     def gradient_taken(self, index: int) -> None:
         """A gradient taken by DDP's reducer (after it copied it into its bucket, launching the bucket if full)."""
-        self.calls += 1
         if not self.armed:  # a no_sync micro-batch, evaluation, or measuring off
             return
         self.fired += 1
-        self.order.append(index)
         if self.fired == self.expected:
             self.compute_end = self.clock.mark()
 
@@ -244,16 +199,12 @@ class Communication:
         self.parameters = [p for p in ddp.parameters() if p.requires_grad]
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.parameters)
         self.stamps = BackwardStamps(self.clock, len(self.parameters))
-        self.taken: dict = {}  # parameter index -> its node post-hook's handle (compute_end)
-        self.produced: dict = {}  # parameter index -> its post-accumulate-grad hook's handle (window_start)
-        positions = {id(p): i for i, p in enumerate(reducer_variables(ddp))}
-        self.variables = [positions.get(id(p)) for p in self.parameters]  # our index -> DDP's variable index
-        self.kept: tuple | None = None  # (taken last, the first bucket's last) once the hooks are cut to them
-        self.hooks = {"parameters": len(self.parameters), "cut_after": [], "fell_back_at": []}  # iterations
-        self._first_variables: list[int] = []
-        self._settled, self._previous_order, self._calls, self._last_stamps = 0, None, 0, None
+        self.handles = []
         if measure:
-            self._watch_every_gradient()
+            for index, parameter in enumerate(self.parameters):
+                # The node's post-hooks run in order of registration: the reducer's (added when DDP was built) first.
+                accumulator = torch.autograd.graph.get_gradient_edge(parameter).node
+                self.handles.append(accumulator.register_hook(functools.partial(self._gradient_taken, index)))
         self.synchronized = 0  # synchronizing backward passes in this process: DDP's iteration count
         self.current: dict | None = None  # the latest backward's marks, until step_ended names its step
         self.pending: list[tuple[dict, dict]] = []  # steps whose device events have not completed yet
@@ -262,121 +213,16 @@ class Communication:
         self.layout: list[dict] | None = None  # DDP's buckets once rebuilt: parameters, numel, element size
         self._interval: list[float] = []
 
-    @property
-    def handles(self) -> list:
-        """The gradient hooks registered now."""
-        return [*self.taken.values(), *self.produced.values()]
-
     def _gradient_taken(self, index: int, grad_inputs, grad_outputs) -> None:
         self.stamps.gradient_taken(index)
-
-    def _watch_every_gradient(self) -> None:
-        """A post-hook on every trainable parameter's gradient accumulator (those not hooked already)."""
-        for index, parameter in enumerate(self.parameters):
-            if index not in self.taken:
-                # The node's post-hooks run in order of registration: the reducer's (added when DDP was built) first.
-                accumulator = torch.autograd.graph.get_gradient_edge(parameter).node
-                self.taken[index] = accumulator.register_hook(functools.partial(self._gradient_taken, index))
-        self.stamps.expected = len(self.parameters)
 
     def _watch_first_bucket(self) -> None:
         """Hooks on the first bucket's parameters for the window's start, once the layout is known."""
         first = self.layout[0]["parameters"] if self.layout else []
         for index in first:
-            if index not in self.produced:
-                hook = functools.partial(lambda i, parameter: self.stamps.gradient_produced(i), index)
-                self.produced[index] = self.parameters[index].register_post_accumulate_grad_hook(hook)
+            hook = functools.partial(lambda i, parameter: self.stamps.gradient_produced(i), index)
+            self.handles.append(self.parameters[index].register_post_accumulate_grad_hook(hook))
         self.stamps.first_bucket = frozenset(first) or None
-
-    # ---------------------------------------------------------------- fewer hooks once the order is known
-
-    def _may_cut(self) -> bool:
-        """Whether the hooks may be cut to the last ones: DDP stamps every parameter's readiness (and every parameter
-        maps to its stamp), the graph is not declared dynamic, and it has not changed under the cut too often."""
-        return (
-            len(self.hooks["fell_back_at"]) < MAX_FALLBACKS
-            and not (self.ddp.find_unused_parameters and not self.ddp.static_graph)
-            and None not in self.variables
-            and callable(getattr(self.ddp.reducer, "get_backward_stats", None))
-        )
-
-    def _ddp_stamps(self) -> list | None:
-        """DDP's own record of the latest synchronizing backward: when it marked each of its variables ready
-        (nanoseconds from the backward's start, stamped in mark_variable_ready on every iteration), or None where
-        the reducer did not finalize it (a gradient never arrived: DDP refuses the next forward) or keeps none."""
-        reducer = self.ddp.reducer
-        try:
-            reducer._check_reducer_finalized()
-            stamps = reducer.get_backward_stats()
-        except (AttributeError, RuntimeError):
-            return None
-        fresh = stamps != self._last_stamps  # a torch that stamped only the iterations it samples: not this step's
-        self._last_stamps = stamps
-        return stamps if fresh else None
-
-    def _ordered_as_ddp(self, order: list[int]) -> bool:
-        """The hooks saw every gradient once, in the order of DDP's stamps, and the last one is the last DDP marked
-        (unused parameters, which DDP marks itself, come earlier)."""
-        stamps = self._ddp_stamps()
-        if stamps is None or not order or len(set(order)) != len(order):
-            return False
-        times = [stamps[self.variables[i]] for i in order]
-        return all(a < b for a, b in zip(times, times[1:])) and stamps.index(max(stamps)) == self.variables[order[-1]]
-
-    def _kept_still_last(self, marks: dict | None) -> bool:
-        """After the cut, a step is measured when the kept hooks fired once each and DDP's own accounting agrees: the
-        reducer finalized the step (every gradient arrived; DDP refuses one marked twice) and its stamps put the kept
-        parameter last (and the window's last in the first bucket)."""
-        last, first = self.kept
-        if marks is None or (first is not None and marks["window_start"] is None):
-            return False
-        stamps = self._ddp_stamps()
-        if stamps is None or stamps.index(max(stamps)) != self.variables[last]:
-            return False
-        return first is None or max(self._first_variables, key=stamps.__getitem__) == self.variables[first]
-
-    def _cut(self, order: list[int], iteration: int) -> None:
-        """Keep the hooks of the parameter taken last and of the first bucket's last one; remove the rest."""
-        first_bucket = self.layout[0]["parameters"] if self.layout else []
-        position = {index: at for at, index in enumerate(order)}
-        whole = first_bucket and all(i in position for i in first_bucket)
-        last, first = order[-1], max(first_bucket, key=position.__getitem__) if whole else None
-        for index in [i for i in self.taken if i != last]:
-            self.taken.pop(index).remove()
-        for index in [i for i in self.produced if i != first]:
-            self.produced.pop(index).remove()
-        self.stamps.expected = 1
-        self.stamps.first_bucket = frozenset([first]) if first is not None else None
-        self._first_variables = [self.variables[i] for i in first_bucket]
-        self.kept = (last, first)
-        self.hooks["cut_after"].append(iteration)
-
-    def _settle_hooks(self, current: dict, paused) -> dict | None:
-        """After a synchronizing step: cut the hooks once the order has settled; after the cut, check the step
-        against DDP's accounting and bring every hook back where it fails. The step's marks (None: not measured)."""
-        marks = current["marks"]
-        pause = paused if paused is not None else contextlib.nullcontext
-        if self.kept is not None:
-            if self._kept_still_last(marks):
-                return marks
-            with pause():
-                self._watch_every_gradient()
-                self._watch_first_bucket()
-            self.kept, self._settled, self._previous_order = None, 0, None
-            self.hooks["fell_back_at"].append(current["iteration"])
-            return None
-        if self.layout is None or not self._may_cut():
-            return marks
-        order = current["order"]
-        if marks is None or not self._ordered_as_ddp(order):
-            self._settled, self._previous_order = 0, None
-            return marks
-        self._settled = self._settled + 1 if order == self._previous_order else 1
-        self._previous_order = order
-        if self._settled >= SETTLE_STEPS:
-            with pause():
-                self._cut(order, current["iteration"])
-        return marks
 
     def settings_in_effect(self) -> dict:
         """The DDP settings read back from the wrapped model (what really reached DDP), with DDP's own name for its
@@ -408,23 +254,16 @@ class Communication:
         finally:
             if measured:
                 marks = self.stamps.finish()
-        self.current = {"iteration": self.synchronized, "marks": marks, "order": self.stamps.order}
+        self.current = {"iteration": self.synchronized, "marks": marks}
 
     def step_ended(self, step: int, phase: str, paused=None) -> None:
         """After optimizer step `step` (its phase: warmup, steady, snapshot): file the step's marks, resolve what the
         device has finished (never waiting), read DDP's logger and, once, DDP's rebuilt buckets (`paused`: the
         timer's pause, so the read stays out of every timed figure)."""
         if self.current is not None:
-            marks = self._settle_hooks(self.current, paused) if self.measure else self.current["marks"]
-            entry = {
-                "step": step,
-                "iteration": self.current["iteration"],
-                "phase": phase,
-                "hook_calls": self.stamps.calls - self._calls,  # since the last step: its micro-batches
-            }
-            self._calls = self.stamps.calls
-            if marks is not None:
-                self.pending.append((entry, marks))
+            entry = {"step": step, "iteration": self.current["iteration"], "phase": phase}
+            if self.current["marks"] is not None:
+                self.pending.append((entry, self.current["marks"]))
             else:
                 self.steps.append({**entry, "exposed_s": None, "window_s": None, "overlap": None})
             self.current = None
@@ -568,7 +407,6 @@ class Communication:
             "micro_batches": sum(c["micro_batches"] for c in counts.values()),
             "steps": self.steps,
             "ddp_iterations": self.ddp_iterations,
-            "hooks": self.hooks,
             "transfer": transfer,
             "trace": trace,
         }
