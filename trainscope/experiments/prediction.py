@@ -480,17 +480,31 @@ GOALS = {
 
 
 def headline(found: reporting.Collected) -> Headline | None:
-    """The errors over the committed shapes, in the section's words, and whether the medians meet their goals."""
+    """The median errors over the committed shapes, calibrated and on first use (where the comparison has it), and
+    whether each meets its goal: short, for the first page (the section has the worst shapes and the terms)."""
     rows = run_rows(found.runs.get(EXPERIMENT.name, {}))
     if not rows:
         return None
-    summary = summarize(rows)
-    met = [
-        f"{QUANTITIES[key]} {'within' if (summary.get(key) or {}).get('median_abs_error', 1.0) <= goal else 'beyond'} "
-        f"{goal:.0%}"
-        for key, goal in GOALS["calibrated"].items()
-    ]
-    return Headline(summary_text(summary).rstrip("."), "median |error|: " + ", ".join(met))
+    first = ((found.comparisons.get(EXPERIMENT.name) or {}).get("first_use") or {}).get("summary")
+    modes = {"calibrated": summarize(rows), **({"first_use": first} if first else {})}
+    answer, verdict = [], []
+    for mode, summary in modes.items():
+        errors = {key: (summary.get(key) or {}).get("median_abs_error") for key in GOALS[mode]}
+        answer.append(
+            f"{MODES[mode]}, "
+            + ", ".join(f"{QUANTITIES[key]} {error:.1%}" for key, error in errors.items() if error is not None)
+        )
+        verdict.append(
+            f"{MODES[mode]}: "
+            + ", ".join(
+                f"{QUANTITIES[key]} {'within' if error <= goal else 'beyond'} {goal:.0%}"
+                for (key, goal), error in zip(GOALS[mode].items(), errors.values())
+                if error is not None
+            )
+        )
+    return Headline(
+        f"over {len(rows)} runs, median |error|: " + "; ".join(answer), "median |error|: " + "; ".join(verdict)
+    )
 
 
 EXPERIMENT = Experiment(
