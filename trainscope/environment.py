@@ -82,6 +82,16 @@ def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | Non
     return None if quota == "max" else int(quota) / int(period)
 
 
+def machine_busy_seconds() -> float | None:
+    """The busy CPU seconds of the whole machine since boot (/proc/stat: user, nice, system, irq, softirq, steal), or
+    None where it cannot be read: with this process's own CPU time, what other processes took over an interval."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
+
+
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity, capped by a container CPU quota."""
     try:

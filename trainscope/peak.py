@@ -397,14 +397,10 @@ BUSY_ENV = "TRAINSCOPE_PEAK_CACHE_BUSY"
 
 
 def _cpu_seconds() -> tuple[float, float, float] | None:
-    """(the machine's busy CPU seconds from /proc/stat, this process's CPU seconds, a monotonic clock), or None where
-    /proc/stat cannot be read."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    busy = (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")  # user nice system, irq softirq steal
-    return busy, time.process_time(), time.monotonic()
+    """(the machine's busy CPU seconds, this process's CPU seconds, a monotonic clock), or None where the machine's
+    cannot be read."""
+    busy = environment.machine_busy_seconds()
+    return None if busy is None else (busy, time.process_time(), time.monotonic())
 
 
 def _other_cores(before, after) -> float | None:

@@ -255,28 +255,27 @@ def _attention_drawn(query, key, value, attention_mask, scaling: float, p: float
     The mask holds 0 and 1 in any dtype and the loop draws the same numbers for each, so it is drawn in float32."""
     with _span("trainscope::scaled_dot_product_attention"):
         if implementation == "eager":
-            scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-            steps = contextlib.nullcontext()
+            return _weights_then_values(torch.matmul(query, key.transpose(2, 3)) * scaling, value, attention_mask, p)
+        dtype, root = query.dtype, scaling**0.5
+        with torch.autocast(query.device.type, enabled=False):
+            scores = torch.matmul(query.float() * root, key.float().transpose(2, 3) * root)
+            output, weights = _weights_then_values(scores, value.float(), attention_mask, p)
+        return output.to(dtype), weights.to(dtype)
+
+
+def _weights_then_values(scores, value, attention_mask, p: float):
+    """The attention's steps after its scores: mask, softmax, the drawn dropout, the values; (output (B, T, H, d),
+    weights)."""
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:
-            dtype, root = query.dtype, scaling**0.5
-            query, key, value = query.float() * root, key.float(), value.float()
-            steps = torch.autocast(query.device.type, enabled=False)
-        with steps:
-            if implementation != "eager":
-                scores = torch.matmul(query, key.transpose(2, 3) * root)
-            if attention_mask is not None:
-                if attention_mask.dtype == torch.bool:
-                    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-                else:
-                    scores = scores + attention_mask
-            weights = F.softmax(scores, dim=-1)
-            with _span("trainscope::dropout"):
-                mask = dropout_draws.bernoulli(weights.shape, 1 - p, torch.float32, weights.device)
-                weights = weights * mask.div_(1 - p).to(weights.dtype)
-            output = torch.matmul(weights, value)
-        if implementation != "eager":
-            output, weights = output.to(dtype), weights.to(dtype)
-        return output.transpose(1, 2).contiguous(), weights
+            scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1)
+    with _span("trainscope::dropout"):
+        mask = dropout_draws.bernoulli(weights.shape, 1 - p, torch.float32, weights.device)
+        weights = weights * mask.div_(1 - p).to(weights.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def _span(name: str):

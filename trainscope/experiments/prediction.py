@@ -81,18 +81,14 @@ def machine_load() -> dict:
     prediction is of an undisturbed machine. The CPU seconds of the whole machine (/proc/stat) and of this process
     and the runs it launched and waited for (their own load is not interference); the 1-minute load average beside
     them, for the record."""
-    from trainscope.environment import usable_cores
+    from trainscope.environment import machine_busy_seconds, usable_cores
 
     own = sum(
         getattr(resource.getrusage(who), field)
         for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
         for field in ("ru_utime", "ru_stime")
     )
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        busy = (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")  # user nice system, irq softirq steal
-    except (OSError, ValueError, IndexError):
-        busy = None
+    busy = machine_busy_seconds()
     return {
         "load_average_1min": round(os.getloadavg()[0], 2),
         "usable_cores": usable_cores(),
