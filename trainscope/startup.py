@@ -22,6 +22,8 @@ from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
     ProjectConfiguration,
     TorchDynamoPlugin,
     broadcast_object_list,
@@ -244,8 +246,6 @@ FSDP_ON_CPU = "TRAINSCOPE_FSDP_ON_CPU"
 def force_fsdp_on_cpu(accelerator: Accelerator) -> None:
     """The Accelerator's state made an FSDP one, its plugin read from the launcher's environment as Accelerate reads
     it, the run's precision on it (AcceleratorState.__init__'s FSDP branch, which a CPU state skips)."""
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
     plugin = FullyShardedDataParallelPlugin()
     if accelerator.state.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.state.mixed_precision)
