@@ -76,7 +76,7 @@ COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-sa
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
 
-.PHONY: help setup train lint format test bench-overhead bench-dropout-draw bench-trainer bench-compile sweep-workers compare-dp amp-compare \
+.PHONY: help setup train train-lm lint format test bench-overhead bench-dropout-draw bench-trainer bench-compile sweep-workers compare-dp amp-compare \
 	ckpt-compare batch-sweep matrix profile ddp-cost tune tune-confirm advise gpu-check report experiments clean predict \
 	predict-calibrate predict-check
 
@@ -135,12 +135,21 @@ $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	$(call INSTALL,--no-deps -r requirements-embedded.txt)
 	touch $@
 
-setup: $(VENV)/.installed ## create .venv (reusing an installed torch) with everything trainscope needs
+# The project itself on the venv's path (what `pip install -e .` does, without a build): `import trainscope` works in
+# any script run with the venv's python, examples/ and your own training included.
+$(VENV)/.project: $(VENV)/.installed
+	$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'trainscope-project.pth').write_text('$(CURDIR)\n')"
+	touch $@
+
+setup: $(VENV)/.project ## create .venv (reusing an installed torch) with everything trainscope needs
 	@# a GPU host (nvidia-smi answers) whose torch cannot see the GPU: a warning naming the CUDA build to install
 	@if nvidia-smi >/dev/null 2>&1; then $(PY) -m trainscope.gpu_check --torch-check; fi
 
 train: setup ## fine-tune the embedded MiniLM-L6 on the embedded tweets on whatever hardware is here
 	$(LAUNCH) train.py $(TRAIN_ARGS) $(ARGS)
+
+train-lm: setup ## fine-tune a decoder-only language model (embedded tiny GPT-2 on the tweets; CONFIG, ARGS) -> runs/
+	$(LAUNCH) examples/causal_lm.py $(ARGS)
 
 predict: setup ## predict a run before running it: peak memory (fits or not), step and run time; nothing trained (CONFIG, ARGS)
 	$(LAUNCH) train.py --predict $(TRAIN_ARGS) $(ARGS)

@@ -13,65 +13,39 @@ rank, throughput, memory, accuracy, warnings) and steps.jsonl; docs/RECORD.md de
 
 import sys
 
-import torch
-
-from trainscope import dropout_draws, liveness, predict, startup
-from trainscope.data import build_dataloaders, load_classification_data
-from trainscope.errors import Fault, UserError, exit_with, redacted_output
-from trainscope.lifecycle import RunLifecycle
-from trainscope.loop import evaluate_split, load_metric, train_step
-from trainscope.modeling import (
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    build_tokenizer,
-    fsdp_wrap_rule,
-    optimizer_facts,
-)
-from trainscope.run_metrics import NonFiniteLoss, RunMetrics
-from trainscope.settings import Settings, parse_settings
+import trainscope
+from trainscope import classifier as task
 
 
 def main(argv: list[str] | None = None) -> None:
-    with redacted_output():
-        (settings,) = parse_settings(argv=argv, description=__doc__)
-        try:
-            train(settings)
-        except UserError as error:
-            exit_with(error, code=2)
-        except (NonFiniteLoss, torch.OutOfMemoryError, Fault) as error:  # Fault: a lost peer, a full disk...
-            exit_with(error, code=1)
-        except KeyboardInterrupt:  # before the run could handle it: nothing was recorded yet
-            exit_with(UserError("interrupted while starting: no run was recorded"), code=130)
-        except Exception as error:  # before the loop: a peer that failed or vanished, named through the store
-            fault = liveness.explain(error, settings.distributed_timeout)
-            if fault is None:
-                raise
-            exit_with(fault, code=1)
+    with trainscope.one_line_endings() as ending:  # bad input, a fault: one line and an exit status, no traceback
+        (settings,) = task.parse_settings(argv=argv, description=__doc__)
+        ending.distributed_timeout = settings.distributed_timeout
+        train(settings)
 
 
-def train(settings: Settings) -> dict:
+def train(settings: task.Settings) -> dict:
     # ---------------------------------------------------------------- set-up
-    started = startup.start(settings)  # process group, CPU threads, seed, TF32, sequence limit, run folder
+    started = task.start(settings)  # process group, CPU threads, seed, TF32, sequence limit, run folder
     settings = started.settings
-    tokenizer = build_tokenizer(settings)
-    data = load_classification_data(settings, tokenizer, started.state.main_process_first)
+    tokenizer = task.build_tokenizer(settings)
+    data = task.load_classification_data(settings, tokenizer, started.state.main_process_first)
     # Peak memory, step and run time predicted before the model exists (trainscope/predict.py); --predict stops here.
-    prediction = predict.before_run(settings, started, tokenizer, data)
+    prediction = task.predict.before_run(settings, started, tokenizer, data)
     if settings.predict:
-        return predict.show(prediction, settings, started)
-    plan = startup.plan_steps(settings, len(data.train), started.state.num_processes)
-    model, model_facts = build_model(settings, data.label_names, tokenizer)
-    accelerator = startup.build_accelerator(settings, started)
-    train_loader, validation_loader, test_loader = build_dataloaders(
-        data, tokenizer, settings, **startup.device_loader_options(settings, accelerator)
+        return task.predict.show(prediction, settings, started)
+    plan = task.plan_steps(settings, len(data.train), started.state.num_processes)
+    model, model_facts = task.build_model(settings, data.label_names, tokenizer)
+    accelerator = task.build_accelerator(settings, started)
+    train_loader, validation_loader, test_loader = task.build_dataloaders(
+        data, tokenizer, settings, **task.device_loader_options(settings, accelerator)
     )
-    optimizer = build_optimizer(model, settings, accelerator.device)
-    model_facts.update(optimizer=optimizer_facts(optimizer), fsdp_wrap=fsdp_wrap_rule(model, accelerator))
+    optimizer = task.build_optimizer(model, settings, accelerator.device)
+    model_facts.update(optimizer=task.optimizer_facts(optimizer), fsdp_wrap=task.fsdp_wrap_rule(model, accelerator))
     if "unpad" in model_facts:  # how its dropout masks are drawn: built and checked here, before the first step
-        model_facts["unpad"]["dropout_draws"] = dropout_draws.status(accelerator.device)
+        model_facts["unpad"]["dropout_draws"] = task.dropout_draws.status(accelerator.device)
     # Accelerate steps a prepared scheduler once per process for every optimizer step.
-    scheduler = build_scheduler(
+    scheduler = task.build_scheduler(
         settings,
         optimizer,
         plan["optimizer_steps"] * accelerator.num_processes,
@@ -81,58 +55,43 @@ def train(settings: Settings) -> dict:
     model, optimizer, train_loader, validation_loader, test_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, validation_loader, test_loader, scheduler
     )
-    metric = load_metric()
-    metrics = RunMetrics(accelerator, started, plan, model_config, scheduler, prediction)  # measures and summarizes
-    metrics.attach(model, optimizer)
-    run = RunLifecycle(accelerator, started, plan)  # the record; resume, checkpoints, signals, the ending
-    run.open(metrics, model_facts, data.record_facts(), prediction)
+    metric = task.load_metric()
+    # The instrument (trainscope.Run, docs/instrument.md): stage clocks, memory, communication, the record, the
+    # endings (resume, checkpoints, signals), as any loop gets it.
+    run = trainscope.Run.from_started(
+        accelerator, model, optimizer, scheduler, started, plan, model_config, model_facts, data.record_facts(),
+        prediction,
+    )  # fmt: skip
 
     # ---------------------------------------------------------------- the timed loop
-    # Stages: `data` around next(batches) in train_epoch; `forward`, `backward` (loss + backward) and `optimizer`
-    # inside train_step (trainscope/loop.py); `eval` in metrics.evaluation() below; the rest is `other`.
-    # run.check(), run.step_finished() and run.between_batches() (evaluation) are where a Ctrl-C or SIGTERM
-    # stops the run, its state whole.
+    # A Ctrl-C or SIGTERM stops the run where its state is whole: before a step's first batch (run.data), after its
+    # optimizer step (run.step), between evaluation batches (run.between_batches).
     model.train()
-    with run.ending():  # interrupted, failed or complete: the record says which
-        metrics.start()
-        with metrics.profiler:
-            for epoch in range(metrics.loop.epoch, plan["epochs"]):
-                batches = run.batches(train_loader, epoch)
-                train_epoch(accelerator, model, batches, optimizer, scheduler, settings.max_grad_norm, metrics, run)
-                with metrics.evaluation():
-                    run.evaluated(
-                        epoch, evaluate_split(model, validation_loader, accelerator, metric, run.between_batches)
-                    )
-                if metrics.done:
-                    break
-            with metrics.evaluation():
-                test_scores = evaluate_split(model, test_loader, accelerator, metric, run.between_batches)
-
+    with run:  # interrupted, failed or complete: the record says which
+        for epoch in range(run.epoch, plan["epochs"]):
+            for batch in run.data(train_loader, epoch):  # the wait for each batch: stage `data`
+                labels = batch.pop("labels")
+                with accelerator.accumulate(model):  # inside an accumulation window: no all-reduce, no step
+                    with run.stage("forward"):
+                        logits = model(**batch).logits
+                    with run.stage("backward"):
+                        loss = task.classification_loss(logits, labels)  # fp32 cross-entropy
+                        run.backward(loss)  # accelerator.backward; DDP's exposed communication stamped at its end
+                    with run.stage("optimizer"):
+                        if accelerator.sync_gradients and settings.max_grad_norm:
+                            accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                run.step(batch, loss)  # samples, tokens, FLOPs; at a step's end: step line, checkpoint, stop vote
+            with run.evaluation():
+                run.evaluated(task.evaluate_split(model, validation_loader, accelerator, metric, run.between_batches))
+            if run.done:
+                break
+        with run.evaluation():
+            test_scores = task.evaluate_split(model, test_loader, accelerator, metric, run.between_batches)
         # ---------------------------------------------------------------- summary
         return run.finish(test_scores)  # reads the last stop vote, gathers every rank, writes the record, the table
-
-
-def train_epoch(accelerator, model, batches, optimizer, scheduler, max_grad_norm, metrics, run) -> None:
-    """Train on the epoch's batches until they run out or the run is done (its steps, or a stop)."""
-    while not metrics.done:
-        run.check()
-        with metrics.stage("data"):
-            batch = next(batches, None)
-        if batch is None:
-            break
-        loss, labels = train_step(
-            accelerator,
-            model,
-            batch,
-            optimizer,
-            scheduler,
-            metrics.stage,
-            max_grad_norm,
-            metrics.skips,
-            metrics.communication,
-        )
-        if metrics.micro_batch(batch, loss, labels):
-            run.step_finished()  # step line, checkpoint when due, the stop vote
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def planted(argv: list[str]) -> None:
         wrap(self, *args, **kwargs)
         self.register_comm_hook(None, slow_link)
 
-    build_model_as_usual = train.build_model
+    build_model_as_usual = train.task.build_model
 
     def build_model(*args, **kwargs):
         model, facts = build_model_as_usual(*args, **kwargs)
@@ -82,7 +82,7 @@ def planted(argv: list[str]) -> None:
         return model, facts
 
     torch.nn.parallel.DistributedDataParallel.__init__ = with_slow_link
-    train.build_model = build_model
+    train.task.build_model = build_model
     train.main(argv)
 
 

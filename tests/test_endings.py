@@ -56,7 +56,7 @@ def slow_test_evaluation(argv: list[str]) -> None:
     signal to arrive in."""
     import train
 
-    evaluate, evaluations = train.evaluate_split, []
+    evaluate, evaluations = train.task.evaluate_split, []
 
     def evaluate_split(model, loader, accelerator, metric, between_batches=None):
         evaluations.append(loader)
@@ -71,7 +71,7 @@ def slow_test_evaluation(argv: list[str]) -> None:
 
         return evaluate(model, loader, accelerator, metric, between)
 
-    train.evaluate_split = evaluate_split
+    train.task.evaluate_split = evaluate_split
     train.main(argv)
 
 
@@ -80,7 +80,7 @@ def out_of_memory_in_evaluation(argv: list[str]) -> None:
     errs: it does not vanish)."""
     import train
 
-    evaluate = train.evaluate_split
+    evaluate = train.task.evaluate_split
 
     def evaluate_split(model, loader, accelerator, metric, between_batches=None):
         def between():
@@ -90,7 +90,7 @@ def out_of_memory_in_evaluation(argv: list[str]) -> None:
 
         return evaluate(model, loader, accelerator, metric, between)
 
-    train.evaluate_split = evaluate_split
+    train.task.evaluate_split = evaluate_split
     train.main(argv)
 
 

@@ -152,3 +152,28 @@ if __name__ == "__main__":  # python tests/test_imports.py: the cycles, module-l
     print("module-level cycles:", cycles(module_level) or "none")
     print("cycles counting function-level imports:", cycles(merged(module_level, function_level)) or "none")
     print("imports of the top-level scripts:", scripts or "none")
+
+
+PUBLIC = {"trainscope", "trainscope.classifier", "trainscope.embedded"}  # with trainscope.__all__'s names
+
+
+def test_the_scripts_that_train_import_only_the_public_api():
+    """train.py and the examples reach trainscope through its public names only (docs/instrument.md)."""
+    import trainscope
+
+    for script in (ROOT / "train.py", *sorted((ROOT / "examples").glob("*.py"))):
+        tree = ast.parse(script.read_text())
+        used = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                used |= {a.name for a in node.names if a.name.split(".")[0] == "trainscope"}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "trainscope":
+                used |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                         for a in node.names}  # fmt: skip
+        assert used <= PUBLIC, (script.name, used - PUBLIC)
+        attributes = {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trainscope"
+        }
+        assert attributes <= set(trainscope.__all__), (script.name, attributes - set(trainscope.__all__))

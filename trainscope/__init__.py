@@ -1,3 +1,35 @@
-"""trainscope: where training time and memory go, measured on HuggingFace Accelerate."""
+"""trainscope: where training time and memory go, measured on HuggingFace Accelerate.
+
+The public names (docs/instrument.md): `Run` instruments any Accelerate training loop; `one_line_endings` ends a
+script on bad input or a fault with one line (raise `UserError` for bad input); `fsdp_wrap_rule` names the layers an
+FSDP config shards; `classifier` holds the pieces of train.py's own workload, `embedded` the offline model and corpus. They load on first use, so
+`import trainscope` stays light.
+"""
 
 __version__ = "0.4.0"  # the one version: pyproject.toml reads it (tool.setuptools.dynamic)
+
+__all__ = ["Run", "UserError", "classifier", "embedded", "fsdp_wrap_rule", "one_line_endings", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "UserError":
+        from trainscope.errors import UserError
+
+        return UserError
+    if name == "fsdp_wrap_rule":
+        from trainscope.modeling import fsdp_wrap_rule
+
+        return fsdp_wrap_rule
+    if name == "Run":
+        from trainscope.instrument import Run
+
+        return Run
+    if name == "one_line_endings":
+        from trainscope.endings import one_line_endings
+
+        return one_line_endings
+    if name in ("classifier", "embedded"):
+        import importlib
+
+        return importlib.import_module(f"trainscope.{name}")
+    raise AttributeError(f"module 'trainscope' has no attribute {name!r}")

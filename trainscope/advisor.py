@@ -107,7 +107,17 @@ def advise(record: dict) -> list[Suggestion]:
     for s in found:
         if s.flags or s.config:
             s.kind, s.unavailable = changes.kind_of(s.flags, s.config), changes.unavailable(s.flags, s.config)
+    if view.record.get("instrument"):  # a loop of its own (trainscope.Run): only what applies to any model
+        found = [s for s in found if s.rule not in CLASSIFIER_ONLY]
+        for s in found:
+            if s.flags and not s.fix_first:
+                s.unavailable = "train.py's flag: make the same change in your loop"
     return sorted(found, key=lambda s: (not s.fix_first, -(s.gain or 1.0)))
+
+
+# What reads train.py's classifier (its padding and evaluation order, its encoder's attention and dropout) and does
+# not apply to a loop of its own (trainscope.Run).
+CLASSIFIER_ONLY = {"padding", "unpad", "eval_order", "evaluation", "attention_kernel", "dropout"}
 
 
 # Estimates the predictor makes for a run that recorded a prediction (trainscope.predict.speedup: every operator

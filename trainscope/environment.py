@@ -192,7 +192,7 @@ def describe(accelerator, effective: str, threads: dict) -> dict:
         "backend": state.backend,
         "requested_precision": accelerator.mixed_precision,
         "effective_precision": effective,
-        "tf32_in_effect": precision.tf32_in_effect(),
+        "tf32_in_effect": precision.tf32_in_effect() and accelerator.device.type == "cuda",  # TF32 is CUDA's
         "fsdp_requested": os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
         "device_memory_gib": device_memory_gib(accelerator.device),
         **(precision.cuda_precision_facts() if accelerator.device.type == "cuda" else {}),

@@ -215,9 +215,11 @@ class StopVote:
 
 
 class RunLifecycle:
-    def __init__(self, accelerator, started, plan: dict):
+    def __init__(self, accelerator, started, plan: dict, settings_block: dict | None = None):
         self.accelerator, self.started, self.plan = accelerator, started, plan
         self.settings, self.run_dir = started.settings, started.run_dir
+        # what the record's settings say: every field for train.py, the instrument's own for trainscope.Run
+        self.settings_block = asdict(self.settings) if settings_block is None else settings_block
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
         self.vote = StopVote(accelerator.state.backend, self.settings.distributed_timeout) if self.world > 1 else None
@@ -264,7 +266,7 @@ class RunLifecycle:
             self.watch.watch(self._peer_lost, None if self.record else [0], silence_s=WATCH_SILENCE_S)
         if names:
             self.accelerator.init_trackers(
-                "trainscope", config=trackers.flat_config(asdict(self.settings)), init_kwargs=init_kwargs
+                "trainscope", config=trackers.flat_config(self.settings_block), init_kwargs=init_kwargs
             )
         self.progress = tqdm(
             total=self.plan["optimizer_steps"],
@@ -289,7 +291,7 @@ class RunLifecycle:
             run_name=self.run_dir.name,
             status="running",
             created=self.record.data.get("created", now_iso()),
-            settings=asdict(self.settings),
+            settings=self.settings_block,
             environment=env,
             provenance=provenance.collect(),
             model=model_facts,
@@ -332,7 +334,8 @@ class RunLifecycle:
     def batches(self, loader, epoch: int):
         """The epoch's batches, less those a resumed run already trained."""
         skip = self.metrics.loop.start_epoch(epoch)
-        loader.set_epoch(epoch)
+        if hasattr(loader, "set_epoch"):  # Accelerate's prepared loaders; a plain iterable has none
+            loader.set_epoch(epoch)
         return iter(self.accelerator.skip_first_batches(loader, skip) if skip else loader)
 
     # ---------------------------------------------------------------- the loop's boundaries

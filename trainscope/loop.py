@@ -87,6 +87,7 @@ class LoopState:
             self.counts[phase].setdefault("squares", 0)
         self.evaluations = []
         self.micro_batches_in_step = 0
+        self.counts_tokens = False  # some micro-batch said how many tokens it holds
         self._phase_tokens = {phase: torch.zeros((), device=device, dtype=torch.long) for phase in self.counts}
         self._phase_squares = {phase: torch.zeros((), device=device, dtype=torch.long) for phase in self.counts}
         self._reset_interval()
@@ -94,6 +95,7 @@ class LoopState:
     def _reset_interval(self):
         self.interval_losses = []
         self.interval_tokens = torch.zeros((), device=self.device, dtype=torch.long)
+        self.interval_host_tokens = 0
         self.interval_samples = 0
         self.interval_flops = 0
 
@@ -103,23 +105,37 @@ class LoopState:
         self.epoch, self.batches_in_epoch = epoch, skip
         return skip
 
-    def add_micro_batch(self, phase: str, loss, labels, attention_mask, flops: int | None):
-        lengths = attention_mask.sum(-1)
-        tokens = lengths.sum()
+    def add_micro_batch(self, phase: str, loss, facts, flops: int | None):
+        """One trained micro-batch; `facts` (trainscope.flops_source.BatchFacts): its samples, and its tokens from its
+        attention mask (on the device: read at log steps), from its (batch, length) layout, or as given."""
+        samples = facts.samples
+        counts = self.counts[phase]
+        if facts.mask is not None:
+            mask = facts.mask
+            lengths = mask.sum(-1)
+            tokens = lengths.sum()
+            self.interval_tokens += tokens
+            self._phase_tokens[phase] += tokens
+            self._phase_squares[phase] += (lengths * lengths).sum()
+        elif facts.tokens_known:  # no padding: every position is a real token; or the user's count
+            tokens = facts.tokens if facts.tokens is not None else facts.positions
+            self.interval_host_tokens += tokens
+            counts["tokens"] += tokens
+            if facts.shape is not None:
+                counts["squares"] += facts.shape[0] * facts.shape[1] ** 2
+        if facts.tokens_known:
+            self.counts_tokens = True
         self.interval_losses.append(loss)
-        self.interval_tokens += tokens
-        self._phase_tokens[phase] += tokens
-        self._phase_squares[phase] += (lengths * lengths).sum()
-        self.interval_samples += labels.shape[0]
+        self.interval_samples += samples
         self.interval_flops += flops or 0
         self.batches_in_epoch += 1
-        counts = self.counts[phase]
-        counts["samples"] += labels.shape[0]
+        counts["samples"] += samples
         counts["micro_batches"] += 1
         counts["flops"] += flops or 0
-        # positions the kernels process, and batch x length^2 (the attention term): from shapes, no sync
-        counts["padded_tokens"] = counts.get("padded_tokens", 0) + attention_mask.numel()
-        counts["padded_squares"] = counts.get("padded_squares", 0) + attention_mask.numel() * attention_mask.shape[-1]
+        if facts.shape is not None:  # positions the kernels process, and batch x length^2 (the attention term)
+            batch, length = facts.shape
+            counts["padded_tokens"] = counts.get("padded_tokens", 0) + batch * length
+            counts["padded_squares"] = counts.get("padded_squares", 0) + batch * length * length
         self.micro_batches_in_step += 1
 
     def end_step(self, phase: str):
@@ -136,7 +152,7 @@ class LoopState:
         """The micro-batches since the last step line."""
         interval = {
             "losses": self.interval_losses,
-            "tokens": self.interval_tokens,
+            "tokens": self.interval_tokens + self.interval_host_tokens if self.counts_tokens else None,
             "samples": self.interval_samples,
             "flops": self.interval_flops,
         }

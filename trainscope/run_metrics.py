@@ -23,6 +23,7 @@ from trainscope import (
     communication,
     communication_block,
     environment,
+    flops_source,
     gap,
     health,
     modeling,
@@ -35,15 +36,12 @@ from trainscope import (
 )
 from trainscope.flops import (
     FULL,
-    Training,
     encoder_shape,
     mfu,
-    padding_free_training_flops,
-    real_training_flops,
     recomputed_flops,
-    training_flops,
     training_of,
 )
+from trainscope.flops_source import BatchFacts
 from trainscope.loop import LoopState
 from trainscope.memory import GIB, peak_rss_bytes
 from trainscope.precision import SkippedSteps, effective_precision
@@ -58,8 +56,19 @@ class NonFiniteLoss(RuntimeError):
 
 
 class RunMetrics:
-    def __init__(self, accelerator, started, plan: dict, model_config, scheduler, prediction: dict | None = None):
+    def __init__(
+        self,
+        accelerator,
+        started,
+        plan: dict,
+        model_config,
+        scheduler=None,
+        prediction: dict | None = None,
+        flops=None,
+        optimizer=None,
+    ):
         self.accelerator, self.started, self.plan, self.scheduler = accelerator, started, plan, scheduler
+        self.optimizer = optimizer  # its learning rate for the step lines where there is no scheduler
         self.settings, self.run_dir = started.settings, started.run_dir
         self.model_config = model_config  # taken before prepare() wraps the model (DDP, FSDP, compile)
         device, rank = accelerator.device, accelerator.process_index
@@ -80,6 +89,8 @@ class RunMetrics:
         self._evaluated = False  # an evaluation ran (with --compile the first one compiles)
         self.prediction = predict.Check(prediction, self.settings)  # the measured side of each predicted term
         self.training = FULL  # what the step trains, for its model FLOPs (trainscope.flops): read from the model
+        # where the model FLOPs come from: a formula, the user's figure, or FlopCounterMode once (trainscope.flops_source)
+        self.flops = flops_source.source_for(model_config, flops, self.settings.unpad, lambda: self.training)
 
     # ---------------------------------------------------------------- before the loop
 
@@ -157,18 +168,15 @@ class RunMetrics:
 
     @property
     def done(self) -> bool:
-        return self.loop.step >= self.plan["optimizer_steps"]
+        steps = self.plan["optimizer_steps"]
+        return steps is not None and self.loop.step >= steps
 
-    def micro_batch(self, batch: dict, loss, labels) -> bool:
-        """Count one trained micro-batch; True when it completed an optimizer step."""
+    def micro_batch(self, batch, loss, samples: int | None = None, tokens: int | None = None) -> bool:
+        """Count one trained micro-batch (its samples and tokens read from the batch where not given); True when it
+        completed an optimizer step."""
         phase = self.timer.phase
-        if self.settings.unpad:  # the work the kernels did: the real tokens' (the forward's index of them synced)
-            flops = padding_free_training_flops(
-                self.model_config, *batch["input_ids"].shape, int(batch["attention_mask"].sum()), self.training
-            )
-        else:
-            flops = training_flops(self.model_config, *batch["input_ids"].shape, self.training)  # from shapes: no sync
-        self.loop.add_micro_batch(phase, loss, labels, batch["attention_mask"], flops)
+        facts = BatchFacts(batch, samples, tokens)
+        self.loop.add_micro_batch(phase, loss, facts, self.flops.micro_batch(facts))
         self.prediction.micro_batch_done(batch, self.accelerator.sync_gradients)
         if not self.accelerator.sync_gradients:
             return False
@@ -220,10 +228,12 @@ class RunMetrics:
             "step": self.loop.step,
             "epoch": self.loop.epoch,
             "loss": self._last_loss,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self._learning_rate(),
             "micro_batches": len(interval["losses"]),
             "samples": interval["samples"] * world,
-            "tokens": self.accelerator.reduce(interval["tokens"], reduction="sum").item(),
+            "tokens": self.accelerator.reduce(interval["tokens"], reduction="sum").item()
+            if interval["tokens"] is not None
+            else None,
             "stage_s": timing["stage_s"],
             "wall_s": wall,
             "skipped_steps": self._skipped_total(),
@@ -231,6 +241,12 @@ class RunMetrics:
             "tflops_per_device": interval["flops"] / wall / 1e12 if interval["flops"] and wall > 0 else None,
             "time": now_iso(),
         }
+
+    def _learning_rate(self) -> float | None:
+        if self.scheduler is not None:
+            return self.scheduler.get_last_lr()[0]
+        groups = getattr(self.optimizer, "param_groups", None)
+        return float(groups[0]["lr"]) if groups else None
 
     @contextlib.contextmanager
     def evaluation(self):
@@ -307,9 +323,7 @@ class RunMetrics:
     def _summary(self, per_rank: list[dict], test_scores: dict | None, snapshot: dict | None) -> dict:
         phase = "steady" if self.loop.counts["steady"]["optimizer_steps"] else "warmup"
         throughput = summary.throughput(per_rank, phase)
-        throughput.update(
-            real_token_throughput(throughput, encoder_shape(self.model_config), len(per_rank), self.training)
-        )
+        throughput.update(real_token_throughput(throughput, self.flops, len(per_rank)))
         model_flops = self._model_flops(throughput, len(per_rank))
         communication_summary = communication_block.combine(per_rank, throughput)
         return {
@@ -433,11 +447,11 @@ class RunMetrics:
         }
 
 
-def real_token_throughput(throughput: dict, shape: tuple | None, ranks: int, training: Training = FULL) -> dict:
+def real_token_throughput(throughput: dict, source, ranks: int) -> dict:
     """The useful work beside the work done: training FLOPs on real tokens only (trainscope.flops.real_training_flops)
     per device per second, and the share of the counted FLOPs that went to padding positions (all of padding's with
     padded layers; attention's on the padded layout with --unpad). None where the model's shape is unknown."""
-    real = real_training_flops(shape, throughput.get("tokens"), throughput.get("squares"), training)
+    real = source.real(throughput.get("tokens"), throughput.get("squares"))
     wall, counted = throughput.get("train_wall_s"), throughput.get("flops")
     return {
         "real_flops": real,
@@ -518,8 +532,12 @@ def table_lines(record: dict, run_dir) -> list[str]:
         f"peak memory {peak_memory:.2f} GiB ({kind})",
         *device_time_lines(view),
     ]
-    if test:
+    if test and "accuracy" in test:
         rows.append(f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}")
+    elif test:  # a loop's own scores (trainscope.Run.finish)
+        rows.append(
+            "test " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in test.items())
+        )
     rows += [
         *communication_block.table_lines(view.communication),
         *predict.error_lines(view.prediction_error),

@@ -92,6 +92,23 @@ def start(settings: Settings) -> Startup:
     return started
 
 
+def attach(settings: Settings, accelerator: Accelerator) -> Startup:
+    """Start-up for a loop whose Accelerator already exists (trainscope.Run): the peers' watch, the threads (changed
+    only when --threads says so: `launcher` keeps what the process has), the run folder. Seeds, TF32 and the process
+    group stay the loop's own."""
+    state = PartialState()  # the Accelerator's (a shared state)
+    watch = PeerWatch.start(state)
+    environment.refuse_independent_runs(state.num_processes)
+    threads = environment.apply_thread_budget(
+        settings.threads, workers=settings.num_workers, accelerator=accelerator.device.type != "cpu"
+    )
+    run_dir = resolve_run_dir(settings, state)
+    started = Startup(state, settings, threads, run_dir, settings.max_seq_length, None, None, {}, watch)
+    if settings.resume:
+        started.resume_from, started.checkpoints_skipped = choose_checkpoint(run_dir, state)
+    return started
+
+
 # The process group's backend where Accelerate's own choice (NCCL on CUDA, gloo on CPU processes) is not wanted.
 # "gloo" lets several processes share one GPU (NCCL refuses two ranks on one device): make gpu-check runs its
 # multi-process checks that way on a machine with one GPU, each code path on CUDA tensors, its speed not

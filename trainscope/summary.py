@@ -32,6 +32,7 @@ def throughput(per_rank: list[dict], phase: str) -> dict:
     squares = sum(rank["counts"][phase].get("padded_squares") or 0 for rank in per_rank)
     real_squares = sum(rank["counts"][phase].get("squares") or 0 for rank in per_rank)
     steps = per_rank[0]["counts"][phase]["optimizer_steps"]
+    tokens = tokens or None  # a loop whose batches hold no tokens (trainscope.Run on any model) counts none
     return {
         "samples": samples,
         "tokens": tokens,
@@ -42,7 +43,7 @@ def throughput(per_rank: list[dict], phase: str) -> dict:
         "optimizer_steps": steps,
         "train_wall_s": wall,
         "samples_per_s": samples / wall if wall > 0 else None,
-        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "tokens_per_s": tokens / wall if wall > 0 and tokens else None,
         "step_s": wall / steps if steps else None,
         # model FLOPs (PaLM formula, padded tokens) per device per second
         "tflops_per_device": flops / wall / len(per_rank) / 1e12 if wall > 0 and flops else None,

@@ -1,0 +1,143 @@
+"""trainscope.Run on loops that are not train.py's: the README's snippet as written, a plain loop with no HuggingFace
+model (under gradient accumulation and a short last batch), a decoder-only language model in one process and on two
+DDP ranks, and the advisor on their records."""
+
+import re
+import runpy
+import sys
+
+import pytest
+import torch
+from conftest import ACCELERATE, ROOT, cpu_env, launch_forked, read_record, read_steps, run_command, run_in_process
+
+from trainscope import advisor
+
+EXAMPLES = ROOT / "examples"
+
+
+def example_main(name: str):
+    return runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name=name)["main"]
+
+
+def readme_snippet() -> str:
+    """The README's 'your own training' code block, as written."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- instrument-snippet -->\s*```python\n(.*?)```", text, re.S)
+    assert match, "README.md has no instrument snippet"
+    return match.group(1)
+
+
+def test_the_readme_snippet_run_as_written_writes_a_record_with_stage_times(tmp_path):
+    (tmp_path / "snippet.py").write_text(readme_snippet())
+    result = run_command([sys.executable, "snippet.py"], cwd=tmp_path, env=cpu_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = list((tmp_path / "runs").glob("*/record.json"))
+    assert len(records) == 1
+    record = read_record(records[0].parent)
+    assert record["status"] == "complete" and record["instrument"]["api"] == "trainscope.Run"
+    seconds = record["summary"]["timing"]["across_ranks"]["run"]["seconds"]
+    assert all(seconds[stage]["median"] > 0 for stage in ("data", "forward", "backward", "optimizer"))
+    assert "stage        seconds" in result.stdout  # the end-of-run table
+
+
+def test_instrumenting_the_plain_loop_takes_at_most_10_lines():
+    source = (EXAMPLES / "plain_loop.py").read_text()
+    loop = source[source.index("def train") : source.index("def main")]
+    marked = [line for line in loop.splitlines() if "# trainscope" in line]
+    assert 1 <= len(marked) <= 10, marked
+
+
+def mlp_flops_per_sample() -> float:
+    """FlopCounterMode's count of one training step of the plain loop's model, per sample."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 1))
+    x, y = torch.randn(10, 64), torch.randn(10, 1)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    return counter.get_total_flops() / 10
+
+
+def test_the_plain_loop_counts_every_sample_under_accumulation_and_a_short_last_batch(tmp_path):
+    # 8192 samples in batches of 1000: 8 full ones and one of 192 per epoch; 2 micro-batches a step, the epoch's last
+    # step its one short batch (Accelerate syncs at the loader's end): 5 steps an epoch, 10 in all
+    args = ["--steps", "10", "--batch-size", "1000", "--accumulate", "2", "--log-every", "5"]
+    result = run_in_process([*args, "--output-dir", str(tmp_path)], main=example_main("plain_loop"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_record(tmp_path / "plain-loop")
+    summary = record["summary"]
+    counts = summary["timing"]["per_rank"][0]["counts"]
+    samples = sum(counts[phase]["samples"] for phase in counts)
+    micro = sum(counts[phase]["micro_batches"] for phase in counts)
+    assert (summary["optimizer_steps"], micro, samples) == (10, 18, 2 * 8192)
+    assert [line["samples"] for line in read_steps(tmp_path / "plain-loop")] == [8192, 8192]
+    # no tokens in a batch of features: none counted, none claimed
+    assert summary["throughput"]["tokens"] is None and summary["throughput"]["tokens_per_s"] is None
+    # FLOPs: FlopCounterMode once (first micro-batch), scaled by samples: every micro-batch at the counted rate
+    assert record["instrument"]["flops_basis"].startswith("FlopCounterMode")
+    flops = sum(counts[phase]["flops"] for phase in counts)
+    assert flops == pytest.approx(mlp_flops_per_sample() * samples, rel=1e-6)
+    # what does not apply is said, and the advisor offers nothing that needs a transformer
+    assert set(record["instrument"]["not_available"]) == {"prediction", "unpad"}
+    assert record["prediction"] is None
+    rules = {s.rule for s in advisor.advise(record)}
+    assert not rules & advisor.CLASSIFIER_ONLY
+
+
+def test_the_causal_lm_records_tokens_and_formula_flops_in_one_process(tmp_path):
+    args = ["--steps", "4", "--seq-length", "32", "--batch-size", "4", "--max-texts", "1500", "--log-every", "2"]
+    result = run_in_process([*args, "--output-dir", str(tmp_path), "--run-name", "lm"], main=example_main("causal_lm"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_record(tmp_path / "lm")
+    summary, instrument = record["summary"], record["instrument"]
+    assert instrument["flops_basis"].startswith("formula: decoder-only")
+    throughput = summary["throughput"]
+    assert throughput["tokens"] == throughput["samples"] * 32 and throughput["tokens_per_s"] > 0
+    assert throughput["padding_flops_share"] == 0.0  # packed blocks: every token real
+    from transformers import AutoConfig  # noqa: F401  (the formula's config: GPT-2's, as the example builds it)
+
+    from trainscope import flops
+
+    config = example_config()
+    per_sequence = flops.causal_lm_training_flops(config, 1, 32)
+    counts = summary["timing"]["per_rank"][0]["counts"]
+    assert sum(counts[p]["flops"] for p in counts) == per_sequence * sum(counts[p]["samples"] for p in counts)
+    assert "perplexity" in summary["test"] and "test loss" in result.stdout
+    suggestions = advisor.advise(record)
+    assert not {s.rule for s in suggestions} & advisor.CLASSIFIER_ONLY
+    assert all(s.unavailable for s in suggestions if s.flags and not s.fix_first)
+
+
+def example_config():
+    from transformers import AutoTokenizer
+
+    from trainscope import embedded
+
+    module = runpy.run_path(str(EXAMPLES / "causal_lm.py"), run_name="causal_lm")
+    tokenizer = AutoTokenizer.from_pretrained(embedded.minilm_dir())
+    return module["TINY"]["embedded:tiny-gpt2"](len(tokenizer), module["end_token"](tokenizer))
+
+
+def test_the_causal_lm_on_two_ddp_ranks_has_the_communication_block(tmp_path):
+    """`accelerate launch --config_file accelerate_configs/ddp.yaml examples/causal_lm.py`, 2 ranks over gloo."""
+    args = ["--steps", "6", "--seq-length", "32", "--batch-size", "4", "--max-texts", "1500", "--log-every", "3"]
+    command = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "ddp.yaml"),
+        str(EXAMPLES / "causal_lm.py"),
+        *args,
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "lm",
+    ]
+    result = launch_forked(command, cpu_env(ACCELERATE_USE_CPU="1"), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_record(tmp_path / "lm")
+    summary = record["summary"]
+    assert summary["world_size"] == 2 and sorted(r["rank"] for r in summary["timing"]["per_rank"]) == [0, 1]
+    assert summary["communication"] is not None and summary["communication"].get("buckets")
+    assert "communication (2 ranks" in result.stdout
+    assert [line["step"] for line in read_steps(tmp_path / "lm")] == [3, 6]
