@@ -141,3 +141,27 @@ def test_the_causal_lm_on_two_ddp_ranks_has_the_communication_block(tmp_path):
     assert summary["communication"] is not None and summary["communication"].get("buckets")
     assert "communication (2 ranks" in result.stdout
     assert [line["step"] for line in read_steps(tmp_path / "lm")] == [3, 6]
+
+
+def test_the_encoder_formula_source_gives_the_formula_for_every_layout():
+    """EncoderFlops (its coefficients computed once per what trains) against trainscope.flops' own functions."""
+    from transformers import BertConfig
+
+    from trainscope import flops
+    from trainscope.flops_source import BatchFacts, EncoderFlops
+
+    config = BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    frozen = flops.Training(trained_share=0.0, adapter_weights=100, input_gradient=False)
+    for training in (flops.FULL, frozen):
+        for unpad in (False, True):
+            source = EncoderFlops(config, unpad, lambda training=training: training)
+            for batch, length in ((4, 16), (3, 33)):
+                mask = torch.ones(batch, length, dtype=torch.long)
+                mask[0, length // 2 :] = 0
+                facts = BatchFacts({"input_ids": torch.zeros(batch, length, dtype=torch.long), "attention_mask": mask})
+                expected = (
+                    flops.padding_free_training_flops(config, batch, length, int(mask.sum()), training)
+                    if unpad
+                    else flops.training_flops(config, batch, length, training)
+                )
+                assert source.micro_batch(facts) == expected

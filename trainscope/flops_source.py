@@ -28,15 +28,22 @@ class EncoderFlops(NoFlops):
 
     def __init__(self, config, unpad: bool, training):
         self.config, self.unpad, self.training, self.shape = config, unpad, training, formulas.encoder_shape(config)
+        self._coefficients = None  # (training, (a, b)): computed once per what trains, not per micro-batch
+
+    def _model(self) -> tuple:
+        training = self.training()
+        if self._coefficients is None or self._coefficients[0] is not training:
+            self._coefficients = (training, formulas.flops_coefficients(*self.shape, training)["model"])
+        return self._coefficients[1]
 
     def micro_batch(self, facts) -> int | None:
         if facts.shape is None:
             return None
+        batch, length = facts.shape
+        a, b = self._model()
         if self.unpad and facts.mask is not None:  # the real tokens' work (the forward's index of them synced)
-            return formulas.padding_free_training_flops(
-                self.config, *facts.shape, int(facts.mask.sum()), self.training()
-            )
-        return formulas.training_flops(self.config, *facts.shape, self.training())  # from shapes: no sync
+            return int(round(a * int(facts.mask.sum()) + b * batch * length**2))  # as flops.padding_free_training_flops
+        return int(round(a * batch * length + b * batch * length**2))  # from shapes, as flops.training_flops: no sync
 
     def real(self, tokens, squares) -> int | None:
         return formulas.real_training_flops(self.shape, tokens, squares, self.training())

@@ -53,6 +53,9 @@ def classification_loss(logits, labels):
     return F.cross_entropy(logits.float(), labels)
 
 
+# micro-batches whose sequence lengths wait, at most, before they are summed on the device
+FOLD_EVERY = 64
+
 # what each phase counts; squares: the sum of each sequence's real length squared (the attention term of the FLOPs
 # on real tokens)
 COUNTED = (
@@ -90,6 +93,7 @@ class LoopState:
         self.counts_tokens = False  # some micro-batch said how many tokens it holds
         self._phase_tokens = {phase: torch.zeros((), device=device, dtype=torch.long) for phase in self.counts}
         self._phase_squares = {phase: torch.zeros((), device=device, dtype=torch.long) for phase in self.counts}
+        self._lengths = []  # (phase, each sequence's real length) of the micro-batches not yet folded into the sums
         self._reset_interval()
 
     def _reset_interval(self):
@@ -110,13 +114,10 @@ class LoopState:
         attention mask (on the device: read at log steps), from its (batch, length) layout, or as given."""
         samples = facts.samples
         counts = self.counts[phase]
-        if facts.mask is not None:
-            mask = facts.mask
-            lengths = mask.sum(-1)
-            tokens = lengths.sum()
-            self.interval_tokens += tokens
-            self._phase_tokens[phase] += tokens
-            self._phase_squares[phase] += (lengths * lengths).sum()
+        if facts.mask is not None:  # one device operation here; the sums when they are read (`_fold`)
+            self._lengths.append((phase, facts.mask.sum(-1)))
+            if len(self._lengths) >= FOLD_EVERY:
+                self._fold()
         elif facts.tokens_known:  # no padding: every position is a real token; or the user's count
             tokens = facts.tokens if facts.tokens is not None else facts.positions
             self.interval_host_tokens += tokens
@@ -148,8 +149,19 @@ class LoopState:
         """No micro-batch of the coming optimizer step trained yet: a checkpoint here is whole."""
         return self.micro_batches_in_step == 0
 
+    def _fold(self) -> None:
+        """The pending sequence lengths into the interval's and the phases' token sums and squares (on the device)."""
+        for phase in {phase for phase, _ in self._lengths}:
+            lengths = torch.cat([found for at, found in self._lengths if at == phase])
+            tokens = lengths.sum()
+            self.interval_tokens += tokens
+            self._phase_tokens[phase] += tokens
+            self._phase_squares[phase] += (lengths * lengths).sum()
+        self._lengths = []
+
     def take_interval(self) -> dict:
         """The micro-batches since the last step line."""
+        self._fold()
         interval = {
             "losses": self.interval_losses,
             "tokens": self.interval_tokens + self.interval_host_tokens if self.counts_tokens else None,
@@ -161,6 +173,7 @@ class LoopState:
 
     def finish(self):
         """Fold the device-side token counts into `counts` (one sync, at the end)."""
+        self._fold()
         for phase, tokens in self._phase_tokens.items():
             self.counts[phase]["tokens"] += tokens.item()
             tokens.zero_()
