@@ -36,8 +36,12 @@ from trainscope.tables import Table, num
 
 ROOT = launching.ROOT
 # The embedded tiny model (2 layers, hidden 32): steps of a few milliseconds, the host-bound regime of a small model on a
-# GPU, where the instruments' own host work is the largest share of a step it can be.
+# GPU, where the instruments' own host work is the largest share of a step it can be. One thread: that regime's host is
+# one Python thread, and a pool of two on ops this small adds only its wake-ups (on machine B, samples/s then spread
+# over 1,258-1,631 in either arm; with one thread over 1,387-1,490, at the same median).
 DEFAULT_TRAIN_ARGS = [
+    "--threads",
+    "1",
     "--model",
     "embedded:tiny-bert",
     "--max-train-samples",
