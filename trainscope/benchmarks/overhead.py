@@ -20,9 +20,11 @@ arms). A target is said met or not only with at least bench.MIN_PAIRS rounds (`m
 Writes benchmarks/timing_overhead.{json,md}.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -63,6 +65,7 @@ DEFAULT_TRAIN_ARGS = [
 ]
 TARGETS = {"host": 0.03, "events": 0.01, "sync": 0.03, "memory-every-step": 0.01}
 MEMORY_ARM = "memory-every-step"
+ALONE = "instruments-alone"  # the direct measurement: trainscope.Run's calls around empty steps
 
 
 BARE_REFUSES = {  # work train.py does inside its loop that a loop without trainscope has no part of
@@ -174,6 +177,54 @@ def bare_loop(argv: list[str]) -> None:
     )
 
 
+def instruments_alone(argv: list[str]) -> None:
+    """The second instrument, direct: trainscope.Run's own time per optimizer step, its calls around steps that do
+    nothing (batches of train.py's shape already in memory, stages empty), over --max-steps steps with train.py's
+    --log-every and --threads; prints microseconds per step as JSON. What train.py's instruments add to a step, without
+    taking the difference of two noisy totals."""
+    import torch
+    from accelerate import Accelerator
+
+    from trainscope.instrument import Run
+    from trainscope.settings import parse_settings
+
+    (settings,) = parse_settings(argv=argv)
+    if settings.threads.isdigit():
+        torch.set_num_threads(int(settings.threads))
+    accelerator = Accelerator()
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    steps, shape = settings.max_steps or 1000, (settings.per_device_batch_size, settings.max_seq_length)
+    mask = torch.ones(shape, dtype=torch.long)
+    mask[: shape[0] // 2, shape[1] // 2 :] = 0  # half the sequences padded, as a classifier's batches are
+    batch = {"input_ids": torch.zeros(shape, dtype=torch.long), "attention_mask": mask}
+    loss = torch.zeros(())
+    with tempfile.TemporaryDirectory() as scratch:
+        run = Run(accelerator, model, optimizer, steps=steps, name="alone", output_dir=scratch, flops=0,
+                  log_every=settings.log_every, threads="launcher")  # fmt: skip
+        with run:
+            began = time.perf_counter()
+            for each in run.data([batch] * steps):
+                with run.stage("forward"):
+                    pass
+                with run.stage("backward"):
+                    pass
+                with run.stage("optimizer"):
+                    pass
+                run.step(each, loss)
+            elapsed = time.perf_counter() - began
+    print(json.dumps({"us_per_step": elapsed / steps * 1e6, "threads": torch.get_num_threads(), "steps": steps}))
+
+
+def alone_run(train_args: list[str]) -> dict:
+    command = [*launching.accelerate_launch(), "-m", "trainscope.benchmarks.overhead", "--alone", *train_args]
+    result = launching.run_captured(command, launching.training_env())
+    if result.returncode != 0:
+        raise SystemExit(f"error: the instruments alone failed: {launching.failure_reason(result)}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def bare_run(train_args: list[str]) -> dict:
     command = [*launching.accelerate_launch(), "-m", "trainscope.benchmarks.overhead", "--bare", *train_args]
     result = launching.run_captured(command, launching.training_env())
@@ -194,7 +245,7 @@ def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path, 
     """Alternating rounds of the arms; `on_round(figures)` after every round with the figures so far (so a time limit
     that kills the benchmark keeps the rounds that finished)."""
     on_gpu = torch.cuda.is_available()
-    arms = {"bare": lambda i: bare_run(train_args)}
+    arms = {"bare": lambda i: bare_run(train_args), ALONE: lambda i: alone_run(train_args)}
     clocks = [mode for mode in modes if mode != MEMORY_ARM] or ["events"]
     for mode in [mode for mode in modes if mode != MEMORY_ARM]:
         label = mode if on_gpu else "host"
@@ -216,7 +267,7 @@ def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path, 
 def figures(rounds: list[dict], arms: dict) -> dict:
     """Every arm against the bare loop over the rounds so far."""
     results = {}
-    for label in [a for a in arms if a != "bare"]:
+    for label in [a for a in arms if a not in ("bare", ALONE)]:
         comparison = bench.compare_rounds(rounds, label, "bare", "samples_per_s")
         overhead = 1 - comparison["median_ratio"]
         decided = comparison["pairs"] >= bench.MIN_PAIRS  # below it a median of ratios is no figure to judge
@@ -227,10 +278,22 @@ def figures(rounds: list[dict], arms: dict) -> dict:
             "meets_target": (overhead <= TARGETS[label]) if decided else None,
             "samples_per_s": bench.spread([r[label]["samples_per_s"] for r in rounds]),
         }
+    alone = [r[ALONE]["us_per_step"] for r in rounds if ALONE in r]
+    bare_step_s = [r["bare"]["optimizer_steps"] / r["bare"]["train_wall_s"] for r in rounds]  # steps per second
+    direct = (
+        {
+            "us_per_step": bench.spread(alone),
+            # the instruments' share of a bare step: their own time per step x the bare loop's steps per second
+            "overhead": statistics.median(alone) * 1e-6 * statistics.median(bare_step_s),
+        }
+        if alone
+        else None
+    )
     return {
         "rounds": rounds,
+        "direct": direct,
         "bare_samples_per_s": bench.spread([r["bare"]["samples_per_s"] for r in rounds]),
-        "threads": sorted({r[a]["threads"] for r in rounds for a in arms}),
+        "threads": sorted({r[a]["threads"] for r in rounds for a in arms if a in r}),
         "results": results,
     }
 
@@ -280,6 +343,15 @@ def markdown(report: dict) -> list[str]:
         "Within noise, timing costs less than this machine's run-to-run noise can show; 1 - the lowest ratio "
         "bounds what it can cost.",
     ]
+    direct = report.get("direct")
+    if direct:
+        spread = direct["us_per_step"]
+        lines += [
+            "",
+            f"Measured directly (the second instrument: trainscope.Run's own calls around empty steps of the same batch "
+            f"shape, --log-every and threads, one run a round): {spread['median']:.1f} us per optimizer step "
+            f"({spread['min']:.1f}-{spread['max']:.1f}), {direct['overhead']:.2%} of the bare loop's median step.",
+        ]
     if not torch.cuda.is_available():
         lines += ["", "GPU (events <= 1%, sync <= 3%, per-stage memory statistics every step): not measured on GPU."]
     return lines
@@ -287,6 +359,7 @@ def markdown(report: dict) -> list[str]:
 
 def main() -> None:
     parser = bench.driver_parser(__doc__, ROOT / "benchmarks" / "timing_overhead", "--bare")
+    parser.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)  # a child: the instruments alone
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -299,6 +372,8 @@ def main() -> None:
     args, train_args = parser.parse_known_args()
     if args.bare:
         return bare_loop(train_args)
+    if args.alone:
+        return instruments_alone(train_args)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     train_args = [*DEFAULT_TRAIN_ARGS, *train_args]
