@@ -4,6 +4,8 @@ Flags are the field names with dashes (`--per-device-batch-size 32`); underscore
 Topology and precision are not here: they come from the `accelerate launch --config_file` YAML.
 """
 
+import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -398,13 +400,64 @@ def default_eval_batch_size(per_device_batch_size: int, eval_order: str = "given
     return (4 if eval_order == "length" else 2) * per_device_batch_size
 
 
+# The --help groups: the field each begins with, and its title.
+SECTIONS = {
+    "model": "model",
+    "dataset": "data and batches",
+    "epochs": "training loop, timing and profiling",
+    "ddp_bucket_cap_mb": "DDP (multi-process runs)",
+    "predict": "prediction (--predict)",
+    "output_dir": "output, trackers and checkpoints",
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help as a person reads it: the description's examples as written, each flag by its dashed name, a boolean
+    as a bare flag (`--lora`; `--lora false` still parses)."""
+
+    @staticmethod
+    def _is_switch(action) -> bool:
+        return action.nargs == "?" and action.const is True
+
+    def _format_args(self, action, default_metavar):
+        return "" if self._is_switch(action) else super()._format_args(action, default_metavar)
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        shown = [o for o in action.option_strings if "_" not in o.lstrip("-")] or action.option_strings[:1]
+        if self._is_switch(action) or action.nargs == 0:
+            return ", ".join(shown)
+        return ", ".join(f"{o} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
+                         for o in shown)  # fmt: skip
+
+    def _format_usage(self, usage, actions, groups, prefix):
+        return super()._format_usage(usage, actions, groups, prefix).replace(" ]", "]")
+
+
+def build_parser(*extra_dataclasses, description: str | None = None) -> HfArgumentParser:
+    """HfArgumentParser over the dataclasses, its flags grouped as Settings is and named with dashes first (underscores
+    parse too)."""
+    parser = HfArgumentParser((Settings, *extra_dataclasses), description=description, formatter_class=HelpFormatter)
+    fields = {field.name for field in dataclasses.fields(Settings)}
+    group = None
+    for action in list(parser._optionals._group_actions):
+        action.option_strings.sort(key=lambda option: "_" in option.lstrip("-"))  # usage shows the first
+        if action.dest in SECTIONS:
+            group = parser.add_argument_group(SECTIONS[action.dest])
+        if group is not None and action.dest in fields:
+            parser._optionals._group_actions.remove(action)
+            group._group_actions.append(action)
+    return parser
+
+
 def parse_settings(*extra_dataclasses, argv: list[str] | None = None, description: str | None = None):
     """Parse `Settings` (and a script's own dataclasses) from the command line.
 
     Unknown flags and impossible values end in argparse's one-line error and exit status 2.
     Returns a tuple: the Settings, then one instance per extra dataclass.
     """
-    parser = HfArgumentParser((Settings, *extra_dataclasses), description=description)
+    parser = build_parser(*extra_dataclasses, description=description)
     args = sys.argv[1:] if argv is None else argv
     *parsed, unknown = parser.parse_args_into_dataclasses(
         args=args, return_remaining_strings=True, look_for_args_file=False

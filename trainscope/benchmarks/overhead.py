@@ -280,15 +280,22 @@ def figures(rounds: list[dict], arms: dict) -> dict:
         }
     alone = [r[ALONE]["us_per_step"] for r in rounds if ALONE in r]
     bare_step_s = [r["bare"]["optimizer_steps"] / r["bare"]["train_wall_s"] for r in rounds]  # steps per second
-    direct = (
-        {
+    direct = None
+    if alone:
+        # the instruments' share of a bare step: their own time per step x the bare loop's steps per second
+        overhead = statistics.median(alone) * 1e-6 * statistics.median(bare_step_s)
+        target = TARGETS["host"] if not torch.cuda.is_available() else TARGETS["events"]
+        # the check, stated before measuring: the paired rounds' overheads (1 - each round's ratio) must span it
+        timed = [a for a in arms if a not in ("bare", ALONE)]
+        paired = [1 - r[a]["samples_per_s"] / r["bare"]["samples_per_s"] for r in rounds for a in timed]
+        direct = {
             "us_per_step": bench.spread(alone),
-            # the instruments' share of a bare step: their own time per step x the bare loop's steps per second
-            "overhead": statistics.median(alone) * 1e-6 * statistics.median(bare_step_s),
+            "overhead": overhead,
+            "target_overhead": target,
+            "meets_target": overhead <= target if len(alone) >= bench.MIN_PAIRS else None,
+            "paired_overheads": [min(paired), max(paired)] if paired else None,
+            "agrees": min(paired) <= overhead <= max(paired) if paired else None,
         }
-        if alone
-        else None
-    )
     return {
         "rounds": rounds,
         "direct": direct,
@@ -350,7 +357,17 @@ def markdown(report: dict) -> list[str]:
             "",
             f"Measured directly (the second instrument: trainscope.Run's own calls around empty steps of the same batch "
             f"shape, --log-every and threads, one run a round): {spread['median']:.1f} us per optimizer step "
-            f"({spread['min']:.1f}-{spread['max']:.1f}), {direct['overhead']:.2%} of the bare loop's median step.",
+            f"({spread['min']:.1f}-{spread['max']:.1f}), {direct['overhead']:.2%} of the bare loop's median step: "
+            f"target <= {direct['target_overhead']:.0%} "
+            + {True: "met", False: "NOT met", None: "not judged (too few rounds)"}[direct["meets_target"]]
+            + (
+                f"; the paired rounds' overheads span {direct['paired_overheads'][0]:+.2%} to "
+                f"{direct['paired_overheads'][1]:+.2%}: "
+                + ("they agree" if direct["agrees"] else "they DISAGREE (warning: one of the two figures is wrong)")
+                if direct.get("paired_overheads")
+                else ""
+            )
+            + ".",
         ]
     if not torch.cuda.is_available():
         lines += ["", "GPU (events <= 1%, sync <= 3%, per-stage memory statistics every step): not measured on GPU."]
