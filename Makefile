@@ -15,7 +15,12 @@ ACCELERATE := $(VENV)/bin/accelerate
 CONFIG ?=
 ARGS ?=
 # --quiet: a one-process run that fails ends in its own error line, without the launcher's CalledProcessError traceback
-LAUNCH = $(ACCELERATE) launch --quiet $(if $(CONFIG),--config_file $(CONFIG))
+# Without a config, what Accelerate would otherwise print a block about choosing itself: one process per GPU (one on a
+# CPU), one machine, no mixed precision, no dynamo.
+GPU_COUNT = $(if $(HAS_GPU),$(shell $(PY) -c "import torch; print(torch.cuda.device_count())"),0)
+LAUNCH_DEFAULTS = --num_machines 1 --mixed_precision no --dynamo_backend no \
+	$(if $(filter-out 0 1,$(GPU_COUNT)),--multi_gpu --num_processes $(GPU_COUNT),--num_processes 1)
+LAUNCH = $(ACCELERATE) launch --quiet $(if $(CONFIG),--config_file $(CONFIG),$(LAUNCH_DEFAULTS))
 # A GPU is one that the project's torch can use (not merely one nvidia-smi lists). Asked only where the machine shows
 # a GPU's device files (NVIDIA, ROCm, WSL) or nvidia-smi: elsewhere every make call would import torch for nothing.
 GPU_SIGNS := $(wildcard /dev/nvidiactl /dev/nvidia0 /dev/kfd /dev/dxg)$(shell command -v nvidia-smi 2>/dev/null)
@@ -24,10 +29,10 @@ HAS_GPU := $(if $(GPU_SIGNS),$(shell test -x $(PY) && $(PY) -c "import torch; pr
 CPU_SUBSET := --max-train-samples 4000 --max-eval-samples 1000 --max-test-samples 2000
 TRAIN_ARGS ?= $(if $(HAS_GPU),,$(CPU_SUBSET))
 
-WORKERS ?= 0 1 2 3 4 6 8 10
+WORKERS ?=
 REPEATS ?= 5
 DATASET ?= embedded:tweets
-LOADER_MODES ?= pretokenized on-the-fly in-training
+LOADER_MODES ?=
 SWEEP_ARGS ?=
 DP_ARGS ?=
 ROUNDS ?= 5
@@ -173,7 +178,8 @@ test: lint ## lint, then run the test suite (CPU only, GPUs hidden; launches eve
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q tests
 
 sweep-workers: setup ## DataLoader num_workers sweep with a plot -> results/loaders/ (WORKERS, REPEATS, DATASET, LOADER_MODES)
-	$(PY) loaders_bench.py --workers $(WORKERS) --repeats $(REPEATS) --dataset $(DATASET) --modes $(LOADER_MODES) \
+	$(PY) loaders_bench.py $(if $(WORKERS),--workers $(WORKERS)) --repeats $(REPEATS) --dataset $(DATASET) \
+		$(if $(LOADER_MODES),--modes $(LOADER_MODES)) \
 		--results-dir $(RESULTS)/loaders $(SWEEP_ARGS)
 
 compare-dp: setup ## nn.DataParallel vs DDP on the same model, data and steps -> results/compare_dp/ (DP_ARGS)

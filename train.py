@@ -34,6 +34,7 @@ def train(settings: task.Settings) -> dict:
     prediction = task.predict.before_run(settings, started, tokenizer, data)
     if settings.predict:
         return task.predict.show(prediction, settings, started)
+    task.announce(settings, started, len(data.train), prediction)  # a CPU and the whole corpus: says so, and how long
     plan = task.plan_steps(settings, len(data.train), started.state.num_processes)
     model, model_facts = task.build_model(settings, data.label_names, tokenizer)
     accelerator = task.build_accelerator(settings, started)

@@ -172,3 +172,35 @@ def test_console_output_is_redacted_tracebacks_included():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 1 and "RuntimeError: cannot open https://host/data.csv" in result.stderr
     assert "hunter2" not in result.stdout + result.stderr and "token=abc" not in result.stdout
+
+
+def test_help_reads_as_written_with_dashes_bare_switches_and_groups():
+    """train.py --help: its docstring's examples line by line, each flag by its dashed name (in the usage line too),
+    a boolean as a bare switch, the flags grouped as Settings is."""
+    import train
+    from trainscope.settings import SECTIONS, build_parser
+
+    text = build_parser(description=train.__doc__).format_help()
+    assert "\n  --max-train-samples MAX_TRAIN_SAMPLES" in text and "--max_train_samples" not in text
+    assert "\n  --lora " in text and "[LORA]" not in text and "LORA\n" not in text
+    for line in train.__doc__.splitlines():  # the examples as written, not folded into a paragraph
+        if line.strip().startswith(("python train.py", "accelerate launch")):
+            assert line.rstrip() in text
+    positions = [text.index(f"\n{title}:\n") for title in SECTIONS.values()]
+    assert positions == sorted(positions)
+    (parsed,) = parse_settings(argv=["--lora", "false", "--unpad"])  # a switch still takes an explicit value
+    assert not parsed.lora and parsed.unpad
+
+
+def test_a_cpu_run_of_the_whole_corpus_says_so_first(capsys):
+    from types import SimpleNamespace
+
+    from trainscope import classifier
+
+    state = SimpleNamespace(device=torch.device("cpu"), is_main_process=True)
+    started = SimpleNamespace(state=state)
+    classifier.announce(Settings(), started, 30526, {"time": {"run_s": 1800.0}})
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("training on all 30,526 rows on a CPU (about 30 min predicted)") and "4000" in line
+    classifier.announce(Settings(max_train_samples=4000), started, 4000, None)
+    assert capsys.readouterr().out == ""

@@ -36,3 +36,19 @@ __all__ = [
     "predict",
     "start",
 ]
+
+
+def announce(settings: Settings, started, rows: int, prediction: dict | None) -> None:
+    """On a CPU with the whole corpus (no --max-train-samples), one line first: what is about to train, how long the
+    prediction says it takes, and make train's subset."""
+    if started.state.device.type != "cpu" or settings.max_train_samples is not None or settings.predict:
+        return
+    if not started.state.is_main_process:
+        return
+    run_s = ((prediction or {}).get("time") or {}).get("run_s")
+    how_long = f"about {run_s / 60:.0f} min predicted" if run_s else "this may take long"
+    print(
+        f"training on all {rows:,} rows on a CPU ({how_long}); make train trains a subset: --max-train-samples 4000 "
+        "--max-eval-samples 1000 --max-test-samples 2000",
+        flush=True,
+    )

@@ -28,19 +28,25 @@ from trainscope.tables import save_figure
 
 MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
 MAX_WORKERS = 64
+# The sweep's one set of defaults (make sweep-workers passes none of its own)
+DEFAULT_WORKERS = (0, 1, 2, 3, 4, 6, 8, 10)
+DEFAULT_MODES = ("pretokenized", "on-the-fly", "in-training")
 
 
 @dataclass
 class SweepSettings:
     workers: list[int] = HfArg(
-        default_factory=lambda: list(range(11)), help="num_workers values to time (default 0 to 10)."
+        default_factory=lambda: list(DEFAULT_WORKERS), help="num_workers values to time (default 0-4, 6, 8 and 10)."
     )
     repeats: int = HfArg(
         default=5,
         help="Timed passes per setting, in alternating order; median, min and max are "
         "reported, and a verdict against the default needs 5.",
     )
-    modes: list[str] = HfArg(default_factory=lambda: ["pretokenized", "on-the-fly"], help=f"Any of {', '.join(MODES)}.")
+    modes: list[str] = HfArg(
+        default_factory=lambda: list(DEFAULT_MODES),
+        help=f"Any of {', '.join(MODES)} (default {', '.join(DEFAULT_MODES)}).",
+    )
     pin_memory_values: list[str] = HfArg(
         default_factory=lambda: ["auto"], help="pin_memory values to sweep: true, false, auto (on with CUDA)."
     )

@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -211,16 +212,37 @@ def _pretrained_model(settings, label_names: list[str]):
             ),
             settings,
         )
-    model = _from_hub_or_path(
-        AutoModelForSequenceClassification.from_pretrained,
-        path,
-        "model",
-        attn_implementation=settings.attn_implementation,
-        trust_remote_code=settings.trust_remote_code,
-        **_label_fields(label_names),
-        **dropout,  # configuration attributes given as keywords replace the saved ones
-    )
+    with quiet_loading():  # transformers' LOAD REPORT table: said in one line of ours below
+        model, loading = _from_hub_or_path(
+            AutoModelForSequenceClassification.from_pretrained,
+            path,
+            "model",
+            attn_implementation=settings.attn_implementation,
+            trust_remote_code=settings.trust_remote_code,
+            output_loading_info=True,
+            **_label_fields(label_names),
+            **dropout,  # configuration attributes given as keywords replace the saved ones
+        )
+    new = sorted(loading.get("missing_keys") or [])
+    if new and os.environ.get("RANK", "0") == "0":
+        print(
+            f"{len(label_names)}-class head is new (starts from random values, as a fine-tune's does): {', '.join(new)}",
+            flush=True,
+        )
     return model, "pretrained", dropout
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' own loading warnings off for the block (its LOAD REPORT of new and unused weights)."""
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
 
 
 def _fit_tokenizer(model, tokenizer) -> None:

@@ -552,8 +552,14 @@ def table_lines(record: dict, run_dir) -> list[str]:
             f"  {op['milliseconds']:9.2f} ms  {op['calls']:6d}x  {op['name']}"
             for op in profiling.operator_rows(view.profile["top_operators"][:8])
         ]
-    rows += [f"warning [{w['code']}]: {w['message']}" for w in view.warnings]
+    rows += [warning_line(w) for w in view.warnings]
     return rows
+
+
+def warning_line(warning: dict) -> str:
+    """'warning [code]: what is doubtful (what to do: its fix)': each warning with what a person can do about it."""
+    entry = health.REGISTRY.get(warning["code"])
+    return f"warning [{warning['code']}]: {warning['message']}" + (f" (what to do: {entry.fix})" if entry else "")
 
 
 def real_tokens_clause(view: RunView) -> str:

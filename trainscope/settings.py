@@ -438,7 +438,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def build_parser(*extra_dataclasses, description: str | None = None) -> HfArgumentParser:
     """HfArgumentParser over the dataclasses, its flags grouped as Settings is and named with dashes first (underscores
     parse too)."""
-    parser = HfArgumentParser((Settings, *extra_dataclasses), description=description, formatter_class=HelpFormatter)
+    parser = HfArgumentParser(
+        (Settings, *extra_dataclasses),
+        description=description,
+        formatter_class=HelpFormatter,
+        usage="%(prog)s [--flag value ...] [--switch ...]  (every flag below, by group; underscores work too)",
+    )
     fields = {field.name for field in dataclasses.fields(Settings)}
     group = None
     for action in list(parser._optionals._group_actions):
