@@ -245,9 +245,11 @@ def measure(train_args: list[str], modes: list[str], pairs: int, scratch: Path, 
     """Alternating rounds of the arms; `on_round(figures)` after every round with the figures so far (so a time limit
     that kills the benchmark keeps the rounds that finished)."""
     on_gpu = torch.cuda.is_available()
-    arms = {"bare": lambda i: bare_run(train_args), ALONE: lambda i: alone_run(train_args)}
-    clocks = [mode for mode in modes if mode != MEMORY_ARM] or ["events"]
-    for mode in [mode for mode in modes if mode != MEMORY_ARM]:
+    arms = {"bare": lambda i: bare_run(train_args)}
+    if ALONE in modes:
+        arms[ALONE] = lambda i: alone_run(train_args)
+    clocks = [mode for mode in modes if mode not in (MEMORY_ARM, ALONE)] or ["events"]
+    for mode in [mode for mode in modes if mode not in (MEMORY_ARM, ALONE)]:
         label = mode if on_gpu else "host"
         arms[label] = lambda i, mode=mode, label=label: timed_run(
             [*train_args, "--timing", mode], scratch, f"{label}-{i}"
@@ -279,9 +281,9 @@ def figures(rounds: list[dict], arms: dict) -> dict:
             "samples_per_s": bench.spread([r[label]["samples_per_s"] for r in rounds]),
         }
     alone = [r[ALONE]["us_per_step"] for r in rounds if ALONE in r]
-    bare_step_s = [r["bare"]["optimizer_steps"] / r["bare"]["train_wall_s"] for r in rounds]  # steps per second
     direct = None
     if alone:
+        bare_step_s = [r["bare"]["optimizer_steps"] / r["bare"]["train_wall_s"] for r in rounds]  # steps per second
         # the instruments' share of a bare step: their own time per step x the bare loop's steps per second
         overhead = statistics.median(alone) * 1e-6 * statistics.median(bare_step_s)
         target = TARGETS["host"] if not torch.cuda.is_available() else TARGETS["events"]
@@ -381,10 +383,11 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=None,
-        choices=["events", "sync", MEMORY_ARM],
+        choices=["events", "sync", MEMORY_ARM, ALONE],
         help="arms to measure against the bare loop: timing clocks, and on a GPU the per-stage "
-        f"memory statistics read every step ({MEMORY_ARM}, with the first clock given) "
-        "(default: all three on a GPU, the host clock on a CPU)",
+        f"memory statistics read every step ({MEMORY_ARM}, with the first clock given), and {ALONE}: the "
+        "instruments' own time around empty steps, the direct figure (default: all four on a GPU, the host clock "
+        f"and {ALONE} on a CPU)",
     )
     args, train_args = parser.parse_known_args()
     if args.bare:
@@ -394,7 +397,7 @@ def main() -> None:
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     train_args = [*DEFAULT_TRAIN_ARGS, *train_args]
-    modes = args.modes or (["events", "sync", MEMORY_ARM] if torch.cuda.is_available() else ["events"])
+    modes = args.modes or (["events", "sync", MEMORY_ARM, ALONE] if torch.cuda.is_available() else ["events", ALONE])
     header = {
         "benchmark": "timing_overhead",
         "benchmark_version": 3,
