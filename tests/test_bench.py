@@ -1,9 +1,11 @@
-"""The benchmark harness: alternating order, verdicts from the spread, results files with provenance."""
+"""The benchmark harness: alternating order, verdicts from the spread, results files with provenance, and each
+statistic against scipy.stats' answers."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +119,47 @@ def test_the_command_of_a_launched_run_is_its_launchers(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+# ---------------------------------------------------------------- each statistic against scipy.stats' own answers
+# (tests/data/scipy_reference.json, written by tests/scipy_reference.py with its scipy version: scipy is not a
+# dependency, since evaluate and transformers import it in every training process where it is installed)
+
+REFERENCE = json.loads((Path(__file__).parent / "data" / "scipy_reference.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["t_cdf", "t_pdf", "t_quantile"])
+def test_the_student_t_functions_are_scipys(name):
+    function = getattr(bench, name)
+    for argument, df, expected in REFERENCE[name]:
+        assert function(argument, df) == pytest.approx(expected, rel=1e-10, abs=1e-10), (name, argument, df)
+
+
+def test_the_mann_whitney_p_value_is_scipys_exact_with_and_without_ties_and_its_normal_approximation():
+    kinds = set()
+    for kind, x, y, expected in REFERENCE["mann_whitney"]:
+        assert bench.mann_whitney_p(x, y) == pytest.approx(expected, abs=1e-10), (kind, x, y)
+        kinds.add(kind)
+    assert kinds == {"exact", "ties", "normal"}
+
+
+def test_the_exact_size_of_the_rank_test_is_the_share_of_scipys_p_values_below_the_level():
+    for n, m, level, expected in REFERENCE["rejection_rate"]:
+        assert bench.rejection_rate(n, m, level) == pytest.approx(expected, abs=1e-10), (n, m, level)
+
+
+def test_the_equivalence_tests_are_scipys_one_sample_t_tests():
+    """Schuirmann's two one-sided tests are two one-sample t tests against -margin and +margin (scipy has none of
+    its own): the interval is scipy's (1 - 2 alpha) interval of the mean, p_changed its one-sided test against the
+    margin on the mean's side, "same" where both one-sided tests reject."""
+    margin, alpha = REFERENCE["equivalence"]["margin"], REFERENCE["equivalence"]["alpha"]
+    verdicts = set()
+    for differences, interval, p_beyond, p_same in REFERENCE["equivalence"]["cases"]:
+        result = bench.equivalence(differences, margin, alpha=alpha, power=None)
+        assert result["interval"] == pytest.approx(interval, abs=1e-10)
+        assert result["p_changed"] == pytest.approx(p_beyond, abs=1e-10)
+        if min(abs(p_same - alpha), abs(p_beyond - alpha)) > 1e-9:  # not on the edge
+            assert (result["verdict"] == "same") == (p_same < alpha)
+            assert (result["verdict"] == "changed") == (p_beyond < alpha)
+        verdicts.add(result["verdict"])
+    assert verdicts == {"same", "changed", "undecided"}
