@@ -106,7 +106,7 @@ def train(args) -> dict:
 
     run = trainscope.Run(  # the instrument: the lines with `run` are trainscope's
         accelerator, model, optimizer, steps=args.steps, name=args.run_name, output_dir=args.output_dir,
-        overwrite=args.overwrite, log_every=args.log_every,
+        overwrite=args.overwrite, log_every=args.log_every, threads="auto",  # this process's share of the cores
     )  # fmt: skip
     with run:
         model.train()
