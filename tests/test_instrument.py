@@ -82,6 +82,11 @@ def test_the_plain_loop_counts_every_sample_under_accumulation_and_a_short_last_
     assert record["prediction"] is None
     rules = {s.rule for s in advisor.advise(record)}
     assert not rules & advisor.CLASSIFIER_ONLY
+    assert "not available for this model: the predictor and --unpad" in result.stdout  # said once, at the start
+    import report  # python report.py --advise <run>: reads the record without a crash
+
+    advice = run_in_process([], main=lambda _: report.advise(str(tmp_path / "plain-loop")))
+    assert advice.returncode == 0 and "What to try next for plain-loop" in advice.stdout, advice.stderr[-2000:]
 
 
 def test_the_causal_lm_records_tokens_and_formula_flops_in_one_process(tmp_path):

@@ -163,6 +163,12 @@ class Run:
             self.lifecycle.record.update(
                 instrument={"api": "trainscope.Run", "flops_basis": metrics.flops.basis, "not_available": NOT_AVAILABLE}
             )
+            print(  # what this model gets and what it does not, in one line
+                f"trainscope: {model_facts.get('class') or 'the model'}'s FLOPs from "
+                f"{metrics.flops.basis or 'nowhere (none counted)'}; not available for this model: the predictor and "
+                "--unpad (train.py's, for BERT/RoBERTa-like encoders), and advice that reads train.py's classifier",
+                flush=True,
+            )
         self._skips = metrics.skips if metrics.skips.count is not None else None
         self._next_epoch = metrics.loop.epoch  # a resumed run goes on in the epoch it stopped in
 
