@@ -217,20 +217,22 @@ def instruments_alone(argv: list[str]) -> None:
     print(json.dumps({"us_per_step": elapsed / steps * 1e6, "threads": torch.get_num_threads(), "steps": steps}))
 
 
-def alone_run(train_args: list[str]) -> dict:
-    command = [*launching.accelerate_launch(), "-m", "trainscope.benchmarks.overhead", "--alone", *train_args]
+def child_run(flag: str, what: str, train_args: list[str]) -> dict:
+    """This module as a child by the README's launcher (`--bare`: the bare loop, `--alone`: the instruments alone);
+    the JSON its last line prints."""
+    command = [*launching.accelerate_launch(), "-m", "trainscope.benchmarks.overhead", flag, *train_args]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
-        raise SystemExit(f"error: the instruments alone failed: {launching.failure_reason(result)}")
+        raise SystemExit(f"error: {what} failed: {launching.failure_reason(result)}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def alone_run(train_args: list[str]) -> dict:
+    return child_run("--alone", "the instruments alone", train_args)
 
 
 def bare_run(train_args: list[str]) -> dict:
-    command = [*launching.accelerate_launch(), "-m", "trainscope.benchmarks.overhead", "--bare", *train_args]
-    result = launching.run_captured(command, launching.training_env())
-    if result.returncode != 0:
-        raise SystemExit(f"error: the bare loop failed: {launching.failure_reason(result)}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return child_run("--bare", "the bare loop", train_args)
 
 
 def timed_run(train_args: list[str], output_dir: Path, name: str) -> dict:
