@@ -234,15 +234,19 @@ def _pretrained_model(settings, label_names: list[str]):
 
 @contextlib.contextmanager
 def quiet_loading():
-    """transformers' own loading warnings off for the block (its LOAD REPORT of new and unused weights)."""
+    """transformers' own loading output off for the block: its LOAD REPORT of new and unused weights, its progress bar
+    over the weights (a fraction of a second for the models here)."""
     from transformers.utils import logging as transformers_logging
 
-    verbosity = transformers_logging.get_verbosity()
+    verbosity, bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
     try:
         yield
     finally:
         transformers_logging.set_verbosity(verbosity)
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 def _fit_tokenizer(model, tokenizer) -> None:
