@@ -273,6 +273,29 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     assert status and all(line[3:].startswith("reports/") for line in status)  # only the report's own outputs
 
 
+def test_make_report_after_make_train_on_a_fresh_clone_leaves_every_tracked_file_unchanged(fresh_clone):
+    """A newcomer's `make train` then `make report`: with runs/ present the report is of those runs, written to
+    results/report/ (ignored); reports/ and every other tracked file stay as they were."""
+    clone = fresh_clone[0]
+
+    def tree() -> tuple:
+        status = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True, check=True
+        ).stdout
+        return status, {p.name: p.read_bytes() for p in (clone / "reports").iterdir() if p.is_file()}
+
+    before = tree()
+    shutil.copytree(ROOT / "benchmarks" / "runs" / "make-train", clone / "runs" / "make-train")  # make train's record
+    try:
+        completed = run_command([sys.executable, "report.py"], cwd=clone, env=cpu_env())
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        assert (clone / "results" / "report" / "report.md").exists()
+        assert tree() == before  # runs/ and results/ are ignored; nothing tracked changed
+    finally:
+        shutil.rmtree(clone / "runs", ignore_errors=True)
+        shutil.rmtree(clone / "results", ignore_errors=True)
+
+
 # ---------------------------------------------------------------- the committed inputs: the fresh clone's report
 
 
