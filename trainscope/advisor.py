@@ -1,43 +1,6 @@
 """From one run record to "what to try next": ranked suggestions, each with its evidence and its gain.
 
-Every rule reads the record's typed view and either stays silent or returns a `Suggestion`: the exact
-change (train.py flags, or an Accelerate config), the evidence from the record, the gain and a
-confidence. A gain is one of two kinds, and the advice says which:
-
-* **at most** (`gain_kind="bound"`): Amdahl's law on a measured time share and nothing else (Amdahl 1967).
-  A change that removes a part taking a share `s` of the time can speed the whole up by at most
-  1 / (1 - s).
-* **estimate** (`gain_kind="estimate"`): Amdahl's law with an assumed or separately measured factor for
-  the part that changes (bf16 matmuls k times faster, a fused optimizer 3x); the factor is stated. The
-  padding gain is one: it counts the matmul FLOPs spent on padding positions from the record's token counts
-  and the model's shape (trainscope.flops), and takes time as proportional to them -- no measured share says
-  what padding costs, and attention's softmax, mask and dropout tensors shrink more than the matmuls.
-  Where the run recorded a prediction, a precision, batch or evaluation-batch estimate is the predictor's
-  instead (trainscope.predict.speedup).
-
-Rules fire only for the hardware in the record: no kernel-launch argument on a CPU, no NCCL argument on
-gloo. Rules stay silent when their gain is below MIN_GAIN. Health warnings of the record come first,
-with the fix their registry entry (trainscope.health) offers.
-
-The gap rules (attention kernel, dropout, fusion through --compile, the batch against the measured peak) fire on
-where the time between the run and its machine's measured matmul peak went (trainscope.gap), never on names: with
---profile, a category's share of the traced steps times the training share of the run -- measured, so its gain
-is a bound; without it, the category's share of one encoder layer profiled apart at the run's shapes times the
-forward + backward share of the run (summary.measured_peak.run_shapes) -- an estimate, which says so.
-
-On a GPU whose device idles above 30% of each step (summary.device_time: the stages' CUDA event spans bound the
-busy time from above, so their idle share is a lower bound; one encoder layer's kernels profiled at the run's shapes
-give an estimate), the run is host-bound: the `host_bound` rule says so and ranks what shortens the host's part of
-the step (a larger batch where memory allows, --compile, the fused optimizer, the loader's workers; CUDA graphs as a
-note, no flag here), and the gap rules and the MFU-based batch stay silent -- the device's time they would save does
-not shorten a step the host sets.
-
-Every suggestion carries its kind (trainscope.changes): *exact* (the same samples, order and random draws:
-padding-free layers, evaluation in length order, the optimizer's implementation, loader settings), *numeric* (bf16,
-TF32) or *training* (dropout, order, batch). Where padding is what costs, the exact changes come beside the training
-one (`--unpad` and `--eval-order length` beside `--group-by-length`); a flag this build does not have is marked "not
-available in this build". `make tune` (trainscope.tune) takes the suggestions that carry flags or a config, tries
-the exact ones first and keeps what is measurably faster with the same result, judged as its kind can be.
+How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadvisorpy.
 """
 
 from dataclasses import asdict, dataclass, field

@@ -1,44 +1,7 @@
 """What DDP communication costs, measured in the run: on every synchronizing step of every rank at the events that
 bound it, on any backend, and the buckets' transfer timed alone after the loop.
 
-DDP all-reduces gradient buckets during backward: part of the all-reduce hides behind the rest of backward,
-part is exposed (backward waits for it). trainscope times each step with its own clock -- `time.perf_counter`
-on a CPU, CUDA events on the compute stream on a GPU (`trainscope.timing`'s clocks), the same events DDP's
-reducer stamps for its logger (torch/csrc/distributed/c10d/reducer.cpp):
-
-* `compute_end`: the last parameter gradient of the step has been taken by DDP's reducer. A post-hook on every
-  parameter's gradient accumulator (its AccumulateGrad node), registered after the reducer's own hook on the
-  same node, fires once the reducer has copied the gradient into its bucket (mark_variable_ready) and, for the
-  last one, launched the last bucket's all-reduce: where DDP records `backward_compute_end` (in the autograd
-  callback that its last mark_variable_ready queues). A per-step countdown over the parameters marks it once
-  (one CUDA event per step, not one per parameter); a step in which not every parameter produced a gradient
-  (unused parameters) is not measured, and the next step counts the parameters that did.
-* `window_start`: the last gradient of DDP's first bucket produced (a post-accumulate-grad hook on each of its
-  parameters, which runs inside AccumulateGrad, before the reducer's hook): DDP copies it in and launches that
-  bucket's all-reduce next (`backward_comm_start`, stamped before the launch). A stamp after the launch would be
-  late by whatever the communication thread takes from a busy core first. The bucket layout is read once, after
-  DDP rebuilds its buckets in gradient order (iteration 2, 3 with static_graph).
-* `comm_end`: right after `accelerator.backward` returns: DDP's finalize_backward has waited for every bucket
-  and copied the averages into `.grad` (`backward_comm_end`). On a GPU the reducer's wait makes the compute
-  stream wait for the communication stream, so an event recorded then completes only after the all-reduces.
-
-    exposed = comm_end - compute_end                                   (what backward waits for beyond compute)
-    overlap = (compute_end - window_start) / (comm_end - window_start) (the window's share beside compute)
-
-Both are physical by construction (exposed >= 0, overlap in [0, 1]); a step whose clocks say otherwise is
-counted as unmeasured, never clamped. Nothing here is a DDP communication hook: the reducer keeps its built-in
-C++ all-reduce unless --ddp-comm-hook asks for compression (DDP's own logger then names the hook).
-
-**Transfer**: after the training loop, outside every timed figure, each of DDP's buckets is all-reduced alone
-through DDP's own path (`reducer._run_comm_hook`: the built-in all-reduce, or the registered hook), after a
-barrier, --communication-samples times; per bucket and repetition the shortest across ranks (the last to
-arrive), the median over repetitions, summed over buckets. hidden share = 1 - exposed / transfer. Under a
-compression hook the bare collective of the same elements in fp16/bf16 is timed as well, and the bus bandwidth
-(2(N-1)/N x bytes / time, the NCCL tests' definition) comes from it: the link's, not the hook's compress and
-decompress.
-
-Combined across ranks and shown in the end-of-run table by `trainscope.communication_block`; checked in the same run
-against DDP's own logger and, with --profile, the profiler's trace by `trainscope.communication_agreement`.
+How it works: docs/ddp.md#in-the-code-how-the-communication-is-measured-trainscopecommunicationpy.
 """
 
 import contextlib

@@ -1,50 +1,6 @@
 """Model FLOPs, achieved TFLOP/s and MFU: small pure functions with their sources.
 
-Training FLOPs per token follow PaLM (Chowdhery et al. 2022, Appendix B):
-
-    6 * N  +  12 * L * H * Q * T
-
-N = weights of the matrix multiplications (embeddings are lookups, not FLOPs, and are left out),
-L = layers, H * Q = hidden size (heads x head dimension), T = sequence length. 6N is 2N for the
-forward pass and 4N for the backward pass; the second term is the attention scores and the
-weighted sum (QK^T and AV), 2 x 2 x T x d per token and layer forward, tripled for training.
-For a transformer encoder layer, N per layer = 4 d^2 (Q, K, V, output) + 2 d d_ff (feed-forward).
-T is the padded length the kernels really process.
-
-What trains changes the backward (`Training`, read from the model by `training_of`): each matmul's
-backward is two of the forward's size (Kaplan et al. 2020, section 2.1; PaLM Appendix B), one for its
-input's gradient and one for its weight's. A frozen weight (LoRA's base model) needs only the first. LoRA's
-adapters (A of d x r, B of r x d on each target) are matmul weights of their own, forward and backward.
-Where nothing below the first layer trains (the embeddings frozen: its input has no gradient), autograd
-skips what only that input's gradient needs: the input gradients of the first layer's query, key and value
-projections (6 d^2 per token) and of the A of each adapter on them (2 d r each), and, of the attention's
-four backward matmuls (the values' gradient P^T dO, the weights' dO V^T, the queries' dS K, the keys'
-dS^T Q), each one whose projection has nothing that trains: with LoRA's default targets (query and value)
-the keys' gradient, 2 d T per token. So, per token:
-
-    forward 2 (N + A) + 4 L d T,  backward 2 (N + A) + 8 L d T  + 2 (N_trained + A)
-        [- 6 d^2 - 2 A_first - 2 d T x (attention matmuls skipped), nothing below the first layer training]
-
-with A_first the first layer's adapter weights on its query, key and value. These are the matmuls the step
-needs; what it needs is what torch's math attention (on a CPU in training, with attention dropout) executes.
-A fused attention backward (flash or memory-efficient kernels) computes the keys' gradient whether it is
-needed or not: work done, like recomputation, that the model FLOPs leave out. Where none of the first
-layer's query, key and value trains (LoRA on other targets, or on later layers only), the input gradients
-after its attention, and a frozen layer's above it, are counted as if something below trained: an overcount.
-
-Activation checkpointing runs every layer's forward again during backward. Those FLOPs are not model
-FLOPs: as PaLM's MFU (its Appendix B: "rematerialization" counts toward hardware FLOPs utilization, not
-MFU), the recorded model FLOPs and every share of a peak leave them out, so a checkpointed run shows the
-lower share its extra work costs; the recomputation is recorded apart (`recomputed`), and what the
-hardware executed (model + recomputation) is what a physical check against the measured peak uses
-(health's above_measured_peak). Checked against torch.utils.flop_counter.FlopCounterMode on the same
-model and shapes (tests/test_flops_profile.py): model FLOPs plus the recomputation within 1% of the
-counted step for full fine-tuning, LoRA and checkpointing, at 8 x 64 and 2 x 512 tokens, and the
-padding-free layers' FLOPs (`padding_free_training_flops`) within 1% on a padded batch.
-
-MFU = achieved FLOP/s / the device's dense peak for the precision in effect (peak table below,
-vendor datasheets, dense, no sparsity, each entry with where it was checked). An unknown device has
-no MFU rather than a guessed one.
+How it works: docs/peak.md#in-the-code-model-flops-from-the-formula-to-mfu-trainscopeflopspy.
 """
 
 import dataclasses

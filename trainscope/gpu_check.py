@@ -1,52 +1,6 @@
 """make gpu-check: what only a GPU can show, checked on the GPUs present, within a time budget.
 
-    python -m trainscope.gpu_check [--out benchmarks/gpu] [--budget S] [--part K] [--only NAME ...]
-    python -m trainscope.gpu_check --dry-run [--gpus N] [--budget S]     # the plan for N GPUs, on any machine
-    python -m trainscope.gpu_check --rewrite benchmarks/gpu/<device>.json  # its .md again, by this code
-    make gpu-check [ARGS="--budget 240"]; make gpu-check ARGS=--dry-run (or make gpu-check --dry-run)
-
-Without a usable CUDA device it prints one line, writes nothing and exits 0; but where the NVIDIA driver
-answers (`nvidia-smi`) and this torch cannot see the GPU (a CPU-only torch), it fails with one `error:`
-line naming the CUDA build of torch to install (`cuda_torch_command`).
-
-With one, it runs the checks of `plan`, the most informative first (a short budget keeps them and skips the
-tail), each in a process of its own (this process never opens a CUDA context: every check has the whole GPU, and
-a GPU in exclusive-process mode runs them), by the documented commands, RoBERTa-base architecture-only at sequence
-length 128 unless said otherwise, and writes benchmarks/gpu/<device>.{json,md} with provenance, and each training
-run's record.json and steps.jsonl under benchmarks/gpu/<device>.runs/<check>/:
-
-1. what needs several processes: FSDP2, DDP's per-step communication on device time against its own logger and
-   the trace, the profiler under DDP, DDP in fp16, the fp16 and bf16 compression hooks, DDP with --compile, single
-   device vs DataParallel vs DDP. With two GPUs or more, one GPU per process over NCCL; with one, the training
-   checks run as 2 processes sharing it over gloo (each code path on CUDA tensors, speed not representative; the
-   bf16 hook and compare_dp.py need NCCL, so 2 GPUs);
-2. fp16 loss scaling: a CUDA GradScaler with the fused AdamW and planted inf gradients;
-3. precision: fp32 (the operator benchmark of the prediction included: its fp32 attention kernels take
-   random-generator state), a memory snapshot in fp32, bf16, --unpad, --timing sync against events, TF32 and fp16:
-   samples/s, tokens/s, MFU on real tokens of the peak each names, peak memory per stage;
-4. the DataLoader's copy to the device, pinned and not, at a batch whose copy shows; the batch-size search
-   against a real out-of-memory error; torch.compile in bf16 with dynamic shapes; the cost of --timing events
-   against a bare loop (alternating comparisons of bench.MIN_PAIRS rounds, written after every round).
-
-Each check has goals its figures can fail (trainscope.gpu_check_report.goals_of); the results list as confirmed
-only the checks that ran to their end and met every goal, and say why each other one confirms nothing. A check
-whose goal is read and not met fails the command, as a failed check does.
-
-Every launch has a timeout (its whole process tree is killed past it; a multi-process check's --distributed-timeout
-is shorter, so a hung collective is recorded first) and the plan a budget (--budget, default: the plan's estimate
-plus MARGIN): before each check, one whose estimate does not fit in what is left is skipped ("over the budget"),
-and no launch may run past the budget. The results are rewritten (atomically) after every check, so a time limit,
-Ctrl-C or a hung launch keeps what was measured; on SIGINT or SIGTERM the running launch is killed and the results
-say `interrupted`. A check that fails keeps the tail of its output (the checks run with PYTHONFAULTHANDLER=1: a
-crash shows its Python stack). Where one command may run at most PART_LIMIT_S, the dry run splits the plan into
-parts (`--part K`, results in <device>.partK.*); the one-GPU plan fits one session's SESSION_S, and what it leaves
-out runs with `--only NAME` (results in <device>.only.*).
-
-Durations are estimates from each check's workload (launches, steps, precision, processes) and the MEASURED_*
-figures (the gpu-checks on one H200) and ASSUMED_* ones (not measured on GPU) of trainscope/gpu_check_plan.py.
-
-This module runs the plan (trainscope.gpu_check_plan) and is its command line; trainscope.gpu_check_report judges
-the results and writes their Markdown.
+How it works: docs/gpu.md#in-the-code-how-make-gpu-check-runs-trainscopegpucheckpy.
 """
 
 import argparse

@@ -1,34 +1,6 @@
 """A run's life: start, resume, checkpoint, interrupt, fail and finish. The record's writer.
 
-trainscope.run_metrics measures and summarizes; this module decides what becomes of the run and writes
-it down, so that every ending leaves a true record:
-
-* `complete`: the summary, the warnings, the end-of-run table.
-* `interrupted`: SIGINT (Ctrl-C), SIGTERM (torchrun stopping the survivors of a dead rank, SLURM or
-  Kubernetes pre-emption) or SIGUSR1 (SLURM's warning before pre-emption, `#SBATCH --signal=USR1@120`).
-  Every rank handles them; the handler only notes the signal, and the training thread says so at its
-  next boundary (a handler that printed could meet tqdm in the middle of its own write to stderr). The
-  loop stops at the next boundary where the run's state is whole (before a step's first micro-batch,
-  after its optimizer step, between evaluation batches); with several processes, the ranks first agree
-  on the step (an asynchronous all-reduce on a CPU group, read one boundary later: no rank stops while
-  another waits in a collective, and no step waits for the vote), posted at every K-th step's end
-  (`vote_interval`: --log-every, at most VOTE_EVERY_MAX; a signal waits at most K - 1 steps more than
-  with a vote at every step) and between evaluation batches, and once more, synchronously, before the
-  run is declared complete, so that no signal is lost. The record gets the signal, the step reached,
-  the rank that received it and a partial summary; with --save-on-interrupt a checkpoint is written
-  first. The exit status is 128 + the signal (130 for SIGINT, 143 for SIGTERM). A second signal (a
-  second Ctrl-C) exits at once: the handler writes a record prepared in advance by the training thread
-  (interrupted, forced, no summary) with system calls only, and leaves.
-* `failed`: the one line the user read, the step reached, the rank whose failure ended the run and this
-  rank's partial summary. A rank that fails publishes its line in the launcher's store; a rank that
-  loses a peer in a collective asks the store (trainscope.liveness) whether the peer failed (and names
-  its error), vanished (no heartbeat) or cannot be told ("unknown"), on any machine. If the main process
-  is the one gone, one surviving rank that sees the record, agreed through the store, writes. While the
-  run trains, the heartbeat thread writes the failure as soon as a peer fails or falls silent, so the
-  record says `failed` even when the training thread is stuck in a collective only a watchdog would end.
-
-Accelerate's own `set_trigger`/`check_trigger` agree across ranks too, but with a blocking all-reduce on
-the device at every check (a GPU sync per step); the vote here never stalls the device.
+How it works: docs/endings.md#in-the-code-how-the-runs-life-is-coded-trainscopelifecyclepy.
 """
 
 import contextlib

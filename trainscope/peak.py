@@ -1,47 +1,6 @@
 """The machine's measured matmul peak: what this device's matmuls really reach, per precision, at the run's threads.
 
-A datasheet peak exists for a few GPUs and for no CPU; a measured one exists everywhere. A short benchmark
-times plain matmuls (`a @ b`) per precision the hardware runs -- fp32 and bf16 on a CPU (bf16 whatever the CPU
-flags say, so the timing can correct them; fp16 only where the flags say the CPU computes it), fp32, TF32, bf16 and
-fp16 on a GPU -- at the model's own GEMM shapes and one large square, and caches the rates per machine key.
-
-    key = peak.machine_key(torch.device("cpu"))              # what identifies the machine (see below)
-    rate = peak.rate(torch.device("cpu"), "bf16", (4096, 384, 1536))   # a Rate, from the cache or measured now
-    rate.tflops, rate.low, rate.high, rate.measured           # median, min and max over the timed calls, when
-    block = peak.machine_peak(device, peak.transformer_shapes(6, 384, 1536, tokens=4096))   # a run's block
-
-API (stable; the step-time prediction reads it):
-
-* `rate(device, precision, shape, threads=None, processes=None) -> Rate | None`: the measured TFLOP/s of an
-  (m, n, k) matmul -- an (m x k) by (k x n) product, 2 m n k FLOPs -- from the cache, measured on a miss; None
-  when the device does not run that precision. A shape too slow to time (below) has `skipped` set and the best
-  rate of a smaller shape.
-* `machine_key(device, threads=None, processes=None) -> dict` and `key_id(key) -> str`: the cache key.
-* `machine_peak(device, shapes, ...) -> dict`: the record's block: every precision's rates and its peak.
-* `peak_of(block, precision) -> dict | None`: a block's peak for one precision (what a run's share is against).
-* `transformer_shapes(layers, hidden, intermediate, tokens)`: an encoder layer's forward GEMM shapes.
-* `matmul_rate(rates, shapes, weights)`: the rate of a set of shapes done one after the other (FLOP-weighted).
-* `cached(device, name, measure_now)`: another per-machine measurement cached beside the rates.
-
-The machine key: on a CPU the model name, a digest of its flags, torch's vector ISA, the torch version, the threads
-and the local processes; on a GPU its name, compute capability, driver, maximum and application SM clocks (from
-NVML or nvidia-smi where available), the torch and CUDA versions and the local processes. Local processes share a
-machine's cores and memory bandwidth: `processes` is how many measure at once (train.py has every local process
-measure at the same time, so the rate is what each gets while the others run); a caller measuring alone passes 1.
-
-Cost: per (precision, shape) one warm-up call, then timed calls until MIN_CALLS have run and SHAPE_BUDGET_S has
-passed, at most MAX_CALLS; on a GPU as many calls as the warm-up says fit SHAPE_BUDGET_S (MIN_CALLS to
-GPU_MAX_CALLS), each timed between CUDA events with the L2 cache flushed before it (`device_call_seconds`).
-Shapes are measured smallest first after a probe of PROBE_SIDE^3, each one's time per call estimated at the best
-rate seen so far: a shape estimated above MAX_CALL_S is skipped, and that best rate stands for it (an emulated
-precision -- bf16 on a CPU without AVX512-BF16 or AMX, fp16 on most CPUs -- runs a 2048^3 matmul in seconds to
-tens of seconds). About a second at 2 CPU threads on a miss; nothing on a hit.
-
-The cache: one JSON file per machine key under `$TRAINSCOPE_CACHE_DIR`, else `$XDG_CACHE_HOME/trainscope`, else
-`~/.cache/trainscope` (folder `peak/`); delete it to measure again. `TRAINSCOPE_PEAK_SQUARE` sets the large
-square's side (default 2048 on a CPU, 8192 on a GPU; the tests make it small).
-
-The inputs come from a private random generator: measuring never moves the run's own random state.
+How it works: docs/peak.md#in-the-code-how-the-machines-peak-is-measured-trainscopepeakpy.
 """
 
 import contextlib

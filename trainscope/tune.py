@@ -1,36 +1,7 @@
 """make tune: run the baseline, ask the advisor, try its suggestions, keep what is measurably faster with a result
 shown to be the same -- each change judged by what can decide it.
 
-    python -m trainscope.tune --runs runs/tune [--budget 2400] [--rounds 6] [--accuracy-margin 0.01] \\
-        [--loss-margin 0.02] [--max-suggestions 3] [--config C] -- [train.py flags: the baseline command]
-
-1. The baseline (the README's main command with the given flags) runs once: the advisor reads its record
-   (trainscope.advisor). This run is also the warm-up; it belongs to no round.
-2. Each suggestion gets its kind from the catalogue of changes (trainscope.changes): exact, numeric or training;
-   one whose flag this build lacks is listed "not available in this build". The design is fixed before anything
-   is measured, and printed (trainscope.tune_judge.Design): the suggestions the budget holds (k, at most
-   --max-suggestions, the exact ones first), --rounds R rounds per trial, the test, the family Holm corrects
-   over, the exactness tolerance of exact changes and the margins of "the same result".
-3. The exact changes first: R alternating rounds of the baseline and every exact trial (round r: seed S + r, the
-   data held by --data-seed, the order reversed every other round), each judged once after the last round
-   against the baseline runs of its own rounds: speed on the same work by the project's test, Holm-corrected over
-   the family; the result by paired runs in fp32 (every logged loss and the final metrics within the exactness
-   tolerance: "exact"; else "not exact", a defect, never kept): the rounds' own pairs where they run in fp32, else
-   one fp32 pair per change (mixed precision off, TF32 off, the first round's seed), since bf16's or fp16's
-   rounding would hide a wrong random draw. Two or more kept: together in R rounds of their own. The kept exact
-   changes are the stack.
-4. Then the numeric and training changes, on top of the stack and against it (the stack as their baseline, in
-   R rounds of their own): a numeric change's result by two one-sided tests on the paired seeds; a training
-   change's only on the full job, its verdict saying how many seeds that needs at the seed noise measured here
-   and how long they take on this machine. Two or more kept: together in R more rounds.
-5. The final command: the last phase's kept trial (its flags hold the stack), else the stack, else the baseline;
-   it names the machine it was tuned on (--tuned-on), so a run of it on a machine of another kind warns.
-6. The budget (seconds) decides how many suggestions are tried, before anything is measured, in runs of the
-   advice run's length less the one-time set-up its record states (the predictor's calibration and the matmul
-   peak, cached for later runs on the machine); a round that would overrun it is not started, and a trial left
-   with fewer than R rounds is not judged.
-Writes <runs>/comparison.{json,md} with provenance; the report's Optimization section shows it. What make tune
-keeps is measured on a short proxy of the job; `make tune-confirm` measures it on the full job.
+How it works: docs/tune.md#in-the-code-how-make-tune-runs-trainscopetunepy.
 """
 
 import argparse

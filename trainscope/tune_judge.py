@@ -1,40 +1,7 @@
 """make tune's decision, pure: the design stated before anything is measured, the judgement of measured
 rounds by it, the final choice and its words.
 
-`judge(design, measured)` takes the design and the headline figures of every run by arm and round, and
-nothing else: no clock, no launcher, no file. make tune (trainscope.tune) calls it on the runs it launched,
-the report (trainscope.experiments.optimization) on the runs a committed make tune left, and the tests on
-simulated runs thousands of times, so the error rates the README states are those of the code that decides.
-
-The design (a fixed number of rounds: one look, no optional stopping):
-
-* **rounds**: R alternating rounds per trial. Round r runs the baseline and the trial with seed S + r and the
-  data seed held (`--data-seed`), so each round is one speed pair and one paired result; each trial is judged
-  once, after its R rounds, against the baseline runs of *its own* rounds. A trial the budget cut short is
-  not judged. With one look there is no alpha to spend over looks: the error rate is the test's own.
-* **the family**: the k trials and, for each kind of trial (exact first, then the others) with two or more, the
-  kept ones of that kind tried together (with their own R rounds and their own baseline runs): Holm-corrected
-  together (Holm 1979). A test not yet run counts as p = 1, so a trial kept then stays kept when the family is
-  judged again with it; the exact trials' verdicts, on which the stack is built, are the ones judged before the
-  others ran (Holm is monotone: with the others' p-values in they could only pass more often).
-* **speed**: the project's test (trainscope.bench: two-sided Mann-Whitney U, alpha 0.05, minimum effect 3%) on
-  the same work: each run's evaluation as measured plus its training scaled to the baseline's real tokens.
-  Beside it, not in the family, the training-only and evaluation-only ratios with their raw p-values.
-* **same result, by the change's kind** (trainscope.changes): an *exact* change (the same samples, order and random
-  draws) by the paired runs themselves: every per-step loss and final metric of each pair within the precision's
-  rounding tolerance, stated before measuring (`exactness`; a disagreement is "not exact", a defect, never kept).
-  A *numeric* change (bf16, TF32) by Schuirmann's two one-sided tests (trainscope.bench.equivalence) of the
-  paired differences (trial minus baseline, same seed) of validation and test accuracy and loss, against margins
-  stated up front (default +-0.01 accuracy, +-0.02 loss). "same" needs every metric's 90% interval inside its
-  margin (an intersection-union test: no correction is due, Berger & Hsu 1996); "changed" needs one metric's
-  one-sided test beyond its margin to pass Holm's correction over the metrics (any of four uncorrected would
-  say "changed" 11-19% of the time with every metric exactly at its margin); else "undecided", with the seeds
-  that would decide it (trainscope.bench.pairs_to_show) and the power the seeds run had. A *training* change
-  (dropout, order, batch) is "same" only from the full job: on a proxy its verdict states the seeds the full
-  job needs at the seed noise measured here, and how long they take on this machine. A trial is kept only when
-  faster *and* the same (exact).
-* **exact changes first**: they run in rounds of their own, are stacked (the kept ones together), and the other
-  trials run on top of the stack, against it as their baseline.
+How it works: docs/tune.md#in-the-code-how-make-tune-decides-trainscopetunejudgepy.
 """
 
 import math
