@@ -45,9 +45,8 @@ from trainscope.dp_compare import (
 )
 from trainscope.errors import UserError, exit_with, redacted_output
 from trainscope.modeling import build_model, build_tokenizer
+from trainscope.paths import ROOT
 from trainscope.settings import parse_settings
-
-ROOT = Path(__file__).resolve().parent
 
 # ---------------------------------------------------------------- the three loops
 

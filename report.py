@@ -25,12 +25,12 @@ from pathlib import Path
 
 from trainscope import advisor, provenance, reporting
 from trainscope.experiments import REGISTRY, SECTIONS
+from trainscope.paths import ROOT
 from trainscope.pdf_book import PdfBook
 from trainscope.record_view import RunView
 from trainscope.records import read_record, write_json_atomic, write_text_atomic
 from trainscope.report_writer import ReportWriter
 
-ROOT = Path(__file__).resolve().parent
 COMMITTED = (ROOT / "benchmarks" / "runs", ROOT / "benchmarks")
 
 

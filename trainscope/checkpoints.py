@@ -19,9 +19,9 @@ import zipfile
 from pathlib import Path
 
 from trainscope.errors import Fault, UserError, one_line
+from trainscope.paths import GIB
 
 KEEP_CHECKPOINTS = 2
-GIB = 1024**3
 
 
 def loop_state_name(rank: int) -> str:

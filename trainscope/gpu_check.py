@@ -34,10 +34,9 @@ from trainscope.gpu_check_plan import (
     planned_seconds,
 )
 from trainscope.gpu_check_report import markdown, outcome, unmet, verdicts
+from trainscope.paths import ROOT
 from trainscope.record_view import RunView
 from trainscope.records import RECORD_FILE, STEPS_FILE, read_record, read_steps, write_text_atomic
-
-ROOT = launching.ROOT
 
 
 def device_slug(name: str) -> str:

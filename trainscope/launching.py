@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from trainscope.paths import ROOT
+
 TRAIN_SCRIPT = ROOT / "train.py"
 CONFIGS = ROOT / "accelerate_configs"
 PYTHON = sys.executable

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-GIB = 1024**3
+from trainscope.paths import GIB
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from trainscope import environment
+from trainscope.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # Outputs, not code: a results folder changed by the benchmark being run does not make the tree dirty.
 OUTPUT_FOLDERS = ("benchmarks/", "reports/")
 LAUNCHERS = ("accelerate", "torchrun")

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainscope.paths import ROOT
 from trainscope.record_view import Machine, RunView, results_machine
 from trainscope.records import read_record, read_steps
 from trainscope.timing import CATEGORIES, STAGES
@@ -190,7 +191,6 @@ def machines(sources) -> dict[Machine, list[str]]:
 
 # ---------------------------------------------------------------- paths as the report prints them
 
-ROOT = Path(__file__).resolve().parent.parent  # the project's root
 _IN_ROOT = re.compile(r"(?<![\w./~-])" + re.escape(str(ROOT)) + r"(?:/|(?![\w./-]))")
 
 

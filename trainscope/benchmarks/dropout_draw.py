@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from trainscope import bench, dropout_draws, environment, precision, provenance
+from trainscope import bench, dropout_draws, environment, precision
+from trainscope.paths import ROOT
 from trainscope.tables import Table, spread_cell
 
-ROOT = provenance.ROOT
 CPU = torch.device("cpu")
 DTYPES = {name: dtype for dtype, name in dropout_draws.NAMES.items()}
 DEFAULT_ELEMENTS = 10_000_000

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from trainscope import bench, launching
+from trainscope.paths import ROOT
 from trainscope.record_view import RunView
 from trainscope.records import read_record
 from trainscope.tables import Table, num
 
-ROOT = launching.ROOT
 # The embedded tiny model (2 layers, hidden 32): steps of a few milliseconds, the host-bound regime of a small model on a
 # GPU, where the instruments' own host work is the largest share of a step it can be. One thread: that regime's host is
 # one Python thread, and a pool of two on ops this small adds only its wake-ups (on machine B, samples/s then spread

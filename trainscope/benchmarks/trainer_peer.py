@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from trainscope import bench, launching
+from trainscope.paths import ROOT
 from trainscope.record_view import RunView
 from trainscope.records import read_record, read_steps
 from trainscope.tables import Table, spread_cell
 
-ROOT = launching.ROOT
 DEFAULT_ARGS = [
     "--max-train-samples",
     "1600",
