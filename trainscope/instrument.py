@@ -22,7 +22,6 @@ from trainscope.errors import UserError
 from trainscope.lifecycle import RunLifecycle
 from trainscope.run_metrics import RunMetrics
 from trainscope.settings import Settings
-from trainscope.timing import STAGES
 
 # What trainscope.Run takes beside its arguments: the measuring flags of train.py, by their field names.
 OPTIONS = (
@@ -122,8 +121,8 @@ class Run:
             **{option: getattr(settings, option) for option in OPTIONS},
             "flops": flops if flops is None or isinstance(flops, (int, float, str)) else "function",
         }
-        self._open(accelerator, {"optimizer_steps": steps}, started, block)
-        self._measure(model, optimizer, scheduler, config, _model_facts(unwrapped), {}, None, flops)
+        self._attach(accelerator, model, optimizer, scheduler, started, {"optimizer_steps": steps}, config,
+                     _model_facts(unwrapped), {}, None, flops, block)  # fmt: skip
 
     @classmethod
     def from_started(
@@ -142,27 +141,25 @@ class Run:
         """A run whose start-up (`trainscope.startup.start`: process group, threads, seed, run folder) was train.py's,
         its settings every flag of train.py."""
         run = cls.__new__(cls)
-        run._open(accelerator, plan, started, None)
-        run._measure(model, optimizer, scheduler, model_config, model_facts, data_facts, prediction, None)
+        run._attach(accelerator, model, optimizer, scheduler, started, plan, model_config, model_facts, data_facts,
+                    prediction)  # fmt: skip
         return run
 
-    def _open(self, accelerator, plan: dict, started, settings_block: dict | None) -> None:
-        self.accelerator, self.plan, self.started, self._settings_block = accelerator, plan, started, settings_block
-        self.result = None
-        self._profiling = contextlib.ExitStack()
-        self._running = None
-
-    def _measure(self, model, optimizer, scheduler, config, model_facts, data_facts, prediction, flops) -> None:
-        """The measurements attached to the model, the record's header written, trackers and progress started."""
-        metrics = RunMetrics(self.accelerator, self.started, self.plan, config, scheduler, prediction, flops, optimizer)
+    def _attach(self, accelerator, model, optimizer, scheduler, started, plan, config, model_facts, data_facts,
+                prediction, flops=None, settings_block=None) -> None:  # fmt: skip
+        """The measurements attached to the model, the record's header written, trackers and progress started. A
+        `settings_block` (the instrument's options) marks a loop of its own: its record says what does not apply."""
+        self.accelerator, self.result = accelerator, None
+        self._profiling, self._running = contextlib.ExitStack(), None
+        metrics = RunMetrics(accelerator, started, plan, config, scheduler, prediction, flops, optimizer)
         metrics.attach(model, optimizer)
         self.metrics, self.timer = metrics, metrics.timer
-        self.lifecycle = RunLifecycle(self.accelerator, self.started, self.plan, self._settings_block)
+        own = settings_block is not None
+        header = {"instrument": {"api": "trainscope.Run", "flops_basis": metrics.flops.basis,
+                                 "not_available": NOT_AVAILABLE}} if own else None  # fmt: skip
+        self.lifecycle = RunLifecycle(accelerator, started, plan, settings_block, header)
         self.lifecycle.open(metrics, model_facts, data_facts, prediction)
-        if self._settings_block is not None and self.lifecycle.record is not None:
-            self.lifecycle.record.update(
-                instrument={"api": "trainscope.Run", "flops_basis": metrics.flops.basis, "not_available": NOT_AVAILABLE}
-            )
+        if own and self.lifecycle.record is not None:
             print(  # what this model gets and what it does not, in one line
                 f"trainscope: {model_facts.get('class') or 'the model'}'s FLOPs from "
                 f"{metrics.flops.basis or 'nowhere (none counted)'}; not available for this model: the predictor and "
@@ -259,14 +256,6 @@ class Run:
     def done(self) -> bool:
         """The run took its steps."""
         return self.metrics.done
-
-    @property
-    def steps_done(self) -> int:
-        return self.metrics.loop.step
-
-    @property
-    def stages(self) -> tuple:
-        return STAGES
 
     # ---------------------------------------------------------------- evaluation, checkpoints, the end
 

@@ -187,11 +187,14 @@ class StopVote:
 
 
 class RunLifecycle:
-    def __init__(self, accelerator, started, plan: dict, settings_block: dict | None = None):
+    def __init__(
+        self, accelerator, started, plan: dict, settings_block: dict | None = None, header: dict | None = None
+    ):
         self.accelerator, self.started, self.plan = accelerator, started, plan
         self.settings, self.run_dir = started.settings, started.run_dir
         # what the record's settings say: every field for train.py, the instrument's own for trainscope.Run
         self.settings_block = asdict(self.settings) if settings_block is None else settings_block
+        self.header = header or {}  # more of the record's header (trainscope.Run's `instrument` block)
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
         self.vote = StopVote(accelerator.state.backend, self.settings.distributed_timeout) if self.world > 1 else None
@@ -272,6 +275,7 @@ class RunLifecycle:
             plan=self.plan,
             prediction=self.record.data.get("prediction") if resumed else prediction,
             resumed_from=self.record.data.get("resumed_from", []) + ([resumed["checkpoint"]] if resumed else []),
+            **self.header,
             **resume,
         )
 

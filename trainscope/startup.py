@@ -84,12 +84,16 @@ def start(settings: Settings) -> Startup:
     limit = modeling.sequence_limit(settings)
     if limit is not None and requested > limit:  # said by the max_seq_length_clamped warning when the run opens
         settings = dataclasses.replace(settings, max_seq_length=limit)
-    refuse_unshared_checkpoints(settings, state)
-    run_dir = resolve_run_dir(settings, state)
-    started = Startup(state, settings, threads, run_dir, requested, limit, fallback, group, watch)
-    if settings.resume:
-        started.resume_from, started.checkpoints_skipped = choose_checkpoint(run_dir, state)
-    return started
+    return open_run_folder(
+        settings,
+        state,
+        threads=threads,
+        requested_max_seq_length=requested,
+        model_sequence_limit=limit,
+        cpu_fallback=fallback,
+        process_group=group,
+        watch=watch,
+    )
 
 
 def attach(settings: Settings, accelerator: Accelerator) -> Startup:
@@ -102,8 +106,18 @@ def attach(settings: Settings, accelerator: Accelerator) -> Startup:
     threads = environment.apply_thread_budget(
         settings.threads, workers=settings.num_workers, accelerator=accelerator.device.type != "cpu"
     )
+    return open_run_folder(
+        settings, state, threads=threads, requested_max_seq_length=settings.max_seq_length, model_sequence_limit=None,
+        watch=watch,
+    )  # fmt: skip
+
+
+def open_run_folder(settings: Settings, state: PartialState, **facts) -> Startup:
+    """The run folder, named alike on every process (on several machines first checked to be one they share, for
+    checkpoints), and with --resume the checkpoint to continue: what `start` and `attach` both end with."""
+    refuse_unshared_checkpoints(settings, state)
     run_dir = resolve_run_dir(settings, state)
-    started = Startup(state, settings, threads, run_dir, settings.max_seq_length, None, None, {}, watch)
+    started = Startup(state, settings, run_dir=run_dir, **facts)
     if settings.resume:
         started.resume_from, started.checkpoints_skipped = choose_checkpoint(run_dir, state)
     return started
