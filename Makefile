@@ -148,7 +148,7 @@ $(VENV)/.project: $(VENV)/.installed
 
 setup: $(VENV)/.project ## create .venv (reusing an installed torch) with everything trainscope needs
 	@# a GPU host (nvidia-smi answers) whose torch cannot see the GPU: a warning naming the CUDA build to install
-	@if nvidia-smi >/dev/null 2>&1; then $(PY) -m trainscope.gpu_check --torch-check; fi
+	@if nvidia-smi >/dev/null 2>&1; then $(PY) -m trainscope.gpu.check --torch-check; fi
 
 train: setup ## fine-tune the embedded MiniLM-L6 on the embedded tweets on whatever hardware is here
 	$(LAUNCH) train.py $(TRAIN_ARGS) $(ARGS)
@@ -205,7 +205,7 @@ ddp-cost: setup ## what DDP communication costs: bucket sizes, flags, compressio
 	$(EXPERIMENTS) ddp-cost --runs $(RUNS)/ddp_cost --rounds $(DDP_COST_ROUNDS) $(if $(DDP_SETTINGS),--settings $(DDP_SETTINGS)) -- $(DDP_COST_ARGS)
 
 tune: setup ## the advisor's suggestions for the main command tried against it; keeps what is faster with the same result (TUNE_BUDGET s) -> runs/tune/
-	$(PY) -m trainscope.tune --runs $(RUNS)/tune --budget $(TUNE_BUDGET) --rounds $(TUNE_ROUNDS) $(if $(CONFIG),--config $(CONFIG)) -- $(TUNE_ARGS)
+	$(PY) -m trainscope.experiments.tuning --runs $(RUNS)/tune --budget $(TUNE_BUDGET) --rounds $(TUNE_ROUNDS) $(if $(CONFIG),--config $(CONFIG)) -- $(TUNE_ARGS)
 
 tune-confirm: setup ## make tune's final command against make train's on the full job, paired seeds (about 35 min on 2 CPU cores) -> runs/tune_confirm/
 	$(EXPERIMENTS) tune-confirm --runs $(RUNS)/tune_confirm $(or $(CONFIRM_TUNED),--tune $(RUNS)/tune/comparison.json) \
@@ -221,13 +221,13 @@ report: setup ## every figure and table from runs/ and results/ -> results/repor
 experiments: profile amp-compare ckpt-compare batch-sweep matrix ddp-cost sweep-workers compare-dp ## run every experiment the report shows
 
 bench-trainer: setup ## train.py (accelerate launch and python) vs transformers.Trainer, same batches -> benchmarks/trainer_peer.*
-	$(PY) -m trainscope.benchmarks.trainer_peer $(ARGS)
+	$(PY) -m trainscope.experiments.benchmarks.trainer_peer $(ARGS)
 
 bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by accelerate launch -> benchmarks/timing_overhead.*
-	$(PY) -m trainscope.benchmarks.overhead $(ARGS)
+	$(PY) -m trainscope.experiments.benchmarks.overhead $(ARGS)
 
 bench-dropout-draw: setup ## the dropout loop's draw against torch's bernoulli_, ns an element, alternating pairs -> benchmarks/dropout_draw.*
-	$(PY) -m trainscope.benchmarks.dropout_draw $(ARGS)
+	$(PY) -m trainscope.experiments.benchmarks.dropout_draw $(ARGS)
 
 bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
 	$(EXPERIMENTS) compile --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) -- $(COMPILE_ARGS)
@@ -236,7 +236,7 @@ bench-compile: setup ## --compile against eager on the tiny model: compile time,
 # under -n the setup prerequisite is only echoed, so the line makes the venv itself first (a sub-make without -n).
 GPU_CHECK_DRY_RUN = $(findstring n,$(firstword -$(MAKEFLAGS)))
 gpu-check: setup ## what only a GPU can confirm, most informative first (ARGS='--budget N' or '--part K'; default budget: the plan's estimate + 15%); the plan: make gpu-check --dry-run -> benchmarks/gpu/<device>.*
-	$(if $(GPU_CHECK_DRY_RUN),+MAKEFLAGS= $(MAKE) --no-print-directory -s setup VENV=$(VENV) PYTHON=$(PYTHON) && )$(PY) -m trainscope.gpu_check \
+	$(if $(GPU_CHECK_DRY_RUN),+MAKEFLAGS= $(MAKE) --no-print-directory -s setup VENV=$(VENV) PYTHON=$(PYTHON) && )$(PY) -m trainscope.gpu.check \
 		$(if $(GPU_CHECK_DRY_RUN),--dry-run) $(ARGS)
 
 clean: ## remove runs/, results/ and caches (keeps .venv)

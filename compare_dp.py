@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainscope import bench, dp_compare, startup
-from trainscope.data import build_collator, load_classification_data
-from trainscope.distributed import destroy_process_group
-from trainscope.dp_compare import (
+from trainscope.core.distributed import destroy_process_group
+from trainscope.core.errors import UserError, exit_with, redacted_output
+from trainscope.core.paths import ROOT
+from trainscope.core.settings import parse_settings
+from trainscope.experiments.data_parallel import loops as dp_compare
+from trainscope.experiments.data_parallel.loops import (
     CompareSettings,
     NotMeasurable,
     StepClock,
@@ -43,10 +45,10 @@ from trainscope.dp_compare import (
     run_variant,
     worker_device,
 )
-from trainscope.errors import UserError, exit_with, redacted_output
-from trainscope.modeling import build_model, build_tokenizer
-from trainscope.paths import ROOT
-from trainscope.settings import parse_settings
+from trainscope.measure import bench
+from trainscope.run import startup
+from trainscope.workload.data import build_collator, load_classification_data
+from trainscope.workload.modeling import build_model, build_tokenizer
 
 # ---------------------------------------------------------------- the three loops
 

@@ -28,11 +28,13 @@ from pathlib import Path
 
 import torch
 
-from trainscope import bench, loader_sweep, startup
-from trainscope.data import build_collator, load_classification_data, worker_options
-from trainscope.errors import UserError, exit_with, redacted_output
-from trainscope.loader_sweep import SweepSettings
-from trainscope.settings import Settings, parse_settings
+from trainscope.core.errors import UserError, exit_with, redacted_output
+from trainscope.core.settings import Settings, parse_settings
+from trainscope.experiments.loaders import sweep as loader_sweep
+from trainscope.experiments.loaders.sweep import SweepSettings
+from trainscope.measure import bench
+from trainscope.run import startup
+from trainscope.workload.data import build_collator, load_classification_data, worker_options
 
 # ---------------------------------------------------------------- timing one pass
 
@@ -87,7 +89,7 @@ def time_passes(loader, passes: int = 1, to_device=None, synchronize=None) -> li
 
 
 def make_loader(dataset, collate, batch_size, point, settings, pin_memory, seed):
-    """One setting's DataLoader, its worker options made as train.py makes them (trainscope.data.worker_options)."""
+    """One setting's DataLoader, its worker options made as train.py makes them (trainscope.workload.data.worker_options)."""
     loader_settings = dataclasses.replace(
         settings,
         num_workers=point["num_workers"],
@@ -122,7 +124,7 @@ def measure_point(point, repeat, sweep, settings, data, tokenizer, raw_train, tr
 
 def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
     """Every setting of the grid, once per repeat, in alternating order (drift hits all of them alike)."""
-    from trainscope.modeling import build_tokenizer
+    from trainscope.workload.modeling import build_tokenizer
 
     threads = startup.configure_process(settings)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,13 +23,15 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from trainscope import advisor, provenance, reporting
+from trainscope.advice import advisor
+from trainscope.core import provenance
+from trainscope.core.paths import ROOT
+from trainscope.core.record_view import RunView
+from trainscope.core.records import read_record, write_json_atomic, write_text_atomic
 from trainscope.experiments import REGISTRY, SECTIONS
-from trainscope.paths import ROOT
-from trainscope.pdf_book import PdfBook
-from trainscope.record_view import RunView
-from trainscope.records import read_record, write_json_atomic, write_text_atomic
-from trainscope.report_writer import ReportWriter
+from trainscope.report import inputs as reporting
+from trainscope.report.pdf.book import PdfBook
+from trainscope.report.writer import ReportWriter
 
 COMMITTED = (ROOT / "benchmarks" / "runs", ROOT / "benchmarks")
 

@@ -30,7 +30,7 @@ def train(settings: task.Settings) -> dict:
     settings = started.settings
     tokenizer = task.build_tokenizer(settings)
     data = task.load_classification_data(settings, tokenizer, started.state.main_process_first)
-    # Peak memory, step and run time predicted before the model exists (trainscope/predict.py); --predict stops here.
+    # Peak memory, step and run time predicted before the model exists (trainscope/predict/__init__.py); --predict stops here.
     prediction = task.predict.before_run(settings, started, tokenizer, data)
     if settings.predict:
         return task.predict.show(prediction, settings, started)

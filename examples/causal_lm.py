@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
 import trainscope
-from trainscope import embedded
+from trainscope.workload import embedded
 
 TINY = {  # architecture-only models built from these configurations (the tokenizer's vocabulary): no download
     "embedded:tiny-gpt2": lambda vocab, end: GPT2Config(

@@ -24,7 +24,7 @@ import torch
 import torch._dynamo  # noqa: F401  importing it sets TORCHINDUCTOR_CACHE_DIR: before any test looks at the environment
 import yaml
 
-from trainscope.launching import kill_tree
+from trainscope.core.launching import kill_tree
 
 # The files that launch the most processes, longest first (from the suite's --durations on a 2-core EPYC): two workers
 # take whole files in this order (pytest.ini turns off xdist's own reordering by test count), so the long ones start
@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(items):
 # Tests run on two workers of a 2-core machine: OpenMP threads that spin while waiting would take the
 # other worker's core (a 25 s run took 150 s). Set before torch runs its first parallel region.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Every run measures the machine's matmul peak (trainscope.peak) on a miss of its cache: the session's runs share
+# Every run measures the machine's matmul peak (trainscope.measure.peak) on a miss of its cache: the session's runs share
 # one temporary cache (a miss per thread count, model shape and process count, then hits), and the large square
 # is small, so no test pays the full benchmark and no developer's own cache is touched. The first process to load
 # this file makes it (pytest's controller, before it starts the workers, which inherit it, as every process they
@@ -222,7 +222,7 @@ def fork_server():
 
 
 def run_script_forked(command: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`python <script> [args]` or `python -m <module> [args]` (what trainscope.launching.run_captured runs for
+    """`python <script> [args]` or `python -m <module> [args]` (what trainscope.core.launching.run_captured runs for
     `--launcher python`, and what a one-process `accelerate launch` runs) in a child forked from a fork server that
     has train.py's imports done (a tiny run's own interpreter spends about 85% of its 10 s on them on a 2-core
     machine): for tests whose subject is what the runs do, not how their interpreter starts. The child gets `env`,
@@ -330,12 +330,12 @@ def launch_forked(command: list[str], env: dict, timeout: float | None = None):
 
 
 def fork_launches(monkeypatch) -> None:
-    """Every `python <script>` or `python -m <module>` that trainscope.launching.run_captured starts (`--launcher
+    """Every `python <script>` or `python -m <module>` that trainscope.core.launching.run_captured starts (`--launcher
     python` runs, benchmark arms), every `torchrun` and every `accelerate launch` of one process or of DDP or FSDP
     ranks, runs forked (run_script_forked, launch_forked) with what the launcher would start; other launches start
     as always. For tests of what drivers make of their runs: the launches themselves are tested in
     test_launches.py."""
-    from trainscope import launching
+    from trainscope.core import launching
 
     launched = launching.run_captured
 
@@ -397,8 +397,8 @@ def signal_at_training_batch(monkeypatch, batch: int, signum: int) -> list:
     """Send `signum` to this process while the `batch`-th batch of the run loads (counted once the run's own
     handler is installed: the predictor collates batches of its own before the run starts). A signal whose handler
     is not the run's would end the test worker itself, so none is sent then: the test sees no interruption."""
-    import trainscope.data as data
-    from trainscope.lifecycle import StopSignals
+    import trainscope.workload.data as data
+    from trainscope.run.lifecycle import StopSignals
 
     build, loaded = data.build_collator, []
 
@@ -539,7 +539,7 @@ class PlantedGPU:
         return Event()
 
     def clock(self):
-        """trainscope.timing.EventClock's surface over the planted device."""
+        """trainscope.measure.timing.EventClock's surface over the planted device."""
         gpu = self
 
         class Clock:

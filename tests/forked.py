@@ -42,7 +42,7 @@ def run(command: list[str], env: dict, out: str, err: str) -> None:
 def as_python(command: list[str]) -> None:
     """`command` ([python, (-u,) script, args...] or [python, (-u,) -m, module, args...]) run in this process as
     `python` runs it."""
-    sys.orig_argv = list(command)  # the command its record names (trainscope.provenance.launch_command)
+    sys.orig_argv = list(command)  # the command its record names (trainscope.core.provenance.launch_command)
     command = [command[0], *command[2:]] if command[1:2] == ["-u"] else command
     if command[1] == "-m":
         sys.argv = command[2:]

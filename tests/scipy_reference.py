@@ -1,4 +1,4 @@
-"""scipy.stats' answers to the statistics trainscope.bench computes by hand, written to tests/data/scipy_reference.json
+"""scipy.stats' answers to the statistics trainscope.measure.bench computes by hand, written to tests/data/scipy_reference.json
 for tests/test_bench.py to compare against to 1e-10.
 
     uv pip install --python .venv/bin/python scipy && .venv/bin/python tests/scipy_reference.py
@@ -21,7 +21,7 @@ from scipy import stats
 
 OUT = Path(__file__).parent / "data" / "scipy_reference.json"
 T_DEGREES = [*range(1, 31), 100, 1000]
-EXACT_LIMIT = 200_000  # trainscope.bench.EXACT_LIMIT: above it the normal approximation
+EXACT_LIMIT = 200_000  # trainscope.measure.bench.EXACT_LIMIT: above it the normal approximation
 
 
 def t_cases() -> dict:

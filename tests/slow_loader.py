@@ -4,7 +4,7 @@ forked ranks."""
 
 import time
 
-import trainscope.data as data
+import trainscope.workload.data as data
 
 
 def every_batch_waits(seconds: float = 0.03) -> None:

@@ -10,8 +10,10 @@ import pytest
 from conftest import ROOT, TINY, cpu_env, fork_launches, plant
 
 import report
-from trainscope import advisor, changes, flops, health, tune
-from trainscope.record_view import RunView
+from trainscope.advice import advisor, changes
+from trainscope.core.record_view import RunView
+from trainscope.experiments import tuning as tune
+from trainscope.measure import flops, health
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval", "other")
 SHAPE = {"layers": 6, "hidden": 384, "intermediate": 1536}  # MiniLM-L6
@@ -165,7 +167,7 @@ def test_every_suggestion_carries_the_kind_the_catalogue_gives_its_flags():
     found = advisor.advise(record(shares={"data": 0.4, "forward": 0.2, "backward": 0.3}))
     (data,) = [s for s in found if s.rule == "data_loading"]
     assert data.kind == "exact" and data.unavailable is None  # loader settings: the same batches
-    from trainscope import changes
+    from trainscope.advice import changes
 
     assert changes.kind_of(["--hidden-dropout", "0"]) == "training" and changes.kind_of([], "bf16") == "numeric"
     assert changes.kind_of(["--num-workers", "2", "--tf32"]) == "numeric"  # the strictest part decides
@@ -694,7 +696,7 @@ def test_the_budget_counts_runs_without_the_advice_runs_one_time_set_up(monkeypa
 
 SLOW_LOADER = """import sys, time
 sys.path.insert(0, {root!r})
-import trainscope.data as data
+import trainscope.workload.data as data
 build = data.build_collator
 def build_collator(*args, **kwargs):
     collate = build(*args, **kwargs)
@@ -776,7 +778,7 @@ def test_tune_judges_exact_changes_on_real_runs_and_finds_a_planted_inexact_one(
     assert result["provenance"]["commit"] and "Final command" in written and "not exact" in written
 
 
-# ---------------------------------------------------------------- the gap to the measured peak (trainscope.gap)
+# ---------------------------------------------------------------- the gap to the measured peak (trainscope.measure.gap)
 
 MATH_ATTENTION = {"training": "MATH", "evaluation": "FLASH_ATTENTION", "attention_dropout": 0.1}
 
@@ -786,7 +788,7 @@ def categories(**seconds) -> dict:
 
 
 def gap_categories():
-    from trainscope.gap import CATEGORIES
+    from trainscope.measure.gap import CATEGORIES
 
     return CATEGORIES
 
@@ -955,7 +957,7 @@ def h200_bf16(**changes) -> dict:
     128, 48 steady steps of 40 ms, MFU 5.4%) as a record: its summary's own figures, `device_time` computed from them
     as train.py computes it, the settings from its command, the environment its machine had (an H200's 143771 MiB,
     16 cores; the fused AdamW, the default)."""
-    from trainscope import summary
+    from trainscope.measure import summary
 
     checks = json.loads((ROOT / "benchmarks" / "gpu" / "nvidia-h200.json").read_text())
     check = next(c for c in checks["checks"] if c["name"] == "precision-bf16")
@@ -1055,7 +1057,7 @@ def test_the_host_bound_rule_offers_only_what_applies():
 
 
 def test_no_host_bound_advice_on_a_device_bound_gpu_run_or_a_cpu_run():
-    from trainscope import summary
+    from trainscope.measure import summary
 
     device_bound = h200_bf16()
     layer = device_bound["summary"]["measured_peak"]["run_shapes"]["layer"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainscope import bench, provenance
+from trainscope.core import provenance
+from trainscope.measure import bench
 
 
 def test_rounds_alternate_the_order_of_the_arms():
@@ -103,7 +104,7 @@ def test_outputs_do_not_make_the_tree_dirty_but_code_does():
 
 
 def test_the_command_of_a_launched_run_is_its_launchers(tmp_path):
-    code = "from trainscope import provenance; print(provenance.launch_command())"
+    code = "from trainscope.core import provenance; print(provenance.launch_command())"
     direct = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert direct.startswith("python -c")
     # a parent whose program is named accelerate (as `accelerate launch` is) is named as the command

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import fork_launches, read_record, run_in_process
 
-from trainscope import bench
-from trainscope.benchmarks import trainer_peer
+from trainscope.experiments.benchmarks import trainer_peer
+from trainscope.measure import bench
 
 TINY = [
     "--model",
@@ -29,11 +29,11 @@ TINY = [
 
 
 def one_round_of(module: str, out, monkeypatch) -> dict:
-    """`python -m trainscope.benchmarks.<module> --pairs 1` on the tiny model, the driver in this process; its arms
+    """`python -m trainscope.experiments.benchmarks.<module> --pairs 1` on the tiny model, the driver in this process; its arms
     (one process each, by `accelerate launch` or `python`) run forked from this process with the command and
     environment their launcher gives them (conftest.fork_launches); its results file."""
     fork_launches(monkeypatch)
-    driver = importlib.import_module(f"trainscope.benchmarks.{module}")
+    driver = importlib.import_module(f"trainscope.experiments.benchmarks.{module}")
     monkeypatch.setattr(sys, "argv", [f"{module}.py", "--pairs", "1", "--out", str(out), *TINY])
     completed = run_in_process([], main=lambda _: driver.main())
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -82,8 +82,9 @@ def record_the_work(monkeypatch) -> list:
     import accelerate
     import torch.nn.functional as F
 
-    from trainscope import classifier, modeling
-    from trainscope.benchmarks import overhead
+    from trainscope import classifier
+    from trainscope.experiments.benchmarks import overhead
+    from trainscope.workload import modeling
 
     work = []
     built_model, built_optimizer, cross_entropy = modeling.build_model, modeling.build_optimizer, F.cross_entropy
@@ -146,10 +147,11 @@ def test_both_arms_of_the_overhead_benchmark_do_the_same_work(tmp_path, monkeypa
     """The bare loop and train.py, each run in this process, train the same model on the same batches of the same
     shapes with the same optimizer, schedule, clipping, accumulation, precision and threads, step for step, and time
     the same steady steps and samples. The bare loop once padded nothing where train.py pads to multiples of 8 (CUDA
-    fp16/bf16: trainscope.startup.device_loader_options, whose answer there is given to both arms here), stepped
+    fp16/bf16: trainscope.run.startup.device_loader_options, whose answer there is given to both arms here), stepped
     every micro-batch under accumulation and stopped at the first epoch's end."""
-    from trainscope import classifier, startup
-    from trainscope.benchmarks import overhead
+    from trainscope import classifier
+    from trainscope.experiments.benchmarks import overhead
+    from trainscope.run import startup
 
     if padded:
         options = startup.device_loader_options

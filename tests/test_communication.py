@@ -14,8 +14,11 @@ import torch
 import torch.distributed as dist
 from conftest import ONE_THREAD, TINY, read_record, read_steps, run_in_forked_ranks
 
-from trainscope import communication, communication_agreement, communication_block, health
-from trainscope.record_view import RunView
+from trainscope.core.record_view import RunView
+from trainscope.measure import health
+from trainscope.measure.communication import agreement as communication_agreement
+from trainscope.measure.communication import block as communication_block
+from trainscope.measure.communication import measured as communication
 
 DELAY_S = 0.1  # several times the tiny model's step-to-step noise, on a loaded 2-core machine too
 # The straggler's delay is judged on the difference of two ranks' compute, whose noise on a loaded machine is
@@ -313,7 +316,7 @@ def test_measuring_changes_nothing_learned_and_measuring_off_registers_nothing(g
 
 
 class StandInEvents:
-    """CUDA events' surface (trainscope.timing.EventClock) on the CPU: a recorded event completes only when the
+    """CUDA events' surface (trainscope.measure.timing.EventClock) on the CPU: a recorded event completes only when the
     stand-in device says so (`complete`) or the host waits for it; reading one before is an error."""
 
     def __init__(self):
@@ -496,7 +499,7 @@ def test_the_transfer_is_the_shortest_rank_per_repetition_then_the_median_and_th
 def test_an_exposed_time_within_noise_of_the_transfer_hides_nothing_resolved_and_warns_of_nothing():
     """A median a hair above the transfer, its interval around it (a default run of the committed ddp_cost): neither
     a hidden share nor 'exposed above the transfer'; an interval wholly above it is the warning."""
-    from trainscope.record_view import exposed_above_transfer, hidden_share
+    from trainscope.core.record_view import exposed_above_transfer, hidden_share
 
     assert hidden_share(0.0647, (0.0587, 0.0685), 0.0646) is None
     assert not exposed_above_transfer((0.0587, 0.0685), 0.0646)

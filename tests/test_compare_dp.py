@@ -11,10 +11,10 @@ import torch
 from conftest import TOKEN, cpu_env, driven_in_process, leaks
 
 import compare_dp
-from trainscope import dp_compare
-from trainscope.communication import ring_allreduce_seconds
-from trainscope.environment import usable_cores
-from trainscope.settings import parse_settings
+from trainscope.core.environment import usable_cores
+from trainscope.core.settings import parse_settings
+from trainscope.experiments.data_parallel import loops as dp_compare
+from trainscope.measure.communication.measured import ring_allreduce_seconds
 
 TINY = ["--model", "embedded:tiny-bert", "--max-train-samples", "320"]
 

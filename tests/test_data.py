@@ -9,8 +9,10 @@ import pytest
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
-from trainscope import embedded, hub
-from trainscope.data import (
+from trainscope.core.errors import UserError
+from trainscope.core.settings import parse_settings
+from trainscope.workload import embedded, hub
+from trainscope.workload.data import (
     build_dataloaders,
     detect_columns,
     encode_labels,
@@ -18,9 +20,7 @@ from trainscope.data import (
     load_raw,
     make_splits,
 )
-from trainscope.errors import UserError
-from trainscope.modeling import build_tokenizer
-from trainscope.settings import parse_settings
+from trainscope.workload.modeling import build_tokenizer
 
 
 def settings_for(*args):
@@ -343,8 +343,8 @@ def test_evaluation_in_length_order_scores_as_the_given_order(tokenizer):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from trainscope.loop import evaluate_split, load_metric
-    from trainscope.modeling import build_model
+    from trainscope.run.loop import evaluate_split, load_metric
+    from trainscope.workload.modeling import build_model
 
     # the pretrained MiniLM (with a random head): its predictions vary with the input, so the comparison means something
     flags = [

@@ -6,7 +6,7 @@ import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainscope import flops
+from trainscope.measure import flops
 
 BATCH = 2
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import run_in_process
 
-from trainscope import bench, dropout_draws
-from trainscope.benchmarks import dropout_draw
+from trainscope.experiments.benchmarks import dropout_draw
+from trainscope.measure import bench
+from trainscope.workload import dropout_draws
 
 SMALL = ["--elements", "100000", "--pairs", "3"]
 

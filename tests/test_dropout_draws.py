@@ -1,4 +1,4 @@
-"""The faster dropout draw (trainscope.dropout_draws): its masks and generator state against an independent
+"""The faster dropout draw (trainscope.workload.dropout_draws): its masks and generator state against an independent
 mt19937 (numpy's, started from torch's state) drawn as torch's default CPU bernoulli_ draws; on a machine whose
 torch takes that path, against torch's own bernoulli_; torch's draw wherever the loop is not checked; a build
 checked in a child process (one that kills it leaves this process alive, once), its verdict kept; the cache key;
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainscope import dropout_draws
+from trainscope.workload import dropout_draws
 
 N = 624
 

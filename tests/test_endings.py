@@ -29,7 +29,7 @@ from conftest import (
     signal_at_training_batch,
 )
 
-from trainscope.launching import kill_tree
+from trainscope.core.launching import kill_tree
 
 DDP = ROOT / "accelerate_configs" / "ddp.yaml"
 # Every batch waits 30 ms in the loader (tests/slow_loader.py): a run long enough to be interrupted in its middle.
@@ -45,7 +45,7 @@ ARGS = [*TINY, *ONE_THREAD, "--max-train-samples", "4096", "--log-every", "5", "
 
 
 # Writing a checkpoint takes 10 s: an ending slow enough for a second Ctrl-C to arrive in it.
-SLOW_SAVE = """import trainscope.checkpoints as checkpoints
+SLOW_SAVE = """import trainscope.run.checkpoints as checkpoints
 save = checkpoints.save
 checkpoints.save = lambda *args, **kwargs: (time.sleep(10), save(*args, **kwargs))[1]"""
 
@@ -239,7 +239,7 @@ def votes_written_down(argv: list[str]) -> None:
     import types
 
     import train
-    from trainscope import lifecycle
+    from trainscope.run import lifecycle
 
     out, rank = Path(argv[argv.index("--output-dir") + 1]), os.environ["RANK"]
     signalled = argv[argv.index("--run-name") + 1] == "signalled"
@@ -391,8 +391,8 @@ def test_a_rank_that_errs_during_evaluation_is_named_with_its_error(tmp_path, ca
 def test_only_a_collectives_lost_connection_sends_a_rank_looking_for_a_dead_peer():
     import torch
 
-    from trainscope.lifecycle import lost_a_peer
-    from trainscope.run_metrics import NonFiniteLoss
+    from trainscope.run.lifecycle import lost_a_peer
+    from trainscope.run.metrics import NonFiniteLoss
 
     assert lost_a_peer(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5000"))
     assert lost_a_peer(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7)"))

@@ -28,12 +28,13 @@ from conftest import (
     signal_at_training_batch,
 )
 
-from trainscope import checkpoints, liveness, startup
-from trainscope.errors import UserError
-from trainscope.lifecycle import RunLifecycle, StopSignals, vote_of, vote_value
-from trainscope.liveness import PeerWatch, Verdict, root_cause
-from trainscope.records import RunRecord
-from trainscope.settings import parse_settings
+from trainscope.core import liveness
+from trainscope.core.errors import UserError
+from trainscope.core.liveness import PeerWatch, Verdict, root_cause
+from trainscope.core.records import RunRecord
+from trainscope.core.settings import parse_settings
+from trainscope.run import checkpoints, startup
+from trainscope.run.lifecycle import RunLifecycle, StopSignals, vote_of, vote_value
 
 SAVED = [*TINY, *ONE_THREAD, "--max-steps", "6", "--save-every", "2", "--log-every", "1"]
 
@@ -250,9 +251,9 @@ def test_a_full_disk_on_save_on_interrupt_still_stops_as_asked_and_says_what_was
 def test_a_collective_that_times_out_ends_in_one_line_and_a_failed_record(runs, monkeypatch):
     """What the NCCL watchdog raises in the training thread once TORCH_NCCL_ASYNC_ERROR_HANDLING=2 aborts the
     communicator (instead of killing the process), planted in a step's loss."""
-    import trainscope.loop
+    import trainscope.run.loop
 
-    real, calls = trainscope.loop.F.cross_entropy, []
+    real, calls = trainscope.run.loop.F.cross_entropy, []
 
     def cross_entropy(*args, **kwargs):
         calls.append(1)
@@ -263,7 +264,7 @@ def test_a_collective_that_times_out_ends_in_one_line_and_a_failed_record(runs, 
             )
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainscope.loop.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(trainscope.run.loop.F, "cross_entropy", cross_entropy)
     result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "hung"])
     line = assert_one_line(result, 1)
     assert "a collective timed out after --distributed-timeout 600 s" in line and "Watchdog caught" in line

@@ -6,8 +6,9 @@ import pytest
 from conftest import ONE_THREAD, TINY, assert_ok, read_record, read_steps, run_in_process
 from transformers import AutoConfig
 
-from trainscope import embedded, flops
-from trainscope.profiling import MemorySnapshot
+from trainscope.measure import flops
+from trainscope.measure.profiling import MemorySnapshot
+from trainscope.workload import embedded
 
 
 def test_flops_per_token_by_hand_for_bert_base_and_minilm():
@@ -34,9 +35,10 @@ def counted_step(flags, batch=8, length=64, layers=None):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainscope import modeling, trace
-    from trainscope.loop import classification_loss
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.predict import trace
+    from trainscope.workload import modeling
+    from trainscope.workload.modeling import classification_loss
 
     (settings,) = parse_settings(argv=flags)
     config = modeling.model_config(settings, ["a", "b", "c"])
@@ -119,7 +121,7 @@ def test_model_flops_agree_with_torchs_flop_counter_for_full_fine_tuning_lora_an
 
 @pytest.mark.parametrize("flags", [[], ["--lora"]], ids=["full", "lora"])
 def test_padding_free_flops_agree_with_torchs_flop_counter_on_a_padded_batch(flags):
-    """--unpad (trainscope.unpad) built as train.py builds it (modeling.build_model), one training step on a batch of
+    """--unpad (trainscope.workload.unpad) built as train.py builds it (modeling.build_model), one training step on a batch of
     4 sequences of 128, 80, 33 and 12 real tokens padded to 128, counted by FlopCounterMode on real tensors (the
     layers' index of the real tokens has a data-dependent shape). Compared: the FLOPs train.py records for the step
     with --unpad (`padding_free_training_flops`: the token-wise matmuls on the real tokens, attention on the padded
@@ -129,9 +131,9 @@ def test_padding_free_flops_agree_with_torchs_flop_counter_on_a_padded_batch(fla
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainscope import modeling
-    from trainscope.loop import classification_loss
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.workload import modeling
+    from trainscope.workload.modeling import classification_loss
 
     (settings,) = parse_settings(argv=["--model", "embedded:minilm-l6", "--unpad", *flags])
     lengths, threads = [128, 80, 33, 12], torch.get_num_threads()
@@ -174,7 +176,7 @@ def test_a_lora_checkpointed_run_records_its_model_flops_and_what_the_hardware_e
         ]
     )
     assert_ok(result)
-    from trainscope.record_view import RunView
+    from trainscope.core.record_view import RunView
 
     summary = read_record(runs / "lora")["summary"]
     counted = RunView({"summary": summary}).model_flops
@@ -241,7 +243,7 @@ def test_peaks_come_from_an_exact_table_never_a_substring(name, precision, peak)
     ],
 )
 def test_a_variant_without_a_peak_says_why_in_its_warning(name, why):
-    from trainscope import health
+    from trainscope.measure import health
 
     record = {
         "settings": {},
@@ -387,7 +389,7 @@ def test_the_snapshot_window_and_taking_the_snapshot_stay_out_of_the_steady_figu
     throughput never sees it. (On CUDA the recording also slows the window's steps: make gpu-check runs it.)
     Steady figures that took the snapshot in would exceed TAKE_S: the steps are made tiny (4 samples of at most 32
     tokens) so that TAKE_S stands several times above the 7 steady steps' wall time on a loaded machine."""
-    import trainscope.run_metrics as run_metrics
+    import trainscope.run.metrics as run_metrics
 
     monkeypatch.setattr(
         run_metrics,

@@ -2,11 +2,12 @@
 
 import shlex
 import subprocess
+import sys
 
 from conftest import ROOT, cpu_env, planned_launch
 
-from trainscope import modeling
-from trainscope.settings import Settings
+from trainscope.core.settings import Settings
+from trainscope.workload import modeling
 
 
 def test_make_train_passes_what_accelerate_would_otherwise_print_a_block_about():
@@ -25,3 +26,30 @@ def test_the_new_classifier_head_is_one_line_of_ours_not_transformers_load_repor
     printed = "".join(capfd.readouterr())
     assert weights == "pretrained" and "LOAD REPORT" not in printed and "Loading weights" not in printed
     assert "3-class head is new (starts from random values" in printed and "classifier.weight" in printed
+
+
+HELP_EVERY_MODULE = """
+import contextlib, io, runpy, sys
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as end:
+        assert end.code in (0, None), (module, end.code)
+    assert "usage:" in out.getvalue(), module
+"""
+
+
+def test_every_module_the_makefile_runs_answers_help():
+    """`python -m MODULE --help` for every module a Make target runs (argparse formats each help string then: a bare
+    % in one ends --help in a traceback)."""
+    import re
+
+    modules = sorted(set(re.findall(r"-m (trainscope[\w.]*)", (ROOT / "Makefile").read_text())))
+    assert len(modules) >= 6, modules
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_EVERY_MODULE, *modules], capture_output=True, text=True, env=cpu_env(), cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Where the gap to the measured matmul peak goes (trainscope.gap): operators put in categories, on planted profiler
+"""Where the gap to the measured matmul peak goes (trainscope.measure.gap): operators put in categories, on planted profiler
 events and on one real layer of the tiny model profiled apart."""
 
 from types import SimpleNamespace
@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from trainscope import embedded, gap, profiling
+from trainscope.measure import gap, profiling
+from trainscope.workload import embedded
 
 
 def event(name, self_us, parent=None, seq=-1, flops=0, thread=1):

@@ -10,7 +10,7 @@ import torch
 from conftest import PlantedGPU
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from trainscope import op_costs, trace
+from trainscope.predict import op_costs, trace
 
 CPU = torch.device("cpu")
 
@@ -128,7 +128,7 @@ def planted_gpu(monkeypatch):
     """A 4096x768x768 GEMM of 8 us (604 TFLOP/s) behind 10 us launches and 20 us synchronizations."""
     from types import SimpleNamespace
 
-    from trainscope import peak
+    from trainscope.measure import peak
 
     gpu = PlantedGPU(kernel_s=8e-6)
     monkeypatch.setattr(peak, "time", SimpleNamespace(perf_counter=gpu.perf_counter))
@@ -144,7 +144,7 @@ def planted_gpu(monkeypatch):
 def test_a_gpu_matmul_rate_is_its_kernels_not_its_launch_and_synchronization(planted_gpu):
     """One call timed on the host between synchronizations measured launch + kernel + sync: 38 us for an 8 us kernel
     (127 TFLOP/s against 604; on an H200, 157 against 382)."""
-    from trainscope import peak
+    from trainscope.measure import peak
 
     shape = (4096, 768, 768)
     rate = peak.measure(torch.device("cuda"), "bf16", shape)
@@ -163,7 +163,7 @@ def test_the_gpus_clocks_are_asked_once_per_process(monkeypatch):
     import subprocess
     import sys
 
-    from trainscope import peak
+    from trainscope.measure import peak
 
     asked = []
 

@@ -14,8 +14,9 @@ import torch
 from conftest import ROOT, cpu_env, fork_launches, planned_launch, run_command, run_in_process, run_script_forked
 
 import compare_dp
-from trainscope import bench, launching
-from trainscope.errors import UserError
+from trainscope.core import launching
+from trainscope.core.errors import UserError
+from trainscope.measure import bench
 
 
 @pytest.mark.parametrize(
@@ -55,8 +56,8 @@ def test_compile_uses_dynamic_shapes_whatever_the_launcher_exports(monkeypatch, 
     """accelerate launch exports ACCELERATE_DYNAMO_USE_DYNAMIC=False: every new padded length would recompile."""
     from accelerate.state import AcceleratorState
 
-    from trainscope import startup
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.run import startup
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
@@ -134,7 +135,7 @@ def test_the_batch_size_search_runs_in_a_child_launched_with_the_config():
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    from trainscope import gpu_check
+    from trainscope.gpu import check as gpu_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(gpu_check, "nvidia_smi", lambda *args: None)  # no NVIDIA driver either
@@ -148,9 +149,9 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path
 @pytest.mark.parametrize(
     "make_flags,ran",
     [
-        (["--dry-run"], "-m trainscope.gpu_check --dry-run --gpus 2"),
-        (["-n"], "-m trainscope.gpu_check --dry-run --gpus 2"),
-        ([], "-m trainscope.gpu_check --gpus 2"),
+        (["--dry-run"], "-m trainscope.gpu.check --dry-run --gpus 2"),
+        (["-n"], "-m trainscope.gpu.check --dry-run --gpus 2"),
+        ([], "-m trainscope.gpu.check --gpus 2"),
     ],
 )
 def test_make_gpu_check_dry_run_runs_the_plans_dry_run(make_flags, ran):
@@ -207,7 +208,9 @@ SKIPPED_ON_ONE_GPU = ["ddp-comm-hook-bf16", "ddp-compile", "compare-dp", "memory
 
 
 def test_gpu_check_plans_every_check_by_the_documented_commands():
-    from trainscope import gpu_check, gpu_check_plan, gpu_check_report
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
 
     steps = gpu_check_plan.plan(gpus=2)
     assert [step["name"] for step in steps] == ORDER
@@ -234,7 +237,8 @@ def flag_value(command: list[str], flag: str) -> str | None:
 def test_every_comparison_in_the_plan_has_enough_rounds_and_every_check_a_timeout(gpus):
     """--pairs 3, --rounds 3 and --repeats 2 gave "too few pairs" verdicts: at least bench.MIN_PAIRS now. The
     batch search's sweep has one batch size, one arm: nothing is compared, so one round is all it runs."""
-    from trainscope import bench, gpu_check_plan
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.measure import bench
 
     steps = gpu_check_plan.plan(gpus=gpus)
     for step in steps:
@@ -256,9 +260,11 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
     """A misspelt flag would cost a GPU check its launch: each command's own flags and its train.py flags are
     parsed here as the script parses them (nothing is run)."""
     import loaders_bench
-    from trainscope import experiments, gpu_check, gpu_check_plan
-    from trainscope.benchmarks import overhead
-    from trainscope.settings import parse_settings
+    from trainscope import experiments
+    from trainscope.core.settings import parse_settings
+    from trainscope.experiments.benchmarks import overhead
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
 
     for step in [*gpu_check_plan.plan(gpus=2), *gpu_check_plan.plan(gpus=1)]:
         if "args" in step:
@@ -289,7 +295,7 @@ def test_the_default_budget_holds_the_plan_and_each_part_fits_a_ten_minute_comma
     two GPUs dropped compare-dp, the one DataParallel check: the budget now is the plan's estimate from the measured
     launch costs and a margin, and the parts each fit one 10-minute command. The one-GPU plan (1068 s before its
     two-process checks were added) fits the 15 minutes of GPU time one session is lent."""
-    from trainscope import gpu_check_plan
+    from trainscope.gpu import plan as gpu_check_plan
 
     steps = gpu_check_plan.plan(gpus=gpus)
     assert [step["name"] for step in steps if step.get("skipped")] == (SKIPPED_ON_ONE_GPU if gpus == 1 else [])
@@ -315,7 +321,8 @@ def test_the_default_budget_holds_the_plan_and_each_part_fits_a_ten_minute_comma
 def test_every_goal_is_reachable_by_the_plans_own_step_times():
     """bf16 over TF32 >= 1.5 while the assumed step times gave 1.33, compiled MFU >= 40% on short per-batch-padded
     tweets, 5% on a 2 ms optimizer stage: goals the plan itself said it would miss."""
-    from trainscope import gpu_check_plan, gpu_check_report
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
 
     step = gpu_check_plan.step_seconds
     assert step("fp32") / step("bf16") >= gpu_check_report.GOALS["bf16_over_fp32"][0]
@@ -344,8 +351,8 @@ def test_every_goal_is_reachable_by_the_plans_own_step_times():
 
 def test_the_compile_check_runs_with_dynamic_shapes():
     """--pad-to-max-length made every batch one shape (dynamic=False): the check claimed dynamic shapes."""
-    from trainscope import gpu_check_plan
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.gpu import plan as gpu_check_plan
 
     step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "compile-bf16")
     (settings,) = parse_settings(argv=step["args"])
@@ -355,7 +362,7 @@ def test_the_compile_check_runs_with_dynamic_shapes():
 
 
 def test_the_two_gpu_plan_adds_fsdp2_fp16_ddp_both_compression_hooks_and_the_profiler():
-    from trainscope import gpu_check_plan
+    from trainscope.gpu import plan as gpu_check_plan
 
     by_name = {step["name"]: step for step in gpu_check_plan.plan(gpus=2)}
     assert launching.config_facts(launching.config_path(by_name["fsdp2"]["config"]))["distributed_type"] == "FSDP"
@@ -372,7 +379,9 @@ def test_the_two_gpu_plan_adds_fsdp2_fp16_ddp_both_compression_hooks_and_the_pro
 def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_runs():
     """What the plan runs for each new check, and that a 2-GPU check is skipped with its reason on one GPU.
     The checks themselves need a GPU: not measured on GPU."""
-    from trainscope import gpu_check, gpu_check_plan, gpu_check_report
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
 
     by_name = {step["name"]: step for step in gpu_check_plan.plan(gpus=1)}
     search = by_name["batch-search"]["command"]
@@ -411,7 +420,8 @@ def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_run
 
 
 def test_gpu_check_dry_run_shows_the_plan_for_n_gpus_with_estimates_the_total_and_the_parts(capsys):
-    from trainscope import gpu_check, gpu_check_plan
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
 
     gpu_check.main(["--dry-run", "--gpus", "2"])
     out = capsys.readouterr().out
@@ -421,7 +431,7 @@ def test_gpu_check_dry_run_shows_the_plan_for_n_gpus_with_estimates_the_total_an
     total = gpu_check_plan.planned_seconds(steps)
     assert f"total estimated for 2 GPUs: {total:.0f} s" in out and "measured on one H200" in out
     assert "over the budget" not in out  # the default budget holds the plan
-    assert "part 1 (" in out and "python -m trainscope.gpu_check --part 2" in out
+    assert "part 1 (" in out and "python -m trainscope.gpu.check --part 2" in out
     gpu_check.main(["--dry-run", "--gpus", "1", "--budget", "240"])
     out = capsys.readouterr().out
     assert "ddp-comm-hook-bf16: skipped (needs NCCL" in out and "over the budget by these estimates" in out
@@ -433,7 +443,9 @@ def test_on_one_gpu_the_multi_process_checks_run_as_two_processes_sharing_it_ove
     """Every multi-process check was skipped on a one-GPU machine, and no machine lent to this project has two: the
     DDP and FSDP2 code paths never ran on CUDA. On one GPU they run as 2 processes sharing it over gloo (NCCL refuses
     two ranks on one GPU), fewer steps, their figures labelled as not representative of speed."""
-    from trainscope import gpu_check, gpu_check_plan, startup
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.run import startup
 
     by_name = {step["name"]: step for step in gpu_check_plan.plan(gpus=1)}
     for name in SHARED_ON_ONE_GPU:
@@ -451,7 +463,7 @@ def test_on_one_gpu_the_multi_process_checks_run_as_two_processes_sharing_it_ove
     # what the one-GPU plan leaves out runs by name, still on the shared GPU
     gpu_check.main(["--dry-run", "--gpus", "1", "--only", "overhead", "ddp-compile", "memory-snapshot"])
     out = capsys.readouterr().out
-    assert "skipped" not in out and "python -m trainscope.gpu_check --only ddp-compile memory-snapshot" in out
+    assert "skipped" not in out and "python -m trainscope.gpu.check --only ddp-compile memory-snapshot" in out
     (compiled,) = gpu_check_plan.plan(gpus=1, only=["ddp-compile"])
     assert not compiled.get("skipped") and compiled["shared_gpu"] and "first launch of 2" in compiled["estimate"]
     with pytest.raises(UserError, match="--only nonsense: no such check"):
@@ -463,7 +475,7 @@ def test_the_multi_process_checks_run_first_and_each_process_counts_first_launch
     """plan(gpus=2) began with 304 s of the single-GPU checks the H200 had already run, and its first 2-process launch
     got 13 s for a cold start (the matmul peak and the layer probes are cached per process count): the multi-process
     checks now run first, and the first launch of each process count gets the cold launch's 45 s."""
-    from trainscope import gpu_check_plan
+    from trainscope.gpu import plan as gpu_check_plan
 
     steps = [step for step in gpu_check_plan.plan(gpus=gpus) if not step.get("skipped")]
     several = [
@@ -485,8 +497,8 @@ def test_every_multi_process_check_times_its_collectives_out_before_gpu_check_ki
     was killed with its launch before NCCL's watchdog or the peer watch could say anything. Each multi-process check
     now passes a --distributed-timeout that leaves its estimate and the time to report and write the record inside
     its own timeout."""
-    from trainscope import gpu_check_plan
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.gpu import plan as gpu_check_plan
 
     multi = [step for step in gpu_check_plan.plan(gpus=gpus) if step.get("processes", 1) > 1]
     assert {step["name"] for step in multi} == set(TWO_GPU_CHECKS)
@@ -507,8 +519,8 @@ def test_the_distributed_backend_option_lets_two_processes_share_one_gpu_over_gl
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    from trainscope import startup
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.run import startup
 
     (settings,) = parse_settings(argv=["--distributed-timeout", "90"])
     monkeypatch.setattr(startup, "_cuda", lambda: True)
@@ -583,7 +595,8 @@ def test_a_ddp_check_is_confirmed_by_its_records_figures_not_its_exit_code(chang
     record said. Each multi-process check is held to its record: complete, on CUDA, the planned world size,
     distributed type and backend, the loss finite and falling, DDP's communication measured and agreeing with DDP's
     logger within the tolerance the record states."""
-    from trainscope import gpu_check_plan, gpu_check_report
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
 
     step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "ddp-communication-memory")
     result = shared_ddp_result(**changes)
@@ -601,7 +614,8 @@ def test_a_ddp_check_is_confirmed_by_its_records_figures_not_its_exit_code(chang
 def test_every_planned_check_has_goals_that_its_figures_can_fail(gpus):
     """Every check of the plan has goals of its own; one that exited 0 without the figures its goals read confirms
     nothing (on the old code a DDP check, having no goal, passed on its exit code alone)."""
-    from trainscope import gpu_check_plan, gpu_check_report
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
 
     for step in gpu_check_plan.plan(gpus=gpus):
         goals = gpu_check_report.goals_of(step)
@@ -616,7 +630,9 @@ def test_a_report_confirms_only_what_ran_and_met_its_goals_and_says_why_the_rest
     """benchmarks/gpu/nvidia-h200.md listed fsdp2 and every ddp-* check under "What these runs confirm" although
     each had been skipped: the list was the plan's. It is now the checks that ran to their end and met every goal;
     each other one is listed as confirming nothing, with its skip, failure or missed goal."""
-    from trainscope import gpu_check, gpu_check_plan, gpu_check_report
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
 
     steps = gpu_check_plan.plan(gpus=1)
     good = shared_ddp_result()
@@ -665,7 +681,7 @@ H200 = ROOT / "benchmarks" / "gpu" / "nvidia-h200"
 def test_the_committed_h200_report_is_what_the_report_code_writes_from_its_json(tmp_path):
     """The committed report was written by the code the run ran, which listed every planned check as confirmed;
     `--rewrite` writes it again from its JSON (its figures as measured) with today's goals and wording."""
-    from trainscope import gpu_check
+    from trainscope.gpu import check as gpu_check
 
     (tmp_path / "nvidia-h200.json").write_bytes(H200.with_suffix(".json").read_bytes())
     gpu_check.main(["--rewrite", str(tmp_path / "nvidia-h200.json")])
@@ -691,7 +707,7 @@ def test_each_mfu_row_is_on_real_tokens_and_names_the_peak_it_is_a_share_of():
     989.5, padded runs counting the 74.5% of their FLOPs that are padding and --unpad real tokens. Each row now
     headlines MFU on real tokens and names its peak (on the committed H200 figures: fp32 13.7%, bf16 1.39%, --unpad
     1.54%), the share counting padding beside it."""
-    from trainscope import gpu_check_report
+    from trainscope.gpu import results as gpu_check_report
 
     checks = {c["name"]: c for c in json.loads(H200.with_suffix(".json").read_text())["checks"]}
     expected = {
@@ -721,7 +737,10 @@ def test_a_training_check_launches_with_its_environment_and_keeps_what_its_goals
     import shutil
     import subprocess as sp
 
-    from trainscope import gpu_check, gpu_check_plan, gpu_check_report, startup
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
+    from trainscope.run import startup
 
     step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "ddp-communication-memory")
     launched = {}
@@ -756,7 +775,7 @@ def test_checks_run_within_the_budget_each_written_as_it_finishes():
     """A stand-in runner advances a stand-in clock by each check's seconds: a check whose estimate does not fit
     what is left is skipped as over the budget, a running one gets what is left as its timeout, and the report
     is written after every check (a snapshot per write)."""
-    from trainscope import gpu_check
+    from trainscope.gpu import check as gpu_check
 
     clock, writes, given = FakeClock(), [], {}
     steps = [
@@ -783,7 +802,8 @@ def test_checks_run_within_the_budget_each_written_as_it_finishes():
 def test_a_check_the_budget_cut_short_is_not_finished_rather_than_failed():
     """The second gpu-check started its loader sweep with 30 s left of the budget (its estimate 28 s, its timeout
     84 s): killed at 30 s it read "failed" and the whole check exited 1, though nothing had gone wrong but time."""
-    from trainscope import gpu_check, gpu_check_report
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import results as gpu_check_report
 
     clock = FakeClock()
     steps = [
@@ -815,7 +835,7 @@ def test_events_and_sync_agree_where_both_see_the_device_and_sync_may_add_host_w
     """The second gpu-check (one H200, fp32, 48 steady steps): forward 0.977 / 0.986 s, backward 1.769 / 1.831 s
     (events / sync) agree; the optimizer's 0.076 / 0.181 s and data's 0.025 / 0.186 s are the host's work sync
     exposes. Events above sync on a host-bound stage, or forward apart, is a disagreement."""
-    from trainscope import gpu_check_report
+    from trainscope.gpu import results as gpu_check_report
 
     def timing(**stages):
         return {"across_ranks": {"steady": {"seconds": {k: {"median": v} for k, v in stages.items()}}}}
@@ -866,7 +886,9 @@ def test_a_signal_during_a_check_kills_its_launch_and_keeps_what_finished(tmp_pa
     import signal
     import threading
 
-    from trainscope import bench, gpu_check, gpu_check_report
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import results as gpu_check_report
+    from trainscope.measure import bench
 
     steps = [
         {"name": "first", "estimate_s": 1, "timeout_s": 60, "confirms": "x"},
@@ -897,7 +919,8 @@ def test_a_signal_during_a_check_kills_its_launch_and_keeps_what_finished(tmp_pa
 def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_failed_one(monkeypatch, tmp_path, capsys):
     """main() on a stand-in one-GPU host whose checks are stand-ins: every check's result reaches the files, a
     2-GPU check is listed as skipped, a failed check fails the command in one line after the rest ran."""
-    from trainscope import gpu_check, gpu_check_plan
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -958,7 +981,7 @@ def stand_in_nvidia_smi(tmp_path, monkeypatch, cuda: str = "12.8") -> None:
 
 def test_a_cpu_only_torch_on_a_gpu_host_fails_naming_the_cuda_build_to_install(tmp_path, monkeypatch, capsys):
     """This torch is a CPU-only build; with a driver answering it used to print one line and exit 0."""
-    from trainscope import gpu_check
+    from trainscope.gpu import check as gpu_check
 
     stand_in_nvidia_smi(tmp_path, monkeypatch, cuda="12.9")
     with pytest.raises(SystemExit) as exited:
@@ -978,7 +1001,7 @@ def test_a_cpu_only_torch_on_a_gpu_host_fails_naming_the_cuda_build_to_install(t
 
 @pytest.mark.parametrize("driver,tag", [((12, 4), None), ((12, 6), "cu126"), ((12, 9), "cu128"), ((13, 1), "cu130")])
 def test_the_cuda_build_is_the_newest_the_driver_runs(driver, tag):
-    from trainscope import gpu_check
+    from trainscope.gpu import check as gpu_check
 
     assert gpu_check.cuda_wheel_tag(driver) == tag
     message = gpu_check.cuda_torch_command(f"CUDA Version: {driver[0]}.{driver[1]}", "2.13.0+cpu", None, environ={})
@@ -1005,7 +1028,7 @@ def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypat
     rank's samples/s while train.py reports the global figure, and their ratio is off by the GPU count.
     Both arms' command lines are recorded (nothing is launched) and put to accelerate's launch validation on
     a faked 4-GPU host. Only a GPU run confirms the measured ratio itself: not measured on GPU."""
-    from trainscope.benchmarks import overhead
+    from trainscope.experiments.benchmarks import overhead
 
     launched = []
 
@@ -1037,8 +1060,8 @@ def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypat
 def test_the_overhead_arms_are_the_modes_asked_for_and_judged_from_five_pairs(monkeypatch, tmp_path, modes, arms):
     """On a stand-in GPU host: gpu-check's `--modes events` runs two arms (the memory-statistics arm only when
     asked), and with bench.MIN_PAIRS pairs the target is judged. Real GPU ratios: not measured on GPU."""
-    from trainscope import bench
-    from trainscope.benchmarks import overhead
+    from trainscope.experiments.benchmarks import overhead
+    from trainscope.measure import bench
 
     launched = []
 
@@ -1081,7 +1104,7 @@ def planted_out_of_memory(fits_up_to: int, tried: list[int]):
 def test_the_batch_size_search_tries_only_halvings_and_lands_on_the_largest_that_fits(start, fits_up_to, tried):
     """Accelerate's own reduction multiplies by 0.9 (from 4096: 3686, 3317, ...). What a real CUDA
     out-of-memory error does to the allocator between tries is for a GPU run to show."""
-    from trainscope import batch_search
+    from trainscope.experiments import batch_search
 
     sizes = []
     assert batch_search.search(planted_out_of_memory(fits_up_to, sizes), start) == tried[-1]
@@ -1089,7 +1112,7 @@ def test_the_batch_size_search_tries_only_halvings_and_lands_on_the_largest_that
 
 
 def test_the_batch_size_search_lets_errors_other_than_out_of_memory_through():
-    from trainscope import batch_search
+    from trainscope.experiments import batch_search
 
     sizes = []
 
@@ -1109,7 +1132,8 @@ def test_the_search_child_halves_from_its_start(monkeypatch, capsys):
 
     from accelerate.state import AcceleratorState
 
-    from trainscope import experiments, loop
+    from trainscope import experiments
+    from trainscope.run import loop
 
     sizes = []
     out_of_memory = planted_out_of_memory(10, sizes)
@@ -1278,7 +1302,10 @@ def test_fsdp_yamls_model_goes_through_accelerates_own_fsdp2_prepare_and_is_meas
     from accelerate.state import AcceleratorState
     from torch.distributed.tensor import DTensor
 
-    from trainscope import checkpoints, embedded, modeling, predict, profiling, startup
+    from trainscope import predict
+    from trainscope.measure import profiling
+    from trainscope.run import checkpoints, startup
+    from trainscope.workload import embedded, modeling
 
     for name, value in fsdp_yaml_environment().items():
         monkeypatch.setenv(name, value)
@@ -1334,7 +1361,9 @@ def test_a_check_that_crashes_keeps_where_it_crashed_and_every_check_keeps_its_r
     """The H200's fp32 runs each said only "CalledProcessError ... died with SIGSEGV", and their records went with the
     scratch folder. A check runs with faulthandler on: its failure keeps the tail of its output (the Python stack of
     the crash), and the records of its runs are copied beside the results."""
-    from trainscope import gpu_check, gpu_check_plan, gpu_check_report
+    from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
 
     script = (
         "import ctypes, json, os, pathlib, sys\n"
@@ -1368,10 +1397,11 @@ def test_a_check_that_crashes_keeps_where_it_crashed_and_every_check_keeps_its_r
 def test_the_scaler_check_runs_in_a_process_of_its_own_and_writes_its_counts(tmp_path):
     """In gpu-check's own process the scaler check held a CUDA context on GPU 0 all session (every check had less
     memory there, and none could start under EXCLUSIVE_PROCESS): it is a check of the plan, a process of its own."""
-    from trainscope import gpu_check_plan, gpu_check_report
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
 
     step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "scaler")
-    assert step["command"][1:4] == ["-m", "trainscope.gpu_check", "--scaler-check"]
+    assert step["command"][1:4] == ["-m", "trainscope.gpu.check", "--scaler-check"]
     completed = run_command([part.replace("{out}", str(tmp_path)) for part in step["command"]], env=cpu_env())
     assert completed.returncode == 0, completed.stderr[-2000:]
     found = json.loads((tmp_path / "scaler.json").read_text())
@@ -1444,7 +1474,7 @@ def batch_sweep_args(tmp_path):
 
 def test_the_overhead_benchmark_writes_its_rounds_as_they_finish(monkeypatch, tmp_path):
     """It published only at its end: a budget's kill after four of five rounds lost them all."""
-    from trainscope.benchmarks import overhead
+    from trainscope.experiments.benchmarks import overhead
 
     calls = []
 
@@ -1473,7 +1503,7 @@ def test_the_overhead_benchmark_writes_its_rounds_as_they_finish(monkeypatch, tm
 
 def test_the_loaders_check_sweeps_pinned_and_pageable_copies_at_a_batch_whose_copy_shows():
     """Only pin_memory=auto (pinned on CUDA) was swept, at 20 KB batches whose pass time is the collate's."""
-    from trainscope import gpu_check_plan
+    from trainscope.gpu import plan as gpu_check_plan
 
     command = next(step["command"] for step in gpu_check_plan.plan(gpus=1) if step["name"] == "loaders")
     values = (
@@ -1507,8 +1537,9 @@ def test_a_pass_with_a_copy_says_how_long_the_loop_spent_in_it():
 
 def test_threads_auto_keeps_a_core_for_each_dataloader_worker_on_a_gpu(monkeypatch):
     """Each GPU process got every core of its share as intra-op threads, nothing kept for its DataLoader workers."""
-    from trainscope import environment, startup
-    from trainscope.settings import parse_settings
+    from trainscope.core import environment
+    from trainscope.core.settings import parse_settings
+    from trainscope.run import startup
 
     saved = torch.get_num_threads()
     try:
@@ -1532,9 +1563,9 @@ def test_a_compiled_runs_first_evaluation_is_warm_up_not_steady(monkeypatch):
     window (steps of 45 ms). Planted here: a first evaluation of 0.3 s, a second of 0.01 s."""
     from types import SimpleNamespace
 
-    from trainscope import modeling
-    from trainscope.run_metrics import RunMetrics
-    from trainscope.timing import HostClock, StageTimer
+    from trainscope.measure.timing import HostClock, StageTimer
+    from trainscope.run.metrics import RunMetrics
+    from trainscope.workload import modeling
 
     monkeypatch.setattr(modeling, "compile_stats", lambda: {"graphs": 1, "compile_s": 0.0})
     metrics = RunMetrics.__new__(RunMetrics)

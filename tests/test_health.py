@@ -6,8 +6,8 @@ import json
 import pytest
 from conftest import ROOT, plant
 
-from trainscope import health
-from trainscope.record_view import RunView
+from trainscope.core.record_view import RunView
+from trainscope.measure import health
 
 CLEAN = {
     "settings": {"profile": False, "tf32": False, "compile": False, "memory_every": 10},

@@ -113,13 +113,15 @@ def merged(*graphs: dict) -> dict:
 def test_the_graph_is_read_from_the_source():
     """Planted: a module-level import, a function-level one, a relative one, a name from a package."""
     module_level, function_level, _ = import_graph()
-    assert "trainscope.records" in module_level["trainscope.errors"]
-    assert "trainscope.faults" in module_level["trainscope.liveness"]
-    assert "trainscope.launching" in function_level["trainscope.calibration"]
-    assert "trainscope.peak" in module_level["trainscope.calibration"]  # from trainscope import peak
+    assert "trainscope.core.records" in module_level["trainscope.core.errors"]
+    assert "trainscope.core.faults" in module_level["trainscope.core.liveness"]
+    assert "trainscope.core.launching" in function_level["trainscope.predict.calibration"]
+    assert (
+        "trainscope.measure.peak" in module_level["trainscope.predict.calibration"]
+    )  # from trainscope.measure import peak
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     # importing a package's module runs the package's __init__, except from inside the package
-    assert _with_packages("trainscope.experiments.base", "trainscope.tune") == [
+    assert _with_packages("trainscope.experiments.base", "trainscope.gpu.check") == [
         "trainscope.experiments",
         "trainscope.experiments.base",
     ]
@@ -133,7 +135,7 @@ def test_no_import_cycle_at_module_level():
     assert cycles(module_level) == []
 
 
-# None left: flops and modeling both read a model's layer classes from trainscope.layers. A cycle that comes back
+# None left: flops and modeling both read a model's layer classes from trainscope.workload.layers. A cycle that comes back
 # fails the test.
 KNOWN_CYCLES = []
 
@@ -154,7 +156,7 @@ if __name__ == "__main__":  # python tests/test_imports.py: the cycles, module-l
     print("imports of the top-level scripts:", scripts or "none")
 
 
-PUBLIC = {"trainscope", "trainscope.classifier", "trainscope.embedded"}  # with trainscope.__all__'s names
+PUBLIC = {"trainscope", "trainscope.classifier", "trainscope.workload.embedded"}  # with trainscope.__all__'s names
 
 
 def test_the_scripts_that_train_import_only_the_public_api():
@@ -177,3 +179,57 @@ def test_the_scripts_that_train_import_only_the_public_api():
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trainscope"
         }
         assert attributes <= set(trainscope.__all__), (script.name, attributes - set(trainscope.__all__))
+
+
+# The floors of the package, lowest first (docs/design.md): a module imports only from its own floor or below, at
+# module level and inside functions alike. The public modules (trainscope, its instrument and classifier) stand on
+# the run; advice, the report, the experiments and make gpu-check stand on them.
+FLOORS = ["core", "workload", "measure", "predict", "run", "public", "advice", "report", "experiments", "gpu"]
+PUBLIC_MODULES = {"trainscope", "trainscope.instrument", "trainscope.classifier"}
+
+
+def floor_of(module: str) -> str:
+    return "public" if module in PUBLIC_MODULES else module.split(".")[1]
+
+
+def test_the_top_level_is_the_public_api_and_the_floors():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 12, entries
+    assert {floor_of(m) for m in MODULES} == set(FLOORS)
+    assert entries == sorted(["__init__.py", "instrument.py", "classifier.py", *(f for f in FLOORS if f != "public")])
+
+
+def test_every_import_runs_down_the_floors():
+    module_level, function_level, _ = import_graph()
+    up = [
+        (module, imported)
+        for graph in (module_level, function_level)
+        for module, targets in graph.items()
+        for imported in targets
+        if FLOORS.index(floor_of(imported)) > FLOORS.index(floor_of(module))
+    ]
+    assert up == []
+    assert floor_of("trainscope.measure.timing") == "measure" and FLOORS.index("run") > FLOORS.index("measure")
+
+
+def test_every_subpackage_states_its_public_names():
+    for init in PACKAGE.rglob("__init__.py"):
+        if init.parent == PACKAGE:
+            continue
+        tree = ast.parse(init.read_text())
+        assert ast.get_docstring(tree), init
+        names = next(
+            (
+                ast.literal_eval(n.value)
+                for n in tree.body
+                if isinstance(n, ast.Assign) and n.targets[0].id == "__all__"
+            ),
+            None,
+        )
+        assert names, f"{init} has no __all__"
+        defined = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
+        defined |= {n.id for node in tree.body if isinstance(node, ast.Assign) for n in node.targets}
+        defined |= {node.target.id for node in tree.body if isinstance(node, ast.AnnAssign)}
+        defined |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
+        defined |= {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+        assert set(names) <= defined, (init, set(names) - defined)

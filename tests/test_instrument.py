@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ACCELERATE, ROOT, cpu_env, launch_forked, read_record, read_steps, run_command, run_in_process
 
-from trainscope import advisor
+from trainscope.advice import advisor
 
 EXAMPLES = ROOT / "examples"
 
@@ -101,7 +101,7 @@ def test_the_causal_lm_records_tokens_and_formula_flops_in_one_process(tmp_path)
     assert throughput["padding_flops_share"] == 0.0  # packed blocks: every token real
     from transformers import AutoConfig  # noqa: F401  (the formula's config: GPT-2's, as the example builds it)
 
-    from trainscope import flops
+    from trainscope.measure import flops
 
     config = example_config()
     per_sequence = flops.causal_lm_training_flops(config, 1, 32)
@@ -116,7 +116,7 @@ def test_the_causal_lm_records_tokens_and_formula_flops_in_one_process(tmp_path)
 def example_config():
     from transformers import AutoTokenizer
 
-    from trainscope import embedded
+    from trainscope.workload import embedded
 
     module = runpy.run_path(str(EXAMPLES / "causal_lm.py"), run_name="causal_lm")
     tokenizer = AutoTokenizer.from_pretrained(embedded.minilm_dir())
@@ -149,11 +149,11 @@ def test_the_causal_lm_on_two_ddp_ranks_has_the_communication_block(tmp_path):
 
 
 def test_the_encoder_formula_source_gives_the_formula_for_every_layout():
-    """EncoderFlops (its coefficients computed once per what trains) against trainscope.flops' own functions."""
+    """EncoderFlops (its coefficients computed once per what trains) against trainscope.measure.flops' own functions."""
     from transformers import BertConfig
 
-    from trainscope import flops
-    from trainscope.flops_source import BatchFacts, EncoderFlops
+    from trainscope.measure import flops
+    from trainscope.measure.flops_source import BatchFacts, EncoderFlops
 
     config = BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2)
     frozen = flops.Training(trained_share=0.0, adapter_weights=100, input_gradient=False)

@@ -22,8 +22,8 @@ from conftest import (
     run_script_forked,
 )
 
-from trainscope.environment import usable_cores
-from trainscope.records import SCHEMA_VERSION
+from trainscope.core.environment import usable_cores
+from trainscope.core.records import SCHEMA_VERSION
 
 EXPECTED_PRECISION = {"fp16": "fp32", "ddp_fp16": "fp32", "bf16": "bf16", "fsdp": "bf16"}
 

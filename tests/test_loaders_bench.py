@@ -8,7 +8,7 @@ import torch
 from conftest import cpu_env, run_command
 
 import loaders_bench
-from trainscope import loader_sweep
+from trainscope.experiments.loaders import sweep as loader_sweep
 
 ITEM_S = 0.02
 ITEMS = 100
@@ -109,11 +109,11 @@ def test_in_training_knee_counts_points_of_step_time():
 
 def test_the_sweep_is_read_through_its_view_and_the_script_stays_its_lesson():
     """Readers ask LoaderSweepView, which reads a partial results file (no summary yet) as empty; loaders_bench.py
-    keeps to the sweep itself, its other parts in trainscope.loader_sweep."""
+    keeps to the sweep itself, its other parts in trainscope.experiments.loaders.sweep."""
     from pathlib import Path
 
-    from trainscope.experiments.loaders import knees
-    from trainscope.record_view import LoaderSweepView
+    from trainscope.core.record_view import LoaderSweepView
+    from trainscope.experiments.loaders.results import knees
 
     partial = LoaderSweepView({"machine": {"device_name": "cpu"}})
     assert (partial.settings_summary, partial.curves, partial.rows, partial.repeats) == ([], {}, [], None)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from trainscope import embedded, modeling
-from trainscope.errors import UserError
-from trainscope.settings import parse_settings
+from trainscope.core.errors import UserError
+from trainscope.core.settings import parse_settings
+from trainscope.workload import embedded, modeling
 
 CUSTOM_CONFIG = """
 from pathlib import Path

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import ACCELERATE, ONE_THREAD, ROOT, TINY, cpu_env, read_record
 
-from trainscope.environment import machine_count
-from trainscope.launching import kill_tree
+from trainscope.core.environment import machine_count
+from trainscope.core.launching import kill_tree
 
 SBATCH = ROOT / "docs" / "slurm" / "train.sbatch"
 # 8 steps: 6 steady steps measured on both machines, DDP's logger read for iterations 1-7.
@@ -145,7 +145,7 @@ def test_an_existing_run_is_refused_on_every_machine(tmp_path, capfd):
     (runs / "multinode").mkdir(parents=True)
     codes = forked_machines([*SHORT, "--output-dir", str(runs), "--run-name", "multinode"], tmp_path)
     assert codes == [2, 2]  # a usage error on both machines
-    # the error line is printed once per machine and launch (trainscope.errors): here each machine's one process
+    # the error line is printed once per machine and launch (trainscope.core.errors): here each machine's one process
     printed = "".join(capfd.readouterr())
     assert printed.count("already exists: pass --overwrite") == 2, printed[-3000:]
     assert not any((runs / "multinode").iterdir())

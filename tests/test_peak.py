@@ -1,11 +1,11 @@
-"""The measured matmul peak (trainscope.peak): cached per machine key, cheap, and harmless to the run it serves."""
+"""The measured matmul peak (trainscope.measure.peak): cached per machine key, cheap, and harmless to the run it serves."""
 
 import json
 
 import pytest
 import torch
 
-from trainscope import peak
+from trainscope.measure import peak
 
 CPU = torch.device("cpu")
 TINY_SHAPES = [(64, 32, 32), (64, 64, 32)]

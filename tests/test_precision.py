@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainscope import precision
+from trainscope.core import precision
 
 
 def scaled_steps(planted_inf_at: set[int], steps: int = 6):
@@ -101,7 +101,7 @@ bugs\t\t: sysret_ss_attrs
     ],
 )
 def test_bf16_detection_reads_x86_flags_and_arm_features(tmp_path, text, native, flags, name):
-    from trainscope.environment import cpu_model_name
+    from trainscope.core.environment import cpu_model_name
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(text)
@@ -129,7 +129,7 @@ class TinyClassifier(torch.nn.Module):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fused):
-    """trainscope.loop.train_step (train.py's step) with Accelerate's AcceleratedOptimizer around AdamW and
+    """trainscope.run.loop.train_step (train.py's step) with Accelerate's AcceleratedOptimizer around AdamW and
     a GradScaler: Accelerate patches the optimizer's step to learn whether GradScaler called it, and
     runs scaler.update() inside its own step. On CUDA, Accelerator(mixed_precision="fp16") builds the
     scaler itself; it makes none on a CPU, so a CPU GradScaler is handed to the Accelerator here. That
@@ -138,7 +138,7 @@ def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fu
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.state import AcceleratorState
 
-    from trainscope.loop import train_step
+    from trainscope.run.loop import train_step
 
     planted, steps = {1, 4}, 6
     try:
@@ -218,7 +218,8 @@ def test_a_gpu_before_ampere_has_neither_native_bf16_nor_tf32(stand_in_gpu, majo
 def test_a_v100_run_asked_for_bf16_and_tf32_is_recorded_as_emulated_bf16_and_fp32_with_warnings(stand_in_gpu):
     """The environment block of a bf16 run with --tf32 on a stand-in V100 (compute capability 7.0), through
     environment.describe, then the health checks on it. On a real V100: not measured on GPU."""
-    from trainscope import environment, health
+    from trainscope.core import environment
+    from trainscope.measure import health
 
     stand_in_gpu(7)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

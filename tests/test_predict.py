@@ -8,11 +8,16 @@ import pytest
 import torch
 from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
 
-from trainscope import batch_search, calibration, environment, modeling, op_costs, peak, predict, trace
+from trainscope import predict
+from trainscope.core import environment
+from trainscope.core.settings import parse_settings
+from trainscope.experiments import batch_search
 from trainscope.experiments import prediction as predict_check
-from trainscope.loop import classification_loss
-from trainscope.predictor import workload as predictor_workload
-from trainscope.settings import parse_settings
+from trainscope.measure import peak
+from trainscope.predict import calibration, op_costs, trace
+from trainscope.predict import workload as predictor_workload
+from trainscope.workload import modeling
+from trainscope.workload.modeling import classification_loss
 
 CPU = torch.device("cpu")
 INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
@@ -343,7 +348,7 @@ def test_a_run_predicted_again_keeps_the_memory_it_held_before_its_model(monkeyp
     carries the new error, the record itself is left as it was."""
     from types import SimpleNamespace
 
-    from trainscope.record_view import RunView
+    from trainscope.core.record_view import RunView
 
     record = {
         "run_name": "a-r0",
@@ -370,7 +375,7 @@ def test_a_run_predicted_again_keeps_the_memory_it_held_before_its_model(monkeyp
 def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_prediction(monkeypatch):
     from test_advisor import record
 
-    from trainscope import advisor
+    from trainscope.advice import advisor
 
     planted = record(
         environment__cpu_native_bf16=True,
@@ -473,14 +478,14 @@ def test_the_machines_load_counts_other_processes_not_the_runs_it_launched():
 
 
 def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_prediction(tmp_path, monkeypatch):
-    """The summary's communication block as trainscope.communication writes it (transfer_s, bus bandwidth, the exposed
+    """The summary's communication block as trainscope.measure.communication.measured writes it (transfer_s, bus bandwidth, the exposed
     median) is stored for this machine; a 2-process prediction then charges its exposed share, and no longer says the
     all-reduce was never measured."""
     from types import SimpleNamespace
 
     from test_communication import planted_rank
 
-    from trainscope import communication_block
+    from trainscope.measure.communication import block as communication_block
 
     monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
     transfer = [[0.040, 0.041, 0.039]]
@@ -601,7 +606,7 @@ def test_a_prediction_says_what_is_derived_fitted_and_measured():
 def test_a_fit_held_at_its_bound_is_named_and_warned_of():
     """Steps whose residual wants the operators 3x slower than timed alone: the factor is held at its upper bound 2,
     the calibration says so, and a run predicted with it carries the warning."""
-    from trainscope import health
+    from trainscope.measure import health
 
     points = [
         {
@@ -652,11 +657,11 @@ def few_time_points(*residuals: float) -> list[dict]:
 
 def calibrated_with(fitted: dict) -> tuple[dict, list[dict]]:
     """A run's record predicted with the time calibration `fitted`, and its prediction_fit_at_bound warnings."""
-    from trainscope import health
+    from trainscope.measure import health
 
     state = predict.calibration_state({"key": {"device": "cpu"}, "time": fitted, "method": "first use"}, CPU)
     block = planted_block()
-    block["time"]["calibration"] = fitted  # as trainscope.predictor.timing stores the calibration it used
+    block["time"]["calibration"] = fitted  # as trainscope.predict.time_model stores the calibration it used
     record = {"settings": {}, "environment": {}, "summary": {}, "prediction": {**block, "calibration": state}}
     return state, [w for w in health.check(record) if w["code"] == "prediction_fit_at_bound"]
 

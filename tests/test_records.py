@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from trainscope.record_view import RunView
-from trainscope.records import (
+from trainscope.core.record_view import RunView
+from trainscope.core.records import (
     SCHEMA_VERSION,
     RunRecord,
     read_record,
@@ -15,8 +15,8 @@ from trainscope.records import (
     write_json_atomic,
     write_text_atomic,
 )
-from trainscope.summary import throughput
-from trainscope.timing import stage_table
+from trainscope.measure.summary import throughput
+from trainscope.measure.timing import stage_table
 
 
 def test_atomic_write_leaves_no_temporary_files(tmp_path):

@@ -16,8 +16,9 @@ from conftest import ROOT, cpu_env, driven_in_process, run_command, run_in_proce
 from test_report_pdf import check_report, glance_titles
 
 import report
-from trainscope import provenance, reporting
+from trainscope.core import provenance
 from trainscope.experiments import REGISTRY, SECTIONS
+from trainscope.report import inputs as reporting
 
 TINY = (
     "--model embedded:tiny-bert --max-train-samples 256 --max-eval-samples 64 --max-test-samples 64 "
@@ -529,7 +530,7 @@ def test_make_setup_passes_pips_own_settings_on_to_uv(tmp_path):
 
 
 def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_records():
-    from trainscope.reporting import rejudged
+    from trainscope.report.inputs import rejudged
 
     speeds = {"base": [10.0, 10.2, 9.9, 10.1, 10.0], "new": [10.2, 10.4, 10.1, 10.3, 10.2]}  # 2%: all pairs above 1
     records = {
@@ -625,7 +626,7 @@ def on_machine(record: dict, environment: dict) -> dict:
     ],
 )
 def test_a_records_machine_is_its_cpu_model_and_isa_class_or_its_gpu(environment, text):
-    from trainscope.record_view import RunView, results_machine
+    from trainscope.core.record_view import RunView, results_machine
 
     record = on_machine({"run_name": "r"}, environment)
     assert RunView(record).machine.text == text
@@ -699,8 +700,8 @@ def test_a_comparison_whose_runs_come_from_two_machines_is_refused(built, tmp_pa
 
 
 def test_compare_dp_and_the_matrix_are_set_side_by_side_only_from_one_machine():
-    from trainscope.experiments import data_parallel
-    from trainscope.record_view import RunView
+    from trainscope.core.record_view import RunView
+    from trainscope.experiments.data_parallel import results as data_parallel
 
     class Said:
         def __init__(self):
@@ -721,7 +722,7 @@ def test_compare_dp_and_the_matrix_are_set_side_by_side_only_from_one_machine():
 
 
 def bench_speed() -> dict:
-    from trainscope import bench
+    from trainscope.measure import bench
 
     return bench.compare_samples([10.0, 10.1, 9.9, 10.0, 10.2], [10.3, 10.4, 10.2, 10.3, 10.5])
 

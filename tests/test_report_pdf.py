@@ -15,13 +15,13 @@ import pytest
 from conftest import ROOT
 
 import report as report_script
-from trainscope import reporting
+from trainscope.advice.judge import rejudged
+from trainscope.core.records import read_record
 from trainscope.experiments import SECTIONS, optimization
-from trainscope.pdf_book import PdfBook
-from trainscope.records import read_record
-from trainscope.report_writer import ReportWriter
-from trainscope.tables import Table, pyplot
-from trainscope.tune_judge import rejudged
+from trainscope.report import inputs as reporting
+from trainscope.report.pdf.book import PdfBook
+from trainscope.report.tables import Table, pyplot
+from trainscope.report.writer import ReportWriter
 
 EDGE = 18.0  # points (a quarter inch): no glyph this close to a page's edge
 HEADING_SIZE = 12  # points: text this large is a heading
@@ -345,7 +345,7 @@ def test_the_committed_report_reads_as_a_person_reads_it():
 
 def test_a_pipe_in_a_markdown_cell_stays_in_its_cell():
     """'median |error|' in a cell: escaped, so the row keeps its columns (the first page's prediction row did not)."""
-    from trainscope.tables import Table
+    from trainscope.report.tables import Table
 
     row = Table(
         "t", ["experiment", "answer"], [["Prediction", "median |error| 7.0%"]], "t", align="ll"

@@ -5,11 +5,11 @@ import sys
 import pytest
 import torch
 
-from trainscope import environment
-from trainscope.environment import launcher_world_size, refuse_independent_runs
-from trainscope.errors import UserError, exit_with, first_to_report
-from trainscope.settings import Settings, parse_settings
-from trainscope.trackers import flat_config, wandb_mode
+from trainscope.core import environment
+from trainscope.core.environment import launcher_world_size, refuse_independent_runs
+from trainscope.core.errors import UserError, exit_with, first_to_report
+from trainscope.core.settings import Settings, parse_settings
+from trainscope.run.trackers import flat_config, wandb_mode
 
 
 def test_every_flag_has_help(capsys):
@@ -164,7 +164,7 @@ def test_exit_with_names_the_rank_in_a_multi_process_launch(tmp_path, monkeypatc
 
 def test_console_output_is_redacted_tracebacks_included():
     code = (
-        "from trainscope.errors import redacted_output\n"
+        "from trainscope.core.errors import redacted_output\n"
         "with redacted_output():\n"
         "    print('reading https://user:hunter2@host/data.csv?token=abc')\n"
         "    raise RuntimeError('cannot open https://user:hunter2@host/data.csv')\n"
@@ -178,7 +178,7 @@ def test_help_reads_as_written_with_dashes_bare_switches_and_groups():
     """train.py --help: its docstring's examples line by line, each flag by its dashed name (in the usage line too),
     a boolean as a bare switch, the flags grouped as Settings is."""
     import train
-    from trainscope.settings import SECTIONS, build_parser
+    from trainscope.core.settings import SECTIONS, build_parser
 
     text = build_parser(description=train.__doc__).format_help()
     assert "\n  --max-train-samples MAX_TRAIN_SAMPLES" in text and "--max_train_samples" not in text

@@ -6,8 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainscope.loop import load_metric
-from trainscope.timing import ALL_STAGES, CATEGORIES, EventClock, HostClock, Nvtx, StageTimer, make_clock, stage_table
+from trainscope.measure.timing import (
+    ALL_STAGES,
+    CATEGORIES,
+    EventClock,
+    HostClock,
+    Nvtx,
+    StageTimer,
+    make_clock,
+    stage_table,
+)
+from trainscope.run.loop import load_metric
 
 # sleep() never undershoots; on a loaded 2-core machine it can overshoot by tens of milliseconds, so
 # delays are long and the upper bound is relative.
@@ -385,7 +394,7 @@ def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_firs
         [
             sys.executable,
             "-c",
-            "import time; from trainscope.loop import load_metric; m = load_metric(); "
+            "import time; from trainscope.run.loop import load_metric; m = load_metric(); "
             "m.add_batch(predictions=[0], references=[0]); print('holding', flush=True); time.sleep(30)",
         ],
         cwd=Path(__file__).parents[1],
@@ -411,7 +420,7 @@ def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_firs
 def planted_events(monkeypatch, gpu):
     """torch.Event and the CUDA synchronize on a planted device (conftest.PlantedGPU: a host clock, one stream), and
     the timer's host clock on its host clock: EventClock and StageTimer run their own code over it."""
-    import trainscope.timing as timing
+    import trainscope.measure.timing as timing
 
     class Event:
         def __init__(self, device=None, *, enable_timing=False):
@@ -467,7 +476,7 @@ def test_the_device_busy_time_is_the_stages_event_spans_and_its_idle_share_a_low
     what the kernel estimate is for."""
     from conftest import PlantedGPU
 
-    from trainscope import summary
+    from trainscope.measure import summary
 
     gpu = PlantedGPU(kernel_s=0.0)
     planted_events(monkeypatch, gpu)
@@ -518,9 +527,9 @@ def device_time_record(block, device="cuda:0"):
     ],
 )
 def test_device_time_above_the_wall_beyond_the_tolerance_is_a_warning_never_a_clamp(busy_s, fires):
-    from trainscope import health, summary
-    from trainscope.record_view import RunView
-    from trainscope.run_metrics import device_time_lines
+    from trainscope.core.record_view import RunView
+    from trainscope.measure import health, summary
+    from trainscope.run.metrics import device_time_lines
 
     stages = {"data": 0.1 * busy_s, "forward": 0.3 * busy_s, "backward": 0.5 * busy_s, "optimizer": 0.1 * busy_s}
     block = summary.device_time([planted_rank(1.0, stages)], "steady", "events")
@@ -537,9 +546,9 @@ def test_device_time_above_the_wall_beyond_the_tolerance_is_a_warning_never_a_cl
 
 
 def test_the_device_idle_share_is_not_applicable_on_host_clocks_and_the_table_line_absent_on_a_cpu():
-    from trainscope import summary
-    from trainscope.record_view import RunView
-    from trainscope.run_metrics import device_time_lines
+    from trainscope.core.record_view import RunView
+    from trainscope.measure import summary
+    from trainscope.run.metrics import device_time_lines
 
     _, mode = make_clock("events", torch.device("cpu"))
     stages = {"data": 0.01, "forward": 0.3, "backward": 0.5, "optimizer": 0.1}
@@ -557,9 +566,9 @@ LAYER = {"window_s": 0.8e-3, "basis": "self device time"}
 
 
 def test_the_kernel_estimate_counts_the_layers_kernels_and_the_other_stages_spans_and_decides_host_bound():
-    from trainscope import summary
-    from trainscope.record_view import RunView
-    from trainscope.run_metrics import device_time_lines
+    from trainscope.core.record_view import RunView
+    from trainscope.measure import summary
+    from trainscope.run.metrics import device_time_lines
 
     # a 40 ms step, 48 steps: data 5.5 ms, forward 13.4, backward 15.0, optimizer 4.7 (the H200 bf16 run's shape)
     stages = {"data": 0.0055 * 48, "forward": 0.0134 * 48, "backward": 0.015 * 48, "optimizer": 0.0047 * 48}
@@ -600,7 +609,7 @@ def test_the_kernel_estimate_counts_the_layers_kernels_and_the_other_stages_span
 
 
 def test_a_measured_idle_share_above_the_threshold_is_host_bound_by_the_event_spans():
-    from trainscope import summary
+    from trainscope.measure import summary
 
     stages = {"data": 0.1, "forward": 0.2, "backward": 0.2, "optimizer": 0.1}  # 0.6 s of spans in a 1 s wall
     block = summary.device_time([planted_rank(1.0, stages)], "steady", "events")

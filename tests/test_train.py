@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import ONE_THREAD, TINY, assert_ok, error_line, read_record, read_steps, run_in_process
 
-from trainscope.environment import usable_cores
+from trainscope.core.environment import usable_cores
 
 
 def test_a_user_thread_count_is_kept_and_recorded(runs):
@@ -107,9 +107,9 @@ def test_record_holds_settings_environment_provenance_and_step_lines(runs):
 
 
 def test_an_injected_loader_delay_shows_up_in_data_not_in_other(runs, monkeypatch):
-    import trainscope.data
+    import trainscope.workload.data
 
-    real = trainscope.data.build_collator
+    real = trainscope.workload.data.build_collator
 
     def slow_collator(*args, **kwargs):
         collate = real(*args, **kwargs)
@@ -120,7 +120,7 @@ def test_an_injected_loader_delay_shows_up_in_data_not_in_other(runs, monkeypatc
 
         return slow
 
-    monkeypatch.setattr(trainscope.data, "build_collator", slow_collator)
+    monkeypatch.setattr(trainscope.workload.data, "build_collator", slow_collator)
     assert_ok(run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "slow"]))
     seconds = read_record(runs / "slow")["summary"]["timing"]["across_ranks"]["run"]["seconds"]
     # 16 training batches x 50 ms waited in next(loader); evaluation batches are charged to eval
@@ -129,8 +129,8 @@ def test_an_injected_loader_delay_shows_up_in_data_not_in_other(runs, monkeypatc
 
 
 def test_gradient_checkpointing_recomputes_the_layers_in_backward():
-    from trainscope.modeling import build_model, build_tokenizer
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.workload.modeling import build_model, build_tokenizer
 
     for flags, forwards_per_layer in (([], 1), (["--gradient-checkpointing"], 2)):
         (settings,) = parse_settings(argv=["--model", "embedded:tiny-bert", *flags])
@@ -223,10 +223,10 @@ def fail_loss_at_step(monkeypatch, step: int, error: Exception) -> None:
     session's cache), call it on fake ones."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    import trainscope.loop
+    import trainscope.run.loop
 
     calls = {"n": 0}
-    real = trainscope.loop.F.cross_entropy
+    real = trainscope.run.loop.F.cross_entropy
 
     def cross_entropy(*args, **kwargs):
         if not isinstance(args[0], FakeTensor):
@@ -235,7 +235,7 @@ def fail_loss_at_step(monkeypatch, step: int, error: Exception) -> None:
                 raise error
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainscope.loop.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(trainscope.run.loop.F, "cross_entropy", cross_entropy)
 
 
 def test_out_of_memory_names_the_batch_size_and_what_to_try(runs, monkeypatch):

@@ -1,5 +1,5 @@
-"""make tune's decision under simulation: the whole decision path (trainscope.tune.Tuner.decide: rounds, seeds,
-the judgement of trainscope.tune_judge, the kept ones together, Holm over the family) driven by simulated runs
+"""make tune's decision under simulation: the whole decision path (trainscope.experiments.tuning.Tuner.decide: rounds, seeds,
+the judgement of trainscope.advice.judge, the kept ones together, Holm over the family) driven by simulated runs
 thousands of times, with the error rates and the power it states; the equivalence test's three answers; a
 committed make tune judged again; make tune-confirm on planted runs."""
 
@@ -13,12 +13,14 @@ from types import SimpleNamespace
 import pytest
 from conftest import ONE_THREAD, ROOT, TINY, read_record, run_in_process
 
-from trainscope import bench, health, tune, tune_judge
-from trainscope.errors import UserError
+from trainscope.advice import judge as tune_judge
+from trainscope.advice.judge import Design
+from trainscope.core.errors import UserError
+from trainscope.core.record_view import RunView
 from trainscope.experiments import tune_confirm
+from trainscope.experiments import tuning as tune
 from trainscope.experiments.base import Arm
-from trainscope.record_view import RunView
-from trainscope.tune_judge import Design
+from trainscope.measure import bench, health
 
 REPETITIONS = 2000
 ALPHA = 0.05
@@ -537,8 +539,8 @@ def test_a_committed_make_tune_is_judged_again_by_todays_rules():
     """The committed runs, judged by the report: each trial against the baseline runs of its own rounds, 'same' only
     where the equivalence test shows it. The earlier make tune committed here (adaptive rounds, every trial on seed
     42) is judged at the rounds each trial took, and no result is 'same' from one seed."""
-    from trainscope import reporting
     from trainscope.experiments import REGISTRY
+    from trainscope.report import inputs as reporting
 
     found = reporting.collect(
         ROOT / "benchmarks" / "runs", ROOT / "benchmarks", [e for e in REGISTRY if e.name == "tune"]
@@ -712,7 +714,7 @@ def test_an_exact_changes_fp32_pair_is_launched_in_fp32_whatever_its_config_says
     the launcher's --mixed_precision wins over the config file's, so the ranks run without autocast."""
     from conftest import cpu_env, planned_launch
 
-    from trainscope import launching
+    from trainscope.core import launching
 
     for override, expected in ((None, "bf16"), ("no", "no")):
         command = launching.train_command(["--seed", "42"], config="bf16", mixed_precision=override)

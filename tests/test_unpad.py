@@ -2,7 +2,7 @@
 batches from the same seed, per-step losses compared; a planted inexact change (dropout drawn on the real tokens only)
 caught by the same tolerance; unsupported models refused in one line.
 
-The tolerance is make tune's for every exact change, in fp32 (trainscope.changes.exact: 2^-18 relative, stated
+The tolerance is make tune's for every exact change, in fp32 (trainscope.advice.changes.exact: 2^-18 relative, stated
 there): the two models compute the same values and draw the same masks; only the order of floating-point sums may
 differ (matmuls over the N real rows instead of B x T, the weight gradients' sums over the batch without the padding's
 exact zeros). The planted change moves the first loss by about 1e-3 of itself, in fp32 and in bf16; in bf16 a rounding
@@ -29,9 +29,11 @@ from conftest import (
 )
 from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
 
-from trainscope import changes, dropout_draws, flops, gap, modeling, unpad
-from trainscope.errors import UserError
-from trainscope.settings import parse_settings
+from trainscope.advice import changes
+from trainscope.core.errors import UserError
+from trainscope.core.settings import parse_settings
+from trainscope.measure import flops, gap
+from trainscope.workload import dropout_draws, modeling, unpad
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
@@ -148,7 +150,7 @@ def test_padding_free_layers_train_as_the_padded_model_does(variant):
 
 
 def test_the_layers_draw_their_masks_with_the_checked_loop_where_torch_draws_that_way(monkeypatch):
-    """trainscope.dropout_draws: each layer's attention mask (B, H, T, T) and its two hidden masks (B, T, width),
+    """trainscope.workload.dropout_draws: each layer's attention mask (B, H, T, T) and its two hidden masks (B, T, width),
     drawn by the loop, and the run the padded model's (on an Intel CPU with MKL torch draws them: skipped)."""
     if not dropout_draws._load()["dtypes"]:
         pytest.skip("torch's bernoulli_ takes MKL's path on this CPU: the layers draw with it")
@@ -165,7 +167,7 @@ def test_the_layers_draw_their_masks_with_the_checked_loop_where_torch_draws_tha
 
 def test_the_profilers_gap_table_files_the_padding_free_draw_under_dropout():
     """The loop's draw is no aten operator and the mask's multiply a generic one: inside the layer's span the gap
-    table (trainscope.gap) counts them as dropout, as it counts the padded model's aten::dropout."""
+    table (trainscope.measure.gap) counts them as dropout, as it counts the padded model's aten::dropout."""
     layout = unpad.Layout()
     layout.set(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
     dropout = unpad.PaddedShapeDropout(0.1, layout).train()
@@ -192,7 +194,7 @@ def test_dropout_drawn_on_real_tokens_only_is_caught(monkeypatch):
 def test_roberta_runs_padding_free():
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from trainscope import embedded
+    from trainscope.workload import embedded
 
     values = dict(embedded.bundled_architecture("roberta-base"))
     values.pop("model_type")

@@ -3,8 +3,8 @@ on two ranks forked from its process (conftest.run_in_forked_ranks); by hand:
 
     accelerate launch --config_file accelerate_configs/ddp.yaml tests/unpad_ddp_pair.py OUT [train.py flags]
 
-Both models built by trainscope.modeling, each prepared by Accelerate (DDP over gloo on a CPU) and trained by
-trainscope.loop.train_step on the same per-rank batches from the same seeds. Rank 0 writes {"padded": [...],
+Both models built by trainscope.workload.modeling, each prepared by Accelerate (DDP over gloo on a CPU) and trained by
+trainscope.run.loop.train_step on the same per-rank batches from the same seeds. Rank 0 writes {"padded": [...],
 "unpad": [...], "world_size": n}: the per-step losses averaged over ranks. The batches are the in-process tests' too."""
 
 import contextlib
@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from trainscope.distributed import shut_down
-from trainscope.environment import usable_cores
-from trainscope.loop import train_step
-from trainscope.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
-from trainscope.settings import parse_settings
+from trainscope.core.distributed import shut_down
+from trainscope.core.environment import usable_cores
+from trainscope.core.settings import parse_settings
+from trainscope.run.loop import train_step
+from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
 
 BATCH, LONGEST, STEPS = 8, 40, 5
 
@@ -69,7 +69,7 @@ def main(out: str, args: list[str]) -> None:
         losses[name] = accelerator.gather(torch.stack(mine)).view(world, -1).mean(0).tolist()
     if accelerator.is_main_process:
         Path(out).write_text(json.dumps({**losses, "world_size": world}))
-    shut_down(accelerator)  # settles gloo's threads before the DDP models are freed (trainscope.distributed)
+    shut_down(accelerator)  # settles gloo's threads before the DDP models are freed (trainscope.core.distributed)
 
 
 if __name__ == "__main__":

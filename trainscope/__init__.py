@@ -13,11 +13,11 @@ __all__ = ["Run", "UserError", "classifier", "embedded", "fsdp_wrap_rule", "one_
 
 def __getattr__(name: str):
     if name == "UserError":
-        from trainscope.errors import UserError
+        from trainscope.core.errors import UserError
 
         return UserError
     if name == "fsdp_wrap_rule":
-        from trainscope.modeling import fsdp_wrap_rule
+        from trainscope.workload.modeling import fsdp_wrap_rule
 
         return fsdp_wrap_rule
     if name == "Run":
@@ -25,11 +25,15 @@ def __getattr__(name: str):
 
         return Run
     if name == "one_line_endings":
-        from trainscope.endings import one_line_endings
+        from trainscope.run.endings import one_line_endings
 
         return one_line_endings
-    if name in ("classifier", "embedded"):
-        import importlib
+    if name == "classifier":
+        import trainscope.classifier
 
-        return importlib.import_module(f"trainscope.{name}")
+        return trainscope.classifier
+    if name == "embedded":
+        from trainscope.workload import embedded
+
+        return embedded
     raise AttributeError(f"module 'trainscope' has no attribute {name!r}")

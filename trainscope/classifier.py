@@ -1,19 +1,21 @@
 """train.py's workload, the pieces it is built from: a transformers sequence classifier (BERT/RoBERTa-like encoders,
 LoRA through peft) fine-tuned on a text classification dataset. train.py imports these and trainscope.Run only."""
 
-from trainscope import dropout_draws, predict
-from trainscope.data import build_dataloaders, load_classification_data
-from trainscope.loop import classification_loss, evaluate_split, load_metric
-from trainscope.modeling import (
+from trainscope import predict
+from trainscope.core.settings import Settings, parse_settings, plan_steps
+from trainscope.run.loop import evaluate_split, load_metric
+from trainscope.run.startup import build_accelerator, device_loader_options, start
+from trainscope.workload import dropout_draws
+from trainscope.workload.data import build_dataloaders, load_classification_data
+from trainscope.workload.modeling import (
     build_model,
     build_optimizer,
     build_scheduler,
     build_tokenizer,
+    classification_loss,
     fsdp_wrap_rule,
     optimizer_facts,
 )
-from trainscope.settings import Settings, parse_settings
-from trainscope.startup import build_accelerator, device_loader_options, plan_steps, start
 
 __all__ = [
     "Settings",

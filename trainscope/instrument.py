@@ -17,11 +17,11 @@ train.py runs on it too (`Run.from_started`).
 
 import contextlib
 
-from trainscope import startup
-from trainscope.errors import UserError
-from trainscope.lifecycle import RunLifecycle
-from trainscope.run_metrics import RunMetrics
-from trainscope.settings import Settings
+from trainscope.core.errors import UserError
+from trainscope.core.settings import Settings
+from trainscope.run import startup
+from trainscope.run.lifecycle import RunLifecycle
+from trainscope.run.metrics import RunMetrics
 
 # What trainscope.Run takes beside its arguments: the measuring flags of train.py, by their field names.
 OPTIONS = (
@@ -138,7 +138,7 @@ class Run:
         data_facts: dict,
         prediction: dict | None = None,
     ) -> "Run":
-        """A run whose start-up (`trainscope.startup.start`: process group, threads, seed, run folder) was train.py's,
+        """A run whose start-up (`trainscope.run.startup.start`: process group, threads, seed, run folder) was train.py's,
         its settings every flag of train.py."""
         run = cls.__new__(cls)
         run._attach(accelerator, model, optimizer, scheduler, started, plan, model_config, model_facts, data_facts,

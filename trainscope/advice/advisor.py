@@ -5,9 +5,11 @@ How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadvisor
 
 from dataclasses import asdict, dataclass, field
 
-from trainscope import changes, health, launching
-from trainscope.flops import matmul_parameters, padding_flops_share, peak_tflops
-from trainscope.record_view import RunView
+from trainscope.advice import changes
+from trainscope.core import launching
+from trainscope.core.record_view import RunView
+from trainscope.measure import health
+from trainscope.measure.flops import matmul_parameters, padding_flops_share, peak_tflops
 
 MIN_GAIN = 1.02  # a gain below 2% is not worth a trial on a noisy machine
 NATIVE_BF16_MIN_SPEEDUP = 1.1  # a measured bf16 matmul speed-up below this is not worth a precision change
@@ -34,7 +36,7 @@ class Suggestion:
     confidence: str = "medium"  # high / medium / low
     fix_first: bool = False  # a health warning: the figures themselves are doubtful
     changes_result: str | None = None  # what the change alters in what is learned, if anything
-    kind: str | None = None  # exact / numeric / training (trainscope.changes), set by advise()
+    kind: str | None = None  # exact / numeric / training (trainscope.advice.changes), set by advise()
     unavailable: str | None = None  # why this build cannot make the change (a flag it lacks), or None
 
     def to_dict(self) -> dict:
@@ -366,7 +368,7 @@ def gpu_precision(view: RunView) -> list[Suggestion]:
 
 
 def cpu_precision(view: RunView) -> list[Suggestion]:
-    """bf16 autocast on a CPU whose bf16 matmuls measured faster than fp32 at this run's threads (trainscope.peak),
+    """bf16 autocast on a CPU whose bf16 matmuls measured faster than fp32 at this run's threads (trainscope.measure.peak),
     whatever its flags say: the timing decides, the flags are reported beside it."""
     bf16 = view.cpu_bf16
     speedup = bf16.get("speedup")
@@ -691,7 +693,7 @@ RULES = [
 ]
 
 
-# ---------------------------------------------------------------- the gap rules (trainscope.gap)
+# ---------------------------------------------------------------- the gap rules (trainscope.measure.gap)
 
 
 def gap_evidence(view: RunView) -> dict | None:
@@ -855,7 +857,7 @@ def compile_fusion(view: RunView, found: dict | None) -> list[Suggestion]:
 def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
     """A doubled per-device batch, on two pieces of evidence (on a CPU; on a GPU the memory-based rule `batch`
     speaks): the matmuls at the run's own GEMM shapes against twice the tokens per micro-batch, measured on this
-    machine (trainscope.peak) and counted only outside the two rates' spreads; and, where the effective batch
+    machine (trainscope.measure.peak) and counted only outside the two rates' spreads; and, where the effective batch
     doubles (no accumulation to halve), the optimizer stage's measured share, paid once per step and so half as often
     for the same samples. An estimate: the matmul part is the model FLOPs at the run's measured rate."""
     measured = view.measured_peak or {}

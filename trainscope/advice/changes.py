@@ -1,5 +1,5 @@
 """What a change does to the result, and so what can decide that it keeps it: the catalogue make tune
-(trainscope.tune) and the advisor (trainscope.advisor) read.
+(trainscope.experiments.tuning) and the advisor (trainscope.advice.advisor) read.
 
 Three kinds, tried and judged in this order:
 
@@ -10,7 +10,7 @@ Three kinds, tried and judged in this order:
   `EXACT_TOLERANCE`, stated before measuring. A disagreement is "not exact": a defect to report, never a kept
   change.
 * **numeric**: the same computation at another rounding (bf16 or fp16 autocast, TF32), whose paths drift apart
-  over the steps: the paired-seed equivalence test (trainscope.tune_judge.equivalent).
+  over the steps: the paired-seed equivalence test (trainscope.advice.judge.equivalent).
 * **training**: a change to what is learned (dropout, the order of the samples, the batch): "same" only from
   the full job, with the seeds it would need at the measured seed noise.
 
@@ -112,7 +112,7 @@ def _setting(flag: str) -> str:
 def _known(names: set[str] | None) -> set[str]:
     if names is not None:
         return names
-    from trainscope.settings import Settings
+    from trainscope.core.settings import Settings
 
     return {f.name for f in fields(Settings)}
 

@@ -10,8 +10,10 @@ import shlex
 import statistics
 from dataclasses import asdict, dataclass, replace
 
-from trainscope import bench, changes, launching
-from trainscope.record_view import RunView
+from trainscope.advice import changes
+from trainscope.core import launching
+from trainscope.core.record_view import RunView
+from trainscope.measure import bench
 
 ROUNDS = 6  # 6 against 6: smallest p 2/924 = 0.0022, below Holm's first threshold for up to 23 tests
 ACCURACY_MARGIN = 0.01  # one point of accuracy
@@ -34,9 +36,9 @@ class Design:
     data_seed: int = 42  # held in every run: the same data split and subsets
     alpha: float = bench.ALPHA
     min_effect: float = bench.MIN_EFFECT
-    exact: int = 0  # of the trials, the exact changes (trainscope.changes): tried first
+    exact: int = 0  # of the trials, the exact changes (trainscope.advice.changes): tried first
     precision: str = "fp32"  # the precision the advice run had in effect
-    tolerance: float = changes.EXACT_TOLERANCE  # exact changes are judged in fp32 (trainscope.changes)
+    tolerance: float = changes.EXACT_TOLERANCE  # exact changes are judged in fp32 (trainscope.advice.changes)
 
     @property
     def exact_check(self) -> bool:
@@ -70,7 +72,7 @@ class Design:
     @property
     def size(self) -> float:
         """The exact rate at which one trial that changes nothing is called faster or slower at the first threshold
-        (trainscope.bench.rejection_rate: 6 against 6 at 0.05, 0.0411)."""
+        (trainscope.measure.bench.rejection_rate: 6 against 6 at 0.05, 0.0411)."""
         return bench.rejection_rate(self.rounds, self.rounds, self.alpha / self.tests)
 
     def seed_of(self, round_index: int) -> int:
@@ -173,7 +175,7 @@ def judge(
     """Every trial of `measured` judged by `design`: {trial: judgement}.
 
     `measured` maps each arm (the baselines and the trials) to {round index: its run's figures}
-    (`run_figures`); `kinds` gives each trial's kind (trainscope.changes; default numeric) and `against` its
+    (`run_figures`); `kinds` gives each trial's kind (trainscope.advice.changes; default numeric) and `against` its
     baseline arm (default "baseline"). A trial is compared with the baseline runs of the rounds it ran in, and
     judged only when it has all `design.rounds` of them; the family's p-values are Holm-corrected with the tests
     not (yet) run counted as 1.
@@ -273,7 +275,7 @@ def measure(
 
 
 def run_figures(record: dict, steps: list[dict] | None = None) -> dict:
-    """What make tune judges a run by: its record's headline figures (trainscope.record_view.RunView.headline),
+    """What make tune judges a run by: its record's headline figures (trainscope.core.record_view.RunView.headline),
     its epochs, and the loss of each logged step (the mean over the steps since the line before, so every step's
     loss is in one) from its step lines."""
     view = RunView(record)
@@ -297,7 +299,7 @@ def _pairs(baseline: list[dict], trial: list[dict]) -> list[tuple[dict, dict]]:
 def exactness(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
     """An exact change's paired runs (same round and seed) compared number by number: each logged step's loss and
     the final losses relative to the baseline's, the accuracies as they are, against the design's tolerance
-    (trainscope.changes.exact_difference; the runs are fp32 ones). "exact" when every pair agrees throughout, "not
+    (trainscope.advice.changes.exact_difference; the runs are fp32 ones). "exact" when every pair agrees throughout, "not
     exact" at the first number beyond it (or steps logged in one run and not the other), "undecided" without a pair
     whose step losses both runs logged."""
     tolerance, counted, worst, found = design.tolerance, {"losses": 0, "metrics": 0}, None, None
@@ -386,7 +388,7 @@ def exactness_text(result: dict) -> str:
 
 def equivalent(design: Design, baseline: list[dict], trial: list[dict]) -> dict:
     """The paired differences (trial minus baseline, same round and seed) of every result metric against its
-    margin (trainscope.bench.equivalence). Runs that repeat a seed are averaged per seed first: the seed is the
+    margin (trainscope.measure.bench.equivalence). Runs that repeat a seed are averaged per seed first: the seed is the
     unit, so repeats of one seed are one pair. The verdict: "same" if every metric is (intersection-union: no
     correction); "changed" if a metric's one-sided test beyond its margin passes Holm over the metrics; else
     "undecided"."""
@@ -441,7 +443,7 @@ def metric_text(metric: str, entry: dict) -> str:
 
 def power_of_same(metrics: dict, n: int) -> float | None:
     """How often n seeds call a change that alters nothing "same", at the measured SDs taken as true: at most the
-    least of the metrics' own chances (trainscope.bench.equivalence_chances at a true difference of 0)."""
+    least of the metrics' own chances (trainscope.measure.bench.equivalence_chances at a true difference of 0)."""
     chances = [bench.equivalence_chances(n, 0.0, m["sd"], m["margin"])[0] for m in metrics.values() if m.get("sd")]
     return min(chances) if chances else None
 
@@ -663,7 +665,7 @@ def judged_in_phases(design: Design, measures: dict[str, dict], exact: set[str])
 
 
 def trial_kind(trial: dict, baseline_config: str | None = None) -> str:
-    """A trial's kind as written, else from its own flags and config by today's catalogue (trainscope.changes)."""
+    """A trial's kind as written, else from its own flags and config by today's catalogue (trainscope.advice.changes)."""
     if trial.get("kind"):
         return trial["kind"]
     config = trial.get("config") if trial.get("config") != baseline_config else None

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from trainscope import precision
-from trainscope.errors import UserError
+from trainscope.core import precision
+from trainscope.core.errors import UserError
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "datasets", "evaluate")
 _LAUNCHER_WORLD_SIZE = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")

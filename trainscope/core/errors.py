@@ -1,6 +1,6 @@
 """Errors the user reads: one line, once, from whichever rank failed, with secrets redacted.
 
-* `UserError`, `Fault` (trainscope.faults): bad input (exit status 2); a fault of the run's surroundings
+* `UserError`, `Fault` (trainscope.core.faults): bad input (exit status 2); a fault of the run's surroundings
   (exit status 1), never a traceback.
 * `exit_with`: prints `error: <message>` and exits. In a launch of several processes every rank
   that fails reports its first error, but a message that another rank of the same launch on the same
@@ -19,9 +19,9 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from trainscope import liveness
-from trainscope.faults import Fault, UserError, one_line  # noqa: F401 (raised through this module by every script)
-from trainscope.records import redact, secret_values
+from trainscope.core import liveness
+from trainscope.core.faults import Fault, UserError, one_line  # noqa: F401 (raised through this module by every script)
+from trainscope.core.records import redact, secret_values
 
 
 def _launch_id(environ) -> str | None:
@@ -83,7 +83,7 @@ def report(error: BaseException, environ=None) -> None:
 
 
 def tell_peers(message: str, caused_by: int | None = None) -> None:
-    """This rank's one line, for the other ranks of a multi-process run to name (trainscope.liveness)."""
+    """This rank's one line, for the other ranks of a multi-process run to name (trainscope.core.liveness)."""
     liveness.publish_error(message, caused_by)
 
 

@@ -1,5 +1,5 @@
 """The two kinds of error a user reads, and their one line: the bottom of the error path, so that both the reporting
-(trainscope.errors) and the peers' watch (trainscope.liveness) raise and read them without importing each other.
+(trainscope.core.errors) and the peers' watch (trainscope.core.liveness) raise and read them without importing each other.
 
 * `UserError`: bad input or an impossible setting; the message says what to do (exit status 2).
 * `Fault`: a fault of the run's surroundings -- a lost peer, a full disk, a collective that timed out: one line that

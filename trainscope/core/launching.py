@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from trainscope.paths import ROOT
+from trainscope.core.paths import ROOT
 
 TRAIN_SCRIPT = ROOT / "train.py"
 CONFIGS = ROOT / "accelerate_configs"
@@ -138,7 +138,7 @@ def run_training(
 def train_in_this_process(train_args: list[str]) -> int:
     """train.py's main() run in this (one-process, launcher-free) process, as `python train.py [flags]` runs it, and
     its exit code: for several short runs in one process without paying the imports again (the predictor's
-    first-use calibration, trainscope.calibration). Accelerate's process-wide state is reset after each run."""
+    first-use calibration, trainscope.predict.calibration). Accelerate's process-wide state is reset after each run."""
     import runpy
 
     from accelerate.state import AcceleratorState

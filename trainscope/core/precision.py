@@ -5,7 +5,7 @@
   (accelerate/state.py), so trainscope re-applies `--tf32` after `Accelerator()` and reads back
   what is in effect instead of trusting what it asked for.
 * bf16 on a CPU is native only with AVX512-BF16 or AMX (x86's `flags`), or BF16 / SVE-BF16 (ARM's `Features`);
-  elsewhere torch emulates it, slowly. The flags are one witness, the measured matmul peak (trainscope.peak) the
+  elsewhere torch emulates it, slowly. The flags are one witness, the measured matmul peak (trainscope.measure.peak) the
   other: `cpu_bf16` records both, and a bf16 matmul measured slower than fp32 is said whatever the flags claim.
 * `SkippedSteps`: with a GradScaler and a fused optimizer, Accelerate's `step_was_skipped` never
   turns true (the fused kernel skips the update itself, so the optimizer's step is always called).

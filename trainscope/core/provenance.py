@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from trainscope import environment
-from trainscope.paths import ROOT
+from trainscope.core import environment
+from trainscope.core.paths import ROOT
 
 # Outputs, not code: a results folder changed by the benchmark being run does not make the tree dirty.
 OUTPUT_FOLDERS = ("benchmarks/", "reports/")

@@ -1,6 +1,6 @@
 """The one typed view of a run record: every reader (report, advisor, tune, experiments, benchmarks,
 health checks) asks `RunView` for the figures it needs; the record's raw keys appear only here and in
-the writer (trainscope.run_metrics / trainscope.lifecycle). docs/RECORD.md describes the keys.
+the writer (trainscope.run.metrics / trainscope.run.lifecycle). docs/RECORD.md describes the keys.
 
 A view tolerates a partial record (a header without a summary, an interrupted run's partial summary):
 what is absent reads as None or empty.
@@ -269,7 +269,7 @@ class RunView:
 
     @property
     def device_time(self) -> dict:
-        """The device's busy time and idle share per training step (trainscope.summary.device_time): the CUDA events'
+        """The device's busy time and idle share per training step (trainscope.measure.summary.device_time): the CUDA events'
         bound `busy_at_most_s` / `idle_share_at_least`, the `kernel_estimate`, `host_bound` (and `host_bound_by`), or
         the `reason` they are None (a CPU's host clocks, --timing sync); {} in older records."""
         return self.summary.get("device_time") or {}
@@ -305,7 +305,7 @@ class RunView:
 
     @property
     def machine_peak(self) -> dict | None:
-        """The machine's measured matmul peak block (trainscope.peak.machine_peak; schema 5)."""
+        """The machine's measured matmul peak block (trainscope.measure.peak.machine_peak; schema 5)."""
         return self.env.get("machine_peak")
 
     @property
@@ -316,7 +316,7 @@ class RunView:
 
     @property
     def model_flops(self) -> dict:
-        """What the model FLOPs count (trainscope.flops): {trained_share, adapter_weights, input_gradient, recomputed,
+        """What the model FLOPs count (trainscope.measure.flops): {trained_share, adapter_weights, input_gradient, recomputed,
         recomputed_tflops_per_device}; {} in older records (PaLM's 6N for every run: LoRA overstated)."""
         return self.summary.get("model_flops") or {}
 
@@ -380,7 +380,7 @@ class RunView:
 
     @property
     def gap_breakdown(self) -> dict | None:
-        """With --profile: self time per category over the traced steps and the matmuls' FLOPs (trainscope.gap)."""
+        """With --profile: self time per category over the traced steps and the matmuls' FLOPs (trainscope.measure.gap)."""
         return (self.profile or {}).get("breakdown")
 
     @property
@@ -391,7 +391,7 @@ class RunView:
     def communication_figures(self) -> dict | None:
         """The communication block's headline figures, whatever schema measured them, physical or not given.
 
-        Schema 4 measures every step directly (trainscope.communication). Schema 3 and earlier estimated the
+        Schema 4 measures every step directly (trainscope.measure.communication.measured). Schema 3 and earlier estimated the
         exposed time as the difference of two passes: that estimate reads as a time with the interval of its
         calibration samples, and is `resolved` only when the interval excludes 0 and spans no more than the time
         itself; its overlap (1 - exposed / window) and its agreement with DDP's logger (other steps) are not given.
@@ -495,7 +495,7 @@ class RunView:
 
     @property
     def data_seed(self) -> int | None:
-        """The seed of the data split and subsets: --data-seed, else --seed (trainscope.settings)."""
+        """The seed of the data split and subsets: --data-seed, else --seed (trainscope.core.settings)."""
         data_seed = self.setting("data_seed")
         return self.setting("seed") if data_seed is None else data_seed
 
@@ -685,7 +685,7 @@ def machines_text(grouped: dict) -> str:
 
 
 class LoaderSweepView:
-    """The typed view of a DataLoader sweep's results file (loaders.json, written by trainscope.loader_sweep for
+    """The typed view of a DataLoader sweep's results file (loaders.json, written by trainscope.experiments.loaders.sweep for
     loaders_bench.py): its readers (the script's Markdown and recommendations, the report's section) ask it."""
 
     def __init__(self, result: dict):

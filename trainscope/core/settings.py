@@ -13,7 +13,7 @@ from typing import Literal
 
 from transformers.hf_argparser import HfArg, HfArgumentParser
 
-from trainscope.errors import UserError
+from trainscope.core.errors import UserError
 
 EMBEDDED_MODEL = "embedded:minilm-l6"
 EMBEDDED_DATASET = "embedded:tweets"
@@ -480,3 +480,23 @@ def parse_settings(*extra_dataclasses, argv: list[str] | None = None, descriptio
     except UserError as error:
         parser.error(str(error))
     return tuple(parsed)
+
+
+def plan_steps(settings: Settings, train_rows: int, processes: int) -> dict:
+    """Optimizer steps, steps per epoch, epochs and the global batch of a run (pure)."""
+    batches = math.ceil(train_rows / settings.per_device_batch_size)
+    if batches < processes:
+        raise UserError(
+            f"{train_rows} training rows make {batches} batches of {settings.per_device_batch_size}, "
+            f"fewer than the {processes} processes: lower --per-device-batch-size or use more data"
+        )
+    steps_per_epoch = math.ceil(
+        math.ceil(train_rows / (settings.per_device_batch_size * processes)) / settings.gradient_accumulation_steps
+    )
+    total = settings.max_steps or settings.epochs * steps_per_epoch
+    return {
+        "optimizer_steps": total,
+        "steps_per_epoch": steps_per_epoch,
+        "epochs": math.ceil(total / steps_per_epoch),
+        "global_batch_size": settings.per_device_batch_size * processes * settings.gradient_accumulation_steps,
+    }

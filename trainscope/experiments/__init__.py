@@ -12,16 +12,15 @@ Adding an experiment: a module here (arms, run, section), its line in REGISTRY, 
 import argparse
 import sys
 
-from trainscope.errors import UserError
+from trainscope.core.errors import UserError
+from trainscope.core.launching import split_args
 from trainscope.experiments import (
     amp,
     batch,
     ckpt,
     compare,
     compiling,
-    data_parallel,
     ddp_cost,
-    loaders,
     matrix,
     optimization,
     prediction,
@@ -29,7 +28,10 @@ from trainscope.experiments import (
     tune_confirm,
 )
 from trainscope.experiments.base import Experiment, ExperimentFailed
-from trainscope.launching import split_args
+from trainscope.experiments.data_parallel import results as data_parallel
+from trainscope.experiments.loaders import results as loaders
+
+__all__ = ["REGISTRY", "SECTIONS", "Experiment", "ExperimentFailed", "main"]
 
 # In the report's order; `compare` and `find-batch` have no section (a tool and a child process), `tune-confirm`
 # shows in the Optimization section.

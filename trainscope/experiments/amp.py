@@ -1,5 +1,5 @@
 """make amp-compare: the same run in fp32 and in mixed precision (fp16 on GPUs, bf16 on a CPU), whole runs in
-alternating rounds (trainscope.bench, like every other comparison): speed judged over the rounds' runs, loss
+alternating rounds (trainscope.measure.bench, like every other comparison): speed judged over the rounds' runs, loss
 curves of the first round's (one W&B group), accuracy and peak memory per arm.
 
 Speed is never judged from the logged intervals of one run: the intervals of one run share its process, its
@@ -8,10 +8,11 @@ fewer than bench.MIN_PAIRS rounds says "too few pairs" and gives no verdict."""
 
 from pathlib import Path
 
-from trainscope import bench, reporting
+from trainscope.core.record_view import RunView
 from trainscope.experiments.base import Experiment, arms_headline, experiment, planned_arm, runs_option, speed_cells
-from trainscope.record_view import RunView
-from trainscope.tables import Table, num, pyplot
+from trainscope.measure import bench
+from trainscope.report import inputs as reporting
+from trainscope.report.tables import Table, num, pyplot
 
 
 def arguments(parser) -> None:

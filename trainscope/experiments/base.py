@@ -2,7 +2,7 @@
 rounds, the comparison of each arm with the baseline, and its results file.
 
 Every arm gets the same seed, data, steps and launcher; rounds alternate the order of the arms
-(trainscope.bench), and each comparison with the first arm (the baseline) is a median of per-round
+(trainscope.measure.bench), and each comparison with the first arm (the baseline) is a median of per-round
 ratios with min-max and a verdict. A config that cannot run here (a 2-process DDP config with one GPU)
 is skipped with its reason; a run that was planned and fails stops the experiment with a non-zero exit.
 """
@@ -13,11 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainscope import bench, launching, reporting
-from trainscope.record_view import RunView, machines_text
-from trainscope.records import read_record
-from trainscope.reporting import Headline
-from trainscope.tables import Table, num, ranged
+from trainscope.core import launching
+from trainscope.core.record_view import RunView, machines_text
+from trainscope.core.records import read_record
+from trainscope.measure import bench
+from trainscope.report import inputs as reporting
+from trainscope.report.inputs import Headline
+from trainscope.report.tables import Table, num, ranged
 
 
 class ExperimentFailed(Exception):
@@ -35,13 +37,13 @@ class Experiment:
     results  its results file under --results (scripts that write their own), or None
     arguments(parser)   adds its options (None: it has no subcommand, e.g. a script's results)
     run(args, train_args)   runs it and writes <runs>/<folder>/comparison.{json,md}
-    section(report, found)  writes its report section (trainscope.report_writer.ReportWriter, reporting.Collected)
+    section(report, found)  writes its report section (trainscope.report.writer.ReportWriter, reporting.Collected)
     headline(found)  its answer on the report's first page: a reporting.Headline worded by the functions the
                      section uses, or None when its inputs are missing (the page then names its make target);
                      one_machine False: one per machine where several measured it, {Machine: Headline} (each
                      under its machine on the first page, and in the section under its `report.part` heading)
     rejudge(comparison, records)  judges a comparison again from its runs' records (default: every arm's speed
-                            against the baseline's, trainscope.reporting.rejudged)
+                            against the baseline's, trainscope.report.inputs.rejudged)
     sources(found)  (label, run record or results file) pairs of every figure its section shows, whose machines the
                     section names (default: the runs of its folder by name, its results file by path)
     one_machine  its section compares its sources with each other, so sources from several machines skip it with

@@ -9,7 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
-from trainscope import batch_search, bench, launching, reporting
+from trainscope.core import launching
+from trainscope.experiments import batch_search
 from trainscope.experiments.base import (
     Experiment,
     ExperimentFailed,
@@ -20,8 +21,10 @@ from trainscope.experiments.base import (
     runs_option,
     write,
 )
-from trainscope.reporting import Headline
-from trainscope.tables import pyplot
+from trainscope.measure import bench
+from trainscope.report import inputs as reporting
+from trainscope.report.inputs import Headline
+from trainscope.report.tables import pyplot
 
 SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
 
@@ -40,7 +43,7 @@ def arguments(parser) -> None:
 
 def run(args, train_args: list[str]) -> dict:
     """Samples/s and peak memory against the batch size, the user's batch as the baseline arm."""
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
 
     if args.steps < 3 or min(args.batch_sizes) < 1:
         raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
@@ -156,7 +159,7 @@ def predicted_largest_batch(
     import torch
 
     from trainscope import predict
-    from trainscope.data import MODEL_INPUTS
+    from trainscope.workload.data import MODEL_INPUTS
 
     if device is None:
         facts = launching.config_facts(launching.config_path(config))
@@ -187,7 +190,7 @@ def largest_fitting_batch(
     whose training steps fit in device memory, found in a child process launched with the config (its precision), so
     nothing stays allocated here; with `predict` the child first predicts the largest batch and searches from it
     (doubling or halving: {predicted, start} too). A multi-process config is refused before anything is launched
-    (see trainscope.batch_search)."""
+    (see trainscope.experiments.batch_search)."""
     batch_search.refuse_multi_process(config, launching.config_facts(launching.config_path(config))["num_processes"])
     command = [
         *launching.accelerate_launch(config),
@@ -215,10 +218,10 @@ def find_batch(args, train_args: list[str]) -> None:
     import torch
     from accelerate import Accelerator
 
-    from trainscope import startup
-    from trainscope.loop import train_step
-    from trainscope.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.run import startup
+    from trainscope.run.loop import train_step
+    from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
 
     (settings,) = parse_settings(argv=train_args)
     startup.configure_process(settings)

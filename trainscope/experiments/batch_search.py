@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from accelerate.utils import find_executable_batch_size
 
-from trainscope.errors import UserError
+from trainscope.core.errors import UserError
 
 
 def halving(start: int) -> Callable[[], int]:

@@ -1,8 +1,9 @@
 """make ckpt-compare: activation checkpointing off and on, in alternating rounds: step time and peak memory."""
 
-from trainscope import bench, reporting
 from trainscope.experiments.base import Experiment, arm_table, arms_headline, errors, fixed_arms, runs_option
-from trainscope.tables import pyplot
+from trainscope.measure import bench
+from trainscope.report import inputs as reporting
+from trainscope.report.tables import pyplot
 
 ARMS = {"off": [], "on": ["--gradient-checkpointing"]}
 

@@ -1,8 +1,8 @@
 """make bench-compile: --compile against eager on the tiny model: compile time, recompiles, speed."""
 
-from trainscope import reporting
+from trainscope.core.record_view import RunView
 from trainscope.experiments.base import Experiment, arm_table, arms_headline, fixed_arms, runs_option
-from trainscope.record_view import RunView
+from trainscope.report import inputs as reporting
 
 ARMS = {"eager": [], "compiled": ["--compile"]}
 

@@ -1,7 +1,7 @@
 """make ddp-cost: what DDP communication costs here, and which bucket size, flag or compression hook hides it.
 
 Each DDP setting runs against DDP's defaults (no communication hook: the reducer's built-in all-reduce) in
-alternating rounds; every run measures its communication on every step (trainscope.communication: exposed
+alternating rounds; every run measures its communication on every step (trainscope.measure.communication.measured: exposed
 time, overlap, the buckets' transfer alone, beside DDP's own logger on the same iterations). The report
 shows, per setting, a step split into the rest / the transfer hidden behind backward / exposed communication,
 and per rank the exposure and the wait for a straggler; every sentence is computed from the figures it cites.
@@ -9,13 +9,15 @@ and per rank the exposure and the wait for a straggler; every sentence is comput
 
 from pathlib import Path
 
-from trainscope import bench, launching, reporting
-from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
+from trainscope.core import launching
+from trainscope.core.record_view import COMMUNICATION_FIGURES, RunView, exposed_above_transfer
+from trainscope.core.records import read_record
 from trainscope.experiments.base import Experiment, experiment, planned_arm, runs_option, speed_cells, write
-from trainscope.record_view import COMMUNICATION_FIGURES, RunView, exposed_above_transfer
-from trainscope.records import read_record
-from trainscope.reporting import Headline
-from trainscope.tables import Table, num, pyplot, ranged
+from trainscope.measure import bench
+from trainscope.measure.communication.measured import INTERCONNECTS, ring_allreduce_seconds
+from trainscope.report import inputs as reporting
+from trainscope.report.inputs import Headline
+from trainscope.report.tables import Table, num, pyplot, ranged
 
 # The DDP settings compared with DDP's defaults (25 MB buckets, no flags, no communication hook).
 SETTINGS = {

@@ -6,7 +6,8 @@ skipped with their reason; the first variant is the baseline.
 
 from pathlib import Path
 
-from trainscope import launching, reporting
+from trainscope.core import launching
+from trainscope.core.record_view import RunView
 from trainscope.experiments.base import (
     Arm,
     Experiment,
@@ -16,8 +17,8 @@ from trainscope.experiments.base import (
     experiment,
     runs_option,
 )
-from trainscope.record_view import RunView
-from trainscope.tables import Table, num, pyplot
+from trainscope.report import inputs as reporting
+from trainscope.report.tables import Table, num, pyplot
 
 SWITCHES = {
     "ckpt": ["--gradient-checkpointing"],

@@ -1,6 +1,6 @@
 """The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what
-`make tune` (trainscope.tune) measured when it tried them -- judged again from its runs' records by today's
-rules (trainscope.tune_judge.rejudged) -- and what `make tune-confirm` measured on the full job.
+`make tune` (trainscope.experiments.tuning) measured when it tried them -- judged again from its runs' records by today's
+rules (trainscope.advice.judge.rejudged) -- and what `make tune-confirm` measured on the full job.
 
 Each machine's results stand apart: make tune's and make tune-confirm's folders (their declared ones, runs/tune/ and
 runs/tune_confirm/, and those kept beside them, e.g. the committed benchmarks/runs/tune_amx/) are grouped by the
@@ -11,14 +11,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainscope import advisor, bench, changes, reporting
+from trainscope.advice import advisor, changes
+from trainscope.advice.judge import METRICS, NONE_KEPT, change_of, final_text, final_trial, rejudged
+from trainscope.core.record_view import Machine, RunView, results_machine
+from trainscope.core.records import read_steps
 from trainscope.experiments import tune_confirm
 from trainscope.experiments.base import Experiment
-from trainscope.record_view import Machine, RunView, results_machine
-from trainscope.records import read_steps
-from trainscope.reporting import Folder, Headline
-from trainscope.tables import Table
-from trainscope.tune_judge import METRICS, NONE_KEPT, change_of, final_text, final_trial, rejudged
+from trainscope.measure import bench
+from trainscope.report import inputs as reporting
+from trainscope.report.inputs import Folder, Headline
+from trainscope.report.tables import Table
 
 
 @dataclass

@@ -8,7 +8,7 @@ and the residual, each with its shape named, calibrated and on first use:
   (`python -m trainscope.predict --calibrate`, which the make target runs first);
 * **first use**: the same runs predicted again, in this process from their records (the memory they held before the
   model as they measured it), with the calibration a new machine makes by itself on first use
-  (trainscope.calibration.first_use, timed here; the full calibration is put back afterwards). Only the fitted terms
+  (trainscope.predict.calibration.first_use, timed here; the full calibration is put back afterwards). Only the fitted terms
   differ between the two.
 
 Each shape runs once (a prediction is judged against one run; its own noise is in the error).
@@ -23,16 +23,19 @@ from pathlib import Path
 
 import torch
 
-from trainscope import bench, calibration, predict, reporting
+from trainscope import predict
+from trainscope.core.record_view import RunView
+from trainscope.core.records import read_record
 from trainscope.experiments.base import Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
-from trainscope.memory import GIB
-from trainscope.record_view import RunView
-from trainscope.records import read_record
-from trainscope.reporting import Headline
-from trainscope.tables import Table, num, pyplot
+from trainscope.measure import bench
+from trainscope.measure.memory import GIB
+from trainscope.predict import calibration
+from trainscope.report import inputs as reporting
+from trainscope.report.inputs import Headline
+from trainscope.report.tables import Table, num, pyplot
 
 ROBERTA = ["--model", "roberta-base", "--architecture-only", "--tokenizer", "embedded:minilm-l6"]
-# name -> (config, train.py flags): none of them a calibration shape (trainscope.calibration.CALIBRATION_SHAPES, QUICK_SHAPES).
+# name -> (config, train.py flags): none of them a calibration shape (trainscope.predict.calibration.CALIBRATION_SHAPES, QUICK_SHAPES).
 SHAPES = {
     "minilm-bs32": ("cpu", []),
     "minilm-bs16": ("cpu", ["--per-device-batch-size", "16"]),
@@ -81,7 +84,7 @@ def machine_load() -> dict:
     prediction is of an undisturbed machine. The CPU seconds of the whole machine (/proc/stat) and of this process
     and the runs it launched and waited for (their own load is not interference); the 1-minute load average beside
     them, for the record."""
-    from trainscope.environment import machine_busy_seconds, usable_cores
+    from trainscope.core.environment import machine_busy_seconds, usable_cores
 
     own = sum(
         getattr(resource.getrusage(who), field)
@@ -154,7 +157,7 @@ def first_use_check(records: dict) -> dict:
         return {"error": str(error), "calibration": {}, "at_bound": [], "runs": [], "summary": None}
     finally:
         if full:
-            from trainscope.records import write_json_atomic
+            from trainscope.core.records import write_json_atomic
 
             write_json_atomic(calibration.calibration_path(device), full)
     again = {

@@ -4,21 +4,23 @@ the gap between the runs and this machine's measured matmul peak, per precision.
 The time breakdown (the report's pie chart and table) comes from the unprofiled run; the profiled run
 traces a window of steps (torch.profiler) for the top operators, and the two runs' step lines on the
 traced steps (the same steps, the same batches) give the profiler's own cost. Where this machine runs bf16
-matmuls faster than fp32 (its measured peaks, trainscope.peak; always on a GPU), the same pair runs again under
-accelerate_configs/bf16.yaml: the gap table and figure (trainscope.gap) come per precision.
+matmuls faster than fp32 (its measured peaks, trainscope.measure.peak; always on a GPU), the same pair runs again under
+accelerate_configs/bf16.yaml: the gap table and figure (trainscope.measure.gap) come per precision.
 """
 
 from pathlib import Path
 
 import torch
 
-from trainscope import bench, gap, launching, peak, reporting
+from trainscope.core import launching
+from trainscope.core.record_view import RunView
+from trainscope.core.records import read_record, read_steps
 from trainscope.experiments.base import Arm, Experiment, experiment, runs_option, write
-from trainscope.profiling import operator_rows
-from trainscope.record_view import RunView
-from trainscope.records import read_record, read_steps
-from trainscope.reporting import Headline
-from trainscope.tables import Table, num
+from trainscope.measure import bench, gap, peak
+from trainscope.measure.profiling import operator_rows
+from trainscope.report import inputs as reporting
+from trainscope.report.inputs import Headline
+from trainscope.report.tables import Table, num
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -112,7 +114,7 @@ def headline(found: reporting.Collected) -> Headline | None:
 
 
 def pie(breakdown: dict):
-    from trainscope.tables import pyplot
+    from trainscope.report.tables import pyplot
 
     figure, axis = pyplot().subplots(figsize=(6.5, 4.5))
     shown = [c for c in breakdown["categories"] if c["percent"] > 0]
@@ -166,7 +168,7 @@ def peak_gap(report, found: reporting.Collected) -> None:
         return
     report.text(
         "The gap to the machine's limit: achieved model FLOP/s (PaLM) over this machine's measured matmul "
-        "peak for the precision in effect (a benchmark of its own matmuls, trainscope.peak) -- not the "
+        "peak for the precision in effect (a benchmark of its own matmuls, trainscope.measure.peak) -- not the "
         "datasheet MFU. The floor is the profiled matmuls' FLOPs at that peak; everything above it is the gap."
     )
     report.table(peak_share_table(pairs))
@@ -269,7 +271,7 @@ def gap_table(name: str, view: RunView, gap_rows: list[dict], peak_tflops: float
 
 
 def gap_figure(run: str, precision: str, gap_rows: list[dict]):
-    from trainscope.tables import pyplot
+    from trainscope.report.tables import pyplot
 
     shown = [r for r in gap_rows if r["seconds"] is not None and r["seconds"] > 0]
     figure, axis = pyplot().subplots(figsize=(6.5, 3.8))

@@ -3,9 +3,9 @@
 make tune decides on a 30-step proxy of the job; this runs the whole job both ways: make train's command (the
 Makefile's TRAIN_ARGS, trackers off in both arms) and the same with make tune's kept flags and config, in
 alternating rounds with paired seeds (round r: seed S + r in both arms, the data seed held). Speed: training
-samples/s by the project's test (trainscope.bench, one test, one look after the last round), the whole job's
+samples/s by the project's test (trainscope.measure.bench, one test, one look after the last round), the whole job's
 wall time beside it; the result: two one-sided tests of the paired differences of test (and validation)
-accuracy and loss at the margins make tune stated (trainscope.tune_judge.equivalent).
+accuracy and loss at the margins make tune stated (trainscope.advice.judge.equivalent).
 
 A full job takes about 3.5-4 minutes in fp32 on 2 CPU cores and about 3 tuned with --unpad (machine A of the
 README: 5 rounds took 34 minutes); where bf16 is native and kept, a tuned job is about 1 minute.
@@ -15,11 +15,12 @@ import json
 import shlex
 from pathlib import Path
 
-from trainscope import bench, launching
-from trainscope.errors import UserError
+from trainscope.advice.judge import ACCURACY_MARGIN, LOSS_MARGIN, Design, equivalent, merge_flags
+from trainscope.core import launching
+from trainscope.core.errors import UserError
 from trainscope.experiments.base import Arm, Experiment, run_arm, summarize
-from trainscope.tables import Table
-from trainscope.tune_judge import ACCURACY_MARGIN, LOSS_MARGIN, Design, equivalent, merge_flags
+from trainscope.measure import bench
+from trainscope.report.tables import Table
 
 MIN_ROUNDS = 5
 BASELINE, TUNED = "make-train", "make-tune"

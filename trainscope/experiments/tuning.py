@@ -12,13 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trainscope import advisor, bench, changes, health, launching
-from trainscope.experiments.base import Arm, ExperimentFailed, run_arm
-from trainscope.experiments.optimization import equivalence_table, tune_table
-from trainscope.launching import split_args
-from trainscope.record_view import RunView
-from trainscope.records import read_record, read_steps
-from trainscope.tune_judge import (
+from trainscope.advice import advisor, changes
+from trainscope.advice.judge import (
     ACCURACY_MARGIN,
     LOSS_MARGIN,
     ROUNDS,
@@ -34,6 +29,13 @@ from trainscope.tune_judge import (
     run_figures,
     trial_verdicts,
 )
+from trainscope.core import launching
+from trainscope.core.launching import split_args
+from trainscope.core.record_view import RunView
+from trainscope.core.records import read_record, read_steps
+from trainscope.experiments.base import Arm, ExperimentFailed, run_arm
+from trainscope.experiments.optimization import equivalence_table, tune_table
+from trainscope.measure import bench, health
 
 __all__ = ["merge_flags", "tune", "main"]
 
@@ -54,7 +56,7 @@ class Trial:
 
 class Tuner:
     """Runs arms in alternating rounds within the budget: the world make tune measures, behind a runner and a clock
-    (a test passes simulated ones), apart from the decision (trainscope.tune_judge.judge)."""
+    (a test passes simulated ones), apart from the decision (trainscope.advice.judge.judge)."""
 
     def __init__(
         self,

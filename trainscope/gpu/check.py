@@ -19,9 +19,12 @@ from pathlib import Path
 
 import torch
 
-from trainscope import bench, launching, provenance
-from trainscope.errors import UserError, exit_with
-from trainscope.gpu_check_plan import (
+from trainscope.core import launching, provenance
+from trainscope.core.errors import UserError, exit_with
+from trainscope.core.paths import ROOT
+from trainscope.core.record_view import RunView
+from trainscope.core.records import RECORD_FILE, STEPS_FILE, read_record, read_steps, write_text_atomic
+from trainscope.gpu.plan import (
     ASSUMED_STEP_S,
     MARGIN,
     MEASURED_COMPILE_S,
@@ -33,10 +36,8 @@ from trainscope.gpu_check_plan import (
     plan,
     planned_seconds,
 )
-from trainscope.gpu_check_report import markdown, outcome, unmet, verdicts
-from trainscope.paths import ROOT
-from trainscope.record_view import RunView
-from trainscope.records import RECORD_FILE, STEPS_FILE, read_record, read_steps, write_text_atomic
+from trainscope.gpu.results import markdown, outcome, unmet, verdicts
+from trainscope.measure import bench
 
 
 def device_slug(name: str) -> str:
@@ -49,7 +50,7 @@ SCALER_PLANTED = (3, 7, 11)
 def scaler_check() -> dict:
     """fp16 on CUDA: a real GradScaler, the fused AdamW and planted inf gradients; the skips counted. Run by
     `--scaler-check` in a process of its own (the plan's `scaler` check)."""
-    from trainscope.precision import planted_overflow_run
+    from trainscope.core.precision import planted_overflow_run
 
     planted = set(SCALER_PLANTED)
     try:
@@ -344,7 +345,7 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float, only: list[str] | 
         f"total estimated for {gpus} GPU{'s' if gpus > 1 else ''}: {total:.0f} s ({total / 60:.1f} min) against a "
         f"budget of {budget_s:.0f} s (default: the estimate and {MARGIN - 1:.0%}, {default_budget(steps):.0f} s); "
         "estimates from the launch and step times measured on one H200 and assumed ones (MEASURED_* and ASSUMED_* "
-        "in trainscope/gpu_check_plan.py)"
+        "in trainscope/gpu/plan.py)"
     )
     if over:
         print(f"over the budget by these estimates (skipped when run): {', '.join(over)}")
@@ -355,7 +356,7 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float, only: list[str] | 
             names = [step["name"] for step in part if not step.get("skipped")]
             run = f"--only {' '.join(names)}" if only else f"--part {index}"  # --only takes no --part
             print(
-                f"  part {index} ({planned_seconds(part):.0f} s: {', '.join(names)}): python -m trainscope.gpu_check {run}"
+                f"  part {index} ({planned_seconds(part):.0f} s: {', '.join(names)}): python -m trainscope.gpu.check {run}"
             )
 
 
@@ -368,7 +369,7 @@ def parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         default=None,
-        help=f"seconds for all the checks (default: the plan's estimate and {MARGIN - 1:.0%}); a check "
+        help=f"seconds for all the checks (default: the plan's estimate and {MARGIN - 1:.0%}%); a check "
         "whose estimate does not fit in what is left is skipped, and no launch runs past it",
     )
     parser.add_argument(
@@ -446,7 +447,7 @@ def dry_run(gpus_asked: int | None, part: int | None, budget: float | None, only
 
 
 REWRITTEN = (
-    "This file was written again from {json} by `python -m trainscope.gpu_check --rewrite` (the report code of a "
+    "This file was written again from {json} by `python -m trainscope.gpu.check --rewrite` (the report code of a "
     "later commit): its goals, verdicts and wording are that code's, judged on the figures the run recorded, which "
     "are as measured; the run's own verdicts are in the JSON."
 )

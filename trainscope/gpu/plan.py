@@ -19,9 +19,10 @@ figures (the gpu-checks on one H200) and ASSUMED_* ones (not measured on GPU) be
 import math
 import sys
 
-from trainscope import bench, launching
-from trainscope.errors import UserError
-from trainscope.startup import BACKEND_ENV
+from trainscope.core import launching
+from trainscope.core.errors import UserError
+from trainscope.measure import bench
+from trainscope.run.startup import BACKEND_ENV
 
 # RoBERTa-base (architecture only) at sequence length 128, batch 32 per GPU. Padded to the maximum length:
 # one shape, so precisions and configs compare on the same work. DYNAMIC pads per batch (lengths vary).
@@ -65,7 +66,7 @@ MEASURED_LAUNCH_S = 23.0  # one single-GPU launch of train.py less its steps, it
 MEASURED_FIRST_LAUNCH_S = 45.0  # the first launch's extra: run 2's precision-fp32 took 77 s against 24 s for the fp32
 #                                  launches after it (8 s of the rest its operator costs); run 1's first check: 33 s
 #                                  against 22 s. The matmul peak and the layer probes are cached per process count
-#                                  (trainscope.peak.machine_key): the first launch of each process count pays it
+#                                  (trainscope.measure.peak.machine_key): the first launch of each process count pays it
 MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.040, "fp16": 0.047}  # steady steps, batch 32 x 128: fp32 and bf16
 #                   from run 2 (536 and 803 samples/s), fp16 from run 1 (677 samples/s)
 MEASURED_COMPILE_S = 104.0  # run 1's compile-bf16 launch (129 s) less a bf16 launch whose operators were timed
@@ -281,7 +282,7 @@ def _fit(step: dict, gpus: int) -> None:
     if gpus == 1 and name in LEFT_OUT_ON_ONE_GPU:
         step["skipped"] = (
             f"left out of the one-GPU plan, which fits one session's {SESSION_S / 60:.0f} minutes of GPU time: "
-            f"{LEFT_OUT_ON_ONE_GPU[name]}; `python -m trainscope.gpu_check --only {name}` runs it"
+            f"{LEFT_OUT_ON_ONE_GPU[name]}; `python -m trainscope.gpu.check --only {name}` runs it"
         )
         step["left_out"] = True
 
@@ -343,7 +344,7 @@ def _single_gpu_checks(precision: dict[str, dict]) -> list[dict]:
     steps = [
         command_check(
             "scaler",
-            [sys.executable, "-m", "trainscope.gpu_check", "--scaler-check", "--out", "{out}"],
+            [sys.executable, "-m", "trainscope.gpu.check", "--scaler-check", "--out", "{out}"],
             ASSUMED_SCALER_S,
             "a process of its own: Python, torch, a CUDA context, 16 tiny steps",
             SCALER_CONFIRMS,
@@ -363,7 +364,7 @@ def _single_gpu_checks(precision: dict[str, dict]) -> list[dict]:
         )
     )
     steps.append(precision["bf16"])
-    # the same run with padding-free encoder layers: trainscope.unpad's kernels on CUDA, and its loss as the padded run's
+    # the same run with padding-free encoder layers: trainscope.workload.unpad's kernels on CUDA, and its loss as the padded run's
     steps.append(
         training_check(
             "unpad-bf16",
@@ -578,7 +579,7 @@ def _compile_check() -> dict:
 
 
 def _overhead_check() -> dict:
-    """--timing events against a bare loop (trainscope.benchmarks.overhead)."""
+    """--timing events against a bare loop (trainscope.experiments.benchmarks.overhead)."""
     pairs = bench.MIN_PAIRS
     overhead_run = train_estimate(OVERHEAD_STEPS, "fp32")
     return command_check(
@@ -586,7 +587,7 @@ def _overhead_check() -> dict:
         [
             sys.executable,
             "-m",
-            "trainscope.benchmarks.overhead",
+            "trainscope.experiments.benchmarks.overhead",
             "--pairs",
             str(pairs),
             "--modes",

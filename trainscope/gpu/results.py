@@ -15,8 +15,8 @@ TF32 and bf16 against their tensor-core peaks: rows of different precisions are 
 import math
 from collections.abc import Callable
 
-from trainscope import launching
-from trainscope.gpu_check_plan import SHARED_NOTE
+from trainscope.core import launching
+from trainscope.gpu.plan import SHARED_NOTE
 
 # ---- the goals across checks, each reachable by the plan's step times (gpu_check_plan) and judged on one check
 GOALS = {
@@ -58,7 +58,7 @@ GOAL_CHECK = {
 }
 TIMING_TOLERANCE = (0.05, 0.001)  # a share of the stage, and at least this many seconds
 UNPAD_LOSS_TOLERANCE = 0.05  # --unpad's first logged loss against the padded run's, same seed and batches, bf16
-# The datasheet peak each precision's MFU is a share of (trainscope.flops.PEAK_TFLOPS)
+# The datasheet peak each precision's MFU is a share of (trainscope.measure.flops.PEAK_TFLOPS)
 PEAK_KINDS = {"fp32": "fp32 non-tensor", "tf32": "TF32 tensor", "bf16": "bf16 tensor", "fp16": "fp16 tensor"}
 
 
@@ -438,7 +438,7 @@ def markdown(report: dict, note: str | None = None) -> list[str]:
     lines += [
         f"Driver {report['driver']}, torch {torch_text}{cuda_text}, {gpus} GPU(s); "
         f"{report.get('seconds', 0):.0f} s of the {report['budget_s']:.0f} s budget. Estimates are from the launch "
-        "and step times measured by the gpu-checks on one H200 and assumed ones (trainscope/gpu_check_plan.py "
+        "and step times measured by the gpu-checks on one H200 and assumed ones (trainscope/gpu/plan.py "
         "MEASURED_* and ASSUMED_*).",
         "",
         "| check | estimate s | timeout s | seconds | outcome | goals |",

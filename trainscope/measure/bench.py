@@ -13,7 +13,7 @@ the experiments, make tune) runs its arms through `alternate` and judges them wi
   (4 against 4 is the fewest whose best p-value, 0.029, can pass 0.05; 5 are asked).
 * several trials against one baseline (make tune) correct their p-values for their number (Holm 1979)
   before judging; make tune runs a fixed number of rounds per trial (one look), so the error rate is the
-  test's own (trainscope.tune_judge).
+  test's own (trainscope.advice.judge).
 * "the same result" is an equivalence test, not the absence of a difference: Schuirmann's two one-sided
   tests on paired differences against a margin stated before measuring (`equivalence`), with Student's t
   computed here (`t_cdf`, `t_quantile`), not taken from a table.
@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainscope import provenance
-from trainscope.records import write_json_atomic, write_text_atomic
+from trainscope.core import provenance
+from trainscope.core.records import write_json_atomic, write_text_atomic
 
 MIN_PAIRS = 5
 MIN_DECIDABLE = 4  # the fewest pairs whose exact two-sided p-value (2/70 = 0.029) can pass ALPHA (min_rounds)

@@ -5,6 +5,8 @@ How it works: docs/peak.md#in-the-code-model-flops-from-the-formula-to-mfu-train
 
 import dataclasses
 
+from trainscope.workload.layers import DecoderShape, decoder_shape, encoder_shape, is_decoder_config  # noqa: F401 (also read as flops.encoder_shape, ...)
+
 # Dense peak TFLOP/s (no 2:4 sparsity: datasheets print sparse tensor figures with an asterisk;
 # dense is half) per precision; fp16/bf16 are tensor-core figures with fp32 accumulate, as in training.
 # Keys are the tokens of the normalized device name (see `device_tokens`); the entry with the most
@@ -175,7 +177,7 @@ def training_of(model, checkpointing: bool) -> Training:
     """What `model` (unwrapped: no DDP or compile wrapper) trains: the share of its encoder layers' matmul weights
     (their 2-D weights, adapters apart) with gradients, LoRA's adapter weights there (peft names them lora_A and
     lora_B), whether its input embeddings train; `checkpointing` as --gradient-checkpointing."""
-    from trainscope.layers import transformer_layer_classes  # here: importing flops imports no torch
+    from trainscope.workload.layers import transformer_layer_classes  # here: importing flops imports no torch
 
     classes = set(transformer_layer_classes(model))
     seen = trained = adapters = 0
@@ -203,103 +205,6 @@ def training_of(model, checkpointing: bool) -> Training:
         recomputed=bool(checkpointing),
         first_layer_trains=tuple(first_trains),
         first_layer_adapters=first_adapters,
-    )
-
-
-def encoder_shape(config) -> tuple[int, int, int] | None:
-    """(layers, hidden, intermediate) of a BERT-like config, or None when it is not one (a decoder-only causal LM's
-    config has the same attribute names, but not the encoder's layout: `is_decoder_config`, `decoder_shape`)."""
-    if is_decoder_config(config):
-        return None
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layers", None)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "dim", None)
-    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None)
-    if not (layers and hidden and intermediate):
-        return None
-    return int(layers), int(hidden), int(intermediate)
-
-
-# Decoder-only causal LMs, by config.model_type: the MLP's matrices (2: up and down; 3: gated, gate, up and down) and
-# the config attribute of the MLP's width (None: GPT-2 and GPT-J's n_inner, 4 x hidden where unset).
-DECODER_LAYOUTS = {
-    "gpt2": (2, "n_inner"),
-    "gptj": (2, "n_inner"),
-    "gpt_neox": (2, "intermediate_size"),
-    "opt": (2, "ffn_dim"),
-    "phi": (2, "intermediate_size"),
-    "llama": (3, "intermediate_size"),
-    "mistral": (3, "intermediate_size"),
-    "qwen2": (3, "intermediate_size"),
-    "qwen3": (3, "intermediate_size"),
-    "gemma": (3, "intermediate_size"),
-    "gemma2": (3, "intermediate_size"),
-    "phi3": (3, "intermediate_size"),
-}
-# Decoders whose layout is not modelled here (mixtures of experts, parallel or other blocks): no decoder shape, and
-# not mistaken for an encoder although their configs name num_hidden_layers, hidden_size and intermediate_size.
-OTHER_DECODERS = {"mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "starcoder2", "stablelm", "cohere", "falcon"}
-# Architectures (config.architectures) with a hidden x vocab LM head on every position.
-LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "DoubleHeadsModel")
-
-
-def is_decoder_config(config) -> bool:
-    """A decoder-only causal LM's config (by its model_type), or any config marked is_decoder."""
-    model_type = getattr(config, "model_type", None)
-    return model_type in DECODER_LAYOUTS or model_type in OTHER_DECODERS or bool(getattr(config, "is_decoder", False))
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderShape:
-    """The matmul shapes of a decoder-only causal LM (per layer: the query, key and value projections' output widths,
-    grouped-query attention's key and value narrower, the output projection query x hidden, the MLP's matrices)."""
-
-    layers: int
-    hidden: int
-    query: int  # heads x head dimension
-    key: int  # key-value heads x head dimension
-    value: int
-    mlp_matrices: int  # 2 (up, down) or 3 (gated: gate, up, down)
-    intermediate: int
-    vocab: int
-    lm_head: bool  # a hidden x vocab head on every position (False: config.architectures names none, e.g. ...Model)
-
-    def matmul_weights(self) -> int:
-        """Weights of the matrix multiplications: the layers' and the LM head's (no embeddings, norms or biases)."""
-        attention = self.hidden * (self.query + self.key + self.value) + self.query * self.hidden
-        mlp = self.mlp_matrices * self.hidden * self.intermediate
-        return self.layers * (attention + mlp) + (self.hidden * self.vocab if self.lm_head else 0)
-
-
-def decoder_shape(config) -> DecoderShape | None:
-    """The shape of a decoder-only causal LM's config (`DECODER_LAYOUTS`), or None when it is not one modelled here
-    (an encoder, a mixture of experts, OPT with a word_embed_proj_dim other than its hidden size)."""
-    layout = DECODER_LAYOUTS.get(getattr(config, "model_type", None))
-    if layout is None:
-        return None
-    mlp_matrices, width_name = layout
-    layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
-    heads, vocab = getattr(config, "num_attention_heads", None), getattr(config, "vocab_size", None)
-    if not (layers and hidden and heads and vocab):
-        return None
-    if getattr(config, "word_embed_proj_dim", None) not in (None, hidden):
-        return None  # OPT-350m's project_in and project_out around the stack, and its head on the projected width
-    intermediate = getattr(config, width_name, None) or (4 * hidden if width_name == "n_inner" else None)
-    if not intermediate:
-        return None
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    architectures = getattr(config, "architectures", None) or []
-    lm_head = not architectures or any(name.endswith(LM_HEAD_SUFFIXES) for name in architectures)
-    return DecoderShape(
-        layers=int(layers),
-        hidden=int(hidden),
-        query=int(heads * head_dim),
-        key=int(kv_heads * head_dim),
-        value=int(kv_heads * head_dim),
-        mlp_matrices=mlp_matrices,
-        intermediate=int(intermediate),
-        vocab=int(vocab),
-        lm_head=lm_head,
     )
 
 
@@ -389,12 +294,6 @@ def padding_flops_share(
     return max(0.0, 1.0 - real_at_least / padded)
 
 
-def shape_facts(config) -> dict | None:
-    """The encoder's shape for the run record ({layers, hidden, intermediate}), or None."""
-    shape = encoder_shape(config)
-    return dict(zip(("layers", "hidden", "intermediate"), shape)) if shape else None
-
-
 def real_training_flops(
     shape: tuple[int, int, int] | None, tokens: int | None, squares: int | None, training: Training = FULL
 ) -> int | None:
@@ -410,7 +309,7 @@ def real_training_flops(
 def padding_free_training_flops(
     config, batch_size: int, sequence_length: int, tokens: int, training: Training = FULL
 ) -> int | None:
-    """FLOPs of one training micro-batch with padding-free encoder layers (--unpad, trainscope.unpad): the token-wise
+    """FLOPs of one training micro-batch with padding-free encoder layers (--unpad, trainscope.workload.unpad): the token-wise
     matmuls on the `tokens` real tokens, attention's on the padded layout (batch x length^2) where it still runs;
     what trains: `training`."""
     shape = encoder_shape(config)

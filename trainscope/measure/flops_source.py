@@ -1,10 +1,10 @@
 """Where a run's model FLOPs come from: the formula of a model whose shape trainscope knows (a BERT-like encoder, a
-GPT-2 or Llama decoder: trainscope.flops), a figure the user gives, or FlopCounterMode's count of the first
+GPT-2 or Llama decoder: trainscope.measure.flops), a figure the user gives, or FlopCounterMode's count of the first
 micro-batch's forward and backward, scaled to later micro-batches by their tokens (or samples)."""
 
 import torch
 
-from trainscope import flops as formulas
+from trainscope.measure import flops as formulas
 
 
 class NoFlops:
@@ -22,9 +22,9 @@ class NoFlops:
 
 
 class EncoderFlops(NoFlops):
-    """BERT-like encoders (PaLM's formula, what trains read from the model: trainscope.flops.training_of)."""
+    """BERT-like encoders (PaLM's formula, what trains read from the model: trainscope.measure.flops.training_of)."""
 
-    basis = "formula: BERT-like encoder (PaLM appendix B, trainscope.flops)"
+    basis = "formula: BERT-like encoder (PaLM appendix B, trainscope.measure.flops)"
 
     def __init__(self, config, unpad: bool, training):
         self.config, self.unpad, self.training, self.shape = config, unpad, training, formulas.encoder_shape(config)
@@ -52,7 +52,7 @@ class EncoderFlops(NoFlops):
 class DecoderFlops(NoFlops):
     """Decoder-only language models (GPT-2, Llama): every weight trained, the LM head counted."""
 
-    basis = "formula: decoder-only language model, all weights trained (trainscope.flops)"
+    basis = "formula: decoder-only language model, all weights trained (trainscope.measure.flops)"
 
     def __init__(self, config):
         self.coefficients = formulas.causal_lm_flops_coefficients(config)

@@ -1,6 +1,6 @@
 """Where the gap between a run and its machine's measured matmul peak goes: pure functions.
 
-The floor is the matmuls' FLOPs at the machine's measured peak for the precision in effect (trainscope.peak): the
+The floor is the matmuls' FLOPs at the machine's measured peak for the precision in effect (trainscope.measure.peak): the
 time the run would take if it did nothing but matmuls, each at the best rate this machine's matmuls reach. The
 gap is everything above the floor. Two ways to see it:
 
@@ -14,7 +14,7 @@ gap is everything above the floor. Two ways to see it:
   The matmuls' FLOPs are the profiler's own count (`with_flops`: mm, addmm, bmm, baddbmm); a fused attention
   kernel's FLOPs are not counted (its time is in `attention`). Rows: the floor, the matmuls above it, and every
   other category.
-* **Without the profile** (`estimate`): the model FLOPs (PaLM, trainscope.flops) at the measured peak against the
+* **Without the profile** (`estimate`): the model FLOPs (PaLM, trainscope.measure.flops) at the measured peak against the
   measured training time of the steady steps, split into forward + backward, optimizer, and data + other. An
   estimate: it takes every model FLOP for a matmul at the peak rate.
 """

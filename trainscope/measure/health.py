@@ -15,8 +15,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainscope.flops import peak_tflops, variant_reason
-from trainscope.record_view import RunView, exposed_above_transfer
+from trainscope.core.record_view import RunView, exposed_above_transfer
+from trainscope.measure.flops import peak_tflops, variant_reason
 
 # Fewer steady steps than this and a steady-state figure rests on too few samples.
 MIN_STEADY_STEPS = 10
@@ -451,14 +451,16 @@ def _steady(view: RunView):
 
 
 @register(
-    "mfu_unknown", "no datasheet peak for this GPU: no MFU", "add the device's datasheet peak to trainscope/flops.py"
+    "mfu_unknown",
+    "no datasheet peak for this GPU: no MFU",
+    "add the device's datasheet peak to trainscope/measure/flops.py",
 )
 def _mfu(view: RunView):
     if view.on_cuda and "mfu" in view.summary and view.mfu is None:
         known, variant = peak_tflops(view.device_name, view.precision or "fp32"), variant_reason(view.device_name)
         return (
             (
-                f"{view.device_name} is not in the datasheet peak table (trainscope/flops.py) for {view.precision}"
+                f"{view.device_name} is not in the datasheet peak table (trainscope/measure/flops.py) for {view.precision}"
                 f"{f' ({variant})' if variant else ''}: MFU is not computed rather than guessed"
             )
             if known is None
@@ -497,10 +499,10 @@ def _exposed_not_resolved(view: RunView):
 )
 def _above_measured_peak(view: RunView):
     """The measured peak checked against a second instrument: the FLOP/s the run's matmuls executed (its model FLOPs,
-    frozen weights without weight gradients, and activation checkpointing's recomputation: trainscope.flops), and
+    frozen weights without weight gradients, and activation checkpointing's recomputation: trainscope.measure.flops), and
     with --profile the traced matmuls' rate (the profiler's FLOPs over their self time). Above the peak by more than
     its spread is impossible for the one or the other."""
-    from trainscope.gap import matmul_rate
+    from trainscope.measure.gap import matmul_rate
 
     measured = view.measured_peak or {}
     peak, spread = measured.get("peak_tflops"), measured.get("spread") or 0.0
@@ -529,7 +531,7 @@ def _above_measured_peak(view: RunView):
 )
 def _device_busy_above_wall(view: RunView):
     """The stages' event spans lie inside the steps' wall time (the wall's edges synchronize the device), so their
-    sum above it by more than the tolerance (trainscope.summary.CLOCK_RATE_TOLERANCE) is impossible: no idle share
+    sum above it by more than the tolerance (trainscope.measure.summary.CLOCK_RATE_TOLERANCE) is impossible: no idle share
     is given, and the figures are reported as measured."""
     over = view.device_time.get("over_wall") or []
     if over:
@@ -559,7 +561,7 @@ def _prediction_fit_at_bound(view: RunView):
     if bounds:
         said.append(
             f"the prediction's calibration has {'; '.join(bounds)}: the fit wanted beyond it, so that fitted term "
-            "is off on this machine (trainscope.calibration)"
+            "is off on this machine (trainscope.predict.calibration)"
         )
     if unfitted:
         said.append(

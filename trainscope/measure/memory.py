@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from trainscope.paths import GIB
+from trainscope.core.paths import GIB
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

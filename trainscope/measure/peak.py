@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from trainscope import environment, precision
-from trainscope.records import now_iso, write_json_atomic
+from trainscope.core import environment, precision
+from trainscope.core.paths import CACHE_ENV, cache_dir  # noqa: F401 (CACHE_ENV: read as peak.CACHE_ENV)
+from trainscope.core.records import now_iso, write_json_atomic
 
-CACHE_ENV = "TRAINSCOPE_CACHE_DIR"
 SQUARE_ENV = "TRAINSCOPE_PEAK_SQUARE"
 DEFAULT_SQUARE = {"cpu": 2048, "cuda": 8192}
 MIN_CALLS, MAX_CALLS = 3, 10
@@ -144,15 +144,6 @@ def key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def cache_dir(environ=None) -> Path:
-    """$TRAINSCOPE_CACHE_DIR, else $XDG_CACHE_HOME/trainscope, else ~/.cache/trainscope."""
-    environ = os.environ if environ is None else environ
-    if environ.get(CACHE_ENV):
-        return Path(environ[CACHE_ENV]).expanduser()
-    base = Path(environ["XDG_CACHE_HOME"]).expanduser() if environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "trainscope"
-
-
 def _cache_path(key: dict) -> Path:
     return cache_dir() / "peak" / f"{key_id(key)}.json"
 
@@ -190,7 +181,7 @@ def _store(
 
 def cached(device: torch.device, name: str, measure_now, processes: int | None = None, store: bool = True) -> dict:
     """Another measurement of this machine at the run's threads -- one encoder layer profiled at the run's shapes
-    (trainscope.profiling.layer_breakdown) -- cached under `name` beside the matmul rates: from the cache, else
+    (trainscope.measure.profiling.layer_breakdown) -- cached under `name` beside the matmul rates: from the cache, else
     `measure_now()` (a JSON-able dict; None is not cached)."""
     key = machine_key(device, processes=processes)
     found = _read_cache(key, "probes").get(name)

@@ -5,7 +5,7 @@ The trace handler writes `*.pt.trace.json` files: TensorBoard's profiler plugin 
 chrome://tracing or https://ui.perfetto.dev. The timer labels every stage with
 `record_function(<stage>)`, so the trace shows data / forward / backward / optimizer / eval spans.
 The profiler counts the matmuls' FLOPs (`with_flops`), and every operator's self time is put in a
-category (trainscope.gap): where the gap to the machine's measured matmul peak goes.
+category (trainscope.measure.gap): where the gap to the machine's measured matmul peak goes.
 """
 
 import contextlib
@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from trainscope import gap
-from trainscope.timing import STAGES
+from trainscope.measure import gap
+from trainscope.measure.timing import STAGES
 
 TOP_OPERATORS = 15
 
@@ -49,8 +49,10 @@ class StepProfiler:
         self.device = device
         self.rank = rank
         self.top_operators: list[dict] = []
-        self.breakdown: dict | None = None  # self time per category and the matmuls' FLOPs (trainscope.gap)
-        self.communication = None  # what the trace says of DDP's all-reduces (trainscope.communication_agreement)
+        self.breakdown: dict | None = None  # self time per category and the matmuls' FLOPs (trainscope.measure.gap)
+        self.communication = (
+            None  # what the trace says of DDP's all-reduces (trainscope.measure.communication.agreement)
+        )
         self.window = {"first_step": wait + warmup + 1, "last_step": wait + warmup + active}
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -80,7 +82,7 @@ class StepProfiler:
         torch.profiler.tensorboard_trace_handler(str(self.directory), worker_name=f"rank{self.rank}")(profiler)
         self.top_operators = top_operators(profiler.key_averages(), self.device)
         self.breakdown = gap.categorize(profiler.events(), self.device.type == "cuda", STAGES)
-        from trainscope.communication_agreement import from_trace
+        from trainscope.measure.communication.agreement import from_trace
 
         found = from_trace(profiler.events())  # per traced `backward` span, in order
         self.communication = {**self.window, **found} if found else None
@@ -199,13 +201,13 @@ def first_layer(model):
 
 def layer_breakdown(model, batch: int, length: int, precision_name: str, device: torch.device) -> dict | None:
     """One encoder layer's forward and backward at the run's shapes, profiled apart: self time per category
-    (trainscope.gap.categorize) in training mode (its dropout on) and the run's precision -- the cheap estimate of
+    (trainscope.measure.gap.categorize) in training mode (its dropout on) and the run's precision -- the cheap estimate of
     where a run's time goes without --profile. The layer is a copy (the model's weights, gradients and DDP hooks are
     untouched), its input from a private generator, the random state forked (the run's dropout masks unchanged).
     None when the model has no repeated block that takes hidden states alone (or it fails on them)."""
     import copy
 
-    from trainscope.memory import is_sharded
+    from trainscope.measure.memory import is_sharded
 
     layer = first_layer(model)
     width = next((m.in_features for m in layer.modules() if isinstance(m, torch.nn.Linear)), None) if layer else None

@@ -2,7 +2,7 @@
 
 import statistics
 
-from trainscope.timing import ALL_STAGES, CATEGORIES
+from trainscope.measure.timing import ALL_STAGES, CATEGORIES
 
 
 def across_ranks(values: list[float]) -> dict:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
-from trainscope.memory import GIB, CudaMemoryProbe
+from trainscope.measure.memory import GIB, CudaMemoryProbe
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval")
 ALL_STAGES = (*STAGES, "other")

@@ -1,19 +1,21 @@
-"""The predictor's front (trainscope.predictor describes the method): the names the rest of trainscope uses -- train.py
-predicts before its run, the metrics component checks the prediction in it, make predict-check, tune and the advisor
-ask for predictions and speed-ups -- and the calibration's command:
+"""Predict a run before it runs -- peak memory per process, the steady step time and the run's time, "fits" or
+"does not fit" -- and, once it has run, how far off each predicted quantity was (docs/predict.md). This front holds
+the names the rest of trainscope uses -- train.py predicts before its run, the metrics component checks the
+prediction in it, make predict-check, tune and the advisor ask for predictions and speed-ups -- and the
+calibration's command:
 
-    python -m trainscope.predict --calibrate        # make predict-calibrate (trainscope.calibration.main)
+    python -m trainscope.predict --calibrate        # make predict-calibrate (trainscope.predict.calibration.main)
 """
 
-from trainscope import calibration
-from trainscope.predictor.block import MEMORY_SOURCES, before_run, calibration_state, predict, sources
-from trainscope.predictor.change import same_work_seconds, speedup
-from trainscope.predictor.check import Check, furthest_term, prediction_errors, remember_communication
-from trainscope.predictor.memory import largest_batch, peak_memory, saved_bytes_at
-from trainscope.predictor.screen import error_lines, screen_lines, show, source_lines
-from trainscope.predictor.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
-from trainscope.predictor.timing import communication_seconds, predict_time
-from trainscope.predictor.workload import (
+from trainscope.predict import calibration
+from trainscope.predict.block import MEMORY_SOURCES, before_run, calibration_state, predict, sources
+from trainscope.predict.change import same_work_seconds, speedup
+from trainscope.predict.check import Check, furthest_term, prediction_errors, remember_communication
+from trainscope.predict.memory_model import largest_batch, peak_memory, saved_bytes_at
+from trainscope.predict.screen import error_lines, screen_lines, show, source_lines
+from trainscope.predict.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
+from trainscope.predict.time_model import communication_seconds, predict_time
+from trainscope.predict.workload import (
     Workload,
     changed_settings,
     current_rss_bytes,
@@ -71,9 +73,5 @@ __all__ = [
 
 
 def main(argv=None) -> None:
-    """The calibration's command (trainscope.calibration.main): make predict-calibrate."""
+    """The calibration's command (trainscope.predict.calibration.main): make predict-calibrate."""
     calibration.main(argv)
-
-
-if __name__ == "__main__":
-    main()

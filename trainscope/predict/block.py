@@ -8,12 +8,13 @@ import time
 
 import torch
 
-from trainscope import calibration, environment, op_costs, trace
-from trainscope.predictor.memory import peak_memory
-from trainscope.predictor.step import VERSION, model_dims, traced_length, traced_step
-from trainscope.predictor.timing import predict_time
-from trainscope.predictor.workload import Batches, Workload, run_batches, workload_for
-from trainscope.records import now_iso
+from trainscope.core import environment
+from trainscope.core.records import now_iso
+from trainscope.predict import calibration, op_costs, trace
+from trainscope.predict.memory_model import peak_memory
+from trainscope.predict.step import VERSION, model_dims, traced_length, traced_step
+from trainscope.predict.time_model import predict_time
+from trainscope.predict.workload import Batches, Workload, run_batches, workload_for
 
 
 @contextlib.contextmanager
@@ -31,7 +32,7 @@ def _random_state_kept():
 
 def predict(workload: Workload, store: bool = True, fitted: dict | None = None) -> dict:
     """The prediction block (docs/RECORD.md `prediction`), with this machine's calibration (made now on first use,
-    trainscope.calibration.ensure) or the one given (`fitted`: {} for none)."""
+    trainscope.predict.calibration.ensure) or the one given (`fitted`: {} for none)."""
     with _random_state_kept():
         return _predict(workload, store, fitted)
 
@@ -74,7 +75,7 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
 def traced_steps(workload: Workload, batches: Batches, costs) -> tuple[trace.Trace, trace.Trace]:
     """The training step traced at the run's batch and a length near its steady batches' mean, and the evaluation
     batch near its batches' mean (traced_length: a length that is no other size of the model)."""
-    from trainscope import modeling
+    from trainscope.workload import modeling
 
     settings = workload.settings
     config = modeling.model_config(settings, workload.label_names)
@@ -176,6 +177,6 @@ def before_run(settings, started, tokenizer, data) -> dict:
     try:
         return predict(workload_for(settings, started, tokenizer, data), store=started.state.is_local_main_process)
     except Exception as error:  # the run goes on without a prediction; the record says why
-        from trainscope.errors import one_line
+        from trainscope.core.errors import one_line
 
         return {"version": VERSION, "error": one_line(error)}

@@ -5,8 +5,8 @@ fitted on short training runs whose predictions are made uncalibrated (trainscop
 Two ways to get them, the same fit on the same kind of points:
 
 * **On first use** (`ensure`): a prediction on a machine without a calibration runs QUICK_SHAPES itself, as the
-  matmul peak is measured on first use (trainscope.peak): short train.py runs of four shapes in one worker process
-  (`python -m trainscope.calibration --worker`, apart from the run so its memory is not the run's), within
+  matmul peak is measured on first use (trainscope.measure.peak): short train.py runs of four shapes in one worker process
+  (`python -m trainscope.predict.calibration --worker`, apart from the run so its memory is not the run's), within
   FIRST_USE_BUDGET_S (60 s: shapes that would not finish in it are left out, and the calibration says so), cached
   for the machine. Other processes of the launch wait for it (a file lock) and read it. TRAINSCOPE_CALIBRATION=off
   turns it off (the tests do; a prediction then says it is uncalibrated).
@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainscope import peak
-from trainscope.memory import GIB
-from trainscope.records import now_iso, write_json_atomic
+from trainscope.core.records import now_iso, write_json_atomic
+from trainscope.measure import peak
+from trainscope.measure.memory import GIB
 
 SWITCH_ENV = "TRAINSCOPE_CALIBRATION"  # "off": no calibration on first use
 FIRST_USE_BUDGET_S = 60.0
@@ -113,7 +113,7 @@ CALIBRATION_ARGS = [
 def allocator_point(record: dict) -> tuple[float, float] | None:
     """(live bytes, bytes beyond the tensors) of one complete CPU run: its peak RSS less the RSS before the model,
     the parameters and the step's live peak, all as its prediction had them."""
-    from trainscope.record_view import RunView
+    from trainscope.core.record_view import RunView
 
     view = RunView(record)
     block = view.prediction
@@ -129,7 +129,7 @@ def time_point(record: dict) -> dict | None:
     """What one complete single-process run tells of the framework's own costs: its measured steady step and
     evaluation less their (uncalibrated) predictions, beside the predicted time of the operators other than matrix
     products and the operators dispatched. None for a calibrated prediction or several processes (DDP's wait)."""
-    from trainscope.record_view import RunView
+    from trainscope.core.record_view import RunView
 
     view = RunView(record)
     block = view.prediction
@@ -291,8 +291,8 @@ def _forget(device: torch.device) -> None:
 def calibrate(runs: Path, train_args: list[str]) -> dict:
     """Run the calibration shapes (uncalibrated: an earlier calibration is removed first), fit the allocator's share
     and the loop's own costs on their records, and store them for this machine."""
-    from trainscope import launching
-    from trainscope.records import read_record
+    from trainscope.core import launching
+    from trainscope.core.records import read_record
 
     started = time.perf_counter()
     _forget(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -405,7 +405,7 @@ def ensure(device: torch.device, budget_s: float | None = None, shapes: dict | N
         try:
             return first_use(device, budget_s, shapes)
         except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as error:
-            from trainscope.errors import one_line
+            from trainscope.core.errors import one_line
 
             failed = {
                 "error": f"the first-use calibration failed ({one_line(error)}); make predict-calibrate makes it",
@@ -435,7 +435,7 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
     and cached."""
     import tempfile
 
-    from trainscope.records import read_record
+    from trainscope.core.records import read_record
 
     shapes = QUICK_SHAPES if shapes is None else shapes
     budget_s = budget_s or FIRST_USE_BUDGET_S
@@ -449,7 +449,15 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
         runs = Path(folder)
         (runs / "shapes.json").write_text(json.dumps(shapes))
         deadline = time.time() + budget_s  # the worker starts no shape it would not finish by then
-        command = [sys.executable, "-m", "trainscope.calibration", "--worker", str(runs), "--deadline", str(deadline)]
+        command = [
+            sys.executable,
+            "-m",
+            "trainscope.predict.calibration",
+            "--worker",
+            str(runs),
+            "--deadline",
+            str(deadline),
+        ]
         env = _uncalibrated_env({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else None)
         for name in (
             "RANK",
@@ -506,7 +514,7 @@ def _reset_peak_rss() -> None:
 def worker(runs: Path, deadline: float) -> None:
     """The shapes of `runs`/shapes.json as train.py runs in this process, one after the other, until the deadline
     (time.time()): a shape is started only where the slowest so far would still finish by then."""
-    from trainscope.launching import train_in_this_process
+    from trainscope.core.launching import train_in_this_process
 
     shapes = json.loads((runs / "shapes.json").read_text())
     slowest = 0.0
@@ -522,7 +530,7 @@ def worker(runs: Path, deadline: float) -> None:
 def main(argv=None) -> None:
     import tempfile
 
-    from trainscope.launching import split_args
+    from trainscope.core.launching import split_args
 
     ours, train_args = split_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(

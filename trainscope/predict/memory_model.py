@@ -5,10 +5,10 @@ shape, and the largest batch that fits."""
 
 import torch
 
-from trainscope import calibration, trace
-from trainscope.memory import GIB
-from trainscope.predictor.step import model_dims, on_meta, quiet_fake_tensors, traced_length
-from trainscope.predictor.workload import device_memory_bytes
+from trainscope.measure.memory import GIB
+from trainscope.predict import calibration, trace
+from trainscope.predict.step import model_dims, on_meta, quiet_fake_tensors, traced_length
+from trainscope.predict.workload import device_memory_bytes
 
 
 def peak_memory(workload, traced: trace.Trace, longest: int, notes, calibration: dict | None) -> dict:
@@ -87,9 +87,9 @@ def largest_batch(
     baseline_bytes: int = 0,
 ) -> dict:
     """The largest per-device batch whose predicted peak fits in `capacity_bytes` (the device's memory by default)
-    at sequences of `length`: what grows with the length grows with the batch (trainscope.trace), the parameters and
+    at sequences of `length`: what grows with the length grows with the batch (trainscope.predict.trace), the parameters and
     the optimizer state do not; on a CPU with the calibrated allocator's share."""
-    from trainscope import modeling
+    from trainscope.workload import modeling
 
     capacity = capacity_bytes if capacity_bytes is not None else device_memory_bytes(device)
     config = modeling.model_config(settings, label_names)

@@ -1,7 +1,7 @@
-"""What each traced operator (trainscope.trace) costs on this machine, per call.
+"""What each traced operator (trainscope.predict.trace) costs on this machine, per call.
 
 * Matrix products (mm, addmm): their FLOPs over the machine's measured matmul rate at that shape and precision
-  (trainscope.peak.rate, cached per machine by peak).
+  (trainscope.measure.peak.rate, cached per machine by peak).
 * Everything else (batched products of attention, softmax, dropout's random masks, layer norm, GELU, embedding
   gradients, the fused AdamW step, norms, copies): timed once on real tensors of the traced shapes, strides,
   dtypes and devices (a host scalar beside device tensors stays on the host), at the run's threads, and cached per
@@ -15,7 +15,7 @@
   on GPUs, on any device; PyTorch's roofline estimate (75% of a datasheet peak) is not used.
 
 Each timing: one warm-up call, then calls until MIN_CALLS have run and CALL_BUDGET_S has passed (at most
-MAX_CALLS; on a GPU each call between CUDA events with the L2 cache flushed before it, trainscope.peak); the fastest (as timeit advises: slower calls are the machine's interference, not the operator's cost --
+MAX_CALLS; on a GPU each call between CUDA events with the L2 cache flushed before it, trainscope.measure.peak); the fastest (as timeit advises: slower calls are the machine's interference, not the operator's cost --
 an operator of microseconds on two threads can wait milliseconds for a descheduled thread on a busy machine). The
 cache file is rewritten whole (atomically) by the process that measured.
 """
@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from trainscope import peak, precision
-from trainscope.records import write_json_atomic
-from trainscope.trace import is_leaf_spec, is_rng_spec, is_tensor_spec, rng_inputs
+from trainscope.core import precision
+from trainscope.core.records import write_json_atomic
+from trainscope.measure import peak
+from trainscope.predict.trace import is_leaf_spec, is_rng_spec, is_tensor_spec, rng_inputs
 
 MIN_CALLS, MAX_CALLS = 3, 20
 CALL_BUDGET_S = 0.02
@@ -81,7 +82,7 @@ class Unmeasurable(Exception):
 def materialize(spec, device: torch.device):
     """Real arguments of a spec (args, kwargs): tensors as `_materialize` makes them, and random-generator state as a
     real call of the operator that made it in the trace returns it (its device, dtype and values are the kernel's own:
-    a fake tensor's may differ, trainscope.trace.RNG_STATE_NAMES)."""
+    a fake tensor's may differ, trainscope.predict.trace.RNG_STATE_NAMES)."""
     produced = {}
 
     def make(leaf):
@@ -151,7 +152,7 @@ def _synchronize(device: torch.device) -> None:
 
 def time_call(call, device: torch.device) -> float:
     """Seconds of `call()`: the fastest of the timed calls after one warm-up call (see the module's docstring); on a
-    GPU each call is timed on the device between CUDA events (trainscope.peak.device_call_seconds)."""
+    GPU each call is timed on the device between CUDA events (trainscope.measure.peak.device_call_seconds)."""
     started = time.perf_counter()
     call()
     _synchronize(device)
@@ -283,7 +284,7 @@ GUARD_TIMEOUT_S = 300.0
 def time_guarded(
     items: list[tuple], device: torch.device, threads: int, timeout_s: float = GUARD_TIMEOUT_S
 ) -> dict | None:
-    """Seconds of each (key, operator, spec) of `items`, timed by `python -m trainscope.op_costs` in a child process
+    """Seconds of each (key, operator, spec) of `items`, timed by `python -m trainscope.predict.op_costs` in a child process
     that says which operator it starts before it starts it: {key: (seconds, None) or (None, why not)}. An operator
     that kills its child (a segmentation fault in a kernel given made-up inputs) is counted as unmeasured with the
     signal, and a new child times the ones after it (GUARD_CRASHES children at most). None when the first child
@@ -302,7 +303,7 @@ def time_guarded(
             command = [
                 sys.executable,
                 "-m",
-                "trainscope.op_costs",
+                "trainscope.predict.op_costs",
                 str(inputs),
                 str(progress),
                 str(device),
@@ -326,8 +327,8 @@ def time_guarded(
 
 def _child_environment() -> dict:
     """This process's environment for a guarded benchmark's child: faulthandler on (a crash prints its stack), and
-    the package importable as `-m trainscope.op_costs` from any folder."""
-    package_root = str(Path(__file__).resolve().parent.parent)
+    the package importable as `-m trainscope.predict.op_costs` from any folder."""
+    package_root = str(Path(__file__).resolve().parents[2])
     return {
         **os.environ,
         "PYTHONFAULTHANDLER": "1",

@@ -1,7 +1,7 @@
 """What the predictor prints: the one screen of `train.py --predict`, what a prediction rests on, and the end-of-run
 table's lines on the prediction's error."""
 
-from trainscope.memory import GIB
+from trainscope.measure.memory import GIB
 
 
 def screen_lines(block: dict, settings, wall_s: float | None = None) -> list[str]:
@@ -99,7 +99,7 @@ def source_lines(block: dict) -> list[str]:
 def show(block: dict, settings, started) -> dict:
     """--predict: the screen, on the main process only; nothing else happens. A prediction that could not be made
     is the command's one error line."""
-    from trainscope.errors import UserError
+    from trainscope.core.errors import UserError
 
     if block.get("error"):
         raise UserError(f"no prediction: {block['error']}")

@@ -1,6 +1,6 @@
 """The step traced, and what it costs on this machine: a training step and an evaluation batch traced operator by
-operator on fake tensors at a length near the run's mean (trainscope.trace, cached), each phase's operators at this
-machine's measured costs (trainscope.op_costs) with their power of the length, so that a phase's time follows at
+operator on fake tensors at a length near the run's mean (trainscope.predict.trace, cached), each phase's operators at this
+machine's measured costs (trainscope.predict.op_costs) with their power of the length, so that a phase's time follows at
 any length; and the machine's costs a step adds besides its operators (memory first touched, a large copy)."""
 
 import contextlib
@@ -13,9 +13,11 @@ import time
 
 import torch
 
-from trainscope import environment, op_costs, peak, trace
-from trainscope.predictor.workload import Workload
-from trainscope.records import write_json_atomic
+from trainscope.core import environment
+from trainscope.core.records import write_json_atomic
+from trainscope.measure import peak
+from trainscope.predict import op_costs, trace
+from trainscope.predict.workload import Workload
 
 VERSION = 1  # of the prediction block, and of the traces cached for it
 MIN_LENGTH = 8
@@ -24,7 +26,7 @@ MIN_LENGTH = 8
 def traced_length(mean: float, batch: int, avoid: set, limit: int | None = None) -> int:
     """A length near `mean`, at most `limit` (the positions the model embeds: a longer one cannot be traced), that,
     alone or times the batch, equals no other size of the model or batch (so its power in each shape can be read,
-    trainscope.trace.length_power): the nearest such length, above or below."""
+    trainscope.predict.trace.length_power): the nearest such length, above or below."""
     top = limit if limit is not None else math.inf
     start = min(max(MIN_LENGTH, int(round(mean))), top)
     for distance in range(int(max(start, 64))):
@@ -107,7 +109,7 @@ def traced_step(
     """The training step (`kind` "train") or evaluation batch ("eval") traced, or read from the cache of traces
     (`<cache>/predict/traces/`) when it was traced before with the same model, settings, shapes and versions and
     every operator's cost is known here."""
-    from trainscope import modeling
+    from trainscope.workload import modeling
 
     settings = settings or workload.settings
     label_names = label_names or workload.label_names
@@ -174,7 +176,7 @@ TRACE_SETTINGS = (
 @contextlib.contextmanager
 def quiet_fake_tensors():
     """torch's fake-tensor mode logs, with its traceback, every operator that fails on fake tensors before raising
-    the error: the error is what the prediction reports (one line, trainscope.errors.one_line), not the log."""
+    the error: the error is what the prediction reports (one line, trainscope.core.errors.one_line), not the log."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)

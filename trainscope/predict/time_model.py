@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 
-from trainscope import trace
-from trainscope.predictor.step import PhaseModel, copy_seconds_per_byte, first_touch_seconds_per_byte, phase_models
-from trainscope.predictor.workload import Batches, Workload
+from trainscope.predict import trace
+from trainscope.predict.step import PhaseModel, copy_seconds_per_byte, first_touch_seconds_per_byte, phase_models
+from trainscope.predict.workload import Batches, Workload
 
 
 @dataclasses.dataclass

@@ -2,9 +2,9 @@
 memory the step holds -- with nothing allocated and nothing computed.
 
 The model is built from its configuration on the meta device, with LoRA and activation checkpointing applied as
-trainscope.modeling applies them, and its parameters become fake tensors of the run's device (torch's
+trainscope.workload.modeling applies them, and its parameters become fake tensors of the run's device (torch's
 FakeTensorMode, the mode torch.distributed._tools' RuntimeEstimator and MemTracker work under). Then a step runs as
-trainscope.loop.train_step runs it: the forward (under autocast in mixed precision), the float cross-entropy and
+trainscope.run.loop.train_step runs it: the forward (under autocast in mixed precision), the float cross-entropy and
 backward, gradient clipping, AdamW's step and zero_grad; the optimizer's step twice, because the first creates the
 optimizer state and the second is a steady one. The kernels dispatched are the run's own: on a CPU, SDPA in training with
 attention dropout takes the math path (softmax probabilities and dropout masks of batch x heads x length^2 kept for
@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 VERSION = 2  # bump when what a trace holds changes (cached traces of another version are traced again)
 aten = torch.ops.aten
-GEMMS = (aten.mm, aten.addmm)  # plain matrix products: the machine's measured peak applies (trainscope.peak)
+GEMMS = (aten.mm, aten.addmm)  # plain matrix products: the machine's measured peak applies (trainscope.measure.peak)
 MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_PHASES = ("optimizer", "optimizer_first")  # a steady step's, the first step's
 
@@ -154,7 +154,7 @@ def is_tensor_spec(value) -> bool:
 # drew, for backward to draw the same mask) and the inputs that take it back. Fake tensors put them on the device
 # where the real kernels keep them on the host outside CUDA graphs (torch._subclasses.fake_utils.is_sdpa_error), and
 # their values are the generator's, not data: an operator taking them is timed with the state a real call of the
-# operator that made it returns (trainscope.op_costs).
+# operator that made it returns (trainscope.predict.op_costs).
 RNG_STATE_NAMES = frozenset({"philox_seed", "philox_offset", "rng_state"})
 
 
@@ -384,8 +384,7 @@ def trace_training(
     every size of the model and batch besides the length (so each tensor's power of the length can be read)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainscope.loop import classification_loss
-    from trainscope.modeling import optimizer_groups
+    from trainscope.workload.modeling import classification_loss, optimizer_groups
 
     model = build_model()
     fake_mode = FakeTensorMode()
@@ -469,7 +468,7 @@ def _training_trace(
 def trace_evaluation(
     build_model, input_names, batch: int, length: int, precision: str, device: torch.device, avoid: set = frozenset()
 ) -> Trace:
-    """One evaluation batch as trainscope.loop.evaluate_split runs it: forward without gradients in eval mode, the
+    """One evaluation batch as trainscope.run.loop.evaluate_split runs it: forward without gradients in eval mode, the
     per-sample loss and the argmax."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -1,5 +1,5 @@
 """Report inputs and the rows every section shares: pure functions from run records (read through
-trainscope.record_view) and results to table rows. No plotting and no I/O, except `collect`, which finds
+trainscope.core.record_view) and results to table rows. No plotting and no I/O, except `collect`, which finds
 and reads the inputs: every record and results file it reads is listed with its sha256 (the report's
 provenance), and what it cannot use is skipped with a one-line reason.
 
@@ -18,10 +18,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainscope.paths import ROOT
-from trainscope.record_view import Machine, RunView, results_machine
-from trainscope.records import read_record, read_steps
-from trainscope.timing import CATEGORIES, STAGES
+from trainscope.core.paths import ROOT
+from trainscope.core.record_view import Machine, RunView, results_machine
+from trainscope.core.records import read_record, read_steps
+from trainscope.measure.timing import CATEGORIES, STAGES
 
 
 @dataclass(frozen=True)
@@ -141,10 +141,10 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict)
 
 
 def rejudged(comparison: dict, records: dict) -> dict:
-    """The comparison with every arm's speed judged again by today's test (trainscope.bench) from the runs'
+    """The comparison with every arm's speed judged again by today's test (trainscope.measure.bench) from the runs'
     own records, when they are all there: a committed comparison made under an older rule reads the same
     as a new one. An arm whose runs are missing keeps the verdict it was written with."""
-    from trainscope import bench
+    from trainscope.measure import bench
 
     arms = comparison.get("arms") if isinstance(comparison, dict) else None
     baseline = (arms or {}).get(comparison.get("baseline"), {}) if arms else {}

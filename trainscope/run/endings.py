@@ -5,9 +5,9 @@ import contextlib
 
 import torch
 
-from trainscope import liveness
-from trainscope.errors import Fault, UserError, exit_with, redacted_output
-from trainscope.run_metrics import NonFiniteLoss
+from trainscope.core import liveness
+from trainscope.core.errors import Fault, UserError, exit_with, redacted_output
+from trainscope.run.metrics import NonFiniteLoss
 
 
 class Ending:

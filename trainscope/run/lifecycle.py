@@ -15,13 +15,15 @@ from datetime import timedelta
 import torch
 from tqdm.auto import tqdm
 
-from trainscope import checkpoints, health, provenance, trackers
-from trainscope.data import dropped_rows_lines
-from trainscope.distributed import shut_down
-from trainscope.errors import Fault, one_line, report
-from trainscope.liveness import explain_collective_failure, lost_a_peer, root_cause
-from trainscope.records import RunRecord, now_iso, read_record, write_prepared
-from trainscope.run_metrics import table_lines
+from trainscope.core import provenance
+from trainscope.core.distributed import shut_down
+from trainscope.core.errors import Fault, one_line, report
+from trainscope.core.liveness import explain_collective_failure, lost_a_peer, root_cause
+from trainscope.core.records import RunRecord, now_iso, read_record, write_prepared
+from trainscope.measure import health
+from trainscope.run import checkpoints, trackers
+from trainscope.run.metrics import table_lines
+from trainscope.workload.data import dropped_rows_lines
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # How long a watched peer may stay silent before the heartbeat thread writes the failure on its own. Longer

@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainscope.timing import PHASES
+from trainscope.measure.timing import PHASES
+from trainscope.workload.modeling import classification_loss
 
-METRIC_MODULE = str(Path(__file__).parent / "metrics" / "classification")
+METRIC_MODULE = str(Path(__file__).parents[1] / "workload" / "metrics" / "classification")
 
 
 def train_step(
@@ -19,7 +20,7 @@ def train_step(
     gradients synchronize (Accelerate skips the step inside an accumulation window).
 
     `stage` is the timer (`with stage("forward"): ...`); `skips` a precision.SkippedSteps; `communication`
-    (trainscope.communication) stamps a synchronizing backward's end the moment `accelerator.backward`
+    (trainscope.measure.communication.measured) stamps a synchronizing backward's end the moment `accelerator.backward`
     returns, DDP's all-reduces done: the exposed communication of the step, measured on the step itself.
     Returns (loss, labels), still on the device: reading the loss is left to log steps.
     """
@@ -46,11 +47,6 @@ def train_step(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
     return loss.detach(), labels
-
-
-def classification_loss(logits, labels):
-    """Cross-entropy in fp32, whatever precision the logits come in."""
-    return F.cross_entropy(logits.float(), labels)
 
 
 # micro-batches whose sequence lengths wait, at most, before they are summed on the device
@@ -110,7 +106,7 @@ class LoopState:
         return skip
 
     def add_micro_batch(self, phase: str, loss, facts, flops: int | None):
-        """One trained micro-batch; `facts` (trainscope.flops_source.BatchFacts): its samples, and its tokens from its
+        """One trained micro-batch; `facts` (trainscope.measure.flops_source.BatchFacts): its samples, and its tokens from its
         attention mask (on the device: read at log steps), from its (batch, length) layout, or as given."""
         samples = facts.samples
         counts = self.counts[phase]

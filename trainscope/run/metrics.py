@@ -3,7 +3,7 @@
 It owns the stage timer, the loop's counters, the communication measurement, the profiler and memory
 snapshot windows, the content of the step lines, the summary with its health warnings, and the
 end-of-run table. Writing the record, trackers, checkpoints, signals and the run's ending live beside
-it in trainscope.lifecycle. A new measurement (a block of the summary, a column of the step line) goes
+it in trainscope.run.lifecycle. A new measurement (a block of the summary, a column of the step line) goes
 here or into a module this one calls, never into train.py.
 
     metrics = RunMetrics(accelerator, started, plan, model_config, scheduler, prediction)
@@ -19,36 +19,21 @@ from dataclasses import asdict
 import torch
 from accelerate.utils import gather_object
 
-from trainscope import (
-    communication,
-    communication_block,
-    environment,
-    flops_source,
-    gap,
-    health,
-    modeling,
-    peak,
-    precision,
-    predict,
-    profiling,
-    summary,
-    unpad,
-)
-from trainscope.flops import (
-    FULL,
-    encoder_shape,
-    mfu,
-    recomputed_flops,
-    training_of,
-)
-from trainscope.flops_source import BatchFacts
-from trainscope.loop import LoopState
-from trainscope.memory import GIB, peak_rss_bytes
-from trainscope.precision import SkippedSteps, effective_precision
-from trainscope.profiling import build_memory_snapshot, build_profiler
-from trainscope.record_view import RunView
-from trainscope.records import now_iso
-from trainscope.timing import PHASES, STAGES, StageTimer, make_clock
+from trainscope import predict
+from trainscope.core import environment, precision
+from trainscope.core.precision import SkippedSteps, effective_precision
+from trainscope.core.record_view import RunView
+from trainscope.core.records import now_iso
+from trainscope.measure import flops_source, gap, health, peak, profiling, summary
+from trainscope.measure.communication import block as communication_block
+from trainscope.measure.communication import measured as communication
+from trainscope.measure.flops import FULL, encoder_shape, mfu, recomputed_flops, training_of
+from trainscope.measure.flops_source import BatchFacts
+from trainscope.measure.memory import GIB, peak_rss_bytes
+from trainscope.measure.profiling import build_memory_snapshot, build_profiler
+from trainscope.measure.timing import PHASES, STAGES, StageTimer, make_clock
+from trainscope.run.loop import LoopState
+from trainscope.workload import modeling, unpad
 
 
 class NonFiniteLoss(RuntimeError):
@@ -88,8 +73,10 @@ class RunMetrics:
         self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
         self._evaluated = False  # an evaluation ran (with --compile the first one compiles)
         self.prediction = predict.Check(prediction, self.settings)  # the measured side of each predicted term
-        self.training = FULL  # what the step trains, for its model FLOPs (trainscope.flops): read from the model
-        # where the model FLOPs come from: a formula, the user's figure, or FlopCounterMode once (trainscope.flops_source)
+        self.training = (
+            FULL  # what the step trains, for its model FLOPs (trainscope.measure.flops): read from the model
+        )
+        # where the model FLOPs come from: a formula, the user's figure, or FlopCounterMode once (trainscope.measure.flops_source)
         self.flops = flops_source.source_for(model_config, flops, self.settings.unpad, lambda: self.training)
 
     # ---------------------------------------------------------------- before the loop
@@ -111,7 +98,7 @@ class RunMetrics:
 
     def environment(self) -> dict:
         """The record's environment block: what the run really ran on and in (read once, after attach), with this
-        machine's measured matmul peak (trainscope.peak: cached, or measured now by every local process at once)."""
+        machine's measured matmul peak (trainscope.measure.peak: cached, or measured now by every local process at once)."""
         effective = effective_precision(self.accelerator)
         self.env = {
             **environment.describe(self.accelerator, effective, self.started.threads),
@@ -369,7 +356,7 @@ class RunMetrics:
         }
 
     def _model_flops(self, throughput: dict, world: int) -> dict:
-        """What the model FLOPs count (trainscope.flops): the share of the encoder's matmul weights trained, LoRA's
+        """What the model FLOPs count (trainscope.measure.flops): the share of the encoder's matmul weights trained, LoRA's
         adapters, whether the first layer's input gets a gradient; and what activation checkpointing recomputed,
         per device and second, which the model FLOPs leave out (as PaLM's MFU)."""
         wall = throughput.get("train_wall_s") or 0.0
@@ -448,7 +435,7 @@ class RunMetrics:
 
 
 def real_token_throughput(throughput: dict, source, ranks: int) -> dict:
-    """The useful work beside the work done: training FLOPs on real tokens only (trainscope.flops.real_training_flops)
+    """The useful work beside the work done: training FLOPs on real tokens only (trainscope.measure.flops.real_training_flops)
     per device per second, and the share of the counted FLOPs that went to padding positions (all of padding's with
     padded layers; attention's on the padded layout with --unpad). None where the model's shape is unknown."""
     real = source.real(throughput.get("tokens"), throughput.get("squares"))
@@ -469,10 +456,10 @@ def measured_peak(
     model_flops: dict | None = None,
 ) -> dict | None:
     """The run against its machine's measured matmul peak for the precision in effect: the achieved model TFLOP/s
-    (PaLM, frozen weights without weight gradients: trainscope.flops) per device as a share of that peak -- named
+    (PaLM, frozen weights without weight gradients: trainscope.measure.flops) per device as a share of that peak -- named
     apart from the datasheet MFU -- what the hardware executed (the model FLOPs and checkpointing's recomputation,
     `executed_tflops`: what the above_measured_peak check holds against the peak), the gap estimate without a
-    profile (trainscope.gap.estimate), and the rates and the layer measured at the run's own shapes (`run_shapes`).
+    profile (trainscope.measure.gap.estimate), and the rates and the layer measured at the run's own shapes (`run_shapes`).
     None when no peak was measured for that precision."""
     precision_name = env.get("effective_precision") or "fp32"
     found = peak.peak_of(env.get("machine_peak"), precision_name)

@@ -7,7 +7,6 @@ Every script that trains calls `start` first, so all of them run under the same 
 
 import contextlib
 import dataclasses
-import math
 import os
 import shutil
 import socket
@@ -32,10 +31,12 @@ from accelerate.utils import (
     set_seed,
 )
 
-from trainscope import checkpoints, environment, modeling, precision, trackers
-from trainscope.errors import UserError
-from trainscope.liveness import PeerWatch
-from trainscope.settings import Settings
+from trainscope.core import environment, precision
+from trainscope.core.errors import UserError
+from trainscope.core.liveness import PeerWatch
+from trainscope.core.settings import Settings
+from trainscope.run import checkpoints, trackers
+from trainscope.workload import modeling
 
 
 @dataclass
@@ -311,7 +312,7 @@ def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
 
 
 def ddp_kwargs(settings: Settings) -> DistributedDataParallelKwargs:
-    """The DDP flags of --ddp-*; the compression hook is registered by trainscope.communication."""
+    """The DDP flags of --ddp-*; the compression hook is registered by trainscope.measure.communication.measured."""
     options = {
         "gradient_as_bucket_view": settings.ddp_gradient_as_bucket_view,
         "static_graph": settings.ddp_static_graph,
@@ -361,26 +362,6 @@ def eager_random_numbers() -> None:
 
 def pin_memory(settings: Settings, on_cuda: bool) -> bool:
     return on_cuda if settings.pin_memory is None else settings.pin_memory
-
-
-def plan_steps(settings: Settings, train_rows: int, processes: int) -> dict:
-    """Optimizer steps, steps per epoch, epochs and the global batch of a run (pure)."""
-    batches = math.ceil(train_rows / settings.per_device_batch_size)
-    if batches < processes:
-        raise UserError(
-            f"{train_rows} training rows make {batches} batches of {settings.per_device_batch_size}, "
-            f"fewer than the {processes} processes: lower --per-device-batch-size or use more data"
-        )
-    steps_per_epoch = math.ceil(
-        math.ceil(train_rows / (settings.per_device_batch_size * processes)) / settings.gradient_accumulation_steps
-    )
-    total = settings.max_steps or settings.epochs * steps_per_epoch
-    return {
-        "optimizer_steps": total,
-        "steps_per_epoch": steps_per_epoch,
-        "epochs": math.ceil(total / steps_per_epoch),
-        "global_batch_size": settings.per_device_batch_size * processes * settings.gradient_accumulation_steps,
-    }
 
 
 def device_loader_options(settings: Settings, accelerator) -> dict:

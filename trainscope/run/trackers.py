@@ -9,7 +9,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from trainscope.records import scrub
+from trainscope.core.records import scrub
 
 WANDB_DEFAULT_HOST = "https://api.wandb.ai"
 

@@ -17,10 +17,10 @@ from datasets.arrow_writer import SchemaInferenceError
 from datasets.fingerprint import Hasher
 from transformers import DataCollatorWithPadding
 
-from trainscope import embedded, hub
-from trainscope.errors import UserError
-from trainscope.records import redact
-from trainscope.settings import EMBEDDED_DATASET
+from trainscope.core.errors import UserError
+from trainscope.core.records import redact
+from trainscope.core.settings import EMBEDDED_DATASET
+from trainscope.workload import embedded, hub
 
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "tweet", "document", "comment", "body")
 TEXT_PAIRS = (

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from trainscope.core.paths import cache_dir
+
 SOURCE = Path(__file__).parent / "native" / "mt19937_bernoulli.c"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in KINDS}
@@ -126,8 +128,6 @@ def _key_facts(compiler: str) -> dict:
 
 
 def _library_path(compiler: str) -> Path:
-    from trainscope.peak import cache_dir
-
     digest = hashlib.sha256(json.dumps(_key_facts(compiler), sort_keys=True).encode()).hexdigest()
     return cache_dir() / "native" / f"mt19937_bernoulli-{digest[:16]}.so"
 
@@ -222,7 +222,7 @@ def _child(path: str) -> int:
     return 0
 
 
-CHILD = "import sys; sys.path.insert(0, sys.argv[1]); from trainscope.dropout_draws import _child; sys.exit(_child(sys.argv[2]))"
+CHILD = "import sys; sys.path.insert(0, sys.argv[1]); from trainscope.workload.dropout_draws import _child; sys.exit(_child(sys.argv[2]))"
 
 
 def _check_in_child(library: Path) -> dict:
@@ -230,7 +230,7 @@ def _check_in_child(library: Path) -> dict:
     a crash ends the child, not this process: the verdict, as the marker keeps it."""
     verdict = {"verdict": "failed", "dtypes": [], "why": None, "returncode": None, "signal": None}
     verdict.update(library=library.name, sha256=_digest(library), torch=str(torch.__version__))
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     try:
         done = subprocess.run(
             [sys.executable, "-c", CHILD, root, str(library)],

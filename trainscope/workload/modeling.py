@@ -6,14 +6,14 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from trainscope import embedded, hub, unpad
-from trainscope.errors import UserError
-from trainscope.flops import shape_facts
-from trainscope.layers import transformer_layer_classes
-from trainscope.records import redact
-from trainscope.settings import EMBEDDED_MODEL
+from trainscope.core.errors import UserError
+from trainscope.core.records import redact
+from trainscope.core.settings import EMBEDDED_MODEL
+from trainscope.workload import embedded, hub, unpad
+from trainscope.workload.layers import shape_facts, transformer_layer_classes
 
 TINY_MODEL = "embedded:tiny-bert"
 EMBEDDED_MODELS = (EMBEDDED_MODEL, TINY_MODEL)
@@ -280,7 +280,7 @@ def model_config(settings, label_names: list[str]):
 
 def build_architecture(settings, label_names: list[str], config=None):
     """The model build_model makes, from its configuration alone (no weights are read), on torch's current default
-    device: the predictor builds it on the meta device (trainscope.trace). Pretrained weights keep the dtype their
+    device: the predictor builds it on the meta device (trainscope.predict.trace). Pretrained weights keep the dtype their
     configuration names, as from_pretrained's dtype="auto" does. `config`: another configuration to build."""
     config = config if config is not None else model_config(settings, label_names)
     pretrained = not (settings.architecture_only or settings.model == TINY_MODEL)
@@ -437,3 +437,8 @@ def build_scheduler(settings, optimizer, training_steps: int, warmup_steps: int)
         return max(0.0, 1.0 - progress)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def classification_loss(logits, labels):
+    """Cross-entropy in fp32, whatever precision the logits come in."""
+    return F.cross_entropy(logits.float(), labels)

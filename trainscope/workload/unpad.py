@@ -19,13 +19,13 @@ Same result, to the precision's rounding:
   with the random numbers the padded model's dropout draws, in the same order, and keeps the real rows. The
   generator advances exactly as in the padded model, so the embeddings', the classifier's and the next step's
   draws match too. On a CPU the masks -- the attention's (B, H, T, T) included, then applied by the eager
-  attention's steps -- come from trainscope.dropout_draws, torch's bernoulli_ loop made faster and checked
+  attention's steps -- come from trainscope.workload.dropout_draws, torch's bernoulli_ loop made faster and checked
   against it before use; torch draws them where that check fails or the loop cannot be built.
 What differs is the order of floating-point sums (matmuls over N rows instead of B x T, gradient sums without the
 padding's exact zeros). The last hidden state at padding positions is zero (the padded model's is meaningless
 there); the classifier reads the first token, which is real with right padding.
 
-Applied by trainscope.modeling after LoRA and checkpointing (a layer's checkpointed recompute draws the same masks:
+Applied by trainscope.workload.modeling after LoRA and checkpointing (a layer's checkpointed recompute draws the same masks:
 torch.utils.checkpoint restores the generator). Not measured on a GPU: the index of the real tokens (`nonzero`) is a
 device sync there.
 """
@@ -41,8 +41,8 @@ from torch.profiler import record_function
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from trainscope import dropout_draws
-from trainscope.errors import UserError
+from trainscope.core.errors import UserError
+from trainscope.workload import dropout_draws
 
 # model_type -> the name of the encoder model inside the task model (BERT's layout: embeddings, encoder.layer[i] with
 # attention.self.{query,key,value}, attention.output, intermediate, output).
@@ -158,7 +158,7 @@ def apply(model, tokenizer=None) -> dict:
 
 @contextlib.contextmanager
 def probing(model, batch: int, length: int, device: torch.device):
-    """One padding-free layer run outside the model's forward (trainscope.profiling.layer_breakdown, which feeds a
+    """One padding-free layer run outside the model's forward (trainscope.measure.profiling.layer_breakdown, which feeds a
     layer (probe batch, probe length, width)): inside, the layers take `batch` sequences of `length` real tokens and
     no padding, fed as (1, batch x length, width). Yields that probe's (batch, length): (1, batch x length)."""
     layout = next(m.unpad_layout for m in model.modules() if hasattr(m, "unpad_layout"))
@@ -243,7 +243,7 @@ def _self_attention_forward(layout: Layout):
 
 
 def _attention_drawn(query, key, value, attention_mask, scaling: float, p: float, implementation: str):
-    """Attention on the padded layout with its dropout mask drawn by trainscope.dropout_draws, in the steps and the
+    """Attention on the padded layout with its dropout mask drawn by trainscope.workload.dropout_draws, in the steps and the
     precision of the kernel the padded model runs, its mask the one that kernel draws (`empty_like(weights).
     bernoulli_(1 - p)` on the (B, H, T, T) weights, then divided by 1 - p and multiplied: aten's _dropout_impl).
 
@@ -279,7 +279,7 @@ def _weights_then_values(scores, value, attention_mask, p: float):
 
 
 def _span(name: str):
-    """A named span for the profiler, so that the gap table (trainscope.gap) files the work inside under what it
+    """A named span for the profiler, so that the gap table (trainscope.measure.gap) files the work inside under what it
     serves -- the loop's draw is no aten operator, and the mask's multiply would be a generic one -- as it files
     the padded model's aten::dropout and attention kernel. None while torch.compile traces."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else record_function(name)

@@ -1,4 +1,4 @@
-"""The dropout loop's draw (trainscope.dropout_draws) against torch's bernoulli_: nanoseconds an element.
+"""The dropout loop's draw (trainscope.workload.dropout_draws) against torch's bernoulli_: nanoseconds an element.
 
 Two arms, each one draw of --elements elements a pair, the pairs in alternating order (bench.alternate):
 
@@ -25,7 +25,7 @@ the dropout loop is single-threaded) and the number in effect is recorded, with 
 native bf16) and `dropout_draws.status(cpu)`. Where the loop is not used here (`drawn_here` false), only torch's
 arm is timed and the result says why in one line.
 
-    python -m trainscope.benchmarks.dropout_draw [--elements 10000000] [--pairs 7] [--dtype float32]
+    python -m trainscope.experiments.benchmarks.dropout_draw [--elements 10000000] [--pairs 7] [--dtype float32]
 
 Writes benchmarks/dropout_draw.{json,md}.
 """
@@ -41,9 +41,11 @@ from pathlib import Path
 
 import torch
 
-from trainscope import bench, dropout_draws, environment, precision
-from trainscope.paths import ROOT
-from trainscope.tables import Table, spread_cell
+from trainscope.core import environment, precision
+from trainscope.core.paths import ROOT
+from trainscope.measure import bench
+from trainscope.report.tables import Table, spread_cell
+from trainscope.workload import dropout_draws
 
 CPU = torch.device("cpu")
 DTYPES = {name: dtype for dtype, name in dropout_draws.NAMES.items()}

@@ -3,9 +3,9 @@
 Both are launched by the README's command (`accelerate launch`, pinned to one process: on a multi-GPU
 host a launch without a config runs on every GPU, and the bare loop would print one rank's samples/s
 against train.py's global figure). The bare loop is train.py's run less its instruments: the same start-up
-(trainscope.startup: thread budget, seed, TF32, sequence limit, the Accelerator with its accumulation,
+(trainscope.run.startup: thread budget, seed, TF32, sequence limit, the Accelerator with its accumulation,
 precision and compile), the same builders (tokenizer, data, model, loaders with train.py's padding and pinning,
-optimizer, scheduler), the same prepare(), the same step (trainscope.loop.train_step, its stage timer a stage
+optimizer, scheduler), the same prepare(), the same step (trainscope.run.loop.train_step, its stage timer a stage
 that does nothing) over the same epochs, and the same evaluations, outside the timed window in both. It has no
 timer, no per-stage memory reads, no predictor or matmul-peak measurement, no record, no step lines, no progress
 bar and no stop votes. Both time the same window: the steps after --timing-warmup-steps, the device synchronized
@@ -15,7 +15,7 @@ steady-state training samples/s with their range and a verdict. On CUDA a third 
 per-stage allocator peaks at every step (--memory-every 1), to show what they cost (`--modes` picks the
 arms). A target is said met or not only with at least bench.MIN_PAIRS rounds (`meets_target` is null below).
 
-    python -m trainscope.benchmarks.overhead [--pairs 5] [--modes events sync memory-every-step] [train.py flags]
+    python -m trainscope.experiments.benchmarks.overhead [--pairs 5] [--modes events sync memory-every-step] [train.py flags]
 
 Writes benchmarks/timing_overhead.{json,md}.
 """
@@ -31,11 +31,13 @@ from pathlib import Path
 
 import torch
 
-from trainscope import bench, launching
-from trainscope.paths import ROOT
-from trainscope.record_view import RunView
-from trainscope.records import read_record
-from trainscope.tables import Table, num
+from trainscope.core import launching
+from trainscope.core.paths import ROOT
+from trainscope.core.record_view import RunView
+from trainscope.core.records import read_record
+from trainscope.core.settings import plan_steps
+from trainscope.measure import bench
+from trainscope.report.tables import Table, num
 
 # The embedded tiny model (2 layers, hidden 32): steps of a few milliseconds, the host-bound regime of a small model on a
 # GPU, where the instruments' own host work is the largest share of a step it can be. One thread: that regime's host is
@@ -83,12 +85,13 @@ def unmeasured(stage: str):
 def bare_loop(argv: list[str]) -> None:
     """train.py's run without its instruments (see the module's docstring: what both arms share, what only train.py
     does); prints the steady window's training samples/s, samples and optimizer steps as JSON."""
-    from trainscope import dropout_draws, startup
-    from trainscope.data import build_dataloaders, load_classification_data
-    from trainscope.loop import evaluate_split, load_metric, train_step
-    from trainscope.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
-    from trainscope.settings import parse_settings
-    from trainscope.timing import synchronizer
+    from trainscope.core.settings import parse_settings
+    from trainscope.measure.timing import synchronizer
+    from trainscope.run import startup
+    from trainscope.run.loop import evaluate_split, load_metric, train_step
+    from trainscope.workload import dropout_draws
+    from trainscope.workload.data import build_dataloaders, load_classification_data
+    from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
 
     (settings,) = parse_settings(argv=argv)
     refused = [flag for name, flag in BARE_REFUSES.items() if getattr(settings, name)]
@@ -99,7 +102,7 @@ def bare_loop(argv: list[str]) -> None:
         settings = started.settings  # --max-seq-length clamped to the model's limit, as train.py's
         tokenizer = build_tokenizer(settings)
         data = load_classification_data(settings, tokenizer, started.state.main_process_first)
-        plan = startup.plan_steps(settings, len(data.train), started.state.num_processes)
+        plan = plan_steps(settings, len(data.train), started.state.num_processes)
         if settings.timing_warmup_steps >= plan["optimizer_steps"]:
             raise SystemExit(
                 f"error: --timing-warmup-steps {settings.timing_warmup_steps} leaves none of the "
@@ -185,8 +188,8 @@ def instruments_alone(argv: list[str]) -> None:
     import torch
     from accelerate import Accelerator
 
+    from trainscope.core.settings import parse_settings
     from trainscope.instrument import Run
-    from trainscope.settings import parse_settings
 
     (settings,) = parse_settings(argv=argv)
     if settings.threads.isdigit():
@@ -220,7 +223,7 @@ def instruments_alone(argv: list[str]) -> None:
 def child_run(flag: str, what: str, train_args: list[str]) -> dict:
     """This module as a child by the README's launcher (`--bare`: the bare loop, `--alone`: the instruments alone);
     the JSON its last line prints."""
-    command = [*launching.accelerate_launch(), "-m", "trainscope.benchmarks.overhead", flag, *train_args]
+    command = [*launching.accelerate_launch(), "-m", "trainscope.experiments.benchmarks.overhead", flag, *train_args]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise SystemExit(f"error: {what} failed: {launching.failure_reason(result)}")
@@ -346,7 +349,7 @@ def markdown(report: dict) -> list[str]:
         f"{', '.join(map(str, report['threads']))}; verdicts: {bench.METHOD}.",
         "",
         "The bare loop is train.py's run less its instruments: the same start-up, builders, loaders (padding, "
-        "pinning, sampler), optimizer, scheduler, step (trainscope.loop.train_step: accumulation, clipping, fp32 loss) "
+        "pinning, sampler), optimizer, scheduler, step (trainscope.run.loop.train_step: accumulation, clipping, fp32 loss) "
         "and evaluations; both time the steps after the warm-up steps, evaluation taken out.",
         "",
         *table.markdown_lines(),

@@ -2,7 +2,7 @@
 
 Three arms, all launched the way a user launches them and all with trainscope's thread budget:
 
-  trainer      `accelerate launch -m trainscope.benchmarks.trainer_peer --trainer` (a Trainer script)
+  trainer      `accelerate launch -m trainscope.experiments.benchmarks.trainer_peer --trainer` (a Trainer script)
   accelerate   `accelerate launch [--config_file C] train.py`  (the README's command)
   python       `python train.py`
 
@@ -12,7 +12,7 @@ the benchmark checks it by comparing the non-padding tokens of every logged inte
 reports steady-state training samples/s and tokens/s (first --timing-warmup-steps excluded, no
 evaluation). Rounds alternate the order of the arms; the verdicts come from per-round ratios.
 
-    python -m trainscope.benchmarks.trainer_peer [--pairs 5] [--precision bf16] [train.py flags]
+    python -m trainscope.experiments.benchmarks.trainer_peer [--pairs 5] [--precision bf16] [train.py flags]
 
 Writes benchmarks/trainer_peer.{json,md}.
 """
@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from trainscope import bench, launching
-from trainscope.paths import ROOT
-from trainscope.record_view import RunView
-from trainscope.records import read_record, read_steps
-from trainscope.tables import Table, spread_cell
+from trainscope.core import launching
+from trainscope.core.paths import ROOT
+from trainscope.core.record_view import RunView
+from trainscope.core.records import read_record, read_steps
+from trainscope.measure import bench
+from trainscope.report.tables import Table, spread_cell
 
 DEFAULT_ARGS = [
     "--max-train-samples",
@@ -62,10 +63,10 @@ GOAL = 1.05  # train.py by its documented launcher against the Trainer
 
 def trainer_loop(argv: list[str], precision: str) -> None:
     """Fine-tune with transformers.Trainer on train.py's own loader; print steady-state figures as JSON."""
-    from trainscope import startup
-    from trainscope.data import build_dataloaders, load_classification_data
-    from trainscope.modeling import build_model, build_tokenizer
-    from trainscope.settings import parse_settings
+    from trainscope.core.settings import parse_settings
+    from trainscope.run import startup
+    from trainscope.workload.data import build_dataloaders, load_classification_data
+    from trainscope.workload.modeling import build_model, build_tokenizer
 
     (settings,) = parse_settings(argv=argv)
     startup.configure_process(settings)  # the same thread budget as train.py
@@ -178,7 +179,7 @@ def run_trainer(train_args: list[str], precision: str, config: str | None) -> di
     command = [
         *launching.accelerate_launch(config),
         "-m",
-        "trainscope.benchmarks.trainer_peer",
+        "trainscope.experiments.benchmarks.trainer_peer",
         "--trainer",
         "--precision",
         precision,

@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 from transformers.hf_argparser import HfArg
 
-from trainscope import bench, environment, launching
-from trainscope.communication import INTERCONNECTS, ring_allreduce_seconds
-from trainscope.errors import UserError
-from trainscope.experiments.data_parallel import figure, projection_table, results_table
-from trainscope.memory import GIB, CudaMemoryProbe, peak_rss_bytes
-from trainscope.record_view import RunView
-from trainscope.records import read_record, write_text_atomic
-from trainscope.tables import save_figure
+from trainscope.core import environment, launching
+from trainscope.core.errors import UserError
+from trainscope.core.record_view import RunView
+from trainscope.core.records import read_record, write_text_atomic
+from trainscope.experiments.data_parallel.results import figure, projection_table, results_table
+from trainscope.measure import bench
+from trainscope.measure.communication.measured import INTERCONNECTS, ring_allreduce_seconds
+from trainscope.measure.memory import GIB, CudaMemoryProbe, peak_rss_bytes
+from trainscope.report.tables import save_figure
 
 # Published multi-node data-parallel scaling, for scale: NVIDIA NeMo, 4B-parameter BERT on a DGX
 # SuperPOD (8 x A100 80GB per node), tokens/s relative to one node.

@@ -1,11 +1,12 @@
 """nn.DataParallel against DDP (compare_dp.py, `make compare-dp`): the rows, figure and tables its results
 file gives, shared by the script (its own Markdown and LaTeX) and the report's section."""
 
-from trainscope import bench, reporting
+from trainscope.core.record_view import machines_text, results_machine
 from trainscope.experiments.base import Experiment, verdicts_text
-from trainscope.record_view import machines_text, results_machine
-from trainscope.reporting import Headline
-from trainscope.tables import Table, num, pyplot, ranged
+from trainscope.measure import bench
+from trainscope.report import inputs as reporting
+from trainscope.report.inputs import Headline
+from trainscope.report.tables import Table, num, pyplot, ranged
 
 VARIANTS = (("single", "single device"), ("data_parallel", "nn.DataParallel"), ("ddp", "DDP"))
 

@@ -1,11 +1,12 @@
 """The DataLoader num_workers sweep (loaders_bench.py, `make sweep-workers`): its figure, tables and report
 section. The script writes <results>/loaders/loaders.json; the report and the script draw the same rows."""
 
-from trainscope import bench, reporting
+from trainscope.core.record_view import LoaderSweepView
 from trainscope.experiments.base import Experiment
-from trainscope.record_view import LoaderSweepView
-from trainscope.reporting import Headline
-from trainscope.tables import Table, num, pyplot
+from trainscope.measure import bench
+from trainscope.report import inputs as reporting
+from trainscope.report.inputs import Headline
+from trainscope.report.tables import Table, num, pyplot
 
 PYTORCH_DEFAULT_WORKERS = 0
 

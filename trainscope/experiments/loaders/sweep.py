@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 from transformers.hf_argparser import HfArg
 
-from trainscope import bench, environment
-from trainscope.data import labelled_splits
-from trainscope.errors import UserError
-from trainscope.experiments.loaders import PYTORCH_DEFAULT_WORKERS, curve_name, figure, knee_table, knee_verdict
-from trainscope.record_view import LoaderSweepView
-from trainscope.records import write_text_atomic
-from trainscope.settings import Settings
-from trainscope.tables import save_figure
+from trainscope.core import environment
+from trainscope.core.errors import UserError
+from trainscope.core.record_view import LoaderSweepView
+from trainscope.core.records import write_text_atomic
+from trainscope.core.settings import Settings
+from trainscope.experiments.loaders.results import PYTORCH_DEFAULT_WORKERS, curve_name, figure, knee_table, knee_verdict
+from trainscope.measure import bench
+from trainscope.report.tables import save_figure
+from trainscope.workload.data import labelled_splits
 
 MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
 MAX_WORKERS = 64
@@ -154,7 +155,7 @@ def settings_grid(sweep: SweepSettings, settings: Settings):
 
 def raw_training_rows(settings, data):
     """The training split as raw text rows (the same rows as the tokenized split) with a tokenizing collate."""
-    from trainscope.modeling import build_tokenizer
+    from trainscope.workload.modeling import build_tokenizer
 
     train = labelled_splits(settings).subset("train", settings)
     train = train.select_columns([*data.text_columns, data.label_column])
@@ -170,7 +171,7 @@ class InTraining:
     def __init__(self, settings, data, tokenizer, device):
         from accelerate import Accelerator, DataLoaderConfiguration
 
-        from trainscope.modeling import build_model, build_optimizer, build_scheduler
+        from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler
 
         self.settings = settings
         self.accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=device.type == "cuda"))
@@ -182,8 +183,8 @@ class InTraining:
 
     def measure(self, loader, steps) -> dict:
         """The data stage's share of `steps` steady training steps fed by `loader` (after 2 untimed ones)."""
-        from trainscope.loop import train_step
-        from trainscope.timing import StageTimer, make_clock
+        from trainscope.measure.timing import StageTimer, make_clock
+        from trainscope.run.loop import train_step
 
         loader = self.accelerator.prepare(loader)
         clock, _ = make_clock("sync", self.accelerator.device)

@@ -1,5 +1,5 @@
 """DDP communication's second instruments: DDP's own logger and the profiler's trace, read and judged against
-trainscope's figures (trainscope.communication) on the same steps, each judged by `agreement`, an equivalence
+trainscope's figures (trainscope.measure.communication.measured) on the same steps, each judged by `agreement`, an equivalence
 verdict on paired differences:
 
 * DDP's logger (`_get_ddp_logging_data()`): backward_comm_time - backward_compute_comm_overlap_time per rank

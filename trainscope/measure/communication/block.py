@@ -9,8 +9,8 @@ measured on each rank's own clock are compared, so ranks on different hosts are 
 
 import statistics
 
-from trainscope.communication import METHOD, bus_bandwidth_gbs
-from trainscope.communication_agreement import (
+from trainscope.core.record_view import hidden_share, resolved
+from trainscope.measure.communication.agreement import (
     by_iteration,
     ddp_agreement,
     median_interval,
@@ -18,7 +18,7 @@ from trainscope.communication_agreement import (
     trace_agreement,
     trace_figures,
 )
-from trainscope.record_view import hidden_share, resolved
+from trainscope.measure.communication.measured import METHOD, bus_bandwidth_gbs
 
 # A rank is a straggler when it is the last to arrive in most steps and the others wait more than this share of
 # a step for it.

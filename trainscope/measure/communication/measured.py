@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from trainscope.errors import UserError
-from trainscope.timing import EventClock, HostClock, synchronizer
+from trainscope.core.errors import UserError
+from trainscope.measure.timing import EventClock, HostClock, synchronizer
 
 METHOD = "direct"  # per step, at the events that bound it (schema 4); schema 3 records hold a two-pass estimate
 # DDP's runtime logger samples iterations 1-10 and then every DDP_SAMPLE_RATE-th (torch's default).
@@ -377,7 +377,7 @@ class Communication:
 
 def time_collective(collective, barrier, synchronize, clock=None, iterations: int = TRANSFER_ITERATIONS) -> float:
     """Seconds of one `collective()` after `barrier()`. On the host: one call between synchronizations. With a device
-    clock (CUDA events, trainscope.timing.EventClock): one warm-up call, then `iterations` calls back to back between
+    clock (CUDA events, trainscope.measure.timing.EventClock): one warm-up call, then `iterations` calls back to back between
     two events on the compute stream (each call's wait makes that stream wait for the communication stream),
     averaged: launches queue behind the device's work instead of being timed."""
     barrier()

@@ -3,9 +3,20 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainscope.pdf_layout import BODY, CODE, SMALL, Block, Canvas, Figure, Lines, PageBreak, TableBlock, table_blocks
-from trainscope.pdf_text import POINT, Font
-from trainscope.tables import Table, pyplot
+from trainscope.report.pdf.layout import (
+    BODY,
+    CODE,
+    SMALL,
+    Block,
+    Canvas,
+    Figure,
+    Lines,
+    PageBreak,
+    TableBlock,
+    table_blocks,
+)
+from trainscope.report.pdf.text import POINT, Font
+from trainscope.report.tables import Table, pyplot
 
 
 @dataclass

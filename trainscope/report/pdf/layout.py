@@ -3,8 +3,8 @@ itself and splits where a page ends."""
 
 from dataclasses import dataclass
 
-from trainscope.pdf_text import POINT, Font, plain, wrap, wrap_code
-from trainscope.tables import Table
+from trainscope.report.pdf.text import POINT, Font, plain, wrap, wrap_code
+from trainscope.report.tables import Table
 
 # ---------------------------------------------------------------- the PDF book: blocks laid out on pages
 

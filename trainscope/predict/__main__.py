@@ -1,0 +1,5 @@
+"""python -m trainscope.predict --calibrate: make predict-calibrate."""
+
+from trainscope.predict import main
+
+main()

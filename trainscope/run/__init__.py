@@ -1,0 +1,5 @@
+"""A training run: its start-up, its metrics component, its life (resume, checkpoints, signals, the endings) and
+the loop's shared step and counters.
+"""
+
+__all__ = ["startup", "metrics", "lifecycle", "checkpoints", "trackers", "endings", "loop"]
