@@ -398,7 +398,7 @@ def signal_at_training_batch(monkeypatch, batch: int, signum: int) -> list:
     handler is installed: the predictor collates batches of its own before the run starts). A signal whose handler
     is not the run's would end the test worker itself, so none is sent then: the test sees no interruption."""
     import trainscope.workload.data as data
-    from trainscope.run.lifecycle import StopSignals
+    from trainscope.run.signals import StopSignals
 
     build, loaded = data.build_collator, []
 

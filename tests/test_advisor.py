@@ -13,7 +13,7 @@ import report
 from trainscope.advice import advisor, changes
 from trainscope.core.record_view import RunView
 from trainscope.experiments import tuning as tune
-from trainscope.measure import flops, health
+from trainscope.measure import flops, machine_kinds
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval", "other")
 SHAPE = {"layers": 6, "hidden": 384, "intermediate": 1536}  # MiniLM-L6
@@ -493,7 +493,7 @@ def test_exact_changes_are_tried_first_stacked_and_the_others_run_on_top_of_them
     monkeypatch.setattr(tune.advisor, "advise", lambda record: ideas)
     planted_runs(monkeypatch, {"e1": 1.5, "stacked": 1.5, "s1": 1.95})
     monkeypatch.setattr(tune, "read_record", lambda folder: {"environment": {"device": "cpu"}})
-    monkeypatch.setattr(tune.health, "machine_kind", lambda view: "cpu AVX2, bf16 emulated: AMD EPYC 7B13")
+    monkeypatch.setattr(tune.machine_kinds, "machine_kind", lambda view: "cpu AVX2, bf16 emulated: AMD EPYC 7B13")
     lines = []
     result = tune.tune(tune_args(), [], log=lines.append)
     trials = {t["name"]: t for t in result["trials"]}
@@ -681,7 +681,7 @@ def test_the_budget_counts_runs_without_the_advice_runs_one_time_set_up(monkeypa
         return planted(arm, *args, **kwargs)
 
     monkeypatch.setattr(tune, "run_arm", timed)
-    monkeypatch.setattr(tune.health, "machine_kind", lambda view: "cpu AVX512, bf16 native: planted")
+    monkeypatch.setattr(tune.machine_kinds, "machine_kind", lambda view: "cpu AVX512, bf16 native: planted")
     lines = []
     result = tune.tune(tune_args(budget=500), [], clock=lambda: now[0], log=lines.append)
     assert len(result["trials"]) == planned
@@ -767,7 +767,7 @@ def test_tune_judges_exact_changes_on_real_runs_and_finds_a_planted_inexact_one(
     assert dropout["result"].startswith("not exact: seed 42, step 2 loss")
     assert result["design"]["exact"] == 2 and result["design"]["tolerance"] == 2**-18
     assert result["final_flags"] == [] and "--seed" not in result["final_command"]
-    machine = health.machine_kind(RunView(json.loads((runs / "advice-r0" / "record.json").read_text())))
+    machine = machine_kinds.machine_kind(RunView(json.loads((runs / "advice-r0" / "record.json").read_text())))
     assert result["tuned_on"] == machine and result["final_command"].endswith(f"--tuned-on {shlex.quote(machine)}")
     assert sorted(p.name for p in runs.glob("*-r*")) == ["advice-r0", "baseline-r0", "e1-r0", "e2-r0"]
     for run in ("baseline-r0", "e2-r0"):  # round 0: the baseline's seed, the data seed held

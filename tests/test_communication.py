@@ -505,7 +505,7 @@ def test_the_transfer_is_the_shortest_rank_per_repetition_then_the_median_and_th
 def test_an_exposed_time_within_noise_of_the_transfer_hides_nothing_resolved_and_warns_of_nothing():
     """A median a hair above the transfer, its interval around it (a default run of the committed ddp_cost): neither
     a hidden share nor 'exposed above the transfer'; an interval wholly above it is the warning."""
-    from trainscope.core.record_view import exposed_above_transfer, hidden_share
+    from trainscope.core.communication_view import exposed_above_transfer, hidden_share
 
     assert hidden_share(0.0647, (0.0587, 0.0685), 0.0646) is None
     assert not exposed_above_transfer((0.0587, 0.0685), 0.0646)

@@ -239,12 +239,12 @@ def votes_written_down(argv: list[str]) -> None:
     import types
 
     import train
-    from trainscope.run import lifecycle
+    from trainscope.run import lifecycle, signals
 
     out, rank = Path(argv[argv.index("--output-dir") + 1]), os.environ["RANK"]
     signalled = argv[argv.index("--run-name") + 1] == "signalled"
     at = ["start"]
-    make_vote, step_finished = lifecycle.StopVote.__init__, lifecycle.RunLifecycle.step_finished
+    make_vote, step_finished = signals.StopVote.__init__, lifecycle.RunLifecycle.step_finished
     between_batches, finish = lifecycle.RunLifecycle.between_batches, lifecycle.RunLifecycle.finish
 
     def counted_vote(self, *args, **kwargs):
@@ -272,7 +272,7 @@ def votes_written_down(argv: list[str]) -> None:
         at[0] = "finish"
         return finish(self, *args)
 
-    lifecycle.StopVote.__init__ = counted_vote
+    signals.StopVote.__init__ = counted_vote
     lifecycle.RunLifecycle.step_finished = at_step_end
     lifecycle.RunLifecycle.between_batches = between_evaluation_batches
     lifecycle.RunLifecycle.finish = finishing

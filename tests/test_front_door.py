@@ -53,3 +53,25 @@ def test_every_module_the_makefile_runs_answers_help():
         [sys.executable, "-c", HELP_EVERY_MODULE, *modules], capture_output=True, text=True, env=cpu_env(), cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_link_to_a_heading_of_a_page_resolves():
+    """Links like docs/tune.md#in-the-code-... from the code and the pages name a heading that exists (GitHub's
+    anchors: lower case, punctuation but hyphens and underscores dropped, spaces to hyphens)."""
+    import re
+
+    def slug(heading: str) -> str:
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    pages = [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+    anchors = {
+        p.name: {slug(line.lstrip("#")) for line in p.read_text().splitlines() if line.startswith("#")} for p in pages
+    }
+    sources = [*pages, *ROOT.glob("*.py"), *(ROOT / "trainscope").rglob("*.py"), ROOT / "Makefile"]
+    broken = [
+        (str(source.relative_to(ROOT)), link.group(0))
+        for source in sources
+        for link in re.finditer(r"([A-Za-z_]+\.md)#([a-z0-9_-]+)", source.read_text())
+        if link.group(1) in anchors and link.group(2) not in anchors[link.group(1)]
+    ]
+    assert broken == []

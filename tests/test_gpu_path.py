@@ -295,36 +295,40 @@ def test_the_default_budget_holds_the_plan_and_each_part_fits_a_ten_minute_comma
     two GPUs dropped compare-dp, the one DataParallel check: the budget now is the plan's estimate from the measured
     launch costs and a margin, and the parts each fit one 10-minute command. The one-GPU plan (1068 s before its
     two-process checks were added) fits the 15 minutes of GPU time one session is lent."""
+    from trainscope.gpu import estimates as gpu_check_estimates
     from trainscope.gpu import plan as gpu_check_plan
 
     steps = gpu_check_plan.plan(gpus=gpus)
     assert [step["name"] for step in steps if step.get("skipped")] == (SKIPPED_ON_ONE_GPU if gpus == 1 else [])
-    total = gpu_check_plan.planned_seconds(steps)
-    assert gpu_check_plan.default_budget(steps) >= gpu_check_plan.MARGIN * total
+    total = gpu_check_estimates.planned_seconds(steps)
+    assert gpu_check_estimates.default_budget(steps) >= gpu_check_estimates.MARGIN * total
     if gpus == 1:
-        assert gpu_check_plan.SESSION_S == 900 and gpu_check_plan.default_budget(steps) <= gpu_check_plan.SESSION_S
+        assert gpu_check_plan.SESSION_S == 900 and gpu_check_estimates.default_budget(steps) <= gpu_check_plan.SESSION_S
     fp32 = next(step for step in steps if step["name"] == "precision-fp32")
-    cold = gpu_check_plan.MEASURED_LAUNCH_S + gpu_check_plan.MEASURED_FIRST_LAUNCH_S
+    cold = gpu_check_estimates.MEASURED_LAUNCH_S + gpu_check_estimates.MEASURED_FIRST_LAUNCH_S
     assert fp32["estimate_s"] >= cold  # the first launch of one process: its caches are cold
     compiled = next(step for step in steps if step["name"] == "compile-bf16")
     assert compiled["estimate_s"] == pytest.approx(129, abs=1)  # measured on an H200, its compile included
-    cut = gpu_check_plan.parts(steps)
+    cut = gpu_check_estimates.parts(steps)
     assert [step["name"] for part in cut for step in part] == [step["name"] for step in steps]
     assert all(
-        gpu_check_plan.planned_seconds(part) * gpu_check_plan.MARGIN <= gpu_check_plan.PART_LIMIT_S for part in cut
+        gpu_check_estimates.planned_seconds(part) * gpu_check_estimates.MARGIN <= gpu_check_estimates.PART_LIMIT_S
+        for part in cut
     )
     overhead = next(step["command"] for step in steps if step["name"] == "overhead")
     steady = int(flag_value(overhead, "--max-steps")) - int(flag_value(overhead, "--timing-warmup-steps"))
-    assert flag_value(overhead, "--model") == "roberta-base" and steady * gpu_check_plan.step_seconds("fp32") >= 4.0
+    assert (
+        flag_value(overhead, "--model") == "roberta-base" and steady * gpu_check_estimates.step_seconds("fp32") >= 4.0
+    )
 
 
 def test_every_goal_is_reachable_by_the_plans_own_step_times():
     """bf16 over TF32 >= 1.5 while the assumed step times gave 1.33, compiled MFU >= 40% on short per-batch-padded
     tweets, 5% on a 2 ms optimizer stage: goals the plan itself said it would miss."""
-    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import estimates as gpu_check_estimates
     from trainscope.gpu import results as gpu_check_report
 
-    step = gpu_check_plan.step_seconds
+    step = gpu_check_estimates.step_seconds
     assert step("fp32") / step("bf16") >= gpu_check_report.GOALS["bf16_over_fp32"][0]
     assert step("tf32") / step("bf16") >= gpu_check_report.GOALS["bf16_over_tf32"][0]
     assert "compiled_bf16_mfu" not in gpu_check_report.GOALS
@@ -421,6 +425,7 @@ def test_gpu_check_adds_the_batch_search_the_memory_snapshot_and_two_gpu_ddp_run
 
 def test_gpu_check_dry_run_shows_the_plan_for_n_gpus_with_estimates_the_total_and_the_parts(capsys):
     from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import estimates as gpu_check_estimates
     from trainscope.gpu import plan as gpu_check_plan
 
     gpu_check.main(["--dry-run", "--gpus", "2"])
@@ -428,7 +433,7 @@ def test_gpu_check_dry_run_shows_the_plan_for_n_gpus_with_estimates_the_total_an
     steps = gpu_check_plan.plan(gpus=2)
     assert out.count("confirms: ") == len(steps)  # every check, the scaler's process included
     assert "fsdp2 (estimate " in out and "timeout " in out and "--memory-snapshot" in out and "--search-from" in out
-    total = gpu_check_plan.planned_seconds(steps)
+    total = gpu_check_estimates.planned_seconds(steps)
     assert f"total estimated for 2 GPUs: {total:.0f} s" in out and "measured on one H200" in out
     assert "over the budget" not in out  # the default budget holds the plan
     assert "part 1 (" in out and "python -m trainscope.gpu.check --part 2" in out
@@ -475,6 +480,7 @@ def test_the_multi_process_checks_run_first_and_each_process_counts_first_launch
     """plan(gpus=2) began with 304 s of the single-GPU checks the H200 had already run, and its first 2-process launch
     got 13 s for a cold start (the matmul peak and the layer probes are cached per process count): the multi-process
     checks now run first, and the first launch of each process count gets the cold launch's 45 s."""
+    from trainscope.gpu import estimates as gpu_check_estimates
     from trainscope.gpu import plan as gpu_check_plan
 
     steps = [step for step in gpu_check_plan.plan(gpus=gpus) if not step.get("skipped")]
@@ -485,7 +491,7 @@ def test_the_multi_process_checks_run_first_and_each_process_counts_first_launch
     training = [step for step in steps if "config" in step]
     for processes in {step["processes"] for step in training}:
         first = next(step for step in training if step["processes"] == processes)
-        cold = gpu_check_plan.MEASURED_LAUNCH_S + gpu_check_plan.MEASURED_FIRST_LAUNCH_S
+        cold = gpu_check_estimates.MEASURED_LAUNCH_S + gpu_check_estimates.MEASURED_FIRST_LAUNCH_S
         assert first["estimate_s"] >= cold and f"first launch of {processes} process(es)" in first["estimate"]
         later = [step for step in training if step["processes"] == processes and step is not first]
         assert later and not any("first launch" in step["estimate"] for step in later)
@@ -920,6 +926,7 @@ def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_fai
     """main() on a stand-in one-GPU host whose checks are stand-ins: every check's result reaches the files, a
     2-GPU check is listed as skipped, a failed check fails the command in one line after the rest ran."""
     from trainscope.gpu import check as gpu_check
+    from trainscope.gpu import estimates as gpu_check_estimates
     from trainscope.gpu import plan as gpu_check_plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -957,7 +964,7 @@ def test_gpu_check_on_a_stand_in_gpu_writes_every_check_and_fails_naming_the_fai
     assert written["status"] == "complete" and written["not_run"] == [] and written["provenance"]["commit"]
     assert [c["name"] for c in written["checks"]] == ORDER
     assert [name for name, _ in ran] == [name for name in ORDER if name not in SKIPPED_ON_ONE_GPU]
-    budget = gpu_check_plan.default_budget(gpu_check_plan.plan(gpus=1))
+    budget = gpu_check_estimates.default_budget(gpu_check_plan.plan(gpus=1))
     assert written["budget_s"] == budget and all(0 < timeout <= budget for _, timeout in ran)
     assert written["scaler"] == {"planted": 3, "counted": 3, "ok": True}
     markdown = (tmp_path / "nvidia-h100-80gb-hbm3.md").read_text()
@@ -1133,12 +1140,12 @@ def test_the_search_child_halves_from_its_start(monkeypatch, capsys):
     from accelerate.state import AcceleratorState
 
     from trainscope import experiments
-    from trainscope.run import loop
+    from trainscope.experiments import batch
 
     sizes = []
     out_of_memory = planted_out_of_memory(10, sizes)
     monkeypatch.setattr(
-        loop, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"]))
+        batch, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"]))
     )
     threads, environ = torch.get_num_threads(), dict(os.environ)
     try:

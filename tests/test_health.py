@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT, plant
 
 from trainscope.core.record_view import RunView
-from trainscope.measure import health
+from trainscope.measure import health, machine_kinds
 
 CLEAN = {
     "settings": {"profile": False, "tf32": False, "compile": False, "memory_every": 10},
@@ -288,7 +288,7 @@ def on_cores(record: dict, cores: int) -> dict:
 
 
 def kind(record: dict) -> str:
-    return health.machine_kind(RunView(record))
+    return machine_kinds.machine_kind(RunView(record))
 
 
 def test_the_machine_kind_tells_amx_from_avx512_bf16_by_the_records_flags():
@@ -297,9 +297,9 @@ def test_the_machine_kind_tells_amx_from_avx512_bf16_by_the_records_flags():
     amx, avx512 = committed("tune_amx/advice-r0"), committed("tune_avx512bf16/advice-r0")
     assert kind(amx) == "cpu AVX512, bf16 AMX, 2 cores: Intel(R) Xeon(R) Processor"
     assert kind(avx512) == "cpu AVX512, bf16 AVX512-BF16, 2 cores: AMD EPYC"
-    assert health.kind_difference(kind(amx), kind(avx512)) == "bf16 AMX there, AVX512-BF16 here"
-    assert health.kind_difference(kind(avx512), kind(amx)) == "bf16 AVX512-BF16 there, AMX here"
-    assert health.kind_difference(kind(amx), kind(committed("tune/advice-r0"))) == (
+    assert machine_kinds.kind_difference(kind(amx), kind(avx512)) == "bf16 AMX there, AVX512-BF16 here"
+    assert machine_kinds.kind_difference(kind(avx512), kind(amx)) == "bf16 AVX512-BF16 there, AMX here"
+    assert machine_kinds.kind_difference(kind(amx), kind(committed("tune/advice-r0"))) == (
         "instruction set AVX512 there, AVX2 here; bf16 AMX there, emulated here"
     )
     (warning,) = health.check({**avx512, "settings": {"tuned_on": kind(amx)}}, at_start=True)
@@ -310,8 +310,8 @@ def test_the_machine_kind_names_the_usable_cores_the_threads_and_workers_were_tu
     avx512 = committed("tune_avx512bf16/advice-r0")
     eight = kind(on_cores(avx512, 8))
     assert eight == "cpu AVX512, bf16 AVX512-BF16, 8 cores: AMD EPYC"
-    assert health.kind_difference(eight, kind(avx512)) == "8 cores there, 2 here"
-    assert health.kind_difference(kind(on_cores(avx512, 1)), eight) == "1 core there, 8 here"
+    assert machine_kinds.kind_difference(eight, kind(avx512)) == "8 cores there, 2 here"
+    assert machine_kinds.kind_difference(kind(on_cores(avx512, 1)), eight) == "1 core there, 8 here"
     (warning,) = health.check({**avx512, "settings": {"tuned_on": eight}}, at_start=True)
     assert "(8 cores there, 2 here)" in warning["message"]
 
@@ -322,7 +322,7 @@ def test_the_same_machine_is_the_same_kind_whatever_run_wrote_it():
         ("tune_avx512bf16/advice-r0", "tune_confirm_avx512bf16/make-tune-r0"),
         ("tune/advice-r0", "tune_confirm/make-tune-r0"),
     ):
-        assert health.kind_difference(kind(committed(tuned)), kind(committed(here))) is None
+        assert machine_kinds.kind_difference(kind(committed(tuned)), kind(committed(here))) is None
 
 
 def test_an_older_tuned_on_string_compares_on_the_fields_it_has():
@@ -332,14 +332,16 @@ def test_an_older_tuned_on_string_compares_on_the_fields_it_has():
     for run in ("tune_confirm_avx512bf16/make-tune-r0", "tune_confirm/make-tune-r0"):
         record = committed(run)
         old = record["settings"]["tuned_on"]
-        assert "core" not in old and health.kind_difference(old, kind(record)) is None
+        assert "core" not in old and machine_kinds.kind_difference(old, kind(record)) is None
         assert [w["code"] for w in health.check(record, at_start=True) if w["code"] == "tuned_elsewhere"] == []
     old_b = committed("tune_confirm_avx512bf16/make-tune-r0")["settings"]["tuned_on"]
     assert old_b == "cpu AVX512, bf16 native: AMD EPYC"
-    assert health.kind_difference(old_b, kind(committed("tune_amx/advice-r0"))) is None  # native: AMX or AVX512-BF16
-    assert health.kind_difference(old_b, kind(committed("tune/advice-r0"))) == (
+    assert (
+        machine_kinds.kind_difference(old_b, kind(committed("tune_amx/advice-r0"))) is None
+    )  # native: AMX or AVX512-BF16
+    assert machine_kinds.kind_difference(old_b, kind(committed("tune/advice-r0"))) == (
         "instruction set AVX512 there, AVX2 here; bf16 native there, emulated here"
     )
-    assert health.kind_difference(kind(committed("tune/advice-r0")), old_b) == (
+    assert machine_kinds.kind_difference(kind(committed("tune/advice-r0")), old_b) == (
         "instruction set AVX2 there, AVX512 here; bf16 emulated there, native here"
     )

@@ -115,7 +115,7 @@ def test_the_graph_is_read_from_the_source():
     module_level, function_level, _ = import_graph()
     assert "trainscope.core.records" in module_level["trainscope.core.errors"]
     assert "trainscope.core.faults" in module_level["trainscope.core.liveness"]
-    assert "trainscope.core.launching" in function_level["trainscope.predict.calibration"]
+    assert "trainscope.workload.layers" in function_level["trainscope.measure.flops"]
     assert (
         "trainscope.measure.peak" in module_level["trainscope.predict.calibration"]
     )  # from trainscope.measure import peak
@@ -233,3 +233,43 @@ def test_every_subpackage_states_its_public_names():
         defined |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
         defined |= {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}
         assert set(names) <= defined, (init, set(names) - defined)
+
+
+LONGEST = 600
+
+
+def test_every_module_is_under_600_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) >= LONGEST}
+    assert long == {}
+
+
+def test_the_flops_count_and_import_trainscope_load_no_torch():
+    """The FLOPs formulas read a model's shape from its config alone (trainscope.workload.shapes), and `import
+    trainscope` defers whatever loads torch or transformers: both stay light."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trainscope, trainscope.measure.flops; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_design_map_names_every_module_once_in_its_room():
+    """docs/design.md's map is drawn from the tree: each module of a floor is one row of that floor's table."""
+    rows, floor = [], None
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        if line.startswith("**`trainscope/"):
+            floor = line.split("`")[1].removeprefix("trainscope/").rstrip("/")
+        elif floor is not None and line.startswith("| `") and "," not in line.split("|")[1]:
+            rows.append(f"{floor}/{line.split('`')[1]}" if floor else line.split("`")[1])
+        elif line.startswith("## ") and floor is not None:
+            break
+    named = {
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if (p.name not in ("__init__.py", "__main__.py") or p.parent == PACKAGE)
+        and not p.is_relative_to(PACKAGE / "workload" / "metrics")  # the evaluate metric: the `metrics/` row
+    }
+    assert sorted(r for r in rows if r.endswith(".py") and not r.endswith("/__init__.py")) == sorted(named)

@@ -112,7 +112,7 @@ def test_the_sweep_is_read_through_its_view_and_the_script_stays_its_lesson():
     keeps to the sweep itself, its other parts in trainscope.experiments.loaders.sweep."""
     from pathlib import Path
 
-    from trainscope.core.record_view import LoaderSweepView
+    from trainscope.core.results_view import LoaderSweepView
     from trainscope.experiments.loaders.results import knees
 
     partial = LoaderSweepView({"machine": {"device_name": "cpu"}})

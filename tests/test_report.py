@@ -626,7 +626,8 @@ def on_machine(record: dict, environment: dict) -> dict:
     ],
 )
 def test_a_records_machine_is_its_cpu_model_and_isa_class_or_its_gpu(environment, text):
-    from trainscope.core.record_view import RunView, results_machine
+    from trainscope.core.record_view import RunView
+    from trainscope.core.results_view import results_machine
 
     record = on_machine({"run_name": "r"}, environment)
     assert RunView(record).machine.text == text

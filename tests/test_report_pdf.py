@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 
 import report as report_script
-from trainscope.advice.judge import rejudged
+from trainscope.advice.rejudge import rejudged
 from trainscope.core.records import read_record
 from trainscope.experiments import SECTIONS, optimization
 from trainscope.report import inputs as reporting

@@ -529,7 +529,7 @@ def device_time_record(block, device="cuda:0"):
 def test_device_time_above_the_wall_beyond_the_tolerance_is_a_warning_never_a_clamp(busy_s, fires):
     from trainscope.core.record_view import RunView
     from trainscope.measure import health, summary
-    from trainscope.run.metrics import device_time_lines
+    from trainscope.run.table import device_time_lines
 
     stages = {"data": 0.1 * busy_s, "forward": 0.3 * busy_s, "backward": 0.5 * busy_s, "optimizer": 0.1 * busy_s}
     block = summary.device_time([planted_rank(1.0, stages)], "steady", "events")
@@ -548,7 +548,7 @@ def test_device_time_above_the_wall_beyond_the_tolerance_is_a_warning_never_a_cl
 def test_the_device_idle_share_is_not_applicable_on_host_clocks_and_the_table_line_absent_on_a_cpu():
     from trainscope.core.record_view import RunView
     from trainscope.measure import summary
-    from trainscope.run.metrics import device_time_lines
+    from trainscope.run.table import device_time_lines
 
     _, mode = make_clock("events", torch.device("cpu"))
     stages = {"data": 0.01, "forward": 0.3, "backward": 0.5, "optimizer": 0.1}
@@ -568,7 +568,7 @@ LAYER = {"window_s": 0.8e-3, "basis": "self device time"}
 def test_the_kernel_estimate_counts_the_layers_kernels_and_the_other_stages_spans_and_decides_host_bound():
     from trainscope.core.record_view import RunView
     from trainscope.measure import summary
-    from trainscope.run.metrics import device_time_lines
+    from trainscope.run.table import device_time_lines
 
     # a 40 ms step, 48 steps: data 5.5 ms, forward 13.4, backward 15.0, optimizer 4.7 (the H200 bf16 run's shape)
     stages = {"data": 0.0055 * 48, "forward": 0.0134 * 48, "backward": 0.015 * 48, "optimizer": 0.0047 * 48}

@@ -14,13 +14,13 @@ import pytest
 from conftest import ONE_THREAD, ROOT, TINY, read_record, run_in_process
 
 from trainscope.advice import judge as tune_judge
-from trainscope.advice.judge import Design
+from trainscope.advice.design import ROUNDS, Design
 from trainscope.core.errors import UserError
 from trainscope.core.record_view import RunView
 from trainscope.experiments import tune_confirm
 from trainscope.experiments import tuning as tune
 from trainscope.experiments.base import Arm
-from trainscope.measure import bench, health
+from trainscope.measure import bench, health, machine_kinds
 
 REPETITIONS = 2000
 ALPHA = 0.05
@@ -123,7 +123,7 @@ class Machine:
 
 
 def decide(
-    machine: Machine, trials: int, rounds: int = tune_judge.ROUNDS, exact: int = 0, precision: str = "fp32"
+    machine: Machine, trials: int, rounds: int = ROUNDS, exact: int = 0, precision: str = "fp32"
 ) -> tuple[dict, object]:
     """The real decision path with the simulated machine as its runner: (judged, the together trial or None). The
     first `exact` trials are exact changes (e1, e2, ...: tried first, their kept ones stacked), the others numeric
@@ -572,11 +572,12 @@ def test_the_machine_kind_make_tune_writes_is_compared_by_device_instruction_set
             "cpu_native_bf16": False,
         }
     }
-    written = health.machine_kind(RunView(here))
+    written = machine_kinds.machine_kind(RunView(here))
     assert written == "cpu AVX2, bf16 emulated: AMD EPYC 7B13"
-    assert health.kind_difference(written, written) is None
-    assert health.kind_difference("cpu AVX2, bf16 emulated: AMD EPYC 7763", written) is None  # another model, same kind
-    assert health.kind_difference("cpu AVX512, bf16 native: Intel(R) Xeon(R) Processor", written) == (
+    assert machine_kinds.kind_difference(written, written) is None
+    # another model, same kind
+    assert machine_kinds.kind_difference("cpu AVX2, bf16 emulated: AMD EPYC 7763", written) is None
+    assert machine_kinds.kind_difference("cpu AVX512, bf16 native: Intel(R) Xeon(R) Processor", written) == (
         "instruction set AVX512 there, AVX2 here; bf16 native there, emulated here"
     )
     gpu = {
@@ -587,21 +588,21 @@ def test_the_machine_kind_make_tune_writes_is_compared_by_device_instruction_set
             "gpu_native_bf16": True,
         }
     }
-    assert health.machine_kind(RunView(gpu)) == "cuda compute capability 8.6, bf16 native: NVIDIA A10G"
-    assert "name NVIDIA H100 80GB HBM3 there, NVIDIA A10G here" in health.kind_difference(
-        "cuda compute capability 8.6, bf16 native: NVIDIA H100 80GB HBM3", health.machine_kind(RunView(gpu))
+    assert machine_kinds.machine_kind(RunView(gpu)) == "cuda compute capability 8.6, bf16 native: NVIDIA A10G"
+    assert "name NVIDIA H100 80GB HBM3 there, NVIDIA A10G here" in machine_kinds.kind_difference(
+        "cuda compute capability 8.6, bf16 native: NVIDIA H100 80GB HBM3", machine_kinds.machine_kind(RunView(gpu))
     )
-    assert "cannot be compared" in health.kind_difference("my laptop", written)
+    assert "cannot be compared" in machine_kinds.kind_difference("my laptop", written)
     assert health.check({**here, "settings": {"tuned_on": written}}, at_start=True) == []
 
 
 def test_make_tunes_command_on_a_machine_of_another_kind_warns_once_before_its_first_step(runs):
-    """The final command of a make tune run elsewhere (machine C's kind as health.machine_kind writes it from its
-    committed record, with 8 cores) run here: one warning, said at the start (before the loop: the start-up
+    """The final command of a make tune run elsewhere (machine C's kind as machine_kinds.machine_kind writes it from
+    its committed record, with 8 cores) run here: one warning, said at the start (before the loop: the start-up
     warnings), recorded, and nothing else changed."""
     machine_c = read_record(ROOT / "benchmarks" / "runs" / "tune_amx" / "advice-r0")
     machine_c["environment"]["usable_cores"] = 8
-    elsewhere = health.machine_kind(RunView(machine_c))
+    elsewhere = machine_kinds.machine_kind(RunView(machine_c))
     assert elsewhere == "cpu AVX512, bf16 AMX, 8 cores: Intel(R) Xeon(R) Processor"
     result = run_in_process(
         [

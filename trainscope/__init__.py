@@ -2,38 +2,33 @@
 
 The public names (docs/instrument.md): `Run` instruments any Accelerate training loop; `one_line_endings` ends a
 script on bad input or a fault with one line (raise `UserError` for bad input); `fsdp_wrap_rule` names the layers an
-FSDP config shards; `classifier` holds the pieces of train.py's own workload, `embedded` the offline model and corpus. They load on first use, so
-`import trainscope` stays light.
+FSDP config shards; `classifier` holds the pieces of train.py's own workload, `embedded` the offline model and corpus.
+Those that load torch or transformers load on first use, so `import trainscope` stays light.
 """
 
 __version__ = "0.4.0"  # the one version: pyproject.toml reads it (tool.setuptools.dynamic)
+
+from trainscope.core.errors import UserError
+from trainscope.workload import embedded
 
 __all__ = ["Run", "UserError", "classifier", "embedded", "fsdp_wrap_rule", "one_line_endings", "__version__"]
 
 
 def __getattr__(name: str):
-    if name == "UserError":
-        from trainscope.core.errors import UserError
-
-        return UserError
     if name == "fsdp_wrap_rule":
-        from trainscope.workload.modeling import fsdp_wrap_rule
+        from trainscope.workload.modeling import fsdp_wrap_rule  # deferred: it loads transformers
 
         return fsdp_wrap_rule
     if name == "Run":
-        from trainscope.instrument import Run
+        from trainscope.instrument import Run  # deferred: it loads transformers
 
         return Run
     if name == "one_line_endings":
-        from trainscope.run.endings import one_line_endings
+        from trainscope.run.endings import one_line_endings  # deferred: it loads transformers
 
         return one_line_endings
     if name == "classifier":
-        import trainscope.classifier
+        import trainscope.classifier  # deferred: it loads transformers
 
         return trainscope.classifier
-    if name == "embedded":
-        from trainscope.workload import embedded
-
-        return embedded
     raise AttributeError(f"module 'trainscope' has no attribute {name!r}")

@@ -1,149 +1,21 @@
-"""make tune's decision, pure: the design stated before anything is measured, the judgement of measured
-rounds by it, the final choice and its words.
+"""make tune's decision, pure: the judgement of measured rounds by the design stated before anything is measured
+(trainscope.advice.design), the final choice and its words. A committed make tune judged again by these rules:
+trainscope.advice.rejudge.
 
-How it works: docs/tune.md#in-the-code-how-make-tune-decides-trainscopetunejudgepy.
+How it works: docs/tune.md#in-the-code-how-make-tune-decides-trainscopeadvicejudgepy.
 """
 
 import math
-import re
 import shlex
 import statistics
-from dataclasses import asdict, dataclass, replace
 
 from trainscope.advice import changes
+from trainscope.advice.design import Design
 from trainscope.core import launching
 from trainscope.core.record_view import RunView
 from trainscope.measure import bench
 
-ROUNDS = 6  # 6 against 6: smallest p 2/924 = 0.0022, below Holm's first threshold for up to 23 tests
-ACCURACY_MARGIN = 0.01  # one point of accuracy
-# Mean cross-entropy is -mean log p(true label): a shift of 0.02 nats scales the geometric-mean probability the
-# model gives the right label by e^0.02, about 2% -- as small a change in what is learned as one point of accuracy
-# at the 60-70% this task reaches.
-LOSS_MARGIN = 0.02
 METRICS = ("validation_accuracy", "test_accuracy", "validation_loss", "test_loss")
-
-
-@dataclass(frozen=True)
-class Design:
-    """What make tune decides by, fixed before it measures (printed first, written into the result)."""
-
-    rounds: int = ROUNDS  # alternating rounds per trial, one seed each; one look after the last
-    trials: int = 1  # suggestions tried (k); with two or more of a kind the kept ones together too
-    accuracy_margin: float = ACCURACY_MARGIN
-    loss_margin: float = LOSS_MARGIN
-    seed: int = 42  # round r runs seed + r (the kept ones' rounds: the same seeds again)
-    data_seed: int = 42  # held in every run: the same data split and subsets
-    alpha: float = bench.ALPHA
-    min_effect: float = bench.MIN_EFFECT
-    exact: int = 0  # of the trials, the exact changes (trainscope.advice.changes): tried first
-    precision: str = "fp32"  # the precision the advice run had in effect
-    tolerance: float = changes.EXACT_TOLERANCE  # exact changes are judged in fp32 (trainscope.advice.changes)
-
-    @property
-    def exact_check(self) -> bool:
-        """Whether exact changes need their own fp32 pair: the rounds run at another precision."""
-        return self.precision != changes.EXACT_PRECISION
-
-    def check_flags(self) -> list[str]:
-        """The train.py flags of an exact change's fp32 pair: the first round's seed, TF32 off."""
-        return [*self.flags(0), "--tf32", "false"]
-
-    @property
-    def tests(self) -> int:
-        """The family Holm corrects over: the trials, and the kept ones together for each kind (exact, the others)
-        of which there can be two kept (at least 1: a design without trials has nothing to correct)."""
-        other = self.trials - self.exact
-        return max(1, self.trials + (1 if self.exact > 1 else 0) + (1 if other > 1 else 0))
-
-    @property
-    def reachable(self) -> bool:
-        """Whether R against R can pass Holm's first threshold, alpha / tests, at all."""
-        return bench.smallest_p(self.rounds) < self.alpha / self.tests
-
-    @property
-    def boundary(self) -> str:
-        return (
-            f"fixed: one look after {self.rounds} rounds per trial (no interim looks, no alpha spent on them); "
-            f"Holm over {self.tests} test(s): the smallest p must be below {self.alpha:g}/{self.tests} = "
-            f"{self.alpha / self.tests:.4g}"
-        )
-
-    @property
-    def size(self) -> float:
-        """The exact rate at which one trial that changes nothing is called faster or slower at the first threshold
-        (trainscope.measure.bench.rejection_rate: 6 against 6 at 0.05, 0.0411)."""
-        return bench.rejection_rate(self.rounds, self.rounds, self.alpha / self.tests)
-
-    def seed_of(self, round_index: int) -> int:
-        return self.seed + round_index % self.rounds
-
-    def flags(self, round_index: int) -> list[str]:
-        """The train.py flags of round `round_index`: its seed, the data seed held."""
-        return ["--seed", str(self.seed_of(round_index)), "--data-seed", str(self.data_seed)]
-
-    def margin(self, metric: str) -> float:
-        return self.accuracy_margin if metric.endswith("accuracy") else self.loss_margin
-
-    def to_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "tests": self.tests,
-            "boundary": self.boundary,
-            "test": bench.METHOD,
-            "equivalence": equivalence_method(self),
-            "exactness": exactness_method(self),
-            "min_rounds": bench.min_rounds(self.alpha / self.tests),
-        }
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "Design":
-        return cls(**{k: values[k] for k in cls.__dataclass_fields__ if k in values})
-
-    def lines(self) -> list[str]:
-        """The design as make tune prints it before measuring."""
-        out = [
-            f"design: {self.trials} trial(s), {self.rounds} alternating rounds each (seeds {self.seed}-"
-            f"{self.seed + self.rounds - 1}, data seed {self.data_seed}); speed: {bench.METHOD} on the same work, "
-            f"against the baseline runs of the trial's own rounds; boundary: {self.boundary}"
-        ]
-        if self.exact:
-            out.append(f"exact changes ({self.exact}, tried first and stacked): {exactness_method(self)}")
-        if self.trials > self.exact:
-            out.append(
-                f"same result of the others: {equivalence_method(self)}; a training change is 'same' only "
-                "from the full job"
-            )
-        if not self.reachable:
-            out.append(
-                f"note: {self.rounds} against {self.rounds} rounds give p >= {bench.smallest_p(self.rounds):.4g}, "
-                f"which cannot pass {self.alpha:g}/{self.tests}: no speed verdict is possible (at least "
-                f"{bench.min_rounds(self.alpha / self.tests)} rounds are)"
-            )
-        return out
-
-
-def equivalence_method(design: Design) -> str:
-    return (
-        f"two one-sided tests (alpha {bench.EQUIVALENCE_ALPHA:g} each: the 90% t interval of the paired "
-        f"differences, trial minus baseline on the same seed) inside +-{design.accuracy_margin:g} for validation "
-        f"and test accuracy and +-{design.loss_margin:g} for their losses; changed: a metric's one-sided test "
-        f"beyond its margin passing Holm over the metrics; else undecided"
-    )
-
-
-def exactness_method(design: Design) -> str:
-    pairs = (
-        f"one fp32 pair per change (the rounds run in {design.precision}, whose rounding would hide a wrong random "
-        f"draw), seed {design.seed}"
-        if design.exact_check
-        else "every pair of the rounds (same seed, fp32)"
-    )
-    return (
-        f"kept when faster and {pairs} agrees: each logged loss (the mean of the steps since the line before) and "
-        f"the final losses within {design.tolerance:.2g} relative, the accuracies within {design.tolerance:.2g} "
-        "(fp32's exactness tolerance, stated before measuring); a disagreement is 'not exact', a defect, never kept"
-    )
 
 
 def work_seconds(run: dict, reference_tokens: float) -> float:
@@ -218,6 +90,13 @@ def in_family(design: Design, measures: dict[str, dict]) -> dict[str, dict]:
         entry["verdict"] = speed["verdict"]
         entry["keep"] = entry["verdict"] == "faster" and entry["same_result"] is True
     return judged
+
+
+def judged_in_phases(design: Design, measures: dict[str, dict], exact: set[str]) -> dict[str, dict]:
+    """The family judged as make tune judges it: the exact trials first, on their own (the others counted as p = 1),
+    and those verdicts kept -- the stack was built on them; then every other trial with the whole family."""
+    first = in_family(design, {n: m for n, m in measures.items() if n in exact}) if exact else {}
+    return {**in_family(design, measures), **first}
 
 
 def measure(
@@ -634,138 +513,6 @@ def final_choice(
         "tuned_on": tuned_on,
         "summary": final_text(final),
     }
-
-
-def method_text(design: Design, rounds: str | None = None, boundary: str | None = None) -> str:
-    exact = f" Exact changes, tried first and stacked: {exactness_method(design)}." if design.exact else ""
-    return (
-        f"Speed on the same work (training scaled to the baseline's real tokens, evaluation as measured); test: "
-        f"{bench.METHOD}; each trial against the baseline runs of its own {rounds or f'{design.rounds} rounds'}; "
-        f"boundary: {boundary or design.boundary}.{exact} Same result: {equivalence_method(design)}; a training "
-        "change only on the full job. Kept: faster and same."
-    )
-
-
-# ---------------------------------------------------------------- a committed make tune, judged again
-
-
-HISTORY = (
-    "Measured by an earlier make tune, judged again here from its runs' records by today's rules: its rounds "
-    "were added while a trial was undecided (looks at 3 to 6 rounds) and its trials ran on the baseline's seed "
-    "only, so these error rates are not those of today's fixed design, and no result can be shown the same "
-    "from one seed. Re-run `make tune`."
-)
-
-
-def judged_in_phases(design: Design, measures: dict[str, dict], exact: set[str]) -> dict[str, dict]:
-    """The family judged as make tune judges it: the exact trials first, on their own (the others counted as p = 1),
-    and those verdicts kept -- the stack was built on them; then every other trial with the whole family."""
-    first = in_family(design, {n: m for n, m in measures.items() if n in exact}) if exact else {}
-    return {**in_family(design, measures), **first}
-
-
-def trial_kind(trial: dict, baseline_config: str | None = None) -> str:
-    """A trial's kind as written, else from its own flags and config by today's catalogue (trainscope.advice.changes)."""
-    if trial.get("kind"):
-        return trial["kind"]
-    config = trial.get("config") if trial.get("config") != baseline_config else None
-    return changes.kind_of(trial.get("own_flags", trial.get("flags") or []), config)
-
-
-def rejudged(comparison: dict, records: dict) -> dict:
-    """A make tune comparison with every trial judged again by `judge` from its runs' records (when they are all
-    there; a record may carry its step lines under "steps"), its final choice made again: a committed result made
-    under an older rule reads by today's. A result without a design (an older make tune) gets the design its runs
-    allow and says so (`history`); a trial without a kind gets today's catalogue's."""
-    trials = comparison.get("trials") if isinstance(comparison, dict) else None
-    if not trials:
-        return comparison
-    readings = _runs_measured(comparison, records, trials)
-    if readings is None:
-        return comparison
-    measured, kinds, against = readings
-    rounds = None
-    if "design" in comparison:  # today's exactness tolerance, whatever the result was judged by
-        design = replace(Design.from_dict(comparison["design"]), tolerance=changes.EXACT_TOLERANCE)
-    else:
-        design, rounds, comparison = _with_design_of_its_runs(comparison, trials, measured)
-    baselines = set(against.values()) | {"baseline"}
-    pairs = _fp32_pairs(trials, records) if design.exact_check else {}
-    measures = {
-        name: measure(design, measured[against.get(name, "baseline")], runs, kinds[name], pairs.get(name))
-        for name, runs in measured.items()
-        if name not in baselines
-    }
-    judged = judged_in_phases(design, measures, {t["name"] for t in trials if t.get("phase") == changes.EXACT})
-    for entry in judged.values():
-        entry["speed"]["boundary"] = comparison["design"]["boundary"]
-    comparison = {
-        **comparison,
-        "trials": [{**t, **trial_verdicts(judged[t["name"]])} for t in trials],
-        "method": method_text(design, rounds, comparison["design"]["boundary"]),
-    }
-    comparison.update(
-        final_choice(
-            comparison["trials"],
-            comparison.get("baseline_args", []),
-            comparison.get("baseline_config"),
-            comparison.get("tuned_on"),
-        )
-    )
-    return comparison
-
-
-def _runs_measured(comparison: dict, records: dict, trials: list[dict]) -> tuple | None:
-    """(figures of each trial's and baseline's runs by round: {name: {round: figures}}, each trial's kind, the
-    baseline each trial ran against), or None when a run's name is not of the form name-rN or its record is not
-    there."""
-    measured, kinds, against = {"baseline": {}}, {}, {}
-    for trial in trials:
-        mine = measured.setdefault(trial["name"], {})
-        kinds[trial["name"]] = trial_kind(trial, comparison.get("baseline_config"))
-        runs = trial.get("runs", [])
-        for run, base in zip(
-            runs, trial.get("baseline_runs") or [re.sub(r".*-r(\d+)$", r"baseline-r\1", r) for r in runs]
-        ):
-            found, of_base = re.fullmatch(r"(.+)-r(\d+)", run), re.fullmatch(r"(.+)-r(\d+)", base)
-            if not found or not of_base or run not in records or base not in records:
-                return None
-            index = int(found.group(2))
-            against[trial["name"]] = of_base.group(1)
-            mine[index] = run_figures(records[run], records[run].get("steps"))
-            measured.setdefault(of_base.group(1), {})[index] = run_figures(records[base], records[base].get("steps"))
-    return measured, kinds, against
-
-
-def _fp32_pairs(trials: list[dict], records: dict) -> dict[str, tuple[list[dict], list[dict]]]:
-    """The exact trials' fp32 pairs (make tune's runs at another precision) from their records, by trial."""
-    pairs = {}
-    for trial in trials:
-        names = (trial.get("exactness") or {}).get("pair_runs") or []
-        if names and all(b in records and t in records for b, t in names):
-            figures = lambda run: run_figures(records[run], records[run].get("steps"))  # noqa: E731
-            pairs[trial["name"]] = ([figures(b) for b, _ in names], [figures(t) for _, t in names])
-    return pairs
-
-
-def _with_design_of_its_runs(comparison: dict, trials: list[dict], measured: dict) -> tuple:
-    """An older make tune's result (no design) judged at the rounds each trial took: the design's R is the fewest, so
-    every trial is judged. (design, the rounds as the method says them, the comparison with the design and its
-    `history`)."""
-    first = measured["baseline"][min(measured["baseline"])]
-    design = Design(
-        rounds=min(len(t.get("runs", [])) for t in trials) or 1,
-        trials=sum(t["name"] != "kept" for t in trials),
-        seed=first["seed"] or 42,
-        data_seed=first.get("data_seed") or first["seed"] or 42,
-    )
-    rounds = "rounds (" + ", ".join(f"{t['name']} {len(t.get('runs', []))}" for t in trials) + ")"
-    boundary = (
-        f"none held: looks after 3 to 6 rounds when measured, judged here once at the rounds each took; "
-        f"Holm over {design.tests} test(s)"
-    )
-    comparison = {**comparison, "design": {**design.to_dict(), "boundary": boundary}, "history": HISTORY}
-    return design, rounds, comparison
 
 
 def trial_verdicts(judgement: dict) -> dict:

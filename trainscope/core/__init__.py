@@ -8,6 +8,8 @@ __all__ = [
     "settings",
     "records",
     "record_view",
+    "results_view",
+    "communication_view",
     "provenance",
     "environment",
     "precision",

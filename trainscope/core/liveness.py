@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from trainscope.core.faults import Fault
+from trainscope.core.records import redact
 
 BEAT_S = 0.5
 PATIENCE_S = 3.0
@@ -232,7 +233,6 @@ class PeerWatch:
     def publish_error(self, line: str, caused_by: int | None = None) -> None:
         """This rank's one line, for its peers to name (before it exits); `caused_by` when it only follows a
         peer's failure (the peers then name the root, not this rank). The first line published stays."""
-        from trainscope.core.records import redact  # the store is a network service: no credential goes there
 
         try:
             self._store.compare_set(

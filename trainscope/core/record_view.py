@@ -9,7 +9,15 @@ what is absent reads as None or empty.
     view.samples_per_s, view.shares("steady")["forward"], view.peak_memory, view.communication
 """
 
-from dataclasses import dataclass
+from trainscope.core.communication_view import (
+    COMMUNICATION_BLOCK_FIGURES,
+    COMMUNICATION_FIGURES,
+    hidden_share,
+    per_step_readings,
+    resolved,
+    two_pass_readings,
+)
+from trainscope.core.results_view import Machine
 
 TRAINING_STAGES = ("data", "forward", "backward", "optimizer", "other")
 
@@ -407,7 +415,7 @@ class RunView:
         if not block.get("measured"):
             return {**figures, "reason": block.get("reason"), "resolved": False, "agreement": None}
         exposed = block.get("exposed_s")
-        interval, transfer, overlap, per_rank, agreed = (_two_pass_readings if old else _per_step_readings)(block)
+        interval, transfer, overlap, per_rank, agreed = (two_pass_readings if old else per_step_readings)(block)
         clear = exposed is not None and resolved(exposed, interval)
         share = block.get("exposed_share") if not old else exposed / self.step_s if exposed and self.step_s else None
         return {
@@ -507,217 +515,6 @@ class RunView:
         return (steps, epoch) if steps and epoch and steps % epoch else None
 
 
-# The numeric communication figures an experiment sets side by side (RunView.communication_figures).
-COMMUNICATION_FIGURES = (
-    "exposed_s",
-    "exposed_share",
-    "transfer_s",
-    "hidden_share",
-    "window_s",
-    "overlap",
-    "bus_bandwidth_gbs",
-    "allreduces_per_optimizer_step",
-    "allreduce_bytes_per_step",
-    "gradient_bytes",
-    "ddp_exposed_s",
-    "ddp_comm_s",
-    "ddp_overlap",
-    "measurement_s",
-)
-
-
-# The communication block's figures RunView.communication_figures passes on as they were recorded.
-COMMUNICATION_BLOCK_FIGURES = (
-    "measured",
-    "world_size",
-    "bus_bandwidth_gbs",
-    "allreduce_bytes_per_step",
-    "allreduces_per_optimizer_step",
-    "gradient_bytes",
-    "buckets",
-    "ddp_exposed_s",
-    "ddp_comm_s",
-    "ddp_overlap",
-    "measurement_s",
-)
-
-
-def _two_pass_readings(block: dict) -> tuple:
-    """(exposed time's interval, transfer, overlap, per rank, agreement with DDP's logger) of a schema 3 block: the
-    interval of its calibration samples and its all-reduce total; no overlap, per rank or agreement."""
-    spread = block.get("exposed_spread") or {}
-    interval = (spread["min"], spread["max"]) if "min" in spread else None
-    agreed = None  # the two instruments sampled different steps: not comparable
-    return interval, block.get("total_allreduce_s"), None, None, agreed
-
-
-def _per_step_readings(block: dict) -> tuple:
-    """(exposed time's interval, transfer, overlap, per rank, agreement with DDP's logger) of a block measured at
-    every step (schema 4)."""
-    interval = tuple(block["exposed_interval"]) if block.get("exposed_interval") else None
-    per_rank = [
-        {"rank": r["rank"], "exposed_s": r["exposed_s"], "wait_s": r["wait_s"]} for r in block.get("per_rank") or []
-    ]
-    agreed = ((block.get("agreement") or {}).get("ddp") or {}).get("verdict")
-    return interval, block.get("transfer_s"), block.get("overlap"), per_rank, agreed
-
-
-def resolved(value: float, interval) -> bool:
-    """A measured time is resolved when its interval excludes 0 and spans no more than the time itself; else it is
-    reported as "not resolved: between low and high"."""
-    return interval is not None and interval[0] > 0 and interval[1] - interval[0] <= value
-
-
-def hidden_share(exposed: float | None, interval, transfer: float | None) -> float | None:
-    """The share of the transfer hidden behind backward, 1 - exposed / transfer, where the exposed time is resolved
-    and its interval lies wholly below the transfer; an interval that reaches the transfer leaves it not resolved
-    (it may be 0), one wholly above it is `exposed_above_transfer`."""
-    if exposed is None or not transfer or not resolved(exposed, interval) or interval[1] >= transfer:
-        return None
-    return 1 - exposed / transfer
-
-
-def exposed_above_transfer(interval, transfer: float | None) -> bool:
-    """The exposed time's whole interval above the buckets' all-reduce alone: backward waited for more than the
-    transfer takes (contention), not a median that noise put a hair above it."""
-    return bool(interval and transfer and interval[0] > transfer)
-
-
 def warning_lines(records) -> list[str]:
     """'run: [code] message' lines for the records a figure shows."""
     return [f"{RunView(r).name}: [{w['code']}] {w['message']}" for r in records for w in RunView(r).warnings]
-
-
-# ---------------------------------------------------------------- the machine a figure comes from
-
-
-@dataclass(frozen=True, eq=False)
-class Machine:
-    """What measured a figure, as the record stores it: a CPU's model name (/proc/cpuinfo), its ISA class (torch's
-    CPU capability and the native-bf16 flags, environment.cpu_capability), the GPU where one ran, the usable cores.
-    Two figures are comparable only when their `Machine`s are equal; `text` names it for a reader."""
-
-    cpu: str | None
-    capability: str | None  # "AVX2, no native bf16", "AVX512 + amx_bf16, avx512_bf16"
-    bf16_flags: tuple | None = None  # the native-bf16 flags the record lists (schema 5), else read from `capability`
-    gpu: str | None = None
-    gpus: int = 0
-    cores: int | None = None
-
-    @property
-    def isa(self) -> str:
-        """'AVX2, bf16 emulated', 'AVX512-BF16 + AMX', 'AVX512-BF16', 'SVE256 + BF16'."""
-        if not self.capability:
-            return "ISA not recorded"
-        vector, _, rest = self.capability.replace(" + ", ", ", 1).partition(", ")
-        flags = (
-            set(self.bf16_flags)
-            if self.bf16_flags is not None
-            else (set() if "no native bf16" in rest else {f.strip() for f in rest.split(",") if f.strip()})
-        )
-        if not flags:
-            return f"{vector}, bf16 emulated"
-        if "avx512_bf16" in flags or "amx_bf16" in flags:
-            return " + ".join(
-                [f"{vector}-BF16" if "avx512_bf16" in flags else vector] + (["AMX"] if "amx_bf16" in flags else [])
-            )
-        return f"{vector} + {'SVE-BF16' if 'svebf16' in flags else 'BF16'}"
-
-    @property
-    def cpu_text(self) -> str:
-        """The CPU's model name without trademark marks and filler words: 'Intel(R) Xeon(R) Processor' -> 'Intel Xeon',
-        'Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz' -> 'Intel Xeon Gold 6338 @ 2.00GHz'."""
-        if not self.cpu:
-            return "CPU not recorded"
-        words = self.cpu.replace("(R)", "").replace("(TM)", "").replace("(tm)", "").split()
-        kept = [
-            w for i, w in enumerate(words) if w != "Processor" and not (w == "CPU" and words[i + 1 : i + 2] == ["@"])
-        ]
-        return " ".join(kept) or self.cpu
-
-    @property
-    def text(self) -> str:
-        """'AMD EPYC, AVX2, bf16 emulated, 2 cores'; on a GPU 'NVIDIA H200 (host Intel Xeon, AVX512-BF16 + AMX, 16 cores)'."""
-        host = f"{self.cpu_text}, {self.isa}" + (f", {self.cores} cores" if self.cores else "")
-        if self.gpu:
-            return (f"{self.gpus} x {self.gpu}" if self.gpus > 1 else self.gpu) + f" (host {host})"
-        return host
-
-    @property
-    def key(self) -> tuple:
-        """What makes two machines the same one: the CPU model, its ISA class, the GPU and their counts."""
-        return self.cpu, self.isa, self.gpu, self.gpus, self.cores
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Machine) and self.key == other.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def results_machine(result: dict) -> Machine | None:
-    """The machine a results file or comparison was measured on, from its provenance's `machine` block (a script's
-    own results carry no run record); None where it has none."""
-    block = ((result or {}).get("provenance") or {}).get("machine") if isinstance(result, dict) else None
-    if not block:
-        return None
-    gpus = block.get("device_count") or 0
-    return Machine(
-        cpu=block.get("cpu"),
-        capability=block.get("cpu_capability"),
-        gpu=block.get("device_name") if gpus else None,
-        gpus=gpus,
-        cores=block.get("usable_cores"),
-    )
-
-
-def machines_text(grouped: dict) -> str:
-    """'AMD EPYC, AVX2, bf16 emulated, 2 cores' from {Machine: what it measured}; several: each with what it
-    measured, and that their figures are not comparable."""
-    if len(grouped) == 1:
-        return next(iter(grouped)).text
-    return f"{len(grouped)} machines, whose figures are not comparable with each other: " + "; ".join(
-        f"{machine.text} ({', '.join(names)})" for machine, names in grouped.items()
-    )
-
-
-class LoaderSweepView:
-    """The typed view of a DataLoader sweep's results file (loaders.json, written by trainscope.experiments.loaders.sweep for
-    loaders_bench.py): its readers (the script's Markdown and recommendations, the report's section) ask it."""
-
-    def __init__(self, result: dict):
-        self.result = result
-
-    @property
-    def settings_summary(self) -> list[dict]:
-        """Per setting swept: its median, min and max over the repeats (pass time or data share)."""
-        return (self.result.get("summary") or {}).get("settings") or []
-
-    @property
-    def curves(self) -> dict:
-        """Per curve (mode, batch, pin, persistent, prefetch): the best setting, the knee and its flags."""
-        return (self.result.get("summary") or {}).get("curves") or {}
-
-    @property
-    def rows(self) -> list[dict]:
-        """Every timed pass or training measurement, per setting and repeat."""
-        return self.result.get("rows") or []
-
-    @property
-    def machine(self) -> dict:
-        return self.result.get("machine") or {}
-
-    @property
-    def dataset_rows(self) -> int | None:
-        return self.result.get("dataset_rows")
-
-    @property
-    def repeats(self) -> int | None:
-        return (self.result.get("sweep") or {}).get("repeats")
-
-    @property
-    def default_workers(self) -> int | None:
-        return self.result.get("pytorch_default_num_workers")

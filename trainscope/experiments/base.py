@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainscope.core import launching
-from trainscope.core.record_view import RunView, machines_text
+from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record
+from trainscope.core.results_view import machines_text
 from trainscope.measure import bench
 from trainscope.report import inputs as reporting
 from trainscope.report.inputs import Headline

@@ -9,7 +9,9 @@ import argparse
 import json
 from pathlib import Path
 
+from trainscope import predict
 from trainscope.core import launching
+from trainscope.core.settings import parse_settings
 from trainscope.experiments import batch_search
 from trainscope.experiments.base import (
     Experiment,
@@ -25,6 +27,9 @@ from trainscope.measure import bench
 from trainscope.report import inputs as reporting
 from trainscope.report.inputs import Headline
 from trainscope.report.tables import pyplot
+from trainscope.run import startup
+from trainscope.run.loop import train_step
+from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
 
 SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
 
@@ -43,7 +48,6 @@ def arguments(parser) -> None:
 
 def run(args, train_args: list[str]) -> dict:
     """Samples/s and peak memory against the batch size, the user's batch as the baseline arm."""
-    from trainscope.core.settings import parse_settings
 
     if args.steps < 3 or min(args.batch_sizes) < 1:
         raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
@@ -158,8 +162,7 @@ def predicted_largest_batch(
     process asking: the search's child); None when it cannot be predicted."""
     import torch
 
-    from trainscope import predict
-    from trainscope.workload.data import MODEL_INPUTS
+    from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
 
     if device is None:
         facts = launching.config_facts(launching.config_path(config))
@@ -218,11 +221,6 @@ def find_batch(args, train_args: list[str]) -> None:
     import torch
     from accelerate import Accelerator
 
-    from trainscope.core.settings import parse_settings
-    from trainscope.run import startup
-    from trainscope.run.loop import train_step
-    from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
-
     (settings,) = parse_settings(argv=train_args)
     startup.configure_process(settings)
     tokenizer = build_tokenizer(settings)
@@ -248,7 +246,6 @@ def find_batch(args, train_args: list[str]) -> None:
     if not args.predict:
         print(json.dumps({"largest_batch": batch_search.search(two_steps, args.start, grow=args.grow)}))
         return
-    from trainscope import predict
 
     predicted = predicted_largest_batch(
         None, settings, accelerator.device, predict.precision_from_environment(accelerator.device)

@@ -10,7 +10,8 @@ and per rank the exposure and the wait for a straggler; every sentence is comput
 from pathlib import Path
 
 from trainscope.core import launching
-from trainscope.core.record_view import COMMUNICATION_FIGURES, RunView, exposed_above_transfer
+from trainscope.core.communication_view import COMMUNICATION_FIGURES, exposed_above_transfer
+from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record
 from trainscope.experiments.base import Experiment, experiment, planned_arm, runs_option, speed_cells, write
 from trainscope.measure import bench

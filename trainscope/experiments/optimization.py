@@ -1,6 +1,6 @@
 """The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what
 `make tune` (trainscope.experiments.tuning) measured when it tried them -- judged again from its runs' records by today's
-rules (trainscope.advice.judge.rejudged) -- and what `make tune-confirm` measured on the full job.
+rules (trainscope.advice.rejudge.rejudged) -- and what `make tune-confirm` measured on the full job.
 
 Each machine's results stand apart: make tune's and make tune-confirm's folders (their declared ones, runs/tune/ and
 runs/tune_confirm/, and those kept beside them, e.g. the committed benchmarks/runs/tune_amx/) are grouped by the
@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainscope.advice import advisor, changes
-from trainscope.advice.judge import METRICS, NONE_KEPT, change_of, final_text, final_trial, rejudged
-from trainscope.core.record_view import Machine, RunView, results_machine
+from trainscope.advice.judge import METRICS, NONE_KEPT, change_of, final_text, final_trial
+from trainscope.advice.rejudge import rejudged
+from trainscope.core.record_view import RunView
 from trainscope.core.records import read_steps
+from trainscope.core.results_view import Machine, results_machine
 from trainscope.experiments import tune_confirm
 from trainscope.experiments.base import Experiment
 from trainscope.measure import bench

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from trainscope import predict
+from trainscope.core.environment import machine_busy_seconds, usable_cores
 from trainscope.core.record_view import RunView
-from trainscope.core.records import read_record
+from trainscope.core.records import read_record, write_json_atomic
 from trainscope.experiments.base import Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
 from trainscope.measure import bench
 from trainscope.measure.memory import GIB
@@ -84,7 +85,6 @@ def machine_load() -> dict:
     prediction is of an undisturbed machine. The CPU seconds of the whole machine (/proc/stat) and of this process
     and the runs it launched and waited for (their own load is not interference); the 1-minute load average beside
     them, for the record."""
-    from trainscope.core.environment import machine_busy_seconds, usable_cores
 
     own = sum(
         getattr(resource.getrusage(who), field)
@@ -157,8 +157,6 @@ def first_use_check(records: dict) -> dict:
         return {"error": str(error), "calibration": {}, "at_bound": [], "runs": [], "summary": None}
     finally:
         if full:
-            from trainscope.core.records import write_json_atomic
-
             write_json_atomic(calibration.calibration_path(device), full)
     again = {
         name: RunView(record).with_prediction_error(repredicted(record, fitted))

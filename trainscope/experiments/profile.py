@@ -20,7 +20,7 @@ from trainscope.measure import bench, gap, peak
 from trainscope.measure.profiling import operator_rows
 from trainscope.report import inputs as reporting
 from trainscope.report.inputs import Headline
-from trainscope.report.tables import Table, num
+from trainscope.report.tables import Table, num, pyplot
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -114,7 +114,6 @@ def headline(found: reporting.Collected) -> Headline | None:
 
 
 def pie(breakdown: dict):
-    from trainscope.report.tables import pyplot
 
     figure, axis = pyplot().subplots(figsize=(6.5, 4.5))
     shown = [c for c in breakdown["categories"] if c["percent"] > 0]
@@ -271,7 +270,6 @@ def gap_table(name: str, view: RunView, gap_rows: list[dict], peak_tflops: float
 
 
 def gap_figure(run: str, precision: str, gap_rows: list[dict]):
-    from trainscope.report.tables import pyplot
 
     shown = [r for r in gap_rows if r["seconds"] is not None and r["seconds"] > 0]
     figure, axis = pyplot().subplots(figsize=(6.5, 3.8))

@@ -15,7 +15,8 @@ import json
 import shlex
 from pathlib import Path
 
-from trainscope.advice.judge import ACCURACY_MARGIN, LOSS_MARGIN, Design, equivalent, merge_flags
+from trainscope.advice.design import ACCURACY_MARGIN, LOSS_MARGIN, Design
+from trainscope.advice.judge import equivalent, merge_flags
 from trainscope.core import launching
 from trainscope.core.errors import UserError
 from trainscope.experiments.base import Arm, Experiment, run_arm, summarize

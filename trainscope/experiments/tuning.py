@@ -1,7 +1,7 @@
 """make tune: run the baseline, ask the advisor, try its suggestions, keep what is measurably faster with a result
 shown to be the same -- each change judged by what can decide it.
 
-How it works: docs/tune.md#in-the-code-how-make-tune-runs-trainscopetunepy.
+How it works: docs/tune.md#in-the-code-how-make-tune-runs-trainscopeexperimentstuningpy.
 """
 
 import argparse
@@ -13,19 +13,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainscope.advice import advisor, changes
+from trainscope.advice.design import ACCURACY_MARGIN, LOSS_MARGIN, ROUNDS, Design, method_text
 from trainscope.advice.judge import (
-    ACCURACY_MARGIN,
-    LOSS_MARGIN,
-    ROUNDS,
     TOGETHER,
-    Design,
     final_choice,
     final_trial,
     in_family,
     judged_in_phases,
     measure,
     merge_flags,
-    method_text,
     run_figures,
     trial_verdicts,
 )
@@ -35,7 +31,7 @@ from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, read_steps
 from trainscope.experiments.base import Arm, ExperimentFailed, run_arm
 from trainscope.experiments.optimization import equivalence_table, tune_table
-from trainscope.measure import bench, health
+from trainscope.measure import bench, machine_kinds
 
 __all__ = ["merge_flags", "tune", "main"]
 
@@ -296,7 +292,7 @@ def tune(
         precision=precision,
         tolerance=changes.EXACT_TOLERANCE,
     )
-    tuned_on = health.machine_kind(view) if record else None
+    tuned_on = machine_kinds.machine_kind(view) if record else None
     setup = (
         f" ({spent_once:.0f} s of it this machine's one-time set-up: "
         + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in one_time.items())

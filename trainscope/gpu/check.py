@@ -22,9 +22,10 @@ import torch
 from trainscope.core import launching, provenance
 from trainscope.core.errors import UserError, exit_with
 from trainscope.core.paths import ROOT
+from trainscope.core.precision import planted_overflow_run
 from trainscope.core.record_view import RunView
 from trainscope.core.records import RECORD_FILE, STEPS_FILE, read_record, read_steps, write_text_atomic
-from trainscope.gpu.plan import (
+from trainscope.gpu.estimates import (
     ASSUMED_STEP_S,
     MARGIN,
     MEASURED_COMPILE_S,
@@ -33,9 +34,9 @@ from trainscope.gpu.plan import (
     PART_LIMIT_S,
     default_budget,
     parts,
-    plan,
     planned_seconds,
 )
+from trainscope.gpu.plan import plan
 from trainscope.gpu.results import markdown, outcome, unmet, verdicts
 from trainscope.measure import bench
 
@@ -50,7 +51,6 @@ SCALER_PLANTED = (3, 7, 11)
 def scaler_check() -> dict:
     """fp16 on CUDA: a real GradScaler, the fused AdamW and planted inf gradients; the skips counted. Run by
     `--scaler-check` in a process of its own (the plan's `scaler` check)."""
-    from trainscope.core.precision import planted_overflow_run
 
     planted = set(SCALER_PLANTED)
     try:
@@ -345,7 +345,7 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float, only: list[str] | 
         f"total estimated for {gpus} GPU{'s' if gpus > 1 else ''}: {total:.0f} s ({total / 60:.1f} min) against a "
         f"budget of {budget_s:.0f} s (default: the estimate and {MARGIN - 1:.0%}, {default_budget(steps):.0f} s); "
         "estimates from the launch and step times measured on one H200 and assumed ones (MEASURED_* and ASSUMED_* "
-        "in trainscope/gpu/plan.py)"
+        "in trainscope/gpu/estimates.py)"
     )
     if over:
         print(f"over the budget by these estimates (skipped when run): {', '.join(over)}")

@@ -13,7 +13,8 @@ DISTRIBUTED_EVIDENCE_S: a collective that hangs times out, and the run says so i
 the launch.
 
 Durations are estimates from each check's workload (launches, steps, precision, processes) and the MEASURED_*
-figures (the gpu-checks on one H200) and ASSUMED_* ones (not measured on GPU) below.
+figures (the gpu-checks on one H200) and ASSUMED_* ones (not measured on GPU) of trainscope.gpu.estimates, which also
+holds the plan's total, default budget and parts.
 """
 
 import math
@@ -21,6 +22,20 @@ import sys
 
 from trainscope.core import launching
 from trainscope.core.errors import UserError
+from trainscope.gpu.estimates import (
+    ASSUMED_COMPILE_PROCESSES,
+    ASSUMED_DP_LOOP_S,
+    ASSUMED_EXTRA_S,
+    ASSUMED_PROCESS_GROUP_S,
+    ASSUMED_SCALER_S,
+    ASSUMED_SCRIPT_S,
+    MEASURED_COMPILE_S,
+    MEASURED_LAUNCH_S,
+    MEASURED_LOADER_PASS_S,
+    first_costs,
+    timeout_for,
+    train_estimate,
+)
 from trainscope.measure import bench
 from trainscope.run.startup import BACKEND_ENV
 
@@ -57,49 +72,14 @@ PRECISIONS = {
     "fp16": ("fp16", []),
 }
 
-# ---- what the estimates rest on. MEASURED_*: the make gpu-checks on a GPU (one NVIDIA H200, a 16-core Xeon host,
-# torch 2.11; benchmarks/gpu/nvidia-h200.*). ASSUMED_*: not measured on GPU.
-MEASURED_LAUNCH_S = 23.0  # one single-GPU launch of train.py less its steps, its operators already timed: run 2's
-#                           memory-snapshot, unpad-bf16 and timing-sync launches took 24.3, 24.9 and 24.4 s with 1-3 s
-#                           of steps; run 1's bf16 and fp16 launches 31 s with 2.1-2.4 s of loop and their operators'
-#                           timing (ASSUMED_OP_COSTS_S)
-MEASURED_FIRST_LAUNCH_S = 45.0  # the first launch's extra: run 2's precision-fp32 took 77 s against 24 s for the fp32
-#                                  launches after it (8 s of the rest its operator costs); run 1's first check: 33 s
-#                                  against 22 s. The matmul peak and the layer probes are cached per process count
-#                                  (trainscope.measure.peak.machine_key): the first launch of each process count pays it
-MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.040, "fp16": 0.047}  # steady steps, batch 32 x 128: fp32 and bf16
-#                   from run 2 (536 and 803 samples/s), fp16 from run 1 (677 samples/s)
-MEASURED_COMPILE_S = 104.0  # run 1's compile-bf16 launch (129 s) less a bf16 launch whose operators were timed
-#                             before (23 s) and its 50 steps (2 s): 82 s compiling, 59 s of it in the first forward
-#                             and 24.5 s at the first evaluation
-ASSUMED_STEP_S = {"tf32": 0.06}  # not yet run on a GPU (run 2's budget ended before it)
-ASSUMED_PROCESS_GROUP_S = 5.0  # a 2-process launch: the second process and the process group
-ASSUMED_COMPILE_PROCESSES = 1.5  # two processes compiling at once on one host's cores: 1.5x one compile
-ASSUMED_OP_COSTS_S = 8.0  # a launch whose precision and process count this machine has not predicted before times
-#                           the prediction's operators in a child process (Python, torch, a CUDA context)
-ASSUMED_SCRIPT_S = 8.0  # a benchmark script's own start: imports, data, CUDA context
-ASSUMED_EXTRA_S = {"snapshot": 5.0, "profile": 10.0, "search": 15.0}  # a snapshot's pickle (Python frames only),
-#                                                 the trace and CUPTI, the batch search's out-of-memory tries
-MEASURED_LOADER_PASS_S = 1.0  # loaders_bench: one pass over 4096 samples at batch 512 x 512, run 2: 1.4 s without
-#                                workers, 0.5-0.7 s with 4, passes alternating
-ASSUMED_DP_LOOP_S = 2.0  # compare_dp.py: one in-process loop (22 MiniLM steps of 32)
-ASSUMED_SCALER_S = 10.0  # the scaler check's process: Python, torch, a CUDA context and 16 tiny steps
-# Two processes sharing one GPU over gloo: each step's compute twice over on the one GPU, and the gradients through
-# host memory: RoBERTa-base's 499 MB of fp32 gradients at the 1.2 GB/s bus bandwidth make ddp-cost measured over
-# gloo between 2 CPU processes (benchmarks/runs/ddp_cost), their copies to and from the GPU besides
-ASSUMED_SHARED_STEP_FACTOR = 2.0
-ASSUMED_GLOO_STEP_S = 0.45
 SHARED_STEPS, SHARED_LOG_EVERY = 20, "5"  # a shared GPU's check: the code path (warm-up, steady steps, four logged
 #                                          losses), not its speed
 SHARED_BACKEND = "gloo"
-TIMEOUT_FACTOR, MIN_TIMEOUT_S = 3.0, 60.0  # a launch is killed past 3x its estimate (at least a minute)
 # After a collective times out: the peers name the failed rank and the record is written (seconds); a check's timeout
 # leaves this beyond its estimate and its --distributed-timeout, which is at least MIN_DISTRIBUTED_TIMEOUT_S (a rank
 # may wait that long for another's start-up work: its operators timed, the first evaluation)
 DISTRIBUTED_EVIDENCE_S = 30.0
 MIN_DISTRIBUTED_TIMEOUT_S = 60
-MARGIN = 1.15  # the default budget: the plan's estimate and 15%
-PART_LIMIT_S = 600.0  # at most one command's time on a machine that lends its GPU 10 minutes a command
 SESSION_S = 900.0  # the GPU time one session is lent (15 minutes): the one-GPU plan's default budget fits it
 PRECISION_STEPS = 50
 OVERHEAD_STEPS, OVERHEAD_WARMUP = 75, 5  # 70 steady fp32 steps: about 4.2 s per arm and round (0.060 s measured)
@@ -118,23 +98,6 @@ NEEDS_TWO_GPUS = {
     "compare-dp": "needs 2 GPUs: compare_dp.py's DDP workers each bind cuda:<local rank> over NCCL (a second "
     "process cannot share the GPU there, and one process has no all-reduce); DataParallel needs two",
 }
-
-
-def step_seconds(precision: str) -> float:
-    return MEASURED_STEP_S.get(precision) or ASSUMED_STEP_S[precision]
-
-
-def train_estimate(steps: int, precision: str, processes: int = 1, extra: float = 0.0, shared: bool = False) -> float:
-    """Seconds for one launch of train.py: the fixed cost, the steps at their step time, and extras; on a GPU
-    `shared` by its processes over gloo, each step's compute twice over and the gradients through host memory."""
-    step = step_seconds(precision) * (ASSUMED_SHARED_STEP_FACTOR if shared else 1.0) + (
-        ASSUMED_GLOO_STEP_S if shared else 0.0
-    )
-    return MEASURED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if processes > 1 else 0.0) + steps * step + extra
-
-
-def timeout_for(estimate: float) -> float:
-    return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * estimate)
 
 
 def training_check(
@@ -189,31 +152,6 @@ def command_check(name: str, command: list[str], estimate: float, how: str, conf
     }
 
 
-def _first_costs(steps: list[dict]) -> None:
-    """Add to the estimates what only a first launch costs: the first launch of each process count (the machine's
-    matmul peak and layer probes, cached per process count, and on the first of all the predictor's calibration:
-    MEASURED_FIRST_LAUNCH_S) and the first of each precision and process count (its operators timed in a child
-    process, ASSUMED_OP_COSTS_S). TF32 runs the fp32 operators (timed by fp32's launch)."""
-    cold, timed = set(), set()
-    for step in steps:
-        if step.get("skipped") or "config" not in step:
-            continue
-        extra, notes = 0.0, []
-        if step["processes"] not in cold:
-            cold.add(step["processes"])
-            extra += MEASURED_FIRST_LAUNCH_S
-            notes.append(f"first launch of {step['processes']} process(es) +{MEASURED_FIRST_LAUNCH_S:.0f} s")
-        kind = ("fp32" if step["precision"] == "tf32" else step["precision"], step["processes"])
-        if kind not in timed:
-            timed.add(kind)
-            extra += ASSUMED_OP_COSTS_S
-            notes.append(f"operator costs +{ASSUMED_OP_COSTS_S:.0f} s")
-        if extra:
-            step["estimate_s"] += extra
-            step["timeout_s"] = timeout_for(step["estimate_s"])
-            step["estimate"] += "; " + ", ".join(notes)
-
-
 def distributed_timeout(step: dict) -> int:
     """A multi-process check's --distributed-timeout: what its timeout leaves after its estimate (a collective can
     hang at the run's end) and DISTRIBUTED_EVIDENCE_S (the peers' report and the record written)."""
@@ -261,7 +199,7 @@ def plan(gpus: int | None = None, only: list[str] | None = None) -> list[dict]:
         for step in steps:
             if step.pop("left_out", False):
                 del step["skipped"]
-    _first_costs(steps)
+    first_costs(steps)
     _distributed_timeouts(steps)
     return steps
 
@@ -606,28 +544,6 @@ def _overhead_check() -> dict:
         "--timing events costs at most 1% against a bare loop on one GPU (a steady window of about 4.2 s per "
         "run at the measured fp32 step: 1% of it is 42 ms, far above the clock's resolution)",
     )
-
-
-def planned_seconds(steps: list[dict]) -> float:
-    """The plan's estimated total: every check that is not skipped."""
-    return sum(step["estimate_s"] for step in steps if not step.get("skipped"))
-
-
-def default_budget(steps: list[dict]) -> float:
-    """The plan's estimate and MARGIN, rounded up to 10 s."""
-    return 10.0 * math.ceil(planned_seconds(steps) * MARGIN / 10.0)
-
-
-def parts(steps: list[dict], limit_s: float = PART_LIMIT_S) -> list[list[dict]]:
-    """The plan in order, cut into parts whose estimates and MARGIN fit `limit_s` each (skipped checks ride along
-    with the part before them, at no cost)."""
-    cut: list[list[dict]] = [[]]
-    for step in steps:
-        spent = planned_seconds(cut[-1])
-        if not step.get("skipped") and cut[-1] and (spent + step["estimate_s"]) * MARGIN > limit_s:
-            cut.append([])
-        cut[-1].append(step)
-    return cut
 
 
 SCALER_CONFIRMS = "a CUDA GradScaler with the fused AdamW skips exactly the steps with planted inf gradients"

@@ -438,7 +438,7 @@ def markdown(report: dict, note: str | None = None) -> list[str]:
     lines += [
         f"Driver {report['driver']}, torch {torch_text}{cuda_text}, {gpus} GPU(s); "
         f"{report.get('seconds', 0):.0f} s of the {report['budget_s']:.0f} s budget. Estimates are from the launch "
-        "and step times measured by the gpu-checks on one H200 and assumed ones (trainscope/gpu/plan.py "
+        "and step times measured by the gpu-checks on one H200 and assumed ones (trainscope/gpu/estimates.py "
         "MEASURED_* and ASSUMED_*).",
         "",
         "| check | estimate s | timeout s | seconds | outcome | goals |",

@@ -14,5 +14,6 @@ __all__ = [
     "peak",
     "gap",
     "health",
+    "machine_kinds",
     "bench",
 ]

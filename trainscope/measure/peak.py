@@ -1,6 +1,6 @@
 """The machine's measured matmul peak: what this device's matmuls really reach, per precision, at the run's threads.
 
-How it works: docs/peak.md#in-the-code-how-the-machines-peak-is-measured-trainscopepeakpy.
+How it works: docs/peak.md#in-the-code-how-the-machines-peak-is-measured-trainscopemeasurepeakpy.
 """
 
 import contextlib

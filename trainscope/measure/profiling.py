@@ -16,6 +16,8 @@ import torch
 from torch.profiler import record_function
 
 from trainscope.measure import gap
+from trainscope.measure.communication.agreement import from_trace
+from trainscope.measure.memory import is_sharded
 from trainscope.measure.timing import STAGES
 
 TOP_OPERATORS = 15
@@ -82,7 +84,6 @@ class StepProfiler:
         torch.profiler.tensorboard_trace_handler(str(self.directory), worker_name=f"rank{self.rank}")(profiler)
         self.top_operators = top_operators(profiler.key_averages(), self.device)
         self.breakdown = gap.categorize(profiler.events(), self.device.type == "cuda", STAGES)
-        from trainscope.measure.communication.agreement import from_trace
 
         found = from_trace(profiler.events())  # per traced `backward` span, in order
         self.communication = {**self.window, **found} if found else None
@@ -206,8 +207,6 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
     untouched), its input from a private generator, the random state forked (the run's dropout masks unchanged).
     None when the model has no repeated block that takes hidden states alone (or it fails on them)."""
     import copy
-
-    from trainscope.measure.memory import is_sharded
 
     layer = first_layer(model)
     width = next((m.in_features for m in layer.modules() if isinstance(m, torch.nn.Linear)), None) if layer else None

@@ -9,12 +9,14 @@ import time
 import torch
 
 from trainscope.core import environment
+from trainscope.core.errors import one_line
 from trainscope.core.records import now_iso
 from trainscope.predict import calibration, op_costs, trace
 from trainscope.predict.memory_model import peak_memory
 from trainscope.predict.step import VERSION, model_dims, traced_length, traced_step
 from trainscope.predict.time_model import predict_time
 from trainscope.predict.workload import Batches, Workload, run_batches, workload_for
+from trainscope.workload import modeling
 
 
 @contextlib.contextmanager
@@ -75,7 +77,6 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
 def traced_steps(workload: Workload, batches: Batches, costs) -> tuple[trace.Trace, trace.Trace]:
     """The training step traced at the run's batch and a length near its steady batches' mean, and the evaluation
     batch near its batches' mean (traced_length: a length that is no other size of the model)."""
-    from trainscope.workload import modeling
 
     settings = workload.settings
     config = modeling.model_config(settings, workload.label_names)
@@ -177,6 +178,4 @@ def before_run(settings, started, tokenizer, data) -> dict:
     try:
         return predict(workload_for(settings, started, tokenizer, data), store=started.state.is_local_main_process)
     except Exception as error:  # the run goes on without a prediction; the record says why
-        from trainscope.core.errors import one_line
-
         return {"version": VERSION, "error": one_line(error)}

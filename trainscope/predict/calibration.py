@@ -37,7 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainscope.core.records import now_iso, write_json_atomic
+from trainscope.core import launching
+from trainscope.core.errors import one_line
+from trainscope.core.launching import split_args, train_in_this_process
+from trainscope.core.record_view import RunView
+from trainscope.core.records import now_iso, read_record, write_json_atomic
 from trainscope.measure import peak
 from trainscope.measure.memory import GIB
 
@@ -113,7 +117,6 @@ CALIBRATION_ARGS = [
 def allocator_point(record: dict) -> tuple[float, float] | None:
     """(live bytes, bytes beyond the tensors) of one complete CPU run: its peak RSS less the RSS before the model,
     the parameters and the step's live peak, all as its prediction had them."""
-    from trainscope.core.record_view import RunView
 
     view = RunView(record)
     block = view.prediction
@@ -129,7 +132,6 @@ def time_point(record: dict) -> dict | None:
     """What one complete single-process run tells of the framework's own costs: its measured steady step and
     evaluation less their (uncalibrated) predictions, beside the predicted time of the operators other than matrix
     products and the operators dispatched. None for a calibrated prediction or several processes (DDP's wait)."""
-    from trainscope.core.record_view import RunView
 
     view = RunView(record)
     block = view.prediction
@@ -291,8 +293,6 @@ def _forget(device: torch.device) -> None:
 def calibrate(runs: Path, train_args: list[str]) -> dict:
     """Run the calibration shapes (uncalibrated: an earlier calibration is removed first), fit the allocator's share
     and the loop's own costs on their records, and store them for this machine."""
-    from trainscope.core import launching
-    from trainscope.core.records import read_record
 
     started = time.perf_counter()
     _forget(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -405,8 +405,6 @@ def ensure(device: torch.device, budget_s: float | None = None, shapes: dict | N
         try:
             return first_use(device, budget_s, shapes)
         except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as error:
-            from trainscope.core.errors import one_line
-
             failed = {
                 "error": f"the first-use calibration failed ({one_line(error)}); make predict-calibrate makes it",
                 "at": time.time(),
@@ -434,8 +432,6 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
     """QUICK_SHAPES (or `shapes`) run in one worker process within `budget_s` seconds (FIRST_USE_BUDGET_S), fitted
     and cached."""
     import tempfile
-
-    from trainscope.core.records import read_record
 
     shapes = QUICK_SHAPES if shapes is None else shapes
     budget_s = budget_s or FIRST_USE_BUDGET_S
@@ -514,7 +510,6 @@ def _reset_peak_rss() -> None:
 def worker(runs: Path, deadline: float) -> None:
     """The shapes of `runs`/shapes.json as train.py runs in this process, one after the other, until the deadline
     (time.time()): a shape is started only where the slowest so far would still finish by then."""
-    from trainscope.core.launching import train_in_this_process
 
     shapes = json.loads((runs / "shapes.json").read_text())
     slowest = 0.0
@@ -529,8 +524,6 @@ def worker(runs: Path, deadline: float) -> None:
 
 def main(argv=None) -> None:
     import tempfile
-
-    from trainscope.core.launching import split_args
 
     ours, train_args = split_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(

@@ -5,8 +5,9 @@ all-reduce a multi-process run measured, kept for the next prediction on this ma
 import torch
 
 from trainscope.core import environment
+from trainscope.core.record_view import RunView
 from trainscope.core.records import now_iso
-from trainscope.measure.memory import GIB
+from trainscope.measure.memory import GIB, is_sharded, local_bytes, local_tensor
 from trainscope.predict import op_costs
 from trainscope.predict.memory_model import saved_bytes_at
 
@@ -32,7 +33,6 @@ class Check:
     def attach(self, model, optimizer) -> None:
         """This rank's bytes: under FSDP2 the parameters, gradients and optimizer state are DTensors, and their local
         shards are what the rank holds (and what has a storage to read)."""
-        from trainscope.measure.memory import is_sharded, local_bytes, local_tensor
 
         self.model, self.optimizer = model, optimizer
         if self.block is None:
@@ -67,8 +67,6 @@ class Check:
             self._hooks, self._seen = None, set()
             self.measured["saved_at"] = list(batch["input_ids"].shape)
         if stepped and self.block is not None and "optimizer" not in self.measured and self.optimizer is not None:
-            from trainscope.measure.memory import local_tensor
-
             tensors = [
                 local_tensor(t)
                 for state in self.optimizer.state.values()
@@ -99,7 +97,6 @@ def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
     steady step and its stages, the warm-up, evaluation and the whole run; each memory term measured in the run; the
     residual (what the measured peak leaves after the measured terms, against what the prediction put there: not a
     measurement of any one term); the measured term furthest off (its error as a share of its quantity's total)."""
-    from trainscope.core.record_view import RunView
 
     view = RunView({"summary": summary})
     memory, timing = block["memory"], block["time"]
@@ -167,7 +164,6 @@ def furthest_term(result: dict, peak: float | None, step: float | None) -> dict 
 def remember_communication(block: dict | None, summary: dict, settings, started) -> None:
     """After a multi-process run: its all-reduce bandwidth and the share of it backward waited for, for the next
     prediction on this machine with these processes and threads (main process)."""
-    from trainscope.core.record_view import RunView
 
     if not block or block.get("error") or not started.state.is_main_process:
         return

@@ -1,6 +1,7 @@
 """What the predictor prints: the one screen of `train.py --predict`, what a prediction rests on, and the end-of-run
 table's lines on the prediction's error."""
 
+from trainscope.core.errors import UserError
 from trainscope.measure.memory import GIB
 
 
@@ -99,7 +100,6 @@ def source_lines(block: dict) -> list[str]:
 def show(block: dict, settings, started) -> dict:
     """--predict: the screen, on the main process only; nothing else happens. A prediction that could not be made
     is the command's one error line."""
-    from trainscope.core.errors import UserError
 
     if block.get("error"):
         raise UserError(f"no prediction: {block['error']}")

@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainscope.core import environment
+from trainscope.core import environment, launching
+from trainscope.core.precision import tf32_in_effect
 from trainscope.core.record_view import RunView
-from trainscope.core.settings import plan_steps
+from trainscope.core.settings import Settings, parse_settings, plan_steps
+from trainscope.workload.modeling import build_tokenizer
 
 SIMULATED_EPOCHS_MAX = 4  # micro-batches beyond this many epochs repeat the same lengths
 COLLATE_SAMPLES = 5
@@ -121,7 +123,6 @@ class Workload:
 def precision_from_environment(device: torch.device, environ=None) -> str:
     """The precision a launch will compute in, before its Accelerator exists: the config's mixed precision (which
     `accelerate launch` exports), fp16 running as fp32 on a CPU (as Accelerate runs it), TF32 on CUDA where on."""
-    from trainscope.core.precision import tf32_in_effect
 
     environ = os.environ if environ is None else environ
     requested = environ.get("ACCELERATE_MIXED_PRECISION", "no")
@@ -224,7 +225,7 @@ def collate_seconds(split, collate, batch: int, seed: int = 0) -> float:
 
 def with_collate_costs(workload: Workload, tokenizer, data) -> Workload:
     """The workload with the seconds its training and evaluation batches take to collate, measured here."""
-    from trainscope.workload.data import build_collator
+    from trainscope.workload.data import build_collator  # deferred: it loads datasets
 
     settings, pad = workload.settings, workload.pad_to_multiple_of
     workload.collate_s = {
@@ -241,7 +242,7 @@ def with_collate_costs(workload: Workload, tokenizer, data) -> Workload:
 def workload_for(settings, started, tokenizer, data, label_names=None) -> Workload:
     """The workload of this launch (train.py's settings, start-up, tokenizer and tokenized data)."""
 
-    from trainscope.workload.data import MODEL_INPUTS
+    from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
 
     state = started.state
     device = state.device
@@ -267,7 +268,6 @@ def workload_for(settings, started, tokenizer, data, label_names=None) -> Worklo
 
 def settings_of(record_or_settings):
     """The Settings of a run record (or Settings themselves), fields unknown to this trainscope left out."""
-    from trainscope.core.settings import Settings
 
     if isinstance(record_or_settings, Settings):
         return record_or_settings
@@ -278,7 +278,6 @@ def settings_of(record_or_settings):
 
 def changed_settings(settings, flags) -> object:
     """`settings` with train.py `flags` applied (the fields those flags set to something else than the default)."""
-    from trainscope.core.settings import Settings, parse_settings
 
     if not flags:
         return settings
@@ -297,8 +296,7 @@ _DATA_MEMO: dict = {}
 
 def data_for(settings):
     """Tokenizer and tokenized data of `settings` (from the datasets cache), kept for the process's later calls."""
-    from trainscope.workload.data import load_classification_data
-    from trainscope.workload.modeling import build_tokenizer
+    from trainscope.workload.data import load_classification_data  # deferred: it loads datasets
 
     key = (
         settings.model,
@@ -324,8 +322,7 @@ def data_for(settings):
 def workload_of(record: dict | None, settings, config: str | None = None) -> Workload:
     """The workload `settings` would be on the machine and launch of `record` (or of this process when None), with
     `config`'s processes and precision where given."""
-    from trainscope.core import launching
-    from trainscope.workload.data import MODEL_INPUTS
+    from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
 
     view = RunView(record or {})
     device = torch.device((view.device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0])

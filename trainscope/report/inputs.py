@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainscope.core.paths import ROOT
-from trainscope.core.record_view import Machine, RunView, results_machine
+from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, read_steps
+from trainscope.core.results_view import Machine, results_machine
+from trainscope.measure import bench
 from trainscope.measure.timing import CATEGORIES, STAGES
 
 
@@ -144,7 +146,6 @@ def rejudged(comparison: dict, records: dict) -> dict:
     """The comparison with every arm's speed judged again by today's test (trainscope.measure.bench) from the runs'
     own records, when they are all there: a committed comparison made under an older rule reads the same
     as a new one. An arm whose runs are missing keeps the verdict it was written with."""
-    from trainscope.measure import bench
 
     arms = comparison.get("arms") if isinstance(comparison, dict) else None
     baseline = (arms or {}).get(comparison.get("baseline"), {}) if arms else {}

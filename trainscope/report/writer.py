@@ -2,6 +2,9 @@
 
 from pathlib import Path
 
+from trainscope.core.record_view import RunView, warning_lines
+from trainscope.core.records import write_text_atomic
+from trainscope.core.results_view import machines_text
 from trainscope.report.pdf.book import PdfBook
 from trainscope.report.pdf.text import Font
 from trainscope.report.tables import Table, save_figure
@@ -85,7 +88,6 @@ class ReportWriter:
 
     def answers_tables(self, pages: dict | None = None) -> list[Table]:
         """One table per group of `answer_groups`, titled by its machine; with `pages`, the page of each section."""
-        from trainscope.core.record_view import machines_text
 
         tables = []
         for label, answers in self.answer_groups():
@@ -110,7 +112,6 @@ class ReportWriter:
     def begin(self, title: str, inputs, missing_line: str) -> bool:
         """Open a section; when its inputs are missing, write `missing_line` (which make target produces
         them) and return False. Else the machines its figures come from, then its answer."""
-        from trainscope.core.record_view import machines_text
 
         self.markdown += [f"## {title}", ""]
         self.book.heading(title, anchor=title)
@@ -148,7 +149,6 @@ class ReportWriter:
     def measured_on(self, records=None) -> str:
         """'measured on AMD EPYC, AVX2, bf16 emulated, 2 cores': the machines of `records` where given, else the
         section's; '' where none is known."""
-        from trainscope.core.record_view import RunView, machines_text
         from trainscope.report.inputs import machines
 
         grouped = machines([(RunView(r).name, r) for r in records]) if records else self.current
@@ -160,7 +160,6 @@ class ReportWriter:
 
     def figure(self, figure, name: str, caption: str, records=()):
         """A figure, then the health warnings of the runs it shows."""
-        from trainscope.core.record_view import warning_lines
 
         on = self.measured_on(records)
         caption = f"{caption} ({on})" if on else caption
@@ -173,7 +172,6 @@ class ReportWriter:
             self.text("Warnings for these figures:\n" + "\n".join(f"- {line}" for line in lines))
 
     def table(self, table: Table):
-        from trainscope.core.records import write_text_atomic
 
         on = self.measured_on()
         if on:

@@ -2,4 +2,4 @@
 the loop's shared step and counters.
 """
 
-__all__ = ["startup", "metrics", "lifecycle", "checkpoints", "trackers", "endings", "loop"]
+__all__ = ["startup", "metrics", "table", "lifecycle", "signals", "checkpoints", "trackers", "endings", "loop"]

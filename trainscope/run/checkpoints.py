@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 from trainscope.core.errors import Fault, UserError, one_line
+from trainscope.core.liveness import lost_a_peer
 from trainscope.core.paths import GIB
 
 KEEP_CHECKPOINTS = 2
@@ -55,7 +56,6 @@ def save(accelerator, run_dir: Path, loop_state: dict) -> Path:
         accelerator.wait_for_everyone()
     except BaseException as error:
         shutil.rmtree(partial, ignore_errors=True)
-        from trainscope.core.liveness import lost_a_peer
 
         if not isinstance(error, Exception) or lost_a_peer(error):  # a peer's failure: the run names it
             raise
@@ -108,7 +108,7 @@ def state_bytes(accelerator) -> int:
     for optimizer in accelerator._optimizers:
         for state in getattr(optimizer, "optimizer", optimizer).state.values():
             tensors += [v for v in state.values() if torch.is_tensor(v)]
-    from trainscope.measure.memory import local_bytes
+    from trainscope.measure.memory import local_bytes  # deferred: it loads torch
 
     unique = {id(t): t for t in tensors}
     return sum(local_bytes(t) for t in unique.values())  # a DTensor's numel() is the whole tensor's

@@ -1,16 +1,14 @@
-"""A run's life: start, resume, checkpoint, interrupt, fail and finish. The record's writer.
+"""A run's life: start, resume, checkpoint, interrupt, fail and finish. The record's writer. The stop signals'
+handler and the ranks' stop vote it acts on are trainscope.run.signals.
 
-How it works: docs/endings.md#in-the-code-how-the-runs-life-is-coded-trainscopelifecyclepy.
+How it works: docs/endings.md#in-the-code-how-the-runs-life-is-coded-trainscoperunlifecyclepy.
 """
 
 import contextlib
-import os
 import signal
 import sys
 import threading
-import time
 from dataclasses import asdict
-from datetime import timedelta
 
 import torch
 from tqdm.auto import tqdm
@@ -19,13 +17,24 @@ from trainscope.core import provenance
 from trainscope.core.distributed import shut_down
 from trainscope.core.errors import Fault, one_line, report
 from trainscope.core.liveness import explain_collective_failure, lost_a_peer, root_cause
-from trainscope.core.records import RunRecord, now_iso, read_record, write_prepared
+from trainscope.core.records import RunRecord, now_iso, read_record
 from trainscope.measure import health
 from trainscope.run import checkpoints, trackers
-from trainscope.run.metrics import table_lines
+from trainscope.run.signals import (
+    FINISHED_MARK,
+    STEP_MARK,
+    STOP_SIGNALS,
+    Interrupted,
+    StopSignals,
+    StopVote,
+    exit_code,
+    vote_interval,
+    vote_of,
+    vote_value,
+)
+from trainscope.run.table import table_lines
 from trainscope.workload.data import dropped_rows_lines
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # How long a watched peer may stay silent before the heartbeat thread writes the failure on its own. Longer
 # than a verdict's patience (a rank holding the GIL in a long C call misses beats), well inside the 30 s
 # torchrun gives the survivors between its SIGTERM and SIGKILL.
@@ -43,149 +52,6 @@ ENDING_KEYS = (
     "record_rebuilt",
     "checkpoints_skipped",
 )
-
-
-def exit_code(signum: int) -> int:
-    """The shell's convention for a process ended by a signal: 128 + its number (130 SIGINT, 143 SIGTERM)."""
-    return 128 + signum
-
-
-class Interrupted(Exception):
-    """Raised at a boundary where the run's state is whole, once a stop signal has been received (and,
-    with several processes, agreed on by every rank)."""
-
-    def __init__(self, signum: int, rank: int = 0):
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.rank = signum, rank
-
-
-# The forced exit's record is rendered in advance with these placeholders, filled in by the handler.
-_STEP_MARK, _FINISHED_MARK = "<trainscope:step>", "<trainscope:finished>"
-
-
-class StopSignals:
-    """SIGINT, SIGTERM and SIGUSR1 in this process. The handler only notes the first (the training thread
-    acts on it at its next boundary). A second one, more than DUPLICATE_S after the first (a launcher that
-    forwards the terminal's Ctrl-C delivers the same keystroke twice within milliseconds), exits at once:
-    a message and a record prepared by the training thread (`prepare`) are written with system calls only."""
-
-    DUPLICATE_S = 1.0
-
-    def __init__(self):
-        self.received: int | None = None
-        self._first_at = None
-        self._previous = {}
-        self._prepared = None  # (record path, {signal: record bytes with placeholders}, the step now)
-        self._messages = {s: f"\n{signal.Signals(s).name} again: exiting at once\n".encode() for s in STOP_SIGNALS}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in STOP_SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._handle)
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
-
-    def prepare(self, path, records: dict | None, step=None) -> None:
-        """What a forced exit writes: `records` by signal (bytes with the step and time left as placeholders)
-        and `step()`, the optimizer steps done; None: leave the record as it is (it already says how the run ended)."""
-        self._prepared = (str(path), records, step) if records else None
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            self.received, self._first_at = signum, time.monotonic()
-        elif time.monotonic() - self._first_at > self.DUPLICATE_S:
-            self._exit_at_once(signum)
-
-    def _exit_at_once(self, signum: int) -> None:
-        os.write(2, self._messages.get(signum, b"\nexiting at once\n"))
-        if self._prepared is not None:
-            path, records, step = self._prepared
-            finished = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()).encode()
-            data = records[signum].replace(f'"{_STEP_MARK}"'.encode(), str(step()).encode())
-            try:
-                write_prepared(path, data.replace(f'"{_FINISHED_MARK}"'.encode(), b'"' + finished + b'"'))
-            except OSError:
-                pass
-        os._exit(exit_code(signum))
-
-
-# The most optimizer steps between two stop votes: a signal waits up to K - 1 steps more than with a vote at every
-# step, and SIGTERM's grace before SIGKILL (30 s under torchrun and SLURM) must still hold those steps and a checkpoint.
-VOTE_EVERY_MAX = 10
-
-
-def vote_interval(log_every: int) -> int:
-    """K, the optimizer steps from one stop vote to the next: the log interval (the loop's other pause), at most
-    VOTE_EVERY_MAX."""
-    return max(1, min(log_every, VOTE_EVERY_MAX))
-
-
-# The vote's value: the signal in the high bits, the lowest rank that received it in the low ones (MAX picks
-# the highest signal, and among the ranks that received it the lowest).
-_RANK_BITS = 24
-
-
-def vote_value(signum: int, rank: int) -> int:
-    return (signum << _RANK_BITS) | ((1 << _RANK_BITS) - 1 - rank) if signum else 0
-
-
-def vote_of(value: int) -> tuple[int, int]:
-    """(signal, the lowest rank that received it) of an agreed vote value."""
-    return value >> _RANK_BITS, (1 << _RANK_BITS) - 1 - (value & ((1 << _RANK_BITS) - 1))
-
-
-class StopVote:
-    """Ranks agree on stopping without stalling a step: at a voting boundary (every K-th optimizer step's end, every
-    gap between evaluation batches) each rank posts the signal it received (0 for none) in an asynchronous MAX
-    all-reduce, and at the next boundary of any kind reads it, long arrived. Every rank has the same boundaries, so
-    every rank reads the same value at the same boundary. CPU tensors over a gloo group, beside NCCL where the run's
-    own group is NCCL, because on NCCL the vote would be a CUDA tensor: reading it is a device synchronization at
-    every vote (the loop's only other sync points are the log steps), behind the step's gradient all-reduces on
-    NCCL's stream. Gloo's group costs one TCP
-    connection per peer (on several machines over GLOO_SOCKET_IFNAME's interface, as NCCL uses NCCL_SOCKET_IFNAME's)."""
-
-    def __init__(self, backend: str | None, timeout_s: float | None = None):
-        import torch.distributed as dist
-
-        self.dist = dist
-        timeout = timedelta(seconds=timeout_s) if timeout_s else None
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if backend not in (None, "gloo") else None
-        self._pending = None
-
-    def post_and_read(self, local: int, post: bool = True) -> int:
-        """The vote posted at the previous boundary (0 where none was); then, when `post`, this boundary's."""
-        agreed = self._read()
-        if post:
-            flag = torch.tensor([local], dtype=torch.int64)
-            work = self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True)
-            self._pending = (work, flag)
-        return agreed
-
-    def _read(self) -> int:
-        if self._pending is None:
-            return 0
-        work, flag = self._pending
-        work.wait()
-        self._pending = None
-        return int(flag.item())  # a CPU tensor: no device sync
-
-    def conclude(self, local: int) -> int:
-        """The last vote, read: the pending one, and if it agreed on nothing, one more taken now (blocking,
-        once, at the run's end), so a signal received after the last boundary still stops the run."""
-        agreed = self._read()
-        if agreed:
-            return agreed
-        flag = torch.tensor([local], dtype=torch.int64)
-        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
-
-    def settle(self) -> None:
-        """Wait for the last vote, so no collective is left in flight when the run ends."""
-        self._read()
 
 
 class RunLifecycle:
@@ -286,19 +152,17 @@ class RunLifecycle:
         once the run is failing, the failure."""
         if failure:
             records = {
-                signum: self.record.render(
-                    status="failed", finished=_FINISHED_MARK, failed_at_step=_STEP_MARK, **failure
-                )
+                signum: self.record.render(status="failed", finished=FINISHED_MARK, failed_at_step=STEP_MARK, **failure)
                 for signum in STOP_SIGNALS
             }
         else:
             records = {
                 signum: self.record.render(
                     status="interrupted",
-                    finished=_FINISHED_MARK,
+                    finished=FINISHED_MARK,
                     interruption={
                         "signal": signal.Signals(signum).name,
-                        "step": _STEP_MARK,
+                        "step": STEP_MARK,
                         "checkpoint": None,
                         "forced": True,
                         "received_here": True,

@@ -1,10 +1,10 @@
 """The one metrics component of a training run: it measures and summarizes, nothing else.
 
 It owns the stage timer, the loop's counters, the communication measurement, the profiler and memory
-snapshot windows, the content of the step lines, the summary with its health warnings, and the
-end-of-run table. Writing the record, trackers, checkpoints, signals and the run's ending live beside
-it in trainscope.run.lifecycle. A new measurement (a block of the summary, a column of the step line) goes
-here or into a module this one calls, never into train.py.
+snapshot windows, the content of the step lines and the summary with its health warnings; the end-of-run
+table, read from the record, is trainscope.run.table. Writing the record, trackers, checkpoints, signals
+and the run's ending live beside it in trainscope.run.lifecycle. A new measurement (a block of the summary,
+a column of the step line) goes here or into a module this one calls, never into train.py.
 
     metrics = RunMetrics(accelerator, started, plan, model_config, scheduler, prediction)
     metrics.attach(model, optimizer)           # the communication measurement of a DDP model, the prediction's check
@@ -22,7 +22,6 @@ from accelerate.utils import gather_object
 from trainscope import predict
 from trainscope.core import environment, precision
 from trainscope.core.precision import SkippedSteps, effective_precision
-from trainscope.core.record_view import RunView
 from trainscope.core.records import now_iso
 from trainscope.measure import flops_source, gap, health, peak, profiling, summary
 from trainscope.measure.communication import block as communication_block
@@ -31,7 +30,7 @@ from trainscope.measure.flops import FULL, encoder_shape, mfu, recomputed_flops,
 from trainscope.measure.flops_source import BatchFacts
 from trainscope.measure.memory import GIB, peak_rss_bytes
 from trainscope.measure.profiling import build_memory_snapshot, build_profiler
-from trainscope.measure.timing import PHASES, STAGES, StageTimer, make_clock
+from trainscope.measure.timing import PHASES, StageTimer, make_clock
 from trainscope.run.loop import LoopState
 from trainscope.workload import modeling, unpad
 
@@ -491,117 +490,3 @@ def measured_peak(
         ),
         "run_shapes": run_shapes,
     }
-
-
-def table_lines(record: dict, run_dir) -> list[str]:
-    """The end-of-run table: stages (median / max over ranks), throughput, MFU, memory, accuracy, warnings."""
-    view = RunView(record)
-    run = view.timing("run")
-    several = view.world_size > 1
-    rows = [f"{'stage':<10} {'seconds':>9} {'share':>7}" + ("  (median / max over ranks)" if several else "")]
-    for stage in (*STAGES, "other"):
-        seconds, share = run["seconds"][stage], run["shares"][stage]
-        rows.append(
-            f"{stage:<10} {seconds['median']:>9.2f} {share['median']:>7.1%}"
-            + (f"  max {seconds['max']:.2f}s" if several else "")
-        )
-    rows.append(f"{'wall':<10} {run['wall_s']['median']:>9.2f}")
-    peak_memory, kind = view.peak_memory
-    threads, test = view.threads, view.test
-    rows += [
-        f"throughput {view.samples_per_s or 0:.1f} samples/s, {view.tokens_per_s or 0:.0f} tokens/s "
-        f"({view.env['world_size']} x {view.device_name}, {view.precision}, timing: {view.env['timing_mode']}, "
-        f"{threads['torch_threads']} threads per process ({threads['threads_source']}))",
-        f"model FLOPs {view.throughput.get('tflops_per_device') or 0:.3f} TFLOP/s per device"
-        + (f", MFU {view.mfu:.1%} of the datasheet peak" if view.mfu is not None else "")
-        + real_tokens_clause(view),
-        peak_line(view),
-        f"peak memory {peak_memory:.2f} GiB ({kind})",
-        *device_time_lines(view),
-    ]
-    if test and "accuracy" in test:
-        rows.append(f"test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}")
-    elif test:  # a loop's own scores (trainscope.Run.finish)
-        rows.append(
-            "test " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in test.items())
-        )
-    rows += [
-        *communication_block.table_lines(view.communication),
-        *predict.error_lines(view.prediction_error),
-        f"record: {run_dir / 'record.json'}",
-    ]
-    if view.profile:
-        rows.append(
-            f"profile: {view.profile['directory']} (tensorboard --logdir, or open a .pt.trace.json "
-            "in ui.perfetto.dev); top operators by self time:"
-        )
-        rows += [
-            f"  {op['milliseconds']:9.2f} ms  {op['calls']:6d}x  {op['name']}"
-            for op in profiling.operator_rows(view.profile["top_operators"][:8])
-        ]
-    rows += [warning_line(w) for w in view.warnings]
-    return rows
-
-
-def warning_line(warning: dict) -> str:
-    """'warning [code]: what is doubtful (what to do: its fix)': each warning with what a person can do about it."""
-    entry = health.REGISTRY.get(warning["code"])
-    return f"warning [{warning['code']}]: {warning['message']}" + (f" (what to do: {entry.fix})" if entry else "")
-
-
-def real_tokens_clause(view: RunView) -> str:
-    """'; on real tokens 0.036 TFLOP/s (44% of the counted FLOPs padding)' ('' where not recorded)."""
-    real, padding = view.real_tflops_per_device, view.padding_flops_share
-    if real is None:
-        return ""
-    return f"; on real tokens {real:.3f} TFLOP/s" + (
-        f" ({padding:.0%} of the counted FLOPs padding)" if padding is not None else ""
-    )
-
-
-def peak_line(view: RunView) -> str:
-    """'X% of this machine's measured <precision> matmul peak (Y TFLOP/s, measured <when>, key ...)'."""
-    measured = view.measured_peak
-    if not measured or measured.get("share") is None:
-        why = (view.machine_peak or {}).get("error") or f"no {view.precision} peak measured"
-        return f"share of this machine's measured matmul peak unknown ({why})"
-    key = (view.machine_peak or {}).get("key") or {}
-    where = ", ".join(f"{k} {key[k]}" for k in ("threads", "processes", "driver") if key.get(k) is not None)
-    real = f", {measured['real_share']:.1%} on real tokens" if measured.get("real_share") is not None else ""
-    return (
-        f"{measured['share']:.1%} of this machine's measured {measured['precision']} matmul peak{real} "
-        f"({measured['peak_tflops']:.3f} TFLOP/s at {'x'.join(map(str, measured['peak_shape']))}, spread "
-        f"{measured['spread']:.0%}, measured {measured['measured']}, key {measured['key_id']}: {view.device_name}"
-        + (f", {where}" if where else "")
-        + ")"
-    )
-
-
-def device_time_lines(view: RunView) -> list[str]:
-    """On a GPU, one line: the device's busy time against each step's wall time and the idle share that follows
-    (summary.device_time: the CUDA events' bound, and the kernel estimate where one layer was profiled), with
-    "host-bound" above the threshold; why not, where it is not measured (--timing sync). None on a CPU."""
-    block = view.device_time
-    if not block or not view.on_cuda:
-        return []
-    wall, busy = block.get("step_wall_s"), block.get("busy_at_most_s")
-    if block.get("over_wall"):
-        return [
-            f"device busy {busy * 1e3:.1f} ms measured above each step's {wall * 1e3:.1f} ms by more than the "
-            f"clocks' tolerance ({block['tolerance_s'] * 1e3:.2f} ms): no idle share (warning device_busy_above_wall)"
-        ]
-    if block.get("idle_share_at_least") is None:
-        return [f"device idle share: {block.get('reason') or 'not measured'}"]
-    line = (
-        f"device busy at most {busy * 1e3:.1f} ms of each step's {wall * 1e3:.1f} ms (the stages' CUDA event "
-        f"spans): idle at least {block['idle_share_at_least']:.1%}"
-    )
-    estimate = block.get("kernel_estimate")
-    if estimate:
-        line += (
-            f"; by kernel time about {estimate['busy_s'] * 1e3:.1f} ms (estimate): idle about "
-            f"{estimate['idle_share']:.0%}"
-        )
-    if block.get("host_bound"):
-        line += f" -- host-bound (idle above {block['threshold']:.0%}, by the {block['host_bound_by']})"
-    return [line]

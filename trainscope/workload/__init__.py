@@ -2,4 +2,4 @@
 layers FSDP shards), the padding-free layers of --unpad and their dropout draws, and the offline defaults.
 """
 
-__all__ = ["data", "embedded", "hub", "modeling", "layers", "unpad", "dropout_draws"]
+__all__ = ["data", "embedded", "hub", "modeling", "layers", "shapes", "unpad", "dropout_draws"]

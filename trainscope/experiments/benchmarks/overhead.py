@@ -35,9 +35,14 @@ from trainscope.core import launching
 from trainscope.core.paths import ROOT
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record
-from trainscope.core.settings import plan_steps
+from trainscope.core.settings import parse_settings, plan_steps
 from trainscope.measure import bench
+from trainscope.measure.timing import synchronizer
 from trainscope.report.tables import Table, num
+from trainscope.run import startup
+from trainscope.run.loop import evaluate_split, load_metric, train_step
+from trainscope.workload import dropout_draws
+from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
 
 # The embedded tiny model (2 layers, hidden 32): steps of a few milliseconds, the host-bound regime of a small model on a
 # GPU, where the instruments' own host work is the largest share of a step it can be. One thread: that regime's host is
@@ -85,13 +90,7 @@ def unmeasured(stage: str):
 def bare_loop(argv: list[str]) -> None:
     """train.py's run without its instruments (see the module's docstring: what both arms share, what only train.py
     does); prints the steady window's training samples/s, samples and optimizer steps as JSON."""
-    from trainscope.core.settings import parse_settings
-    from trainscope.measure.timing import synchronizer
-    from trainscope.run import startup
-    from trainscope.run.loop import evaluate_split, load_metric, train_step
-    from trainscope.workload import dropout_draws
-    from trainscope.workload.data import build_dataloaders, load_classification_data
-    from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
+    from trainscope.workload.data import build_dataloaders, load_classification_data  # deferred: it loads datasets
 
     (settings,) = parse_settings(argv=argv)
     refused = [flag for name, flag in BARE_REFUSES.items() if getattr(settings, name)]
@@ -188,8 +187,7 @@ def instruments_alone(argv: list[str]) -> None:
     import torch
     from accelerate import Accelerator
 
-    from trainscope.core.settings import parse_settings
-    from trainscope.instrument import Run
+    from trainscope.instrument import Run  # deferred: it loads datasets
 
     (settings,) = parse_settings(argv=argv)
     if settings.threads.isdigit():

@@ -30,8 +30,11 @@ from trainscope.core import launching
 from trainscope.core.paths import ROOT
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, read_steps
+from trainscope.core.settings import parse_settings
 from trainscope.measure import bench
 from trainscope.report.tables import Table, spread_cell
+from trainscope.run import startup
+from trainscope.workload.modeling import build_model, build_tokenizer
 
 DEFAULT_ARGS = [
     "--max-train-samples",
@@ -63,10 +66,7 @@ GOAL = 1.05  # train.py by its documented launcher against the Trainer
 
 def trainer_loop(argv: list[str], precision: str) -> None:
     """Fine-tune with transformers.Trainer on train.py's own loader; print steady-state figures as JSON."""
-    from trainscope.core.settings import parse_settings
-    from trainscope.run import startup
-    from trainscope.workload.data import build_dataloaders, load_classification_data
-    from trainscope.workload.modeling import build_model, build_tokenizer
+    from trainscope.workload.data import build_dataloaders, load_classification_data  # deferred: it loads datasets
 
     (settings,) = parse_settings(argv=argv)
     startup.configure_process(settings)  # the same thread budget as train.py

@@ -1,7 +1,7 @@
 """nn.DataParallel against DDP (compare_dp.py, `make compare-dp`): the rows, figure and tables its results
 file gives, shared by the script (its own Markdown and LaTeX) and the report's section."""
 
-from trainscope.core.record_view import machines_text, results_machine
+from trainscope.core.results_view import machines_text, results_machine
 from trainscope.experiments.base import Experiment, verdicts_text
 from trainscope.measure import bench
 from trainscope.report import inputs as reporting

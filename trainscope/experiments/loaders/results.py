@@ -1,7 +1,7 @@
 """The DataLoader num_workers sweep (loaders_bench.py, `make sweep-workers`): its figure, tables and report
 section. The script writes <results>/loaders/loaders.json; the report and the script draw the same rows."""
 
-from trainscope.core.record_view import LoaderSweepView
+from trainscope.core.results_view import LoaderSweepView
 from trainscope.experiments.base import Experiment
 from trainscope.measure import bench
 from trainscope.report import inputs as reporting

@@ -9,7 +9,7 @@ measured on each rank's own clock are compared, so ranks on different hosts are 
 
 import statistics
 
-from trainscope.core.record_view import hidden_share, resolved
+from trainscope.core.communication_view import hidden_share, resolved
 from trainscope.measure.communication.agreement import (
     by_iteration,
     ddp_agreement,

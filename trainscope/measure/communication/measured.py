@@ -1,7 +1,7 @@
 """What DDP communication costs, measured in the run: on every synchronizing step of every rank at the events that
 bound it, on any backend, and the buckets' transfer timed alone after the loop.
 
-How it works: docs/ddp.md#in-the-code-how-the-communication-is-measured-trainscopecommunicationpy.
+How it works: docs/ddp.md#in-the-code-how-the-communication-is-measured-trainscopemeasurecommunicationmeasuredpy.
 """
 
 import contextlib
