@@ -30,7 +30,7 @@ from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, write_json_atomic, write_text_atomic
 from trainscope.experiments import REGISTRY, SECTIONS
 from trainscope.report import inputs as reporting
-from trainscope.report.pdf.book import PdfBook
+from trainscope.report.book import Book
 from trainscope.report.writer import ReportWriter
 
 COMMITTED = (ROOT / "benchmarks" / "runs", ROOT / "benchmarks")
@@ -69,7 +69,7 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
     # leaves the old one whole.
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        book = PdfBook(staging / "report.pdf")
+        book = Book(staging / "report.pdf")
         report = ReportWriter(staging, book)
         report.title(
             "trainscope report",

@@ -1,6 +1,6 @@
 """The one table layer: a table's Markdown and booktabs LaTeX, its cells, and saving a figure as PNG and PDF.
-The PDF book draws the same tables (trainscope.report.pdf.text, pdf_layout, pdf_book); the report's sections go
-through trainscope.report.writer.
+The report's PDF sets the same tables (trainscope.report.book); the report's sections go through
+trainscope.report.writer.
 
 Every script and report that shows a table builds a `Table` (headers and string cells, computed from
 rows elsewhere) and asks it for Markdown or LaTeX; the report draws the same tables into its PDF.

@@ -5,8 +5,7 @@ from pathlib import Path
 from trainscope.core.record_view import RunView, warning_lines
 from trainscope.core.records import write_text_atomic
 from trainscope.core.results_view import machines_text
-from trainscope.report.pdf.book import PdfBook
-from trainscope.report.pdf.text import Font
+from trainscope.report.book import Book
 from trainscope.report.tables import Table, save_figure
 
 
@@ -24,7 +23,7 @@ class ReportWriter:
     UNNAMED = "Measured on a machine its inputs do not name"
     NONE = "Not measured (not run yet, or skipped)"
 
-    def __init__(self, out: Path, book: PdfBook):
+    def __init__(self, out: Path, book: Book):
         self.out = out
         self.book = book
         self.markdown: list[str] = []
@@ -53,7 +52,7 @@ class ReportWriter:
         self._answers_at = len(self.markdown)
         self.book.heading(self.ANSWERS)
         self.book.text(intro)
-        self.book.table_of_pages(self.answers_tables, Font(8.0))
+        self.book.table_of_pages(self.answers_tables, 8.0)
         self.book.page_break()
 
     def answer(self, title: str, headline, machines: dict | None = None):
@@ -164,8 +163,9 @@ class ReportWriter:
         on = self.measured_on(records)
         caption = f"{caption} ({on})" if on else caption
         self.markdown += [f"![{caption}]({name}.png)", "", f"*{caption}*", ""]
-        self.book.image(figure, caption)
+        width, height = figure.get_size_inches()
         self.files += save_figure(figure, self.out / name, bbox_inches="tight")
+        self.book.image(self.out / f"{name}.pdf", caption, aspect=height / width)
         self.figure_runs.setdefault(name, []).extend(records)
         lines = warning_lines(records)
         if lines:
