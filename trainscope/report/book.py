@@ -29,7 +29,8 @@ PREAMBLE = """#set document(title: {title}, author: "trainscope", date: none)
 #show heading.where(level: 1): set text(size: 20pt)
 #show heading.where(level: 2): set text(size: 14pt)
 #show heading.where(level: 3): set text(size: 12pt)
-#set table(stroke: (x, y) => if y == 0 {{ (bottom: 0.6pt) }} else {{ (bottom: 0.2pt + luma(80%)) }}, inset: 3pt)
+#set table(stroke: (x, y) => if y == 0 {{ (bottom: 0.6pt) }} else {{ (bottom: 0.2pt + luma(80%)) }}, inset: (x: 3pt, y: 2.2pt))
+#show table: set par(leading: 0.4em)
 #show table.cell.where(y: 0): strong
 #let pagemark(key) = context [#metadata((anchor: key, page: here().page())) <trainscope-anchor>]
 #let pageof(key) = context counter(page).at(label(key)).first()
@@ -130,6 +131,12 @@ class Book:
         ]
         wide = sum(min(n, 24) * 0.55 * size + 6 for n in longest) > CONTENT_PT
         align = ", ".join("left" if a == "l" else "right" for a in table.align)
+        # a column of long texts takes a share of what the short ones leave, by its longest cell
+        lengths = [
+            max(len(str(cell)) for cell in [header, *(row[c] for row in table.rows)])
+            for c, header in enumerate(table.headers)
+        ]
+        widths = ", ".join(f"{min(n, 120)}fr" if n > 40 else "auto" for n in lengths)
 
         def cell(text, column):
             return f"[{text}]" if column in code_cells else f"[{inline(breakable(text))}]"
@@ -140,7 +147,7 @@ class Book:
         body = (
             f'#block(breakable: true, width: 100%)[#text(size: {size + 1}pt, weight: "bold", {title})\n'
             f"#set text(size: {size}pt)\n"
-            f"#table(columns: {columns}, align: ({align},),\n"
+            f"#table(columns: ({widths},), align: ({align},),\n"
             f"  table.header(repeat: true, table.cell(colspan: {columns}, stroke: none, inset: (x: 0pt, y: 2pt),"
             f' context if here().page() != locate(label("{key}")).page() '
             f'{{ text(weight: "regular", style: "italic", {string(table.title + " (continued)")}) }}), {header}),\n'

@@ -52,7 +52,7 @@ class ReportWriter:
         self._answers_at = len(self.markdown)
         self.book.heading(self.ANSWERS)
         self.book.text(intro)
-        self.book.table_of_pages(self.answers_tables, 8.0)
+        self.book.table_of_pages(self.answers_tables, 7.5)
         self.book.page_break()
 
     def answer(self, title: str, headline, machines: dict | None = None):
