@@ -180,7 +180,7 @@ def planted_report(out: Path, filler: int = 0) -> tuple[Book, ReportWriter]:
     long_table = Table(
         "A long table",
         ["run", "what", "seconds", "verdict"],
-        [[f"r{n}", LONG if n % 9 == 0 else f"row {n}", f"{n * 1.2345:.4f}", "within noise"] for n in range(40)],
+        [[f"r{n}", LONG if n % 9 == 0 else f"row {n}", f"{n * 1.2345:.4f}", "within noise"] for n in range(120)],
         "long",
         align="llrl",
     )

@@ -131,12 +131,6 @@ class Book:
         ]
         wide = sum(min(n, 24) * 0.55 * size + 6 for n in longest) > CONTENT_PT
         align = ", ".join("left" if a == "l" else "right" for a in table.align)
-        # a column of long texts takes a share of what the short ones leave, by its longest cell
-        lengths = [
-            max(len(str(cell)) for cell in [header, *(row[c] for row in table.rows)])
-            for c, header in enumerate(table.headers)
-        ]
-        widths = ", ".join(f"{min(n, 120)}fr" if n > 40 else "auto" for n in lengths)
 
         def cell(text, column):
             return f"[{text}]" if column in code_cells else f"[{inline(breakable(text))}]"
@@ -147,7 +141,7 @@ class Book:
         body = (
             f'#block(breakable: true, width: 100%)[#text(size: {size + 1}pt, weight: "bold", {title})\n'
             f"#set text(size: {size}pt)\n"
-            f"#table(columns: ({widths},), align: ({align},),\n"
+            f"#table(columns: {columns}, align: ({align},),\n"
             f"  table.header(repeat: true, table.cell(colspan: {columns}, stroke: none, inset: (x: 0pt, y: 2pt),"
             f' context if here().page() != locate(label("{key}")).page() '
             f'{{ text(weight: "regular", style: "italic", {string(table.title + " (continued)")}) }}), {header}),\n'
