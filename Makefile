@@ -8,8 +8,8 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 # Bytecode is written as Python writes it by default (into .venv and the project, once, by the first process that
 # imports a module), whatever the caller's environment says: with PYTHONDONTWRITEBYTECODE set, every launched process
-# would compile torch and transformers again. Compiling every package at set-up instead took 28 s on 2 cores, for
-# files most of which no run imports.
+# would compile torch and transformers again. Compiling every package at set-up instead costs time for files most of
+# which no run imports (docs/benchmarks.md#set-up-and-the-makefiles-choices-as-measured).
 unexport PYTHONDONTWRITEBYTECODE
 ACCELERATE := $(VENV)/bin/accelerate
 CONFIG ?=
@@ -25,7 +25,7 @@ LAUNCH = $(ACCELERATE) launch --quiet $(if $(CONFIG),--config_file $(CONFIG),$(L
 # a GPU's device files (NVIDIA, ROCm, WSL) or nvidia-smi: elsewhere every make call would import torch for nothing.
 GPU_SIGNS := $(wildcard /dev/nvidiactl /dev/nvidia0 /dev/kfd /dev/dxg)$(shell command -v nvidia-smi 2>/dev/null)
 HAS_GPU := $(if $(GPU_SIGNS),$(shell test -x $(PY) && $(PY) -c "import torch; print(1 if torch.cuda.is_available() else '')" 2>/dev/null))
-# Without a GPU the default run trains on a documented subset (about 3 minutes on 2 cores).
+# Without a GPU the default run trains on a documented subset, short enough for a CPU (docs/benchmarks.md#set-up-and-the-makefiles-choices-as-measured).
 CPU_SUBSET := --max-train-samples 4000 --max-eval-samples 1000 --max-test-samples 2000
 TRAIN_ARGS ?= $(if $(HAS_GPU),,$(CPU_SUBSET))
 
@@ -44,11 +44,10 @@ EXP_ARGS ?= $(if $(HAS_GPU),,--max-train-samples 2000 --max-eval-samples 500 --m
 SPEED_ARGS ?= $(EXP_ARGS) --max-steps 24 --max-eval-samples 64 --max-test-samples 64
 AMP_CONFIGS ?= $(if $(HAS_GPU),single_gpu fp16 bf16,cpu bf16)
 # The AMP comparison runs whole runs in $(ROUNDS) alternating rounds (a verdict needs 5). A CPU without AVX512-BF16/AMX
-# emulates bf16, about 20-25x slower per step than fp32 (11 s against 0.6 s for 16 x 64 tokens on a 2-core AVX2 EPYC),
-# so on a CPU each run is 12 steps of 8 at length 64 (10 of them steady) with small evaluations: about 2.5-3 minutes
-# a round, 12-15 for 5 (from the committed runs' step times). That measures speed, not learning: the runs stop long
-# before they learn (the loss over 50 steps, one round, no verdict: AMP_ARGS="--max-train-samples 800
-# --per-device-batch-size 16 --max-seq-length 64 --log-every 5" ROUNDS=1).
+# emulates bf16, many times slower per step than fp32, so on a CPU each run is 12 steps of 8 at length 64 (10 of them
+# steady) with small evaluations, to keep 5 rounds within minutes (docs/benchmarks.md#set-up-and-the-makefiles-choices-as-measured).
+# That measures speed, not learning: the runs stop long before they learn (the loss over 50 steps, one round, no
+# verdict: AMP_ARGS="--max-train-samples 800 --per-device-batch-size 16 --max-seq-length 64 --log-every 5" ROUNDS=1).
 AMP_ARGS ?= $(if $(HAS_GPU),$(EXP_ARGS),--max-train-samples 800 --per-device-batch-size 8 --max-seq-length 64 \
 	--max-steps 12 --max-eval-samples 64 --max-test-samples 64 --log-every 1)
 BASE_CONFIG ?= $(if $(HAS_GPU),single_gpu,cpu)
@@ -68,7 +67,7 @@ TUNE_BUDGET ?= 2400
 # Alternating rounds per trial (one seed each, judged once after the last): 6 against 6 can pass Holm over 23 tests.
 TUNE_ROUNDS ?= 6
 # make tune-confirm: make train's full job (TRAIN_ARGS, trackers off in both arms) against the same with make tune's
-# final flags and config; 5 rounds took 34 minutes on 2 CPU cores (about 4 min fp32, 3 min with --unpad, per round).
+# final flags and config (how long its rounds take: docs/tune.md#the-result-and-make-tune-confirm).
 CONFIRM_ARGS ?= $(TRAIN_ARGS) --report-to none
 CONFIRM_ROUNDS ?= 5
 # The command to confirm: make tune's final one (empty), or stated, e.g. "--tuned-config bf16 --tuned-flags=--group-by-length"
@@ -90,8 +89,8 @@ help: ## list the targets
 	@echo "  variables: CONFIG=accelerate_configs/<x>.yaml ARGS='<train.py flags>' RUNS=runs RESULTS=results ROUNDS=$(ROUNDS)"
 	@echo "  the committed report: make report (on a clone without runs/ or results/), or make report RUNS=benchmarks/runs RESULTS=benchmarks"
 
-# uv installs what pip would from the same places, about ten times faster (requirements.txt: 5 s against 52 s on
-# 2 cores). It reads none of pip's settings, so pip's own are passed on (`pip config list`: index, extra indexes,
+# uv installs what pip would from the same places, about ten times faster (docs/benchmarks.md#set-up-and-the-makefiles-choices-as-measured).
+# It reads none of pip's settings, so pip's own are passed on (`pip config list`: index, extra indexes,
 # find-links and constraints, from pip's files and PIP_* variables), with pip's rule of the best match over every
 # index. The uv on PATH, or one pip installs into the venv; where neither works, or uv fails, pip installs.
 define PIP_SETTINGS_FOR_UV
@@ -118,8 +117,9 @@ print(shlex.join(args))
 endef
 export PIP_SETTINGS_FOR_UV
 UV_SETTINGS = $(PY) -c "$$PIP_SETTINGS_FOR_UV" $(PYTHON)
-# The venv's own pip, put there (ensurepip: 6 s) only when it is needed: to install uv where the system's pip cannot,
-# or to install what uv could not.
+# The venv's own pip, put there only when it is needed (ensurepip takes seconds:
+# docs/benchmarks.md#set-up-and-the-makefiles-choices-as-measured): to install uv where the system's pip cannot, or to
+# install what uv could not.
 # $(call VENV_PIP,<pip arguments>)
 VENV_PIP = { { $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip >/dev/null 2>&1; } && $(PY) -m pip $(1); }
 # $(call INSTALL,<pip arguments>): by uv (on PATH, else installed into the venv by the system's pip or the venv's),
@@ -131,7 +131,8 @@ INSTALL = { uv=$$(command -v uv || { { test -x $(VENV)/bin/uv || $(PYTHON) -m pi
 
 # The venv sees the system's packages only where the system Python has torch (a GPU host's CUDA build, reused).
 # Elsewhere it is isolated: packages the system happens to have change what every process imports (boto3 through
-# accelerate, scipy through evaluate and transformers, trio through the HTTP client): 2 s more per process.
+# accelerate, scipy through evaluate and transformers, trio through the HTTP client) and slow every process's start
+# (docs/benchmarks.md#set-up-and-the-makefiles-choices-as-measured).
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	test -x $(PY) || $(PYTHON) -m venv --without-pip \
 		$$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)

@@ -1,18 +1,9 @@
-"""trainscope's public instrument: where the time and memory of *your* Accelerate training loop go (docs/instrument.md).
+"""trainscope's public instrument: where the time and memory of *your* Accelerate training loop go.
 
-    run = trainscope.Run(accelerator, model, optimizer, steps=1000)
-    with run:
-        for batch in run.data(loader):
-            with run.stage("forward"):
-                loss = model(**batch).loss
-            with run.stage("backward"):
-                run.backward(loss)
-            with run.stage("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad()
-            run.step(batch, loss)
-
+`trainscope.Run` times the loop's stages (`run.data`, `run.stage`, `run.backward`, `run.step`) and records the run;
 train.py runs on it too (`Run.from_started`).
+
+How it works: docs/instrument.md#the-loop.
 """
 
 import contextlib

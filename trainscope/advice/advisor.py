@@ -23,8 +23,8 @@ from trainscope.core.record_view import RunView
 from trainscope.measure import health
 
 # torch.compile (inductor) fuses chains of elementwise operators (dropout, layer norm, activations, casts, softmax)
-# into one pass over memory: their time assumed halved. Its compile time, assumed where the record has none (the
-# tiny 2-layer BERT took 9-13 s on machine A: make bench-compile), is counted against the gain.
+# into one pass over memory: their time assumed halved. Its compile time, assumed where the record has none (what
+# make bench-compile measured: docs/benchmarks.md#committed-results), is counted against the gain.
 FUSION_FACTOR = 2.0
 ASSUMED_COMPILE_S = {"cpu": 30.0, "cuda": 40.0}
 ELEMENTWISE = ("attention", "dropout", "layer norm", "activation", "copies and casts")

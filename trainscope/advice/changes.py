@@ -1,23 +1,10 @@
 """What a change does to the result, and so what can decide that it keeps it: the catalogue make tune
 (trainscope.experiments.tuning) and the advisor (trainscope.advice.advisor) read.
 
-Three kinds, tried and judged in this order:
+Each change is one entry (its flag or config, its kind, what it does, the settings it needs); its kind -- exact,
+numeric or training -- says how it is judged. A flag not in the catalogue is a training change.
 
-* **exact**: the same samples, in the same order, with the same random draws; only the arithmetic's rounding
-  may differ (padding-free layers, evaluation order or batch, the optimizer's implementation, compile with
-  eager's random numbers, loader settings, threads). Judged by paired runs in fp32 whatever the run's precision
-  (`EXACT_PRECISION`): kept when faster and every logged loss and final metric of each pair agrees within
-  `EXACT_TOLERANCE`, stated before measuring. A disagreement is "not exact": a defect to report, never a kept
-  change.
-* **numeric**: the same computation at another rounding (bf16 or fp16 autocast, TF32), whose paths drift apart
-  over the steps: the paired-seed equivalence test (trainscope.advice.judge.equivalent).
-* **training**: a change to what is learned (dropout, the order of the samples, the batch): "same" only from
-  the full job, with the seeds it would need at the measured seed noise.
-
-A change is one entry: its flag (or `config:<name>` for an Accelerate config), its kind, what it does to the
-result, and the settings it needs beyond its own flag. A flag this build's Settings does not know (or a needed
-setting it lacks) makes the change "not available in this build": listed, never launched. A flag not in the
-catalogue is a training change (the strictest judgement: it may change what is learned).
+How it works: docs/tune.md#in-the-code-the-catalogue-of-changes-trainscopeadvicechangespy.
 """
 
 from dataclasses import dataclass, fields

@@ -1,23 +1,10 @@
 """Which ranks are alive, which failed and with what error, judged through the launcher's store.
 
-A rank's death reaches its peers as a collective error ("Connection closed by peer", a timeout), which
-says neither which rank ended nor why. The local process table cannot say either on several machines,
-in containers that share a hostname, or across PID namespaces. The launcher's rendezvous store can:
-under torchrun (which `accelerate launch` runs) it is a TCPStore hosted by the elastic agent of node 0
-(TORCHELASTIC_USE_AGENT_STORE), which outlives any worker, and every rank reaches it through the
-default process group's store.
+Every rank beats and publishes its error line in the launcher's rendezvous store, which outlives any worker; a
+survivor judges each peer failed, vanished, alive or unknown, and a watch turns a peer's error or silence into a
+callback at once.
 
-* Every rank beats: a daemon thread adds 1 to `beat/<rank>` every BEAT_S seconds (one small store
-  call, off the training thread).
-* A rank that fails publishes its one line in `error/<rank>` before it exits (`publish_error`).
-* A survivor judges each peer (`verdicts`): `failed` with its line, `vanished` when its beat stopped
-  for PATIENCE_S (killed, its machine lost), `alive`, or `unknown` when the store cannot be reached.
-* While the run trains, a watch in the same thread turns a peer's error or silence into a callback
-  at once (`watch`), so the record is written even when the training thread is stuck in a collective
-  that only the NCCL watchdog would end.
-* `claim` lets exactly one rank do something (write the record of a run whose main process vanished).
-
-Keys live under the default group's store prefix, so two launches, or two restarts of one, never mix.
+How it works: docs/endings.md#in-the-code-how-a-ranks-death-is-told-trainscopecorelivenesspy.
 """
 
 import json

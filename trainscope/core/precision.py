@@ -1,16 +1,9 @@
 """The precision a run really computes in, and the fp16 loss scaler's skipped steps.
 
-* `effective_precision`: what autocast really produces (Accelerate runs fp16 as fp32 on a CPU).
-* TF32: Accelerate's set-up turns TF32 matmuls on by itself when a dynamo backend is set on CUDA
-  (accelerate/state.py), so trainscope re-applies `--tf32` after `Accelerator()` and reads back
-  what is in effect instead of trusting what it asked for.
-* bf16 on a CPU is native only with AVX512-BF16 or AMX (x86's `flags`), or BF16 / SVE-BF16 (ARM's `Features`);
-  elsewhere torch emulates it, slowly. The flags are one witness, the measured matmul peak (trainscope.measure.peak) the
-  other: `cpu_bf16` records both, and a bf16 matmul measured slower than fp32 is said whatever the flags claim.
-* `SkippedSteps`: with a GradScaler and a fused optimizer, Accelerate's `step_was_skipped` never
-  turns true (the fused kernel skips the update itself, so the optimizer's step is always called).
-  A skipped step is the one whose `update()` backed the scale off; the count stays on the device
-  and is read only at log steps.
+What autocast really produces, TF32 read back after Accelerate's set-up, bf16 on a CPU by its two witnesses (the
+CPU flags and the measured matmul peak), and the steps a GradScaler skipped, counted on the device.
+
+How it works: docs/trust.md#in-the-code-the-precision-in-effect-trainscopecoreprecisionpy.
 """
 
 from functools import lru_cache

@@ -1,17 +1,8 @@
 """make predict-check: the prediction made before each run (trainscope.predict) against what the run measured, over
-runs of many shapes -- configs (CPU, bf16, 2-process DDP), batch sizes, sequence lengths and padding, activation
-checkpointing on and off, LoRA, three models -- with the median and worst error of each predicted quantity (the peak
-also above the memory the run held before its model, which the run measures itself), the measured term furthest off
-and the residual, each with its shape named, calibrated and on first use:
+runs of many shapes, with the median and worst error of each predicted quantity, calibrated (the runs' own
+predictions) and on first use (the same runs predicted again with the calibration a new machine makes by itself).
 
-* **calibrated**: the predictions the runs made at their start, after the full calibration on other shapes
-  (`python -m trainscope.predict --calibrate`, which the make target runs first);
-* **first use**: the same runs predicted again, in this process from their records (the memory they held before the
-  model as they measured it), with the calibration a new machine makes by itself on first use
-  (trainscope.predict.calibration.first_use, timed here; the full calibration is put back afterwards). Only the fitted terms
-  differ between the two.
-
-Each shape runs once (a prediction is judged against one run; its own noise is in the error).
+How it works: docs/predict.md#in-the-code-how-make-predict-check-judges-trainscopeexperimentspredictionpy.
 """
 
 import os

@@ -6,21 +6,15 @@ first launch costs, a check's timeout, and the plan's estimated total, its defau
 
 import math
 
-# ---- what the estimates rest on. MEASURED_*: the make gpu-checks on a GPU (one NVIDIA H200, a 16-core Xeon host,
-# torch 2.11; benchmarks/gpu/nvidia-h200.*). ASSUMED_*: not measured on GPU.
-MEASURED_LAUNCH_S = 23.0  # one single-GPU launch of train.py less its steps, its operators already timed: run 2's
-#                           memory-snapshot, unpad-bf16 and timing-sync launches took 24.3, 24.9 and 24.4 s with 1-3 s
-#                           of steps; run 1's bf16 and fp16 launches 31 s with 2.1-2.4 s of loop and their operators'
-#                           timing (ASSUMED_OP_COSTS_S)
-MEASURED_FIRST_LAUNCH_S = 45.0  # the first launch's extra: run 2's precision-fp32 took 77 s against 24 s for the fp32
-#                                  launches after it (8 s of the rest its operator costs); run 1's first check: 33 s
-#                                  against 22 s. The matmul peak and the layer probes are cached per process count
-#                                  (trainscope.measure.peak.machine_key): the first launch of each process count pays it
-MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.040, "fp16": 0.047}  # steady steps, batch 32 x 128: fp32 and bf16
-#                   from run 2 (536 and 803 samples/s), fp16 from run 1 (677 samples/s)
-MEASURED_COMPILE_S = 104.0  # run 1's compile-bf16 launch (129 s) less a bf16 launch whose operators were timed
-#                             before (23 s) and its 50 steps (2 s): 82 s compiling, 59 s of it in the first forward
-#                             and 24.5 s at the first evaluation
+# ---- what the estimates rest on. MEASURED_*: the make gpu-checks on a GPU (one NVIDIA H200;
+# benchmarks/gpu/nvidia-h200.*; the runs each figure comes from: docs/benchmarks.md#the-gpu-plans-estimates-trainscopegpuestimatespy).
+# ASSUMED_*: not measured on GPU.
+MEASURED_LAUNCH_S = 23.0  # one single-GPU launch of train.py less its steps, its operators already timed
+MEASURED_FIRST_LAUNCH_S = 45.0  # the first launch's extra. The matmul peak and the layer probes are cached per
+#                                  process count (trainscope.measure.peak.machine_key): the first launch of each
+#                                  process count pays it
+MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.040, "fp16": 0.047}  # steady steps, batch 32 x 128
+MEASURED_COMPILE_S = 104.0  # a compiled bf16 launch less an eager one whose operators were timed before, and its steps
 ASSUMED_STEP_S = {"tf32": 0.06}  # not yet run on a GPU (run 2's budget ended before it)
 ASSUMED_PROCESS_GROUP_S = 5.0  # a 2-process launch: the second process and the process group
 ASSUMED_COMPILE_PROCESSES = 1.5  # two processes compiling at once on one host's cores: 1.5x one compile
@@ -29,13 +23,12 @@ ASSUMED_OP_COSTS_S = 8.0  # a launch whose precision and process count this mach
 ASSUMED_SCRIPT_S = 8.0  # a benchmark script's own start: imports, data, CUDA context
 ASSUMED_EXTRA_S = {"snapshot": 5.0, "profile": 10.0, "search": 15.0}  # a snapshot's pickle (Python frames only),
 #                                                 the trace and CUPTI, the batch search's out-of-memory tries
-MEASURED_LOADER_PASS_S = 1.0  # loaders_bench: one pass over 4096 samples at batch 512 x 512, run 2: 1.4 s without
-#                                workers, 0.5-0.7 s with 4, passes alternating
+MEASURED_LOADER_PASS_S = 1.0  # loaders_bench: one pass over 4096 samples at batch 512 x 512, with and without workers
 ASSUMED_DP_LOOP_S = 2.0  # compare_dp.py: one in-process loop (22 MiniLM steps of 32)
 ASSUMED_SCALER_S = 10.0  # the scaler check's process: Python, torch, a CUDA context and 16 tiny steps
 # Two processes sharing one GPU over gloo: each step's compute twice over on the one GPU, and the gradients through
-# host memory: RoBERTa-base's 499 MB of fp32 gradients at the 1.2 GB/s bus bandwidth make ddp-cost measured over
-# gloo between 2 CPU processes (benchmarks/runs/ddp_cost), their copies to and from the GPU besides
+# host memory at the bus bandwidth make ddp-cost measured over gloo, their copies to and from the GPU besides (the
+# arithmetic: docs/benchmarks.md#the-gpu-plans-estimates-trainscopegpuestimatespy)
 ASSUMED_SHARED_STEP_FACTOR = 2.0
 ASSUMED_GLOO_STEP_S = 0.45
 TIMEOUT_FACTOR, MIN_TIMEOUT_S = 3.0, 60.0  # a launch is killed past 3x its estimate (at least a minute)

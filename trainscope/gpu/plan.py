@@ -1,20 +1,10 @@
 """make gpu-check's plan: the checks in the order they run, each with its command, what only a GPU run confirms,
 its estimated seconds and timeout, and the plan's total, default budget and parts.
 
-The checks that need several processes run first (FSDP2, DDP and its variants, DataParallel: what no GPU has run
-yet), then those of one GPU. With two GPUs or more each process has its own GPU (NCCL). With one, the multi-process
-training checks run as 2 processes sharing the GPU over gloo (TRAINSCOPE_DISTRIBUTED_BACKEND=gloo: NCCL refuses two
-ranks on one GPU): each code path on CUDA tensors, fewer steps, the goals about the code path (it ran, its record is
-complete, on CUDA, 2 processes, FSDP or DDP as planned, the loss finite and falling), its speed not representative.
-The one-GPU plan fits one session's SESSION_S of GPU time: what it leaves out says so, and `--only NAME` runs it.
+The multi-process checks run first; on one GPU they run as 2 processes sharing it over gloo, and the plan fits
+SESSION_S (`--only NAME` runs what it leaves out). Durations rest on trainscope.gpu.estimates.
 
-Every multi-process check passes train.py a --distributed-timeout shorter than its own timeout by its estimate and
-DISTRIBUTED_EVIDENCE_S: a collective that hangs times out, and the run says so in its record, before gpu-check kills
-the launch.
-
-Durations are estimates from each check's workload (launches, steps, precision, processes) and the MEASURED_*
-figures (the gpu-checks on one H200) and ASSUMED_* ones (not measured on GPU) of trainscope.gpu.estimates, which also
-holds the plan's total, default budget and parts.
+How it works: docs/gpu.md#what-make-gpu-check-does.
 """
 
 import math

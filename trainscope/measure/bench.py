@@ -1,26 +1,10 @@
 """The one benchmark harness: alternating rounds, a stated test with an effect size, provenance.
 
-Every comparison trainscope publishes (bench-overhead, bench-trainer, the loader sweep, compare_dp.py,
-the experiments, make tune) runs its arms through `alternate` and judges them with `compare_samples`:
+Every comparison trainscope publishes runs its arms through `alternate` and judges them with `compare_samples`
+(Mann-Whitney U and a minimum effect); Holm's correction for several trials, Schuirmann's two one-sided tests for
+"the same result" (`equivalence`), and the results files with their provenance (`write_results`) live here too.
 
-* rounds alternate the order of the arms (A B, then B A, ...: ABBA over two rounds), so a machine
-  that drifts slower or faster during the benchmark hits every arm alike;
-* the verdict comes from a stated test, as Google Benchmark's compare.py decides: a two-sided
-  Mann-Whitney U test of the two arms' measurements (exact permutation distribution of the rank sum,
-  ties as mid-ranks), at ALPHA = 0.05, *and* a minimum effect (asv's idea of a factor): the median of
-  the per-round speed ratios must be at least 1 + MIN_EFFECT (faster) or at most 1 / (1 + MIN_EFFECT)
-  (slower). Anything else is *within noise*. With fewer than `MIN_PAIRS` rounds: *too few pairs*
-  (4 against 4 is the fewest whose best p-value, 0.029, can pass 0.05; 5 are asked).
-* several trials against one baseline (make tune) correct their p-values for their number (Holm 1979)
-  before judging; make tune runs a fixed number of rounds per trial (one look), so the error rate is the
-  test's own (trainscope.advice.judge).
-* "the same result" is an equivalence test, not the absence of a difference: Schuirmann's two one-sided
-  tests on paired differences against a margin stated before measuring (`equivalence`), with Student's t
-  computed here (`t_cdf`, `t_quantile`), not taken from a table.
-
-Results files are written by `write_results`: JSON and Markdown with the provenance header
-(commit, dirty tree, exact command, date, machine, threads, packages) and redaction applied by the
-record layer.
+How it works: docs/trust.md#in-the-code-the-one-benchmark-harness-trainscopemeasurebenchpy.
 """
 
 import argparse

@@ -1,22 +1,9 @@
 """Where the gap between a run and its machine's measured matmul peak goes: pure functions.
 
-The floor is the matmuls' FLOPs at the machine's measured peak for the precision in effect (trainscope.measure.peak): the
-time the run would take if it did nothing but matmuls, each at the best rate this machine's matmuls reach. The
-gap is everything above the floor. Two ways to see it:
+The floor is the matmuls' FLOPs at the machine's measured peak; the gap above it is split into categories of the
+profiled operators (`categorize`), or estimated from the model FLOPs without a profile (`estimate`).
 
-* **From the profile** (`--profile`, `categorize`): every operator of the traced steps is put in one category by its
-  self time (CPU time on the main thread on a CPU; device time on a GPU) -- matmul, attention (softmax, masking and
-  the fused attention kernels), dropout, layer norm, activation, optimizer, copies and casts, communication, other
-  operators, and the time outside any operator (Python and the framework; on a GPU, device idle). An operator
-  whose own name does not say what it serves (a `mul`, a `where`) takes the category of the nearest enclosing
-  operator that does (`aten::dropout` around a `mul`), and a backward operator that of the forward operator it
-  differentiates (autograd's sequence number links them), so dropout's masks and their gradients are dropout's.
-  The matmuls' FLOPs are the profiler's own count (`with_flops`: mm, addmm, bmm, baddbmm); a fused attention
-  kernel's FLOPs are not counted (its time is in `attention`). Rows: the floor, the matmuls above it, and every
-  other category.
-* **Without the profile** (`estimate`): the model FLOPs (PaLM, trainscope.measure.flops) at the measured peak against the
-  measured training time of the steady steps, split into forward + backward, optimizer, and data + other. An
-  estimate: it takes every model FLOP for a matmul at the peak rate.
+How it works: docs/peak.md#in-the-code-where-the-gap-goes-trainscopemeasuregappy.
 """
 
 import re

@@ -10,7 +10,7 @@ from trainscope.core.record_view import RunView
 
 # The CPU's bf16 matmul path, by the native-bf16 flags the record lists (most capable first): AMX tiles, AVX512-BF16
 # dot products, ARM's SVE-BF16 and AdvSIMD BF16. torch's CPU capability says AVX512 for AMX and AVX512-BF16 alike,
-# though their bf16 peaks differ several-fold (machine C's AMX 3,153 GFLOP/s, machine B's AVX512-BF16 427).
+# though their bf16 peaks differ several-fold (machines B and C: docs/benchmarks.md#the-machines).
 BF16_PATHS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("svebf16", "SVE-BF16"), ("bf16", "ARM-BF16"))
 NATIVE_PATHS = frozenset(name for _, name in BF16_PATHS) | {"native"}  # "native": a path older strings did not name
 

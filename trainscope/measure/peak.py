@@ -219,7 +219,7 @@ def _call_seconds(device: torch.device, a, b) -> float:
 
 
 # On a GPU one call timed on the host is mostly launch and synchronization: a 4096x768x768 bf16 product runs in about
-# 10 us, and on an H200 host timing gave 157 TFLOP/s against 382 between CUDA events. Calls are timed on the device
+# 10 us (host timing against CUDA events on an H200: docs/gpu.md#the-committed-gpu-runs). Calls are timed on the device
 # instead, as triton.testing.do_bench does: each between two CUDA events, a write over a buffer larger than the L2
 # cache before each (so every call reads its operands from memory, as a training step's first touch does, and the
 # host enqueues the next call while the device runs the flush), all enqueued at once, one synchronization at the end.

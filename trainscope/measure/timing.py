@@ -1,20 +1,9 @@
 """Stage timing: `with timer("forward"): ...`, charging every second of a run to exactly one stage.
 
-Stages are `data` (waiting on the loader, including the copy to the device), `forward`, `backward`
-(loss + backward), `optimizer`, `eval`, and `other` = wall time - the rest, so stages add up to
-wall time. GPU work is asynchronous: a host clock around a kernel launch measures the launch.
-Two clocks charge each stage its device time instead:
+Stages add up to wall time (`other` is what the rest leave). On an accelerator each stage is charged its device
+time, by device events (`events`) or by synchronizing at each boundary (`sync`); on a CPU both are the host clock.
 
-* `sync`: synchronize the device at every stage boundary, then read the host clock. Exact, but the
-  host stops feeding the GPU at each boundary.
-* `events`: record a device event at each boundary and read the elapsed times later, once the
-  events have completed (polled without blocking, or all at once at a log step).
-
-On a CPU, work is synchronous and both are the host clock. Time is `time.perf_counter`.
-
-On CUDA every stage is also an NVTX range (an Nsight Systems timeline shows data / forward /
-backward / optimizer / eval), and on sampled steps the allocator's peak per stage is read with one
-reset and one read (`memory.CudaMemoryProbe`).
+How it works: docs/timing.md#in-the-code-the-stage-timer-trainscopemeasuretimingpy.
 """
 
 import time

@@ -1,25 +1,10 @@
 """The predictor's fitted terms, once per machine: the allocator's share of a CPU process's peak RSS and the
-framework's own time (per operator dispatched, per step, per evaluation pass, a factor on the non-matmul operators),
-fitted on short training runs whose predictions are made uncalibrated (trainscope.predict).
+framework's own time, fitted on short training runs whose predictions are made uncalibrated (trainscope.predict).
 
-Two ways to get them, the same fit on the same kind of points:
+Made by itself on first use (`ensure`: four shapes within FIRST_USE_BUDGET_S, cached) or in full (`python -m
+trainscope.predict --calibrate`); each calibration records how it was made and which terms it could not fit.
 
-* **On first use** (`ensure`): a prediction on a machine without a calibration runs QUICK_SHAPES itself, as the
-  matmul peak is measured on first use (trainscope.measure.peak): short train.py runs of four shapes in one worker process
-  (`python -m trainscope.predict.calibration --worker`, apart from the run so its memory is not the run's), within
-  FIRST_USE_BUDGET_S (60 s: shapes that would not finish in it are left out, and the calibration says so), cached
-  for the machine. Other processes of the launch wait for it (a file lock) and read it. TRAINSCOPE_CALIBRATION=off
-  turns it off (the tests do; a prediction then says it is uncalibrated).
-* **In full** (`python -m trainscope.predict --calibrate`, make predict-calibrate): CALIBRATION_SHAPES, six
-  train.py runs of 10 steps launched as the README launches them, the 2-process one also measuring DDP's all-reduce
-  (minutes).
-
-Each calibration records how it was made (`method`, `seconds`), which fitted coefficient sits at a bound
-(`time.at_bound`: the bounded fit's, and a constant clamped at 0) and which it did not fit at all (`time.not_fitted`:
-from fewer than 3 runs, a first use its budget cut short, the operators' factor and the cost per dispatch are held at
-1 and 0): a fit held at its bound says the model of the framework's time does not fit this machine, a term not fitted
-that the time leaves it out, and every prediction made with it carries that warning (health's
-prediction_fit_at_bound).
+How it works: docs/predict.md#in-the-code-how-the-predictor-is-calibrated-trainscopepredictcalibrationpy.
 """
 
 import argparse

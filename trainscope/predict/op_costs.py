@@ -1,23 +1,9 @@
 """What each traced operator (trainscope.predict.trace) costs on this machine, per call.
 
-* Matrix products (mm, addmm): their FLOPs over the machine's measured matmul rate at that shape and precision
-  (trainscope.measure.peak.rate, cached per machine by peak).
-* Everything else (batched products of attention, softmax, dropout's random masks, layer norm, GELU, embedding
-  gradients, the fused AdamW step, norms, copies): timed once on real tensors of the traced shapes, strides,
-  dtypes and devices (a host scalar beside device tensors stays on the host), at the run's threads, and cached per
-  machine key beside the peak's cache (`<cache>/predict/`). Floating inputs hold values in [0.5, 1), integer ones
-  zeros (a valid index anywhere), masks ones; random-generator state (SDPA's philox seed and offset) is what a real
-  call of the operator that made it returns. On a GPU the operators are timed in a child process (`time_guarded`):
-  a kernel that crashes on made-up inputs costs that operator's timing (unmeasured, with the signal), not the run.
-  An operator on lists of
-  tensors (the fused optimizer step, foreach norms) above BENCH_CAP_BYTES is timed on a prefix of its lists and
-  scaled by their elements. This is what torch.distributed._tools.RuntimeEstimator's operator-level benchmark does
-  on GPUs, on any device; PyTorch's roofline estimate (75% of a datasheet peak) is not used.
+Matrix products: their FLOPs at the machine's measured matmul rate (trainscope.measure.peak). Everything else: timed
+once on real tensors of the traced shapes, the fastest of several calls, cached per machine beside the peak's cache.
 
-Each timing: one warm-up call, then calls until MIN_CALLS have run and CALL_BUDGET_S has passed (at most
-MAX_CALLS; on a GPU each call between CUDA events with the L2 cache flushed before it, trainscope.measure.peak); the fastest (as timeit advises: slower calls are the machine's interference, not the operator's cost --
-an operator of microseconds on two threads can wait milliseconds for a descheduled thread on a busy machine). The
-cache file is rewritten whole (atomically) by the process that measured.
+How it works: docs/predict.md#in-the-code-what-each-operator-costs-trainscopepredictop_costspy.
 """
 
 import contextlib

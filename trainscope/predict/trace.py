@@ -1,24 +1,10 @@
 """The run's training step and evaluation forward traced on fake tensors: every operator with its shapes, and the
 memory the step holds -- with nothing allocated and nothing computed.
 
-The model is built from its configuration on the meta device, with LoRA and activation checkpointing applied as
-trainscope.workload.modeling applies them, and its parameters become fake tensors of the run's device (torch's
-FakeTensorMode, the mode torch.distributed._tools' RuntimeEstimator and MemTracker work under). Then a step runs as
-trainscope.run.loop.train_step runs it: the forward (under autocast in mixed precision), the float cross-entropy and
-backward, gradient clipping, AdamW's step and zero_grad; the optimizer's step twice, because the first creates the
-optimizer state and the second is a steady one. The kernels dispatched are the run's own: on a CPU, SDPA in training with
-attention dropout takes the math path (softmax probabilities and dropout masks of batch x heads x length^2 kept for
-backward), without dropout (evaluation, models without attention dropout) the flash kernel, which keeps a
-logsumexp; fake tensors choose as the real ones do (tested).
+The model is built on the meta device as the run builds it, and a step runs as train_step runs it under torch's
+FakeTensorMode; every operator and tensor carries its power of the sequence length, so one trace tells any length.
 
-    trace = trace_training(model_factory, inputs, batch=32, length=61, precision="bf16", ..., avoid=model_sizes)
-    trace.ops                 # [Op]: phase, operator, argument shapes (its cost key), count, FLOPs, GEMM shape, power
-    trace.memory_at(96)       # bytes at the steady step's peak, by kind, at another length: parameters, optimizer, ...
-    trace.saved_at(96)        # bytes autograd saves for backward, by module (each layer's activations)
-
-Every operator and every tensor carries its power of the sequence length (how many of its dims are the length), so
-one trace at one length tells the step at any length: the traced length is chosen apart from every other size of
-the model and batch. A trace of MiniLM-L6's step takes about a second; nothing in it depends on the machine.
+How it works: docs/predict.md#in-the-code-how-the-step-is-traced-trainscopepredicttracepy.
 """
 
 import contextlib

@@ -1,16 +1,8 @@
 """Report inputs and the rows every section shares: pure functions from run records (read through
-trainscope.core.record_view) and results to table rows. No plotting and no I/O, except `collect`, which finds
-and reads the inputs: every record and results file it reads is listed with its sha256 (the report's
-provenance), and what it cannot use is skipped with a one-line reason.
+trainscope.core.record_view) and results to table rows. No plotting and no I/O, except `collect`, which finds and
+reads the inputs, each listed with its sha256.
 
-Inputs: <runs>/<folder>/<run>/record.json (+ steps.jsonl) and <runs>/<folder>/comparison.json for the
-experiments declared with a folder, and for those declared `kept_beside` also every <runs>/<folder>_<suffix>/ whose
-comparison.json names the experiment (one machine's or one command's results kept beside the others, e.g. the
-committed benchmarks/runs/tune_amx/); <results>/<path> for those declared with a results file
-(trainscope.experiments).
-
-Every path the report prints is the project's own (`shown_path`, `shown_text`): relative to the project's root
-where it lies inside it, else as given, so no report names a folder of the machine that built it.
+How it works: docs/design.md#in-the-code-the-reports-inputs-trainscopereportinputspy.
 """
 
 import json

@@ -1,16 +1,9 @@
 """The one metrics component of a training run: it measures and summarizes, nothing else.
 
-It owns the stage timer, the loop's counters, the communication measurement, the profiler and memory
-snapshot windows, the content of the step lines and the summary with its health warnings; the end-of-run
-table, read from the record, is trainscope.run.table. Writing the record, trackers, checkpoints, signals
-and the run's ending live beside it in trainscope.run.lifecycle. A new measurement (a block of the summary,
-a column of the step line) goes here or into a module this one calls, never into train.py.
+It owns the stage timer, the loop's counters, the communication measurement, the profiler and memory snapshot
+windows, the step lines and the summary with its health warnings; a new measurement goes here, never into train.py.
 
-    metrics = RunMetrics(accelerator, started, plan, model_config, scheduler, prediction)
-    metrics.attach(model, optimizer)           # the communication measurement of a DDP model, the prediction's check
-    metrics.start()
-    ... with metrics.stage("data"): ...; train_step(..., metrics.stage, ...); metrics.micro_batch(...)
-    result, warnings = metrics.summarize(test_scores)
+How it works: docs/design.md#in-the-code-the-metrics-component-trainscoperunmetricspy.
 """
 
 import contextlib

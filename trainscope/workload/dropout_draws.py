@@ -1,23 +1,10 @@
 """Dropout masks drawn as torch draws them on a CPU, bit for bit and faster: the padding-free layers' masks (--unpad).
 
-A padding-free layer must draw the padded model's dropout masks -- the padded shape, the same random numbers -- or
-its run is not the same run. On a CPU torch draws a mask with `empty(shape).bernoulli_(1 - p)`: outside MKL's path
-(taken only on Intel's CPUs), a serial loop over a 32-bit mt19937 at 6-10 ns an element (machines A and B), which
-made dropout 15% of a padding-free step on machine A and 28% of a padding-free bf16 step on machine B.
-`native/mt19937_bernoulli.c` is that loop, vectorizable: the same generator, the same two draws an element, the
-same comparison (on integers), reading and writing back torch's generator state (`torch.get_rng_state()`).
+`native/mt19937_bernoulli.c` is torch's serial `bernoulli_` loop, vectorizable: the same generator, draws and
+comparison, torch's generator state read and written back. It is built once per machine, checked against torch in a
+child process first, and used only where that check passed; elsewhere torch draws. `status()` says which.
 
-It is used only where it is checked. On first use on a machine it is compiled (the C compiler, `-O3
--march=native`, or without `-march` where the compiler refuses it) into the trainscope cache, keyed by the source,
-the compiler's path, version and flags, and what the compiler targets with `-march=native` (`-Q --help=target`, or
-the `-m` options its `-###` line passes on; where neither answers, the CPU's model, flags and architecture). A new
-build is loaded first by a child process, which checks it against torch's own `bernoulli_` -- masks of several
-lengths, each dtype, with the generator state after each -- and the verdict is kept next to the library (a marker,
-written by renaming: passed with its dtypes, differs, failed, or crashed with its signal), per torch version. A run
-loads the library only where its marker says it passed (and checks the dtypes again, in a few milliseconds), so an
-illegal instruction ends only that child, once. A dtype whose masks or state differ (MKL's path, another torch)
-keeps torch's draw. Without a compiler, on other devices, or while torch.compile traces, torch draws. `status()`
-says which happened (the record's `model.unpad.dropout_draws`).
+How it works: docs/same-result.md#in-the-code-how-the-dropout-masks-are-drawn-trainscopeworkloaddropout_drawspy.
 """
 
 import ctypes

@@ -1,33 +1,11 @@
 """Padding-free encoder layers for the BERT family (--unpad): the same model, its token-wise work on real tokens.
 
-In a padded batch of B sequences padded to T positions, every token-wise operation of an encoder layer -- the Q, K, V
-and output projections, the feed-forward layers, the layer norms, the residual sums and the hidden dropout -- runs on
-all B x T positions, though a padding position changes nothing a real token computes: attention gives it exactly zero
-weight as a key (the mask), so its value and its gradient are discarded. Here those operations run on the N real
-tokens only (flash-attn's unpad_input / pad_input idea, and MosaicBERT's, done on transformers' own modules):
+Every token-wise operation of an encoder layer runs on the batch's N real tokens instead of all B x T padded
+positions; attention runs on the padded layout, and every dropout mask is drawn for the padded shape with the padded
+model's random numbers, so a seeded run matches the padded one to the precision's rounding. Applied by
+trainscope.workload.modeling after LoRA and checkpointing.
 
-    embeddings (B, T, D)  ->  real rows (1, N, D)  ->  every layer on (1, N, D)  ->  scattered back to (B, T, D)
-    in each layer's self-attention: Q, K, V projected on (1, N, D), scattered to (B, H, T, d) for attention on the
-    padded layout with the model's own mask and kernel (sdpa or eager), its output's real rows gathered back
-
-Same result, to the precision's rounding:
-* the real tokens' values are the padded model's: a padded key's attention weight is exactly 0 (the mask's -inf or
-  the dtype's minimum, whose exponential underflows to 0), so scattering zeros where the padded model had other
-  values changes no real token's output, and a padding position's gradient is exactly 0 in the padded model too;
-* the random draws are the padded model's: attention dropout runs on the padded layout as before, and every other
-  dropout inside the layers (the hidden dropout, LoRA's dropout) draws its mask for the padded shape (B, T, width)
-  with the random numbers the padded model's dropout draws, in the same order, and keeps the real rows. The
-  generator advances exactly as in the padded model, so the embeddings', the classifier's and the next step's
-  draws match too. On a CPU the masks -- the attention's (B, H, T, T) included, then applied by the eager
-  attention's steps -- come from trainscope.workload.dropout_draws, torch's bernoulli_ loop made faster and checked
-  against it before use; torch draws them where that check fails or the loop cannot be built.
-What differs is the order of floating-point sums (matmuls over N rows instead of B x T, gradient sums without the
-padding's exact zeros). The last hidden state at padding positions is zero (the padded model's is meaningless
-there); the classifier reads the first token, which is real with right padding.
-
-Applied by trainscope.workload.modeling after LoRA and checkpointing (a layer's checkpointed recompute draws the same masks:
-torch.utils.checkpoint restores the generator). Not measured on a GPU: the index of the real tokens (`nonzero`) is a
-device sync there.
+How it works: docs/same-result.md#in-the-code-how-the-padding-free-layers-work-trainscopeworkloadunpadpy.
 """
 
 import contextlib

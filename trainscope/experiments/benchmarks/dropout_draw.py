@@ -1,33 +1,12 @@
 """The dropout loop's draw (trainscope.workload.dropout_draws) against torch's bernoulli_: nanoseconds an element.
 
-Two arms, each one draw of --elements elements a pair, the pairs in alternating order (bench.alternate):
-
-  loop   `dropout_draws.bernoulli(shape, keep, dtype, cpu)`: the module's own path, `_fill` (an output from
-         torch.empty, then mt19937_bernoulli.c into it, the generator state read and written back)
-  torch  `torch.empty(shape, dtype=dtype).bernoulli_(keep)`: the module's fallback, word for word
-
-Both arms allocate their output and fill it, as `bernoulli` does, and the timed window (time.perf_counter) holds
-both. The output lands in memory already touched: glibc's allocator is told to keep freed memory (mallopt:
-M_MMAP_MAX 0, so no draw gets fresh pages from mmap; M_TRIM_THRESHOLD high, so none is handed back) while the
-benchmark runs, and each draw reuses what the one before freed. Above 32 MiB glibc otherwise maps every draw
-afresh, and the timed window would hold a page fault per 4 KiB page (about 2-4 ns an element on a 2-core EPYC,
-more than the loop's whole draw); a training step's masks, smaller, reuse freed memory anyway. The minor page
-faults in each timed window are counted and recorded, so the result shows which memory it drew into
-(--fresh-memory leaves the allocator alone). Both arms draw once, outside the timed window, before the first
-pair, and every draw starts from the same generator state.
-
-Before timing, once, the benchmark draws --elements elements by each arm from one seed and records whether the
-masks are equal and the generator is left in the same state (torch.get_rng_state()); where either differs, the
-arms do not do the same work: no speed verdict is given, the result says so, and the command exits 1 after
-writing it. The verdict (the ratio torch / loop of each pair's ns an element; "faster" is the loop faster) comes
-from bench.compare_samples. Threads are set to --threads (default 1: torch's CPU bernoulli_ is a serial loop and
-the dropout loop is single-threaded) and the number in effect is recorded, with the CPU (model, instruction set,
-native bf16) and `dropout_draws.status(cpu)`. Where the loop is not used here (`drawn_here` false), only torch's
-arm is timed and the result says why in one line.
+Alternating pairs of one draw each into memory already touched, after a check that both arms draw the same masks and
+leave the same generator state (where they do not: no speed verdict, exit 1).
 
     python -m trainscope.experiments.benchmarks.dropout_draw [--elements 10000000] [--pairs 7] [--dtype float32]
 
 Writes benchmarks/dropout_draw.{json,md}.
+How it works: docs/benchmarks.md#in-the-code-how-make-bench-dropout-draw-measures-trainscopeexperimentsbenchmarksdropout_drawpy.
 """
 
 import argparse

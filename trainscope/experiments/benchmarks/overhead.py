@@ -1,23 +1,12 @@
 """What stage timing costs: train.py's timed loop against a bare loop over the same steps.
 
-Both are launched by the README's command (`accelerate launch`, pinned to one process: on a multi-GPU
-host a launch without a config runs on every GPU, and the bare loop would print one rank's samples/s
-against train.py's global figure). The bare loop is train.py's run less its instruments: the same start-up
-(trainscope.run.startup: thread budget, seed, TF32, sequence limit, the Accelerator with its accumulation,
-precision and compile), the same builders (tokenizer, data, model, loaders with train.py's padding and pinning,
-optimizer, scheduler), the same prepare(), the same step (trainscope.run.loop.train_step, its stage timer a stage
-that does nothing) over the same epochs, and the same evaluations, outside the timed window in both. It has no
-timer, no per-stage memory reads, no predictor or matmul-peak measurement, no record, no step lines, no progress
-bar and no stop votes. Both time the same window: the steps after --timing-warmup-steps, the device synchronized
-at its ends, evaluation taken out, samples/s = the samples of those steps / that time. Rounds alternate the order
-(bare, timed, then timed, bare, ...) and the result per timing clock is the median of per-round ratios of
-steady-state training samples/s with their range and a verdict. On CUDA a third arm reads the
-per-stage allocator peaks at every step (--memory-every 1), to show what they cost (`--modes` picks the
-arms). A target is said met or not only with at least bench.MIN_PAIRS rounds (`meets_target` is null below).
+Both launched by the README's command on one process, in alternating rounds; the bare loop is train.py's run less
+its instruments, and both time the same steady window.
 
     python -m trainscope.experiments.benchmarks.overhead [--pairs 5] [--modes events sync memory-every-step] [train.py flags]
 
 Writes benchmarks/timing_overhead.{json,md}.
+How it works: docs/benchmarks.md#in-the-code-how-make-bench-overhead-compares-trainscopeexperimentsbenchmarksoverheadpy.
 """
 
 import argparse
@@ -46,8 +35,8 @@ from trainscope.workload.modeling import build_model, build_optimizer, build_sch
 
 # The embedded tiny model (2 layers, hidden 32): steps of a few milliseconds, the host-bound regime of a small model on a
 # GPU, where the instruments' own host work is the largest share of a step it can be. One thread: that regime's host is
-# one Python thread, and a pool of two on ops this small adds only its wake-ups (on machine B, samples/s then spread
-# over 1,258-1,631 in either arm; with one thread over 1,387-1,490, at the same median).
+# one Python thread, and a pool of two on ops this small adds only its wake-ups, which spread samples/s in either arm
+# (as measured: docs/benchmarks.md#committed-results).
 DEFAULT_TRAIN_ARGS = [
     "--threads",
     "1",

@@ -1,20 +1,12 @@
 """train.py against the HF transformers.Trainer: same model, data, batches, batch size, precision, steps.
 
-Three arms, all launched the way a user launches them and all with trainscope's thread budget:
-
-  trainer      `accelerate launch -m trainscope.experiments.benchmarks.trainer_peer --trainer` (a Trainer script)
-  accelerate   `accelerate launch [--config_file C] train.py`  (the README's command)
-  python       `python train.py`
-
-The Trainer gets train.py's own DataLoader (same collate, same sampler seed through Accelerate's
-seedable sampler, last partial batch kept by both), so both see the same samples in the same order;
-the benchmark checks it by comparing the non-padding tokens of every logged interval. Each arm
-reports steady-state training samples/s and tokens/s (first --timing-warmup-steps excluded, no
-evaluation). Rounds alternate the order of the arms; the verdicts come from per-round ratios.
+Three arms in alternating rounds -- the Trainer, `accelerate launch train.py` and `python train.py` -- each launched
+the way a user launches it, the Trainer on train.py's own DataLoader (checked: the same samples in the same order).
 
     python -m trainscope.experiments.benchmarks.trainer_peer [--pairs 5] [--precision bf16] [train.py flags]
 
 Writes benchmarks/trainer_peer.{json,md}.
+How it works: docs/benchmarks.md#in-the-code-how-make-bench-trainer-compares-trainscopeexperimentsbenchmarkstrainer_peerpy.
 """
 
 import contextlib

@@ -1,19 +1,8 @@
 """DDP communication's second instruments: DDP's own logger and the profiler's trace, read and judged against
-trainscope's figures (trainscope.measure.communication.measured) on the same steps, each judged by `agreement`, an equivalence
-verdict on paired differences:
+trainscope's figures (trainscope.measure.communication.measured) on the same steps, each judged by `agreement`, an
+equivalence verdict on paired differences.
 
-* DDP's logger (`_get_ddp_logging_data()`): backward_comm_time - backward_compute_comm_overlap_time per rank
-  for each iteration it samples (1-10, then every 100th), read in the next iteration's forward. DDP counts an
-  iteration in each forward that will synchronize (grad enabled, not under no_sync): evaluation and the
-  no_sync micro-batches of gradient accumulation do not move it, so its iteration k is this process's k-th
-  synchronizing step.
-* the profiler's trace (--profile): per traced step, on a GPU the time NCCL's last kernel runs past backward's
-  last compute kernel on the device's own timestamps, on a CPU the `backward` span's time after its last autograd
-  operation, taken on any thread; and the collectives' time, each counted once (`from_trace`).
-
-DDP's logger brackets the same reducer events as trainscope's hooks: its agreement is an implementation check,
-held to what pairing the same events resolves (SAME_EVENTS_TOLERANCE_S); the trace and the planted delays of the
-tests are the independent instruments (time_tolerance: a share of the quantity, at least the clock's floor).
+How it works: docs/ddp.md#in-the-code-how-the-communication-is-checked-trainscopemeasurecommunicationagreementpy.
 """
 
 import math
@@ -30,7 +19,8 @@ TOLERANCE_SHARE, OVERLAP_TOLERANCE = 0.30, 0.10
 TOLERANCE_FLOOR_S = {"host": 0.015, "cuda events": 0.0005}
 # DDP's logger stamps the same reducer events as trainscope's hooks (the last gradient taken, finalize's end): their
 # agreement checks the implementation, not the quantity, so it is held to what pairing the same events resolves: the
-# Python hook's delay after the reducer's C++ one (0.3 ms at most over the committed CPU runs), not TOLERANCE_SHARE.
+# Python hook's delay after the reducer's C++ one (its size in the committed CPU runs: docs/benchmarks.md#committed-results),
+# not TOLERANCE_SHARE.
 # The independent instruments are the planted delays (tests) and the profiler's trace.
 SAME_EVENTS_TOLERANCE_S = {"host": 0.003, "cuda events": 0.0002}
 
