@@ -1140,12 +1140,12 @@ def test_the_search_child_halves_from_its_start(monkeypatch, capsys):
     from accelerate.state import AcceleratorState
 
     from trainscope import experiments
-    from trainscope.experiments import batch
+    from trainscope.run import loop
 
     sizes = []
     out_of_memory = planted_out_of_memory(10, sizes)
     monkeypatch.setattr(
-        batch, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"]))
+        loop, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"]))
     )
     threads, environ = torch.get_num_threads(), dict(os.environ)
     try:

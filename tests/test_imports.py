@@ -273,3 +273,15 @@ def test_the_design_map_names_every_module_once_in_its_room():
         and not p.is_relative_to(PACKAGE / "workload" / "metrics")  # the evaluate metric: the `metrics/` row
     }
     assert sorted(r for r in rows if r.endswith(".py") and not r.endswith("/__init__.py")) == sorted(named)
+
+
+def test_the_report_and_the_experiments_command_load_no_model_code():
+    """report.py and `python -m trainscope.experiments` read records: importing them loads neither transformers'
+    models, peft nor datasets (about 2 s a process); what trains defers those imports to the functions that train."""
+    import subprocess
+    import sys
+
+    heavy = ["transformers.modeling_utils", "peft", "datasets"]
+    code = f"import sys, report, trainscope.experiments; print(sorted(set({heavy!r}) & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert done.stdout.strip() == "[]"

@@ -9,9 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from trainscope import predict
 from trainscope.core import launching
-from trainscope.core.settings import parse_settings
 from trainscope.experiments import batch_search
 from trainscope.experiments.base import (
     Experiment,
@@ -27,9 +25,6 @@ from trainscope.measure import bench
 from trainscope.report import inputs as reporting
 from trainscope.report.inputs import Headline
 from trainscope.report.tables import pyplot
-from trainscope.run import startup
-from trainscope.run.loop import train_step
-from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
 
 SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
 
@@ -48,6 +43,7 @@ def arguments(parser) -> None:
 
 def run(args, train_args: list[str]) -> dict:
     """Samples/s and peak memory against the batch size, the user's batch as the baseline arm."""
+    from trainscope.core.settings import parse_settings  # deferred: it loads transformers
 
     if args.steps < 3 or min(args.batch_sizes) < 1:
         raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
@@ -162,6 +158,7 @@ def predicted_largest_batch(
     process asking: the search's child); None when it cannot be predicted."""
     import torch
 
+    from trainscope import predict  # deferred: it loads transformers' models (through the predictor)
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
 
     if device is None:
@@ -194,6 +191,8 @@ def largest_fitting_batch(
     nothing stays allocated here; with `predict` the child first predicts the largest batch and searches from it
     (doubling or halving: {predicted, start} too). A multi-process config is refused before anything is launched
     (see trainscope.experiments.batch_search)."""
+    from trainscope import predict  # deferred: it loads transformers' models (through the predictor)
+
     batch_search.refuse_multi_process(config, launching.config_facts(launching.config_path(config))["num_processes"])
     command = [
         *launching.accelerate_launch(config),
@@ -220,6 +219,17 @@ def find_batch(args, train_args: list[str]) -> None:
 
     import torch
     from accelerate import Accelerator
+
+    from trainscope import predict  # deferred: it loads transformers' models (through the predictor)
+    from trainscope.core.settings import parse_settings  # deferred: it loads transformers
+    from trainscope.run import startup  # deferred: it loads transformers' models
+    from trainscope.run.loop import train_step  # deferred: it loads transformers' models
+    from trainscope.workload.modeling import (  # deferred: it loads transformers' models
+        build_model,
+        build_optimizer,
+        build_scheduler,
+        build_tokenizer,
+    )
 
     (settings,) = parse_settings(argv=train_args)
     startup.configure_process(settings)

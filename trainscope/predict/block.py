@@ -16,7 +16,6 @@ from trainscope.predict.memory_model import peak_memory
 from trainscope.predict.step import VERSION, model_dims, traced_length, traced_step
 from trainscope.predict.time_model import predict_time
 from trainscope.predict.workload import Batches, Workload, run_batches, workload_for
-from trainscope.workload import modeling
 
 
 @contextlib.contextmanager
@@ -77,6 +76,7 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
 def traced_steps(workload: Workload, batches: Batches, costs) -> tuple[trace.Trace, trace.Trace]:
     """The training step traced at the run's batch and a length near its steady batches' mean, and the evaluation
     batch near its batches' mean (traced_length: a length that is no other size of the model)."""
+    from trainscope.workload import modeling  # deferred: it loads transformers' models
 
     settings = workload.settings
     config = modeling.model_config(settings, workload.label_names)

@@ -9,7 +9,6 @@ from trainscope.measure.memory import GIB
 from trainscope.predict import calibration, trace
 from trainscope.predict.step import model_dims, on_meta, quiet_fake_tensors, traced_length
 from trainscope.predict.workload import device_memory_bytes
-from trainscope.workload import modeling
 
 
 def peak_memory(workload, traced: trace.Trace, longest: int, notes, calibration: dict | None) -> dict:
@@ -90,6 +89,7 @@ def largest_batch(
     """The largest per-device batch whose predicted peak fits in `capacity_bytes` (the device's memory by default)
     at sequences of `length`: what grows with the length grows with the batch (trainscope.predict.trace), the parameters and
     the optimizer state do not; on a CPU with the calibrated allocator's share."""
+    from trainscope.workload import modeling  # deferred: it loads transformers' models
 
     capacity = capacity_bytes if capacity_bytes is not None else device_memory_bytes(device)
     config = modeling.model_config(settings, label_names)

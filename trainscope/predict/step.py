@@ -18,7 +18,6 @@ from trainscope.core.records import write_json_atomic
 from trainscope.measure import peak
 from trainscope.predict import op_costs, trace
 from trainscope.predict.workload import Workload
-from trainscope.workload import modeling
 
 VERSION = 1  # of the prediction block, and of the traces cached for it
 MIN_LENGTH = 8
@@ -110,6 +109,7 @@ def traced_step(
     """The training step (`kind` "train") or evaluation batch ("eval") traced, or read from the cache of traces
     (`<cache>/predict/traces/`) when it was traced before with the same model, settings, shapes and versions and
     every operator's cost is known here."""
+    from trainscope.workload import modeling  # deferred: it loads transformers' models
 
     settings = settings or workload.settings
     label_names = label_names or workload.label_names

@@ -19,8 +19,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from trainscope.workload.modeling import classification_loss, optimizer_groups
-
 VERSION = 2  # bump when what a trace holds changes (cached traces of another version are traced again)
 aten = torch.ops.aten
 GEMMS = (aten.mm, aten.addmm)  # plain matrix products: the machine's measured peak applies (trainscope.measure.peak)
@@ -371,6 +369,11 @@ def trace_training(
     """A training step of `build_model()` (a model on the meta device) on a fake (batch x length) batch. `avoid`:
     every size of the model and batch besides the length (so each tensor's power of the length can be read)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainscope.workload.modeling import (  # deferred: it loads transformers' models
+        classification_loss,
+        optimizer_groups,
+    )
 
     model = build_model()
     fake_mode = FakeTensorMode()

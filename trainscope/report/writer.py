@@ -6,6 +6,7 @@ from trainscope.core.record_view import RunView, warning_lines
 from trainscope.core.records import write_text_atomic
 from trainscope.core.results_view import machines_text
 from trainscope.report.book import Book
+from trainscope.report.inputs import machines
 from trainscope.report.tables import Table, save_figure
 
 
@@ -148,8 +149,6 @@ class ReportWriter:
     def measured_on(self, records=None) -> str:
         """'measured on AMD EPYC, AVX2, bf16 emulated, 2 cores': the machines of `records` where given, else the
         section's; '' where none is known."""
-        from trainscope.report.inputs import machines
-
         grouped = machines([(RunView(r).name, r) for r in records]) if records else self.current
         return f"measured on {machines_text(grouped)}" if grouped else ""
 

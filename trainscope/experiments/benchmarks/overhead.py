@@ -28,10 +28,7 @@ from trainscope.core.settings import parse_settings, plan_steps
 from trainscope.measure import bench
 from trainscope.measure.timing import synchronizer
 from trainscope.report.tables import Table, num
-from trainscope.run import startup
-from trainscope.run.loop import evaluate_split, load_metric, train_step
 from trainscope.workload import dropout_draws
-from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
 
 # The embedded tiny model (2 layers, hidden 32): steps of a few milliseconds, the host-bound regime of a small model on a
 # GPU, where the instruments' own host work is the largest share of a step it can be. One thread: that regime's host is
@@ -79,7 +76,15 @@ def unmeasured(stage: str):
 def bare_loop(argv: list[str]) -> None:
     """train.py's run without its instruments (see the module's docstring: what both arms share, what only train.py
     does); prints the steady window's training samples/s, samples and optimizer steps as JSON."""
+    from trainscope.run import startup  # deferred: it loads transformers' models
+    from trainscope.run.loop import evaluate_split, load_metric, train_step  # deferred: it loads transformers' models
     from trainscope.workload.data import build_dataloaders, load_classification_data  # deferred: it loads datasets
+    from trainscope.workload.modeling import (  # deferred: it loads transformers' models
+        build_model,
+        build_optimizer,
+        build_scheduler,
+        build_tokenizer,
+    )
 
     (settings,) = parse_settings(argv=argv)
     refused = [flag for name, flag in BARE_REFUSES.items() if getattr(settings, name)]

@@ -25,8 +25,6 @@ from trainscope.core.records import read_record, read_steps
 from trainscope.core.settings import parse_settings
 from trainscope.measure import bench
 from trainscope.report.tables import Table, spread_cell
-from trainscope.run import startup
-from trainscope.workload.modeling import build_model, build_tokenizer
 
 DEFAULT_ARGS = [
     "--max-train-samples",
@@ -58,7 +56,9 @@ GOAL = 1.05  # train.py by its documented launcher against the Trainer
 
 def trainer_loop(argv: list[str], precision: str) -> None:
     """Fine-tune with transformers.Trainer on train.py's own loader; print steady-state figures as JSON."""
+    from trainscope.run import startup  # deferred: it loads transformers' models
     from trainscope.workload.data import build_dataloaders, load_classification_data  # deferred: it loads datasets
+    from trainscope.workload.modeling import build_model, build_tokenizer  # deferred: it loads transformers' models
 
     (settings,) = parse_settings(argv=argv)
     startup.configure_process(settings)  # the same thread budget as train.py

@@ -26,9 +26,7 @@ from trainscope.experiments.loaders.results import PYTORCH_DEFAULT_WORKERS, curv
 from trainscope.measure import bench
 from trainscope.measure.timing import StageTimer, make_clock
 from trainscope.report.tables import save_figure
-from trainscope.run.loop import train_step
 from trainscope.workload.data import labelled_splits
-from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
 
 MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
 MAX_WORKERS = 64
@@ -158,6 +156,7 @@ def settings_grid(sweep: SweepSettings, settings: Settings):
 
 def raw_training_rows(settings, data):
     """The training split as raw text rows (the same rows as the tokenized split) with a tokenizing collate."""
+    from trainscope.workload.modeling import build_tokenizer  # deferred: it loads transformers' models
 
     train = labelled_splits(settings).subset("train", settings)
     train = train.select_columns([*data.text_columns, data.label_column])
@@ -173,6 +172,12 @@ class InTraining:
     def __init__(self, settings, data, tokenizer, device):
         from accelerate import Accelerator, DataLoaderConfiguration
 
+        from trainscope.workload.modeling import (  # deferred: it loads transformers' models
+            build_model,
+            build_optimizer,
+            build_scheduler,
+        )
+
         self.settings = settings
         self.accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=device.type == "cuda"))
         model, _ = build_model(settings, data.label_names, tokenizer)
@@ -183,6 +188,7 @@ class InTraining:
 
     def measure(self, loader, steps) -> dict:
         """The data stage's share of `steps` steady training steps fed by `loader` (after 2 untimed ones)."""
+        from trainscope.run.loop import train_step  # deferred: it loads transformers' models
 
         loader = self.accelerator.prepare(loader)
         clock, _ = make_clock("sync", self.accelerator.device)
