@@ -145,6 +145,12 @@ def test_default_ddp_is_measured_on_every_step_without_a_comm_hook_and_agrees_wi
     assert "comm_instruments_disagree" not in codes and "comm_instruments_undecided" not in codes, record["warnings"]
     # the step lines carry rank 0's exposed communication of their interval
     assert all(line["exposed_communication_s"] >= 0 for line in read_steps(ddp_runs / "default"))
+    # once three passes in a row took their last gradient from the bucket DDP reduces last, the hooks are cut to
+    # that bucket's parameters: the agreement above spans passes before and after the cut
+    for rank in rank_steps(ddp_runs, "default"):
+        cut = rank["hooks_cut"]
+        assert cut is not None and "reason" not in cut, cut
+        assert cut["hooks_after"] < cut["hooks_before"] and cut["iteration"] < 10, cut
 
 
 def test_the_profiler_trace_is_a_third_instrument_of_the_same_steps(ddp_runs):

@@ -100,6 +100,7 @@ class BackwardStamps:
         self.first_bucket: frozenset | None = None  # parameter indices DDP all-reduces first, once known
         self.armed = False
         self.fired, self.first_left, self.compute_end, self.window_start = 0, None, None, None
+        self.last_index = None  # the parameter whose gradient was taken last in the latest pass
 
     def arm(self) -> None:
         self.armed, self.fired = True, 0
@@ -118,6 +119,7 @@ class BackwardStamps:
         if not self.armed:  # a no_sync micro-batch, evaluation, or measuring off
             return
         self.fired += 1
+        self.last_index = index
         if self.fired == self.expected:
             self.compute_end = self.clock.mark()
 
@@ -130,6 +132,11 @@ class BackwardStamps:
                 self.expected = self.fired  # unused parameters: the next step counts what this one produced
             return None
         return {"compute_end": self.compute_end, "window_start": self.window_start, "comm_end": comm_end}
+
+
+# synchronizing passes in a row whose last gradient came from the bucket DDP reduces last, before the gradient hooks
+# are cut to that bucket's parameters
+CUT_AFTER = 3
 
 
 def step_times(clock, marks: dict) -> dict:
@@ -174,6 +181,10 @@ class Communication:
         self.steps: list[dict] = []
         self.ddp_iterations: list[dict] = []
         self.layout: list[dict] | None = None  # DDP's buckets once rebuilt: parameters, numel, element size
+        # the gradient hooks cut to the bucket DDP reduces last, once CUT_AFTER passes in a row took their last
+        # gradient from it: {hooks_before, hooks_after, iteration} or {reason} (never cut)
+        self.hooks_cut: dict | None = None
+        self._last_in_last_bucket = 0
         self._interval: list[float] = []
 
     def _gradient_taken(self, index: int, grad_inputs, grad_outputs) -> None:
@@ -240,6 +251,34 @@ class Communication:
             with paused() if paused is not None else contextlib.nullcontext():
                 self.layout = self._read_buckets()
             self._watch_first_bucket()
+        elif self.measure and self.layout and self.hooks_cut is None:
+            self._consider_the_cut()
+
+    def _consider_the_cut(self) -> None:
+        """Python hooks on every trainable parameter run in every backward (about 200 on a BERT-base). Once DDP's
+        buckets are known, the end of compute is the last gradient of the bucket DDP reduces last -- where that holds:
+        after CUT_AFTER synchronizing passes in a row whose last gradient came from that bucket (counted by every
+        hook), the hooks come off the other buckets' parameters and the countdown runs over that bucket's. A pass
+        whose last gradient came from another bucket keeps every hook for the rest of the run."""
+        if len(self.layout) < 2:
+            self.hooks_cut = {"reason": "one bucket: every parameter is in the last"}
+            return
+        last = set(self.layout[-1]["parameters"])
+        if self.stamps.last_index is None or self.stamps.fired != self.stamps.expected:
+            return  # an unmeasured pass: no evidence either way
+        if self.stamps.last_index not in last:
+            self.hooks_cut = {"reason": f"iteration {self.synchronized}: the last gradient was not the last bucket's"}
+            return
+        self._last_in_last_bucket += 1
+        if self._last_in_last_bucket < CUT_AFTER:
+            return
+        taken, others = self.handles[: len(self.parameters)], self.handles[len(self.parameters) :]
+        for index, handle in enumerate(taken):
+            if index not in last:
+                handle.remove()
+        self.handles = [h for i, h in enumerate(taken) if i in last] + others
+        self.stamps.expected = len(last)
+        self.hooks_cut = {"hooks_before": len(taken), "hooks_after": len(last), "iteration": self.synchronized}
 
     def _resolve(self, block: bool) -> None:
         while self.pending:
@@ -372,6 +411,7 @@ class Communication:
             "ddp_iterations": self.ddp_iterations,
             "transfer": transfer,
             "trace": trace,
+            "hooks_cut": self.hooks_cut,
         }
 
 
