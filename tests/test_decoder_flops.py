@@ -7,6 +7,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainscope.measure import flops
+from trainscope.workload import shapes
 
 BATCH = 2
 
@@ -70,26 +71,26 @@ def test_cpu_fused_sdpa_attention_is_not_counted():
 
 
 def test_decoder_shapes_with_grouped_query_attention_and_gated_mlp():
-    gpt2 = flops.decoder_shape(gpt2_config())
-    assert gpt2 == flops.DecoderShape(
+    gpt2 = shapes.decoder_shape(gpt2_config())
+    assert gpt2 == shapes.DecoderShape(
         layers=2, hidden=64, query=64, key=64, value=64, mlp_matrices=2, intermediate=256, vocab=1000, lm_head=True
     )
-    llama = flops.decoder_shape(llama_config())
-    assert llama == flops.DecoderShape(
+    llama = shapes.decoder_shape(llama_config())
+    assert llama == shapes.DecoderShape(
         layers=2, hidden=64, query=64, key=32, value=32, mlp_matrices=3, intermediate=172, vocab=1000, lm_head=True
     )
     # per layer: q, k, v, o 64 x (64 + 32 + 32) + 64 x 64; gate, up, down 3 x 64 x 172; the head 64 x 1000
     assert llama.matmul_weights() == 2 * (64 * 128 + 64 * 64 + 3 * 64 * 172) + 64 * 1000
     assert gpt2.matmul_weights() == 2 * (4 * 64 * 64 + 2 * 64 * 256) + 64 * 1000
-    assert flops.decoder_shape(transformers.GPT2Config(n_embd=64, n_head=4, n_inner=100)).intermediate == 100
-    assert not flops.decoder_shape(transformers.LlamaConfig(architectures=["LlamaModel"])).lm_head
-    assert flops.decoder_shape(transformers.BertConfig()) is None
+    assert shapes.decoder_shape(transformers.GPT2Config(n_embd=64, n_head=4, n_inner=100)).intermediate == 100
+    assert not shapes.decoder_shape(transformers.LlamaConfig(architectures=["LlamaModel"])).lm_head
+    assert shapes.decoder_shape(transformers.BertConfig()) is None
 
 
 def test_coefficients_sum_over_variable_length_batches():
     config = llama_config()
     a, b = flops.causal_lm_flops_coefficients(config)
-    assert a == 6 * flops.decoder_shape(config).matmul_weights() and b == 12 * 2 * 64
+    assert a == 6 * shapes.decoder_shape(config).matmul_weights() and b == 12 * 2 * 64
     batches = [(2, 32), (3, 100), (1, 7)]
     total = sum(flops.causal_lm_training_flops(config, n, t) for n, t in batches)
     assert total == a * sum(n * t for n, t in batches) + b * sum(n * t * t for n, t in batches)
@@ -98,11 +99,11 @@ def test_coefficients_sum_over_variable_length_batches():
 
 
 def test_decoders_are_not_encoders_and_encoders_unchanged():
-    assert flops.encoder_shape(gpt2_config()) is None
-    assert flops.encoder_shape(llama_config()) is None
-    assert flops.encoder_shape(transformers.MistralConfig()) is None
+    assert shapes.encoder_shape(gpt2_config()) is None
+    assert shapes.encoder_shape(llama_config()) is None
+    assert shapes.encoder_shape(transformers.MistralConfig()) is None
     bert = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128)
-    assert flops.encoder_shape(bert) == (2, 64, 128)
+    assert shapes.encoder_shape(bert) == (2, 64, 128)
     assert flops.training_flops(bert, 2, 32) == 2 * 32 * flops.training_flops_per_token(2, 64, 128, 32)
-    assert flops.encoder_shape(transformers.DistilBertConfig(n_layers=3, dim=64, hidden_dim=128)) == (3, 64, 128)
-    assert flops.encoder_shape(transformers.BertConfig(is_decoder=True)) is None
+    assert shapes.encoder_shape(transformers.DistilBertConfig(n_layers=3, dim=64, hidden_dim=128)) == (3, 64, 128)
+    assert shapes.encoder_shape(transformers.BertConfig(is_decoder=True)) is None

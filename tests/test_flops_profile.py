@@ -8,7 +8,7 @@ from transformers import AutoConfig
 
 from trainscope.measure import flops
 from trainscope.measure.profiling import MemorySnapshot
-from trainscope.workload import embedded
+from trainscope.workload import embedded, shapes
 
 
 def test_flops_per_token_by_hand_for_bert_base_and_minilm():
@@ -21,10 +21,10 @@ def test_flops_per_token_by_hand_for_bert_base_and_minilm():
 
 def test_flops_read_the_model_configuration():
     minilm = AutoConfig.from_pretrained(embedded.minilm_dir())
-    assert flops.encoder_shape(minilm) == (6, 384, 1536)
+    assert shapes.encoder_shape(minilm) == (6, 384, 1536)
     assert flops.training_flops(minilm, batch_size=32, sequence_length=128) == 32 * 128 * 67_239_936
     distilbert = AutoConfig.for_model(**embedded.bundled_architecture("distilbert-base-uncased"))
-    assert flops.encoder_shape(distilbert) == (6, 768, 3072)
+    assert shapes.encoder_shape(distilbert) == (6, 768, 3072)
 
 
 def counted_step(flags, batch=8, length=64, layers=None):
@@ -64,7 +64,7 @@ def head_flops_at_most(config, batch, labels=3):
     """The classification head's matmuls, which the model FLOPs leave out (they count the encoder's): a d x d layer
     (BERT's pooler, RoBERTa's dense, DistilBERT's pre_classifier) and a d x labels one on each sequence's first
     position, forward 2 x weights x batch and at most twice that backward."""
-    hidden = flops.encoder_shape(config)[1]
+    hidden = shapes.encoder_shape(config)[1]
     return 6 * batch * (hidden * hidden + hidden * labels)
 
 
@@ -156,7 +156,7 @@ def test_padding_free_flops_agree_with_torchs_flop_counter_on_a_padded_batch(fla
     assert padding_free == pytest.approx(counted, rel=0.01)
     assert counted - head_flops_at_most(config, batch) <= padding_free <= counted
     padded = flops.training_flops(config, batch, length, training)
-    real = flops.real_training_flops(flops.encoder_shape(config), tokens, sum(n * n for n in lengths), training)
+    real = flops.real_training_flops(shapes.encoder_shape(config), tokens, sum(n * n for n in lengths), training)
     assert padded != pytest.approx(counted, rel=0.01) and real != pytest.approx(counted, rel=0.01)
 
 

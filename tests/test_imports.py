@@ -243,17 +243,20 @@ def test_every_module_is_under_600_lines():
     assert long == {}
 
 
-def test_the_flops_count_and_import_trainscope_load_no_torch():
-    """The FLOPs formulas read a model's shape from its config alone (trainscope.workload.shapes), and `import
-    trainscope` defers whatever loads torch or transformers: both stay light."""
+def loaded_by(modules: list[str], watched: list[str]) -> list[str]:
+    """Which of `watched` a fresh interpreter has loaded once it imported `modules` (from the project's root)."""
     import subprocess
     import sys
 
-    code = (
-        "import sys, trainscope, trainscope.measure.flops; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    )
+    code = f"import sys, {', '.join(modules)}; print(sorted(set({watched!r}) & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert done.stdout.strip() == "[]"
+    return ast.literal_eval(done.stdout.strip())
+
+
+def test_the_flops_count_and_import_trainscope_load_no_torch():
+    """The FLOPs formulas read a model's shape from its config alone (trainscope.workload.shapes), and `import
+    trainscope` defers whatever loads torch or transformers: both stay light."""
+    assert loaded_by(["trainscope", "trainscope.measure.flops"], ["torch", "transformers"]) == []
 
 
 def test_the_design_map_names_every_module_once_in_its_room():
@@ -278,10 +281,5 @@ def test_the_design_map_names_every_module_once_in_its_room():
 def test_the_report_and_the_experiments_command_load_no_model_code():
     """report.py and `python -m trainscope.experiments` read records: importing them loads neither transformers'
     models, peft nor datasets (about 2 s a process); what trains defers those imports to the functions that train."""
-    import subprocess
-    import sys
-
     heavy = ["transformers.modeling_utils", "peft", "datasets"]
-    code = f"import sys, report, trainscope.experiments; print(sorted(set({heavy!r}) & set(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert done.stdout.strip() == "[]"
+    assert loaded_by(["report", "trainscope.experiments"], heavy) == []

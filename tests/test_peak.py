@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from trainscope.core import paths
 from trainscope.measure import peak
 
 CPU = torch.device("cpu")
@@ -13,7 +14,7 @@ TINY_SHAPES = [(64, 32, 32), (64, 64, 32)]
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv(peak.SQUARE_ENV, "96")
     return tmp_path / "cache"
 
@@ -86,9 +87,9 @@ def test_a_slow_emulated_path_is_timed_once_and_larger_shapes_are_skipped(cache,
 
 
 def test_the_cache_folder_follows_the_environment(tmp_path):
-    assert peak.cache_dir({peak.CACHE_ENV: str(tmp_path)}) == tmp_path
-    assert peak.cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "trainscope"
-    assert peak.cache_dir({}).parts[-2:] == (".cache", "trainscope")
+    assert paths.cache_dir({paths.CACHE_ENV: str(tmp_path)}) == tmp_path
+    assert paths.cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "trainscope"
+    assert paths.cache_dir({}).parts[-2:] == (".cache", "trainscope")
 
 
 def test_a_rate_measured_while_other_processes_took_a_core_is_not_cached(cache, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
 
 from trainscope import predict
-from trainscope.core import environment
+from trainscope.core import environment, paths
 from trainscope.core.settings import parse_settings
 from trainscope.experiments import batch_search
 from trainscope.experiments import prediction as predict_check
@@ -158,7 +158,7 @@ def test_a_machine_whose_bf16_peak_is_twice_its_fp32_predicts_a_faster_bf16_step
 
 def test_the_peak_cache_feeds_the_matmul_costs(tmp_path, monkeypatch):
     """A planted peak cache file: a matrix product costs its FLOPs over the cached rate, nothing is measured."""
-    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(peak, "measure", lambda *a, **k: pytest.fail("measured although cached"))
     shape = (64, 32, 48)
     key = peak.machine_key(CPU, threads=1, processes=1)
@@ -487,7 +487,7 @@ def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_predic
 
     from trainscope.measure.communication import block as communication_block
 
-    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
     transfer = [[0.040, 0.041, 0.039]]
     ranks = [planted_rank(r, [0.010, 0.011, 0.009, 0.010, 0.012, 0.010, 0.011], transfer=transfer) for r in (0, 1)]
     summary = {"communication": communication_block.combine(ranks, {"step_s": 0.5})}
@@ -727,7 +727,7 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
     what make predict-check measures and reports.)"""
     import subprocess
 
-    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(calibration.SWITCH_ENV)
     monkeypatch.setattr(calibration, "FIRST_USE_BUDGET_S", 300.0)
     monkeypatch.setattr(
@@ -753,7 +753,7 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
 
 
 def test_a_first_use_calibration_that_fails_is_said_and_not_tried_again_by_every_run(tmp_path, monkeypatch):
-    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(calibration.SWITCH_ENV)
     tries = []
 

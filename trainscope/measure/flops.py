@@ -5,7 +5,7 @@ How it works: docs/peak.md#in-the-code-model-flops-from-the-formula-to-mfu-train
 
 import dataclasses
 
-from trainscope.workload.shapes import DecoderShape, decoder_shape, encoder_shape, is_decoder_config  # noqa: F401 (also read as flops.encoder_shape, ...)
+from trainscope.workload.shapes import decoder_shape, encoder_shape
 
 # Dense peak TFLOP/s (no 2:4 sparsity: datasheets print sparse tensor figures with an asterisk;
 # dense is half) per precision; fp16/bf16 are tensor-core figures with fp32 accumulate, as in training.

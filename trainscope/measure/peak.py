@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from trainscope.core import environment, precision
-from trainscope.core.paths import CACHE_ENV, cache_dir  # noqa: F401 (CACHE_ENV: read as peak.CACHE_ENV)
+from trainscope.core.paths import cache_dir
 from trainscope.core.records import now_iso, write_json_atomic
 
 SQUARE_ENV = "TRAINSCOPE_PEAK_SQUARE"

@@ -25,6 +25,7 @@ import torch
 from trainscope.core import launching
 from trainscope.core.errors import one_line
 from trainscope.core.launching import split_args, train_in_this_process
+from trainscope.core.paths import cache_dir
 from trainscope.core.record_view import RunView
 from trainscope.core.records import now_iso, read_record, write_json_atomic
 from trainscope.measure import peak
@@ -41,7 +42,7 @@ def calibration_key(device: torch.device) -> dict:
 
 
 def calibration_path(device: torch.device) -> Path:
-    return peak.cache_dir() / "predict" / f"calibration-{peak.key_id(calibration_key(device))}.json"
+    return cache_dir() / "predict" / f"calibration-{peak.key_id(calibration_key(device))}.json"
 
 
 def read_calibration(device: torch.device) -> dict:

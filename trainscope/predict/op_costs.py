@@ -18,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from trainscope.core import precision
+from trainscope.core.paths import ROOT, cache_dir
 from trainscope.core.records import write_json_atomic
 from trainscope.measure import peak
 from trainscope.predict.trace import is_leaf_spec, is_rng_spec, is_tensor_spec, rng_inputs
@@ -194,7 +195,7 @@ class OpCosts:
         self.device, self.threads, self.processes, self.store = device, threads, processes, store
         self.guarded = device.type == "cuda" if guarded is None else guarded
         self.key = {**peak.machine_key(device, threads=threads, processes=processes), "op_costs": VERSION}
-        self.path = peak.cache_dir() / "predict" / f"{peak.key_id(self.key)}.json"
+        self.path = cache_dir() / "predict" / f"{peak.key_id(self.key)}.json"
         self.cached, self.reasons = self._read()
         self.measured = 0  # operators timed now (not from the cache)
         self.unmeasured: set = set()  # operators that could not be timed (counted as free), with the reason if known
@@ -314,7 +315,7 @@ def time_guarded(
 def _child_environment() -> dict:
     """This process's environment for a guarded benchmark's child: faulthandler on (a crash prints its stack), and
     the package importable as `-m trainscope.predict.op_costs` from any folder."""
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(ROOT)
     return {
         **os.environ,
         "PYTHONFAULTHANDLER": "1",

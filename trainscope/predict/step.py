@@ -14,6 +14,7 @@ import time
 import torch
 
 from trainscope.core import environment
+from trainscope.core.paths import cache_dir
 from trainscope.core.records import write_json_atomic
 from trainscope.measure import peak
 from trainscope.predict import op_costs, trace
@@ -127,7 +128,7 @@ def traced_step(
         "avoid": sorted(avoid),
         "packages": environment.package_versions(),
     }
-    path = peak.cache_dir() / "predict" / "traces" / f"{peak.key_id(identity)}.json"
+    path = cache_dir() / "predict" / "traces" / f"{peak.key_id(identity)}.json"
     try:
         cached = trace.Trace.from_dict(json.loads(path.read_text()))
         if all(op.gemm is not None or op.key in costs.cached for op in cached.ops):

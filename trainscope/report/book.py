@@ -78,8 +78,8 @@ class Book:
     def _label(self, anchor: str) -> str:
         return self.labels.setdefault(anchor, f"section-{len(self.labels) + 1}")
 
-    def heading(self, text: str, size: float = 14, anchor: str | None = None):
-        level = 1 if size >= 20 else 2 if size >= 14 else 3
+    def heading(self, text: str, level: int = 2, anchor: str | None = None):
+        """A heading: 1 the title (20 pt), 2 a section (14 pt), 3 a part (12 pt); `anchor`: its page is noted."""
         label = f"<{self._label(anchor)}>" if anchor else ""
         mark = f"\n#pagemark({string(self._label(anchor))})" if anchor else ""
         self.source.append(f"#heading(level: {level}, outlined: {str(level < 3).lower()})[{inline(text)}]{label}{mark}")

@@ -38,7 +38,7 @@ class ReportWriter:
 
     def title(self, title: str, line: str):
         self.markdown += [f"# {title}", "", line, ""]
-        self.book.heading(title, size=20)
+        self.book.heading(title, level=1)
         self.book.text(line)
 
     def answers_page(self):
@@ -139,7 +139,7 @@ class ReportWriter:
         captions and tables' titles name those machines, not the section's, until the next part or section; where the
         section answers once per machine, this machine's answer follows the heading ('In short')."""
         self.markdown += [f"### {title}", ""]
-        self.book.heading(title, size=12)
+        self.book.heading(title, level=3)
         if machines is not None:
             self.current = machines
         answer = self.answers.get(self.section)

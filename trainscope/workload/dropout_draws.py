@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from trainscope.core.paths import cache_dir
+from trainscope.core.paths import ROOT, cache_dir
 
 SOURCE = Path(__file__).parent / "native" / "mt19937_bernoulli.c"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -217,7 +217,7 @@ def _check_in_child(library: Path) -> dict:
     a crash ends the child, not this process: the verdict, as the marker keeps it."""
     verdict = {"verdict": "failed", "dtypes": [], "why": None, "returncode": None, "signal": None}
     verdict.update(library=library.name, sha256=_digest(library), torch=str(torch.__version__))
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(ROOT)
     try:
         done = subprocess.run(
             [sys.executable, "-c", CHILD, root, str(library)],
