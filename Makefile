@@ -129,23 +129,36 @@ INSTALL = { uv=$$(command -v uv || { { test -x $(VENV)/bin/uv || $(PYTHON) -m pi
 	settings=$$($(UV_SETTINGS)) && eval "$$uv pip install -q --python $(PY) $$settings $(1)"; } || \
 	$(call VENV_PIP,install -q --no-compile $(1))
 
+# make setup says in one line a step what it installs and where; each install's output goes to $(SETUP_LOG), whose end
+# is shown when a step fails. make V=1 shows every command and its output instead.
+SETUP_LOG = $(VENV)/setup.log
+Q = $(if $(filter-out 0,$(V)),,@)
+# $(call LOGGED,<command>): the command, its output in the log (make V=1: on the terminal)
+LOGGED = $(if $(Q),{ $(1); } >>$(SETUP_LOG) 2>&1 || { tail -n 25 $(SETUP_LOG) >&2; \
+	echo "make setup: failed (the whole log: $(SETUP_LOG); every command: make setup V=1)" >&2; exit 1; },$(1))
+
 # The venv sees the system's packages only where the system Python has torch (a GPU host's CUDA build, reused).
 # Elsewhere it is isolated: packages the system happens to have change what every process imports (boto3 through
 # accelerate, scipy through evaluate and transformers, trio through the HTTP client) and slow every process's start
 # (docs/benchmarks.md#set-up-and-the-makefiles-choices-as-measured).
 $(VENV)/.installed: requirements.txt requirements-embedded.txt
-	test -x $(PY) || $(PYTHON) -m venv --without-pip \
-		$$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(call INSTALL,torch==$(TORCH_VERSION))
-	$(call INSTALL,-r requirements.txt)
-	$(call INSTALL,--no-deps -r requirements-embedded.txt)
-	touch $@
+	$(Q)test -x $(PY) || { if $(PYTHON) -c "import torch" 2>/dev/null; then system=--system-site-packages; \
+		seen="seeing the system's packages, its torch reused"; else system=; seen="isolated from the system's packages"; fi; \
+		echo "setup: $(VENV)/ by $(PYTHON), $$seen"; $(PYTHON) -m venv --without-pip $$system $(VENV); }
+	$(Q): > $(SETUP_LOG)
+	$(Q)if torch=$$($(PY) -c "import torch; print(torch.__version__)" 2>/dev/null); then echo "setup: torch $$torch, already there"; \
+		else echo "setup: torch==$(TORCH_VERSION) into $(VENV)/"; $(call LOGGED,$(call INSTALL,torch==$(TORCH_VERSION))); fi
+	@echo "setup: requirements.txt and requirements-embedded.txt into $(VENV)/ (output: $(SETUP_LOG))"
+	$(Q)$(call LOGGED,$(call INSTALL,-r requirements.txt))
+	$(Q)$(call LOGGED,$(call INSTALL,--no-deps -r requirements-embedded.txt))
+	$(Q)touch $@
 
 # The project itself on the venv's path (what `pip install -e .` does, without a build): `import trainscope` works in
 # any script run with the venv's python, examples/ and your own training included.
 $(VENV)/.project: $(VENV)/.installed
-	$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'trainscope-project.pth').write_text('$(CURDIR)\n')"
-	touch $@
+	@echo "setup: trainscope on $(VENV)/'s import path (trainscope-project.pth)"
+	$(Q)$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'trainscope-project.pth').write_text('$(CURDIR)\n')"
+	$(Q)touch $@
 
 setup: $(VENV)/.project ## create .venv (reusing an installed torch) with everything trainscope needs
 	@# a GPU host (nvidia-smi answers) whose torch cannot see the GPU: a warning naming the CUDA build to install

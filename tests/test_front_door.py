@@ -1,5 +1,6 @@
 """What a newcomer's first `make train` shows: no library boilerplate a person cannot act on."""
 
+import os
 import shlex
 import subprocess
 import sys
@@ -75,3 +76,46 @@ def test_every_link_to_a_heading_of_a_page_resolves():
         if link.group(1) in anchors and link.group(2) not in anchors[link.group(1)]
     ]
     assert broken == []
+
+
+def _planted_setup(tmp_path, failing: bool) -> subprocess.CompletedProcess:
+    """`make setup` from scratch against planted Pythons and uv (none of them installs anything): a system Python
+    without torch, a venv Python without torch, and installers that succeed or fail with a planted error."""
+    venv, bin_dir = tmp_path / "venv", tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    venv_python = (
+        "#!/bin/sh\n"
+        'case "$2" in *"import torch"*) exit 1;; esac\n'
+        + ('if [ "$3" = install ]; then echo "ERROR: planted pip failure" >&2; exit 1; fi\n' if failing else "")
+    )
+    system = bin_dir / "python3"
+    system.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -c ]; then exit 1; fi\n'
+        f"mkdir -p {venv}/bin && cat > {venv}/bin/python <<'END'\n{venv_python}END\nchmod +x {venv}/bin/python\n"
+    )
+    uv = bin_dir / "uv"
+    uv.write_text("#!/bin/sh\n" + ('echo "error: planted: no solution for nothing==9.9" >&2; exit 1\n' if failing else ""))
+    for planted in (system, uv):
+        planted.chmod(0o755)
+    env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}")
+    return subprocess.run(
+        ["make", "-B", "setup", f"PYTHON={system}", f"VENV={venv}", "GPU_SIGNS="],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+def test_make_setup_says_in_a_few_short_lines_what_it_installs_and_where(tmp_path):
+    """A fresh clone's `make setup` prints one short line a step (the installers' commands and output go to the log,
+    or to the terminal under V=1), and a failing install still shows its error and fails."""
+    made = _planted_setup(tmp_path, failing=False)
+    assert made.returncode == 0, made.stderr
+    lines = made.stdout.replace(str(tmp_path), "/tmp").splitlines()  # the test's long paths for a clone's .venv
+    assert 1 <= len(lines) <= 5 and all(len(line) <= 100 for line in lines), lines
+    assert any("torch==" in line for line in lines) and made.stderr == ""
+    failed = _planted_setup(tmp_path / "failing", failing=True)
+    assert failed.returncode != 0
+    assert "error: planted: no solution" in failed.stderr and "ERROR: planted pip failure" in failed.stderr
