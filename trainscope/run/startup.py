@@ -129,7 +129,7 @@ def open_run_folder(settings: Settings, state: PartialState, **facts) -> Startup
 # multi-process checks that way on a machine with one GPU, each code path on CUDA tensors, its speed not
 # representative (docs/gpu.md). Accelerate's PartialState keeps a backend it is given on CUDA (`_prepare_backend`:
 # the distributed type stays MULTI_GPU, so an FSDP config is still FSDP) and puts each process on
-# cuda:(local rank % GPUs present): with one GPU, all on cuda:0.
+# cuda:(local rank % GPUs present): with one GPU, all on cuda:0 (`share_device` makes its barriers and DDP say so).
 BACKEND_ENV = "TRAINSCOPE_DISTRIBUTED_BACKEND"
 BACKENDS = ("gloo", "nccl")
 
@@ -173,6 +173,7 @@ def open_process_group(settings: Settings, cpu: bool, environ=None) -> tuple[Par
     if "device_id" in options and environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "") in LAUNCHER_NCCL_ERROR_HANDLING:
         environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
     state = PartialState(cpu=cpu, **options)  # as Accelerator() reads it; the Accelerator reuses this group
+    shared = share_device(state)
     facts = {}
     if options:
         facts = {
@@ -181,8 +182,27 @@ def open_process_group(settings: Settings, cpu: bool, environ=None) -> tuple[Par
             "nccl_async_error_handling": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
             if "device_id" in options
             else None,
+            "shared_device": shared,
         }
     return state, facts
+
+
+def share_device(state: PartialState) -> dict | None:
+    """Where processes share a GPU, the state's local process index made the index of the GPU it runs on; returns
+    the launcher's local rank and that device, or None where each process has the GPU of its local rank.
+
+    Accelerate puts a process on cuda:(local rank % GPUs present) (`set_device`) but names cuda:<local rank> elsewhere:
+    every barrier (`wait_for_everyone` and `main_process_first` call `barrier(device_ids=[local_process_index])`,
+    where the process group allocates a tensor: an invalid device ordinal) and DDP's `device_ids` (whose inputs are
+    then copied to that device). With the index set once here, Accelerate's and torch's own code names the device
+    the process runs on. Each process sharing a GPU is then a local main process (`is_local_main_process`): the
+    once-per-machine writes it guards (the measured peak's cache) are atomic, and each prints its progress bar."""
+    device = state.device
+    if device is None or device.type != "cuda" or device.index in (None, state.local_process_index):
+        return None
+    local_rank = state.local_process_index
+    state.local_process_index = device.index  # the shared state: every PartialState, and the AcceleratorState after
+    return {"local_rank": local_rank, "device": str(device)}
 
 
 def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ=None) -> None:
