@@ -35,34 +35,13 @@ def train(settings: task.Settings) -> dict:
     if settings.predict:
         return task.predict.show(prediction, settings, started)
     task.announce(settings, started, len(data.train), prediction)  # a CPU and the whole corpus: says so, and how long
-    plan = task.plan_steps(settings, len(data.train), started.state.num_processes)
-    model, model_facts = task.build_model(settings, data.label_names, tokenizer)
-    accelerator = task.build_accelerator(settings, started)
-    train_loader, validation_loader, test_loader = task.build_dataloaders(
-        data, tokenizer, settings, **task.device_loader_options(settings, accelerator)
-    )
-    optimizer = task.build_optimizer(model, settings, accelerator.device)
-    model_facts.update(optimizer=task.optimizer_facts(optimizer), fsdp_wrap=task.fsdp_wrap_rule(model, accelerator))
-    if "unpad" in model_facts:  # how its dropout masks are drawn: built and checked here, before the first step
-        model_facts["unpad"]["dropout_draws"] = task.dropout_draws.status(accelerator.device)
-    # Accelerate steps a prepared scheduler once per process for every optimizer step.
-    scheduler = task.build_scheduler(
-        settings,
-        optimizer,
-        plan["optimizer_steps"] * accelerator.num_processes,
-        int(settings.warmup_fraction * plan["optimizer_steps"]) * accelerator.num_processes,
-    )
-    model_config = model.config  # before prepare() wraps it (DDP, FSDP, compile)
-    model, optimizer, train_loader, validation_loader, test_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, validation_loader, test_loader, scheduler
-    )
+    # The step plan, model, Accelerator, loaders, AdamW and its schedule, through accelerator.prepare (DDP, FSDP, ...)
+    training = task.build_training(settings, started, tokenizer, data)
+    accelerator, model, plan = training.accelerator, training.model, training.plan
     metric = task.load_metric()
     # The instrument (trainscope.Run, docs/instrument.md): stage clocks, memory, communication, the record, the
-    # endings (resume, checkpoints, signals), as any loop gets it.
-    run = trainscope.Run.from_started(
-        accelerator, model, optimizer, scheduler, started, plan, model_config, model_facts, data.record_facts(),
-        prediction,
-    )  # fmt: skip
+    # endings (resume, checkpoints, signals), as any loop gets it; the classifier's prediction and probes beside.
+    run = trainscope.Run.from_started(training.prepared, started, task.workload(training, settings, data, prediction))
 
     # ---------------------------------------------------------------- the timed loop
     # A Ctrl-C or SIGTERM stops the run where its state is whole: before a step's first batch (run.data), after its
@@ -70,27 +49,22 @@ def train(settings: task.Settings) -> dict:
     model.train()
     with run:  # interrupted, failed or complete: the record says which
         for epoch in range(run.epoch, plan["epochs"]):
-            for batch in run.data(train_loader, epoch):  # the wait for each batch: stage `data`
-                labels = batch.pop("labels")
-                with accelerator.accumulate(model):  # inside an accumulation window: no all-reduce, no step
-                    with run.stage("forward"):
-                        logits = model(**batch).logits
-                    with run.stage("backward"):
-                        loss = task.classification_loss(logits, labels)  # fp32 cross-entropy
-                        run.backward(loss)  # accelerator.backward; DDP's exposed communication stamped at its end
-                    with run.stage("optimizer"):
-                        if accelerator.sync_gradients and settings.max_grad_norm:
-                            accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
+            for batch in run.data(training.train_loader, epoch):  # the wait for each batch: stage `data`
+                # forward, loss + backward (DDP's exposed communication stamped at its end), clip, AdamW's step and
+                # the schedule's, each its stage; inside an accumulation window no all-reduce and no step
+                loss, _ = task.train_step(
+                    accelerator, model, batch, training.optimizer, training.scheduler, run.stage,
+                    settings.max_grad_norm, run.backward,
+                )  # fmt: skip
                 run.step(batch, loss)  # samples, tokens, FLOPs; at a step's end: step line, checkpoint, stop vote
             with run.evaluation():
-                run.evaluated(task.evaluate_split(model, validation_loader, accelerator, metric, run.between_batches))
+                run.evaluated(
+                    task.evaluate_split(model, training.validation_loader, accelerator, metric, run.between_batches)
+                )
             if run.done:
                 break
         with run.evaluation():
-            test_scores = task.evaluate_split(model, test_loader, accelerator, metric, run.between_batches)
+            test_scores = task.evaluate_split(model, training.test_loader, accelerator, metric, run.between_batches)
         # ---------------------------------------------------------------- summary
         return run.finish(test_scores)  # reads the last stop vote, gathers every rank, writes the record, the table
 

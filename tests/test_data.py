@@ -343,8 +343,8 @@ def test_evaluation_in_length_order_scores_as_the_given_order(tokenizer):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from trainscope.run.loop import evaluate_split, load_metric
     from trainscope.workload.modeling import build_model
+    from trainscope.workload.step import evaluate_split, load_metric
 
     # the pretrained MiniLM (with a random head): its predictions vary with the input, so the comparison means something
     flags = [

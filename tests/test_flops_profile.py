@@ -183,8 +183,12 @@ def test_a_lora_checkpointed_run_records_its_model_flops_and_what_the_hardware_e
     assert counted["trained_share"] == 0 and counted["adapter_weights"] > 0 and counted["recomputed"]
     training = flops.Training(counted["trained_share"], counted["adapter_weights"], counted["input_gradient"], True)
     shape = summary["timing"]["per_rank"][0]["counts"]["steady"]
+    # the layers walked as they train (trainscope.measure.trained_flops) give the encoder formula's coefficients,
+    # derived apart from them; the head adds its work once per sequence
     a, b = flops.flops_coefficients(2, 32, 64, training)["model"]  # embedded:tiny-bert
-    assert shape["flops"] == pytest.approx(a * shape["padded_tokens"] + b * shape["padded_squares"], rel=1e-6)
+    assert (counted["per_token"], counted["per_square"]) == (a, b) and counted["per_sample"] > 0
+    head = counted["per_sample"] * shape["samples"]
+    assert shape["flops"] == a * shape["padded_tokens"] + b * shape["padded_squares"] + head
     full = flops.flops_coefficients(2, 32, 64)["model"]
     assert shape["flops"] < full[0] * shape["padded_tokens"] + full[1] * shape["padded_squares"]
     measured = summary["measured_peak"]
@@ -318,7 +322,8 @@ def test_records_carry_flops_and_their_share_of_the_machines_measured_peak_not_a
     # the useful work beside it: the FLOPs on real tokens (each sequence's own length in the attention term), below
     # the padded count by no more than flops.padding_flops_share's bound from the token counts alone (Jensen)
     throughput = summary["throughput"]
-    assert throughput["real_flops"] == flops.real_training_flops(
+    head = summary["model_flops"]["per_sample"] * throughput["samples"]  # the classifier's, once per sequence
+    assert throughput["real_flops"] == head + flops.real_training_flops(
         (2, 32, 64), throughput["tokens"], throughput["squares"]
     )
     bound = flops.padding_flops_share(

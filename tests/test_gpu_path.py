@@ -1140,12 +1140,12 @@ def test_the_search_child_halves_from_its_start(monkeypatch, capsys):
     from accelerate.state import AcceleratorState
 
     from trainscope import experiments
-    from trainscope.run import loop
+    from trainscope.workload import step
 
     sizes = []
     out_of_memory = planted_out_of_memory(10, sizes)
     monkeypatch.setattr(
-        loop, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"]))
+        step, "train_step", lambda accelerator, model, batch, *rest: out_of_memory(len(batch["labels"]))
     )
     threads, environ = torch.get_num_threads(), dict(os.environ)
     try:
@@ -1571,10 +1571,10 @@ def test_a_compiled_runs_first_evaluation_is_warm_up_not_steady(monkeypatch):
     from types import SimpleNamespace
 
     from trainscope.measure.timing import HostClock, StageTimer
+    from trainscope.run import metrics as run_metrics
     from trainscope.run.metrics import RunMetrics
-    from trainscope.workload import modeling
 
-    monkeypatch.setattr(modeling, "compile_stats", lambda: {"graphs": 1, "compile_s": 0.0})
+    monkeypatch.setattr(run_metrics, "compile_stats", lambda: {"graphs": 1, "compile_s": 0.0})
     metrics = RunMetrics.__new__(RunMetrics)
     metrics.settings = SimpleNamespace(compile=True)
     metrics.timer = metrics.stage = StageTimer(HostClock(), torch.device("cpu"))

@@ -95,7 +95,7 @@ def test_the_causal_lm_records_tokens_and_formula_flops_in_one_process(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     record = read_record(tmp_path / "lm")
     summary, instrument = record["summary"], record["instrument"]
-    assert instrument["flops_basis"].startswith("formula: decoder-only")
+    assert instrument["flops_basis"].startswith("formula: the model's layers as they train (4 of 4 layers train; an LM")
     throughput = summary["throughput"]
     assert throughput["tokens"] == throughput["samples"] * 32 and throughput["tokens_per_s"] > 0
     assert throughput["padding_flops_share"] == 0.0  # packed blocks: every token real

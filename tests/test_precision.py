@@ -129,8 +129,9 @@ class TinyClassifier(torch.nn.Module):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fused):
-    """trainscope.run.loop.train_step (train.py's step) with Accelerate's AcceleratedOptimizer around AdamW and
-    a GradScaler: Accelerate patches the optimizer's step to learn whether GradScaler called it, and
+    """trainscope.workload.step.train_step (train.py's step) with Accelerate's AcceleratedOptimizer around AdamW and
+    a GradScaler, counted as trainscope.Run counts (trainscope.run.events): every synchronizing step a step, those the
+    scaler skipped apart. Accelerate patches the optimizer's step to learn whether GradScaler called it, and
     runs scaler.update() inside its own step. On CUDA, Accelerator(mixed_precision="fp16") builds the
     scaler itself; it makes none on a CPU, so a CPU GradScaler is handed to the Accelerator here. That
     a CUDA scaler and the fused CUDA kernel skip the same steps: not measured on GPU."""
@@ -138,7 +139,8 @@ def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fu
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.state import AcceleratorState
 
-    from trainscope.run.loop import train_step
+    from trainscope.run.events import LoopEvents
+    from trainscope.workload.step import train_step
 
     planted, steps = {1, 4}, 6
     try:
@@ -148,7 +150,7 @@ def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fu
         model = TinyClassifier()
         model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused))
         assert isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is accelerator.scaler
-        skips = precision.SkippedSteps(accelerator.scaler, accelerator.device)
+        events = LoopEvents(model, optimizer)
         step_now = {"step": 0}
 
         def plant_inf(grad):
@@ -171,13 +173,13 @@ def test_skipped_steps_are_counted_through_accelerates_patched_optimizer_step(fu
                 SimpleNamespace(step=lambda: None),
                 lambda stage: contextlib.nullcontext(),
                 max_grad_norm=None,
-                skips=skips,
             )
             updated.append(not torch.equal(before, model.linear.weight))
             accelerate_says_skipped.append(optimizer.step_was_skipped)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-    assert skips.total() == len(planted)
+    events.close()
+    assert events.skipped_total() == len(planted) and events.take() == steps
     assert updated == [step not in planted for step in range(steps)]  # the planted steps really were skipped
     # With the fused optimizer GradScaler always calls its step (the kernel skips the update itself), so
     # Accelerate's flag never turns; without fusing, GradScaler skips the call and the flag tells.

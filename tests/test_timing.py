@@ -16,7 +16,7 @@ from trainscope.measure.timing import (
     make_clock,
     stage_table,
 )
-from trainscope.run.loop import load_metric
+from trainscope.workload.step import load_metric
 
 # sleep() never undershoots; on a loaded 2-core machine it can overshoot by tens of milliseconds, so
 # delays are long and the upper bound is relative.
@@ -394,7 +394,7 @@ def test_a_second_process_evaluating_at_the_same_time_does_not_wait_for_the_firs
         [
             sys.executable,
             "-c",
-            "import time; from trainscope.run.loop import load_metric; m = load_metric(); "
+            "import time; from trainscope.workload.step import load_metric; m = load_metric(); "
             "m.add_batch(predictions=[0], references=[0]); print('holding', flush=True); time.sleep(30)",
         ],
         cwd=Path(__file__).parents[1],

@@ -223,10 +223,10 @@ def fail_loss_at_step(monkeypatch, step: int, error: Exception) -> None:
     session's cache), call it on fake ones."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    import trainscope.run.loop
+    import trainscope.workload.step
 
     calls = {"n": 0}
-    real = trainscope.run.loop.F.cross_entropy
+    real = trainscope.workload.step.F.cross_entropy
 
     def cross_entropy(*args, **kwargs):
         if not isinstance(args[0], FakeTensor):
@@ -235,7 +235,7 @@ def fail_loss_at_step(monkeypatch, step: int, error: Exception) -> None:
                 raise error
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainscope.run.loop.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(trainscope.workload.step.F, "cross_entropy", cross_entropy)
 
 
 def test_out_of_memory_names_the_batch_size_and_what_to_try(runs, monkeypatch):

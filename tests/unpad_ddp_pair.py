@@ -4,7 +4,7 @@ on two ranks forked from its process (conftest.run_in_forked_ranks); by hand:
     accelerate launch --config_file accelerate_configs/ddp.yaml tests/unpad_ddp_pair.py OUT [train.py flags]
 
 Both models built by trainscope.workload.modeling, each prepared by Accelerate (DDP over gloo on a CPU) and trained by
-trainscope.run.loop.train_step on the same per-rank batches from the same seeds. Rank 0 writes {"padded": [...],
+trainscope.workload.step.train_step on the same per-rank batches from the same seeds. Rank 0 writes {"padded": [...],
 "unpad": [...], "world_size": n}: the per-step losses averaged over ranks. The batches are the in-process tests' too."""
 
 import contextlib
@@ -18,8 +18,8 @@ from accelerate import Accelerator
 from trainscope.core.distributed import shut_down
 from trainscope.core.environment import usable_cores
 from trainscope.core.settings import parse_settings
-from trainscope.run.loop import train_step
 from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
+from trainscope.workload.step import train_step
 
 BATCH, LONGEST, STEPS = 8, 40, 5
 

@@ -1,30 +1,44 @@
 """train.py's workload, the pieces it is built from: a transformers sequence classifier (BERT/RoBERTa-like encoders,
-LoRA through peft) fine-tuned on a text classification dataset. train.py imports these and trainscope.Run only."""
+LoRA through peft) fine-tuned on a text classification dataset, its one training step and evaluation, and what it
+adds to trainscope.Run's record (the prediction and its check, the attention kernels, one layer probed at the run's
+shapes). train.py imports these and trainscope.Run only; the overhead benchmark's bare loop builds the same."""
+
+import contextlib
+import dataclasses
 
 from trainscope import predict
 from trainscope.core.settings import Settings, parse_settings, plan_steps
-from trainscope.run.loop import evaluate_split, load_metric
+from trainscope.instrument import Prepared, Workload
+from trainscope.measure import profiling
+from trainscope.run.extras import WorkloadExtras
 from trainscope.run.startup import build_accelerator, device_loader_options, start
-from trainscope.workload import dropout_draws
-from trainscope.workload.data import build_dataloaders, load_classification_data
+from trainscope.workload import dropout_draws, unpad
+from trainscope.workload.data import build_dataloaders, dropped_rows_lines, load_classification_data
 from trainscope.workload.modeling import (
+    attention_kernels,
     build_model,
     build_optimizer,
     build_scheduler,
     build_tokenizer,
     classification_loss,
+    dropout_facts,
     fsdp_wrap_rule,
     optimizer_facts,
 )
+from trainscope.workload.shapes import encoder_shape
+from trainscope.workload.step import evaluate_split, load_metric, train_step, unmeasured
 
 __all__ = [
+    "ClassifierExtras",
     "Settings",
+    "Training",
     "build_accelerator",
     "build_dataloaders",
     "build_model",
     "build_optimizer",
     "build_scheduler",
     "build_tokenizer",
+    "build_training",
     "classification_loss",
     "device_loader_options",
     "dropout_draws",
@@ -37,6 +51,8 @@ __all__ = [
     "plan_steps",
     "predict",
     "start",
+    "train_step",
+    "unmeasured",
 ]
 
 
@@ -54,3 +70,102 @@ def announce(settings: Settings, started, rows: int, prediction: dict | None) ->
         "--max-eval-samples 1000 --max-test-samples 2000",
         flush=True,
     )
+
+
+@dataclasses.dataclass
+class Training:
+    """The prepared pieces of train.py's run: what its loop, and the overhead benchmark's bare loop, train."""
+
+    accelerator: object
+    model: object
+    optimizer: object
+    scheduler: object
+    train_loader: object
+    validation_loader: object
+    test_loader: object
+    plan: dict
+    model_config: object  # taken before prepare() wraps the model (DDP, FSDP, compile)
+    model_facts: dict
+
+    @property
+    def prepared(self) -> Prepared:
+        return Prepared(self.accelerator, self.model, self.optimizer, self.scheduler)
+
+
+def build_training(settings: Settings, started, tokenizer, data) -> Training:
+    """The step plan, the model, the Accelerator, the loaders, AdamW and the schedule, prepared: train.py's set-up
+    after its data, shared with the bare loop it is measured against."""
+    plan = plan_steps(settings, len(data.train), started.state.num_processes)
+    model, model_facts = build_model(settings, data.label_names, tokenizer)
+    accelerator = build_accelerator(settings, started)
+    loaders = build_dataloaders(data, tokenizer, settings, **device_loader_options(settings, accelerator))
+    optimizer = build_optimizer(model, settings, accelerator.device)
+    model_facts.update(optimizer=optimizer_facts(optimizer), fsdp_wrap=fsdp_wrap_rule(model, accelerator))
+    if "unpad" in model_facts:  # how its dropout masks are drawn: built and checked here, before the first step
+        model_facts["unpad"]["dropout_draws"] = dropout_draws.status(accelerator.device)
+    # Accelerate steps a prepared scheduler once per process for every optimizer step.
+    steps, processes = plan["optimizer_steps"], accelerator.num_processes
+    scheduler = build_scheduler(
+        settings, optimizer, steps * processes, int(settings.warmup_fraction * steps) * processes
+    )
+    config = model.config
+    model, optimizer, *loaders, scheduler = accelerator.prepare(model, optimizer, *loaders, scheduler)
+    return Training(accelerator, model, optimizer, scheduler, *loaders, plan, config, model_facts)
+
+
+def workload(training: Training, settings: Settings, data, prediction: dict | None) -> Workload:
+    """What train.py's run tells trainscope.Run beyond its prepared objects."""
+    return Workload(
+        config=training.model_config,
+        plan=training.plan,
+        model_facts=training.model_facts,
+        data_facts=data.record_facts(),
+        extras=ClassifierExtras(prediction),
+    )
+
+
+class ClassifierExtras(WorkloadExtras):
+    """What train.py's classifier adds to the record: the prediction made before the run and its check, the
+    attention kernels torch picks for it, one encoder layer profiled at the run's shapes, the data's dropped rows."""
+
+    def __init__(self, prediction: dict | None):
+        self.prediction = prediction
+
+    def prediction_check(self, settings):
+        return predict.Check(self.prediction, settings)
+
+    def environment_facts(self, metrics, effective_precision: str) -> dict:
+        kernels = attention_kernels(
+            metrics.model_config, metrics.settings.attn_implementation, metrics.accelerator.device, effective_precision
+        )
+        return {"sdpa_kernels": kernels}
+
+    def layer_breakdown(self, metrics, batch: int, length: int, precision_name: str):
+        config, settings, device = metrics.model_config, metrics.settings, metrics.accelerator.device
+        shape = encoder_shape(config)
+        if shape is None:
+            return None
+        unpadded = settings.unpad
+        dropout = dropout_facts(config)
+        name = (
+            f"layer {config.model_type} {'x'.join(map(str, shape))} dropout {dropout['hidden']}/"
+            f"{dropout['attention']} {settings.attn_implementation} {precision_name} {batch}x{length}"
+            + (" unpad" if unpadded else "")
+        )
+
+        def measure():  # a padding-free layer probed on `batch` sequences of `length` real tokens
+            with (
+                unpad.probing(metrics.model, batch, length, device)
+                if unpadded
+                else contextlib.nullcontext((batch, length))
+            ) as (probe_batch, probe_length):
+                found = profiling.layer_breakdown(metrics.model, probe_batch, probe_length, precision_name, device)
+            return {**found, "batch": batch, "length": length, "unpad": unpadded} if found else found
+
+        return name, measure
+
+    def summarized(self, check, result: dict, settings, started) -> None:
+        predict.remember_communication(check, result, settings, started)
+
+    def announcements(self, data_facts: dict) -> list[str]:
+        return dropped_rows_lines(data_facts.get("dropped_rows") or {})

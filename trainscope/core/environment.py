@@ -204,3 +204,13 @@ def device_memory_gib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).total_memory / 1024**3
+
+
+def compile_stats() -> dict:
+    """torch.compile so far in this process: distinct graphs compiled and seconds spent compiling."""
+    import torch._dynamo.utils as dynamo_utils  # deferred: dynamo loads sympy; most runs compile nothing
+
+    return {
+        "graphs": int(dynamo_utils.counters["stats"]["unique_graphs"]),
+        "compile_s": float(dynamo_utils.calculate_time_spent().get("total_wall_time", 0.0)),
+    }

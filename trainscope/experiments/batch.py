@@ -223,13 +223,13 @@ def find_batch(args, train_args: list[str]) -> None:
     from trainscope import predict  # deferred: it loads transformers' models (through the predictor)
     from trainscope.core.settings import parse_settings  # deferred: it loads transformers
     from trainscope.run import startup  # deferred: it loads transformers' models
-    from trainscope.run.loop import train_step  # deferred: it loads transformers' models
     from trainscope.workload.modeling import (  # deferred: it loads transformers' models
         build_model,
         build_optimizer,
         build_scheduler,
         build_tokenizer,
     )
+    from trainscope.workload.step import train_step  # deferred: it loads transformers' models
 
     (settings,) = parse_settings(argv=train_args)
     startup.configure_process(settings)

@@ -1,10 +1,19 @@
-"""Where a run's model FLOPs come from: the formula of a model whose shape trainscope knows (a BERT-like encoder, a
-GPT-2 or Llama decoder: trainscope.measure.flops), a figure the user gives, or FlopCounterMode's count of the first
-micro-batch's forward and backward, scaled to later micro-batches by their tokens (or samples)."""
+"""Where a run's model FLOPs come from: the model's layers walked as they train (a transformer of a layout trainscope
+knows: trainscope.measure.trained_flops), a figure the user gives, or FlopCounterMode on the training micro-batches
+themselves, once per new input shape while the run warms up, other shapes from what was counted.
+
+How it works: docs/instrument.md#flops-of-the-model-as-it-trains.
+"""
 
 import torch
 
 from trainscope.measure import flops as formulas
+
+# FlopCounterMode's operators whose work grows with the square of a sequence's length (attention's batched matmuls and
+# fused kernels); the others (mm, addmm, convolutions) grow with its positions.
+SQUARE_OPERATORS = ("bmm", "baddbmm", "scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+# Shapes counted at most: beyond them, and after the warm-up steps, shapes are estimated from those counted.
+MAX_COUNTED_SHAPES = 8
 
 
 class NoFlops:
@@ -13,16 +22,68 @@ class NoFlops:
     def micro_batch(self, facts) -> int | None:
         return None
 
-    def real(self, tokens, squares) -> int | None:
+    def real(self, tokens, squares, samples=None) -> int | None:
         return None
 
-    @property
-    def counting(self) -> bool:
-        return False
+    def recomputed(self, padded_tokens: int, padded_squares: int) -> int:
+        return 0
+
+    def details(self) -> dict:
+        return {}
+
+    def forward_started(self, args, kwargs, counting_allowed: bool) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+class WalkedSource(NoFlops):
+    """A transformer whose layers were walked as they train (trainscope.measure.trained_flops.walk)."""
+
+    def __init__(self, walked, unpad: bool, recomputes: bool):
+        self.walked, self.unpad, self.recomputes = walked, unpad, recomputes
+        self.basis = (
+            f"formula: the model's layers as they train ({walked.describe()}; trainscope.measure.trained_flops)"
+        )
+
+    def micro_batch(self, facts) -> int | None:
+        if facts.shape is None:
+            return None
+        batch, length = facts.shape
+        walked = self.walked
+        if self.unpad and facts.mask is not None:  # the real tokens' work (the forward's index of them synced)
+            tokens = int(facts.mask.sum())
+            return walked.per_token * tokens + walked.per_square * batch * length**2 + walked.per_sample * batch
+        return walked.micro_batch(batch, length)  # from shapes: no sync
+
+    def real(self, tokens, squares, samples=None) -> int | None:
+        if not tokens:
+            return None
+        walked = self.walked
+        return walked.per_token * tokens + walked.per_square * (squares or 0) + walked.per_sample * (samples or 0)
+
+    def recomputed(self, padded_tokens: int, padded_squares: int) -> int:
+        if not self.recomputes:
+            return 0
+        per_token, per_square = self.walked.forward
+        return per_token * (padded_tokens or 0) + per_square * (padded_squares or 0)
+
+    def details(self) -> dict:
+        walked = self.walked
+        return {
+            "per_token": walked.per_token,
+            "per_square": walked.per_square,
+            "per_sample": walked.per_sample,
+            "head": walked.head,
+            "trained_layers": walked.trained_layers,
+            "layers": walked.layers,
+        }
 
 
 class EncoderFlops(NoFlops):
-    """BERT-like encoders (PaLM's formula, what trains read from the model: trainscope.measure.flops.training_of)."""
+    """BERT-like encoders whose layers could not be walked: PaLM's formula, what trains read from the model
+    (trainscope.measure.flops.training_of)."""
 
     basis = "formula: BERT-like encoder (PaLM appendix B, trainscope.measure.flops)"
 
@@ -45,30 +106,11 @@ class EncoderFlops(NoFlops):
             return int(round(a * int(facts.mask.sum()) + b * batch * length**2))  # as flops.padding_free_training_flops
         return int(round(a * batch * length + b * batch * length**2))  # from shapes, as flops.training_flops: no sync
 
-    def real(self, tokens, squares) -> int | None:
+    def real(self, tokens, squares, samples=None) -> int | None:
         return formulas.real_training_flops(self.shape, tokens, squares, self.training())
 
-
-class DecoderFlops(NoFlops):
-    """Decoder-only language models (GPT-2, Llama): every weight trained, the LM head counted."""
-
-    basis = "formula: decoder-only language model, all weights trained (trainscope.measure.flops)"
-
-    def __init__(self, config):
-        self.coefficients = formulas.causal_lm_flops_coefficients(config)
-
-    def micro_batch(self, facts) -> int | None:
-        if facts.shape is None:
-            return None
-        batch, length = facts.shape
-        a, b = self.coefficients
-        return int(round(a * batch * length + b * batch * length * length))
-
-    def real(self, tokens, squares) -> int | None:
-        if not tokens:
-            return None
-        a, b = self.coefficients
-        return int(round(a * tokens + b * (squares or 0)))
+    def recomputed(self, padded_tokens: int, padded_squares: int) -> int:
+        return formulas.recomputed_flops(self.config, padded_tokens, padded_squares, self.training()) or 0
 
 
 class GivenFlops(NoFlops):
@@ -86,48 +128,133 @@ class GivenFlops(NoFlops):
         return int(self.given * facts.samples)
 
 
-class CountedFlops(NoFlops):
-    """FlopCounterMode around the first micro-batch's forward and backward (a warm-up step: its time is in no steady
-    figure); later micro-batches are scaled by their tokens, or their samples where no tokens are counted. A model
-    whose attention is a large share of its work is off by the quadratic term at other lengths: the basis says so."""
+def shape_key(args: tuple, kwargs: dict) -> tuple | None:
+    """What a forward's FLOPs depend on: the shape of its `input_ids`, else of its first tensor argument."""
+    ids = kwargs.get("input_ids")
+    tensor = ids if isinstance(ids, torch.Tensor) else None
+    if tensor is None:
+        tensor = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    return tuple(tensor.shape) if tensor is not None and tensor.dim() else None
 
-    basis = "FlopCounterMode, first micro-batch's forward and backward, scaled by tokens (or samples)"
+
+def is_sequence(key: tuple | None) -> bool:
+    """A (batch, length) input: token positions, whose attention grows with the length's square."""
+    return key is not None and len(key) == 2
+
+
+class CountedFlops(NoFlops):
+    """FlopCounterMode around a training micro-batch's forward and backward (from the model's forward to the end of
+    its micro-batch: `run.backward`, the optimizer's step, `run.step` or the next forward, whichever comes first), once
+    per new input shape while counting is allowed (the warm-up steps; always the first). A shape not counted: for a
+    (batch, length) input, the counted positions' operators scaled by positions and attention's by positions x
+    length (with two lengths or more, positions' work fitted as per sample + per position); for any other input,
+    per sample from a count of the same trailing shape."""
 
     def __init__(self):
-        self.per_token = self.per_sample = None
-        self._counter = None
-        self._done = False
+        self.counted: dict[tuple, dict] = {}  # shape -> {"total", "square"} counted
+        self._counter, self._key = None, None
+        self._pending: int | None = None  # FLOPs of the micro-batch's forwards so far
+        self.estimated = 0  # micro-batches whose FLOPs came from the fit, not from a count of their shape
+        self.unknown = 0  # micro-batches with no estimate (no count of a comparable shape)
+        self._fit = None
 
-    @property
-    def counting(self) -> bool:
-        return not self._done
+    basis = (
+        "FlopCounterMode on the training micro-batches, once per new input shape during warm-up; other shapes "
+        "from those counted (positions' work by positions, attention's by positions x length)"
+    )
 
-    def begin(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
+    def forward_started(self, args, kwargs, counting_allowed: bool) -> None:
+        self.end()
+        key = shape_key(args, kwargs)
+        if key is None:
+            return
+        if (
+            key not in self.counted
+            and (counting_allowed or not self.counted)
+            and len(self.counted) < MAX_COUNTED_SHAPES
+        ):
+            from torch.utils.flop_counter import FlopCounterMode  # deferred: it loads torch's module tracker
 
-        if self._counter is None and not self._done:
-            self._counter = FlopCounterMode(display=False)
+            self._key, self._counter = key, FlopCounterMode(display=False)
             self._counter.__enter__()
+            return
+        value = self.estimate(key)
+        if value is None:
+            self.unknown += 1
+            return
+        self.estimated += key not in self.counted
+        self._pending = (self._pending or 0) + value
 
     def end(self) -> None:
-        if self._counter is not None:
-            self._counter.__exit__(None, None, None)
+        """Close a count still open: its micro-batch ended."""
+        if self._counter is None:
+            return
+        counter, self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        by_operator = counter.get_flop_counts().get("Global", {})
+        square = sum(v for op, v in by_operator.items() if any(name in str(op) for name in SQUARE_OPERATORS))
+        total = counter.get_total_flops()
+        self.counted[self._key] = {"total": int(total), "square": int(square)}
+        self._fit = None
+        self._pending = (self._pending or 0) + int(total)
+
+    def estimate(self, key: tuple) -> int | None:
+        found = self.counted.get(key)
+        if found is not None:
+            return found["total"]
+        batch = key[0]
+        if is_sequence(key):
+            fit = self._sequence_fit()
+            if fit is None:
+                return None
+            per_sample, per_position, per_square = fit
+            length = key[1]
+            return int(round(batch * (per_sample + per_position * length + per_square * length * length)))
+        same = [(k, v) for k, v in self.counted.items() if k[1:] == key[1:] and k[0]]
+        if not same:
+            return None
+        counted_key, value = same[-1]
+        return int(round(value["total"] * batch / counted_key[0]))
+
+    def _sequence_fit(self) -> tuple[float, float, float] | None:
+        """(per sample, per position, per position x length) from the counted (batch, length) shapes."""
+        if self._fit is not None:
+            return self._fit
+        points = [(k[0], k[1], v) for k, v in self.counted.items() if is_sequence(k) and k[0] and k[1]]
+        if not points:
+            return None
+        per_square = sum(v["square"] for _, _, v in points) / sum(b * t * t for b, t, _ in points)
+        lengths = [t for _, t, _ in points]
+        linear = [((v["total"] - v["square"]) / b, t) for b, t, v in points]  # per sample, at length t
+        if max(lengths) >= 2 * min(lengths):  # lengths far enough apart to tell per sample from per position
+            n = len(linear)
+            mean_t, mean_y = sum(t for _, t in linear) / n, sum(y for y, _ in linear) / n
+            spread = sum((t - mean_t) ** 2 for _, t in linear)
+            per_position = sum((t - mean_t) * (y - mean_y) for y, t in linear) / spread
+            per_sample = mean_y - per_position * mean_t
+        else:
+            per_sample, per_position = 0.0, sum(y for y, _ in linear) / sum(t for _, t in linear)
+        self._fit = (per_sample, per_position, per_square)
+        return self._fit
 
     def micro_batch(self, facts) -> int | None:
-        if self._counter is not None and not self._done:
-            total, self._counter, self._done = self._counter.get_total_flops(), None, True
-            if facts.tokens_known:
-                self.per_token = total / max(facts.positions, 1)
-            self.per_sample = total / max(facts.samples, 1)
-            return int(total)
-        if self.per_token is not None and facts.tokens_known:
-            return int(round(self.per_token * facts.positions))
-        if self.per_sample is not None:
-            return int(round(self.per_sample * facts.samples))
-        return None
+        self.end()
+        value, self._pending = self._pending, None
+        return value
 
-    def real(self, tokens, squares) -> int | None:
-        return int(round(self.per_token * tokens)) if self.per_token is not None and tokens else None
+    def real(self, tokens, squares, samples=None) -> int | None:
+        fit = self._sequence_fit()
+        if fit is None or not tokens:
+            return None
+        per_sample, per_position, per_square = fit
+        return int(round(per_sample * (samples or 0) + per_position * tokens + per_square * (squares or 0)))
+
+    def details(self) -> dict:
+        return {
+            "counted_shapes": [list(key) for key in self.counted],
+            "estimated_micro_batches": self.estimated,
+            "unestimated_micro_batches": self.unknown,
+        }
 
 
 class BatchFacts:
@@ -166,14 +293,18 @@ class BatchFacts:
         return self.tokens or 0
 
 
-def source_for(config, given=None, unpad: bool = False, training=None):
-    """The FLOPs source for a model of `config` (None for a model that is not a transformers one)."""
+def source_for(model, config, given=None, unpad: bool = False, training=None, recomputes: bool = False):
+    """The FLOPs source for `model` (unwrapped) of `config` (None for a model that is not a transformers one)."""
     if given == "count":
         return CountedFlops()
     if given is not None:
         return GivenFlops(given)
+    if config is not None and model is not None:
+        from trainscope.measure.trained_flops import walk  # deferred: it reads the layers' classes (torch)
+
+        walked = walk(model, config)
+        if walked is not None:
+            return WalkedSource(walked, unpad, recomputes)
     if formulas.encoder_shape(config) is not None:
         return EncoderFlops(config, unpad, training)
-    if formulas.decoder_shape(config) is not None:
-        return DecoderFlops(config)
     return CountedFlops()

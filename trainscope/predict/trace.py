@@ -457,7 +457,7 @@ def _training_trace(
 def trace_evaluation(
     build_model, input_names, batch: int, length: int, precision: str, device: torch.device, avoid: set = frozenset()
 ) -> Trace:
-    """One evaluation batch as trainscope.run.loop.evaluate_split runs it: forward without gradients in eval mode, the
+    """One evaluation batch as trainscope.workload.step.evaluate_split runs it: forward without gradients in eval mode, the
     per-sample loss and the argmax."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -11,6 +11,7 @@ import threading
 from dataclasses import asdict
 
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from trainscope.core import provenance
@@ -18,7 +19,7 @@ from trainscope.core.distributed import shut_down
 from trainscope.core.errors import Fault, one_line, report
 from trainscope.core.liveness import explain_collective_failure, lost_a_peer, root_cause
 from trainscope.core.records import RunRecord, now_iso, read_record
-from trainscope.measure import health
+from trainscope.measure import health, sharding
 from trainscope.run import checkpoints, trackers
 from trainscope.run.signals import (
     FINISHED_MARK,
@@ -33,7 +34,6 @@ from trainscope.run.signals import (
     vote_value,
 )
 from trainscope.run.table import table_lines
-from trainscope.workload.data import dropped_rows_lines
 
 # How long a watched peer may stay silent before the heartbeat thread writes the failure on its own. Longer
 # than a verdict's patience (a rank holding the GIL in a long C call misses beats), well inside the 30 s
@@ -70,6 +70,7 @@ class RunLifecycle:
         self.watch = started.watch
         self._verdicts = {}  # the peers' states, asked of the store when a collective failed
         self.metrics = None
+        self.sharding = None  # FSDP2's sharding and collectives (trainscope.measure.sharding)
         self.progress = None
         self.saved_step = None  # the step of the last checkpoint written (the same on every rank)
         self._noticed = False
@@ -93,6 +94,7 @@ class RunLifecycle:
         self.metrics = metrics
         resumed = checkpoints.load(self.accelerator, self.started.resume_from) if self.started.resume_from else None
         metrics.resume_from(resumed)
+        self.sharding = sharding.attach(metrics.model) if metrics.model is not None else None
         env = metrics.environment()
         names = trackers.trackers_for(self.settings.report_to)
         init_kwargs, tracker_facts = trackers.init_kwargs(
@@ -103,7 +105,7 @@ class RunLifecycle:
             self._prepare_forced_exit()
             for warning in health.check(self.record.data, at_start=True):
                 print(f"warning [{warning['code']}]: {warning['message']}", flush=True)
-            for line in dropped_rows_lines(data_facts.get("dropped_rows") or {}):
+            for line in metrics.extras.announcements(data_facts):
                 print(line, flush=True)
         if self.watch is not None:  # the main process watches every peer; the others watch the main process
             self.watch.watch(self._peer_lost, None if self.record else [0], silence_s=WATCH_SILENCE_S)
@@ -179,6 +181,12 @@ class RunLifecycle:
         if hasattr(loader, "set_epoch"):  # Accelerate's prepared loaders; a plain iterable has none
             loader.set_epoch(epoch)
         return iter(self.accelerator.skip_first_batches(loader, skip) if skip else loader)
+
+    def abandon(self) -> None:
+        """The run was never opened (its loop misused it first): the signal handlers back, the peers' watch ended,
+        nothing written."""
+        self.signals.restore()
+        self._stop_watch()
 
     # ---------------------------------------------------------------- the loop's boundaries
 
@@ -290,6 +298,8 @@ class RunLifecycle:
             raise Interrupted(self.signals.received)
         self._begin_ending()
         result, _ = self.metrics.summarize(test_scores)
+        if self.sharding is not None:  # every rank's (a collective)
+            result["fsdp"] = gather_object([self.sharding.facts()])
         if self.record:
             self._forget_a_failure_the_run_outlived()
             self.record.update(

@@ -1,53 +1,8 @@
-"""The training step every script shares (so a sweep measures exactly what train.py runs), the
-loop's counters, and evaluation."""
-
-import contextlib
-from pathlib import Path
+"""The loop's counters: where a run is and what it has counted, per phase, checkpointed for --resume."""
 
 import torch
-import torch.nn.functional as F
 
 from trainscope.measure.timing import PHASES
-from trainscope.workload.modeling import classification_loss
-
-METRIC_MODULE = str(Path(__file__).parents[1] / "workload" / "metrics" / "classification")
-
-
-def train_step(
-    accelerator, model, batch, optimizer, scheduler, stage, max_grad_norm: float | None, skips=None, communication=None
-):
-    """One micro-batch: forward, loss + backward, then clipping and the optimizer step when the
-    gradients synchronize (Accelerate skips the step inside an accumulation window).
-
-    `stage` is the timer (`with stage("forward"): ...`); `skips` a precision.SkippedSteps; `communication`
-    (trainscope.measure.communication.measured) stamps a synchronizing backward's end the moment `accelerator.backward`
-    returns, DDP's all-reduces done: the exposed communication of the step, measured on the step itself.
-    Returns (loss, labels), still on the device: reading the loss is left to log steps.
-    """
-    labels = batch.pop("labels")
-    with accelerator.accumulate(model):
-        with stage("forward"):
-            logits = model(**batch).logits
-        with stage("backward"):
-            loss = classification_loss(logits, labels)
-            with (
-                communication.backward(accelerator.sync_gradients)
-                if communication is not None
-                else contextlib.nullcontext()
-            ):
-                accelerator.backward(loss)
-        with stage("optimizer"):
-            if accelerator.sync_gradients and max_grad_norm:
-                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-            if skips is not None:
-                skips.before_step()
-            optimizer.step()
-            if skips is not None:
-                skips.after_step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), labels
-
 
 # micro-batches whose sequence lengths wait, at most, before they are summed on the device
 FOLD_EVERY = 64
@@ -110,16 +65,17 @@ class LoopState:
         attention mask (on the device: read at log steps), from its (batch, length) layout, or as given."""
         samples = facts.samples
         counts = self.counts[phase]
-        if facts.mask is not None:  # one device operation here; the sums when they are read (`_fold`)
+        if facts.tokens is not None:  # the loop's own count wins over what the batch shows
+            self.interval_host_tokens += facts.tokens
+            counts["tokens"] += facts.tokens
+        elif facts.mask is not None:  # one device operation here; the sums when they are read (`_fold`)
             self._lengths.append((phase, facts.mask.sum(-1)))
             if len(self._lengths) >= FOLD_EVERY:
                 self._fold()
-        elif facts.tokens_known:  # no padding: every position is a real token; or the user's count
-            tokens = facts.tokens if facts.tokens is not None else facts.positions
-            self.interval_host_tokens += tokens
-            counts["tokens"] += tokens
-            if facts.shape is not None:
-                counts["squares"] += facts.shape[0] * facts.shape[1] ** 2
+        elif facts.tokens_known:  # no padding: every position is a real token
+            self.interval_host_tokens += facts.positions
+            counts["tokens"] += facts.positions
+            counts["squares"] += facts.shape[0] * facts.shape[1] ** 2
         if facts.tokens_known:
             self.counts_tokens = True
         self.interval_losses.append(loss)
@@ -186,48 +142,3 @@ class LoopState:
             "skipped_steps": self.skipped_steps,
             "counts": self.counts,
         }
-
-
-def load_metric():
-    """Accuracy and macro-F1 through `evaluate`, from the module shipped in the package (offline), kept in memory:
-    its default cache file has one name for every process, so a second process (another rank, another run on the
-    machine) waited for the first one's file lock, a second per evaluated split charged to `eval`."""
-    import evaluate  # imported here: it pulls in transformers' pipelines, seconds a failed start need not pay
-
-    return evaluate.load(METRIC_MODULE, keep_in_memory=True)
-
-
-@torch.no_grad()
-def evaluate_split(model, loader, accelerator, metric, between_batches=None) -> dict:
-    """Accuracy, macro-F1 and mean loss over a whole split, gathered from every process, and the token
-    positions it processed (`positions`: real, padded, batch x length^2, samples; summed over ranks).
-    `between_batches` is called after every batch (a run's stop check)."""
-    model.eval()
-    loss_sum, count = torch.zeros((), device=accelerator.device), 0
-    real = torch.zeros((), dtype=torch.long, device=accelerator.device)  # read once, at the end
-    padded = squares = samples = 0  # from shapes: no sync
-    for batch in loader:
-        labels = batch.pop("labels")
-        mask = batch["attention_mask"]
-        real += mask.sum()
-        padded, squares, samples = (
-            padded + mask.numel(),
-            squares + mask.numel() * mask.shape[-1],
-            samples + mask.shape[0],
-        )
-        logits = model(**batch).logits
-        losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        predictions, references, losses = accelerator.gather_for_metrics((logits.argmax(-1), labels, losses))
-        metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
-        loss_sum += losses.sum()
-        count += losses.numel()
-        if between_batches is not None:
-            between_batches()
-    model.train()
-    local = torch.stack([real, *(torch.tensor(v, device=real.device) for v in (padded, squares, samples))])
-    tokens, padded, squares, samples = accelerator.reduce(local, reduction="sum").tolist()
-    return {
-        **metric.compute(),
-        "loss": loss_sum.item() / count,
-        "positions": {"tokens": tokens, "padded_tokens": padded, "padded_squares": squares, "samples": samples},
-    }

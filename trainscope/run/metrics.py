@@ -12,20 +12,21 @@ from dataclasses import asdict
 import torch
 from accelerate.utils import gather_object
 
-from trainscope import predict
 from trainscope.core import environment, precision
-from trainscope.core.precision import SkippedSteps, effective_precision
+from trainscope.core.environment import compile_stats
+from trainscope.core.precision import effective_precision
 from trainscope.core.records import now_iso
-from trainscope.measure import flops_source, gap, health, peak, profiling, summary
+from trainscope.measure import flops_source, gap, health, peak, summary
 from trainscope.measure.communication import block as communication_block
 from trainscope.measure.communication import measured as communication
-from trainscope.measure.flops import FULL, encoder_shape, mfu, recomputed_flops, training_of
+from trainscope.measure.flops import FULL, encoder_shape, mfu, training_of
 from trainscope.measure.flops_source import BatchFacts
 from trainscope.measure.memory import GIB, peak_rss_bytes
 from trainscope.measure.profiling import build_memory_snapshot, build_profiler
 from trainscope.measure.timing import PHASES, StageTimer, make_clock
+from trainscope.run.events import LoopEvents
+from trainscope.run.extras import WorkloadExtras
 from trainscope.run.loop import LoopState
-from trainscope.workload import modeling, unpad
 
 
 class NonFiniteLoss(RuntimeError):
@@ -40,7 +41,7 @@ class RunMetrics:
         plan: dict,
         model_config,
         scheduler=None,
-        prediction: dict | None = None,
+        extras: WorkloadExtras | None = None,
         flops=None,
         optimizer=None,
     ):
@@ -54,7 +55,6 @@ class RunMetrics:
         self.snapshot = build_memory_snapshot(self.settings, self.run_dir, device, rank)
         self.timer = StageTimer(clock, device, profiler_labels=self.profiler.enabled)
         self.stage = self.timer  # `with metrics.stage("forward"): ...`
-        self.skips = SkippedSteps(accelerator.scaler, device)
         self.loop = LoopState(device)
         self.communication = communication.NoCommunication()
         self.evaluation_positions = {"tokens": 0, "padded_tokens": 0, "padded_squares": 0, "samples": 0}
@@ -64,23 +64,44 @@ class RunMetrics:
         self._last_loss, self._graphs_after_first_step = None, None
         self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
         self._evaluated = False  # an evaluation ran (with --compile the first one compiles)
-        self.prediction = predict.Check(prediction, self.settings)  # the measured side of each predicted term
-        self.training = (
-            FULL  # what the step trains, for its model FLOPs (trainscope.measure.flops): read from the model
-        )
-        # where the model FLOPs come from: a formula, the user's figure, or FlopCounterMode once (trainscope.measure.flops_source)
-        self.flops = flops_source.source_for(model_config, flops, self.settings.unpad, lambda: self.training)
+        self.extras = extras or WorkloadExtras()
+        self.prediction = self.extras.prediction_check(self.settings)  # the measured side of each predicted term
+        self.training = FULL  # what the step trains (trainscope.measure.flops): read from the model at attach
+        self._given_flops = flops
+        self.flops = flops_source.NoFlops()  # where the model FLOPs come from: chosen at attach, from the model
+        self.events = LoopEvents(None, None)  # the loop's forwards and optimizer steps: hooked at attach
 
     # ---------------------------------------------------------------- before the loop
 
     def attach(self, model, optimizer=None) -> None:
-        """The communication measurement of the prepared model (a do-nothing one unless it is DDP), and the
-        prediction's check of the model and optimizer; the model is kept for the measurements at the run's shapes
-        after the loop (a copy of one layer is profiled, never the model)."""
+        """The FLOPs source of the model as it trains; the hooks that count the loop's optimizer steps and see its
+        forwards (trainscope.run.events); the communication measurement of the prepared model (a do-nothing one
+        unless it is DDP), and the prediction's check of the model and optimizer. The model is kept for the
+        measurements at the run's shapes after the loop (a copy of one layer is profiled, never the model)."""
         self.model = model
-        self.training = training_of(self.accelerator.unwrap_model(model), self.settings.gradient_checkpointing)
+        unwrapped = self.accelerator.unwrap_model(model)
+        # the loop's own activation checkpointing (transformers' gradient_checkpointing_enable) counts as the flag's
+        checkpointing = self.settings.gradient_checkpointing or bool(
+            getattr(unwrapped, "is_activation_checkpointing", False)
+        )
+        self.training = training_of(unwrapped, checkpointing)
+        self.flops = flops_source.source_for(
+            unwrapped, self.model_config, self._given_flops, self.settings.unpad, lambda: self.training, checkpointing
+        )
+        self.events = LoopEvents(model, optimizer)
+        self.events.forward_listeners.append(self._forward_started)
+        self.events.step_listeners.append(self.flops.end)
         self.communication = communication.build(self.settings, self.accelerator, model)
         self.prediction.attach(model, optimizer)
+
+    def _forward_started(self, args, kwargs) -> None:
+        """A training forward began: the FLOPs counter counts it if its shape is new and the run still warms up."""
+        self.flops.forward_started(args, kwargs, counting_allowed=self.timer.phase == "warmup")
+
+    def detach(self) -> None:
+        """The hooks off the model and the optimizer, a count still open closed: the run ended."""
+        self.flops.end()
+        self.events.close()
 
     def resume_from(self, resumed: dict | None) -> None:
         """Continue the counters and timing totals of a checkpointed part of the same run."""
@@ -98,9 +119,7 @@ class RunMetrics:
             **self.started.environment_facts(),
             "ddp": self.communication.settings_in_effect(),
             "machine_peak": self._machine_peak(),
-            "sdpa_kernels": modeling.attention_kernels(
-                self.model_config, self.settings.attn_implementation, self.accelerator.device, effective
-            ),
+            **self.extras.environment_facts(self, effective),
         }
         if self.accelerator.device.type == "cpu":
             self.env["cpu_bf16"] = precision.cpu_bf16(precision.cpu_flags(), self.env["machine_peak"])
@@ -132,8 +151,14 @@ class RunMetrics:
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps beside Accelerate's state: the loop's position and the timing so far."""
-        self.loop.skipped_steps = self._skipped_total()
+        self._fold_skips()
         return {**self.loop.checkpoint(), "timer": self.timer.state_dict()}
+
+    def _fold_skips(self) -> None:
+        """The device's count of skipped steps into the loop's (a sync point)."""
+        self.loop.skipped_steps = self._skipped_total()
+        if self.events.skips is not None:
+            self.events.skips.count.zero_()
 
     # ---------------------------------------------------------------- the loop
 
@@ -147,28 +172,32 @@ class RunMetrics:
 
     @property
     def done(self) -> bool:
+        """The run took its steps (the optimizer's steps, those it took since the loop's last call counted too)."""
         steps = self.plan["optimizer_steps"]
-        return steps is not None and self.loop.step >= steps
+        return steps is not None and self.loop.step + len(self.events.pending) >= steps
 
-    def micro_batch(self, batch, loss, samples: int | None = None, tokens: int | None = None) -> bool:
-        """Count one trained micro-batch (its samples and tokens read from the batch where not given); True when it
-        completed an optimizer step."""
-        phase = self.timer.phase
+    def micro_batch(self, batch, loss, samples: int | None = None, tokens: int | None = None) -> None:
+        """Count one trained micro-batch: its samples and tokens (read from the batch where not given), its FLOPs."""
         facts = BatchFacts(batch, samples, tokens)
-        self.loop.add_micro_batch(phase, loss, facts, self.flops.micro_batch(facts))
+        self.loop.add_micro_batch(self.timer.phase, loss, facts, self.flops.micro_batch(facts))
         self.prediction.micro_batch_done(batch, self.accelerator.sync_gradients)
-        if not self.accelerator.sync_gradients:
-            return False
+
+    def end_step(self) -> None:
+        """One optimizer step ended: the step's counters, the profiler's and the memory snapshot's windows, the next
+        step's phase."""
+        phase = self.timer.phase
         self.loop.end_step(phase)
         step = self.loop.step
         self.profiler.step()
         self.communication.step_ended(step, phase, paused=self.timer.paused)
         self.snapshot.step_finished(step)  # takes the snapshot at the end of its window (phase `snapshot`)
         if step == 1 and self.settings.compile:
-            self._graphs_after_first_step = modeling.compile_stats()["graphs"]
+            self._graphs_after_first_step = compile_stats()["graphs"]
         self.timer.set_phase(self._phase_for(step + 1))
         self.timer.set_memory_sampling(self._samples_memory(step + 1))
-        return True
+
+    def _skipped_total(self) -> int:
+        return self.loop.skipped_steps + self.events.skipped_total()  # a sync point: log steps and checkpoints only
 
     def _phase_for(self, step: int) -> str:
         """warmup for the first --timing-warmup-steps, snapshot while a memory snapshot records, else steady."""
@@ -182,9 +211,6 @@ class RunMetrics:
     @property
     def log_due(self) -> bool:
         return self.loop.step % self.settings.log_every == 0 or self.done
-
-    def _skipped_total(self) -> int:
-        return self.loop.skipped_steps + self.skips.total()  # a sync point: log steps and checkpoints only
 
     def step_line(self) -> dict:
         """One step line: mean loss over the interval and all ranks; this rank's stage seconds and TFLOP/s, all
@@ -232,7 +258,7 @@ class RunMetrics:
         """The `eval` stage; with --compile, graphs compiled in it (eval mode) are told apart from recompiles, and the
         first evaluation, which compiles the eval graphs (24.5 s on an H200 against 45 ms steps), is timed in the
         warm-up phase with the first steps' compile: never in the steady figures."""
-        before = modeling.compile_stats()["graphs"] if self.settings.compile else 0
+        before = compile_stats()["graphs"] if self.settings.compile else 0
         compiling = self.settings.compile and not self._evaluated
         phase = self.timer.phase
         if compiling:
@@ -243,7 +269,7 @@ class RunMetrics:
             self.timer.set_phase(phase)
         self._evaluated = True
         if self.settings.compile:
-            self._evaluation_graphs += modeling.compile_stats()["graphs"] - before
+            self._evaluation_graphs += compile_stats()["graphs"] - before
 
     def evaluated(self, scores: dict) -> dict:
         """Fold an evaluation's token positions into the run's and return its scores."""
@@ -265,7 +291,8 @@ class RunMetrics:
             self.timer.stop()
         snapshot = self.snapshot.finish(self.loop.step)  # written now, outside the timed steps
         self.loop.finish()
-        self.loop.skipped_steps = self._skipped_total() if gather else self.loop.skipped_steps
+        if gather:
+            self._fold_skips()
         if gather and not partial:  # every rank at once, after the timed loop: outside every timed figure
             self.run_shapes = self._measure_run_shapes()
         mine = self._rank_summary(final=gather and not partial)
@@ -275,7 +302,7 @@ class RunMetrics:
         if partial:
             result.update(partial=True, ranks_summarized=[r["rank"] for r in per_rank])
         else:
-            predict.remember_communication(self.prediction.block, result, self.settings, self.started)
+            self.extras.summarized(self.prediction.block, result, self.settings, self.started)
         warnings = health.check(
             {
                 "settings": asdict(self.settings),
@@ -352,13 +379,10 @@ class RunMetrics:
         adapters, whether the first layer's input gets a gradient; and what activation checkpointing recomputed,
         per device and second, which the model FLOPs leave out (as PaLM's MFU)."""
         wall = throughput.get("train_wall_s") or 0.0
-        recomputed = recomputed_flops(
-            self.model_config,
-            throughput.get("padded_tokens") or 0,
-            throughput.get("padded_squares") or 0,
-            self.training,
-        )
+        recomputed = self.flops.recomputed(throughput.get("padded_tokens") or 0, throughput.get("padded_squares") or 0)
         return {
+            "basis": self.flops.basis,
+            **self.flops.details(),
             "trained_share": self.training.trained_share,
             "adapter_weights": self.training.adapter_weights,
             "input_gradient": self.training.input_gradient,
@@ -377,31 +401,18 @@ class RunMetrics:
         device, processes = self.accelerator.device, self.started.threads["local_processes"]
         if not shape or not counts["samples"] or precision_name not in peak.precisions(device):
             return None
-        batch, unpadded = self.settings.per_device_batch_size, self.settings.unpad
-        # the mean padded length (the mean real length with --unpad: the matmuls' rows), up to a multiple of 8 (later
-        # runs of similar data hit the cache)
+        # the loop's own mean micro-batch and mean padded length (the mean real length with --unpad: the matmuls'
+        # rows), the length up to a multiple of 8 (later runs of similar data hit the cache)
+        batch = max(1, round(counts["samples"] / max(counts["micro_batches"], 1)))
+        unpadded = self.settings.unpad
         length = -(-counts["tokens" if unpadded else "padded_tokens"] // counts["samples"] // 8) * 8 or 8
         shapes, doubled = (peak.transformer_shapes(*shape, tokens) for tokens in (batch * length, 2 * batch * length))
         store = self.accelerator.is_local_main_process
-        dropout = modeling.dropout_facts(self.model_config)
-        name = (
-            f"layer {self.model_config.model_type} {'x'.join(map(str, shape))} dropout {dropout['hidden']}/"
-            f"{dropout['attention']} {self.settings.attn_implementation} {precision_name} {batch}x{length}"
-            + (" unpad" if unpadded else "")
-        )
-
-        def layer_breakdown():  # a padding-free layer probed on `batch` sequences of `length` real tokens
-            with (
-                unpad.probing(self.model, batch, length, device)
-                if unpadded
-                else contextlib.nullcontext((batch, length))
-            ) as (probe_batch, probe_length):
-                found = profiling.layer_breakdown(self.model, probe_batch, probe_length, precision_name, device)
-            return {**found, "batch": batch, "length": length, "unpad": unpadded} if found else found
+        probe = self.extras.layer_breakdown(self, batch, length, precision_name)
 
         try:
             found = peak.rates(device, precision_name, shapes + doubled, processes=processes, store=store)
-            layer = peak.cached(device, name, layer_breakdown, processes=processes, store=store)
+            layer = peak.cached(device, probe[0], probe[1], processes=processes, store=store) if probe else None
         except (RuntimeError, torch.OutOfMemoryError):
             return None
         rate = {
@@ -414,7 +425,7 @@ class RunMetrics:
     def _compile_summary(self) -> dict | None:
         if not self.settings.compile:
             return None
-        stats = modeling.compile_stats()
+        stats = compile_stats()
         first = self._graphs_after_first_step
         return {
             "dynamic": not self.settings.pad_to_max_length,
@@ -430,7 +441,7 @@ def real_token_throughput(throughput: dict, source, ranks: int) -> dict:
     """The useful work beside the work done: training FLOPs on real tokens only (trainscope.measure.flops.real_training_flops)
     per device per second, and the share of the counted FLOPs that went to padding positions (all of padding's with
     padded layers; attention's on the padded layout with --unpad). None where the model's shape is unknown."""
-    real = source.real(throughput.get("tokens"), throughput.get("squares"))
+    real = source.real(throughput.get("tokens"), throughput.get("squares"), throughput.get("samples"))
     wall, counted = throughput.get("train_wall_s"), throughput.get("flops")
     return {
         "real_flops": real,

@@ -3,7 +3,8 @@ MFU and the share of the measured peak, memory, device time, scores, communicati
 profile's top operators and the warnings, each with its fix. Read from the record alone (RunView).
 """
 
-from trainscope import predict
+import math
+
 from trainscope.core.record_view import RunView
 from trainscope.measure import health, profiling
 from trainscope.measure.communication import block as communication_block
@@ -22,14 +23,16 @@ def table_lines(record: dict, run_dir) -> list[str]:
             f"{stage:<10} {seconds['median']:>9.2f} {share['median']:>7.1%}"
             + (f"  max {seconds['max']:.2f}s" if several else "")
         )
-    rows.append(f"{'wall':<10} {run['wall_s']['median']:>9.2f}")
+    rows.append(f"{'wall':<10} {run['wall_s']['median']:>9.2f}  (the whole run: warm-up and evaluation included)")
     peak_memory, kind = view.peak_memory
     threads, test = view.threads, view.test
+    tokens = view.tokens_per_s
     rows += [
-        f"throughput {view.samples_per_s or 0:.1f} samples/s, {view.tokens_per_s or 0:.0f} tokens/s "
-        f"({view.env['world_size']} x {view.device_name}, {view.precision}, timing: {view.env['timing_mode']}, "
-        f"{threads['torch_threads']} threads per process ({threads['threads_source']}))",
-        f"model FLOPs {view.throughput.get('tflops_per_device') or 0:.3f} TFLOP/s per device"
+        f"throughput {significant(view.samples_per_s)} samples/s, "
+        f"{significant(tokens) + ' tokens/s' if tokens else 'tokens/s n/a (no token counts)'} over "
+        f"{throughput_window(view)} ({view.env['world_size']} x {view.device_name}, {view.precision}, timing: "
+        f"{view.env['timing_mode']}, {threads['torch_threads']} threads per process ({threads['threads_source']}))",
+        f"model FLOPs {flops_rate(view.throughput.get('tflops_per_device'))} per device"
         + (f", MFU {view.mfu:.1%} of the datasheet peak" if view.mfu is not None else "")
         + real_tokens_clause(view),
         peak_line(view),
@@ -44,7 +47,7 @@ def table_lines(record: dict, run_dir) -> list[str]:
         )
     rows += [
         *communication_block.table_lines(view.communication),
-        *predict.error_lines(view.prediction_error),
+        *prediction_lines(view.prediction_error),
         f"record: {run_dir / 'record.json'}",
     ]
     if view.profile:
@@ -58,6 +61,49 @@ def table_lines(record: dict, run_dir) -> list[str]:
         ]
     rows += [warning_line(w) for w in view.warnings]
     return rows
+
+
+def significant(value: float | None, digits: int = 3) -> str:
+    """A figure with `digits` significant digits (no trailing zeros lost to a fixed format: 0.000123, 7693), 'n/a'
+    for none."""
+    if value is None:
+        return "n/a"
+    if value == 0:
+        return "0"
+    magnitude = math.floor(math.log10(abs(value)))
+    if magnitude < -4:
+        return f"{value:.{digits - 1}e}"
+    return f"{value:,.{max(0, digits - 1 - magnitude)}f}"
+
+
+def flops_rate(tflops: float | None) -> str:
+    """Model FLOP/s in the unit that keeps three significant digits readable: 'n/a' where none were counted."""
+    if tflops is None:
+        return "n/a (none counted)"
+    for unit, scale in (("TFLOP/s", 1.0), ("GFLOP/s", 1e3), ("MFLOP/s", 1e6), ("kFLOP/s", 1e9)):
+        if tflops * scale >= 1 or unit == "kFLOP/s":
+            return f"{significant(tflops * scale)} {unit}"
+    return "n/a"
+
+
+def throughput_window(view: RunView) -> str:
+    """What samples/s covers: the steady steps after the warm-up, evaluation left out."""
+    throughput, summary = view.throughput, view.summary
+    steps, warmup = throughput.get("optimizer_steps"), summary.get("timing", {}).get("warmup_steps") or 0
+    if warmup and steps == summary.get("optimizer_steps"):
+        window = f"its {steps} warm-up steps (no steady step)"
+    else:
+        window = f"{steps} steady steps after {warmup} warm-up" if warmup else f"{steps} steps"
+    return f"{window} ({significant(throughput.get('train_wall_s'))} s, evaluation excluded)"
+
+
+def prediction_lines(errors) -> list[str]:
+    """The prediction's errors (train.py's runs only: a plain loop's record has none)."""
+    if not errors:
+        return []
+    from trainscope import predict  # deferred: the predictor loads transformers' models; a plain loop's has none
+
+    return predict.error_lines(errors)
 
 
 def warning_line(warning: dict) -> str:

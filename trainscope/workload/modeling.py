@@ -394,16 +394,6 @@ def optimizer_facts(optimizer) -> dict:
     }
 
 
-def compile_stats() -> dict:
-    """torch.compile so far in this process: distinct graphs compiled and seconds spent compiling."""
-    import torch._dynamo.utils as dynamo_utils
-
-    return {
-        "graphs": int(dynamo_utils.counters["stats"]["unique_graphs"]),
-        "compile_s": float(dynamo_utils.calculate_time_spent().get("total_wall_time", 0.0)),
-    }
-
-
 def fsdp_wrap_rule(model, accelerator) -> list[str] | None:
     """In FSDP runs, the layer classes sharded one by one (None in other runs): the ones the config names
     (fsdp_transformer_layer_cls_to_wrap), else the model's repeated block.

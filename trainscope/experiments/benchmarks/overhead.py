@@ -77,13 +77,17 @@ def bare_loop(argv: list[str]) -> None:
     """train.py's run without its instruments (see the module's docstring: what both arms share, what only train.py
     does); prints the steady window's training samples/s, samples and optimizer steps as JSON."""
     from trainscope.run import startup  # deferred: it loads transformers' models
-    from trainscope.run.loop import evaluate_split, load_metric, train_step  # deferred: it loads transformers' models
     from trainscope.workload.data import build_dataloaders, load_classification_data  # deferred: it loads datasets
     from trainscope.workload.modeling import (  # deferred: it loads transformers' models
         build_model,
         build_optimizer,
         build_scheduler,
         build_tokenizer,
+    )
+    from trainscope.workload.step import (  # deferred: it loads transformers' models
+        evaluate_split,
+        load_metric,
+        train_step,
     )
 
     (settings,) = parse_settings(argv=argv)
@@ -341,7 +345,7 @@ def markdown(report: dict) -> list[str]:
         f"{', '.join(map(str, report['threads']))}; verdicts: {bench.METHOD}.",
         "",
         "The bare loop is train.py's run less its instruments: the same start-up, builders, loaders (padding, "
-        "pinning, sampler), optimizer, scheduler, step (trainscope.run.loop.train_step: accumulation, clipping, fp32 loss) "
+        "pinning, sampler), optimizer, scheduler, step (trainscope.workload.step.train_step: accumulation, clipping, fp32 loss) "
         "and evaluations; both time the steps after the warm-up steps, evaluation taken out.",
         "",
         *table.markdown_lines(),

@@ -188,7 +188,7 @@ class InTraining:
 
     def measure(self, loader, steps) -> dict:
         """The data stage's share of `steps` steady training steps fed by `loader` (after 2 untimed ones)."""
-        from trainscope.run.loop import train_step  # deferred: it loads transformers' models
+        from trainscope.workload.step import train_step  # deferred: it loads transformers' models
 
         loader = self.accelerator.prepare(loader)
         clock, _ = make_clock("sync", self.accelerator.device)
