@@ -120,6 +120,11 @@ def test_fsdp_yaml_trains_as_fsdp2_over_gloo_on_cpu_processes_where_asked(config
     env = record["environment"]
     assert env["distributed_type"] == "FSDP" and env["backend"] == "gloo" and env["cpu_fallback"]["fsdp_on_cpu"]
     assert record["model"]["fsdp_wrap"] == ["BertLayer"]  # the layer, not the embeddings _no_split_modules names
+    # each rank's sharding as the prepared model holds it, and FSDP2's collectives counted where it issues them
+    ranks = record["summary"]["fsdp"]
+    assert len(ranks) == 2 and all(rank["sharded_modules"]["BertLayer"] == 2 for rank in ranks)
+    assert all(abs(rank["local_parameters"] / rank["parameters"] - 1 / 2) < 0.05 for rank in ranks)
+    assert all(min(rank["collectives"].values()) > 0 for rank in ranks)
     (warning,) = [w for w in record["warnings"] if w["code"] == "ran_on_cpu"]
     assert "it ran as FSDP2 over gloo on the CPU" in warning["message"]
     losses = [line["loss"] for line in read_steps(run_dir)]
