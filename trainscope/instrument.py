@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 
 from trainscope.core.errors import UserError
-from trainscope.core.settings import Settings
+from trainscope.core.settings import LOOP_DATASET, Settings
 from trainscope.run import startup
 from trainscope.run.lifecycle import RunLifecycle
 from trainscope.run.metrics import RunMetrics
@@ -75,7 +75,7 @@ def _settings(accelerator, model_name: str, name: str | None, output_dir: str, o
         raise TypeError(f"trainscope.Run got unknown option(s) {', '.join(unknown)}; it takes {', '.join(OPTIONS)}")
     settings = Settings(
         model=model_name,
-        dataset="loop",
+        dataset=LOOP_DATASET,
         run_name=name,
         output_dir=str(output_dir),
         threads=options.pop("threads", "launcher"),  # the loop's own threads, measured as they are

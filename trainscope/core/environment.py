@@ -35,8 +35,16 @@ def refuse_independent_runs(num_processes: int, environ=None) -> None:
         raise UserError(
             f"{launched} processes were launched but Accelerate set up {launched} independent single-process "
             "runs (no process group); on a CPU use: ACCELERATE_USE_CPU=1 accelerate launch --config_file "
-            "accelerate_configs/ddp.yaml train.py"
+            f"accelerate_configs/ddp.yaml {script_name()}"
         )
+
+
+def script_name() -> str:
+    """The script this process runs, as its user launched it (train.py, or their own)."""
+    import sys
+
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    return script.rsplit("/", 1)[-1] if script.endswith(".py") else "your_script.py"
 
 
 def accelerator_available() -> bool:

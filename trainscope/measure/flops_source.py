@@ -258,7 +258,8 @@ class CountedFlops(NoFlops):
 
 
 class BatchFacts:
-    """What a micro-batch says of itself: its samples, its attention mask, its (batch, length) layout."""
+    """What a micro-batch says of itself: its samples, its attention mask, its (batch, length) layout (a dict's
+    input_ids or attention_mask, or a tuple's first tensor where it holds integers in two dimensions: token ids)."""
 
     __slots__ = ("batch", "samples", "mask", "shape", "tokens")
 
@@ -275,6 +276,8 @@ class BatchFacts:
             first = ids if ids is not None else next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
         elif isinstance(batch, (tuple, list)):
             first = next((v for v in batch if isinstance(v, torch.Tensor)), None)
+            if first is not None and first.dim() == 2 and not first.is_floating_point():
+                self.shape = tuple(first.shape)  # token ids (nanoGPT's X): every position a real token
         if samples is None:
             samples = int(first.shape[0]) if first is not None and first.dim() else 1
         self.samples = samples

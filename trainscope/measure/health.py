@@ -34,14 +34,21 @@ class Check:
     fix: str
     flags: tuple[str, ...] = ()
     at_start: bool = False  # decided by the settings and the environment alone
+    loop_fix: str | None = None  # the fix in a loop's own terms (trainscope.Run), where `fix` names train.py's
+
+    def fix_for(self, view: RunView) -> str:
+        """The fix, worded for whoever ran the run: train.py's flags, or the changes to make in one's own loop."""
+        return self.loop_fix if view.own_loop and self.loop_fix else self.fix
 
 
 REGISTRY: dict[str, Check] = {}
 
 
-def register(code: str, meaning: str, fix: str, flags: tuple[str, ...] = (), at_start: bool = False):
+def register(
+    code: str, meaning: str, fix: str, flags: tuple[str, ...] = (), at_start: bool = False, loop_fix: str | None = None
+):
     def add(condition):
-        REGISTRY[code] = Check(code, meaning, condition, fix, tuple(flags), at_start)
+        REGISTRY[code] = Check(code, meaning, condition, fix, tuple(flags), at_start, loop_fix)
         return condition
 
     return add
@@ -86,13 +93,15 @@ def _threads_where(t: dict) -> str:
     "give each process its share of the cores",
     ("--threads", "auto"),
     at_start=True,
+    loop_fix="give each process its share of the cores: torch.set_num_threads(<budget>) in the loop, or "
+    "trainscope.Run(..., threads='auto')",
 )
 def _threads_below(view: RunView):
     t = view.threads
     if t and t["torch_threads"] < t["thread_budget"]:
         return (
             f"{_threads_where(t)}: the run used less CPU than it could, so its speed understates the machine "
-            "(--threads auto sets the budget)"
+            f"({view.option('threads', 'auto')} sets the budget)"
         )
 
 
@@ -102,6 +111,8 @@ def _threads_below(view: RunView):
     "stop the processes oversubscribing the cores",
     ("--threads", "auto"),
     at_start=True,
+    loop_fix="stop the processes oversubscribing the cores: torch.set_num_threads(<budget>) in the loop, or "
+    "trainscope.Run(..., threads='auto')",
 )
 def _threads_above(view: RunView):
     t = view.threads
@@ -136,12 +147,13 @@ def _ran_on_cpu(view: RunView):
     "the profiler was on while stages were timed",
     "time without --profile (profile in a separate run)",
     at_start=True,
+    loop_fix="time without profile=True (profile in a separate run)",
 )
 def _profiler(view: RunView):
     if view.setting("profile"):
         return (
-            "--profile traced steps while stages were timed: the traced steps are slower; take stage shares "
-            "from a run without --profile"
+            f"{view.option('profile')} traced steps while stages were timed: the traced steps are slower; take stage "
+            "shares from a run without it"
         )
 
 
@@ -150,11 +162,12 @@ def _profiler(view: RunView):
     "the CUDA allocator history was recorded for a window of steps",
     "take speed figures from a run without --memory-snapshot",
     at_start=True,
+    loop_fix="take speed figures from a run without memory_snapshot=True",
 )
 def _memory_snapshot(view: RunView):
     if view.setting("memory_snapshot") and view.on_cuda:
         return (
-            "--memory-snapshot recorded the allocator history over a window of steps, which slows them: "
+            f"{view.option('memory_snapshot')} recorded the allocator history over a window of steps, which slows them: "
             "those steps are kept out of the steady figures (phase `snapshot`), but compare speed from a run "
             "without it"
         )
@@ -180,6 +193,7 @@ def _bf16_emulated(view: RunView):
     "bf16 on a CPU whose bf16 matmuls measured no faster than fp32",
     "train in fp32 on this CPU (accelerate_configs/cpu.yaml): its bf16 matmuls are not faster",
     at_start=True,
+    loop_fix="train in fp32 on this CPU (launch without mixed precision): its bf16 matmuls are not faster",
 )
 def _bf16_not_faster(view: RunView):
     bf16 = view.cpu_bf16
@@ -215,10 +229,13 @@ def _fp16_unavailable(view: RunView):
     "ask for TF32 explicitly, or keep true fp32: an implicit TF32 figure is mislabeled",
     ("--tf32",),
     at_start=True,
+    loop_fix="set torch.backends.cuda.matmul.allow_tf32 yourself (True, and call the figures TF32, or False for "
+    "true fp32): an implicit TF32 figure is mislabeled",
 )
 def _tf32(view: RunView):
     if view.tf32_in_effect and not view.setting("tf32"):
-        return "TF32 matmuls were in effect although --tf32 was not given: an 'fp32' figure is a TF32 figure"
+        asked = "the loop did not ask for it" if view.own_loop else "--tf32 was not given"
+        return f"TF32 matmuls were in effect although {asked}: an 'fp32' figure is a TF32 figure"
 
 
 @register(
@@ -226,6 +243,8 @@ def _tf32(view: RunView):
     "bf16 on a GPU without native bf16 (compute capability below 8.0): emulated and slow",
     "use fp16 on this GPU (accelerate_configs/fp16.yaml); measure bf16 on an Ampere or later GPU",
     at_start=True,
+    loop_fix="use fp16 on this GPU (mixed_precision fp16 in the Accelerate config); measure bf16 on an Ampere or "
+    "later GPU",
 )
 def _gpu_bf16_emulated(view: RunView):
     if view.precision == "bf16" and view.on_cuda and view.env.get("gpu_native_bf16") is False:
@@ -257,10 +276,14 @@ def _tf32_unsupported(view: RunView):
     "sample per-stage memory every 10 steps",
     ("--memory-every", "10"),
     at_start=True,
+    loop_fix="sample per-stage memory every 10 steps (memory_every=10)",
 )
 def _memory_statistics(view: RunView):
     if view.on_cuda and view.setting("memory_every") == 1:
-        return "--memory-every 1 reads the allocator at every stage boundary: a few percent of step time on fast GPUs"
+        return (
+            f"{view.option('memory_every', 1)} reads the allocator at every stage boundary: a few percent of step "
+            "time on fast GPUs"
+        )
 
 
 @register(
@@ -282,6 +305,7 @@ def _sequence_length(view: RunView):
     "--resume passed over checkpoints it could not read and continued from an older one",
     "keep --output-dir on a disk with room, and let saves finish (a killed or failed save is never used)",
     at_start=True,
+    loop_fix="keep output_dir on a disk with room, and let saves finish (a killed or failed save is never used)",
 )
 def _checkpoint_skipped(view: RunView):
     skipped = view.checkpoints_skipped
@@ -332,13 +356,15 @@ def _tuned_elsewhere(view: RunView):
     "torch.compile recompiled during the run",
     "give torch.compile one input shape",
     ("--pad-to-max-length",),
+    loop_fix="give torch.compile one input shape (pad every batch to one length, or mark the length dynamic)",
 )
 def _compile(view: RunView):
     recompiles = (view.compile or {}).get("recompiles") or 0
     if recompiles > 0:
+        how = "padding every batch to one length" if view.own_loop else "--pad-to-max-length"
         return (
             f"torch.compile recompiled {recompiles} times (new input shapes): compile time leaked into training "
-            "steps; --pad-to-max-length gives one shape"
+            f"steps; {how} gives one shape"
         )
 
 
@@ -347,13 +373,14 @@ def _compile(view: RunView):
     "evaluation took most of the wall time",
     "evaluate on fewer samples",
     ("--max-eval-samples", "1000", "--max-test-samples", "1000"),
+    loop_fix="evaluate on fewer samples, or less often",
 )
 def _evaluation(view: RunView):
     share = view.shares("run").get("eval")
     if share is not None and share > EVAL_SHARE_LIMIT:
+        how = "" if view.own_loop else " (--max-eval-samples, --max-test-samples)"
         return (
-            f"evaluation took {share:.0%} of wall time: the time breakdown describes evaluation more than "
-            "training (--max-eval-samples, --max-test-samples)"
+            f"evaluation took {share:.0%} of wall time: the time breakdown describes evaluation more than training{how}"
         )
 
 
@@ -361,6 +388,7 @@ def _evaluation(view: RunView):
     "few_steady_steps",
     "too few steady-state steps for a steady-state figure",
     "run more steps (--max-steps) so the steady phase has enough samples",
+    loop_fix="train more optimizer steps (and raise steps= with them) so the steady phase has enough samples",
 )
 def _steady(view: RunView):
     if not view.throughput:
@@ -448,7 +476,7 @@ def _above_measured_peak(view: RunView):
     "device_busy_above_wall",
     "the training stages' device time (CUDA events) adds up to more than the steps' host wall time, beyond the "
     "clocks' stated tolerance",
-    "compare with --timing sync on the same command; a stage whose work runs on another stream than its events, or "
+    "compare with --timing sync (trainscope.Run: timing='sync') on the same command; a stage whose work runs on another stream than its events, or "
     "a device clock that disagrees with the host's, reads this way",
 )
 def _device_busy_above_wall(view: RunView):

@@ -74,8 +74,8 @@ def save_failed(error: BaseException, directory: Path, needed: int) -> Fault:
         have = f", {free / GIB:.2f} GiB free there" if free is not None else ""
         return Fault(
             f"no space left on the disk of {folder} for checkpoint {directory.name}: it needs about "
-            f"{needed / GIB:.2f} GiB{have}; free some space, point --output-dir at a larger disk or save "
-            "less often (--save-every); the partial checkpoint was removed"
+            f"{needed / GIB:.2f} GiB{have}; free some space, point the output folder (--output-dir; trainscope.Run's output_dir=) at a larger "
+            "disk or save less often (--save-every; save_every=); the partial checkpoint was removed"
         )
     return Fault(
         f"checkpoint {directory.name} could not be written in {folder}: {one_line(error)}; the partial "
@@ -182,7 +182,7 @@ def choose(run_dir: Path, processes: int) -> tuple[Path, list[dict]]:
     folder = Path(run_dir) / "checkpoints"
     candidates = sorted(folder.glob("step_*"), reverse=True) if folder.is_dir() else []
     if not candidates:
-        raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every?)")
+        raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every, or save_every=?)")
     skipped = []
     for directory in candidates:
         trouble = problem(directory)
@@ -191,7 +191,10 @@ def choose(run_dir: Path, processes: int) -> tuple[Path, list[dict]]:
         skipped.append({"checkpoint": directory.name, "problem": trouble})
     else:
         reasons = "; ".join(f"{s['checkpoint']}: {s['problem']}" for s in skipped)
-        raise UserError(f"--resume: no usable checkpoint in {folder} ({reasons}); start the run again with --overwrite")
+        raise UserError(
+            f"--resume: no usable checkpoint in {folder} ({reasons}); start the run again with --overwrite "
+            "(trainscope.Run: overwrite=True)"
+        )
     written_by = world_size_of(directory)
     if written_by != processes:
         raise UserError(
@@ -219,7 +222,7 @@ def load(accelerator, directory: Path) -> dict:
     except Exception as error:  # a model or optimizer of another shape, a file that changed since the check
         raise UserError(
             f"--resume: {directory.name} cannot be loaded into this run ({one_line(error)[:300]}): resume "
-            "with the settings it was written with (--model, --lora, the config)"
+            "with the settings it was written with (--model, --lora, the config; in your own loop, its model)"
         ) from None
     accelerator.print(f"resuming {Path(directory).parent.parent.name} from {directory.name}")
     return {**loop_state, "checkpoint": directory.name}

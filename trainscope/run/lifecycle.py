@@ -19,6 +19,7 @@ from trainscope.core.distributed import shut_down
 from trainscope.core.errors import Fault, one_line, report
 from trainscope.core.liveness import explain_collective_failure, lost_a_peer, root_cause
 from trainscope.core.records import RunRecord, now_iso, read_record
+from trainscope.core.settings import option_words
 from trainscope.measure import health, sharding
 from trainscope.run import checkpoints, trackers
 from trainscope.run.signals import (
@@ -181,6 +182,11 @@ class RunLifecycle:
         if hasattr(loader, "set_epoch"):  # Accelerate's prepared loaders; a plain iterable has none
             loader.set_epoch(epoch)
         return iter(self.accelerator.skip_first_batches(loader, skip) if skip else loader)
+
+    @property
+    def own_loop(self) -> bool:
+        """trainscope.Run on its user's loop: what it says names the loop's changes, not train.py's flags."""
+        return bool(self.header.get("instrument"))
 
     def abandon(self) -> None:
         """The run was never opened (its loop misused it first): the signal handlers back, the peers' watch ended,
@@ -364,12 +370,17 @@ class RunLifecycle:
             self.signals.prepare(self.record.path, None)  # written whole: a forced exit now leaves it so
             if result:
                 print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)
+            own = self.own_loop
             resume = (
-                f"; continue with --resume --run-name {self.run_dir.name}"
+                (
+                    f"; continue with trainscope.Run(..., name={self.run_dir.name!r}, resume=True)"
+                    if own
+                    else f"; continue with --resume --run-name {self.run_dir.name}"
+                )
                 if checkpoint
                 else ""
                 if self.settings.save_on_interrupt
-                else "; --save-on-interrupt would have kept a checkpoint"
+                else f"; {option_words('save_on_interrupt', own_loop=own)} would have kept a checkpoint"
             )
             print(
                 f"interrupted by {name} after optimizer step {step}: the record says so "
@@ -390,7 +401,11 @@ class RunLifecycle:
         step = self.metrics.loop.step if self.metrics else 0
         if isinstance(error, torch.OutOfMemoryError):
             error.add_note(
-                f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
+                f"out of memory at step {step + 1}: halve the loop's batch and accumulate twice as many "
+                "micro-batches per step, or turn on activation checkpointing "
+                "(model.gradient_checkpointing_enable()), a bf16/fp16 config or LoRA"
+                if self.own_loop
+                else f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
                 f"{step + 1}): halve it and double --gradient-accumulation-steps, or add "
                 "--gradient-checkpointing, a bf16/fp16 config or --lora"
             )

@@ -16,6 +16,7 @@ from trainscope.core import environment, precision
 from trainscope.core.environment import compile_stats
 from trainscope.core.precision import effective_precision
 from trainscope.core.records import now_iso
+from trainscope.core.settings import LOOP_DATASET
 from trainscope.measure import flops_source, gap, health, peak, summary
 from trainscope.measure.communication import block as communication_block
 from trainscope.measure.communication import measured as communication
@@ -224,8 +225,13 @@ class RunMetrics:
             first = int((~finite).nonzero()[0])
             raise NonFiniteLoss(
                 f"loss became {gathered[:, first].tolist()} at optimizer step "
-                f"{self.loop.step - len(interval['losses']) + first + 1}: lower --learning-rate, keep "
-                "--max-grad-norm, or use bf16 instead of fp16"
+                f"{self.loop.step - len(interval['losses']) + first + 1}: "
+                + (
+                    "lower the learning rate, clip the gradients (accelerator.clip_grad_norm_), or use bf16 instead "
+                    "of fp16"
+                    if self.settings.dataset == LOOP_DATASET
+                    else "lower --learning-rate, keep --max-grad-norm, or use bf16 instead of fp16"
+                )
             )
         self._last_loss = gathered.mean().item()
         wall = timing["wall_s"]

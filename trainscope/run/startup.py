@@ -34,9 +34,8 @@ from accelerate.utils import (
 from trainscope.core import environment, precision
 from trainscope.core.errors import UserError
 from trainscope.core.liveness import PeerWatch
-from trainscope.core.settings import Settings
+from trainscope.core.settings import LOOP_DATASET, Settings
 from trainscope.run import checkpoints, trackers
-from trainscope.workload import modeling
 
 
 @dataclass
@@ -82,6 +81,8 @@ def start(settings: Settings) -> Startup:
     set_seed(settings.seed)
     precision.enforce_tf32(settings.tf32)
     requested = settings.max_seq_length
+    from trainscope.workload import modeling  # deferred: transformers' models, for train.py's start (Run's is attach)
+
     limit = modeling.sequence_limit(settings)
     if limit is not None and requested > limit:  # said by the max_seq_length_clamped warning when the run opens
         settings = dataclasses.replace(settings, max_seq_length=limit)
@@ -321,9 +322,13 @@ def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
         return run_dir
     if settings.resume:
         if not any((run_dir / "checkpoints").glob("step_*")):
-            raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every?)")
+            raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every, or save_every=?)")
     elif run_dir.exists():
         if not settings.overwrite:
+            if settings.dataset == LOOP_DATASET:
+                raise UserError(
+                    f"{run_dir} already exists: give trainscope.Run overwrite=True, resume=True or another name="
+                )
             raise UserError(f"{run_dir} already exists: pass --overwrite, --resume or another --run-name")
         state.wait_for_everyone()
         if state.is_main_process:

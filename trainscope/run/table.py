@@ -59,7 +59,7 @@ def table_lines(record: dict, run_dir) -> list[str]:
             f"  {op['milliseconds']:9.2f} ms  {op['calls']:6d}x  {op['name']}"
             for op in profiling.operator_rows(view.profile["top_operators"][:8])
         ]
-    rows += [warning_line(w) for w in view.warnings]
+    rows += [warning_line(w, view) for w in view.warnings]
     return rows
 
 
@@ -106,10 +106,12 @@ def prediction_lines(errors) -> list[str]:
     return predict.error_lines(errors)
 
 
-def warning_line(warning: dict) -> str:
-    """'warning [code]: what is doubtful (what to do: its fix)': each warning with what a person can do about it."""
+def warning_line(warning: dict, view: RunView | None = None) -> str:
+    """'warning [code]: what is doubtful (what to do: its fix)': each warning with what a person can do about it,
+    in the terms of whoever ran it (train.py's flags, or one's own loop)."""
     entry = health.REGISTRY.get(warning["code"])
-    return f"warning [{warning['code']}]: {warning['message']}" + (f" (what to do: {entry.fix})" if entry else "")
+    fix = entry.fix_for(view or RunView({})) if entry else None
+    return f"warning [{warning['code']}]: {warning['message']}" + (f" (what to do: {fix})" if fix else "")
 
 
 def real_tokens_clause(view: RunView) -> str:
