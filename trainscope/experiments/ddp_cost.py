@@ -52,7 +52,7 @@ def run(args, train_args: list[str]) -> dict:
     ]
     for arm in arms:
         if arm.name == "bf16_hook" and launching.plan(args.config).on_cpu and arm.skipped is None:
-            arm.skipped = "gloo cannot all-reduce bf16 (the bf16 hook needs NCCL or XCCL)"
+            arm.skipped = "on the CPU: DDP takes the bf16 hook only from a CUDA (NCCL 2.10+) or XPU build of torch"
     summary = experiment(
         runs, "ddp_cost", arms, [*train_args, "--communication-samples", str(args.samples)], args.rounds
     )

@@ -25,17 +25,7 @@ from trainscope.core.paths import ROOT
 from trainscope.core.precision import planted_overflow_run
 from trainscope.core.record_view import RunView
 from trainscope.core.records import RECORD_FILE, STEPS_FILE, read_record, read_steps, write_text_atomic
-from trainscope.gpu.estimates import (
-    ASSUMED_STEP_S,
-    MARGIN,
-    MEASURED_COMPILE_S,
-    MEASURED_LAUNCH_S,
-    MEASURED_STEP_S,
-    PART_LIMIT_S,
-    default_budget,
-    parts,
-    planned_seconds,
-)
+from trainscope.gpu import estimates
 from trainscope.gpu.plan import plan
 from trainscope.gpu.results import markdown, outcome, unmet, verdicts
 from trainscope.measure import bench
@@ -124,7 +114,8 @@ def run_step(step: dict, scratch: Path, timeout: float | None = None, kept: Path
 
 def run_figures(run_dir: Path) -> dict:
     """What the results keep of one run: its summary's figures, what its goals read (the record's status, world
-    size, distributed type, backend and device, its logged losses, its trace) and its prediction's notes."""
+    size, distributed type, backend and device, its logged losses, its trace, FSDP2's sharding) and its prediction's
+    notes."""
     view = RunView(read_record(run_dir))
     profile = view.profile or {}
     return dict(
@@ -142,6 +133,8 @@ def run_figures(run_dir: Path) -> dict:
         timing=view.summary.get("timing"),
         memory_snapshot=view.summary.get("memory_snapshot"),
         communication=view.communication,
+        fsdp=view.summary.get("fsdp"),  # each rank's sharded modules, parameters and collectives
+        fsdp_wrap=(view.record.get("model") or {}).get("fsdp_wrap"),
         precision=view.precision,
         warnings=view.warnings,
         measured_peak=view.summary.get("measured_peak"),
@@ -322,7 +315,11 @@ def shown_command(step: dict) -> str:
     return " ".join([*(f"{name}={value}" for name, value in (step.get("env") or {}).items()), *command])
 
 
-def print_plan(steps: list[dict], gpus: int, budget_s: float, only: list[str] | None = None) -> None:
+def print_plan(
+    steps: list[dict], gpus: int, budget_s: float, only: list[str] | None = None, run: list[dict] | None = None
+) -> None:
+    """Every check with its command, estimate and timeout; the total; each part with its estimate, its default budget
+    and the session it takes; the checks of `run` (those a run would run: default all) over `budget_s`."""
     for step in steps:
         command = shown_command(step)
         if step.get("skipped"):
@@ -333,31 +330,37 @@ def print_plan(steps: list[dict], gpus: int, budget_s: float, only: list[str] | 
                 f"{step['timeout_s']:.0f} s): {command}"
             )
         print(f"    confirms: {step['confirms']}")
-    total, left, over = planned_seconds(steps), budget_s, []
-    for step in steps:
+    cut, run = estimates.parts(steps), steps if run is None else run
+    total = estimates.planned_seconds(steps)
+    print(
+        f"total estimated for {gpus} GPU{'s' if gpus > 1 else ''}: {total:.0f} s ({total / 60:.1f} min) in "
+        f"{len(cut)} part{'s' if len(cut) > 1 else ''}; estimates from the launch and step times measured on one H200 "
+        "and assumed ones (MEASURED_* and ASSUMED_* in trainscope/gpu/estimates.py)"
+    )
+    overhead, limit = estimates.session_overhead_s(), estimates.part_limit_s()
+    print(
+        f"each part one command, its default budget its estimate and {estimates.MARGIN - 1:.0%}, at most "
+        f"{limit:.0f} s: a command's {estimates.PART_LIMIT_S:.0f} s, a session's {estimates.SESSION_S:.0f} s less the "
+        f"machine's start, make setup and the transfers ({overhead:.0f} s, assumed):"
+    )
+    for part in cut:
+        number, names = part[0].get("part", 1), [step["name"] for step in part if not step.get("skipped")]
+        command = f"--only {' '.join(names)}" if only else f"--part {number}"  # --only takes no --part
+        budget = estimates.default_budget(part)
+        print(
+            f"  part {number}: estimate {estimates.planned_seconds(part):.0f} s, budget {budget:.0f} s, a session of "
+            f"{budget + overhead:.0f} s ({', '.join(names)}): python -m trainscope.gpu.check {command}"
+        )
+    left, over = budget_s, []
+    for step in run:
         if step.get("skipped"):
             continue
         if step["estimate_s"] > left:
             over.append(step["name"])
         else:
             left -= step["estimate_s"]
-    print(
-        f"total estimated for {gpus} GPU{'s' if gpus > 1 else ''}: {total:.0f} s ({total / 60:.1f} min) against a "
-        f"budget of {budget_s:.0f} s (default: the estimate and {MARGIN - 1:.0%}, {default_budget(steps):.0f} s); "
-        "estimates from the launch and step times measured on one H200 and assumed ones (MEASURED_* and ASSUMED_* "
-        "in trainscope/gpu/estimates.py)"
-    )
     if over:
-        print(f"over the budget by these estimates (skipped when run): {', '.join(over)}")
-    cut = parts(steps)
-    if len(cut) > 1:
-        print(f"in parts of at most {PART_LIMIT_S:.0f} s a command (each part's estimate and {MARGIN - 1:.0%}):")
-        for index, part in enumerate(cut, 1):
-            names = [step["name"] for step in part if not step.get("skipped")]
-            run = f"--only {' '.join(names)}" if only else f"--part {index}"  # --only takes no --part
-            print(
-                f"  part {index} ({planned_seconds(part):.0f} s: {', '.join(names)}): python -m trainscope.gpu.check {run}"
-            )
+        print(f"over a budget of {budget_s:.0f} s by these estimates (skipped when run): {', '.join(over)}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -369,15 +372,16 @@ def parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         default=None,
-        help=f"seconds for all the checks (default: the plan's estimate and {MARGIN - 1:.0%}%); a check "
+        help=f"seconds for the checks it runs (default: their estimate and {estimates.MARGIN - 1:.0%}%); a check "
         "whose estimate does not fit in what is left is skipped, and no launch runs past it",
     )
     parser.add_argument(
         "--part",
         type=int,
         default=None,
-        help=f"run only part K of the plan cut into parts of at most {PART_LIMIT_S:.0f} s (the dry "
-        "run lists them); results in <device>.partK.*",
+        help=f"run part K of the plan, cut into parts of one command each, at most {estimates.part_limit_s():.0f} s "
+        "(the dry run lists them; default: the whole plan where it is one part, else part 1); results in "
+        "<device>.partK.*",
     )
     parser.add_argument(
         "--dry-run",
@@ -410,13 +414,15 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def select_part(steps: list[dict], part: int | None) -> list[dict]:
+def select_part(steps: list[dict], part: int | None) -> tuple[list[dict], int | None]:
+    """The checks a run runs, and their part: the one asked for; without one, the whole plan where it is one part,
+    else its first part (no command may run past estimates.PART_LIMIT_S: the plan splits itself)."""
+    cut = estimates.parts(steps)
     if part is None:
-        return steps
-    cut = parts(steps)
+        return (steps, None) if len(cut) == 1 else (cut[0], 1)
     if not 1 <= part <= len(cut):
         raise UserError(f"--part {part}: the plan has {len(cut)} part(s) on this machine (--dry-run lists them)")
-    return cut[part - 1]
+    return cut[part - 1], part
 
 
 def torch_check() -> None:
@@ -440,10 +446,11 @@ def dry_run(gpus_asked: int | None, part: int | None, budget: float | None, only
     if gpus_asked is None and not launching.cuda_devices():
         print("no CUDA device here: planned as for one GPU (--gpus N plans for N)")
     try:
-        steps = select_part(plan(gpus, only), part)
+        steps = plan(gpus, only)
+        selected, _ = select_part(steps, part)
     except UserError as error:
         exit_with(error, code=2)
-    print_plan(steps, gpus, budget or default_budget(steps), only)
+    print_plan(steps if part is None else selected, gpus, budget or estimates.default_budget(selected), only, selected)
 
 
 REWRITTEN = (
@@ -477,11 +484,12 @@ def new_report(name: str, gpus: int, part: int | None, steps: list[dict]) -> dic
         "part": part,
         "plan": steps,
         "estimates": {
-            "measured_launch_s": MEASURED_LAUNCH_S,
-            "measured_step_s": MEASURED_STEP_S,
-            "measured_compile_s": MEASURED_COMPILE_S,
-            "assumed_step_s": ASSUMED_STEP_S,
-            "planned_s": planned_seconds(steps),
+            "measured_launch_s": estimates.MEASURED_LAUNCH_S,
+            "measured_step_s": estimates.MEASURED_STEP_S,
+            "measured_compile_s": estimates.MEASURED_COMPILE_S,
+            "assumed_step_s": estimates.ASSUMED_STEP_S,
+            "assumed_session_overhead_s": estimates.session_overhead_s(),
+            "planned_s": estimates.planned_seconds(steps),
         },
     }
 
@@ -496,7 +504,8 @@ def run_checks(steps: list[dict], report: dict, budget: float, stem: Path, start
         by_name = {c["name"]: c for c in current["checks"]}
         current["verdicts"] = verdicts(by_name)
         current["scaler"] = (by_name.get("scaler") or {}).get("scaler")
-        bench.write_results(stem, current, markdown(current))
+        # write_results replaces the stem's suffix: <device>.part1 would write <device>.json over the whole plan's
+        bench.write_results(stem.with_name(stem.name + ".json"), current, markdown(current))
         for check in current["checks"][len(shown) :]:  # what finished since the last write, as the file says it
             print(f"  {check['name']}: {outcome(check)} ({check['seconds']:.0f} s)", flush=True)
             shown.append(check["name"])
@@ -564,18 +573,25 @@ def main(argv=None) -> None:
     # the device's name and count without a CUDA context in this process (the properties need none)
     name, gpus = torch.cuda.get_device_name(0), launching.cuda_devices()
     try:
-        steps = select_part(plan(gpus, args.only), args.part)
+        planned = plan(gpus, args.only)
+        steps, part = select_part(planned, args.part)
     except UserError as error:
         exit_with(error, code=2)
-    budget = args.budget or default_budget(steps)
-    suffix = f".part{args.part}" if args.part else ".only" if args.only else ""
+    budget = args.budget or estimates.default_budget(steps)
+    suffix = ".only" if args.only else f".part{part}" if part else ""
     stem = Path(args.out) / (device_slug(name) + suffix)
+    cut = estimates.parts(planned)
+    if args.part is None and len(cut) > 1:
+        rest = [[step["name"] for step in later if not step.get("skipped")] for later in cut[1:]]
+        commands = [f"--only {' '.join(names)}" if args.only else f"--part {k}" for k, names in enumerate(rest, 2)]
+        print(f"gpu-check: the plan is {len(cut)} parts, one command each: part 1 now; then, each in a session of "
+              f"its own: {'; '.join(f'python -m trainscope.gpu.check {c}' for c in commands)}")  # fmt: skip
     print(
         f"gpu-check: {len(steps)} checks on {gpus} x {name}, budget {budget:.0f} s; results after every check "
         f"in {stem}.md",
         flush=True,
     )
-    run_checks(steps, new_report(name, gpus, args.part, steps), budget, stem, started)
+    run_checks(steps, new_report(name, gpus, part, steps), budget, stem, started)
 
 
 if __name__ == "__main__":

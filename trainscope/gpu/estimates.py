@@ -1,10 +1,11 @@
 """What make gpu-check's estimates rest on: the launch, step and compile times measured by the gpu-checks on one
 H200 (MEASURED_*) and those not measured on GPU (ASSUMED_*); from them a launch of train.py's estimate, what only a
-first launch costs, a check's timeout, and the plan's estimated total, its default budget and its parts
-(trainscope.gpu.plan lays out the checks).
+first launch costs, a check's timeout, and the plan's estimated total, its default budget and its parts, each part
+one command that fits a session (trainscope.gpu.plan lays out the checks).
 """
 
 import math
+from collections.abc import Callable
 
 # ---- what the estimates rest on. MEASURED_*: the make gpu-checks on a GPU (one NVIDIA H200;
 # benchmarks/gpu/nvidia-h200.*; the runs each figure comes from: docs/benchmarks.md#the-gpu-plans-estimates-trainscopegpuestimatespy).
@@ -34,6 +35,14 @@ ASSUMED_GLOO_STEP_S = 0.45
 TIMEOUT_FACTOR, MIN_TIMEOUT_S = 3.0, 60.0  # a launch is killed past 3x its estimate (at least a minute)
 MARGIN = 1.15  # the default budget: the plan's estimate and 15%
 PART_LIMIT_S = 600.0  # at most one command's time on a machine that lends its GPU 10 minutes a command
+SESSION_S = 900.0  # the device time one session is lent (15 minutes), the machine's start and transfers included
+# What a session spends besides the checks, not measured (the H200 sessions kept no timing of it): the machine's start
+# (a minute or more, 1-2 minutes a kind tried: the device tool's notes), `make setup` there (the venv over the
+# machine's torch, the requirements from carried wheels) and each command's transfers (the working tree there, the
+# results back)
+ASSUMED_MACHINE_START_S = 120.0
+ASSUMED_SETUP_S = 60.0
+ASSUMED_TRANSFER_S = 30.0
 
 
 def step_seconds(precision: str) -> float:
@@ -88,13 +97,38 @@ def default_budget(steps: list[dict]) -> float:
     return 10.0 * math.ceil(planned_seconds(steps) * MARGIN / 10.0)
 
 
-def parts(steps: list[dict], limit_s: float = PART_LIMIT_S) -> list[list[dict]]:
-    """The plan in order, cut into parts whose estimates and MARGIN fit `limit_s` each (skipped checks ride along
-    with the part before them, at no cost)."""
-    cut: list[list[dict]] = [[]]
+def session_overhead_s() -> float:
+    """What a session lent for one part spends besides its checks: the machine's start, set-up and transfers."""
+    return ASSUMED_MACHINE_START_S + ASSUMED_SETUP_S + ASSUMED_TRANSFER_S
+
+
+def part_limit_s() -> float:
+    """The most a part's default budget may be: one command's limit, and what a session leaves of its device time
+    after the machine's start, set-up and transfers."""
+    return min(PART_LIMIT_S, SESSION_S - session_overhead_s())
+
+
+def cut(steps: list[dict], charge: Callable[[list[dict]], list[dict]], limit_s: float | None = None) -> None:
+    """Number the checks, in order, into parts (`part`) whose default budgets fit `limit_s` (default
+    `part_limit_s()`), each check's estimate as `charge` makes it in its part alone (charged copies of a part's
+    checks: a part's first launches pay their cold start), so a part's estimate is that of its checks planned alone.
+    A skipped check rides along with the part before it, at no cost."""
+    limit_s = part_limit_s() if limit_s is None else limit_s
+    numbered: list[list[dict]] = [[]]
     for step in steps:
-        spent = planned_seconds(cut[-1])
-        if not step.get("skipped") and cut[-1] and (spent + step["estimate_s"]) * MARGIN > limit_s:
-            cut.append([])
-        cut[-1].append(step)
-    return cut
+        fits = default_budget(charge([*numbered[-1], step])) <= limit_s
+        if not step.get("skipped") and any(not s.get("skipped") for s in numbered[-1]) and not fits:
+            numbered.append([])
+        numbered[-1].append(step)
+    for number, part in enumerate(numbered, 1):
+        for step, charged in zip(part, charge(part), strict=True):
+            step.clear()
+            step.update(charged, part=number)
+
+
+def parts(steps: list[dict]) -> list[list[dict]]:
+    """The plan's checks grouped by their `part`, in order."""
+    grouped: dict[int, list[dict]] = {}
+    for step in steps:
+        grouped.setdefault(step.get("part", 1), []).append(step)
+    return [grouped[number] for number in sorted(grouped)]

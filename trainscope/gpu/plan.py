@@ -1,12 +1,14 @@
 """make gpu-check's plan: the checks in the order they run, each with its command, what only a GPU run confirms,
 its estimated seconds and timeout, and the plan's total, default budget and parts.
 
-The multi-process checks run first; on one GPU they run as 2 processes sharing it over gloo, and the plan fits
-SESSION_S (`--only NAME` runs what it leaves out). Durations rest on trainscope.gpu.estimates.
+The multi-process checks run first; on one GPU they run as 2 processes sharing it over gloo. The plan is cut into
+parts, each one command that fits a session's device time (`--part K`); on one GPU it leaves out what `--only NAME`
+runs. Durations rest on trainscope.gpu.estimates.
 
 How it works: docs/gpu.md#what-make-gpu-check-does.
 """
 
+import copy
 import math
 import sys
 
@@ -22,6 +24,8 @@ from trainscope.gpu.estimates import (
     MEASURED_COMPILE_S,
     MEASURED_LAUNCH_S,
     MEASURED_LOADER_PASS_S,
+    SESSION_S,
+    cut,
     first_costs,
     timeout_for,
     train_estimate,
@@ -62,29 +66,27 @@ PRECISIONS = {
     "fp16": ("fp16", []),
 }
 
-SHARED_STEPS, SHARED_LOG_EVERY = 20, "5"  # a shared GPU's check: the code path (warm-up, steady steps, four logged
-#                                          losses), not its speed
+SHARED_STEPS = 20  # a shared GPU's check: the code path (warm-up, steady steps, the loss's trend), not its speed
 SHARED_BACKEND = "gloo"
+LOGGED_LOSSES = 10  # a multi-process check logs its loss this many times, for the trend its goal reads
 # After a collective times out: the peers name the failed rank and the record is written (seconds); a check's timeout
 # leaves this beyond its estimate and its --distributed-timeout, which is at least MIN_DISTRIBUTED_TIMEOUT_S (a rank
 # may wait that long for another's start-up work: its operators timed, the first evaluation)
 DISTRIBUTED_EVIDENCE_S = 30.0
 MIN_DISTRIBUTED_TIMEOUT_S = 60
-SESSION_S = 900.0  # the GPU time one session is lent (15 minutes): the one-GPU plan's default budget fits it
 PRECISION_STEPS = 50
 OVERHEAD_STEPS, OVERHEAD_WARMUP = 75, 5  # 70 steady fp32 steps: about 4.2 s per arm and round (0.060 s measured)
 LOADER_WORKERS = ("0", "4")
 # A batch whose copy shows: 512 rows padded to 512 positions, 2 MiB of token ids and 2 MiB of mask (int64) a batch,
 # against 20 KB at the run's batch of 32 short tweets, where the pass measured the collate
 LOADER_BATCH, LOADER_LENGTH = 512, 512
-# With one GPU: what the plan leaves out to fit SESSION_S (`--only NAME` runs it), and what cannot run there at all
+# With one GPU: what the plan leaves out, to keep it to few sessions (`--only NAME` runs it), and what cannot run there
 LEFT_OUT_ON_ONE_GPU = {
     "memory-snapshot": "run 2 on the H200 recorded its window and dumped it within its timeout",
     "ddp-compile": "two processes compiling at once (about 3 minutes) on the shared GPU",
     "overhead": "10 launches of 75 steps (about 4.5 minutes)",
 }
 NEEDS_TWO_GPUS = {
-    "ddp-comm-hook-bf16": "needs NCCL (gloo cannot all-reduce bf16), so 2 GPUs",
     "compare-dp": "needs 2 GPUs: compare_dp.py's DDP workers each bind cuda:<local rank> over NCCL (a second "
     "process cannot share the GPU there, and one process has no all-reduce); DataParallel needs two",
 }
@@ -111,6 +113,8 @@ def _estimated(step: dict) -> dict:
     """The step's args, estimate and timeout from its steps, precision, processes and extras."""
     shared, steps, extra = bool(step.get("shared_gpu")), step["steps"], step["extra_s"]
     step["args"] = _with_flag(step["args"], "--max-steps", str(steps))
+    if step["processes"] > 1:
+        step["args"] = _with_flag(step["args"], "--log-every", str(max(1, steps // LOGGED_LOSSES)))
     step["estimate_s"] = train_estimate(steps, step["precision"], step["processes"], extra, shared)
     step["timeout_s"] = timeout_for(step["estimate_s"])
     processes = step["processes"]
@@ -166,8 +170,9 @@ def plan(gpus: int | None = None, only: list[str] | None = None) -> list[dict]:
     a train.py run (config + args, and `env` to launch it with) or a command ("{out}" stands for its results folder),
     its estimated seconds (with how they were estimated) and its timeout. A check that cannot run on `gpus` GPUs is
     marked skipped with its reason; with one GPU the multi-process training checks share it (`shared_gpu`), and
-    what does not fit SESSION_S is left out (skipped, `left_out`). `only`: just the checks named, the left-out ones
-    among them run. With no GPU (a dry run) it is planned as for one."""
+    LEFT_OUT_ON_ONE_GPU is left out (skipped, `left_out`). `only`: just the checks named, the left-out ones among
+    them run. The checks are numbered into parts (`part`), each one command within a session's device time, each
+    check's estimate as in its part alone. With no GPU (a dry run) it is planned as for one."""
     gpus = max(launching.cuda_devices() if gpus is None else gpus, 1)
     steps = [
         *_two_gpu_checks(),
@@ -189,9 +194,17 @@ def plan(gpus: int | None = None, only: list[str] | None = None) -> list[dict]:
         for step in steps:
             if step.pop("left_out", False):
                 del step["skipped"]
-    first_costs(steps)
-    _distributed_timeouts(steps)
+    cut(steps, _charged)
     return steps
+
+
+def _charged(steps: list[dict]) -> list[dict]:
+    """Copies of `steps` planned as one command: what only its first launches cost, and the multi-process checks'
+    --distributed-timeout from their estimates."""
+    charged = copy.deepcopy(steps)
+    first_costs(charged)
+    _distributed_timeouts(charged)
+    return charged
 
 
 def _fit(step: dict, gpus: int) -> None:
@@ -209,20 +222,19 @@ def _fit(step: dict, gpus: int) -> None:
             return
     if gpus == 1 and name in LEFT_OUT_ON_ONE_GPU:
         step["skipped"] = (
-            f"left out of the one-GPU plan, which fits one session's {SESSION_S / 60:.0f} minutes of GPU time: "
-            f"{LEFT_OUT_ON_ONE_GPU[name]}; `python -m trainscope.gpu.check --only {name}` runs it"
+            f"left out of the one-GPU plan, each of whose parts takes a session's {SESSION_S / 60:.0f} minutes of "
+            f"GPU time: {LEFT_OUT_ON_ONE_GPU[name]}; `python -m trainscope.gpu.check --only {name}` runs it"
         )
         step["left_out"] = True
 
 
 def share_one_gpu(step: dict) -> None:
-    """A 2-process training check on one GPU: both processes on it over gloo, SHARED_STEPS steps (logged every
-    SHARED_LOG_EVERY), what it confirms the code path's, not its speed."""
+    """A 2-process training check on one GPU: both processes on it over gloo, SHARED_STEPS steps, what it confirms
+    the code path's, not its speed."""
     step.update(
         shared_gpu=True,
         env={BACKEND_ENV: SHARED_BACKEND},
         steps=min(step["steps"], SHARED_STEPS),
-        args=_with_flag(step["args"], "--log-every", SHARED_LOG_EVERY),
         confirms=f"{SHARED_NOTE}. {SHARED_CONFIRMS[step['name']]}",
     )
     _estimated(step)
@@ -231,9 +243,9 @@ def share_one_gpu(step: dict) -> None:
 SHARED_NOTE = "2 processes sharing one GPU over gloo: speed not representative"
 # What a multi-process check confirms on one GPU shared over gloo: its code path on CUDA tensors
 SHARED_CONFIRMS = {
-    "fsdp2": "FSDP2 (accelerate_configs/fsdp.yaml, bf16) on CUDA tensors: each layer sharded by Accelerate's own "
-    "prepare, the all-gathers and reduce-scatters between the ranks, the run's measurements reading the DTensors' "
-    "local shards, per-process memory",
+    "fsdp2": "FSDP2 (accelerate_configs/fsdp.yaml, bf16) on CUDA tensors: the layers of its wrap list sharded by "
+    "Accelerate's own prepare on each rank, each rank holding about half the parameters (its local shards), FSDP2's "
+    "all-gathers and reduce-scatters run between the ranks",
     "ddp-communication-memory": "DDP's exposed communication measured on every step with CUDA events on the compute "
     "stream, against DDP's own logger on the same iterations; the one read of DDP's buckets out of each process's "
     "peak memory",
@@ -241,7 +253,8 @@ SHARED_CONFIRMS = {
     "are host operators: no NCCL kernels to count)",
     "ddp-fp16": "DDP in fp16 on CUDA (accelerate_configs/ddp_fp16.yaml): the loss scaler on every rank",
     "ddp-comm-hook-fp16": "DDP's fp16 compression hook on CUDA tensors; exposed communication against DDP's logger",
-    "ddp-comm-hook-bf16": "DDP's bf16 compression hook on CUDA tensors",
+    "ddp-comm-hook-bf16": "DDP's bf16 compression hook on CUDA tensors, all-reduced by gloo in bf16; exposed "
+    "communication against DDP's logger",
     "ddp-compile": "torch.compile under DDP on CUDA: compile time, recompiles",
 }
 
@@ -332,8 +345,9 @@ def _two_gpu_checks() -> list[dict]:
             MODEL,
             50,
             "bf16",
-            "FSDP2 over NCCL (accelerate_configs/fsdp.yaml, bf16): each layer sharded, the run's "
-            "measurements read the DTensors' local shards, per-GPU memory and speed",
+            "FSDP2 over NCCL (accelerate_configs/fsdp.yaml, bf16): the layers of its wrap list sharded on each "
+            "rank, each rank holding about 1/world of the parameters (its local shards), FSDP2's all-gathers and "
+            "reduce-scatters run between the GPUs",
         )
     )
     steps.append(

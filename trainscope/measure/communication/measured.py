@@ -81,11 +81,6 @@ def build(settings, accelerator, model, clock=None):
     ddp = unwrap_ddp(model)
     if ddp is None or accelerator.num_processes < 2:
         return NoCommunication()
-    if settings.ddp_comm_hook == "bf16" and accelerator.state.backend not in ("nccl", "xccl"):
-        raise UserError(
-            f"--ddp-comm-hook bf16 needs NCCL (CUDA) or XCCL; {accelerator.state.backend} cannot "
-            "all-reduce bf16: use fp16 or none"
-        )
     return Communication(settings, accelerator, ddp, settings.measure_communication != "off", clock)
 
 
@@ -165,7 +160,13 @@ class Communication:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[self.kind]
-            ddp.register_comm_hook(state=None, hook=hook)
+            try:
+                ddp.register_comm_hook(state=None, hook=hook)
+            except TypeError as error:  # DDP's own guard, which checks torch's build (gloo all-reduces bf16)
+                raise UserError(
+                    f"--ddp-comm-hook {self.kind}: {error}, and this torch ({torch.__version__}) is not such a "
+                    "build: use fp16 or none"
+                ) from None
         self.parameters = [p for p in ddp.parameters() if p.requires_grad]
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.parameters)
         self.stamps = BackwardStamps(self.clock, len(self.parameters))
