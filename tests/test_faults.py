@@ -280,6 +280,7 @@ class RecordingState:
     def __init__(self, cpu=False, **kwargs):
         self.cpu, self.kwargs = cpu, kwargs
         self.error_handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        self.device = self.local_process_index = None  # no device chosen: nothing shared (test_shared_gpu.py)
 
 
 @pytest.mark.parametrize(
@@ -322,10 +323,17 @@ def test_the_process_group_is_opened_with_the_timeout_and_the_ranks_gpu(environ,
     assert state.kwargs == expected and state.cpu is cpu
     if "device_id" in expected:  # the watchdog aborts the communicator and the run records the error
         assert state.error_handling == ("3" if environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "3" else "2")
-        assert facts == {"timeout_s": 90, "device_id": "cuda:1", "nccl_async_error_handling": state.error_handling}
+        assert facts == {
+            "timeout_s": 90,
+            "device_id": "cuda:1",
+            "nccl_async_error_handling": state.error_handling,
+            "shared_device": None,
+        }
     else:
         assert state.error_handling is None and facts == (
-            {"timeout_s": 90, "device_id": None, "nccl_async_error_handling": None} if expected else {}
+            {"timeout_s": 90, "device_id": None, "nccl_async_error_handling": None, "shared_device": None}
+            if expected
+            else {}
         )
 
 
