@@ -80,7 +80,7 @@ COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-sa
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
 
-.PHONY: help setup train train-lm lint format test bench-overhead bench-dropout-draw bench-trainer bench-compile sweep-workers compare-dp amp-compare \
+.PHONY: help setup train train-lm lint format test bench-overhead bench-import bench-dropout-draw bench-trainer bench-compile sweep-workers compare-dp amp-compare \
 	ckpt-compare batch-sweep matrix profile ddp-cost tune tune-confirm advise gpu-check report experiments clean predict \
 	predict-calibrate predict-check
 
@@ -239,6 +239,9 @@ bench-trainer: setup ## train.py (accelerate launch and python) vs transformers.
 
 bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by accelerate launch -> benchmarks/timing_overhead.*
 	$(PY) -m trainscope.experiments.benchmarks.overhead $(ARGS)
+
+bench-import: setup ## what import trainscope; trainscope.Run adds to import accelerate, fresh interpreters in alternating pairs -> benchmarks/import_weight.*
+	$(PY) -m trainscope.experiments.benchmarks.import_weight $(ARGS)
 
 bench-dropout-draw: setup ## the dropout loop's draw against torch's bernoulli_, ns an element, alternating pairs -> benchmarks/dropout_draw.*
 	$(PY) -m trainscope.experiments.benchmarks.dropout_draw $(ARGS)

@@ -1,5 +1,5 @@
 """The package's imports run one way: no module of trainscope imports, directly or through others, a module that
-imports it back, and none reaches up into the top-level scripts (STYLE.md: imports show every dependency). Read
+imports it back, and none reaches up into the top-level scripts (imports show every dependency). Read
 from the source (ast), nothing imported: an import inside a function counts as the function-level graph, reported
 apart from the module-level one (it runs later, but it is a dependency all the same)."""
 
@@ -283,3 +283,41 @@ def test_the_report_and_the_experiments_command_load_no_model_code():
     models, peft nor datasets (about 2 s a process); what trains defers those imports to the functions that train."""
     heavy = ["transformers.modeling_utils", "peft", "datasets"]
     assert loaded_by(["report", "trainscope.experiments"], heavy) == []
+
+
+def test_trainscope_run_for_a_plain_loop_loads_no_model_library():
+    """`import trainscope; trainscope.Run` for a loop with no HuggingFace model loads no transformers, datasets,
+    evaluate or peft (2.2-2.6 s on top of `import accelerate` when it did; measured: docs/benchmarks.md)."""
+    watched = ["transformers", "datasets", "evaluate", "peft", "trainscope.predict", "trainscope.classifier"]
+    assert loaded_by(["accelerate", "trainscope", "trainscope.instrument"], watched) == []
+
+
+# What only train.py's classifier is made of: the instrument (trainscope/run, trainscope/measure) imports none of it.
+CLASSIFIER_MODULES = (
+    "trainscope.classifier",
+    "trainscope.predict",
+    "trainscope.workload.modeling",
+    "trainscope.workload.data",
+    "trainscope.workload.unpad",
+    "trainscope.workload.step",
+    "trainscope.workload.dropout_draws",
+)
+
+
+def test_the_instrument_imports_no_classifier():
+    """Nothing under trainscope/run or trainscope/measure imports train.py's workload, at module level or inside a
+    function: what the classifier adds to a run reaches it through trainscope.run.extras."""
+    found = []
+    for path in [*(PACKAGE / "run").rglob("*.py"), *(PACKAGE / "measure").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            found += [
+                f"{path.relative_to(PACKAGE)}: {name}"
+                for name in names
+                if any(name == m or name.startswith(m + ".") for m in CLASSIFIER_MODULES)
+            ]
+    assert found == []

@@ -28,7 +28,8 @@ def readme_snippet() -> str:
 
 
 def test_the_readme_snippet_run_as_written_writes_a_record_with_stage_times(tmp_path):
-    (tmp_path / "snippet.py").write_text(readme_snippet())
+    loaded = "\nimport sys\nprint('LOADED', sorted({'transformers', 'datasets', 'evaluate', 'peft'} & set(sys.modules)))\n"
+    (tmp_path / "snippet.py").write_text(readme_snippet() + loaded)
     result = run_command([sys.executable, "snippet.py"], cwd=tmp_path, env=cpu_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = list((tmp_path / "runs").glob("*/record.json"))
@@ -38,6 +39,8 @@ def test_the_readme_snippet_run_as_written_writes_a_record_with_stage_times(tmp_
     seconds = record["summary"]["timing"]["across_ranks"]["run"]["seconds"]
     assert all(seconds[stage]["median"] > 0 for stage in ("data", "forward", "backward", "optimizer"))
     assert "stage        seconds" in result.stdout  # the end-of-run table
+    assert "LOADED []" in result.stdout  # an MLP's run loads no model library
+    assert "tokens/s n/a" in result.stdout and "0.000 TFLOP/s" not in result.stdout
 
 
 def test_instrumenting_the_plain_loop_takes_at_most_10_lines():
@@ -170,3 +173,39 @@ def test_the_encoder_formula_source_gives_the_formula_for_every_layout():
                     else flops.training_flops(config, batch, length, training)
                 )
                 assert source.micro_batch(facts) == expected
+
+
+def test_a_loop_call_before_with_run_is_one_line_and_leaves_no_record(tmp_path):
+    """`run.stage` or `run.data` before `with run:` raised "stage 'data' timed outside start()/stop()" and left a
+    record at "running" forever; now one line that says how, no record, and the run can still open."""
+    from accelerate import Accelerator
+
+    import trainscope
+
+    def main(_):
+        accelerator = Accelerator(cpu=True)
+        model, optimizer = accelerator.prepare(torch.nn.Linear(4, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+        run = trainscope.Run(accelerator, model, optimizer, steps=2, name="early", output_dir=str(tmp_path))
+        messages = []
+        for misuse in (lambda: run.data([1, 2]), lambda: run.stage("forward"), lambda: run.step({}, torch.ones(()))):
+            with pytest.raises(trainscope.UserError) as raised:
+                misuse()
+            messages.append(str(raised.value))
+        assert not (tmp_path / "early").exists()
+        with run:  # the run still opens and counts as it should
+            for x in run.data([torch.ones(4)] * 2):
+                loss = model(x).sum()
+                run.backward(loss)
+                optimizer.step()
+                run.step(x, loss)
+        assert read_record(tmp_path / "early")["summary"]["optimizer_steps"] == 2
+        return messages
+
+    from accelerate.state import AcceleratorState
+
+    try:
+        messages = main(None)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert all("\n" not in m and "used before `with run:`" in m and "docs/instrument.md" in m for m in messages)
+    assert messages[0].startswith("trainscope.Run: run.data(...) used before `with run:`")

@@ -16,6 +16,7 @@ from trainscope.experiments import prediction as predict_check
 from trainscope.measure import peak
 from trainscope.predict import calibration, op_costs, trace
 from trainscope.predict import workload as predictor_workload
+from trainscope.run.table import prediction_lines
 from trainscope.workload import modeling
 from trainscope.workload.modeling import classification_loss
 
@@ -308,7 +309,7 @@ def test_each_predicted_quantity_and_term_gets_its_error_and_the_furthest_is_nam
         0.02
     )
     assert errors["time_terms"]["backward"]["error"] == pytest.approx(0.5 / 0.48 - 1)
-    lines = predict.error_lines(errors)
+    lines = prediction_lines(errors)
     assert any("furthest off: time: backward" in line for line in lines)
     assert any(
         "peak above the memory before the model 0.60 GiB predicted, 0.80 measured (-25%)" in line and "residual" in line

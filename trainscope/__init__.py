@@ -1,8 +1,9 @@
 """trainscope: where training time and memory go, measured on HuggingFace Accelerate.
 
-The public names (docs/instrument.md): `Run` instruments any Accelerate training loop; `one_line_endings` ends a
-script on bad input or a fault with one line (raise `UserError` for bad input); `fsdp_wrap_rule` names the layers an
-FSDP config shards; `classifier` holds the pieces of train.py's own workload, `embedded` the offline model and corpus.
+The public names (docs/instrument.md): `Run` instruments any Accelerate training loop, `TrainscopeCallback` a
+`transformers.Trainer`; `one_line_endings` ends a script on bad input or a fault with one line (raise `UserError` for
+bad input); `fsdp_wrap_rule` names the layers an FSDP config shards; `classifier` holds the pieces of train.py's own
+workload, `embedded` the offline model and corpus.
 Those that load torch or transformers load on first use, so `import trainscope` stays light.
 """
 
@@ -11,7 +12,16 @@ __version__ = "0.4.0"  # the one version: pyproject.toml reads it (tool.setuptoo
 from trainscope.core.errors import UserError
 from trainscope.workload import embedded
 
-__all__ = ["Run", "UserError", "classifier", "embedded", "fsdp_wrap_rule", "one_line_endings", "__version__"]
+__all__ = [
+    "Run",
+    "TrainscopeCallback",
+    "UserError",
+    "classifier",
+    "embedded",
+    "fsdp_wrap_rule",
+    "one_line_endings",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -20,9 +30,13 @@ def __getattr__(name: str):
 
         return fsdp_wrap_rule
     if name == "Run":
-        from trainscope.instrument import Run  # deferred: it loads transformers
+        from trainscope.instrument import Run  # deferred: it loads torch and accelerate
 
         return Run
+    if name == "TrainscopeCallback":
+        from trainscope.trainer import TrainscopeCallback  # deferred: it loads transformers' Trainer
+
+        return TrainscopeCallback
     if name == "one_line_endings":
         from trainscope.run.endings import one_line_endings  # deferred: it loads transformers
 

@@ -10,8 +10,9 @@ from trainscope import predict
 from trainscope.core.settings import Settings, parse_settings, plan_steps
 from trainscope.instrument import Prepared, Workload
 from trainscope.measure import profiling
+from trainscope.run import startup
 from trainscope.run.extras import WorkloadExtras
-from trainscope.run.startup import build_accelerator, device_loader_options, start
+from trainscope.run.startup import build_accelerator, device_loader_options
 from trainscope.workload import dropout_draws, unpad
 from trainscope.workload.data import build_dataloaders, dropped_rows_lines, load_classification_data
 from trainscope.workload.modeling import (
@@ -24,6 +25,7 @@ from trainscope.workload.modeling import (
     dropout_facts,
     fsdp_wrap_rule,
     optimizer_facts,
+    sequence_limit,
 )
 from trainscope.workload.shapes import encoder_shape
 from trainscope.workload.step import evaluate_split, load_metric, train_step, unmeasured
@@ -54,6 +56,12 @@ __all__ = [
     "train_step",
     "unmeasured",
 ]
+
+
+def start(settings: Settings):
+    """train.py's start-up (trainscope.run.startup.start): process group, CPU threads, seed, TF32, --max-seq-length
+    clamped to the model's positions, the run folder."""
+    return startup.start(settings, sequence_limit)
 
 
 def announce(settings: Settings, started, rows: int, prediction: dict | None) -> None:

@@ -123,6 +123,7 @@ class Run:
         name: str | None = None,
         output_dir="runs",
         flops=None,
+        _api: str = "trainscope.Run",
         **options,
     ):
         unwrapped = accelerator.unwrap_model(model)
@@ -140,6 +141,7 @@ class Run:
             "flops": flops if flops is None or isinstance(flops, (int, float, str)) else "function",
         }
         workload = Workload(config=config, plan={"optimizer_steps": steps}, model_facts=_model_facts(unwrapped))
+        self._api = _api  # who drives the run: trainscope.Run in a loop, or trainscope.TrainscopeCallback
         self._attach(Prepared(accelerator, model, optimizer, scheduler), started, workload, flops, block)
 
     @classmethod
@@ -167,7 +169,7 @@ class Run:
 
     def _instrument_block(self) -> dict:
         return {
-            "api": "trainscope.Run",
+            "api": getattr(self, "_api", "trainscope.Run"),
             "flops_basis": self.metrics.flops.basis,
             "steps_basis": self.metrics.events.basis,
             "not_available": NOT_AVAILABLE,
@@ -217,9 +219,7 @@ class Run:
         """A loop call outside `with run:`: one line saying how to use it, and no record left behind."""
         if self._running is not None:
             return
-        if not self._entered:
-            self.lifecycle.abandon()
-            self.metrics.detach()
+        if not self._entered:  # nothing is written before `with run:` opens the run
             raise UserError(f"trainscope.Run: {what} used before `with run:`; {HOW_TO_USE}")
         raise UserError(f"trainscope.Run: {what} used after the run ended (its record is written)")
 

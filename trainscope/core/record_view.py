@@ -46,8 +46,9 @@ class RunView:
 
     @property
     def own_loop(self) -> bool:
-        """A record of trainscope.Run on its user's own loop (not train.py's)."""
-        return (self.record.get("instrument") or {}).get("api") == "trainscope.Run"
+        """A record of its user's own training (trainscope.Run on their loop, or their Trainer with trainscope's
+        callback), not train.py's."""
+        return bool(self.record.get("instrument"))
 
     def option(self, name: str, value=None) -> str:
         """How whoever ran this run sets one of its options: train.py's flag or trainscope.Run's keyword."""

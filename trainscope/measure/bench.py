@@ -443,6 +443,20 @@ def rejection_rate(n: int, m: int, level: float) -> float:
     return sum(c for s, c in enumerate(counts, low) if _exact_p(n, m, s) < level) / math.comb(n + m, n)
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> dict:
+    """A distribution-free interval for the median of `values` (order statistics: the median lies between the k-th
+    smallest and the k-th largest of n with probability 1 - 2 P(Binomial(n, 1/2) < k)), the narrowest whose
+    confidence is at least `confidence`, or [min, max] with the confidence it has when n is too small for it (5
+    values: 93.75%). {low, high, confidence, n}."""
+    ordered, n = sorted(values), len(values)
+
+    def covers(k: int) -> float:  # 1 - 2 P(Binomial(n, 1/2) <= k - 1)
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = max([c for c in range(1, (n + 1) // 2 + 1) if covers(c) >= confidence], default=1)
+    return {"low": ordered[k - 1], "high": ordered[n - k], "confidence": covers(k), "n": n}
+
+
 def spread(values: list[float]) -> dict:
     """Median with min and max of repeated measurements of one arm."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
@@ -463,7 +477,7 @@ def describe(comparison: dict) -> str:
 
 
 def write_results(stem: Path, report: dict, markdown_lines: list[str], inputs: list[Path] = ()) -> list[Path]:
-    """stem.json (report + provenance) and stem.md (provenance header + the given lines), atomically."""
+    """<stem>.json (report + provenance) and <stem>.md (provenance header + the given lines), atomically."""
     stem = Path(stem)
     report = {**report, "provenance": provenance.collect(inputs=inputs)}
     write_json_atomic(stem.with_suffix(".json"), report)

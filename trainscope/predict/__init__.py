@@ -12,7 +12,7 @@ from trainscope.predict.block import MEMORY_SOURCES, before_run, calibration_sta
 from trainscope.predict.change import same_work_seconds, speedup
 from trainscope.predict.check import Check, furthest_term, prediction_errors, remember_communication
 from trainscope.predict.memory_model import largest_batch, peak_memory, saved_bytes_at
-from trainscope.predict.screen import error_lines, screen_lines, show, source_lines
+from trainscope.predict.screen import screen_lines, show, source_lines
 from trainscope.predict.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
 from trainscope.predict.time_model import communication_seconds, predict_time
 from trainscope.predict.workload import (
@@ -43,7 +43,6 @@ __all__ = [
     "current_rss_bytes",
     "data_for",
     "device_memory_bytes",
-    "error_lines",
     "evaluation_lengths",
     "furthest_term",
     "largest_batch",

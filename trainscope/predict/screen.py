@@ -1,5 +1,5 @@
-"""What the predictor prints: the one screen of `train.py --predict`, what a prediction rests on, and the end-of-run
-table's lines on the prediction's error."""
+"""What the predictor prints: the one screen of `train.py --predict` and what a prediction rests on (the end-of-run
+table's lines on the prediction's error are trainscope.run.table's, from the record alone)."""
 
 from trainscope.core.errors import UserError
 from trainscope.measure.memory import GIB
@@ -106,49 +106,3 @@ def show(block: dict, settings, started) -> dict:
     if started.state.is_main_process:
         print("\n".join(screen_lines(block, settings)), flush=True)
     return {"prediction": block}
-
-
-def error_lines(errors: dict | None) -> list[str]:
-    """The end-of-run table's lines on the prediction."""
-    if not errors:
-        return []
-
-    def pct(entry):
-        return f"{entry['error']:+.0%}" if entry and entry.get("error") is not None else "n/a"
-
-    memory, step, run = errors.get("peak_memory_gib"), errors.get("step_s"), errors.get("run_s")
-    parts = []
-    if memory:
-        parts.append(
-            f"peak memory {memory['predicted']:.2f} GiB predicted, {memory['measured']:.2f} measured ({pct(memory)})"
-        )
-    if step:
-        parts.append(f"steady step {step['predicted']:.3f} s, {step['measured']:.3f} ({pct(step)})")
-    if run:
-        parts.append(f"run {run['predicted']:.1f} s, {run['measured']:.1f} ({pct(run)})")
-    state = errors.get("calibration")
-    said = (
-        f" ({state}: {'calibrated now, on first use' if state == 'first use' else 'fitted terms left out'})"
-        if state and state != "calibrated"
-        else ""
-    )
-    lines = ["prediction: " + "; ".join(parts) + said] if parts else []
-    above, residual = errors.get("peak_above_baseline_gib"), errors.get("memory_residual")
-    if above:
-        lines.append(
-            f"  peak above the memory before the model {above['predicted']:.2f} GiB predicted, "
-            f"{above['measured']:.2f} measured ({pct(above)})"
-            + (
-                f"; residual (the peak less the measured terms) {residual['predicted']:.2f} GiB predicted, "
-                f"{residual['measured']:.2f} left"
-                if residual
-                else ""
-            )
-        )
-    furthest = errors.get("furthest")
-    if furthest:
-        lines.append(
-            f"  furthest off: {furthest['term']} ({pct(furthest)} of itself, "
-            f"{furthest['share_of_total']:.0%} of its total)"
-        )
-    return lines

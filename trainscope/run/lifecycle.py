@@ -73,6 +73,7 @@ class RunLifecycle:
         self.metrics = None
         self.sharding = None  # FSDP2's sharding and collectives (trainscope.measure.sharding)
         self.progress = None
+        self.show_progress = True  # off where the loop has a bar of its own (transformers' Trainer)
         self.saved_step = None  # the step of the last checkpoint written (the same on every rank)
         self._noticed = False
         self._ended = False  # an ending has begun: the heartbeat thread no longer writes the record
@@ -119,7 +120,7 @@ class RunLifecycle:
             initial=metrics.loop.step,
             desc="training",
             unit="step",
-            disable=not self.accelerator.is_local_main_process,
+            disable=not (self.accelerator.is_local_main_process and self.show_progress),
         )
 
     def _write_header(self, resumed, env, model_facts, data_facts, tracker_facts, prediction=None) -> None:
@@ -187,12 +188,6 @@ class RunLifecycle:
     def own_loop(self) -> bool:
         """trainscope.Run on its user's loop: what it says names the loop's changes, not train.py's flags."""
         return bool(self.header.get("instrument"))
-
-    def abandon(self) -> None:
-        """The run was never opened (its loop misused it first): the signal handlers back, the peers' watch ended,
-        nothing written."""
-        self.signals.restore()
-        self._stop_watch()
 
     # ---------------------------------------------------------------- the loop's boundaries
 

@@ -72,7 +72,9 @@ def configure_process(settings: Settings) -> dict:
     return environment.apply_thread_budget(settings.threads, workers=settings.num_workers, accelerator=accelerator)
 
 
-def start(settings: Settings) -> Startup:
+def start(settings: Settings, sequence_limit=None) -> Startup:
+    """A training script's start-up (train.py's, through trainscope.classifier.start): `sequence_limit(settings)`,
+    where given, says how many positions the model embeds (the workload's to read: it loads the model's config)."""
     fallback = cpu_fallback()
     state, group = open_process_group(settings, cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     watch = PeerWatch.start(state)  # from here a rank that fails is named by its peers, with its error
@@ -81,9 +83,7 @@ def start(settings: Settings) -> Startup:
     set_seed(settings.seed)
     precision.enforce_tf32(settings.tf32)
     requested = settings.max_seq_length
-    from trainscope.workload import modeling  # deferred: transformers' models, for train.py's start (Run's is attach)
-
-    limit = modeling.sequence_limit(settings)
+    limit = sequence_limit(settings) if sequence_limit is not None else None
     if limit is not None and requested > limit:  # said by the max_seq_length_clamped warning when the run opens
         settings = dataclasses.replace(settings, max_seq_length=limit)
     return open_run_folder(

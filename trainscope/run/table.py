@@ -76,6 +76,11 @@ def significant(value: float | None, digits: int = 3) -> str:
     return f"{value:,.{max(0, digits - 1 - magnitude)}f}"
 
 
+def percent(share: float) -> str:
+    """A share as a percentage with its significant digits (0.018%, 12.3%)."""
+    return f"{significant(share * 100)}%"
+
+
 def flops_rate(tflops: float | None) -> str:
     """Model FLOP/s in the unit that keeps three significant digits readable: 'n/a' where none were counted."""
     if tflops is None:
@@ -97,13 +102,50 @@ def throughput_window(view: RunView) -> str:
     return f"{window} ({significant(throughput.get('train_wall_s'))} s, evaluation excluded)"
 
 
-def prediction_lines(errors) -> list[str]:
-    """The prediction's errors (train.py's runs only: a plain loop's record has none)."""
+def prediction_lines(errors: dict | None) -> list[str]:
+    """The end-of-run table's lines on the prediction's error (train.py's runs: a plain loop's record has none)."""
     if not errors:
         return []
-    from trainscope import predict  # deferred: the predictor loads transformers' models; a plain loop's has none
 
-    return predict.error_lines(errors)
+    def pct(entry):
+        return f"{entry['error']:+.0%}" if entry and entry.get("error") is not None else "n/a"
+
+    memory, step, run = errors.get("peak_memory_gib"), errors.get("step_s"), errors.get("run_s")
+    parts = []
+    if memory:
+        parts.append(
+            f"peak memory {memory['predicted']:.2f} GiB predicted, {memory['measured']:.2f} measured ({pct(memory)})"
+        )
+    if step:
+        parts.append(f"steady step {step['predicted']:.3f} s, {step['measured']:.3f} ({pct(step)})")
+    if run:
+        parts.append(f"run {run['predicted']:.1f} s, {run['measured']:.1f} ({pct(run)})")
+    state = errors.get("calibration")
+    said = (
+        f" ({state}: {'calibrated now, on first use' if state == 'first use' else 'fitted terms left out'})"
+        if state and state != "calibrated"
+        else ""
+    )
+    lines = ["prediction: " + "; ".join(parts) + said] if parts else []
+    above, residual = errors.get("peak_above_baseline_gib"), errors.get("memory_residual")
+    if above:
+        lines.append(
+            f"  peak above the memory before the model {above['predicted']:.2f} GiB predicted, "
+            f"{above['measured']:.2f} measured ({pct(above)})"
+            + (
+                f"; residual (the peak less the measured terms) {residual['predicted']:.2f} GiB predicted, "
+                f"{residual['measured']:.2f} left"
+                if residual
+                else ""
+            )
+        )
+    furthest = errors.get("furthest")
+    if furthest:
+        lines.append(
+            f"  furthest off: {furthest['term']} ({pct(furthest)} of itself, "
+            f"{furthest['share_of_total']:.0%} of its total)"
+        )
+    return lines
 
 
 def warning_line(warning: dict, view: RunView | None = None) -> str:
@@ -119,7 +161,7 @@ def real_tokens_clause(view: RunView) -> str:
     real, padding = view.real_tflops_per_device, view.padding_flops_share
     if real is None:
         return ""
-    return f"; on real tokens {real:.3f} TFLOP/s" + (
+    return f"; on real tokens {flops_rate(real)}" + (
         f" ({padding:.0%} of the counted FLOPs padding)" if padding is not None else ""
     )
 
@@ -132,10 +174,10 @@ def peak_line(view: RunView) -> str:
         return f"share of this machine's measured matmul peak unknown ({why})"
     key = (view.machine_peak or {}).get("key") or {}
     where = ", ".join(f"{k} {key[k]}" for k in ("threads", "processes", "driver") if key.get(k) is not None)
-    real = f", {measured['real_share']:.1%} on real tokens" if measured.get("real_share") is not None else ""
+    real = f", {percent(measured['real_share'])} on real tokens" if measured.get("real_share") is not None else ""
     return (
-        f"{measured['share']:.1%} of this machine's measured {measured['precision']} matmul peak{real} "
-        f"({measured['peak_tflops']:.3f} TFLOP/s at {'x'.join(map(str, measured['peak_shape']))}, spread "
+        f"{percent(measured['share'])} of this machine's measured {measured['precision']} matmul peak{real} "
+        f"({flops_rate(measured['peak_tflops'])} at {'x'.join(map(str, measured['peak_shape']))}, spread "
         f"{measured['spread']:.0%}, measured {measured['measured']}, key {measured['key_id']}: {view.device_name}"
         + (f", {where}" if where else "")
         + ")"

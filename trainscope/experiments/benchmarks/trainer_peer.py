@@ -1,7 +1,11 @@
-"""train.py against the HF transformers.Trainer: same model, data, batches, batch size, precision, steps.
+"""train.py against the HF transformers.Trainer: same model, data, batches, batch size, precision, steps; and what
+trainscope's Trainer callback costs.
 
-Three arms in alternating rounds -- the Trainer, `accelerate launch train.py` and `python train.py` -- each launched
-the way a user launches it, the Trainer on train.py's own DataLoader (checked: the same samples in the same order).
+Four arms in alternating rounds -- the Trainer, the Trainer with trainscope.TrainscopeCallback, `accelerate launch
+train.py` and `python train.py` -- each launched the way a user launches it, the Trainer on train.py's own DataLoader
+(checked: the same samples in the same order); the stage splits of train.py's record and the callback's side by
+side. Then the callback's cost on the embedded tiny model (short steps, where its own work weighs most): the Trainer
+with it against the Trainer without it, in alternating rounds of their own.
 
     python -m trainscope.experiments.benchmarks.trainer_peer [--pairs 5] [--precision bf16] [train.py flags]
 
@@ -9,8 +13,10 @@ Writes benchmarks/trainer_peer.{json,md}.
 How it works: docs/benchmarks.md#in-the-code-how-make-bench-trainer-compares-trainscopeexperimentsbenchmarkstrainer_peerpy.
 """
 
+import argparse
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -52,10 +58,16 @@ CONFIG_FOR = {
     ("cpu", "bf16"): "bf16",
 }
 GOAL = 1.05  # train.py by its documented launcher against the Trainer
+CALLBACK_TARGET = 0.03  # the callback's cost in samples/s, judged on the median ratio's interval (stated first)
+# The callback's cost is measured on the embedded tiny model: steps of milliseconds, the callback's share the largest.
+COST_ARGS = ["--model", "embedded:tiny-bert", "--max-train-samples", "4000", "--per-device-batch-size", "16",
+             "--max-seq-length", "64", "--timing-warmup-steps", "20", "--threads", "1"]  # fmt: skip
+COST_STEPS = 200
 
 
-def trainer_loop(argv: list[str], precision: str) -> None:
-    """Fine-tune with transformers.Trainer on train.py's own loader; print steady-state figures as JSON."""
+def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -> None:
+    """Fine-tune with transformers.Trainer on train.py's own loader (with trainscope's callback when asked); print
+    steady-state figures as JSON (and the callback's record's stage split)."""
     from trainscope.run import startup  # deferred: it loads transformers' models
     from trainscope.workload.data import build_dataloaders, load_classification_data  # deferred: it loads datasets
     from trainscope.workload.modeling import build_model, build_tokenizer  # deferred: it loads transformers' models
@@ -70,14 +82,35 @@ def trainer_loop(argv: list[str], precision: str) -> None:
     loader = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)[0]
     clock = steady_clock(settings, on_cuda, lambda: trainer.tokens)  # the trainer made below counts them
     with tempfile.TemporaryDirectory() as scratch:
+        callbacks = [clock]
+        if with_callback:
+            from trainscope.trainer import TrainscopeCallback  # deferred: it loads transformers' Trainer
+
+            callbacks.append(
+                TrainscopeCallback(
+                    name="callback",
+                    output_dir=scratch,
+                    log_every=settings.log_every,
+                    timing_warmup_steps=settings.timing_warmup_steps,
+                    threads="launcher",
+                )  # fmt: skip
+            )
         trainer = peer_trainer_class(loader)(
             model=model,
             args=training_arguments(settings, precision, scratch, on_cuda),
             train_dataset=data.train,
-            callbacks=[clock],
+            callbacks=callbacks,
         )
         trainer.train()
-    print(json.dumps(steady_figures(settings, clock)))
+        figures = steady_figures(settings, clock)
+        if with_callback:
+            figures["stage_shares"] = stage_shares(RunView(read_record(Path(scratch) / "callback")))
+    print(json.dumps(figures))
+
+
+def stage_shares(view: RunView) -> dict:
+    """Each stage's median share of the steady phase's wall time."""
+    return {stage: share["median"] for stage, share in view.shares("steady").items()}
 
 
 def peer_trainer_class(loader):
@@ -167,7 +200,7 @@ def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):
     )
 
 
-def run_trainer(train_args: list[str], precision: str, config: str | None) -> dict:
+def run_trainer(train_args: list[str], precision: str, config: str | None, with_callback: bool = False) -> dict:
     command = [
         *launching.accelerate_launch(config),
         "-m",
@@ -175,6 +208,7 @@ def run_trainer(train_args: list[str], precision: str, config: str | None) -> di
         "--trainer",
         "--precision",
         precision,
+        *(["--with-callback"] if with_callback else []),
         *train_args,
     ]
     result = launching.run_captured(command, launching.training_env())
@@ -202,6 +236,7 @@ def run_train_py(train_args: list[str], config: str | None, launcher: str, outpu
         "tokens_at": tokens_at,
         "effective_precision": view.precision,
         "warnings": view.warning_codes,
+        "stage_shares": stage_shares(view),
     }
 
 
@@ -222,12 +257,21 @@ def measure(args, train_args: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         arms = {
             "trainer": lambda i: run_trainer(train_args, args.precision, config),
+            "trainer+callback": lambda i: run_trainer(train_args, args.precision, config, with_callback=True),
             "accelerate": lambda i: run_train_py(train_args, config, "accelerate", Path(scratch), f"a{i}"),
             "python": lambda i: run_train_py(train_args, config, "python", Path(scratch), f"p{i}"),
         }
         if config is not None:
             arms.pop("python")  # a precision needs its config: python train.py runs fp32 only
         rounds = bench.alternate(arms, args.pairs)
+        cost_args = [*train_args, *COST_ARGS, "--max-steps", str(args.cost_steps)]
+        if args.cost_steps <= 20:  # a short check (the tests): the warm-up within the steps
+            cost_args += ["--timing-warmup-steps", "1"]
+        cost_arms = {
+            "trainer": lambda i: run_trainer(cost_args, args.precision, config),
+            "trainer+callback": lambda i: run_trainer(cost_args, args.precision, config, with_callback=True),
+        }
+        cost_rounds = bench.alternate(cost_arms, args.pairs)
     comparisons = {
         "accelerate_over_trainer": bench.compare_rounds(rounds, "accelerate", "trainer", "samples_per_s"),
         "accelerate_over_trainer_tokens": bench.compare_rounds(rounds, "accelerate", "trainer", "tokens_per_s"),
@@ -236,7 +280,7 @@ def measure(args, train_args: list[str]) -> dict:
         comparisons["accelerate_over_python"] = bench.compare_rounds(rounds, "accelerate", "python", "samples_per_s")
     return {
         "benchmark": "trainer_peer",
-        "benchmark_version": 2,
+        "benchmark_version": 3,
         "precision": args.precision,
         "accelerate_config": config,
         "train_args": train_args,
@@ -253,6 +297,33 @@ def measure(args, train_args: list[str]) -> dict:
         "comparisons": comparisons,
         "goal": GOAL,
         "meets_goal": comparisons["accelerate_over_trainer"]["min_ratio"] >= GOAL,
+        "stage_shares": {
+            name: {stage: statistics.median(r[name]["stage_shares"][stage] for r in rounds) for stage in STAGE_ORDER}
+            for name in ("accelerate", "trainer+callback")
+        },
+        "callback_cost": callback_cost(cost_rounds, cost_args),
+    }
+
+
+STAGE_ORDER = ("data", "forward", "backward", "optimizer", "eval", "other")
+
+
+def callback_cost(rounds: list[dict], cost_args: list[str]) -> dict:
+    """The Trainer with trainscope's callback against the Trainer without it: the cost (1 - the median ratio of
+    samples/s) with its distribution-free interval, met when the interval's upper end is within the target."""
+    comparison = bench.compare_rounds(rounds, "trainer+callback", "trainer", "samples_per_s")
+    interval = bench.median_interval(comparison["ratios"])
+    cost = {"low": 1 - interval["high"], "high": 1 - interval["low"], "confidence": interval["confidence"]}
+    decided = comparison["pairs"] >= bench.MIN_PAIRS
+    meets = True if cost["high"] <= CALLBACK_TARGET else False if cost["low"] > CALLBACK_TARGET else None
+    return {
+        "train_args": cost_args,
+        "rounds": rounds,
+        **comparison,
+        "cost": 1 - comparison["median_ratio"],
+        "cost_interval": cost,
+        "target": CALLBACK_TARGET,
+        "meets_target": meets if decided else None,
     }
 
 
@@ -293,6 +364,34 @@ def markdown(report: dict) -> list[str]:
         f"Goal: accelerate launch train.py >= {report['goal']}x the Trainer in every round: "
         f"{'met' if report['meets_goal'] else 'not met'}.",
     ]
+    shares = report.get("stage_shares")
+    if shares:
+        split = Table(
+            "Stage splits of the steady steps (median share of the wall time)",
+            ["stage", "train.py (its record)", "Trainer (trainscope's callback)"],
+            [
+                [stage, f"{shares['accelerate'][stage]:.1%}", f"{shares['trainer+callback'][stage]:.1%}"]
+                for stage in STAGE_ORDER
+            ],  # fmt: skip
+            "trainer_peer_stages",
+            align="lrr",
+        )
+        lines += ["", *split.markdown_lines(), "",
+                  "Under the Trainer, `optimizer` holds its loss bookkeeping (a NaN check that waits for the device), "
+                  "clipping, the step and the schedule; `data` the wait for each accumulation window's batches "
+                  "(docs/instrument.md#hf-trainer)."]  # fmt: skip
+    cost = report.get("callback_cost")
+    if cost:
+        interval, verdict = cost["cost_interval"], {True: "met", False: "NOT met", None: "undecided"}
+        lines += [
+            "",
+            f"trainscope's callback's cost on the embedded tiny model (`{' '.join(cost['train_args'][-14:])}`, "
+            f"{cost['pairs']} alternating rounds, the Trainer with the callback over the Trainer without it): ratio "
+            f"{bench.ratio_text(cost)}, cost {cost['cost']:+.2%} (interval {interval['low']:+.2%} to "
+            f"{interval['high']:+.2%} at {interval['confidence']:.1%}): target <= {cost['target']:.0%} "
+            + ("not judged (too few pairs)" if cost["pairs"] < bench.MIN_PAIRS else verdict[cost["meets_target"]])
+            + ".",
+        ]
     if not torch.cuda.is_available():
         lines += ["", "GPU: not measured on GPU."]
     return lines
@@ -306,9 +405,13 @@ def main() -> None:
         choices=["fp32", "bf16", "fp16"],
         help="precision of both (train.py gets the matching Accelerate config)",
     )
+    parser.add_argument("--with-callback", action="store_true", help=argparse.SUPPRESS)  # a child's
+    parser.add_argument(
+        "--cost-steps", type=int, default=COST_STEPS, help=f"steps of each callback-cost run (default {COST_STEPS})"
+    )
     args, train_args = parser.parse_known_args()
     if args.trainer:
-        return trainer_loop(train_args, args.precision)
+        return trainer_loop(train_args, args.precision, args.with_callback)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     if (("cuda" if torch.cuda.is_available() else "cpu"), args.precision) not in CONFIG_FOR:

@@ -1,0 +1,64 @@
+"""trainscope.TrainscopeCallback on a transformers.Trainer run written as the Trainer's documentation writes one
+(tests/public_loops/hf_trainer.py): gradient accumulation 2 with a short last window, evaluation on, each figure of
+the record against the run's own count (torch's optimizer step hook, what the Trainer's loader fed, FlopCounterMode
+on the model as trained, the wall clock), the Trainer's own figures beside; LoRA through peft; two DDP ranks."""
+
+import json
+
+import pytest
+from conftest import assert_ok, read_record, read_steps, run_in_forked_ranks, run_in_process
+from public_loops import hf_trainer
+from test_conformance import FLOPS_TOLERANCE, counted
+
+
+def trainer_run(tmp_path, *args):
+    result = run_in_process(["--output-dir", str(tmp_path / "runs"), "--truth", str(tmp_path / "truth"), *args],
+                            main=hf_trainer.main)  # fmt: skip
+    assert_ok(result)
+    return read_record(tmp_path / "runs" / "hf_trainer"), json.loads((tmp_path / "truth.0").read_text()), result
+
+
+def test_a_trainer_with_the_callback_records_what_its_loop_did(tmp_path):
+    """72 rows in batches of 8 are 9 micro-batches an epoch, windows of 2, 2, 2, 2 and the short 1: 10 optimizer
+    steps of 18 micro-batches over two epochs, with evaluations every 3 steps."""
+    record, truth, result = trainer_run(tmp_path)
+    summary = record["summary"]
+    assert record["status"] == "complete"
+    assert record["instrument"]["api"] == "trainscope.TrainscopeCallback (transformers.Trainer)"
+    assert summary["optimizer_steps"] == truth["optimizer_steps"] == 10  # torch's own count
+    assert counted(record, "micro_batches") == sum(truth["shapes"].values()) == 18
+    assert counted(record, "samples") == truth["samples"] == 2 * 72
+    assert counted(record, "tokens") == truth["tokens"]  # the attention masks' real tokens
+    assert counted(record, "flops") == pytest.approx(truth["flops"], rel=FLOPS_TOLERANCE)
+    lines = read_steps(tmp_path / "runs" / "hf_trainer")
+    assert [line["micro_batches"] for line in lines] == [4, 4, 3, 4, 3]  # each epoch's short window in lines 3 and 5
+    # every stage bounded by the Trainer's events and methods, summing to the run's wall time within the clock
+    run = summary["timing"]["across_ranks"]["run"]
+    assert all(run["seconds"][stage]["median"] > 0 for stage in ("data", "forward", "backward", "optimizer", "eval"))
+    assert sum(s["median"] for s in run["seconds"].values()) == pytest.approx(run["wall_s"]["median"], rel=1e-6)
+    assert 0 < run["wall_s"]["median"] <= truth["wall_s"]
+    assert [v["step"] for v in summary["validation"]] == [3, 6, 9, 10]  # the Trainer's evaluations, with its scores
+    assert all("eval_loss" in v for v in summary["validation"])
+    # the Trainer's own figures beside: its samples/s over the whole train() call, its FLOPs of 6 N x positions
+    trainer = record["trainer_metrics"]
+    assert trainer["train_samples_per_second"] > 0 and trainer["total_flos"] > 0
+    assert "stage        seconds" in result.stdout
+
+
+def test_a_lora_trainer_counts_the_flops_of_what_trains(tmp_path):
+    record, truth, _ = trainer_run(tmp_path, "--lora")
+    assert counted(record, "flops") == pytest.approx(truth["flops"], rel=FLOPS_TOLERANCE)
+    assert record["summary"]["model_flops"]["head"] == "an LM head on every position"
+    # the Trainer's own total_flos counts every weight of the model (6 N), frozen ones included
+    assert record["trainer_metrics"]["total_flos"] > counted(record, "flops")
+
+
+def test_a_trainer_on_two_ddp_ranks_has_the_communication_block(tmp_path, capfd):
+    args = ["--output-dir", str(tmp_path / "runs"), "--truth", str(tmp_path / "truth")]
+    assert run_in_forked_ranks(args, main=hf_trainer.main) == 0, capfd.readouterr().err[-3000:]
+    record = read_record(tmp_path / "runs" / "hf_trainer")
+    truths = [json.loads((tmp_path / f"truth.{rank}").read_text()) for rank in (0, 1)]
+    summary = record["summary"]
+    assert summary["world_size"] == 2 and summary["optimizer_steps"] == truths[0]["optimizer_steps"]
+    assert counted(record, "samples") == sum(t["samples"] for t in truths)
+    assert summary["communication"] is not None and summary["communication"].get("per_rank")
