@@ -63,6 +63,7 @@ def planted(argv: list[str]) -> None:
     encoder, before the embeddings' gradients (the last ones): compute, on both ranks alike. Patched in the rank
     only (it exits after the run)."""
     import train
+    import trainscope.classifier
 
     wrap = torch.nn.parallel.DistributedDataParallel.__init__
 
@@ -70,7 +71,7 @@ def planted(argv: list[str]) -> None:
         wrap(self, *args, **kwargs)
         self.register_comm_hook(None, slow_link)
 
-    build_model_as_usual = train.task.build_model
+    build_model_as_usual = trainscope.classifier.build_model
 
     def build_model(*args, **kwargs):
         model, facts = build_model_as_usual(*args, **kwargs)
@@ -85,7 +86,7 @@ def planted(argv: list[str]) -> None:
         return model, facts
 
     torch.nn.parallel.DistributedDataParallel.__init__ = with_slow_link
-    train.task.build_model = build_model
+    trainscope.classifier.build_model = build_model
     train.main(argv)
 
 

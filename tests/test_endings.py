@@ -39,6 +39,7 @@ sys.path[:0] = [{root!r}, {tests!r}]
 import slow_loader
 slow_loader.every_batch_waits()
 import train
+import trainscope.classifier
 train.main(sys.argv[1:])
 """
 ARGS = [*TINY, *ONE_THREAD, "--max-train-samples", "4096", "--log-every", "5", "--epochs", "3"]
@@ -55,8 +56,9 @@ def slow_test_evaluation(argv: list[str]) -> None:
     rank holding its process id: a window in the final test evaluation, after the last optimizer step's vote, for a
     signal to arrive in."""
     import train
+    import trainscope.classifier
 
-    evaluate, evaluations = train.task.evaluate_split, []
+    evaluate, evaluations = trainscope.classifier.evaluate_split, []
 
     def evaluate_split(model, loader, accelerator, metric, between_batches=None):
         evaluations.append(loader)
@@ -71,7 +73,7 @@ def slow_test_evaluation(argv: list[str]) -> None:
 
         return evaluate(model, loader, accelerator, metric, between)
 
-    train.task.evaluate_split = evaluate_split
+    trainscope.classifier.evaluate_split = evaluate_split
     train.main(argv)
 
 
@@ -79,8 +81,9 @@ def out_of_memory_in_evaluation(argv: list[str]) -> None:
     """train.py's main in a forked rank; rank 1 runs out of memory in the validation's first batch (a rank that
     errs: it does not vanish)."""
     import train
+    import trainscope.classifier
 
-    evaluate = train.task.evaluate_split
+    evaluate = trainscope.classifier.evaluate_split
 
     def evaluate_split(model, loader, accelerator, metric, between_batches=None):
         def between():
@@ -90,7 +93,7 @@ def out_of_memory_in_evaluation(argv: list[str]) -> None:
 
         return evaluate(model, loader, accelerator, metric, between)
 
-    train.task.evaluate_split = evaluate_split
+    trainscope.classifier.evaluate_split = evaluate_split
     train.main(argv)
 
 
@@ -391,8 +394,8 @@ def test_a_rank_that_errs_during_evaluation_is_named_with_its_error(tmp_path, ca
 def test_only_a_collectives_lost_connection_sends_a_rank_looking_for_a_dead_peer():
     import torch
 
+    from trainscope.core.faults import NonFiniteLoss
     from trainscope.run.lifecycle import lost_a_peer
-    from trainscope.run.metrics import NonFiniteLoss
 
     assert lost_a_peer(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5000"))
     assert lost_a_peer(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7)"))

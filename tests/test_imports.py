@@ -321,3 +321,18 @@ def test_the_instrument_imports_no_classifier():
                 if any(name == m or name.startswith(m + ".") for m in CLASSIFIER_MODULES)
             ]
     assert found == []
+
+
+def test_train_py_answers_help_before_torch_loads():
+    """`python train.py --help` (4.5 s on a quiet 2-core machine when it imported the workload first) parses with
+    argparse alone: no torch, transformers, datasets or accelerate (docs/benchmarks.md: its time)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys; sys.argv = ['train.py', '--help']\n"
+        "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'transformers', 'datasets', 'accelerate'} & set(sys.modules)), file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "--per-device-batch-size" in done.stdout and done.stderr.strip().splitlines()[-1] == "[]"

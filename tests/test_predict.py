@@ -395,9 +395,9 @@ def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_p
 
 
 def test_predict_prints_one_screen_exits_0_and_trains_nothing(runs, monkeypatch):
-    import train
+    import trainscope.classifier
 
-    monkeypatch.setattr(train.task, "build_model", lambda *a, **k: pytest.fail("--predict built a model"))
+    monkeypatch.setattr(trainscope.classifier, "build_model", lambda *a, **k: pytest.fail("--predict built a model"))
     result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--predict", "--max-steps", "6"])
     assert_ok(result)
     screen = result.stdout

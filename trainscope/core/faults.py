@@ -21,6 +21,11 @@ class Fault(Exception):
         self.rank, self.caused_by = rank, caused_by
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss became inf or NaN (trainscope.run.metrics reads it at log steps): the run cannot go on; one line,
+    exit status 1."""
+
+
 def one_line(error: BaseException) -> str:
     """The error's message, or its note when one was added (`add_note`), folded to one line."""
     notes = getattr(error, "__notes__", None)

@@ -8,6 +8,8 @@ import argparse
 import dataclasses
 import math
 import sys
+import types
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -438,17 +440,62 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._format_usage(usage, actions, groups, prefix).replace(" ]", "]")
 
 
-def build_parser(*extra_dataclasses, description: str | None = None):
-    """HfArgumentParser over the dataclasses, its flags grouped as Settings is and named with dashes first (underscores
-    parse too)."""
-    from transformers.hf_argparser import HfArgumentParser  # deferred: transformers; trainscope.Run parses nothing
+def truthy(value) -> bool:
+    """A switch's value: yes/no, true/false, t/f, y/n, 1/0 (any case), as transformers' HfArgumentParser reads it."""
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if value.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected yes/no, true/false, t/f, y/n or 1/0, got {value}")
 
-    parser = HfArgumentParser(
-        (Settings, *extra_dataclasses),
+
+def add_field(parser, field: dataclasses.Field, hints: dict) -> None:
+    """One dataclass field as a flag, by transformers' HfArgumentParser's rules (its --name and --dashed-name; an
+    optional X as X; a Literal as its choices; a bool as a switch that also takes a value, with --no-name where it
+    defaults to True; a list as one or more values): the same command lines parse the same, without importing
+    transformers, which a --help would spend half its second on."""
+    kind = hints[field.name]
+    options = [f"--{field.name}"] + ([f"--{field.name.replace('_', '-')}"] if "_" in field.name else [])
+    kwargs = {"help": field.metadata.get("help")}
+    arguments = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in arguments and bool not in arguments:
+        kind = next(a for a in arguments if a is not type(None))
+        arguments = typing.get_args(kind)
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    if typing.get_origin(kind) is typing.Literal:
+        choices = {str(choice): choice for choice in arguments}
+        kwargs.update(choices=arguments, type=lambda value: choices.get(value, value), default=default)
+    elif kind is bool or kind == bool | None:
+        kwargs.update(type=truthy, default=False if default is dataclasses.MISSING else default)
+        if kind is bool or default is not None:
+            kwargs.update(nargs="?", const=True)
+    elif typing.get_origin(kind) is list:
+        kwargs.update(type=arguments[0], nargs="+", default=default)
+    else:
+        kwargs.update(type=kind, default=default)
+    parser.add_argument(*options, **kwargs)
+    if default is True and kwargs["type"] is truthy:
+        parser.add_argument(
+            f"--no_{field.name}", f"--no-{field.name.replace('_', '-')}", action="store_false", dest=field.name,
+            help=field.metadata.get("help"), default=False,
+        )  # fmt: skip
+
+
+def build_parser(*extra_dataclasses, description: str | None = None) -> argparse.ArgumentParser:
+    """A parser of the dataclasses' fields (`add_field`), its flags grouped as Settings is and named with dashes first
+    (underscores parse too)."""
+    parser = argparse.ArgumentParser(
         description=description,
         formatter_class=HelpFormatter,
         usage="%(prog)s [--flag value ...] [--switch ...]  (every flag below, by group; underscores work too)",
     )
+    for dtype in (Settings, *extra_dataclasses):
+        hints = typing.get_type_hints(dtype)
+        for field in dataclasses.fields(dtype):
+            if field.init:
+                add_field(parser, field, hints)
     fields = {field.name for field in dataclasses.fields(Settings)}
     group = None
     for action in list(parser._optionals._group_actions):
@@ -461,6 +508,16 @@ def build_parser(*extra_dataclasses, description: str | None = None):
     return parser
 
 
+def parse_into(parser, dataclass_types, args: list[str]) -> tuple:
+    """The dataclasses' instances from `args`, then the strings no flag took."""
+    namespace, unknown = parser.parse_known_args(args=args)
+    parsed = []
+    for dtype in dataclass_types:
+        names = {field.name for field in dataclasses.fields(dtype) if field.init}
+        parsed.append(dtype(**{name: value for name, value in vars(namespace).items() if name in names}))
+    return (*parsed, unknown)
+
+
 def parse_settings(*extra_dataclasses, argv: list[str] | None = None, description: str | None = None):
     """Parse `Settings` (and a script's own dataclasses) from the command line.
 
@@ -469,9 +526,7 @@ def parse_settings(*extra_dataclasses, argv: list[str] | None = None, descriptio
     """
     parser = build_parser(*extra_dataclasses, description=description)
     args = sys.argv[1:] if argv is None else argv
-    *parsed, unknown = parser.parse_args_into_dataclasses(
-        args=args, return_remaining_strings=True, look_for_args_file=False
-    )
+    *parsed, unknown = parse_into(parser, (Settings, *extra_dataclasses), args)
     if unknown:
         parser.error(f"unknown argument(s): {' '.join(unknown)} (see --help)")
     settings = parsed[0]

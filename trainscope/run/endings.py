@@ -1,13 +1,12 @@
 """How a training script ends when something goes wrong: one line and an exit status, no traceback (train.py and
-any loop instrumented with trainscope.Run use it)."""
+any loop instrumented with trainscope.Run use it). Light: a script's --help passes through it before torch loads."""
 
 import contextlib
-
-import torch
+import sys
 
 from trainscope.core import liveness
 from trainscope.core.errors import Fault, UserError, exit_with, redacted_output
-from trainscope.run.metrics import NonFiniteLoss
+from trainscope.core.faults import NonFiniteLoss
 
 
 class Ending:
@@ -27,11 +26,14 @@ def one_line_endings(distributed_timeout: int = 600):
             yield ending
         except UserError as error:
             exit_with(error, code=2)
-        except (NonFiniteLoss, torch.OutOfMemoryError, Fault) as error:
+        except (NonFiniteLoss, Fault) as error:
             exit_with(error, code=1)
         except KeyboardInterrupt:  # before the run could handle it: nothing was recorded yet
             exit_with(UserError("interrupted while starting: no run was recorded"), code=130)
         except Exception as error:  # before the loop: a peer that failed or vanished, named through the store
+            torch = sys.modules.get("torch")  # loaded by whatever could run out of memory; --help loads none
+            if torch is not None and isinstance(error, torch.OutOfMemoryError):
+                exit_with(error, code=1)
             fault = liveness.explain(error, ending.distributed_timeout)
             if fault is None:
                 raise

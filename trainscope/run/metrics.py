@@ -14,6 +14,7 @@ from accelerate.utils import gather_object
 
 from trainscope.core import environment, precision
 from trainscope.core.environment import compile_stats
+from trainscope.core.faults import NonFiniteLoss
 from trainscope.core.precision import effective_precision
 from trainscope.core.records import now_iso
 from trainscope.core.settings import LOOP_DATASET
@@ -28,10 +29,6 @@ from trainscope.measure.timing import PHASES, StageTimer, make_clock
 from trainscope.run.events import LoopEvents
 from trainscope.run.extras import WorkloadExtras
 from trainscope.run.loop import LoopState
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
 
 
 class RunMetrics:
