@@ -14,17 +14,16 @@ rank, throughput, memory, accuracy, warnings) and steps.jsonl; docs/RECORD.md de
 import sys
 
 import trainscope
-from trainscope.core.settings import Settings, parse_settings
 
 
 def main(argv: list[str] | None = None) -> None:
     with trainscope.one_line_endings() as ending:  # bad input, a fault: one line and an exit status, no traceback
-        (settings,) = parse_settings(argv=argv, description=__doc__)  # --help answers here, before torch loads
+        (settings,) = trainscope.parse_settings(argv=argv, description=__doc__)  # --help answers before torch loads
         ending.distributed_timeout = settings.distributed_timeout
         train(settings)
 
 
-def train(settings: Settings) -> dict:
+def train(settings) -> dict:
     from trainscope import classifier as task  # the workload's pieces: torch, transformers' models, datasets
 
     # ---------------------------------------------------------------- set-up

@@ -252,9 +252,9 @@ def test_a_full_disk_on_save_on_interrupt_still_stops_as_asked_and_says_what_was
 def test_a_collective_that_times_out_ends_in_one_line_and_a_failed_record(runs, monkeypatch):
     """What the NCCL watchdog raises in the training thread once TORCH_NCCL_ASYNC_ERROR_HANDLING=2 aborts the
     communicator (instead of killing the process), planted in a step's loss."""
-    import trainscope.run.loop
+    import trainscope.workload.step
 
-    real, calls = trainscope.run.loop.F.cross_entropy, []
+    real, calls = trainscope.workload.step.F.cross_entropy, []
 
     def cross_entropy(*args, **kwargs):
         calls.append(1)
@@ -265,7 +265,7 @@ def test_a_collective_that_times_out_ends_in_one_line_and_a_failed_record(runs, 
             )
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainscope.run.loop.F, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(trainscope.workload.step.F, "cross_entropy", cross_entropy)
     result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "hung"])
     line = assert_one_line(result, 1)
     assert "a collective timed out after --distributed-timeout 600 s" in line and "Watchdog caught" in line

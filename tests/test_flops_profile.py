@@ -348,9 +348,11 @@ def test_records_carry_flops_and_their_share_of_the_machines_measured_peak_not_a
     assert shapes["batch"] == 16 and shapes["length"] % 8 == 0 and shapes["tflops"] > 0
     assert shapes["layer"]["categories"]["matmul"] > 0 and shapes["layer"]["length"] == shapes["length"]
     line = next(line for line in result.stdout.splitlines() if "measured fp32 matmul peak" in line)
+    from trainscope.run.table import percent  # three significant digits: 7.93%, 0.0183%
+
     assert (
-        f"{measured['share']:.1%} of this machine's measured fp32 matmul peak, {measured['real_share']:.1%} on real "
-        "tokens" in line
+        f"{percent(measured['share'])} of this machine's measured fp32 matmul peak, {percent(measured['real_share'])} "
+        "on real tokens" in line
     )
     assert measured["key_id"] in line and "MFU" not in result.stdout
 

@@ -237,8 +237,9 @@ def test_a_padding_free_run_counts_the_work_its_kernels_did(runs):
     assert record["model"]["unpad"]["layers"] == 2 and record["settings"]["unpad"] is True
     throughput = record["summary"]["throughput"]
     weights, attention = 6 * flops.matmul_parameters(2, 32, 64), 12 * 2 * 32
-    assert throughput["flops"] == weights * throughput["tokens"] + attention * throughput["padded_squares"]
-    assert throughput["real_flops"] == weights * throughput["tokens"] + attention * throughput["squares"]
+    head = record["summary"]["model_flops"]["per_sample"] * throughput["samples"]  # the classifier's, per sequence
+    assert throughput["flops"] == weights * throughput["tokens"] + attention * throughput["padded_squares"] + head
+    assert throughput["real_flops"] == weights * throughput["tokens"] + attention * throughput["squares"] + head
     assert 0 < throughput["padding_flops_share"] < 1
     assert throughput["padding_flops_share"] == pytest.approx(1 - throughput["real_flops"] / throughput["flops"])
     shapes = record["summary"]["measured_peak"]["run_shapes"]

@@ -2,7 +2,7 @@
 
 The public names (docs/instrument.md): `Run` instruments any Accelerate training loop, `TrainscopeCallback` a
 `transformers.Trainer`; `one_line_endings` ends a script on bad input or a fault with one line (raise `UserError` for
-bad input); `fsdp_wrap_rule` names the layers an FSDP config shards; `classifier` holds the pieces of train.py's own
+bad input); `parse_settings` parses train.py's flags (argparse alone: a script's --help answers before torch loads); `fsdp_wrap_rule` names the layers an FSDP config shards; `classifier` holds the pieces of train.py's own
 workload, `embedded` the offline model and corpus.
 Those that load torch or transformers load on first use, so `import trainscope` stays light.
 """
@@ -20,6 +20,7 @@ __all__ = [
     "embedded",
     "fsdp_wrap_rule",
     "one_line_endings",
+    "parse_settings",
     "__version__",
 ]
 
@@ -37,6 +38,10 @@ def __getattr__(name: str):
         from trainscope.trainer import TrainscopeCallback  # deferred: it loads transformers' Trainer
 
         return TrainscopeCallback
+    if name == "parse_settings":
+        from trainscope.core.settings import parse_settings  # deferred: argparse only, but few scripts parse
+
+        return parse_settings
     if name == "one_line_endings":
         from trainscope.run.endings import one_line_endings  # deferred: it loads transformers
 

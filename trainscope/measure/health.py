@@ -20,6 +20,7 @@ from trainscope.measure import machine_kinds
 from trainscope.measure.flops import peak_tflops, variant_reason
 from trainscope.measure.gap import matmul_rate
 
+THREADS_IN_A_LOOP = "torch.set_num_threads(<budget>) in the loop, or trainscope.Run(..., threads='auto')"
 # Fewer steady steps than this and a steady-state figure rests on too few samples.
 MIN_STEADY_STEPS = 10
 # Evaluation above this share of wall time: the run measures evaluation more than training.
@@ -35,10 +36,6 @@ class Check:
     flags: tuple[str, ...] = ()
     at_start: bool = False  # decided by the settings and the environment alone
     loop_fix: str | None = None  # the fix in a loop's own terms (trainscope.Run), where `fix` names train.py's
-
-    def fix_for(self, view: RunView) -> str:
-        """The fix, worded for whoever ran the run: train.py's flags, or the changes to make in one's own loop."""
-        return self.loop_fix if view.own_loop and self.loop_fix else self.fix
 
 
 REGISTRY: dict[str, Check] = {}
@@ -93,8 +90,7 @@ def _threads_where(t: dict) -> str:
     "give each process its share of the cores",
     ("--threads", "auto"),
     at_start=True,
-    loop_fix="give each process its share of the cores: torch.set_num_threads(<budget>) in the loop, or "
-    "trainscope.Run(..., threads='auto')",
+    loop_fix=f"give each process its share of the cores: {THREADS_IN_A_LOOP}",
 )
 def _threads_below(view: RunView):
     t = view.threads
@@ -111,8 +107,7 @@ def _threads_below(view: RunView):
     "stop the processes oversubscribing the cores",
     ("--threads", "auto"),
     at_start=True,
-    loop_fix="stop the processes oversubscribing the cores: torch.set_num_threads(<budget>) in the loop, or "
-    "trainscope.Run(..., threads='auto')",
+    loop_fix=f"stop the processes oversubscribing the cores: {THREADS_IN_A_LOOP}",
 )
 def _threads_above(view: RunView):
     t = view.threads
