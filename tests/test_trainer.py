@@ -53,8 +53,23 @@ def test_a_lora_trainer_counts_the_flops_of_what_trains(tmp_path):
     assert record["trainer_metrics"]["total_flos"] > counted(record, "flops")
 
 
+def test_a_trainer_that_fails_leaves_a_failed_record_with_its_error(tmp_path):
+    """The Trainer's own exception ends the run: the record says failed, with the error's line and the step reached
+    (the exception goes on to the script, as the Trainer raised it)."""
+    with pytest.raises(ValueError, match="a planted fault"):
+        run_in_process(
+            ["--output-dir", str(tmp_path / "runs"), "--truth", str(tmp_path / "truth"), "--epochs", "1",
+             "--fail-at", "5"],
+            main=hf_trainer.main,
+        )  # fmt: skip
+    record = read_record(tmp_path / "runs" / "hf_trainer")
+    assert record["status"] == "failed" and record["error"] == "a planted fault in training batch 5"
+    # Accelerate's loader collates one batch ahead: the fifth while the second window's are fetched, after step 1
+    assert record["failed_at_step"] == 1
+
+
 def test_a_trainer_on_two_ddp_ranks_has_the_communication_block(tmp_path, capfd):
-    args = ["--output-dir", str(tmp_path / "runs"), "--truth", str(tmp_path / "truth")]
+    args = ["--output-dir", str(tmp_path / "runs"), "--truth", str(tmp_path / "truth"), "--epochs", "1"]
     assert run_in_forked_ranks(args, main=hf_trainer.main) == 0, capfd.readouterr().err[-3000:]
     record = read_record(tmp_path / "runs" / "hf_trainer")
     truths = [json.loads((tmp_path / f"truth.{rank}").read_text()) for rank in (0, 1)]

@@ -35,8 +35,10 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[index], "label": index % 2, "split": self.split}
 
 
-def collator(truth: Truth, causal: bool):
+def collator(truth: Truth, causal: bool, fail_at: int = 0):
     def collate(rows):
+        if rows[0]["split"] == "train" and fail_at and sum(truth.shapes.values()) + 1 == fail_at:
+            raise ValueError(f"a planted fault in training batch {fail_at}")
         longest = max(len(r["input_ids"]) for r in rows)
         ids = torch.zeros(len(rows), longest, dtype=torch.long)
         mask = torch.zeros(len(rows), longest, dtype=torch.long)
@@ -58,6 +60,8 @@ def main(argv=None):
     parser.add_argument("--truth", required=True)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--rows", type=int, default=72)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--fail-at", type=int, default=0, help="the collator raises at this training batch")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     truth = Truth(f"{args.truth}.{rank}")
@@ -81,14 +85,14 @@ def main(argv=None):
         model = BertForSequenceClassification._from_config(config, attn_implementation="eager")
     training_args = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=8,
-        per_device_eval_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=1e-3,
+        per_device_eval_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=args.epochs, learning_rate=1e-3,
         eval_strategy="steps", eval_steps=3, logging_steps=2, save_strategy="no", report_to="none",
         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0, remove_unused_columns=False,
     )  # fmt: skip
     callback = trainscope.TrainscopeCallback(name="hf_trainer", output_dir=args.output_dir, log_every=2)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=Rows(args.rows, 0, "train"),
-        eval_dataset=Rows(16, 1, "evaluation"), data_collator=collator(truth, args.lora), callbacks=[callback],
+        eval_dataset=Rows(16, 1, "evaluation"), data_collator=collator(truth, args.lora, args.fail_at), callbacks=[callback],
     )  # fmt: skip
     truth.start()
     trainer.train()
