@@ -59,7 +59,7 @@ DDP_COST_ARGS ?= $(SPEED_ARGS) --max-steps 20
 # make profile also profiles under bf16.yaml: auto where this machine's bf16 matmuls measured faster (on/off to force)
 PROFILE_BF16 ?= auto
 DDP_COST_ROUNDS ?= 5
-# DDP settings to compare with the defaults (empty: all of them; see trainscope/experiments.py DDP_SETTINGS).
+# DDP settings to compare with the defaults (empty: all of them; see SETTINGS in trainscope/experiments/ddp_cost.py).
 DDP_SETTINGS ?=
 # make tune: the README's main command, shortened to a proxy of 30 steps that keeps its evaluation (on a CPU).
 TUNE_ARGS ?= $(TRAIN_ARGS) $(if $(HAS_GPU),,--max-steps 30) --report-to none
@@ -167,7 +167,7 @@ setup: $(VENV)/.project ## create .venv (reusing an installed torch) with everyt
 train: setup ## fine-tune the embedded MiniLM-L6 on the embedded tweets on whatever hardware is here
 	$(LAUNCH) train.py $(TRAIN_ARGS) $(ARGS)
 
-train-lm: setup ## fine-tune a decoder-only language model (embedded tiny GPT-2 on the tweets; CONFIG, ARGS) -> runs/
+train-lm: setup ## train a decoder-only language model from scratch (the embedded tiny GPT-2, random weights, on the tweets; ARGS="--model gpt2": pretrained) -> runs/
 	$(LAUNCH) examples/causal_lm.py $(ARGS)
 
 predict: setup ## predict a run before running it: peak memory (fits or not), step and run time; nothing trained (CONFIG, ARGS)
@@ -228,9 +228,9 @@ tune-confirm: setup ## make tune's final command against make train's on the ful
 advise: setup ## what to try next for one run: make advise RUN=runs/<run-name>
 	$(PY) report.py --advise $(RUN)
 
-report: setup ## every figure and table from runs/ and results/ -> results/report/ (a fresh clone: the committed benchmarks/ -> reports/)
+report: setup ## every figure and table from runs/ and results/ -> results/report/ (a fresh clone: benchmarks/ -> reports/; RUN=<name>: its main run)
 	$(PY) report.py $(if $(filter command line environment,$(origin RUNS)),--runs $(RUNS)) \
-		$(if $(filter command line environment,$(origin RESULTS)),--results $(RESULTS)) $(REPORT_ARGS)
+		$(if $(filter command line environment,$(origin RESULTS)),--results $(RESULTS)) $(if $(RUN),--run $(RUN)) $(REPORT_ARGS)
 
 experiments: profile amp-compare ckpt-compare batch-sweep matrix ddp-cost sweep-workers compare-dp ## run every experiment the report shows
 

@@ -19,6 +19,12 @@ DataParallel needs at least two CUDA devices; with fewer it is reported as not m
 Writes <results-dir>/compare_dp.{json,md,tex,png,pdf} and the two diffs.
 """
 
+from trainscope.core.script_help import answer_help
+from trainscope.experiments.data_parallel.options import CompareSettings
+
+if __name__ == "__main__":
+    answer_help(CompareSettings, __doc__)  # this script's flags, before the imports below load torch (seconds)
+
 import contextlib
 import json
 import os
@@ -34,7 +40,6 @@ from trainscope.core.paths import ROOT
 from trainscope.core.settings import parse_settings
 from trainscope.experiments.data_parallel import loops as dp_compare
 from trainscope.experiments.data_parallel.loops import (
-    CompareSettings,
     NotMeasurable,
     StepClock,
     average_over_ranks,
@@ -166,6 +171,7 @@ def launch_ddp(processes: int, argv: list[str], global_batch: int) -> dict:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    answer_help(CompareSettings, __doc__, argv)
     with redacted_output():
         settings, compare = parse_settings(CompareSettings, argv=argv, description=__doc__)
         if compare.role == "ddp-worker":

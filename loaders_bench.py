@@ -19,6 +19,12 @@ fewest workers within --knee-tolerance of the best) with the flags to use and a 
 knee faster than PyTorch's default (0 workers) in every repeat, slower, or within noise?
 """
 
+from trainscope.core.script_help import answer_help
+from trainscope.experiments.loaders.options import SweepSettings
+
+if __name__ == "__main__":
+    answer_help(SweepSettings, __doc__)  # this script's flags, before the imports below load torch (seconds)
+
 import contextlib
 import dataclasses
 import time
@@ -31,7 +37,6 @@ import torch
 from trainscope.core.errors import UserError, exit_with, redacted_output
 from trainscope.core.settings import Settings, parse_settings
 from trainscope.experiments.loaders import sweep as loader_sweep
-from trainscope.experiments.loaders.sweep import SweepSettings
 from trainscope.measure import bench
 from trainscope.run import startup
 from trainscope.workload.data import build_collator, load_classification_data, worker_options
@@ -143,6 +148,7 @@ def run_sweep(settings: Settings, sweep: SweepSettings) -> dict:
 
 
 def main(argv=None) -> None:
+    answer_help(SweepSettings, __doc__, argv)
     with redacted_output():
         settings, sweep = parse_settings(SweepSettings, argv=argv, description=__doc__)
         warnings.filterwarnings("ignore", message=".*This DataLoader will create.*")

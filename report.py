@@ -1,18 +1,20 @@
-"""Every figure and table from what has been run: reports/report.md, reports/report.pdf and the parts.
+"""Every figure and table from what has been run: report.md, report.pdf and their parts, into results/report/ for
+your runs, or into reports/ (the committed report) when built from the committed benchmarks.
 
 Reads the run records under --runs and the results files under --results; each experiment declared in
 trainscope.experiments writes its own section (a figure, booktabs LaTeX tables, text), in the registry's
 order, and every figure is followed by the health warnings of the runs it shows. An experiment that has
 not been run becomes a line naming the make target that produces it; a corrupt, foreign or
-unknown-schema record is skipped with a one-line reason, listed in the report. reports/inputs.json lists
+unknown-schema record is skipped with a one-line reason, listed in the report. inputs.json, beside the report, lists
 every file read with its sha256, and the report's provenance (collected before anything is written).
 
 Without --runs and --results, the report is built from runs/ and results/ when either exists (what you
 have run), else from the committed benchmarks/runs and benchmarks/ (a fresh clone), and says which. The
 committed inputs' report goes to reports/ (tracked: the committed report); any other's to results/report/
-(ignored), so a report of your runs never replaces the committed one.
+(ignored), so a report of your runs never replaces the committed one. "Where the time went" shows make train's
+run, or the one --run names (docs/design.md#which-run-the-report-calls-the-main-run).
 
-    python report.py [--runs runs] [--results results] [--out DIR]
+    python report.py [--runs runs] [--results results] [--out DIR] [--run NAME]
     python report.py --advise RUN_FOLDER          # what to try next for one run (no report written)
 """
 
@@ -22,21 +24,21 @@ import sys
 import tempfile
 from datetime import date
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainscope.advice import advisor
-from trainscope.core import provenance
 from trainscope.core.paths import ROOT
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, write_json_atomic, write_text_atomic
-from trainscope.experiments import REGISTRY, SECTIONS
-from trainscope.report import inputs as reporting
-from trainscope.report.book import Book
-from trainscope.report.writer import ReportWriter
+
+if TYPE_CHECKING:
+    from trainscope.report.inputs import Collected
+    from trainscope.report.writer import ReportWriter
 
 COMMITTED = (ROOT / "benchmarks" / "runs", ROOT / "benchmarks")
 
 
-def write_section(report: ReportWriter, found: reporting.Collected, experiment) -> None:
+def write_section(report: "ReportWriter", found: "Collected", experiment) -> None:
     """One section. A comparison or results file of another shape (an older trainscope's, a hand-edited one)
     skips the section with its reason, checked before the section runs; an error inside a section is a bug
     in trainscope and ends the report with its traceback."""
@@ -57,8 +59,19 @@ def write_section(report: ReportWriter, found: reporting.Collected, experiment) 
     report.text(f"(skipped: {why})")
 
 
-def build(runs: Path, results: Path, out: Path, source_line: str = "") -> ReportWriter:
+def build(runs: Path, results: Path, out: Path, source_line: str = "", main_run: str | None = None) -> "ReportWriter":
+    # deferred: the report's modules load torch and every experiment's, which --help and --advise need none of
+    from trainscope.core import provenance
+    from trainscope.experiments import REGISTRY, SECTIONS
+    from trainscope.report import inputs as reporting
+    from trainscope.report.book import Book
+    from trainscope.report.writer import ReportWriter
+
     found = reporting.collect(runs, results, REGISTRY)  # sections read inputs of experiments without one too
+    found.asked_run = main_run
+    if main_run is not None and reporting.named_run(found, main_run) is None:
+        print(f"error: --run {main_run}: no complete run of that name or folder under {runs}", file=sys.stderr)
+        sys.exit(2)
     for line in found.skipped:
         print(f"warning: skipped {line}", file=sys.stderr)
     # before anything is written: the tree as it was; every path in it the project's own (reporting.shown_path)
@@ -108,7 +121,7 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "") -> Report
     return report
 
 
-def measured_on(found: reporting.Collected) -> list[str]:
+def measured_on(found: "Collected") -> list[str]:
     """The provenance's lines naming every machine whose records or results this report read, with how many."""
     lines = []
     for machine, paths in found.machines.items():
@@ -121,7 +134,7 @@ def measured_on(found: reporting.Collected) -> list[str]:
     return lines or ["- measured on: no input names its machine"]
 
 
-def log_figures_to_wandb(report: ReportWriter, out: Path) -> list[str]:
+def log_figures_to_wandb(report: "ReportWriter", out: Path) -> list[str]:
     """Add each figure to the W&B runs it shows, for runs that used W&B (offline ones stay offline)."""
     by_run = {}
     for name, records in report.figure_runs.items():
@@ -179,6 +192,8 @@ def inputs(args, parser) -> tuple[Path, Path, str]:
         return runs, results, ""
     if Path("runs").is_dir() or Path("results").is_dir():
         return Path("runs"), Path("results"), " (your runs)"
+    from trainscope.report import inputs as reporting  # deferred: it loads torch
+
     shown = [reporting.shown_path(path) for path in COMMITTED]
     print(f"No runs/ or results/ here yet: building the committed report from {shown[0]} and {shown[1]}.")
     return *COMMITTED, " (the committed benchmarks: no runs/ or results/ here yet)"
@@ -199,13 +214,19 @@ def main(argv=None) -> None:
         default=None,
         help="output folder, replaced (default: reports/ for the committed benchmarks, else results/report/)",
     )
+    parser.add_argument(
+        "--run",
+        metavar="NAME",
+        help="the run 'where the time went' shows, by its name or folder (default: make train's newest run, else "
+        "make profile's)",
+    )
     parser.add_argument("--advise", metavar="RUN", help="print what to try next for one run (its folder) and stop")
     args = parser.parse_args(argv)
     if args.advise:
         return advise(args.advise)
     runs, results, source = inputs(args, parser)
     out = Path(args.out) if args.out else default_out(runs, results)
-    build(runs, results, out, source)
+    build(runs, results, out, source, args.run)
     print(f"wrote {out / 'report.md'} and {out / 'report.pdf'}")
 
 

@@ -1,10 +1,12 @@
 """What a newcomer's first `make train` shows: no library boilerplate a person cannot act on."""
 
+import json
 import os
 import shlex
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, cpu_env, planned_launch
 
 from trainscope.core.settings import Settings
@@ -83,10 +85,8 @@ def _planted_setup(tmp_path, failing: bool) -> subprocess.CompletedProcess:
     without torch, a venv Python without torch, and installers that succeed or fail with a planted error."""
     venv, bin_dir = tmp_path / "venv", tmp_path / "bin"
     bin_dir.mkdir(parents=True)
-    venv_python = (
-        "#!/bin/sh\n"
-        'case "$2" in *"import torch"*) exit 1;; esac\n'
-        + ('if [ "$3" = install ]; then echo "ERROR: planted pip failure" >&2; exit 1; fi\n' if failing else "")
+    venv_python = '#!/bin/sh\ncase "$2" in *"import torch"*) exit 1;; esac\n' + (
+        'if [ "$3" = install ]; then echo "ERROR: planted pip failure" >&2; exit 1; fi\n' if failing else ""
     )
     system = bin_dir / "python3"
     system.write_text(
@@ -95,7 +95,9 @@ def _planted_setup(tmp_path, failing: bool) -> subprocess.CompletedProcess:
         f"mkdir -p {venv}/bin && cat > {venv}/bin/python <<'END'\n{venv_python}END\nchmod +x {venv}/bin/python\n"
     )
     uv = bin_dir / "uv"
-    uv.write_text("#!/bin/sh\n" + ('echo "error: planted: no solution for nothing==9.9" >&2; exit 1\n' if failing else ""))
+    uv.write_text(
+        "#!/bin/sh\n" + ('echo "error: planted: no solution for nothing==9.9" >&2; exit 1\n' if failing else "")
+    )
     for planted in (system, uv):
         planted.chmod(0o755)
     env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}")
@@ -119,3 +121,33 @@ def test_make_setup_says_in_a_few_short_lines_what_it_installs_and_where(tmp_pat
     failed = _planted_setup(tmp_path / "failing", failing=True)
     assert failed.returncode != 0
     assert "error: planted: no solution" in failed.stderr and "ERROR: planted pip failure" in failed.stderr
+
+
+HELP_AND_IMPORTS = """
+import contextlib, io, json, runpy, sys
+sys.argv = [sys.argv[1], "--help"]
+out = io.StringIO()
+try:
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as end:
+    assert end.code in (0, None), end.code
+heavy = ("torch", "transformers", "accelerate", "datasets", "evaluate", "matplotlib", "numpy")
+print(json.dumps({"help": out.getvalue(), "loaded": [name for name in heavy if name in sys.modules]}))
+"""
+
+
+@pytest.mark.parametrize("script", ["loaders_bench.py", "compare_dp.py", "report.py"])
+def test_a_scripts_help_loads_no_torch_and_lists_its_own_flags(script):
+    """--help answers before torch, transformers or accelerate load (over a second on 2 cores: docs/benchmarks.md),
+    checked by what it imported rather than by a clock. The scripts that take train.py's flags list their own and
+    point to train.py's --help instead of repeating its hundreds of lines."""
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_AND_IMPORTS, script], capture_output=True, text=True, env=cpu_env(), cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout)
+    assert answer["loaded"] == [] and answer["help"].startswith("usage:")
+    if script != "report.py":
+        assert "python train.py --help" in answer["help"] and "--results-dir" in answer["help"]
+        assert "--learning-rate" not in answer["help"] and len(answer["help"].splitlines()) < 100

@@ -17,6 +17,7 @@ from test_report_pdf import check_report, glance_titles
 
 import report
 from trainscope.core import provenance
+from trainscope.core.record_view import RunView
 from trainscope.experiments import REGISTRY, SECTIONS
 from trainscope.report import inputs as reporting
 
@@ -78,7 +79,10 @@ def test_every_section_is_there_or_names_its_make_target(built):
 def test_the_time_breakdown_comes_from_the_run_without_the_profiler(built):
     runs, _, out = built
     text = (out / "report.md").read_text()
-    assert "From run `default-r0`, which ran without the profiler." in text
+    assert (
+        "From run `default-r0` (make profile's run; `--run NAME` picks another), which ran without the profiler."
+        in text
+    )
     pie_part = text.split("## Where the time went")[1].split("## ")[0]
     assert "profiler_on" not in pie_part.split("Top operators")[0]  # the pie's run did not profile
     assert "Top operators by self time" in pie_part and "Profiler overhead on the traced steps" in pie_part
@@ -225,10 +229,12 @@ def test_a_bug_in_a_section_ends_the_report_instead_of_passing_for_a_foreign_inp
     def broken(report_writer, found):
         raise KeyError("a bug in trainscope")
 
+    from trainscope.experiments import registry
+
     monkeypatch.setattr(
-        report,
+        registry,
         "SECTIONS",
-        [dataclasses.replace(e, section=broken) if e.name == "matrix" else e for e in report.SECTIONS],
+        [dataclasses.replace(e, section=broken) if e.name == "matrix" else e for e in registry.SECTIONS],
     )
     with pytest.raises(KeyError, match="a bug in trainscope"):
         report.build(runs, results, tmp_path / "reports")
@@ -409,7 +415,8 @@ def test_an_experiments_results_kept_beside_its_folder_are_read_as_its_own(tmp_p
 
 def test_figures_go_to_the_wandb_run_that_used_it(tmp_path, monkeypatch):
     """A run that logged to W&B (offline), then the report of it: its figures go to that run (both in this
-    process: neither the launcher nor the imports are what this is about)."""
+    process: neither the launcher nor the imports are what this is about; the run is named, its record's command
+    being this process's, not train.py's)."""
     runs = tmp_path / "runs"
     monkeypatch.setenv("WANDB_MODE", "offline")
     completed = run_in_process(
@@ -417,7 +424,8 @@ def test_figures_go_to_the_wandb_run_that_used_it(tmp_path, monkeypatch):
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     completed = run_in_process(
-        ["--runs", str(runs), "--results", str(tmp_path / "none"), "--out", str(tmp_path / "out")], main=report.main
+        ["--runs", str(runs), "--results", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--run", "default"],
+        main=report.main,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "logged the report's figures to W&B run default" in completed.stdout
@@ -778,3 +786,33 @@ def test_a_report_of_your_runs_never_replaces_the_committed_report(tmp_path, mon
         ["git", "check-ignore", "-q", "results/report/report.md"], cwd=ROOT, capture_output=True
     ).returncode
     assert ignored == 0 and "/results/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_main_run_is_make_trains_not_the_newest(tmp_path):
+    """make train, then make train-lm, then make report: "where the time went" on page one is make train's run,
+    named with why it was chosen, not train-lm's newer one; --run picks another. Both runs are real (tiny, in this
+    process), each recording as its command the one its make target launches."""
+    import runpy
+    import time
+
+    from trainscope.experiments import profile
+
+    runs = tmp_path / "runs"
+    train_args = [*shlex.split(TINY), "--max-steps", "2", "--output-dir", str(runs), "--run-name", "trained"]
+    lm_args = ["--steps", "2", "--seq-length", "32", "--batch-size", "4", "--max-texts", "300", "--log-every", "1"]
+    lm_args += ["--output-dir", str(runs), "--run-name", "lm"]
+    lm_main = runpy.run_path(str(ROOT / "examples" / "causal_lm.py"), run_name="causal_lm")["main"]
+    for target, args, main in (("train", train_args, None), ("train-lm", lm_args, lm_main)):
+        time.sleep(1.1 * (target == "train-lm"))  # a record's finish time has whole seconds: train-lm's is newer
+        planned = run_command(["make", "-n", target, f"ARGS={shlex.join(args)}"], env=cpu_env()).stdout
+        (command,) = [shlex.split(line) for line in planned.splitlines() if " launch " in line]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "orig_argv", command)
+            completed = run_in_process(args, main=main)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+    found = reporting.collect(runs, tmp_path / "none", REGISTRY)
+    assert [RunView(r).script for r in found.top_runs] == ["causal_lm.py", "train.py"]  # folders in name order
+    assert RunView(found.top_runs[0]).finished > RunView(found.top_runs[1]).finished  # train-lm's is the newest
+    assert "(run `trained`, make train's newest run, profiler off)" in profile.headline(found).text
+    found.asked_run = "lm"
+    assert "(run `lm`, named by --run, profiler off)" in profile.headline(found).text

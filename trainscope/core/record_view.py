@@ -45,6 +45,13 @@ class RunView:
         return self.record.get("finished") or ""
 
     @property
+    def script(self) -> str | None:
+        """The file name of the script its command ran (`train.py` from `accelerate launch ... train.py ...` or
+        `python train.py ...`), None where the command names no .py file."""
+        command = (self.record.get("provenance") or {}).get("command") or ""
+        return next((part.rsplit("/", 1)[-1] for part in command.split() if part.endswith(".py")), None)
+
+    @property
     def own_loop(self) -> bool:
         """A record of its user's own training (trainscope.Run on their loop, or their Trainer with trainscope's
         callback), not train.py's."""
@@ -333,6 +340,24 @@ class RunView:
         """The run against its machine's measured peak for the precision in effect: {precision, peak_tflops,
         peak_shape, spread, measured, key_id, achieved_tflops, share, gap_estimate} (schema 5)."""
         return self.summary.get("measured_peak")
+
+    @property
+    def run_operations(self) -> dict | None:
+        """The run's own layers timed alone after the loop (trainscope.measure.operations): {layers, flops,
+        configurations [{name, precision, threads, rows, seconds {median, low, high} per micro-batch, error}],
+        precision, threads, micro_batches_per_step, basis}, or {reason} where none were watched; None in older
+        records."""
+        return ((self.measured_peak or {}).get("run_shapes") or {}).get("operations")
+
+    @property
+    def micro_batch_s(self) -> float | None:
+        """Training seconds per micro-batch over the phase the throughput covers (steady, else warm-up): the slowest
+        rank's training time less evaluation over rank 0's micro-batches."""
+        wall = self.throughput.get("train_wall_s")
+        counts = (self.per_rank[0].get("counts") or {}) if self.per_rank else {}
+        phase = "steady" if (counts.get("steady") or {}).get("optimizer_steps") else "warmup"
+        micro_batches = (counts.get(phase) or {}).get("micro_batches")
+        return wall / micro_batches if wall and micro_batches else None
 
     @property
     def model_flops(self) -> dict:

@@ -63,12 +63,12 @@ def profiler_overhead(default_run: Path, profiled_run: Path, window: dict) -> di
 
 
 def section(report, found: reporting.Collected) -> None:
-    record = reporting.pick_breakdown_run(found)
+    record, why = reporting.breakdown_choice(found)
     if not report.begin(EXPERIMENT.title, record, EXPERIMENT.missing()):
         return
     breakdown = reporting.time_breakdown(record)
     report.text(
-        f"From run `{breakdown['run']}`, which ran without the profiler"
+        f"From run `{breakdown['run']}` ({why}; `--run NAME` picks another), which ran without the profiler"
         + ("." if "profile" in found.runs else f" ({EXPERIMENT.missing()})")
     )
     report.figure(pie(breakdown), "time_breakdown", "Share of wall time per category", [record])
@@ -88,8 +88,7 @@ def section(report, found: reporting.Collected) -> None:
 
 
 def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
-    """The section's runs: the time breakdown's (make profile's unprofiled run, else the newest run anywhere) and
-    make profile's."""
+    """The section's runs: the time breakdown's (trainscope.report.inputs.pick_breakdown_run) and make profile's."""
     main, runs = reporting.pick_breakdown_run(found), found.runs.get("profile", {})
     own = list(runs.items())
     return own if main is None or any(main is r for r in runs.values()) else [(RunView(main).name, main), *own]
@@ -101,14 +100,14 @@ def share(row: dict) -> str:
 
 def headline(found: reporting.Collected) -> Headline | None:
     """The five categories' shares of the wall time, largest first, as the section's table gives them."""
-    record = reporting.pick_breakdown_run(found)
+    record, why = reporting.breakdown_choice(found)
     if record is None:
         return None
     breakdown = reporting.time_breakdown(record)
     ordered = sorted(breakdown["categories"], key=lambda c: -c["seconds"])
     return Headline(
         ", ".join(f"{c['name']} {share(c)}" for c in ordered) + f" of {num(breakdown['wall_s'])} s "
-        f"(run `{breakdown['run']}`, profiler off)",
+        f"(run `{breakdown['run']}`, {why}, profiler off)",
         f"{ordered[0]['name']} takes the most",
     )
 

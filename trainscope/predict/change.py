@@ -1,5 +1,5 @@
 """What a change would do: the predicted speed-up of train.py flags or an Accelerate config against a baseline run,
-on the same work (make tune's measure, trainscope.experiments.tuning.work_seconds), from two predictions on this machine."""
+on the same work (make tune's measure, trainscope.advice.judge.work_seconds), from two predictions on this machine."""
 
 from trainscope.predict import calibration
 from trainscope.predict.block import predict
@@ -8,7 +8,7 @@ from trainscope.predict.workload import Workload, changed_settings, settings_of,
 
 def same_work_seconds(block: dict, workload: Workload) -> tuple[float, float, float]:
     """(seconds of the run for its training tokens and evaluation, training tokens): what make tune compares, the
-    training part per real token (trainscope.experiments.tuning.work_seconds)."""
+    training part per real token (trainscope.advice.judge.work_seconds)."""
     timing = block["time"]
     settings = workload.settings
     tokens = (

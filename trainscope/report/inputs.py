@@ -44,6 +44,8 @@ class Folder:
 class Collected:
     runs: dict = field(default_factory=dict)  # experiment -> {run name: record (with "steps")} of its declared folder
     other_runs: list = field(default_factory=list)  # complete records outside the experiment folders
+    top_runs: list = field(default_factory=list)  # those of them directly under the runs folder (make train's)
+    asked_run: str | None = None  # the main run named on report.py's command line (--run)
     comparisons: dict = field(default_factory=dict)  # experiment -> its declared folder's comparison.json
     folders: dict = field(default_factory=dict)  # experiment -> [Folder]: its declared one, then those kept beside it
     results: dict = field(default_factory=dict)  # experiment -> its results file, parsed
@@ -132,6 +134,8 @@ def _collect_record(found: Collected, path: Path, runs_dir: Path, folders: dict)
         folders[folder].runs[path.parent.name] = record
     else:
         found.other_runs.append(record)
+        if path.parent.parent == runs_dir:
+            found.top_runs.append(record)
 
 
 def rejudged(comparison: dict, records: dict) -> dict:
@@ -230,18 +234,43 @@ def time_breakdown(record: dict) -> dict:
 
 
 def pick_breakdown_run(found: Collected) -> dict | None:
-    """The report's main run: `make profile`'s unprofiled default run, else the newest complete run
-    anywhere that did not profile."""
-    profile_runs = found.runs.get("profile", {})
-    if "default-r0" in profile_runs:
-        return profile_runs["default-r0"]
+    """The report's main run (where the time went): the run named by report.py --run; else make train's, the newest
+    unprofiled run of train.py directly under the runs folder (a make train-lm run, an experiment's runs and your own
+    loop's are not train.py's or not there) measured on the machine of make profile's runs where there are some (the
+    section shows them beside it); else make profile's unprofiled default run. Never simply the newest run:
+    docs/design.md#which-run-the-report-calls-the-main-run."""
+    return breakdown_choice(found)[0]
+
+
+def breakdown_choice(found: Collected) -> tuple[dict | None, str]:
+    """(the report's main run, why it is the one: a phrase the page prints beside its name)."""
+    if found.asked_run is not None:
+        return named_run(found, found.asked_run), "named by --run"
+    profiled = found.runs.get("profile", {})
+    machines = {RunView(r).machine for r in profiled.values()}
+    trained = [r for r in found.top_runs if RunView(r).script == "train.py" and not RunView(r).setting("profile")]
+    beside = [r for r in trained if not machines or RunView(r).machine in machines]
+    if beside:
+        return max(beside, key=lambda r: RunView(r).finished), "make train's newest run"
+    default = profiled.get("default-r0")
+    if default is None:
+        return None, ""
+    return default, "make profile's run" + ("; make train's ran on another machine" if trained else "")
+
+
+def all_runs(found: Collected) -> list[dict]:
+    """Every complete record collected: the experiments' folders, those kept beside them, and the others."""
     kept = [r for folders in found.folders.values() for f in folders if f.kept for r in f.runs.values()]
-    candidates = [
-        r
-        for r in found.other_runs + [r for runs in found.runs.values() for r in runs.values()] + kept
-        if not RunView(r).setting("profile")
-    ]
-    return max(candidates, key=lambda r: RunView(r).finished, default=None)
+    return [*found.other_runs, *(r for runs in found.runs.values() for r in runs.values()), *kept]
+
+
+def named_run(found: Collected, name: str) -> dict | None:
+    """The run called `name` (its run name, or its folder's path under the runs folder), None where none is."""
+    wanted = Path(name)
+    return next(
+        (r for r in all_runs(found) if RunView(r).name == name or (r.get("path") and Path(r["path"]) == wanted)),
+        None,
+    )
 
 
 # ---------------------------------------------------------------- runs side by side

@@ -1,8 +1,8 @@
-"""What compare_dp.py needs around its three loops: its settings, the step clock and the helpers the loops share,
-the inputs built as train.py builds them, the torchrun launch of the DDP workers, and the analysis and writing of
-its results (the speed ratios with their verdicts, the code diffs, the N-GPU projection, Markdown, JSON, LaTeX and
-the figure). The loops themselves (single device, nn.DataParallel, DDP) stay in compare_dp.py, where a reader
-sees them side by side."""
+"""What compare_dp.py needs around its three loops (its flags are in trainscope.experiments.data_parallel.options):
+the step clock and the helpers the loops share, the inputs built as train.py builds them, the torchrun launch of the
+DDP workers, and the analysis and writing of its results (the speed ratios with their verdicts, the code diffs, the
+N-GPU projection, Markdown, JSON, LaTeX and the figure). The loops themselves (single device, nn.DataParallel, DDP)
+stay in compare_dp.py, where a reader sees them side by side."""
 
 import difflib
 import gc
@@ -12,16 +12,16 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers.hf_argparser import HfArg
 
 from trainscope.core import environment, launching
 from trainscope.core.errors import UserError
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, write_text_atomic
+from trainscope.experiments.data_parallel.options import CompareSettings
 from trainscope.experiments.data_parallel.results import figure, projection_table, results_table
 from trainscope.measure import bench
 from trainscope.measure.communication.measured import INTERCONNECTS, ring_allreduce_seconds
@@ -46,74 +46,6 @@ ANCHORS = [
         "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
     },
 ]
-ASSUMED_COMPUTE_STEP_S = 0.1
-
-
-@dataclass
-class CompareSettings:
-    steps: int = HfArg(default=20, help="Timed optimizer steps in every loop (after the warm-up steps).")
-    warmup_steps: int = HfArg(default=2, help="Untimed first steps of every loop (allocations, lazy set-up).")
-    global_batch_size: int = HfArg(
-        default=32,
-        help="Samples per optimizer step, summed over devices; rounded "
-        "to the nearest multiple of the DDP process count when it does not divide.",
-    )
-    ddp_processes: int | None = HfArg(default=None, help="DDP processes; default: the GPU count, or 2 on a CPU.")
-    rounds: int = HfArg(default=5, help="Alternating rounds of the variants (median, min-max, verdict).")
-    results_dir: str = HfArg(default="results/compare_dp", help="Where results, tables, plot and diffs go.")
-    projection_gpus: list[int] = HfArg(
-        default_factory=lambda: [1, 2, 4, 8, 16], help="GPU counts for the DDP step-time projection."
-    )
-    interconnect: list[str] = HfArg(
-        default_factory=lambda: list(INTERCONNECTS), help=f"Presets to project for: {', '.join(INTERCONNECTS)}."
-    )
-    bandwidth_gbs: float | None = HfArg(default=None, help="Custom all-reduce bandwidth in GB/s (adds a 'custom' row).")
-    latency_us: float = HfArg(default=10.0, help="Per-hop latency in microseconds for --bandwidth-gbs.")
-    overlap: float = HfArg(
-        default=0.0,
-        help="Share of the all-reduce hidden behind backward (DDP buckets); 0 assumes none, the pessimistic bound.",
-    )
-    gpu_record: str | None = HfArg(
-        default=None,
-        help="A run record (record.json or its folder) of a GPU run: the "
-        "projection takes its measured steady step time as the compute per step.",
-    )
-    assumed_compute_step_s: float = HfArg(
-        default=ASSUMED_COMPUTE_STEP_S,
-        help="Compute seconds per step assumed "
-        "by the projection when no --gpu-record is given (said so in the output).",
-    )
-    ddp_cost: str | None = HfArg(
-        default=None,
-        help="A `make ddp-cost` comparison.json: the projection adds a row "
-        "with the all-reduce bandwidth measured there.",
-    )
-    role: str = HfArg(default="compare", help="Internal: 'ddp-worker' runs one DDP process.")
-    result_file: str | None = HfArg(default=None, help="Internal: where a DDP worker writes its result.")
-
-    def validate(self):
-        for flag, value in (
-            ("steps", self.steps),
-            ("global-batch-size", self.global_batch_size),
-            ("rounds", self.rounds),
-        ):
-            if value < 1:
-                raise UserError(f"--{flag} must be at least 1, got {value}")
-        if self.warmup_steps < 0:
-            raise UserError(f"--warmup-steps must be 0 or more, got {self.warmup_steps}")
-        if self.ddp_processes is not None and self.ddp_processes < 1:
-            raise UserError(f"--ddp-processes must be at least 1, got {self.ddp_processes}")
-        unknown = [name for name in self.interconnect if name not in INTERCONNECTS]
-        if unknown:
-            raise UserError(f"unknown interconnect(s) {unknown}: choose from {', '.join(INTERCONNECTS)}")
-        if not 0 <= self.overlap <= 1:
-            raise UserError(f"--overlap must be between 0 and 1, got {self.overlap}")
-        if any(n < 1 for n in self.projection_gpus):
-            raise UserError("--projection-gpus must be positive")
-        if self.assumed_compute_step_s <= 0:
-            raise UserError("--assumed-compute-step-s must be positive")
-
-
 # ---------------------------------------------------------------- helpers the loops share
 
 
@@ -513,7 +445,7 @@ def projection(compare: CompareSettings, single: dict, processes: int) -> dict:
             f"an ASSUMED {compute:.3f} s of compute per step at batch {per_device} (no --gpu-record given: this "
             "CPU's step time says nothing about a GPU's)"
         )
-    presets = {name: INTERCONNECTS[name] for name in compare.interconnect}
+    presets = {name: INTERCONNECTS[name] for name in compare.interconnect or INTERCONNECTS}
     measured = json.loads(Path(compare.ddp_cost).read_text()).get("ring_model") if compare.ddp_cost else None
     if measured:
         presets["measured"] = {

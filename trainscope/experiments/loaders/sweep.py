@@ -1,8 +1,8 @@
-"""What loaders_bench.py needs around its sweep: its settings, the grid of DataLoader settings, the on-the-fly and
-in-training modes' inputs (raw rows with a tokenizing collate; a few real training steps per setting), the summary
-with each curve's knee and its verdict against PyTorch's default, and the writing of the results (JSON, Markdown,
-CSV, the figure) and the recommendations. The sweep itself (the DataLoader built for each setting and the timed
-pass over it) stays in loaders_bench.py."""
+"""What loaders_bench.py needs around its sweep (its flags are in trainscope.experiments.loaders.options): the grid
+of DataLoader settings, the on-the-fly and in-training modes' inputs (raw rows with a tokenizing collate; a few real
+training steps per setting), the summary with each curve's knee and its verdict against PyTorch's default, and the
+writing of the results (JSON, Markdown, CSV, the figure) and the recommendations. The sweep itself (the DataLoader
+built for each setting and the timed pass over it) stays in loaders_bench.py."""
 
 import csv
 import dataclasses
@@ -11,103 +11,21 @@ import itertools
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers.hf_argparser import HfArg
 
 from trainscope.core import environment
-from trainscope.core.errors import UserError
 from trainscope.core.records import write_text_atomic
 from trainscope.core.results_view import LoaderSweepView
 from trainscope.core.settings import Settings
+from trainscope.experiments.loaders.options import SweepSettings
 from trainscope.experiments.loaders.results import PYTORCH_DEFAULT_WORKERS, curve_name, figure, knee_table, knee_verdict
 from trainscope.measure import bench
 from trainscope.measure.timing import StageTimer, make_clock
 from trainscope.report.tables import save_figure
 from trainscope.workload.data import labelled_splits
-
-MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
-MAX_WORKERS = 64
-# The sweep's one set of defaults (make sweep-workers passes none of its own)
-DEFAULT_WORKERS = (0, 1, 2, 3, 4, 6, 8, 10)
-DEFAULT_MODES = ("pretokenized", "on-the-fly", "in-training")
-
-
-@dataclass
-class SweepSettings:
-    workers: list[int] = HfArg(
-        default_factory=lambda: list(DEFAULT_WORKERS), help="num_workers values to time (default 0-4, 6, 8 and 10)."
-    )
-    repeats: int = HfArg(
-        default=5,
-        help="Timed passes per setting, in alternating order; median, min and max are "
-        "reported, and a verdict against the default needs 5.",
-    )
-    modes: list[str] = HfArg(
-        default_factory=lambda: list(DEFAULT_MODES),
-        help=f"Any of {', '.join(MODES)} (default {', '.join(DEFAULT_MODES)}).",
-    )
-    pin_memory_values: list[str] = HfArg(
-        default_factory=lambda: ["auto"], help="pin_memory values to sweep: true, false, auto (on with CUDA)."
-    )
-    persistent_workers_values: list[str] = HfArg(
-        default_factory=lambda: ["false"], help="persistent_workers values to sweep: true, false."
-    )
-    prefetch_factors: list[int] = HfArg(
-        default_factory=lambda: [2], help="prefetch_factor values to sweep (used when num_workers > 0)."
-    )
-    batch_sizes: list[int] | None = HfArg(default=None, help="Batch sizes to sweep; default --per-device-batch-size.")
-    passes: int = HfArg(
-        default=1,
-        help="Passes per loader; with --persistent-workers the second pass shows what keeping workers alive saves.",
-    )
-    train_steps: int = HfArg(
-        default=8, help="Timed training steps per setting in the in-training mode (after 2 untimed ones)."
-    )
-    knee_tolerance: float = HfArg(
-        default=0.05,
-        help="The knee is the fewest workers within this fraction "
-        "of the best median pass time; in the in-training mode, within this "
-        "many points of step time of the lowest data share (0.05: 5 points).",
-    )
-    results_dir: str = HfArg(default="results/loaders", help="Where the results and the plot go.")
-    processes_per_node: int = HfArg(
-        default=1,
-        help="Training processes that will share this machine's "
-        "cores (the CPU budget per process is usable cores / this).",
-    )
-
-    def validate(self):
-        if not self.workers:
-            raise UserError("--workers needs at least one value")
-        if any(w < 0 for w in self.workers):
-            raise UserError(f"--workers must be 0 or more, got {self.workers}")
-        if max(self.workers) > MAX_WORKERS:
-            raise UserError(f"--workers above {MAX_WORKERS} is not a sane DataLoader setting, got {max(self.workers)}")
-        unknown = [m for m in self.modes if m not in MODES]
-        if unknown:
-            raise UserError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
-        bad_pin = [p for p in self.pin_memory_values if p not in ("true", "false", "auto")]
-        if bad_pin:
-            raise UserError(f"--pin-memory-values takes true, false or auto, got {bad_pin}")
-        bad_persistent = [p for p in self.persistent_workers_values if p not in ("true", "false")]
-        if bad_persistent:
-            raise UserError(f"--persistent-workers-values takes true or false, got {bad_persistent}")
-        for flag, values in (("prefetch-factors", self.prefetch_factors), ("batch-sizes", self.batch_sizes or [1])):
-            if any(v <= 0 for v in values):
-                raise UserError(f"--{flag} must be positive, got {values}")
-        for flag, value in (
-            ("repeats", self.repeats),
-            ("passes", self.passes),
-            ("train-steps", self.train_steps),
-            ("processes-per-node", self.processes_per_node),
-        ):
-            if value < 1:
-                raise UserError(f"--{flag} must be at least 1, got {value}")
-        if not 0 <= self.knee_tolerance < 1:  # checked up front: a sweep must not end without its knee
-            raise UserError(f"--knee-tolerance must be at least 0 and below 1, got {self.knee_tolerance}")
 
 
 def device_copier(device: torch.device, non_blocking: bool):
