@@ -98,18 +98,18 @@ def test_a_rate_measured_while_other_processes_took_a_core_is_not_cached(cache, 
     every later prediction on the machine 70x too slow. Above a quarter of a core of other processes' work it is
     kept for this run only, with the load it was measured under, and measured again next time."""
     monkeypatch.delenv(peak.BUSY_ENV, raising=False)
-    monkeypatch.setattr(peak, "_other_cores", lambda before, after: 1.0)
+    monkeypatch.setattr(peak, "other_cores", lambda before, after: 1.0)
     busy = peak.rate(CPU, "fp32", (64, 48, 32), threads=1, processes=1)
     assert busy.others_cores == 1.0 and not list((cache / "peak").glob("*.json"))
-    monkeypatch.setattr(peak, "_other_cores", lambda before, after: 0.1)
+    monkeypatch.setattr(peak, "other_cores", lambda before, after: 0.1)
     quiet = peak.rate(CPU, "fp32", (64, 48, 32), threads=1, processes=1)
     (stored,) = (cache / "peak").glob("*.json")
     assert quiet.others_cores == 0.1 and json.loads(stored.read_text())["rates"]["fp32 64x48x32"]["others_cores"] == 0.1
 
 
 def test_other_processes_cores_are_the_machines_cpu_time_less_this_processs():
-    assert peak._other_cores((100.0, 10.0, 0.0), (103.0, 11.0, 2.0)) == 1.0  # 3 s busy, 1 s ours, over 2 s
-    assert peak._other_cores((100.0, 10.0, 0.0), (101.0, 11.5, 2.0)) == 0.0  # never negative
-    assert peak._other_cores(None, (1.0, 1.0, 1.0)) is None
+    assert peak.other_cores((100.0, 10.0, 0.0), (103.0, 11.0, 2.0)) == 1.0  # 3 s busy, 1 s ours, over 2 s
+    assert peak.other_cores((100.0, 10.0, 0.0), (101.0, 11.5, 2.0)) == 0.0  # never negative
+    assert peak.other_cores(None, (1.0, 1.0, 1.0)) is None
     reading = peak._cpu_seconds()
     assert reading is None or (reading[0] > 0 and reading[1] >= 0)

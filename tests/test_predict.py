@@ -2,11 +2,15 @@
 and a run's recorded prediction through train.py in this process."""
 
 import functools
+import json
+import math
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ONE_THREAD, TINY, assert_ok, run_in_process
+from conftest import ONE_THREAD, ROOT, TINY, assert_ok, run_in_process
 
 from trainscope import predict
 from trainscope.core import environment, paths
@@ -725,18 +729,21 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
     """A prediction on a machine with no calibration runs the first-use calibration (here two tiny shapes), within
     its budget, caches it, and says it calibrated now; the next prediction reads the cache and runs nothing. (The
     budget is 60 s; a test worker on a loaded 2-core machine gets 300: that a quiet machine calibrates in 60 s is
-    what make predict-check measures and reports.)"""
+    what make predict-check measures and reports. The test's machine is a busy one, which a calibration is not cached
+    from: here the busy check is off, and the two shapes' lengths differ, so their steps are not compared.)"""
     import subprocess
 
     monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(calibration.SWITCH_ENV)
     monkeypatch.setattr(calibration, "FIRST_USE_BUDGET_S", 300.0)
+    monkeypatch.setattr(calibration, "BUSY_CORES", math.inf)
     monkeypatch.setattr(
         calibration,
         "QUICK_SHAPES",
         {
             "tiny-bs8": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "8", "--threads", "1"],
-            "tiny-bs32": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "32", "--threads", "1"],
+            "tiny-bs32": ["--model", "embedded:tiny-bert", "--per-device-batch-size", "32", "--threads", "1"]
+            + ["--max-seq-length", "64"],
         },
     )
     monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
@@ -751,6 +758,78 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("calibrated again"))
     again = predict.predict(predict.workload_of(None, settings), store=False)
     assert again["calibration"]["state"] == "calibrated" and again["calibration"]["method"] == stored["method"]
+
+
+PLANTED_SHAPES = {"bs16": ["--per-device-batch-size", "16"], "bs32": ["--per-device-batch-size", "32"]}
+
+
+def planted_worker(monkeypatch, records: dict, spinners: int = 0, faster: str | None = None):
+    """A stand-in for the first-use calibration's worker process: it plants the committed make predict-check runs
+    `records` ({shape: run}) as the runs it made (`faster`'s steady step planted below every other's), while
+    `spinners` processes keep cores busy for a second; the calibration's own code does the rest. Returns, per call,
+    the spinners it left to reap."""
+    import shutil
+    import subprocess
+    import sys
+
+    calls = []  # per call: the spinners it started, to reap
+
+    def worker(command, **kwargs):
+        runs = Path(command[command.index("--worker") + 1])
+        for shape, run in records.items():
+            shutil.copytree(ROOT / "benchmarks" / "runs" / "predict" / run, runs / shape)
+        if faster:
+            record = json.loads((runs / faster / "record.json").read_text())
+            record["summary"]["throughput"]["step_s"] = 0.05  # the planted contradiction
+            (runs / faster / "record.json").write_text(json.dumps(record))
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+        time.sleep(1.0)
+        for process in busy:
+            process.kill()  # reaped later (calls): a reaped child's CPU would count as the calibration's own
+        calls.append(busy)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(calibration.subprocess, "run", worker)
+    return calls
+
+
+def test_a_first_use_calibration_on_a_busy_machine_is_kept_for_its_run_only(tmp_path, monkeypatch):
+    """Two processes spin on the cores while the first-use calibration's runs are made: the calibration is used by
+    the prediction that made it and not cached (as the matmul peak's rates are not), so the next run makes its own."""
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(calibration.SWITCH_ENV)
+    calls = planted_worker(monkeypatch, {"bs16": "minilm-bs16-r0", "bs32": "minilm-bs32-r0"}, spinners=2)
+    fitted = calibration.ensure(CPU, shapes=PLANTED_SHAPES)
+    for process in calls[0]:
+        process.wait()
+    assert fitted["made_now"] and fitted["others_cores"] > calibration.BUSY_CORES, fitted.get("others_cores")
+    assert "kept for this run only" in fitted["not_cached"]
+    assert calibration.read_calibration(CPU) == {} and not list(tmp_path.rglob("*.json"))  # no failure remembered
+    state = predict.calibration_state(fitted, CPU)
+    assert state["state"] == "first use" and state["path"] is None and state["not_cached"] == fitted["not_cached"]
+    calibration.ensure(CPU, shapes=PLANTED_SHAPES)
+    assert len(calls) == 2  # the next run calibrates again
+    for process in calls[1]:
+        process.wait()
+
+
+def test_a_first_use_calibration_whose_runs_contradict_each_other_is_refused_not_cached(tmp_path, monkeypatch):
+    """The larger batch's step planted faster than the smaller one's (what a busy minute did to a cached calibration:
+    batch 24 at 0.067 s, batch 8 at 0.353 s): no fit is made of it, nothing is cached or remembered as a failure, and
+    the prediction says it is uncalibrated and why. The busy check is off here: the refusal is the contradiction's."""
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(calibration.SWITCH_ENV)
+    monkeypatch.setattr(calibration, "BUSY_CORES", math.inf)
+    calls = planted_worker(monkeypatch, {"bs16": "minilm-bs16-r0", "bs32": "minilm-bs32-r0"}, faster="bs32")
+    refused = calibration.ensure(CPU, shapes=PLANTED_SHAPES)
+    assert "bs32's step 0.050 s at batch 32 below bs16's 0.507 s at batch 16" in refused["error"]
+    assert calibration.read_calibration(CPU) == {} and not list(tmp_path.rglob("*.json"))
+    assert predict.calibration_state(refused, CPU)["state"] == "uncalibrated"
+    calibration.ensure(CPU, shapes=PLANTED_SHAPES)
+    assert len(calls) == 2  # not remembered as failed: the next run tries again
+    planted_worker(monkeypatch, {"bs16": "minilm-bs16-r0", "bs32": "minilm-bs32-r0"})  # the same runs, consistent
+    consistent = calibration.ensure(CPU, shapes=PLANTED_SHAPES)
+    assert consistent["made_now"] and calibration.read_calibration(CPU)["shapes"] == ["bs16", "bs32"]
 
 
 def test_a_first_use_calibration_that_fails_is_said_and_not_tried_again_by_every_run(tmp_path, monkeypatch):

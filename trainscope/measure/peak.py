@@ -353,7 +353,7 @@ def _cpu_seconds() -> tuple[float, float, float] | None:
     return None if busy is None else (busy, time.process_time(), time.monotonic())
 
 
-def _other_cores(before, after) -> float | None:
+def other_cores(before, after) -> float | None:
     """Cores other processes kept busy on average between two `_cpu_seconds` readings."""
     if before is None or after is None or after[2] <= before[2]:
         return None
@@ -390,7 +390,7 @@ def rates(
             for s in missing:
                 new[s] = measure(device, precision_name, s, best)
                 best = max(best, new[s].high)
-            others = _other_cores(before, _cpu_seconds())
+            others = other_cores(before, _cpu_seconds())
             new = {s: dataclasses.replace(r, others_cores=others) for s, r in new.items()}
             # A rate measured while other processes took a core's share would be cached for every later run on
             # this machine: kept for this run only (its record says how busy the machine was), measured again next.

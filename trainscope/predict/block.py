@@ -135,7 +135,10 @@ def calibration_state(fitted: dict, device: torch.device) -> dict:
         "seconds": fitted.get("seconds"),
         "error": fitted.get("error"),
         "at_bound": list(timing.get("at_bound") or []),
-        "path": str(calibration.calibration_path(device)) if fitted.get("key") else None,
+        "path": str(calibration.calibration_path(device))
+        if fitted.get("key") and not fitted.get("not_cached")
+        else None,
+        "not_cached": fitted.get("not_cached"),
     }
 
 

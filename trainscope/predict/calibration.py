@@ -30,15 +30,18 @@ from trainscope.core.record_view import RunView
 from trainscope.core.records import now_iso, read_record, write_json_atomic
 from trainscope.measure import peak
 from trainscope.measure.memory import GIB
+from trainscope.predict.kept import BUSY_CORES, NotKept, contradictions, cpu_seconds
 
 SWITCH_ENV = "TRAINSCOPE_CALIBRATION"  # "off": no calibration on first use
 FIRST_USE_BUDGET_S = 60.0
+# In the key: calibrations cached before busy and self-contradicting ones were refused are not read.
+CALIBRATION_VERSION = 2
 
 
 def calibration_key(device: torch.device) -> dict:
     """The machine, without threads and processes: the allocator's behaviour is a process's own."""
     key = peak.machine_key(device, threads=1, processes=1)
-    return {k: v for k, v in key.items() if k not in ("threads", "processes")}
+    return {**{k: v for k, v in key.items() if k not in ("threads", "processes")}, "version": CALIBRATION_VERSION}
 
 
 def calibration_path(device: torch.device) -> Path:
@@ -299,6 +302,8 @@ def calibrate(runs: Path, train_args: list[str]) -> dict:
         _say(name, records[name])
     if not records:
         raise RuntimeError("no calibration shape can run here")
+    if contradicting := contradictions(records):
+        raise NotKept(f"its runs contradict each other ({'; '.join(contradicting)}): not stored; calibrate again")
     fitted = fit(
         records,
         f"full: {len(records)} train.py runs (python -m trainscope.predict --calibrate)",
@@ -390,6 +395,8 @@ def ensure(device: torch.device, budget_s: float | None = None, shapes: dict | N
             return found
         try:
             return first_use(device, budget_s, shapes)
+        except NotKept as refused:  # the next run tries again: the machine may be quiet then
+            return {"error": f"the first-use calibration was refused ({refused}); make predict-calibrate makes one"}
         except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as error:
             failed = {
                 "error": f"the first-use calibration failed ({one_line(error)}); make predict-calibrate makes it",
@@ -451,6 +458,7 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
             "ACCELERATE_MIXED_PRECISION",
         ):
             env.pop(name, None)  # the worker is one process of its own, in fp32, whatever launched this one
+        before = cpu_seconds()
         try:
             subprocess.run(
                 command,
@@ -462,10 +470,13 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
             )
         except subprocess.TimeoutExpired:
             pass  # killed at the budget: what finished in time is fitted
+        others = peak.other_cores(before, cpu_seconds())  # the worker's CPU is its children's, this process's own
         records = {name: read_record(runs / name) for name in shapes if (runs / name / "record.json").exists()}
         records = {name: r for name, r in records.items() if r.get("status") == "complete"}
     if not records:
         raise RuntimeError(f"the first-use calibration finished no run within {budget_s:.0f} s")
+    if contradicting := contradictions(records):
+        raise NotKept(f"its runs contradict each other: {'; '.join(contradicting)}")
     seconds = time.perf_counter() - started
     left_out = [name for name in shapes if name not in records]
     fitted = fit(
@@ -474,6 +485,11 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
         + (f" ({', '.join(left_out)} left out: the {budget_s:.0f} s budget)" if left_out else ""),
         seconds,
     )
+    fitted["others_cores"] = others
+    if others is not None and others > BUSY_CORES:
+        busy = f"other processes kept {others:.2f} cores busy while it ran: kept for this run only"
+        print(f"calibrated in {seconds:.0f} s, not cached ({busy})", file=sys.stderr, flush=True)
+        return {**fitted, "made_now": True, "not_cached": busy}
     write_json_atomic(calibration_path(_device_of(records)), fitted)
     _failure_path(device).unlink(missing_ok=True)
     print(f"calibrated in {seconds:.0f} s: {calibration_path(_device_of(records))}", file=sys.stderr, flush=True)
