@@ -342,24 +342,6 @@ class RunView:
         return self.summary.get("measured_peak")
 
     @property
-    def run_operations(self) -> dict | None:
-        """The run's own layers timed alone after the loop (trainscope.measure.operations): {layers, flops,
-        configurations [{name, precision, threads, rows, seconds {median, low, high} per micro-batch, error}],
-        precision, threads, micro_batches_per_step, basis}, or {reason} where none were watched; None in older
-        records."""
-        return ((self.measured_peak or {}).get("run_shapes") or {}).get("operations")
-
-    @property
-    def micro_batch_s(self) -> float | None:
-        """Training seconds per micro-batch over the phase the throughput covers (steady, else warm-up): the slowest
-        rank's training time less evaluation over rank 0's micro-batches."""
-        wall = self.throughput.get("train_wall_s")
-        counts = (self.per_rank[0].get("counts") or {}) if self.per_rank else {}
-        phase = "steady" if (counts.get("steady") or {}).get("optimizer_steps") else "warmup"
-        micro_batches = (counts.get(phase) or {}).get("micro_batches")
-        return wall / micro_batches if wall and micro_batches else None
-
-    @property
     def model_flops(self) -> dict:
         """What the model FLOPs count (trainscope.measure.flops): {trained_share, adapter_weights, input_gradient, recomputed,
         recomputed_tflops_per_device}; {} in older records (PaLM's 6N for every run: LoRA overstated)."""
