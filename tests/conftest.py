@@ -7,6 +7,7 @@ import contextlib
 import http.server
 import io
 import json
+import math
 import os
 import re
 import shlex
@@ -613,3 +614,27 @@ def leaks(printed: str, folder: Path) -> list[str]:
             content = path.read_bytes()
             found += [f"{path} ({secret})" for secret in (PASSWORD, TOKEN) if secret.encode() in content]
     return found
+
+
+def binomial_quantile(rate: float, trials: int, level: float) -> int:
+    """The smallest c with P(X <= c) >= level, X ~ Binomial(trials, rate), summed exactly. A simulation's count of
+    an event whose true rate is at most `rate` stays at or below the quantile at level 0.99 in 99% of seeds (the
+    upper bound its null simulations assert); a count below the quantile at level 0.01 happens under 1% of the time
+    to an event whose rate is at least `rate` (the lower bound of a coverage)."""
+    if rate <= 0 or rate >= 1:
+        return 0 if rate <= 0 else trials
+
+    def log_pmf(k: int) -> float:  # in logs: P(X = 0) alone underflows at thousands of trials
+        return (
+            math.lgamma(trials + 1)
+            - math.lgamma(k + 1)
+            - math.lgamma(trials - k + 1)
+            + k * math.log(rate)
+            + (trials - k) * math.log1p(-rate)
+        )
+
+    total, count = math.exp(log_pmf(0)), 0
+    while total < level and count < trials:
+        count += 1
+        total += math.exp(log_pmf(count))
+    return count

@@ -11,7 +11,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from conftest import ONE_THREAD, ROOT, TINY, read_record, run_in_process
+from conftest import ONE_THREAD, ROOT, TINY, binomial_quantile, read_record, run_in_process
 
 from trainscope.advice import judge as tune_judge
 from trainscope.advice.design import ROUNDS, Design
@@ -24,10 +24,6 @@ from trainscope.measure import bench, health, machine_kinds
 
 REPETITIONS = 2000
 ALPHA = 0.05
-
-
-def monte_carlo_se(rate: float, repetitions: int = REPETITIONS) -> float:
-    return math.sqrt(rate * (1 - rate) / repetitions)
 
 
 # The seed noise of the committed make tune on machine C (benchmarks/runs/tune_amx, s3: --attention-dropout 0 against
@@ -182,18 +178,10 @@ ONE_TRIAL_SIZE = bench.rejection_rate(6, 6, ALPHA)  # 38 / 924
 
 def binomial_bound(size: float, repetitions: int, confidence: float = 0.99) -> int:
     """The most false verdicts `repetitions` simulated decisions of a design whose error rate is `size` give at the
-    one-sided `confidence`: the smallest c with P(X <= c) >= confidence, X ~ Binomial(repetitions, size). A count
-    above it rejects "the rate is at most `size`"; each test asserts c < alpha x repetitions first, so that a design
-    whose rate is alpha fails it (more often than not: the count of such a design reaches c about 85% of the time
-    at the sizes used here)."""
-    log_q = math.log1p(-size)
-    pmf = math.exp(repetitions * log_q)  # P(X = 0)
-    total, count = pmf, 0
-    while total < confidence:
-        pmf *= (repetitions - count) / (count + 1) * size / (1 - size)
-        count += 1
-        total += pmf
-    return count
+    one-sided `confidence` (conftest.binomial_quantile). A count above it rejects "the rate is at most `size`"; the
+    tests of alpha assert c < alpha x repetitions first, so that a design whose rate is alpha fails them (more often
+    than not: the count of such a design reaches c about 85% of the time at the sizes used here)."""
+    return binomial_quantile(size, repetitions, confidence)
 
 
 def test_the_binomial_bound_is_the_binomials_quantile_and_fails_a_design_at_alpha():
@@ -294,12 +282,14 @@ def test_the_kept_ones_together_are_inside_the_family_and_a_planted_one_point_th
     """Two changes really 1.3x faster, one no-op, and their combination planted as no faster than the baseline
     (the changes cancel): the kept trial runs every time, and a false verdict (the no-op's, the combination's)
     needs, with at most the two real ones rejected before it, a p-value below 0.05/2: each of the two nulls passes
-    it exactly 14/924 of the time, so at most 0.030 (3.35% measured, within Monte Carlo error of it). The power for
-    each 1.3x change (5% noise, drift, 6 rounds, Holm over 4 tests) is 1.0 here."""
-    bound = 2 * bench.rejection_rate(6, 6, ALPHA / 2)
+    it exactly 14/924 of the time, so at most 0.030 (3.35% measured, within its binomial bound, 3.95%). The power for
+    each 1.3x change (5% noise, drift, 6 rounds, Holm over 4 tests) is 1.0 here. Asserted at the size's binomial
+    bound."""
+    bound = binomial_bound(2 * bench.rejection_rate(6, 6, ALPHA / 2), REPETITIONS)
+    assert bound < ALPHA * REPETITIONS
     rate, faster, together_runs = false_rate(3, {"s1": 1.3, "s2": 1.3, "kept": 1.0}, {"s3", "kept"}, seed=3)
     assert together_runs >= 0.99 * REPETITIONS
-    assert rate <= bound + 3 * monte_carlo_se(bound)
+    assert rate * REPETITIONS <= bound
     assert faster["s1"] >= 0.99 and faster["s2"] >= 0.99
 
 
@@ -361,15 +351,16 @@ def test_same_needs_the_interval_inside_the_margin_changed_wholly_outside():
 
 def test_the_chances_of_same_and_changed_are_exact_against_simulation():
     """bench.equivalence_chances (quadrature over the sample SD's chi distribution) against 4,000 simulated
-    equivalence tests each, from 3 to 40 seeds, at 0, inside and beyond the margin: within 3 Monte Carlo SE."""
+    equivalence tests each, from 3 to 40 seeds, at 0, inside and beyond the margin: each count inside the central
+    99.8% of its binomial distribution at the exact chance."""
     rng = random.Random(12)
     for n, mean, sd in [(6, 0.0, 0.019), (3, 0.004, 0.003), (10, 0.006, 0.01), (40, 0.0, 0.025), (8, 0.014, 0.006)]:
         same, changed = bench.equivalence_chances(n, mean, sd, 0.01)
         verdicts = [
             bench.equivalence([rng.gauss(mean, sd) for _ in range(n)], 0.01, power=None)["verdict"] for _ in range(4000)
         ]
-        for rate, exact in ((verdicts.count("same") / 4000, same), (verdicts.count("changed") / 4000, changed)):
-            assert abs(rate - exact) <= 3 * monte_carlo_se(max(exact, 1e-3), 4000) + 2e-4
+        for count, exact in ((verdicts.count("same"), same), (verdicts.count("changed"), changed)):
+            assert binomial_quantile(exact, 4000, 0.001) <= count <= binomial_quantile(exact, 4000, 0.999), (n, exact)
 
 
 def test_the_seeds_needed_are_the_fewest_with_80_percent_power_and_the_closed_forms_are_their_limits():
@@ -402,14 +393,14 @@ def test_the_seeds_needed_are_the_fewest_with_80_percent_power_and_the_closed_fo
         bench.equivalence([rng.gauss(mean, sd) for _ in range(205)], 0.02, power=None)["verdict"] == "same"
         for _ in range(1000)
     )
-    assert abs(found / 1000 - 0.8) <= 3 * monte_carlo_se(0.8, 1000)
+    assert binomial_quantile(0.8, 1000, 0.001) <= found <= binomial_quantile(0.8, 1000, 0.999)
 
 
 def test_at_the_committed_seed_noise_six_seeds_seldom_show_same_and_the_verdict_says_so():
     """The whole decision path with the committed runs' seed noise (paired SDs 0.019 and 0.017 of accuracy, 0.006 of
     loss) and a change that alters nothing: "same" at most 3.5% of the time (the exact chance of validation accuracy
-    alone; all four metrics must be inside); each verdict states the seeds that 80% would take and the power the 6
-    had."""
+    alone; all four metrics must be inside; asserted at its binomial bound); each verdict states the seeds that 80%
+    would take and the power the 6 had."""
     rng = random.Random(14)
     repetitions, same, texts = 500, 0, []
     for _ in range(repetitions):
@@ -418,7 +409,7 @@ def test_at_the_committed_seed_noise_six_seeds_seldom_show_same_and_the_verdict_
         texts.append(judged["s1"]["result"])
     power = bench.equivalence_chances(6, 0.0, COMMITTED_PAIRED_SD["validation_accuracy"], 0.01)[0]
     assert power == pytest.approx(0.035, abs=0.001)
-    assert same / repetitions <= power + 3 * monte_carlo_se(power, repetitions)
+    assert same <= binomial_bound(power, repetitions)
     undecided = [t for t in texts if t.startswith("undecided")]
     assert len(undecided) > 0.8 * repetitions
     assert all("seeds call a change that alters nothing 'same' at most" in t for t in undecided)
@@ -427,14 +418,16 @@ def test_at_the_committed_seed_noise_six_seeds_seldom_show_same_and_the_verdict_
 
 
 def test_a_change_exactly_at_the_margin_is_called_same_at_most_alpha_of_the_time():
-    """TOST's size: a true difference equal to the margin is 'same' in at most 5% of the repetitions; a true
-    difference of zero with small noise is 'same' nearly always (its power)."""
-    rng = random.Random(8)
+    """TOST's size: a true difference equal to the margin is 'same' in at most 5% of the repetitions, asserted at the
+    binomial bound of 5% over 20,000 (5.36%: a test of size 6% fails it nearly always; alpha + 3 standard errors
+    over 2,000, 6.46%, passed it 82% of the time); a true difference of zero with small noise is 'same' nearly always
+    (its power)."""
+    rng, repetitions = random.Random(8), 20_000
     at_margin = sum(
         bench.equivalence([0.01 + rng.gauss(0, 0.004) for _ in range(6)], 0.01, power=None)["verdict"] == "same"
-        for _ in range(REPETITIONS)
+        for _ in range(repetitions)
     )
-    assert at_margin / REPETITIONS <= ALPHA + 3 * monte_carlo_se(ALPHA)
+    assert at_margin <= binomial_bound(ALPHA, repetitions) < 0.06 * repetitions
     none = sum(
         bench.equivalence([rng.gauss(0, 0.004) for _ in range(6)], 0.01)["verdict"] == "same" for _ in range(500)
     )
@@ -465,17 +458,16 @@ def at_the_margins(rng: random.Random, seeds: int = 6) -> tuple[list[dict], list
 def test_changed_is_holm_corrected_over_the_metrics_and_holds_alpha_with_every_metric_at_its_margin():
     """Every metric's true difference exactly at its margin: "changed" is false. Any of the four one-sided tests at
     0.05 (the old rule) says it 16% of the time here; corrected by Holm over the metrics, 5.0% (4,000 repetitions;
-    the bound is Bonferroni's, 4 x 0.05/4, nearly reached since the tests are only partly correlated). 600 here,
-    against 0.05 + 3 Monte Carlo SE."""
-    rng, design, repetitions = random.Random(15), Design(), 600
+    the bound is Bonferroni's, 4 x 0.05/4, nearly reached since the tests are only partly correlated). 2,000 here,
+    against the binomial bound of 5% (6.15%)."""
+    rng, design, repetitions = random.Random(15), Design(), 2000
     corrected = uncorrected = 0
     for _ in range(repetitions):
         result = tune_judge.equivalent(design, *at_the_margins(rng))
         corrected += result["verdict"] == "changed"
         uncorrected += any(m["p_changed"] < ALPHA for m in result["metrics"].values())
         assert result["correction"] == "changed: Holm over 4 metric(s)"
-    bound = ALPHA + 3 * monte_carlo_se(ALPHA, repetitions)
-    assert corrected / repetitions <= bound < uncorrected / repetitions
+    assert corrected <= binomial_bound(ALPHA, repetitions) < uncorrected
 
 
 def test_a_faster_change_that_learns_something_else_is_changed_and_one_too_noisy_is_undecided():
