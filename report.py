@@ -50,6 +50,9 @@ def write_section(report: "ReportWriter", found: "Collected", experiment) -> Non
             headline or (experiment.missing() if experiment.headline else "(no headline declared: see its section)"),
             experiment.machines(found) if headline or not experiment.headline else None,
         )
+        if experiment.question:
+            answers = experiment.answer(found) if experiment.answer else None
+            report.question(experiment.question, experiment.title, answers or experiment.missing())
         experiment.section(report, found)
         return
     found.skipped.append(f"section {experiment.name}: {why}")

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, cpu_env, driven_in_process, run_command, run_in_process
-from test_report_pdf import check_report, glance_titles
+from test_report_pdf import check_report, glance_titles, question_titles
 
 import report
 from trainscope.core import provenance
@@ -55,7 +55,9 @@ def test_every_section_is_there_or_names_its_make_target(built):
     for experiment in SECTIONS:  # every declared experiment has its section, in the registry's order
         assert f"## {experiment.title}" in text
     headings = [line[3:] for line in text.splitlines() if line.startswith("## ")]
-    assert headings[: len(SECTIONS) + 1] == ["At a glance"] + [e.title for e in SECTIONS]
+    assert headings[: len(SECTIONS) + 2] == ["The assignment's questions, answered", "At a glance"] + [
+        e.title for e in SECTIONS
+    ]
     glance = text.split("## At a glance")[1].split("\n## ")[0]  # one answer per section, grouped by machine
     rows = [line.split(" | ")[0][2:] for line in glance.splitlines() if line.startswith("| ")]
     assert sorted(row for row in rows if row != "experiment") == sorted(e.title for e in SECTIONS)
@@ -123,7 +125,7 @@ def test_the_amp_table_shows_what_the_records_hold():
     """Checked on the committed report: its AMP runs are real ones (fp32 and bf16 on this CPU)."""
     runs, out = ROOT / "benchmarks" / "runs", ROOT / "reports"
     bf16 = json.loads((runs / "amp" / "bf16-r0" / "record.json").read_text())["summary"]
-    row = next(line for line in (out / "amp.tex").read_text().splitlines() if line.startswith("bf16 &"))
+    row = next(line for line in (out / "amp_amp.tex").read_text().splitlines() if line.startswith("bf16 &"))
     cells = [c.strip().rstrip("\\").strip() for c in row.split("&")]
     assert cells[1] == "bf16"
     assert float(cells[3]) == pytest.approx(bf16["test"]["accuracy"], abs=6e-5)
@@ -273,7 +275,8 @@ def test_make_report_on_a_fresh_clone_rebuilds_the_committed_report_with_a_clean
     assert "Not run yet" not in (clone / "reports" / "report.md").read_text()
     titles = glance_titles((clone / "reports" / "report.md").read_text())
     assert set(titles) == {e.title for e in SECTIONS}  # a section that answers once per machine has several rows
-    check_report(clone / "reports" / "report.pdf", titles)  # its PDF reads as a person reads it
+    markdown = (clone / "reports" / "report.md").read_text()
+    check_report(clone / "reports" / "report.pdf", titles, question_titles(markdown))  # as a person reads it
     status = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone, capture_output=True, text=True
     ).stdout.splitlines()
@@ -364,7 +367,7 @@ def test_every_committed_machines_make_tune_and_tune_confirm_are_shown_under_its
     for machine, figure in ((A_AVX2, "1.1982"), (B_AVX512_BF16, "2.5716"), (C_AMX, "1.8820")):
         row = next(line for line in groups[f"Measured on {machine}"].splitlines() if line.startswith("| Optimization"))
         assert figure in row, (machine, row)
-    check_report(committed / "report.pdf", glance_titles(text))
+    check_report(committed / "report.pdf", glance_titles(text), question_titles(text))
 
 
 def test_the_report_names_paths_relative_to_the_project_never_the_building_machines_folders(committed):
@@ -816,3 +819,30 @@ def test_the_main_run_is_make_trains_not_the_newest(tmp_path):
     assert "(run `trained`, make train's newest run, profiler off)" in profile.headline(found).text
     found.asked_run = "lm"
     assert "(run `lm`, named by --run, profiler off)" in profile.headline(found).text
+
+
+QUESTIONS = {  # the assignment's questions, each answered on the first page by the section that measured it
+    "Where does a training step's time go?": "Where the time went",
+    "How many DataLoader workers (num_workers)?": "DataLoader num_workers",
+    "Mixed precision against FP32: faster, and at what cost?": "Mixed precision vs FP32",
+    "DataParallel against DistributedDataParallel?": "DataParallel vs DDP",
+    "What does DDP's gradient communication cost, and can a setting hide it?": "What DDP communication costs",
+}
+
+
+def test_the_first_page_answers_each_question_of_the_assignment_in_sentences(committed):
+    """Page 1 of the committed report: each question with an answer in words (no "pairs, p" notation to decode:
+    'times as fast as', 'alternating pairs'), the machine that measured it and the section it comes from;
+    mixed precision answered first from a machine where it means something (native bf16 or a GPU), the emulated
+    CPU last and said as such; DataParallel said as what it needs."""
+    text = (committed / "report.md").read_text()
+    table = text.split("## The assignment's questions, answered")[1].split("\n## ")[0]
+    rows = {line.split(" (section: ")[0][2:]: line for line in table.splitlines() if "(section: " in line}
+    assert set(rows) == set(QUESTIONS)
+    for question, section in QUESTIONS.items():
+        assert f"(section: {section})" in rows[question] and "measured on " in rows[question]
+        assert "Not run yet" not in rows[question] and " pairs, p " not in rows[question]
+    amp = rows["Mixed precision against FP32: faster, and at what cost?"].split(" | ")[1]
+    assert not amp.startswith("Where bf16 is emulated") and "AVX512-BF16" in amp.split("(measured on")[1]
+    assert "times as fast as fp32" in amp and "alternating pairs" in amp
+    assert "needs a machine with 2 GPUs" in rows["DataParallel against DistributedDataParallel?"]

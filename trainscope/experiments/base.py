@@ -52,6 +52,8 @@ class Experiment:
     kept_beside  its results may also be kept in folders <folder>_<suffix>/ beside its own (one per machine or
                  command: the committed benchmarks/runs/tune_amx/, tune_confirm_grouped/), read where their
                  comparison.json names it (reporting.Folder); its section shows each under its machine
+    question, answer(found)  the assignment's question the section answers, and its answer in sentences
+                 (reporting.Answer, one per machine): the first page's answers, each with the section's page
     """
 
     name: str
@@ -69,6 +71,8 @@ class Experiment:
     sources: Callable | None = None  # found -> [(label, record or results file)] its section shows
     one_machine: bool = True
     kept_beside: bool = False
+    question: str | None = None  # the assignment's question its section answers (the first page asks it)
+    answer: Callable | None = None  # found -> [reporting.Answer] (one per machine), or None when not run
 
     def missing(self) -> str:
         return f"Not run yet: `{self.target}` produces it."

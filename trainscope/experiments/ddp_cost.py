@@ -419,6 +419,42 @@ def headline(found: reporting.Collected) -> Headline | None:
     )
 
 
+def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+    """What DDP's communication costs, in words: the exposed share of a step with DDP's defaults, the transfer, and
+    whether a bucket or flag setting hid more of it."""
+    comparison, runs = found.comparisons.get(EXPERIMENT.name), found.runs.get(EXPERIMENT.name, {})
+    if not (comparison and runs):
+        return None
+    default = reporting.first_round_runs(comparison, runs).get("default")
+    if default is None:
+        return None
+    view, best = RunView(default), comparison.get("best") or {}
+    figures = view.communication_figures or {}
+    if not figures.get("measured"):
+        return [reporting.Answer("DDP's communication was not measured in its default run", view.machine)]
+    step = f"{view.step_s * 1e3:,.0f} ms" if view.step_s else "a time not recorded"
+    if figures["resolved"]:
+        exposed = (
+            f"{figures['exposed_s'] * 1e3:,.1f} ms of it ({figures['exposed_share']:.1%}) waiting for the gradients' "
+            "all-reduce after backward's own work was done (the rest of the all-reduce ran hidden behind backward)"
+        )
+    else:
+        low, high = figures["exposed_interval"] or (0.0, 0.0)
+        exposed = (
+            f"between {max(0.0, low) * 1e3:.1f} and {high * 1e3:.1f} ms of it waiting for the gradients' all-reduce "
+            "(the steps' noise leaves it unresolved)"
+        )
+    said = f"With DDP's defaults on {figures['world_size']} processes, a training step took {step}, {exposed}"
+    if best.get("speed"):
+        said += (
+            f"; the best setting, `{best.get('setting')}` (`{' '.join(best['flags'])}`), trained "
+            + reporting.ratio_words(best["speed"], "the defaults")
+        )
+    else:
+        said += "; no bucket size or DDP flag trained faster than the defaults outside noise"
+    return [reporting.Answer(said, view.machine)]
+
+
 def step_text(view: RunView) -> str:
     """'1854.6 ms per step, of which exposed communication 50.7 ms (2.7%)', or the interval where it is not resolved."""
     figures = view.communication_figures
@@ -444,4 +480,6 @@ EXPERIMENT = Experiment(
     arguments=arguments,
     run=run,
     help="DDP settings against DDP's defaults: exposed communication, speed",
+    question="What does DDP's gradient communication cost, and can a setting hide it?",
+    answer=answer,
 )

@@ -112,6 +112,25 @@ def headline(found: reporting.Collected) -> Headline | None:
     )
 
 
+def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+    """Where a step's time goes, in words: the main run's categories, largest first."""
+    record, why = reporting.breakdown_choice(found)
+    if record is None:
+        return None
+    breakdown = reporting.time_breakdown(record)
+    ordered = sorted(breakdown["categories"], key=lambda c: -c["seconds"])
+    rest = ", ".join(f"{c['name']} {share(c)}" for c in ordered[1:])
+    data = next(c for c in ordered if c["name"] == "data loading")
+    return [
+        reporting.Answer(
+            f"In `{breakdown['run']}` ({why}: {num(breakdown['wall_s'])} s, {breakdown['world_size']} "
+            f"process{'es' * (breakdown['world_size'] != 1)}, {breakdown['precision']}), {ordered[0]['name']} took "
+            f"the most time, {share(ordered[0])}; then {rest}. Waiting for data was {share(data)} of it",
+            RunView(record).machine,
+        )
+    ]
+
+
 def pie(breakdown: dict):
 
     figure, axis = pyplot().subplots(figsize=(6.5, 4.5))
@@ -290,6 +309,8 @@ EXPERIMENT = Experiment(
     folder="profile",
     section=section,
     headline=headline,
+    question="Where does a training step's time go?",
+    answer=answer,
     sources=sources,
     arguments=lambda parser: (
         runs_option(parser, rounds=None),

@@ -28,6 +28,29 @@ class Headline:
     verdict: str
 
 
+@dataclass(frozen=True)
+class Answer:
+    """An answer to one of the assignment's questions on the report's first page: a sentence a student reads without
+    a legend (the figure, its interval in words, what it can claim) and the machine that measured it."""
+
+    text: str
+    machine: Machine | None = None
+
+
+def ratio_words(comparison: dict, against: str) -> str:
+    """'1.17 times as fast as 0 workers (1.04 to 1.23 in 5 alternating pairs: faster, p 0.008)': a speed ratio and
+    its spread for a reader without the tables' notation; a single pair says it decides nothing."""
+    pairs, p = comparison["pairs"], comparison.get("p_value")
+    if pairs < 2:
+        return f"{comparison['median_ratio']:.2f} times as fast as {against} (one run each: too few for a verdict)"
+    return (
+        f"{comparison['median_ratio']:.2f} times as fast as {against} ({comparison['min_ratio']:.2f} to "
+        f"{comparison['max_ratio']:.2f} in {pairs} alternating pairs: {comparison['verdict']}"
+        + (f", p {p:.2g}" if p is not None else "")
+        + ")"
+    )
+
+
 @dataclass
 class Folder:
     """One folder of an experiment's runs, <runs>/<name>/: its comparison.json (judged again by today's rules, None
@@ -49,6 +72,7 @@ class Collected:
     comparisons: dict = field(default_factory=dict)  # experiment -> its declared folder's comparison.json
     folders: dict = field(default_factory=dict)  # experiment -> [Folder]: its declared one, then those kept beside it
     results: dict = field(default_factory=dict)  # experiment -> its results file, parsed
+    gpu_checks: dict = field(default_factory=dict)  # <results>/gpu/<device>[.runN].json -> make gpu-check's results
     inputs: list = field(default_factory=list)  # every file read, for the digests
     machines: dict = field(default_factory=dict)  # Machine -> the inputs it measured (records, results files)
     skipped: list = field(default_factory=list)  # one line per input that could not be used
@@ -77,6 +101,10 @@ def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
                 found.folders.setdefault(experiment.name, []).append(folder)
         if experiment.results:
             found.results[experiment.name] = _read_json(results_dir / experiment.results, found)
+    for path in sorted((results_dir / "gpu").glob("*.json")) if (results_dir / "gpu").is_dir() else []:
+        checks = _read_json(path, found)
+        if isinstance(checks, dict) and checks.get("benchmark") == "gpu_check":
+            found.gpu_checks[f"gpu/{path.name}"] = checks
     return found
 
 

@@ -19,6 +19,7 @@ class ReportWriter:
     ('In short') and, with the page the section landed on, to the report's first page of answers, grouped by
     machine."""
 
+    QUESTIONS = "The assignment's questions, answered"
     ANSWERS = "At a glance"
     SEVERAL = "Measured on several machines (each section says which figure comes from which)"
     UNNAMED = "Measured on a machine its inputs do not name"
@@ -31,10 +32,12 @@ class ReportWriter:
         self.files: list[Path] = []
         self.figure_runs: dict[str, list[dict]] = {}  # figure name -> the records it shows
         self.answers: dict[str, object] = {}  # section title -> its Headline, or the line saying why there is none
+        self.questions: list[tuple[str, str, object]] = []  # (question, section title, [Answer] or why none)
         self.machines: dict[str, dict] = {}  # section title -> {Machine: what it measured}
         self.current: dict = {}  # the machines of the section being written (or of its part)
         self.section: str | None = None  # the title of the section being written
         self._answers_at: int | None = None  # where the answers go in the Markdown
+        self._questions_at: int | None = None  # where the questions' answers go in the Markdown
 
     def title(self, title: str, line: str):
         self.markdown += [f"# {title}", "", line, ""]
@@ -42,19 +45,46 @@ class ReportWriter:
         self.book.text(line)
 
     def answers_page(self):
-        """The first page: one line per section, grouped by the machine that measured it, filled in once every
-        section is written."""
+        """The first page: the assignment's questions, each answered in sentences with the page of its evidence;
+        then one line per section, grouped by the machine that measured it; filled in once every section is
+        written."""
         intro = (
             "What each experiment found: its headline figure and its verdict, worded as its section words them "
             "(under the section's heading, 'In short'), and the page the section is on; grouped by the machine "
             "that measured it, since figures from different machines are not comparable."
         )
+        self.markdown += [f"## {self.QUESTIONS}", ""]
+        self._questions_at = len(self.markdown)
         self.markdown += [f"## {self.ANSWERS}", "", intro.replace(", and the page the section is on", ""), ""]
         self._answers_at = len(self.markdown)
+        self.book.heading(self.QUESTIONS)
+        self.book.table_of_pages(lambda pages=None: [self.questions_table(pages)], 7.5)
         self.book.heading(self.ANSWERS)
         self.book.text(intro)
         self.book.table_of_pages(self.answers_tables, 7.5)
         self.book.page_break()
+
+    def question(self, question: str, title: str, answers) -> None:
+        """One of the assignment's questions, answered by the section `title` ([reporting.Answer], or the line
+        saying why it has none)."""
+        self.questions.append((question, title, answers))
+
+    def questions_table(self, pages: dict | None = None) -> Table:
+        """Each question, its answers (each with the machine that measured it) and, with `pages`, where the
+        evidence is."""
+        rows = []
+        for question, title, answers in self.questions:
+            if isinstance(answers, str):
+                text = answers
+            else:
+                text = " ".join(
+                    f"{a.text.rstrip('.')} (measured on {a.machine.text})." if a.machine else a.text for a in answers
+                )
+            asked = f"{question} (section: {title})"
+            rows.append([asked, text] + ([str(pages.get(title, "?"))] if pages is not None else []))
+        headers = ["question", "answer, and the machine that measured it"] + (["page"] if pages is not None else [])
+        return Table("Each in a few sentences, with the page of its evidence", headers, rows, "questions",
+                     "llr" if pages is not None else "ll")  # fmt: skip
 
     def answer(self, title: str, headline, machines: dict | None = None):
         """Declare a section's answer (a Headline, or the line saying why it has none) and the machines its
@@ -197,4 +227,6 @@ class ReportWriter:
             self.markdown[self._answers_at : self._answers_at] = [
                 line for table in self.answers_tables() for line in (f"**{table.title}**", "", table.markdown(), "")
             ]
+        if self._questions_at is not None:
+            self.markdown[self._questions_at : self._questions_at] = [self.questions_table().markdown(), ""]
         self.book.close()

@@ -146,6 +146,30 @@ def headline(found: reporting.Collected) -> Headline | None:
     return Headline("; ".join(parts), verdicts_text(verdicts) if verdicts else "nothing compared")
 
 
+def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+    """DataParallel against DDP, in words: what could be measured here, and why the rest needs GPUs."""
+    result = found.results.get("data_parallel")
+    if not result:
+        return None
+    hardware, parts = result["machine"]["hardware"], []
+    for row in rows(result):
+        if "status" in row and row["variant"].startswith("nn.DataParallel"):
+            parts.append(
+                "nn.DataParallel could not run here: it splits each batch over several GPUs inside one process "
+                f"({row['status']}), so it needs a machine with 2 GPUs or more"
+            )
+    ddp = result["comparison"].get("ddp")
+    if ddp:
+        parts.append(
+            f"DDP on {hardware.get('ddp', 'several processes')} trained "
+            + reporting.ratio_words(judged(result, "ddp"), f"one process ({hardware.get('single', 'the same cores')})")
+            + ": both sides had the same cores, so this is DDP's cost of "
+            "communication and bookkeeping, not the speed-up separate devices would give; that, and DataParallel "
+            "beside it, needs a multi-GPU machine (`make compare-dp` there)"
+        )
+    return [reporting.Answer(". ".join(parts), results_machine(result))] if parts else None
+
+
 def section(report, found: reporting.Collected) -> None:
     result = found.results.get("data_parallel")
     if not report.begin(EXPERIMENT.title, result, EXPERIMENT.missing()):
@@ -196,5 +220,7 @@ EXPERIMENT = Experiment(
     results="compare_dp/compare_dp.json",
     section=section,
     headline=headline,
+    question="DataParallel against DistributedDataParallel?",
+    answer=answer,
     needs=("benchmark", "machine", "compare", "results", "comparison", "code_changes", "projection"),
 )

@@ -1,7 +1,7 @@
 """The DataLoader num_workers sweep (loaders_bench.py, `make sweep-workers`): its figure, tables and report
 section. The script writes <results>/loaders/loaders.json; the report and the script draw the same rows."""
 
-from trainscope.core.results_view import LoaderSweepView
+from trainscope.core.results_view import LoaderSweepView, results_machine
 from trainscope.experiments.base import Experiment
 from trainscope.measure import bench
 from trainscope.report import inputs as reporting
@@ -150,6 +150,38 @@ def headline(found: reporting.Collected) -> Headline | None:
     return Headline("; ".join(parts), "; ".join(verdicts) or KNEE_IS_DEFAULT)
 
 
+MODE_WORDS = {  # each curve's loading mode, for a reader who has not read the section
+    "pretokenized": "with the data tokenized before training",
+    "on-the-fly": "tokenizing each batch as it loads",
+    "in-training": "inside real training steps",
+    "device-copy": "copying each batch to the device",
+}
+
+
+def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+    """How many workers, in words: each curve's knee against PyTorch's default, with its interval."""
+    sweep = found.results.get("loaders")
+    if not sweep:
+        return None
+    parts = []
+    for name, curve, against in knees(sweep):
+        mode = name.split(" (")[0]
+        where = MODE_WORDS.get(mode, mode)
+        if against:
+            parts.append(
+                f"{where.capitalize()}, {curve['knee_workers']} workers loaded "
+                + reporting.ratio_words(against, f"{PYTORCH_DEFAULT_WORKERS} (PyTorch's default)")
+            )
+        else:
+            parts.append(
+                f"{where.capitalize()}, no number of workers did better than {PYTORCH_DEFAULT_WORKERS} (PyTorch's "
+                "default, loading in the training process)"
+            )
+    flags = {curve["flags"] for _, curve, against in knees(sweep) if against}
+    tail = f". The flags to use: {'; '.join(f'`{f}`' for f in sorted(flags))}" if flags else ""
+    return [reporting.Answer(". ".join(parts) + tail, results_machine(sweep))]
+
+
 def section(report, found: reporting.Collected) -> None:
     sweep = found.results.get("loaders")
     if not report.begin(EXPERIMENT.title, sweep, EXPERIMENT.missing()):
@@ -174,5 +206,7 @@ EXPERIMENT = Experiment(
     results="loaders/loaders.json",
     section=section,
     headline=headline,
+    question="How many DataLoader workers (num_workers)?",
+    answer=answer,
     needs=("benchmark", "machine", "sweep", "summary", "dataset_rows", "pytorch_default_num_workers"),
 )
