@@ -268,6 +268,7 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
     parsed here as the script parses them (nothing is run)."""
     import loaders_bench
     from trainscope import experiments
+    from trainscope.core import launching
     from trainscope.core.settings import parse_settings
     from trainscope.experiments.benchmarks import overhead
     from trainscope.gpu import check as gpu_check
@@ -281,7 +282,7 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
         if step["name"] == "scaler":
             assert gpu_check.parser().parse_args(command[3:]).scaler_check
         elif step["name"] == "batch-search":
-            ours, train_args = experiments.split_args(command[3:])
+            ours, train_args = launching.split_args(command[3:])  # the experiments' command line splits so
             assert experiments.parser().parse_args(ours).command == "batch-sweep"
             parse_settings(argv=train_args)
         elif step["name"] == "overhead":
