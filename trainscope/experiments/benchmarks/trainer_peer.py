@@ -110,7 +110,7 @@ def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -
 
 def stage_shares(view: RunView) -> dict:
     """Each stage's median share of the steady phase's wall time."""
-    return {stage: share["median"] for stage, share in view.shares("steady").items()}
+    return dict(view.shares("steady"))
 
 
 def peer_trainer_class(loader):
