@@ -43,10 +43,16 @@ class LoopEvents:
         self.optimizer = optimizer
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._forward, with_kwargs=True))
-        if optimizer is None:
-            self.basis = "accelerator.sync_gradients (no optimizer given to trainscope.Run)"
-            return
         inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+        if optimizer is None or not hasattr(inner, "register_step_post_hook"):  # none, or not a torch optimizer
+            self.optimizer = None
+            self.basis = (
+                "accelerator.sync_gradients ("
+                + ("no optimizer given to trainscope.Run" if optimizer is None else f"{type(inner).__name__} has no "
+                   "step hooks")
+                + ": a loop that accumulates by hand is counted per micro-batch)"
+            )  # fmt: skip
+            return
         scaled = isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is not None
         self._handles.append(inner.register_step_post_hook(self._taken if scaled else self._stepped))
         self.basis = f"the optimizer's own steps ({type(inner).__name__}'s step hook)"
