@@ -28,7 +28,9 @@ def readme_snippet() -> str:
 
 
 def test_the_readme_snippet_run_as_written_writes_a_record_with_stage_times(tmp_path):
-    loaded = "\nimport sys\nprint('LOADED', sorted({'transformers', 'datasets', 'evaluate', 'peft'} & set(sys.modules)))\n"
+    loaded = (
+        "\nimport sys\nprint('LOADED', sorted({'transformers', 'datasets', 'evaluate', 'peft'} & set(sys.modules)))\n"
+    )
     (tmp_path / "snippet.py").write_text(readme_snippet() + loaded)
     result = run_command([sys.executable, "snippet.py"], cwd=tmp_path, env=cpu_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -186,4 +186,3 @@ class TrainscopeCallback(TrainerCallback):
             for hook in self._hooks:
                 hook.remove()
             self._restore()
-
