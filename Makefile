@@ -80,7 +80,7 @@ COMPILE_ARGS ?= --model embedded:tiny-bert --max-train-samples 512 --max-eval-sa
 	--per-device-batch-size 16 --max-steps 24 --report-to none
 EXPERIMENTS = $(PY) -m trainscope.experiments
 
-.PHONY: help setup train train-lm lint format test bench-overhead bench-import bench-dropout-draw bench-trainer bench-compile sweep-workers compare-dp amp-compare \
+.PHONY: help setup train train-lm lint format test bench-overhead bench-import bench-dropout-draw bench-advice bench-trainer bench-compile sweep-workers compare-dp amp-compare \
 	ckpt-compare batch-sweep matrix profile ddp-cost tune tune-confirm advise gpu-check report experiments clean predict \
 	predict-calibrate predict-check
 
@@ -245,6 +245,9 @@ bench-import: setup ## what import trainscope; trainscope.Run adds to import acc
 
 bench-dropout-draw: setup ## the dropout loop's draw against torch's bernoulli_, ns an element, alternating pairs -> benchmarks/dropout_draw.*
 	$(PY) -m trainscope.experiments.benchmarks.dropout_draw $(ARGS)
+
+bench-advice: setup ## the advisor's estimates (precision, threads, batch) against what the change measures on five loops, alternating pairs -> benchmarks/advice_check.*
+	$(PY) -m trainscope.experiments.benchmarks.advice_check $(ARGS)
 
 bench-compile: setup ## --compile against eager on the tiny model: compile time, recompiles, speed -> runs/compile/
 	$(EXPERIMENTS) compile --runs $(RUNS)/compile --config $(BASE_CONFIG) --rounds $(ROUNDS) -- $(COMPILE_ARGS)

@@ -180,7 +180,7 @@ def advise(run: str) -> None:
         sys.exit(2)
     print(
         f"What to try next for {RunView(record).name} (ranked; 'at most' from the measured shares, 'estimate' with "
-        "its factor):"
+        "its interval and what it assumes; every figure from the record, none from this machine):"
     )
     print("\n".join(advisor.lines(advisor.advise(record))))
 

@@ -377,7 +377,9 @@ def test_a_run_predicted_again_keeps_the_memory_it_held_before_its_model(monkeyp
     assert RunView({"summary": {}}).prediction_baseline_gib == 0.0
 
 
-def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_prediction(monkeypatch):
+def test_the_advisor_never_asks_the_predictor_even_where_the_run_has_a_prediction(monkeypatch):
+    """The predictor's speed-ups come from the reading machine's measured rates; the advisor reads the record alone
+    (issue 60: the same record gave 2.42x under one machine's cache and 12.00x under another's)."""
     from test_advisor import record
 
     from trainscope.advice import advisor
@@ -388,11 +390,10 @@ def test_the_advisor_takes_its_estimate_from_the_predictor_where_the_run_has_a_p
         environment__cpu_bf16_matmul={"size": 1024, "threads": 2, "speedup": 3.0},
     )
     (plain,) = [s for s in advisor.advise(planted) if s.rule == "cpu_precision"]
-    monkeypatch.setattr(predict, "speedup", lambda record, flags=(), config=None: {"ratio": 1.37})
+    monkeypatch.setattr(predict, "speedup", lambda *args, **kwargs: pytest.fail("the advisor asked the predictor"))
     planted["prediction"] = planted_block()
-    (predicted,) = [s for s in advisor.advise(planted) if s.rule == "cpu_precision"]
-    assert predicted.gain == pytest.approx(1.37) and "predicted by trainscope.predict" in predicted.factor
-    assert plain.gain != pytest.approx(1.37) and "measured matmul speed-up" in plain.factor
+    (with_prediction,) = [s for s in advisor.advise(planted) if s.rule == "cpu_precision"]
+    assert with_prediction.gain_text() == plain.gain_text() and "predicted by" not in plain.gain_text()
 
 
 # ---------------------------------------------------------------- through train.py

@@ -8,6 +8,7 @@ from trainscope.advice.rules import (
     MIN_GAIN,
     Suggestion,
     amdahl,
+    batch,
     communication,
     cpu_precision,
     data_loading,
@@ -33,62 +34,81 @@ BATCH_MIN_RATE_GAIN = 1.05
 
 
 def advise(record: dict) -> list[Suggestion]:
-    """Every suggestion the record supports: health warnings first, then by gain, largest first."""
+    """Every suggestion the record supports: health warnings first, then by gain, largest first. A function of the
+    record alone: every estimate reads the rates recorded with the run (trainscope.advice.estimates), never this
+    machine's, so the same record gives the same advice anywhere; a rule that fails says so in its item."""
     view = RunView(record)
-    found = [s for rule in RULES for s in rule(view)]
-    found += [s for rule in GAP_RULES for s in rule(view, gap_evidence(view))]
-    found = [s for s in (predicted(view, s) for s in found) if s is not None]
+    found = [s for rule in RULES for s in guarded(rule, view)]
+    evidence = guarded(where_the_gap_went, view)[0]
+    if isinstance(evidence, Suggestion):  # where the time above the floor went could not be read: said, and no gap rule
+        found.append(evidence)
+    else:
+        found += [s for rule in GAP_RULES for s in guarded(rule, view, evidence)]
     for warning in view.warnings:
-        fix = fix_first(warning)
+        fix = fix_first(warning, view.own_loop)
         same = next((s for s in found if fix.flags and s.flags == fix.flags), None)
-        if same:  # the rule's suggestion is the fix: one item, ranked first, with the rule's gain
+        if same and fix.fix_first:  # the rule's suggestion is the fix: one item, ranked first, with the rule's gain
             same.fix_first, same.evidence = True, f"{same.evidence}; {fix.evidence}"
         else:
             found.append(fix)
     for s in found:
         if s.flags or s.config:
             s.kind, s.unavailable = changes.kind_of(s.flags, s.config), changes.unavailable(s.flags, s.config)
-    if view.record.get("instrument"):  # a loop of its own (trainscope.Run): only what applies to any model
+    if view.own_loop:  # a loop of its own (trainscope.Run): only what applies to any model, in the loop's terms
         found = [s for s in found if s.rule not in CLASSIFIER_ONLY]
         for s in found:
-            if s.flags and not s.fix_first:
-                s.unavailable = "train.py's flag: make the same change in your loop"
-    return sorted(found, key=lambda s: (not s.fix_first, -(s.gain or 1.0)))
+            if s.flags or s.config:
+                s.in_loop, s.unavailable = changes.loop_words(s.flags, s.config), None
+                s.flags, s.config = [], None
+    return sorted(found, key=lambda s: (not s.fix_first, s.note is not None, -(s.gain or 1.0)))
+
+
+def where_the_gap_went(view: RunView) -> list:
+    """gap_evidence as a rule's list (None or the evidence), so that advise can guard it like one."""
+    return [gap_evidence(view)]
+
+
+def guarded(rule, *args) -> list[Suggestion]:
+    """A rule's suggestions; a rule that raises gives one item that says so (estimate unavailable: why), never an
+    exception out of the advice nor a silently missing item."""
+    try:
+        return rule(*args)
+    except Exception as error:  # a defect, or a record of a shape the rule does not expect
+        why = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        return [
+            Suggestion(
+                rule.__name__,
+                f"the {rule.__name__.replace('_', ' ')} rule could not read this record",
+                "the rule raised",
+                estimate_unavailable=why,
+                confidence="low",
+            )
+        ]
 
 
 # What reads train.py's classifier (its padding and evaluation order, its encoder's attention and dropout) and does
 # not apply to a loop of its own (trainscope.Run).
 CLASSIFIER_ONLY = {"padding", "unpad", "eval_order", "evaluation", "attention_kernel", "dropout"}
+# Warnings about one figure only, not the run's: listed after the suggestions, with what they are about.
+ONE_FIGURE = {"prediction_fit_at_bound": "about the prediction only: the run's own figures stand"}
 
 
-# Estimates the predictor makes for a run that recorded a prediction (trainscope.predict.speedup: every operator
-# at its shapes, this machine's measured rates): a precision, a batch, an evaluation batch.
-PREDICTED_RULES = ("precision", "cpu_precision", "batch", "evaluation")
-PREDICTED = "predicted by trainscope.predict (each operator at its shapes, this machine's measured rates)"
-
-
-def predicted(view: RunView, suggestion: Suggestion) -> Suggestion | None:
-    """The suggestion with the predictor's speed-up as its estimate where the run has a prediction (None: predicted
-    below MIN_GAIN); else as the rule made it."""
-    if suggestion.rule not in PREDICTED_RULES or view.prediction is None:
-        return suggestion
-    from trainscope import predict  # deferred: it loads transformers
-
-    try:
-        ratio = predict.speedup(view.record, suggestion.flags, suggestion.config)["ratio"]
-    except Exception:  # the data or the model is not reachable here: the rule's own estimate stands
-        return suggestion
-    if ratio is None or ratio < MIN_GAIN:
-        return None
-    suggestion.gain, suggestion.gain_kind, suggestion.factor = ratio, "estimate", PREDICTED
-    return suggestion
-
-
-def fix_first(warning: dict) -> Suggestion:
+def fix_first(warning: dict, own_loop: bool = False) -> Suggestion:
+    """A warning's item: its registry entry's fix (in a loop's own terms on a Run record), ranked first where the
+    figures themselves are doubtful, after the suggestions where it is about one figure only (ONE_FIGURE)."""
     entry = health.fix_for(warning["code"])
     change, flags = (entry.fix, list(entry.flags)) if entry else ("see the warning", [])
+    if own_loop and entry is not None:
+        change, flags = entry.loop_fix or entry.fix, []
+    note = ONE_FIGURE.get(warning["code"])
     return Suggestion(
-        f"warning:{warning['code']}", change, warning["message"], flags, fix_first=True, confidence="high"
+        f"warning:{warning['code']}",
+        change,
+        warning["message"],
+        flags,
+        fix_first=note is None,
+        confidence="high",
+        note=note,
     )
 
 
@@ -275,6 +295,7 @@ RULES = [
     optimizer,
     gpu_precision,
     cpu_precision,
+    batch,
     gpu_batch,
     communication,
     host_bound,
@@ -451,9 +472,11 @@ def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
     measured = view.measured_peak or {}
     shapes, estimate = measured.get("run_shapes") or {}, measured.get("gap_estimate") or {}
     rate, doubled = shapes.get("tflops"), shapes.get("tflops_doubled")
-    if view.on_cuda or not (rate and doubled and estimate.get("train_s")):
+    # a record with its model timed on twice the rows: the `batch` rule speaks
+    if view.on_cuda or not (rate and doubled and estimate.get("train_s")) or view.run_operations is not None:
         return []
-    batch, steps = view.setting("per_device_batch_size"), view.setting("gradient_accumulation_steps", 1)
+    batch = view.setting("per_device_batch_size") or view.micro_batch_samples
+    steps = view.setting("gradient_accumulation_steps", 1) or 1
     halves_accumulation = steps % 2 == 0
     resolved = doubled / rate >= BATCH_MIN_RATE_GAIN and (shapes.get("tflops_doubled_low") or doubled) > (
         shapes.get("tflops_high") or rate
@@ -506,7 +529,7 @@ def lines(suggestions: list[Suggestion]) -> list[str]:
     """The ranked list for the console and the report."""
     out = []
     for rank, s in enumerate(suggestions, 1):
-        what = " ".join(s.flags) or (launching.config_argument(s.config) if s.config else "")
+        what = s.in_loop or " ".join(s.flags) or (launching.config_argument(s.config) if s.config else "")
         kind = f"; {s.kind}" + (f", {s.unavailable}" if s.unavailable else "") if s.kind else ""
         out.append(
             f"{rank}. {s.change}" + (f" (`{what}`{kind})" if what else "") + f" -- {s.gain_text()}, "

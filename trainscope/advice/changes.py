@@ -137,3 +137,45 @@ def does(flags: list[str], config: str | None = None, settings: set[str] | None 
     """What the change does to the result, part by part where they differ."""
     said = [resolved(part, settings)[1] for part in parts(flags, config)]
     return "; ".join(dict.fromkeys(said)) if said else "nothing"
+
+
+# The same changes in a loop's own terms (a trainscope.Run record): what its author writes instead of train.py's
+# flag or config ({value}: the flag's value).
+LOOP_WORDS = {
+    "config:bf16": "Accelerator(mixed_precision='bf16') (or accelerate launch --mixed_precision bf16)",
+    "config:fp16": "Accelerator(mixed_precision='fp16') (or accelerate launch --mixed_precision fp16)",
+    "--tf32": "torch.backends.cuda.matmul.allow_tf32 = True",
+    "--threads": "torch.set_num_threads({value}) before the loop, or trainscope.Run(threads={value})",
+    "--per-device-batch-size": "the training DataLoader's batch_size={value}",
+    "--gradient-accumulation-steps": "Accelerator(gradient_accumulation_steps={value}) (or your loop's own count)",
+    "--num-workers": "DataLoader(num_workers={value})",
+    "--pin-memory": "DataLoader(pin_memory=True)",
+    "--persistent-workers": "DataLoader(persistent_workers=True)",
+    "--prefetch-factor": "DataLoader(prefetch_factor={value})",
+    "--optimizer-implementation": "torch.optim.AdamW(..., fused=True)",
+    "--compile": "model = torch.compile(model) before accelerator.prepare",
+    "--gradient-checkpointing": "model.gradient_checkpointing_enable() (transformers) or torch.utils.checkpoint",
+    "--ddp-bucket-cap-mb": "DistributedDataParallelKwargs(bucket_cap_mb={value}) in the Accelerator's kwargs_handlers",
+    "--ddp-comm-hook": "DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)",
+    "--eval-batch-size": "the evaluation DataLoader's batch_size={value}",
+}
+
+
+def loop_words(flags: list[str], config: str | None = None) -> str:
+    """A change of train.py's flags and config in a loop's own terms, part by part."""
+    said, index = [], 0
+    while index < len(flags):
+        flag = flags[index]
+        has_value = index + 1 < len(flags) and not flags[index + 1].startswith("--")
+        value = flags[index + 1] if has_value else None
+        index += 2 if has_value else 1
+        words = LOOP_WORDS.get(flag)
+        if flag == "--threads" and value == "auto":
+            said.append("trainscope.Run(threads='auto'): each process's share of the cores")
+        elif words:
+            said.append(words.format(value=value))
+        else:
+            said.append(f"your loop's equivalent of train.py's {flag}" + (f" {value}" if value else ""))
+    if config:
+        said.append(LOOP_WORDS.get(f"config:{config}") or f"your loop launched as accelerate_configs/{config}.yaml")
+    return "; ".join(said)

@@ -8,7 +8,7 @@ How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadvicea
 
 from dataclasses import asdict, dataclass, field
 
-from trainscope.advice import changes
+from trainscope.advice import changes, estimates
 from trainscope.core.record_view import RunView
 from trainscope.measure.flops import matmul_parameters, padding_flops_share, peak_tflops
 
@@ -31,16 +31,38 @@ class Suggestion:
     changes_result: str | None = None  # what the change alters in what is learned, if anything
     kind: str | None = None  # exact / numeric / training (trainscope.advice.changes), set by advise()
     unavailable: str | None = None  # why this build cannot make the change (a flag it lacks), or None
+    interval: tuple | None = None  # an estimate's (low, high); None: from half its assumed effect to all of it
+    assumes: str | None = None  # what an estimate from the run's own measurement assumes
+    estimate_unavailable: str | None = None  # why the record gives no estimate (a failure inside one included)
+    in_loop: str | None = None  # the change in a loop's own terms (trainscope.Run records), set by advise()
+    note: str | None = None  # in place of "fix first" for a warning about one figure only (the prediction)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def bounds(self) -> tuple[float, float] | None:
+        """An estimate's interval: its own, or from half its assumed effect to all of it."""
+        if self.gain is None or self.gain_kind != "estimate":
+            return None
+        return self.interval or tuple(sorted((1 + (self.gain - 1) / 2, self.gain)))
+
     def gain_text(self) -> str:
+        if self.estimate_unavailable:
+            return f"estimate unavailable: {self.estimate_unavailable}"
         if self.gain is None:
+            if self.note:
+                return self.note
             return "fix first: the figures are doubtful" if self.fix_first else "no speed claim"
         if self.gain_kind == "bound":
             return f"at most {self.gain:.2f}x faster"
-        return f"estimate {self.gain:.2f}x faster ({self.factor})"
+        low, high = self.bounds()
+        said = [
+            self.factor,
+            f"interval {low:.2f}-{high:.2f}x" + ("" if self.interval else ": half to all of that effect"),
+            f"assumes {self.assumes}" if self.assumes else None,
+        ]
+        said = "; ".join(part for part in said if part)
+        return f"estimate {self.gain:.2f}x {'faster' if self.gain >= 1 else 'slower'} ({said})"
 
 
 def amdahl(share: float, factor: float | None = None) -> float:
@@ -83,28 +105,69 @@ def data_loading(view: RunView) -> list[Suggestion]:
 
 
 def threads(view: RunView) -> list[Suggestion]:
+    """Another intra-op thread count: where the record timed the run's model at other counts (the budget where the
+    run used another, half the run's), the best of them by its estimate; else, on a record without that timing, the
+    budget where the run's threads are off it (linear scaling assumed)."""
     t = view.threads
+    counts = estimates.thread_counts(view)
+    if counts and t:
+        found = [(count, estimates.guarded(estimates.threads, view, count)) for count in counts]
+        failed = [(count, e) for count, e in found if e.unavailable]
+        usable = [(count, e) for count, e in found if e.gain is not None]
+        if not usable:
+            defects = [(count, e) for count, e in failed if e.failed]
+            return [_threads_suggestion(view, defects[0][0], None, defects[0][1].unavailable)] if defects else []
+        count, best = max(usable, key=lambda pair: pair[1].gain)
+        if best.gain < MIN_GAIN:
+            return []
+        return [_threads_suggestion(view, count, best)]
     if not t or t["threads_source"] == "auto" or t["torch_threads"] == t["thread_budget"]:
         return []
     below = t["torch_threads"] < t["thread_budget"]
     compute = sum(view.shares().get(s, 0.0) for s in ("forward", "backward", "optimizer"))
     ratio = t["thread_budget"] / t["torch_threads"]
-    evidence = (
-        f"{t['torch_threads']} torch threads, budget {t['thread_budget']} ({t['usable_cores']} usable cores / "
-        f"{t['local_processes']} processes; source {t['threads_source']})"
-    )
     return [
         Suggestion(
             "threads",
             "use each process's share of the cores as threads",
-            evidence,
+            _threads_evidence(t),
             ["--threads", "auto"],
             gain=amdahl(compute, ratio) if below else None,
             gain_kind="estimate" if below else None,
-            factor=f"compute x{ratio:g}: linear scaling with threads assumed" if below else None,
+            factor=f"compute x{ratio:g}: linear scaling with threads assumed (the record did not time other counts)"
+            if below
+            else None,
+            interval=(1.0, amdahl(compute, ratio)) if below else None,
             confidence="high" if below else "medium",
         )
     ]
+
+
+def _threads_evidence(t: dict) -> str:
+    return (
+        f"{t['torch_threads']} torch threads, budget {t['thread_budget']} ({t['usable_cores']} usable cores / "
+        f"{t['local_processes']} processes; source {t['threads_source']})"
+    )
+
+
+def _threads_suggestion(
+    view: RunView, count: int, estimate: estimates.Estimate | None, failed: str | None = None
+) -> Suggestion:
+    t = view.threads
+    budget = count == t["thread_budget"]
+    busy = ((view.run_operations or {}).get("others_cores") or 0.0) > 0.25
+    return Suggestion(
+        "threads",
+        "use each process's share of the cores as threads" if budget else f"use {count} intra-op thread(s)",
+        _threads_evidence(t) + (f"; {estimate.evidence}" if estimate else ""),
+        ["--threads", "auto" if budget else str(count)],
+        gain=estimate.gain if estimate else None,
+        gain_kind="estimate" if estimate else None,
+        interval=(estimate.low, estimate.high) if estimate else None,
+        assumes=estimate.assumes if estimate else None,
+        estimate_unavailable=failed,
+        confidence="low" if busy or not budget else "medium",
+    )
 
 
 def padding(view: RunView) -> list[Suggestion]:
@@ -279,7 +342,8 @@ def optimizer(view: RunView) -> list[Suggestion]:
 
 
 def gpu_precision(view: RunView) -> list[Suggestion]:
-    if not view.on_cuda or view.precision != "fp32":
+    """A GPU record without its model timed (cpu_precision speaks where it was): the datasheet's peak ratio."""
+    if not view.on_cuda or view.precision != "fp32" or view.run_operations is not None:
         return []
     fp32, bf16 = peak_tflops(view.device_name, "fp32"), peak_tflops(view.device_name, "bf16")
     if not fp32 or not bf16:
@@ -300,48 +364,90 @@ def gpu_precision(view: RunView) -> list[Suggestion]:
     ]
 
 
+CONFIGS = {"bf16": "bf16", "fp16": "fp16"}  # the Accelerate config (accelerate_configs/<name>.yaml) of a precision
+
+
 def cpu_precision(view: RunView) -> list[Suggestion]:
-    """bf16 autocast on a CPU whose bf16 matmuls measured faster than fp32 at this run's threads (trainscope.measure.peak),
-    whatever its flags say: the timing decides, the flags are reported beside it."""
+    """Mixed precision from the run's own measurement: its model timed alone in each precision the device runs
+    against its share of the micro-batch (trainscope.advice.estimates.precision); on a CPU record without that timing,
+    the matmul rates recorded at the model's GEMM shapes. The best precision by its estimate, where it leaves
+    MIN_GAIN; an estimate that cannot be made is said where the CPU's bf16 matmuls measured faster."""
+    if view.precision != "fp32" or not (view.on_cpu or view.run_operations is not None):
+        return []
+    targets = [p for p in estimates.precisions(view) if p in CONFIGS or (p == "tf32" and view.on_cuda)]
+    if not targets and view.on_cpu and view.cpu_bf16:  # an older record: its bf16 matmuls timed at start-up only
+        targets = ["bf16"]
+    found = [(target, estimates.guarded(estimates.precision, view, target)) for target in targets]
+    usable = [(target, e) for target, e in found if e.gain is not None]
+    if not usable:  # said where it matters: a failure inside the estimate, or bf16 measured faster on this CPU
+        missed = next((e for t, e in found if e.failed or (t == "bf16" and view.cpu_bf16.get("faster"))), None)
+        if missed is None:
+            return []
+        target, estimate, failed = next(t for t, e in found if e is missed), None, missed.unavailable
+    else:
+        target, estimate = max(usable, key=lambda pair: pair[1].gain)
+        if estimate.gain < MIN_GAIN:
+            return []
+        failed = None
     bf16 = view.cpu_bf16
-    speedup = bf16.get("speedup")
-    if not view.on_cpu or view.precision != "fp32" or not speedup:
-        return []
-    run_shares = view.shares("run")
-    compute = run_shares.get("forward", 0.0) + run_shares.get("backward", 0.0) + run_shares.get("eval", 0.0)
-    gain = amdahl(compute, speedup)
-    if speedup < NATIVE_BF16_MIN_SPEEDUP or gain < MIN_GAIN:
-        return []
-    if bf16.get("bf16_tflops"):
-        measured = (
-            f"bf16 matmuls measured {speedup:.2f}x fp32's here ({bf16['bf16_tflops'] * 1e3:.0f} against "
-            f"{bf16['fp32_tflops'] * 1e3:.0f} GFLOP/s, the machine's measured peaks at {view.torch_threads} "
-            "threads)"
-        )
-    else:  # a schema 3 record: a 1024^2 matmul timed at start-up
-        measured = (
-            f"a {bf16.get('size')}x{bf16.get('size')} matmul at {bf16.get('threads')} threads ran "
-            f"{speedup:.2f}x faster in bf16 autocast than fp32 here"
-        )
     flags = (
-        f"flags {', '.join(bf16['flags'])}"
+        f"; the CPU's flags: {', '.join(bf16['flags'])}"
         if bf16.get("flags")
-        else {True: "native bf16 by its flags", False: "no native-bf16 flag listed", None: "flags unread"}[
+        else {True: "; native bf16 by its flags", False: "; no native-bf16 flag listed", None: ""}[
             bf16.get("native_by_flags")
         ]
+        if view.on_cpu
+        else ""
+    )
+    config = CONFIGS.get(target)
+    return [
+        Suggestion(
+            "cpu_precision" if view.on_cpu else "precision",
+            f"train in {target} autocast"
+            + (f" (accelerate_configs/{config}.yaml)" if config else " (TF32 matmuls: --tf32)"),
+            (estimate.evidence if estimate else f"{view.device_name}") + flags,
+            [] if config else ["--tf32"],
+            config=config,
+            gain=estimate.gain if estimate else None,
+            gain_kind="estimate" if estimate else None,
+            interval=(estimate.low, estimate.high) if estimate else None,
+            assumes=estimate.assumes if estimate else None,
+            estimate_unavailable=failed,
+            confidence="medium",
+            changes_result=f"{target} rounding" + (" (losses agree to about 1e-2)" if target == "bf16" else ""),
+        )
+    ]
+
+
+def batch(view: RunView) -> list[Suggestion]:
+    """A doubled micro-batch on a CPU, from the run's own measurement: its model timed on twice the rows
+    (trainscope.advice.estimates.batch). On a GPU the memory-based rules speak (gpu_batch, host_bound)."""
+    if view.on_cuda or view.run_operations is None:
+        return []
+    estimate = estimates.guarded(estimates.batch, view)
+    if (estimate.gain is None and not estimate.failed) or (estimate.gain is not None and estimate.gain < MIN_GAIN):
+        return []
+    size = view.setting("per_device_batch_size") or view.micro_batch_samples
+    steps = view.setting("gradient_accumulation_steps", 1) or 1
+    halves = steps % 2 == 0
+    flags = ["--per-device-batch-size", str(2 * size)] + (
+        ["--gradient-accumulation-steps", str(steps // 2)] if halves else []
     )
     return [
         Suggestion(
-            "cpu_precision",
-            "train in bf16 autocast (accelerate_configs/bf16.yaml): this CPU computes bf16 faster than fp32",
-            f"{view.env.get('cpu_capability')} ({flags}); {measured}; forward, "
-            f"backward and evaluation take {compute:.0%} of the wall time",
-            config="bf16",
-            gain=gain,
-            gain_kind="estimate",
-            factor=f"all of forward, backward and evaluation x{speedup:.2f}, the measured matmul speed-up",
-            confidence="medium",
-            changes_result="bf16 rounding (losses agree to about 1e-2)",
+            "batch",
+            f"double the per-device batch to {2 * size}" + (" and halve accumulation" if halves else ""),
+            estimate.evidence or "the run's model timed on twice the rows",
+            flags,
+            gain=estimate.gain,
+            gain_kind="estimate" if estimate.gain is not None else None,
+            interval=(estimate.low, estimate.high) if estimate.gain is not None else None,
+            assumes=estimate.assumes or None,
+            estimate_unavailable=estimate.unavailable,
+            confidence="low",
+            changes_result=None
+            if halves
+            else "the effective batch doubles and the optimizer takes half the steps (the learning rate is not scaled)",
         )
     ]
 

@@ -342,6 +342,33 @@ class RunView:
         return self.summary.get("measured_peak")
 
     @property
+    def run_operations(self) -> dict | None:
+        """The run's own model timed alone after the loop on a micro-batch of its own (trainscope.measure.operations):
+        {configurations [{name, precision, threads, rows, seconds {median, low, high} per mean micro-batch, calls,
+        error}], precision, threads, micro_batches_per_step, others_cores, basis, measured, cost_s}, or {reason} where
+        nothing was kept; None in older records."""
+        return ((self.measured_peak or {}).get("run_shapes") or {}).get("operations")
+
+    @property
+    def micro_batch_s(self) -> float | None:
+        """Training seconds per micro-batch over the phase the throughput covers (steady, else warm-up): the slowest
+        rank's training time less evaluation over rank 0's micro-batches."""
+        wall = self.throughput.get("train_wall_s")
+        counts = (self.per_rank[0].get("counts") or {}) if self.per_rank else {}
+        phase = "steady" if (counts.get("steady") or {}).get("optimizer_steps") else "warmup"
+        micro_batches = (counts.get(phase) or {}).get("micro_batches")
+        return wall / micro_batches if wall and micro_batches else None
+
+    @property
+    def micro_batch_samples(self) -> int | None:
+        """The mean samples per micro-batch of the phase the throughput covers, on rank 0 (a loop's own batch size,
+        where its settings do not say it)."""
+        counts = (self.per_rank[0].get("counts") or {}) if self.per_rank else {}
+        phase = "steady" if (counts.get("steady") or {}).get("optimizer_steps") else "warmup"
+        found = counts.get(phase) or {}
+        return round(found["samples"] / found["micro_batches"]) if found.get("micro_batches") else None
+
+    @property
     def model_flops(self) -> dict:
         """What the model FLOPs count (trainscope.measure.flops): {trained_share, adapter_weights, input_gradient, recomputed,
         recomputed_tflops_per_device}; {} in older records (PaLM's 6N for every run: LoRA overstated)."""

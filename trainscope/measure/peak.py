@@ -256,7 +256,7 @@ def calls_within(seconds_per_call: float, budget_s: float) -> int:
     return max(MIN_CALLS, min(GPU_MAX_CALLS, int(budget_s / max(seconds_per_call, 1e-9))))
 
 
-class _Tf32:
+class Tf32:
     """TF32 matmuls allowed for the duration of a tf32 measurement only, as they were afterwards."""
 
     def __init__(self, on: bool):
@@ -292,7 +292,7 @@ def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops
             skipped=f"about {flops / (best_tflops * 1e12):.1f} s per call at the best rate of a smaller "
             f"shape ({best_tflops * 1e3:.1f} GFLOP/s), which stands for it",
         )
-    with _Tf32(precision_name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
+    with Tf32(precision_name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
         a, b = _operands(device, precision_name, shape)
         first = _call_seconds(device, a, b)  # warm-up: kernel selection, JIT, first touch of the output
         times = [first] if first > MAX_CALL_S else []
@@ -321,7 +321,7 @@ def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops
     )
 
 
-class _Threads:
+class Threads:
     """torch's intra-op threads set to `threads` for a measurement, put back afterwards."""
 
     def __init__(self, threads: int | None):
@@ -361,6 +361,9 @@ def other_cores(before, after) -> float | None:
     return max(0.0, others) / (after[2] - before[2])
 
 
+cpu_seconds = _cpu_seconds  # public: trainscope.measure.operations reads the machine's load as the rates do
+
+
 def rates(
     device: torch.device,
     precision_name: str,
@@ -376,7 +379,7 @@ def rates(
     Misses are measured smallest first, after a probe of PROBE_SIDE^3; each shape's time per call is estimated at
     the best rate seen so far, and a shape estimated above MAX_CALL_S is skipped (see `measure`)."""
     shapes = [tuple(int(x) for x in s) for s in shapes]
-    with _Threads(threads):
+    with Threads(threads):
         key = machine_key(device, processes=processes)
         cached = _read_cache(key) if use_cache else {}
         found = {
@@ -459,7 +462,7 @@ def machine_peak(
     shapes = [tuple(s) for s in shapes] + [square(device)]
     shapes = list(dict.fromkeys(shapes))
     names = precisions(device)
-    with _Threads(threads):
+    with Threads(threads):
         key = machine_key(device, processes=processes)
         cached = _read_cache(key)
         missing = any(_entry(p, s) not in cached for p in names for s in shapes)

@@ -18,7 +18,7 @@ from trainscope.core.faults import NonFiniteLoss
 from trainscope.core.precision import effective_precision
 from trainscope.core.records import now_iso
 from trainscope.core.settings import LOOP_DATASET
-from trainscope.measure import flops_source, gap, health, peak, summary
+from trainscope.measure import flops_source, gap, health, operations, peak, summary
 from trainscope.measure.communication import block as communication_block
 from trainscope.measure.communication import measured as communication
 from trainscope.measure.flops import FULL, encoder_shape, mfu, training_of
@@ -68,6 +68,8 @@ class RunMetrics:
         self._given_flops = flops
         self.flops = flops_source.NoFlops()  # where the model FLOPs come from: chosen at attach, from the model
         self.events = LoopEvents(None, None)  # the loop's forwards and optimizer steps: hooked at attach
+        self.operations = operations.NoWatch()  # the model's inputs kept in warm-up: set with the environment
+        self.loop_peak_rss: int | None = None  # the peak RSS before the model was timed alone after the loop
 
     # ---------------------------------------------------------------- before the loop
 
@@ -100,6 +102,7 @@ class RunMetrics:
         """The hooks off the model and the optimizer, a count still open closed: the run ended."""
         self.flops.end()
         self.events.close()
+        self.operations.close()
 
     def resume_from(self, resumed: dict | None) -> None:
         """Continue the counters and timing totals of a checkpointed part of the same run."""
@@ -121,6 +124,14 @@ class RunMetrics:
         }
         if self.accelerator.device.type == "cpu":
             self.env["cpu_bf16"] = precision.cpu_bf16(precision.cpu_flags(), self.env["machine_peak"])
+        # the layers' shapes, seen in the warm-up's training forwards, for the timings after the loop
+        model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
+        self.operations = operations.watch(
+            model,
+            lambda: self.timer.phase,
+            compiled=bool(self.settings.compile),
+            sharded="FSDP" in str(self.accelerator.distributed_type),
+        )
         return self.env
 
     def _machine_peak(self) -> dict:
@@ -319,7 +330,7 @@ class RunMetrics:
     def _rank_summary(self, final: bool = False) -> dict:
         """This rank's figures. `final`: every rank finished the run and is here, so the communication measurement
         times its buckets' transfer now (a collective), after the memory peaks were read."""
-        memory = {**self.timer.memory_summary(), "peak_rss_gib": peak_rss_bytes() / GIB}
+        memory = {**self.timer.memory_summary(), "peak_rss_gib": (self.loop_peak_rss or peak_rss_bytes()) / GIB}
         return {
             "rank": self.accelerator.process_index,
             "timing": self.timer.summary(),
@@ -396,14 +407,17 @@ class RunMetrics:
     def _measure_run_shapes(self) -> dict | None:
         """The matmul rate at the run's own GEMM shapes (its batch x mean padded length of the timed steps) and at
         twice the tokens, and one encoder layer's forward and backward profiled apart at those shapes (the gap's
-        estimate without --profile): from the machine's cache, measured now on a miss. None when unmeasurable."""
+        estimate without --profile): from the machine's cache, measured now on a miss. And, for any model whose
+        layers were watched, those layers timed alone in each precision, thread count and at twice the rows
+        (`operations`: trainscope.measure.operations). None when nothing was measurable."""
         shape, counts = encoder_shape(self.model_config), self.loop.counts["steady"]
         if not counts["samples"]:
             counts = self.loop.counts["warmup"]
         precision_name = self.env.get("effective_precision") or "fp32"
         device, processes = self.accelerator.device, self.started.threads["local_processes"]
+        layers = self._measure_layers(precision_name)
         if not shape or not counts["samples"] or precision_name not in peak.precisions(device):
-            return None
+            return {"operations": layers} if layers else None
         # the loop's own mean micro-batch and mean padded length (the mean real length with --unpad: the matmuls'
         # rows), the length up to a multiple of 8 (later runs of similar data hit the cache)
         batch = max(1, round(counts["samples"] / max(counts["micro_batches"], 1)))
@@ -417,13 +431,65 @@ class RunMetrics:
             found = peak.rates(device, precision_name, shapes + doubled, processes=processes, store=store)
             layer = peak.cached(device, probe[0], probe[1], processes=processes, store=store) if probe else None
         except (RuntimeError, torch.OutOfMemoryError):
-            return None
+            return {"operations": layers} if layers else None
         rate = {
             f"{name}{suffix}": peak.matmul_rate(found, group, peak.TRANSFORMER_WEIGHTS, which)
             for name, group in (("tflops", shapes), ("tflops_doubled", doubled))
             for suffix, which in (("", "tflops"), ("_low", "low"), ("_high", "high"))
         }
-        return {"batch": batch, "length": length, "tokens": batch * length, "layers": shape[0], **rate, "layer": layer}
+        return {
+            "batch": batch,
+            "length": length,
+            "tokens": batch * length,
+            "layers": shape[0],
+            **rate,
+            "layer": layer,
+            "operations": layers,
+        }
+
+    def _measure_layers(self, precision_name: str) -> dict | None:
+        """The model's forward and backward on the warm-up's last micro-batch, timed alone in each precision, thread
+        count and at twice the rows (trainscope.measure.operations), every rank at once as the run ran; scaled from
+        that micro-batch to the steady phase's mean (positions where the batches have them, else samples). {reason}
+        where nothing was kept."""
+        self.operations.close()
+        self.loop_peak_rss = peak_rss_bytes()  # the run's own: timing the model alone may raise the process's peak
+        if self.operations.inputs is None:
+            return {"reason": self.operations.reason}
+        steady, warmup = self.loop.counts["steady"], self.loop.counts["warmup"]
+        counts = steady if steady["optimizer_steps"] else warmup
+        key = "padded_tokens" if counts.get("padded_tokens") else "samples"
+        mean = counts[key] / counts["micro_batches"] if counts["micro_batches"] else None
+        kept = operations.positions(self.operations.inputs)
+        threads = self.started.threads
+        model = self.accelerator.unwrap_model(self.model)
+        try:
+            block = operations.measure(
+                model,
+                self.operations.inputs,
+                self.accelerator.device,
+                precision_name,
+                threads["torch_threads"],
+                budget=threads.get("thread_budget"),
+                scale=mean / kept if mean and kept else 1.0,
+            )
+        except (RuntimeError, ValueError, TypeError) as error:  # a model that will not run alone: said, not fatal
+            return {"reason": f"the model could not be timed alone: {' '.join(str(error).split())[:200]}"}
+        finally:
+            self.operations.inputs = None  # the batch kept for this is let go
+        return {
+            **block,
+            "basis": "the model's own forward and backward on the warm-up's last training micro-batch "
+            f"({kept} {'positions' if key == 'padded_tokens' else 'samples'}), timed alone after the loop; seconds "
+            f"scaled to the steady phase's mean micro-batch ({mean:.4g})"
+            if mean
+            else "the model's own forward and backward on the warm-up's last training micro-batch",
+            "precision": precision_name,
+            "threads": threads["torch_threads"],
+            "micro_batches_per_step": counts["micro_batches"] / counts["optimizer_steps"]
+            if counts["optimizer_steps"]
+            else None,
+        }
 
     def _compile_summary(self) -> dict | None:
         if not self.settings.compile:
