@@ -215,7 +215,7 @@ def check_loop(loop: Loop, pairs: int, changes: int, scratch: Path, log) -> dict
     in `pairs` alternating pairs."""
     cache = scratch / "cache"  # this benchmark's own: the advice run's model timing happens now, on this machine
     advice = run_once(loop, None, scratch, f"{loop.name}-advice", cache)
-    view = RunView(advice.pop("record"))
+    view = RunView(advice["record"])  # kept in the results: its estimates can be made again from it
     ranked = candidates(view)
     shown = [{"change": c.label, **_estimate_dict(e), "not_applied": applicable(loop, c)} for c, e in ranked]
     tried = [(c, e) for c, e in ranked if e.gain is not None and applicable(loop, c) is None][:changes]
@@ -357,8 +357,6 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="advice-check-") as scratch:
         results = [check_loop(LOOPS[n], args.pairs, args.changes, Path(scratch), print) for n in names]
     conditions.update(load_after=load_average(), seconds=time.monotonic() - started)
-    for loop in results:  # the records stay out of the results file: their figures are kept
-        loop["advice_run"].pop("record", None)
     misses = json.loads(Path(args.misses).read_text()) if args.misses else {}
     report = {
         "machine": machine_words(),
