@@ -331,3 +331,21 @@ def test_every_record_a_run_writes_is_advised_without_error_in_the_loops_terms(l
     for target in estimates.precisions(RunView(record)):
         assert estimates.guarded(estimates.precision, RunView(record), target).failed is False
     assert json.dumps([s.to_dict() for s in found])  # what make tune keeps of it
+
+
+def test_the_committed_benchmarks_estimates_are_made_again_from_its_advice_runs_records():
+    """make bench-advice keeps each loop's advice record: today's estimates of it are the committed ones (a change to
+    how estimates are made shows here, and the benchmark is run again)."""
+    from trainscope.experiments.benchmarks import advice_check
+
+    results = json.loads((ROOT / "benchmarks" / "advice_check.json").read_text())
+    assert {loop["loop"] for loop in results["loops"]} == set(advice_check.LOOPS)
+    for loop in results["loops"]:
+        again = {change.label: e for change, e in advice_check.candidates(RunView(loop["advice_run"]["record"]))}
+        for shown in loop["estimates"]:
+            estimate = again[shown["change"]]
+            assert (estimate.gain, estimate.low, estimate.high) == pytest.approx(
+                (shown["estimate"], shown["low"], shown["high"])
+            ), (loop["loop"], shown["change"])
+        for checked in loop["checked"]:
+            assert checked["inside"] is (checked["low"] <= checked["measured"]["median_ratio"] <= checked["high"])

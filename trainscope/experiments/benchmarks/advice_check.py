@@ -260,6 +260,10 @@ def _estimate_dict(estimate: estimates.Estimate) -> dict:
     }
 
 
+def load_words(load: float | None) -> str:
+    return "unknown" if load is None else f"{load:.2f}"
+
+
 def load_average() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -306,14 +310,15 @@ def table(results: list[dict]) -> Table:
 
 
 def markdown(report: dict) -> list[str]:
-    results = report["loops"]
+    results, conditions = report["loops"], report["conditions"]
     inside = sum(1 for loop in results if loop["checked"] and loop["checked"][0]["inside"])
     lines = [
         "# The advisor's estimates against what the change measures (make bench-advice)",
         "",
-        f"Machine: {report['machine']}; load average before: {report['conditions']['load_before']}, after: "
-        f"{report['conditions']['load_after']} ({'quiet' if report['conditions']['quiet'] else 'not quiet'}: "
-        f"under {QUIET_LOAD} counts as quiet). {report['pairs']} alternating pairs per change; the measured ratio "
+        f"Machine: {report['machine']}; 1-minute load average before: {load_words(conditions['load_before'])} "
+        f"({'quiet' if conditions['quiet'] else 'not quiet'}: under {QUIET_LOAD} counts as quiet), at the end "
+        f"{load_words(conditions['load_after'])} (this benchmark's own runs keep both cores busy). "
+        f"{report['pairs']} alternating pairs per change; the measured ratio "
         "is the median of the pairs' changed / as-it-is steady samples/s, its interval the distribution-free one of "
         "the median (with 5 pairs: their min-max, 93.75%).",
         "",
