@@ -341,6 +341,17 @@ def optimizer(view: RunView) -> list[Suggestion]:
     ]
 
 
+def _bf16_at_start(view: RunView) -> str:
+    """What a record without its model timed says of bf16: the machine's matmuls at start-up, not this run's share."""
+    speedup = view.cpu_bf16.get("speedup")
+    if not speedup:
+        return view.device_name
+    return (
+        f"{view.device_name}: bf16 matmuls measured {speedup:.2f}x fp32's at the start of the run (the machine's "
+        "peak shapes, not this run's share of its time)"
+    )
+
+
 def gpu_precision(view: RunView) -> list[Suggestion]:
     """A GPU record without its model timed (cpu_precision speaks where it was): the datasheet's peak ratio."""
     if not view.on_cuda or view.precision != "fp32" or view.run_operations is not None:
@@ -403,9 +414,8 @@ def cpu_precision(view: RunView) -> list[Suggestion]:
     return [
         Suggestion(
             "cpu_precision" if view.on_cpu else "precision",
-            f"train in {target} autocast"
-            + (f" (accelerate_configs/{config}.yaml)" if config else " (TF32 matmuls: --tf32)"),
-            (estimate.evidence if estimate else f"{view.device_name}") + flags,
+            f"train in {target} autocast" if config else "allow TF32 matmuls",
+            (estimate.evidence if estimate else _bf16_at_start(view)) + flags,
             [] if config else ["--tf32"],
             config=config,
             gain=estimate.gain if estimate else None,
