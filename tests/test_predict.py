@@ -672,6 +672,26 @@ def calibrated_with(fitted: dict) -> tuple[dict, list[dict]]:
     return state, [w for w in health.check(record) if w["code"] == "prediction_fit_at_bound"]
 
 
+def test_a_fit_held_at_a_bound_is_said_only_where_the_step_missed_its_goal():
+    """A fresh clone's make train on a quiet machine (machine B): the first-use fit held step_s at 0 and the steady step
+    came within 4% of its prediction, yet the run ended in prediction_fit_at_bound, a warning its reader could not
+    act on; at +15.2% (another first use) the warning stands."""
+    from trainscope.measure import health
+
+    fitted = calibration.fit_time(few_time_points(-0.004))
+    _, (warning,) = calibrated_with(fitted)  # no error measured (an interrupted run): said
+    state = predict.calibration_state({"key": {"device": "cpu"}, "time": fitted, "method": "first use"}, CPU)
+    for error, warned in ((0.0375, False), (-0.12, False), (0.1525, True)):
+        record = {
+            "settings": {},
+            "environment": {},
+            "summary": {"prediction_error": {"step_s": {"error": error}}},
+            "prediction": {**planted_block(), "calibration": state},
+        }
+        codes = [w["code"] for w in health.check(record)]
+        assert ("prediction_fit_at_bound" in codes) is warned, error
+
+
 @pytest.mark.parametrize("residuals", [(-0.004,), (-0.006, -0.002), (-0.006, 0.002)], ids=["1 shape", "2", "2 mixed"])
 def test_a_calibration_from_one_or_two_shapes_says_its_constant_is_held_at_0(residuals):
     """A first-use calibration cut to 1-2 shapes fits only the per-step constant, as their median residual; where that
