@@ -42,7 +42,7 @@ def one_round_of(module: str, out, monkeypatch, *extra) -> dict:
 
 def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path, monkeypatch):
     out = tmp_path / "peer"
-    report = one_round_of("trainer_peer", out, monkeypatch, "--cost-steps", "4")
+    report = one_round_of("trainer_peer", out, monkeypatch, "--cost-steps", "4", "--cost-pairs", "1")
     (round_,) = report["rounds"]
     assert set(round_) == {"trainer", "trainer+callback", "accelerate", "python"}
     # the stage splits side by side: train.py's record's and the callback's, each summing to the steady wall time

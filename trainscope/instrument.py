@@ -227,6 +227,8 @@ class Run:
         """End the optimizer steps taken since the loop's last call to the run (all of them, or those taken before the
         latest training forward began): each one's step line, checkpoint and stop vote. True when one ended."""
         events = self.metrics.events
+        if not events.pending:  # most calls: no step to end
+            return False
         ended = events.steps_before_last_forward() if before_forward else events.take()
         for _ in range(ended):
             self.metrics.end_step()

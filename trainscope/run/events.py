@@ -113,12 +113,16 @@ class LoopEvents:
 
     def steps_before_last_forward(self) -> int:
         """How many steps ended before the latest training forward began, taken out of `pending`."""
+        if not self.pending:  # most calls: nothing to settle
+            return 0
         before = [sequence for sequence in self.pending if sequence < self.last_forward]
         self.pending = [sequence for sequence in self.pending if sequence > self.last_forward]
         return len(before)
 
     def take(self) -> int:
         """How many steps are pending, all taken out."""
+        if not self.pending:
+            return 0
         taken, self.pending = len(self.pending), []
         return taken
 

@@ -160,9 +160,11 @@ def instruments_alone(argv: list[str]) -> None:
     if settings.threads.isdigit():
         torch.set_num_threads(int(settings.threads))
     accelerator = Accelerator()
-    model = torch.nn.Linear(4, 1)
+    model = accelerator.prepare(torch.nn.Linear(4, 1))
+    # torch's own SGD, not Accelerate's wrapper: AcceleratedOptimizer.step asks importlib for lomo_optim twice a call
+    # (accelerate 1.15's is_lomo_available, uncached: about 160 us on machine B), which the bare loop pays as train.py
+    # does; what is timed here is trainscope's own work (its step hook), not Accelerate's
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = accelerator.prepare(model, optimizer)
     steps, shape = settings.max_steps or 1000, (settings.per_device_batch_size, settings.max_seq_length)
     mask = torch.ones(shape, dtype=torch.long)
     mask[: shape[0] // 2, shape[1] // 2 :] = 0  # half the sequences padded, as a classifier's batches are

@@ -63,6 +63,7 @@ CALLBACK_TARGET = 0.03  # the callback's cost in samples/s, judged on the median
 COST_ARGS = ["--model", "embedded:tiny-bert", "--max-train-samples", "4000", "--per-device-batch-size", "16",
              "--max-seq-length", "64", "--timing-warmup-steps", "20", "--threads", "1"]  # fmt: skip
 COST_STEPS = 200
+COST_PAIRS = 11  # the cost's rounds are cheap (a second or two of steps each): enough for a 98.8% interval
 
 
 def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -> None:
@@ -271,7 +272,7 @@ def measure(args, train_args: list[str]) -> dict:
             "trainer": lambda i: run_trainer(cost_args, args.precision, config),
             "trainer+callback": lambda i: run_trainer(cost_args, args.precision, config, with_callback=True),
         }
-        cost_rounds = bench.alternate(cost_arms, args.pairs)
+        cost_rounds = bench.alternate(cost_arms, args.cost_pairs)
     comparisons = {
         "accelerate_over_trainer": bench.compare_rounds(rounds, "accelerate", "trainer", "samples_per_s"),
         "accelerate_over_trainer_tokens": bench.compare_rounds(rounds, "accelerate", "trainer", "tokens_per_s"),
@@ -408,6 +409,12 @@ def main() -> None:
     parser.add_argument("--with-callback", action="store_true", help=argparse.SUPPRESS)  # a child's
     parser.add_argument(
         "--cost-steps", type=int, default=COST_STEPS, help=f"steps of each callback-cost run (default {COST_STEPS})"
+    )
+    parser.add_argument(
+        "--cost-pairs",
+        type=int,
+        default=COST_PAIRS,
+        help=f"alternating rounds of the callback's cost (default {COST_PAIRS})",
     )
     args, train_args = parser.parse_known_args()
     if args.trainer:
