@@ -101,6 +101,8 @@ def _planted_setup(tmp_path, failing: bool) -> subprocess.CompletedProcess:
     for planted in (system, uv):
         planted.chmod(0o755)
     env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}")
+    for inherited in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):  # under `make test` a sub-make would say its directory
+        env.pop(inherited, None)
     return subprocess.run(
         ["make", "-B", "setup", f"PYTHON={system}", f"VENV={venv}", "GPU_SIGNS="],
         cwd=ROOT,
