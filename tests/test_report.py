@@ -743,11 +743,11 @@ def bench_speed() -> dict:
 
 
 def test_the_amp_comparison_judges_whole_runs_never_the_intervals_of_one(tmp_path):
-    """The committed make amp-compare ran one round (one run per arm): its 10 logged intervals are not 10 pairs, so
-    the report says too few pairs and gives no verdict."""
+    """Machine A's committed make amp-compare (kept as amp_avx2) ran one round (one run per arm): its 10 logged
+    intervals are not 10 pairs, so the report says too few pairs and gives no verdict."""
     from trainscope.experiments import amp
 
-    shutil.copytree(ROOT / "benchmarks" / "runs" / "amp", tmp_path / "amp")
+    shutil.copytree(ROOT / "benchmarks" / "runs" / "amp_avx2", tmp_path / "amp")
     found = reporting.collect(tmp_path, tmp_path / "none", [amp.EXPERIMENT])
     answer = amp.headline(found)
     assert answer.verdict == "too few pairs" and "interval" not in answer.text
