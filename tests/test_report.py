@@ -5,6 +5,7 @@ import json
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 from datetime import date
@@ -122,14 +123,17 @@ def test_latex_tables_parse_as_tables(built):
 
 
 def test_the_amp_table_shows_what_the_records_hold():
-    """Checked on the committed report: its AMP runs are real ones (fp32 and bf16 on this CPU)."""
+    """Checked on the committed report: its AMP runs are real ones (fp32 and bf16 on machine B's CPU, five rounds),
+    each cell the median of the arm's rounds as its records hold them."""
     runs, out = ROOT / "benchmarks" / "runs", ROOT / "reports"
-    bf16 = json.loads((runs / "amp" / "bf16-r0" / "record.json").read_text())["summary"]
+    rounds = [json.loads(p.read_text())["summary"] for p in sorted((runs / "amp").glob("bf16-r*/record.json"))]
     row = next(line for line in (out / "amp_amp.tex").read_text().splitlines() if line.startswith("bf16 &"))
     cells = [c.strip().rstrip("\\").strip() for c in row.split("&")]
-    assert cells[1] == "bf16"
-    assert float(cells[3]) == pytest.approx(bf16["test"]["accuracy"], abs=6e-5)
-    assert float(cells[4]) == pytest.approx(bf16["throughput"]["samples_per_s"], abs=0.06)
+    assert cells[1] == "bf16" and len(rounds) == 5
+    assert float(cells[3]) == pytest.approx(statistics.median(r["test"]["accuracy"] for r in rounds), abs=6e-5)
+    assert float(cells[4]) == pytest.approx(
+        statistics.median(r["throughput"]["samples_per_s"] for r in rounds), abs=0.06
+    )
 
 
 def test_make_amp_compare_writes_whole_runs_in_rounds_and_one_round_gives_no_verdict(built):
