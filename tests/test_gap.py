@@ -1,10 +1,15 @@
 """Where the gap to the measured matmul peak goes (trainscope.measure.gap): operators put in categories, on planted profiler
 events and on one real layer of the tiny model profiled apart."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import cpu_env
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from trainscope.measure import gap, profiling
@@ -152,6 +157,35 @@ def test_one_layer_profiled_apart_shows_what_attention_dropout_costs_and_leaves_
         assert "_scaled_dot_product_attention_math" in ops and found["attention_dropout_s"] > 0
     else:
         assert "flash_attention" in ops and found["attention_dropout_s"] == 0
+
+
+QUIET_PROBE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_gap import tiny_model
+from trainscope.measure import profiling
+found = profiling.layer_breakdown(tiny_model(0.1, 0.1), batch=2, length=8, precision_name="fp32", device=torch.device("cpu"))
+x = torch.randn(8, 8)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):  # the user's own, after the probe
+    x @ x
+print(json.dumps({"found": found is not None}))
+"""
+
+
+@pytest.mark.parametrize("level", [None, "0"])
+def test_the_probe_adds_no_kineto_lines_to_a_runs_output_and_a_level_set_by_the_user_stays(level):
+    """kineto prints 'USDT: ... profiler_start' and '... profiler_stop' for each profiler: the layer probe that
+    train.py runs unasked (at the end of make train) prints nothing, unless the user set KINETO_LOG_LEVEL."""
+    env = cpu_env()
+    env.pop("KINETO_LOG_LEVEL", None)
+    if level is not None:
+        env["KINETO_LOG_LEVEL"] = level
+    done = subprocess.run(
+        [sys.executable, "-c", QUIET_PROBE, str(Path(__file__).parent)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"found": True}
+    assert ("profiler_start" in done.stderr) == (level is not None), done.stderr[-2000:]
 
 
 def kernel(name, start_us, end_us):

@@ -9,6 +9,7 @@ category (trainscope.measure.gap): where the gap to the machine's measured matmu
 """
 
 import contextlib
+import os
 import pickle
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from trainscope.measure.memory import is_sharded
 from trainscope.measure.timing import STAGES
 
 TOP_OPERATORS = 15
+# kineto's levels: VERBOSE 0 ... ERROR 3, STAGE 4, USDT 5; 6 keeps every one of them off stderr
+KINETO_QUIET = 6
 
 
 class NoProfiler:
@@ -194,6 +197,22 @@ def build_memory_snapshot(settings, run_dir: Path, device: torch.device, rank: i
     )
 
 
+@contextlib.contextmanager
+def quiet_kineto():
+    """kineto writes a 'USDT: ... profiler_start' and a '... profiler_stop' line to stderr for every profiler, a probe
+    no one asked for included. Its level is read once, when the process's first profiler starts: set around this
+    one (and the environment restored), it quiets kineto if this is the first (a --profile window earlier in the run
+    keeps kineto's own messages); a level the user set stays."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = str(KINETO_QUIET)
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 def first_layer(model):
     """The first of the model's repeated blocks (its longest ModuleList), or None."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
@@ -230,7 +249,7 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
                 out.float().sum().backward()
 
         step()  # warm-up: kernels chosen, memory allocated
-        with torch.profiler.profile(activities=_activities(device), with_flops=True) as profiler:
+        with quiet_kineto(), torch.profiler.profile(activities=_activities(device), with_flops=True) as profiler:
             step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
