@@ -49,7 +49,16 @@ def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path, monkeypat
     shares = report["stage_shares"]
     assert all(sum(split.values()) == pytest.approx(1.0, abs=1e-6) for split in shares.values())
     cost = report["callback_cost"]
-    assert set(cost["rounds"][0]) == {"trainer", "trainer+callback"} and cost["meets_target"] is None
+    assert set(cost["rounds"][0]) == {"trainer", "trainer+callback", "callback-alone"} and cost["meets_target"] is None
+    # the direct figure: the callback's own time around near-empty Trainer steps, against the Trainer's tiny step
+    alone, trainer = cost["rounds"][0]["callback-alone"], cost["rounds"][0]["trainer"]
+    assert alone["trainer_us_per_step"] > 0 and alone["threads"] == trainer["threads"] == 1
+    direct = cost["direct"]
+    assert direct["cost"] == pytest.approx(alone["us_per_step"] * 1e-6 / (16 / trainer["samples_per_s"]))
+    assert (
+        direct["meets_target"] is None
+        and "Measured directly (the callback's own calls" in out.with_suffix(".md").read_text()
+    )
     assert "callback's cost" in out.with_suffix(".md").read_text()
     assert report["same_batches"] is True  # the Trainer saw train.py's batches, step for step
     # every arm ran with the same threads, the Trainer included

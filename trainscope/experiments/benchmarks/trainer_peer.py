@@ -109,6 +109,71 @@ def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -
     print(json.dumps(figures))
 
 
+CALLBACK_ALONE = "callback-alone"  # the direct figure: the callback's own time around near-empty Trainer steps
+ALONE_BLOCKS = 5  # blocks of each arm in one child, alternated
+
+
+def callback_alone(argv: list[str]) -> None:
+    """The callback's own time per step, direct: a Trainer whose steps do next to nothing (a 5-weight model on batches
+    of the cost runs' shape already in memory, so that the callback's hooks and wrappers all run) with and without
+    the callback, in alternating blocks in one process; prints the median of the blocks' differences in
+    microseconds per step as JSON. The Trainer's own work is the same in both and small, so the difference of the
+    two is the callback's calls, not the noise of two long totals."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from trainscope.trainer import TrainscopeCallback  # deferred: it loads transformers' Trainer
+
+    (settings,) = parse_settings(argv=argv)
+    if settings.threads.isdigit():
+        torch.set_num_threads(int(settings.threads))
+    steps, warmup = settings.max_steps or 500, settings.timing_warmup_steps
+    batch, length = settings.per_device_batch_size, settings.max_seq_length
+    mask = torch.ones(length, dtype=torch.long)
+    mask[length // 2 :] = 0
+    rows = [{"input_ids": torch.zeros(length, dtype=torch.long), "attention_mask": mask, "labels": 0}] * batch
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+            self.register_buffer("features", torch.zeros(1, 4))
+
+        def forward(self, input_ids=None, attention_mask=None, labels=None):
+            return {"loss": self.linear(self.features).sum()}
+
+    class Clock(TrainerCallback):
+        started = finished = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == warmup:
+                self.started = time.perf_counter()
+            elif state.global_step == steps:
+                self.finished = time.perf_counter()
+
+    def us_per_step(with_callback: bool, scratch: str) -> float:
+        clock = Clock()
+        callbacks = [clock]
+        if with_callback:
+            callbacks.append(TrainscopeCallback(name="alone", output_dir=scratch, flops=0, threads="launcher",
+                                                log_every=settings.log_every, timing_warmup_steps=warmup))  # fmt: skip
+        arguments = TrainingArguments(output_dir=scratch, per_device_train_batch_size=batch, max_steps=steps,
+                                      report_to=[], save_strategy="no", eval_strategy="no", disable_tqdm=True,
+                                      use_cpu=not torch.cuda.is_available(), logging_steps=settings.log_every,
+                                      optim="adamw_torch", seed=settings.seed)  # fmt: skip
+        Trainer(model=Probe(), args=arguments, train_dataset=rows * steps, callbacks=callbacks).train()
+        return (clock.finished - clock.started) / (steps - warmup) * 1e6
+
+    differences, bare = [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        for block in range(ALONE_BLOCKS):
+            order = (False, True) if block % 2 == 0 else (True, False)
+            timed = {arm: us_per_step(arm, str(Path(scratch) / f"{block}-{arm}")) for arm in order}
+            differences.append(timed[True] - timed[False])
+            bare.append(timed[False])
+    print(json.dumps({"us_per_step": statistics.median(differences), "trainer_us_per_step": statistics.median(bare),
+                      "blocks": ALONE_BLOCKS, "threads": torch.get_num_threads(), "steps": steps}))  # fmt: skip
+
+
 def stage_shares(view: RunView) -> dict:
     """Each stage's median share of the steady phase's wall time."""
     return dict(view.shares("steady"))
@@ -218,6 +283,16 @@ def run_trainer(train_args: list[str], precision: str, config: str | None, with_
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def run_callback_alone(train_args: list[str]) -> dict:
+    """The direct figure's child, by the launcher the cost runs use."""
+    command = [*launching.accelerate_launch(None), "-m", "trainscope.experiments.benchmarks.trainer_peer",
+               "--callback-alone", *train_args]  # fmt: skip
+    result = launching.run_captured(command, launching.training_env())
+    if result.returncode != 0:
+        raise SystemExit(f"error: the callback alone failed: {launching.failure_reason(result)}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def run_train_py(train_args: list[str], config: str | None, launcher: str, output_dir: Path, name: str) -> dict:
     result = launching.run_training(
         [*train_args, "--output-dir", str(output_dir), "--run-name", name], config, launcher, echo=False
@@ -271,6 +346,7 @@ def measure(args, train_args: list[str]) -> dict:
         cost_arms = {
             "trainer": lambda i: run_trainer(cost_args, args.precision, config),
             "trainer+callback": lambda i: run_trainer(cost_args, args.precision, config, with_callback=True),
+            CALLBACK_ALONE: lambda i: run_callback_alone(cost_args),
         }
         cost_rounds = bench.alternate(cost_arms, args.cost_pairs)
     comparisons = {
@@ -281,7 +357,7 @@ def measure(args, train_args: list[str]) -> dict:
         comparisons["accelerate_over_python"] = bench.compare_rounds(rounds, "accelerate", "python", "samples_per_s")
     return {
         "benchmark": "trainer_peer",
-        "benchmark_version": 3,
+        "benchmark_version": 4,
         "precision": args.precision,
         "accelerate_config": config,
         "train_args": train_args,
@@ -325,6 +401,27 @@ def callback_cost(rounds: list[dict], cost_args: list[str]) -> dict:
         "cost_interval": cost,
         "target": CALLBACK_TARGET,
         "meets_target": meets if decided else None,
+        "direct": callback_direct(rounds, cost, parse_settings(argv=cost_args)[0].per_device_batch_size),
+    }
+
+
+def callback_direct(rounds: list[dict], interval: dict, batch: int) -> dict | None:
+    """The callback's own microseconds a step (callback_alone, one child a round) as a share of the Trainer's step on
+    the tiny model (its median over the rounds without the callback), judged against the target; it agrees with the
+    rounds when their interval holds it (an interval wider than 10 points checks nothing: None)."""
+    alone = [r[CALLBACK_ALONE]["us_per_step"] for r in rounds if CALLBACK_ALONE in r]
+    if not alone:
+        return None
+    step_s = batch / statistics.median(r["trainer"]["samples_per_s"] for r in rounds)  # the Trainer's tiny step
+    share = statistics.median(alone) * 1e-6 / step_s
+    checkable = interval["high"] - interval["low"] <= 0.10
+    return {
+        "us_per_step": bench.spread(alone),
+        "probe_trainer_us_per_step": bench.spread([r[CALLBACK_ALONE]["trainer_us_per_step"] for r in rounds]),
+        "trainer_step_s": step_s,
+        "cost": share,
+        "meets_target": share <= CALLBACK_TARGET if len(alone) >= bench.MIN_PAIRS else None,
+        "agrees": interval["low"] <= share <= interval["high"] if checkable else None,
     }
 
 
@@ -393,6 +490,21 @@ def markdown(report: dict) -> list[str]:
             + ("not judged (too few pairs)" if cost["pairs"] < bench.MIN_PAIRS else verdict[cost["meets_target"]])
             + ".",
         ]
+        direct = cost.get("direct")
+        if direct:
+            agrees = {True: "the rounds' interval holds it: they agree", False: "outside the rounds' interval: they "
+                      "DISAGREE", None: "the rounds' interval is too wide to check it"}[direct["agrees"]]  # fmt: skip
+            lines += [
+                "",
+                f"Measured directly (the callback's own calls: a Trainer of near-empty steps, a 5-weight model on "
+                f"batches of the same shape, with and without the callback in {ALONE_BLOCKS} alternating blocks a "
+                f"round, one child a round): {spread_cell(direct['us_per_step'], digits=1)} us per step (the probe "
+                f"Trainer's own step {direct['probe_trainer_us_per_step']['median']:.0f} us), {direct['cost']:.2%} of "
+                f"the Trainer's step on the tiny model ({direct['trainer_step_s'] * 1e3:.2f} ms): target <= "
+                f"{cost['target']:.0%} "
+                + ("not judged (too few rounds)" if direct["meets_target"] is None else verdict[direct["meets_target"]])
+                + f"; {agrees}.",
+            ]
     if not torch.cuda.is_available():
         lines += ["", "GPU: not measured on GPU."]
     return lines
@@ -407,6 +519,7 @@ def main() -> None:
         help="precision of both (train.py gets the matching Accelerate config)",
     )
     parser.add_argument("--with-callback", action="store_true", help=argparse.SUPPRESS)  # a child's
+    parser.add_argument("--callback-alone", action="store_true", help=argparse.SUPPRESS)  # a child: the direct figure
     parser.add_argument(
         "--cost-steps", type=int, default=COST_STEPS, help=f"steps of each callback-cost run (default {COST_STEPS})"
     )
@@ -419,6 +532,8 @@ def main() -> None:
     args, train_args = parser.parse_known_args()
     if args.trainer:
         return trainer_loop(train_args, args.precision, args.with_callback)
+    if args.callback_alone:
+        return callback_alone(train_args)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     if (("cuda" if torch.cuda.is_available() else "cpu"), args.precision) not in CONFIG_FOR:
