@@ -120,6 +120,39 @@ def test_an_operator_that_crashes_its_process_costs_only_its_own_timing(tmp_path
     assert again.seconds(ops[1]) == 0.0 and again.unmeasured == costs.unmeasured and again.measured == 0
 
 
+@pytest.mark.parametrize("spinners", [0, 2])
+def test_operator_timings_made_while_other_processes_are_busy_are_kept_for_this_run_only(
+    tmp_path, monkeypatch, spinners
+):
+    """Two processes spinning on the cores while an operator is timed: its timing serves this prediction and is not
+    cached (a busy minute once cached timings that put every later run's step at 2.25 times what it measured); the
+    next OpCosts times it again. Without them (the suite's workers share the cores, so its busy check is the
+    suite's: any load is cached) the timing is cached."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("TRAINSCOPE_CACHE_DIR", str(tmp_path))
+    if spinners:
+        monkeypatch.delenv("TRAINSCOPE_PEAK_CACHE_BUSY")
+    op = trace.Op("forward", "aten.mul.Tensor", "mul", ((tensor_spec(64, 64), tensor_spec(64, 64)), {}))
+    costs = op_costs.OpCosts(CPU, threads=1, processes=1)
+    assert costs.seconds(op) > 0 and costs.measured == 1
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+    time.sleep(1.0 if spinners else 0.0)
+    for process in busy:
+        process.kill()  # reaped after the save: a reaped child's CPU would count as this process's own
+    costs.save()
+    for process in busy:
+        process.wait()
+    again = op_costs.OpCosts(CPU, threads=1, processes=1)
+    if spinners:
+        assert costs.others_cores > 1.0 and "kept for this run only" in costs.not_cached
+        assert not list(tmp_path.rglob("*.json")) and "mul" not in again.cached
+    else:
+        assert costs.not_cached is None and again.cached["mul"] == costs.cached["mul"]
+
+
 # ---------------------------------------------------------------- GPU timing on a planted device clock
 
 

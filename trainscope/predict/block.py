@@ -95,6 +95,8 @@ def _left_out(workload: Workload, costs) -> list[str]:
     notes = []
     if costs.unmeasured:
         notes.append(f"operators that could not be timed alone, counted as free: {', '.join(sorted(costs.unmeasured))}")
+    if costs.not_cached:
+        notes.append(f"operator timings: {costs.not_cached} (the step's time may be overstated)")
     if workload.settings.compile:
         notes.append(
             "--compile: the prediction is of the eager model (compiled kernels and compile time are not modelled)"

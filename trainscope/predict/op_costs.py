@@ -21,12 +21,14 @@ from trainscope.core import precision
 from trainscope.core.paths import ROOT, cache_dir
 from trainscope.core.records import write_json_atomic
 from trainscope.measure import peak
+from trainscope.predict.kept import cpu_seconds
 from trainscope.predict.trace import is_leaf_spec, is_rng_spec, is_tensor_spec, rng_inputs
 
 MIN_CALLS, MAX_CALLS = 3, 20
 CALL_BUDGET_S = 0.02
 BENCH_CAP_BYTES = 256 * 2**20
-VERSION = 3  # bump when what a cached timing means changes
+VERSION = 4  # bump when what a cached timing means changes (4: timings measured while other processes were busy are
+# no longer cached, so the caches written before, which may hold such timings, are not read)
 
 
 def gemm_precision(dtype: str, device: torch.device) -> str:
@@ -199,6 +201,9 @@ class OpCosts:
         self.cached, self.reasons = self._read()
         self.measured = 0  # operators timed now (not from the cache)
         self.unmeasured: set = set()  # operators that could not be timed (counted as free), with the reason if known
+        self._before = None  # the machine's CPU seconds when the first operator was timed here (peak.cpu_seconds)
+        self.others_cores: float | None = None  # other processes' cores while they were timed (at save)
+        self.not_cached: str | None = None  # why the timings made now were kept for this run only
 
     def _read(self) -> tuple[dict, dict]:
         try:
@@ -220,6 +225,7 @@ class OpCosts:
         }
         if not self.guarded or not todo:
             return
+        self._timing_starts()
         found = time_guarded([(key, name, spec) for key, (name, spec) in todo.items()], self.device, self.threads)
         if found is None:  # no child could run on the device: timed here
             self.guarded = False
@@ -246,6 +252,7 @@ class OpCosts:
             if self.guarded:
                 self.prepare([op])
         if op.key not in self.cached:
+            self._timing_starts()
             try:
                 with threads(self.threads):
                     self._store(op.key, op.name, benchmark(op.name, op.spec, self.device), None)
@@ -257,9 +264,29 @@ class OpCosts:
             self.unmeasured.add(self.reasons[op.key])
         return self.cached[op.key]
 
+    def _timing_starts(self) -> None:
+        if self._before is None:
+            self._before = cpu_seconds()
+
     def save(self) -> None:
-        if self.store and self.measured:
-            write_json_atomic(self.path, {"key": self.key, "seconds": self.cached, "unmeasured": self.reasons})
+        """The timings made now into the machine's cache, unless other processes kept more than peak.BUSY_CORES busy
+        (beyond the cores of the launch's other processes, timing theirs at once) while they were made: such timings
+        (an embedding lookup once cached at 8 ms on a 2-core machine, a steady step predicted at 2.25 times what it
+        measured in every run after) are kept for this run only, as the matmul peak's rates are, and timed again by
+        the next run."""
+        if not (self.store and self.measured):
+            return
+        if self._before is not None:
+            self.others_cores = peak.other_cores(self._before, cpu_seconds())
+            peers = (self.processes - 1) * self.threads  # the launch's other processes time theirs at the same time
+            busy = self.others_cores is not None and self.others_cores > peak.BUSY_CORES + peers
+            if busy and os.environ.get(peak.BUSY_ENV) != "any":
+                self.not_cached = (
+                    f"other processes kept {self.others_cores:.2f} cores busy while its operators were timed: "
+                    "kept for this run only"
+                )
+                return
+        write_json_atomic(self.path, {"key": self.key, "seconds": self.cached, "unmeasured": self.reasons})
 
 
 # ---------------------------------------------------------------- timing in a child process
