@@ -353,6 +353,13 @@ def _cpu_seconds() -> tuple[float, float, float] | None:
     return None if busy is None else (busy, time.process_time(), time.monotonic())
 
 
+def too_busy(others: float | None, allowance: float = 0.0) -> bool:
+    """Whether a measurement made while other processes kept `others` cores busy (other_cores) stays out of the
+    machine's cache: above BUSY_CORES beyond `allowance` (the cores of peers measuring at the same time), unless
+    the cache keeps any load (BUSY_ENV=any); unknown load (None) is not busy."""
+    return others is not None and others > BUSY_CORES + allowance and os.environ.get(BUSY_ENV) != "any"
+
+
 def other_cores(before, after) -> float | None:
     """Cores other processes kept busy on average between two `_cpu_seconds` readings."""
     if before is None or after is None or after[2] <= before[2]:
@@ -397,7 +404,7 @@ def rates(
             new = {s: dataclasses.replace(r, others_cores=others) for s, r in new.items()}
             # A rate measured while other processes took a core's share would be cached for every later run on
             # this machine: kept for this run only (its record says how busy the machine was), measured again next.
-            if store and (others is None or others <= BUSY_CORES or os.environ.get(BUSY_ENV) == "any"):
+            if store and not too_busy(others):
                 _store(key, {_entry(precision_name, s): r for s, r in new.items()})
             found.update(new)
     return {s: found[s] for s in shapes}

@@ -201,7 +201,7 @@ class OpCosts:
         self.cached, self.reasons = self._read()
         self.measured = 0  # operators timed now (not from the cache)
         self.unmeasured: set = set()  # operators that could not be timed (counted as free), with the reason if known
-        self._before = None  # the machine's CPU seconds when the first operator was timed here (peak.cpu_seconds)
+        self._before = None  # the machine's and this process's CPU seconds at the first timing here (kept.cpu_seconds)
         self.others_cores: float | None = None  # other processes' cores while they were timed (at save)
         self.not_cached: str | None = None  # why the timings made now were kept for this run only
 
@@ -279,8 +279,7 @@ class OpCosts:
         if self._before is not None:
             self.others_cores = peak.other_cores(self._before, cpu_seconds())
             peers = (self.processes - 1) * self.threads  # the launch's other processes time theirs at the same time
-            busy = self.others_cores is not None and self.others_cores > peak.BUSY_CORES + peers
-            if busy and os.environ.get(peak.BUSY_ENV) != "any":
+            if peak.too_busy(self.others_cores, allowance=peers):
                 self.not_cached = (
                     f"other processes kept {self.others_cores:.2f} cores busy while its operators were timed: "
                     "kept for this run only"

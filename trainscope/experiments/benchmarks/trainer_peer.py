@@ -266,31 +266,24 @@ def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):
     )
 
 
-def run_trainer(train_args: list[str], precision: str, config: str | None, with_callback: bool = False) -> dict:
-    command = [
-        *launching.accelerate_launch(config),
-        "-m",
-        "trainscope.experiments.benchmarks.trainer_peer",
-        "--trainer",
-        "--precision",
-        precision,
-        *(["--with-callback"] if with_callback else []),
-        *train_args,
-    ]
+def run_child(flags: list[str], train_args: list[str], config: str | None, what: str) -> dict:
+    """This module as a child by `accelerate launch` (`flags`: which child), the JSON its last line prints."""
+    command = [*launching.accelerate_launch(config), "-m", "trainscope.experiments.benchmarks.trainer_peer", *flags,
+               *train_args]  # fmt: skip
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
-        raise SystemExit(f"error: the Trainer arm failed: {launching.failure_reason(result)}")
+        raise SystemExit(f"error: {what} failed: {launching.failure_reason(result)}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_trainer(train_args: list[str], precision: str, config: str | None, with_callback: bool = False) -> dict:
+    flags = ["--trainer", "--precision", precision, *(["--with-callback"] if with_callback else [])]
+    return run_child(flags, train_args, config, "the Trainer arm")
 
 
 def run_callback_alone(train_args: list[str]) -> dict:
     """The direct figure's child, by the launcher the cost runs use."""
-    command = [*launching.accelerate_launch(None), "-m", "trainscope.experiments.benchmarks.trainer_peer",
-               "--callback-alone", *train_args]  # fmt: skip
-    result = launching.run_captured(command, launching.training_env())
-    if result.returncode != 0:
-        raise SystemExit(f"error: the callback alone failed: {launching.failure_reason(result)}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_child(["--callback-alone"], train_args, None, "the callback alone")
 
 
 def run_train_py(train_args: list[str], config: str | None, launcher: str, output_dir: Path, name: str) -> dict:
