@@ -4,6 +4,7 @@ import hashlib
 import importlib
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -66,6 +67,26 @@ def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path, monkeypat
     ratio = report["comparisons"]["accelerate_over_trainer"]
     assert ratio["verdict"] == "too few pairs" and ratio["test"] == bench.METHOD  # one round decides nothing
     assert report["provenance"]["commit"] and "not measured on GPU" in out.with_suffix(".md").read_text()
+
+
+def test_the_callbacks_direct_figure_finds_a_delay_planted_in_the_callback(monkeypatch):
+    """A planted 5 ms in the callback's step end (a second instrument: the sleep's own length) shows up in the
+    callback-alone figure, the difference of the blocks with and without it, and not in the Trainer's own step."""
+    from trainscope.trainer import TrainscopeCallback
+
+    planted_s, on_step_end = 0.005, TrainscopeCallback.on_step_end
+
+    def slowed(self, *args, **kwargs):
+        time.sleep(planted_s)
+        return on_step_end(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainscopeCallback, "on_step_end", slowed)
+    args = [*trainer_peer.COST_ARGS, "--max-steps", "25", "--timing-warmup-steps", "5", "--log-every", "5"]
+    completed = run_in_process([], main=lambda _: trainer_peer.callback_alone(args))  # its threads put back
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    found = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert planted_s * 1e6 <= found["us_per_step"] < planted_s * 1e6 * 1.5, found
+    assert found["trainer_us_per_step"] < planted_s * 1e6, found
 
 
 def test_overhead_benchmark_pairs_a_bare_loop_with_train_py(tmp_path, monkeypatch):

@@ -487,14 +487,20 @@ def markdown(report: dict) -> list[str]:
         if direct:
             agrees = {True: "the rounds' interval holds it: they agree", False: "outside the rounds' interval: they "
                       "DISAGREE", None: "the rounds' interval is too wide to check it"}[direct["agrees"]]  # fmt: skip
+            # a difference of two timings: at or below 0 it is the blocks' noise, never a negative cost
+            figure = (
+                f"{spread_cell(direct['us_per_step'], digits=1)} us per step"
+                if direct["us_per_step"]["median"] > 0
+                else f"no cost above the blocks' noise (median difference {direct['us_per_step']['median']:.1f} us)"
+            )
+            share = f"{direct['cost']:.2%}" if direct["cost"] > 0 else "0%"
             lines += [
                 "",
                 f"Measured directly (the callback's own calls: a Trainer of near-empty steps, a 5-weight model on "
                 f"batches of the same shape, with and without the callback in {ALONE_BLOCKS} alternating blocks a "
-                f"round, one child a round): {spread_cell(direct['us_per_step'], digits=1)} us per step (the probe "
-                f"Trainer's own step {direct['probe_trainer_us_per_step']['median']:.0f} us), {direct['cost']:.2%} of "
-                f"the Trainer's step on the tiny model ({direct['trainer_step_s'] * 1e3:.2f} ms): target <= "
-                f"{cost['target']:.0%} "
+                f"round, one child a round): {figure} (the probe Trainer's own step "
+                f"{direct['probe_trainer_us_per_step']['median']:.0f} us), {share} of the Trainer's step on the "
+                f"tiny model ({direct['trainer_step_s'] * 1e3:.2f} ms): target <= {cost['target']:.0%} "
                 + ("not judged (too few rounds)" if direct["meets_target"] is None else verdict[direct["meets_target"]])
                 + f"; {agrees}.",
             ]
