@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from trainscope.core.distributed import destroy_process_group
 from trainscope.core.errors import UserError, exit_with, redacted_output
 from trainscope.core.paths import ROOT
-from trainscope.core.settings import parse_settings
+from trainscope.workload.settings import parse_settings
 from trainscope.experiments.data_parallel import loops as dp_compare
 from trainscope.experiments.data_parallel.loops import (
     NotMeasurable,

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from trainscope.core.errors import UserError, exit_with, redacted_output
-from trainscope.core.settings import Settings, parse_settings
+from trainscope.workload.settings import Settings, parse_settings
 from trainscope.experiments.loaders import sweep as loader_sweep
 from trainscope.measure import bench
 from trainscope.run import startup

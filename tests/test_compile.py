@@ -19,7 +19,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from conftest import ONE_THREAD, TINY, assert_ok, launch, read_steps
 
-from trainscope.core.settings import parse_settings
+from trainscope.workload.settings import parse_settings
 from trainscope.run import startup
 
 U = 2.0**-24

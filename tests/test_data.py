@@ -10,7 +10,7 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from trainscope.core.errors import UserError
-from trainscope.core.settings import parse_settings
+from trainscope.workload.settings import parse_settings
 from trainscope.workload import embedded, hub
 from trainscope.workload.data import (
     build_dataloaders,

@@ -8,7 +8,8 @@ from transformers import AutoConfig
 
 from trainscope.measure import flops
 from trainscope.measure.profiling import MemorySnapshot
-from trainscope.workload import embedded, shapes
+from trainscope.measure import shapes
+from trainscope.workload import embedded
 
 
 def test_flops_per_token_by_hand_for_bert_base_and_minilm():
@@ -35,7 +36,7 @@ def counted_step(flags, batch=8, length=64, layers=None):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainscope.core.settings import parse_settings
+    from trainscope.workload.settings import parse_settings
     from trainscope.predict import trace
     from trainscope.workload import modeling
     from trainscope.workload.modeling import classification_loss
@@ -131,7 +132,7 @@ def test_padding_free_flops_agree_with_torchs_flop_counter_on_a_padded_batch(fla
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainscope.core.settings import parse_settings
+    from trainscope.workload.settings import parse_settings
     from trainscope.workload import modeling
     from trainscope.workload.modeling import classification_loss
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT, cpu_env, planned_launch
 
-from trainscope.core.settings import Settings
+from trainscope.workload.settings import Settings
 from trainscope.workload import modeling
 
 

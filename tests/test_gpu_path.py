@@ -56,7 +56,7 @@ def test_compile_uses_dynamic_shapes_whatever_the_launcher_exports(monkeypatch, 
     """accelerate launch exports ACCELERATE_DYNAMO_USE_DYNAMIC=False: every new padded length would recompile."""
     from accelerate.state import AcceleratorState
 
-    from trainscope.core.settings import parse_settings
+    from trainscope.workload.settings import parse_settings
     from trainscope.run import startup
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")
@@ -269,7 +269,7 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
     import loaders_bench
     from trainscope import experiments
     from trainscope.core import launching
-    from trainscope.core.settings import parse_settings
+    from trainscope.workload.settings import parse_settings
     from trainscope.experiments.benchmarks import overhead
     from trainscope.gpu import check as gpu_check
     from trainscope.gpu import plan as gpu_check_plan
@@ -372,7 +372,7 @@ def test_every_goal_is_reachable_by_the_plans_own_step_times():
 
 def test_the_compile_check_runs_with_dynamic_shapes():
     """--pad-to-max-length made every batch one shape (dynamic=False): the check claimed dynamic shapes."""
-    from trainscope.core.settings import parse_settings
+    from trainscope.workload.settings import parse_settings
     from trainscope.gpu import plan as gpu_check_plan
 
     step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "compile-bf16")
@@ -527,7 +527,7 @@ def test_every_multi_process_check_times_its_collectives_out_before_gpu_check_ki
     was killed with its launch before NCCL's watchdog or the peer watch could say anything. Each multi-process check
     now passes a --distributed-timeout that leaves its estimate and the time to report and write the record inside
     its own timeout."""
-    from trainscope.core.settings import parse_settings
+    from trainscope.workload.settings import parse_settings
     from trainscope.gpu import plan as gpu_check_plan
 
     multi = [step for step in gpu_check_plan.plan(gpus=gpus) if step.get("processes", 1) > 1]
@@ -549,7 +549,7 @@ def test_the_distributed_backend_option_lets_two_processes_share_one_gpu_over_gl
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    from trainscope.core.settings import parse_settings
+    from trainscope.workload.settings import parse_settings
     from trainscope.run import startup
 
     (settings,) = parse_settings(argv=["--distributed-timeout", "90"])
@@ -1579,7 +1579,7 @@ def test_a_pass_with_a_copy_says_how_long_the_loop_spent_in_it():
 def test_threads_auto_keeps_a_core_for_each_dataloader_worker_on_a_gpu(monkeypatch):
     """Each GPU process got every core of its share as intra-op threads, nothing kept for its DataLoader workers."""
     from trainscope.core import environment
-    from trainscope.core.settings import parse_settings
+    from trainscope.workload.settings import parse_settings
     from trainscope.run import startup
 
     saved = torch.get_num_threads()

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from trainscope.core.errors import UserError
-from trainscope.core.settings import parse_settings
+from trainscope.workload.settings import parse_settings
 from trainscope.workload import embedded, modeling
 
 CUSTOM_CONFIG = """

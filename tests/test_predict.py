@@ -14,7 +14,7 @@ from conftest import ONE_THREAD, ROOT, TINY, assert_ok, run_in_process
 
 from trainscope import predict
 from trainscope.core import environment, paths
-from trainscope.core.settings import parse_settings
+from trainscope.workload.settings import parse_settings
 from trainscope.experiments import batch_search
 from trainscope.experiments import prediction as predict_check
 from trainscope.measure import peak

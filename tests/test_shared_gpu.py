@@ -10,7 +10,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainscope.core.settings import parse_settings
+from trainscope.workload.settings import parse_settings
 from trainscope.run import startup
 
 

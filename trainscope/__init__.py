@@ -39,7 +39,7 @@ def __getattr__(name: str):
 
         return TrainscopeCallback
     if name == "parse_settings":
-        from trainscope.core.settings import parse_settings  # deferred: argparse only, but few scripts parse
+        from trainscope.workload.settings import parse_settings  # deferred: argparse only, but few scripts parse
 
         return parse_settings
     if name == "one_line_endings":

@@ -7,11 +7,11 @@ import contextlib
 import dataclasses
 
 from trainscope import predict
-from trainscope.core.settings import Settings, parse_settings, plan_steps
+from trainscope.workload.settings import Settings, parse_settings, plan_steps
 from trainscope.instrument import Prepared, Workload
 from trainscope.measure import profiling
 from trainscope.run import startup
-from trainscope.run.extras import WorkloadExtras
+from trainscope.run.driver import WorkloadExtras
 from trainscope.run.startup import build_accelerator, device_loader_options
 from trainscope.workload import dropout_draws, unpad
 from trainscope.workload.data import build_dataloaders, dropped_rows_lines, load_classification_data
@@ -27,7 +27,7 @@ from trainscope.workload.modeling import (
     optimizer_facts,
     sequence_limit,
 )
-from trainscope.workload.shapes import encoder_shape
+from trainscope.measure.shapes import encoder_shape
 from trainscope.workload.step import evaluate_split, load_metric, train_step, unmeasured
 
 __all__ = [

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 
 from trainscope.core.errors import UserError
-from trainscope.core.settings import LOOP_DATASET, Settings
+from trainscope.workload.settings import LOOP_DATASET, Settings
 from trainscope.run import startup
 from trainscope.run.lifecycle import RunLifecycle
 from trainscope.run.metrics import RunMetrics
@@ -63,7 +63,7 @@ class Workload:
     prediction's check, the layer probed at the run's shapes, environment facts). `None` extras: a plain loop's."""
 
     config: object
-    plan: dict  # trainscope.core.settings.plan_steps
+    plan: dict  # trainscope.workload.settings.plan_steps
     model_facts: dict
     data_facts: dict = dataclasses.field(default_factory=dict)
     extras: object = None  # trainscope.run.metrics.WorkloadExtras

@@ -99,7 +99,7 @@ def _setting(flag: str) -> str:
 def _known(names: set[str] | None) -> set[str]:
     if names is not None:
         return names
-    from trainscope.core.settings import Settings  # deferred: it loads transformers
+    from trainscope.workload.settings import Settings  # deferred: it loads transformers
 
     return {f.name for f in fields(Settings)}
 

@@ -59,7 +59,7 @@ class RunView:
 
     def option(self, name: str, value=None) -> str:
         """How whoever ran this run sets one of its options: train.py's flag or trainscope.Run's keyword."""
-        from trainscope.core.settings import option_words  # here: settings' parser is not a view's to load
+        from trainscope.workload.settings import option_words  # here: settings' parser is not a view's to load
 
         return option_words(name, value, self.own_loop)
 
@@ -549,7 +549,7 @@ class RunView:
 
     @property
     def data_seed(self) -> int | None:
-        """The seed of the data split and subsets: --data-seed, else --seed (trainscope.core.settings)."""
+        """The seed of the data split and subsets: --data-seed, else --seed (trainscope.workload.settings)."""
         data_seed = self.setting("data_seed")
         return self.setting("seed") if data_seed is None else data_seed
 

@@ -43,7 +43,7 @@ def arguments(parser) -> None:
 
 def run(args, train_args: list[str]) -> dict:
     """Samples/s and peak memory against the batch size, the user's batch as the baseline arm."""
-    from trainscope.core.settings import parse_settings  # deferred: it loads transformers
+    from trainscope.workload.settings import parse_settings  # deferred: it loads transformers
 
     if args.steps < 3 or min(args.batch_sizes) < 1:
         raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
@@ -221,7 +221,7 @@ def find_batch(args, train_args: list[str]) -> None:
     from accelerate import Accelerator
 
     from trainscope import predict  # deferred: it loads transformers' models (through the predictor)
-    from trainscope.core.settings import parse_settings  # deferred: it loads transformers
+    from trainscope.workload.settings import parse_settings  # deferred: it loads transformers
     from trainscope.run import startup  # deferred: it loads transformers' models
     from trainscope.workload.modeling import (  # deferred: it loads transformers' models
         build_model,

@@ -239,7 +239,7 @@ def with_collate_costs(workload: Workload, tokenizer, data) -> Workload:
 
 def workload_for(settings, started, tokenizer, data, label_names=None) -> Workload:
     """The workload of this launch (train.py's settings, start-up, tokenizer and tokenized data)."""
-    from trainscope.core.settings import plan_steps  # deferred: it loads transformers
+    from trainscope.workload.settings import plan_steps  # deferred: it loads transformers
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
 
     state = started.state
@@ -266,7 +266,7 @@ def workload_for(settings, started, tokenizer, data, label_names=None) -> Worklo
 
 def settings_of(record_or_settings):
     """The Settings of a run record (or Settings themselves), fields unknown to this trainscope left out."""
-    from trainscope.core.settings import Settings  # deferred: it loads transformers
+    from trainscope.workload.settings import Settings  # deferred: it loads transformers
 
     if isinstance(record_or_settings, Settings):
         return record_or_settings
@@ -277,7 +277,7 @@ def settings_of(record_or_settings):
 
 def changed_settings(settings, flags) -> object:
     """`settings` with train.py `flags` applied (the fields those flags set to something else than the default)."""
-    from trainscope.core.settings import Settings, parse_settings  # deferred: it loads transformers
+    from trainscope.workload.settings import Settings, parse_settings  # deferred: it loads transformers
 
     if not flags:
         return settings
@@ -323,7 +323,7 @@ def data_for(settings):
 def workload_of(record: dict | None, settings, config: str | None = None) -> Workload:
     """The workload `settings` would be on the machine and launch of `record` (or of this process when None), with
     `config`'s processes and precision where given."""
-    from trainscope.core.settings import plan_steps  # deferred: it loads transformers
+    from trainscope.workload.settings import plan_steps  # deferred: it loads transformers
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
 
     view = RunView(record or {})

@@ -19,7 +19,7 @@ from trainscope.core.distributed import shut_down
 from trainscope.core.errors import Fault, one_line, report
 from trainscope.core.liveness import explain_collective_failure, lost_a_peer, root_cause
 from trainscope.core.records import RunRecord, now_iso, read_record
-from trainscope.core.settings import option_words
+from trainscope.workload.settings import option_words
 from trainscope.measure import health, sharding
 from trainscope.run import checkpoints, trackers
 from trainscope.run.signals import (

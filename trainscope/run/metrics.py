@@ -17,7 +17,7 @@ from trainscope.core.environment import compile_stats
 from trainscope.core.faults import NonFiniteLoss
 from trainscope.core.precision import effective_precision
 from trainscope.core.records import now_iso
-from trainscope.core.settings import LOOP_DATASET
+from trainscope.workload.settings import LOOP_DATASET
 from trainscope.measure import flops_source, gap, health, operations, peak, summary
 from trainscope.measure.communication import block as communication_block
 from trainscope.measure.communication import measured as communication
@@ -27,7 +27,7 @@ from trainscope.measure.memory import GIB, peak_rss_bytes
 from trainscope.measure.profiling import build_memory_snapshot, build_profiler
 from trainscope.measure.timing import PHASES, StageTimer, make_clock
 from trainscope.run.events import LoopEvents
-from trainscope.run.extras import WorkloadExtras
+from trainscope.run.driver import WorkloadExtras
 from trainscope.run.loop import LoopState
 
 

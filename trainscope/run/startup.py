@@ -34,7 +34,7 @@ from accelerate.utils import (
 from trainscope.core import environment, precision
 from trainscope.core.errors import UserError
 from trainscope.core.liveness import PeerWatch
-from trainscope.core.settings import LOOP_DATASET, Settings
+from trainscope.workload.settings import LOOP_DATASET, Settings
 from trainscope.run import checkpoints, trackers
 
 

@@ -23,7 +23,7 @@ from trainscope.core import launching
 from trainscope.core.paths import ROOT
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record
-from trainscope.core.settings import parse_settings
+from trainscope.workload.settings import parse_settings
 from trainscope.measure import bench
 from trainscope.measure.timing import synchronizer
 from trainscope.report.tables import Table, num

@@ -19,7 +19,7 @@ import torch
 from trainscope.core import environment
 from trainscope.core.records import write_text_atomic
 from trainscope.core.results_view import LoaderSweepView
-from trainscope.core.settings import Settings
+from trainscope.workload.settings import Settings
 from trainscope.experiments.loaders.options import SweepSettings
 from trainscope.experiments.loaders.results import PYTORCH_DEFAULT_WORKERS, curve_name, figure, knee_table, knee_verdict
 from trainscope.measure import bench
