@@ -47,11 +47,12 @@ def assert_counts_match(record: dict, truth: dict, tokens: bool = True) -> None:
 
 
 def assert_wall_clock(record: dict, truth: dict) -> None:
-    """The record's wall time is the loop's own clock's (the block less the record's writing at its edges)."""
+    """The record's wall time is the loop's own clock's (the block less the record's writing at its edges, and less
+    the measurements the clocks paused for: the machine's peak when the warm-up ended)."""
     run = record["summary"]["timing"]["across_ranks"]["run"]
-    wall = run["wall_s"]["median"]
+    wall, paused = run["wall_s"]["median"], record["summary"]["timing"]["per_rank"][0]["measurement_s"]
     assert 0 < wall <= truth["wall_s"]
-    assert wall == pytest.approx(truth["wall_s"], abs=max(1.0, 0.25 * truth["wall_s"]))
+    assert wall + paused == pytest.approx(truth["wall_s"], abs=max(1.0, 0.25 * truth["wall_s"]))
     assert sum(s["median"] for s in run["seconds"].values()) == pytest.approx(wall, rel=1e-6)
 
 
@@ -71,6 +72,12 @@ def test_nlp_example_accumulating_by_hand_counts_the_optimizers_steps_and_trains
     assert [line["micro_batches"] for line in lines] == [3, 4, 4, 4, 4]
     assert len(record["summary"]["validation"]) == 2
     assert_wall_clock(record, truth)
+    # the machine's peak at the loop's own GEMM shapes (its mean micro-batch of the warm-up, 16 rows, and their mean
+    # padded length), measured in a pause of the clocks once the warm-up ended
+    peak, per_rank = record["environment"]["machine_peak"], record["summary"]["timing"]["per_rank"][0]
+    batch, length = peak["sized_at"]["batch"], peak["sized_at"]["length"]
+    assert batch == 16 and length % 8 == 0 and peak["precisions"]["fp32"]["rates"][0]["shape"] == [16 * length, 32, 32]
+    assert per_rank["measurement_s"] >= peak["seconds"]
     # the planted 20 ms in each batch's collate is the data stage's: the 19 batches' worth, and little more (collating
     # 16 rows takes about a millisecond)
     data = record["summary"]["timing"]["across_ranks"]["run"]["seconds"]["data"]["median"]
@@ -149,7 +156,7 @@ def test_nlp_example_on_two_ddp_ranks_over_gloo(tmp_path, capfd):
 
 
 def test_tokens_given_to_run_step_are_the_ones_counted(tmp_path):
-    """`run.step(batch, loss, tokens=n)`: the loop's own count wins over the batch's attention mask (which was read
+    """`run.count_micro_batch(batch, loss, tokens=n)`: the loop's own count wins over the batch's attention mask (which was read
     instead)."""
     import torch
     from accelerate import Accelerator
@@ -169,7 +176,7 @@ def test_tokens_given_to_run_step_are_the_ones_counted(tmp_path):
                 run.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
-                run.step(batch, loss, tokens=5)
+                run.count_micro_batch(batch, loss, tokens=5)
 
     assert_ok(run_in_process([str(tmp_path)], main=main))
     record = read_record(tmp_path / "given")

@@ -14,7 +14,6 @@ from conftest import ONE_THREAD, ROOT, TINY, assert_ok, run_in_process
 
 from trainscope import predict
 from trainscope.core import environment, paths
-from trainscope.workload.settings import parse_settings
 from trainscope.experiments import batch_search
 from trainscope.experiments import prediction as predict_check
 from trainscope.measure import peak
@@ -23,6 +22,7 @@ from trainscope.predict import workload as predictor_workload
 from trainscope.run.table import prediction_lines
 from trainscope.workload import modeling
 from trainscope.workload.modeling import classification_loss
+from trainscope.workload.settings import parse_settings
 
 CPU = torch.device("cpu")
 INPUTS = ["input_ids", "attention_mask", "token_type_ids"]

@@ -8,8 +8,8 @@ import torch
 from trainscope.core import environment
 from trainscope.core.environment import launcher_world_size, refuse_independent_runs
 from trainscope.core.errors import UserError, exit_with, first_to_report
-from trainscope.workload.settings import Settings, parse_settings
 from trainscope.run.trackers import flat_config, wandb_mode
+from trainscope.workload.settings import Settings, parse_settings
 
 
 def test_every_flag_has_help(capsys):

@@ -127,7 +127,7 @@ def main(argv=None):
                 batch = (X, Y)
                 X, Y = next(train_batches)  # immediately async prefetch next batch while model is doing the forward
                 run.backward(loss)  # trainscope: was scaler.scale(loss).backward()
-                run.step(batch, loss)  # trainscope
+                run.count_micro_batch(batch, loss)  # trainscope
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -221,7 +221,6 @@ def find_batch(args, train_args: list[str]) -> None:
     from accelerate import Accelerator
 
     from trainscope import predict  # deferred: it loads transformers' models (through the predictor)
-    from trainscope.workload.settings import parse_settings  # deferred: it loads transformers
     from trainscope.run import startup  # deferred: it loads transformers' models
     from trainscope.workload.modeling import (  # deferred: it loads transformers' models
         build_model,
@@ -229,6 +228,7 @@ def find_batch(args, train_args: list[str]) -> None:
         build_scheduler,
         build_tokenizer,
     )
+    from trainscope.workload.settings import parse_settings  # deferred: it loads transformers
     from trainscope.workload.step import train_step  # deferred: it loads transformers' models
 
     (settings,) = parse_settings(argv=train_args)

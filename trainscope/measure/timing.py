@@ -16,7 +16,8 @@ from trainscope.measure.memory import GIB, CudaMemoryProbe
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval")
 ALL_STAGES = (*STAGES, "other")
-# The homework's five categories, derived exactly from the stages.
+# The five categories a breakdown is often asked in (data loading, forward, loss and backward, evaluation, other),
+# derived exactly from the stages.
 CATEGORIES = {
     "data loading": ("data",),
     "forward": ("forward",),
@@ -196,6 +197,11 @@ class StageTimer:
     @property
     def running(self) -> bool:
         return self._running
+
+    @property
+    def active(self) -> str | None:
+        """The stage being timed now (None between stages)."""
+        return self._active
 
     def restore(self, state: dict):
         """Add the totals of an earlier, checkpointed part of the same run (see `state_dict`)."""

@@ -10,7 +10,7 @@ calibration's command:
 from trainscope.predict import calibration
 from trainscope.predict.block import MEMORY_SOURCES, before_run, calibration_state, predict, sources
 from trainscope.predict.change import same_work_seconds, speedup
-from trainscope.predict.check import Check, furthest_term, prediction_errors, remember_communication
+from trainscope.predict.check import PredictionCheck, furthest_term, prediction_errors, remember_communication
 from trainscope.predict.memory_model import largest_batch, peak_memory, saved_bytes_at
 from trainscope.predict.screen import screen_lines, show, source_lines
 from trainscope.predict.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
@@ -33,7 +33,7 @@ from trainscope.predict.workload import (
 __all__ = [
     "MEMORY_SOURCES",
     "VERSION",
-    "Check",
+    "PredictionCheck",
     "PhaseModel",
     "Workload",
     "before_run",

@@ -239,8 +239,8 @@ def with_collate_costs(workload: Workload, tokenizer, data) -> Workload:
 
 def workload_for(settings, started, tokenizer, data, label_names=None) -> Workload:
     """The workload of this launch (train.py's settings, start-up, tokenizer and tokenized data)."""
-    from trainscope.workload.settings import plan_steps  # deferred: it loads transformers
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
+    from trainscope.workload.settings import plan_steps  # deferred: it loads transformers
 
     state = started.state
     device = state.device
@@ -323,8 +323,8 @@ def data_for(settings):
 def workload_of(record: dict | None, settings, config: str | None = None) -> Workload:
     """The workload `settings` would be on the machine and launch of `record` (or of this process when None), with
     `config`'s processes and precision where given."""
-    from trainscope.workload.settings import plan_steps  # deferred: it loads transformers
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
+    from trainscope.workload.settings import plan_steps  # deferred: it loads transformers
 
     view = RunView(record or {})
     device = torch.device((view.device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0])

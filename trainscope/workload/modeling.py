@@ -11,10 +11,10 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from trainscope.core.errors import UserError
 from trainscope.core.records import redact
-from trainscope.workload.settings import EMBEDDED_MODEL
-from trainscope.workload import embedded, hub, unpad
 from trainscope.measure.layers import transformer_layer_classes
 from trainscope.measure.shapes import shape_facts
+from trainscope.workload import embedded, hub, unpad
+from trainscope.workload.settings import EMBEDDED_MODEL
 
 TINY_MODEL = "embedded:tiny-bert"
 EMBEDDED_MODELS = (EMBEDDED_MODEL, TINY_MODEL)

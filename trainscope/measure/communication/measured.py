@@ -150,7 +150,7 @@ def step_times(clock, marks: dict) -> dict:
 class Communication:
     def __init__(self, settings, accelerator, ddp, measure: bool, clock=None):
         self.accelerator, self.ddp, self.measure = accelerator, ddp, measure
-        self.kind = settings.ddp_comm_hook
+        self.kind = getattr(settings, "ddp_comm_hook", "none")  # train.py's flag; a loop registers its own hook
         self.repetitions = settings.communication_samples
         device = accelerator.device
         self.synchronize = synchronizer(device) or (lambda: None)
