@@ -50,14 +50,15 @@ def tiny(*flags, layers=None, dropout=None, width=None):
 AVOID = {1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 30522}  # the tiny model's and batches' sizes
 
 
-def traced(build, batch=4, length=23, precision="fp32", grad_norm=1.0):
-    return trace.trace_training(build, INPUTS, batch, length, precision, CPU, grad_norm, avoid=AVOID)
+def traced(build, batch=4, length=23, precision="fp32", settings=None):
+    return trace.trace_training(build, INPUTS, batch, length, precision, CPU, settings or tiny()[0], avoid=AVOID)
 
 
 @functools.lru_cache(maxsize=None)
 def traced_tiny(*flags, layers=None, dropout=None, width=None, batch=4, length=23, precision="fp32"):
     """A trace of the tiny model, shared by the tests that read the same one (tracing takes a fraction of a second)."""
-    return traced(tiny(*flags, layers=layers, dropout=dropout, width=width)[1], batch, length, precision)
+    settings, build = tiny(*flags, layers=layers, dropout=dropout, width=width)
+    return traced(build, batch, length, precision, settings)
 
 
 def layer_bytes(t):
@@ -73,6 +74,20 @@ def test_a_model_twice_as_deep_keeps_twice_the_activations_of_its_layers():
     assert sorted(k for k in deep.saved if k.startswith("layer")) == [f"layer {i}" for i in range(4)]
     activations = lambda t: t.memory_at(t.length)["activations"]  # noqa: E731
     assert 1.6 < activations(deep) / activations(shallow) <= 2.0  # embeddings and head do not grow
+
+
+def test_the_traced_step_steps_the_optimizer_the_run_builds():
+    """The traced optimizer step is the run's own optimizer (trainscope.workload.modeling.build_optimizer, as
+    --optimizer-implementation says), not the fused AdamW the trace used to build whatever the run's."""
+
+    def optimizer_ops(*flags):
+        return {op.name for op in traced_tiny(*flags).ops if op.phase == "optimizer"}
+
+    fused, foreach = optimizer_ops(), optimizer_ops("--optimizer-implementation", "foreach")
+    assert any("_fused_adamw" in name for name in fused)
+    assert not any("_fused_adamw" in name for name in foreach) and any("_foreach_" in name for name in foreach)
+    loop = optimizer_ops("--optimizer-implementation", "for-loop")  # one kernel per parameter, no foreach kernel
+    assert not any("_fused_adamw" in name or "_foreach_" in name for name in loop)
 
 
 def test_the_traced_activations_are_what_autograd_keeps_in_a_real_step():

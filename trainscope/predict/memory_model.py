@@ -104,8 +104,7 @@ def largest_batch(
             traced_at,
             precision_name,
             device,
-            settings.max_grad_norm,
-            settings.weight_decay,
+            settings,
             avoid,
         )
     live = lambda batch: sum(v for k, v in traced.memory_at(length, batch).items() if k != "parameters")  # noqa: E731

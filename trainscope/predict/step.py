@@ -145,8 +145,7 @@ def traced_step(
                 length,
                 workload.precision,
                 workload.device,
-                settings.max_grad_norm,
-                settings.weight_decay,
+                settings,
                 avoid,
             )
         else:
@@ -171,6 +170,7 @@ TRACE_SETTINGS = (
     "lora_target_modules",
     "max_grad_norm",
     "weight_decay",
+    "optimizer_implementation",
 )
 
 
