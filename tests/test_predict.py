@@ -18,7 +18,7 @@ from trainscope.experiments import batch_search
 from trainscope.experiments import prediction as predict_check
 from trainscope.measure import peak
 from trainscope.predict import calibration, op_costs, trace
-from trainscope.predict import workload as predictor_workload
+from trainscope.predict import planned as predictor_workload
 from trainscope.run.table import prediction_lines
 from trainscope.workload import modeling
 from trainscope.workload.modeling import classification_loss

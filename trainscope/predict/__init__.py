@@ -12,10 +12,7 @@ from trainscope.predict.block import MEMORY_SOURCES, before_run, calibration_sta
 from trainscope.predict.change import same_work_seconds, speedup
 from trainscope.predict.check import PredictionCheck, furthest_term, prediction_errors, remember_communication
 from trainscope.predict.memory_model import largest_batch, peak_memory, saved_bytes_at
-from trainscope.predict.screen import screen_lines, show, source_lines
-from trainscope.predict.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
-from trainscope.predict.time_model import communication_seconds, predict_time
-from trainscope.predict.workload import (
+from trainscope.predict.planned import (
     Workload,
     changed_settings,
     current_rss_bytes,
@@ -29,6 +26,9 @@ from trainscope.predict.workload import (
     workload_for,
     workload_of,
 )
+from trainscope.predict.screen import screen_lines, show, source_lines
+from trainscope.predict.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
+from trainscope.predict.time_model import communication_seconds, predict_time
 
 __all__ = [
     "MEMORY_SOURCES",

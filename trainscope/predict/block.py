@@ -13,9 +13,9 @@ from trainscope.core.errors import one_line
 from trainscope.core.records import now_iso
 from trainscope.predict import calibration, op_costs, trace
 from trainscope.predict.memory_model import peak_memory
+from trainscope.predict.planned import Batches, Workload, run_batches, workload_for
 from trainscope.predict.step import VERSION, model_dims, traced_length, traced_step
 from trainscope.predict.time_model import predict_time
-from trainscope.predict.workload import Batches, Workload, run_batches, workload_for
 
 
 @contextlib.contextmanager

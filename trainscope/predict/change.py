@@ -3,7 +3,7 @@ on the same work (make tune's measure, trainscope.advice.judge.work_seconds), fr
 
 from trainscope.predict import calibration
 from trainscope.predict.block import predict
-from trainscope.predict.workload import Workload, changed_settings, settings_of, workload_of
+from trainscope.predict.planned import Workload, changed_settings, settings_of, workload_of
 
 
 def same_work_seconds(block: dict, workload: Workload) -> tuple[float, float, float]:

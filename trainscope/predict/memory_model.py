@@ -7,8 +7,8 @@ import torch
 
 from trainscope.measure.memory import GIB
 from trainscope.predict import calibration, trace
+from trainscope.predict.planned import device_memory_bytes
 from trainscope.predict.step import model_dims, on_meta, quiet_fake_tensors, traced_length
-from trainscope.predict.workload import device_memory_bytes
 
 
 def peak_memory(workload, traced: trace.Trace, longest: int, notes, calibration: dict | None) -> dict:

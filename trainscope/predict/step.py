@@ -18,7 +18,7 @@ from trainscope.core.paths import cache_dir
 from trainscope.core.records import write_json_atomic
 from trainscope.measure import peak
 from trainscope.predict import op_costs, trace
-from trainscope.predict.workload import Workload
+from trainscope.predict.planned import Workload
 
 VERSION = 1  # of the prediction block, and of the traces cached for it
 MIN_LENGTH = 8

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 
 from trainscope.predict import trace
+from trainscope.predict.planned import Batches, Workload
 from trainscope.predict.step import PhaseModel, copy_seconds_per_byte, first_touch_seconds_per_byte, phase_models
-from trainscope.predict.workload import Batches, Workload
 
 
 @dataclasses.dataclass
