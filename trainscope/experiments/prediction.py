@@ -168,9 +168,9 @@ def repredicted(record: dict, fitted: dict) -> dict:
     it held before its model (measured in the run), against what it measured."""
     view = RunView(record)
     settings = predict.settings_of(record)
-    workload = predict.workload_of(record, settings)
-    workload.rss_bytes = int(view.prediction_baseline_gib * GIB)
-    block = predict.predict(workload, store=False, fitted=fitted)
+    planned = predict.planned_run_of(record, settings)
+    planned.rss_bytes = int(view.prediction_baseline_gib * GIB)
+    block = predict.predict(planned, store=False, fitted=fitted)
     return predict.prediction_errors(block, view.summary, {})
 
 
