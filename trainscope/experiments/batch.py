@@ -22,8 +22,8 @@ from trainscope.experiments.base import (
     write,
 )
 from trainscope.measure import bench
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import pyplot
 
 SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
@@ -282,12 +282,12 @@ def find_batch_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     comparison = found.comparisons.get(EXPERIMENT.name)
     if not report.begin(EXPERIMENT.title, comparison, EXPERIMENT.missing()):
         return
     rows = sorted(
-        [r for r in reporting.arm_rows(comparison) if r["status"] == "complete"], key=lambda r: int(r["arm"][2:])
+        [r for r in sections.arm_rows(comparison) if r["status"] == "complete"], key=lambda r: int(r["arm"][2:])
     )
     if rows:
         figure, axis = pyplot().subplots(figsize=(7, 4))
@@ -312,7 +312,7 @@ def section(report, found: reporting.Collected) -> None:
             figure,
             "batch",
             "Throughput and memory against batch size",
-            list(reporting.first_round_runs(comparison, found.runs.get(EXPERIMENT.name, {})).values()),
+            list(sections.first_round_runs(comparison, found.runs.get(EXPERIMENT.name, {})).values()),
         )
     report.table(
         arm_table(
@@ -346,7 +346,7 @@ def keeping(advice: dict) -> str:
     return advice.get("flags", "no swept batch divides it")
 
 
-def headline(found: reporting.Collected) -> Headline | None:
+def headline(found: sections.Collected) -> Headline | None:
     """The fastest batch against the configured one (as the table gives it), the largest that fits, and the
     flags that keep the effective batch: the section's closing sentence."""
     comparison = found.comparisons.get(EXPERIMENT.name)
