@@ -28,7 +28,7 @@ def train(settings) -> dict:
 
     # ---------------------------------------------------------------- set-up
     started = task.start(settings)  # process group, CPU threads, seed, TF32, run folder, sequence limit
-    settings = started.options  # --max-seq-length clamped to the model's positions
+    settings = started.settings  # --max-seq-length clamped to the model's positions
     tokenizer = task.build_tokenizer(settings)
     data = task.load_classification_data(settings, tokenizer, started.state.main_process_first)
     # Peak memory, step and run time predicted before the model exists (trainscope/predict/__init__.py); --predict stops here.

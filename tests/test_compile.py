@@ -43,7 +43,7 @@ def test_a_compiled_run_takes_eager_random_numbers(tmp_path, eager_random_number
     (settings,) = parse_settings(argv=["--compile", "--report-to", "none"])
     launch_ = startup.Startup(
         state=None,
-        options=settings,
+        settings=settings,
         threads={},
         run_dir=tmp_path,
     )

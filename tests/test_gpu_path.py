@@ -67,7 +67,7 @@ def test_compile_uses_dynamic_shapes_whatever_the_launcher_exports(monkeypatch, 
             (settings,) = parse_settings(argv=["--compile", "--report-to", "none", *flags])
             launch = startup.Startup(
                 state=None,
-                options=settings,
+                settings=settings,
                 threads={},
                 run_dir=tmp_path,
             )

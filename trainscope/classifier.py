@@ -68,7 +68,7 @@ def start(settings: Settings):
     started = startup.start(settings, exists=EXISTS)
     limit = sequence_limit(settings)  # the workload's to read: it loads the model's config
     if limit is not None and settings.max_seq_length > limit:
-        started.options = dataclasses.replace(settings, max_seq_length=limit)
+        started.settings = dataclasses.replace(settings, max_seq_length=limit)
     started.facts.update(requested_max_seq_length=settings.max_seq_length, model_sequence_limit=limit)
     return started
 

@@ -117,7 +117,7 @@ class Run:
         """A run whose start-up (trainscope.run.startup.start: process group, threads, seed, run folder) was its
         driver's own (train.py's: trainscope.classifier); its record's settings are every option it started with."""
         run = cls.__new__(cls)
-        run._attach(prepared, started, facts, driver, dataclasses.asdict(started.options))
+        run._attach(prepared, started, facts, driver, dataclasses.asdict(started.settings))
         return run
 
     def _attach(self, prepared: Prepared, started, facts: TrainingFacts, driver: Driver, settings: dict, flops=None):

@@ -56,7 +56,7 @@ ENDING_KEYS = (
 class RunLifecycle:
     def __init__(self, accelerator, started, plan: dict, settings_block: dict, driver):
         self.accelerator, self.started, self.plan, self.driver = accelerator, started, plan, driver
-        self.options, self.run_dir = started.options, started.run_dir
+        self.options, self.run_dir = started.settings, started.run_dir
         self.settings_block = settings_block  # what the record's settings say: the options its driver took
         self.header = {}  # more of the record's header, kept through a resume (`keep`: the driver's notes)
         self.world, self.rank = accelerator.num_processes, accelerator.process_index

@@ -43,7 +43,7 @@ class RunMetrics:
     ):
         self.accelerator, self.started, self.plan, self.scheduler = accelerator, started, plan, scheduler
         self.optimizer = optimizer  # its learning rate for the step lines where there is no scheduler
-        self.options, self.run_dir = started.options, started.run_dir
+        self.options, self.run_dir = started.settings, started.run_dir
         self.model_config = model_config  # taken before prepare() wraps the model (DDP, FSDP, compile)
         device, rank = accelerator.device, accelerator.process_index
         clock, self.timing_mode = make_clock(self.options.timing, device)

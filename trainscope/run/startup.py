@@ -42,7 +42,7 @@ class Startup:
     """What start-up found and decided, for the rest of the run."""
 
     state: PartialState
-    options: RunOptions  # train.py's Settings (which extend the run's options), or trainscope.Run's options
+    settings: RunOptions  # the run's options: train.py's Settings (which extend them), or trainscope.Run's
     threads: dict
     run_dir: Path
     # what start-up found for the record's environment: the CPU fallback of a multi-process launch without a usable
