@@ -1608,7 +1608,7 @@ def test_a_compiled_runs_first_evaluation_is_warm_up_not_steady(monkeypatch):
     monkeypatch.setattr(run_metrics, "compile_stats", lambda: {"graphs": 1, "compile_s": 0.0})
     metrics = RunMetrics.__new__(RunMetrics)
     metrics.compiled = {"dynamic": True}
-    metrics.timer = metrics.stage = StageTimer(HostClock(), torch.device("cpu"))
+    metrics.timer = StageTimer(HostClock(), torch.device("cpu"))
     metrics._evaluation_graphs, metrics._evaluated = 0, False
     metrics.timer.start()
     metrics.timer.set_phase("steady")

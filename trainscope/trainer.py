@@ -35,7 +35,6 @@ class TrainscopeCallback(TrainerCallback):
             raise UserError(NEEDS_TRAINER)
         self.trainer, self.run_options = trainer, run_options
         self.run: Run | None = None  # open from the Trainer's on_train_begin to its train()'s end
-        self.trainer_metrics: dict = {}
         self._open = None  # the stage held open between two of the Trainer's events
         self._hooks = []
         self._measure(trainer)
@@ -146,16 +145,14 @@ class TrainscopeCallback(TrainerCallback):
         if self.run is not None and metrics:
             self.run.evaluated({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and any(key.startswith("train_") for key in logs):  # the Trainer's figures at the end of train()
-            self.trainer_metrics.update(logs)
-
     def on_train_end(self, args, state, control, **kwargs):
         if self.run is None:
             return
         self._close_stage()
         self.run.between_steps()  # a stop signal here still reaches train()'s ending (train_measured)
-        self.run.note("trainer_metrics", {"total_flos": state.total_flos, **self.trainer_metrics})
+        # the Trainer's own figures, which it logs at the end of train() before this event
+        logged = next((logs for logs in reversed(state.log_history) if "train_runtime" in logs), {})
+        self.run.note("trainer_metrics", {"total_flos": state.total_flos, **logged})
         run, self.run = self.run, None
         try:
             run.close()

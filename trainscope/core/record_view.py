@@ -395,11 +395,6 @@ class RunView:
         return self.throughput.get("padding_flops_share")
 
     @property
-    def real_peak_share(self) -> float | None:
-        """Model TFLOP/s on real tokens over this machine's measured matmul peak; None in older records."""
-        return (self.measured_peak or {}).get("real_share")
-
-    @property
     def peak_share(self) -> float | None:
         """Achieved model TFLOP/s over this machine's measured matmul peak: not the datasheet MFU (`mfu`)."""
         return (self.measured_peak or {}).get("share")

@@ -25,6 +25,7 @@ from trainscope.measure import bench
 from trainscope.report import sections
 from trainscope.report.sections import Headline
 from trainscope.report.tables import pyplot
+from trainscope.workload.settings import parse_settings
 
 SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
 
@@ -43,8 +44,6 @@ def arguments(parser) -> None:
 
 def run(args, train_args: list[str]) -> dict:
     """Samples/s and peak memory against the batch size, the user's batch as the baseline arm."""
-    from trainscope.workload.settings import parse_settings  # deferred: it loads transformers
-
     if args.steps < 3 or min(args.batch_sizes) < 1:
         raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
     (user,) = parse_settings(argv=train_args)
@@ -228,7 +227,6 @@ def find_batch(args, train_args: list[str]) -> None:
         build_scheduler,
         build_tokenizer,
     )
-    from trainscope.workload.settings import parse_settings  # deferred: it loads transformers
     from trainscope.workload.step import train_step  # deferred: it loads transformers' models
 
     (settings,) = parse_settings(argv=train_args)

@@ -15,6 +15,7 @@ import torch
 from trainscope.core import environment, launching
 from trainscope.core.precision import tf32_in_effect
 from trainscope.core.record_view import RunView
+from trainscope.workload.settings import Settings, parse_settings, plan_steps
 
 SIMULATED_EPOCHS_MAX = 4  # micro-batches beyond this many epochs repeat the same lengths
 COLLATE_SAMPLES = 5
@@ -240,7 +241,6 @@ def with_collate_costs(planned: PlannedRun, tokenizer, data) -> PlannedRun:
 def planned_run_for(settings, started, tokenizer, data, label_names=None) -> PlannedRun:
     """The planned run of this launch (train.py's settings, start-up, tokenizer and tokenized data)."""
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
-    from trainscope.workload.settings import plan_steps  # deferred: it loads transformers
 
     state = started.state
     device = state.device
@@ -266,7 +266,6 @@ def planned_run_for(settings, started, tokenizer, data, label_names=None) -> Pla
 
 def settings_of(record_or_settings):
     """The Settings of a run record (or Settings themselves), fields unknown to this trainscope left out."""
-    from trainscope.workload.settings import Settings  # deferred: it loads transformers
 
     if isinstance(record_or_settings, Settings):
         return record_or_settings
@@ -277,7 +276,6 @@ def settings_of(record_or_settings):
 
 def changed_settings(settings, flags) -> object:
     """`settings` with train.py `flags` applied (the fields those flags set to something else than the default)."""
-    from trainscope.workload.settings import Settings, parse_settings  # deferred: it loads transformers
 
     if not flags:
         return settings
@@ -324,7 +322,6 @@ def planned_run_of(record: dict | None, settings, config: str | None = None) -> 
     """The run `settings` would be on the machine and launch of `record` (or of this process when None), with
     `config`'s processes and precision where given."""
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
-    from trainscope.workload.settings import plan_steps  # deferred: it loads transformers
 
     view = RunView(record or {})
     device = torch.device((view.device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0])

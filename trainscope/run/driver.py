@@ -7,8 +7,6 @@ kernels and one encoder layer profiled at the run's shapes (trainscope.classifie
 
 import dataclasses
 
-from trainscope.core.record_view import option_words
-
 # What does not apply to a model that is not train.py's classifier, as a plain run's record says.
 NOT_AVAILABLE = {
     "prediction": "the predictor models BERT/RoBERTa-like encoder classifiers only (train.py --predict)",
@@ -53,9 +51,6 @@ class Driver:
     non_finite: str = (
         "lower the learning rate, clip the gradients (accelerator.clip_grad_norm_), or use bf16 instead of fp16"
     )
-
-    def option(self, name: str, value=None) -> str:
-        return option_words(name, value, self.options)
 
     def instrument_block(self, metrics) -> dict:
         """The record's `instrument` block: who drove the run, how its options are written, where its steps and FLOPs

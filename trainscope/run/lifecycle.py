@@ -17,6 +17,7 @@ from trainscope.core import provenance
 from trainscope.core.distributed import shut_down
 from trainscope.core.errors import Fault, one_line, report
 from trainscope.core.liveness import explain_collective_failure, lost_a_peer, root_cause
+from trainscope.core.record_view import option_words
 from trainscope.core.records import RunRecord, now_iso, read_record
 from trainscope.measure import health, sharding
 from trainscope.run import checkpoints, trackers
@@ -371,7 +372,7 @@ class RunLifecycle:
                 if checkpoint
                 else ""
                 if self.options.save_on_interrupt
-                else f"; {self.driver.option('save_on_interrupt')} would have kept a checkpoint"
+                else f"; {option_words('save_on_interrupt', None, self.driver.options)} would have kept a checkpoint"
             )
             print(
                 f"interrupted by {name} after optimizer step {step}: the record says so "

@@ -50,7 +50,6 @@ class RunMetrics:
         self.profiler = build_profiler(self.options, self.run_dir, device, rank)
         self.snapshot = build_memory_snapshot(self.options, self.run_dir, device, rank)
         self.timer = StageTimer(clock, device, profiler_labels=self.profiler.enabled)
-        self.stage = self.timer  # `with metrics.stage("forward"): ...`
         self.loop = LoopState(device)
         self.communication = communication.NoCommunication()
         self.evaluation_positions = {"tokens": 0, "padded_tokens": 0, "padded_squares": 0, "samples": 0}
@@ -116,7 +115,7 @@ class RunMetrics:
         self.env = {
             **environment.describe(self.accelerator, effective, self.started.threads),
             "timing_mode": self.timing_mode,
-            **self.started.environment_facts(),
+            **self.started.facts,
             "ddp": self.communication.settings_in_effect(),
             **self.driver.environment_facts(self, effective),
         }
@@ -277,7 +276,7 @@ class RunMetrics:
         phase = self.timer.phase
         if compiling:
             self.timer.set_phase("warmup")
-        with self.stage("eval"):
+        with self.timer("eval"):
             yield
         if compiling:
             self.timer.set_phase(phase)

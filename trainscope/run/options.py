@@ -7,6 +7,7 @@ import dataclasses
 from typing import Literal
 
 from trainscope.core.errors import UserError
+from trainscope.core.record_view import option_words
 from trainscope.core.script_help import option
 
 # The numeric options' bounds, checked in this order (the first one broken is the error): (fields, what breaks the
@@ -23,18 +24,13 @@ NUMBER_RULES = (
         ),
         lambda value: value <= 0,
         "a positive integer",
-    ),  # fmt: skip
+    ),
     (("timing_warmup_steps", "profile_wait", "profile_warmup"), lambda value: value < 0, "0 or more"),
     (("profile_active",), lambda value: value < 1, "at least 1"),
 )
 
 
-def flag(name: str) -> str:
-    """An option as train.py's command line writes it: --memory-every."""
-    return "--" + name.replace("_", "-")
-
-
-def check_numbers(options, rules, spell=flag) -> None:
+def check_numbers(options, rules, spell=option_words) -> None:
     """Each numeric field against its rule (`NUMBER_RULES`' form): one line for the first broken."""
     for names, wrong, must_be in rules:
         for name in names:
@@ -139,7 +135,7 @@ class RunOptions:
         "this flag an interrupted run still records what it measured, but cannot be resumed from that point.",
     )
 
-    def validate(self, spell=flag) -> None:
+    def validate(self, spell=option_words) -> None:
         """Refuse impossible options with one line each, before anything is loaded or written; `spell(name)` writes an
         option as its user gives it (train.py's --flag, or trainscope.Run's keyword)."""
         check_numbers(self, NUMBER_RULES, spell)

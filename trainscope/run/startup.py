@@ -52,13 +52,6 @@ class Startup:
     resume_from: Path | None = None  # the checkpoint --resume continues from, chosen and checked at start
     checkpoints_skipped: list = field(default_factory=list)  # newer checkpoints found unusable ({checkpoint, problem})
 
-    @property
-    def cpu_fallback(self) -> dict | None:
-        return self.facts.get("cpu_fallback")
-
-    def environment_facts(self) -> dict:
-        return dict(self.facts)
-
 
 def configure_process(settings) -> dict:
     """Threads and tokenizer parallelism of a process that measures speed; returns the thread facts. On an
@@ -349,7 +342,7 @@ def build_accelerator(settings, started: Startup) -> Accelerator:
         else None,
         kwargs_handlers=[ddp_kwargs(settings)],
     )
-    if started.cpu_fallback and started.cpu_fallback.get("fsdp_on_cpu"):
+    if (started.facts.get("cpu_fallback") or {}).get("fsdp_on_cpu"):
         force_fsdp_on_cpu(accelerator)
     precision.enforce_tf32(settings.tf32)  # Accelerate's dynamo set-up turns TF32 on for fp32 CUDA runs
     if settings.compile:

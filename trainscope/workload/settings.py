@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainscope.core.errors import UserError
+from trainscope.core.record_view import option_words
 from trainscope.core.script_help import option
-from trainscope.run.options import RunOptions, check_numbers, flag
+from trainscope.run.options import RunOptions, check_numbers
 
 EMBEDDED_MODEL = "embedded:minilm-l6"
 EMBEDDED_DATASET = "embedded:tweets"
@@ -41,7 +42,7 @@ NUMBER_RULES = (
         ),
         lambda value: value <= 0,
         "a positive integer",
-    ),  # fmt: skip
+    ),
     (("num_workers",), lambda value: value < 0, "0 or more"),
     (
         (
@@ -264,7 +265,7 @@ class Settings(RunOptions):
         "changes nothing else.",
     )
 
-    def validate(self, spell=flag) -> None:
+    def validate(self, spell=option_words) -> None:
         """Refuse impossible settings with one line each, before anything is loaded or written."""
         super().validate(spell)
         check_numbers(self, NUMBER_RULES, spell)
