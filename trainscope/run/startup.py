@@ -33,6 +33,7 @@ from accelerate.utils import (
 from trainscope.core import environment, precision
 from trainscope.core.errors import UserError
 from trainscope.core.liveness import PeerWatch
+from trainscope.core.record_view import option_words
 from trainscope.run import checkpoints, trackers
 from trainscope.run.options import RunOptions
 
@@ -209,13 +210,7 @@ def refuse_unshared_checkpoints(settings: RunOptions, state: PartialState, envir
     blind = [f"rank {rank} on {host}" for rank, host, sees in seen if not sees]
     if blind:
         flags = "/".join(
-            f
-            for f, on in (
-                ("--save-every", settings.save_every),
-                ("--save-on-interrupt", settings.save_on_interrupt),
-                ("--resume", settings.resume),
-            )
-            if on
+            option_words(name) for name in ("save_every", "save_on_interrupt", "resume") if getattr(settings, name)
         )
         raise UserError(
             f"{flags} on several machines needs --output-dir on a filesystem they all share: "
