@@ -314,7 +314,7 @@ def test_records_carry_flops_and_their_share_of_the_machines_measured_peak_not_a
     assert {"fp32", "bf16"} <= set(machine["precisions"]) and machine["key"]["threads"] == 1
     fp32 = machine["precisions"]["fp32"]
     assert [r["shape"] for r in fp32["rates"]][-1] == [256, 256, 256]  # the tests' small square (conftest)
-    sized = machine["sized_at"]  # the warm-up's mean micro-batch and its mean padded length: Q/K/V/O's shape
+    sized = machine["sized_at"]  # the run's mean micro-batch and its mean padded length: Q/K/V/O's shape
     assert sized["batch"] == 16 and [r["shape"] for r in fp32["rates"]][0] == [16 * sized["length"], 32, 32]
     measured = summary["measured_peak"]
     assert measured["precision"] == "fp32" and measured["peak_tflops"] == fp32["peak_tflops"]

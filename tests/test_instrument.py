@@ -86,13 +86,16 @@ def test_the_plain_loop_counts_every_sample_under_accumulation_and_a_short_last_
     # what does not apply is said, and the advisor offers nothing that needs a transformer
     assert set(record["instrument"]["not_available"]) == {"prediction", "unpad"}
     assert record["prediction"] is None
-    # the record holds what this run had: the run's own options and keywords, none of train.py's settings
+    # the record holds what this run had: the run's own options and keywords (and the Accelerator's accumulation),
+    # none of train.py's settings
     from trainscope.run.options import RunOptions
     from trainscope.workload.settings import Settings
 
     own = {f.name for f in dataclasses.fields(RunOptions)}
     assert set(record["settings"]) == own | {"steps", "gradient_accumulation_steps", "flops"}
-    assert not set(record["settings"]) & ({f.name for f in dataclasses.fields(Settings)} - own)
+    assert not set(record["settings"]) & ({f.name for f in dataclasses.fields(Settings)} - own) - {
+        "gradient_accumulation_steps"
+    }
     assert record["data"] == {} and record["instrument"]["options"] == "keywords"
     assert not {"requested_max_seq_length", "model_sequence_limit"} & set(record["environment"])
     assert record["environment"]["machine_peak"]["sized_at"] is None  # an MLP: the large square only

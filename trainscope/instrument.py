@@ -208,13 +208,6 @@ class Run:
             self.lifecycle.step_finished()
         return bool(ended)
 
-    def _between(self) -> None:
-        """A point outside every stage: the steps taken so far end here, and once the warm-up's steps are over the
-        machine's matmul peak is measured at the run's own shapes (the clocks paused), into the record."""
-        self._settle()
-        if self.metrics.measure_machine_peak():
-            self.lifecycle.keep(environment=self.metrics.env)
-
     # ---------------------------------------------------------------- the loop
 
     def data(self, loader, epoch: int | None = None):
@@ -228,7 +221,7 @@ class Run:
         self._next_epoch = epoch + 1
         batches = self.lifecycle.batches(loader, epoch)
         while self._running is not None:
-            self._between()
+            self._settle()
             if self.metrics.done:
                 break
             batch = self.fetch(next, batches, None)
@@ -241,7 +234,7 @@ class Run:
         state is whole: what `run.data` does for each batch, for a loop that fetches its own way (nanoGPT's
         `next(...)`, the Trainer's get_batch_samples)."""
         self._require_open("run.fetch(...)")
-        self._between()
+        self._settle()
         self.lifecycle.check()
         with self.metrics.timer("data"):
             return get(*args, **kwargs)
@@ -249,7 +242,7 @@ class Run:
     def stage(self, name: str):
         """`with run.stage("forward"): ...`: one of data, forward, backward, optimizer, eval; the rest is `other`."""
         self._require_open(f"run.stage({name!r})")
-        self._between()
+        self._settle()
         if name == "backward":
             return self._backward_stage()
         return self.metrics.timer(name)
@@ -286,7 +279,7 @@ class Run:
         """Call where the loop does other work between optimizer steps (logging, saving): the steps taken so far end
         here (their step lines, a checkpoint when due, the stop vote) rather than at the loop's next call."""
         self._require_open("run.between_steps()")
-        self._between()
+        self._settle()
 
     def note(self, key: str, value) -> None:
         """What the driver adds to the record, under `notes` (the Trainer's own figures: `trainer_metrics`)."""
@@ -310,7 +303,7 @@ class Run:
         """`with run.evaluation(): ...`: the `eval` stage (of a compiled model, its graphs told apart from
         recompiles)."""
         self._require_open("run.evaluation()")
-        self._between()
+        self._settle()
         self.metrics.flops.end()
         return self.metrics.evaluation()
 
@@ -326,7 +319,7 @@ class Run:
     def checkpoint(self) -> str:
         """A checkpoint of this step (Accelerate's save_state and the run's counters); its folder name."""
         self._require_open("run.checkpoint()")
-        self._between()
+        self._settle()
         return self.lifecycle.save_checkpoint()
 
     def finish(self, test_scores: dict | None = None) -> dict:

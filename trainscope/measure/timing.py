@@ -198,11 +198,6 @@ class StageTimer:
     def running(self) -> bool:
         return self._running
 
-    @property
-    def active(self) -> str | None:
-        """The stage being timed now (None between stages)."""
-        return self._active
-
     def restore(self, state: dict):
         """Add the totals of an earlier, checkpointed part of the same run (see `state_dict`)."""
         for phase in PHASES:

@@ -182,7 +182,7 @@ class RunLifecycle:
 
     def keep(self, **fields) -> None:
         """More of the record's header, written now (by the main process) and again when a resumed run rewrites it:
-        the driver's notes (`notes`), the environment once the machine's peak joined it."""
+        the driver's notes (`notes`)."""
         self.header.update(fields)
         if self.record is not None:
             self.record.update(**fields)
@@ -304,7 +304,7 @@ class RunLifecycle:
             self.record.update(
                 status="complete",
                 finished=now_iso(),
-                environment=self.metrics.env,  # the machine's peak joined it when the warm-up ended, or just now
+                environment=self.metrics.env,  # the machine's peak joined it after the loop
                 summary=result,
                 warnings=self._warnings(self.record, result),
             )

@@ -110,7 +110,7 @@ class RunMetrics:
 
     def environment(self) -> dict:
         """The record's environment block: what the run really ran on and in (read once, after attach); the machine's
-        measured matmul peak joins it when the warm-up ends (`measure_machine_peak`)."""
+        measured matmul peak joins it after the loop, at the run's own shapes (`summarize`)."""
         effective = effective_precision(self.accelerator)
         self.env = {
             **environment.describe(self.accelerator, effective, self.started.threads),
@@ -129,39 +129,32 @@ class RunMetrics:
         )
         return self.env
 
-    def measure_machine_peak(self, at_end: bool = False) -> bool:
+    def _machine_peak(self, counts: dict) -> None:
         """This machine's matmul peak (trainscope.measure.peak: cached, or measured now by every local process at once)
-        at the model's GEMM shapes for the warm-up's mean micro-batch, and a large square: once the warm-up's steps
-        ended (`at_end`: after the loop, for a run that ended before), outside every timed figure (a paused span, or
-        the stopped clocks). Every rank calls it at the same point of the loop. A failed measurement is recorded, not
-        fatal: the run is what it measures. True when measured now."""
-        warm = self.loop.step >= max(1, self.options.timing_warmup_steps)
-        if "machine_peak" in self.env or not (warm or at_end) or self.timer.active is not None:
-            return False
-        counts = self.loop.counts["warmup"] if self.loop.counts["warmup"]["samples"] else self.loop.counts["steady"]
+        at the model's GEMM shapes for the run's own mean micro-batch (`counts`' phase), and a large square, into the
+        environment block: after the loop, outside every timed figure. A failed measurement is recorded, not fatal:
+        the run is what it measures."""
         shape, sized = encoder_shape(self.model_config), mean_shape(counts, self.driver.unpadded)
         shapes = peak.transformer_shapes(*shape, sized[0] * sized[1]) if shape and sized else []
-        with self.timer.paused() if self.timer.running else contextlib.nullcontext():
-            try:
-                block = peak.machine_peak(
-                    self.accelerator.device,
-                    shapes,
-                    processes=self.started.threads["local_processes"],
-                    together=self._any_rank if self.accelerator.num_processes > 1 else None,
-                    store=self.accelerator.is_local_main_process,
-                )
-                block["sized_at"] = {"batch": sized[0], "length": sized[1]} if shapes else None
-            except (RuntimeError, torch.OutOfMemoryError) as error:
-                block = {"error": " ".join(str(error).split())[:300]}
+        try:
+            block = peak.machine_peak(
+                self.accelerator.device,
+                shapes,
+                processes=self.started.threads["local_processes"],
+                together=self._any_rank if self.accelerator.num_processes > 1 else None,
+                store=self.accelerator.is_local_main_process,
+            )
+            block["sized_at"] = {"batch": sized[0], "length": sized[1]} if shapes else None
+        except (RuntimeError, torch.OutOfMemoryError) as error:
+            block = {"error": " ".join(str(error).split())[:300]}
         self.env["machine_peak"] = block
         if self.accelerator.device.type == "cpu":
             self.env["cpu_bf16"] = precision.cpu_bf16(precision.cpu_flags(), block)
-        return True
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether any rank's flag is set (a collective; every rank calls it at the same point)."""
         total = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
-        return bool(total.item())  # a sync point, once, when the warm-up ends
+        return bool(total.item())  # a sync point, once, after the loop
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps beside Accelerate's state: the loop's position and the timing so far."""
@@ -307,7 +300,6 @@ class RunMetrics:
         if gather:
             self._fold_skips()
         if gather and not partial:  # every rank at once, after the timed loop: outside every timed figure
-            self.measure_machine_peak(at_end=True)
             self.run_shapes = self._measure_run_shapes()
         mine = self._rank_summary(final=gather and not partial)
         per_rank = gather_object([mine]) if gather else [mine]
@@ -405,6 +397,7 @@ class RunMetrics:
         shape, counts = encoder_shape(self.model_config), self.loop.counts["steady"]
         if not counts["samples"]:
             counts = self.loop.counts["warmup"]
+        self._machine_peak(counts)
         precision_name = self.env.get("effective_precision") or "fp32"
         device, processes = self.accelerator.device, self.started.threads["local_processes"]
         layers = self._measure_layers(precision_name)

@@ -51,11 +51,6 @@ class RunOptions:
     timing_warmup_steps: int = option(
         default=2, help="First optimizer steps recorded apart (start-up, allocator warm-up) from the steady state."
     )
-    tf32: bool = option(
-        default=False,
-        help="Allow TF32 matmuls on Ampere+ GPUs in fp32 runs. Off means off: trainscope re-applies it after "
-        "Accelerate's set-up (whose --compile path turns TF32 on) and records what was in effect.",
-    )
     threads: str = option(
         default="auto",
         help="Intra-op CPU threads of each process: auto (the cores this process may use, from its CPU affinity, "

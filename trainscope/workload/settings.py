@@ -227,6 +227,11 @@ class Settings(RunOptions):
         "runs round r of every arm with --seed S + r and this fixed, so each round pairs the arms on one seed and the "
         "same data.",
     )
+    tf32: bool = option(
+        default=False,
+        help="Allow TF32 matmuls on Ampere+ GPUs in fp32 runs. Off means off: trainscope re-applies it after "
+        "Accelerate's set-up (whose --compile path turns TF32 on) and records what was in effect.",
+    )
 
     # ---- DDP (multi-process runs; passed to DistributedDataParallel through Accelerate) ----
     ddp_bucket_cap_mb: float | None = option(
