@@ -182,8 +182,9 @@ def test_the_scripts_that_train_import_only_the_public_api():
 
 
 # The floors of the package, lowest first (docs/design.md): a module imports only from its own floor or below, at
-# module level and inside functions alike. The public modules (trainscope, its instrument and classifier) stand on
-# the run; advice, the report, the experiments and make gpu-check stand on them.
+# module level and inside functions alike. The instrument (measure, run) stands on the ground floor alone; train.py's
+# workload and the predictor stand on it; the public modules (trainscope, its instrument, classifier and Trainer
+# callback) on them; advice, the report, the experiments and make gpu-check stand on those.
 FLOORS = ["core", "measure", "run", "workload", "predict", "public", "advice", "report", "experiments", "gpu"]
 PUBLIC_MODULES = {"trainscope", "trainscope.instrument", "trainscope.classifier", "trainscope.trainer"}
 
