@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from trainscope.core.distributed import destroy_process_group
 from trainscope.core.errors import UserError, exit_with, redacted_output
 from trainscope.core.paths import ROOT
-from trainscope.core.settings import parse_settings
 from trainscope.experiments.data_parallel import loops as dp_compare
 from trainscope.experiments.data_parallel.loops import (
     NotMeasurable,
@@ -54,6 +53,7 @@ from trainscope.measure import bench
 from trainscope.run import startup
 from trainscope.workload.data import build_collator, load_classification_data
 from trainscope.workload.modeling import build_model, build_tokenizer
+from trainscope.workload.settings import parse_settings
 
 # ---------------------------------------------------------------- the three loops
 

@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 from trainscope.core.errors import UserError, exit_with, redacted_output
-from trainscope.core.settings import Settings, parse_settings
 from trainscope.experiments.loaders import sweep as loader_sweep
 from trainscope.measure import bench
 from trainscope.run import startup
 from trainscope.workload.data import build_collator, load_classification_data, worker_options
+from trainscope.workload.settings import Settings, parse_settings
 
 # ---------------------------------------------------------------- timing one pass
 

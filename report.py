@@ -32,7 +32,7 @@ from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
-    from trainscope.report.inputs import Collected
+    from trainscope.report.sections import Collected
     from trainscope.report.writer import ReportWriter
 
 COMMITTED = (ROOT / "benchmarks" / "runs", ROOT / "benchmarks")
@@ -66,20 +66,20 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "", main_run:
     # deferred: the report's modules load torch and every experiment's, which --help and --advise need none of
     from trainscope.core import provenance
     from trainscope.experiments import REGISTRY, SECTIONS
-    from trainscope.report import inputs as reporting
+    from trainscope.report import sections
     from trainscope.report.book import Book
     from trainscope.report.writer import ReportWriter
 
-    found = reporting.collect(runs, results, REGISTRY)  # sections read inputs of experiments without one too
+    found = sections.collect(runs, results, REGISTRY)  # sections read inputs of experiments without one too
     found.asked_run = main_run
-    if main_run is not None and reporting.named_run(found, main_run) is None:
+    if main_run is not None and sections.named_run(found, main_run) is None:
         print(f"error: --run {main_run}: no complete run of that name or folder under {runs}", file=sys.stderr)
         sys.exit(2)
     for line in found.skipped:
         print(f"warning: skipped {line}", file=sys.stderr)
-    # before anything is written: the tree as it was; every path in it the project's own (reporting.shown_path)
-    block = provenance.collect(inputs=found.inputs, command=reporting.shown_text(provenance.launch_command()))
-    block["inputs"] = [{**entry, "path": reporting.shown_path(entry["path"])} for entry in block["inputs"]]
+    # before anything is written: the tree as it was; every path in it the project's own (sections.shown_path)
+    block = provenance.collect(inputs=found.inputs, command=sections.shown_text(provenance.launch_command()))
+    block["inputs"] = [{**entry, "path": sections.shown_path(entry["path"])} for entry in block["inputs"]]
     out.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the old report (a hidden folder the tree ignores) and swapped in at the end: a failure
     # leaves the old one whole.
@@ -89,8 +89,8 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "", main_run:
         report = ReportWriter(staging, book)
         report.title(
             "trainscope report",
-            f"Built {date.today().isoformat()} from {reporting.shown_path(runs)} and "
-            f"{reporting.shown_path(results)}{source_line}: "
+            f"Built {date.today().isoformat()} from {sections.shown_path(runs)} and "
+            f"{sections.shown_path(results)}{source_line}: "
             f"{len(found.inputs)} input files, listed with their sha256 in inputs.json.",
         )
         report.answers_page()
@@ -99,7 +99,7 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "", main_run:
         if found.skipped:
             report.begin("Skipped inputs", True, "")
             for line in found.skipped:
-                report.text(f"- {reporting.shown_text(line)}")
+                report.text(f"- {sections.shown_text(line)}")
         report.appendix(provenance.markdown(block, machine_label="report built on") + measured_on(found))
         report.close()
         write_text_atomic(staging / "report.md", "\n".join(report.markdown) + "\n")
@@ -107,8 +107,8 @@ def build(runs: Path, results: Path, out: Path, source_line: str = "", main_run:
             staging / "inputs.json",
             {
                 "provenance": block,
-                "skipped": [reporting.shown_text(line) for line in found.skipped],
-                "machines": {m.text: [reporting.shown_path(p) for p in paths] for m, paths in found.machines.items()},
+                "skipped": [sections.shown_text(line) for line in found.skipped],
+                "machines": {m.text: [sections.shown_path(p) for p in paths] for m, paths in found.machines.items()},
                 "runs": {k: sorted(v) for k, v in found.runs.items()},
                 "folders": {k: [f.name for f in folders] for k, folders in found.folders.items()},
                 "results": {k: v is not None for k, v in found.results.items()},
@@ -195,9 +195,9 @@ def inputs(args, parser) -> tuple[Path, Path, str]:
         return runs, results, ""
     if Path("runs").is_dir() or Path("results").is_dir():
         return Path("runs"), Path("results"), " (your runs)"
-    from trainscope.report import inputs as reporting  # deferred: it loads torch
+    from trainscope.report import sections  # deferred: it loads torch
 
-    shown = [reporting.shown_path(path) for path in COMMITTED]
+    shown = [sections.shown_path(path) for path in COMMITTED]
     print(f"No runs/ or results/ here yet: building the committed report from {shown[0]} and {shown[1]}.")
     return *COMMITTED, " (the committed benchmarks: no runs/ or results/ here yet)"
 

@@ -27,8 +27,8 @@ def train(settings) -> dict:
     from trainscope import classifier as task  # the workload's pieces: torch, transformers' models, datasets
 
     # ---------------------------------------------------------------- set-up
-    started = task.start(settings)  # process group, CPU threads, seed, TF32, sequence limit, run folder
-    settings = started.settings
+    started = task.start(settings)  # process group, CPU threads, seed, TF32, run folder, sequence limit
+    settings = started.settings  # --max-seq-length clamped to the model's positions
     tokenizer = task.build_tokenizer(settings)
     data = task.load_classification_data(settings, tokenizer, started.state.main_process_first)
     # Peak memory, step and run time predicted before the model exists (trainscope/predict/__init__.py); --predict stops here.
@@ -41,12 +41,14 @@ def train(settings) -> dict:
     accelerator, model, plan = training.accelerator, training.model, training.plan
     metric = task.load_metric()
     # The instrument (trainscope.Run, docs/instrument.md): stage clocks, memory, communication, the record, the
-    # endings (resume, checkpoints, signals), as any loop gets it; the classifier's prediction and probes beside.
-    run = trainscope.Run.from_started(training.prepared, started, task.workload(training, settings, data, prediction))
+    # endings (resume, checkpoints, signals), as any loop gets it; its driver names train.py's flags and adds the
+    # classifier's prediction and probes.
+    driver = task.ClassifierDriver(settings, prediction)
+    run = trainscope.Run.from_started(training.prepared, started, task.facts(training, data), driver)
 
     # ---------------------------------------------------------------- the timed loop
     # A Ctrl-C or SIGTERM stops the run where its state is whole: before a step's first batch (run.data), after its
-    # optimizer step (run.step), between evaluation batches (run.between_batches).
+    # optimizer step (run.count_micro_batch), between evaluation batches (run.between_batches).
     model.train()
     with run:  # interrupted, failed or complete: the record says which
         for epoch in range(run.epoch, plan["epochs"]):
@@ -57,7 +59,7 @@ def train(settings) -> dict:
                     accelerator, model, batch, training.optimizer, training.scheduler, run.stage,
                     settings.max_grad_norm, run.backward,
                 )  # fmt: skip
-                run.step(batch, loss)  # samples, tokens, FLOPs; at a step's end: step line, checkpoint, stop vote
+                run.count_micro_batch(batch, loss)  # samples, tokens, FLOPs; a step's end: step line, checkpoint, vote
             with run.evaluation():
                 run.evaluated(
                     task.evaluate_split(model, training.validation_loader, accelerator, metric, run.between_batches)

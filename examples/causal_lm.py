@@ -120,7 +120,7 @@ def train(args) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                run.step({"input_ids": ids}, loss)
+                run.count_micro_batch({"input_ids": ids}, loss)
         with run.evaluation():
             model.eval()
             with torch.no_grad():

@@ -41,7 +41,7 @@ def train(args) -> dict:
                     with run.stage("optimizer"):  # trainscope
                         optimizer.step()
                         optimizer.zero_grad()
-                run.step((x, y), loss)  # trainscope
+                run.count_micro_batch((x, y), loss)  # trainscope
     return run.result
 
 

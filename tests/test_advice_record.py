@@ -15,7 +15,7 @@ from public_loops import hf_trainer, mnist, nanogpt, nlp_example, peft_lora
 from trainscope.advice import advisor, estimates
 from trainscope.core.record_view import RunView
 from trainscope.measure import operations, peak
-from trainscope.report import inputs as reporting
+from trainscope.report import sections
 
 COMMITTED_ADVICE_RUNS = [
     "benchmarks/runs/tune/advice-r0",
@@ -95,7 +95,7 @@ def test_the_committed_reports_advice_is_the_same_built_with_another_machine_kin
     run) built from the committed inputs as report.md has it, under two machine kinds' caches: the same Markdown."""
     from trainscope.experiments import REGISTRY, optimization
 
-    found = reporting.collect(ROOT / "benchmarks" / "runs", ROOT / "benchmarks", REGISTRY)
+    found = sections.collect(ROOT / "benchmarks" / "runs", ROOT / "benchmarks", REGISTRY)
     built = {}
     for kind in ("A", "B"):
         machine_kind(monkeypatch, tmp_path, kind)

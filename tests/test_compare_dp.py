@@ -12,9 +12,9 @@ from conftest import TOKEN, cpu_env, driven_in_process, leaks
 
 import compare_dp
 from trainscope.core.environment import usable_cores
-from trainscope.core.settings import parse_settings
 from trainscope.experiments.data_parallel import loops as dp_compare
 from trainscope.measure.communication.measured import ring_allreduce_seconds
+from trainscope.workload.settings import parse_settings
 
 TINY = ["--model", "embedded:tiny-bert", "--max-train-samples", "320"]
 

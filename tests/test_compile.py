@@ -19,8 +19,8 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from conftest import ONE_THREAD, TINY, assert_ok, launch, read_steps
 
-from trainscope.core.settings import parse_settings
 from trainscope.run import startup
+from trainscope.workload.settings import parse_settings
 
 U = 2.0**-24
 
@@ -46,8 +46,6 @@ def test_a_compiled_run_takes_eager_random_numbers(tmp_path, eager_random_number
         settings=settings,
         threads={},
         run_dir=tmp_path,
-        requested_max_seq_length=128,
-        model_sequence_limit=512,
     )
     launch_.state = type("State", (), {"device": torch.device("cpu")})()
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

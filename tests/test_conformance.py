@@ -71,6 +71,12 @@ def test_nlp_example_accumulating_by_hand_counts_the_optimizers_steps_and_trains
     assert [line["micro_batches"] for line in lines] == [3, 4, 4, 4, 4]
     assert len(record["summary"]["validation"]) == 2
     assert_wall_clock(record, truth)
+    # the machine's peak at the loop's own GEMM shapes (its mean micro-batch, 16 rows, and their mean padded length,
+    # as the rates at the run's shapes), measured after the loop
+    peak, shapes = record["environment"]["machine_peak"], record["summary"]["measured_peak"]["run_shapes"]
+    batch, length = peak["sized_at"]["batch"], peak["sized_at"]["length"]
+    assert (batch, length) == (16, shapes["length"]) and length % 8 == 0
+    assert peak["precisions"]["fp32"]["rates"][0]["shape"] == [16 * length, 32, 32]
     # the planted 20 ms in each batch's collate is the data stage's: the 19 batches' worth, and little more (collating
     # 16 rows takes about a millisecond)
     data = record["summary"]["timing"]["across_ranks"]["run"]["seconds"]["data"]["median"]
@@ -149,7 +155,7 @@ def test_nlp_example_on_two_ddp_ranks_over_gloo(tmp_path, capfd):
 
 
 def test_tokens_given_to_run_step_are_the_ones_counted(tmp_path):
-    """`run.step(batch, loss, tokens=n)`: the loop's own count wins over the batch's attention mask (which was read
+    """`run.count_micro_batch(batch, loss, tokens=n)`: the loop's own count wins over the batch's attention mask (which was read
     instead)."""
     import torch
     from accelerate import Accelerator
@@ -169,7 +175,7 @@ def test_tokens_given_to_run_step_are_the_ones_counted(tmp_path):
                 run.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
-                run.step(batch, loss, tokens=5)
+                run.count_micro_batch(batch, loss, tokens=5)
 
     assert_ok(run_in_process([str(tmp_path)], main=main))
     record = read_record(tmp_path / "given")

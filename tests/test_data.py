@@ -10,7 +10,6 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from trainscope.core.errors import UserError
-from trainscope.core.settings import parse_settings
 from trainscope.workload import embedded, hub
 from trainscope.workload.data import (
     build_dataloaders,
@@ -21,6 +20,7 @@ from trainscope.workload.data import (
     make_splits,
 )
 from trainscope.workload.modeling import build_tokenizer
+from trainscope.workload.settings import parse_settings
 
 
 def settings_for(*args):

@@ -6,8 +6,7 @@ import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainscope.measure import flops
-from trainscope.workload import shapes
+from trainscope.measure import flops, shapes
 
 BATCH = 2
 

@@ -32,10 +32,10 @@ from trainscope.core import liveness
 from trainscope.core.errors import UserError
 from trainscope.core.liveness import PeerWatch, Verdict, root_cause
 from trainscope.core.records import RunRecord
-from trainscope.core.settings import parse_settings
 from trainscope.run import checkpoints, startup
 from trainscope.run.lifecycle import RunLifecycle
 from trainscope.run.signals import StopSignals, vote_of, vote_value
+from trainscope.workload.settings import parse_settings
 
 SAVED = [*TINY, *ONE_THREAD, "--max-steps", "6", "--save-every", "2", "--log-every", "1"]
 

@@ -6,9 +6,9 @@ import pytest
 from conftest import ONE_THREAD, TINY, assert_ok, read_record, read_steps, run_in_process
 from transformers import AutoConfig
 
-from trainscope.measure import flops
+from trainscope.measure import flops, shapes
 from trainscope.measure.profiling import MemorySnapshot
-from trainscope.workload import embedded, shapes
+from trainscope.workload import embedded
 
 
 def test_flops_per_token_by_hand_for_bert_base_and_minilm():
@@ -35,10 +35,10 @@ def counted_step(flags, batch=8, length=64, layers=None):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainscope.core.settings import parse_settings
     from trainscope.predict import trace
     from trainscope.workload import modeling
     from trainscope.workload.modeling import classification_loss
+    from trainscope.workload.settings import parse_settings
 
     (settings,) = parse_settings(argv=flags)
     config = modeling.model_config(settings, ["a", "b", "c"])
@@ -131,9 +131,9 @@ def test_padding_free_flops_agree_with_torchs_flop_counter_on_a_padded_batch(fla
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainscope.core.settings import parse_settings
     from trainscope.workload import modeling
     from trainscope.workload.modeling import classification_loss
+    from trainscope.workload.settings import parse_settings
 
     (settings,) = parse_settings(argv=["--model", "embedded:minilm-l6", "--unpad", *flags])
     lengths, threads = [128, 80, 33, 12], torch.get_num_threads()
@@ -314,7 +314,8 @@ def test_records_carry_flops_and_their_share_of_the_machines_measured_peak_not_a
     assert {"fp32", "bf16"} <= set(machine["precisions"]) and machine["key"]["threads"] == 1
     fp32 = machine["precisions"]["fp32"]
     assert [r["shape"] for r in fp32["rates"]][-1] == [256, 256, 256]  # the tests' small square (conftest)
-    assert [r["shape"] for r in fp32["rates"]][0] == [16 * 128, 32, 32]  # batch x --max-seq-length tokens, Q/K/V/O
+    sized = machine["sized_at"]  # the run's mean micro-batch and its mean padded length: Q/K/V/O's shape
+    assert sized["batch"] == 16 and [r["shape"] for r in fp32["rates"]][0] == [16 * sized["length"], 32, 32]
     measured = summary["measured_peak"]
     assert measured["precision"] == "fp32" and measured["peak_tflops"] == fp32["peak_tflops"]
     assert measured["share"] == pytest.approx(summary["throughput"]["tflops_per_device"] / fp32["peak_tflops"])

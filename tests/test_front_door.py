@@ -9,8 +9,8 @@ import sys
 import pytest
 from conftest import ROOT, cpu_env, planned_launch
 
-from trainscope.core.settings import Settings
 from trainscope.workload import modeling
+from trainscope.workload.settings import Settings
 
 
 def test_make_train_passes_what_accelerate_would_otherwise_print_a_block_about():

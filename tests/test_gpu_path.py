@@ -56,8 +56,8 @@ def test_compile_uses_dynamic_shapes_whatever_the_launcher_exports(monkeypatch, 
     """accelerate launch exports ACCELERATE_DYNAMO_USE_DYNAMIC=False: every new padded length would recompile."""
     from accelerate.state import AcceleratorState
 
-    from trainscope.core.settings import parse_settings
     from trainscope.run import startup
+    from trainscope.workload.settings import parse_settings
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
@@ -70,8 +70,6 @@ def test_compile_uses_dynamic_shapes_whatever_the_launcher_exports(monkeypatch, 
                 settings=settings,
                 threads={},
                 run_dir=tmp_path,
-                requested_max_seq_length=128,
-                model_sequence_limit=512,
             )
             launch.state = type("State", (), {"device": torch.device("cpu")})()
             accelerator = startup.build_accelerator(settings, launch)
@@ -269,10 +267,10 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
     import loaders_bench
     from trainscope import experiments
     from trainscope.core import launching
-    from trainscope.core.settings import parse_settings
     from trainscope.experiments.benchmarks import overhead
     from trainscope.gpu import check as gpu_check
     from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.workload.settings import parse_settings
 
     for step in [*gpu_check_plan.plan(gpus=2), *gpu_check_plan.plan(gpus=1)]:
         if "args" in step:
@@ -372,8 +370,8 @@ def test_every_goal_is_reachable_by_the_plans_own_step_times():
 
 def test_the_compile_check_runs_with_dynamic_shapes():
     """--pad-to-max-length made every batch one shape (dynamic=False): the check claimed dynamic shapes."""
-    from trainscope.core.settings import parse_settings
     from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.workload.settings import parse_settings
 
     step = next(step for step in gpu_check_plan.plan(gpus=1) if step["name"] == "compile-bf16")
     (settings,) = parse_settings(argv=step["args"])
@@ -527,8 +525,8 @@ def test_every_multi_process_check_times_its_collectives_out_before_gpu_check_ki
     was killed with its launch before NCCL's watchdog or the peer watch could say anything. Each multi-process check
     now passes a --distributed-timeout that leaves its estimate and the time to report and write the record inside
     its own timeout."""
-    from trainscope.core.settings import parse_settings
     from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.workload.settings import parse_settings
 
     multi = [step for step in gpu_check_plan.plan(gpus=gpus) if step.get("processes", 1) > 1]
     assert {step["name"] for step in multi} == set(TWO_GPU_CHECKS)
@@ -549,8 +547,8 @@ def test_the_distributed_backend_option_lets_two_processes_share_one_gpu_over_gl
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    from trainscope.core.settings import parse_settings
     from trainscope.run import startup
+    from trainscope.workload.settings import parse_settings
 
     (settings,) = parse_settings(argv=["--distributed-timeout", "90"])
     monkeypatch.setattr(startup, "_cuda", lambda: True)
@@ -1370,7 +1368,7 @@ def test_fsdp_yamls_model_goes_through_accelerates_own_fsdp2_prepare_and_is_meas
             id(p) for p in model.parameters()
         }  # Accelerate swapped the optimizer's parameters for the sharded ones
         settings = SimpleNamespace(compile=False, resume=None)
-        check = predict.Check({"memory": {}, "time": {}}, settings)
+        check = predict.PredictionCheck({"memory": {}, "time": {}}, settings)
         check.attach(model, optimizer)
         batch = {
             "input_ids": torch.ones(2, 8, dtype=torch.long),
@@ -1579,8 +1577,8 @@ def test_a_pass_with_a_copy_says_how_long_the_loop_spent_in_it():
 def test_threads_auto_keeps_a_core_for_each_dataloader_worker_on_a_gpu(monkeypatch):
     """Each GPU process got every core of its share as intra-op threads, nothing kept for its DataLoader workers."""
     from trainscope.core import environment
-    from trainscope.core.settings import parse_settings
     from trainscope.run import startup
+    from trainscope.workload.settings import parse_settings
 
     saved = torch.get_num_threads()
     try:
@@ -1602,7 +1600,6 @@ def test_threads_auto_keeps_a_core_for_each_dataloader_worker_on_a_gpu(monkeypat
 def test_a_compiled_runs_first_evaluation_is_warm_up_not_steady(monkeypatch):
     """On an H200 the first evaluation of the compiled bf16 run compiled its eval graphs for 24.5 s inside the steady
     window (steps of 45 ms). Planted here: a first evaluation of 0.3 s, a second of 0.01 s."""
-    from types import SimpleNamespace
 
     from trainscope.measure.timing import HostClock, StageTimer
     from trainscope.run import metrics as run_metrics
@@ -1610,8 +1607,8 @@ def test_a_compiled_runs_first_evaluation_is_warm_up_not_steady(monkeypatch):
 
     monkeypatch.setattr(run_metrics, "compile_stats", lambda: {"graphs": 1, "compile_s": 0.0})
     metrics = RunMetrics.__new__(RunMetrics)
-    metrics.settings = SimpleNamespace(compile=True)
-    metrics.timer = metrics.stage = StageTimer(HostClock(), torch.device("cpu"))
+    metrics.compiled = {"dynamic": True}
+    metrics.timer = StageTimer(HostClock(), torch.device("cpu"))
     metrics._evaluation_graphs, metrics._evaluated = 0, False
     metrics.timer.start()
     metrics.timer.set_phase("steady")

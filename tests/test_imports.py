@@ -115,7 +115,7 @@ def test_the_graph_is_read_from_the_source():
     module_level, function_level, _ = import_graph()
     assert "trainscope.core.records" in module_level["trainscope.core.errors"]
     assert "trainscope.core.faults" in module_level["trainscope.core.liveness"]
-    assert "trainscope.workload.layers" in function_level["trainscope.measure.flops"]
+    assert "trainscope.measure.layers" in function_level["trainscope.measure.flops"]
     assert (
         "trainscope.measure.peak" in module_level["trainscope.predict.calibration"]
     )  # from trainscope.measure import peak
@@ -135,7 +135,7 @@ def test_no_import_cycle_at_module_level():
     assert cycles(module_level) == []
 
 
-# None left: flops and modeling both read a model's layer classes from trainscope.workload.layers. A cycle that comes back
+# None left: flops and modeling both read a model's layer classes from trainscope.measure.layers. A cycle that comes back
 # fails the test.
 KNOWN_CYCLES = []
 
@@ -182,9 +182,10 @@ def test_the_scripts_that_train_import_only_the_public_api():
 
 
 # The floors of the package, lowest first (docs/design.md): a module imports only from its own floor or below, at
-# module level and inside functions alike. The public modules (trainscope, its instrument and classifier) stand on
-# the run; advice, the report, the experiments and make gpu-check stand on them.
-FLOORS = ["core", "workload", "measure", "predict", "run", "public", "advice", "report", "experiments", "gpu"]
+# module level and inside functions alike. The instrument (measure, run) stands on the ground floor alone; train.py's
+# workload and the predictor stand on it; the public modules (trainscope, its instrument, classifier and Trainer
+# callback) on them; advice, the report, the experiments and make gpu-check stand on those.
+FLOORS = ["core", "measure", "run", "workload", "predict", "public", "advice", "report", "experiments", "gpu"]
 PUBLIC_MODULES = {"trainscope", "trainscope.instrument", "trainscope.classifier", "trainscope.trainer"}
 
 
@@ -258,7 +259,7 @@ def loaded_by(modules: list[str], watched: list[str]) -> list[str]:
 
 
 def test_the_flops_count_and_import_trainscope_load_no_torch():
-    """The FLOPs formulas read a model's shape from its config alone (trainscope.workload.shapes), and `import
+    """The FLOPs formulas read a model's shape from its config alone (trainscope.measure.shapes), and `import
     trainscope` defers whatever loads torch or transformers: both stay light."""
     assert loaded_by(["trainscope", "trainscope.measure.flops"], ["torch", "transformers"]) == []
 
@@ -310,7 +311,7 @@ CLASSIFIER_MODULES = (
 
 def test_the_instrument_imports_no_classifier():
     """Nothing under trainscope/run or trainscope/measure imports train.py's workload, at module level or inside a
-    function: what the classifier adds to a run reaches it through trainscope.run.extras."""
+    function: what the classifier adds to a run reaches it through trainscope.run.driver."""
     found = []
     for path in [*(PACKAGE / "run").rglob("*.py"), *(PACKAGE / "measure").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):

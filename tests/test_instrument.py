@@ -2,6 +2,7 @@
 model (under gradient accumulation and a short last batch), a decoder-only language model in one process and on two
 DDP ranks, and the advisor on their records."""
 
+import dataclasses
 import re
 import runpy
 import sys
@@ -85,6 +86,19 @@ def test_the_plain_loop_counts_every_sample_under_accumulation_and_a_short_last_
     # what does not apply is said, and the advisor offers nothing that needs a transformer
     assert set(record["instrument"]["not_available"]) == {"prediction", "unpad"}
     assert record["prediction"] is None
+    # the record holds what this run had: the run's own options and keywords (and the Accelerator's accumulation),
+    # none of train.py's settings
+    from trainscope.run.options import RunOptions
+    from trainscope.workload.settings import Settings
+
+    own = {f.name for f in dataclasses.fields(RunOptions)}
+    assert set(record["settings"]) == own | {"steps", "gradient_accumulation_steps", "flops"}
+    assert not set(record["settings"]) & ({f.name for f in dataclasses.fields(Settings)} - own) - {
+        "gradient_accumulation_steps"
+    }
+    assert record["data"] == {} and record["instrument"]["options"] == "keywords"
+    assert not {"requested_max_seq_length", "model_sequence_limit"} & set(record["environment"])
+    assert record["environment"]["machine_peak"]["sized_at"] is None  # an MLP: the large square only
     rules = {s.rule for s in advisor.advise(record)}
     assert not rules & advisor.CLASSIFIER_ONLY
     assert "not available for this model: the predictor and --unpad" in result.stdout  # said once, at the start
@@ -179,7 +193,8 @@ def test_the_encoder_formula_source_gives_the_formula_for_every_layout():
 
 def test_a_loop_call_before_with_run_is_one_line_and_leaves_no_record(tmp_path):
     """`run.stage` or `run.data` before `with run:` raised "stage 'data' timed outside start()/stop()" and left a
-    record at "running" forever; now one line that says how, no record, and the run can still open."""
+    record at "running" forever; now one line that says how, no record, and the run can still open. A batch iterator
+    wrapped before `with run:` is checked when it is first iterated, not when it is made."""
     from accelerate import Accelerator
 
     import trainscope
@@ -188,18 +203,23 @@ def test_a_loop_call_before_with_run_is_one_line_and_leaves_no_record(tmp_path):
         accelerator = Accelerator(cpu=True)
         model, optimizer = accelerator.prepare(torch.nn.Linear(4, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
         run = trainscope.Run(accelerator, model, optimizer, steps=2, name="early", output_dir=str(tmp_path))
+        batches = run.data([torch.ones(4)] * 2)  # made before the run opens, as nanoGPT makes its iterator: not read
         messages = []
-        for misuse in (lambda: run.data([1, 2]), lambda: run.stage("forward"), lambda: run.step({}, torch.ones(()))):
+        for misuse in (
+            lambda: next(run.data([1, 2])),
+            lambda: run.stage("forward"),
+            lambda: run.count_micro_batch({}, torch.ones(())),
+        ):
             with pytest.raises(trainscope.UserError) as raised:
                 misuse()
             messages.append(str(raised.value))
         assert not (tmp_path / "early").exists()
-        with run:  # the run still opens and counts as it should
-            for x in run.data([torch.ones(4)] * 2):
+        with run:  # the run still opens and counts as it should, the iterator made before it included
+            for x in batches:
                 loss = model(x).sum()
                 run.backward(loss)
                 optimizer.step()
-                run.step(x, loss)
+                run.count_micro_batch(x, loss)
         assert read_record(tmp_path / "early")["summary"]["optimizer_steps"] == 2
         return messages
 

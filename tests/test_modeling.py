@@ -9,8 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from trainscope.core.errors import UserError
-from trainscope.core.settings import parse_settings
 from trainscope.workload import embedded, modeling
+from trainscope.workload.settings import parse_settings
 
 CUSTOM_CONFIG = """
 from pathlib import Path

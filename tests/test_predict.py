@@ -14,15 +14,15 @@ from conftest import ONE_THREAD, ROOT, TINY, assert_ok, run_in_process
 
 from trainscope import predict
 from trainscope.core import environment, paths
-from trainscope.core.settings import parse_settings
 from trainscope.experiments import batch_search
 from trainscope.experiments import prediction as predict_check
 from trainscope.measure import peak
 from trainscope.predict import calibration, op_costs, trace
-from trainscope.predict import workload as predictor_workload
+from trainscope.predict import planned as planned_runs
 from trainscope.run.table import prediction_lines
 from trainscope.workload import modeling
 from trainscope.workload.modeling import classification_loss
+from trainscope.workload.settings import parse_settings
 
 CPU = torch.device("cpu")
 INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
@@ -50,14 +50,15 @@ def tiny(*flags, layers=None, dropout=None, width=None):
 AVOID = {1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 30522}  # the tiny model's and batches' sizes
 
 
-def traced(build, batch=4, length=23, precision="fp32", grad_norm=1.0):
-    return trace.trace_training(build, INPUTS, batch, length, precision, CPU, grad_norm, avoid=AVOID)
+def traced(build, batch=4, length=23, precision="fp32", settings=None):
+    return trace.trace_training(build, INPUTS, batch, length, precision, CPU, settings or tiny()[0], avoid=AVOID)
 
 
 @functools.lru_cache(maxsize=None)
 def traced_tiny(*flags, layers=None, dropout=None, width=None, batch=4, length=23, precision="fp32"):
     """A trace of the tiny model, shared by the tests that read the same one (tracing takes a fraction of a second)."""
-    return traced(tiny(*flags, layers=layers, dropout=dropout, width=width)[1], batch, length, precision)
+    settings, build = tiny(*flags, layers=layers, dropout=dropout, width=width)
+    return traced(build, batch, length, precision, settings)
 
 
 def layer_bytes(t):
@@ -73,6 +74,20 @@ def test_a_model_twice_as_deep_keeps_twice_the_activations_of_its_layers():
     assert sorted(k for k in deep.saved if k.startswith("layer")) == [f"layer {i}" for i in range(4)]
     activations = lambda t: t.memory_at(t.length)["activations"]  # noqa: E731
     assert 1.6 < activations(deep) / activations(shallow) <= 2.0  # embeddings and head do not grow
+
+
+def test_the_traced_step_steps_the_optimizer_the_run_builds():
+    """The traced optimizer step is the run's own optimizer (trainscope.workload.modeling.build_optimizer, as
+    --optimizer-implementation says), not the fused AdamW the trace used to build whatever the run's."""
+
+    def optimizer_ops(*flags):
+        return {op.name for op in traced_tiny(*flags).ops if op.phase == "optimizer"}
+
+    fused, foreach = optimizer_ops(), optimizer_ops("--optimizer-implementation", "foreach")
+    assert any("_fused_adamw" in name for name in fused)
+    assert not any("_fused_adamw" in name for name in foreach) and any("_foreach_" in name for name in foreach)
+    loop = optimizer_ops("--optimizer-implementation", "for-loop")  # one kernel per parameter, no foreach kernel
+    assert not any("_fused_adamw" in name or "_foreach_" in name for name in loop)
 
 
 def test_the_traced_activations_are_what_autograd_keeps_in_a_real_step():
@@ -362,10 +377,10 @@ def test_a_run_predicted_again_keeps_the_memory_it_held_before_its_model(monkeyp
         "summary": planted_summary(),
     }
     seen = {}
-    monkeypatch.setattr(predict, "workload_of", lambda record, settings: SimpleNamespace(rss_bytes=None))
+    monkeypatch.setattr(predict, "planned_run_of", lambda record, settings: SimpleNamespace(rss_bytes=None))
 
-    def planted_predict(workload, store, fitted):
-        seen["rss_bytes"], seen["fitted"] = workload.rss_bytes, fitted
+    def planted_predict(planned, store, fitted):
+        seen["rss_bytes"], seen["fitted"] = planned.rss_bytes, fitted
         return planted_block(peak_gib=1.1)
 
     monkeypatch.setattr(predict, "predict", planted_predict)
@@ -419,7 +434,7 @@ def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
     grouping by length, which pads less, is predicted faster per real token."""
     planted = PlantedCosts({"fp32": 0.01, "bf16": 0.02})
     monkeypatch.setattr(op_costs.OpCosts, "seconds", lambda self, op: planted.seconds(op))
-    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    monkeypatch.setattr(planned_runs, "collate_seconds", lambda *args, **kwargs: 1e-3)
     (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "8"])
     same = predict.speedup(settings)
     grouped = predict.speedup(settings, ["--group-by-length"])
@@ -428,9 +443,9 @@ def test_a_changes_predicted_speedup_is_judged_on_the_same_work(monkeypatch):
 
 
 def test_a_records_launch_is_the_workload_predicted_for_it(monkeypatch):
-    """predict.workload_of: the device, processes, precision and threads of the run a record describes (read through
+    """predict.planned_run_of: the device, processes, precision and threads of the run a record describes (read through
     its typed view); a config given beside it sets the processes and precision."""
-    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    monkeypatch.setattr(planned_runs, "collate_seconds", lambda *args, **kwargs: 1e-3)
     (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD])
     environment_block = {
         "device": "cpu",
@@ -438,10 +453,10 @@ def test_a_records_launch_is_the_workload_predicted_for_it(monkeypatch):
         "effective_precision": "bf16",
         "threads": {"torch_threads": 3},
     }
-    workload = predict.workload_of({"environment": environment_block}, settings)
-    assert (workload.device.type, workload.processes, workload.precision, workload.threads) == ("cpu", 2, "bf16", 3)
-    assert workload.collate_s == {"train": 1e-3, "eval": 1e-3}
-    assert predict.workload_of({"environment": environment_block}, settings, "cpu").processes == 1
+    planned = predict.planned_run_of({"environment": environment_block}, settings)
+    assert (planned.device.type, planned.processes, planned.precision, planned.threads) == ("cpu", 2, "bf16", 3)
+    assert planned.collate_s == {"train": 1e-3, "eval": 1e-3}
+    assert predict.planned_run_of({"environment": environment_block}, settings, "cpu").processes == 1
 
 
 def test_the_machines_load_counts_other_processes_not_the_runs_it_launched():
@@ -504,10 +519,10 @@ def test_a_ddp_runs_measured_all_reduce_is_remembered_and_enters_the_next_predic
     stored = op_costs.OpCosts(CPU, 1, 2, store=False).cached["communication"]
     assert stored["bus_bandwidth_gbs"] == pytest.approx(summary["communication"]["bus_bandwidth_gbs"])
     assert stored["exposed_fraction"] == pytest.approx(0.010 / 0.040) and stored["exposed_resolved"]
-    workload = SimpleNamespace(processes=2, settings=SimpleNamespace(ddp_gradient_as_bucket_view=True))
+    planned = SimpleNamespace(processes=2, settings=SimpleNamespace(ddp_gradient_as_bucket_view=True))
     notes = []
     seconds = predict.communication_seconds(
-        workload, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes
+        planned, SimpleNamespace(trainable_bytes=100e6), op_costs.OpCosts(CPU, 1, 2), notes
     )
     assert seconds == pytest.approx(0.010, rel=0.05)  # the same bytes: the measured exposed time
     assert not any("not measured" in note for note in notes) and "25% of it exposed" in notes[0]
@@ -767,9 +782,9 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
             + ["--max-seq-length", "64"],
         },
     )
-    monkeypatch.setattr(predictor_workload, "collate_seconds", lambda *args, **kwargs: 1e-3)
+    monkeypatch.setattr(planned_runs, "collate_seconds", lambda *args, **kwargs: 1e-3)
     (settings,) = parse_settings(argv=[*TINY, *ONE_THREAD, "--max-steps", "4"])
-    block = predict.predict(predict.workload_of(None, settings), store=False)
+    block = predict.predict(predict.planned_run_of(None, settings), store=False)
     state = block["calibration"]
     assert state["state"] == "first use" and state["seconds"] <= calibration.FIRST_USE_BUDGET_S
     stored = calibration.read_calibration(CPU)
@@ -777,7 +792,7 @@ def test_a_new_machine_calibrates_itself_on_first_use_within_its_budget_and_cach
     assert stored["method"].startswith("first use: ") and stored["allocator"]["runs"] == len(stored["shapes"]) >= 1
     assert block["memory"]["terms_gib"]["allocator"] != 0 and block["sources"]["peak_gib"]["fitted"] != 0
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("calibrated again"))
-    again = predict.predict(predict.workload_of(None, settings), store=False)
+    again = predict.predict(predict.planned_run_of(None, settings), store=False)
     assert again["calibration"]["state"] == "calibrated" and again["calibration"]["method"] == stored["method"]
 
 

@@ -1,5 +1,5 @@
 """Every file, module and make target the pages and the code's words cite exists: the paths (trainscope/core/paths.py,
-docs/design.md, benchmarks/...), the pages named alone (RECORD.md), the dotted names (trainscope.report.inputs.collect)
+docs/design.md, benchmarks/...), the pages named alone (RECORD.md), the dotted names (trainscope.report.sections.collect)
 and the `make <target>`s in README.md, docs/*.md, the Makefile, and the docstrings and comments of the package, the
 scripts and the tests. An output that is no file of the project (runs/<run-name>/, a temporary folder) starts with none
 of these folders. Read from the text (tokenize for the comments), nothing imported."""

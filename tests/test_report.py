@@ -20,7 +20,7 @@ import report
 from trainscope.core import provenance
 from trainscope.core.record_view import RunView
 from trainscope.experiments import REGISTRY, SECTIONS
-from trainscope.report import inputs as reporting
+from trainscope.report import sections
 
 TINY = (
     "--model embedded:tiny-bert --max-train-samples 256 --max-eval-samples 64 --max-test-samples 64 "
@@ -389,13 +389,13 @@ def test_the_report_names_paths_relative_to_the_project_never_the_building_machi
 
 
 def test_paths_are_shown_relative_to_the_project_where_they_lie_inside_it(tmp_path):
-    assert reporting.shown_path(ROOT / "benchmarks" / "runs") == "benchmarks/runs"
-    assert reporting.shown_path(ROOT) == "."
-    assert reporting.shown_path(tmp_path / "runs") == str(tmp_path / "runs")  # outside: as given
-    assert reporting.shown_path("runs/tune") == "runs/tune"  # relative: as typed
+    assert sections.shown_path(ROOT / "benchmarks" / "runs") == "benchmarks/runs"
+    assert sections.shown_path(ROOT) == "."
+    assert sections.shown_path(tmp_path / "runs") == str(tmp_path / "runs")  # outside: as given
+    assert sections.shown_path("runs/tune") == "runs/tune"  # relative: as typed
     line = f"{ROOT}/benchmarks/runs/x/record.json: status 'running'; python {ROOT}/report.py --runs {ROOT}"
-    assert reporting.shown_text(line) == "benchmarks/runs/x/record.json: status 'running'; python report.py --runs ."
-    assert reporting.shown_text(f"/elsewhere{ROOT}/x {ROOT}-old/x") == f"/elsewhere{ROOT}/x {ROOT}-old/x"
+    assert sections.shown_text(line) == "benchmarks/runs/x/record.json: status 'running'; python report.py --runs ."
+    assert sections.shown_text(f"/elsewhere{ROOT}/x {ROOT}-old/x") == f"/elsewhere{ROOT}/x {ROOT}-old/x"
 
 
 def test_an_experiments_results_kept_beside_its_folder_are_read_as_its_own(tmp_path):
@@ -409,7 +409,7 @@ def test_an_experiments_results_kept_beside_its_folder_are_read_as_its_own(tmp_p
         shutil.copytree(source, tmp_path / name)
     other = tmp_path / "tune_confirm_other" / "comparison.json"
     other.write_text(json.dumps({**json.loads(other.read_text()), "experiment": "matrix"}))
-    found = reporting.collect(tmp_path, tmp_path / "none", [optimization.EXPERIMENT, tune_confirm.EXPERIMENT])
+    found = sections.collect(tmp_path, tmp_path / "none", [optimization.EXPERIMENT, tune_confirm.EXPERIMENT])
     folders = {name: [f.name for f in kept] for name, kept in found.folders.items()}
     assert folders == {"tune-confirm": ["tune_confirm", "tune_confirm_b"]}
     declared, beside = found.folders["tune-confirm"]
@@ -545,7 +545,7 @@ def test_make_setup_passes_pips_own_settings_on_to_uv(tmp_path):
 
 
 def test_a_committed_comparison_is_judged_again_by_todays_test_from_its_runs_records():
-    from trainscope.report.inputs import rejudged
+    from trainscope.report.sections import rejudged
 
     speeds = {"base": [10.0, 10.2, 9.9, 10.1, 10.0], "new": [10.2, 10.4, 10.1, 10.3, 10.2]}  # 2%: all pairs above 1
     records = {
@@ -752,7 +752,7 @@ def test_the_amp_comparison_judges_whole_runs_never_the_intervals_of_one(tmp_pat
     from trainscope.experiments import amp
 
     shutil.copytree(ROOT / "benchmarks" / "runs" / "amp_avx2", tmp_path / "amp")
-    found = reporting.collect(tmp_path, tmp_path / "none", [amp.EXPERIMENT])
+    found = sections.collect(tmp_path, tmp_path / "none", [amp.EXPERIMENT])
     answer = amp.headline(found)
     assert answer.verdict == "too few pairs" and "interval" not in answer.text
     assert "`bf16` 0.05" in answer.text and "1 pairs" in answer.text and "warned: bf16_emulated" in answer.text
@@ -765,7 +765,7 @@ def test_a_folder_named_as_an_experiments_deeper_down_holds_other_runs_not_the_e
 
     shutil.copytree(ROOT / "benchmarks" / "runs" / "amp", tmp_path / "amp")
     shutil.copytree(ROOT / "benchmarks" / "runs" / "amp", tmp_path / "elsewhere" / "amp")
-    found = reporting.collect(tmp_path, tmp_path / "none", [amp.EXPERIMENT])
+    found = sections.collect(tmp_path, tmp_path / "none", [amp.EXPERIMENT])
     names = sorted(p.parent.name for p in (tmp_path / "amp").glob("*/record.json"))
     assert sorted(found.runs["amp"]) == names and len(found.other_runs) == len(names) > 0
     assert {r["path"] for r in found.runs["amp"].values()} == {str(tmp_path / "amp" / n) for n in names}
@@ -817,7 +817,7 @@ def test_the_main_run_is_make_trains_not_the_newest(tmp_path):
             patch.setattr(sys, "orig_argv", command)
             completed = run_in_process(args, main=main)
         assert completed.returncode == 0, completed.stderr[-3000:]
-    found = reporting.collect(runs, tmp_path / "none", REGISTRY)
+    found = sections.collect(runs, tmp_path / "none", REGISTRY)
     assert [RunView(r).script for r in found.top_runs] == ["causal_lm.py", "train.py"]  # folders in name order
     assert RunView(found.top_runs[0]).finished > RunView(found.top_runs[1]).finished  # train-lm's is the newest
     assert "(run `trained`, make train's newest run, profiler off)" in profile.headline(found).text

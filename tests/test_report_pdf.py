@@ -18,7 +18,7 @@ import report as report_script
 from trainscope.advice.rejudge import rejudged
 from trainscope.core.records import read_record
 from trainscope.experiments import SECTIONS, optimization
-from trainscope.report import inputs as reporting
+from trainscope.report import sections
 from trainscope.report.book import Book
 from trainscope.report.tables import Table, pyplot
 from trainscope.report.writer import ReportWriter
@@ -175,7 +175,7 @@ def planted_report(out: Path, filler: int = 0) -> tuple[Book, ReportWriter]:
     records = {p.name: read_record(p) for p in tune_runs.iterdir() if (p / "record.json").exists()}
     # the committed result as the report reads it: judged again by today's rules from its runs' records
     tune = planted_tune(rejudged(json.loads((tune_runs / "comparison.json").read_text()), records))
-    found = reporting.Collected(runs={"profile": {"default-r0": record}}, comparisons={"tune": tune})
+    found = sections.Collected(runs={"profile": {"default-r0": record}}, comparisons={"tune": tune})
     report_script.write_section(report, found, optimization.EXPERIMENT)
     long_table = Table(
         "A long table",
@@ -206,7 +206,7 @@ def planted_report(out: Path, filler: int = 0) -> tuple[Book, ReportWriter]:
 
 
 def section(report: ReportWriter, title: str, words: int):
-    report.answer(title, reporting.Headline(f"{title}: " + " ".join(["a figure"] * (words // 8)), "planted"))
+    report.answer(title, sections.Headline(f"{title}: " + " ".join(["a figure"] * (words // 8)), "planted"))
     report.begin(title, True, "")
     report.text(" ".join(f"word{i}" for i in range(words)))
 

@@ -8,8 +8,8 @@ import torch
 from trainscope.core import environment
 from trainscope.core.environment import launcher_world_size, refuse_independent_runs
 from trainscope.core.errors import UserError, exit_with, first_to_report
-from trainscope.core.settings import Settings, parse_settings
 from trainscope.run.trackers import flat_config, wandb_mode
+from trainscope.workload.settings import Settings, parse_settings
 
 
 def test_every_flag_has_help(capsys):
@@ -178,7 +178,7 @@ def test_help_reads_as_written_with_dashes_bare_switches_and_groups():
     """train.py --help: its docstring's examples line by line, each flag by its dashed name (in the usage line too),
     a boolean as a bare switch, the flags grouped as Settings is."""
     import train
-    from trainscope.core.settings import SECTIONS, build_parser
+    from trainscope.workload.settings import SECTIONS, build_parser
 
     text = build_parser(description=train.__doc__).format_help()
     assert "\n  --max-train-samples MAX_TRAIN_SAMPLES" in text and "--max_train_samples" not in text

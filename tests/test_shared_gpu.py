@@ -10,8 +10,8 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainscope.core.settings import parse_settings
 from trainscope.run import startup
+from trainscope.workload.settings import parse_settings
 
 
 class GPUs:
@@ -107,8 +107,7 @@ def test_accelerates_ddp_on_a_shared_gpu_is_given_the_gpu_both_ranks_run_on(rank
 
     state, _, _ = rank_one
     (settings,) = parse_settings(argv=["--report-to", "none"])
-    started = startup.Startup(state, settings, threads={}, run_dir=tmp_path, requested_max_seq_length=128,
-                              model_sequence_limit=None)  # fmt: skip
+    started = startup.Startup(state, settings, threads={}, run_dir=tmp_path)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # start-up enforces --tf32
     try:
         accelerator = startup.build_accelerator(settings, started)

@@ -129,8 +129,8 @@ def test_an_injected_loader_delay_shows_up_in_data_not_in_other(runs, monkeypatc
 
 
 def test_gradient_checkpointing_recomputes_the_layers_in_backward():
-    from trainscope.core.settings import parse_settings
     from trainscope.workload.modeling import build_model, build_tokenizer
+    from trainscope.workload.settings import parse_settings
 
     for flags, forwards_per_layer in (([], 1), (["--gradient-checkpointing"], 2)):
         (settings,) = parse_settings(argv=["--model", "embedded:tiny-bert", *flags])

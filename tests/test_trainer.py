@@ -3,10 +3,11 @@
 the record against the run's own count (torch's optimizer step hook, what the Trainer's loader fed, FlopCounterMode
 on the model as trained, the wall clock), the Trainer's own figures beside; LoRA through peft; two DDP ranks."""
 
+import ast
 import json
 
 import pytest
-from conftest import assert_ok, read_record, read_steps, run_in_forked_ranks, run_in_process
+from conftest import ROOT, assert_ok, read_record, read_steps, run_in_forked_ranks, run_in_process
 from public_loops import hf_trainer
 from test_conformance import FLOPS_TOLERANCE, counted
 
@@ -40,7 +41,7 @@ def test_a_trainer_with_the_callback_records_what_its_loop_did(tmp_path):
     assert [v["step"] for v in summary["validation"]] == [3, 6, 9, 10]  # the Trainer's evaluations, with its scores
     assert all("eval_loss" in v for v in summary["validation"])
     # the Trainer's own figures beside: its samples/s over the whole train() call, its FLOPs of 6 N x positions
-    trainer = record["trainer_metrics"]
+    trainer = record["notes"]["trainer_metrics"]
     assert trainer["train_samples_per_second"] > 0 and trainer["total_flos"] > 0
     assert "stage        seconds" in result.stdout
 
@@ -50,7 +51,7 @@ def test_a_lora_trainer_counts_the_flops_of_what_trains(tmp_path):
     assert counted(record, "flops") == pytest.approx(truth["flops"], rel=FLOPS_TOLERANCE)
     assert record["summary"]["model_flops"]["head"] == "an LM head on every position"
     # the Trainer's own total_flos counts every weight of the model (6 N), frozen ones included
-    assert record["trainer_metrics"]["total_flos"] > counted(record, "flops")
+    assert record["notes"]["trainer_metrics"]["total_flos"] > counted(record, "flops")
 
 
 def test_a_trainer_that_fails_leaves_a_failed_record_with_its_error(tmp_path):
@@ -77,3 +78,34 @@ def test_a_trainer_on_two_ddp_ranks_has_the_communication_block(tmp_path, capfd)
     assert summary["world_size"] == 2 and summary["optimizer_steps"] == truths[0]["optimizer_steps"]
     assert counted(record, "samples") == sum(t["samples"] for t in truths)
     assert summary["communication"] is not None and summary["communication"].get("per_rank")
+
+
+def test_the_callback_drives_the_run_through_the_public_api_and_walks_no_stack():
+    """trainer.py reaches trainscope.Run, the Trainer and its Accelerator by their public names only: no `_`
+    attribute of any object but the callback's own (the dunder protocols of a context manager aside), no private
+    keyword, no stack walk to find its Trainer (it is given it)."""
+    tree = ast.parse((ROOT / "trainscope" / "trainer.py").read_text())
+    private = [
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not (node.attr.startswith("__") and node.attr.endswith("__"))
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+    assert private == []
+    keywords = [k.arg for node in ast.walk(tree) if isinstance(node, ast.Call) for k in node.keywords if k.arg]
+    assert not [k for k in keywords if k.startswith("_")]
+    modules = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    names |= {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    assert not {"inspect", "sys", "traceback"} & modules
+    assert not {"stack", "currentframe", "_getframe", "f_back", "f_locals"} & names
+
+
+def test_a_callback_without_its_trainer_says_how_in_one_line():
+    import trainscope
+
+    with pytest.raises(trainscope.UserError, match=r"trainer.add_callback\(trainscope.TrainscopeCallback\(trainer\)\)"):
+        trainscope.TrainscopeCallback()

@@ -532,9 +532,9 @@ def test_a_committed_make_tune_is_judged_again_by_todays_rules():
     where the equivalence test shows it. The earlier make tune committed here (adaptive rounds, every trial on seed
     42) is judged at the rounds each trial took, and no result is 'same' from one seed."""
     from trainscope.experiments import REGISTRY
-    from trainscope.report import inputs as reporting
+    from trainscope.report import sections
 
-    found = reporting.collect(
+    found = sections.collect(
         ROOT / "benchmarks" / "runs", ROOT / "benchmarks", [e for e in REGISTRY if e.name == "tune"]
     )
     result = found.comparisons["tune"]

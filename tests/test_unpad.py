@@ -31,9 +31,9 @@ from unpad_ddp_pair import BATCH, LONGEST, STEPS, batches
 
 from trainscope.advice import changes
 from trainscope.core.errors import UserError
-from trainscope.core.settings import parse_settings
 from trainscope.measure import flops, gap
 from trainscope.workload import dropout_draws, modeling, unpad
+from trainscope.workload.settings import parse_settings
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 

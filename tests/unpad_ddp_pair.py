@@ -17,8 +17,8 @@ from accelerate import Accelerator
 
 from trainscope.core.distributed import shut_down
 from trainscope.core.environment import usable_cores
-from trainscope.core.settings import parse_settings
 from trainscope.workload.modeling import build_model, build_optimizer, build_scheduler, build_tokenizer
+from trainscope.workload.settings import parse_settings
 from trainscope.workload.step import train_step
 
 BATCH, LONGEST, STEPS = 8, 40, 5

@@ -1,9 +1,10 @@
 """trainscope: where training time and memory go, measured on HuggingFace Accelerate.
 
-The public names (docs/instrument.md): `Run` instruments any Accelerate training loop, `TrainscopeCallback` a
-`transformers.Trainer`; `one_line_endings` ends a script on bad input or a fault with one line (raise `UserError` for
-bad input); `parse_settings` parses train.py's flags (argparse alone: a script's --help answers before torch loads); `fsdp_wrap_rule` names the layers an FSDP config shards; `classifier` holds the pieces of train.py's own
-workload, `embedded` the offline model and corpus.
+The public names (docs/instrument.md): `Run` instruments any Accelerate training loop, the one driver API of every
+front door, `TrainscopeCallback` a `transformers.Trainer` through it; `one_line_endings` ends a script on bad input or
+a fault with one line (raise `UserError` for bad input); `parse_settings` parses train.py's flags (argparse alone: a
+script's --help answers before torch loads); `fsdp_wrap_rule` names the layers an FSDP config shards; `classifier`
+holds the pieces of train.py's own workload and its driver of `Run`, `embedded` the offline model and corpus.
 Those that load torch or transformers load on first use, so `import trainscope` stays light.
 """
 
@@ -39,11 +40,11 @@ def __getattr__(name: str):
 
         return TrainscopeCallback
     if name == "parse_settings":
-        from trainscope.core.settings import parse_settings  # deferred: argparse only, but few scripts parse
+        from trainscope.workload.settings import parse_settings  # deferred: argparse only, but few scripts parse
 
         return parse_settings
     if name == "one_line_endings":
-        from trainscope.run.endings import one_line_endings  # deferred: it loads transformers
+        from trainscope.run.endings import one_line_endings  # deferred: `import trainscope` loads no run module
 
         return one_line_endings
     if name == "classifier":

@@ -1,17 +1,18 @@
 """train.py's workload, the pieces it is built from: a transformers sequence classifier (BERT/RoBERTa-like encoders,
-LoRA through peft) fine-tuned on a text classification dataset, its one training step and evaluation, and what it
-adds to trainscope.Run's record (the prediction and its check, the attention kernels, one layer probed at the run's
-shapes). train.py imports these and trainscope.Run only; the overhead benchmark's bare loop builds the same."""
+LoRA through peft) fine-tuned on a text classification dataset, its one training step and evaluation, and its driver
+of trainscope.Run: its flags' words, and what it adds to the record (the prediction and its check, the attention
+kernels, one layer probed at the run's shapes, the sequence limit). train.py imports these and trainscope.Run only;
+the overhead benchmark's bare loop builds the same."""
 
 import contextlib
 import dataclasses
 
 from trainscope import predict
-from trainscope.core.settings import Settings, parse_settings, plan_steps
-from trainscope.instrument import Prepared, Workload
+from trainscope.instrument import Prepared, TrainingFacts
 from trainscope.measure import profiling
+from trainscope.measure.shapes import encoder_shape
 from trainscope.run import startup
-from trainscope.run.extras import WorkloadExtras
+from trainscope.run.driver import Driver
 from trainscope.run.startup import build_accelerator, device_loader_options
 from trainscope.workload import dropout_draws, unpad
 from trainscope.workload.data import build_dataloaders, dropped_rows_lines, load_classification_data
@@ -27,11 +28,11 @@ from trainscope.workload.modeling import (
     optimizer_facts,
     sequence_limit,
 )
-from trainscope.workload.shapes import encoder_shape
+from trainscope.workload.settings import Settings, parse_settings, plan_steps
 from trainscope.workload.step import evaluate_split, load_metric, train_step, unmeasured
 
 __all__ = [
-    "ClassifierExtras",
+    "ClassifierDriver",
     "Settings",
     "Training",
     "build_accelerator",
@@ -58,10 +59,18 @@ __all__ = [
 ]
 
 
+EXISTS = "pass --overwrite, --resume or another --run-name"  # where the run folder exists already
+
+
 def start(settings: Settings):
-    """train.py's start-up (trainscope.run.startup.start): process group, CPU threads, seed, TF32, --max-seq-length
-    clamped to the model's positions, the run folder."""
-    return startup.start(settings, sequence_limit)
+    """train.py's start-up (trainscope.run.startup.start): process group, CPU threads, seed, TF32, the run folder,
+    --max-seq-length clamped to the model's positions (said by the max_seq_length_clamped warning)."""
+    started = startup.start(settings, exists=EXISTS)
+    limit = sequence_limit(settings)  # the workload's to read: it loads the model's config
+    if limit is not None and settings.max_seq_length > limit:
+        started.settings = dataclasses.replace(settings, max_seq_length=limit)
+    started.facts.update(requested_max_seq_length=settings.max_seq_length, model_sequence_limit=limit)
+    return started
 
 
 def announce(settings: Settings, started, rows: int, prediction: dict | None) -> None:
@@ -121,35 +130,42 @@ def build_training(settings: Settings, started, tokenizer, data) -> Training:
     return Training(accelerator, model, optimizer, scheduler, *loaders, plan, config, model_facts)
 
 
-def workload(training: Training, settings: Settings, data, prediction: dict | None) -> Workload:
+def facts(training: Training, data) -> TrainingFacts:
     """What train.py's run tells trainscope.Run beyond its prepared objects."""
-    return Workload(
-        config=training.model_config,
-        plan=training.plan,
-        model_facts=training.model_facts,
-        data_facts=data.record_facts(),
-        extras=ClassifierExtras(prediction),
-    )
+    return TrainingFacts(training.model_config, training.plan, training.model_facts, data.record_facts())
 
 
-class ClassifierExtras(WorkloadExtras):
-    """What train.py's classifier adds to the record: the prediction made before the run and its check, the
-    attention kernels torch picks for it, one encoder layer profiled at the run's shapes, the data's dropped rows."""
+class ClassifierDriver(Driver):
+    """train.py driving trainscope.Run: its lines name its flags, and its classifier adds to the record the
+    prediction made before the run and its check, the attention kernels torch picks for it, one encoder layer
+    profiled at the run's shapes and the data's dropped rows."""
 
-    def __init__(self, prediction: dict | None):
-        self.prediction = prediction
+    def __init__(self, settings: Settings, prediction: dict | None):
+        super().__init__(
+            api="train.py",
+            options="flags",
+            not_available={},
+            unpadded=settings.unpad,
+            resume="--resume --run-name {name}",
+            exists=EXISTS,
+            out_of_memory=f"out of memory at --per-device-batch-size {settings.per_device_batch_size} (step {{step}}): "
+            "halve it and double --gradient-accumulation-steps, or add --gradient-checkpointing, a bf16/fp16 config "
+            "or --lora",
+            non_finite="lower --learning-rate, keep --max-grad-norm, or use bf16 instead of fp16",
+        )
+        self.settings, self.prediction = settings, prediction
 
-    def prediction_check(self, settings):
-        return predict.Check(self.prediction, settings)
+    def prediction_check(self):
+        return predict.PredictionCheck(self.prediction, self.settings)
 
     def environment_facts(self, metrics, effective_precision: str) -> dict:
         kernels = attention_kernels(
-            metrics.model_config, metrics.settings.attn_implementation, metrics.accelerator.device, effective_precision
+            metrics.model_config, self.settings.attn_implementation, metrics.accelerator.device, effective_precision
         )
         return {"sdpa_kernels": kernels}
 
     def layer_breakdown(self, metrics, batch: int, length: int, precision_name: str):
-        config, settings, device = metrics.model_config, metrics.settings, metrics.accelerator.device
+        config, settings, device = metrics.model_config, self.settings, metrics.accelerator.device
         shape = encoder_shape(config)
         if shape is None:
             return None
@@ -172,8 +188,8 @@ class ClassifierExtras(WorkloadExtras):
 
         return name, measure
 
-    def summarized(self, check, result: dict, settings, started) -> None:
-        predict.remember_communication(check, result, settings, started)
+    def summarized(self, check, result: dict, started) -> None:
+        predict.remember_communication(check, result, self.settings, started)
 
     def announcements(self, data_facts: dict) -> list[str]:
         return dropped_rows_lines(data_facts.get("dropped_rows") or {})

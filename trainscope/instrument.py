@@ -1,7 +1,10 @@
 """trainscope's public instrument: where the time and memory of *your* Accelerate training loop go.
 
-`trainscope.Run` times the loop's stages (`run.data`, `run.stage`, `run.backward`, `run.step`) and records the run;
-train.py runs on it too (`Run.from_started`, with its workload's extras: trainscope.classifier).
+`trainscope.Run` is the one driver API of every front door: a loop of one's own (`Run(accelerator, model, ...)`),
+train.py (`Run.from_started`, with its classifier's driver: trainscope.classifier) and the Trainer's callback
+(trainscope.trainer). A run opens and closes (`with run:`, or `run.open()` and `run.close()`), times its fetches and
+stages (`run.data` or `run.fetch`, `run.stage`, `run.backward`, `run.evaluation`), counts what each micro-batch fed
+(`run.count_micro_batch`) and keeps its driver's notes (`run.note`).
 
 How it works: docs/instrument.md#the-loop.
 """
@@ -10,40 +13,16 @@ import contextlib
 import dataclasses
 
 from trainscope.core.errors import UserError
-from trainscope.core.settings import LOOP_DATASET, Settings
 from trainscope.run import startup
+from trainscope.run.driver import Driver
 from trainscope.run.lifecycle import RunLifecycle
 from trainscope.run.metrics import RunMetrics
+from trainscope.run.options import RunOptions
 
-# What trainscope.Run takes beside its arguments: the measuring flags of train.py, by their field names.
-OPTIONS = (
-    "overwrite",
-    "log_every",
-    "timing",
-    "timing_warmup_steps",
-    "threads",
-    "profile",
-    "profile_wait",
-    "profile_warmup",
-    "profile_active",
-    "memory_snapshot",
-    "memory_snapshot_steps",
-    "memory_every",
-    "measure_communication",
-    "communication_samples",
-    "distributed_timeout",
-    "save_every",
-    "save_on_interrupt",
-    "resume",
-    "report_to",
-    "tracker_group",
-)
-# What the record says does not apply to a model that is not train.py's classifier.
-NOT_AVAILABLE = {
-    "prediction": "the predictor models BERT/RoBERTa-like encoder classifiers only (train.py --predict)",
-    "unpad": "--unpad is train.py's, for BERT/RoBERTa-like encoders",
-}
 HOW_TO_USE = "open the run first: `with run:` around the training loop (docs/instrument.md#the-loop)"
+# trainscope.Run's defaults where train.py's flags differ: the loop's threads as they are, no trackers
+LOOP_DEFAULTS = {"threads": "launcher", "report_to": "none"}
+KEYWORDS = {"run_name": "name"}  # a run option that trainscope.Run takes under another keyword
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,34 +36,25 @@ class Prepared:
 
 
 @dataclasses.dataclass(frozen=True)
-class Workload:
-    """What a workload that trainscope knows (train.py's classifier: trainscope.classifier) adds to a run: the model's
-    config taken before `prepare` wrapped the model, the step plan, the facts the record keeps, and its extras (the
-    prediction's check, the layer probed at the run's shapes, environment facts). `None` extras: a plain loop's."""
+class TrainingFacts:
+    """What a run knows of its training beyond the prepared objects: the model's config taken before `prepare`
+    wrapped the model, the step plan ({optimizer_steps}; train.py's has its epochs and global batch too), and what
+    the record keeps of the model and the data."""
 
     config: object
-    plan: dict  # trainscope.core.settings.plan_steps
+    plan: dict
     model_facts: dict
     data_facts: dict = dataclasses.field(default_factory=dict)
-    extras: object = None  # trainscope.run.metrics.WorkloadExtras
 
 
-def _settings(accelerator, model_name: str, name: str | None, output_dir: str, options: dict) -> Settings:
-    unknown = sorted(set(options) - set(OPTIONS))
+def _options(name: str | None, output_dir, given: dict) -> RunOptions:
+    known = sorted(f.name for f in dataclasses.fields(RunOptions) if f.name not in ("run_name", "output_dir"))
+    unknown = sorted(set(given) - set(known))
     if unknown:
-        raise TypeError(f"trainscope.Run got unknown option(s) {', '.join(unknown)}; it takes {', '.join(OPTIONS)}")
-    settings = Settings(
-        model=model_name,
-        dataset=LOOP_DATASET,
-        run_name=name,
-        output_dir=str(output_dir),
-        threads=options.pop("threads", "launcher"),  # the loop's own threads, measured as they are
-        report_to=options.pop("report_to", "none"),
-        gradient_accumulation_steps=accelerator.gradient_accumulation_steps,
-        **options,
-    )
-    settings.validate()
-    return settings
+        raise TypeError(f"trainscope.Run got unknown option(s) {', '.join(unknown)}; it takes {', '.join(known)}")
+    options = RunOptions(run_name=name, output_dir=str(output_dir), **{**LOOP_DEFAULTS, **given})
+    options.validate(spell=lambda option: KEYWORDS.get(option, option))
+    return options
 
 
 def _model_facts(model) -> dict:
@@ -109,8 +79,9 @@ class Run:
     that accumulates gradients by hand is counted as it steps). steps: the optimizer steps the loop will take (the
     progress bar's total; `run.data` stops there). flops: None (the model's layers walked as they train, for BERT-like
     encoders and GPT-2/Llama-like decoders; else FlopCounterMode on the training micro-batches), "count"
-    (FlopCounterMode always), a number (FLOPs per sample) or a function of a batch (FLOPs per micro-batch). Any other
-    keyword is one of train.py's measuring flags (OPTIONS: log_every, timing, profile, save_every, ...)."""
+    (FlopCounterMode always), a number (FLOPs per sample) or a function of a batch (FLOPs per micro-batch). driver:
+    who drives the run (trainscope.run.driver.Driver; a loop of one's own by default). Any other keyword is one of
+    the run's options (trainscope.run.options.RunOptions: log_every, timing, profile, save_every, ...)."""
 
     def __init__(
         self,
@@ -123,76 +94,78 @@ class Run:
         name: str | None = None,
         output_dir="runs",
         flops=None,
-        _api: str = "trainscope.Run",
+        driver: Driver | None = None,
         **options,
     ):
         unwrapped = accelerator.unwrap_model(model)
         config = getattr(unwrapped, "config", None)
         model_name = getattr(config, "_name_or_path", None) or type(unwrapped).__name__
-        settings = _settings(accelerator, model_name, name, output_dir, options)
-        started = startup.attach(settings, accelerator)
-        block = {
-            "model": model_name,
-            "output_dir": settings.output_dir,
-            "run_name": started.run_dir.name,
-            "gradient_accumulation_steps": settings.gradient_accumulation_steps,
+        driver = driver or Driver()
+        run_options = _options(name, output_dir, options)
+        started = startup.attach(run_options, accelerator, model_name, driver.exists)
+        settings = {
+            **dataclasses.asdict(run_options),
             "steps": steps,
-            **{option: getattr(settings, option) for option in OPTIONS},
+            "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
             "flops": flops if flops is None or isinstance(flops, (int, float, str)) else "function",
         }
-        workload = Workload(config=config, plan={"optimizer_steps": steps}, model_facts=_model_facts(unwrapped))
-        self._api = _api  # who drives the run: trainscope.Run in a loop, or trainscope.TrainscopeCallback
-        self._attach(Prepared(accelerator, model, optimizer, scheduler), started, workload, flops, block)
+        facts = TrainingFacts(config, {"optimizer_steps": steps}, _model_facts(unwrapped))
+        self._attach(Prepared(accelerator, model, optimizer, scheduler), started, facts, driver, settings, flops)
 
     @classmethod
-    def from_started(cls, prepared: Prepared, started, workload: Workload) -> "Run":
-        """A run whose start-up (`trainscope.run.startup.start`: process group, threads, seed, run folder) was train.py's,
-        its settings every flag of train.py."""
+    def from_started(cls, prepared: Prepared, started, facts: TrainingFacts, driver: Driver) -> "Run":
+        """A run whose start-up (trainscope.run.startup.start: process group, threads, seed, run folder) was its
+        driver's own (train.py's: trainscope.classifier); its record's settings are every option it started with."""
         run = cls.__new__(cls)
-        run._attach(prepared, started, workload)
+        run._attach(prepared, started, facts, driver, dataclasses.asdict(started.settings))
         return run
 
-    def _attach(self, prepared: Prepared, started, workload: Workload, flops=None, settings_block=None) -> None:
-        """The measurements attached to the model (the record is written when `with run:` opens). A `settings_block`
-        (the instrument's options) marks a loop of its own: its record says what does not apply."""
+    def _attach(self, prepared: Prepared, started, facts: TrainingFacts, driver: Driver, settings: dict, flops=None):
+        """The measurements attached to the model (the record is written when the run opens)."""
         self.accelerator, self.result = prepared.accelerator, None
+        # the Accelerator's backward as it was when the run was made: a driver may route the Accelerator's own
+        # backward through run.backward (the Trainer's callback does: its Trainer calls accelerator.backward)
+        self._backward = prepared.accelerator.backward
         self._profiling, self._running, self._entered = contextlib.ExitStack(), None, False
-        self._workload = workload
-        metrics = RunMetrics(prepared.accelerator, started, workload.plan, workload.config, prepared.scheduler,
-                             workload.extras, flops, prepared.optimizer)  # fmt: skip
-        metrics.attach(prepared.model, prepared.optimizer)
-        self.metrics, self.timer = metrics, metrics.timer
-        self._own = settings_block is not None
-        header = {"instrument": self._instrument_block()} if self._own else None
-        self.lifecycle = RunLifecycle(prepared.accelerator, started, workload.plan, settings_block, header)
-        self._next_epoch = None
+        self._facts, self._driver, self._notes, self._next_epoch = facts, driver, {}, None
+        self.metrics = RunMetrics(prepared.accelerator, started, facts.plan, facts.config, driver, prepared.scheduler,
+                                  flops, prepared.optimizer)  # fmt: skip
+        self.metrics.attach(prepared.model, prepared.optimizer)
+        self.lifecycle = RunLifecycle(prepared.accelerator, started, facts.plan, settings, driver)
 
-    def _instrument_block(self) -> dict:
-        return {
-            "api": getattr(self, "_api", "trainscope.Run"),
-            "flops_basis": self.metrics.flops.basis,
-            "steps_basis": self.metrics.events.basis,
-            "not_available": NOT_AVAILABLE,
-        }
+    # ---------------------------------------------------------------- opening and closing
 
-    # ---------------------------------------------------------------- the run's block
-
-    def __enter__(self) -> "Run":
+    def open(self) -> "Run":
+        """Open the run: the record's header is written (settings, environment, provenance) and from here its ending
+        is recorded, whatever ends it. `with run:` opens it; a driver that has no block around its loop (the Trainer's
+        callback) calls `run.open()` and `run.close()` at its own events."""
         if self._entered:
-            raise UserError("trainscope.Run: `with run:` opens a run once; make a new trainscope.Run for another")
+            raise UserError("trainscope.Run: a run opens once; make a new trainscope.Run for another")
         self._entered = True
-        workload = self._workload
-        self.lifecycle.open(self.metrics, workload.model_facts, workload.data_facts, self.metrics.prediction.block)
-        if self._own and self.lifecycle.record is not None:
+        facts, metrics = self._facts, self.metrics
+        self.lifecycle.open(metrics, facts.model_facts, facts.data_facts, metrics.prediction.block)
+        if self._driver.not_available and self.lifecycle.record is not None:
             print(  # what this model gets and what it does not, in one line
-                f"trainscope: {workload.model_facts.get('class') or 'the model'}'s FLOPs from "
-                f"{self.metrics.flops.basis or 'nowhere (none counted)'}; not available for this model: the predictor "
+                f"trainscope: {facts.model_facts.get('class') or 'the model'}'s FLOPs from "
+                f"{metrics.flops.basis or 'nowhere (none counted)'}; not available for this model: the predictor "
                 "and --unpad (train.py's, for BERT/RoBERTa-like encoders), and advice that reads train.py's classifier",
                 flush=True,
             )
-        self._next_epoch = self.metrics.loop.epoch  # a resumed run goes on in the epoch it stopped in
+        self._next_epoch = metrics.loop.epoch  # a resumed run goes on in the epoch it stopped in
         self._running = self._block()
         return self._running.__enter__()
+
+    def close(self, error: BaseException | None = None) -> None:
+        """End the run: complete (finished where `run.finish` was not called), or, given the exception that ended the
+        loop, failed or interrupted as the record then says, and what that ending raises is raised from here (the
+        error itself, its one-line fault, or SystemExit after a signal)."""
+        if error is None:
+            self.__exit__(None, None, None)
+        elif not self.__exit__(type(error), error, error.__traceback__):
+            raise error
+
+    def __enter__(self) -> "Run":
+        return self.open()
 
     def __exit__(self, *exc):
         if self._running is None:
@@ -216,10 +189,10 @@ class Run:
             self.metrics.detach()
 
     def _require_open(self, what: str) -> None:
-        """A loop call outside `with run:`: one line saying how to use it, and no record left behind."""
+        """A loop call outside an open run: one line saying how to use it, and no record left behind."""
         if self._running is not None:
             return
-        if not self._entered:  # nothing is written before `with run:` opens the run
+        if not self._entered:  # nothing is written before the run opens
             raise UserError(f"trainscope.Run: {what} used before `with run:`; {HOW_TO_USE}")
         raise UserError(f"trainscope.Run: {what} used after the run ended (its record is written)")
 
@@ -237,63 +210,82 @@ class Run:
 
     # ---------------------------------------------------------------- the loop
 
+    def data(self, loader, epoch: int | None = None):
+        """The loader's batches, each one's wait timed as `data` (`run.fetch`); a resumed run skips what it already
+        trained; stops at the run's steps (after the optimizer's last step, never before), and at a Ctrl-C or SIGTERM
+        (where the run's state is whole). Made before the run opens (nanoGPT's iterator), it is checked when first
+        iterated."""
+        self._require_open("run.data(...)")
+        if epoch is None:
+            epoch = self._next_epoch
+        self._next_epoch = epoch + 1
+        batches = self.lifecycle.batches(loader, epoch)
+        while self._running is not None:
+            self._settle()
+            if self.metrics.done:
+                break
+            batch = self.fetch(next, batches, None)
+            if batch is None:
+                break
+            yield batch
+
+    def fetch(self, get, *args, **kwargs):
+        """`batch = run.fetch(next, batches)`: one fetch, timed as `data`, where a Ctrl-C or SIGTERM stops a run whose
+        state is whole: what `run.data` does for each batch, for a loop that fetches its own way (nanoGPT's
+        `next(...)`, the Trainer's get_batch_samples)."""
+        self._require_open("run.fetch(...)")
+        self._settle()
+        self.lifecycle.check()
+        with self.metrics.timer("data"):
+            return get(*args, **kwargs)
+
     def stage(self, name: str):
         """`with run.stage("forward"): ...`: one of data, forward, backward, optimizer, eval; the rest is `other`."""
         self._require_open(f"run.stage({name!r})")
         self._settle()
         if name == "backward":
             return self._backward_stage()
-        return self.timer(name)
+        return self.metrics.timer(name)
 
     @contextlib.contextmanager
     def _backward_stage(self):
         """The backward stage: a FLOPs count of this micro-batch ends with it, whatever the loop calls inside."""
-        with self.timer("backward"):
+        with self.metrics.timer("backward"):
             yield
         self.metrics.flops.end()
-
-    def data(self, loader, epoch: int | None = None):
-        """The loader's batches, the wait for each timed as `data`; a resumed run skips what it already trained; stops
-        at the run's steps (after the optimizer's last step, never before), and at a Ctrl-C or SIGTERM (where the
-        run's state is whole)."""
-        self._require_open("run.data(...)")
-        epoch = self._next_epoch if epoch is None else epoch
-        self._next_epoch = epoch + 1
-        return self._batches(loader, epoch)
-
-    def _batches(self, loader, epoch: int):
-        batches = self.lifecycle.batches(loader, epoch)
-        while self._running is not None:
-            self._settle()
-            if self.metrics.done:
-                break
-            self.lifecycle.check()
-            with self.timer("data"):
-                batch = next(batches, None)
-            if batch is None:
-                break
-            yield batch
 
     def backward(self, loss, **kwargs) -> None:
         """`accelerator.backward(loss)`, with DDP's exposed communication stamped the moment it returns."""
         self._require_open("run.backward(loss)")
         self._settle(before_forward=True)
         with self.metrics.communication.backward(self.accelerator.sync_gradients):
-            self.accelerator.backward(loss, **kwargs)
+            self._backward(loss, **kwargs)
         self.metrics.flops.end()  # a FLOPs count of this micro-batch ends with its backward
 
-    def step(self, batch, loss, *, samples: int | None = None, tokens: int | None = None) -> bool:
+    def count_micro_batch(self, batch, loss, *, samples: int | None = None, tokens: int | None = None) -> bool:
         """Count one trained micro-batch: its samples (the batch's first dimension) and tokens (as given, else its
         attention mask, else its input_ids' positions), its FLOPs, its loss (read at log steps only). True when an
         optimizer step ended with it (then: the step line, a checkpoint when due, the stop vote)."""
-        self._require_open("run.step(batch, loss)")
+        self._require_open("run.count_micro_batch(batch, loss)")
         if loss is None:
-            raise UserError("trainscope.Run.step needs the micro-batch's loss: run.step(batch, loss)")
+            raise UserError("trainscope.Run.count_micro_batch needs the micro-batch's loss: (batch, loss)")
         ended = self._settle(before_forward=True)  # steps the optimizer took before this micro-batch's forward
         self.metrics.micro_batch(batch, loss.detach(), samples, tokens)
         if not self.metrics.events.counts_steps and self.accelerator.sync_gradients:
             self.metrics.events.step_ended()  # no optimizer given: Accelerate's sync marks the step
         return self._settle() or ended
+
+    def between_steps(self) -> None:
+        """Call where the loop does other work between optimizer steps (logging, saving): the steps taken so far end
+        here (their step lines, a checkpoint when due, the stop vote) rather than at the loop's next call."""
+        self._require_open("run.between_steps()")
+        self._settle()
+
+    def note(self, key: str, value) -> None:
+        """What the driver adds to the record, under `notes` (the Trainer's own figures: `trainer_metrics`)."""
+        self._require_open(f"run.note({key!r}, ...)")
+        self._notes[key] = value
+        self.lifecycle.keep(notes=dict(self._notes))
 
     @property
     def epoch(self) -> int:
@@ -308,7 +300,8 @@ class Run:
     # ---------------------------------------------------------------- evaluation, checkpoints, the end
 
     def evaluation(self):
-        """`with run.evaluation(): ...`: the `eval` stage (with --compile, its graphs told apart from recompiles)."""
+        """`with run.evaluation(): ...`: the `eval` stage (of a compiled model, its graphs told apart from
+        recompiles)."""
         self._require_open("run.evaluation()")
         self._settle()
         self.metrics.flops.end()

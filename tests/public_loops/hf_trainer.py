@@ -1,5 +1,5 @@
 """A transformers.Trainer fine-tuning run as its documentation writes one (TrainingArguments, a data collator, an
-evaluation strategy), with trainscope's callback added and nothing else: a tiny BERT classifier from its
+evaluation strategy), with trainscope's callback added to it (`trainer.add_callback`) and nothing else: a tiny BERT classifier from its
 configuration (eager attention, so FlopCounterMode sees attention's matmuls), or a tiny Llama with LoRA (peft) as a
 causal LM, on random sequences of varied lengths padded per batch; gradient accumulation 2 with a short last window.
 The collator counts what the Trainer's loader fed (truth.py)."""
@@ -89,11 +89,12 @@ def main(argv=None):
         eval_strategy="steps", eval_steps=3, logging_steps=2, save_strategy="no", report_to="none",
         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0, remove_unused_columns=False,
     )  # fmt: skip
-    callback = trainscope.TrainscopeCallback(name="hf_trainer", output_dir=args.output_dir, log_every=2)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=Rows(args.rows, 0, "train"),
-        eval_dataset=Rows(16, 1, "evaluation"), data_collator=collator(truth, args.lora, args.fail_at), callbacks=[callback],
+        eval_dataset=Rows(16, 1, "evaluation"), data_collator=collator(truth, args.lora, args.fail_at),
     )  # fmt: skip
+    trainer.add_callback(trainscope.TrainscopeCallback(trainer, name="hf_trainer", output_dir=args.output_dir,
+                                                       log_every=2))  # fmt: skip
     truth.start()
     trainer.train()
     truth.stop()

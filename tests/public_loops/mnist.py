@@ -77,7 +77,7 @@ def main(argv=None):
                     run.backward(loss)  # trainscope: was loss.backward()
                 with run.stage("optimizer"):  # trainscope
                     optimizer.step()
-                run.step((data, target), loss)  # trainscope
+                run.count_micro_batch((data, target), loss)  # trainscope
             scheduler.step()
     truth.stop()
     truth.write(accelerator.unwrap_model(model), lambda m, b: F.nll_loss(m(b[0]), b[1]))

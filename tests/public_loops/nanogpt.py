@@ -110,10 +110,10 @@ def main(argv=None):
     ctx = contextlib.nullcontext()
     run = trainscope.Run(accelerator, model, optimizer, steps=args.max_iters, name="nanogpt",  # trainscope
                          output_dir=args.output_dir, log_every=2)  # fmt: skip
+    train_batches = run.data(batches(args.batch_size, lengths, accelerator.process_index))  # trainscope
     truth.watch_forwards(model)
     truth.start()
     with run:  # trainscope
-        train_batches = run.data(batches(args.batch_size, lengths, accelerator.process_index))  # trainscope
         X, Y = next(train_batches)  # fetch the very first batch
         iter_num = 0
         while True:
@@ -127,7 +127,7 @@ def main(argv=None):
                 batch = (X, Y)
                 X, Y = next(train_batches)  # immediately async prefetch next batch while model is doing the forward
                 run.backward(loss)  # trainscope: was scaler.scale(loss).backward()
-                run.step(batch, loss)  # trainscope
+                run.count_micro_batch(batch, loss)  # trainscope
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

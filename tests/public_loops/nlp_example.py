@@ -90,7 +90,7 @@ def main(argv=None):
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad()
-                run.step(batch, loss)  # trainscope
+                run.count_micro_batch(batch, loss)  # trainscope
             model.eval()
             correct = seen = 0
             with run.evaluation():  # trainscope

@@ -73,6 +73,6 @@ def main(argv=None):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-            run.step(batch, loss)  # trainscope
+            run.count_micro_batch(batch, loss)  # trainscope
     truth.stop()
     truth.write(accelerator.unwrap_model(model), lambda m, b: m(**b).loss)

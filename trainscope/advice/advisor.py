@@ -45,7 +45,7 @@ def advise(record: dict) -> list[Suggestion]:
     else:
         found += [s for rule in GAP_RULES for s in guarded(rule, view, evidence)]
     for warning in view.warnings:
-        fix = fix_first(warning, view.own_loop)
+        fix = fix_first(warning, view)
         same = next((s for s in found if fix.flags and s.flags == fix.flags), None)
         if same and fix.fix_first:  # the rule's suggestion is the fix: one item, ranked first, with the rule's gain
             same.fix_first, same.evidence = True, f"{same.evidence}; {fix.evidence}"
@@ -54,7 +54,8 @@ def advise(record: dict) -> list[Suggestion]:
     for s in found:
         if s.flags or s.config:
             s.kind, s.unavailable = changes.kind_of(s.flags, s.config), changes.unavailable(s.flags, s.config)
-    if view.own_loop:  # a loop of its own (trainscope.Run): only what applies to any model, in the loop's terms
+    if view.options_as == "keywords":  # its driver's keywords (a loop of its own, the Trainer's callback): what
+        # applies to any model, in the loop's own words
         found = [s for s in found if s.rule not in CLASSIFIER_ONLY]
         for s in found:
             if s.flags or s.config:
@@ -93,13 +94,11 @@ CLASSIFIER_ONLY = {"padding", "unpad", "eval_order", "evaluation", "attention_ke
 ONE_FIGURE = {"prediction_fit_at_bound": "about the prediction only: the run's own figures stand"}
 
 
-def fix_first(warning: dict, own_loop: bool = False) -> Suggestion:
-    """A warning's item: its registry entry's fix (in a loop's own terms on a Run record), ranked first where the
-    figures themselves are doubtful, after the suggestions where it is about one figure only (ONE_FIGURE)."""
+def fix_first(warning: dict, view: RunView) -> Suggestion:
+    """A warning's item: its registry entry's fix in the words of whoever ran the run, ranked first where the figures
+    themselves are doubtful, after the suggestions where it is about one figure only (ONE_FIGURE)."""
     entry = health.fix_for(warning["code"])
-    change, flags = (entry.fix, list(entry.flags)) if entry else ("see the warning", [])
-    if own_loop and entry is not None:
-        change, flags = entry.loop_fix or entry.fix, []
+    change, flags = (entry.fix_in(view), list(entry.flags)) if entry else ("see the warning", [])
     note = ONE_FIGURE.get(warning["code"])
     return Suggestion(
         f"warning:{warning['code']}",

@@ -9,6 +9,8 @@ How it works: docs/tune.md#in-the-code-the-catalogue-of-changes-trainscopeadvice
 
 from dataclasses import dataclass, fields
 
+from trainscope.workload.settings import Settings
+
 EXACT, NUMERIC, TRAINING = "exact", "numeric", "training"
 KINDS = (EXACT, NUMERIC, TRAINING)  # the order make tune tries them in; a change of several flags takes the last
 
@@ -97,11 +99,7 @@ def _setting(flag: str) -> str:
 
 
 def _known(names: set[str] | None) -> set[str]:
-    if names is not None:
-        return names
-    from trainscope.core.settings import Settings  # deferred: it loads transformers
-
-    return {f.name for f in fields(Settings)}
+    return names if names is not None else {f.name for f in fields(Settings)}
 
 
 def parts(flags: list[str], config: str | None) -> list[str]:

@@ -222,3 +222,16 @@ def compile_stats() -> dict:
         "graphs": int(dynamo_utils.counters["stats"]["unique_graphs"]),
         "compile_s": float(dynamo_utils.calculate_time_spent().get("total_wall_time", 0.0)),
     }
+
+
+def compiled_with(accelerator, model) -> dict | None:
+    """How the model trains compiled, read from the objects: by the Accelerator's dynamo plugin ({dynamic: the
+    plugin's}) or by the loop's own torch.compile ({dynamic: None, unknown}); None where it runs eagerly."""
+    plugin = getattr(accelerator.state, "dynamo_plugin", None)
+    if plugin is not None and str(getattr(plugin.backend, "value", plugin.backend)).lower() != "no":
+        return {"dynamic": plugin.dynamic}
+    while model is not None:  # DDP, FSDP or Accelerate's wrappers around the loop's compiled module
+        if type(model).__name__ == "OptimizedModule":  # torch._dynamo's, checked by name: importing it loads sympy
+            return {"dynamic": None}
+        model = getattr(model, "module", None)
+    return None

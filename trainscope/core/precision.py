@@ -11,6 +11,16 @@ from pathlib import Path
 
 import torch
 
+# A precision as the record names it, and the dtype its tensors are in (TF32: fp32 tensors, TF32 matmuls). The half
+# precisions are autocast's: a run in fp32 or TF32 has no autocast.
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HALF = ("bf16", "fp16")
+
+
+def autocast_dtype(name: str | None) -> torch.dtype | None:
+    """The dtype autocast computes a run of precision `name` in (bf16, fp16); None for fp32 and TF32."""
+    return DTYPES[name] if name in HALF else None
+
 
 def effective_precision(accelerator) -> str:
     """'fp16', 'bf16', 'tf32' or 'fp32': a matmul under the autocast that wraps the forward tells."""

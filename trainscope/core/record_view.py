@@ -22,6 +22,16 @@ from trainscope.core.results_view import Machine
 TRAINING_STAGES = ("data", "forward", "backward", "optimizer", "other")
 
 
+def option_words(name: str, value=None, options_as: str = "flags") -> str:
+    """An option as its driver writes it: train.py's flag (`--memory-every 10`, `--profile`) or a keyword of
+    trainscope.Run (`memory_every=10`, `profile=True`)."""
+    if options_as == "keywords":
+        value = int(value) if isinstance(value, str) and value.isdigit() else value  # a flag's "10" is a number
+        return f"{name}={value!r}" if value is not None else f"{name}=True"
+    flag = "--" + name.replace("_", "-")
+    return f"{flag} {value}" if value is not None else flag
+
+
 class RunView:
     def __init__(self, record: dict):
         self.record = record
@@ -52,16 +62,16 @@ class RunView:
         return next((part.rsplit("/", 1)[-1] for part in command.split() if part.endswith(".py")), None)
 
     @property
-    def own_loop(self) -> bool:
-        """A record of its user's own training (trainscope.Run on their loop, or their Trainer with trainscope's
-        callback), not train.py's."""
-        return bool(self.record.get("instrument"))
+    def options_as(self) -> str:
+        """How the run's driver writes its options, as its record says: "flags" (train.py's command line) or
+        "keywords" (trainscope.Run's or the Trainer callback's). Records before schema 6 say it by their
+        `instrument` block, which only a run of trainscope.Run had."""
+        instrument = self.record.get("instrument")
+        return (instrument or {}).get("options") or ("keywords" if instrument else "flags")
 
     def option(self, name: str, value=None) -> str:
-        """How whoever ran this run sets one of its options: train.py's flag or trainscope.Run's keyword."""
-        from trainscope.core.settings import option_words  # here: settings' parser is not a view's to load
-
-        return option_words(name, value, self.own_loop)
+        """One of the run's options as whoever ran it writes it: `--memory-every 10` or `memory_every=10`."""
+        return option_words(name, value, self.options_as)
 
     @property
     def checkpoints_skipped(self) -> list[dict]:
@@ -385,11 +395,6 @@ class RunView:
         return self.throughput.get("padding_flops_share")
 
     @property
-    def real_peak_share(self) -> float | None:
-        """Model TFLOP/s on real tokens over this machine's measured matmul peak; None in older records."""
-        return (self.measured_peak or {}).get("real_share")
-
-    @property
     def peak_share(self) -> float | None:
         """Achieved model TFLOP/s over this machine's measured matmul peak: not the datasheet MFU (`mfu`)."""
         return (self.measured_peak or {}).get("share")
@@ -549,7 +554,7 @@ class RunView:
 
     @property
     def data_seed(self) -> int | None:
-        """The seed of the data split and subsets: --data-seed, else --seed (trainscope.core.settings)."""
+        """The seed of the data split and subsets: --data-seed, else --seed (trainscope.workload.settings)."""
         data_seed = self.setting("data_seed")
         return self.setting("seed") if data_seed is None else data_seed
 

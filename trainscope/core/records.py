@@ -20,8 +20,8 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-SCHEMA_VERSION = 5
-READABLE_SCHEMAS = (1, 2, 3, 4, 5)
+SCHEMA_VERSION = 6
+READABLE_SCHEMAS = (1, 2, 3, 4, 5, 6)
 RECORD_FILE = "record.json"
 STEPS_FILE = "steps.jsonl"
 # What a complete record must hold for the readers (report, advisor, tune) to use it.

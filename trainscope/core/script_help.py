@@ -18,7 +18,7 @@ def option(*, help: str, **kwargs) -> dataclasses.Field:
 
 def own_parser(own, description: str | None) -> argparse.ArgumentParser:
     """An argparse parser of the dataclass `own`'s fields only, for the help text (the script's real parsing is
-    trainscope.core.settings.parse_settings, with train.py's flags)."""
+    trainscope.workload.settings.parse_settings, with train.py's flags)."""
     parser = argparse.ArgumentParser(
         description=description,
         epilog=TRAIN_FLAGS,

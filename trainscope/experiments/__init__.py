@@ -5,7 +5,7 @@ its name (the subcommand of `python -m trainscope.experiments`), its report sect
 make target that produces its inputs, and either the folder its train.py runs go to under --runs or the results
 file a script of its own writes under --results. `REGISTRY` (in trainscope/experiments/registry.py) lists
 them in the report's order; report.py writes
-one section each, reporting.collect reads their inputs, the CLI offers their subcommands.
+one section each, sections.collect reads their inputs, the CLI offers their subcommands.
 
 Adding an experiment: a module here (arms, run, section), its line in REGISTRY, and one Makefile
 target.

@@ -12,8 +12,8 @@ from trainscope.core.record_view import RunView
 from trainscope.core.results_view import results_machine
 from trainscope.experiments.base import Experiment, arms_headline, experiment, planned_arm, runs_option, speed_cells
 from trainscope.measure import bench
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot
 
 
@@ -28,7 +28,7 @@ def run(args, train_args: list[str]) -> dict:
     return experiment(Path(args.runs), "amp", arms, train_args, args.rounds)
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     """One part per machine: each CPU's alternating rounds (its folder), then each GPU's single runs (make
     gpu-check's results: one run per precision, an observation)."""
     folders, gpu = cpu_folders(found), gpu_runs(found)
@@ -44,18 +44,18 @@ def section(report, found: reporting.Collected) -> None:
         gpu_part(report, path, rows)
 
 
-def cpu_folders(found: reporting.Collected) -> list[tuple]:
+def cpu_folders(found: sections.Collected) -> list[tuple]:
     """(folder, its machine) of each make amp-compare kept: its own folder and those kept beside it (amp_<suffix>)."""
     out = []
-    for folder in reporting.folders_of(found, EXPERIMENT):
+    for folder in sections.folders_of(found, EXPERIMENT):
         if folder.comparison is None or not folder.runs or EXPERIMENT.unreadable_folder(folder):
             continue
-        machines = reporting.machines(folder.runs.items())
+        machines = sections.machines(folder.runs.items())
         out.append((folder, next(iter(machines)) if len(machines) == 1 else None))
     return out
 
 
-def gpu_runs(found: reporting.Collected) -> list[tuple]:
+def gpu_runs(found: sections.Collected) -> list[tuple]:
     """(results file, its machine, the precision checks that ran to their end) of each make gpu-check kept."""
     out = []
     for path, checks in sorted(found.gpu_checks.items()):
@@ -71,7 +71,7 @@ def gpu_runs(found: reporting.Collected) -> list[tuple]:
 
 def rounds_part(report, folder) -> None:
     comparison, runs = folder.comparison, folder.runs
-    records = reporting.first_round_runs(comparison, runs)
+    records = sections.first_round_runs(comparison, runs)
     figure, axis = pyplot().subplots(figsize=(7, 4))
     for name, record in records.items():
         steps, losses = RunView(record).losses
@@ -96,7 +96,7 @@ def rounds_part(report, folder) -> None:
             num(r.get("peak_memory_gib")),
             *speed_cells(r),
         ]
-        for r in reporting.arm_rows(comparison)
+        for r in sections.arm_rows(comparison)
     ]
     rounds = comparison.get("rounds", 1)
     report.table(
@@ -179,7 +179,7 @@ def emulated(folder) -> bool:
     return any("bf16_emulated" in (arm.get("warnings") or []) for arm in folder.comparison["arms"].values())
 
 
-def headline(found: reporting.Collected):
+def headline(found: sections.Collected):
     """Per machine: a CPU's mixed-precision speed against fp32 over its rounds, as its table gives it (with its runs'
     warnings); a GPU's single runs, as an observation."""
 
@@ -201,7 +201,7 @@ def headline(found: reporting.Collected):
     return answers if len(answers) > 1 else next(iter(answers.values()))
 
 
-def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+def answer(found: sections.Collected) -> list[sections.Answer] | None:
     """Mixed precision against fp32 in words: first where it means something (a CPU with native bf16, a GPU), then
     a CPU that emulates bf16, said as such."""
     native, gpus, emulating = [], [], []
@@ -216,23 +216,23 @@ def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
                     f"; test accuracy {arm['test_accuracy']['median']:.3f} against "
                     f"{base['test_accuracy']['median']:.3f} (runs too short to judge learning)"
                 )
-            said = f"{arm.get('precision', name)} autocast trained " + reporting.ratio_words(against["speed"], "fp32")
+            said = f"{arm.get('precision', name)} autocast trained " + sections.ratio_words(against["speed"], "fp32")
             if emulated(folder):
                 emulating.append(
-                    reporting.Answer(
+                    sections.Answer(
                         f"Where bf16 is emulated in software (no AVX512-BF16 or AMX), {said}: it says "
                         "nothing of bf16 on other hardware",
                         machine,
                     )  # fmt: skip
                 )
             else:
-                native.append(reporting.Answer(said + accuracy, machine))
+                native.append(sections.Answer(said + accuracy, machine))
     seen = {}  # a GPU's results files in one sentence: each file one run per precision
     for _, machine, rows in gpu_runs(found):
         seen.setdefault(machine, []).append(gpu_observation(rows))
     for machine, observed in seen.items():
         gpus.append(
-            reporting.Answer(
+            sections.Answer(
                 f"On a GPU, one run per precision in each check: {'; in another: '.join(observed)}; observations "
                 "without an interval, at a size where the host bounds the step",
                 machine,

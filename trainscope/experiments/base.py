@@ -18,8 +18,8 @@ from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record
 from trainscope.core.results_view import machines_text
 from trainscope.measure import bench
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, ranged
 
 
@@ -38,22 +38,22 @@ class Experiment:
     results  its results file under --results (scripts that write their own), or None
     arguments(parser)   adds its options (None: it has no subcommand, e.g. a script's results)
     run(args, train_args)   runs it and writes <runs>/<folder>/comparison.{json,md}
-    section(report, found)  writes its report section (trainscope.report.writer.ReportWriter, reporting.Collected)
-    headline(found)  its answer on the report's first page: a reporting.Headline worded by the functions the
+    section(report, found)  writes its report section (trainscope.report.writer.ReportWriter, sections.Collected)
+    headline(found)  its answer on the report's first page: a sections.Headline worded by the functions the
                      section uses, or None when its inputs are missing (the page then names its make target);
                      one_machine False: one per machine where several measured it, {Machine: Headline} (each
                      under its machine on the first page, and in the section under its `report.part` heading)
     rejudge(comparison, records)  judges a comparison again from its runs' records (default: every arm's speed
-                            against the baseline's, trainscope.report.inputs.rejudged)
+                            against the baseline's, trainscope.report.sections.rejudged)
     sources(found)  (label, run record or results file) pairs of every figure its section shows, whose machines the
                     section names (default: the runs of its folder by name, its results file by path)
     one_machine  its section compares its sources with each other, so sources from several machines skip it with
                  that reason (False: each figure stands alone, and the section names which machine measured which)
     kept_beside  its results may also be kept in folders <folder>_<suffix>/ beside its own (one per machine or
                  command: the committed benchmarks/runs/tune_amx/, tune_confirm_grouped/), read where their
-                 comparison.json names it (reporting.Folder); its section shows each under its machine
+                 comparison.json names it (sections.Folder); its section shows each under its machine
     question, answer(found)  the assignment's question the section answers, and its answer in sentences
-                 (reporting.Answer, one per machine): the first page's answers, each with the section's page
+                 (sections.Answer, one per machine): the first page's answers, each with the section's page
     """
 
     name: str
@@ -72,7 +72,7 @@ class Experiment:
     one_machine: bool = True
     kept_beside: bool = False
     question: str | None = None  # the assignment's question its section answers (the first page asks it)
-    answer: Callable | None = None  # found -> [reporting.Answer] (one per machine), or None when not run
+    answer: Callable | None = None  # found -> [sections.Answer] (one per machine), or None when not run
 
     def missing(self) -> str:
         return f"Not run yet: `{self.target}` produces it."
@@ -84,9 +84,9 @@ class Experiment:
         return self.lacking(source) or self._several(self.machines(found))
 
     def unreadable_folder(self, folder) -> str | None:
-        """Why one folder of its results (a reporting.Folder: its own, or one kept beside it) cannot feed its
+        """Why one folder of its results (a sections.Folder: its own, or one kept beside it) cannot feed its
         section, or None: as `unreadable`, from that folder's comparison and runs alone."""
-        return self.lacking(folder.comparison) or self._several(reporting.machines(folder.runs.items()))
+        return self.lacking(folder.comparison) or self._several(sections.machines(folder.runs.items()))
 
     def lacking(self, source) -> str | None:
         """'its inputs lack ...': the keys a comparison or results file of another shape lacks, or None."""
@@ -106,11 +106,11 @@ class Experiment:
     def machines(self, found) -> dict:
         """{Machine: the labels of the sources it measured} of everything the section shows."""
         if self.sources is not None:
-            return reporting.machines(self.sources(found))
+            return sections.machines(self.sources(found))
         sources = list(found.runs.get(self.name, {}).items()) if self.folder else []
         if self.results and isinstance(found.results.get(self.name), dict):
             sources.append((self.results, found.results[self.name]))
-        return reporting.machines(sources)
+        return sections.machines(sources)
 
 
 @dataclass
@@ -204,7 +204,7 @@ def arm_table(comparison: dict, title: str, label: str) -> Table:
     """An experiment's table: every arm's samples/s and step time (median, min-max over rounds), its speed
     against the baseline with the verdict, and its peak memory."""
     rows = []
-    for r in reporting.arm_rows(comparison):
+    for r in sections.arm_rows(comparison):
         what = f"{r['config']} {r['flags']}".strip()
         if r["status"] != "complete":
             rows.append([r["arm"], what, f"skipped: {r['reason']}", "", "", "", ""])

@@ -22,9 +22,10 @@ from trainscope.experiments.base import (
     write,
 )
 from trainscope.measure import bench
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import pyplot
+from trainscope.workload.settings import parse_settings
 
 SMALL_EVAL = ["--max-eval-samples", "64", "--max-test-samples", "64"]
 
@@ -43,8 +44,6 @@ def arguments(parser) -> None:
 
 def run(args, train_args: list[str]) -> dict:
     """Samples/s and peak memory against the batch size, the user's batch as the baseline arm."""
-    from trainscope.core.settings import parse_settings  # deferred: it loads transformers
-
     if args.steps < 3 or min(args.batch_sizes) < 1:
         raise ExperimentFailed("batch sizes must be positive and --steps at least 3")
     (user,) = parse_settings(argv=train_args)
@@ -221,7 +220,6 @@ def find_batch(args, train_args: list[str]) -> None:
     from accelerate import Accelerator
 
     from trainscope import predict  # deferred: it loads transformers' models (through the predictor)
-    from trainscope.core.settings import parse_settings  # deferred: it loads transformers
     from trainscope.run import startup  # deferred: it loads transformers' models
     from trainscope.workload.modeling import (  # deferred: it loads transformers' models
         build_model,
@@ -282,12 +280,12 @@ def find_batch_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     comparison = found.comparisons.get(EXPERIMENT.name)
     if not report.begin(EXPERIMENT.title, comparison, EXPERIMENT.missing()):
         return
     rows = sorted(
-        [r for r in reporting.arm_rows(comparison) if r["status"] == "complete"], key=lambda r: int(r["arm"][2:])
+        [r for r in sections.arm_rows(comparison) if r["status"] == "complete"], key=lambda r: int(r["arm"][2:])
     )
     if rows:
         figure, axis = pyplot().subplots(figsize=(7, 4))
@@ -312,7 +310,7 @@ def section(report, found: reporting.Collected) -> None:
             figure,
             "batch",
             "Throughput and memory against batch size",
-            list(reporting.first_round_runs(comparison, found.runs.get(EXPERIMENT.name, {})).values()),
+            list(sections.first_round_runs(comparison, found.runs.get(EXPERIMENT.name, {})).values()),
         )
     report.table(
         arm_table(
@@ -346,7 +344,7 @@ def keeping(advice: dict) -> str:
     return advice.get("flags", "no swept batch divides it")
 
 
-def headline(found: reporting.Collected) -> Headline | None:
+def headline(found: sections.Collected) -> Headline | None:
     """The fastest batch against the configured one (as the table gives it), the largest that fits, and the
     flags that keep the effective batch: the section's closing sentence."""
     comparison = found.comparisons.get(EXPERIMENT.name)

@@ -2,17 +2,17 @@
 
 from trainscope.experiments.base import Experiment, arm_table, arms_headline, errors, fixed_arms, runs_option
 from trainscope.measure import bench
-from trainscope.report import inputs as reporting
+from trainscope.report import sections
 from trainscope.report.tables import pyplot
 
 ARMS = {"off": [], "on": ["--gradient-checkpointing"]}
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     comparison, runs = found.comparisons.get("ckpt"), found.runs.get("ckpt", {})
     if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
         return
-    rows = [r for r in reporting.arm_rows(comparison) if r["status"] == "complete"]
+    rows = [r for r in sections.arm_rows(comparison) if r["status"] == "complete"]
     figure, (time_axis, memory_axis) = pyplot().subplots(1, 2, figsize=(8, 3.5))
     labels = [r["arm"] for r in rows]
     time_axis.bar(labels, [r["step_s"] for r in rows], yerr=errors(rows, "step_s"), capsize=4, color="tab:blue")
@@ -24,7 +24,7 @@ def section(report, found: reporting.Collected) -> None:
         figure,
         "ckpt",
         "Activation checkpointing: time and memory",
-        list(reporting.first_round_runs(comparison, runs).values()),
+        list(sections.first_round_runs(comparison, runs).values()),
     )
     report.table(
         arm_table(
@@ -44,7 +44,7 @@ def memory_text(against: dict) -> str:
     return f"memory {against['memory_ratio']['median']:.2f}x the baseline's"
 
 
-def headline(found: reporting.Collected):
+def headline(found: sections.Collected):
     return arms_headline(
         found.comparisons.get("ckpt"), found.runs.get("ckpt", {}), lambda name, against: f", {memory_text(against)}"
     )

@@ -2,12 +2,12 @@
 
 from trainscope.core.record_view import RunView
 from trainscope.experiments.base import Experiment, arm_table, arms_headline, fixed_arms, runs_option
-from trainscope.report import inputs as reporting
+from trainscope.report import sections
 
 ARMS = {"eager": [], "compiled": ["--compile"]}
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     comparison, runs = found.comparisons.get("compile"), found.runs.get("compile", {})
     if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
         return
@@ -33,7 +33,7 @@ def compile_time(compiled: list[dict]) -> str:
     return f"{seconds[0]:.1f}-{seconds[-1]:.1f} s"
 
 
-def headline(found: reporting.Collected):
+def headline(found: sections.Collected):
     comparison, runs = found.comparisons.get("compile"), found.runs.get("compile", {})
     compiled = compile_blocks(comparison, runs) if comparison else []
     return arms_headline(

@@ -16,8 +16,8 @@ from trainscope.core.records import read_record
 from trainscope.experiments.base import Experiment, experiment, planned_arm, runs_option, speed_cells, write
 from trainscope.measure import bench
 from trainscope.measure.communication.measured import INTERCONNECTS, ring_allreduce_seconds
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot, ranged
 
 # The DDP settings compared with DDP's defaults (25 MB buckets, no flags, no communication hook).
@@ -132,7 +132,7 @@ def rows(comparison: dict, runs: dict | None = None) -> list[dict]:
     """One row per DDP setting: step time, its verdict against DDP's defaults, the communication figures."""
     figures = setting_figures(comparison, runs or {})
     out = []
-    for row in reporting.arm_rows(comparison):
+    for row in sections.arm_rows(comparison):
         if row["status"] != "complete":
             out.append({"setting": row["arm"], "flags": row["flags"], "skipped": row["reason"]})
             continue
@@ -297,11 +297,11 @@ def settings_table(comparison: dict, runs: dict | None = None) -> Table:
     )
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     comparison, runs = found.comparisons.get(EXPERIMENT.name), found.runs.get(EXPERIMENT.name, {})
     if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
         return
-    records = reporting.first_round_runs(comparison, runs)
+    records = sections.first_round_runs(comparison, runs)
     if "default" in records:
         report.text(summary_text(RunView(records["default"])))
     report.text(agreement_text(rows(comparison, runs)))
@@ -399,12 +399,12 @@ def best_text(best: dict) -> str:
     )
 
 
-def headline(found: reporting.Collected) -> Headline | None:
+def headline(found: sections.Collected) -> Headline | None:
     """What communication costs a step with DDP's defaults (the section's first sentence) and the best setting."""
     comparison, runs = found.comparisons.get(EXPERIMENT.name), found.runs.get(EXPERIMENT.name, {})
     if not (comparison and runs):
         return None
-    default = reporting.first_round_runs(comparison, runs).get("default")
+    default = sections.first_round_runs(comparison, runs).get("default")
     view = RunView(default) if default else None
     best = comparison.get("best") or {}
     figures = view.communication_figures if view else None
@@ -419,19 +419,19 @@ def headline(found: reporting.Collected) -> Headline | None:
     )
 
 
-def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+def answer(found: sections.Collected) -> list[sections.Answer] | None:
     """What DDP's communication costs, in words: the exposed share of a step with DDP's defaults, the transfer, and
     whether a bucket or flag setting hid more of it."""
     comparison, runs = found.comparisons.get(EXPERIMENT.name), found.runs.get(EXPERIMENT.name, {})
     if not (comparison and runs):
         return None
-    default = reporting.first_round_runs(comparison, runs).get("default")
+    default = sections.first_round_runs(comparison, runs).get("default")
     if default is None:
         return None
     view, best = RunView(default), comparison.get("best") or {}
     figures = view.communication_figures or {}
     if not figures.get("measured"):
-        return [reporting.Answer("DDP's communication was not measured in its default run", view.machine)]
+        return [sections.Answer("DDP's communication was not measured in its default run", view.machine)]
     step = f"{view.step_s * 1e3:,.0f} ms" if view.step_s else "a time not recorded"
     if figures["resolved"]:
         exposed = (
@@ -448,11 +448,11 @@ def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
     if best.get("speed"):
         said += (
             f"; the best setting, `{best.get('setting')}` (`{' '.join(best['flags'])}`), trained "
-            + reporting.ratio_words(best["speed"], "the defaults")
+            + sections.ratio_words(best["speed"], "the defaults")
         )
     else:
         said += "; no bucket size or DDP flag trained faster than the defaults outside noise"
-    return [reporting.Answer(said, view.machine)]
+    return [sections.Answer(said, view.machine)]
 
 
 def step_text(view: RunView) -> str:

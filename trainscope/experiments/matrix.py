@@ -17,7 +17,7 @@ from trainscope.experiments.base import (
     experiment,
     runs_option,
 )
-from trainscope.report import inputs as reporting
+from trainscope.report import sections
 from trainscope.report.tables import Table, num, pyplot
 
 SWITCHES = {
@@ -58,11 +58,11 @@ def run(args, train_args: list[str]) -> dict:
     return experiment(Path(args.runs), "matrix", [parse_variant(v) for v in args.variants], train_args, args.rounds)
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     comparison, runs = found.comparisons.get("matrix"), found.runs.get("matrix", {})
     if not report.begin(EXPERIMENT.title, comparison and runs, EXPERIMENT.missing()):
         return
-    records = reporting.first_round_runs(comparison, runs)
+    records = sections.first_round_runs(comparison, runs)
     names = list(records)
     per_step = {name: RunView(records[name]).stage_seconds_per_step() for name in names}
     figure, axis = pyplot().subplots(figsize=(8, 4))
@@ -88,7 +88,7 @@ def section(report, found: reporting.Collected) -> None:
             num(part["share_of_change"], 1, percent=True),
         ]
         for name in names[1:]
-        for part in reporting.attribution(records[names[0]], records[name])
+        for part in sections.attribution(records[names[0]], records[name])
     ]
     if cells:
         report.table(
@@ -102,7 +102,7 @@ def section(report, found: reporting.Collected) -> None:
         )
 
 
-def headline(found: reporting.Collected):
+def headline(found: sections.Collected):
     return arms_headline(found.comparisons.get("matrix"), found.runs.get("matrix", {}))
 
 

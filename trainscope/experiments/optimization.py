@@ -20,14 +20,14 @@ from trainscope.core.results_view import Machine, results_machine
 from trainscope.experiments import tune_confirm
 from trainscope.experiments.base import Experiment
 from trainscope.measure import bench
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Folder, Headline
+from trainscope.report import sections
+from trainscope.report.sections import Folder, Headline
 from trainscope.report.tables import Table
 
 
 @dataclass
 class OnMachine:
-    """What one machine measured: its make tune results and its make tune-confirm results (reporting.Folder each)."""
+    """What one machine measured: its make tune results and its make tune-confirm results (sections.Folder each)."""
 
     machine: Machine | None
     tunes: list = field(default_factory=list)
@@ -40,16 +40,16 @@ class OnMachine:
 
 def folder_machine(folder: Folder) -> Machine | None:
     """The machine that measured a folder's results: its runs' one machine, else its comparison's provenance."""
-    machines = reporting.machines(folder.runs.items())
+    machines = sections.machines(folder.runs.items())
     return next(iter(machines)) if len(machines) == 1 else results_machine(folder.comparison)
 
 
-def on_machines(found: reporting.Collected) -> list[OnMachine]:
+def on_machines(found: sections.Collected) -> list[OnMachine]:
     """make tune's and make tune-confirm's results grouped by machine, in the order of their folders (make tune's
     first: its declared folder, then those kept beside it by name)."""
     groups: dict = {}
     for experiment, kind in ((EXPERIMENT, "tunes"), (tune_confirm.EXPERIMENT, "confirms")):
-        for folder in reporting.folders_of(found, experiment):
+        for folder in sections.folders_of(found, experiment):
             machine = folder_machine(folder)
             getattr(groups.setdefault(machine, OnMachine(machine)), kind).append(folder)
     return list(groups.values())
@@ -60,11 +60,11 @@ def advice_run(folder: Folder) -> dict | None:
     return folder.runs.get((folder.comparison or {}).get("advice_run") or "")
 
 
-def main_run(found: reporting.Collected, groups: list[OnMachine]) -> dict | None:
+def main_run(found: sections.Collected, groups: list[OnMachine]) -> dict | None:
     """The run the advisor reads where no make tune result brings its own advice run: the report's main run."""
     if any(advice_run(folder) for group in groups for folder in group.tunes):
         return None
-    return reporting.pick_breakdown_run(found)
+    return sections.pick_breakdown_run(found)
 
 
 def label(folder: Folder, target: str) -> str:
@@ -81,7 +81,7 @@ def group_sources(group: OnMachine) -> list[tuple[str, dict]]:
     ]
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     groups = on_machines(found)
     main = main_run(found, groups)
     if not report.begin(EXPERIMENT.title, groups or main, "Not run yet: `make profile` produces the main run."):
@@ -113,26 +113,26 @@ def advice(report, record: dict) -> None:
     """The advisor's ranked suggestions for one run, with the command that prints them."""
     view = RunView(record)
     report.text(
-        f"From run `{view.name}` (`python report.py --advise {reporting.shown_path(view.path or view.name)}`): "
+        f"From run `{view.name}` (`python report.py --advise {sections.shown_path(view.path or view.name)}`): "
         "each 'at most' is Amdahl's law on the measured share the change would shrink; an 'estimate' states its "
         "factor. `make tune` tries them and keeps what is faster with a result shown the same."
     )
     report.code("\n".join(advisor.lines(advisor.advise(record)[:6])))
 
 
-def unreadable(found: reporting.Collected, experiment: Experiment, folder: Folder) -> str | None:
+def unreadable(found: sections.Collected, experiment: Experiment, folder: Folder) -> str | None:
     """Why a folder's result is skipped (listed with the report's skipped inputs), or None."""
     why = experiment.unreadable_folder(folder)
     if why and folder.kept:
-        found.skipped.append(f"{reporting.shown_path(folder.path)}: {why}")
+        found.skipped.append(f"{sections.shown_path(folder.path)}: {why}")
     return why
 
 
-def tune_part(report, found: reporting.Collected, folder: Folder) -> None:
+def tune_part(report, found: sections.Collected, folder: Folder) -> None:
     """One make tune result: the advisor on its advice run, its trials, their results, its final command."""
     why = unreadable(found, EXPERIMENT, folder)
     if why:
-        report.text(f"`make tune` in `{reporting.shown_path(folder.path)}/`: (skipped: {why})")
+        report.text(f"`make tune` in `{sections.shown_path(folder.path)}/`: (skipped: {why})")
         return
     record, tune = advice_run(folder), folder.comparison
     if record is not None:
@@ -149,9 +149,9 @@ def tune_part(report, found: reporting.Collected, folder: Folder) -> None:
     report.text(tune.get("method", ""))
 
 
-def confirm_part(report, found: reporting.Collected, folder: Folder, group: OnMachine) -> None:
+def confirm_part(report, found: sections.Collected, folder: Folder, group: OnMachine) -> None:
     """One make tune-confirm result: its table and the result over its paired seeds."""
-    where = f"`make tune-confirm` in `{reporting.shown_path(folder.path)}/`"
+    where = f"`make tune-confirm` in `{sections.shown_path(folder.path)}/`"
     why = unreadable(found, tune_confirm.EXPERIMENT, folder)
     if why or folder.comparison is None:
         report.text(
@@ -188,7 +188,7 @@ def confirms(confirm: dict, tune: dict) -> bool:
     return arm.get("config") == tune.get("final_config") and flags == list(tune.get("final_flags") or [])
 
 
-def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
+def sources(found: sections.Collected) -> list[tuple[str, dict]]:
     """The advisor's run, make tune's runs and make tune-confirm's, each labelled by what it is."""
     groups = on_machines(found)
     tuned = [source for group in groups for source in group_sources(group)]
@@ -204,7 +204,7 @@ def _ratio_cell(ratio: dict | None) -> str:
     )
 
 
-def headline(found: reporting.Collected):
+def headline(found: sections.Collected):
     """What `make tune` kept and how much faster it is (the section's final trial, in its words), with what make
     tune-confirm measured of that command on the same machine; with make tune results from several machines, that
     answer for each machine ({Machine: Headline}: each goes to its machine on the first page and under its machine's

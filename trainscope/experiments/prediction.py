@@ -22,8 +22,8 @@ from trainscope.experiments.base import Experiment, ExperimentFailed, planned_ar
 from trainscope.measure import bench
 from trainscope.measure.memory import GIB
 from trainscope.predict import calibration
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot
 
 ROBERTA = ["--model", "roberta-base", "--architecture-only", "--tokenizer", "embedded:minilm-l6"]
@@ -168,9 +168,9 @@ def repredicted(record: dict, fitted: dict) -> dict:
     it held before its model (measured in the run), against what it measured."""
     view = RunView(record)
     settings = predict.settings_of(record)
-    workload = predict.workload_of(record, settings)
-    workload.rss_bytes = int(view.prediction_baseline_gib * GIB)
-    block = predict.predict(workload, store=False, fitted=fitted)
+    planned = predict.planned_run_of(record, settings)
+    planned.rss_bytes = int(view.prediction_baseline_gib * GIB)
+    block = predict.predict(planned, store=False, fitted=fitted)
     return predict.prediction_errors(block, view.summary, {})
 
 
@@ -413,7 +413,7 @@ def markdown(result: dict, train_args: list[str]) -> list[str]:
 # ---------------------------------------------------------------- the report's section
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     records = found.runs.get(EXPERIMENT.name, {})
     rows = run_rows(records)
     if not report.begin(EXPERIMENT.title, rows, EXPERIMENT.missing()):
@@ -467,7 +467,7 @@ GOALS = {
 }
 
 
-def headline(found: reporting.Collected) -> Headline | None:
+def headline(found: sections.Collected) -> Headline | None:
     """The median errors over the committed shapes, calibrated and on first use (where the comparison has it), and
     whether each meets its goal: short, for the first page (the section has the worst shapes and the terms)."""
     rows = run_rows(found.runs.get(EXPERIMENT.name, {}))

@@ -18,8 +18,8 @@ from trainscope.core.records import read_record, read_steps
 from trainscope.experiments.base import Arm, Experiment, experiment, runs_option, write
 from trainscope.measure import bench, gap, peak
 from trainscope.measure.profiling import operator_rows
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot
 
 
@@ -62,11 +62,11 @@ def profiler_overhead(default_run: Path, profiled_run: Path, window: dict) -> di
     }
 
 
-def section(report, found: reporting.Collected) -> None:
-    record, why = reporting.breakdown_choice(found)
+def section(report, found: sections.Collected) -> None:
+    record, why = sections.breakdown_choice(found)
     if not report.begin(EXPERIMENT.title, record, EXPERIMENT.missing()):
         return
-    breakdown = reporting.time_breakdown(record)
+    breakdown = sections.time_breakdown(record)
     report.text(
         f"From run `{breakdown['run']}` ({why}; `--run NAME` picks another), which ran without the profiler"
         + ("." if "profile" in found.runs else f" ({EXPERIMENT.missing()})")
@@ -87,9 +87,9 @@ def section(report, found: reporting.Collected) -> None:
     peak_gap(report, found)
 
 
-def sources(found: reporting.Collected) -> list[tuple[str, dict]]:
-    """The section's runs: the time breakdown's (trainscope.report.inputs.pick_breakdown_run) and make profile's."""
-    main, runs = reporting.pick_breakdown_run(found), found.runs.get("profile", {})
+def sources(found: sections.Collected) -> list[tuple[str, dict]]:
+    """The section's runs: the time breakdown's (trainscope.report.sections.pick_breakdown_run) and make profile's."""
+    main, runs = sections.pick_breakdown_run(found), found.runs.get("profile", {})
     own = list(runs.items())
     return own if main is None or any(main is r for r in runs.values()) else [(RunView(main).name, main), *own]
 
@@ -98,12 +98,12 @@ def share(row: dict) -> str:
     return num(row["percent"], 1) + "%"
 
 
-def headline(found: reporting.Collected) -> Headline | None:
+def headline(found: sections.Collected) -> Headline | None:
     """The five categories' shares of the wall time, largest first, as the section's table gives them."""
-    record, why = reporting.breakdown_choice(found)
+    record, why = sections.breakdown_choice(found)
     if record is None:
         return None
-    breakdown = reporting.time_breakdown(record)
+    breakdown = sections.time_breakdown(record)
     ordered = sorted(breakdown["categories"], key=lambda c: -c["seconds"])
     return Headline(
         ", ".join(f"{c['name']} {share(c)}" for c in ordered) + f" of {num(breakdown['wall_s'])} s "
@@ -112,17 +112,17 @@ def headline(found: reporting.Collected) -> Headline | None:
     )
 
 
-def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+def answer(found: sections.Collected) -> list[sections.Answer] | None:
     """Where a step's time goes, in words: the main run's categories, largest first."""
-    record, why = reporting.breakdown_choice(found)
+    record, why = sections.breakdown_choice(found)
     if record is None:
         return None
-    breakdown = reporting.time_breakdown(record)
+    breakdown = sections.time_breakdown(record)
     ordered = sorted(breakdown["categories"], key=lambda c: -c["seconds"])
     rest = ", ".join(f"{c['name']} {share(c)}" for c in ordered[1:])
     data = next(c for c in ordered if c["name"] == "data loading")
     return [
-        reporting.Answer(
+        sections.Answer(
             f"In `{breakdown['run']}` ({why}: {num(breakdown['wall_s'])} s, {breakdown['world_size']} "
             f"process{'es' * (breakdown['world_size'] != 1)}, {breakdown['precision']}), {ordered[0]['name']} took "
             f"the most time, {share(ordered[0])}; then {rest}. Waiting for data was {share(data)} of it",
@@ -150,7 +150,7 @@ def pie(breakdown: dict):
     return figure
 
 
-def top_operators(report, found: reporting.Collected) -> None:
+def top_operators(report, found: sections.Collected) -> None:
     profiled = found.runs.get("profile", {}).get("profiled-r0")
     profile = RunView(profiled).profile if profiled else None
     if not profile or not profile.get("top_operators"):
@@ -177,7 +177,7 @@ def top_operators(report, found: reporting.Collected) -> None:
         )
 
 
-def peak_gap(report, found: reporting.Collected) -> None:
+def peak_gap(report, found: sections.Collected) -> None:
     """Per precision: the unprofiled run's share of this machine's measured matmul peak, and the profiled run's gap
     table and figure (the floor, the matmuls above it, every other category)."""
     pairs = profiled_pairs(found)
@@ -193,7 +193,7 @@ def peak_gap(report, found: reporting.Collected) -> None:
         where_the_gap_went(report, name, traced)
 
 
-def profiled_pairs(found: reporting.Collected) -> list[tuple[str, dict | None, dict]]:
+def profiled_pairs(found: sections.Collected) -> list[tuple[str, dict | None, dict]]:
     """(name, unprofiled run, profiled run) for the default precision and bf16, where the profiled run has a gap
     breakdown."""
     runs = found.runs.get("profile", {})

@@ -5,7 +5,7 @@ How it works: docs/peak.md#in-the-code-model-flops-from-the-formula-to-mfu-train
 
 import dataclasses
 
-from trainscope.workload.shapes import decoder_shape, encoder_shape
+from trainscope.measure.shapes import decoder_shape, encoder_shape
 
 # Dense peak TFLOP/s (no 2:4 sparsity: datasheets print sparse tensor figures with an asterisk;
 # dense is half) per precision; fp16/bf16 are tensor-core figures with fp32 accumulate, as in training.
@@ -177,7 +177,7 @@ def training_of(model, checkpointing: bool) -> Training:
     """What `model` (unwrapped: no DDP or compile wrapper) trains: the share of its encoder layers' matmul weights
     (their 2-D weights, adapters apart) with gradients, LoRA's adapter weights there (peft names them lora_A and
     lora_B), whether its input embeddings train; `checkpointing` as --gradient-checkpointing."""
-    from trainscope.workload.layers import transformer_layer_classes  # here: importing flops imports no torch
+    from trainscope.measure.layers import transformer_layer_classes  # here: importing flops imports no torch
 
     classes = set(transformer_layer_classes(model))
     seen = trained = adapters = 0

@@ -2,7 +2,9 @@
 
 Each entry is defined once, with `@register`: its code, what it means, the check (a function of the
 record's typed view that returns the message, or None), the fix the advisor offers (text and, where
-the fix is a flag, the flags) and whether the condition is known when the run starts. Everything
+the fix is a flag, the flags; `{option:value}` in its words is the option as the run's driver writes it, and words
+keyed by how it writes them where they differ: train.py's flags, a loop's keywords) and whether the condition is
+known when the run starts. Everything
 reads this registry: the warnings printed when a run starts (`at_start`) and at its end, the record's
 `warnings` list, the report (beside every figure drawn from the run) and the advisor (warnings first). A new warning is
 one function here, decorated with its code, meaning and fix.
@@ -10,6 +12,7 @@ one function here, decorated with its code, meaning and fix.
     health.check(record) -> [{code, message}]    # pure, in registry order; what is absent is not checked
 """
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +22,6 @@ from trainscope.measure import machine_kinds
 from trainscope.measure.flops import peak_tflops, variant_reason
 from trainscope.measure.gap import matmul_rate
 
-THREADS_IN_A_LOOP = "torch.set_num_threads(<budget>) in the loop, or trainscope.Run(..., threads='auto')"
 # Fewer steady steps than this and a steady-state figure rests on too few samples.
 MIN_STEADY_STEPS = 10
 PREDICTION_GOAL = 0.15  # the steady step's (docs/predict.md): a fit held at a bound is said where the step missed it
@@ -28,24 +30,26 @@ EVAL_SHARE_LIMIT = 0.5
 
 
 @dataclass(frozen=True)
-class Check:
+class WarningEntry:
     code: str
     meaning: str
     condition: Callable[[RunView], str | None]
-    fix: str
-    flags: tuple[str, ...] = ()
+    fix: str | dict  # {"flags": ..., "keywords": ...} where train.py's words and a loop's differ
+    flags: tuple[str, ...] = ()  # train.py's flags that make the fix
     at_start: bool = False  # decided by the settings and the environment alone
-    loop_fix: str | None = None  # the fix in a loop's own terms (trainscope.Run), where `fix` names train.py's
+
+    def fix_in(self, view: RunView) -> str:
+        """The fix in the words of whoever ran the run (RunView.options_as), its options spelled as it writes them."""
+        words = self.fix[view.options_as] if isinstance(self.fix, dict) else self.fix
+        return re.sub(r"\{(\w+)(?::(\w+))?\}", lambda found: view.option(found[1], found[2]), words)
 
 
-REGISTRY: dict[str, Check] = {}
+REGISTRY: dict[str, WarningEntry] = {}
 
 
-def register(
-    code: str, meaning: str, fix: str, flags: tuple[str, ...] = (), at_start: bool = False, loop_fix: str | None = None
-):
+def register(code: str, meaning: str, fix: str | dict, flags: tuple[str, ...] = (), at_start: bool = False):
     def add(condition):
-        REGISTRY[code] = Check(code, meaning, condition, fix, tuple(flags), at_start, loop_fix)
+        REGISTRY[code] = WarningEntry(code, meaning, condition, fix, tuple(flags), at_start)
         return condition
 
     return add
@@ -70,7 +74,7 @@ def check(record: dict, at_start: bool = False) -> list[dict]:
     return found
 
 
-def fix_for(code: str) -> Check | None:
+def fix_for(code: str) -> WarningEntry | None:
     return REGISTRY.get(code)
 
 
@@ -87,10 +91,9 @@ def _threads_where(t: dict) -> str:
 @register(
     "threads_below_budget",
     "fewer torch threads than the cores this process may use",
-    "give each process its share of the cores",
+    "give each process its share of the cores ({threads:auto})",
     ("--threads", "auto"),
     at_start=True,
-    loop_fix=f"give each process its share of the cores: {THREADS_IN_A_LOOP}",
 )
 def _threads_below(view: RunView):
     t = view.threads
@@ -104,10 +107,9 @@ def _threads_below(view: RunView):
 @register(
     "threads_above_budget",
     "more torch threads than this process's share of the cores (oversubscribed)",
-    "stop the processes oversubscribing the cores",
+    "stop the processes oversubscribing the cores ({threads:auto})",
     ("--threads", "auto"),
     at_start=True,
-    loop_fix=f"stop the processes oversubscribing the cores: {THREADS_IN_A_LOOP}",
 )
 def _threads_above(view: RunView):
     t = view.threads
@@ -140,9 +142,8 @@ def _ran_on_cpu(view: RunView):
 @register(
     "profiler_on",
     "the profiler was on while stages were timed",
-    "time without --profile (profile in a separate run)",
+    "time without {profile} (profile in a separate run)",
     at_start=True,
-    loop_fix="time without profile=True (profile in a separate run)",
 )
 def _profiler(view: RunView):
     if view.setting("profile"):
@@ -155,9 +156,8 @@ def _profiler(view: RunView):
 @register(
     "memory_snapshot_on",
     "the CUDA allocator history was recorded for a window of steps",
-    "take speed figures from a run without --memory-snapshot",
+    "take speed figures from a run without {memory_snapshot}",
     at_start=True,
-    loop_fix="take speed figures from a run without memory_snapshot=True",
 )
 def _memory_snapshot(view: RunView):
     if view.setting("memory_snapshot") and view.on_cuda:
@@ -186,9 +186,9 @@ def _bf16_emulated(view: RunView):
 @register(
     "bf16_not_faster",
     "bf16 on a CPU whose bf16 matmuls measured no faster than fp32",
-    "train in fp32 on this CPU (accelerate_configs/cpu.yaml): its bf16 matmuls are not faster",
+    "train in fp32 on this CPU (no mixed precision in the Accelerate config, as accelerate_configs/cpu.yaml): its "
+    "bf16 matmuls are not faster",
     at_start=True,
-    loop_fix="train in fp32 on this CPU (launch without mixed precision): its bf16 matmuls are not faster",
 )
 def _bf16_not_faster(view: RunView):
     bf16 = view.cpu_bf16
@@ -221,25 +221,26 @@ def _fp16_unavailable(view: RunView):
 @register(
     "tf32_implicit",
     "TF32 matmuls were in effect without --tf32",
-    "ask for TF32 explicitly, or keep true fp32: an implicit TF32 figure is mislabeled",
+    {
+        "flags": "ask for TF32 explicitly, or keep true fp32: an implicit TF32 figure is mislabeled",
+        "keywords": "set torch.backends.cuda.matmul.allow_tf32 yourself (True, and call the figures TF32, or False "
+        "for true fp32): an implicit TF32 figure is mislabeled",
+    },
     ("--tf32",),
     at_start=True,
-    loop_fix="set torch.backends.cuda.matmul.allow_tf32 yourself (True, and call the figures TF32, or False for "
-    "true fp32): an implicit TF32 figure is mislabeled",
 )
 def _tf32(view: RunView):
     if view.tf32_in_effect and not view.setting("tf32"):
-        asked = "the loop did not ask for it" if view.own_loop else "--tf32 was not given"
+        asked = {"flags": "--tf32 was not given", "keywords": "the loop did not ask for it"}[view.options_as]
         return f"TF32 matmuls were in effect although {asked}: an 'fp32' figure is a TF32 figure"
 
 
 @register(
     "gpu_bf16_emulated",
     "bf16 on a GPU without native bf16 (compute capability below 8.0): emulated and slow",
-    "use fp16 on this GPU (accelerate_configs/fp16.yaml); measure bf16 on an Ampere or later GPU",
+    "use fp16 on this GPU (mixed_precision fp16 in the Accelerate config, as accelerate_configs/fp16.yaml); "
+    "measure bf16 on an Ampere or later GPU",
     at_start=True,
-    loop_fix="use fp16 on this GPU (mixed_precision fp16 in the Accelerate config); measure bf16 on an Ampere or "
-    "later GPU",
 )
 def _gpu_bf16_emulated(view: RunView):
     if view.precision == "bf16" and view.on_cuda and view.env.get("gpu_native_bf16") is False:
@@ -268,10 +269,9 @@ def _tf32_unsupported(view: RunView):
 @register(
     "stage_memory_every_step",
     "per-stage memory statistics read at every step cost time on CUDA",
-    "sample per-stage memory every 10 steps",
+    "sample per-stage memory every 10 steps ({memory_every:10})",
     ("--memory-every", "10"),
     at_start=True,
-    loop_fix="sample per-stage memory every 10 steps (memory_every=10)",
 )
 def _memory_statistics(view: RunView):
     if view.on_cuda and view.setting("memory_every") == 1:
@@ -298,9 +298,8 @@ def _sequence_length(view: RunView):
 @register(
     "checkpoint_skipped",
     "--resume passed over checkpoints it could not read and continued from an older one",
-    "keep --output-dir on a disk with room, and let saves finish (a killed or failed save is never used)",
+    "keep the output directory on a disk with room, and let saves finish (a killed or failed save is never used)",
     at_start=True,
-    loop_fix="keep output_dir on a disk with room, and let saves finish (a killed or failed save is never used)",
 )
 def _checkpoint_skipped(view: RunView):
     skipped = view.checkpoints_skipped
@@ -349,14 +348,13 @@ def _tuned_elsewhere(view: RunView):
 @register(
     "recompiles",
     "torch.compile recompiled during the run",
-    "give torch.compile one input shape",
+    "give torch.compile one input shape (pad every batch to one length, or mark the length dynamic)",
     ("--pad-to-max-length",),
-    loop_fix="give torch.compile one input shape (pad every batch to one length, or mark the length dynamic)",
 )
 def _compile(view: RunView):
     recompiles = (view.compile or {}).get("recompiles") or 0
     if recompiles > 0:
-        how = "padding every batch to one length" if view.own_loop else "--pad-to-max-length"
+        how = {"flags": "--pad-to-max-length", "keywords": "padding every batch to one length"}[view.options_as]
         return (
             f"torch.compile recompiled {recompiles} times (new input shapes): compile time leaked into training "
             f"steps; {how} gives one shape"
@@ -366,14 +364,13 @@ def _compile(view: RunView):
 @register(
     "eval_dominates",
     "evaluation took most of the wall time",
-    "evaluate on fewer samples",
+    {"flags": "evaluate on fewer samples", "keywords": "evaluate on fewer samples, or less often"},
     ("--max-eval-samples", "1000", "--max-test-samples", "1000"),
-    loop_fix="evaluate on fewer samples, or less often",
 )
 def _evaluation(view: RunView):
     share = view.shares("run").get("eval")
     if share is not None and share > EVAL_SHARE_LIMIT:
-        how = "" if view.own_loop else " (--max-eval-samples, --max-test-samples)"
+        how = {"flags": " (--max-eval-samples, --max-test-samples)", "keywords": ""}[view.options_as]
         return (
             f"evaluation took {share:.0%} of wall time: the time breakdown describes evaluation more than training{how}"
         )
@@ -382,8 +379,10 @@ def _evaluation(view: RunView):
 @register(
     "few_steady_steps",
     "too few steady-state steps for a steady-state figure",
-    "run more steps (--max-steps) so the steady phase has enough samples",
-    loop_fix="train more optimizer steps (and raise steps= with them) so the steady phase has enough samples",
+    {
+        "flags": "run more steps (--max-steps) so the steady phase has enough samples",
+        "keywords": "train more optimizer steps (and raise steps= with them) so the steady phase has enough samples",
+    },
 )
 def _steady(view: RunView):
     if not view.throughput:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from trainscope.core.precision import autocast_dtype
 from trainscope.core.records import now_iso
 from trainscope.measure import peak
 from trainscope.measure.flops_source import BatchFacts
@@ -117,7 +118,7 @@ def doubled(inputs):
 
 def _precision_context(device: torch.device, precision_name: str):
     """Autocast as mixed precision runs it (bf16, fp16), TF32 allowed for tf32, nothing for fp32."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name)
+    dtype = autocast_dtype(precision_name)
     if dtype is not None:
         return torch.autocast(device.type, dtype=dtype)
     if device.type == "cuda":

@@ -28,7 +28,7 @@ MIN_CALLS, MAX_CALLS = 3, 10
 SHAPE_BUDGET_S = 0.15
 MAX_CALL_S = 1.0
 PROBE_SIDE = 256
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = precision.DTYPES  # the one map of a precision's name to its dtype (trainscope.core.precision)
 CPU_FP16_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})  # x86 flags of CPUs that compute fp16 matmuls natively
 
 

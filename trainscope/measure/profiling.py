@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
+from trainscope.core.precision import autocast_dtype
 from trainscope.measure import gap
 from trainscope.measure.communication.agreement import from_trace
 from trainscope.measure.memory import is_sharded
@@ -231,7 +232,7 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
     width = next((m.in_features for m in layer.modules() if isinstance(m, torch.nn.Linear)), None) if layer else None
     if width is None or any(is_sharded(p) for p in layer.parameters()):  # FSDP2: a copy would gather its shards
         return None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name)
+    dtype = autocast_dtype(precision_name)
 
     def profiled() -> dict:  # its tensors are freed when it returns
         generator = torch.Generator(device=device).manual_seed(0)

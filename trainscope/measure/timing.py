@@ -16,7 +16,8 @@ from trainscope.measure.memory import GIB, CudaMemoryProbe
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval")
 ALL_STAGES = (*STAGES, "other")
-# The homework's five categories, derived exactly from the stages.
+# The five categories a breakdown is often asked in (data loading, forward, loss and backward, evaluation, other),
+# derived exactly from the stages.
 CATEGORIES = {
     "data loading": ("data",),
     "forward": ("forward",),

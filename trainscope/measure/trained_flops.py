@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from trainscope.workload.layers import transformer_layer_classes
-from trainscope.workload.shapes import DECODER_LAYOUTS, decoder_shape, encoder_shape, is_decoder_config
+from trainscope.measure.layers import transformer_layer_classes
+from trainscope.measure.shapes import DECODER_LAYOUTS, decoder_shape, encoder_shape, is_decoder_config
 
 # A layer's projections by their names inside the layer, matched on the end of the name, in this order (a module
 # takes the first role it matches: BERT's attention.output.dense is `o` before `down` could take it as output.dense).

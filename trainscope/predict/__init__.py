@@ -10,32 +10,32 @@ calibration's command:
 from trainscope.predict import calibration
 from trainscope.predict.block import MEMORY_SOURCES, before_run, calibration_state, predict, sources
 from trainscope.predict.change import same_work_seconds, speedup
-from trainscope.predict.check import Check, furthest_term, prediction_errors, remember_communication
+from trainscope.predict.check import PredictionCheck, furthest_term, prediction_errors, remember_communication
 from trainscope.predict.memory_model import largest_batch, peak_memory, saved_bytes_at
-from trainscope.predict.screen import screen_lines, show, source_lines
-from trainscope.predict.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
-from trainscope.predict.time_model import communication_seconds, predict_time
-from trainscope.predict.workload import (
-    Workload,
+from trainscope.predict.planned import (
+    PlannedRun,
     changed_settings,
     current_rss_bytes,
     data_for,
     device_memory_bytes,
     evaluation_lengths,
+    planned_run_for,
+    planned_run_of,
     precision_from_environment,
     settings_of,
     token_lengths,
     training_lengths,
-    workload_for,
-    workload_of,
 )
+from trainscope.predict.screen import screen_lines, show, source_lines
+from trainscope.predict.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
+from trainscope.predict.time_model import communication_seconds, predict_time
 
 __all__ = [
     "MEMORY_SOURCES",
     "VERSION",
-    "Check",
+    "PredictionCheck",
     "PhaseModel",
-    "Workload",
+    "PlannedRun",
     "before_run",
     "calibration_state",
     "changed_settings",
@@ -66,8 +66,8 @@ __all__ = [
     "traced_length",
     "traced_step",
     "training_lengths",
-    "workload_for",
-    "workload_of",
+    "planned_run_for",
+    "planned_run_of",
 ]
 
 

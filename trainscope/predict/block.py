@@ -13,9 +13,9 @@ from trainscope.core.errors import one_line
 from trainscope.core.records import now_iso
 from trainscope.predict import calibration, op_costs, trace
 from trainscope.predict.memory_model import peak_memory
+from trainscope.predict.planned import Batches, PlannedRun, planned_run_for, run_batches
 from trainscope.predict.step import VERSION, model_dims, traced_length, traced_step
 from trainscope.predict.time_model import predict_time
-from trainscope.predict.workload import Batches, Workload, run_batches, workload_for
 
 
 @contextlib.contextmanager
@@ -31,26 +31,26 @@ def _random_state_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
-def predict(workload: Workload, store: bool = True, fitted: dict | None = None) -> dict:
+def predict(planned: PlannedRun, store: bool = True, fitted: dict | None = None) -> dict:
     """The prediction block (docs/RECORD.md `prediction`), with this machine's calibration (made now on first use,
     trainscope.predict.calibration.ensure) or the one given (`fitted`: {} for none)."""
     with _random_state_kept():
-        return _predict(workload, store, fitted)
+        return _predict(planned, store, fitted)
 
 
-def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
+def _predict(planned: PlannedRun, store: bool, fitted: dict | None) -> dict:
     started = time.perf_counter()
-    device = workload.device
+    device = planned.device
     # before the costs are read: a first-use calibration times and caches costs of its own
     fitted = calibration.ensure(device) if fitted is None else fitted
-    costs = op_costs.OpCosts(device, workload.threads, workload.local_processes, store=store)
+    costs = op_costs.OpCosts(device, planned.threads, planned.local_processes, store=store)
     notes = []
-    batches = run_batches(workload)
-    traced, evaluated = traced_steps(workload, batches, costs)
-    time_block = predict_time(workload, batches, traced, evaluated, costs, notes, fitted.get("time") or {})
-    memory_block = peak_memory(workload, traced, batches.longest, notes, fitted.get("allocator"))
+    batches = run_batches(planned)
+    traced, evaluated = traced_steps(planned, batches, costs)
+    time_block = predict_time(planned, batches, traced, evaluated, costs, notes, fitted.get("time") or {})
+    memory_block = peak_memory(planned, traced, batches.longest, notes, fitted.get("allocator"))
     costs.save()
-    notes += _left_out(workload, costs)
+    notes += _left_out(planned, costs)
     return {
         "version": VERSION,
         "made": now_iso(),
@@ -60,44 +60,44 @@ def _predict(workload: Workload, store: bool, fitted: dict | None) -> dict:
         "machine": {
             "device": str(device),
             "device_name": environment.device_name(device),
-            "precision": workload.precision,
-            "threads": workload.threads,
-            "processes": workload.processes,
+            "precision": planned.precision,
+            "threads": planned.threads,
+            "processes": planned.processes,
             "cost_cache": str(costs.path),
             "timed_now": costs.measured,
         },
-        "batches": _batches_block(workload, batches, traced.length),
+        "batches": _batches_block(planned, batches, traced.length),
         "memory": memory_block,
         "time": time_block,
         "notes": notes,
     }
 
 
-def traced_steps(workload: Workload, batches: Batches, costs) -> tuple[trace.Trace, trace.Trace]:
+def traced_steps(planned: PlannedRun, batches: Batches, costs) -> tuple[trace.Trace, trace.Trace]:
     """The training step traced at the run's batch and a length near its steady batches' mean, and the evaluation
     batch near its batches' mean (traced_length: a length that is no other size of the model)."""
     from trainscope.workload import modeling  # deferred: it loads transformers' models
 
-    settings = workload.settings
-    config = modeling.model_config(settings, workload.label_names)
+    settings = planned.settings
+    config = modeling.model_config(settings, planned.label_names)
     eval_batch = settings.resolved_eval_batch_size
-    avoid = model_dims(config, settings.per_device_batch_size, eval_batch, len(workload.label_names))
+    avoid = model_dims(config, settings.per_device_batch_size, eval_batch, len(planned.label_names))
     positions = modeling.config_positions(config)
     length = traced_length(float(batches.steady.mean()), settings.per_device_batch_size, avoid, positions)
-    traced = traced_step("train", workload, settings.per_device_batch_size, length, avoid, costs)
+    traced = traced_step("train", planned, settings.per_device_batch_size, length, avoid, costs)
     eval_all = batches.eval_lengths
     eval_length = traced_length(float(eval_all.mean()) if len(eval_all) else length, eval_batch, avoid, positions)
-    return traced, traced_step("eval", workload, eval_batch, eval_length, avoid, costs)
+    return traced, traced_step("eval", planned, eval_batch, eval_length, avoid, costs)
 
 
-def _left_out(workload: Workload, costs) -> list[str]:
+def _left_out(planned: PlannedRun, costs) -> list[str]:
     """The notes on what the prediction does not model."""
     notes = []
     if costs.unmeasured:
         notes.append(f"operators that could not be timed alone, counted as free: {', '.join(sorted(costs.unmeasured))}")
     if costs.not_cached:
         notes.append(f"operator timings: {costs.not_cached} (the step's time may be overstated)")
-    if workload.settings.compile:
+    if planned.settings.compile:
         notes.append(
             "--compile: the prediction is of the eager model (compiled kernels and compile time are not modelled)"
         )
@@ -106,9 +106,9 @@ def _left_out(workload: Workload, costs) -> list[str]:
     return notes
 
 
-def _batches_block(workload: Workload, batches: Batches, length: int) -> dict:
+def _batches_block(planned: PlannedRun, batches: Batches, length: int) -> dict:
     """The prediction's `batches` block: what the run's batches are, and the length its step was traced at."""
-    settings, eval_all, real = workload.settings, batches.eval_lengths, workload.lengths["train"]
+    settings, eval_all, real = planned.settings, batches.eval_lengths, planned.lengths["train"]
     return {
         "batch": settings.per_device_batch_size,
         "micro_batches": int(len(batches.train)),
@@ -181,6 +181,6 @@ def before_run(settings, started, tokenizer, data) -> dict:
     """The prediction of this launch, made on every process (peers measure what is missing at once, as the peak
     does); the main process's is the record's. Never fails a run: an error becomes the block's `error`."""
     try:
-        return predict(workload_for(settings, started, tokenizer, data), store=started.state.is_local_main_process)
+        return predict(planned_run_for(settings, started, tokenizer, data), store=started.state.is_local_main_process)
     except Exception as error:  # the run goes on without a prediction; the record says why
         return {"version": VERSION, "error": one_line(error)}

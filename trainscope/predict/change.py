@@ -3,18 +3,18 @@ on the same work (make tune's measure, trainscope.advice.judge.work_seconds), fr
 
 from trainscope.predict import calibration
 from trainscope.predict.block import predict
-from trainscope.predict.workload import Workload, changed_settings, settings_of, workload_of
+from trainscope.predict.planned import PlannedRun, changed_settings, planned_run_of, settings_of
 
 
-def same_work_seconds(block: dict, workload: Workload) -> tuple[float, float, float]:
+def same_work_seconds(block: dict, planned: PlannedRun) -> tuple[float, float, float]:
     """(seconds of the run for its training tokens and evaluation, training tokens): what make tune compares, the
     training part per real token (trainscope.advice.judge.work_seconds)."""
     timing = block["time"]
-    settings = workload.settings
+    settings = planned.settings
     tokens = (
         block["batches"]["micro_batches"]
         * settings.per_device_batch_size
-        * workload.processes
+        * planned.processes
         * block["batches"]["mean_real_length"]
     )
     return timing["run_s"] - timing["evaluation_s"], timing["evaluation_s"], tokens
@@ -28,8 +28,8 @@ def speedup(baseline, flags=(), config: str | None = None) -> dict:
     record = baseline if isinstance(baseline, dict) else None
     before_settings = settings_of(baseline)
     after_settings = changed_settings(before_settings, flags)
-    before_work = workload_of(record, before_settings)
-    after_work = workload_of(record, after_settings, config)
+    before_work = planned_run_of(record, before_settings)
+    after_work = planned_run_of(record, after_settings, config)
     # a ratio of two predictions on this machine: its calibration if it has one, none made for it (the report and
     # the advisor ask for speed-ups; only a run's own prediction calibrates a new machine)
     fitted = calibration.read_calibration(before_work.device)

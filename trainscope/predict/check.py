@@ -12,7 +12,7 @@ from trainscope.predict import op_costs
 from trainscope.predict.memory_model import saved_bytes_at
 
 
-class Check:
+class PredictionCheck:
     """The measured counterpart of each predicted term, taken in the run it predicts (trainscope.run.metrics owns
     it): the parameters' and optimizer state's bytes (real tensors, after the first optimizer step), the bytes
     autograd saves for backward in the first micro-batch (saved-tensor hooks, each storage once, the parameters

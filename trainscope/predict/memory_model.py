@@ -7,18 +7,18 @@ import torch
 
 from trainscope.measure.memory import GIB
 from trainscope.predict import calibration, trace
+from trainscope.predict.planned import device_memory_bytes
 from trainscope.predict.step import model_dims, on_meta, quiet_fake_tensors, traced_length
-from trainscope.predict.workload import device_memory_bytes
 
 
-def peak_memory(workload, traced: trace.Trace, longest: int, notes, calibration: dict | None) -> dict:
+def peak_memory(planned, traced: trace.Trace, longest: int, notes, calibration: dict | None) -> dict:
     """The peak at the run's longest batch, by term."""
     kinds = traced.memory_at(longest)
     saved_by_module = traced.saved_at(longest)
     saved = sum(saved_by_module.values())
     # DDP keeps its gradient buckets (a flat copy of the gradients) for the whole run, beside the gradients.
     buckets = (
-        traced.trainable_bytes if workload.processes > 1 and not workload.settings.ddp_gradient_as_bucket_view else 0
+        traced.trainable_bytes if planned.processes > 1 and not planned.settings.ddp_gradient_as_bucket_view else 0
     )
     live = kinds["optimizer"] + kinds["activations"] + kinds["temporary"] + buckets
     # The live peak, split: the optimizer state, what autograd keeps for backward, and the rest of what lives at that
@@ -31,7 +31,7 @@ def peak_memory(workload, traced: trace.Trace, longest: int, notes, calibration:
     }
     if buckets:
         terms["ddp_buckets"] = buckets
-    on_cpu = workload.device.type == "cpu"
+    on_cpu = planned.device.type == "cpu"
     calibration = calibration if on_cpu else None
     allocator = 0.0
     if on_cpu and calibration:
@@ -41,10 +41,10 @@ def peak_memory(workload, traced: trace.Trace, longest: int, notes, calibration:
             "the allocator's share of a CPU process (freed heap kept, fragmented) is not calibrated on this "
             "machine: left out (python -m trainscope.predict --calibrate, or make predict-calibrate)"
         )
-    baseline = workload.rss_bytes if on_cpu and workload.rss_bytes is not None else 0
+    baseline = planned.rss_bytes if on_cpu and planned.rss_bytes is not None else 0
     terms = {"baseline": baseline, **terms, "allocator": allocator}
     peak_bytes = sum(terms.values())
-    capacity = device_memory_bytes(workload.device)
+    capacity = device_memory_bytes(planned.device)
     return {
         "kind": "peak RSS" if on_cpu else "max allocated",
         "peak_gib": peak_bytes / GIB,
@@ -57,7 +57,7 @@ def peak_memory(workload, traced: trace.Trace, longest: int, notes, calibration:
         "at_length": longest,
         "allocator": {"calibrated": bool(calibration), **(calibration or {})} if on_cpu else None,
         "capacity_gib": capacity / GIB if capacity else None,
-        "fits": bool(capacity is None or peak_bytes * max(1, workload.local_processes if on_cpu else 1) <= capacity),
+        "fits": bool(capacity is None or peak_bytes * max(1, planned.local_processes if on_cpu else 1) <= capacity),
     }
 
 
@@ -104,8 +104,7 @@ def largest_batch(
             traced_at,
             precision_name,
             device,
-            settings.max_grad_norm,
-            settings.weight_decay,
+            settings,
             avoid,
         )
     live = lambda batch: sum(v for k, v in traced.memory_at(length, batch).items() if k != "parameters")  # noqa: E731

@@ -18,7 +18,7 @@ from trainscope.core.paths import cache_dir
 from trainscope.core.records import write_json_atomic
 from trainscope.measure import peak
 from trainscope.predict import op_costs, trace
-from trainscope.predict.workload import Workload
+from trainscope.predict.planned import PlannedRun
 
 VERSION = 1  # of the prediction block, and of the traces cached for it
 MIN_LENGTH = 8
@@ -99,7 +99,7 @@ def phase_models(traced: trace.Trace, costs: op_costs.OpCosts) -> dict[str, Phas
 
 def traced_step(
     kind: str,
-    workload: Workload,
+    planned: PlannedRun,
     batch: int,
     length: int,
     avoid: set,
@@ -112,17 +112,17 @@ def traced_step(
     every operator's cost is known here."""
     from trainscope.workload import modeling  # deferred: it loads transformers' models
 
-    settings = settings or workload.settings
-    label_names = label_names or workload.label_names
+    settings = settings or planned.settings
+    label_names = label_names or planned.label_names
     config = modeling.model_config(settings, label_names)
     identity = {
         "kind": kind,
         "version": [VERSION, trace.VERSION],
         "config": config.to_json_string(use_diff=False),
         "settings": {k: getattr(settings, k) for k in TRACE_SETTINGS},
-        "inputs": sorted(workload.input_names),
-        "precision": workload.precision,
-        "device": workload.device.type,
+        "inputs": sorted(planned.input_names),
+        "precision": planned.precision,
+        "device": planned.device.type,
         "batch": batch,
         "length": length,
         "avoid": sorted(avoid),
@@ -140,18 +140,17 @@ def traced_step(
         if kind == "train":
             made = trace.trace_training(
                 build,
-                workload.input_names,
+                planned.input_names,
                 batch,
                 length,
-                workload.precision,
-                workload.device,
-                settings.max_grad_norm,
-                settings.weight_decay,
+                planned.precision,
+                planned.device,
+                settings,
                 avoid,
             )
         else:
             made = trace.trace_evaluation(
-                build, workload.input_names, batch, length, workload.precision, workload.device, avoid
+                build, planned.input_names, batch, length, planned.precision, planned.device, avoid
             )
     if costs.store:
         write_json_atomic(path, made.to_dict())
@@ -171,6 +170,7 @@ TRACE_SETTINGS = (
     "lora_target_modules",
     "max_grad_norm",
     "weight_decay",
+    "optimizer_implementation",
 )
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 
 from trainscope.predict import trace
+from trainscope.predict.planned import Batches, PlannedRun
 from trainscope.predict.step import PhaseModel, copy_seconds_per_byte, first_touch_seconds_per_byte, phase_models
-from trainscope.predict.workload import Batches, Workload
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class Phases:
 
 
 def predict_time(
-    workload: Workload, batches: Batches, traced: trace.Trace, evaluated: trace.Trace, costs, notes, calibration: dict
+    planned: PlannedRun, batches: Batches, traced: trace.Trace, evaluated: trace.Trace, costs, notes, calibration: dict
 ) -> dict:
     """The prediction's `time` block (docs/RECORD.md), with the framework's time as `calibration` fitted it (none,
     and said in `notes`, when the machine has no calibration)."""
@@ -51,9 +51,9 @@ def predict_time(
     framework = {phase: calibration.get("dispatch_s", 0.0) * count for phase, count in dispatches.items()}
     phases = Phases(models, framework, calibration.get("operator_factor", 1.0), calibration.get("step_s", 0.0))
     per_length = {int(t): phases.micro(t) for t in np.unique(batches.train)}
-    stages = _stages(workload, batches, phases, per_length, traced, costs, notes)
-    step_seconds = _step_seconds(workload, batches, phases, per_length, stages, traced, costs)
-    evaluation_s, evaluation_operators, eval_passes = _evaluation(workload, batches, phases, calibration)
+    stages = _stages(planned, batches, phases, per_length, traced, costs, notes)
+    step_seconds = _step_seconds(planned, batches, phases, per_length, stages, traced, costs)
+    evaluation_s, evaluation_operators, eval_passes = _evaluation(planned, batches, phases, calibration)
     eval_batches = sum(passes * len(batches.evaluation[split][0]) for split, passes in eval_passes.items())
     accumulation = batches.accumulation
     return {
@@ -72,23 +72,23 @@ def predict_time(
             "evaluation": eval_batches * dispatches.get("eval", 0),
         },
         "run_s": sum(step_seconds) + evaluation_s,
-        "collate_s": dict(workload.collate_s),
+        "collate_s": dict(planned.collate_s),
         "calibration": calibration or None,
     }
 
 
-def collate_in_loop(workload: Workload, split: str) -> float:
+def collate_in_loop(planned: PlannedRun, split: str) -> float:
     """Seconds the loop waits for a batch of `split` ("train", "eval"): its collate, where the loop loads its own
     batches (--num-workers 0); taken as none with loader workers."""
-    return workload.collate_s.get(split, 0.0) if workload.settings.num_workers == 0 else 0.0
+    return planned.collate_s.get(split, 0.0) if planned.settings.num_workers == 0 else 0.0
 
 
-def _stages(workload, batches: Batches, phases: Phases, per_length, traced, costs, notes) -> dict:
+def _stages(planned, batches: Batches, phases: Phases, per_length, traced, costs, notes) -> dict:
     """The steady step's seconds by stage: its micro-batches at their mean, the optimizer, DDP, the loop."""
-    settings, accumulation, steady = workload.settings, batches.accumulation, batches.steady
+    settings, accumulation, steady = planned.settings, batches.accumulation, batches.steady
     forward = float(np.mean([per_length[int(t)]["forward"] for t in steady]))
     backward = float(np.mean([per_length[int(t)]["backward"] for t in steady]))
-    data = collate_in_loop(workload, "train")
+    data = collate_in_loop(planned, "train")
     if settings.num_workers:
         notes.append(f"{settings.num_workers} loader workers: the data wait is taken as none")
     return {
@@ -96,7 +96,7 @@ def _stages(workload, batches: Batches, phases: Phases, per_length, traced, cost
         "forward": forward * accumulation,
         "backward": backward * accumulation,
         "optimizer": phases.optimizer(traced.length),
-        "communication": communication_seconds(workload, traced, costs, notes),
+        "communication": communication_seconds(planned, traced, costs, notes),
         "other": phases.loop,
     }
 
@@ -119,13 +119,13 @@ def _kinds(batches: Batches, phases: Phases, stages: dict, traced) -> dict:
     return kinds
 
 
-def _step_seconds(workload, batches: Batches, phases: Phases, per_length, stages, traced, costs) -> list[float]:
+def _step_seconds(planned, batches: Batches, phases: Phases, per_length, stages, traced, costs) -> list[float]:
     """Every optimizer step's seconds, in order, at its micro-batches' lengths."""
     train, accumulation = batches.train, batches.accumulation
     optimizer, communication, loop = stages["optimizer"], stages["communication"], phases.loop
-    data = collate_in_loop(workload, "train")
+    data = collate_in_loop(planned, "train")
     # The first step creates the optimizer state, and touches fresh memory for everything it holds.
-    touch = first_touch_seconds_per_byte(costs) if workload.device.type == "cpu" else 0.0
+    touch = first_touch_seconds_per_byte(costs) if planned.device.type == "cpu" else 0.0
     first_extra = (
         phases.optimizer(traced.length, first=True) - optimizer + touch * traced.peak_at(float(batches.steady.mean()))
     )
@@ -143,14 +143,14 @@ def _step_seconds(workload, batches: Batches, phases: Phases, per_length, stages
     return step_seconds
 
 
-def _evaluation(workload, batches: Batches, phases: Phases, calibration: dict) -> tuple[float, float, dict]:
+def _evaluation(planned, batches: Batches, phases: Phases, calibration: dict) -> tuple[float, float, dict]:
     """(seconds of every evaluation pass of the run, of it the operators other than matrix products, passes per
     split). A batch's operators scale with its rows (a last, partial batch costs its share); the framework's per
     batch."""
-    settings, evaluation = workload.settings, batches.evaluation
+    settings, evaluation = planned.settings, batches.evaluation
     eval_forward = phases.models["eval"]
-    eval_collate = collate_in_loop(workload, "eval")
-    eval_passes = {"validation": max(1, workload.plan.get("epochs", 1)), "test": 1}
+    eval_collate = collate_in_loop(planned, "eval")
+    eval_passes = {"validation": max(1, planned.plan.get("epochs", 1)), "test": 1}
     eval_batch = settings.resolved_eval_batch_size
     evaluation_s = sum(
         passes
@@ -171,10 +171,10 @@ def _evaluation(workload, batches: Batches, phases: Phases, calibration: dict) -
     return evaluation_s, evaluation_operators, eval_passes
 
 
-def communication_seconds(workload, traced, costs, notes) -> float:
+def communication_seconds(planned, traced, costs, notes) -> float:
     """DDP's exposed all-reduce per optimizer step, from this machine's measured bandwidth and exposed share (the
     last multi-process run with these processes and threads recorded them); 0 and said when none did."""
-    if workload.processes < 2:
+    if planned.processes < 2:
         return 0.0
     measured = costs.cached.get("communication")
     if not measured:
@@ -184,7 +184,7 @@ def communication_seconds(workload, traced, costs, notes) -> float:
         )
         return 0.0
     gradient_bytes = traced.trainable_bytes
-    ring = 2 * (workload.processes - 1) / workload.processes
+    ring = 2 * (planned.processes - 1) / planned.processes
     total = ring * gradient_bytes / (measured["bus_bandwidth_gbs"] * 1e9)
     resolved = "" if measured.get("exposed_resolved", True) else " (the median of an exposed time not resolved)"
     notes.append(
@@ -192,5 +192,5 @@ def communication_seconds(workload, traced, costs, notes) -> float:
         f"{measured['exposed_fraction']:.0%} of it exposed{resolved}) and the buckets' copies"
     )
     # DDP copies the gradients into its buckets and back (without --ddp-gradient-as-bucket-view): two copies
-    copies = 0 if workload.settings.ddp_gradient_as_bucket_view else 2 * gradient_bytes * copy_seconds_per_byte(costs)
+    copies = 0 if planned.settings.ddp_gradient_as_bucket_view else 2 * gradient_bytes * copy_seconds_per_byte(costs)
     return total * measured["exposed_fraction"] + copies

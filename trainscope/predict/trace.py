@@ -19,10 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from trainscope.core.precision import autocast_dtype
+
 VERSION = 2  # bump when what a trace holds changes (cached traces of another version are traced again)
 aten = torch.ops.aten
 GEMMS = (aten.mm, aten.addmm)  # plain matrix products: the machine's measured peak applies (trainscope.measure.peak)
-MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZER_PHASES = ("optimizer", "optimizer_first")  # a steady step's, the first step's
 
 
@@ -351,7 +352,7 @@ def _inputs(names, batch: int, length: int, device) -> dict:
 
 
 def _autocast(device: torch.device, precision: str):
-    dtype = MIXED.get(precision)
+    dtype = autocast_dtype(precision)
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
@@ -362,18 +363,16 @@ def trace_training(
     length: int,
     precision: str,
     device: torch.device,
-    max_grad_norm: float | None,
-    weight_decay: float = 0.01,
+    settings,
     avoid: set = frozenset(),
 ) -> Trace:
-    """A training step of `build_model()` (a model on the meta device) on a fake (batch x length) batch. `avoid`:
-    every size of the model and batch besides the length (so each tensor's power of the length can be read)."""
+    """A training step of `build_model()` (a model on the meta device) on a fake (batch x length) batch, its optimizer
+    the run's (trainscope.workload.modeling.build_optimizer: --optimizer-implementation, --weight-decay) and its
+    clipping `settings.max_grad_norm`. `avoid`: every size of the model and batch besides the length (so each tensor's
+    power of the length can be read)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainscope.workload.modeling import (  # deferred: it loads transformers' models
-        classification_loss,
-        optimizer_groups,
-    )
+    from trainscope.workload.modeling import build_optimizer, classification_loss  # deferred: it loads transformers
 
     model = build_model()
     fake_mode = FakeTensorMode()
@@ -383,7 +382,7 @@ def trace_training(
     trainable = [p for p in params if p.requires_grad]
     recorder, saved = _Recorder(batch, length, avoid), _SavedTensors(params, batch, length, avoid)
     with fake_mode:
-        optimizer = torch.optim.AdamW(optimizer_groups(model, weight_decay), fused=device.type in ("cuda", "cpu"))
+        optimizer = build_optimizer(model, settings, device)
         batch_inputs = _inputs(input_names, batch, length, device)
         labels = torch.zeros(batch, dtype=torch.long, device=device)
         with recorder:
@@ -400,7 +399,7 @@ def trace_training(
             if recorder.rising:  # the backward ended on a maximum
                 recorder.moments.append(tuple(recorder.totals))
             recorder.watching = recorder.rising = False
-            _trace_optimizer_steps(optimizer, trainable, recorder, max_grad_norm)
+            _trace_optimizer_steps(optimizer, trainable, recorder, settings.max_grad_norm)
         optimizer_bytes = _optimizer_state_bytes(optimizer)
     return _training_trace(batch, length, recorder, saved, params, trainable, optimizer_bytes)
 

@@ -6,7 +6,7 @@ from trainscope.core.record_view import RunView, warning_lines
 from trainscope.core.records import write_text_atomic
 from trainscope.core.results_view import machines_text
 from trainscope.report.book import Book
-from trainscope.report.inputs import machines
+from trainscope.report.sections import machines
 from trainscope.report.tables import Table, save_figure
 
 
@@ -65,7 +65,7 @@ class ReportWriter:
         self.book.page_break()
 
     def question(self, question: str, title: str, answers) -> None:
-        """One of the assignment's questions, answered by the section `title` ([reporting.Answer], or the line
+        """One of the assignment's questions, answered by the section `title` ([sections.Answer], or the line
         saying why it has none)."""
         self.questions.append((question, title, answers))
 

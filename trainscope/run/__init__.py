@@ -1,5 +1,18 @@
-"""A training run: its start-up, its metrics component, its life (resume, checkpoints, signals, the endings) and
-the loop's shared step and counters.
+"""A training run: its options and its driver (what its caller passes), its start-up, its metrics component, its life
+(resume, checkpoints, signals, the endings) and the loop's counters.
 """
 
-__all__ = ["startup", "metrics", "table", "lifecycle", "signals", "checkpoints", "trackers", "endings", "loop"]
+__all__ = [
+    "options",
+    "driver",
+    "startup",
+    "metrics",
+    "table",
+    "lifecycle",
+    "signals",
+    "checkpoints",
+    "trackers",
+    "endings",
+    "loop",
+    "events",
+]

@@ -13,17 +13,6 @@ from accelerate.optimizer import AcceleratedOptimizer
 from trainscope.core.precision import SkippedSteps
 
 
-def first_tensor(args: tuple, kwargs: dict):
-    """The forward's input that says its shape: `input_ids` where given, else the first tensor argument."""
-    ids = kwargs.get("input_ids")
-    if isinstance(ids, torch.Tensor):
-        return ids
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
-
-
 class LoopEvents:
     """Training forwards (a forward pre-hook on the model the loop calls) and optimizer steps (a step post-hook on
     the optimizer), each stamped with one sequence number, so that a step can be placed before or after the micro-

@@ -8,7 +8,6 @@ import contextlib
 import signal
 import sys
 import threading
-from dataclasses import asdict
 
 import torch
 from accelerate.utils import gather_object
@@ -18,8 +17,8 @@ from trainscope.core import provenance
 from trainscope.core.distributed import shut_down
 from trainscope.core.errors import Fault, one_line, report
 from trainscope.core.liveness import explain_collective_failure, lost_a_peer, root_cause
+from trainscope.core.record_view import option_words
 from trainscope.core.records import RunRecord, now_iso, read_record
-from trainscope.core.settings import option_words
 from trainscope.measure import health, sharding
 from trainscope.run import checkpoints, trackers
 from trainscope.run.signals import (
@@ -56,24 +55,20 @@ ENDING_KEYS = (
 
 
 class RunLifecycle:
-    def __init__(
-        self, accelerator, started, plan: dict, settings_block: dict | None = None, header: dict | None = None
-    ):
-        self.accelerator, self.started, self.plan = accelerator, started, plan
-        self.settings, self.run_dir = started.settings, started.run_dir
-        # what the record's settings say: every field for train.py, the instrument's own for trainscope.Run
-        self.settings_block = asdict(self.settings) if settings_block is None else settings_block
-        self.header = header or {}  # more of the record's header (trainscope.Run's `instrument` block)
+    def __init__(self, accelerator, started, plan: dict, settings_block: dict, driver):
+        self.accelerator, self.started, self.plan, self.driver = accelerator, started, plan, driver
+        self.options, self.run_dir = started.settings, started.run_dir
+        self.settings_block = settings_block  # what the record's settings say: the options its driver took
+        self.header = {}  # more of the record's header, kept through a resume (`keep`: the driver's notes)
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.record = RunRecord(self.run_dir) if accelerator.is_main_process else None
-        self.vote = StopVote(accelerator.state.backend, self.settings.distributed_timeout) if self.world > 1 else None
-        self.vote_every = vote_interval(self.settings.log_every)  # K: optimizer steps from one stop vote to the next
+        self.vote = StopVote(accelerator.state.backend, self.options.distributed_timeout) if self.world > 1 else None
+        self.vote_every = vote_interval(self.options.log_every)  # K: optimizer steps from one stop vote to the next
         self.watch = started.watch
         self._verdicts = {}  # the peers' states, asked of the store when a collective failed
         self.metrics = None
         self.sharding = None  # FSDP2's sharding and collectives (trainscope.measure.sharding)
         self.progress = None
-        self.show_progress = True  # off where the loop has a bar of its own (transformers' Trainer)
         self.saved_step = None  # the step of the last checkpoint written (the same on every rank)
         self._noticed = False
         self._ended = False  # an ending has begun: the heartbeat thread no longer writes the record
@@ -98,16 +93,16 @@ class RunLifecycle:
         metrics.resume_from(resumed)
         self.sharding = sharding.attach(metrics.model) if metrics.model is not None else None
         env = metrics.environment()
-        names = trackers.trackers_for(self.settings.report_to)
+        names = trackers.trackers_for(self.options.report_to)
         init_kwargs, tracker_facts = trackers.init_kwargs(
-            names, self.run_dir.name, self.run_dir, self.settings.tracker_group
+            names, self.run_dir.name, self.run_dir, self.options.tracker_group
         )
         if self.record:
             self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
             self._prepare_forced_exit()
             for warning in health.check(self.record.data, at_start=True):
                 print(f"warning [{warning['code']}]: {warning['message']}", flush=True)
-            for line in metrics.extras.announcements(data_facts):
+            for line in self.driver.announcements(data_facts):
                 print(line, flush=True)
         if self.watch is not None:  # the main process watches every peer; the others watch the main process
             self.watch.watch(self._peer_lost, None if self.record else [0], silence_s=WATCH_SILENCE_S)
@@ -120,7 +115,7 @@ class RunLifecycle:
             initial=metrics.loop.step,
             desc="training",
             unit="step",
-            disable=not (self.accelerator.is_local_main_process and self.show_progress),
+            disable=not (self.accelerator.is_local_main_process and self.driver.progress),
         )
 
     def _write_header(self, resumed, env, model_facts, data_facts, tracker_facts, prediction=None) -> None:
@@ -147,6 +142,7 @@ class RunLifecycle:
             plan=self.plan,
             prediction=self.record.data.get("prediction") if resumed else prediction,
             resumed_from=self.record.data.get("resumed_from", []) + ([resumed["checkpoint"]] if resumed else []),
+            instrument=self.driver.instrument_block(self.metrics),
             **self.header,
             **resume,
         )
@@ -184,10 +180,12 @@ class RunLifecycle:
             loader.set_epoch(epoch)
         return iter(self.accelerator.skip_first_batches(loader, skip) if skip else loader)
 
-    @property
-    def own_loop(self) -> bool:
-        """trainscope.Run on its user's loop: what it says names the loop's changes, not train.py's flags."""
-        return bool(self.header.get("instrument"))
+    def keep(self, **fields) -> None:
+        """More of the record's header, written now (by the main process) and again when a resumed run rewrites it:
+        the driver's notes (`notes`)."""
+        self.header.update(fields)
+        if self.record is not None:
+            self.record.update(**fields)
 
     # ---------------------------------------------------------------- the loop's boundaries
 
@@ -232,7 +230,7 @@ class RunLifecycle:
                 self.record.append_step(line)
             self.accelerator.log({"train/loss": line["loss"], "train/lr": line["lr"]}, step=line["step"])
             self.progress.set_postfix(loss=f"{line['loss']:.4f}")
-        every = self.settings.save_every
+        every = self.options.save_every
         if every and metrics.loop.step % every == 0 and not metrics.done:
             self.save_checkpoint()
         self._notice()
@@ -298,13 +296,17 @@ class RunLifecycle:
         elif self.signals.received:
             raise Interrupted(self.signals.received)
         self._begin_ending()
-        result, _ = self.metrics.summarize(test_scores)
+        result = self.metrics.summarize(test_scores)
         if self.sharding is not None:  # every rank's (a collective)
             result["fsdp"] = gather_object([self.sharding.facts()])
         if self.record:
             self._forget_a_failure_the_run_outlived()
             self.record.update(
-                status="complete", finished=now_iso(), summary=result, warnings=self._warnings(self.record, result)
+                status="complete",
+                finished=now_iso(),
+                environment=self.metrics.env,  # the machine's peak joined it after the loop
+                summary=result,
+                warnings=self._warnings(self.record, result),
             )
             self.signals.prepare(self.record.path, None)  # complete stays complete, whatever comes now
             print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)
@@ -337,14 +339,14 @@ class RunLifecycle:
         if self.progress is not None:
             self.progress.close()
         checkpoint, unsaved = None, None
-        if self.settings.save_on_interrupt and self.metrics is not None and step > 0:
+        if self.options.save_on_interrupt and self.metrics is not None and step > 0:
             try:
                 checkpoint = self.save_checkpoint()
             except Fault as error:  # a full disk: the run still stops as asked, and says what was not kept
                 unsaved = error
         if self.vote is not None:
             self.vote.settle()
-        result, _ = self._partial_summary(gather=True)
+        result = self._partial_summary(gather=True)
         interruption = {
             "signal": name,
             "step": step,
@@ -365,17 +367,12 @@ class RunLifecycle:
             self.signals.prepare(self.record.path, None)  # written whole: a forced exit now leaves it so
             if result:
                 print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)
-            own = self.own_loop
             resume = (
-                (
-                    f"; continue with trainscope.Run(..., name={self.run_dir.name!r}, resume=True)"
-                    if own
-                    else f"; continue with --resume --run-name {self.run_dir.name}"
-                )
+                f"; continue with {self.driver.resume.format(name=self.run_dir.name)}"
                 if checkpoint
                 else ""
-                if self.settings.save_on_interrupt
-                else f"; {option_words('save_on_interrupt', own_loop=own)} would have kept a checkpoint"
+                if self.options.save_on_interrupt
+                else f"; {option_words('save_on_interrupt', None, self.driver.options)} would have kept a checkpoint"
             )
             print(
                 f"interrupted by {name} after optimizer step {step}: the record says so "
@@ -395,15 +392,7 @@ class RunLifecycle:
         self._begin_ending()
         step = self.metrics.loop.step if self.metrics else 0
         if isinstance(error, torch.OutOfMemoryError):
-            error.add_note(
-                f"out of memory at step {step + 1}: halve the loop's batch and accumulate twice as many "
-                "micro-batches per step, or turn on activation checkpointing "
-                "(model.gradient_checkpointing_enable()), a bf16/fp16 config or LoRA"
-                if self.own_loop
-                else f"out of memory at --per-device-batch-size {self.settings.per_device_batch_size} (step "
-                f"{step + 1}): halve it and double --gradient-accumulation-steps, or add "
-                "--gradient-checkpointing, a bf16/fp16 config or --lora"
-            )
+            error.add_note(self.driver.out_of_memory.format(step=step + 1))
         if lost_a_peer(error):
             raised, failure = self._collective_failure(error)
         else:
@@ -416,7 +405,7 @@ class RunLifecycle:
         if self.record is not None:
             self._prepare_forced_exit(**failure)
         if record is not None and record.path.exists():
-            result, _ = self._partial_summary(gather=False)
+            result = self._partial_summary(gather=False)
             self._write(
                 record,
                 status="failed",
@@ -435,7 +424,7 @@ class RunLifecycle:
     def _collective_failure(self, error: BaseException) -> tuple[BaseException, dict]:
         """A collective failed: which peer ended the run, and how, asked of the launcher's store."""
         self._verdicts = self.watch.verdicts() if self.watch is not None else {}
-        return explain_collective_failure(error, self._verdicts, self.settings.distributed_timeout)
+        return explain_collective_failure(error, self._verdicts, self.options.distributed_timeout)
 
     def _record_of_a_lost_main(self) -> RunRecord | None:
         """When the main process vanished, one surviving rank that sees its record (the first to claim it in the
@@ -493,14 +482,14 @@ class RunLifecycle:
         except OSError as error:
             print(f"warning: the record could not be updated ({one_line(error)})", file=sys.stderr, flush=True)
 
-    def _partial_summary(self, gather: bool) -> tuple[dict | None, list]:
+    def _partial_summary(self, gather: bool) -> dict | None:
         """What was measured so far; this rank's alone when the ranks cannot all be reached."""
         if self.metrics is None:
-            return None, []
+            return None
         try:
             return self.metrics.summarize(None, partial=True, gather=gather and self.world > 1)
         except Exception as error:  # a dead peer, a device error: the record still says how the run ended
             if gather:
                 return self._partial_summary(gather=False)
             print(f"warning: no partial summary ({one_line(error)})", file=sys.stderr, flush=True)
-            return None, []
+            return None

@@ -7,18 +7,16 @@ How it works: docs/design.md#in-the-code-the-metrics-component-trainscoperunmetr
 """
 
 import contextlib
-from dataclasses import asdict
 
 import torch
 from accelerate.utils import gather_object
 
 from trainscope.core import environment, precision
-from trainscope.core.environment import compile_stats
+from trainscope.core.environment import compile_stats, compiled_with
 from trainscope.core.faults import NonFiniteLoss
 from trainscope.core.precision import effective_precision
 from trainscope.core.records import now_iso
-from trainscope.core.settings import LOOP_DATASET
-from trainscope.measure import flops_source, gap, health, operations, peak, summary
+from trainscope.measure import flops_source, gap, operations, peak, summary
 from trainscope.measure.communication import block as communication_block
 from trainscope.measure.communication import measured as communication
 from trainscope.measure.flops import FULL, encoder_shape, mfu, training_of
@@ -26,8 +24,8 @@ from trainscope.measure.flops_source import BatchFacts
 from trainscope.measure.memory import GIB, peak_rss_bytes
 from trainscope.measure.profiling import build_memory_snapshot, build_profiler
 from trainscope.measure.timing import PHASES, StageTimer, make_clock
+from trainscope.run.driver import Driver
 from trainscope.run.events import LoopEvents
-from trainscope.run.extras import WorkloadExtras
 from trainscope.run.loop import LoopState
 
 
@@ -38,21 +36,20 @@ class RunMetrics:
         started,
         plan: dict,
         model_config,
+        driver: Driver | None = None,
         scheduler=None,
-        extras: WorkloadExtras | None = None,
         flops=None,
         optimizer=None,
     ):
         self.accelerator, self.started, self.plan, self.scheduler = accelerator, started, plan, scheduler
         self.optimizer = optimizer  # its learning rate for the step lines where there is no scheduler
-        self.settings, self.run_dir = started.settings, started.run_dir
+        self.options, self.run_dir = started.settings, started.run_dir
         self.model_config = model_config  # taken before prepare() wraps the model (DDP, FSDP, compile)
         device, rank = accelerator.device, accelerator.process_index
-        clock, self.timing_mode = make_clock(self.settings.timing, device)
-        self.profiler = build_profiler(self.settings, self.run_dir, device, rank)
-        self.snapshot = build_memory_snapshot(self.settings, self.run_dir, device, rank)
+        clock, self.timing_mode = make_clock(self.options.timing, device)
+        self.profiler = build_profiler(self.options, self.run_dir, device, rank)
+        self.snapshot = build_memory_snapshot(self.options, self.run_dir, device, rank)
         self.timer = StageTimer(clock, device, profiler_labels=self.profiler.enabled)
-        self.stage = self.timer  # `with metrics.stage("forward"): ...`
         self.loop = LoopState(device)
         self.communication = communication.NoCommunication()
         self.evaluation_positions = {"tokens": 0, "padded_tokens": 0, "padded_squares": 0, "samples": 0}
@@ -61,9 +58,10 @@ class RunMetrics:
         self.run_shapes: dict | None = None  # the matmuls and one layer measured at the run's shapes, after the loop
         self._last_loss, self._graphs_after_first_step = None, None
         self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
-        self._evaluated = False  # an evaluation ran (with --compile the first one compiles)
-        self.extras = extras or WorkloadExtras()
-        self.prediction = self.extras.prediction_check(self.settings)  # the measured side of each predicted term
+        self._evaluated = False  # an evaluation ran (a compiled model's first one compiles)
+        self.compiled: dict | None = None  # how the model is compiled (read from the objects at attach), None: eager
+        self.driver = driver or Driver()
+        self.prediction = self.driver.prediction_check()  # the measured side of each predicted term
         self.training = FULL  # what the step trains (trainscope.measure.flops): read from the model at attach
         self._given_flops = flops
         self.flops = flops_source.NoFlops()  # where the model FLOPs come from: chosen at attach, from the model
@@ -80,18 +78,18 @@ class RunMetrics:
         measurements at the run's shapes after the loop (a copy of one layer is profiled, never the model)."""
         self.model = model
         unwrapped = self.accelerator.unwrap_model(model)
-        # the loop's own activation checkpointing (transformers' gradient_checkpointing_enable) counts as the flag's
-        checkpointing = self.settings.gradient_checkpointing or bool(
-            getattr(unwrapped, "is_activation_checkpointing", False)
-        )
+        # activation checkpointing as the model's modules hold it (transformers' gradient_checkpointing_enable sets
+        # each layer stack's flag: what is_activation_checkpointing, or is_gradient_checkpointing before 5.18, reads)
+        checkpointing = any(getattr(module, "gradient_checkpointing", None) is True for module in unwrapped.modules())
+        self.compiled = compiled_with(self.accelerator, model)
         self.training = training_of(unwrapped, checkpointing)
         self.flops = flops_source.source_for(
-            unwrapped, self.model_config, self._given_flops, self.settings.unpad, lambda: self.training, checkpointing
+            unwrapped, self.model_config, self._given_flops, self.driver.unpadded, lambda: self.training, checkpointing
         )
         self.events = LoopEvents(model, optimizer)
         self.events.forward_listeners.append(self._forward_started)
         self.events.step_listeners.append(self.flops.end)
-        self.communication = communication.build(self.settings, self.accelerator, model)
+        self.communication = communication.build(self.options, self.accelerator, model)
         self.prediction.attach(model, optimizer)
 
     def _forward_started(self, args, kwargs) -> None:
@@ -111,52 +109,52 @@ class RunMetrics:
             self.timer.restore(resumed["timer"])
 
     def environment(self) -> dict:
-        """The record's environment block: what the run really ran on and in (read once, after attach), with this
-        machine's measured matmul peak (trainscope.measure.peak: cached, or measured now by every local process at once)."""
+        """The record's environment block: what the run really ran on and in (read once, after attach); the machine's
+        measured matmul peak joins it after the loop, at the run's own shapes (`summarize`)."""
         effective = effective_precision(self.accelerator)
         self.env = {
             **environment.describe(self.accelerator, effective, self.started.threads),
             "timing_mode": self.timing_mode,
-            **self.started.environment_facts(),
+            **self.started.facts,
             "ddp": self.communication.settings_in_effect(),
-            "machine_peak": self._machine_peak(),
-            **self.extras.environment_facts(self, effective),
+            **self.driver.environment_facts(self, effective),
         }
-        if self.accelerator.device.type == "cpu":
-            self.env["cpu_bf16"] = precision.cpu_bf16(precision.cpu_flags(), self.env["machine_peak"])
         # the layers' shapes, seen in the warm-up's training forwards, for the timings after the loop
         model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
         self.operations = operations.watch(
             model,
             lambda: self.timer.phase,
-            compiled=bool(self.settings.compile),
+            compiled=self.compiled is not None,
             sharded="FSDP" in str(self.accelerator.distributed_type),
         )
         return self.env
 
-    def _machine_peak(self) -> dict:
-        """The measured peak at the model's GEMM shapes for a full micro-batch (batch x --max-seq-length tokens) and
-        a large square; outside every timed figure (before the loop starts). A failed measurement is recorded, not
-        fatal: the run is what it measures."""
-        shape = encoder_shape(self.model_config)
-        tokens = self.settings.per_device_batch_size * self.settings.max_seq_length
-        shapes = peak.transformer_shapes(*shape, tokens) if shape else []
-        several = self.accelerator.num_processes > 1
+    def _machine_peak(self, counts: dict) -> None:
+        """This machine's matmul peak (trainscope.measure.peak: cached, or measured now by every local process at once)
+        at the model's GEMM shapes for the run's own mean micro-batch (`counts`' phase), and a large square, into the
+        environment block: after the loop, outside every timed figure. A failed measurement is recorded, not fatal:
+        the run is what it measures."""
+        shape, sized = encoder_shape(self.model_config), mean_shape(counts, self.driver.unpadded)
+        shapes = peak.transformer_shapes(*shape, sized[0] * sized[1]) if shape and sized else []
         try:
-            return peak.machine_peak(
+            block = peak.machine_peak(
                 self.accelerator.device,
                 shapes,
                 processes=self.started.threads["local_processes"],
-                together=self._any_rank if several else None,
+                together=self._any_rank if self.accelerator.num_processes > 1 else None,
                 store=self.accelerator.is_local_main_process,
             )
+            block["sized_at"] = {"batch": sized[0], "length": sized[1]} if shapes else None
         except (RuntimeError, torch.OutOfMemoryError) as error:
-            return {"error": " ".join(str(error).split())[:300]}
+            block = {"error": " ".join(str(error).split())[:300]}
+        self.env["machine_peak"] = block
+        if self.accelerator.device.type == "cpu":
+            self.env["cpu_bf16"] = precision.cpu_bf16(precision.cpu_flags(), block)
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether any rank's flag is set (a collective; every rank calls it at the same point)."""
         total = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
-        return bool(total.item())  # a sync point, once, before the loop
+        return bool(total.item())  # a sync point, once, after the loop
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps beside Accelerate's state: the loop's position and the timing so far."""
@@ -200,7 +198,7 @@ class RunMetrics:
         self.profiler.step()
         self.communication.step_ended(step, phase, paused=self.timer.paused)
         self.snapshot.step_finished(step)  # takes the snapshot at the end of its window (phase `snapshot`)
-        if step == 1 and self.settings.compile:
+        if step == 1 and self.compiled:
             self._graphs_after_first_step = compile_stats()["graphs"]
         self.timer.set_phase(self._phase_for(step + 1))
         self.timer.set_memory_sampling(self._samples_memory(step + 1))
@@ -210,16 +208,16 @@ class RunMetrics:
 
     def _phase_for(self, step: int) -> str:
         """warmup for the first --timing-warmup-steps, snapshot while a memory snapshot records, else steady."""
-        if step <= self.settings.timing_warmup_steps:
+        if step <= self.options.timing_warmup_steps:
             return "warmup"
         return "snapshot" if self.snapshot.covers(step) else "steady"
 
     def _samples_memory(self, step: int) -> bool:
-        return step == 1 or step % self.settings.memory_every == 0
+        return step == 1 or step % self.options.memory_every == 0
 
     @property
     def log_due(self) -> bool:
-        return self.loop.step % self.settings.log_every == 0 or self.done
+        return self.loop.step % self.options.log_every == 0 or self.done
 
     def step_line(self) -> dict:
         """One step line: mean loss over the interval and all ranks; this rank's stage seconds and TFLOP/s, all
@@ -233,13 +231,7 @@ class RunMetrics:
             first = int((~finite).nonzero()[0])
             raise NonFiniteLoss(
                 f"loss became {gathered[:, first].tolist()} at optimizer step "
-                f"{self.loop.step - len(interval['losses']) + first + 1}: "
-                + (
-                    "lower the learning rate, clip the gradients (accelerator.clip_grad_norm_), or use bf16 instead "
-                    "of fp16"
-                    if self.settings.dataset == LOOP_DATASET
-                    else "lower --learning-rate, keep --max-grad-norm, or use bf16 instead of fp16"
-                )
+                f"{self.loop.step - len(interval['losses']) + first + 1}: {self.driver.non_finite}"
             )
         self._last_loss = gathered.mean().item()
         wall = timing["wall_s"]
@@ -269,20 +261,20 @@ class RunMetrics:
 
     @contextlib.contextmanager
     def evaluation(self):
-        """The `eval` stage; with --compile, graphs compiled in it (eval mode) are told apart from recompiles, and the
-        first evaluation, which compiles the eval graphs (24.5 s on an H200 against 45 ms steps), is timed in the
+        """The `eval` stage; of a compiled model, graphs compiled in it (eval mode) are told apart from recompiles, and
+        the first evaluation, which compiles the eval graphs (24.5 s on an H200 against 45 ms steps), is timed in the
         warm-up phase with the first steps' compile: never in the steady figures."""
-        before = compile_stats()["graphs"] if self.settings.compile else 0
-        compiling = self.settings.compile and not self._evaluated
+        before = compile_stats()["graphs"] if self.compiled else 0
+        compiling = self.compiled is not None and not self._evaluated
         phase = self.timer.phase
         if compiling:
             self.timer.set_phase("warmup")
-        with self.stage("eval"):
+        with self.timer("eval"):
             yield
         if compiling:
             self.timer.set_phase(phase)
         self._evaluated = True
-        if self.settings.compile:
+        if self.compiled:
             self._evaluation_graphs += compile_stats()["graphs"] - before
 
     def evaluated(self, scores: dict) -> dict:
@@ -298,9 +290,9 @@ class RunMetrics:
 
     # ---------------------------------------------------------------- the summary
 
-    def summarize(self, test_scores: dict | None, partial: bool = False, gather: bool = True) -> tuple[dict, list]:
+    def summarize(self, test_scores: dict | None, partial: bool = False, gather: bool = True) -> dict:
         """Stop the clocks and summarize: every rank's figures when `gather` (a collective), this rank's alone
-        otherwise (its peers may be gone). Returns the summary and the health warnings of the run."""
+        otherwise (its peers may be gone)."""
         if self.timer.running:
             self.timer.stop()
         snapshot = self.snapshot.finish(self.loop.step)  # written now, outside the timed steps
@@ -316,16 +308,8 @@ class RunMetrics:
         if partial:
             result.update(partial=True, ranks_summarized=[r["rank"] for r in per_rank])
         else:
-            self.extras.summarized(self.prediction.block, result, self.settings, self.started)
-        warnings = health.check(
-            {
-                "settings": asdict(self.settings),
-                "environment": self.env,
-                "summary": result,
-                "prediction": self.prediction.block,
-            }
-        )
-        return result, warnings
+            self.driver.summarized(self.prediction.block, result, self.started)
+        return result
 
     def _rank_summary(self, final: bool = False) -> dict:
         """This rank's figures. `final`: every rank finished the run and is here, so the communication measurement
@@ -352,7 +336,7 @@ class RunMetrics:
             "skipped_steps": self.loop.skipped_steps,
             "timing": {
                 "mode": self.timing_mode,
-                "warmup_steps": min(self.settings.timing_warmup_steps, self.loop.step),
+                "warmup_steps": min(self.options.timing_warmup_steps, self.loop.step),
                 "across_ranks": {p: summary.combine_ranks(per_rank, p) for p in ("run", *PHASES)},
                 "per_rank": per_rank,
             },
@@ -413,19 +397,17 @@ class RunMetrics:
         shape, counts = encoder_shape(self.model_config), self.loop.counts["steady"]
         if not counts["samples"]:
             counts = self.loop.counts["warmup"]
+        self._machine_peak(counts)
         precision_name = self.env.get("effective_precision") or "fp32"
         device, processes = self.accelerator.device, self.started.threads["local_processes"]
         layers = self._measure_layers(precision_name)
-        if not shape or not counts["samples"] or precision_name not in peak.precisions(device):
+        sized = mean_shape(counts, self.driver.unpadded)
+        if not shape or not sized or precision_name not in peak.precisions(device):
             return {"operations": layers} if layers else None
-        # the loop's own mean micro-batch and mean padded length (the mean real length with --unpad: the matmuls'
-        # rows), the length up to a multiple of 8 (later runs of similar data hit the cache)
-        batch = max(1, round(counts["samples"] / max(counts["micro_batches"], 1)))
-        unpadded = self.settings.unpad
-        length = -(-counts["tokens" if unpadded else "padded_tokens"] // counts["samples"] // 8) * 8 or 8
+        batch, length = sized
         shapes, doubled = (peak.transformer_shapes(*shape, tokens) for tokens in (batch * length, 2 * batch * length))
         store = self.accelerator.is_local_main_process
-        probe = self.extras.layer_breakdown(self, batch, length, precision_name)
+        probe = self.driver.layer_breakdown(self, batch, length, precision_name)
 
         try:
             found = peak.rates(device, precision_name, shapes + doubled, processes=processes, store=store)
@@ -492,18 +474,27 @@ class RunMetrics:
         }
 
     def _compile_summary(self) -> dict | None:
-        if not self.settings.compile:
+        if self.compiled is None:
             return None
         stats = compile_stats()
         first = self._graphs_after_first_step
         return {
-            "dynamic": not self.settings.pad_to_max_length,
+            "dynamic": self.compiled["dynamic"],
             "compile_s": stats["compile_s"],
             "graphs": stats["graphs"],
             "graphs_after_first_step": first,
             "evaluation_graphs": self._evaluation_graphs,
             "recompiles": max(0, stats["graphs"] - first - self._evaluation_graphs) if first is not None else None,
         }
+
+
+def mean_shape(counts: dict, unpadded: bool = False) -> tuple[int, int] | None:
+    """A phase's mean micro-batch and mean padded length (the mean real length with --unpad: the matmuls' rows), the
+    length up to a multiple of 8 (later runs of similar data hit the cache); None where it trained no sample."""
+    if not counts["samples"]:
+        return None
+    batch = max(1, round(counts["samples"] / max(counts["micro_batches"], 1)))
+    return batch, -(-counts["tokens" if unpadded else "padded_tokens"] // counts["samples"] // 8) * 8 or 8
 
 
 def real_token_throughput(throughput: dict, source, ranks: int) -> dict:

@@ -1,12 +1,11 @@
 """Start-up of a training process, before any data or model: what the launcher gave it, its CPU
-threads, seeds, TF32, the model's sequence limit, the run folder, and then the Accelerator.
+threads, seeds, TF32, the run folder, and then the Accelerator.
 
 Every script that trains calls `start` first, so all of them run under the same conditions
 (the same thread budget above all: `accelerate launch` alone would give each process one thread).
 """
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import socket
@@ -34,8 +33,9 @@ from accelerate.utils import (
 from trainscope.core import environment, precision
 from trainscope.core.errors import UserError
 from trainscope.core.liveness import PeerWatch
-from trainscope.core.settings import LOOP_DATASET, Settings
+from trainscope.core.record_view import option_words
 from trainscope.run import checkpoints, trackers
+from trainscope.run.options import RunOptions
 
 
 @dataclass
@@ -43,27 +43,18 @@ class Startup:
     """What start-up found and decided, for the rest of the run."""
 
     state: PartialState
-    settings: Settings  # with --max-seq-length clamped to the model's limit
+    settings: RunOptions  # the run's options: train.py's Settings (which extend them), or trainscope.Run's
     threads: dict
     run_dir: Path
-    requested_max_seq_length: int
-    model_sequence_limit: int | None
-    cpu_fallback: dict | None = None  # a multi-process launch without a usable GPU, run over gloo on the CPU
-    process_group: dict = field(default_factory=dict)  # how the process group was set up (timeout, device)
+    # what start-up found for the record's environment: the CPU fallback of a multi-process launch without a usable
+    # GPU and the process group's set-up (train.py's start-up; the classifier adds its sequence limit)
+    facts: dict = field(default_factory=dict)
     watch: PeerWatch | None = None  # peers' heartbeats and errors through the launcher's store (several processes)
     resume_from: Path | None = None  # the checkpoint --resume continues from, chosen and checked at start
     checkpoints_skipped: list = field(default_factory=list)  # newer checkpoints found unusable ({checkpoint, problem})
 
-    def environment_facts(self) -> dict:
-        return {
-            "requested_max_seq_length": self.requested_max_seq_length,
-            "model_sequence_limit": self.model_sequence_limit,
-            "cpu_fallback": self.cpu_fallback,
-            "process_group": self.process_group or None,
-        }
 
-
-def configure_process(settings: Settings) -> dict:
+def configure_process(settings) -> dict:
     """Threads and tokenizer parallelism of a process that measures speed; returns the thread facts. On an
     accelerator (one this launch will use) --threads auto keeps a core for each DataLoader worker."""
     # tokenizers' own threads would fight DataLoader workers for the same cores
@@ -72,9 +63,10 @@ def configure_process(settings: Settings) -> dict:
     return environment.apply_thread_budget(settings.threads, workers=settings.num_workers, accelerator=accelerator)
 
 
-def start(settings: Settings, sequence_limit=None) -> Startup:
-    """A training script's start-up (train.py's, through trainscope.classifier.start): `sequence_limit(settings)`,
-    where given, says how many positions the model embeds (the workload's to read: it loads the model's config)."""
+def start(settings, exists: str) -> Startup:
+    """train.py's start-up (through trainscope.classifier.start), `settings` its Settings: the CPU fallback of a
+    multi-process launch, the process group, the peers' watch, threads, seed, TF32, the run folder (`exists`: what to
+    do where it exists already, in train.py's words)."""
     fallback = cpu_fallback()
     state, group = open_process_group(settings, cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     watch = PeerWatch.start(state)  # from here a rank that fails is named by its peers, with its error
@@ -82,45 +74,31 @@ def start(settings: Settings, sequence_limit=None) -> Startup:
     threads = configure_process(settings)
     set_seed(settings.seed)
     precision.enforce_tf32(settings.tf32)
-    requested = settings.max_seq_length
-    limit = sequence_limit(settings) if sequence_limit is not None else None
-    if limit is not None and requested > limit:  # said by the max_seq_length_clamped warning when the run opens
-        settings = dataclasses.replace(settings, max_seq_length=limit)
-    return open_run_folder(
-        settings,
-        state,
-        threads=threads,
-        requested_max_seq_length=requested,
-        model_sequence_limit=limit,
-        cpu_fallback=fallback,
-        process_group=group,
-        watch=watch,
-    )
+    facts = {"cpu_fallback": fallback, "process_group": group or None}
+    names, writes = (settings.model, settings.dataset), not settings.predict
+    return open_run_folder(settings, state, names, exists, threads=threads, facts=facts, watch=watch, writes=writes)
 
 
-def attach(settings: Settings, accelerator: Accelerator) -> Startup:
+def attach(options: RunOptions, accelerator: Accelerator, model_name: str, exists: str) -> Startup:
     """Start-up for a loop whose Accelerator already exists (trainscope.Run): the peers' watch, the threads (changed
-    only when --threads says so: `launcher` keeps what the process has), the run folder. Seeds, TF32 and the process
+    only when `threads` says so: `launcher` keeps what the process has), the run folder. Seeds, TF32 and the process
     group stay the loop's own."""
     state = PartialState()  # the Accelerator's (a shared state)
     watch = PeerWatch.start(state)
     environment.refuse_independent_runs(state.num_processes)
-    threads = environment.apply_thread_budget(
-        settings.threads, workers=settings.num_workers, accelerator=accelerator.device.type != "cpu"
-    )
-    return open_run_folder(
-        settings, state, threads=threads, requested_max_seq_length=settings.max_seq_length, model_sequence_limit=None,
-        watch=watch,
-    )  # fmt: skip
+    threads = environment.apply_thread_budget(options.threads, workers=0, accelerator=accelerator.device.type != "cpu")
+    return open_run_folder(options, state, (model_name,), exists, threads=threads, watch=watch)
 
 
-def open_run_folder(settings: Settings, state: PartialState, **facts) -> Startup:
+def open_run_folder(options: RunOptions, state: PartialState, names: tuple, exists: str, writes=True, **facts):
     """The run folder, named alike on every process (on several machines first checked to be one they share, for
-    checkpoints), and with --resume the checkpoint to continue: what `start` and `attach` both end with."""
-    refuse_unshared_checkpoints(settings, state)
-    run_dir = resolve_run_dir(settings, state)
-    started = Startup(state, settings, run_dir=run_dir, **facts)
-    if settings.resume:
+    checkpoints), and with --resume the checkpoint to continue: what `start` and `attach` both end with. `names`: what
+    a run folder's default name begins with (the model's, the dataset's); `writes`: False where the run writes
+    nothing (train.py --predict)."""
+    refuse_unshared_checkpoints(options, state)
+    run_dir = resolve_run_dir(options, state, names, exists, writes)
+    started = Startup(state, options, run_dir=run_dir, **facts)
+    if options.resume:
         started.resume_from, started.checkpoints_skipped = choose_checkpoint(run_dir, state)
     return started
 
@@ -135,7 +113,7 @@ BACKEND_ENV = "TRAINSCOPE_DISTRIBUTED_BACKEND"
 BACKENDS = ("gloo", "nccl")
 
 
-def process_group_options(settings: Settings, cpu: bool, environ=None) -> dict:
+def process_group_options(settings: RunOptions, cpu: bool, environ=None) -> dict:
     """What `init_process_group` is given (through PartialState, which creates the group before the Accelerator):
     the --distributed-timeout, the backend where TRAINSCOPE_DISTRIBUTED_BACKEND names one, and on CUDA over NCCL the
     rank's own GPU as `device_id`, which binds the NCCL communicator to it at once instead of guessing at the first
@@ -167,7 +145,7 @@ NCCL_ERROR_HANDLING = "2"
 LAUNCHER_NCCL_ERROR_HANDLING = ("", "1")
 
 
-def open_process_group(settings: Settings, cpu: bool, environ=None) -> tuple[PartialState, dict]:
+def open_process_group(settings: RunOptions, cpu: bool, environ=None) -> tuple[PartialState, dict]:
     """Accelerate's process state, its group opened with our options; returns it and what the record says of it."""
     environ = os.environ if environ is None else environ
     options = process_group_options(settings, cpu, environ)
@@ -206,7 +184,7 @@ def share_device(state: PartialState) -> dict | None:
     return {"local_rank": local_rank, "device": str(device)}
 
 
-def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ=None) -> None:
+def refuse_unshared_checkpoints(settings: RunOptions, state: PartialState, environ=None) -> None:
     """On several machines, checkpoints need --output-dir on a filesystem they all share: each rank writes its
     part of one folder, and --resume reads every part. Checked at start: the main process writes a marker that
     every rank must see. Every rank refuses alike (before any other step that could make them disagree)."""
@@ -232,13 +210,7 @@ def refuse_unshared_checkpoints(settings: Settings, state: PartialState, environ
     blind = [f"rank {rank} on {host}" for rank, host, sees in seen if not sees]
     if blind:
         flags = "/".join(
-            f
-            for f, on in (
-                ("--save-every", settings.save_every),
-                ("--save-on-interrupt", settings.save_on_interrupt),
-                ("--resume", settings.resume),
-            )
-            if on
+            option_words(name) for name in ("save_every", "save_on_interrupt", "resume") if getattr(settings, name)
         )
         raise UserError(
             f"{flags} on several machines needs --output-dir on a filesystem they all share: "
@@ -307,36 +279,33 @@ def force_fsdp_on_cpu(accelerator: Accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ mirrors it
 
 
-def resolve_run_dir(settings: Settings, state: PartialState) -> Path:
-    """runs/<run-name>, named the same on every process, checked (not created) before any work."""
-    name = settings.run_name
+def resolve_run_dir(options: RunOptions, state: PartialState, names: tuple, exists: str, writes=True) -> Path:
+    """runs/<run-name>, named the same on every process, checked (not created) before any work; `names`, `exists`,
+    `writes` as `open_run_folder` takes them."""
+    name = options.run_name
     if name is None:
         stamp = [datetime.now().strftime("%Y%m%d-%H%M%S")]
         broadcast_object_list(stamp)  # the main process's clock names the run for everybody
-        model = settings.model.rstrip("/").split("/")[-1].split(":")[-1]
-        dataset = settings.dataset.rstrip("/").split("/")[-1].split(":")[-1].split(".")[0].split("?")[0]
+        parts = [part.rstrip("/").split("/")[-1].split(":")[-1] for part in names]
+        parts[1:] = [part.split(".")[0].split("?")[0] for part in parts[1:]]  # a data file's or URL's stem
         precision_name = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").replace("no", "fp32")
-        name = f"{model}-{dataset}-{precision_name}-{state.num_processes}p-{stamp[0]}"
-    run_dir = Path(settings.output_dir) / name
-    if settings.predict:  # nothing is written: an existing run of the same name is no obstacle
+        name = "-".join([*parts, precision_name, f"{state.num_processes}p", stamp[0]])
+    run_dir = Path(options.output_dir) / name
+    if not writes:  # nothing is written: an existing run of the same name is no obstacle
         return run_dir
-    if settings.resume:
+    if options.resume:
         if not any((run_dir / "checkpoints").glob("step_*")):
             raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every, or save_every=?)")
     elif run_dir.exists():
-        if not settings.overwrite:
-            if settings.dataset == LOOP_DATASET:
-                raise UserError(
-                    f"{run_dir} already exists: give trainscope.Run overwrite=True, resume=True or another name="
-                )
-            raise UserError(f"{run_dir} already exists: pass --overwrite, --resume or another --run-name")
+        if not options.overwrite:
+            raise UserError(f"{run_dir} already exists: {exists}")
         state.wait_for_everyone()
         if state.is_main_process:
             shutil.rmtree(run_dir)
     return run_dir
 
 
-def ddp_kwargs(settings: Settings) -> DistributedDataParallelKwargs:
+def ddp_kwargs(settings) -> DistributedDataParallelKwargs:
     """The DDP flags of --ddp-*; the compression hook is registered by trainscope.measure.communication.measured."""
     options = {
         "gradient_as_bucket_view": settings.ddp_gradient_as_bucket_view,
@@ -349,7 +318,7 @@ def ddp_kwargs(settings: Settings) -> DistributedDataParallelKwargs:
     return DistributedDataParallelKwargs(**options)
 
 
-def build_accelerator(settings: Settings, started: Startup) -> Accelerator:
+def build_accelerator(settings, started: Startup) -> Accelerator:
     """The Accelerator for this run; topology and precision come from the launch's config."""
     on_cuda = started.state.device.type == "cuda"
     accelerator = Accelerator(
@@ -368,7 +337,7 @@ def build_accelerator(settings: Settings, started: Startup) -> Accelerator:
         else None,
         kwargs_handlers=[ddp_kwargs(settings)],
     )
-    if started.cpu_fallback and started.cpu_fallback.get("fsdp_on_cpu"):
+    if (started.facts.get("cpu_fallback") or {}).get("fsdp_on_cpu"):
         force_fsdp_on_cpu(accelerator)
     precision.enforce_tf32(settings.tf32)  # Accelerate's dynamo set-up turns TF32 on for fp32 CUDA runs
     if settings.compile:
@@ -385,11 +354,11 @@ def eager_random_numbers() -> None:
     inductor_config.fallback_random = True
 
 
-def pin_memory(settings: Settings, on_cuda: bool) -> bool:
+def pin_memory(settings, on_cuda: bool) -> bool:
     return on_cuda if settings.pin_memory is None else settings.pin_memory
 
 
-def device_loader_options(settings: Settings, accelerator) -> dict:
+def device_loader_options(settings, accelerator) -> dict:
     """build_dataloaders' keyword arguments for this device and precision: pinned host memory on CUDA,
     sequences padded to multiples of 8 (tensor-core shapes) in mixed precision on CUDA."""
     on_cuda = accelerator.device.type == "cuda"

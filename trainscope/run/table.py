@@ -152,7 +152,7 @@ def warning_line(warning: dict, view: RunView | None = None) -> str:
     """'warning [code]: what is doubtful (what to do: its fix)': each warning with what a person can do about it,
     in the terms of whoever ran it (train.py's flags, or one's own loop)."""
     entry = health.REGISTRY.get(warning["code"])
-    fix = (entry.loop_fix if view is not None and view.own_loop and entry.loop_fix else entry.fix) if entry else None
+    fix = entry.fix_in(view or RunView({})) if entry else None
     return f"warning [{warning['code']}]: {warning['message']}" + (f" (what to do: {fix})" if fix else "")
 
 

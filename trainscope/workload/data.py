@@ -19,8 +19,8 @@ from transformers import DataCollatorWithPadding
 
 from trainscope.core.errors import UserError
 from trainscope.core.records import redact
-from trainscope.core.settings import EMBEDDED_DATASET
 from trainscope.workload import embedded, hub
+from trainscope.workload.settings import EMBEDDED_DATASET
 
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "tweet", "document", "comment", "body")
 TEXT_PAIRS = (

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from trainscope.core.errors import UserError
+from trainscope.core.precision import DTYPES
 from trainscope.core.records import redact
-from trainscope.core.settings import EMBEDDED_MODEL
+from trainscope.measure.layers import transformer_layer_classes
+from trainscope.measure.shapes import shape_facts
 from trainscope.workload import embedded, hub, unpad
-from trainscope.workload.layers import transformer_layer_classes
-from trainscope.workload.shapes import shape_facts
+from trainscope.workload.settings import EMBEDDED_MODEL
 
 TINY_MODEL = "embedded:tiny-bert"
 EMBEDDED_MODELS = (EMBEDDED_MODEL, TINY_MODEL)
@@ -375,7 +376,7 @@ def attention_kernels(config, attn_implementation: str, device: torch.device, pr
     if attn_implementation != "sdpa" or not heads or not hidden or choose is None:
         return None
     dropout = dropout_facts(config)["attention"] or 0.0
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name, torch.float32)
+    dtype = DTYPES.get(precision_name, torch.float32)
     q = torch.zeros(1, heads, 8, hidden // heads, device=device, dtype=dtype, requires_grad=True)
     mask = torch.ones(1, 1, 8, 8, device=device, dtype=torch.bool)  # padding masks reach attention as a mask
     try:

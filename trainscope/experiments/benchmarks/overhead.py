@@ -23,10 +23,10 @@ from trainscope.core import launching
 from trainscope.core.paths import ROOT
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record
-from trainscope.core.settings import parse_settings
 from trainscope.measure import bench
 from trainscope.measure.timing import synchronizer
 from trainscope.report.tables import Table, num
+from trainscope.workload.settings import parse_settings
 
 # The embedded tiny model (2 layers, hidden 32): steps of a few milliseconds, the host-bound regime of a small model on a
 # GPU, where the instruments' own host work is the largest share of a step it can be. One thread: that regime's host is
@@ -182,7 +182,7 @@ def instruments_alone(argv: list[str]) -> None:
                     pass
                 with run.stage("optimizer"):
                     optimizer.step()  # the step hook's call, which ends the step (SGD without gradients: a no-op)
-                run.step(each, loss)
+                run.count_micro_batch(each, loss)
             elapsed = time.perf_counter() - began
     print(json.dumps({"us_per_step": elapsed / steps * 1e6, "threads": torch.get_num_threads(), "steps": steps}))
 

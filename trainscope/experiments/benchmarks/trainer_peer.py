@@ -28,9 +28,9 @@ from trainscope.core import launching
 from trainscope.core.paths import ROOT
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, read_steps
-from trainscope.core.settings import parse_settings
 from trainscope.measure import bench
 from trainscope.report.tables import Table, spread_cell
+from trainscope.workload.settings import parse_settings
 
 DEFAULT_ARGS = [
     "--max-train-samples",
@@ -83,12 +83,18 @@ def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -
     loader = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)[0]
     clock = steady_clock(settings, on_cuda, lambda: trainer.tokens)  # the trainer made below counts them
     with tempfile.TemporaryDirectory() as scratch:
-        callbacks = [clock]
+        trainer = peer_trainer_class(loader)(
+            model=model,
+            args=training_arguments(settings, precision, scratch, on_cuda),
+            train_dataset=data.train,
+            callbacks=[clock],
+        )
         if with_callback:
             from trainscope.trainer import TrainscopeCallback  # deferred: it loads transformers' Trainer
 
-            callbacks.append(
+            trainer.add_callback(
                 TrainscopeCallback(
+                    trainer,
                     name="callback",
                     output_dir=scratch,
                     log_every=settings.log_every,
@@ -96,12 +102,6 @@ def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -
                     threads="launcher",
                 )  # fmt: skip
             )
-        trainer = peer_trainer_class(loader)(
-            model=model,
-            args=training_arguments(settings, precision, scratch, on_cuda),
-            train_dataset=data.train,
-            callbacks=callbacks,
-        )
         trainer.train()
         figures = steady_figures(settings, clock)
         if with_callback:
@@ -152,15 +152,16 @@ def callback_alone(argv: list[str]) -> None:
 
     def us_per_step(with_callback: bool, scratch: str) -> float:
         clock = Clock()
-        callbacks = [clock]
-        if with_callback:
-            callbacks.append(TrainscopeCallback(name="alone", output_dir=scratch, flops=0, threads="launcher",
-                                                log_every=settings.log_every, timing_warmup_steps=warmup))  # fmt: skip
         arguments = TrainingArguments(output_dir=scratch, per_device_train_batch_size=batch, max_steps=steps,
                                       report_to=[], save_strategy="no", eval_strategy="no", disable_tqdm=True,
                                       use_cpu=not torch.cuda.is_available(), logging_steps=settings.log_every,
                                       optim="adamw_torch", seed=settings.seed)  # fmt: skip
-        Trainer(model=Probe(), args=arguments, train_dataset=rows * steps, callbacks=callbacks).train()
+        trainer = Trainer(model=Probe(), args=arguments, train_dataset=rows * steps, callbacks=[clock])
+        if with_callback:
+            trainer.add_callback(TrainscopeCallback(trainer, name="alone", output_dir=scratch, flops=0,
+                                                    threads="launcher", log_every=settings.log_every,
+                                                    timing_warmup_steps=warmup))  # fmt: skip
+        trainer.train()
         return (clock.finished - clock.started) / (steps - warmup) * 1e6
 
     differences, bare = [], []

@@ -4,8 +4,8 @@ file gives, shared by the script (its own Markdown and LaTeX) and the report's s
 from trainscope.core.results_view import machines_text, results_machine
 from trainscope.experiments.base import Experiment, verdicts_text
 from trainscope.measure import bench
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot, ranged
 
 VARIANTS = (("single", "single device"), ("data_parallel", "nn.DataParallel"), ("ddp", "DDP"))
@@ -131,7 +131,7 @@ def figure(result: dict):
     return drawn
 
 
-def headline(found: reporting.Collected) -> Headline | None:
+def headline(found: sections.Collected) -> Headline | None:
     """Each variant's speed against the single device, as the results table gives it."""
     result = found.results.get("data_parallel")
     if not result:
@@ -146,7 +146,7 @@ def headline(found: reporting.Collected) -> Headline | None:
     return Headline("; ".join(parts), verdicts_text(verdicts) if verdicts else "nothing compared")
 
 
-def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+def answer(found: sections.Collected) -> list[sections.Answer] | None:
     """DataParallel against DDP, in words: what could be measured here, and why the rest needs GPUs."""
     result = found.results.get("data_parallel")
     if not result:
@@ -162,15 +162,15 @@ def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
     if ddp:
         parts.append(
             f"DDP on {hardware.get('ddp', 'several processes')} trained "
-            + reporting.ratio_words(judged(result, "ddp"), f"one process ({hardware.get('single', 'the same cores')})")
+            + sections.ratio_words(judged(result, "ddp"), f"one process ({hardware.get('single', 'the same cores')})")
             + ": both sides had the same cores, so this is DDP's cost of "
             "communication and bookkeeping, not the speed-up separate devices would give; that, and DataParallel "
             "beside it, needs a multi-GPU machine (`make compare-dp` there)"
         )
-    return [reporting.Answer(". ".join(parts), results_machine(result))] if parts else None
+    return [sections.Answer(". ".join(parts), results_machine(result))] if parts else None
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     result = found.results.get("data_parallel")
     if not report.begin(EXPERIMENT.title, result, EXPERIMENT.missing()):
         return
@@ -178,7 +178,7 @@ def section(report, found: reporting.Collected) -> None:
     report.figure(figure(result), "compare_dp", "Throughput and per-device memory")
     report.table(results_table(result))
     reconcile_with_matrix(
-        report, result, found.comparisons.get("matrix"), reporting.machines(found.runs.get("matrix", {}).items())
+        report, result, found.comparisons.get("matrix"), sections.machines(found.runs.get("matrix", {}).items())
     )
     for diff in result["code_changes"]:
         report.text(

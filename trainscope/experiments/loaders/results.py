@@ -4,8 +4,8 @@ section. The script writes <results>/loaders/loaders.json; the report and the sc
 from trainscope.core.results_view import LoaderSweepView, results_machine
 from trainscope.experiments.base import Experiment
 from trainscope.measure import bench
-from trainscope.report import inputs as reporting
-from trainscope.report.inputs import Headline
+from trainscope.report import sections
+from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot
 
 PYTORCH_DEFAULT_WORKERS = 0
@@ -133,7 +133,7 @@ def knee_table(report: dict) -> Table:
     )
 
 
-def headline(found: reporting.Collected) -> Headline | None:
+def headline(found: sections.Collected) -> Headline | None:
     """Each curve's knee against PyTorch's default, as the knee table gives it."""
     sweep = found.results.get("loaders")
     if not sweep:
@@ -158,7 +158,7 @@ MODE_WORDS = {  # each curve's loading mode, for a reader who has not read the s
 }
 
 
-def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
+def answer(found: sections.Collected) -> list[sections.Answer] | None:
     """How many workers, in words: each curve's knee against PyTorch's default, with its interval."""
     sweep = found.results.get("loaders")
     if not sweep:
@@ -170,7 +170,7 @@ def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
         if against:
             parts.append(
                 f"{where.capitalize()}, {curve['knee_workers']} workers loaded "
-                + reporting.ratio_words(against, f"{PYTORCH_DEFAULT_WORKERS} (PyTorch's default)")
+                + sections.ratio_words(against, f"{PYTORCH_DEFAULT_WORKERS} (PyTorch's default)")
             )
         else:
             parts.append(
@@ -179,10 +179,10 @@ def answer(found: reporting.Collected) -> list[reporting.Answer] | None:
             )
     flags = {curve["flags"] for _, curve, against in knees(sweep) if against}
     tail = f". The flags to use: {'; '.join(f'`{f}`' for f in sorted(flags))}" if flags else ""
-    return [reporting.Answer(". ".join(parts) + tail, results_machine(sweep))]
+    return [sections.Answer(". ".join(parts) + tail, results_machine(sweep))]
 
 
-def section(report, found: reporting.Collected) -> None:
+def section(report, found: sections.Collected) -> None:
     sweep = found.results.get("loaders")
     if not report.begin(EXPERIMENT.title, sweep, EXPERIMENT.missing()):
         return

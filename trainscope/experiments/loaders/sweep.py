@@ -19,13 +19,13 @@ import torch
 from trainscope.core import environment
 from trainscope.core.records import write_text_atomic
 from trainscope.core.results_view import LoaderSweepView
-from trainscope.core.settings import Settings
 from trainscope.experiments.loaders.options import SweepSettings
 from trainscope.experiments.loaders.results import PYTORCH_DEFAULT_WORKERS, curve_name, figure, knee_table, knee_verdict
 from trainscope.measure import bench
 from trainscope.measure.timing import StageTimer, make_clock
 from trainscope.report.tables import save_figure
 from trainscope.workload.data import labelled_splits
+from trainscope.workload.settings import Settings
 
 
 def device_copier(device: torch.device, non_blocking: bool):

@@ -11,6 +11,7 @@ import time
 import torch
 
 from trainscope.core.errors import UserError
+from trainscope.core.precision import DTYPES, HALF
 from trainscope.measure.timing import EventClock, HostClock, synchronizer
 
 METHOD = "direct"  # per step, at the events that bound it (schema 4); schema 3 records hold a two-pass estimate
@@ -26,7 +27,6 @@ INTERCONNECTS = {
     "pcie": {"bandwidth_gbs": 20.0, "latency_us": 10.0, "what": "PCIe Gen4 x16 through the host, no NVLink"},
     "infiniband": {"bandwidth_gbs": 45.0, "latency_us": 8.0, "what": "InfiniBand NDR 400 Gb/s between nodes"},
 }
-WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def ring_allreduce_seconds(gradient_bytes: float, gpus: int, bandwidth_gbs: float, latency_us: float) -> float:
@@ -150,7 +150,7 @@ def step_times(clock, marks: dict) -> dict:
 class Communication:
     def __init__(self, settings, accelerator, ddp, measure: bool, clock=None):
         self.accelerator, self.ddp, self.measure = accelerator, ddp, measure
-        self.kind = settings.ddp_comm_hook
+        self.kind = getattr(settings, "ddp_comm_hook", "none")  # train.py's flag; a loop registers its own hook
         self.repetitions = settings.communication_samples
         device = accelerator.device
         self.synchronize = synchronizer(device) or (lambda: None)
@@ -358,7 +358,7 @@ class Communication:
                 [self._timed(lambda: self.ddp.reducer._run_comm_hook(bucket).wait()) for _ in range(self.repetitions)]  # noqa: B023 (called at once)
             )
             if collective_s is not None:
-                wire = torch.zeros(bucket.buffer().numel(), dtype=WIRE[self.kind], device=bucket.buffer().device)
+                wire = torch.zeros(bucket.buffer().numel(), dtype=DTYPES[self.kind], device=bucket.buffer().device)
                 collective_s.append(
                     [
                         self._timed(lambda: torch.distributed.all_reduce(wire, group=self.ddp.process_group))  # noqa: B023 (called at once)
@@ -386,7 +386,7 @@ class Communication:
         run ended with every rank here, so the transfer is timed now (a collective)."""
         self._resolve(block=True)
         transfer = self.time_transfer() if final and self.measure else None
-        wire = WIRE[self.kind].itemsize if self.kind in WIRE else None
+        wire = DTYPES[self.kind].itemsize if self.kind in HALF else None
         buckets = (
             [
                 {

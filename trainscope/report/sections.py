@@ -1,8 +1,8 @@
-"""Report inputs and the rows every section shares: pure functions from run records (read through
-trainscope.core.record_view) and results to table rows. No plotting and no I/O, except `collect`, which finds and
-reads the inputs, each listed with its sha256.
+"""What every section of the report shares: its inputs, its headline and answers, and the rows, as pure functions
+from run records (read through trainscope.core.record_view) and results to table rows. No plotting and no I/O,
+except `collect`, which finds and reads the inputs, each listed with its sha256.
 
-How it works: docs/design.md#in-the-code-the-reports-inputs-trainscopereportinputspy.
+How it works: docs/design.md#in-the-code-what-the-reports-sections-share-trainscopereportsectionspy.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""What a prediction is of: the run's settings and launch (`Workload`: this launch's, or another's from its record),
+"""What a prediction is of: the run's settings and launch (`PlannedRun`: this launch's, or another's from its record),
 and the batches it will see -- the padded length of each training and evaluation batch, from the data's real token
 lengths, batched as the run batches them -- with the seconds a batch takes to collate, measured here."""
 
@@ -15,6 +15,7 @@ import torch
 from trainscope.core import environment, launching
 from trainscope.core.precision import tf32_in_effect
 from trainscope.core.record_view import RunView
+from trainscope.workload.settings import Settings, parse_settings, plan_steps
 
 SIMULATED_EPOCHS_MAX = 4  # micro-batches beyond this many epochs repeat the same lengths
 COLLATE_SAMPLES = 5
@@ -93,11 +94,11 @@ def evaluation_lengths(
     return _round_up(padded[::processes], pad_to_multiple_of), rows[::processes]
 
 
-# ---------------------------------------------------------------- the workload
+# ---------------------------------------------------------------- the planned run
 
 
 @dataclasses.dataclass
-class Workload:
+class PlannedRun:
     """What the prediction is of: the run's settings and what start-up found."""
 
     settings: object
@@ -170,31 +171,31 @@ class Batches:
         return np.concatenate([self.evaluation["validation"][0], self.evaluation["test"][0]])
 
 
-def run_batches(workload: Workload) -> Batches:
-    """The batches of `workload`'s run, as its settings and plan batch them (training_lengths, evaluation_lengths)."""
-    settings, plan = workload.settings, workload.plan
+def run_batches(planned: PlannedRun) -> Batches:
+    """The batches of `planned`'s run, as its settings and plan batch them (training_lengths, evaluation_lengths)."""
+    settings, plan = planned.settings, planned.plan
     accumulation = settings.gradient_accumulation_steps
     micro_batches = max(1, plan.get("optimizer_steps", 1) * accumulation)
     train = training_lengths(
-        workload.lengths["train"],
+        planned.lengths["train"],
         settings.per_device_batch_size,
         micro_batches,
-        workload.processes,
+        planned.processes,
         settings.pad_to_max_length,
         settings.max_seq_length,
         settings.group_by_length,
-        workload.pad_to_multiple_of,
+        planned.pad_to_multiple_of,
         seed=settings.seed,
     )
     evaluation = {
         split: evaluation_lengths(
-            workload.lengths[split],
+            planned.lengths[split],
             settings.resolved_eval_batch_size,
-            workload.processes,
+            planned.processes,
             settings.pad_to_max_length,
             settings.max_seq_length,
             getattr(settings, "eval_order", "given") == "length",
-            workload.pad_to_multiple_of,
+            planned.pad_to_multiple_of,
         )
         for split in ("validation", "test")
     }
@@ -221,12 +222,12 @@ def collate_seconds(split, collate, batch: int, seed: int = 0) -> float:
     return statistics.median(times[1:])
 
 
-def with_collate_costs(workload: Workload, tokenizer, data) -> Workload:
-    """The workload with the seconds its training and evaluation batches take to collate, measured here."""
+def with_collate_costs(planned: PlannedRun, tokenizer, data) -> PlannedRun:
+    """The planned run with the seconds its training and evaluation batches take to collate, measured here."""
     from trainscope.workload.data import build_collator  # deferred: it loads datasets
 
-    settings, pad = workload.settings, workload.pad_to_multiple_of
-    workload.collate_s = {
+    settings, pad = planned.settings, planned.pad_to_multiple_of
+    planned.collate_s = {
         "train": collate_seconds(
             data.train, build_collator(tokenizer, settings, pad), settings.per_device_batch_size, settings.seed
         ),
@@ -234,18 +235,17 @@ def with_collate_costs(workload: Workload, tokenizer, data) -> Workload:
             data.validation, build_collator(tokenizer, settings, pad), settings.resolved_eval_batch_size, settings.seed
         ),
     }
-    return workload
+    return planned
 
 
-def workload_for(settings, started, tokenizer, data, label_names=None) -> Workload:
-    """The workload of this launch (train.py's settings, start-up, tokenizer and tokenized data)."""
-    from trainscope.core.settings import plan_steps  # deferred: it loads transformers
+def planned_run_for(settings, started, tokenizer, data, label_names=None) -> PlannedRun:
+    """The planned run of this launch (train.py's settings, start-up, tokenizer and tokenized data)."""
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
 
     state = started.state
     device = state.device
     precision_name = precision_from_environment(device)
-    workload = Workload(
+    planned = PlannedRun(
         settings=settings,
         label_names=list(label_names or data.label_names),
         input_names=[c for c in data.train.column_names if c in MODEL_INPUTS],
@@ -258,7 +258,7 @@ def workload_for(settings, started, tokenizer, data, label_names=None) -> Worklo
         rss_bytes=current_rss_bytes(),
         plan=plan_steps(settings, len(data.train), state.num_processes),
     )
-    return with_collate_costs(workload, tokenizer, data)
+    return with_collate_costs(planned, tokenizer, data)
 
 
 # ---------------------------------------------------------------- another launch's: a record's, or a change's
@@ -266,7 +266,6 @@ def workload_for(settings, started, tokenizer, data, label_names=None) -> Worklo
 
 def settings_of(record_or_settings):
     """The Settings of a run record (or Settings themselves), fields unknown to this trainscope left out."""
-    from trainscope.core.settings import Settings  # deferred: it loads transformers
 
     if isinstance(record_or_settings, Settings):
         return record_or_settings
@@ -277,7 +276,6 @@ def settings_of(record_or_settings):
 
 def changed_settings(settings, flags) -> object:
     """`settings` with train.py `flags` applied (the fields those flags set to something else than the default)."""
-    from trainscope.core.settings import Settings, parse_settings  # deferred: it loads transformers
 
     if not flags:
         return settings
@@ -320,10 +318,9 @@ def data_for(settings):
     return _DATA_MEMO[key]
 
 
-def workload_of(record: dict | None, settings, config: str | None = None) -> Workload:
-    """The workload `settings` would be on the machine and launch of `record` (or of this process when None), with
+def planned_run_of(record: dict | None, settings, config: str | None = None) -> PlannedRun:
+    """The run `settings` would be on the machine and launch of `record` (or of this process when None), with
     `config`'s processes and precision where given."""
-    from trainscope.core.settings import plan_steps  # deferred: it loads transformers
     from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
 
     view = RunView(record or {})
@@ -339,7 +336,7 @@ def workload_of(record: dict | None, settings, config: str | None = None) -> Wor
         if settings.threads == "auto":
             threads = max(1, environment.usable_cores() // processes)
     tokenizer, data = data_for(settings)
-    workload = Workload(
+    planned = PlannedRun(
         settings=settings,
         label_names=list(data.label_names),
         input_names=[c for c in data.train.column_names if c in MODEL_INPUTS],
@@ -352,4 +349,4 @@ def workload_of(record: dict | None, settings, config: str | None = None) -> Wor
         rss_bytes=None,
         plan=plan_steps(settings, len(data.train), processes),
     )
-    return with_collate_costs(workload, tokenizer, data)
+    return with_collate_costs(planned, tokenizer, data)

@@ -1,4 +1,5 @@
-"""The one settings dataclass: every script parses it, every run record stores it resolved.
+"""train.py's settings: its classifier's flags and the run options they extend (trainscope.run.options), one flat
+command line that every script which trains the classifier parses; train.py's record stores them resolved.
 
 Flags are the field names with dashes (`--per-device-batch-size 32`); underscores work too.
 Topology and precision are not here: they come from the `accelerate launch --config_file` YAML.
@@ -14,16 +15,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainscope.core.errors import UserError
+from trainscope.core.record_view import option_words
 from trainscope.core.script_help import option
+from trainscope.run.options import RunOptions, check_numbers
 
-# The dataset a trainscope.Run record names: the loop's own data, not one train.py loaded.
-LOOP_DATASET = "loop"
 EMBEDDED_MODEL = "embedded:minilm-l6"
 EMBEDDED_DATASET = "embedded:tweets"
 
 
-# The numeric settings' bounds, checked in this order (the first one broken is the error): (fields, what breaks the
-# rule, what the flag must be). A field left None (its flag not given) is not checked.
+# The classifier's numeric settings' bounds, checked after the run options' (trainscope.run.options.NUMBER_RULES)
+# and in the same form.
 NUMBER_RULES = (
     (
         (
@@ -33,23 +34,16 @@ NUMBER_RULES = (
             "max_steps",
             "gradient_accumulation_steps",
             "max_seq_length",
-            "log_every",
-            "save_every",
             "max_train_samples",
             "max_eval_samples",
             "max_test_samples",
             "lora_r",
             "prefetch_factor",
-            "memory_snapshot_steps",
-            "memory_every",
-            "communication_samples",
-            "distributed_timeout",
         ),
         lambda value: value <= 0,
         "a positive integer",
     ),
-    (("num_workers", "profile_wait", "profile_warmup"), lambda value: value < 0, "0 or more"),
-    (("profile_active",), lambda value: value < 1, "at least 1"),
+    (("num_workers",), lambda value: value < 0, "0 or more"),
     (
         (
             "learning_rate",
@@ -80,7 +74,10 @@ NUMBER_RULES = (
 
 
 @dataclass
-class Settings:
+class Settings(RunOptions):
+    """train.py's flags: its classifier's (the model, the data and batches, the loop, DDP, the prediction) and the
+    run's own options it extends (trainscope.run.options.RunOptions), one flat command line."""
+
     # ---- model ----
     model: str = option(
         default=EMBEDDED_MODEL,
@@ -230,45 +227,10 @@ class Settings:
         "runs round r of every arm with --seed S + r and this fixed, so each round pairs the arms on one seed and the "
         "same data.",
     )
-    log_every: int = option(default=10, help="Write a step line (loss, lr, stage seconds) every N optimizer steps.")
-    timing: Literal["events", "sync"] = option(
-        default="events",
-        help="How stages get device time on accelerators: events (device events read back later, no stall) "
-        "or sync (synchronize the device at every stage boundary). On a CPU both are host clocks.",
-    )
-    timing_warmup_steps: int = option(
-        default=2, help="First optimizer steps recorded apart (start-up, allocator warm-up) from the steady state."
-    )
     tf32: bool = option(
         default=False,
         help="Allow TF32 matmuls on Ampere+ GPUs in fp32 runs. Off means off: trainscope re-applies it after "
         "Accelerate's set-up (whose --compile path turns TF32 on) and records what was in effect.",
-    )
-    threads: str = option(
-        default="auto",
-        help="Intra-op CPU threads of each process: auto (the cores this process may use, from its CPU affinity, "
-        "divided by the processes on this node), a number, or launcher (keep what OMP_NUM_THREADS says). "
-        "accelerate launch exports OMP_NUM_THREADS=1 (its --num_cpu_threads_per_process, default 1 unless the "
-        "config says use_cpu), which would run a CPU job on one core; auto overrides it. Recorded with its source.",
-    )
-    profile: bool = option(
-        default=False,
-        help="Trace a window of optimizer steps with torch.profiler into <run>/profile (TensorBoard and "
-        "Chrome-trace JSON, stages labelled); the top operators go into the record.",
-    )
-    profile_wait: int = option(default=2, help="Steps skipped before the profiler warms up.")
-    profile_warmup: int = option(default=1, help="Steps the profiler runs but discards.")
-    profile_active: int = option(default=3, help="Steps traced.")
-    memory_snapshot: bool = option(
-        default=False,
-        help="On CUDA: record the allocator history over --memory-snapshot-steps optimizer steps after the "
-        "timing warm-up and save it for pytorch.org/memory_viz (the record says which steps).",
-    )
-    memory_snapshot_steps: int = option(default=3, help="Optimizer steps the memory snapshot covers.")
-    memory_every: int = option(
-        default=10,
-        help="On CUDA, read per-stage allocator peaks on every Nth optimizer step (one reset and one read per "
-        "stage); 1 reads them every step, which costs time on fast GPUs.",
     )
 
     # ---- DDP (multi-process runs; passed to DistributedDataParallel through Accelerate) ----
@@ -291,25 +253,6 @@ class Settings:
         help="DDP gradient compression hook: all-reduce gradients in fp16 or bf16 (half the bytes). "
         "none registers no hook: DDP's reducer keeps its built-in all-reduce.",
     )
-    measure_communication: Literal["auto", "on", "off"] = option(
-        default="auto",
-        help="In multi-process DDP runs, measure on every synchronizing step the all-reduce time backward waits for "
-        "(exposed communication: from the last gradient DDP's reducer takes to the end of backward), its overlap with "
-        "compute, and after training each bucket's all-reduce alone; checked against DDP's own logger. No DDP "
-        "communication hook is registered for it. auto and on: measure; off: register nothing.",
-    )
-    communication_samples: int = option(
-        default=3,
-        help="Times each DDP bucket's all-reduce is timed alone after training (the transfer figure; the "
-        "median over them is kept).",
-    )
-    distributed_timeout: int = option(
-        default=600,
-        help="Seconds a collective (an all-reduce, a barrier, a checkpoint's wait for rank 0) may wait for the other "
-        "processes before the run fails saying so (torch.distributed's timeout; NCCL's watchdog aborts at it). Raise it "
-        "when rank 0 needs longer than this to write a checkpoint of a large model. A peer that dies is named within "
-        "seconds whatever this says (heartbeats in the launcher's store).",
-    )
 
     # ---- prediction ----
     predict: bool = option(
@@ -327,69 +270,19 @@ class Settings:
         "changes nothing else.",
     )
 
-    # ---- output ----
-    output_dir: str = option(default="runs", help="Where run records go: <output-dir>/<run-name>/.")
-    run_name: str | None = option(
-        default=None, help="Run directory name; default <model>-<dataset>-<precision>-<time>."
-    )
-    overwrite: bool = option(default=False, help="Replace an existing run directory of the same name.")
-    report_to: Literal["wandb", "tensorboard", "all", "none"] = option(
-        default="wandb", help="Trackers through Accelerate. W&B runs offline when it has no API key or no network."
-    )
-    tracker_group: str | None = option(
-        default=None,
-        help="W&B group for this run, so runs of one experiment overlay in one W&B view (the AMP comparison "
-        "sets it); also recorded.",
-    )
-    save_every: int | None = option(
-        default=None, help="Save a resumable checkpoint (Accelerate save_state) every N optimizer steps."
-    )
-    resume: bool = option(
-        default=False, help="Continue --run-name from its latest checkpoint, with the same data order."
-    )
-    save_on_interrupt: bool = option(
-        default=False,
-        help="On SIGINT (Ctrl-C), SIGTERM or SIGUSR1, save a checkpoint before exiting, so --resume continues with "
-        "the same data order and losses. The run stops at the next optimizer-step boundary (with several "
-        "processes, which agree on the step first, at the next stop vote: up to min(--log-every, 10) steps "
-        "later, docs/endings.md), then writes the model and optimizer state: that must "
-        "fit in the grace time before SIGKILL -- 30 s after torchrun's SIGTERM, SLURM's KillWait (30 s by "
-        "default) after its SIGTERM, or ask SLURM for an earlier SIGUSR1 with #SBATCH --signal=USR1@120. Without "
-        "this flag an interrupted run still records what it measured, but cannot be resumed from that point.",
-    )
-
-    def validate(self) -> None:
+    def validate(self, spell=option_words) -> None:
         """Refuse impossible settings with one line each, before anything is loaded or written."""
-        self._validate_numbers()
-        self._validate_combinations()
-
-    def _validate_numbers(self) -> None:
-        for fields, wrong, must_be in NUMBER_RULES:
-            for field in fields:
-                value = getattr(self, field)
-                if value is not None and wrong(value):
-                    raise UserError(f"--{field.replace('_', '-')} must be {must_be}, got {value}")
-        if self.threads not in ("auto", "launcher") and not (self.threads.isdigit() and int(self.threads) > 0):
-            raise UserError(f"--threads takes auto, launcher or a positive number, got {self.threads!r}")
-
-    def _validate_combinations(self) -> None:
+        super().validate(spell)
+        check_numbers(self, NUMBER_RULES, spell)
         if self.ddp_static_graph and self.gradient_accumulation_steps > 1:
             raise UserError(
                 "--ddp-static-graph with --gradient-accumulation-steps > 1: DDP records its static graph "
                 "on the first iteration, which accumulation runs without all-reduce (no_sync); use one"
             )
-        if self.timing_warmup_steps < 0:
-            raise UserError(f"--timing-warmup-steps must be 0 or more, got {self.timing_warmup_steps}")
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise UserError("--prefetch-factor needs --num-workers > 0 (workers are what prefetch)")
         if self.persistent_workers and self.num_workers == 0:
             raise UserError("--persistent-workers needs --num-workers > 0")
-        if self.resume and not self.run_name:
-            raise UserError("--resume needs --run-name of the run to continue")
-        if self.resume and self.overwrite:
-            raise UserError("--resume and --overwrite contradict each other: choose one")
-        if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
-            raise UserError(f"--run-name must be a plain directory name, got {self.run_name!r}")
 
     @property
     def resolved_data_seed(self) -> int:
@@ -409,9 +302,11 @@ def default_eval_batch_size(per_device_batch_size: int, eval_order: str = "given
 SECTIONS = {
     "model": "model",
     "dataset": "data and batches",
-    "epochs": "training loop, timing and profiling",
+    "epochs": "training loop",
     "ddp_bucket_cap_mb": "DDP (multi-process runs)",
     "predict": "prediction (--predict)",
+    "log_every": "timing and profiling",
+    "measure_communication": "communication (multi-process runs)",
     "output_dir": "output, trackers and checkpoints",
 }
 
@@ -493,7 +388,8 @@ def build_parser(*extra_dataclasses, description: str | None = None) -> argparse
     )
     for dtype in (Settings, *extra_dataclasses):
         hints = typing.get_type_hints(dtype)
-        for field in dataclasses.fields(dtype):
+        own = vars(dtype).get("__annotations__", {})  # Settings' own groups first, then the run options it extends
+        for field in sorted(dataclasses.fields(dtype), key=lambda field: field.name not in own):
             if field.init:
                 add_field(parser, field, hints)
     fields = {field.name for field in dataclasses.fields(Settings)}
@@ -560,12 +456,3 @@ def plan_steps(settings: Settings, train_rows: int, processes: int) -> dict:
         "epochs": math.ceil(total / steps_per_epoch),
         "global_batch_size": settings.per_device_batch_size * processes * settings.gradient_accumulation_steps,
     }
-
-
-def option_words(name: str, value=None, own_loop: bool = False) -> str:
-    """How the person who ran a run sets one of its options: train.py's flag (`--memory-every 10`, `--profile`) or,
-    for a loop of their own, trainscope.Run's keyword (`memory_every=10`, `profile=True`)."""
-    if own_loop:
-        return f"{name}={value!r}" if value is not None else f"{name}=True"
-    flag = "--" + name.replace("_", "-")
-    return f"{flag} {value}" if value is not None else flag
