@@ -554,6 +554,7 @@ def test_the_distributed_backend_option_lets_two_processes_share_one_gpu_over_gl
 
     (settings,) = parse_settings(argv=["--distributed-timeout", "90"])
     monkeypatch.setattr(startup, "_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     two = {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}
     nccl = startup.process_group_options(settings, cpu=False, environ=dict(two))
     assert nccl["device_id"] == torch.device("cuda", 1) and "backend" not in nccl  # Accelerate picks NCCL
