@@ -29,27 +29,11 @@ from trainscope.run.startup import BACKEND_ENV
 
 # RoBERTa-base (architecture only) at sequence length 128, batch 32 per GPU. Padded to the maximum length:
 # one shape, so precisions and configs compare on the same work. DYNAMIC pads per batch (lengths vary).
-DYNAMIC = [
-    "--model",
-    "roberta-base",
-    "--architecture-only",
-    "--tokenizer",
-    "embedded:minilm-l6",
-    "--max-seq-length",
-    "128",
-    "--per-device-batch-size",
-    "32",
-    "--max-train-samples",
-    "4096",
-    "--max-eval-samples",
-    "64",
-    "--max-test-samples",
-    "64",
-    "--report-to",
-    "none",
-    "--log-every",
-    "10",
-]
+DYNAMIC = (
+    "--model roberta-base --architecture-only --tokenizer embedded:minilm-l6 --max-seq-length 128 "
+    "--per-device-batch-size 32 --max-train-samples 4096 --max-eval-samples 64 --max-test-samples 64 "
+    "--report-to none --log-every 10"
+).split()
 MODEL = [*DYNAMIC, "--pad-to-max-length"]
 # The embedded MiniLM's architecture (its configuration and tokenizer ship without weights on an offline machine)
 SMALL_MODEL = ["--model", "embedded:minilm-l6", "--architecture-only"]
@@ -403,24 +387,9 @@ def _loaders_check() -> dict:
             "loaders_bench.py",
             "--workers",
             *LOADER_WORKERS,
-            "--repeats",
-            str(pairs),
-            "--modes",
-            "pretokenized",
-            "device-copy",
-            "--pin-memory-values",
-            "true",
-            "false",
-            "--batch-sizes",
-            str(LOADER_BATCH),
-            "--max-seq-length",
-            str(LOADER_LENGTH),
-            "--pad-to-max-length",
-            "--max-train-samples",
-            "4096",
-            *SMALL_MODEL,
-            "--results-dir",
-            "{out}",
+            *f"--repeats {pairs} --modes pretokenized device-copy --pin-memory-values true false".split(),
+            *f"--batch-sizes {LOADER_BATCH} --max-seq-length {LOADER_LENGTH} --pad-to-max-length".split(),
+            *["--max-train-samples", "4096", *SMALL_MODEL, "--results-dir", "{out}"],
         ],
         ASSUMED_SCRIPT_S + passes * MEASURED_LOADER_PASS_S,
         f"{passes} passes at {MEASURED_LOADER_PASS_S:g} s",
@@ -437,23 +406,8 @@ def _batch_search_check() -> dict:
     return command_check(
         "batch-search",
         [
-            sys.executable,
-            "-m",
-            "trainscope.experiments",
-            "batch-sweep",
-            "--config",
-            "single_gpu",
-            "--runs",
-            "{out}",
-            "--batch-sizes",
-            "32",
-            "--steps",
-            "6",
-            "--rounds",
-            "1",
-            "--search-from",
-            "4096",
-            "--",
+            *[sys.executable, "-m", "trainscope.experiments", "batch-sweep", "--config", "single_gpu"],
+            *"--runs {out} --batch-sizes 32 --steps 6 --rounds 1 --search-from 4096 --".split(),
             *MODEL,
         ],
         ASSUMED_SCRIPT_S + search,
@@ -487,20 +441,10 @@ def _overhead_check() -> dict:
     return command_check(
         "overhead",
         [
-            sys.executable,
-            "-m",
-            "trainscope.experiments.benchmarks.overhead",
-            "--pairs",
-            str(pairs),
-            "--modes",
-            "events",
-            "--out",
-            "{out}/overhead",
+            *[sys.executable, "-m", "trainscope.experiments.benchmarks.overhead"],
+            *f"--pairs {pairs} --modes events --out {{out}}/overhead".split(),
             *MODEL,
-            "--max-steps",
-            str(OVERHEAD_STEPS),
-            "--timing-warmup-steps",
-            str(OVERHEAD_WARMUP),
+            *f"--max-steps {OVERHEAD_STEPS} --timing-warmup-steps {OVERHEAD_WARMUP}".split(),
         ],
         ASSUMED_SCRIPT_S + 2 * pairs * overhead_run,
         f"{pairs} pairs x 2 arms (bare, events) x {OVERHEAD_STEPS} fp32 steps of RoBERTa-base; written after every "
