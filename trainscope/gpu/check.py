@@ -484,7 +484,8 @@ def run_checks(steps: list[dict], report: dict, budget: float, stem: Path, start
         exit_with(UserError(f"{'; '.join(said)}: see {stem}.md"), code=1)
 
 
-def main(argv=None) -> None:
+def main(argv=None, started: float | None = None) -> None:
+    """The command line; `started`: the time.monotonic() the budget counts from (the command's start; default now)."""
     args = parser().parse_args(argv)
     if args.budget is not None and args.budget <= 0:
         parser().error("--budget must be positive")
@@ -502,7 +503,7 @@ def main(argv=None) -> None:
         parser().error("--only runs the checks it names: no --part with it")
     if args.dry_run:
         return dry_run(args.gpus, args.part, args.budget, args.only)
-    started = time.monotonic() - process_age_s()  # the budget is the command's: its start and imports count
+    started = time.monotonic() if started is None else started
     if not torch.cuda.is_available():
         missing = cuda_torch_command(nvidia_smi())
         if missing:
@@ -536,4 +537,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(started=time.monotonic() - process_age_s())  # the budget is the command's: its start and imports count
