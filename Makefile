@@ -82,6 +82,7 @@ EXPERIMENTS = $(PY) -m trainscope.experiments
 
 .PHONY: help setup train train-lm lint format test bench-overhead bench-import bench-dropout-draw bench-advice bench-trainer bench-compile sweep-workers compare-dp amp-compare \
 	ckpt-compare batch-sweep matrix profile ddp-cost tune tune-confirm advise gpu-check report experiments clean predict \
+	test-oldest oldest-transformers \
 	predict-calibrate predict-check
 
 help: ## list the targets
@@ -190,6 +191,31 @@ format: setup ## format the code with ruff (pyproject.toml)
 
 test: lint ## lint, then run the test suite (CPU only, GPUs hidden; launches every config in accelerate_configs/)
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q tests
+
+# The oldest versions the project supports (pyproject.toml): the GPU machines' torch and transformers. Their venv is
+# `make setup`'s with torch $(OLDEST_TORCH) (PyPI's CUDA build, its nvidia-* libraries with it: that torch loads them
+# even on a machine without a GPU), then transformers moved to $(OLDEST_TRANSFORMERS); uv links both from its cache.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_TORCH ?= 2.11.0
+OLDEST_TRANSFORMERS ?= 5.17.0
+# The tests that reach into the libraries' internals: FSDP2's state (stood in for each torch, and FSDP2 over gloo on
+# 2 ranks), DDP's logger, Accelerate's state and placement, the Trainer
+OLDEST_TESTS ?= tests/test_sharding.py tests/test_shared_gpu.py tests/test_trainer.py \
+	'tests/test_launches.py::test_every_config_launches_as_documented[fsdp]' \
+	'tests/test_launches.py::test_every_config_launches_as_documented[ddp_fp16]' \
+	tests/test_launches.py::test_fsdp_yaml_trains_as_fsdp2_over_gloo_on_cpu_processes_where_asked
+
+$(OLDEST_VENV)/.oldest: requirements.txt requirements-embedded.txt
+	@$(MAKE) --no-print-directory setup VENV=$(OLDEST_VENV) TORCH_VERSION=$(OLDEST_TORCH)
+	@echo "setup: transformers==$(OLDEST_TRANSFORMERS) into $(OLDEST_VENV)/"
+	$(Q)$(MAKE) --no-print-directory VENV=$(OLDEST_VENV) oldest-transformers
+	$(Q)touch $@
+
+oldest-transformers:
+	$(Q)$(call LOGGED,$(call INSTALL,transformers==$(OLDEST_TRANSFORMERS)))
+
+test-oldest: $(OLDEST_VENV)/.oldest ## the tests that reach into torch's, Accelerate's and transformers' internals, at the oldest versions supported (torch 2.11, transformers 5.17, in .venv-oldest)
+	CUDA_VISIBLE_DEVICES= $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
 
 sweep-workers: setup ## DataLoader num_workers sweep with a plot -> results/loaders/ (WORKERS, REPEATS, DATASET, LOADER_MODES)
 	$(PY) loaders_bench.py $(if $(WORKERS),--workers $(WORKERS)) --repeats $(REPEATS) --dataset $(DATASET) \

@@ -773,3 +773,17 @@ def test_a_gpu_transfer_is_timed_over_back_to_back_collectives_between_device_ev
     collective = lambda: gpu.launch(gpu.kernel_s)  # noqa: E731
     seconds = communication.time_collective(collective, lambda: None, gpu.synchronize, gpu.clock(), iterations=10)
     assert seconds == pytest.approx(50e-6)
+
+
+def test_the_table_sets_ddps_logger_beside_trainscopes_exposed_time_on_the_same_iterations():
+    """The H200's DDP checks printed trainscope's exposed 168 ms (its steady steps) and DDP's logger's 174 ms (the
+    iterations DDP sampled) beside "agrees (0.009 ms)": two windows. The logger's line now sets both instruments'
+    figures on the iterations DDP sampled, those its verdict paired."""
+    ours = [0.160] * 4 + [0.180] * 4  # 8 steady steps; DDP's logger sampled the first 4
+    ranks = [planted_rank(rank, ours, ddp=[0.160] * 4) for rank in (0, 1)]
+    combined = communication_block.combine(ranks, {"step_s": 0.5})
+    assert combined["exposed_s"] == pytest.approx(0.170)  # trainscope's over all its steady steps
+    ddp = combined["agreement"]["ddp"]
+    assert ddp["iterations"] == [3, 4, 5, 6] and ddp["exposed_s"] == ddp["ddp_exposed_s"] == pytest.approx(0.160)
+    (line,) = [line for line in communication_block.table_lines(combined) if "DDP's own logger" in line]
+    assert "on the iterations it sampled (3-6) exposed 160.0 ms against trainscope's 160.0 ms; exposed agrees" in line

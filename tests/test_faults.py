@@ -313,6 +313,7 @@ class RecordingState:
 def test_the_process_group_is_opened_with_the_timeout_and_the_ranks_gpu(environ, cpu, cuda, expected, monkeypatch):
     monkeypatch.setattr(startup, "PartialState", RecordingState)
     monkeypatch.setattr(startup, "_cuda", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if cuda else 0)  # a GPU per process
     for name in ("WORLD_SIZE", "LOCAL_RANK", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         monkeypatch.setenv(name, "")  # so that monkeypatch puts back whatever start-up sets
         monkeypatch.delenv(name)

@@ -5,6 +5,7 @@ speed ratio of single runs is an observation, and the bf16 compression hook runs
 import json
 import socket
 import types
+from pathlib import Path
 
 import bf16_gloo_ranks
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from trainscope.core.errors import UserError
+from trainscope.gpu import goals as gpu_goals
 from trainscope.gpu import plan as gpu_check_plan
 from trainscope.gpu import results as gpu_check_report
 from trainscope.measure.communication import measured as communication
@@ -122,6 +124,10 @@ def fsdp2_result(**changes) -> dict:
             {"fsdp": [fsdp_rank(collectives=None)] * 2},
             "not measured: FSDP2's all-gathers and reduce-scatters ran on every rank",
         ),
+        (  # a torch that keeps FSDP2's groups elsewhere: the record says why, and so does the page
+            {"fsdp": [fsdp_rank(collectives=None, collectives_not_counted="torch 2.99 keeps them elsewhere")] * 2},
+            "not measured: FSDP2's all-gathers and reduce-scatters ran on every rank (not counted: torch 2.99 keeps",
+        ),
         ({"fsdp": None}, "not measured: each layer class of its wrap list sharded on every rank; each rank"),
         ({"fsdp_wrap": None}, "not measured: each layer class of its wrap list sharded on every rank"),
     ],
@@ -167,7 +173,7 @@ def test_a_falling_loss_is_read_from_enough_logged_losses(losses, met, read):
                 steps, every = (
                     int(planned["args"][planned["args"].index(f) + 1]) for f in ("--max-steps", "--log-every")
                 )
-                assert steps // every >= gpu_check_report.MIN_LOGGED_LOSSES, planned["name"]
+                assert steps // every >= gpu_goals.MIN_LOGGED_LOSSES, planned["name"]
 
 
 def precision_result(name: str, samples_per_s: float) -> dict:
@@ -204,7 +210,106 @@ def test_a_speed_ratio_of_single_runs_is_an_observation_not_a_verdict():
     assert all(gpu_check_report.confirmed(step, results[step["name"]], results, 1) for step in steps)
     assert not any("bf16_over" in goal for step in steps for goal, _ in gpu_check_report.goals_of(step))
     lines = gpu_check_report.markdown(report)
-    at = lines.index("Observations (one run each: no noise measured, so no verdict):")
-    assert lines[at + 1].startswith("- bf16_over_fp32 (precision-bf16): 0.9 (")
-    assert lines[at + 2].startswith("- bf16_over_tf32 (precision-tf32): 0.75 (")
+    at = lines.index("## Observations (one run each: no noise measured, so no verdict)")
+    assert lines[at + 2].startswith("- bf16_over_fp32 (precision-bf16): 0.9 (")
+    assert lines[at + 3].startswith("- bf16_over_tf32 (precision-tf32): 0.75 (")
     assert not any("bf16_over" in line for line in lines[:at])
+
+
+# ---------------------------------------------------------------- goals a run that did not do its job fails
+
+H200_RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "h200-2026-11-28"
+
+
+def planned(name: str, gpus: int = 1) -> dict:
+    return next(step for step in gpu_check_plan.plan(gpus=gpus) if step["name"] == name)
+
+
+def h200_result(name: str, run: str = "run1", **changes) -> dict:
+    """What the 2026-11-28 H200 run kept of `name`, with `changes` (a rank's end state: its record came before it)."""
+    found = next(c for c in json.loads((H200_RUN / f"{run}.json").read_text())["checks"] if c["name"] == name)
+    return {**found, **changes}
+
+
+def rank_end(checksum=8123.25, scale=None, growth=None) -> dict:
+    return {"parameter_checksum": checksum, "loss_scale": scale, "scaler_growth": growth}
+
+
+def judged(step: dict, result: dict, results: dict | None = None) -> dict:
+    results = {result["name"]: result, **(results or {})}
+    return {g["goal"]: g for g in gpu_check_report.judge_check(step, result, results, 1)}
+
+
+@pytest.mark.parametrize("name", ["ddp-communication-memory", "ddp-fp16", "ddp-comm-hook-fp16", "ddp-comm-hook-bf16"])
+def test_a_ddp_whose_ranks_end_with_different_parameters_is_not_confirmed(name):
+    """The four fp32 DDP checks train the same trajectory and a DDP that never averaged its gradients still has a
+    finite, falling loss: every DDP check now reads each rank's parameter checksum after training (the record's
+    end_state) and confirms only where they are the same. The H200's figures, with the end state planted."""
+    step, same = planned(name), [rank_end(scale=65536.0, growth=20)] * 2
+    result = h200_result(name, "run2" if name == "ddp-comm-hook-bf16" else "run1", end_state=same)
+    (goal,) = [g for g in judged(step, result).values() if g["goal"].startswith("every rank ends with the same")]
+    assert goal["met"] is True and gpu_check_report.confirmed(step, result, {name: result}, 1)
+    apart = {**result, "end_state": [rank_end(8123.25, 65536.0, 20), rank_end(8123.5, 65536.0, 20)]}
+    assert judged(step, apart)[goal["goal"]]["met"] is False and not gpu_check_report.confirmed(step, apart, {}, 1)
+    before = h200_result(name, "run2" if name == "ddp-comm-hook-bf16" else "run1")  # its record had no end state
+    assert judged(step, before)[goal["goal"]]["met"] is None
+    assert "same_parameters" not in planned("fsdp2")["goals"]  # FSDP2's ranks hold their own shards
+
+
+def test_ddp_fp16_reads_the_loss_scaler_on_each_rank():
+    """ddp-fp16's "the loss scaler on every rank" read no scaler: it now reads each rank's GradScaler state after
+    training, and a rank without one, or in another state (another skip history), is not confirmed."""
+    step = planned("ddp-fp16")
+    goal = "a loss scaler on every rank, each in the same state (its scale and growth tracker, read after training)"
+    cases = {
+        "met": ([rank_end(scale=65536.0, growth=20)] * 2, True),
+        "a rank without a scaler": ([rank_end(scale=65536.0, growth=20), rank_end()], False),
+        "another skip history": ([rank_end(scale=65536.0, growth=20), rank_end(scale=32768.0, growth=12)], False),
+        "no scaler at all": ([rank_end()] * 2, False),
+    }
+    for case, (ends, met) in cases.items():
+        result = h200_result("ddp-fp16", end_state=ends)
+        assert judged(step, result)[goal]["met"] is met, case
+        assert gpu_check_report.confirmed(step, result, {"ddp-fp16": result}, 1) is met, case
+
+
+def test_unpad_is_held_to_every_logged_loss_not_the_first_one():
+    """unpad's goal was its first loss within 5% of the padded run's: predictions that stay uniform (ln 3 = 1.0986)
+    pass it against the padded run's 1.155. Every logged loss is now held to 1% of the padded run's at the same step:
+    the H200's run is 0.13% off at most, uniform predictions 2.4-4.9%."""
+    step, padded = planned("unpad-bf16"), h200_result("precision-bf16", "run2")
+    goal = next(text for text, _ in gpu_check_report.goals_of(step) if text.startswith("each of its logged losses"))
+    measured = h200_result("unpad-bf16", "run2")
+    found = judged(step, measured, {"precision-bf16": padded})[goal]
+    assert found["met"] is True and found["read"].startswith("at most 0.13% off over 5 logged steps")
+    uniform = {**measured, "losses": [[at, 1.0986] for at, _ in padded["losses"]]}
+    assert judged(step, uniform, {"precision-bf16": padded})[goal]["met"] is False
+    first_only = {**measured, "losses": [[10, 1.0986], *padded["losses"][1:]]}  # within 5% at its first step alone
+    assert judged(step, first_only, {"precision-bf16": padded})[goal]["met"] is False
+    fewer = {**measured, "losses": measured["losses"][:2]}
+    assert judged(step, fewer, {"precision-bf16": padded})[goal]["met"] is None
+
+
+def test_ddp_profile_compares_with_the_trace_over_nccl_and_says_it_has_no_second_instrument_over_gloo():
+    """ddp-profile's one goal was "the trace is written"; its trace comparison found 0 pairs (gloo has no NCCL
+    kernels). Over gloo it says it has no second instrument and holds the trace to its window's steps and DDP's
+    all-reduces among its operators; over NCCL to the trace's agreement with trainscope's exposed time."""
+    shared = planned("ddp-profile")
+    (text, _) = [g for g in gpu_check_report.goals_of(shared) if g[0].startswith("the trace")][0]
+    assert "no second instrument over gloo" in text and "no second instrument over gloo" in shared["confirms"]
+    ends = [rank_end()] * 2
+    profile = {"directory": "profile", "window": {"first_step": 4, "last_step": 6}, "communication_calls": 312}
+    result = h200_result("ddp-profile", end_state=ends, profile=profile)  # the H200's own trace steps: [4, 5, 6]
+    assert judged(shared, result)[text]["met"] is True and gpu_check_report.confirmed(shared, result, {}, 1)
+    no_collectives = {**result, "profile": {**profile, "communication_calls": 0}}
+    assert judged(shared, no_collectives)[text]["met"] is False
+    short = {**result, "communication": {**result["communication"], "trace_steps": [4]}}
+    assert judged(shared, short)[text]["met"] is False
+    nccl = planned("ddp-profile", gpus=2)
+    (text, _) = [g for g in gpu_check_report.goals_of(nccl) if g[0].startswith("the trace")][0]
+    assert "agrees with trainscope's" in text
+    undecided = {**result, "backend": "nccl"}  # the H200's trace: 0 pairs
+    assert judged(nccl, undecided)[text]["met"] is False
+    agreed = {"pairs": 3, "verdict": "agree"}
+    agreeing = {**undecided, "communication": {**result["communication"], "agreement": {"trace": agreed}}}
+    assert judged(nccl, agreeing)[text]["met"] is True

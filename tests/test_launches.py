@@ -103,8 +103,12 @@ def test_every_config_launches_as_documented(config, config_runs):
             w["code"] for w in record["warnings"]
         ]
         assert (result.stdout + result.stderr).count("warning [ran_on_cpu]") == 2  # at the start and in the table
-        if config.stem != "fsdp":
-            assert record["summary"]["communication"]["measured"] is True
+        if config.stem != "fsdp":  # measured, and DDP's own logger read (its private _get_ddp_logging_data)
+            communication = record["summary"]["communication"]
+            assert communication["measured"] is True and communication["agreement"]["ddp"]["pairs"] > 0
+        # what each rank holds after training: DDP's ranks the same parameters (FSDP2's hold their own shards)
+        checksums = [rank["parameter_checksum"] for rank in record["summary"]["end_state"]]
+        assert len(checksums) == world_size and len(set(checksums)) == (world_size if config.stem == "fsdp" else 1)
     else:
         assert env["cpu_fallback"] is None
 

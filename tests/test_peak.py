@@ -113,3 +113,17 @@ def test_other_processes_cores_are_the_machines_cpu_time_less_this_processs():
     assert peak.other_cores(None, (1.0, 1.0, 1.0)) is None
     reading = peak._cpu_seconds()
     assert reading is None or (reading[0] > 0 and reading[1] >= 0)
+
+
+def test_a_launchs_peers_measuring_at_once_do_not_keep_its_rates_out_of_the_cache(cache, monkeypatch):
+    """Every process of a launch measures the peak at once (machine_peak's `together`): the writer saw its peer's
+    core busy and never cached the peak of a multi-process launch (each DDP check on the H200 measured it again).
+    Its peers' threads are allowed for, as the operator timings allow for them; more than that is still busy."""
+    monkeypatch.delenv(peak.BUSY_ENV, raising=False)
+    monkeypatch.setattr(peak, "other_cores", lambda before, after: 1.1)  # one peer of one thread, and a little more
+    peak.rate(CPU, "fp32", (64, 48, 32), threads=1, processes=2)
+    (stored,) = (cache / "peak").glob("*.json")
+    assert json.loads(stored.read_text())["key"]["processes"] == 2
+    monkeypatch.setattr(peak, "other_cores", lambda before, after: 1.5)  # beyond the peer's thread by a half core
+    peak.rate(CPU, "fp32", (64, 48, 48), threads=1, processes=2)
+    assert "fp32 64x48x48" not in json.loads(stored.read_text())["rates"]

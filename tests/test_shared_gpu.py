@@ -3,6 +3,8 @@ torch's own code, run after trainscope's start-up opened the process group as it
 stood in: its CUDA devices (torch.cuda patched), this process local rank 1 of 2 over torch's fake process group, whose
 barrier is recorded instead of allocating its tensor on the device. With a GPU per process nothing changes."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -143,3 +145,21 @@ def test_the_record_says_which_processes_share_a_gpu(rank_one):
     state, _, facts = rank_one
     shared = {"local_rank": 1, "device": "cuda:0"} if state.device.index == 0 else None
     assert facts["shared_device"] == shared and state.local_process_index == state.device.index
+
+
+@pytest.mark.parametrize("gpus, local_rank", [(1, 1), (2, 1), (2, 3)])
+def test_nccl_binds_the_gpu_accelerate_puts_the_process_on(monkeypatch, gpus, local_rank):
+    """NCCL's device_id is the GPU Accelerate's PartialState.set_device places the process on (its local rank modulo
+    the GPUs it sees): a launch that shows each process only its own GPU (one visible, LOCAL_RANK 1) was given
+    cuda:1, "device_id out of range"."""
+    gpu = GPUs(gpus)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpu.count)
+    monkeypatch.setattr(torch.cuda, "set_device", gpu.set_device)
+    (settings,) = parse_settings(argv=["--report-to", "none"])
+    options = startup.process_group_options(
+        settings, cpu=False, environ={"WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank)}
+    )
+    placed = SimpleNamespace(device=None, distributed_type=DistributedType.MULTI_GPU, local_process_index=local_rank)
+    PartialState.set_device(placed)  # Accelerate's own placement, on the stood-in machine
+    assert options["device_id"] == placed.device and gpu.ordinal(options["device_id"]) == local_rank % gpus

@@ -11,7 +11,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,8 +25,10 @@ from trainscope.core.precision import planted_overflow_run
 from trainscope.core.record_view import RunView
 from trainscope.core.records import RECORD_FILE, STEPS_FILE, read_record, read_steps, write_text_atomic
 from trainscope.gpu import estimates
+from trainscope.gpu.driver import cuda_torch_command, driver_version, nvidia_smi, torch_check
+from trainscope.gpu.goals import verdicts
 from trainscope.gpu.plan import plan
-from trainscope.gpu.results import markdown, outcome, unmet, verdicts
+from trainscope.gpu.results import markdown, outcome, unmet
 from trainscope.measure import bench
 
 
@@ -125,7 +126,13 @@ def run_figures(run_dir: Path) -> dict:
         backend=view.backend,
         device=view.device,
         losses=[[line["step"], line["loss"]] for line in read_steps(run_dir, []) if line.get("loss") is not None],
-        profile={"directory": profile.get("directory"), "window": profile.get("window")} if profile else None,
+        profile={
+            "directory": profile.get("directory"),
+            "window": profile.get("window"),
+            "communication_calls": ((profile.get("breakdown") or {}).get("calls") or {}).get("communication"),
+        }
+        if profile
+        else None,
         throughput=view.throughput,
         mfu=view.mfu,
         memory=view.memory,
@@ -134,12 +141,23 @@ def run_figures(run_dir: Path) -> dict:
         memory_snapshot=view.summary.get("memory_snapshot"),
         communication=view.communication,
         fsdp=view.summary.get("fsdp"),  # each rank's sharded modules, parameters and collectives
+        end_state=view.summary.get("end_state"),  # each rank's parameters' checksum and loss scaler after training
         fsdp_wrap=(view.record.get("model") or {}).get("fsdp_wrap"),
         precision=view.precision,
         warnings=view.warnings,
         measured_peak=view.summary.get("measured_peak"),
         prediction_notes=(view.record.get("prediction") or {}).get("notes"),
     )
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (/proc's start time against the uptime); 0 where they cannot be read."""
+    try:
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, after the name
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
 
 
 class Interrupted(Exception):
@@ -165,15 +183,13 @@ def stop_on_signals():
             signal.signal(signum, handler)
 
 
-def not_started(step: dict, left: float, budget_s: float) -> dict | None:
-    """The result of a check that does not start: skipped by the plan, or its estimate over the `left` seconds of
-    the budget; None for one that starts."""
+def not_started(step: dict, expected: float, left: float, budget_s: float) -> dict | None:
+    """The result of a check that does not start: skipped by the plan, or its `expected` seconds over the `left`
+    seconds of the budget; None for one that starts."""
     if step.get("skipped"):
         reason = step["skipped"]
-    elif step["estimate_s"] > left:
-        reason = (
-            f"over the budget (estimated {step['estimate_s']:.0f} s, {max(left, 0):.0f} s of the {budget_s:.0f} s left)"
-        )
+    elif expected > left:
+        reason = f"over the budget (estimated {expected:.0f} s, {max(left, 0):.0f} s of the {budget_s:.0f} s left)"
     else:
         return None
     return {"name": step["name"], "estimate_s": step["estimate_s"], "seconds": 0.0, "skipped": reason}
@@ -201,20 +217,27 @@ def execute(
 ) -> dict:
     """Run the checks in order within `budget_s` seconds from `started`, calling `write(report)` after each.
 
-    Before a check starts, one whose estimate does not fit in what is left is skipped ("over the budget");
-    a check that runs gets min(its timeout, what is left) (`runner(step, timeout)` returns its result).
+    Before a check starts, the cold costs still unpaid are charged to the checks left (a check skipped hands its on)
+    and its estimate is scaled by what the checks so far took against theirs (`expected_s`); one that does not fit
+    in what is left is skipped ("over the budget"); a check that runs gets min(its timeout, what is left)
+    (`runner(step, timeout)` returns its result).
     SIGINT or SIGTERM stops the checks: the report keeps what finished and says `interrupted`; Interrupted is
     raised again after it is written."""
     started = clock() if started is None else started
     report.update(status="running", budget_s=budget_s, checks=[], not_run=[step["name"] for step in steps])
-    current = None
+    current, paid = None, set()
     try:
         with stop_on_signals():
             write(report)
-            for step in steps:
+            for index, step in enumerate(steps):
                 current = step["name"]
                 left = budget_s - (clock() - started)
-                result = not_started(step, left, budget_s) or run_within(step, left, runner)
+                estimates.first_costs(steps[index:], paid)
+                expected = estimates.scaled(step["estimate_s"], report["checks"])
+                result = not_started(step, expected, left, budget_s) or run_within(step, left, runner)
+                if not result.get("skipped"):
+                    paid |= set(estimates.cold_costs(step))
+                    result.update(estimate_s=step["estimate_s"], expected_s=expected)
                 report["checks"].append(result)
                 report["not_run"].remove(step["name"])
                 report["seconds"] = clock() - started
@@ -228,85 +251,6 @@ def execute(
     report.update(status="complete", seconds=clock() - started)
     write(report)
     return report
-
-
-# ---------------------------------------------------------------- the driver and the torch that can see it
-
-
-def nvidia_smi(*args: str) -> str | None:
-    """nvidia-smi's output, or None where it does not answer (no NVIDIA driver here)."""
-    try:
-        result = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return result.stdout if result.returncode == 0 else None
-
-
-def driver_version() -> str | None:
-    out = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
-    return out.strip().splitlines()[0] if out and out.strip() else None
-
-
-def driver_cuda_version(smi_output: str | None) -> tuple[int, int] | None:
-    """The newest CUDA the driver runs: the `CUDA Version: 12.8` of nvidia-smi's header."""
-    found = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", smi_output or "")
-    return (int(found.group(1)), int(found.group(2))) if found else None
-
-
-# The CUDA builds of torch on download.pytorch.org/whl/<tag>: those of torch 2.9, assumed for this torch too
-# (pytorch.org/get-started/locally lists the current ones).
-TORCH_CUDA_BUILDS = ((12, 6), (12, 8), (13, 0))
-
-
-def cuda_wheel_tag(driver_cuda: tuple[int, int]) -> str | None:
-    """The newest CUDA build of torch that the driver runs (a driver runs CUDA runtimes up to the version
-    nvidia-smi states): e.g. cu128 for a driver of CUDA 12.9; None where the driver is older than every build."""
-    fitting = [build for build in TORCH_CUDA_BUILDS if build <= driver_cuda]
-    return f"cu{fitting[-1][0]}{fitting[-1][1]}" if fitting else None
-
-
-def python_shown() -> str:
-    """This interpreter as a user types it: .venv/bin/python inside the repository."""
-    python = Path(sys.executable)
-    return str(python.relative_to(ROOT) if python.is_relative_to(ROOT) else python)
-
-
-def cuda_torch_command(
-    smi_output: str | None,
-    torch_version: str = torch.__version__,
-    torch_cuda: str | None = torch.version.cuda,
-    environ=None,
-) -> str | None:
-    """Where the NVIDIA driver answers (`smi_output`: nvidia-smi's output, None without a driver) and this torch
-    cannot use the GPU: why, and which torch to install, as one sentence. None where there is no driver, the
-    GPU is usable, or CUDA_VISIBLE_DEVICES hides every GPU on purpose (as `make test` does).
-
-    The build: the newest of TORCH_CUDA_BUILDS not newer than the CUDA version the driver states (`cu128` for a
-    driver of CUDA 12.9); a driver older than every build is to be updated first."""
-    environ = os.environ if environ is None else environ
-    hidden = environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1")
-    if smi_output is None or hidden or torch.cuda.is_available():
-        return None
-    driver_cuda = driver_cuda_version(smi_output)
-    driver = f"CUDA {driver_cuda[0]}.{driver_cuda[1]}" if driver_cuda else "no CUDA version stated"
-    built_for = tuple(int(part) for part in torch_cuda.split(".")[:2]) if torch_cuda else None
-    if built_for is not None and (driver_cuda is None or built_for <= driver_cuda):
-        return (
-            f"the NVIDIA driver answers (nvidia-smi: {driver}) but torch {torch_version} (built for CUDA "
-            f"{torch_cuda}) cannot use the GPU: check CUDA_VISIBLE_DEVICES and the GPU's device files "
-            "(/dev/nvidia*) in this container"
-        )
-    tag = cuda_wheel_tag(driver_cuda) if driver_cuda else None
-    advice = ""
-    if tag is None:
-        (major, minor), tag = TORCH_CUDA_BUILDS[0], "cu{}{}".format(*TORCH_CUDA_BUILDS[0])
-        advice = f"update the NVIDIA driver to one of CUDA {major}.{minor} or later, then "
-    what = "is a CPU-only build" if built_for is None else f"is built for CUDA {torch_cuda}, newer than the driver"
-    return (
-        f"the NVIDIA driver answers (nvidia-smi: {driver}) but torch {torch_version} {what}: {advice}install "
-        f"the CUDA build: {python_shown()} -m pip install torch=={torch_version.split('+')[0]}+{tag} "
-        f"--index-url https://download.pytorch.org/whl/{tag}"
-    )
 
 
 def shown_command(step: dict) -> str:
@@ -340,8 +284,9 @@ def print_plan(
     overhead, limit = estimates.session_overhead_s(), estimates.part_limit_s()
     print(
         f"each part one command, its default budget its estimate and {estimates.MARGIN - 1:.0%}, at most "
-        f"{limit:.0f} s: a command's {estimates.PART_LIMIT_S:.0f} s, a session's {estimates.SESSION_S:.0f} s less the "
-        f"machine's start, make setup and the transfers ({overhead:.0f} s, assumed):"
+        f"{limit:.0f} s: a command's {estimates.COMMAND_S:.0f} s less its set-up ({estimates.ASSUMED_COMMAND_SETUP_S:.0f}"
+        f" s, assumed), a session's {estimates.SESSION_S:.0f} s less the machine's start, make setup and the transfers "
+        f"({overhead:.0f} s, assumed):"
     )
     for part in cut:
         number, names = part[0].get("part", 1), [step["name"] for step in part if not step.get("skipped")]
@@ -425,13 +370,6 @@ def select_part(steps: list[dict], part: int | None) -> tuple[list[dict], int | 
     return cut[part - 1], part
 
 
-def torch_check() -> None:
-    """make setup's check: a warning, since CPU work still runs with this torch."""
-    missing = cuda_torch_command(nvidia_smi())
-    if missing:
-        print(f"warning: {missing} (make gpu-check refuses to run until then)", file=sys.stderr)
-
-
 def write_scaler_check(out: Path) -> None:
     """The scaler check, in the process the plan launched for it: its result to out/scaler.json and stdout."""
     found = scaler_check()
@@ -475,7 +413,8 @@ def new_report(name: str, gpus: int, part: int | None, steps: list[dict]) -> dic
     estimates rest on."""
     return {
         "benchmark": "gpu_check",
-        "benchmark_version": 4,
+        "benchmark_version": 5,  # 5: goals named by each check, estimates charged and scaled as checks run
+        "budget_from": "the command's start",
         "device": name,
         "driver": driver_version(),
         "torch": torch.__version__,
@@ -485,7 +424,9 @@ def new_report(name: str, gpus: int, part: int | None, steps: list[dict]) -> dic
         "plan": steps,
         "estimates": {
             "measured_launch_s": estimates.MEASURED_LAUNCH_S,
+            "measured_process_group_s": estimates.MEASURED_PROCESS_GROUP_S,
             "measured_step_s": estimates.MEASURED_STEP_S,
+            "measured_shared_step_s": estimates.MEASURED_SHARED_STEP_S,
             "measured_compile_s": estimates.MEASURED_COMPILE_S,
             "assumed_step_s": estimates.ASSUMED_STEP_S,
             "assumed_session_overhead_s": estimates.session_overhead_s(),
@@ -543,7 +484,8 @@ def run_checks(steps: list[dict], report: dict, budget: float, stem: Path, start
         exit_with(UserError(f"{'; '.join(said)}: see {stem}.md"), code=1)
 
 
-def main(argv=None) -> None:
+def main(argv=None, started: float | None = None) -> None:
+    """The command line; `started`: the time.monotonic() the budget counts from (the command's start; default now)."""
     args = parser().parse_args(argv)
     if args.budget is not None and args.budget <= 0:
         parser().error("--budget must be positive")
@@ -561,7 +503,7 @@ def main(argv=None) -> None:
         parser().error("--only runs the checks it names: no --part with it")
     if args.dry_run:
         return dry_run(args.gpus, args.part, args.budget, args.only)
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
     if not torch.cuda.is_available():
         missing = cuda_torch_command(nvidia_smi())
         if missing:
@@ -595,4 +537,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(started=time.monotonic() - process_age_s())  # the budget is the command's: its start and imports count

@@ -1,40 +1,54 @@
-"""What make gpu-check's estimates rest on: the launch, step and compile times measured by the gpu-checks on one
+"""What make gpu-check's estimates rest on: the launch, step and start-up times measured by the gpu-checks on one
 H200 (MEASURED_*) and those not measured on GPU (ASSUMED_*); from them a launch of train.py's estimate, what only a
-first launch costs, a check's timeout, and the plan's estimated total, its default budget and its parts, each part
-one command that fits a session (trainscope.gpu.plan lays out the checks).
+machine's first launches cost, a check's timeout, and the plan's estimated total, its default budget and its parts,
+each part one command that fits a session (trainscope.gpu.checks declares the checks, trainscope.gpu.plan lays
+them out).
 """
 
 import math
 from collections.abc import Callable
 
-# ---- what the estimates rest on. MEASURED_*: the make gpu-checks on a GPU (one NVIDIA H200;
-# benchmarks/gpu/nvidia-h200.*; the runs each figure comes from: docs/benchmarks.md#the-gpu-plans-estimates-trainscopegpuestimatespy).
-# ASSUMED_*: not measured on GPU.
-MEASURED_LAUNCH_S = 23.0  # one single-GPU launch of train.py less its steps, its operators already timed
-MEASURED_FIRST_LAUNCH_S = 45.0  # the first launch's extra. The matmul peak and the layer probes are cached per
-#                                  process count (trainscope.measure.peak.machine_key): the first launch of each
-#                                  process count pays it
-MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.040, "fp16": 0.047}  # steady steps, batch 32 x 128
+# ---- what the estimates rest on. MEASURED_*: the gpu-checks on one NVIDIA H200 (the 2026-11-28 run of commit e7bc5f9,
+# torch 2.11, 2 processes sharing the GPU over gloo: benchmarks/gpu/h200-2026-11-28/, each check's seconds in
+# run1.json and run2.json, the records under records/; the earlier runs: benchmarks/gpu/nvidia-h200.*). ASSUMED_*:
+# not measured on GPU.
+# One process's launch less its steps, its operators timed before: precision-bf16 34.0 s less 50 steps of 0.045 s
+# and its 0.4 s prediction, unpad-bf16 33.3 s less 2.6 s and 0.3 s (start, data, model, the ending and the exit)
+MEASURED_LAUNCH_S = 31.0
+# Two processes' launch less their steps, DDP's bucket timing and their operators' timing: 34.1 (ddp-profile), 35.9
+# (ddp-comm-hook-bf16), 37.4 (ddp-communication-memory), 41.0 (ddp-fp16) and 41.1 s (ddp-comm-hook-fp16): the largest
+MEASURED_PROCESS_GROUP_S = 10.0
+MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.045, "fp16": 0.047}  # steady steps, batch 32 x 128 (bf16: precision-bf16;
+#                                                                  fp32 and fp16: benchmarks/gpu/nvidia-h200.*)
+# Two processes sharing one GPU over gloo, a steady step by config: fsdp2's 0.698 s, ddp-communication-memory's 0.311
+# (the hooks' 0.274 and 0.207), ddp-fp16's 0.303
+MEASURED_SHARED_STEP_S = {"fsdp": 0.70, "ddp": 0.31, "ddp_fp16": 0.31}
+# What a DDP check spends after training timing each bucket's all-reduce (its record's communication.measurement_s):
+# 9.0-10.7 s with the built-in all-reduce and the bf16 hook, 18.6 s with the fp16 hook
+MEASURED_BUCKET_TIMING_S = {"none": 11.0, "bf16": 11.0, "fp16": 19.0}
+# Extras of a check measured above its launch and steps: fsdp2's launch 49.7 s against the DDP checks' 41.1 (4.7 s
+# of it its two warm-up steps), ddp-profile's 20 traced steps at 0.641 s against 0.311
+MEASURED_EXTRA_S = {"fsdp": 9.0, "profile": 7.0}
 MEASURED_COMPILE_S = 104.0  # a compiled bf16 launch less an eager one whose operators were timed before, and its steps
-ASSUMED_STEP_S = {"tf32": 0.06}  # not yet run on a GPU (run 2's budget ended before it)
-ASSUMED_PROCESS_GROUP_S = 5.0  # a 2-process launch: the second process and the process group
+ASSUMED_STEP_S = {"tf32": 0.06}  # not yet run on a GPU
 ASSUMED_COMPILE_PROCESSES = 1.5  # two processes compiling at once on one host's cores: 1.5x one compile
-ASSUMED_OP_COSTS_S = 8.0  # a launch whose precision and process count this machine has not predicted before times
-#                           the prediction's operators in a child process (Python, torch, a CUDA context)
+# What only a machine's first launches pay (each part runs on a fresh machine): the predictor's calibration, once per
+# machine (fsdp2's record: 42.6 s), and the prediction's operators timed in a child process, once per precision and
+# process count: two processes 12.2 (fp32), 17.5 (fp16) and 17.6 s (bf16 under FSDP2); one process assumed (the
+# 2026-11-28 records of one process found theirs timed before)
+MEASURED_CALIBRATION_S = 43.0
+OP_COSTS_S = {1: 8.0, 2: 17.5}
 ASSUMED_SCRIPT_S = 8.0  # a benchmark script's own start: imports, data, CUDA context
-ASSUMED_EXTRA_S = {"snapshot": 5.0, "profile": 10.0, "search": 15.0}  # a snapshot's pickle (Python frames only),
-#                                                 the trace and CUPTI, the batch search's out-of-memory tries
+ASSUMED_EXTRA_S = {"snapshot": 5.0, "search": 15.0}  # a snapshot's pickle (Python frames only), the batch search's
+#                                                     out-of-memory tries
 MEASURED_LOADER_PASS_S = 1.0  # loaders_bench: one pass over 4096 samples at batch 512 x 512, with and without workers
 ASSUMED_DP_LOOP_S = 2.0  # compare_dp.py: one in-process loop (22 MiniLM steps of 32)
 ASSUMED_SCALER_S = 10.0  # the scaler check's process: Python, torch, a CUDA context and 16 tiny steps
-# Two processes sharing one GPU over gloo: each step's compute twice over on the one GPU, and the gradients through
-# host memory at the bus bandwidth make ddp-cost measured over gloo, their copies to and from the GPU besides (the
-# arithmetic: docs/benchmarks.md#the-gpu-plans-estimates-trainscopegpuestimatespy)
-ASSUMED_SHARED_STEP_FACTOR = 2.0
-ASSUMED_GLOO_STEP_S = 0.45
 TIMEOUT_FACTOR, MIN_TIMEOUT_S = 3.0, 60.0  # a launch is killed past 3x its estimate (at least a minute)
 MARGIN = 1.15  # the default budget: the plan's estimate and 15%
-PART_LIMIT_S = 600.0  # at most one command's time on a machine that lends its GPU 10 minutes a command
+COMMAND_S = 600.0  # at most one command's time on a machine that lends its GPU 10 minutes a command
+ASSUMED_COMMAND_SETUP_S = 30.0  # the command's own work before the check starts: the carried wheels installed
+PART_LIMIT_S = COMMAND_S - ASSUMED_COMMAND_SETUP_S
 SESSION_S = 900.0  # the device time one session is lent (15 minutes), the machine's start and transfers included
 # What a session spends besides the checks, not measured (the H200 sessions kept no timing of it): the machine's start
 # (a minute or more, 1-2 minutes a kind tried: the device tool's notes), `make setup` there (the venv over the
@@ -49,42 +63,56 @@ def step_seconds(precision: str) -> float:
     return MEASURED_STEP_S.get(precision) or ASSUMED_STEP_S[precision]
 
 
-def train_estimate(steps: int, precision: str, processes: int = 1, extra: float = 0.0, shared: bool = False) -> float:
-    """Seconds for one launch of train.py: the fixed cost, the steps at their step time, and extras; on a GPU
-    `shared` by its processes over gloo, each step's compute twice over and the gradients through host memory."""
-    step = step_seconds(precision) * (ASSUMED_SHARED_STEP_FACTOR if shared else 1.0) + (
-        ASSUMED_GLOO_STEP_S if shared else 0.0
-    )
-    return MEASURED_LAUNCH_S + (ASSUMED_PROCESS_GROUP_S if processes > 1 else 0.0) + steps * step + extra
+def train_estimate(
+    steps: int, precision: str, processes: int = 1, extra: float = 0.0, shared_step: float | None = None
+) -> float:
+    """Seconds for one launch of train.py: the fixed cost, the steps at their step time (`shared_step`: the measured
+    step of processes sharing one GPU over gloo), and extras."""
+    step = step_seconds(precision) if shared_step is None else shared_step
+    return MEASURED_LAUNCH_S + (MEASURED_PROCESS_GROUP_S if processes > 1 else 0.0) + steps * step + extra
 
 
 def timeout_for(estimate: float) -> float:
     return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * estimate)
 
 
-def first_costs(steps: list[dict]) -> None:
-    """Add to the estimates what only a first launch costs: the first launch of each process count (the machine's
-    matmul peak and layer probes, cached per process count, and on the first of all the predictor's calibration:
-    MEASURED_FIRST_LAUNCH_S) and the first of each precision and process count (its operators timed in a child
-    process, ASSUMED_OP_COSTS_S). TF32 runs the fp32 operators (timed by fp32's launch)."""
-    cold, timed = set(), set()
+def cold_costs(step: dict) -> dict[str, float]:
+    """What a training check pays where it is the machine's first of its kind: the calibration (the first of all) and
+    its precision's operators timed (the first of each precision and process count; TF32 runs the fp32 ones)."""
+    if "config" not in step:
+        return {}
+    kind = "fp32" if step["precision"] == "tf32" else step["precision"]
+    processes = step["processes"]
+    return {"calibration": MEASURED_CALIBRATION_S, f"operators {kind} x{processes}": OP_COSTS_S[min(processes, 2)]}
+
+
+def first_costs(steps: list[dict], paid: set[str] = frozenset()) -> None:
+    """Charge each cold cost (cold_costs) to the first check not skipped that needs it and that `paid` (those the
+    checks that ran already paid) does not hold, each check's earlier charge replaced: a check skipped at run time
+    hands its charge to the next one that needs it. Timeouts grow with the estimates, never shrink."""
+    charged = set(paid)
     for step in steps:
-        if step.get("skipped") or "config" not in step:
+        if "config" not in step:
             continue
-        extra, notes = 0.0, []
-        if step["processes"] not in cold:
-            cold.add(step["processes"])
-            extra += MEASURED_FIRST_LAUNCH_S
-            notes.append(f"first launch of {step['processes']} process(es) +{MEASURED_FIRST_LAUNCH_S:.0f} s")
-        kind = ("fp32" if step["precision"] == "tf32" else step["precision"], step["processes"])
-        if kind not in timed:
-            timed.add(kind)
-            extra += ASSUMED_OP_COSTS_S
-            notes.append(f"operator costs +{ASSUMED_OP_COSTS_S:.0f} s")
-        if extra:
-            step["estimate_s"] += extra
-            step["timeout_s"] = timeout_for(step["estimate_s"])
-            step["estimate"] += "; " + ", ".join(notes)
+        step["estimate_s"] -= sum(step.pop("cold", {}).values())
+        if step.get("skipped"):
+            continue
+        cold = {what: seconds for what, seconds in cold_costs(step).items() if what not in charged}
+        charged |= set(cold)
+        step["estimate_s"] += sum(cold.values())
+        step["timeout_s"] = max(step.get("timeout_s", 0.0), timeout_for(step["estimate_s"]))
+        step["estimate"] = step["estimate"].split("; cold:")[0] + (
+            "; cold: " + ", ".join(f"{what} +{seconds:.0f} s" for what, seconds in cold.items()) if cold else ""
+        )
+        if cold:
+            step["cold"] = cold
+
+
+def scaled(estimate: float, done: list[dict]) -> float:
+    """`estimate` scaled by what the checks that ran to their end took against their estimates (1 before any)."""
+    ended = [c for c in done if c.get("exit") == 0 and not c.get("skipped") and c.get("estimate_s")]
+    planned = sum(c["estimate_s"] for c in ended)
+    return estimate * (sum(c["seconds"] for c in ended) / planned if planned else 1.0)
 
 
 def planned_seconds(steps: list[dict]) -> float:
@@ -103,8 +131,8 @@ def session_overhead_s() -> float:
 
 
 def part_limit_s() -> float:
-    """The most a part's default budget may be: one command's limit, and what a session leaves of its device time
-    after the machine's start, set-up and transfers."""
+    """The most a part's default budget may be: one command's limit less its set-up, and what a session leaves of its
+    device time after the machine's start, set-up and transfers."""
     return min(PART_LIMIT_S, SESSION_S - session_overhead_s())
 
 

@@ -404,7 +404,9 @@ def rates(
             new = {s: dataclasses.replace(r, others_cores=others) for s, r in new.items()}
             # A rate measured while other processes took a core's share would be cached for every later run on
             # this machine: kept for this run only (its record says how busy the machine was), measured again next.
-            if store and not too_busy(others):
+            # The launch's other processes measure at the same time (machine_peak): their threads are allowed for.
+            peers = ((processes or 1) - 1) * torch.get_num_threads()
+            if store and not too_busy(others, allowance=peers):
                 _store(key, {_entry(precision_name, s): r for s, r in new.items()})
             found.update(new)
     return {s: found[s] for s in shapes}

@@ -299,6 +299,8 @@ class RunLifecycle:
         result = self.metrics.summarize(test_scores)
         if self.sharding is not None:  # every rank's (a collective)
             result["fsdp"] = gather_object([self.sharding.facts()])
+        if self.world > 1:  # every rank's (a collective): DDP's ranks end with the same parameters and scaler
+            result["end_state"] = gather_object([sharding.end_state(self.metrics.model, self.accelerator.scaler)])
         if self.record:
             self._forget_a_failure_the_run_outlived()
             self.record.update(

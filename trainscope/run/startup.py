@@ -128,7 +128,10 @@ def process_group_options(settings: RunOptions, cpu: bool, environ=None) -> dict
             raise UserError(f"{BACKEND_ENV}={environ[BACKEND_ENV]}: one of {', '.join(BACKENDS)}, or unset")
         options["backend"] = backend
     if not cpu and _cuda() and backend in (None, "nccl"):
-        options["device_id"] = torch.device("cuda", int(environ.get("LOCAL_RANK", "0") or 0))
+        # the GPU Accelerate puts this process on (PartialState.set_device: local rank modulo the GPUs it sees), so
+        # a launch that shows each process only its own GPU binds cuda:0, not the out-of-range cuda:LOCAL_RANK
+        local_rank = int(environ.get("LOCAL_RANK", "0") or 0)
+        options["device_id"] = torch.device("cuda", local_rank % torch.cuda.device_count())
     return options
 
 

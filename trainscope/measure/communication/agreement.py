@@ -103,12 +103,14 @@ def ddp_agreement(ids: list[int], ranks: list[dict]) -> dict:
     if not paired:
         return {"pairs": 0, "verdict": "undecided", "iterations": []}
     differences = [o[i]["exposed_s"] - t[i]["exposed_s"] for i in paired for o, t in zip(ours, theirs)]
-    # DDP's exposure (least over ranks: the others' excess is wait, not communication), beside the verdict
-    quantity = statistics.median(min(t[i]["exposed_s"] for t in theirs) for i in paired)
+    # Each instrument's exposure over the same iterations (least over ranks: the others' excess is wait, not
+    # communication), beside the verdict
+    least = lambda per_rank: statistics.median(min(r[i]["exposed_s"] for r in per_rank) for i in paired)  # noqa: E731
     result = {
         **agreement(differences, same_events_tolerance(ranks[0].get("clock", "host"))),
         "iterations": paired,
-        "ddp_exposed_s": quantity,
+        "exposed_s": least(ours),
+        "ddp_exposed_s": least(theirs),
         "instrument": "the same reducer events: an implementation check",
     }
     windows = [i for i in paired if all(o[i]["overlap"] is not None for o in ours)]

@@ -315,6 +315,12 @@ def instrument_lines(block: dict) -> list[str]:
         lines.append(
             f"  DDP's own logger: exposed {ms(block['ddp_exposed_s'])} ms, overlap {block['ddp_overlap']:.0%} of "
             f"its {block['ddp_comm_s'] * 1e3:.0f} ms window (steady iterations {block['ddp_iterations']})"
+            + (  # both instruments on the iterations DDP sampled: the pairs the verdict judged
+                f"; on the iterations it sampled ({ddp['iterations'][0]}-{ddp['iterations'][-1]}) exposed "
+                f"{ms(ddp['ddp_exposed_s'])} ms against trainscope's {ms(ddp['exposed_s'])} ms"
+                if ddp and ddp.get("exposed_s") is not None
+                else ""
+            )
             + (f"; exposed {verdict_text(ddp)}" if ddp else "")
             + (f"; overlap {verdict_text(ddp['overlap'], unit='points')}" if ddp and ddp.get("overlap") else "")
         )
