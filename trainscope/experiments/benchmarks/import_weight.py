@@ -16,6 +16,8 @@ from pathlib import Path
 
 from trainscope.core.paths import ROOT
 from trainscope.measure import bench
+from trainscope.report.document import Heading, Paragraph, markdown
+from trainscope.report.tables import Table, spread_cell
 
 TARGET_S = 0.5
 WATCHED = ("transformers", "datasets", "evaluate", "peft", "torch")
@@ -51,25 +53,28 @@ def figures(rounds: list[dict]) -> dict:
     }
 
 
-def markdown(report: dict) -> list[str]:
+def page(report: dict) -> list:
     added, seconds = report["added_s"], report["seconds"]
     verdict = {True: "met", False: "NOT met", None: "undecided"}[report["meets_target"]]
+    rows = [
+        [f"`{ARMS[arm]}`", spread_cell(s), ", ".join(m for m in report["loaded"][arm] if m != "torch") or "none"]
+        for arm, s in seconds.items()
+    ]
     return [
-        "# Import weight of trainscope.Run",
-        "",
-        f"{len(report['rounds'])} alternating rounds, each arm a fresh interpreter timing its own imports.",
-        "",
-        "| arm | seconds (median, min-max) | model libraries loaded |",
-        "|---|---:|---|",
-        *(
-            f"| `{ARMS[arm]}` | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
-            f"{', '.join(m for m in report['loaded'][arm] if m != 'torch') or 'none'} |"
-            for arm, s in seconds.items()
+        Heading("Import weight of trainscope.Run"),
+        Paragraph(f"{len(report['rounds'])} alternating rounds, each arm a fresh interpreter timing its own imports."),
+        Table(
+            "Import weight",
+            ["arm", "seconds (median, min-max)", "model libraries loaded"],
+            rows,
+            "import_weight",
+            align="lrl",
+        ),  # fmt: skip
+        Paragraph(
+            f"trainscope.Run adds {added['median']:.2f} s (median; interval {added['low']:.2f} to {added['high']:.2f} s "
+            f"at {added['confidence']:.1%}, order statistics of the rounds' differences): target <= "
+            f"{report['target_s']} s {verdict}."
         ),
-        "",
-        f"trainscope.Run adds {added['median']:.2f} s (median; interval {added['low']:.2f} to {added['high']:.2f} s at "
-        f"{added['confidence']:.1%}, order statistics of the rounds' differences): target <= {report['target_s']} s "
-        f"{verdict}.",
     ]
 
 
@@ -81,7 +86,7 @@ def main() -> None:
     arms = {arm: (lambda i, imports=imports: child(imports)) for arm, imports in ARMS.items()}
     rounds = bench.alternate(arms, args.pairs)
     report = {"benchmark": "import_weight", "benchmark_version": 1, **figures(rounds)}
-    bench.publish(Path(args.out), report, markdown(report))
+    bench.publish(Path(args.out), report, markdown(page(report)))
 
 
 if __name__ == "__main__":
