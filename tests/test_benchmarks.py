@@ -5,6 +5,7 @@ import importlib
 import json
 import math
 import random
+import re
 import runpy
 import subprocess
 import sys
@@ -199,7 +200,7 @@ def test_a_direct_figure_outside_the_rounds_interval_fails_the_check_on_either_s
     (found,) = json.loads(out.with_suffix(".json").read_text())["scripts"]
     arm = found["arms"]["train.py"]
     assert arm["agreement"] == answer and found["direct"]["share"] == pytest.approx(direct, rel=0.01)
-    assert 0.04 < arm["per_step"]["interval_low"] < 0.05 < arm["per_step"]["interval_high"] < 0.06
+    assert 0.04 < arm["per_step"]["interval"]["low"] < 0.05 < arm["per_step"]["interval"]["high"] < 0.06
     text = out.with_suffix(".md").read_text()
     assert (f"**DISAGREE** ({answer})" in text) == (answer != "agree")
     assert ("lies " + answer in completed.stderr) == (answer != "agree")
@@ -339,7 +340,7 @@ def test_both_arms_of_the_overhead_benchmark_do_the_same_work(tmp_path, monkeypa
         options = startup.device_loader_options
         for module in (startup, classifier):  # the bare loop's name for it, and train.py's
             monkeypatch.setattr(module, "device_loader_options", lambda *a: {**options(*a), "pad_to_multiple_of": 8})
-    args = [*overhead.DEFAULT_TRAIN_ARGS, *TINY, *flags]
+    args = [*overhead.TRAIN_ARGS, *TINY, *flags]
     work = record_the_work(monkeypatch)
     bare = run_in_process(args, main=overhead.bare_loop)
     assert bare.returncode == 0, bare.stderr[-3000:]
@@ -426,3 +427,77 @@ def test_the_causal_lm_example_without_trainscope_trains_the_same_steps_to_the_s
     assert taken == len(steps) - taken == 4 and (tmp_path / "with" / "record.json").exists()
     assert measured["test"]["loss"] == pytest.approx(without["loss"], rel=1e-6)
     assert measured["optimizer_steps"] == 4
+
+
+ROOT = Path(__file__).resolve().parent.parent
+MACHINE_LINE = re.compile(r"^- \*\*([A-Z])\*\* \(([^)]*)\)")
+COMMITTED = re.compile(r"benchmarks/[\w/-]+(?:\.json)?")
+
+
+def measured_by(path: Path) -> set[str]:
+    """The machines ('AMD EPYC, AVX2, bf16 emulated') whose provenance the committed path's records and results
+    files name (trainscope.report.inputs.machine_of, as the report groups its figures)."""
+    from trainscope.report.inputs import machine_of
+
+    found = set()
+    for file in [path] if path.is_file() else sorted(path.rglob("*.json")):
+        source = json.loads(file.read_text())
+        if isinstance(source, dict) and ("run_name" in source or "provenance" in source):
+            machine = machine_of(source)
+            if machine is not None:
+                found.add(f"{machine.cpu_text}, {machine.isa}")
+    return found
+
+
+def machines_named(text: str) -> dict[str, tuple[str, list[str]]]:
+    """{letter: (the machine as its bullet describes it, the committed paths the bullet credits to it)} of a page's
+    list of machines (`- **A** (AMD EPYC, AVX2, bf16 emulated): ... benchmarks/runs/tune/ ...`)."""
+    named, letter = {}, None
+    for line in text.splitlines():
+        found = MACHINE_LINE.match(line)
+        if found:
+            letter = found[1]
+            named[letter] = (found[2], [])
+        elif not line.startswith("  "):
+            letter = None
+        if letter is not None:
+            named[letter][1].extend(COMMITTED.findall(line))
+    return named
+
+
+def committed(path: str) -> Path:
+    found = ROOT / path.rstrip("/.")
+    return found if found.exists() else found.with_suffix(".json")
+
+
+def test_the_machines_credited_with_the_committed_figures_are_those_their_files_name():
+    """README.md credited machine A with the timing overhead and the Trainer benchmarks, which machine B measured
+    (their provenance says AVX512 + avx512_bf16), and machine C with the prediction runs, also B's. Every committed
+    path README.md's and docs/benchmarks.md's lists of machines name, and every row of the committed results that
+    names one machine and its files, is read: the machine its files name is the one credited; README.md's list
+    credits every committed benchmark."""
+    readme = machines_named((ROOT / "README.md").read_text())
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert set(readme) == set(machines_named(page)) == {"A", "B", "C"}
+    for named in (readme, machines_named(page)):
+        for letter, (machine, paths) in named.items():
+            assert paths, letter
+            for path in paths:
+                assert measured_by(committed(path)) == {machine}, (letter, path)
+    described = {letter: machine for letter, (machine, _) in readme.items()}
+    rows, checked = [line.split(" | ") for line in page.splitlines() if line.startswith("| ")], 0
+    where = []
+    for row in rows:
+        if len(row) == 4 and row[2] in described:
+            written = row[3].rpartition("→")[2]  # what the command wrote, not the folders it was given
+            where = COMMITTED.findall(written) or (where if row[3].startswith("same") else [])
+            for path in where:
+                assert measured_by(committed(path)) == {described[row[2]]}, (row[0][:80], path)
+                checked += 1
+    assert checked >= 20
+    credited = {committed(path) for _, paths in readme.values() for path in paths}
+    everything = [
+        *(ROOT / "benchmarks").glob("*.json"),
+        *(p for p in (ROOT / "benchmarks" / "runs").iterdir() if p.is_dir()),
+    ]
+    assert sorted(set(everything) - credited) == [], "a committed benchmark README.md credits to no machine"

@@ -462,6 +462,20 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def spread_and_interval(values: list[float]) -> dict:
+    """`spread` with the median's distribution-free interval (`interval`: `median_interval`)."""
+    return {**spread(values), "interval": median_interval(values)}
+
+
+def within(interval: dict, bound: float) -> bool | None:
+    """A target judged on a median's interval (`median_interval`), stated before measuring: True (met) when its upper
+    end is at most `bound`, False (NOT met) when its lower end is above it, None (undecided) otherwise or from fewer
+    than MIN_PAIRS values."""
+    if interval["n"] < MIN_PAIRS:
+        return None
+    return True if interval["high"] <= bound else False if interval["low"] > bound else None
+
+
 def ratio_text(comparison: dict) -> str:
     """'1.0037 (0.9940-1.0160, 5 pairs, p 0.69)': the median pair ratio with its range and the test's p."""
     p = comparison.get("p_value")

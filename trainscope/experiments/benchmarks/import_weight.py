@@ -42,14 +42,13 @@ def figures(rounds: list[dict]) -> dict:
     base, with_run = "accelerate", "accelerate + trainscope.Run"
     added = [r[with_run]["seconds"] - r[base]["seconds"] for r in rounds]
     interval = bench.median_interval(added)
-    meets = True if interval["high"] <= TARGET_S else False if interval["low"] > TARGET_S else None
     return {
         "rounds": rounds,
         "seconds": {arm: bench.spread([r[arm]["seconds"] for r in rounds]) for arm in ARMS},
         "added_s": {"median": statistics.median(added), **interval},
         "loaded": {arm: sorted({m for r in rounds for m in r[arm]["loaded"]}) for arm in ARMS},
         "target_s": TARGET_S,
-        "meets_target": meets if len(rounds) >= bench.MIN_PAIRS else None,
+        "meets_target": bench.within(interval, TARGET_S),
     }
 
 

@@ -97,19 +97,16 @@ def run_pieces(run, model, optimizer) -> dict:
     }
 
 
-WHAT = {
-    "stage timer": "the clocks of `run.stage` and `run.data` (each stage a do-nothing context)",
-    "forward hooks": "every forward hook on the model: the run's (its forward pre-hook: the step order and the FLOPs "
-    "counter's shapes; the operator timings' input watch) and, under the Trainer, the callback's stage boundaries",
-    "step hook": "the optimizer's step hooks: with them off the run sees no step, so no step's end runs either "
-    "(counters, step lines, progress, stop checks): the whole of a step's end",
-    "micro-batch counting": "`metrics.micro_batch`: samples, tokens, FLOPs and the prediction's check of each "
-    "micro-batch (its loss still kept for the step lines)",
-    "step lines": "the log steps' line: the losses gathered and checked (a sync), the tokens reduced, the line written",
-    "progress bar": "the progress bar's update at each step",
+WHAT = {  # each piece in a line (docs/benchmarks.md says how each is switched off)
+    "stage timer": "the clocks of `run.stage` and `run.data`",
+    "forward hooks": "the model's forward hooks (the run's, the operator timings' watch, the callback's stages)",
+    "step hook": "the optimizer's step hooks, and with them all of a step's end",
+    "micro-batch counting": "samples, tokens, FLOPs and the prediction's check of each micro-batch",
+    "step lines": "the log steps' line (the losses gathered and checked: a sync; the line written)",
+    "progress bar": "the progress bar's update",
     "stop checks": "the signal check at each batch and step end",
-    "batch wrapper": "the callback's wrapper of `Trainer.get_batch_samples` (the data stage, settling steps)",
-    "backward wrapper": "the callback's wrapper of `accelerator.backward` (exposed communication, the FLOPs count's end)",
+    "batch wrapper": "the callback's wrapper of `Trainer.get_batch_samples`",
+    "backward wrapper": "the callback's wrapper of `accelerator.backward`",
 }
 
 
@@ -187,7 +184,7 @@ def train_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tup
                             settings.max_grad_norm)  # fmt: skip
 
         def measured_steps(count: int):
-            batches = run.data(Feed(source))
+            batches = run.data(source)  # a generator is its own iterator: each block's run.data goes on from it
             for _ in range(count):
                 batch = next(batches)
                 loss, _ = task.train_step(accelerator, model, batch, optimizer, training.scheduler, run.stage,
@@ -223,20 +220,11 @@ def trainer_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> t
     from transformers import TrainerCallback
 
     from trainscope.experiments.benchmarks import trainer_peer
-    from trainscope.run import startup
     from trainscope.trainer import TrainscopeCallback
-    from trainscope.workload.data import build_dataloaders, load_classification_data
-    from trainscope.workload.modeling import build_model, build_tokenizer
 
     (settings,) = parse_settings(argv=argv)
     warmup = settings.timing_warmup_steps
     settings = dataclasses.replace(settings, max_steps=warmup + rounds * (len(pieces_wanted) + 2) * (steps + 1) + 1)
-    startup.configure_process(settings)
-    tokenizer = build_tokenizer(settings)
-    data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
-    torch.manual_seed(settings.seed)
-    model, _ = build_model(settings, data.label_names, tokenizer)
-    loader = build_dataloaders(data, tokenizer, settings, pin_memory=False)[0]
     blocks = Blocks([ALL, NONE], rounds, steps)
 
     class Switch(TrainerCallback):
@@ -282,12 +270,7 @@ def trainer_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> t
     with tempfile.TemporaryDirectory() as scratch:
         callback = TrainscopeCallback(name="pieces", output_dir=scratch, log_every=settings.log_every,
                                       timing_warmup_steps=warmup, threads="launcher")  # fmt: skip
-        trainer = trainer_peer.peer_trainer_class(loader)(
-            model=model,
-            args=trainer_peer.training_arguments(settings, "fp32", scratch, False),
-            train_dataset=data.train,
-            callbacks=[callback, Switch()],
-        )
+        trainer = trainer_peer.peer_trainer(settings, "fp32", scratch, [callback, Switch()])
         with blocks.watching_the_collector():
             trainer.train()
     return blocks, {"planned_steps": settings.max_steps, "threads": torch.get_num_threads()}
@@ -323,19 +306,9 @@ def step_hooks(optimizer) -> tuple:
 
 
 def forever(loader):
-    """The loader's batches, epoch after epoch."""
+    """The loader's batches, epoch after epoch: one stream every block reads on from."""
     while True:
         yield from loader
-
-
-class Feed:
-    """One shared stream of batches, given to `run.data` as its loader (each block a new `run.data` over it)."""
-
-    def __init__(self, source):
-        self.source = source
-
-    def __iter__(self):
-        return self.source
 
 
 def figures(blocks: Blocks) -> dict:
@@ -352,7 +325,7 @@ def figures(blocks: Blocks) -> dict:
         costs = {}
         for name in blocks.configurations[1:]:
             differences = [r[ALL] - r[name] for r in rounds]
-            costs[name] = {**bench.spread(differences), "interval": bench.median_interval(differences)}
+            costs[name] = bench.spread_and_interval(differences)
         total, pieces = costs.pop(NONE), costs
         found[key] = {"total": total, "pieces": pieces,
                       "not_located": total["median"] - sum(max(0.0, p["median"]) for p in pieces.values())}  # fmt: skip

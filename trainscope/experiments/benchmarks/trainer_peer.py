@@ -52,42 +52,37 @@ COST_STEPS, COST_WARMUP = 1000, 20
 COST_PAIRS = 11  # the median's interval at 98.8%
 
 
-def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -> None:
-    """Fine-tune with transformers.Trainer on train.py's own loader (with trainscope's callback when asked); print
-    steady-state figures as JSON (and the callback's record's stage split)."""
+def peer_trainer(settings, precision: str, scratch: str, callbacks: list):
+    """A transformers.Trainer on train.py's workload and own loader (the same samples in the same order, the same
+    thread budget), with `callbacks`."""
     from trainscope.run import startup  # deferred: it loads transformers' models
     from trainscope.workload.data import build_dataloaders, load_classification_data  # deferred: it loads datasets
     from trainscope.workload.modeling import build_model, build_tokenizer  # deferred: it loads transformers' models
 
-    (settings,) = parse_settings(argv=argv)
-    startup.configure_process(settings)  # the same thread budget as train.py
+    startup.configure_process(settings)
     tokenizer = build_tokenizer(settings)
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
     torch.manual_seed(settings.seed)
     model, _ = build_model(settings, data.label_names, tokenizer)
     on_cuda = torch.cuda.is_available()
     loader = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)[0]
-    clock = steady_clock(settings, on_cuda, lambda: trainer.tokens)  # the trainer made below counts them
+    arguments = training_arguments(settings, precision, scratch, on_cuda)
+    return peer_trainer_class(loader)(model=model, args=arguments, train_dataset=data.train, callbacks=callbacks)
+
+
+def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -> None:
+    """Fine-tune with transformers.Trainer on train.py's own loader (with trainscope's callback when asked); print
+    steady-state figures as JSON (and the callback's record's stage split)."""
+    (settings,) = parse_settings(argv=argv)
+    clock = steady_clock(settings, torch.cuda.is_available(), lambda: trainer.tokens)  # the trainer below counts them
     with tempfile.TemporaryDirectory() as scratch:
         callbacks = [clock]
         if with_callback:
             from trainscope.trainer import TrainscopeCallback  # deferred: it loads transformers' Trainer
 
-            callbacks.append(
-                TrainscopeCallback(
-                    name="callback",
-                    output_dir=scratch,
-                    log_every=settings.log_every,
-                    timing_warmup_steps=settings.timing_warmup_steps,
-                    threads="launcher",
-                )  # fmt: skip
-            )
-        trainer = peer_trainer_class(loader)(
-            model=model,
-            args=training_arguments(settings, precision, scratch, on_cuda),
-            train_dataset=data.train,
-            callbacks=callbacks,
-        )
+            callbacks.append(TrainscopeCallback(name="callback", output_dir=scratch, log_every=settings.log_every,
+                                                timing_warmup_steps=settings.timing_warmup_steps, threads="launcher"))  # fmt: skip
+        trainer = peer_trainer(settings, precision, scratch, callbacks)
         trainer.train()
         figures = steady_figures(settings, clock)
         if with_callback:

@@ -146,27 +146,22 @@ def measure(script: Script, rounds: int, warm_rounds: int, run, log=print, on_ro
 # ---------------------------------------------------------------- the verdicts
 
 
-def interval_of(values: list[float]) -> dict:
-    """The median of `values` with its min-max and its distribution-free interval."""
-    return {**bench.spread(values), **{f"interval_{k}": v for k, v in bench.median_interval(values).items()}}
-
-
-def judged(found: dict, bound: float) -> bool | None:
-    """Met when the interval's upper end is within `bound`, NOT met when its lower end is above it, else None."""
-    if found["n"] < bench.MIN_PAIRS:
-        return None
-    return True if found["interval_high"] <= bound else False if found["interval_low"] > bound else None
-
-
 def agreement(direct: float | None, cost: dict) -> str:
     """The direct per-step figure against the rounds' interval of the per-step cost: "agree" inside it, "below" or
     "above" outside it (the check fails either way: one of the two figures misses something), "undecided" where the
     interval is wider than CHECKABLE_WIDTH or there are too few rounds, "none" without a direct figure."""
     if direct is None:
         return "none"
-    if cost["n"] < bench.MIN_PAIRS or cost["interval_high"] - cost["interval_low"] > CHECKABLE_WIDTH:
+    interval = cost["interval"]
+    if cost["n"] < bench.MIN_PAIRS or interval["high"] - interval["low"] > CHECKABLE_WIDTH:
         return "undecided"
-    return "below" if direct < cost["interval_low"] else "above" if direct > cost["interval_high"] else "agree"
+    return "below" if direct < interval["low"] else "above" if direct > interval["high"] else "agree"
+
+
+def launches(runs: list[dict]) -> dict:
+    """An arm's launches in short: wall time and steady step (median, min-max), steps and threads seen."""
+    return {**{key: bench.spread([r[key] for r in runs]) for key in ("wall_s", "step_s")},
+            **{key: sorted({r[key] for r in runs}) for key in ("steps", "threads")}}  # fmt: skip
 
 
 def figures(script: Script, rounds: list[dict]) -> dict:
@@ -179,38 +174,26 @@ def figures(script: Script, rounds: list[dict]) -> dict:
     budget = max(FIXED_S, FIXED_SHARE * bare_wall)
     arms = {}
     for label in list(script.arms)[1:]:
-        runs = [r[label] for r in rounds]
-        per_step = interval_of([x["step_s"] / b["step_s"] - 1 for x, b in zip(runs, base)])
-        fixed = interval_of(
-            [x["wall_s"] - b["wall_s"] - x["steps"] * (x["step_s"] - b["step_s"]) for x, b in zip(runs, base)]
+        pairs = [(r[label], b) for r, b in zip(rounds, base)]
+        per_step = bench.spread_and_interval([x["step_s"] / b["step_s"] - 1 for x, b in pairs])
+        fixed = bench.spread_and_interval(
+            [x["wall_s"] - b["wall_s"] - x["steps"] * (x["step_s"] - b["step_s"]) for x, b in pairs]
         )
         arms[label] = {
-            "whole_run": bench.compare_samples([b["wall_s"] for b in base], [x["wall_s"] for x in runs], False),
-            "added_s": interval_of([x["wall_s"] - b["wall_s"] for x, b in zip(runs, base)]),
-            "fixed_s": fixed,
-            "fixed_budget_s": budget,
-            "fixed_met": judged(fixed, budget),
-            "per_step": per_step,
-            "step_target": STEP_TARGET,
-            "step_met": judged(per_step, STEP_TARGET),
+            "whole_run": bench.compare_samples([b["wall_s"] for b in base], [x["wall_s"] for x, _ in pairs], False),
+            "added_s": bench.spread_and_interval([x["wall_s"] - b["wall_s"] for x, b in pairs]),
+            "fixed_s": fixed, "fixed_budget_s": budget, "fixed_met": bench.within(fixed["interval"], budget),
+            "per_step": per_step, "step_target": STEP_TARGET, "step_met": bench.within(per_step["interval"], STEP_TARGET),
             "agreement": agreement(direct, per_step),
-            "wall_s": bench.spread([x["wall_s"] for x in runs]),
-            "step_s": bench.spread([x["step_s"] for x in runs]),
-            "steps": sorted({x["steps"] for x in runs}),
-            "threads": sorted({x["threads"] for x in runs}),
-        }
+            **launches([x for x, _ in pairs]),
+        }  # fmt: skip
     return {
         "script": script.name,
         "what": script.what,
         "arms_run": {label: list(program) for label, program in script.arms.items()},
         "warmup_steps": script.warmup,
         "rounds": rounds,
-        "baseline": {
-            "wall_s": bench.spread([b["wall_s"] for b in base]),
-            "step_s": bench.spread([b["step_s"] for b in base]),
-            "steps": sorted({b["steps"] for b in base}),
-            "threads": sorted({b["threads"] for b in base}),
-        },
+        "baseline": launches(base),
         "direct": {"us_per_step": bench.spread(direct_us), "share": direct} if direct_us else None,
         "arms": arms,
     }
@@ -220,8 +203,8 @@ def failures(found: dict) -> list[str]:
     """The checks that failed: a direct figure outside the rounds' interval of the per-step cost."""
     return [
         f"{found['script']} ({label}): the direct figure {found['direct']['share']:+.2%} lies {arm['agreement']} the "
-        f"rounds' interval of the per-step cost ({arm['per_step']['interval_low']:+.2%} to "
-        f"{arm['per_step']['interval_high']:+.2%}): one of the two misses a cost"
+        f"rounds' interval of the per-step cost ({arm['per_step']['interval']['low']:+.2%} to "
+        f"{arm['per_step']['interval']['high']:+.2%}): one of the two misses a cost"
         for label, arm in found["arms"].items()
         if arm["agreement"] in ("below", "above")
     ]
@@ -239,60 +222,35 @@ def tables(found: list[dict]) -> list:
     """The verdict of every script measured: the whole run's table, then the steady step's."""
     whole, steady = [], []
     for script in found:
-        base = script["baseline"]
+        base, direct = script["baseline"], script["direct"]
         for label, arm in script["arms"].items():
-            name = f"{script['script']}: {label}"
-            fixed, step, direct = arm["fixed_s"], arm["per_step"], script["direct"]
+            fixed, step, name = arm["fixed_s"], arm["per_step"], f"{script['script']}: {label}"
             whole.append([
                 name, spread_cell(base["wall_s"], 1), spread_cell(arm["wall_s"], 1),
                 f"{bench.ratio_text(arm['whole_run'])}: {arm['whole_run']['verdict']}",
-                f"{fixed['median']:+.2f} ({fixed['interval_low']:+.2f} to {fixed['interval_high']:+.2f})",
+                f"{fixed['median']:+.2f} ({fixed['interval']['low']:+.2f} to {fixed['interval']['high']:+.2f})",
                 f"<= {arm['fixed_budget_s']:.2f} s: {VERDICT[arm['fixed_met']]}",
             ])  # fmt: skip
             steady.append([
-                name, spread_cell({k: base["step_s"][k] * 1e3 for k in ("median", "min", "max")}),
-                spread_cell({k: arm["step_s"][k] * 1e3 for k in ("median", "min", "max")}),
-                f"{step['median']:+.2%} ({step['interval_low']:+.2%} to {step['interval_high']:+.2%})",
+                name, *(spread_cell({k: v * 1e3 for k, v in s["step_s"].items() if k != "n"}) for s in (base, arm)),
+                f"{step['median']:+.2%} ({step['interval']['low']:+.2%} to {step['interval']['high']:+.2%})",
                 f"<= {arm['step_target']:.0%}: {VERDICT[arm['step_met']]}",
                 f"{direct['share']:+.2%} ({direct['us_per_step']['median']:.0f} us)" if direct else "n/a",
                 AGREEMENT[arm["agreement"]],
             ])  # fmt: skip
+    headers = ["script: arm", "without trainscope", "with"]
     return [
-        Table(
-            "The whole run, from the launch to the exit (seconds)",
-            [
-                "script: arm",
-                "without trainscope",
-                "with",
-                "ratio without / with: verdict",
-                "fixed cost (interval)",
-                "fixed cost's budget",
-            ],
-            whole,
-            "whole_run",
-            align="lrrlrl",
-        ),  # fmt: skip
-        Table(
-            "The steady step (milliseconds)",
-            [
-                "script: arm",
-                "without trainscope",
-                "with",
-                "per-step cost (interval)",
-                "target",
-                "direct figure (diagnostic)",
-                "direct figure against the interval",
-            ],
-            steady,
-            "whole_run_steps",
-            align="lrrrlrl",
-        ),  # fmt: skip
-    ]
+        Table("The whole run, from the launch to the exit (seconds)", [*headers, "ratio without / with: verdict",
+              "fixed cost (interval)", "fixed cost's budget"], whole, "whole_run", align="lrrlrl"),
+        Table("The steady step (milliseconds)", [*headers, "per-step cost (interval)", "target",
+              "direct figure (diagnostic)", "direct figure against the interval"], steady, "whole_run_steps",
+              align="lrrrlrl"),
+    ]  # fmt: skip
 
 
 def method(found: list[dict], warm_rounds: int) -> Paragraph:
     rounds = sorted({len(script["rounds"]) for script in found})
-    confidence = sorted({f"{a['per_step']['interval_confidence']:.1%}" for s in found for a in s["arms"].values()})
+    confidence = sorted({f"{a['per_step']['interval']['confidence']:.1%}" for s in found for a in s["arms"].values()})
     return Paragraph(
         f"Each script launched as its user launches it, with trainscope and without, in {', '.join(map(str, rounds))} "
         f"alternating rounds after {warm_rounds} warm-up round(s) not counted (the caches warm); the wall time from the "
