@@ -180,6 +180,21 @@ def test_the_whole_runs_verdicts_hold_their_error_rates_under_simulation():
     assert sum(f["step_met"] is False and f["fixed_met"] is False for f in costly) >= 198
 
 
+def test_warm_up_rounds_run_first_alternating_and_are_not_counted():
+    """A warm-up round launches each arm once, before the counted rounds and in the alternating order, and its
+    launches (a first launch's cold caches) are in no figure."""
+    calls, machine = [], Machine(random.Random(1))
+
+    def runner(script, label, index):
+        calls.append((label, index))
+        return machine(script, label, index)
+
+    script = whole_run.Script("s", "simulated", [], {whole_run.BASELINE: [], "with": []}, warmup=20)
+    found = whole_run.measure(script, 5, 2, runner, log=lambda line: None)
+    assert calls[:4] == [(whole_run.BASELINE, -2), ("with", -2), ("with", -1), (whole_run.BASELINE, -1)]
+    assert len(calls) == 14 and len(found["rounds"]) == 5 and found["arms"]["with"]["per_step"]["n"] == 5
+
+
 @pytest.mark.parametrize("direct,answer", [(0.01, "below"), (0.09, "above"), (0.05, "agree")])
 def test_a_direct_figure_outside_the_rounds_interval_fails_the_check_on_either_side(
     direct, answer, tmp_path, monkeypatch

@@ -19,6 +19,7 @@ How it works: docs/benchmarks.md#in-the-code-the-whole-run-verdict-trainscopeexp
 """
 
 import json
+import re
 import runpy
 import statistics
 import sys
@@ -102,10 +103,10 @@ def launcher(scratch: Path, clock: Callable[[], float] = time.perf_counter) -> C
             result = launching.run_captured([*script.launcher, *script.direct], env)
             check(result, f"{script.name}'s direct figure")
             return json.loads(result.stdout.strip().splitlines()[-1])
-        stamps = scratch / f"{script.name}-{label}-{index}.json".replace(" ", "_")
-        program = list(script.arms[label])
+        name = re.sub(r"[^\w.-]+", "_", f"{script.name}-{label}-{index}")  # each launch's own run folder and stamps
+        stamps, program = scratch / f"{name}.json", list(script.arms[label])
         if label in script.records:
-            program += ["--output-dir", str(scratch), "--run-name", f"{script.name}-{index}".replace(" ", "_")]
+            program += ["--output-dir", str(scratch), "--run-name", name]
         command = [*script.launcher, "-m", __name__, "--clock", str(stamps), *program]
         began = clock()
         result = launching.run_captured(command, env)
