@@ -507,10 +507,12 @@ def publish(stem: Path, report: dict, markdown_lines: list[str]) -> None:
     print(Path(stem).with_suffix(".md").read_text())
 
 
-def driver_parser(description: str, default_out: Path, child_flag: str) -> argparse.ArgumentParser:
+def driver_parser(
+    description: str, default_out: Path, child_flag: str, pairs: int = MIN_PAIRS
+) -> argparse.ArgumentParser:
     """The options every benchmark driver has: --pairs, --out, and the hidden flag its child process runs with."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help=f"alternating rounds (default {MIN_PAIRS})")
+    parser.add_argument("--pairs", type=int, default=pairs, help=f"alternating rounds (default {pairs})")
     parser.add_argument("--out", default=str(default_out), help=f"results path without suffix (default {default_out})")
     parser.add_argument(child_flag, action="store_true", help=argparse.SUPPRESS)
     return parser

@@ -64,61 +64,25 @@ def _public_loop(module: str, args: list[str], batch: int):
     return command
 
 
+# fmt: off
 LOOPS = {
     "train": Loop(
-        "train",
-        "train.py's default (MiniLM-L6 on the embedded tweets; 800 samples, 14 steps)",
-        lambda out, name, factor: [
-            PY,
-            "train.py",
-            *short_run(samples=800, steps=14, warmup=2, log_every=7),
-            "--per-device-batch-size",
-            str(32 * factor),
-            "--output-dir",
-            str(out),
-            "--run-name",
-            name,
-            "--overwrite",
-        ],  # fmt: skip
-        lambda name: name,
-        threads_by="flag",
+        "train", "train.py's default (MiniLM-L6 on the embedded tweets; 800 samples, 14 steps)",
+        lambda out, name, factor: [PY, "train.py", *short_run(samples=800, steps=14, warmup=2, log_every=7),
+                                   "--per-device-batch-size", str(32 * factor), "--output-dir", str(out), "--run-name",
+                                   name, "--overwrite"],
+        lambda name: name, threads_by="flag",
     ),
     "causal_lm": Loop(
-        "causal_lm",
-        "examples/causal_lm.py (the embedded tiny GPT-2, 24 steps of 8 x 128 tokens)",
-        lambda out, name, factor: [
-            PY,
-            "examples/causal_lm.py",
-            "--steps",
-            "24",
-            "--batch-size",
-            str(8 * factor),
-            "--output-dir",
-            str(out),
-            "--run-name",
-            name,
-            "--overwrite",
-        ],  # fmt: skip
-        lambda name: name,
-        threads_by=None,  # threads="auto": the loop sets its share of the cores itself
+        "causal_lm", "examples/causal_lm.py (the embedded tiny GPT-2, 24 steps of 8 x 128 tokens)",
+        lambda out, name, factor: [PY, "examples/causal_lm.py", "--steps", "24", "--batch-size", str(8 * factor),
+                                   "--output-dir", str(out), "--run-name", name, "--overwrite"],
+        lambda name: name, threads_by=None,  # threads="auto": the loop sets its share of the cores itself
     ),
     "plain": Loop(
-        "plain",
-        "examples/plain_loop.py (an MLP on synthetic data, 5000 steps of 64)",
-        lambda out, name, factor: [
-            PY,
-            "examples/plain_loop.py",
-            "--steps",
-            "5000",
-            "--batch-size",
-            str(64 * factor),
-            "--log-every",
-            "500",
-            "--output-dir",
-            str(out),
-            "--run-name",
-            name,
-        ],  # fmt: skip
+        "plain", "examples/plain_loop.py (an MLP on synthetic data, 5000 steps of 64)",
+        lambda out, name, factor: [PY, "examples/plain_loop.py", "--steps", "5000", "--batch-size", str(64 * factor),
+                                   "--log-every", "500", "--output-dir", str(out), "--run-name", name],
         lambda name: name,
     ),
     "cnn": Loop(
@@ -134,6 +98,7 @@ LOOPS = {
         lambda name: "peft_lora",
     ),
 }
+# fmt: on
 
 
 @dataclass(frozen=True)

@@ -232,8 +232,7 @@ def page(report: dict) -> list:
 
 
 def options() -> argparse.ArgumentParser:
-    made = bench.driver_parser(__doc__, ROOT / "benchmarks" / "timing_overhead", "--bare")
-    made.set_defaults(pairs=11)  # 11 rounds: the median's interval at 98.8%
+    made = bench.driver_parser(__doc__, ROOT / "benchmarks" / "timing_overhead", "--bare", pairs=11)  # 98.8%
     made.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)  # a child: the instruments alone
     made.add_argument("--warm-rounds", type=int, default=1, help="rounds run first and not counted (default 1)")
     made.add_argument("--scripts", nargs="+", default=["train", "loop"], choices=["train", "loop"],
