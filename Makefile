@@ -260,10 +260,10 @@ report: setup ## every figure and table from runs/ and results/ -> results/repor
 
 experiments: profile amp-compare ckpt-compare batch-sweep matrix ddp-cost sweep-workers compare-dp ## run every experiment the report shows
 
-bench-trainer: setup ## train.py (accelerate launch and python) vs transformers.Trainer, same batches -> benchmarks/trainer_peer.*
+bench-trainer: setup ## train.py (accelerate launch and python) vs transformers.Trainer, same batches; the callback's cost on a Trainer script's whole run -> benchmarks/trainer_peer.*
 	$(PY) -m trainscope.experiments.benchmarks.trainer_peer $(ARGS)
 
-bench-overhead: setup ## cost of stage timing: train.py vs a bare loop, both by accelerate launch -> benchmarks/timing_overhead.*
+bench-overhead: setup ## what trainscope costs the whole run: train.py and a Run loop, each with and without it -> benchmarks/timing_overhead.*
 	$(PY) -m trainscope.experiments.benchmarks.overhead $(ARGS)
 
 bench-import: setup ## what import trainscope; trainscope.Run adds to import accelerate, fresh interpreters in alternating pairs -> benchmarks/import_weight.*

@@ -8,6 +8,7 @@
 Texts are tokenized, joined and cut into blocks of --seq-length tokens (no padding: every token is real). The loop is
 a plain Accelerate loop; the lines that say `run` are trainscope's (docs/instrument.md). The record goes to
 <output-dir>/<run-name>/record.json, with tokens/s and the model FLOPs' share of this machine's measured peak.
+`--without-trainscope` runs the same loop with none of those lines (what make bench-overhead measures it against).
 """
 
 import argparse
@@ -50,6 +51,7 @@ def arguments(argv=None):
     add("--output-dir", default="runs", help="Where run records go.")
     add("--run-name", default=None, help="The run's folder; default <model>-loop-<precision>-<time>.")
     add("--overwrite", action="store_true", help="Replace a run folder of the same name.")
+    add("--without-trainscope", action="store_true", help="The same loop without trainscope's lines; nothing written.")
     return parser.parse_args(argv)
 
 
@@ -103,6 +105,8 @@ def train(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     trainscope.fsdp_wrap_rule(model, accelerator)  # an FSDP config: each decoder layer sharded
     model, optimizer, loader, evaluation = accelerator.prepare(model, optimizer, loader, evaluation)
+    if args.without_trainscope:
+        return train_without_trainscope(args, accelerator, model, optimizer, loader, evaluation)
 
     run = trainscope.Run(  # the instrument: the lines with `run` are trainscope's
         accelerator, model, optimizer, steps=args.steps, name=args.run_name, output_dir=args.output_dir,
@@ -127,6 +131,27 @@ def train(args) -> dict:
                 losses = [accelerator.gather_for_metrics(model(input_ids=ids, labels=ids).loss) for ids in evaluation]
             held = torch.stack([loss.mean() for loss in losses]).mean().item()
         return run.finish({"loss": held, "perplexity": math.exp(min(held, 50))})
+
+
+def train_without_trainscope(args, accelerator, model, optimizer, loader, evaluation) -> dict:
+    """The loop of `train` line for line, less trainscope's lines."""
+    model.train()
+    step = 0
+    while step < args.steps:
+        for ids in loader:
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step == args.steps:
+                break
+    model.eval()
+    with torch.no_grad():
+        losses = [accelerator.gather_for_metrics(model(input_ids=ids, labels=ids).loss) for ids in evaluation]
+    held = torch.stack([loss.mean() for loss in losses]).mean().item()
+    return {"loss": held, "perplexity": math.exp(min(held, 50))}
 
 
 def main(argv=None):

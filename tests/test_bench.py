@@ -164,3 +164,17 @@ def test_the_equivalence_tests_are_scipys_one_sample_t_tests():
             assert (result["verdict"] == "changed") == (p_beyond < alpha)
         verdicts.add(result["verdict"])
     assert verdicts == {"same", "changed", "undecided"}
+
+
+def test_a_target_is_judged_on_the_medians_interval_and_not_below_the_fewest_pairs():
+    """met when the interval's upper end is within the target, NOT met when its lower end is above it, undecided when
+    it straddles the target or holds fewer than bench.MIN_PAIRS values (the committed 5 rounds of 0.926-1.118 once
+    had their median's 2.27% called met against 3% though the rounds bound it only at 7.4%)."""
+    interval = bench.median_interval([0.01, 0.015, 0.02, 0.022, 0.025])  # 5 values: their min-max, 93.75%
+    assert (interval["low"], interval["high"], interval["confidence"]) == (0.01, 0.025, 0.9375)
+    assert bench.within(interval, 0.03) is True and bench.within(interval, 0.005) is False
+    assert bench.within(interval, 0.02) is None
+    assert bench.within(bench.median_interval([0.01, 0.011, 0.012, 0.013]), 0.03) is None  # 4 values judge nothing
+    overhead = bench.spread_and_interval([1 - r for r in (0.926, 0.95, 0.9773, 1.05, 1.118)])
+    assert overhead["median"] == pytest.approx(0.0227) and overhead["interval"]["high"] == pytest.approx(0.074)
+    assert bench.within(overhead["interval"], 0.03) is None

@@ -285,11 +285,10 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
             assert experiments.parser().parse_args(ours).command == "batch-sweep"
             parse_settings(argv=train_args)
         elif step["name"] == "overhead":
-            parser = bench.driver_parser("", Path("/tmp/out"), "--bare")
-            parser.add_argument("--modes", nargs="+")
-            args, train_args = parser.parse_known_args(command[3:])
-            assert args.pairs >= bench.MIN_PAIRS and args.modes == ["events"]
-            parse_settings(argv=[*overhead.DEFAULT_TRAIN_ARGS, *train_args])
+            args, train_args = overhead.options().parse_known_args(command[3:])
+            assert args.pairs >= bench.MIN_PAIRS and args.modes == ["events"] and args.scripts == ["train"]
+            assert args.warm_rounds == 0
+            parse_settings(argv=[*overhead.TRAIN_ARGS, *train_args])
         elif step["name"] == "loaders":
             parse_settings(loaders_bench.SweepSettings, argv=command[2:])[1].validate()
         else:
@@ -1100,67 +1099,61 @@ def launched_processes(command: list[str], monkeypatch, gpus: int) -> tuple[bool
     return bool(args.multi_gpu), args.num_processes
 
 
-def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypatch, tmp_path):
-    """Without a config `accelerate launch` starts one process per visible GPU; the bare loop then prints one
-    rank's samples/s while train.py reports the global figure, and their ratio is off by the GPU count.
-    Both arms' command lines are recorded (nothing is launched) and put to accelerate's launch validation on
-    a faked 4-GPU host. Only a GPU run confirms the measured ratio itself: not measured on GPU."""
-    from trainscope.experiments.benchmarks import overhead
+def recorded_launches(monkeypatch, launched: list, step_s: dict):
+    """launching.run_captured recording each command and answering as the whole run's children would: the steps'
+    stamps written (8 steps of `step_s[arm]`: the bare loop's or train.py's), the direct figure's JSON printed."""
 
-    launched = []
-
-    def recording_run_captured(command, env, timeout=None):
+    def run_captured(command, env, timeout=None):
         launched.append(command)
-        stdout = json.dumps({"samples_per_s": 100.0, "threads": 1}) if "--bare" in command else ""
+        if "--clock" in command:
+            step = step_s["bare" if "--bare" in command else "train.py"]
+            stamps = {"stamps": [i * step for i in range(8)], "threads": 1}
+            Path(command[command.index("--clock") + 1]).write_text(json.dumps(stamps))
+        stdout = json.dumps({"us_per_step": 10.0, "threads": 1}) if "--alone" in command else ""
         return subprocess.CompletedProcess(command, 0, stdout, "")
 
-    monkeypatch.setattr(launching, "run_captured", recording_run_captured)
-    monkeypatch.setattr(
-        overhead,
-        "read_record",
-        lambda run: {"summary": {"throughput": {"samples_per_s": 99.0}}, "environment": {"torch_threads": 1}},
-    )
-    measured = overhead.measure(["--max-steps", "8"], ["events"], pairs=1, scratch=tmp_path)
-    assert measured["results"]["host"]["verdict"] == "too few pairs"
-    assert measured["results"]["host"]["meets_target"] is None  # a target is not judged on one pair
+    monkeypatch.setattr(launching, "run_captured", run_captured)
+
+
+def test_both_arms_of_the_overhead_benchmark_are_pinned_to_one_process(monkeypatch, tmp_path):
+    """Without a config `accelerate launch` starts one process per visible GPU; the bare loop then runs as one rank of
+    several while train.py runs as all of them, and their ratio is off by the GPU count. Every launch's command line is
+    recorded (nothing is launched) and put to accelerate's launch validation on a faked 4-GPU host. Only a GPU run
+    confirms the measured ratio itself: not measured on GPU."""
+    from trainscope.experiments.benchmarks import overhead, whole_run
+
+    launched = []
+    recorded_launches(monkeypatch, launched, {"bare": 0.01, "train.py": 0.01})
+    script = overhead.scripts(["--max-steps", "8", "--timing-warmup-steps", "2"])["train"]
+    found = whole_run.measure(script, 1, 0, whole_run.launcher(tmp_path), log=lambda line: None)
+    arm = found["arms"]["train.py"]
+    assert arm["whole_run"]["verdict"] == "too few pairs" and arm["step_met"] is None  # nothing judged on one pair
     bare = [c for c in launched if "--bare" in c]
     timed = [c for c in launched if str(launching.TRAIN_SCRIPT) in c]
-    assert len(bare) == 1 and len(timed) == 1 and len(launched) == 2
+    alone = [c for c in launched if "--alone" in c]
+    assert len(bare) == len(timed) == len(alone) == 1 and len(launched) == 3
     for command in launched:
         assert launched_processes(command, monkeypatch, gpus=4) == (False, 1)
 
 
 @pytest.mark.parametrize(
     "modes,arms",
-    [(["events"], {"bare", "events"}), (["events", "memory-every-step"], {"bare", "events", "memory-every-step"})],
+    [(["events"], {"train.py"}), (["events", "memory-every-step"], {"train.py", "train.py --memory-every 1"})],
 )
 def test_the_overhead_arms_are_the_modes_asked_for_and_judged_from_five_pairs(monkeypatch, tmp_path, modes, arms):
-    """On a stand-in GPU host: gpu-check's `--modes events` runs two arms (the memory-statistics arm only when
-    asked), and with bench.MIN_PAIRS pairs the target is judged. Real GPU ratios: not measured on GPU."""
-    from trainscope.experiments.benchmarks import overhead
+    """On a stand-in GPU host: gpu-check's `--modes events` runs two arms, the bare loop and train.py (the
+    memory-statistics arm only when asked, no direct figure), and with bench.MIN_PAIRS pairs the per-step target is
+    judged. Real GPU ratios: not measured on GPU."""
+    from trainscope.experiments.benchmarks import overhead, whole_run
     from trainscope.measure import bench
 
     launched = []
-
-    def run_captured(command, env, timeout=None):
-        launched.append(command)
-        return subprocess.CompletedProcess(command, 0, json.dumps({"samples_per_s": 100.0, "threads": 1}), "")
-
+    recorded_launches(monkeypatch, launched, {"bare": 0.01, "train.py": 0.01005})  # 0.5% a step
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(launching, "run_captured", run_captured)
-    monkeypatch.setattr(
-        launching,
-        "run_training",
-        lambda args, *a, **k: launched.append(args) or subprocess.CompletedProcess(args, 0, "", ""),
-    )
-    monkeypatch.setattr(
-        overhead,
-        "read_record",
-        lambda run: {"summary": {"throughput": {"samples_per_s": 99.5}}, "environment": {"torch_threads": 1}},
-    )
-    measured = overhead.measure(["--max-steps", "8"], modes, pairs=bench.MIN_PAIRS, scratch=tmp_path)
-    assert set(measured["rounds"][0]) == arms and len(launched) == len(arms) * bench.MIN_PAIRS
-    assert all(result["meets_target"] is True for result in measured["results"].values())  # 0.5% <= 1%
+    script = overhead.scripts(["--max-steps", "8", "--timing-warmup-steps", "2"], modes)["train"]
+    found = whole_run.measure(script, bench.MIN_PAIRS, 0, whole_run.launcher(tmp_path), log=lambda line: None)
+    assert set(found["rounds"][0]) == {whole_run.BASELINE, *arms} and len(launched) == (len(arms) + 1) * bench.MIN_PAIRS
+    assert all(arm["step_met"] is True for arm in found["arms"].values())  # 0.5% <= 3%
 
 
 def planted_out_of_memory(fits_up_to: int, tried: list[int]):
@@ -1553,28 +1546,23 @@ def test_the_overhead_benchmark_writes_its_rounds_as_they_finish(monkeypatch, tm
     from trainscope.experiments.benchmarks import overhead
 
     calls = []
+    recorded_launches(monkeypatch, calls, {"bare": 0.01, "train.py": 0.01})
+    answer = launching.run_captured
 
-    def run_captured(command, env, timeout=None):
-        calls.append(command)
-        if len(calls) > 6:
-            raise KeyboardInterrupt  # killed during round 4
-        return subprocess.CompletedProcess(command, 0, json.dumps({"samples_per_s": 100.0, "threads": 1}), "")
+    def killed_in_round_4(command, env, timeout=None):
+        if len(calls) >= 6:
+            raise KeyboardInterrupt
+        return answer(command, env, timeout)
 
-    monkeypatch.setattr(launching, "run_captured", run_captured)
-    monkeypatch.setattr(launching, "run_training", lambda args, *a, **k: run_captured(args, None))
-    monkeypatch.setattr(
-        overhead,
-        "read_record",
-        lambda run: {"summary": {"throughput": {"samples_per_s": 99.0}}, "environment": {"torch_threads": 1}},
-    )
+    monkeypatch.setattr(launching, "run_captured", killed_in_round_4)
     out = tmp_path / "overhead"
-    monkeypatch.setattr(
-        sys, "argv", ["overhead", "--pairs", "5", "--modes", "events", "--out", str(out), "--max-steps", "8"]
-    )
+    argv = ["overhead", "--pairs", "5", "--warm-rounds", "0", "--scripts", "train", "--modes", "events", "--out",
+            str(out), "--max-steps", "8", "--timing-warmup-steps", "2"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(KeyboardInterrupt):
         overhead.main()
     written = json.loads(out.with_suffix(".json").read_text())
-    assert len(written["rounds"]) == 3 and written["status"] == "partial: 3 of 5 rounds"
+    assert len(written["scripts"][0]["rounds"]) == 3 and written["status"] == "partial: 3 of 5 rounds"
 
 
 def test_the_loaders_check_sweeps_pinned_and_pageable_copies_at_a_batch_whose_copy_shows():

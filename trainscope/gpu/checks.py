@@ -442,7 +442,7 @@ def _overhead_check() -> dict:
         "overhead",
         [
             *[sys.executable, "-m", "trainscope.experiments.benchmarks.overhead"],
-            *f"--pairs {pairs} --modes events --out {{out}}/overhead".split(),
+            *f"--pairs {pairs} --warm-rounds 0 --scripts train --modes events --out {{out}}/overhead".split(),
             *MODEL,
             *f"--max-steps {OVERHEAD_STEPS} --timing-warmup-steps {OVERHEAD_WARMUP}".split(),
         ],

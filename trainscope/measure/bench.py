@@ -462,6 +462,20 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def spread_and_interval(values: list[float]) -> dict:
+    """`spread` with the median's distribution-free interval (`interval`: `median_interval`)."""
+    return {**spread(values), "interval": median_interval(values)}
+
+
+def within(interval: dict, bound: float) -> bool | None:
+    """A target judged on a median's interval (`median_interval`), stated before measuring: True (met) when its upper
+    end is at most `bound`, False (NOT met) when its lower end is above it, None (undecided) otherwise or from fewer
+    than MIN_PAIRS values."""
+    if interval["n"] < MIN_PAIRS:
+        return None
+    return True if interval["high"] <= bound else False if interval["low"] > bound else None
+
+
 def ratio_text(comparison: dict) -> str:
     """'1.0037 (0.9940-1.0160, 5 pairs, p 0.69)': the median pair ratio with its range and the test's p."""
     p = comparison.get("p_value")
@@ -493,10 +507,12 @@ def publish(stem: Path, report: dict, markdown_lines: list[str]) -> None:
     print(Path(stem).with_suffix(".md").read_text())
 
 
-def driver_parser(description: str, default_out: Path, child_flag: str) -> argparse.ArgumentParser:
+def driver_parser(
+    description: str, default_out: Path, child_flag: str, pairs: int = MIN_PAIRS
+) -> argparse.ArgumentParser:
     """The options every benchmark driver has: --pairs, --out, and the hidden flag its child process runs with."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help=f"alternating rounds (default {MIN_PAIRS})")
+    parser.add_argument("--pairs", type=int, default=pairs, help=f"alternating rounds (default {pairs})")
     parser.add_argument("--out", default=str(default_out), help=f"results path without suffix (default {default_out})")
     parser.add_argument(child_flag, action="store_true", help=argparse.SUPPRESS)
     return parser

@@ -27,7 +27,9 @@ from trainscope.advice import estimates
 from trainscope.core.paths import ROOT
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record
+from trainscope.experiments.benchmarks import short_run
 from trainscope.measure import bench
+from trainscope.report.document import Bullets, Heading, Paragraph, markdown
 from trainscope.report.tables import Table
 
 OUT = ROOT / "benchmarks" / "advice_check"
@@ -62,74 +64,25 @@ def _public_loop(module: str, args: list[str], batch: int):
     return command
 
 
+# fmt: off
 LOOPS = {
     "train": Loop(
-        "train",
-        "train.py's default (MiniLM-L6 on the embedded tweets; 800 samples, 14 steps)",
-        lambda out, name, factor: [
-            PY,
-            "train.py",
-            "--max-train-samples",
-            "800",
-            "--max-steps",
-            "14",
-            "--timing-warmup-steps",
-            "2",
-            "--max-eval-samples",
-            "32",
-            "--max-test-samples",
-            "32",
-            "--report-to",
-            "none",
-            "--log-every",
-            "7",
-            "--per-device-batch-size",
-            str(32 * factor),
-            "--output-dir",
-            str(out),
-            "--run-name",
-            name,
-            "--overwrite",
-        ],  # fmt: skip
-        lambda name: name,
-        threads_by="flag",
+        "train", "train.py's default (MiniLM-L6 on the embedded tweets; 800 samples, 14 steps)",
+        lambda out, name, factor: [PY, "train.py", *short_run(samples=800, steps=14, warmup=2, log_every=7),
+                                   "--per-device-batch-size", str(32 * factor), "--output-dir", str(out), "--run-name",
+                                   name, "--overwrite"],
+        lambda name: name, threads_by="flag",
     ),
     "causal_lm": Loop(
-        "causal_lm",
-        "examples/causal_lm.py (the embedded tiny GPT-2, 24 steps of 8 x 128 tokens)",
-        lambda out, name, factor: [
-            PY,
-            "examples/causal_lm.py",
-            "--steps",
-            "24",
-            "--batch-size",
-            str(8 * factor),
-            "--output-dir",
-            str(out),
-            "--run-name",
-            name,
-            "--overwrite",
-        ],  # fmt: skip
-        lambda name: name,
-        threads_by=None,  # threads="auto": the loop sets its share of the cores itself
+        "causal_lm", "examples/causal_lm.py (the embedded tiny GPT-2, 24 steps of 8 x 128 tokens)",
+        lambda out, name, factor: [PY, "examples/causal_lm.py", "--steps", "24", "--batch-size", str(8 * factor),
+                                   "--output-dir", str(out), "--run-name", name, "--overwrite"],
+        lambda name: name, threads_by=None,  # threads="auto": the loop sets its share of the cores itself
     ),
     "plain": Loop(
-        "plain",
-        "examples/plain_loop.py (an MLP on synthetic data, 5000 steps of 64)",
-        lambda out, name, factor: [
-            PY,
-            "examples/plain_loop.py",
-            "--steps",
-            "5000",
-            "--batch-size",
-            str(64 * factor),
-            "--log-every",
-            "500",
-            "--output-dir",
-            str(out),
-            "--run-name",
-            name,
-        ],  # fmt: skip
+        "plain", "examples/plain_loop.py (an MLP on synthetic data, 5000 steps of 64)",
+        lambda out, name, factor: [PY, "examples/plain_loop.py", "--steps", "5000", "--batch-size", str(64 * factor),
+                                   "--log-every", "500", "--output-dir", str(out), "--run-name", name],
         lambda name: name,
     ),
     "cnn": Loop(
@@ -145,6 +98,7 @@ LOOPS = {
         lambda name: "peft_lora",
     ),
 }
+# fmt: on
 
 
 @dataclass(frozen=True)
@@ -309,41 +263,39 @@ def table(results: list[dict]) -> Table:
     )
 
 
-def markdown(report: dict) -> list[str]:
+def page(report: dict) -> list:
     results, conditions = report["loops"], report["conditions"]
     inside = sum(1 for loop in results if loop["checked"] and loop["checked"][0]["inside"])
-    lines = [
-        "# The advisor's estimates against what the change measures (make bench-advice)",
-        "",
-        f"Machine: {report['machine']}; 1-minute load average before: {load_words(conditions['load_before'])} "
-        f"({'quiet' if conditions['quiet'] else 'not quiet'}: under {QUIET_LOAD} counts as quiet), at the end "
-        f"{load_words(conditions['load_after'])} (this benchmark's own runs keep both cores busy). "
-        f"{report['pairs']} alternating pairs per change; the measured ratio "
-        "is the median of the pairs' changed / as-it-is steady samples/s, its interval the distribution-free one of "
-        "the median (with 5 pairs: their min-max, 93.75%).",
-        "",
-        *table(results).markdown_lines(),
-        "",
-        f"Inside the estimate's interval: {inside} of {len(results)} loops (on each loop's top estimate).",
-        "",
-        "Every estimate, each loop's advice run (the tried ones first):",
-        "",
+
+    def said(shown: dict) -> str:
+        found = (
+            f"{shown['estimate']:.2f} ({shown['low']:.2f}-{shown['high']:.2f})"
+            if shown["estimate"] is not None
+            else f"unavailable: {shown['unavailable']}"
+        )
+        return f"{shown['change']}: {found}" + (
+            f"; not applied: {shown['not_applied']}" if shown["not_applied"] else ""
+        )
+
+    every = [block for loop in results for block in (
+        Paragraph(f"{loop['loop']} ({loop['what']}):"), Bullets([said(shown) for shown in loop["estimates"]]))]  # fmt: skip
+    return [
+        Heading("The advisor's estimates against what the change measures (make bench-advice)"),
+        Paragraph(
+            f"Machine: {report['machine']}; 1-minute load average before: {load_words(conditions['load_before'])} "
+            f"({'quiet' if conditions['quiet'] else 'not quiet'}: under {QUIET_LOAD} counts as quiet), at the end "
+            f"{load_words(conditions['load_after'])} (this benchmark's own runs keep both cores busy). "
+            f"{report['pairs']} alternating pairs per change; the measured ratio is the median of the pairs' changed / "
+            "as-it-is steady samples/s, its interval the distribution-free one of the median (with 5 pairs: their "
+            "min-max, 93.75%)."
+        ),
+        table(results),
+        Paragraph(f"Inside the estimate's interval: {inside} of {len(results)} loops (on each loop's top estimate)."),
+        Paragraph("Every estimate, each loop's advice run (the tried ones first):"),
+        *every,
+        Paragraph("Misses and their cause:" if report.get("misses") else ""),
+        Bullets(report.get("misses") or []),
     ]
-    for loop in results:
-        lines.append(f"- {loop['loop']} ({loop['what']}):")
-        for shown in loop["estimates"]:
-            said = (
-                f"{shown['estimate']:.2f} ({shown['low']:.2f}-{shown['high']:.2f})"
-                if shown["estimate"] is not None
-                else f"unavailable: {shown['unavailable']}"
-            )
-            lines.append(
-                f"  - {shown['change']}: {said}"
-                + (f"; not applied: {shown['not_applied']}" if shown["not_applied"] else "")  # fmt: skip
-            )
-    if report.get("misses"):
-        lines += ["", "Misses and their cause:", "", *[f"- {miss}" for miss in report["misses"]]]
-    return lines
 
 
 def main(argv=None) -> None:
@@ -371,7 +323,7 @@ def main(argv=None) -> None:
         "misses": [f"{loop}: {cause}" for loop, cause in misses.items()],
         "method": f"{bench.METHOD}; inside: the median pair ratio within the estimate's interval",
     }
-    bench.publish(Path(args.out), report, markdown(report))
+    bench.publish(Path(args.out), report, markdown(page(report)))
 
 
 def machine_words() -> str:

@@ -23,6 +23,7 @@ import torch
 from trainscope.core import environment, precision
 from trainscope.core.paths import ROOT
 from trainscope.measure import bench
+from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.report.tables import Table, spread_cell
 from trainscope.workload import dropout_draws
 
@@ -172,56 +173,52 @@ def measure(args) -> dict:
     return report
 
 
-def markdown(report: dict) -> list[str]:
+def page(report: dict) -> list:
     cpu, check, comparison = report["cpu"], report["check"], report["comparison"]
     arms = Table(
         "Arms",
         ["arm", "ns an element (median, min-max)", "page faults a draw (median)"],
         [
-            [
-                name,
-                spread_cell(arm["ns_per_element"], digits=3),
-                f"{arm['page_faults_per_draw']['median']:.0f}",
-            ]
+            [name, spread_cell(arm["ns_per_element"], digits=3), f"{arm['page_faults_per_draw']['median']:.0f}"]
             for name, arm in report["arms"].items()
         ],
         "dropout_draw_arms",
     )
-    lines = [
-        "# The dropout loop's draw against torch's bernoulli_",
-        "",
-        *([f"Status: {report['status']}.", ""] if report["status"] else []),
-        f"One draw of {report['elements']:,} elements ({report['dtype']}, keep {report['keep']}) per arm per pair, "
-        f"allocated and filled as `dropout_draws.bernoulli` does; {len(report['rounds'])} alternating pairs; "
-        f"memory: {report['memory']}; torch threads: {report['threads']} (asked {report['threads_requested']}); "
-        f"CPU: {cpu['model']} ({cpu['capability']}); verdicts: {bench.METHOD}.",
-        "",
-        f"Draws: {report['dropout_draws']['status']}.",
-        "",
-    ]
+    same = None
     if check is not None:
-        lines += [
+        differing = "" if check["same_mask"] else f" ({check['differing_elements']} of {check['elements']:,} elements)"
+        same = Paragraph(
             f"Same masks and generator state as torch's bernoulli_ ({check['elements']:,} elements from seed "
-            f"{check['seed']}): masks **{'equal' if check['same_mask'] else 'DIFFER'}**"
-            + ("" if check["same_mask"] else f" ({check['differing_elements']} of {check['elements']:,} elements)")
-            + f", generator state **{'equal' if check['same_generator_state'] else 'DIFFERS'}**.",
-            "",
-        ]
-    lines += arms.markdown_lines()
+            f"{check['seed']}): masks **{'equal' if check['same_mask'] else 'DIFFER'}**{differing}, generator state "
+            f"**{'equal' if check['same_generator_state'] else 'DIFFERS'}**."
+        )
+    verdict = None
     if comparison is not None:
-        lines += [
-            "",
-            *Table(
-                "Comparison",
-                ["comparison", "ratio (median, min-max)", "verdict"],
-                [["torch / loop (ns an element)", bench.ratio_text(comparison), f"the loop: {comparison['verdict']}"]],
-                "dropout_draw",
-                align="lrl",
-            ).markdown_lines(),
-        ]
+        verdict = Table(
+            "Comparison",
+            ["comparison", "ratio (median, min-max)", "verdict"],
+            [["torch / loop (ns an element)", bench.ratio_text(comparison), f"the loop: {comparison['verdict']}"]],
+            "dropout_draw",
+            align="lrl",
+        )
     elif check is not None:
-        lines += ["", "No speed verdict: the two arms did not draw the same masks, so they did not do the same work."]
-    return lines
+        verdict = Paragraph(
+            "No speed verdict: the two arms did not draw the same masks, so they did not do the same work."
+        )
+    return [
+        Heading("The dropout loop's draw against torch's bernoulli_"),
+        Paragraph(f"Status: {report['status']}." if report["status"] else ""),
+        Paragraph(
+            f"One draw of {report['elements']:,} elements ({report['dtype']}, keep {report['keep']}) per arm per pair, "
+            f"allocated and filled as `dropout_draws.bernoulli` does; {len(report['rounds'])} alternating pairs; "
+            f"memory: {report['memory']}; torch threads: {report['threads']} (asked {report['threads_requested']}); "
+            f"CPU: {cpu['model']} ({cpu['capability']}); verdicts: {bench.METHOD}."
+        ),
+        Paragraph(f"Draws: {report['dropout_draws']['status']}."),
+        same,
+        arms,
+        verdict,
+    ]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -264,7 +261,7 @@ def main() -> None:
         report = measure(args)
     finally:
         torch.set_rng_state(state)  # the generator as it was found
-    bench.publish(Path(args.out), report, markdown(report))
+    bench.publish(Path(args.out), report, markdown(page(report)))
     if report["check"] is not None and not report["check"]["same_work"]:
         print(f"error: {report['status']}", file=sys.stderr)
         raise SystemExit(1)

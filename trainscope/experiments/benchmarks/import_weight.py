@@ -16,6 +16,8 @@ from pathlib import Path
 
 from trainscope.core.paths import ROOT
 from trainscope.measure import bench
+from trainscope.report.document import Heading, Paragraph, markdown
+from trainscope.report.tables import Table, spread_cell
 
 TARGET_S = 0.5
 WATCHED = ("transformers", "datasets", "evaluate", "peft", "torch")
@@ -40,36 +42,38 @@ def figures(rounds: list[dict]) -> dict:
     base, with_run = "accelerate", "accelerate + trainscope.Run"
     added = [r[with_run]["seconds"] - r[base]["seconds"] for r in rounds]
     interval = bench.median_interval(added)
-    meets = True if interval["high"] <= TARGET_S else False if interval["low"] > TARGET_S else None
     return {
         "rounds": rounds,
         "seconds": {arm: bench.spread([r[arm]["seconds"] for r in rounds]) for arm in ARMS},
         "added_s": {"median": statistics.median(added), **interval},
         "loaded": {arm: sorted({m for r in rounds for m in r[arm]["loaded"]}) for arm in ARMS},
         "target_s": TARGET_S,
-        "meets_target": meets if len(rounds) >= bench.MIN_PAIRS else None,
+        "meets_target": bench.within(interval, TARGET_S),
     }
 
 
-def markdown(report: dict) -> list[str]:
+def page(report: dict) -> list:
     added, seconds = report["added_s"], report["seconds"]
     verdict = {True: "met", False: "NOT met", None: "undecided"}[report["meets_target"]]
+    rows = [
+        [f"`{ARMS[arm]}`", spread_cell(s), ", ".join(m for m in report["loaded"][arm] if m != "torch") or "none"]
+        for arm, s in seconds.items()
+    ]
     return [
-        "# Import weight of trainscope.Run",
-        "",
-        f"{len(report['rounds'])} alternating rounds, each arm a fresh interpreter timing its own imports.",
-        "",
-        "| arm | seconds (median, min-max) | model libraries loaded |",
-        "|---|---:|---|",
-        *(
-            f"| `{ARMS[arm]}` | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
-            f"{', '.join(m for m in report['loaded'][arm] if m != 'torch') or 'none'} |"
-            for arm, s in seconds.items()
+        Heading("Import weight of trainscope.Run"),
+        Paragraph(f"{len(report['rounds'])} alternating rounds, each arm a fresh interpreter timing its own imports."),
+        Table(
+            "Import weight",
+            ["arm", "seconds (median, min-max)", "model libraries loaded"],
+            rows,
+            "import_weight",
+            align="lrl",
+        ),  # fmt: skip
+        Paragraph(
+            f"trainscope.Run adds {added['median']:.2f} s (median; interval {added['low']:.2f} to {added['high']:.2f} s "
+            f"at {added['confidence']:.1%}, order statistics of the rounds' differences): target <= "
+            f"{report['target_s']} s {verdict}."
         ),
-        "",
-        f"trainscope.Run adds {added['median']:.2f} s (median; interval {added['low']:.2f} to {added['high']:.2f} s at "
-        f"{added['confidence']:.1%}, order statistics of the rounds' differences): target <= {report['target_s']} s "
-        f"{verdict}.",
     ]
 
 
@@ -81,7 +85,7 @@ def main() -> None:
     arms = {arm: (lambda i, imports=imports: child(imports)) for arm, imports in ARMS.items()}
     rounds = bench.alternate(arms, args.pairs)
     report = {"benchmark": "import_weight", "benchmark_version": 1, **figures(rounds)}
-    bench.publish(Path(args.out), report, markdown(report))
+    bench.publish(Path(args.out), report, markdown(page(report)))
 
 
 if __name__ == "__main__":

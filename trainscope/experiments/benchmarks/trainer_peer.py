@@ -1,15 +1,17 @@
 """train.py against the HF transformers.Trainer: same model, data, batches, batch size, precision, steps; and what
-trainscope's Trainer callback costs.
+trainscope's Trainer callback costs a Trainer script's whole run.
 
 Four arms in alternating rounds -- the Trainer, the Trainer with trainscope.TrainscopeCallback, `accelerate launch
 train.py` and `python train.py` -- each launched the way a user launches it, the Trainer on train.py's own DataLoader
 (checked: the same samples in the same order); the stage splits of train.py's record and the callback's side by
 side. Then the callback's cost on the embedded tiny model (short steps, where its own work weighs most): the Trainer
-with it against the Trainer without it, in alternating rounds of their own.
+script with the callback against the same script without it, whole wall time and steady step in alternating rounds
+of their own (trainscope.experiments.benchmarks.whole_run), the callback's own calls timed (`--callback-alone`) beside
+as a diagnostic.
 
-    python -m trainscope.experiments.benchmarks.trainer_peer [--pairs 5] [--precision bf16] [train.py flags]
+    python -m trainscope.experiments.benchmarks.trainer_peer [--pairs 5] [--cost-pairs 11] [--precision bf16] [train.py flags]
 
-Writes benchmarks/trainer_peer.{json,md}.
+Writes benchmarks/trainer_peer.{json,md}; exits 1 where the direct figure lies outside the rounds' interval.
 How it works: docs/benchmarks.md#in-the-code-how-make-bench-trainer-compares-trainscopeexperimentsbenchmarkstrainer_peerpy.
 """
 
@@ -28,28 +30,13 @@ from trainscope.core import launching
 from trainscope.core.paths import ROOT
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, read_steps
+from trainscope.experiments.benchmarks import short_run, whole_run
 from trainscope.measure import bench
+from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.report.tables import Table, spread_cell
 from trainscope.workload.settings import parse_settings
 
-DEFAULT_ARGS = [
-    "--max-train-samples",
-    "1600",
-    "--per-device-batch-size",
-    "32",
-    "--max-steps",
-    "30",
-    "--timing-warmup-steps",
-    "5",
-    "--max-eval-samples",
-    "32",
-    "--max-test-samples",
-    "32",
-    "--report-to",
-    "none",
-    "--log-every",
-    "5",
-]
+DEFAULT_ARGS = ["--per-device-batch-size", "32", *short_run(samples=1600, steps=30, warmup=5, log_every=5)]
 CONFIG_FOR = {
     ("cpu", "fp32"): None,
     ("cuda", "fp32"): "single_gpu",
@@ -58,49 +45,44 @@ CONFIG_FOR = {
     ("cpu", "bf16"): "bf16",
 }
 GOAL = 1.05  # train.py by its documented launcher against the Trainer
-CALLBACK_TARGET = 0.03  # the callback's cost in samples/s, judged on the median ratio's interval (stated first)
 # The callback's cost is measured on the embedded tiny model: steps of milliseconds, the callback's share the largest.
-COST_ARGS = ["--model", "embedded:tiny-bert", "--max-train-samples", "4000", "--per-device-batch-size", "16",
-             "--max-seq-length", "64", "--timing-warmup-steps", "20", "--threads", "1"]  # fmt: skip
-COST_STEPS = 200
-COST_PAIRS = 11  # the cost's rounds are cheap (a second or two of steps each): enough for a 98.8% interval
+COST_ARGS = ["--model", "embedded:tiny-bert", "--per-device-batch-size", "16", "--max-seq-length", "64", "--threads",
+             "1"]  # fmt: skip
+COST_STEPS, COST_WARMUP = 1000, 20
+COST_PAIRS = 11  # the median's interval at 98.8%
 
 
-def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -> None:
-    """Fine-tune with transformers.Trainer on train.py's own loader (with trainscope's callback when asked); print
-    steady-state figures as JSON (and the callback's record's stage split)."""
+def peer_trainer(settings, precision: str, scratch: str, callbacks: list):
+    """A transformers.Trainer on train.py's workload and own loader (the same samples in the same order, the same
+    thread budget), with `callbacks`."""
     from trainscope.run import startup  # deferred: it loads transformers' models
     from trainscope.workload.data import build_dataloaders, load_classification_data  # deferred: it loads datasets
     from trainscope.workload.modeling import build_model, build_tokenizer  # deferred: it loads transformers' models
 
-    (settings,) = parse_settings(argv=argv)
-    startup.configure_process(settings)  # the same thread budget as train.py
+    startup.configure_process(settings)
     tokenizer = build_tokenizer(settings)
     data = load_classification_data(settings, tokenizer, contextlib.nullcontext)
     torch.manual_seed(settings.seed)
     model, _ = build_model(settings, data.label_names, tokenizer)
     on_cuda = torch.cuda.is_available()
     loader = build_dataloaders(data, tokenizer, settings, pin_memory=on_cuda)[0]
-    clock = steady_clock(settings, on_cuda, lambda: trainer.tokens)  # the trainer made below counts them
+    arguments = training_arguments(settings, precision, scratch, on_cuda)
+    return peer_trainer_class(loader)(model=model, args=arguments, train_dataset=data.train, callbacks=callbacks)
+
+
+def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -> None:
+    """Fine-tune with transformers.Trainer on train.py's own loader (with trainscope's callback when asked); print
+    steady-state figures as JSON (and the callback's record's stage split)."""
+    (settings,) = parse_settings(argv=argv)
+    clock = steady_clock(settings, torch.cuda.is_available(), lambda: trainer.tokens)  # the trainer below counts them
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = peer_trainer_class(loader)(
-            model=model,
-            args=training_arguments(settings, precision, scratch, on_cuda),
-            train_dataset=data.train,
-            callbacks=[clock],
-        )
+        trainer = peer_trainer(settings, precision, scratch, [clock])
         if with_callback:
             from trainscope.trainer import TrainscopeCallback  # deferred: it loads transformers' Trainer
 
+            options = {"log_every": settings.log_every, "timing_warmup_steps": settings.timing_warmup_steps}
             trainer.add_callback(
-                TrainscopeCallback(
-                    trainer,
-                    name="callback",
-                    output_dir=scratch,
-                    log_every=settings.log_every,
-                    timing_warmup_steps=settings.timing_warmup_steps,
-                    threads="launcher",
-                )  # fmt: skip
+                TrainscopeCallback(trainer, name="callback", output_dir=scratch, threads="launcher", **options)
             )
         trainer.train()
         figures = steady_figures(settings, clock)
@@ -109,7 +91,6 @@ def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -
     print(json.dumps(figures))
 
 
-CALLBACK_ALONE = "callback-alone"  # the direct figure: the callback's own time around near-empty Trainer steps
 ALONE_BLOCKS = 5  # blocks of each arm in one child, alternated
 
 
@@ -282,11 +263,6 @@ def run_trainer(train_args: list[str], precision: str, config: str | None, with_
     return run_child(flags, train_args, config, "the Trainer arm")
 
 
-def run_callback_alone(train_args: list[str]) -> dict:
-    """The direct figure's child, by the launcher the cost runs use."""
-    return run_child(["--callback-alone"], train_args, None, "the callback alone")
-
-
 def run_train_py(train_args: list[str], config: str | None, launcher: str, output_dir: Path, name: str) -> dict:
     result = launching.run_training(
         [*train_args, "--output-dir", str(output_dir), "--run-name", name], config, launcher, echo=False
@@ -321,6 +297,21 @@ def same_batches(rounds: list[dict]) -> bool:
     )
 
 
+def cost_script(train_args: list[str], precision: str, config: str | None, steps: int) -> whole_run.Script:
+    """The Trainer script (this module's `--trainer` child) on the embedded tiny model, with trainscope's callback and
+    without it; its direct figure the callback alone (`--callback-alone`)."""
+    warmup = COST_WARMUP if steps > 2 * COST_WARMUP else 1  # a short check (the tests): the warm-up within the steps
+    cost_args = [*train_args, *COST_ARGS, *short_run(samples=16 * steps, steps=steps, warmup=warmup, log_every=10)]
+    child = ["-m", "trainscope.experiments.benchmarks.trainer_peer", "--precision", precision]
+    return whole_run.Script(
+        "a Trainer script", "transformers.Trainer (the embedded tiny model) with trainscope.TrainscopeCallback against "
+        "the same script without it", launching.accelerate_launch(config),
+        {whole_run.BASELINE: [*child, "--trainer", *cost_args],
+         "TrainscopeCallback": [*child, "--trainer", "--with-callback", *cost_args]},
+        warmup=warmup, direct=[*child, "--callback-alone", *cost_args],
+    )  # fmt: skip
+
+
 def measure(args, train_args: list[str]) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIG_FOR[(device, args.precision)]
@@ -334,15 +325,8 @@ def measure(args, train_args: list[str]) -> dict:
         if config is not None:
             arms.pop("python")  # a precision needs its config: python train.py runs fp32 only
         rounds = bench.alternate(arms, args.pairs)
-        cost_args = [*train_args, *COST_ARGS, "--max-steps", str(args.cost_steps)]
-        if args.cost_steps <= 20:  # a short check (the tests): the warm-up within the steps
-            cost_args += ["--timing-warmup-steps", "1"]
-        cost_arms = {
-            "trainer": lambda i: run_trainer(cost_args, args.precision, config),
-            "trainer+callback": lambda i: run_trainer(cost_args, args.precision, config, with_callback=True),
-            CALLBACK_ALONE: lambda i: run_callback_alone(cost_args),
-        }
-        cost_rounds = bench.alternate(cost_arms, args.cost_pairs)
+        script = cost_script(train_args, args.precision, config, args.cost_steps)
+        cost = whole_run.measure(script, args.cost_pairs, args.warm_rounds, whole_run.launcher(Path(scratch)))
     comparisons = {
         "accelerate_over_trainer": bench.compare_rounds(rounds, "accelerate", "trainer", "samples_per_s"),
         "accelerate_over_trainer_tokens": bench.compare_rounds(rounds, "accelerate", "trainer", "tokens_per_s"),
@@ -351,7 +335,7 @@ def measure(args, train_args: list[str]) -> dict:
         comparisons["accelerate_over_python"] = bench.compare_rounds(rounds, "accelerate", "python", "samples_per_s")
     return {
         "benchmark": "trainer_peer",
-        "benchmark_version": 4,
+        "benchmark_version": 5,  # 5: the callback's cost judged on the Trainer script's whole run
         "precision": args.precision,
         "accelerate_config": config,
         "train_args": train_args,
@@ -372,54 +356,15 @@ def measure(args, train_args: list[str]) -> dict:
             name: {stage: statistics.median(r[name]["stage_shares"][stage] for r in rounds) for stage in STAGE_ORDER}
             for name in ("accelerate", "trainer+callback")
         },
-        "callback_cost": callback_cost(cost_rounds, cost_args),
+        "warm_rounds": args.warm_rounds,
+        "callback_cost": cost,
     }
 
 
 STAGE_ORDER = ("data", "forward", "backward", "optimizer", "eval", "other")
 
 
-def callback_cost(rounds: list[dict], cost_args: list[str]) -> dict:
-    """The Trainer with trainscope's callback against the Trainer without it: the cost (1 - the median ratio of
-    samples/s) with its distribution-free interval, met when the interval's upper end is within the target."""
-    comparison = bench.compare_rounds(rounds, "trainer+callback", "trainer", "samples_per_s")
-    interval = bench.median_interval(comparison["ratios"])
-    cost = {"low": 1 - interval["high"], "high": 1 - interval["low"], "confidence": interval["confidence"]}
-    decided = comparison["pairs"] >= bench.MIN_PAIRS
-    meets = True if cost["high"] <= CALLBACK_TARGET else False if cost["low"] > CALLBACK_TARGET else None
-    return {
-        "train_args": cost_args,
-        "rounds": rounds,
-        **comparison,
-        "cost": 1 - comparison["median_ratio"],
-        "cost_interval": cost,
-        "target": CALLBACK_TARGET,
-        "meets_target": meets if decided else None,
-        "direct": callback_direct(rounds, cost, parse_settings(argv=cost_args)[0].per_device_batch_size),
-    }
-
-
-def callback_direct(rounds: list[dict], interval: dict, batch: int) -> dict | None:
-    """The callback's own microseconds a step (callback_alone, one child a round) as a share of the Trainer's step on
-    the tiny model (its median over the rounds without the callback), judged against the target; it agrees with the
-    rounds when their interval holds it (an interval wider than 10 points checks nothing: None)."""
-    alone = [r[CALLBACK_ALONE]["us_per_step"] for r in rounds if CALLBACK_ALONE in r]
-    if not alone:
-        return None
-    step_s = batch / statistics.median(r["trainer"]["samples_per_s"] for r in rounds)  # the Trainer's tiny step
-    share = statistics.median(alone) * 1e-6 / step_s
-    checkable = interval["high"] - interval["low"] <= 0.10
-    return {
-        "us_per_step": bench.spread(alone),
-        "probe_trainer_us_per_step": bench.spread([r[CALLBACK_ALONE]["trainer_us_per_step"] for r in rounds]),
-        "trainer_step_s": step_s,
-        "cost": share,
-        "meets_target": share <= CALLBACK_TARGET if len(alone) >= bench.MIN_PAIRS else None,
-        "agrees": interval["low"] <= share <= interval["high"] if checkable else None,
-    }
-
-
-def markdown(report: dict) -> list[str]:
+def page(report: dict) -> list:
     arms = Table(
         "Arms",
         ["arm", "samples/s (median, min-max)", "tokens/s (median)", "threads"],
@@ -431,7 +376,7 @@ def markdown(report: dict) -> list[str]:
                 ", ".join(map(str, arm["threads"])),
             ]
             for name, arm in report["arms"].items()
-        ],
+        ],  # fmt: skip
         "trainer_peer_arms",
     )
     comparisons = Table(
@@ -441,73 +386,52 @@ def markdown(report: dict) -> list[str]:
         "trainer_peer",
         align="lrl",
     )
-    lines = [
-        "# train.py against transformers.Trainer",
-        "",
-        f"Precision {report['precision']} (config {report['accelerate_config'] or 'none'}); flags "
-        f"`{' '.join(report['train_args'])}`; {len(report['rounds'])} alternating rounds; same batches in "
-        f"both trainers: **{'yes' if report['same_batches'] else 'NO'}** (non-padding tokens per logged interval); "
-        f"verdicts: {bench.METHOD}.",
-        "",
-        *arms.markdown_lines(),
-        "",
-        *comparisons.markdown_lines(),
-        "",
-        f"Goal: accelerate launch train.py >= {report['goal']}x the Trainer in every round: "
-        f"{'met' if report['meets_goal'] else 'not met'}.",
+    shares = report["stage_shares"]
+    split = Table(
+        "Stage splits of the steady steps (median share of the wall time)",
+        ["stage", "train.py (its record)", "Trainer (trainscope's callback)"],
+        [
+            [stage, f"{shares['accelerate'][stage]:.1%}", f"{shares['trainer+callback'][stage]:.1%}"]
+            for stage in STAGE_ORDER
+        ],
+        "trainer_peer_stages",
+        align="lrr",
+    )
+    cost = report["callback_cost"]
+    probe = [r[whole_run.DIRECT]["trainer_us_per_step"] for r in cost["rounds"] if whole_run.DIRECT in r]
+    return [
+        Heading("train.py against transformers.Trainer"),
+        Paragraph(
+            f"Precision {report['precision']} (config {report['accelerate_config'] or 'none'}); flags "
+            f"`{' '.join(report['train_args'])}`; {len(report['rounds'])} alternating rounds; same batches in both "
+            f"trainers: **{'yes' if report['same_batches'] else 'NO'}** (non-padding tokens per logged interval); "
+            f"verdicts: {bench.METHOD}."
+        ),
+        arms,
+        comparisons,
+        Paragraph(
+            f"Goal: accelerate launch train.py >= {report['goal']}x the Trainer in every round: "
+            f"{'met' if report['meets_goal'] else 'not met'}."
+        ),
+        split,
+        Paragraph(
+            "Under the Trainer, `optimizer` holds its loss bookkeeping (a NaN check that waits for the device), "
+            "clipping, the step and the schedule; `data` the wait for each accumulation window's batches "
+            "(docs/instrument.md#hf-trainer)."
+        ),
+        Heading("What trainscope's callback costs a Trainer script's whole run", level=2),
+        Paragraph(f"{cost['what']}: `{' '.join(cost['arms_run']['TrainscopeCallback'])}`."),
+        *whole_run.tables([cost]),
+        whole_run.method([cost], report["warm_rounds"]),
+        Paragraph(
+            "The direct figure: the callback's own calls, a Trainer of near-empty steps (a 5-weight model on batches of "
+            f"the same shape) with and without the callback in {ALONE_BLOCKS} alternating blocks a round, one child a "
+            f"round; the probe Trainer's own step {statistics.median(probe):.0f} us."
+            if probe
+            else ""
+        ),
+        Paragraph("" if torch.cuda.is_available() else "GPU: not measured on GPU."),
     ]
-    shares = report.get("stage_shares")
-    if shares:
-        split = Table(
-            "Stage splits of the steady steps (median share of the wall time)",
-            ["stage", "train.py (its record)", "Trainer (trainscope's callback)"],
-            [
-                [stage, f"{shares['accelerate'][stage]:.1%}", f"{shares['trainer+callback'][stage]:.1%}"]
-                for stage in STAGE_ORDER
-            ],  # fmt: skip
-            "trainer_peer_stages",
-            align="lrr",
-        )
-        lines += ["", *split.markdown_lines(), "",
-                  "Under the Trainer, `optimizer` holds its loss bookkeeping (a NaN check that waits for the device), "
-                  "clipping, the step and the schedule; `data` the wait for each accumulation window's batches "
-                  "(docs/instrument.md#hf-trainer)."]  # fmt: skip
-    cost = report.get("callback_cost")
-    if cost:
-        interval, verdict = cost["cost_interval"], {True: "met", False: "NOT met", None: "undecided"}
-        lines += [
-            "",
-            f"trainscope's callback's cost on the embedded tiny model (`{' '.join(cost['train_args'][-14:])}`, "
-            f"{cost['pairs']} alternating rounds, the Trainer with the callback over the Trainer without it): ratio "
-            f"{bench.ratio_text(cost)}, cost {cost['cost']:+.2%} (interval {interval['low']:+.2%} to "
-            f"{interval['high']:+.2%} at {interval['confidence']:.1%}): target <= {cost['target']:.0%} "
-            + ("not judged (too few pairs)" if cost["pairs"] < bench.MIN_PAIRS else verdict[cost["meets_target"]])
-            + ".",
-        ]
-        direct = cost.get("direct")
-        if direct:
-            agrees = {True: "the rounds' interval holds it: they agree", False: "outside the rounds' interval: they "
-                      "DISAGREE", None: "the rounds' interval is too wide to check it"}[direct["agrees"]]  # fmt: skip
-            # a difference of two timings: at or below 0 it is the blocks' noise, never a negative cost
-            figure = (
-                f"{spread_cell(direct['us_per_step'], digits=1)} us per step"
-                if direct["us_per_step"]["median"] > 0
-                else f"no cost above the blocks' noise (median difference {direct['us_per_step']['median']:.1f} us)"
-            )
-            share = f"{direct['cost']:.2%}" if direct["cost"] > 0 else "0%"
-            lines += [
-                "",
-                f"Measured directly (the callback's own calls: a Trainer of near-empty steps, a 5-weight model on "
-                f"batches of the same shape, with and without the callback in {ALONE_BLOCKS} alternating blocks a "
-                f"round, one child a round): {figure} (the probe Trainer's own step "
-                f"{direct['probe_trainer_us_per_step']['median']:.0f} us), {share} of the Trainer's step on the "
-                f"tiny model ({direct['trainer_step_s'] * 1e3:.2f} ms): target <= {cost['target']:.0%} "
-                + ("not judged (too few rounds)" if direct["meets_target"] is None else verdict[direct["meets_target"]])
-                + f"; {agrees}.",
-            ]
-    if not torch.cuda.is_available():
-        lines += ["", "GPU: not measured on GPU."]
-    return lines
 
 
 def main() -> None:
@@ -529,21 +453,28 @@ def main() -> None:
         default=COST_PAIRS,
         help=f"alternating rounds of the callback's cost (default {COST_PAIRS})",
     )
+    parser.add_argument(
+        "--warm-rounds", type=int, default=1, help="callback-cost rounds run first, not counted (default 1)"
+    )
     args, train_args = parser.parse_known_args()
     if args.trainer:
         return trainer_loop(train_args, args.precision, args.with_callback)
     if args.callback_alone:
         return callback_alone(train_args)
-    if args.pairs < 1:
-        parser.error("--pairs must be at least 1")
+    if args.pairs < 1 or args.cost_pairs < 1 or args.warm_rounds < 0:
+        parser.error("--pairs and --cost-pairs must be at least 1, --warm-rounds at least 0")
     if (("cuda" if torch.cuda.is_available() else "cpu"), args.precision) not in CONFIG_FOR:
         parser.error(f"{args.precision} cannot run on this device")
     report = measure(args, [*DEFAULT_ARGS, *train_args])
-    bench.publish(Path(args.out), report, markdown(report))
+    bench.publish(Path(args.out), report, markdown(page(report)))
     print(
         "median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
         file=sys.stderr,
     )
+    failed = whole_run.failures(report["callback_cost"])
+    if failed:
+        print("error: " + "; ".join(failed), file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
