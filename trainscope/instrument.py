@@ -11,7 +11,7 @@ import dataclasses
 
 from trainscope.core.errors import UserError
 from trainscope.core.settings import LOOP_DATASET, Settings
-from trainscope.run import startup
+from trainscope.run import overrides, startup
 from trainscope.run.lifecycle import RunLifecycle
 from trainscope.run.metrics import RunMetrics
 
@@ -259,7 +259,7 @@ class Run:
         self._require_open("run.data(...)")
         epoch = self._next_epoch if epoch is None else epoch
         self._next_epoch = epoch + 1
-        return self._batches(loader, epoch)
+        return self._batches(overrides.loader(loader), epoch)  # the workers `trainscope tune` set, where they apply
 
     def _batches(self, loader, epoch: int):
         batches = self.lifecycle.batches(loader, epoch)

@@ -57,6 +57,8 @@ def rejudged(comparison: dict, records: dict) -> dict:
         "trials": [{**t, **trial_verdicts(judged[t["name"]])} for t in trials],
         "method": method_text(design, rounds, comparison["design"]["boundary"]),
     }
+    if "final_change" in comparison:  # trainscope tune's: its command, judged by today's rules already
+        return comparison
     comparison.update(
         final_choice(
             comparison["trials"],
