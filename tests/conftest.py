@@ -44,6 +44,7 @@ LONGEST_FIRST = (
     "test_flops_profile.py",
     "test_loaders_bench.py",
     "test_tune.py",
+    "test_tune_runs.py",
     "test_faults.py",
     "test_data.py",
     "test_benchmarks.py",

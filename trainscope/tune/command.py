@@ -8,7 +8,9 @@ record (`not_applied`): a script whose code fixes a setting keeps it, and tune s
 How it works: docs/tune.md#what-trainscope-tune-changes-and-how.
 """
 
+import contextlib
 import dataclasses
+import io
 import shlex
 from pathlib import Path
 
@@ -88,10 +90,13 @@ class Command:
             return cls(tuple(argv), "python", start)
         else:
             raise UserError(f"`{shlex.join(argv)}`: tune runs commands of {', '.join(LAUNCHERS)}")
+        said = io.StringIO()
         try:
-            parsed = parser.parse_args(rest)
+            with contextlib.redirect_stderr(said):  # argparse's usage: the one line of its error is enough
+                parsed = parser.parse_args(rest)
         except SystemExit:
-            raise UserError(f"`{shlex.join(argv)}`: {launcher} cannot read its arguments") from None
+            why = said.getvalue().strip().splitlines()[-1:] or ["?"]
+            raise UserError(f"`{shlex.join(argv)}`: {launcher} cannot read its arguments ({why[0]})") from None
         return cls(tuple(argv), launcher, len(argv) - len(parsed.training_script_args) - 1)
 
     @property

@@ -193,13 +193,15 @@ def plan_trials(
     trials: list[Trial], run_s: float, remaining_s: float, rounds: int, most: int, fp32_pairs: bool = False
 ) -> tuple[list, list]:
     """How many trials the budget holds, decided before measuring, in runs of the advice run's length: the exact
-    ones first, then the numeric, then the training ones (the advisor's order within each). (tried, over it)."""
-    candidates = sorted(trials, key=lambda t: changes.KINDS.index(t.kind))[:most]
+    ones first, then the numeric, then the training ones (the advisor's order within each), `most` at most.
+    (tried, the others)."""
+    ordered = sorted(trials, key=lambda t: changes.KINDS.index(t.kind))
+    candidates = ordered[:most]
     for k in range(len(candidates), 0, -1):
         exact = sum(t.kind == changes.EXACT for t in candidates[:k])
         if plan_cost(exact, k - exact, rounds, fp32_pairs) * run_s <= remaining_s:
-            return candidates[:k], candidates[k:]
-    return [], candidates
+            return candidates[:k], ordered[k:]
+    return [], ordered
 
 
 def one_time_s(record: dict) -> dict[str, float]:
