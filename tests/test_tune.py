@@ -20,7 +20,7 @@ from trainscope.core.record_view import RunView
 from trainscope.experiments import tune_confirm
 from trainscope.measure import bench, health, machine_kinds
 from trainscope.tune.command import Change
-from trainscope.tune.tuner import Arm, Trial, Tuner
+from trainscope.tune.tuner import Arm, Trial, TrialFailed, Tuner
 
 REPETITIONS = 2000
 ALPHA = 0.05
@@ -238,6 +238,27 @@ def test_three_no_op_trials_and_the_kept_ones_together_keep_the_familys_exact_bo
     assert bound < ALPHA * REPETITIONS
     rate, _, _ = false_rate(3, {}, {"s1", "s2", "s3", "kept"}, seed=2)
     assert rate * REPETITIONS <= bound
+
+
+def test_a_trial_that_fails_midway_leaves_the_familys_bound_as_it_was():
+    """The global null with one of three no-op trials failing in its third round (its script fails, or its change did
+    not take): it stops and is not judged, the family keeps its four tests (the one that stopped counted as p = 1), so
+    a false verdict among the others is still at most 4 x 8/924 (within its binomial bound over 1,000 repetitions),
+    and the rounds go on for the others."""
+    bound = binomial_bound(4 * bench.rejection_rate(6, 6, ALPHA / 4), 1000)
+    rng, false = random.Random(19), 0
+    for _ in range(1000):
+        machine = Machine(rng)
+
+        def failing(arm, index, seed, machine=machine):
+            if arm.name == "s3" and index == 2:
+                raise TrialFailed("s3-r2 failed: planted")
+            return machine(arm, index, seed)
+
+        judged, _ = decide(failing, 3)
+        assert "s3" not in judged and judged["s1"]["speed"]["correction"] == "Holm over 4 test(s)"
+        false += any(entry["verdict"] in ("faster", "slower") for entry in judged.values())
+    assert false <= bound < ALPHA * 1000
 
 
 def test_exact_and_numeric_no_ops_in_their_two_phases_keep_the_familys_exact_bound():

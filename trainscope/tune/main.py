@@ -83,9 +83,9 @@ def determinism(design: Design, first: dict, second: dict) -> dict:
         f"deterministic: two runs of the command as it is on seed {design.seed} agree ({probe['text']})"
         if found is None
         else f"not deterministic: two runs of the command as it is on seed {design.seed} differ ({found['what']} "
-        f"{found['trial']:.6g} against {found['baseline']:.6g}): the script draws from a generator nobody seeds "
-        "before its run opens (its model's initialization, its data); every change is judged by the equivalence "
-        "test on the rounds' runs, beyond what they differ by"
+        f"{found['trial']:.6g} against {found['baseline']:.6g}): before its run opens the script draws numbers no seed "
+        "fixes (a seed from the clock or the system, Python's or numpy's generators); every change is judged by the "
+        "equivalence test on the rounds' runs, beyond what they differ by"
     )
     return probe
 
@@ -120,43 +120,38 @@ def named(tried: list[Trial]) -> tuple[list[Trial], list[Trial]]:
     return exact, others
 
 
-def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -> dict:
-    runs = Path(args.runs).resolve()
-    tuner = Tuner(runner or Launcher(command, runs), args.budget, clock, log)
-    probe_design = Design(seed=args.seed, tolerance=changes.EXACT_TOLERANCE)
+def probed(tuner: Tuner, args, runs: Path, log) -> tuple[dict, dict, dict]:
+    """The command as it is, twice on the first round's seed: (the advice run's figures, its record, the probe)."""
     try:
         first = tuner.run(Arm("advice"), 0, args.seed, "as it is (the advice run)")
         second = tuner.run(Arm("repeat"), 0, args.seed, "as it is again, the same seed")
     except TrialFailed as failure:
         raise UserError(f"the command as it is: {failure}") from None
-    probe = determinism(probe_design, first, second)
+    probe = determinism(Design(seed=args.seed, tolerance=changes.EXACT_TOLERANCE), first, second)
     log(probe["text"])
-    record = read_record(runs / first["run"])
+    return first, read_record(runs / first["run"]), probe
+
+
+def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -> dict:
+    runs = Path(args.runs).resolve()
+    tuner = Tuner(runner or Launcher(command, runs), args.budget, clock, log)
+    first, record, probe = probed(tuner, args, runs, log)
     view = RunView(record)
     if not view.own_loop:  # train.py: its exact changes' fp32 pairs with TF32 off too
         tuner.exact_pair = Change(mixed_precision="no", flags=("--tf32", "false"))
     suggestions = advisor.advise(record, in_loop_terms=False)
     found, skipped = candidates(suggestions, view, args.only, probe["verdict"] == "exact")
     precision = view.precision if view.precision in ("bf16", "fp16") else "tf32" if view.tf32_in_effect else "fp32"
-    tried, over = plan_trials(
-        found, tuner.run_s["repeat"], tuner.remaining(), args.rounds, args.max_suggestions, precision != "fp32"
-    )
+    run_s = tuner.run_s["repeat"]
+    tried, over = plan_trials(found, run_s, tuner.remaining(), args.rounds, args.max_suggestions, precision != "fp32")
     exact, others = named(tried)
-    design = Design(
-        rounds=args.rounds,
-        trials=len(tried),
-        exact=len(exact),
-        accuracy_margin=args.accuracy_margin,
-        loss_margin=args.loss_margin,
-        seed=args.seed,
-        data_seed=first["data_seed"],
-        precision=precision,
-        tolerance=changes.EXACT_TOLERANCE,
-    )
+    margins = {"accuracy_margin": args.accuracy_margin, "loss_margin": args.loss_margin}
+    design = Design(args.rounds, len(tried), **margins, seed=args.seed, data_seed=first["data_seed"], exact=len(exact),
+                    precision=precision, tolerance=changes.EXACT_TOLERANCE)  # fmt: skip
     tuned_on = machine_kinds.machine_kind(view) if record else None
     log(
         f"{len(suggestions)} suggestion(s), {len(found)} applicable from outside the script; trying {len(tried)} "
-        f"within the {args.budget:.0f} s budget ({tuner.remaining():.0f} s left, {tuner.run_s['repeat']:.0f} s a run)"
+        f"within the {args.budget:.0f} s budget ({tuner.remaining():.0f} s left, {run_s:.0f} s a run)"
         + (f" on {tuned_on}" if tuned_on else "")
     )
     for line in design.lines():
@@ -164,33 +159,31 @@ def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -
     for t in exact + others:
         log(f"{t.name} ({t.suggestion.rule}): {t.suggestion.change} (`{' '.join(command.words(t.own))}`): {t.kind}")
     judged, ran = tuner.decide(design, Arm("baseline"), exact, others)
-    results = [trial_result(command, t, judged[t.name], mine, base) for t, mine, base in ran]
-    not_tried = [not_tried_entry(s, why) for s, why in skipped]
-    not_tried += [not_tried_entry(t.suggestion, "over the time budget or --max-suggestions") for t in over]
-    not_tried += [not_tried_entry(t.suggestion, tuner.failed[t.name]) for t in tried if t.name in tuner.failed]
-    final = final_trial(results)
-    change = next((t.arm.change for t, _, _ in ran if final and t.name == final["name"]), Change())
-    named_machine = Change(flags=("--tuned-on", tuned_on) if tuned_on and not view.own_loop else ())  # train.py warns
+    not_tried = skipped + [(t.suggestion, "over the time budget or --max-suggestions") for t in over]
+    not_tried += [(t.suggestion, tuner.failed[t.name]) for t in tried if t.name in tuner.failed]
+    result = {"experiment": "tune", "command": command.text(Change()), "script": command.script,
+              "budget_s": args.budget, "elapsed_s": clock() - tuner.started, "advice_run": first["run"],
+              "determinism": {k: probe[k] for k in ("verdict", "text", "pair_runs")}, "design": design.to_dict(),
+              "method": method_text(design), "suggestions": [s.to_dict() for s in suggestions], "tuned_on": tuned_on,
+              "not_tried": [not_tried_entry(s, why) for s, why in not_tried]}  # fmt: skip
+    return {**result, **final(command, view, [(t, judged[t.name], mine, base) for t, mine, base in ran], tuned_on)}
+
+
+def final(command: Command, view: RunView, ran: list, tuned_on: str | None) -> dict:
+    """The trials' results and the final choice: the kept trial's whole change (the stack under it included), the
+    command to use (on train.py naming the machine: it warns on another kind before its first step)."""
+    results = [trial_result(command, t, judged, mine, base) for t, judged, mine, base in ran]
+    chosen = final_trial(results)
+    change = next((t.arm.change for t, *_ in ran if chosen and t.name == chosen["name"]), Change())
+    machine = Change(flags=("--tuned-on", tuned_on) if tuned_on and not view.own_loop else ())
     return {
-        "experiment": "tune",
-        "command": command.text(Change()),
-        "script": command.script,
-        "budget_s": args.budget,
-        "elapsed_s": clock() - tuner.started,
-        "advice_run": first["run"],
-        "determinism": {k: probe[k] for k in ("verdict", "text", "pair_runs")},
-        "design": design.to_dict(),
-        "method": method_text(design),
-        "suggestions": [s.to_dict() for s in suggestions],
         "trials": results,
-        "not_tried": not_tried,
         "final_change": {k: v for k, v in vars(change).items() if v},
         "final_flags": list(change.flags),
         "final_config": None,
         "final_mixed_precision": change.mixed_precision,
-        "final_command": command.text(change | named_machine),  # on a machine of another kind, before its first step
-        "tuned_on": tuned_on,
-        "summary": final_text(final),
+        "final_command": command.text(change | machine),
+        "summary": final_text(chosen),
     }
 
 

@@ -202,16 +202,3 @@ def plan_trials(
         if plan_cost(exact, k - exact, rounds, fp32_pairs) * run_s <= remaining_s:
             return candidates[:k], ordered[k:]
     return [], ordered
-
-
-def one_time_s(record: dict) -> dict[str, float]:
-    """What the advice run spent, by its record, on set-up a later run on this machine finds cached: the predictor's
-    first-use calibration and the matmul peak's measurement. The budget is planned in runs without them."""
-    found = {}
-    calibration = (record.get("prediction") or {}).get("calibration") or {}
-    if calibration.get("state") == "first use" and calibration.get("seconds"):
-        found["the predictor's calibration"] = float(calibration["seconds"])
-    peak = (record.get("environment") or {}).get("machine_peak") or {}
-    if peak.get("from_cache") is False and peak.get("seconds"):
-        found["the matmul peak"] = float(peak["seconds"])
-    return found
