@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, cpu_env, fork_launches
+from conftest import ROOT, TINY, cpu_env, fork_launches
 
 from trainscope.advice import advisor, changes
 from trainscope.core.launching import ACCELERATE
@@ -228,3 +228,16 @@ def test_an_unseeded_script_is_named_not_deterministic(tmp_path):
     assert found.result["determinism"]["verdict"] == "not exact" and found.result["trials"] == []
     assert found.result["determinism"]["text"].startswith("not deterministic: two runs of the command as it is on")
     assert "not deterministic" in (found.runs / "comparison.md").read_text()
+
+
+def test_make_tune_on_train_py_tries_its_own_flags_with_the_rounds_seed_and_finds_them_exact(tmp_path):
+    """train.py's command (as make tune gives it): the advice run's padding-free layers tried by train.py's own flag,
+    each run on the round's seed with the data's seed held (train.py's --seed and --data-seed, set where its run
+    opens), the change exact."""
+    command = [sys.executable, "train.py", *TINY, "--threads", "1", "--max-steps", "8"]
+    found = tuned(tmp_path, ["--rounds", "1", "--only", "unpad", "--", *command])
+    (unpad,) = found.result["trials"]
+    assert unpad["own_flags"] == ["--unpad"] and unpad["kind"] == "exact" and unpad["exactness"]["verdict"] == "exact"
+    settings = read_record(found.runs / unpad["runs"][0])["settings"]
+    assert (settings["unpad"], settings["seed"], settings["data_seed"], settings["run_name"]) == (True, 42, 42, "e1-r0")
+    assert found.result["final_command"].startswith(f"{' '.join(command)} --tuned-on ")  # the machine it was tuned on

@@ -158,8 +158,12 @@ def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -
         log(line)
     for t in exact + others:
         log(f"{t.name} ({t.suggestion.rule}): {t.suggestion.change} (`{' '.join(command.words(t.own))}`): {t.kind}")
-    judged, ran = tuner.decide(design, Arm("baseline"), exact, others)
     not_tried = skipped + [(t.suggestion, "over the time budget or --max-suggestions") for t in over]
+    for s, why in not_tried:
+        log(f"not tried ({s.rule}): {s.change}: {why}")
+    if over and not tried:
+        log(f"the budget holds no trial: one takes {2 * args.rounds} runs of about {run_s:.0f} s (--budget, --rounds)")
+    judged, ran = tuner.decide(design, Arm("baseline"), exact, others)
     not_tried += [(t.suggestion, tuner.failed[t.name]) for t in tried if t.name in tuner.failed]
     result = {"experiment": "tune", "command": command.text(Change()), "script": command.script,
               "budget_s": args.budget, "elapsed_s": clock() - tuner.started, "advice_run": first["run"],
