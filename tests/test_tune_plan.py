@@ -336,3 +336,15 @@ def test_what_tune_sets_from_outside_reaches_every_run_as_it_opens(tmp_path):
     with pytest.raises(UserError, match="list"):
         overrides.loader([1, 2], env)
     assert overrides.loader([1, 2], {}) == [1, 2]
+
+
+def test_rounds_in_bf16_whose_command_cannot_run_in_fp32_leave_exact_changes_unproven_and_go_on(monkeypatch):
+    """Rounds in bf16 judge an exact change on an fp32 pair; a command that cannot run in fp32 (its code fixes bf16:
+    the pair's record shows it) leaves every exact change unproven -- listed, never kept -- and the others go on."""
+    ideas = [suggestion("workers", ["--num-workers", "1"]), NUMERIC[0]]
+    bf16 = {"environment": {"effective_precision": "bf16"}}
+    runner = planted({"e1": 1.5, "s1": 1.5}, fail={"baseline-fp32": 0})
+    result = run_tune(monkeypatch, ideas, runner, bf16)
+    assert [t["name"] for t in result["trials"]] == ["s1"] and result["final_flags"] == ["--tf32"]
+    (unproven,) = [n for n in result["not_tried"] if n["change"] == "try workers"]
+    assert unproven["why"] == "no fp32 pair to show it exact: baseline-fp32-r0 failed: planted"

@@ -295,6 +295,9 @@ def main(argv=None) -> None:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # the run in progress was stopped with it (trainscope.core.launching.run_captured)
+        print(f"error: interrupted: no result written; the runs so far are in {args.runs}", file=sys.stderr)
+        sys.exit(130)
     stem = Path(args.runs) / "comparison"
     bench.write_results(stem, result, page(result))
     for t in result["trials"]:
