@@ -348,3 +348,11 @@ def test_rounds_in_bf16_whose_command_cannot_run_in_fp32_leave_exact_changes_unp
     assert [t["name"] for t in result["trials"]] == ["s1"] and result["final_flags"] == ["--tf32"]
     (unproven,) = [n for n in result["not_tried"] if n["change"] == "try workers"]
     assert unproven["why"] == "no fp32 pair to show it exact: baseline-fp32-r0 failed: planted"
+
+
+def test_a_command_without_its_separator_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as ended:
+        tune.main([ACCELERATE, "launch", "x.py"])
+    assert ended.value.code == 2 and capsys.readouterr().err == (
+        "error: put `--` before your command: trainscope tune [options] -- <your command>\n"
+    )

@@ -284,7 +284,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    ours, command = launching.split_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ours, command = launching.split_args(argv)
+    if "--" not in argv and argv and not argv[0].startswith("-"):  # a command without its `--`
+        parser().exit(2, "error: put `--` before your command: trainscope tune [options] -- <your command>\n")
     args = parser().parse_args(ours)
     if args.budget <= 0 or args.rounds < 1 or args.max_suggestions < 1:
         parser().error("--budget must be positive, --rounds and --max-suggestions at least 1")
