@@ -148,7 +148,7 @@ NUMERIC = [
 def run_tune(monkeypatch, ideas, runner, record=None, command=TRAIN, log=None, **overrides):
     monkeypatch.setattr(tune.advisor, "advise", lambda record, in_loop_terms=True: ideas)
     monkeypatch.setattr(tune, "read_record", lambda folder: record or {})
-    args = {"runs": "unused", "budget": 1e9, "rounds": 6, "seed": 42, "only": None, "max_suggestions": 4,
+    args = {"runs": "unused", "budget": 1e9, "rounds": 6, "seed": 42, "only": None, "max_suggestions": 4, "confirm": None,
             "accuracy_margin": 0.01, "loss_margin": 0.02, **overrides}  # fmt: skip
     return tune.tune(SimpleNamespace(**args), Command.parse(command), runner, log=log or (lambda line: None))
 
@@ -356,3 +356,19 @@ def test_a_command_without_its_separator_is_refused_in_one_line(capsys):
     assert ended.value.code == 2 and capsys.readouterr().err == (
         "error: put `--` before your command: trainscope tune [options] -- <your command>\n"
     )
+
+
+def test_confirm_tries_the_change_an_earlier_tuning_kept_against_the_command_as_it_is(monkeypatch, tmp_path):
+    """--confirm <comparison.json>: the kept change (its environment, launcher settings and flags, as JSON keeps
+    them) is the one trial, on this command (the whole job, say), judged by the same rules; no advice asked."""
+    earlier = tmp_path / "comparison.json"
+    earlier.write_text('{"final_change": {"mixed_precision": "bf16", "flags": ["--tf32"], "env": [["X", "1"]]}}')
+    monkeypatch.setitem(changes.CATALOGUE, "env:X", changes.Change("env:X", changes.NUMERIC, "planted"))
+    result = run_tune(monkeypatch, None, planted({"s1": 1.5}), confirm=str(earlier))
+    (confirmed,) = result["trials"]
+    assert confirmed["own_flags"] == ["X=1", "ACCELERATE_MIXED_PRECISION=bf16", "--tf32"]
+    assert confirmed["verdict"] == "faster" and confirmed["result"].startswith("same over 6 seeds")
+    assert result["final_command"] == f"X=1 ACCELERATE_MIXED_PRECISION=bf16 {' '.join(TRAIN)} --tf32"
+    earlier.write_text('{"final_change": {}}')
+    with pytest.raises(UserError, match="kept no change, nothing to confirm"):
+        run_tune(monkeypatch, None, planted(), confirm=str(earlier))

@@ -144,7 +144,8 @@ class Quiet:
 
 def args(runs: Path, **overrides) -> SimpleNamespace:
     return SimpleNamespace(**{"runs": str(runs), "budget": 1e9, "rounds": 6, "seed": 42, "only": None,
-                              "max_suggestions": 4, "accuracy_margin": 0.01, "loss_margin": 0.02, **overrides})  # fmt: skip
+                              "max_suggestions": 4, "accuracy_margin": 0.01, "loss_margin": 0.02, "confirm": None,
+                              **overrides})  # fmt: skip
 
 
 def test_on_a_quiet_machine_the_threads_the_record_shows_off_budget_are_kept(one_thread, tmp_path):
@@ -241,3 +242,17 @@ def test_make_tune_on_train_py_tries_its_own_flags_with_the_rounds_seed_and_find
     settings = read_record(found.runs / unpad["runs"][0])["settings"]
     assert (settings["unpad"], settings["seed"], settings["data_seed"], settings["run_name"]) == (True, 42, 42, "e1-r0")
     assert found.result["final_command"].startswith(f"{' '.join(command)} --tuned-on ")  # the machine it was tuned on
+
+
+def test_the_report_reads_a_trainscope_tune_result_as_it_was_judged(one_thread, tmp_path):
+    """The report's Optimization section on a trainscope tune of a loop of its own (records without a seed setting
+    or token counts): its result as tune judged it, its table and its answer on the first page."""
+    from trainscope.experiments import REGISTRY, optimization
+    from trainscope.report import inputs as reporting
+
+    shutil.copytree(one_thread.runs, tmp_path / "runs" / "tune")
+    found = reporting.collect(tmp_path / "runs", tmp_path, [e for e in REGISTRY if e.name == "tune"])
+    assert found.comparisons["tune"]["trials"] == one_thread.result["trials"]
+    rows = optimization.tune_table(found.comparisons["tune"]).rows
+    assert [row[1] for row in rows] == [" ".join(t["flags"]) for t in one_thread.result["trials"]]
+    assert optimization.headline(found).text.startswith("No suggestion was faster")

@@ -11,8 +11,10 @@ train.py). How it works: docs/tune.md.
 """
 
 import argparse
+import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -48,6 +50,7 @@ class Launcher:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, overrides.OUTPUT: str(self.runs / name)}
         env[overrides.SEED] = str(seed)
         timeout = max(600.0, 10 * self.longest) if self.longest else None
+        shutil.rmtree(self.runs / name, ignore_errors=True)  # no earlier tuning's record read as this run's
         result = launching.run_captured(argv, env, timeout, cwd=Path.cwd())
         self.longest = max(self.longest or 0.0, time.monotonic() - began)
         if result.returncode != 0:
@@ -102,11 +105,28 @@ def candidates(suggestions: list, view: RunView, only: set | None, deterministic
         if why:
             skipped.append((s, why))
             continue
-        kind = change.kind if deterministic or change.kind != changes.EXACT else changes.NUMERIC
-        trials.append(
-            Trial(s.rule, Arm(s.rule, change), s, kind, "exact" if kind == changes.EXACT else "other", change)
-        )
+        trials.append(trial_of(s, change, deterministic))
     return trials, skipped
+
+
+def trial_of(suggestion, change: Change, deterministic: bool) -> Trial:
+    """A trial of `change`; on a command whose runs differ on one seed an exact change is judged as a numeric one."""
+    kind = change.kind if deterministic or change.kind != changes.EXACT else changes.NUMERIC
+    phase = changes.EXACT if kind == changes.EXACT else "other"
+    return Trial(suggestion.rule, Arm(suggestion.rule, change), suggestion, kind, phase, change)
+
+
+def confirmed(path: str) -> Change:
+    """--confirm: the change an earlier trainscope tune kept (its comparison.json)."""
+    try:
+        kept = json.loads(Path(path).read_text())["final_change"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"--confirm {path}: not a trainscope tune result ({type(error).__name__})") from None
+    if not kept:
+        raise UserError(f"--confirm {path}: that tuning kept no change, nothing to confirm")
+    return Change(
+        **{k: tuple(map(tuple, v)) if k == "env" else tuple(v) if k == "flags" else v for k, v in kept.items()}
+    )
 
 
 def named(tried: list[Trial]) -> tuple[list[Trial], list[Trial]]:
@@ -132,6 +152,16 @@ def probed(tuner: Tuner, args, runs: Path, log) -> tuple[dict, dict, dict]:
     return first, read_record(runs / first["run"]), probe
 
 
+def to_try(args, record: dict, view: RunView, deterministic: bool) -> tuple[list, list, list]:
+    """(the suggestions, the trials to plan, [(suggestion, why it is not tried)]): the advice's changes that can be
+    made from outside the script, or --confirm's one change."""
+    if args.confirm:
+        said = advisor.Suggestion("confirm", f"the change {args.confirm} kept", "an earlier tuning", [])
+        return [said], [trial_of(said, confirmed(args.confirm), deterministic)], []
+    suggestions = advisor.advise(record, in_loop_terms=False)
+    return (suggestions, *candidates(suggestions, view, args.only, deterministic))
+
+
 def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -> dict:
     runs = Path(args.runs).resolve()
     tuner = Tuner(runner or Launcher(command, runs), args.budget, clock, log)
@@ -139,8 +169,7 @@ def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -
     view = RunView(record)
     if not view.own_loop:  # train.py: its exact changes' fp32 pairs with TF32 off too
         tuner.exact_pair = Change(mixed_precision="no", flags=("--tf32", "false"))
-    suggestions = advisor.advise(record, in_loop_terms=False)
-    found, skipped = candidates(suggestions, view, args.only, probe["verdict"] == "exact")
+    suggestions, found, skipped = to_try(args, record, view, probe["verdict"] == "exact")
     precision = view.precision if view.precision in ("bf16", "fp16") else "tf32" if view.tf32_in_effect else "fp32"
     run_s = tuner.run_s["repeat"]
     tried, over = plan_trials(found, run_s, tuner.remaining(), args.rounds, args.max_suggestions, precision != "fp32")
@@ -273,6 +302,8 @@ def parser() -> argparse.ArgumentParser:
     add("--rounds", type=int, default=ROUNDS, help=f"alternating rounds per trial, one seed each (default {ROUNDS}: 6 "
         "against 6 can pass Holm over up to 23 tests; 5 over up to 6; 4 over 1 only)")  # fmt: skip
     add("--seed", type=int, default=42, help="the first round's seed (round r: seed + r), set when each run opens")
+    add("--confirm", metavar="COMPARISON_JSON", help="try only the change an earlier trainscope tune kept (its "
+        "comparison.json), on this command: e.g. the whole job, against it as it is")  # fmt: skip
     add("--only", type=lambda text: set(text.split(",")), default=None,
         help="try only these of the advisor's rules, comma-separated (as the progress lines name them)")  # fmt: skip
     add("--max-suggestions", type=int, default=4, help="changes to try at most (default 4)")
