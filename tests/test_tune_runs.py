@@ -1,7 +1,8 @@
 """`trainscope tune -- <command>` on real runs of the examples and a Trainer script, as a new user runs it (its
 main() in this process, each run forked with what its launcher starts: conftest.fork_launches), once per command,
 several tests reading each: a loop launched on one thread of two cores gets its share from outside and is exact; bf16
-where the CPU runs it natively; a planted change that alters the losses rejected; an unseeded script named.
+through `accelerate launch`'s own flag, judged on paired seeds (kept where the CPU runs it natively); train.py's own
+flags on the round's seed; a planted change that alters the losses rejected; an unseeded script named.
 
 Speed verdicts need a quiet machine, which a test worker beside another is not: the keeping of a faster change is
 shown on these commands' real records with a quiet machine's run times standing in (`Quiet`); what the changes buy
@@ -159,39 +160,39 @@ def test_on_a_quiet_machine_the_threads_the_record_shows_off_budget_are_kept(one
     assert result["final_command"] == f"OMP_NUM_THREADS=2 {' '.join(PLAIN)}"
 
 
-@pytest.mark.skipif(not NATIVE_BF16, reason="bf16 is emulated on this CPU: the advisor offers it nowhere here")
-def test_where_the_cpu_runs_bf16_natively_it_is_tried_from_outside_and_judged_on_the_loops_own_losses(one_thread):
-    bf16 = trial(one_thread.result, ["ACCELERATE_MIXED_PRECISION=bf16"])  # `python`: Accelerator() reads it
-    assert bf16["rule"] == "cpu_precision" and bf16["kind"] == "numeric"
-    assert read_record(one_thread.runs / bf16["runs"][0])["environment"]["effective_precision"] == "bf16"
-    # a loop without evaluation scores: its result is its training loss (the log of its second half's mean)
-    assert list(bf16["equivalence"]["metrics"]) == ["log_train_loss"]
-
-
-@pytest.mark.skipif(not NATIVE_BF16, reason="bf16 is emulated on this CPU: the advisor offers it nowhere here")
-def test_on_a_quiet_machine_bf16_is_kept_where_it_is_native_and_the_same(one_thread, tmp_path):
-    for folder in ("same", "moved"):
-        shutil.copytree(one_thread.runs / "advice-r0", tmp_path / folder / "advice-r0")
-    command, quiet = Command.parse(PLAIN), lambda folder, moved: Quiet(tmp_path / folder, {"bf16": 1.5}, moved)
-    result = tune.tune(args(tmp_path / "same", only={"cpu_precision"}), command, quiet("same", 0.0), log=print)
-    (bf16,) = result["trials"]
-    assert bf16["verdict"] == "faster" and bf16["result"].startswith("same over 6 seeds")
-    assert result["final_command"] == f"ACCELERATE_MIXED_PRECISION=bf16 {' '.join(PLAIN)}"
-    moved = tune.tune(args(tmp_path / "moved", only={"cpu_precision"}), command, quiet("moved", 0.05), log=print)
-    assert moved["trials"][0]["result"].startswith("changed over 6 seeds") and moved["final_mixed_precision"] is None
-
-
 LM = [ACCELERATE, "launch", "--num_processes", "1", "examples/causal_lm.py", "--steps", "4", "--log-every", "2",
       "--max-texts", "300", "--seq-length", "32", "--batch-size", "4"]  # fmt: skip
 
 
-@pytest.mark.skipif(not NATIVE_BF16, reason="bf16 is emulated on this CPU: the advisor offers it nowhere here")
-def test_the_causal_lm_through_accelerate_launch_gets_bf16_by_the_launchers_own_flag(tmp_path):
-    found = tuned(tmp_path, ["--rounds", "1", "--only", "cpu_precision", "--", *LM])
-    (bf16,) = found.result["trials"]
+@pytest.fixture(scope="module")
+def causal_lm(tmp_path_factory):
+    """The causal LM example through `accelerate launch`, bf16 tried (--confirm: the advisor's bf16 estimate rests
+    on the model timed in a busy test worker), one round."""
+    folder = tmp_path_factory.mktemp("causal-lm")
+    (folder / "bf16.json").write_text('{"final_change": {"mixed_precision": "bf16"}}')
+    return tuned(folder / "tune", ["--rounds", "1", "--confirm", str(folder / "bf16.json"), "--", *LM])
+
+
+def test_the_causal_lm_through_accelerate_launch_gets_bf16_by_the_launchers_own_flag(causal_lm):
+    (bf16,) = causal_lm.result["trials"]
     assert bf16["own_flags"] == ["--mixed_precision", "bf16"] and bf16["kind"] == "numeric"
-    assert read_record(found.runs / bf16["runs"][0])["environment"]["effective_precision"] == "bf16"
+    assert read_record(causal_lm.runs / bf16["runs"][0])["environment"]["effective_precision"] == "bf16"
+    assert read_record(causal_lm.runs / "advice-r0")["environment"]["effective_precision"] == "fp32"
     assert "test_loss" in bf16["equivalence"]["metrics"]  # the example's held-out loss, paired on the seed
+
+
+@pytest.mark.skipif(not NATIVE_BF16, reason="bf16 is emulated on this CPU: slower, never kept")
+def test_on_a_quiet_machine_bf16_is_kept_where_it_is_native_and_the_same(causal_lm, tmp_path):
+    for folder in ("same", "moved"):
+        shutil.copytree(causal_lm.runs / "advice-r0", tmp_path / folder / "advice-r0")
+    command, confirm = Command.parse(LM), str(causal_lm.runs.parent / "bf16.json")
+    quiet = lambda folder, moved: Quiet(tmp_path / folder, {"bf16": 1.5}, moved)  # noqa: E731
+    result = tune.tune(args(tmp_path / "same", confirm=confirm), command, quiet("same", 0.0), log=print)
+    (bf16,) = result["trials"]
+    assert bf16["verdict"] == "faster" and bf16["result"].startswith("same over 6 seeds")
+    assert result["final_command"] == " ".join([*LM[:4], "--mixed_precision", "bf16", *LM[4:]])
+    moved = tune.tune(args(tmp_path / "moved", confirm=confirm), command, quiet("moved", 0.05), log=print)
+    assert moved["trials"][0]["result"].startswith("changed over 6 seeds") and moved["final_mixed_precision"] is None
 
 
 def plant_the_learning_rate(patch) -> None:
