@@ -155,13 +155,16 @@ $(VENV)/.installed: requirements.txt requirements-embedded.txt
 	$(Q)touch $@
 
 # The project itself on the venv's path (what `pip install -e .` does, without a build): `import trainscope` works in
-# any script run with the venv's python, examples/ and your own training included.
+# any script run with the venv's python, examples/ and your own training included; and its command, `trainscope`.
 $(VENV)/.project: $(VENV)/.installed
 	@echo "setup: trainscope on $(VENV)/'s import path (trainscope-project.pth)"
 	$(Q)$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'trainscope-project.pth').write_text('$(CURDIR)\n')"
 	$(Q)touch $@
 
-setup: $(VENV)/.project ## create .venv (reusing an installed torch) with everything trainscope needs
+$(VENV)/bin/trainscope: $(VENV)/.installed
+	$(Q)printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m trainscope "$$@"\n' > $@ && chmod +x $@
+
+setup: $(VENV)/.project $(VENV)/bin/trainscope ## create .venv (reusing an installed torch) with everything trainscope needs
 	@# a GPU host (nvidia-smi answers) whose torch cannot see the GPU: a warning naming the CUDA build to install
 	@if nvidia-smi >/dev/null 2>&1; then $(PY) -m trainscope.gpu.check --torch-check; fi
 
@@ -244,8 +247,8 @@ profile: setup ## the time breakdown (a run without the profiler), the top opera
 ddp-cost: setup ## what DDP communication costs: bucket sizes, flags, compression hooks against DDP's defaults -> runs/ddp_cost/
 	$(EXPERIMENTS) ddp-cost --runs $(RUNS)/ddp_cost --rounds $(DDP_COST_ROUNDS) $(if $(DDP_SETTINGS),--settings $(DDP_SETTINGS)) -- $(DDP_COST_ARGS)
 
-tune: setup ## the advisor's suggestions for the main command tried against it; keeps what is faster with the same result (TUNE_BUDGET s) -> runs/tune/
-	$(PY) -m trainscope.experiments.tuning --runs $(RUNS)/tune --budget $(TUNE_BUDGET) --rounds $(TUNE_ROUNDS) $(if $(CONFIG),--config $(CONFIG)) -- $(TUNE_ARGS)
+tune: setup ## trainscope tune on the main command: the advisor's changes tried, kept where faster with the same result (TUNE_BUDGET s) -> runs/tune/
+	$(PY) -m trainscope tune --runs $(RUNS)/tune --budget $(TUNE_BUDGET) --rounds $(TUNE_ROUNDS) -- $(LAUNCH) train.py $(TUNE_ARGS)
 
 tune-confirm: setup ## make tune's final command against make train's on the full job, paired seeds (about 35 min on 2 CPU cores) -> runs/tune_confirm/
 	$(EXPERIMENTS) tune-confirm --runs $(RUNS)/tune_confirm $(or $(CONFIRM_TUNED),--tune $(RUNS)/tune/comparison.json) \

@@ -44,6 +44,7 @@ LONGEST_FIRST = (
     "test_flops_profile.py",
     "test_loaders_bench.py",
     "test_tune.py",
+    "test_tune_runs.py",
     "test_faults.py",
     "test_data.py",
     "test_benchmarks.py",
@@ -340,11 +341,11 @@ def fork_launches(monkeypatch) -> None:
 
     launched = launching.run_captured
 
-    def run_captured(command, env, timeout=None):
+    def run_captured(command, env, timeout=None, cwd=ROOT):  # forked children run in the project's folder
         if Path(command[0]).name.startswith("python"):
             return run_script_forked(command, env, timeout)
         result = launch_forked(command, env, timeout)
-        return launched(command, env, timeout) if result is None else result
+        return launched(command, env, timeout, cwd) if result is None else result
 
     monkeypatch.setattr(launching, "run_captured", run_captured)
 

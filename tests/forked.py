@@ -35,8 +35,18 @@ def run(command: list[str], env: dict, out: str, err: str) -> None:
     as_a_fresh_interpreter()
     os.setsid()
     with_output_to(out, err, env)
+    threads_from(env)
     os.chdir(PROJECT)
     as_python(command)
+
+
+def threads_from(env: dict) -> None:
+    """torch's intra-op threads as a fresh interpreter takes them at start-up, from OMP_NUM_THREADS (what `accelerate
+    launch` exports: 1 unless its config says use_cpu); the fork server's torch read its own environment."""
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
 def as_python(command: list[str]) -> None:

@@ -451,8 +451,8 @@ COMMITTED = re.compile(r"benchmarks/[\w/-]+(?:\.json)?")
 
 def measured_by(path: Path) -> set[str]:
     """The machines ('AMD EPYC, AVX2, bf16 emulated') whose provenance the committed path's records and results
-    files name (trainscope.report.inputs.machine_of, as the report groups its figures)."""
-    from trainscope.report.inputs import machine_of
+    files name (trainscope.report.sections.machine_of, as the report groups its figures)."""
+    from trainscope.report.sections import machine_of
 
     found = set()
     for file in [path] if path.is_file() else sorted(path.rglob("*.json")):

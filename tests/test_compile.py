@@ -54,6 +54,7 @@ def test_a_compiled_run_takes_eager_random_numbers(tmp_path, eager_random_number
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert inductor_config.fallback_random
 
 
@@ -126,3 +127,28 @@ def test_compiled_runs_match_the_eager_run_step_by_step(tmp_path):
             assert abs(a - b) <= step * (n - 1) * U * abs(a), (name, step, eager, compiled)
         block = json.loads((runs / name / "record.json").read_text())["summary"]["compile"]
         assert block["dynamic"] and block["compile_s"] > 0 and block["recompiles"] == 0
+
+
+def test_the_compile_mode_reaches_accelerates_dynamo_plugin_with_eager_random_numbers(
+    tmp_path, eager_random_numbers_undone
+):
+    """train.py --compile --compile-mode reduce-overhead: Accelerate's own dynamo plugin takes the mode (torch.compile
+    gets it at `prepare`: on a GPU, CUDA graphs of the forward and backward), and compiled code draws eager's random
+    numbers; without --compile-mode, Accelerate's default mode."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    from trainscope.run import startup
+    from trainscope.workload.settings import Settings
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # what the build sets, put back
+    try:
+        for mode, expected in (("reduce-overhead", "reduce-overhead"), (None, "default")):
+            settings = Settings(compile=True, compile_mode=mode)
+            started = startup.Startup(PartialState(cpu=True), settings, {}, tmp_path)
+            accelerator = startup.build_accelerator(settings, started)
+            assert accelerator.state.dynamo_plugin.mode == expected and inductor_config.fallback_random
+            AcceleratorState._reset_state(reset_partial_state=True)
+            inductor_config.fallback_random = False
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

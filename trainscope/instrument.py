@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 
 from trainscope.core.errors import UserError
-from trainscope.run import startup
+from trainscope.run import overrides, startup
 from trainscope.run.driver import Driver
 from trainscope.run.lifecycle import RunLifecycle
 from trainscope.run.metrics import RunMetrics
@@ -219,6 +219,7 @@ class Run:
         if epoch is None:
             epoch = self._next_epoch
         self._next_epoch = epoch + 1
+        loader = overrides.loader(loader)  # the workers `trainscope tune` set, where they apply
         batches = self.lifecycle.batches(loader, epoch)
         while self._running is not None:
             self._settle()

@@ -33,10 +33,12 @@ ELEMENTWISE = ("attention", "dropout", "layer norm", "activation", "copies and c
 BATCH_MIN_RATE_GAIN = 1.05
 
 
-def advise(record: dict) -> list[Suggestion]:
+def advise(record: dict, in_loop_terms: bool = True) -> list[Suggestion]:
     """Every suggestion the record supports: health warnings first, then by gain, largest first. A function of the
     record alone: every estimate reads the rates recorded with the run (trainscope.advice.estimates), never this
-    machine's, so the same record gives the same advice anywhere; a rule that fails says so in its item."""
+    machine's, so the same record gives the same advice anywhere; a rule that fails says so in its item. On a loop of
+    its own each change is said in its terms (`in_loop`), its train.py flags and config kept only without
+    `in_loop_terms` (trainscope tune makes them from outside the script)."""
     view = RunView(record)
     found = [s for rule in RULES for s in guarded(rule, view)]
     evidence = guarded(where_the_gap_went, view)[0]
@@ -60,7 +62,7 @@ def advise(record: dict) -> list[Suggestion]:
         for s in found:
             if s.flags or s.config:
                 s.in_loop, s.unavailable = changes.loop_words(s.flags, s.config), None
-                s.flags, s.config = [], None
+                s.flags, s.config = ([], None) if in_loop_terms else (s.flags, s.config)
     return sorted(found, key=lambda s: (not s.fix_first, s.note is not None, -(s.gain or 1.0)))
 
 
@@ -113,14 +115,6 @@ def fix_first(warning: dict, view: RunView) -> Suggestion:
 
 # ---------------------------------------------------------------- the host-bound rule (summary.device_time)
 
-# torch.compile's fused kernels take this factor off the host's forward and backward time on a host-bound step
-# (fewer launches and less framework work per operator): assumed, like FUSION_FACTOR on the device's.
-COMPILE_HOST_FACTOR = 2.0
-CUDA_GRAPHS_NOTE = (
-    "not offered here: trainscope has no flag for CUDA graphs (torch.compile(mode='reduce-overhead'), or "
-    "torch.cuda.graphs in a loop of your own)"
-)
-
 
 def host_bound(view: RunView) -> list[Suggestion]:
     """A GPU that idles above summary.device_time's threshold of each step waits for the host: what shortens the
@@ -133,11 +127,11 @@ def host_bound(view: RunView) -> list[Suggestion]:
     * a larger per-device batch where the peak memory leaves room for twice it: the host's time per step outside the
       data stage stays (the kernels launched do not grow with the batch), the data stage and the device's work
       double -- per sample, W / max((W - D) / 2 + D, B) for a step of W, data D and device time B;
-    * --compile where not compiled: the host's forward and backward time x1/COMPILE_HOST_FACTOR (assumed), the
-      device's work unchanged, less an assumed compile time over the run (the break-even steps said);
-    * CUDA graphs: one launch for all of a step's kernels, a note (no flag here);
+    * CUDA graphs (--compile --compile-mode reduce-overhead) where not graphed: one replay for the forward's and the
+      backward's kernels, the host's time in them gone, the device's work unchanged (`_graphed_steps`), less an
+      assumed compile time over the run (the break-even steps said);
     * the fused optimizer, unless the record says it is fused; the loader's workers where the data stage's share
-      leaves MIN_GAIN.
+      leaves MIN_GAIN. --unpad is not offered: its estimate counts FLOPs, and it adds host work.
     """
     block = view.device_time
     if not view.on_cuda or not block.get("host_bound"):
@@ -160,7 +154,7 @@ def host_bound(view: RunView) -> list[Suggestion]:
         said += f"; MFU {view.mfu:.1%}"
     offered = [
         s
-        for s in (_host_bound_batch(view, said, wall, spans, busy), _host_bound_compile(view, said, wall, spans, busy))
+        for s in (_host_bound_batch(view, said, wall, spans, busy), _host_bound_graphs(view, said, wall, spans, block))
         if s
     ]
     helps = offered + optimizer(view) + data_loading(view)  # those two from their own rules, on their stages' shares
@@ -169,7 +163,7 @@ def host_bound(view: RunView) -> list[Suggestion]:
         f"{n}. {s.change} (`{' '.join(s.flags)}`, {'at most' if s.gain_kind == 'bound' else 'estimate'} {s.gain:.2f}x)"
         for n, s in enumerate(helps, 1)
     )
-    notes = ["CUDA graphs (no flag here)", *_host_bound_left_out(view, wall, spans, busy)]
+    notes = _host_bound_left_out(view, wall, spans, block)
     headline = Suggestion(
         "host_bound",
         "the GPU waits for the host: shorten the host's part of each step (what helps, ranked in the evidence)",
@@ -183,13 +177,7 @@ def host_bound(view: RunView) -> list[Suggestion]:
         else None,
         confidence="high" if measured else "medium",
     )
-    graphs = Suggestion(
-        "cuda_graphs",
-        f"capture each step in a CUDA graph: {CUDA_GRAPHS_NOTE}",
-        f"host-bound: {said}",
-        confidence="low",
-    )
-    return [headline, *offered, graphs]
+    return [headline, *offered]
 
 
 def _host_bound_batch(view: RunView, said: str, wall: float, spans: dict, busy: float) -> Suggestion | None:
@@ -221,40 +209,46 @@ def _host_bound_batch(view: RunView, said: str, wall: float, spans: dict, busy: 
     )
 
 
-def _host_bound_compile(view: RunView, said: str, wall: float, spans: dict, busy: float) -> Suggestion | None:
-    if view.setting("compile"):
+def _host_bound_graphs(view: RunView, said: str, wall: float, spans: dict, block: dict) -> Suggestion | None:
+    if view.setting("compile_mode") == "reduce-overhead":
         return None
-    step = _compiled_step(wall, spans, busy)
+    steps = _graphed_steps(wall, spans, block)
     run, compile_s = view.wall_s or view.wall_median("run"), ASSUMED_COMPILE_S["cuda"]
-    if not run or step >= wall:
-        return None
     training = 1.0 - view.shares("run").get("eval", 0.0)
-    gain = 1.0 / max(1e-9, 1.0 - (1.0 - step / wall) * training + compile_s / run)
-    if gain < MIN_GAIN:
+    if not run:
+        return None
+    low, high = (1.0 / max(1e-9, 1.0 - (1.0 - step / wall) * training + compile_s / run) for step in steps)
+    if high < MIN_GAIN:
         return None
     return Suggestion(
         "compile",
-        "compile the model (torch.compile: fused kernels, fewer launches from the host)",
+        "capture the model's forward and backward in CUDA graphs (torch.compile, mode reduce-overhead)",
         f"host-bound: {said}; forward and backward take {(spans['forward'] + spans['backward']) * 1e3:.1f} ms of "
-        "the step, mostly the host's launches",
-        ["--compile"],
-        gain=gain,
+        f"the step, mostly the host's launches",
+        ["--compile", "--compile-mode", "reduce-overhead"],
+        gain=high,
         gain_kind="estimate",
-        factor=f"the host's forward and backward time x1/{COMPILE_HOST_FACTOR:g} (assumed), the device's work "
-        f"unchanged; compile time {compile_s:.0f} s (assumed) against a {run:.0f} s run",
-        confidence="low",
-        changes_result=changes.does(["--compile"]),
+        interval=(low, high),
+        factor=f"a step of {steps[1] * 1e3:.1f} ms: the host's forward and backward gone, its other "
+        f"{(wall - spans['forward'] - spans['backward']) * 1e3:.1f} ms beside the device's work (in sequence: "
+        f"{steps[0] * 1e3:.1f} ms); compile time {compile_s:.0f} s (assumed) against a {run:.0f} s run",
+        confidence="medium" if block.get("kernel_estimate") else "low",
+        changes_result=changes.does(["--compile-mode"]),
     )
 
 
-def _compiled_step(wall: float, spans: dict, busy: float) -> float:
-    """A host-bound step with the host's forward and backward time cut by COMPILE_HOST_FACTOR, no shorter than the
-    device's work."""
-    compute = spans["forward"] + spans["backward"]
-    return max(busy, wall - compute * (1 - 1 / COMPILE_HOST_FACTOR))
+def _graphed_steps(wall: float, spans: dict, block: dict) -> tuple[float, float]:
+    """A host-bound step with the model's forward and backward replayed as CUDA graphs: the host's time in them
+    gone, the device's work as the kernel estimate has it (else the CUDA events' bound). (in sequence: the device's
+    forward and backward then the host's rest; side by side: the longer of the device's work and the host's rest)."""
+    estimate = block.get("kernel_estimate") or {}
+    busy = estimate.get("busy_s") or block["busy_at_most_s"]
+    forward_backward = estimate.get("forward_backward_s") or busy - spans["data"] - spans["optimizer"]
+    rest = wall - spans["forward"] - spans["backward"]
+    return min(wall, forward_backward + rest), max(busy, rest)
 
 
-def _host_bound_left_out(view: RunView, wall: float, spans: dict, busy: float) -> list[str]:
+def _host_bound_left_out(view: RunView, wall: float, spans: dict, block: dict) -> list[str]:
     """What the ranked list leaves out, and why."""
     found = []
     total, used = view.device_memory_gib, view.max_allocated_gib
@@ -262,18 +256,23 @@ def _host_bound_left_out(view: RunView, wall: float, spans: dict, busy: float) -
         found.append("a larger batch: the record lacks the peak or the device's memory")
     elif 2 * used > 0.9 * total:
         found.append(f"a larger batch: {used:.1f} of {total:.0f} GiB in use, twice it does not fit")
-    if view.setting("compile"):
-        found.append("--compile: compiled already")
-    elif _host_bound_compile(view, "", wall, spans, busy) is None:
-        step = _compiled_step(wall, spans, busy)
+    if view.setting("compile_mode") == "reduce-overhead":
+        found.append("CUDA graphs: captured already")
+    elif _host_bound_graphs(view, "", wall, spans, block) is None:
+        step = _graphed_steps(wall, spans, block)[1]
         if step < wall:
             even = ASSUMED_COMPILE_S["cuda"] / (wall - step)
             found.append(
-                f"--compile: about {wall / step:.2f}x on the steady step (estimate: the host's forward and backward "
-                f"time x1/{COMPILE_HOST_FACTOR:g}), paying back its compile time ({ASSUMED_COMPILE_S['cuda']:.0f} s "
-                f"assumed) after about {even:.0f} steps: not in a run this short "
+                f"CUDA graphs (--compile --compile-mode reduce-overhead): about {wall / step:.2f}x on the steady step "
+                f"(estimate: the host's forward and backward gone), paying back its compile time "
+                f"({ASSUMED_COMPILE_S['cuda']:.0f} s assumed) after about {even:.0f} steps: not in a run this short "
                 f"({view.summary.get('optimizer_steps') or '?'} steps)"
             )
+    if view.padding["train_padded_squares"] and view.model_facts.get("shape") and not view.setting("unpad"):
+        found.append(
+            "--unpad: its estimate counts FLOPs, and this step's time is the host's: the padding-free layers add "
+            "operator calls and a device-to-host sync (the real tokens' indices) to each forward"
+        )
     facts = view.model_facts.get("optimizer") or {}
     if facts.get("fused"):
         found.append("the fused optimizer: fused already")

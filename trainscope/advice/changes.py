@@ -1,5 +1,5 @@
 """What a change does to the result, and so what can decide that it keeps it: the catalogue make tune
-(trainscope.experiments.tuning) and the advisor (trainscope.advice.advisor) read.
+(trainscope tune: trainscope.tune) and the advisor (trainscope.advice.advisor) read.
 
 Each change is one entry (its flag or config, its kind, what it does, the settings it needs); its kind -- exact,
 numeric or training -- says how it is judged. A flag not in the catalogue is a training change.
@@ -60,6 +60,11 @@ CATALOGUE = {
             "--compile",
             EXACT,
             "nothing: fused kernels with eager's random numbers (inductor's fallback_random; rounding only)",
+        ),
+        Change(
+            "--compile-mode",
+            EXACT,
+            "nothing: the compiled kernels replayed as CUDA graphs with eager's random numbers (rounding only)",
         ),
         Change("--num-workers", EXACT, "nothing: the same batches, loaded in worker processes"),
         Change("--pin-memory", EXACT, "nothing: the same batches, in page-locked memory"),
@@ -152,6 +157,7 @@ LOOP_WORDS = {
     "--prefetch-factor": "DataLoader(prefetch_factor={value})",
     "--optimizer-implementation": "torch.optim.AdamW(..., fused=True)",
     "--compile": "model = torch.compile(model) before accelerator.prepare",
+    "--compile-mode": "torch.compile(model, mode='{value}') (or accelerate launch --dynamo_mode {value})",
     "--gradient-checkpointing": "model.gradient_checkpointing_enable() (transformers) or torch.utils.checkpoint",
     "--ddp-bucket-cap-mb": "DistributedDataParallelKwargs(bucket_cap_mb={value}) in the Accelerator's kwargs_handlers",
     "--ddp-comm-hook": "DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)",

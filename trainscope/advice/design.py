@@ -27,7 +27,7 @@ class Design:
     accuracy_margin: float = ACCURACY_MARGIN
     loss_margin: float = LOSS_MARGIN
     seed: int = 42  # round r runs seed + r (the kept ones' rounds: the same seeds again)
-    data_seed: int = 42  # held in every run: the same data split and subsets
+    data_seed: int | None = 42  # held in every run: the same data split and subsets (None: a loop's own data)
     alpha: float = bench.ALPHA
     min_effect: float = bench.MIN_EFFECT
     exact: int = 0  # of the trials, the exact changes (trainscope.advice.changes): tried first
@@ -38,10 +38,6 @@ class Design:
     def exact_check(self) -> bool:
         """Whether exact changes need their own fp32 pair: the rounds run at another precision."""
         return self.precision != changes.EXACT_PRECISION
-
-    def check_flags(self) -> list[str]:
-        """The train.py flags of an exact change's fp32 pair: the first round's seed, TF32 off."""
-        return [*self.flags(0), "--tf32", "false"]
 
     @property
     def tests(self) -> int:
@@ -98,7 +94,8 @@ class Design:
         """The design as make tune prints it before measuring."""
         out = [
             f"design: {self.trials} trial(s), {self.rounds} alternating rounds each (seeds {self.seed}-"
-            f"{self.seed + self.rounds - 1}, data seed {self.data_seed}); speed: {bench.METHOD} on the same work, "
+            f"{self.seed + self.rounds - 1}{'' if self.data_seed is None else f', data seed {self.data_seed}'}); "
+            f"speed: {bench.METHOD} on the same work, "
             f"against the baseline runs of the trial's own rounds; boundary: {self.boundary}"
         ]
         if self.exact:

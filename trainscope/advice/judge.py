@@ -15,7 +15,8 @@ from trainscope.core import launching
 from trainscope.core.record_view import RunView
 from trainscope.measure import bench
 
-METRICS = ("validation_accuracy", "test_accuracy", "validation_loss", "test_loss")
+# The result's metrics; a loop without evaluation scores has its training loss's log (trainscope tune's figures).
+METRICS = ("validation_accuracy", "test_accuracy", "validation_loss", "test_loss", "log_train_loss")
 
 
 def work_seconds(run: dict, reference_tokens: float) -> float:
@@ -148,7 +149,8 @@ def measure(
     entry["training"] = ratio(
         [training_seconds(r, reference) for r in base], [training_seconds(r, reference) for r in mine]
     )
-    entry["evaluation"] = ratio([r["eval_s"] for r in base], [r["eval_s"] for r in mine])
+    evaluated = all(r["eval_s"] > 0 for r in base + mine)  # a loop that does not evaluate has no ratio
+    entry["evaluation"] = ratio([r["eval_s"] for r in base], [r["eval_s"] for r in mine]) if evaluated else None
     entry["tokens_per_run"] = statistics.median(r["train_tokens"] for r in mine)
     return entry
 

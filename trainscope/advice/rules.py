@@ -235,7 +235,8 @@ def padding_free(
     run did not use it already. Estimates, on the FLOPs as time, like the padding rule."""
     pad, shape = view.padding, view.model_facts.get("shape")
     found = []
-    if shape and pad["train_padded_squares"] and not view.setting("unpad"):
+    # not on a host-bound step: the FLOPs saved do not shorten it, and the layers add host work (advisor.host_bound)
+    if shape and pad["train_padded_squares"] and not view.setting("unpad") and not view.host_bound:
         tokenwise = 6 * matmul_parameters(shape["layers"], shape["hidden"], shape["intermediate"])
         attention = 12 * shape["layers"] * shape["hidden"]
         padded = tokenwise * pad["train_padded"] + attention * pad["train_padded_squares"]

@@ -153,13 +153,15 @@ def train_in_this_process(train_args: list[str]) -> int:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def run_captured(command: list[str], env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run `command` in a session of its own, output captured. Past `timeout` the whole launch is killed
-    and the result ends in `error: timed out after N s`. An exception while waiting (Ctrl-C's
-    KeyboardInterrupt, a signal handler's exception) kills it too before going on: in its own session
-    the launch never sees the terminal's Ctrl-C and would run on, orphaned."""
+def run_captured(
+    command: list[str], env: dict, timeout: float | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """Run `command` in a session of its own (in `cwd`: the project's folder unless said), output captured. Past
+    `timeout` the whole launch is killed and the result ends in `error: timed out after N s`. An exception while
+    waiting (Ctrl-C's KeyboardInterrupt, a signal handler's exception) kills it too before going on: in its own
+    session the launch never sees the terminal's Ctrl-C and would run on, orphaned."""
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)

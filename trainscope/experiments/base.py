@@ -119,9 +119,7 @@ class Arm:
     config: str | None
     flags: list = field(default_factory=list)
     skipped: str | None = None  # why this arm cannot run here
-    launcher: str = "accelerate"
-    script: Path = launching.TRAIN_SCRIPT
-    mixed_precision: str | None = None  # --mixed_precision over the config's (make tune's fp32 pairs)
+    mixed_precision: str | None = None  # --mixed_precision over the config's (make tune's final precision)
 
 
 def planned_arm(name: str, config: str, flags: list[str]) -> Arm:
@@ -140,9 +138,7 @@ def run_arm(arm: Arm, train_args: list[str], runs: Path, round_index: int, extra
     result = launching.run_training(
         [*train_args, *arm.flags, *extra, "--output-dir", str(runs), "--run-name", name, "--overwrite"],
         config=arm.config,
-        launcher=arm.launcher,
         env=launching.training_env(on_cpu),
-        script=arm.script,
         mixed_precision=arm.mixed_precision,
     )
     if result.returncode != 0:

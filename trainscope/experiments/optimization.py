@@ -1,5 +1,5 @@
 """The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what
-`make tune` (trainscope.experiments.tuning) measured when it tried them -- judged again from its runs' records by today's
+`make tune` (trainscope tune: trainscope.tune) measured when it tried them -- judged again from its runs' records by today's
 rules (trainscope.advice.rejudge.rejudged) -- and what `make tune-confirm` measured on the full job.
 
 Each machine's results stand apart: make tune's and make tune-confirm's folders (their declared ones, runs/tune/ and

@@ -64,10 +64,11 @@ def arguments(parser) -> None:
     )
 
 
-def tuned_command(args) -> tuple[str | None, list[str], dict]:
-    """(config, flags, make tune's design) of the command to confirm: stated, or make tune's final choice."""
+def tuned_command(args) -> tuple[str | None, list[str], str | None, dict]:
+    """(config, flags, mixed precision, make tune's design) of the command to confirm: stated, or make tune's final
+    choice (its mixed precision is the launcher's --mixed_precision)."""
     if args.tuned_flags is not None or args.tuned_config is not None:
-        return args.tuned_config or args.config, shlex.split(args.tuned_flags or ""), {}
+        return args.tuned_config or args.config, shlex.split(args.tuned_flags or ""), None, {}
     path = Path(args.tune)
     try:
         result = json.loads(path.read_text())
@@ -78,10 +79,11 @@ def tuned_command(args) -> tuple[str | None, list[str], dict]:
         ) from None
     if not isinstance(result, dict) or "final_flags" not in result:
         raise UserError(f"{path} is not a make tune result (no final_flags)")
-    if not result["final_flags"] and result.get("final_config") == args.config:
+    precision = result.get("final_mixed_precision")
+    if not result["final_flags"] and not precision and result.get("final_config") == args.config:
         raise UserError(f"make tune kept no change ({path}): its final command is make train's, nothing to confirm")
     tuned_on = ["--tuned-on", result["tuned_on"]] if result.get("tuned_on") else []  # warns on another kind of machine
-    return result.get("final_config"), list(result["final_flags"]) + tuned_on, result.get("design") or {}
+    return result.get("final_config"), list(result["final_flags"]) + tuned_on, precision, result.get("design") or {}
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -91,7 +93,7 @@ def run(args, train_args: list[str]) -> dict:
         )
     if any(m is not None and m <= 0 for m in (args.accuracy_margin, args.loss_margin)):
         raise UserError("--accuracy-margin and --loss-margin must be positive")
-    config, flags, tune_design = tuned_command(args)
+    config, flags, precision, tune_design = tuned_command(args)
     design = Design(
         rounds=args.rounds,
         trials=1,
@@ -101,7 +103,7 @@ def run(args, train_args: list[str]) -> dict:
         loss_margin=args.loss_margin or tune_design.get("loss_margin", LOSS_MARGIN),
     )
     runs = Path(args.runs)
-    arms = [Arm(BASELINE, args.config, []), Arm(TUNED, config, flags)]
+    arms = [Arm(BASELINE, args.config, []), Arm(TUNED, config, flags, mixed_precision=precision)]
     print(
         f"design: {args.rounds} alternating rounds of the full job, seeds {design.seed}-"
         f"{design.seed + args.rounds - 1} (data seed {design.data_seed}); speed: {bench.METHOD} on training "
@@ -118,7 +120,10 @@ def run(args, train_args: list[str]) -> dict:
         rounds=args.rounds,
         train_args=train_args,
         design=design.to_dict(),
-        commands={BASELINE: command(args.config, train_args), TUNED: command(config, merge_flags(train_args, flags))},
+        commands={
+            BASELINE: command(args.config, train_args),
+            TUNED: command(config, merge_flags(train_args, flags), precision),
+        },
         tune_result=None if args.tuned_flags is not None or args.tuned_config is not None else str(args.tune),
     )
     bench.write_results(runs / "comparison", report, markdown(report))
@@ -139,8 +144,10 @@ def judge_confirm(design: Design, arms: list[Arm], results: dict[str, list[dict]
     return summary
 
 
-def command(config: str | None, flags: list[str]) -> str:
-    return f"accelerate launch {launching.config_argument(config) + ' ' if config else ''}train.py {shlex.join(flags)}"
+def command(config: str | None, flags: list[str], precision: str | None = None) -> str:
+    launch = [launching.config_argument(config)] if config else []
+    launch += [f"--mixed_precision {precision}"] if precision else []
+    return " ".join(["accelerate launch", *launch, "train.py", shlex.join(flags)])
 
 
 def flag_value(flags: list[str], name: str, default: int) -> int:

@@ -34,8 +34,9 @@ from trainscope.core import environment, precision
 from trainscope.core.errors import UserError
 from trainscope.core.liveness import PeerWatch
 from trainscope.core.record_view import option_words
-from trainscope.run import checkpoints, trackers
+from trainscope.run import checkpoints, overrides, trackers
 from trainscope.run.options import RunOptions
+from trainscope.run.overrides import eager_random_numbers
 
 
 @dataclass
@@ -95,6 +96,7 @@ def open_run_folder(options: RunOptions, state: PartialState, names: tuple, exis
     checkpoints), and with --resume the checkpoint to continue: what `start` and `attach` both end with. `names`: what
     a run folder's default name begins with (the model's, the dataset's); `writes`: False where the run writes
     nothing (train.py --predict)."""
+    options = overrides.settings(options)  # what `trainscope tune` set from outside the script (its seed set here)
     refuse_unshared_checkpoints(options, state)
     run_dir = resolve_run_dir(options, state, names, exists, writes)
     started = Startup(state, options, run_dir=run_dir, **facts)
@@ -334,8 +336,11 @@ def build_accelerator(settings, started: Startup) -> Accelerator:
             use_seedable_sampler=True, data_seed=settings.seed, non_blocking=pin_memory(settings, on_cuda)
         ),
         # dynamic shapes: with dynamic padding every new sequence length would recompile otherwise
-        # (accelerate launch exports dynamic=False); one fixed shape with --pad-to-max-length
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor", dynamic=not settings.pad_to_max_length)
+        # (accelerate launch exports dynamic=False); one fixed shape with --pad-to-max-length. --compile-mode
+        # reduce-overhead: CUDA graphs of the model's forward and backward (the optimizer steps eagerly outside them)
+        dynamo_plugin=TorchDynamoPlugin(
+            backend="inductor", mode=settings.compile_mode, dynamic=not settings.pad_to_max_length
+        )
         if settings.compile
         else None,
         kwargs_handlers=[ddp_kwargs(settings)],
@@ -346,15 +351,6 @@ def build_accelerator(settings, started: Startup) -> Accelerator:
     if settings.compile:
         eager_random_numbers()
     return accelerator
-
-
-def eager_random_numbers() -> None:
-    """Compiled code draws its random numbers as eager code does: inductor's fallback_random calls the eager random
-    kernels (dropout's bernoulli on the input's shape and strides) on the eager generator instead of its own
-    generated ones, so a seeded compiled run draws the eager run's dropout masks (torch/_inductor/config.py)."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fallback_random = True
 
 
 def pin_memory(settings, on_cuda: bool) -> bool:

@@ -121,6 +121,12 @@ class Settings(RunOptions):
         "the dropout masks the eager run draws, and matches it to rounding. Compile time falls in the first steps "
         "and evaluations, inside the run's wall time.",
     )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] | None = option(
+        default=None,
+        help="torch.compile's mode with --compile (default: Accelerate's, `default`). reduce-overhead captures the "
+        "model's forward and backward in CUDA graphs (on a GPU: one launch for each instead of one per kernel, for a "
+        "step the host's launches set); the optimizer steps eagerly outside them, its random numbers stay eager's.",
+    )
     unpad: bool = option(
         default=False,
         help="Padding-free encoder layers (BERT family: bert, roberta): projections, feed-forward, layer norms, "

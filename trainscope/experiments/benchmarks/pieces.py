@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from trainscope.workload.settings import parse_settings
 from trainscope.experiments.benchmarks import short_run
 from trainscope.measure import bench
 from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.report.tables import Table, spread_cell
+from trainscope.workload.settings import parse_settings
 
 DEFAULT_ARGS = ["--threads", "1", "--model", "embedded:tiny-bert", "--per-device-batch-size", "16",
                 "--max-seq-length", "64", *short_run(samples=2000, steps=None, warmup=20)]  # fmt: skip
@@ -87,7 +87,7 @@ def run_pieces(run, model, optimizer) -> dict:
         return replaced(metrics, "micro_batch", lambda batch, loss, *_: metrics.loop.interval_losses.append(loss))
 
     return {
-        "stage timer": lambda: replaced(run, "timer", lambda stage: contextlib.nullcontext()),
+        "stage timer": lambda: replaced(metrics, "timer", lambda stage: contextlib.nullcontext()),
         "forward hooks": lambda: lifted(model._forward_pre_hooks, model._forward_hooks),
         "step hook": lambda: lifted(inner._optimizer_step_post_hooks),
         "micro-batch counting": counting_off,
