@@ -51,7 +51,9 @@ model = BertForSequenceClassification(BertConfig(vocab_size=500, hidden_size=32,
 args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=8, max_steps=8, logging_steps=2,
     learning_rate=float(os.environ.get("PLANTED_LEARNING_RATE", "1e-3")), save_strategy="no", report_to="none",
     use_cpu=True, disable_tqdm=True, seed=0)
-Trainer(model=model, args=args, train_dataset=Rows(64), callbacks=[trainscope.TrainscopeCallback(log_every=2)]).train()
+trainer = Trainer(model=model, args=args, train_dataset=Rows(64))
+trainer.add_callback(trainscope.TrainscopeCallback(trainer, log_every=2))
+trainer.train()
 '''
 
 
@@ -249,10 +251,10 @@ def test_the_report_reads_a_trainscope_tune_result_as_it_was_judged(one_thread, 
     """The report's Optimization section on a trainscope tune of a loop of its own (records without a seed setting
     or token counts): its result as tune judged it, its table and its answer on the first page."""
     from trainscope.experiments import REGISTRY, optimization
-    from trainscope.report import inputs as reporting
+    from trainscope.report import sections
 
     shutil.copytree(one_thread.runs, tmp_path / "runs" / "tune")
-    found = reporting.collect(tmp_path / "runs", tmp_path, [e for e in REGISTRY if e.name == "tune"])
+    found = sections.collect(tmp_path / "runs", tmp_path, [e for e in REGISTRY if e.name == "tune"])
     assert found.comparisons["tune"]["trials"] == one_thread.result["trials"]
     rows = optimization.tune_table(found.comparisons["tune"]).rows
     assert [row[1] for row in rows] == [" ".join(t["flags"]) for t in one_thread.result["trials"]]

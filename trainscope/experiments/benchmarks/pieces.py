@@ -173,7 +173,8 @@ def train_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tup
         prediction = task.predict.before_run(settings, started, tokenizer, data)
         training = task.build_training(settings, started, tokenizer, data)
         accelerator, model, optimizer = training.accelerator, training.model, training.optimizer
-        run = Run.from_started(training.prepared, started, task.workload(training, settings, data, prediction))
+        driver = task.ClassifierDriver(settings, prediction)
+        run = Run.from_started(training.prepared, started, task.facts(training, data), driver)
         pieces = {name: off for name, off in run_pieces(run, model, optimizer).items() if name in pieces_wanted}
         blocks = Blocks([ALL, NONE, *pieces], rounds, steps)
         source = forever(training.train_loader)
