@@ -153,3 +153,14 @@ def test_a_scripts_help_loads_no_torch_and_lists_its_own_flags(script):
     if script != "report.py":
         assert "python train.py --help" in answer["help"] and "--results-dir" in answer["help"]
         assert "--learning-rate" not in answer["help"] and len(answer["help"].splitlines()) < 100
+
+
+def test_the_command_line_lists_its_commands_and_refuses_another_in_one_line():
+    """`trainscope --help` names its command; an unknown one (or none) is one line on stderr and exit status 2."""
+    program = [sys.executable, "-m", "trainscope"]
+    shown = subprocess.run([*program, "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert shown.returncode == 0 and "\n  tune " in shown.stdout
+    for argv in (["bogus"], []):
+        refused = subprocess.run([*program, *argv], capture_output=True, text=True, cwd=ROOT)
+        assert refused.returncode == 2 and refused.stdout == ""
+        assert len(refused.stderr.strip().splitlines()) == 1 and "usage: trainscope tune" in refused.stderr
