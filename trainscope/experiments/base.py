@@ -19,6 +19,7 @@ from trainscope.core.records import read_record
 from trainscope.core.results_view import machines_text
 from trainscope.measure import bench
 from trainscope.report import sections
+from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, ranged
 
@@ -263,16 +264,15 @@ def errors(rows: list[dict], metric: str) -> list[list[float]]:
 
 def write(runs: Path, experiment: str, summary: dict, train_args: list[str], rounds: int) -> None:
     report = {"experiment": experiment, "rounds": rounds, "train_args": train_args, **summary}
-    table = arm_table(summary, f"Experiment: {experiment}", experiment)
-    lines = [
-        f"# Experiment: {experiment}",
-        "",
-        f"train.py flags: `{shlex.join(train_args)}`; {rounds} alternating "
-        f"round(s); each arm against the baseline arm ({bench.METHOD}).",
-        "",
-        *table.markdown_lines(),
+    page = [
+        Heading(f"Experiment: {experiment}"),
+        Paragraph(
+            f"train.py flags: `{shlex.join(train_args)}`; {rounds} alternating round(s); each arm against the "
+            f"baseline arm ({bench.METHOD})."
+        ),
+        arm_table(summary, f"Experiment: {experiment}", experiment),
     ]
-    bench.write_results(runs / "comparison", report, lines)
+    bench.write_results(runs / "comparison", report, markdown(page))
 
 
 def experiment(runs: Path, name: str, arms: list[Arm], train_args: list[str], rounds: int) -> dict:

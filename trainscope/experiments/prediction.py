@@ -22,7 +22,8 @@ from trainscope.experiments.base import Experiment, ExperimentFailed, planned_ar
 from trainscope.measure import bench
 from trainscope.measure.memory import GIB
 from trainscope.predict import calibration
-from trainscope.report import sections
+from trainscope.report import document, sections
+from trainscope.report.document import Bullets, Heading, Paragraph
 from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot
 
@@ -386,28 +387,19 @@ def load_text(load: dict | None) -> str:
 
 
 def markdown(result: dict, train_args: list[str]) -> list[str]:
-    lines = [
-        "# Experiment: predict-check",
-        "",
-        f"train.py flags: `{shlex.join(train_args)}`; each shape once.",
-        "",
-        goals_text(result),
-        "",
-        summary_text(result["summary"], "calibrated"),
-        "",
-        first_use_text(result.get("first_use")),
-        "",
-        load_text(result.get("machine_load")),
-        "",
-        *run_table(result["runs"]).markdown_lines(),
-        "",
-        *term_table(result["summary"]).markdown_lines(),
-    ]
-    if (result.get("first_use") or {}).get("runs"):
-        lines += ["", *run_table(result["first_use"]["runs"], "first use").markdown_lines()]
-    if result.get("skipped"):
-        lines += ["", *(f"- skipped {name}: {why}" for name, why in result["skipped"].items())]
-    return lines
+    first_use = (result.get("first_use") or {}).get("runs")
+    return document.markdown(
+        [
+            Heading("Experiment: predict-check"),
+            Paragraph(f"train.py flags: `{shlex.join(train_args)}`; each shape once."),
+            *map(Paragraph, (goals_text(result), summary_text(result["summary"], "calibrated"))),
+            *map(Paragraph, (first_use_text(result.get("first_use")), load_text(result.get("machine_load")))),
+            run_table(result["runs"]),
+            term_table(result["summary"]),
+            run_table(first_use, "first use") if first_use else None,
+            Bullets([f"skipped {name}: {why}" for name, why in (result.get("skipped") or {}).items()]),
+        ]
+    )
 
 
 # ---------------------------------------------------------------- the report's section
