@@ -118,31 +118,50 @@ def fix_first(warning: dict, view: RunView) -> Suggestion:
 
 def host_bound(view: RunView) -> list[Suggestion]:
     """A GPU that idles above summary.device_time's threshold of each step waits for the host: what shortens the
-    host's part of the step helps, what shortens the device's does not. The verdict is measured where the CUDA
-    events' bound on the idle share passes the threshold, else estimated from the kernel time of one layer profiled
-    at the run's shapes. One item says so and ranks what helps, each with its evidence; the changes that carry flags
-    are items of their own (the batch and --compile here; the fused optimizer and the loader's workers from their
-    own rules, which fire on the optimizer and data stages' shares):
-
-    * a larger per-device batch where the peak memory leaves room for twice it: the host's time per step outside the
-      data stage stays (the kernels launched do not grow with the batch), the data stage and the device's work
-      double -- per sample, W / max((W - D) / 2 + D, B) for a step of W, data D and device time B;
-    * CUDA graphs (--compile --compile-mode reduce-overhead) where not graphed: one replay for the forward's and the
-      backward's kernels, the host's time in them gone, the device's work unchanged (`_graphed_steps`), less an
-      assumed compile time over the run (the break-even steps said);
-    * the fused optimizer, unless the record says it is fused; the loader's workers where the data stage's share
-      leaves MIN_GAIN. --unpad is not offered: its estimate counts FLOPs, and it adds host work.
-    """
+    host's part of the step helps, what shortens the device's does not. Measured where the CUDA events' bound on the
+    idle share passes the threshold, else estimated from one layer's kernels profiled at the run's shapes. One item
+    says so and ranks what helps; the changes with flags are items of their own: a doubled batch where memory
+    allows (the host's time per step outside the data stage stays), CUDA graphs (--compile-mode reduce-overhead,
+    less an assumed compile time), and from their own rules the fused optimizer and the loader's workers. --unpad is
+    not offered: its estimate counts FLOPs, and it adds host work. docs/tune.md#the-advisor."""
     block = view.device_time
     if not view.on_cuda or not block.get("host_bound"):
         return []
     wall, spans, estimate = block["step_wall_s"], block["stage_spans_s"], block.get("kernel_estimate")
-    measured = block["host_bound_by"] == "event spans"
     busy = estimate["busy_s"] if estimate else block["busy_at_most_s"]
-    idle = estimate["idle_share"] if estimate else block["idle_share_at_least"]
+    said = _host_bound_evidence(view, block)
+    offered = [
+        s
+        for s in (_host_bound_batch(view, said, wall, spans, busy), _host_bound_graphs(view, said, wall, spans, block))
+        if s
+    ]
+    helps = sorted(offered + optimizer(view) + data_loading(view), key=lambda s: -(s.gain or 1.0))
+    what = "; ".join(
+        f"{n}. {s.change} (`{' '.join(s.flags)}`, {'at most' if s.gain_kind == 'bound' else 'estimate'} {s.gain:.2f}x)"
+        for n, s in enumerate(helps, 1)
+    )
+    headline = Suggestion(
+        "host_bound",
+        "the GPU waits for the host: shorten the host's part of each step (what helps, ranked in the evidence)",
+        f"host-bound: {said}; what helps, ranked: {what or 'no change with a flag applies'}; not offered: "
+        f"{'; '.join(_host_bound_left_out(view, wall, spans, block))}",
+        gain=amdahl(estimate["idle_share"]) if estimate else None,
+        gain_kind="estimate" if estimate else None,
+        factor="every idle moment of the device removed, its work unchanged (the kernel estimate): the ceiling of "
+        "every change to the host's part"
+        if estimate
+        else None,
+        confidence="high" if block["host_bound_by"] == "event spans" else "medium",
+    )
+    return [headline, *offered]
+
+
+def _host_bound_evidence(view: RunView, block: dict) -> str:
+    """How busy the device is: the CUDA events' bound, the kernel estimate where there is one, the MFU."""
+    estimate = block.get("kernel_estimate")
     said = (
-        f"the device is busy at most {block['busy_at_most_s'] * 1e3:.1f} ms of each {wall * 1e3:.1f} ms step by the "
-        f"stages' CUDA events (idle at least {block['idle_share_at_least']:.0%})"
+        f"the device is busy at most {block['busy_at_most_s'] * 1e3:.1f} ms of each {block['step_wall_s'] * 1e3:.1f} "
+        f"ms step by the stages' CUDA events (idle at least {block['idle_share_at_least']:.0%})"
     )
     if estimate:
         said += (
@@ -150,34 +169,7 @@ def host_bound(view: RunView) -> list[Suggestion]:
             f"{estimate['layers']} layers x {estimate['layer_s'] * 1e3:.2f} ms, one layer's forward and backward "
             f"kernels profiled at the run's shapes, plus the data and optimizer stages' spans)"
         )
-    if view.mfu is not None:
-        said += f"; MFU {view.mfu:.1%}"
-    offered = [
-        s
-        for s in (_host_bound_batch(view, said, wall, spans, busy), _host_bound_graphs(view, said, wall, spans, block))
-        if s
-    ]
-    helps = offered + optimizer(view) + data_loading(view)  # those two from their own rules, on their stages' shares
-    helps.sort(key=lambda s: -(s.gain or 1.0))
-    what = "; ".join(
-        f"{n}. {s.change} (`{' '.join(s.flags)}`, {'at most' if s.gain_kind == 'bound' else 'estimate'} {s.gain:.2f}x)"
-        for n, s in enumerate(helps, 1)
-    )
-    notes = _host_bound_left_out(view, wall, spans, block)
-    headline = Suggestion(
-        "host_bound",
-        "the GPU waits for the host: shorten the host's part of each step (what helps, ranked in the evidence)",
-        f"host-bound: {said}; what helps, ranked: {what or 'no change with a flag applies'}; not offered: "
-        f"{'; '.join(notes)}",
-        gain=amdahl(idle) if estimate else None,
-        gain_kind="estimate" if estimate else None,
-        factor="every idle moment of the device removed, its work unchanged (the kernel estimate): the ceiling of "
-        "every change to the host's part"
-        if estimate
-        else None,
-        confidence="high" if measured else "medium",
-    )
-    return [headline, *offered]
+    return said + (f"; MFU {view.mfu:.1%}" if view.mfu is not None else "")
 
 
 def _host_bound_batch(view: RunView, said: str, wall: float, spans: dict, busy: float) -> Suggestion | None:
