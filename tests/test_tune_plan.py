@@ -384,8 +384,10 @@ def test_make_tune_confirms_result_is_read_by_the_report_beside_make_tunes(monke
     (tmp_path / "tune").mkdir()
     (tmp_path / "tune" / "comparison.json").write_text(json.dumps(tuned))
     confirmed = run_tune(monkeypatch, None, planted({"s1": 2.0}), confirm=str(tmp_path / "tune" / "comparison.json"))
-    (tmp_path / "tune_confirm").mkdir()
-    (tmp_path / "tune_confirm" / "comparison.json").write_text(json.dumps(confirmed))
+    assert confirmed["experiment"] == "tune-confirm"
+    for folder in ("tune_confirm", "tune_confirm_kept"):  # its own folder, and one kept beside it
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "comparison.json").write_text(json.dumps(confirmed))
     out = tmp_path / "reports"
     completed = run_in_process(
         ["--runs", str(tmp_path), "--results", str(tmp_path / "none"), "--out", str(out)], main=report.main
@@ -393,6 +395,7 @@ def test_make_tune_confirms_result_is_read_by_the_report_beside_make_tunes(monke
     assert completed.returncode == 0, completed.stderr
     text = (out / "report.md").read_text()
     section = text.split("## Optimization: what to try next")[1].split("\n## ")[0]
+    assert section.count("`make tune-confirm` in ") == 2 and "tune_confirm_kept/`: make tune's final command" in section
     confirm = section.split("`make tune-confirm` in ")[1]
     assert "make tune's final command above against make train's, on make train's full job" in confirm
     ratio = confirmed["trials"][0]["speed"]["median_ratio"]

@@ -409,14 +409,15 @@ EXPERIMENT = Experiment(
 
 
 # ---------------------------------------------------------------- make tune-confirm's results
-# Since make tune-confirm is trainscope tune --confirm its result is a tune result; before, an experiment's
+# Since make tune-confirm is trainscope tune --confirm its result is a tune result (its experiment "tune-confirm",
+# so that one kept beside, tune_confirm_<suffix>/, is read as make tune-confirm's); before, an experiment's
 # comparison of two arms, make train's command and make tune's, on paired seeds (the committed tune_confirm*/).
 BASELINE, TUNED = "make-train", "make-tune"
 
 
 def by_tune(comparison) -> bool:
-    """Whether a make tune-confirm result is trainscope tune --confirm's (a tune result)."""
-    return isinstance(comparison, dict) and comparison.get("experiment") == "tune"
+    """Whether a make tune-confirm result is trainscope tune --confirm's (a tune result: its trials)."""
+    return isinstance(comparison, dict) and "trials" in comparison
 
 
 def reader(comparison) -> Experiment:
