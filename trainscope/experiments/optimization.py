@@ -1,12 +1,7 @@
-"""The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what
-`make tune` (trainscope tune: trainscope.tune) measured when it tried them -- judged again from its runs' records by today's
-rules (trainscope.advice.rejudge.rejudged) -- and what `make tune-confirm` (trainscope tune --confirm) measured on the
-full job: a tune result, or an older make tune-confirm's comparison of two arms (`confirm_table`).
-
-Each machine's results stand apart: make tune's and make tune-confirm's folders (their declared ones, runs/tune/ and
-runs/tune_confirm/, and those kept beside them, e.g. the committed benchmarks/runs/tune_amx/) are grouped by the
-machine that measured them, and with several machines each group has its own heading naming its machine, in the
-order of the folders (make tune's first, by name)."""
+"""The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what `make tune`
+measured when it tried them (judged again by today's rules: trainscope.advice.rejudge) and what `make tune-confirm`
+(trainscope tune --confirm) measured on the full job -- a tune result, or an older two-arm comparison
+(`confirm_table`). Each machine's results stand apart, grouped under a heading naming it where there are several."""
 
 import re
 from dataclasses import dataclass, field
