@@ -66,12 +66,13 @@ TUNE_ARGS ?= $(TRAIN_ARGS) $(if $(HAS_GPU),,--max-steps 30) --report-to none
 TUNE_BUDGET ?= 2400
 # Alternating rounds per trial (one seed each, judged once after the last): 6 against 6 can pass Holm over 23 tests.
 TUNE_ROUNDS ?= 6
-# make tune-confirm: make train's full job (TRAIN_ARGS, trackers off in both arms) against the same with make tune's
-# final flags and config (how long its rounds take: docs/tune.md#the-result-and-make-tune-confirm).
+# make tune-confirm: trainscope tune --confirm on make train's full job (TRAIN_ARGS, trackers off): the change make
+# tune kept, against the command as it is (how long its rounds take: docs/tune.md#the-result-and-make-tune-confirm).
 CONFIRM_ARGS ?= $(TRAIN_ARGS) --report-to none
 CONFIRM_ROUNDS ?= 5
-# The command to confirm: make tune's final one (empty), or stated, e.g. "--tuned-config bf16 --tuned-flags=--group-by-length"
-CONFIRM_TUNED ?=
+CONFIRM_BUDGET ?= 7200
+# The change to confirm: make tune's result (default), or another comparison.json with the change in `final_change`
+CONFIRM_TUNED ?= $(RUNS)/tune/comparison.json
 # make predict-check: short runs of many shapes (12 steps, 2 of them warm-up), each predicted at its start.
 PREDICT_ARGS ?= --max-train-samples 2000 --max-eval-samples 128 --max-test-samples 128 --max-steps 12 --log-every 12 \
 	--report-to none
@@ -250,9 +251,9 @@ ddp-cost: setup ## what DDP communication costs: bucket sizes, flags, compressio
 tune: setup ## trainscope tune on the main command: the advisor's changes tried, kept where faster with the same result (TUNE_BUDGET s) -> runs/tune/
 	$(PY) -m trainscope tune --runs $(RUNS)/tune --budget $(TUNE_BUDGET) --rounds $(TUNE_ROUNDS) -- $(LAUNCH) train.py $(TUNE_ARGS)
 
-tune-confirm: setup ## make tune's final command against make train's on the full job, paired seeds (about 35 min on 2 CPU cores) -> runs/tune_confirm/
-	$(EXPERIMENTS) tune-confirm --runs $(RUNS)/tune_confirm $(or $(CONFIRM_TUNED),--tune $(RUNS)/tune/comparison.json) \
-		--rounds $(CONFIRM_ROUNDS) $(if $(CONFIG),--config $(CONFIG)) -- $(CONFIRM_ARGS)
+tune-confirm: setup ## trainscope tune --confirm: make tune's kept change against make train's full job, paired seeds (12-14 full jobs: about 50 min on 2 CPU cores) -> runs/tune_confirm/
+	$(PY) -m trainscope tune --runs $(RUNS)/tune_confirm --confirm $(CONFIRM_TUNED) --rounds $(CONFIRM_ROUNDS) \
+		--budget $(CONFIRM_BUDGET) -- $(LAUNCH) train.py $(CONFIRM_ARGS)
 
 advise: setup ## what to try next for one run: make advise RUN=runs/<run-name>
 	$(PY) report.py --advise $(RUN)

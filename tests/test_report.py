@@ -402,14 +402,14 @@ def test_an_experiments_results_kept_beside_its_folder_are_read_as_its_own(tmp_p
     """<runs>/tune_confirm_<suffix>/ whose comparison.json names tune-confirm is make tune-confirm's too (each of its
     folders with its own runs, judged again); a folder of that prefix naming another experiment is not, nor is
     make tune-confirm's own folder make tune's (tune_confirm/ starts with tune_)."""
-    from trainscope.experiments import optimization, tune_confirm
+    from trainscope.experiments import optimization
 
     source = ROOT / "benchmarks" / "runs" / "tune_confirm"
     for name in ("tune_confirm", "tune_confirm_b", "tune_confirm_other"):
         shutil.copytree(source, tmp_path / name)
     other = tmp_path / "tune_confirm_other" / "comparison.json"
     other.write_text(json.dumps({**json.loads(other.read_text()), "experiment": "matrix"}))
-    found = sections.collect(tmp_path, tmp_path / "none", [optimization.EXPERIMENT, tune_confirm.EXPERIMENT])
+    found = sections.collect(tmp_path, tmp_path / "none", [optimization.EXPERIMENT, optimization.CONFIRM])
     folders = {name: [f.name for f in kept] for name, kept in found.folders.items()}
     assert folders == {"tune-confirm": ["tune_confirm", "tune_confirm_b"]}
     declared, beside = found.folders["tune-confirm"]
@@ -448,6 +448,15 @@ def test_each_experiments_make_target_runs_its_declaration_into_its_folder(exper
     command = " ".join(completed.stdout.replace("\\\n", " ").split())
     assert completed.returncode == 0
     assert f"-m trainscope.experiments {experiment.name} " in command and f"--runs R/{experiment.folder} " in command
+
+
+def test_make_tune_confirm_is_trainscope_tune_confirm_into_the_folder_the_report_reads():
+    from trainscope.experiments import optimization
+
+    completed = run_command(["make", "-n", "tune-confirm", "RUNS=R"], env=cpu_env())
+    command = " ".join(completed.stdout.replace("\\\n", " ").split())
+    assert completed.returncode == 0
+    assert f"-m trainscope tune --runs R/{optimization.CONFIRM.folder} --confirm R/tune/comparison.json " in command
 
 
 def test_make_report_passes_no_inputs_unless_asked():

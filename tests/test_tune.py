@@ -1,23 +1,19 @@
 """trainscope tune's decision under simulation: the whole decision path (trainscope.tune.tuner.Tuner.decide: rounds, seeds,
 the judgement of trainscope.advice.judge, the kept ones together, Holm over the family) driven by simulated runs
 thousands of times, with the error rates and the power it states; the equivalence test's three answers; a
-committed make tune judged again; make tune-confirm on planted runs."""
+committed make tune judged again."""
 
 import itertools
-import json
 import math
 import random
 import re
-from types import SimpleNamespace
 
 import pytest
 from conftest import ONE_THREAD, ROOT, TINY, binomial_quantile, read_record, run_in_process
 
 from trainscope.advice import judge as tune_judge
 from trainscope.advice.design import ROUNDS, Design
-from trainscope.core.errors import UserError
 from trainscope.core.record_view import RunView
-from trainscope.experiments import tune_confirm
 from trainscope.measure import bench, health, machine_kinds
 from trainscope.tune.command import Change
 from trainscope.tune.tuner import Arm, Trial, TrialFailed, Tuner
@@ -641,82 +637,6 @@ def test_make_tunes_command_on_a_machine_of_another_kind_warns_once_before_its_f
     said = [line for line in result.stdout.splitlines() if line.startswith("warning [tuned_elsewhere]")]
     assert len(said) == 2 and result.stdout.index(said[0]) < result.stdout.index("stage        seconds")  # start, end
     assert record["settings"]["tuned_on"] == elsewhere
-
-
-# ---------------------------------------------------------------- make tune-confirm on planted runs
-
-
-def confirm_args(tmp_path, **overrides):
-    return SimpleNamespace(
-        **{
-            "runs": str(tmp_path / "confirm"),
-            "rounds": 5,
-            "config": None,
-            "tune": str(tmp_path / "tune.json"),
-            "tuned_flags": None,
-            "tuned_config": None,
-            "accuracy_margin": None,
-            "loss_margin": None,
-            **overrides,
-        }
-    )
-
-
-def test_tune_confirm_runs_both_commands_in_paired_rounds_and_judges_speed_and_result(tmp_path, monkeypatch):
-    (tmp_path / "tune.json").write_text(
-        json.dumps(
-            {
-                "final_flags": ["--group-by-length"],
-                "final_config": "bf16",
-                "design": {"accuracy_margin": 0.02, "loss_margin": 0.05},
-                "tuned_on": "cpu AVX2, bf16 emulated: AMD EPYC 7B13",
-            }
-        )
-    )
-    machine, calls = Machine(random.Random(12), {"make-tune": 5.5}), []
-
-    def run_arm(arm, train_args, runs, round_index, extra=()):
-        calls.append((arm.name, arm.config, arm.flags, round_index, list(extra)))
-        figures = machine(arm, round_index, int(extra[extra.index("--seed") + 1]))
-        return {
-            **figures,
-            "samples_per_s": 4000 / figures["train_wall_s"],
-            "tokens_per_s": 1.0,
-            "step_s": 1.0,
-            "peak_memory_gib": 1.0,
-            "memory_kind": "peak RSS",
-            "precision": "fp32",
-            "world_size": 1,
-            "warnings": [],
-        }
-
-    monkeypatch.setattr(tune_confirm, "run_arm", run_arm)
-    report = tune_confirm.run(confirm_args(tmp_path), ["--max-train-samples", "4000"])
-    assert [(c[0], c[3]) for c in calls[:4]] == [
-        ("make-train", 0),
-        ("make-tune", 0),
-        ("make-tune", 1),
-        ("make-train", 1),
-    ]
-    assert calls[1][1:3] == ("bf16", ["--group-by-length", "--tuned-on", "cpu AVX2, bf16 emulated: AMD EPYC 7B13"])
-    assert calls[1][4] == ["--seed", "42", "--data-seed", "42"]
-    against = report["comparisons"]["make-tune"]
-    assert against["speed"]["verdict"] == "faster" and against["speed"]["median_ratio"] == pytest.approx(5.5, rel=0.1)
-    assert against["whole_job"]["pairs"] == 5
-    assert against["equivalence"]["verdict"] == "same" and against["equivalence"]["margins"]["accuracy"] == 0.02
-    written = (tmp_path / "confirm" / "comparison.md").read_text()
-    assert "--config_file accelerate_configs/bf16.yaml train.py --max-train-samples 4000 --group-by-length" in written
-    assert "test accuracy" in written and "same" in written
-
-
-def test_tune_confirm_refuses_what_it_cannot_confirm(tmp_path):
-    with pytest.raises(UserError, match="no make tune result"):
-        tune_confirm.run(confirm_args(tmp_path), [])
-    (tmp_path / "tune.json").write_text(json.dumps({"final_flags": [], "final_config": None}))
-    with pytest.raises(UserError, match="kept no change"):
-        tune_confirm.run(confirm_args(tmp_path), [])
-    with pytest.raises(UserError, match="at least 5"):
-        tune_confirm.run(confirm_args(tmp_path, rounds=3, tuned_flags="--group-by-length"), [])
 
 
 def test_the_tune_tables_title_counts_its_tests_in_words():

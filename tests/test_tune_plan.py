@@ -3,13 +3,15 @@ Accelerate's own launcher code), the determinism probe, the trials planned from 
 failures and changes that did not take, the final command and the comparison page. (The decision's error rates
 under simulation: tests/test_tune.py; real runs: tests/test_tune_runs.py.)"""
 
+import json
 import random
 import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import cpu_env, planned_launch
+from conftest import cpu_env, planned_launch, run_in_process
 
+import report
 from trainscope.advice import advisor, changes
 from trainscope.advice.judge import merge_flags
 from trainscope.core.errors import UserError
@@ -372,3 +374,33 @@ def test_confirm_tries_the_change_an_earlier_tuning_kept_against_the_command_as_
     earlier.write_text('{"final_change": {}}')
     with pytest.raises(UserError, match="kept no change, nothing to confirm"):
         run_tune(monkeypatch, None, planted(), confirm=str(earlier))
+
+
+def test_make_tune_confirms_result_is_read_by_the_report_beside_make_tunes(monkeypatch, tmp_path):
+    """make tune-confirm is trainscope tune --confirm on the full job: its result in runs/tune_confirm/ is shown in
+    the Optimization section as the confirmation of make tune's final command, and the first page gives it beside
+    make tune's answer."""
+    tuned = run_tune(monkeypatch, NUMERIC[:1], planted({"s1": 1.5}))  # keeps --tf32
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "comparison.json").write_text(json.dumps(tuned))
+    confirmed = run_tune(monkeypatch, None, planted({"s1": 2.0}), confirm=str(tmp_path / "tune" / "comparison.json"))
+    assert confirmed["experiment"] == "tune-confirm"
+    for folder in ("tune_confirm", "tune_confirm_kept"):  # its own folder, and one kept beside it
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "comparison.json").write_text(json.dumps(confirmed))
+    out = tmp_path / "reports"
+    completed = run_in_process(
+        ["--runs", str(tmp_path), "--results", str(tmp_path / "none"), "--out", str(out)], main=report.main
+    )
+    assert completed.returncode == 0, completed.stderr
+    text = (out / "report.md").read_text()
+    section = text.split("## Optimization: what to try next")[1].split("\n## ")[0]
+    assert section.count("`make tune-confirm` in ") == 2 and "tune_confirm_kept/`: make tune's final command" in section
+    confirm = section.split("`make tune-confirm` in ")[1]
+    assert "make tune's final command above against make train's, on make train's full job" in confirm
+    ratio = confirmed["trials"][0]["speed"]["median_ratio"]
+    assert (
+        f"| s1 | --tf32 | numeric | no speed claim | {ratio:.3f} (" in confirm and (out / "tune_confirm.tex").exists()
+    )
+    glance = text.split("## At a glance")[1].split("\n## ")[0]
+    assert f"on the full job (make tune-confirm): training samples/s {ratio:.4f} (" in glance

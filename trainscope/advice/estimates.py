@@ -1,16 +1,9 @@
-"""Estimates from the run's own measurement: what another precision, another thread count or a doubled batch would
-make of this run, read from the record alone -- never from a rate the reading machine measured -- so the same record
-gives the same estimate anywhere.
+"""Estimates from the run's own measurement: what another precision, thread count or a doubled batch would make of
+this run, read from the record alone (the run's own model timed in each configuration, `run_operations`, and
+Amdahl's law on the share the change touches), so the same record gives the same estimate anywhere. Each states an
+interval and what it assumes, or why the record cannot give one.
 
-The run's own model was timed alone after its loop on its own micro-batch in each configuration (the record's
-`run_operations`, trainscope.measure.operations); its seconds against the micro-batch's measured seconds give the
-share the change touches, and Amdahl's law on that share gives the estimate. A run far from its peak, or dominated by
-what the change does not touch, gets a small one. Each estimate states an interval (the timings' spread and what the
-untouched rest could do) and what it assumes; where the record cannot give one, it says why. Older records fall back
-on the matmul rates recorded at the model's GEMM shapes (environment.machine_peak).
-
-How it works: docs/tune.md#in-the-code-estimates-from-the-runs-own-model-trainscopeadviceestimatespy.
-"""
+How it works: docs/tune.md#in-the-code-estimates-from-the-runs-own-model-trainscopeadviceestimatespy."""
 
 import itertools
 from dataclasses import dataclass

@@ -1,14 +1,7 @@
-"""The one entry through which trainscope's own code runs a training: the README's command.
-
-    accelerate launch [--config_file accelerate_configs/<config>.yaml] train.py [flags]
-    python train.py [flags]
-
-Without a config the launch is pinned to one process (`--num_processes 1`): see `accelerate_launch`.
-
-Benchmarks, experiments and `make tune` call `run_training`, so what they measure is exactly what a
-user runs. `plan` decides, from the devices present, whether a config can run here at all: a
-2-process DDP config on a machine with one GPU is skipped with its reason instead of crashing.
-"""
+"""The one entry through which trainscope's own code runs a training: the README's command,
+`accelerate launch [--config_file accelerate_configs/<config>.yaml] train.py [flags]` (one process without a
+config: `accelerate_launch`), so that benchmarks, experiments and `make tune` measure what a user runs. `plan` says
+whether a config can run on the devices present (a 2-process DDP config on one GPU is skipped with its reason)."""
 
 import os
 import signal

@@ -1,13 +1,7 @@
-"""The one typed view of a run record: every reader (report, advisor, tune, experiments, benchmarks,
-health checks) asks `RunView` for the figures it needs; the record's raw keys appear only here and in
-the writer (trainscope.run.metrics / trainscope.run.lifecycle). docs/RECORD.md describes the keys.
-
-A view tolerates a partial record (a header without a summary, an interrupted run's partial summary):
-what is absent reads as None or empty.
-
-    view = RunView(read_record(run_dir))
-    view.samples_per_s, view.shares("steady")["forward"], view.peak_memory, view.communication
-"""
+"""The one typed view of a run record: every reader (report, advisor, tune, experiments, benchmarks, health checks)
+asks `RunView` for the figures it needs; the record's raw keys appear only here and in the writer
+(trainscope.run.metrics, trainscope.run.lifecycle); docs/RECORD.md describes them. A partial record (a header
+without a summary, an interrupted run's) reads what is absent as None or empty."""
 
 from trainscope.core.communication_view import (
     COMMUNICATION_BLOCK_FIGURES,

@@ -1,15 +1,7 @@
-"""Run records and every file trainscope writes: the one place that redacts, writes atomically and
-checks schemas. See docs/RECORD.md for the run-record schema.
-
-runs/<run-name>/
-  record.json    settings, environment, provenance, data, model, status, warnings, summary
-  steps.jsonl    one JSON line per logged optimizer step (appended with one write call each)
-  checkpoints/   Accelerate save_state folders (with --save-every)
-Only the main process writes. Secrets never land here or on the console: `redact` removes the
-values of the environment's credentials and, from every URL, user:password@, query strings and
-fragments (signed URLs, tokens). Writers (train.py, sweeps, comparisons, benchmarks, reports) all
-go through `write_json_atomic` / `write_text_atomic` / `RunRecord`, which apply it.
-"""
+"""Run records and every file trainscope writes: the one place that redacts secrets (the environment's credentials;
+user:password@, query strings and fragments of every URL), writes atomically and checks schemas. Every writer goes
+through `write_json_atomic` / `write_text_atomic` / `RunRecord`; only the main process writes. The layout of
+runs/<run-name>/ (record.json, steps.jsonl, checkpoints/) and the schema: docs/RECORD.md."""
 
 import json
 import os

@@ -19,6 +19,7 @@ from trainscope.core.records import read_record
 from trainscope.core.results_view import machines_text
 from trainscope.measure import bench
 from trainscope.report import sections
+from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, ranged
 
@@ -29,47 +30,26 @@ class ExperimentFailed(Exception):
 
 @dataclass(frozen=True)
 class Experiment:
-    """One experiment, declared once: how it runs and what the report shows of it.
+    """One experiment, declared once: how it runs and what the report shows of it (docs/design.md)."""
 
-    name     its subcommand (`python -m trainscope.experiments NAME`) and key
-    title    its report section's heading
-    target   the make target that produces its inputs (what the report says when they are missing)
-    folder   its runs' folder under --runs (experiments made of train.py runs), or None
-    results  its results file under --results (scripts that write their own), or None
-    arguments(parser)   adds its options (None: it has no subcommand, e.g. a script's results)
-    run(args, train_args)   runs it and writes <runs>/<folder>/comparison.{json,md}
-    section(report, found)  writes its report section (trainscope.report.writer.ReportWriter, sections.Collected)
-    headline(found)  its answer on the report's first page: a sections.Headline worded by the functions the
-                     section uses, or None when its inputs are missing (the page then names its make target);
-                     one_machine False: one per machine where several measured it, {Machine: Headline} (each
-                     under its machine on the first page, and in the section under its `report.part` heading)
-    rejudge(comparison, records)  judges a comparison again from its runs' records (default: every arm's speed
-                            against the baseline's, trainscope.report.sections.rejudged)
-    sources(found)  (label, run record or results file) pairs of every figure its section shows, whose machines the
-                    section names (default: the runs of its folder by name, its results file by path)
-    one_machine  its section compares its sources with each other, so sources from several machines skip it with
-                 that reason (False: each figure stands alone, and the section names which machine measured which)
-    kept_beside  its results may also be kept in folders <folder>_<suffix>/ beside its own (one per machine or
-                 command: the committed benchmarks/runs/tune_amx/, tune_confirm_grouped/), read where their
-                 comparison.json names it (sections.Folder); its section shows each under its machine
-    question, answer(found)  the assignment's question the section answers, and its answer in sentences
-                 (sections.Answer, one per machine): the first page's answers, each with the section's page
-    """
-
-    name: str
-    title: str
-    target: str
-    section: Callable
-    folder: str | None = None
-    results: str | None = None
-    arguments: Callable[[argparse.ArgumentParser], None] | None = None
-    run: Callable | None = None
+    name: str  # its subcommand (`python -m trainscope.experiments NAME`) and key
+    title: str  # its report section's heading
+    target: str  # the make target that produces its inputs (named where they are missing)
+    section: Callable  # (ReportWriter, sections.Collected) -> writes its section
+    folder: str | None = None  # its runs' folder under --runs (train.py runs)
+    results: str | None = None  # its results file under --results (scripts that write their own)
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None  # its options (None: no subcommand)
+    run: Callable | None = None  # (args, train_args) -> runs it, writes <runs>/<folder>/comparison.{json,md}
     help: str = ""
     needs: tuple[str, ...] = ("experiment", "baseline", "arms", "comparisons", "rounds")  # keys its input holds
+    # found -> its answer on the first page (sections.Headline, or {Machine: Headline} where several machines
+    # measured it and one_machine is False), None when its inputs are missing
     headline: Callable | None = None
-    rejudge: Callable | None = None  # (comparison, its runs' records) -> the comparison judged by today's rules
-    sources: Callable | None = None  # found -> [(label, record or results file)] its section shows
-    one_machine: bool = True
+    rejudge: Callable | None = None  # (comparison, its runs' records) -> judged by today's rules (sections.rejudged)
+    sources: Callable | None = None  # found -> [(label, record or results file)] its section shows (and names)
+    one_machine: bool = True  # its section compares its sources: several machines skip it with that reason
+    # results may also be kept in <folder>_<suffix>/ beside its own (one per machine or command: the committed
+    # tune_amx/), read where their comparison.json names it; its section shows each under its machine
     kept_beside: bool = False
     question: str | None = None  # the assignment's question its section answers (the first page asks it)
     answer: Callable | None = None  # found -> [sections.Answer] (one per machine), or None when not run
@@ -263,16 +243,15 @@ def errors(rows: list[dict], metric: str) -> list[list[float]]:
 
 def write(runs: Path, experiment: str, summary: dict, train_args: list[str], rounds: int) -> None:
     report = {"experiment": experiment, "rounds": rounds, "train_args": train_args, **summary}
-    table = arm_table(summary, f"Experiment: {experiment}", experiment)
-    lines = [
-        f"# Experiment: {experiment}",
-        "",
-        f"train.py flags: `{shlex.join(train_args)}`; {rounds} alternating "
-        f"round(s); each arm against the baseline arm ({bench.METHOD}).",
-        "",
-        *table.markdown_lines(),
+    page = [
+        Heading(f"Experiment: {experiment}"),
+        Paragraph(
+            f"train.py flags: `{shlex.join(train_args)}`; {rounds} alternating round(s); each arm against the "
+            f"baseline arm ({bench.METHOD})."
+        ),
+        arm_table(summary, f"Experiment: {experiment}", experiment),
     ]
-    bench.write_results(runs / "comparison", report, lines)
+    bench.write_results(runs / "comparison", report, markdown(page))
 
 
 def experiment(runs: Path, name: str, arms: list[Arm], train_args: list[str], rounds: int) -> dict:

@@ -1,11 +1,7 @@
-"""The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what
-`make tune` (trainscope tune: trainscope.tune) measured when it tried them -- judged again from its runs' records by today's
-rules (trainscope.advice.rejudge.rejudged) -- and what `make tune-confirm` measured on the full job.
-
-Each machine's results stand apart: make tune's and make tune-confirm's folders (their declared ones, runs/tune/ and
-runs/tune_confirm/, and those kept beside them, e.g. the committed benchmarks/runs/tune_amx/) are grouped by the
-machine that measured them, and with several machines each group has its own heading naming its machine, in the
-order of the folders (make tune's first, by name)."""
+"""The report's "Optimization" section: the advisor's ranked suggestions for the report's main run, what `make tune`
+measured when it tried them (judged again by today's rules: trainscope.advice.rejudge) and what `make tune-confirm`
+(trainscope tune --confirm) measured on the full job -- a tune result, or an older two-arm comparison
+(`confirm_table`). Each machine's results stand apart, grouped under a heading naming it where there are several."""
 
 import re
 from dataclasses import dataclass, field
@@ -17,7 +13,6 @@ from trainscope.advice.rejudge import rejudged
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_steps
 from trainscope.core.results_view import Machine, results_machine
-from trainscope.experiments import tune_confirm
 from trainscope.experiments.base import Experiment
 from trainscope.measure import bench
 from trainscope.report import sections
@@ -48,7 +43,7 @@ def on_machines(found: sections.Collected) -> list[OnMachine]:
     """make tune's and make tune-confirm's results grouped by machine, in the order of their folders (make tune's
     first: its declared folder, then those kept beside it by name)."""
     groups: dict = {}
-    for experiment, kind in ((EXPERIMENT, "tunes"), (tune_confirm.EXPERIMENT, "confirms")):
+    for experiment, kind in ((EXPERIMENT, "tunes"), (CONFIRM, "confirms")):
         for folder in sections.folders_of(found, experiment):
             machine = folder_machine(folder)
             getattr(groups.setdefault(machine, OnMachine(machine)), kind).append(folder)
@@ -141,36 +136,41 @@ def tune_part(report, found: sections.Collected, folder: Folder) -> None:
         return
     if tune.get("history"):
         report.text(tune["history"])
-    name = table_label(folder)
-    report.table(tune_table(tune, name))
-    if equivalence_table(tune).rows:
-        report.table(equivalence_table(tune, f"{name}_result"))
+    trial_tables(report, tune, table_label(folder))
     report.text(f"Final command: `{tune['final_command']}`. {final_text(final_trial(tune['trials']))}")
     report.text(tune.get("method", ""))
+
+
+def trial_tables(report, result: dict, name: str) -> None:
+    """A tune result's trials (tune_table) and, where any was judged on seeds, their paired differences."""
+    report.table(tune_table(result, name))
+    if equivalence_table(result).rows:
+        report.table(equivalence_table(result, f"{name}_result"))
 
 
 def confirm_part(report, found: sections.Collected, folder: Folder, group: OnMachine) -> None:
     """One make tune-confirm result: its table and the result over its paired seeds."""
     where = f"`make tune-confirm` in `{sections.shown_path(folder.path)}/`"
-    why = unreadable(found, tune_confirm.EXPERIMENT, folder)
-    if why or folder.comparison is None:
+    confirm = folder.comparison
+    why = unreadable(found, reader(confirm), folder)
+    if why or confirm is None:
         report.text(
             f"On the full job: {where} measures make tune's final command against make train's (its result "
             f"here is skipped: {why or 'no comparison.json'})."
         )
         return
-    confirm = folder.comparison
     of_tune = any(confirms(confirm, tune.comparison) for tune in group.tunes if tune.comparison)
     report.text(
         f"{where}: "
-        + ("make tune's final command above" if of_tune else f"{tune_confirm.tuned_what(confirm)}")
+        + ("make tune's final command above" if of_tune else tuned_what(confirm))
         + " against make train's, on make train's full job."
     )
-    report.table(tune_confirm.confirm_table(confirm, table_label(folder)))
-    report.text(
-        "Result over the paired seeds (every metric): "
-        f"{confirm['comparisons'][tune_confirm.TUNED]['equivalence']['text']}."
-    )
+    if by_tune(confirm):
+        trial_tables(report, confirm, table_label(folder))
+        report.text(f"{confirm['summary']} {confirm.get('method', '')}")
+        return
+    report.table(confirm_table(confirm, table_label(folder)))
+    report.text(f"Result over the paired seeds (every metric): {confirm['comparisons'][TUNED]['equivalence']['text']}.")
 
 
 def table_label(folder: Folder) -> str:
@@ -179,9 +179,13 @@ def table_label(folder: Folder) -> str:
 
 
 def confirms(confirm: dict, tune: dict) -> bool:
-    """Whether a make tune-confirm result measured this make tune's final command: its tuned arm runs make tune's
-    final config and flags (the --tuned-on note aside)."""
-    arm = ((confirm.get("arms") or {}).get(tune_confirm.TUNED) or {}) if isinstance(confirm, dict) else {}
+    """Whether a make tune-confirm result measured this make tune's final command: its one trial is make tune's
+    final trial's change, or (an older result) its tuned arm runs make tune's final config and flags (the --tuned-on
+    note aside)."""
+    if by_tune(confirm):
+        final = final_trial(tune.get("trials") or [])
+        return final is not None and [t["own_flags"] for t in confirm["trials"]] == [final["flags"]]
+    arm = ((confirm.get("arms") or {}).get(TUNED) or {}) if isinstance(confirm, dict) else {}
     flags = list(arm.get("flags") or [])
     if "--tuned-on" in flags:
         del flags[flags.index("--tuned-on") : flags.index("--tuned-on") + 2]
@@ -255,7 +259,7 @@ def confirm_of(group: OnMachine, folder: Folder) -> dict | None:
             c.comparison
             for c in group.confirms
             if c.comparison is not None
-            and tune_confirm.EXPERIMENT.unreadable_folder(c) is None
+            and reader(c.comparison).unreadable_folder(c) is None
             and folder.comparison is not None
             and confirms(c.comparison, folder.comparison)
         ),
@@ -267,11 +271,13 @@ def confirmed_text(confirm: dict | None) -> str:
     """'; on the full job (make tune-confirm): ...' from the confirm's own comparison, or nothing without one."""
     if confirm is None:
         return ""
-    against = confirm["comparisons"][tune_confirm.TUNED]
-    return (
-        f"; on the full job (make tune-confirm): training samples/s {bench.ratio_text(against['speed'])}, "
-        f"{against['speed']['verdict']}, result {against['equivalence']['verdict']}"
-    )
+    if by_tune(confirm):
+        trial = confirm["trials"][0]
+        speed, verdict, result = trial["speed"], trial["verdict"], result_cell(trial)
+    else:
+        against = confirm["comparisons"][TUNED]
+        speed, verdict, result = against["speed"], against["speed"]["verdict"], against["equivalence"]["verdict"]
+    return f"; on the full job (make tune-confirm): training samples/s {bench.ratio_text(speed)}, {verdict}, result {result}"
 
 
 def _speed_cell(speed: dict) -> str:
@@ -393,5 +399,102 @@ EXPERIMENT = Experiment(
     rejudge=rejudged_with_steps,
     sources=sources,
     one_machine=False,
+    kept_beside=True,
+)
+
+
+# ---------------------------------------------------------------- make tune-confirm's results
+# Since make tune-confirm is trainscope tune --confirm its result is a tune result (its experiment "tune-confirm",
+# so that one kept beside, tune_confirm_<suffix>/, is read as make tune-confirm's); before, an experiment's
+# comparison of two arms, make train's command and make tune's, on paired seeds (the committed tune_confirm*/).
+BASELINE, TUNED = "make-train", "make-tune"
+
+
+def by_tune(comparison) -> bool:
+    """Whether a make tune-confirm result is trainscope tune --confirm's (a tune result: its trials)."""
+    return isinstance(comparison, dict) and "trials" in comparison
+
+
+def reader(comparison) -> Experiment:
+    """The declaration whose inputs a make tune-confirm result is: a tune result's, or the older comparison's."""
+    return EXPERIMENT if by_tune(comparison) else CONFIRM
+
+
+def rejudged_confirm(comparison: dict, records: dict) -> dict:
+    return (rejudged_with_steps if by_tune(comparison) else sections.rejudged)(comparison, records)
+
+
+def tuned_what(comparison: dict) -> str:
+    """What the tuned arm ran: the change trainscope tune --confirm tried, make tune's final command (read from its
+    result), or the command stated with --tuned-flags/--tuned-config (the result then names no make tune result)."""
+    if by_tune(comparison):
+        return comparison["trials"][0]["change"] if comparison.get("trials") else "no change"
+    stated = "tune_result" in comparison and comparison["tune_result"] is None
+    return "the command stated on its command line" if stated else "make tune's command"
+
+
+def confirm_table(comparison: dict, label: str = "tune_confirm") -> Table:
+    """make train against make tune's command (or a stated one) on the full job: speed, whole-job wall time, test
+    accuracy with the equivalence test."""
+    arms, against = comparison["arms"], comparison["comparisons"][TUNED]
+    equivalence = against.get("equivalence") or {}
+    rows = []
+    for name in (BASELINE, TUNED):
+        arm = arms[name]
+        accuracy = arm.get("test_accuracy") or {}
+        rows.append(
+            [
+                name,
+                comparison.get("commands", {}).get(name, ""),
+                _ranged(arm.get("samples_per_s"), 1),
+                _ranged(accuracy, 4),
+            ]
+        )
+    speed = against["speed"]
+    metrics = equivalence.get("metrics", {})
+    rows.append(
+        [
+            "make-tune / make-train",
+            f"speed {bench.describe(speed)}; whole job {bench.ratio_text(against['whole_job'])}",
+            f"{speed['median_ratio']:.3f}x",
+            _equivalence_cell(metrics.get("test_accuracy"), equivalence),
+        ]
+    )
+    return Table(
+        f"The full make train job: make train against {tuned_what(comparison)} ({comparison['rounds']} "
+        "alternating rounds, paired seeds)",
+        ["arm", "command / comparison", "samples/s", "test accuracy"],
+        rows,
+        label,
+        align="llrl",
+    )
+
+
+def _ranged(spread: dict | None, digits: int) -> str:
+    if not spread:
+        return "-"
+    return f"{spread['median']:.{digits}f} ({spread['min']:.{digits}f}-{spread['max']:.{digits}f})"
+
+
+def _equivalence_cell(entry: dict | None, equivalence: dict) -> str:
+    if not entry:
+        return "not measured"
+    if entry["interval"] is None:
+        return f"difference {entry['mean']:+.4f}: one seed, undecided"
+    low, high = entry["interval"]
+    return (
+        f"difference {entry['mean']:+.4f}, 90% [{low:+.4f}, {high:+.4f}] against +-{entry['margin']:g}: "
+        f"{entry['verdict']} ({len(equivalence.get('seeds', []))} seeds)"
+    )
+
+
+CONFIRM = Experiment(
+    name="tune-confirm",
+    title="make tune on the full job",
+    target="make tune-confirm",
+    folder="tune_confirm",
+    section=None,
+    needs=("experiment", "arms", "comparisons", "commands"),
+    rejudge=rejudged_confirm,
     kept_beside=True,
 )

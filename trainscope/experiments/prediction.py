@@ -6,7 +6,6 @@ How it works: docs/predict.md#in-the-code-how-make-predict-check-judges-trainsco
 """
 
 import os
-import resource
 import shlex
 import statistics
 import time
@@ -15,14 +14,16 @@ from pathlib import Path
 import torch
 
 from trainscope import predict
-from trainscope.core.environment import machine_busy_seconds, usable_cores
+from trainscope.core.environment import usable_cores
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, write_json_atomic
 from trainscope.experiments.base import Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
-from trainscope.measure import bench
+from trainscope.measure import bench, peak
 from trainscope.measure.memory import GIB
 from trainscope.predict import calibration
-from trainscope.report import sections
+from trainscope.predict.kept import BUSY_CORES, cpu_seconds
+from trainscope.report import document, sections
+from trainscope.report.document import Bullets, Heading, Paragraph
 from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot
 
@@ -72,39 +73,24 @@ def arguments(parser) -> None:
 
 
 def machine_load() -> dict:
-    """What the machine's cores have done so far, to tell what other processes took while the shapes ran: a
-    prediction is of an undisturbed machine. The CPU seconds of the whole machine (/proc/stat) and of this process
-    and the runs it launched and waited for (their own load is not interference); the 1-minute load average beside
-    them, for the record."""
-
-    own = sum(
-        getattr(resource.getrusage(who), field)
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-        for field in ("ru_utime", "ru_stime")
-    )
-    busy = machine_busy_seconds()
-    return {
-        "load_average_1min": round(os.getloadavg()[0], 2),
-        "usable_cores": usable_cores(),
-        "machine_cpu_s": busy,
-        "own_cpu_s": own,
-        "monotonic_s": time.monotonic(),
-    }
+    """What the machine's cores have done so far (trainscope.predict.kept.cpu_seconds: the whole machine's, and this
+    process's with the runs it waited for, whose load is not interference), the 1-minute load average beside them:
+    a prediction is of an undisturbed machine."""
+    busy, own, clock = cpu_seconds() or (None, None, time.monotonic())
+    return {"load_average_1min": round(os.getloadavg()[0], 2), "usable_cores": usable_cores(), "machine_cpu_s": busy,
+            "own_cpu_s": own, "monotonic_s": clock}  # fmt: skip
 
 
 def other_cores(load: dict) -> float | None:
-    """Cores other processes kept busy on average while the shapes ran: the machine's CPU seconds less this
-    process's and its runs', over the wall time (None where /proc/stat could not be read or an older result)."""
-    before, after = load["before"], load["after"]
-    if before.get("machine_cpu_s") is None or after.get("machine_cpu_s") is None:
-        return None
-    wall = after["monotonic_s"] - before["monotonic_s"]
-    others = (after["machine_cpu_s"] - before["machine_cpu_s"]) - (after["own_cpu_s"] - before["own_cpu_s"])
-    return max(0.0, others) / wall if wall > 0 else None
-
-
-# Other processes above a quarter of a core on average: the runs were slowed by what the predictions do not model.
-BUSY_CORES = 0.25
+    """Cores other processes kept busy on average while the shapes ran (trainscope.measure.peak.other_cores); None
+    where /proc/stat could not be read."""
+    readings = [load[when] for when in ("before", "after")]
+    return peak.other_cores(
+        *[
+            (r["machine_cpu_s"], r["own_cpu_s"], r["monotonic_s"]) if r.get("machine_cpu_s") is not None else None
+            for r in readings
+        ]
+    )
 
 
 def run(args, train_args: list[str]) -> dict:
@@ -386,28 +372,19 @@ def load_text(load: dict | None) -> str:
 
 
 def markdown(result: dict, train_args: list[str]) -> list[str]:
-    lines = [
-        "# Experiment: predict-check",
-        "",
-        f"train.py flags: `{shlex.join(train_args)}`; each shape once.",
-        "",
-        goals_text(result),
-        "",
-        summary_text(result["summary"], "calibrated"),
-        "",
-        first_use_text(result.get("first_use")),
-        "",
-        load_text(result.get("machine_load")),
-        "",
-        *run_table(result["runs"]).markdown_lines(),
-        "",
-        *term_table(result["summary"]).markdown_lines(),
-    ]
-    if (result.get("first_use") or {}).get("runs"):
-        lines += ["", *run_table(result["first_use"]["runs"], "first use").markdown_lines()]
-    if result.get("skipped"):
-        lines += ["", *(f"- skipped {name}: {why}" for name, why in result["skipped"].items())]
-    return lines
+    first_use = (result.get("first_use") or {}).get("runs")
+    return document.markdown(
+        [
+            Heading("Experiment: predict-check"),
+            Paragraph(f"train.py flags: `{shlex.join(train_args)}`; each shape once."),
+            *map(Paragraph, (goals_text(result), summary_text(result["summary"], "calibrated"))),
+            *map(Paragraph, (first_use_text(result.get("first_use")), load_text(result.get("machine_load")))),
+            run_table(result["runs"]),
+            term_table(result["summary"]),
+            run_table(first_use, "first use") if first_use else None,
+            Bullets([f"skipped {name}: {why}" for name, why in (result.get("skipped") or {}).items()]),
+        ]
+    )
 
 
 # ---------------------------------------------------------------- the report's section

@@ -1,12 +1,6 @@
-"""make profile: where the time goes, from a run without the profiler, and the top operators from one with it;
-the gap between the runs and this machine's measured matmul peak, per precision.
-
-The time breakdown (the report's pie chart and table) comes from the unprofiled run; the profiled run
-traces a window of steps (torch.profiler) for the top operators, and the two runs' step lines on the
-traced steps (the same steps, the same batches) give the profiler's own cost. Where this machine runs bf16
-matmuls faster than fp32 (its measured peaks, trainscope.measure.peak; always on a GPU), the same pair runs again under
-accelerate_configs/bf16.yaml: the gap table and figure (trainscope.measure.gap) come per precision.
-"""
+"""make profile: where the time goes, from a run without the profiler (the report's pie chart and table), the top
+operators from a profiled run of the same steps (the two runs' step lines give the profiler's own cost), and the gap
+to this machine's measured matmul peak, per precision (the pair again under bf16.yaml where bf16 is faster here)."""
 
 from pathlib import Path
 
@@ -98,13 +92,20 @@ def share(row: dict) -> str:
     return num(row["percent"], 1) + "%"
 
 
-def headline(found: sections.Collected) -> Headline | None:
-    """The five categories' shares of the wall time, largest first, as the section's table gives them."""
+def ordered_breakdown(found: sections.Collected) -> tuple[dict, str, dict, list] | None:
+    """(the main run, why it is the main run, its time breakdown, its categories largest first), or None."""
     record, why = sections.breakdown_choice(found)
     if record is None:
         return None
     breakdown = sections.time_breakdown(record)
-    ordered = sorted(breakdown["categories"], key=lambda c: -c["seconds"])
+    return record, why, breakdown, sorted(breakdown["categories"], key=lambda c: -c["seconds"])
+
+
+def headline(found: sections.Collected) -> Headline | None:
+    """The five categories' shares of the wall time, largest first, as the section's table gives them."""
+    if (chosen := ordered_breakdown(found)) is None:
+        return None
+    _, why, breakdown, ordered = chosen
     return Headline(
         ", ".join(f"{c['name']} {share(c)}" for c in ordered) + f" of {num(breakdown['wall_s'])} s "
         f"(run `{breakdown['run']}`, {why}, profiler off)",
@@ -114,11 +115,9 @@ def headline(found: sections.Collected) -> Headline | None:
 
 def answer(found: sections.Collected) -> list[sections.Answer] | None:
     """Where a step's time goes, in words: the main run's categories, largest first."""
-    record, why = sections.breakdown_choice(found)
-    if record is None:
+    if (chosen := ordered_breakdown(found)) is None:
         return None
-    breakdown = sections.time_breakdown(record)
-    ordered = sorted(breakdown["categories"], key=lambda c: -c["seconds"])
+    record, why, breakdown, ordered = chosen
     rest = ", ".join(f"{c['name']} {share(c)}" for c in ordered[1:])
     data = next(c for c in ordered if c["name"] == "data loading")
     return [

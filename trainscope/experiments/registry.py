@@ -18,14 +18,13 @@ from trainscope.experiments import (
     optimization,
     prediction,
     profile,
-    tune_confirm,
 )
 from trainscope.experiments.base import Experiment, ExperimentFailed
 from trainscope.experiments.data_parallel import results as data_parallel
 from trainscope.experiments.loaders import results as loaders
 
 # In the report's order; `compare` and `find-batch` have no section (a tool and a child process), `tune-confirm`
-# shows in the Optimization section.
+# (trainscope tune --confirm's result) shows in the Optimization section.
 REGISTRY: list[Experiment] = [
     profile.EXPERIMENT,
     optimization.EXPERIMENT,
@@ -40,7 +39,7 @@ REGISTRY: list[Experiment] = [
     prediction.EXPERIMENT,
     compare.EXPERIMENT,
     batch.FIND_BATCH,
-    tune_confirm.EXPERIMENT,
+    optimization.CONFIRM,
 ]
 SECTIONS = [e for e in REGISTRY if e.section is not None]
 USAGE = """python -m trainscope.experiments NAME --runs DIR [options] -- [train.py flags]

@@ -1,15 +1,8 @@
-"""make gpu-check's results: each check's goals judged on what it measured, whether it confirms what the plan says
-it does, and the results page (blocks written by trainscope.report.document).
+"""make gpu-check's results: each check's goals (declared in trainscope.gpu.checks, judged by trainscope.gpu.goals),
+whether it confirms what the plan says (only where it ran to its end and met every goal), and the results page. MFU
+is headlined on real tokens, against the datasheet peak of its precision.
 
-A check's goals are those its declaration in trainscope.gpu.checks names (trainscope.gpu.goals says what each holds
-to and judges it). A check confirms what the plan says only where it ran to its end and met every goal
-(`confirmed`): one skipped, stopped or failed, or with a goal not met or not measured, confirms nothing, and the
-page says which and why.
-
-MFU is headlined on real tokens (padding positions are not the model's work: --unpad counts real tokens, a padded run
-its padded positions) and names the datasheet peak it is a share of (fp32 runs against the fp32 non-tensor peak,
-TF32 and bf16 against their tensor-core peaks: rows of different precisions are shares of different peaks).
-"""
+How it works: docs/gpu.md#what-make-gpu-check-does."""
 
 from trainscope.gpu import goals
 from trainscope.gpu.checks import SHARED_NOTE

@@ -1,13 +1,5 @@
-"""The one table layer: a table's Markdown and booktabs LaTeX, its cells, and saving a figure as PNG and PDF.
-The report's PDF sets the same tables (trainscope.report.book); the report's sections go through
-trainscope.report.writer.
-
-Every script and report that shows a table builds a `Table` (headers and string cells, computed from
-rows elsewhere) and asks it for Markdown or LaTeX; the report draws the same tables into its PDF.
-
-    table = Table("DDP settings", ["setting", "s/step"], [["default", "0.41"]], label="ddp_cost")
-    table.markdown(); table.latex()
-"""
+"""The one table layer: a `Table` (headers and string cells, computed from rows elsewhere) written as Markdown or
+booktabs LaTeX and set in the report's PDF (trainscope.report.book), its cells, and saving a figure as PNG and PDF."""
 
 from pathlib import Path
 

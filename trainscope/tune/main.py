@@ -194,7 +194,7 @@ def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -
         log(f"the budget holds no trial: one takes {2 * args.rounds} runs of about {run_s:.0f} s (--budget, --rounds)")
     judged, ran = tuner.decide(design, Arm("baseline"), exact, others)
     not_tried += [(t.suggestion, tuner.failed[t.name]) for t in tried if t.name in tuner.failed]
-    result = {"experiment": "tune", "command": command.text(Change()), "script": command.script,
+    result = {"experiment": "tune-confirm" if args.confirm else "tune", "command": command.text(Change()), "script": command.script,
               "budget_s": args.budget, "elapsed_s": clock() - tuner.started, "advice_run": first["run"],
               "determinism": {k: probe[k] for k in ("verdict", "text", "pair_runs")}, "design": design.to_dict(),
               "method": method_text(design), "suggestions": [s.to_dict() for s in suggestions], "tuned_on": tuned_on,

@@ -1,17 +1,12 @@
-"""The advisor's estimates against what the change then measures, on five loops: train.py's default (shortened), the
-causal LM (examples/causal_lm.py), the plain loop (examples/plain_loop.py), a CNN (pytorch/examples' mnist loop as
-tests/public_loops/mnist.py writes it) and a LoRA model (PEFT's LoRA causal LM, tests/public_loops/peft_lora.py).
-
-Each loop runs once as it is (the advice run): its record's estimates (trainscope.advice.estimates: the precisions,
-thread counts and twice the batch its model was timed at) are ranked, and the top ones the loop can take are applied
-against the loop as it was in alternating pairs (trainscope.measure.bench.alternate): steady samples/s, the pair's
-ratio, their median and the median's distribution-free interval beside the estimate and its interval.
+"""The advisor's estimates (trainscope.advice.estimates) against what the change then measures, on five loops:
+train.py's default, examples/causal_lm.py, examples/plain_loop.py, a CNN (tests/public_loops/mnist.py) and a LoRA
+model (tests/public_loops/peft_lora.py). Each loop's top estimates are applied against the loop as it was in
+alternating pairs: steady samples/s, the median ratio and its interval beside the estimate.
 
     python -m trainscope.experiments.benchmarks.advice_check [--pairs 5] [--loops train,causal_lm] [--changes 1]
 
 Writes benchmarks/advice_check.{json,md}.
-How it works: docs/tune.md#estimates-against-what-the-change-measures-make-bench-advice.
-"""
+How it works: docs/tune.md#estimates-against-what-the-change-measures-make-bench-advice."""
 
 import json
 import os

@@ -1,16 +1,12 @@
-"""What trainscope costs a script's whole run, on train.py and on a loop of one's own: each script with trainscope
-against the same script without it (trainscope.experiments.benchmarks.whole_run: whole wall time and steady step,
-alternating rounds, the verdicts on stated targets), with the direct figure, trainscope.Run's own calls timed around
-near-empty steps, beside it as a diagnostic.
+"""What trainscope costs a script's whole run (trainscope.experiments.benchmarks.whole_run): train.py against its bare
+loop (train.py's run less its instruments: `--bare`), examples/causal_lm.py against itself with
+`--without-trainscope`, with trainscope.Run's own calls timed around near-empty steps as the direct figure.
 
     python -m trainscope.experiments.benchmarks.overhead [--pairs 11] [--warm-rounds 1] [--scripts train loop]
         [--modes events sync memory-every-step direct] [train.py flags]
 
-train.py against its bare loop (train.py's run less its instruments: `--bare`); examples/causal_lm.py against itself
-with `--without-trainscope`. Writes benchmarks/timing_overhead.{json,md}; exits 1 where a direct figure lies outside
-the rounds' interval.
-How it works: docs/benchmarks.md#in-the-code-how-make-bench-overhead-compares-trainscopeexperimentsbenchmarksoverheadpy.
-"""
+Writes benchmarks/timing_overhead.{json,md}; exits 1 where a direct figure lies outside the rounds' interval.
+How it works: docs/benchmarks.md#in-the-code-how-make-bench-overhead-compares-trainscopeexperimentsbenchmarksoverheadpy."""
 
 import argparse
 import dataclasses
@@ -79,10 +75,9 @@ BARE_REFUSES = {  # work train.py does inside its loop that a loop without train
 
 
 def bare_loop(argv: list[str]) -> None:
-    """train.py's run without its instruments (see the module's docstring: what both arms share, what only train.py
-    does): train.py's own start-up, set-up (trainscope.classifier.build_training) and step
-    (trainscope.workload.step.train_step), unmeasured; prints the steady window's training samples/s, samples and
-    optimizer steps as JSON."""
+    """train.py's run without its instruments: train.py's own start-up, set-up (trainscope.classifier.build_training)
+    and step (trainscope.workload.step.train_step), unmeasured; prints the steady window's training samples/s,
+    samples and optimizer steps as JSON."""
     from trainscope import classifier as task  # deferred: it loads transformers' models and datasets
 
     (settings,) = parse_settings(argv=argv)
@@ -95,66 +90,59 @@ def bare_loop(argv: list[str]) -> None:
         tokenizer = task.build_tokenizer(settings)
         data = task.load_classification_data(settings, tokenizer, started.state.main_process_first)
         training = task.build_training(settings, started, tokenizer, data)
-        accelerator, model, plan = training.accelerator, training.model, training.plan
-        if settings.timing_warmup_steps >= plan["optimizer_steps"]:
+        total = training.plan["optimizer_steps"]
+        if settings.timing_warmup_steps >= total:
             raise SystemExit(
-                f"error: --timing-warmup-steps {settings.timing_warmup_steps} leaves none of the "
-                f"{plan['optimizer_steps']} optimizer steps to time"
+                f"error: --timing-warmup-steps {settings.timing_warmup_steps} leaves none of the {total} optimizer "
+                "steps to time"
             )
-        metric = task.load_metric()
-        synchronize = synchronizer(accelerator.device)
+        samples, wall = bare_train(task, settings, training)
+    print(json.dumps({"samples_per_s": samples / wall, "threads": torch.get_num_threads(), "samples": samples,
+                      "optimizer_steps": total - settings.timing_warmup_steps, "train_wall_s": wall}))  # fmt: skip
 
-        def now() -> float:  # as train.py's phase boundaries: the device's work done, then the host clock
-            if synchronize is not None:
-                synchronize()
-            return time.perf_counter()
 
-        warmup, total = settings.timing_warmup_steps, plan["optimizer_steps"]
-        step, samples, evaluation_s = 0, 0, 0.0
-        window_started = now() if warmup == 0 else None
+def bare_train(task, settings, training) -> tuple[int, float]:
+    """train.py's loop and evaluations, unmeasured: (the training samples after the warm-up steps, the seconds they
+    took less the evaluations', timed as train.py's phase boundaries: the device's work done, then the host clock)."""
+    accelerator, model, metric = training.accelerator, training.model, task.load_metric()
+    synchronize = synchronizer(accelerator.device)
 
-        def evaluate(loader) -> None:
-            nonlocal evaluation_s
-            began = now()
-            task.evaluate_split(model, loader, accelerator, metric)
-            if window_started is not None:  # train.py times it as `eval` and takes it out of the steady phase
-                evaluation_s += now() - began
+    def now() -> float:
+        if synchronize is not None:
+            synchronize()
+        return time.perf_counter()
 
-        model.train()
-        for epoch in range(plan["epochs"]):
-            training.train_loader.set_epoch(epoch)
-            batches = iter(training.train_loader)
-            while step < total:
-                batch = next(batches, None)
-                if batch is None:
-                    break
-                in_window = window_started is not None
-                _, labels = task.train_step(
-                    accelerator, model, batch, training.optimizer, training.scheduler, task.unmeasured,
-                    settings.max_grad_norm,
-                )  # fmt: skip
-                if in_window:
-                    samples += labels.shape[0]
-                if accelerator.sync_gradients:
-                    step += 1
-                    if step == warmup:
-                        window_started = now()
-            evaluate(training.validation_loader)
-            if step >= total:
-                break
-        evaluate(training.test_loader)
-        wall = now() - window_started - evaluation_s
-    print(
-        json.dumps(
-            {
-                "samples_per_s": samples / wall,
-                "threads": torch.get_num_threads(),
-                "samples": samples,
-                "optimizer_steps": total - warmup,
-                "train_wall_s": wall,
-            }
-        )
-    )
+    warmup, total = settings.timing_warmup_steps, training.plan["optimizer_steps"]
+    step, samples, evaluation_s = 0, 0, 0.0
+    window_started = now() if warmup == 0 else None
+
+    def evaluate(loader) -> None:
+        nonlocal evaluation_s
+        began = now()
+        task.evaluate_split(model, loader, accelerator, metric)
+        if window_started is not None:  # train.py times it as `eval` and takes it out of the steady phase
+            evaluation_s += now() - began
+
+    model.train()
+    for epoch in range(training.plan["epochs"]):
+        training.train_loader.set_epoch(epoch)
+        batches = iter(training.train_loader)
+        while step < total and (batch := next(batches, None)) is not None:
+            in_window = window_started is not None
+            _, labels = task.train_step(
+                accelerator, model, batch, training.optimizer, training.scheduler, task.unmeasured,
+                settings.max_grad_norm,
+            )  # fmt: skip
+            samples += labels.shape[0] if in_window else 0
+            if accelerator.sync_gradients:
+                step += 1
+                if step == warmup:
+                    window_started = now()
+        evaluate(training.validation_loader)
+        if step >= total:
+            break
+    evaluate(training.test_loader)
+    return samples, now() - window_started - evaluation_s
 
 
 def instruments_alone(argv: list[str]) -> None:

@@ -1,19 +1,12 @@
-"""Where trainscope's cost on a step goes: an A/B by block inside one process that trains with it.
+"""Where trainscope's cost on a step goes: an A/B by block inside one process, blocks of steps with every piece of the
+instrument on ("all"), none of it ("none") and each piece off in turn, in alternating order; a piece's cost is "all"
+less the block without it, per step.
 
-Blocks of optimizer steps run with every piece of the instrument on ("all"), with none of it ("none": the same step
-with no trainscope call and the hooks lifted off the model and the optimizer), and with each piece switched off in
-turn, in alternating order round after round. A piece's cost is the block with everything on less the block without
-it, per step; the total is "all" less "none". What the pieces leave of the total is the calls' own work that no
-piece holds alone (settling steps, the counters), or an interaction.
+    python -m trainscope.experiments.benchmarks.pieces train|trainer [--rounds 7] [--block-steps 30] [train.py flags]
 
-    python -m trainscope.experiments.benchmarks.pieces train [--rounds 7] [--block-steps 30] [train.py flags]
-    python -m trainscope.experiments.benchmarks.pieces trainer [--rounds 7] [--block-steps 30] [train.py flags]
-
-`train`: train.py's step on its workload (the embedded tiny model by default), driven by trainscope.Run as train.py
-drives it; `trainer`: a transformers.Trainer on the same with trainscope.TrainscopeCallback, blocks switched at its
-step ends. A diagnostic, not a committed benchmark: on a busy machine its figures are indicative (the load average
-is printed with them). How it works: docs/benchmarks.md#in-the-code-where-the-cost-goes-trainscopeexperimentsbenchmarkspiecespy.
-"""
+`train`: train.py's step driven by trainscope.Run; `trainer`: a transformers.Trainer with TrainscopeCallback. A
+diagnostic, not a committed benchmark (the load average is printed with its figures).
+How it works: docs/benchmarks.md#in-the-code-where-the-cost-goes-trainscopeexperimentsbenchmarkspiecespy."""
 
 import argparse
 import contextlib
@@ -236,11 +229,7 @@ def trainer_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> t
         switched = contextlib.ExitStack()
 
         def on_train_begin(self, args, state, control, **kwargs):
-            inner = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-            pieces = run_pieces(callback.run, inner, trainer.optimizer)
-            pieces["batch wrapper"] = lambda: removed(trainer, "get_batch_samples")
-            pieces["backward wrapper"] = lambda: removed(trainer.accelerator, "backward")
-            self.pieces = {name: off for name, off in pieces.items() if name in pieces_wanted}
+            self.pieces = trainer_pieces(trainer, callback, pieces_wanted)
             blocks.configurations[2:] = list(self.pieces)
             self.plan = iter(blocks.schedule())
             if self.left == 0:
@@ -277,6 +266,15 @@ def trainer_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> t
         with blocks.watching_the_collector():
             trainer.train()
     return blocks, {"planned_steps": settings.max_steps, "threads": torch.get_num_threads()}
+
+
+def trainer_pieces(trainer, callback, wanted) -> dict:
+    """The pieces of the callback's instrument that a block switches off: its run's, and the wrappers it set."""
+    inner = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    pieces = run_pieces(callback.run, inner, trainer.optimizer)
+    pieces["batch wrapper"] = lambda: removed(trainer, "get_batch_samples")
+    pieces["backward wrapper"] = lambda: removed(trainer.accelerator, "backward")
+    return {name: off for name, off in pieces.items() if name in wanted}
 
 
 @contextlib.contextmanager

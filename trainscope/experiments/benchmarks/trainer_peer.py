@@ -1,19 +1,10 @@
-"""train.py against the HF transformers.Trainer: same model, data, batches, batch size, precision, steps; and what
-trainscope's Trainer callback costs a Trainer script's whole run.
-
-Four arms in alternating rounds -- the Trainer, the Trainer with trainscope.TrainscopeCallback, `accelerate launch
-train.py` and `python train.py` -- each launched the way a user launches it, the Trainer on train.py's own DataLoader
-(checked: the same samples in the same order); the stage splits of train.py's record and the callback's side by
-side. Then the callback's cost on the embedded tiny model (short steps, where its own work weighs most): the Trainer
-script with the callback against the same script without it, whole wall time and steady step in alternating rounds
-of their own (trainscope.experiments.benchmarks.whole_run), the callback's own calls timed (`--callback-alone`) beside
-as a diagnostic.
+"""train.py against the HF transformers.Trainer (same model, data, batches, precision and steps) in alternating rounds,
+and what trainscope's Trainer callback costs a Trainer script's whole run (trainscope.experiments.benchmarks.whole_run).
 
     python -m trainscope.experiments.benchmarks.trainer_peer [--pairs 5] [--cost-pairs 11] [--precision bf16] [train.py flags]
 
 Writes benchmarks/trainer_peer.{json,md}; exits 1 where the direct figure lies outside the rounds' interval.
-How it works: docs/benchmarks.md#in-the-code-how-make-bench-trainer-compares-trainscopeexperimentsbenchmarkstrainer_peerpy.
-"""
+How it works: docs/benchmarks.md#in-the-code-how-make-bench-trainer-compares-trainscopeexperimentsbenchmarkstrainer_peerpy."""
 
 import argparse
 import contextlib
@@ -364,7 +355,8 @@ def measure(args, train_args: list[str]) -> dict:
 STAGE_ORDER = ("data", "forward", "backward", "optimizer", "eval", "other")
 
 
-def page(report: dict) -> list:
+def tables(report: dict) -> tuple[Table, Table, Table]:
+    """The arms' speed, the comparisons with their verdicts, and the stage splits of the steady steps."""
     arms = Table(
         "Arms",
         ["arm", "samples/s (median, min-max)", "tokens/s (median)", "threads"],
@@ -397,6 +389,11 @@ def page(report: dict) -> list:
         "trainer_peer_stages",
         align="lrr",
     )
+    return arms, comparisons, split
+
+
+def page(report: dict) -> list:
+    arms, comparisons, split = tables(report)
     cost = report["callback_cost"]
     probe = [r[whole_run.DIRECT]["trainer_us_per_step"] for r in cost["rounds"] if whole_run.DIRECT in r]
     return [

@@ -1,22 +1,10 @@
-"""What trainscope costs a script's whole run: the script with trainscope against the same script without it.
+"""What trainscope costs a script's whole run: the script with trainscope against the same script without it, both
+launched as a user launches them, in alternating rounds after uncounted warm-up rounds. Each launch is timed from
+the launch to the exit and, inside, by torch's global optimizer-step hook (`--clock`); from each round come
+trainscope's per-step cost and its fixed cost, judged against targets stated before measuring, and a direct figure
+(its own calls timed) that must agree with the per-step cost.
 
-Both arms are launched as a user launches the script, in alternating rounds, after warm-up rounds that are not
-counted (the machine's caches are then warm, as a user's second run finds them). Each launch is timed twice, the same
-way in both arms: from the outside, from the launch to the exit (the whole run's wall time), and inside by a stamp at
-every optimizer step (torch's global step hook, set by this module before the script runs:
-`python -m trainscope.experiments.benchmarks.whole_run --clock <file> <script or -m module> [args]`), whose mean
-interval after the script's warm-up steps is the steady step. From each round: trainscope's per-step cost (the
-steady steps' ratio) and its fixed cost (the wall time it added less its steady steps' share: start-up, warm-up,
-what runs after the loop, the record).
-
-Targets stated before measuring: the fixed cost at most max(1 s, 2% of the wall time without trainscope), the
-per-step cost at most 3% of the step, each judged on the median's distribution-free interval over the rounds (met,
-NOT met, undecided); the whole run's ratio carries the harness's verdict (bench.compare_samples). The direct figure
-(trainscope's own calls timed around near-empty steps) is a diagnostic beside the per-step cost, and the two must
-agree: a direct figure outside the rounds' interval, below or above it, fails the check.
-
-How it works: docs/benchmarks.md#in-the-code-the-whole-run-verdict-trainscopeexperimentsbenchmarkswhole_runpy.
-"""
+How it works: docs/benchmarks.md#in-the-code-the-whole-run-verdict-trainscopeexperimentsbenchmarkswhole_runpy."""
 
 import json
 import re

@@ -26,6 +26,8 @@ from trainscope.experiments.data_parallel.results import figure, projection_tabl
 from trainscope.measure import bench
 from trainscope.measure.communication.measured import INTERCONNECTS, ring_allreduce_seconds
 from trainscope.measure.memory import GIB, CudaMemoryProbe, peak_rss_bytes
+from trainscope.report import document
+from trainscope.report.document import Bullets, Code, Heading, Paragraph
 from trainscope.report.tables import save_figure
 
 # Published multi-node data-parallel scaling, for scale: NVIDIA NeMo, 4B-parameter BERT on a DGX
@@ -334,42 +336,39 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
 
 def markdown(report: dict) -> list[str]:
     compare = report["compare"]
-    lines = [
-        "# DataParallel vs DDP",
-        "",
-        f"{report['machine']['device_name']}: {report['machine']['hardware']['note']}",
-        f"{compare['steps']} timed steps (after {compare['warmup_steps']} untimed) of global batch "
-        f"{report['global_batch_size']}, {compare['rounds']} alternating rounds, model {report['settings']['model']}; "
-        f"verdicts: {bench.METHOD}." + (f" {report['global_batch_note']}" if report.get("global_batch_note") else ""),
-        "",
-        *results_table(report).markdown_lines(),
-        "",
-        "## Code changes from the single-device loop",
-        "",
-    ]
-    for diff in report["code_changes"]:
-        lines += [
-            f"{diff['to']}: {diff['changed_lines']} changed lines (+{diff['added']} -{diff['removed']})",
-            "",
-            "```diff",
-            diff["diff"],
-            "```",
-            "",
+    return document.markdown(
+        [
+            Heading("DataParallel vs DDP"),
+            Paragraph(
+                f"{report['machine']['device_name']}: {report['machine']['hardware']['note']}\n{compare['steps']} "
+                f"timed steps (after {compare['warmup_steps']} untimed) of global batch {report['global_batch_size']}, "
+                f"{compare['rounds']} alternating rounds, model {report['settings']['model']}; verdicts: "
+                f"{bench.METHOD}." + (f" {report['global_batch_note']}" if report.get("global_batch_note") else "")
+            ),
+            results_table(report),
+            Heading("Code changes from the single-device loop", 2),
+            *[
+                block
+                for diff in report["code_changes"]
+                for block in (
+                    Paragraph(
+                        f"{diff['to']}: {diff['changed_lines']} changed lines (+{diff['added']} -{diff['removed']})"
+                    ),
+                    Code(diff["diff"], "diff"),
+                )
+            ],
+            Heading("Projected DDP scaling", 2),
+            Paragraph(report["projection"]["assumptions"]),
+            projection_table(report),
+            Paragraph("Published anchors:"),
+            Bullets(
+                [
+                    f"{a['what']}: {a['speedup_over_8']}x one node, {a['efficiency']:.0%} efficiency ({a['source']})"
+                    for a in ANCHORS
+                ]
+            ),
         ]
-    lines += [
-        "## Projected DDP scaling",
-        "",
-        report["projection"]["assumptions"],
-        "",
-        *projection_table(report).markdown_lines(),
-        "",
-        "Published anchors:",
-    ]
-    lines += [
-        f"- {a['what']}: {a['speedup_over_8']}x one node, {a['efficiency']:.0%} efficiency ({a['source']})"
-        for a in ANCHORS
-    ]
-    return lines
+    )
 
 
 def plan_batch(compare: CompareSettings, processes: int) -> str | None:

@@ -23,7 +23,9 @@ from trainscope.experiments.loaders.options import SweepSettings
 from trainscope.experiments.loaders.results import PYTORCH_DEFAULT_WORKERS, curve_name, figure, knee_table, knee_verdict
 from trainscope.measure import bench
 from trainscope.measure.timing import StageTimer, make_clock
-from trainscope.report.tables import save_figure
+from trainscope.report import document
+from trainscope.report.document import Heading, Paragraph
+from trainscope.report.tables import Table, save_figure
 from trainscope.workload.data import labelled_splits
 from trainscope.workload.settings import Settings
 
@@ -311,33 +313,41 @@ def write_outputs(report: dict, results_dir: Path) -> list[Path]:
 def markdown(report: dict) -> list[str]:
     view = LoaderSweepView(report)
     machine = view.machine
-    return [
-        "# DataLoader num_workers sweep",
-        "",
-        f"{view.dataset_rows} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
-        f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch threads; "
-        f"{view.repeats} repeats in alternating order; verdicts: {bench.METHOD}.",
-        "",
-        *knee_table(report).markdown_lines(),
-        *copy_lines(report),
-    ]
+    return document.markdown(
+        [
+            Heading("DataLoader num_workers sweep"),
+            Paragraph(
+                f"{view.dataset_rows} training rows; {machine['device_name']}, {machine['usable_cores']} usable cores "
+                f"({machine['cpu_budget_per_process']} per training process), {machine['torch_threads']} torch "
+                f"threads; {view.repeats} repeats in alternating order; verdicts: {bench.METHOD}."
+            ),
+            knee_table(report),
+            copy_table(report),
+        ]
+    )
 
 
-def copy_lines(report: dict) -> list[str]:
+def copy_table(report: dict) -> Table | None:
     """The copy to the device, per setting: the time the loop spent in it per pass, against the pass."""
     rows = [e for e in LoaderSweepView(report).settings_summary if e.get("median_copy_s") is not None]
     if not rows:
-        return []
-    return [
-        "",
-        "| batch | pin_memory | workers | copy s per pass (median) | pass s (median) |",
-        "|---:|---|---:|---:|---:|",
-        *[
-            f"| {e['batch_size']} | {'pinned, non-blocking' if e['pin_memory'] else 'pageable'} | {e['num_workers']} | "
-            f"{e['median_copy_s']:.4f} | {e['median']:.4f} |"
+        return None
+    return Table(
+        "The copy to the device",
+        ["batch", "pin_memory", "workers", "copy s per pass (median)", "pass s (median)"],
+        [
+            [
+                e["batch_size"],
+                "pinned, non-blocking" if e["pin_memory"] else "pageable",
+                e["num_workers"],
+                f"{e['median_copy_s']:.4f}",
+                f"{e['median']:.4f}",
+            ]
             for e in rows
-        ],
-    ]
+        ],  # fmt: skip
+        "loaders_copy",
+        align="rlrrr",
+    )
 
 
 def print_recommendations(report: dict) -> None:
