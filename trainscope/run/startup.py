@@ -301,13 +301,21 @@ def resolve_run_dir(options: RunOptions, state: PartialState, names: tuple, exis
     if options.resume:
         if not any((run_dir / "checkpoints").glob("step_*")):
             raise UserError(f"--resume: {run_dir} has no checkpoint (was it run with --save-every, or save_every=?)")
-    elif run_dir.exists():
+    elif _exists_on_main(run_dir):
         if not options.overwrite:
             raise UserError(f"{run_dir} already exists: {exists}")
         state.wait_for_everyone()
         if state.is_main_process:
             shutil.rmtree(run_dir)
     return run_dir
+
+
+def _exists_on_main(run_dir: Path) -> bool:
+    """Whether the run folder exists, as the main process saw it before any rank went on: a rank that looks later
+    would see the folder the main process has made for this very run since."""
+    seen = [run_dir.exists()]
+    broadcast_object_list(seen)
+    return seen[0]
 
 
 def ddp_kwargs(settings) -> DistributedDataParallelKwargs:
