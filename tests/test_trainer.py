@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import ROOT, assert_ok, read_record, read_steps, run_in_forked_ranks, run_in_process
 from public_loops import hf_trainer
-from test_conformance import counted
+from test_conformance import FLOPS_TOLERANCE, counted
 
 
 def trainer_run(tmp_path, *args):
@@ -58,7 +58,9 @@ def test_a_trainer_with_the_callback_records_what_its_loop_did(tmp_path):
 def test_a_lora_trainer_counts_the_flops_of_what_trains(tmp_path):
     record, truth, _ = trainer_run(tmp_path, "--lora")
     assert record["instrument"]["flops_basis"].startswith("formula: the model's layers as they train")
-    assert counted(record, "flops") == truth["flops"]  # on the Llama's default attention: the fused CPU kernel
+    # on the Llama's default attention, the fused CPU kernel (transformers 5.17's rotary embedding adds a matmul that
+    # FlopCounterMode counts and the walk does not: within 0.001%)
+    assert counted(record, "flops") == pytest.approx(truth["flops"], rel=FLOPS_TOLERANCE)
     assert record["environment"]["sdpa_kernels"]["training"] == "FLASH_ATTENTION"
     assert record["summary"]["model_flops"]["head"] == "an LM head on every position"
     # the Trainer's own total_flos counts every weight of the model (6 N), frozen ones included

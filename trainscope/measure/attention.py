@@ -19,10 +19,13 @@ def flop_formulas() -> dict:
     from torch.utils.flop_counter import sdpa_flop_count  # deferred: it loads torch's module tracker
 
     def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
-        return sdpa_flop_count(query, key, value)
+        heads = query[
+            :2
+        ]  # grouped-query attention's keys and values as the query's heads (torch 2.11's formula has no GQA)
+        return sdpa_flop_count(query, (*heads, *key[2:]), (*heads, *value[2:]))
 
     def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-        return 2 * sdpa_flop_count(query, key, value)
+        return 2 * forward(query, key, value)
 
     formulas = {}
     for name in FUSED:
