@@ -10,8 +10,14 @@ autograd runs for the forward's two), for every fused kernel. How it is used: do
 
 import torch
 
-# the fused kernels' forward and backward operators (aten), as torch names them
-FUSED = ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention")
+FUSED = ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention")  # aten's, as named
+# what a run's FLOPs count of attention, by the first word of where they come from (instrument.flops_basis)
+COUNTED = {
+    "formula:": "the formula's: attention's matmuls as SDPA's math path runs them, whatever kernel ran it",
+    "FlopCounterMode": "FlopCounterMode's, each fused attention kernel counted as SDPA's math path (torch's forward "
+    "formula, twice it backward: trainscope.measure.attention), whatever kernel ran it",
+    "given": "the user's figure",
+}
 
 
 def flop_formulas() -> dict:
@@ -19,21 +25,15 @@ def flop_formulas() -> dict:
     from torch.utils.flop_counter import sdpa_flop_count  # deferred: it loads torch's module tracker
 
     def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
-        heads = query[
-            :2
-        ]  # grouped-query attention's keys and values as the query's heads (torch 2.11's formula has no GQA)
+        heads = query[:2]  # grouped-query keys and values as the query's heads (torch 2.11's formula has no GQA)
         return sdpa_flop_count(query, (*heads, *key[2:]), (*heads, *value[2:]))
 
     def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
         return 2 * forward(query, key, value)
 
-    formulas = {}
-    for name in FUSED:
-        for suffix, formula in (("", forward), ("_backward", backward)):
-            op = getattr(torch.ops.aten, f"_scaled_dot_product_{name}{suffix}", None)
-            if op is not None:
-                formulas[op] = formula
-    return formulas
+    ops = {(getattr(torch.ops.aten, f"_scaled_dot_product_{name}{end}", None), formula)
+           for name in FUSED for end, formula in (("", forward), ("_backward", backward))}  # fmt: skip
+    return {op: formula for op, formula in ops if op is not None}
 
 
 class KernelWatch(torch.overrides.TorchFunctionMode):
@@ -60,7 +60,7 @@ class KernelWatch(torch.overrides.TorchFunctionMode):
         if self._phase is not None:
             self.__exit__(None, None, None)
             self._phase = None
-            if all(kernels is not None for kernels in self.seen.values()):
+            if None not in self.seen.values():
                 self.close()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -90,7 +90,7 @@ class KernelWatch(torch.overrides.TorchFunctionMode):
             "attention_dropout": self.attention_dropout,
             "seen": "torch._fused_sdp_choice for each F.scaled_dot_product_attention call of the model's first "
             "training and evaluation forwards",
-            "flops": attention_counted(flops_basis),
+            "flops": next((said for word, said in COUNTED.items() if (flops_basis or "").startswith(word)), None),
         }
 
     def close(self) -> None:
@@ -100,17 +100,3 @@ class KernelWatch(torch.overrides.TorchFunctionMode):
         if self._phase is not None:
             self.__exit__(None, None, None)
             self._phase = None
-
-
-def attention_counted(flops_basis: str | None) -> str | None:
-    """What the run's FLOPs count of attention, by where they come from."""
-    if flops_basis is None:
-        return None
-    if flops_basis.startswith("formula"):
-        return "the formula's: attention's matmuls as SDPA's math path runs them, whatever kernel ran it"
-    if flops_basis.startswith("FlopCounterMode"):
-        return (
-            "FlopCounterMode, each fused attention kernel counted as SDPA's math path (torch's forward formula, twice "
-            "it backward: trainscope.measure.attention), whatever kernel ran it"
-        )
-    return "the user's figure"
