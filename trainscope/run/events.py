@@ -18,8 +18,8 @@ from trainscope.core.precision import SkippedSteps
 
 
 class LoopEvents:
-    """Training forwards (a forward pre-hook on the model the loop calls) and optimizer steps (torch's global step
-    post-hook, kept to the run's optimizer), each stamped with one sequence number, so that a step can be placed before
+    """Training forwards (a forward pre-hook on the model the loop calls) and optimizer steps (a step post-hook on the
+    run's optimizer; torch's global one sees the others), each stamped with one sequence number, so that a step can be placed before
     or after the micro-batch whose forward came last. `forward_listeners` are called with each training forward's
     inputs (the FLOPs counter's shapes). `scaler`: the loop's own torch.amp.GradScaler, given to trainscope.Run."""
 
@@ -33,7 +33,7 @@ class LoopEvents:
         self.skips = None  # with a loss scaler: the steps it skipped (precision.SkippedSteps, counted on the device)
         self.beside: dict[int, list] = {}  # optimizers stepped beside the run's, not adopted: id -> [class, steps]
         self.adopted: list[str] = []  # optimizers that replaced the run's, as they were adopted
-        self._handles, self._wrapped, self._own_scaler = [], None, False
+        self._handles, self._wrapped, self._own_scaler, self._own = [], None, False, None
         self.optimizer = optimizer
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._forward, with_kwargs=True))
@@ -45,6 +45,7 @@ class LoopEvents:
         self.inner, self._parameters = inner, parameter_ids(inner)
         scaled = isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is not None
         self._on_step = self._taken if scaled else self._stepped
+        self._own = inner.register_step_post_hook(self._on_step)
         self._handles.append(register_optimizer_step_post_hook(self._any_step))
         self.basis = f"the optimizer's own steps ({type(inner).__name__}'s step hook)"
         if scaled:
@@ -72,15 +73,19 @@ class LoopEvents:
                 listener(args, kwargs)
 
     def _any_step(self, optimizer, args, kwargs):
-        """Any torch optimizer's step: the run's counts; one sharing its parameters replaced it (a new optimizer made
-        after a warm-up or a parameter-group change) and is adopted; any other is counted beside."""
-        if optimizer is not self.inner:
-            if id(optimizer) in self.beside or self._parameters.isdisjoint(parameter_ids(optimizer)):
-                self.beside.setdefault(id(optimizer), [type(optimizer).__name__, 0])[1] += 1
-                return
-            self.adopted.append(f"{type(optimizer).__name__} after {self.taken} steps of {type(self.inner).__name__}")
-            self.inner, self._parameters, self._on_step = optimizer, parameter_ids(optimizer), self._stepped
-        self._on_step(optimizer, args, kwargs)
+        """Any torch optimizer's step (the run's is counted by its own hook): one sharing the run's parameters
+        replaced its optimizer (a new one made after a warm-up or a parameter-group change) and is adopted, its own
+        hook counting its steps from the next; any other is counted beside."""
+        if optimizer is self.inner:
+            return
+        if id(optimizer) in self.beside or self._parameters.isdisjoint(parameter_ids(optimizer)):
+            self.beside.setdefault(id(optimizer), [type(optimizer).__name__, 0])[1] += 1
+            return
+        self.adopted.append(f"{type(optimizer).__name__} after {self.taken} steps of {type(self.inner).__name__}")
+        self._own.remove()
+        self.inner, self._parameters, self._on_step = optimizer, parameter_ids(optimizer), self._stepped
+        self._own = optimizer.register_step_post_hook(self._stepped)
+        self._stepped(optimizer, args, kwargs)
 
     def steps_basis(self) -> str:
         """How the steps were counted, with the optimizers adopted and those stepped beside the run's."""
@@ -146,7 +151,10 @@ class LoopEvents:
         return taken
 
     def close(self) -> None:
-        for handle in self._handles:
+        for handle in [
+            *self._handles,
+            *([self._own] if self._own else []),
+        ]:  # the run's optimizer's hook, adopted or not
             handle.remove()
         self._handles = []
         if self._wrapped is not None:
