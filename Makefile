@@ -203,8 +203,9 @@ OLDEST_VENV ?= .venv-oldest
 OLDEST_TORCH ?= 2.11.0
 OLDEST_TRANSFORMERS ?= 5.17.0
 # The tests that reach into the libraries' internals: FSDP2's state (stood in for each torch, and FSDP2 over gloo on
-# 2 ranks), DDP's logger, Accelerate's state and placement, the Trainer
+# 2 ranks), DDP's logger, Accelerate's state and placement, the Trainer, FlopCounterMode's attention formulas
 OLDEST_TESTS ?= tests/test_sharding.py tests/test_shared_gpu.py tests/test_trainer.py \
+	tests/test_decoder_flops.py::test_cpu_fused_sdpa_attention_is_not_counted_by_torch_and_is_by_trainscope \
 	'tests/test_launches.py::test_every_config_launches_as_documented[fsdp]' \
 	'tests/test_launches.py::test_every_config_launches_as_documented[ddp_fp16]' \
 	tests/test_launches.py::test_fsdp_yaml_trains_as_fsdp2_over_gloo_on_cpu_processes_where_asked

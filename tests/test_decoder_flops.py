@@ -6,7 +6,7 @@ import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainscope.measure import flops, shapes
+from trainscope.measure import attention, flops, shapes
 
 BATCH = 2
 
@@ -33,9 +33,10 @@ MODELS = {
 }
 
 
-def counted_step(name, attention, length, backend=SDPBackend.MATH):
+def counted_step(name, attention, length, backend=SDPBackend.MATH, **counter):
     """FlopCounterMode's total for one training step (forward with labels, loss.backward()) of `name`'s tiny model
-    with `attention` ("eager" or "sdpa"), BATCH x `length` tokens; SDPA restricted to `backend`."""
+    with `attention` ("eager" or "sdpa"), BATCH x `length` tokens; SDPA restricted to `backend`; `counter`:
+    FlopCounterMode's keywords."""
     make_config, model_class = MODELS[name]
     config = make_config()
     torch.manual_seed(0)
@@ -43,7 +44,7 @@ def counted_step(name, attention, length, backend=SDPBackend.MATH):
     model.train()
     assert model.config._attn_implementation == attention
     input_ids = torch.randint(0, config.vocab_size, (BATCH, length))
-    with sdpa_kernel(backend), FlopCounterMode(display=False) as counter:
+    with sdpa_kernel(backend), FlopCounterMode(display=False, **counter) as counter:
         model(input_ids=input_ids, labels=input_ids).loss.backward()
     return counter.get_total_flops(), config
 
@@ -60,13 +61,18 @@ def test_causal_lm_flops_agree_with_torchs_flop_counter(name, attention, length)
     assert flops.causal_lm_training_flops(config, BATCH, length) == counted
 
 
-def test_cpu_fused_sdpa_attention_is_not_counted():
-    """Llama's SDPA without dropout on a CPU takes the fused flash kernel, which FlopCounterMode does not count (as
-    of torch 2.13): the count is then the formula less its attention term (or all of it, should torch count it)."""
-    counted, config = counted_step("llama", "sdpa", 64, backend=[SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
-    formula = flops.causal_lm_training_flops(config, BATCH, 64)
+def test_cpu_fused_sdpa_attention_is_not_counted_by_torch_and_is_by_trainscope():
+    """Llama's SDPA without dropout on a CPU takes the fused flash kernel, which FlopCounterMode alone does not count
+    (torch 2.11 to 2.13: no formula for `_scaled_dot_product_flash_attention_for_cpu` or its backward): the count is
+    the math backend's count (the formula's) less its whole attention term. With trainscope's formulas for the fused
+    kernels (the forward's two matmuls by torch's own formula, twice it backward, as math runs them) it is math's
+    exactly. In `make test-oldest` too (torch 2.11, whose formula has no grouped-query attention)."""
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    counted, config = counted_step("llama", "sdpa", 64, backend=fused)
+    math, _ = counted_step("llama", "sdpa", 64)  # the formula's count (test_causal_lm_flops_agree_with_torchs_...)
     _, b = flops.causal_lm_flops_coefficients(config)
-    assert counted in (formula, formula - b * BATCH * 64**2)
+    assert counted == math - b * BATCH * 64**2
+    assert counted_step("llama", "sdpa", 64, backend=fused, custom_mapping=attention.flop_formulas())[0] == math
 
 
 def test_decoder_shapes_with_grouped_query_attention_and_gated_mlp():

@@ -78,6 +78,11 @@ def test_record_holds_settings_environment_provenance_and_step_lines(runs):
     record = read_record(runs / "full")
     assert record["settings"]["gradient_accumulation_steps"] == 2
     assert set(record["environment"]["packages"]) >= {"torch", "transformers", "accelerate"}
+    # the attention kernel torch picked for the tiny BERT's SDPA (no attention dropout: the fused one), seen in its
+    # training and evaluation forwards, and its FLOPs counted as math's
+    kernels = record["environment"]["sdpa_kernels"]
+    assert (kernels["training"], kernels["evaluation"], kernels["attention_dropout"]) == ("FLASH_ATTENTION",) * 2 + (0,)
+    assert kernels["flops"].endswith("whatever kernel ran it")
     assert record["provenance"]["commit"] and isinstance(record["provenance"]["dirty"], bool)
     assert record["data"]["labels"] == ["negative", "neutral", "positive"]
     assert record["model"]["weights"].startswith("random")

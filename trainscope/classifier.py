@@ -1,7 +1,7 @@
 """train.py's workload, the pieces it is built from: a transformers sequence classifier (BERT/RoBERTa-like encoders,
 LoRA through peft) fine-tuned on a text classification dataset, its one training step and evaluation, and its driver
-of trainscope.Run: its flags' words, and what it adds to the record (the prediction and its check, the attention
-kernels, one layer probed at the run's shapes, the sequence limit). train.py imports these and trainscope.Run only;
+of trainscope.Run: its flags' words, and what it adds to the record (the prediction and its check, one layer probed
+at the run's shapes, the sequence limit). train.py imports these and trainscope.Run only;
 the overhead benchmark's bare loop builds the same."""
 
 import contextlib
@@ -17,7 +17,6 @@ from trainscope.run.startup import build_accelerator, device_loader_options
 from trainscope.workload import dropout_draws, unpad
 from trainscope.workload.data import build_dataloaders, dropped_rows_lines, load_classification_data
 from trainscope.workload.modeling import (
-    attention_kernels,
     build_model,
     build_optimizer,
     build_scheduler,
@@ -137,8 +136,8 @@ def facts(training: Training, data) -> TrainingFacts:
 
 class ClassifierDriver(Driver):
     """train.py driving trainscope.Run: its lines name its flags, and its classifier adds to the record the
-    prediction made before the run and its check, the attention kernels torch picks for it, one encoder layer
-    profiled at the run's shapes and the data's dropped rows."""
+    prediction made before the run and its check, one encoder layer profiled at the run's shapes and the data's
+    dropped rows."""
 
     def __init__(self, settings: Settings, prediction: dict | None):
         super().__init__(
@@ -157,12 +156,6 @@ class ClassifierDriver(Driver):
 
     def prediction_check(self):
         return predict.PredictionCheck(self.prediction, self.settings)
-
-    def environment_facts(self, metrics, effective_precision: str) -> dict:
-        kernels = attention_kernels(
-            metrics.model_config, self.settings.attn_implementation, metrics.accelerator.device, effective_precision
-        )
-        return {"sdpa_kernels": kernels}
 
     def layer_breakdown(self, metrics, batch: int, length: int, precision_name: str):
         config, settings, device = metrics.model_config, self.settings, metrics.accelerator.device

@@ -33,6 +33,7 @@ class Prepared:
     model: object
     optimizer: object = None
     scheduler: object = None
+    scaler: object = None  # the loop's own torch.amp.GradScaler (Accelerate's is the Accelerator's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +77,9 @@ class Run:
     <output_dir>/<name>/record.json and steps.jsonl, with the end-of-run table.
 
     accelerator, model, optimizer: after `accelerator.prepare`. The optimizer's own steps are the run's steps (a loop
-    that accumulates gradients by hand is counted as it steps). steps: the optimizer steps the loop will take (the
-    progress bar's total; `run.data` stops there). flops: None (the model's layers walked as they train, for BERT-like
+    that accumulates gradients by hand is counted as it steps; one the loop makes later over the same parameters is
+    adopted). steps: the optimizer steps the loop will take (the progress bar's total; `run.data` stops there).
+    scaler: the loop's own torch.amp.GradScaler, whose skipped steps are counted and whose loss scaling is recorded. flops: None (the model's layers walked as they train, for BERT-like
     encoders and GPT-2/Llama-like decoders; else FlopCounterMode on the training micro-batches), "count"
     (FlopCounterMode always), a number (FLOPs per sample) or a function of a batch (FLOPs per micro-batch). driver:
     who drives the run (trainscope.run.driver.Driver; a loop of one's own by default). Any other keyword is one of
@@ -91,6 +93,7 @@ class Run:
         *,
         steps: int | None = None,
         scheduler=None,
+        scaler=None,
         name: str | None = None,
         output_dir="runs",
         flops=None,
@@ -110,7 +113,8 @@ class Run:
             "flops": flops if flops is None or isinstance(flops, (int, float, str)) else "function",
         }
         facts = TrainingFacts(config, {"optimizer_steps": steps}, _model_facts(unwrapped))
-        self._attach(Prepared(accelerator, model, optimizer, scheduler), started, facts, driver, settings, flops)
+        prepared = Prepared(accelerator, model, optimizer, scheduler, scaler)
+        self._attach(prepared, started, facts, driver, settings, flops)
 
     @classmethod
     def from_started(cls, prepared: Prepared, started, facts: TrainingFacts, driver: Driver) -> "Run":
@@ -130,7 +134,7 @@ class Run:
         self._facts, self._driver, self._notes, self._next_epoch = facts, driver, {}, None
         self.metrics = RunMetrics(prepared.accelerator, started, facts.plan, facts.config, driver, prepared.scheduler,
                                   flops, prepared.optimizer)  # fmt: skip
-        self.metrics.attach(prepared.model, prepared.optimizer)
+        self.metrics.attach(prepared.model, prepared.optimizer, prepared.scaler)
         self.lifecycle = RunLifecycle(prepared.accelerator, started, facts.plan, settings, driver)
 
     # ---------------------------------------------------------------- opening and closing

@@ -1,6 +1,6 @@
 """A transformers.Trainer fine-tuning run as its documentation writes one (TrainingArguments, a data collator, an
 evaluation strategy), with trainscope's callback added to it (`trainer.add_callback`) and nothing else: a tiny BERT classifier from its
-configuration (eager attention, so FlopCounterMode sees attention's matmuls), or a tiny Llama with LoRA (peft) as a
+configuration (transformers' default attention, SDPA), or a tiny Llama with LoRA (peft) as a
 causal LM, on random sequences of varied lengths padded per batch; gradient accumulation 2 with a short last window.
 The collator counts what the Trainer's loader fed (truth.py)."""
 
@@ -74,7 +74,7 @@ def main(argv=None):
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
         )  # fmt: skip
         model = get_peft_model(
-            LlamaForCausalLM._from_config(config, attn_implementation="eager"),
+            LlamaForCausalLM._from_config(config),
             LoraConfig(task_type=TaskType.CAUSAL_LM, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
         )
     else:
@@ -82,7 +82,7 @@ def main(argv=None):
             vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=64, num_labels=2,
         )  # fmt: skip
-        model = BertForSequenceClassification._from_config(config, attn_implementation="eager")
+        model = BertForSequenceClassification._from_config(config)
     training_args = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "trainer"), per_device_train_batch_size=8,
         per_device_eval_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=args.epochs, learning_rate=1e-3,

@@ -1,7 +1,9 @@
 """pytorch/examples' mnist/main.py loop as written (its Net of two convolutions, dropout and two linear layers,
 `optimizer.zero_grad(); output = model(data); loss = F.nll_loss(output, target); loss.backward();
 optimizer.step()`, a StepLR schedule stepped per epoch), on an Accelerator, offline: random 28x28 images, the last
-batch of each epoch short. `--slow-forward` plants a delay in every training forward."""
+batch of each epoch short. `--slow-forward` plants a delay in every training forward; `--new-optimizer-at EPOCH`
+makes a new optimizer over the model's parameters at that epoch (as a loop that re-creates its optimizer after a
+warm-up or a change of parameter groups), the one given to trainscope.Run no longer stepped."""
 
 import argparse
 import time
@@ -46,6 +48,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--slow-forward", type=float, default=0.0)
+    parser.add_argument("--new-optimizer-at", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args(argv)
 
     accelerator = Accelerator(cpu=True)
@@ -61,12 +65,15 @@ def main(argv=None):
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    run = trainscope.Run(accelerator, model, optimizer, steps=args.epochs * len(train_loader),  # trainscope
+    run = trainscope.Run(accelerator, model, optimizer, steps=args.steps or args.epochs * len(train_loader),  # trainscope
                          name="mnist", output_dir=args.output_dir, log_every=2)  # fmt: skip
     truth.start()
     with run:  # trainscope
         for epoch in range(1, args.epochs + 1):  # noqa: B007 (as mnist/main.py writes it)
             model.train()
+            if epoch == args.new_optimizer_at:
+                optimizer = accelerator.prepare(torch.optim.Adadelta(model.parameters(), lr=0.5))
+                scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
             for batch_idx, (data, target) in enumerate(run.data(train_loader)):  # noqa: B007  # trainscope: was `in train_loader`
                 truth.fed((data, target), tuple(data.shape), data.shape[0], 0)
                 optimizer.zero_grad()

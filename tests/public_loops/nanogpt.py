@@ -1,14 +1,16 @@
 """nanoGPT's train.py loop as written (a GPT whose forward returns `(logits, loss)`, gradient accumulation by hand
 over `gradient_accumulation_steps` micro-steps, the next batch fetched with `X, Y = next(...)` while the GPU would
-still be busy, `require_backward_grad_sync` set by hand under DDP, the optimizer stepped after the micro-steps), on
-an Accelerator. The model is nanoGPT's model.py, small, with its manual attention (nanoGPT's path where torch has no
-flash attention), so FlopCounterMode sees attention's matmuls. `--lengths 16,512`: the first two iterations' batches
-are 16 tokens long, later ones alternate 512 and 16 (a shape first met after the warm-up)."""
+still be busy, `require_backward_grad_sync` set by hand under DDP, its `dtype` as an autocast context and a GradScaler
+enabled for float16, the scaler's unscale, clip, step and update after the micro-steps), on an Accelerator. The model
+is nanoGPT's model.py, small, its attention `F.scaled_dot_product_attention(..., is_causal=True)` (on a CPU without
+dropout: torch's fused flash kernel, which FlopCounterMode alone does not count). `--lengths 16,512`: the first two
+iterations' batches are 16 tokens long, later ones alternate 512 and 16 (a shape first met after the warm-up).
+`--dtype` is nanoGPT's, its autocast here on the CPU; `--overflow-at N` plants an inf in a gradient at iteration N
+(the step the GradScaler exists to skip)."""
 
 import argparse
 import contextlib
 import itertools
-import math
 
 import torch
 import torch.nn as nn
@@ -20,12 +22,11 @@ from public_loops.truth import Truth
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd, n_head, block_size):
+    def __init__(self, n_embd, n_head, dropout=0.0):
         super().__init__()
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
-        self.n_head, self.n_embd = n_head, n_embd
-        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
 
     def forward(self, x):
         B, T, C = x.size()
@@ -33,19 +34,19 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        att = F.softmax(att, dim=-1)
-        y = att @ v
+        # efficient attention using Flash Attention CUDA kernels
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd, n_head, block_size):
+    def __init__(self, n_embd, n_head):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, block_size)
+        self.attn = CausalSelfAttention(n_embd, n_head)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
 
     def forward(self, x):
@@ -60,7 +61,7 @@ class GPT(nn.Module):
             dict(
                 wte=nn.Embedding(vocab_size, n_embd),
                 wpe=nn.Embedding(block_size, n_embd),
-                h=nn.ModuleList([Block(n_embd, n_head, block_size) for _ in range(n_layer)]),
+                h=nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)]),
                 ln_f=nn.LayerNorm(n_embd),
             )
         )
@@ -96,6 +97,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--gradient-accumulation-steps", type=int, default=4)
     parser.add_argument("--lengths", default="64")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--overflow-at", type=int, default=-1)
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
 
@@ -107,9 +110,12 @@ def main(argv=None):
     model = GPT(block_size=max(lengths))
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(model, optimizer)
-    ctx = contextlib.nullcontext()
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    ctx = contextlib.nullcontext() if args.dtype == "float32" else torch.amp.autocast(device_type="cpu", dtype=ptdtype)
+    scaler = torch.amp.GradScaler("cpu", enabled=(args.dtype == "float16"))
     run = trainscope.Run(accelerator, model, optimizer, steps=args.max_iters, name="nanogpt",  # trainscope
-                         output_dir=args.output_dir, log_every=2)  # fmt: skip
+                         output_dir=args.output_dir, log_every=2, scaler=scaler)  # fmt: skip
+    skipped = 0
     train_batches = run.data(batches(args.batch_size, lengths, accelerator.process_index))  # trainscope
     truth.watch_forwards(model)
     truth.start()
@@ -126,13 +132,19 @@ def main(argv=None):
                 truth.fed((X, Y), tuple(X.shape), X.shape[0], X.numel())
                 batch = (X, Y)
                 X, Y = next(train_batches)  # immediately async prefetch next batch while model is doing the forward
-                run.backward(loss)  # trainscope: was scaler.scale(loss).backward()
+                run.backward(scaler.scale(loss))  # trainscope: was scaler.scale(loss).backward()
                 run.count_micro_batch(batch, loss)  # trainscope
+            if iter_num == args.overflow_at:  # planted: an overflowed gradient
+                next(model.parameters()).grad[0, 0] = float("inf")
+            scaler.unscale_(optimizer)
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped += scaler.get_scale() < scale  # the loop's own count of the steps its scaler skipped
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
             if iter_num >= args.max_iters:
                 break
     truth.stop()
-    truth.write(accelerator.unwrap_model(model), lambda m, b: m(*b)[1], iterations=iter_num)
+    truth.write(accelerator.unwrap_model(model), lambda m, b: m(*b)[1], iterations=iter_num, skipped=skipped)

@@ -1,7 +1,7 @@
 """accelerate's examples/nlp_example.py as written (a BERT classifier, AdamW, a linear schedule with warm-up,
 `if step % gradient_accumulation_steps == 0: optimizer.step()`: gradients accumulated by hand), offline: a tiny BERT
-from its configuration (eager attention, so FlopCounterMode sees attention's matmuls) on random sequences of varied
-lengths, padded per batch. The lines marked `# trainscope` are the documented ones."""
+from its configuration (transformers' default attention, SDPA) on random sequences of varied lengths, padded per
+batch. The lines marked `# trainscope` are the documented ones."""
 
 import argparse
 import time
@@ -60,7 +60,7 @@ def main(argv=None):
         vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         max_position_embeddings=64,
     )  # fmt: skip
-    model = BertForSequenceClassification._from_config(config, attn_implementation="eager")
+    model = BertForSequenceClassification._from_config(config)
     optimizer = torch.optim.AdamW(params=model.parameters(), lr=2e-5)
     steps_per_epoch = -(-len(train_dataloader) // accelerator.num_processes // gradient_accumulation_steps)
     lr_scheduler = get_linear_schedule_with_warmup(

@@ -1,7 +1,7 @@
 """PEFT's LoRA causal-LM example loop as written (peft_lora_clm_accelerate: get_peft_model on a causal LM,
 `outputs = model(**batch); loss = outputs.loss; accelerator.backward(loss); optimizer.step(); lr_scheduler.step();
-optimizer.zero_grad()`), offline: a tiny Llama from its configuration (eager attention, so FlopCounterMode sees
-attention's matmuls), LoRA on q_proj and v_proj, batches of 16 and of 512 tokens padded with an attention mask."""
+optimizer.zero_grad()`), offline: a tiny Llama from its configuration (transformers' default attention, SDPA: on a CPU without
+dropout, torch's fused flash kernel), LoRA on q_proj and v_proj, batches of 16 and of 512 tokens padded with an attention mask."""
 
 import argparse
 
@@ -45,7 +45,7 @@ def main(argv=None):
         vocab_size=500, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0,
     )  # fmt: skip
-    model = LlamaForCausalLM._from_config(config, attn_implementation="eager")
+    model = LlamaForCausalLM._from_config(config)
     peft_config = LoraConfig(
         task_type=TaskType.CAUSAL_LM, inference_mode=False, r=8, lora_alpha=32, lora_dropout=0.1,
         target_modules=args.target_modules.split(","),

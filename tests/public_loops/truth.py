@@ -1,7 +1,8 @@
 """What a loop did, counted by the loop itself and by torch, never by trainscope: optimizer steps by torch's global
-step hook, the samples and real tokens it fed, each input shape's training FLOPs by FlopCounterMode on a copy of the
-model as trained, the wall clock around its `with run:` block, and any FlopCounterMode found still open when a
-training forward began."""
+step hook (each optimizer's apart), the samples and real tokens it fed, each input shape's training FLOPs by
+FlopCounterMode on a copy of the model as trained with SDPA on its math backend (whose matmuls FlopCounterMode counts,
+whatever kernel the loop's attention ran), the wall clock around its `with run:` block, and any FlopCounterMode found
+still open when a training forward began."""
 
 import collections
 import copy
@@ -9,6 +10,7 @@ import json
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim import optimizer as torch_optimizer
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
@@ -18,6 +20,7 @@ class Truth:
     def __init__(self, path):
         self.path = path
         self.steps = 0
+        self.by_optimizer = collections.Counter()  # id of each torch optimizer -> its steps
         self.samples = self.tokens = 0
         self.shapes = collections.Counter()
         self.examples = {}
@@ -27,6 +30,11 @@ class Truth:
 
     def _stepped(self, optimizer, args, kwargs):
         self.steps += 1
+        self.by_optimizer[id(optimizer)] += 1
+
+    def steps_of(self, optimizer) -> int:
+        """One optimizer's steps (a prepared one's: the torch optimizer inside)."""
+        return self.by_optimizer[id(getattr(optimizer, "optimizer", optimizer))]
 
     def watch_forwards(self, model) -> None:
         """After trainscope.Run hooked the model: at each training forward, the FlopCounterModes left open."""
@@ -58,7 +66,7 @@ class Truth:
             module._forward_pre_hooks.clear()
         per_shape = {}
         for key, batch in self.examples.items():
-            with FlopCounterMode(display=False) as counter:
+            with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
                 loss_of(twin, copy.deepcopy(batch)).backward()
             twin.zero_grad(set_to_none=True)
             per_shape[key] = counter.get_total_flops()

@@ -30,6 +30,30 @@ def effective_precision(accelerator) -> str:
     return precision_name(dtype, accelerator.device.type)
 
 
+def loop_autocast(device_type: str) -> torch.dtype | None:
+    """The dtype of the loop's own `torch.autocast` around this point (a training forward's pre-hook: outside
+    Accelerate's, which wraps the model's forward itself); None without one."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def seen_in_the_loop(env: dict, device_type: str, autocast, accelerate_scaler, own_scaler) -> dict:
+    """The environment's precision as the loop ran it: Accelerate's mixed precision where it has one, else the loop's
+    own autocast seen at its first training forward (`autocast`: its dtype, None without, False where no training
+    forward was seen), and who scales the loss. {effective_precision, precision_seen, loss_scaling}."""
+    effective, seen = env["effective_precision"], "a matmul under accelerator.autocast() (Accelerate's mixed precision)"
+    if env["requested_precision"] == "no" and autocast is not False:
+        seen = "no autocast around the model's first training forward"
+        if autocast is not None:
+            effective = precision_name(autocast, device_type)
+            seen = f"the loop's own torch.autocast({device_type!r}, dtype={autocast}) around its first training forward"
+    scaling = None
+    if accelerate_scaler is not None:
+        scaling = "Accelerate's GradScaler (mixed_precision fp16)"
+    elif own_scaler is not None and own_scaler.is_enabled():
+        scaling = "the loop's own torch.amp.GradScaler (given to trainscope.Run)"
+    return {"effective_precision": effective, "precision_seen": seen, "loss_scaling": scaling}
+
+
 def precision_name(matmul_dtype: torch.dtype, device_type: str) -> str:
     """The name of what a matmul computed in: TF32 only on a CUDA device with TF32 units and the flags on."""
     if matmul_dtype == torch.float16:
@@ -140,13 +164,14 @@ class SkippedSteps:
         self._scale_before = None
 
     def before_step(self) -> None:
-        scale = getattr(self.scaler, "_scale", None)  # set by the scaler's first scale(loss)
-        self._scale_before = scale.clone() if scale is not None else None
+        scale = getattr(self.scaler, "_scale", None)  # set by the scaler's first scale(loss); its initial one before
+        self._scale_before = scale.clone() if scale is not None else getattr(self.scaler, "_init_scale", None)
 
     def after_step(self) -> None:
-        if self._scale_before is not None:
-            self.count += (self.scaler._scale < self._scale_before).long()  # update() halves it on overflow
-            self._scale_before = None
+        scale = getattr(self.scaler, "_scale", None)
+        if self._scale_before is not None and scale is not None:
+            self.count += (scale < self._scale_before).long()  # update() halves it on overflow
+        self._scale_before = None
 
     def total(self) -> int:
         return int(self.count.item()) if self.count is not None else 0  # .item() is a sync point

@@ -7,6 +7,7 @@ How it works: docs/instrument.md#flops-of-the-model-as-it-trains.
 
 import torch
 
+from trainscope.measure import attention
 from trainscope.measure import flops as formulas
 
 # FlopCounterMode's operators whose work grows with the square of a sequence's length (attention's batched matmuls and
@@ -159,8 +160,8 @@ class CountedFlops(NoFlops):
         self._fit = None
 
     basis = (
-        "FlopCounterMode on the training micro-batches, once per new input shape during warm-up; other shapes "
-        "from those counted (positions' work by positions, attention's by positions x length)"
+        "FlopCounterMode on the training micro-batches (fused attention as its math), once per new input shape during "
+        "warm-up; other shapes from those counted (positions' work by positions, attention's by positions x length)"
     )
 
     def forward_started(self, args, kwargs, counting_allowed: bool) -> None:
@@ -175,7 +176,8 @@ class CountedFlops(NoFlops):
         ):
             from torch.utils.flop_counter import FlopCounterMode  # deferred: it loads torch's module tracker
 
-            self._key, self._counter = key, FlopCounterMode(display=False)
+            self._key = key  # fused attention counted as math's (FlopCounterMode has no formula for the CPU kernel)
+            self._counter = FlopCounterMode(display=False, custom_mapping=attention.flop_formulas())
             self._counter.__enter__()
             return
         value = self.estimate(key)

@@ -1,8 +1,8 @@
 """Who drives a run through trainscope.Run's API, and what it adds: the name its record gives it, how its options are
 written in the lines it prints (trainscope.Run's keywords, train.py's flags), what does not apply, and what a
 workload trainscope knows adds to the generic measurements. `Driver()` is a loop of one's own: it adds nothing and
-loads no model library; train.py's classifier adds the prediction made before the run and its check, its attention
-kernels and one encoder layer profiled at the run's shapes (trainscope.classifier.ClassifierDriver).
+loads no model library; train.py's classifier adds the prediction made before the run and its check and one encoder
+layer profiled at the run's shapes (trainscope.classifier.ClassifierDriver).
 """
 
 import dataclasses
@@ -59,7 +59,7 @@ class Driver:
             "api": self.api,
             "options": self.options,
             "flops_basis": metrics.flops.basis,
-            "steps_basis": metrics.events.basis,
+            "steps_basis": metrics.events.steps_basis(),
             "not_available": self.not_available,
         }
 
@@ -68,10 +68,6 @@ class Driver:
     def prediction_check(self):
         """The prediction made before the run and what checks it against the run (`NoCheck` here)."""
         return NoCheck()
-
-    def environment_facts(self, metrics, effective_precision: str) -> dict:
-        """More of the record's environment block."""
-        return {}
 
     def layer_breakdown(self, metrics, batch: int, length: int, precision_name: str) -> tuple[str, object] | None:
         """(the cache key, a function measuring it) of one layer profiled at the run's shapes, or None."""

@@ -1,25 +1,29 @@
 """The loop's own events, in the order they happened: each training forward of the model and each optimizer step.
 
-An optimizer step is counted by the optimizer itself (torch's step post-hook on the optimizer the loop steps; with a
-loss scaler, each synchronizing call of the prepared optimizer's step, and those the scaler skipped counted apart),
-never by `accelerator.sync_gradients`, which a loop that accumulates by hand never turns off. How the order is used: docs/instrument.md#what-counts-as-a-step.
+An optimizer step is counted by the optimizer itself (torch's step hook, global, so that an optimizer the loop makes
+later to replace the one given is seen and adopted; with Accelerate's loss scaler, each synchronizing call of the
+prepared optimizer's step, and those the scaler skipped counted apart; with the loop's own GradScaler, its skipped
+steps counted apart by its scale), never by `accelerator.sync_gradients`, which a loop that accumulates by hand never
+turns off. How the order is used: docs/instrument.md#what-counts-as-a-step.
 """
 
 import itertools
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from trainscope.core.precision import SkippedSteps
 
 
 class LoopEvents:
-    """Training forwards (a forward pre-hook on the model the loop calls) and optimizer steps (a step post-hook on
-    the optimizer), each stamped with one sequence number, so that a step can be placed before or after the micro-
-    batch whose forward came last. `forward_listeners` are called with each training forward's inputs (the FLOPs
-    counter's shapes)."""
+    """Training forwards (a forward pre-hook on the model the loop calls) and optimizer steps (a step post-hook on the
+    run's optimizer; torch's global one sees the others), each stamped with one sequence number, so that a step can be placed before
+    or after the micro-batch whose forward came last. `forward_listeners` are called with each training forward's
+    inputs (the FLOPs counter's shapes). `scaler`: the loop's own torch.amp.GradScaler, given to trainscope.Run."""
 
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, scaler=None):
         self._sequence = itertools.count()
         self.last_forward = -1  # sequence number of the latest training forward
         self.pending: list[int] = []  # sequence numbers of the optimizer steps not yet settled
@@ -27,23 +31,22 @@ class LoopEvents:
         self.step_listeners = []  # called at each step the optimizer takes (a FLOPs count ends with its micro-batch)
         self.taken = 0  # calls of the optimizer's own step
         self.skips = None  # with a loss scaler: the steps it skipped (precision.SkippedSteps, counted on the device)
-        self._handles = []
-        self._wrapped = None
+        self.beside: dict[int, list] = {}  # optimizers stepped beside the run's, not adopted: id -> [class, steps]
+        self.adopted: list[str] = []  # optimizers that replaced the run's, as they were adopted
+        self._handles, self._wrapped, self._own_scaler, self._own = [], None, False, None
         self.optimizer = optimizer
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._forward, with_kwargs=True))
         inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
         if optimizer is None or not hasattr(inner, "register_step_post_hook"):  # none, or not a torch optimizer
             self.optimizer = None
-            self.basis = (
-                "accelerator.sync_gradients ("
-                + ("no optimizer given to trainscope.Run" if optimizer is None else f"{type(inner).__name__} has no "
-                   "step hooks")
-                + ": a loop that accumulates by hand is counted per micro-batch)"
-            )  # fmt: skip
+            self.basis = "accelerator.sync_gradients (" + without_hooks(optimizer, inner) + ")"
             return
+        self.inner, self._parameters = inner, parameter_ids(inner)
         scaled = isinstance(optimizer, AcceleratedOptimizer) and optimizer.scaler is not None
-        self._handles.append(inner.register_step_post_hook(self._taken if scaled else self._stepped))
+        self._on_step = self._taken if scaled else self._stepped
+        self._own = inner.register_step_post_hook(self._on_step)
+        self._handles.append(register_optimizer_step_post_hook(self._any_step))
         self.basis = f"the optimizer's own steps ({type(inner).__name__}'s step hook)"
         if scaled:
             self._watch_scaled_steps(optimizer)
@@ -51,6 +54,9 @@ class LoopEvents:
                 f"the prepared optimizer's synchronizing steps ({type(inner).__name__} under a loss scaler; the steps "
                 "it skipped counted apart)"
             )
+        elif scaler is not None and scaler.is_enabled():  # the loop's own: it skips before the optimizer's step
+            self.skips, self._own_scaler = SkippedSteps(scaler, torch.device(scaler._device)), True
+            self.basis += "; the steps the loop's GradScaler skipped counted apart (its scale, lowered by update())"
 
     @property
     def counts_steps(self) -> bool:
@@ -59,9 +65,35 @@ class LoopEvents:
 
     def _forward(self, module, args, kwargs):
         if torch.is_grad_enabled() and module.training:
+            if self._own_scaler:  # the scale the last update() left, against the one before: on the device, no sync
+                self.skips.after_step()
+                self.skips.before_step()
             self.last_forward = next(self._sequence)
             for listener in self.forward_listeners:
                 listener(args, kwargs)
+
+    def _any_step(self, optimizer, args, kwargs):
+        """Any torch optimizer's step (the run's is counted by its own hook): one sharing the run's parameters
+        replaced its optimizer (a new one made after a warm-up or a parameter-group change) and is adopted, its own
+        hook counting its steps from the next; any other is counted beside."""
+        if optimizer is self.inner:
+            return
+        if id(optimizer) in self.beside or self._parameters.isdisjoint(parameter_ids(optimizer)):
+            self.beside.setdefault(id(optimizer), [type(optimizer).__name__, 0])[1] += 1
+            return
+        self.adopted.append(f"{type(optimizer).__name__} after {self.taken} steps of {type(self.inner).__name__}")
+        self._own.remove()
+        self.inner, self._parameters, self._on_step = optimizer, parameter_ids(optimizer), self._stepped
+        self._own = optimizer.register_step_post_hook(self._stepped)
+        self._stepped(optimizer, args, kwargs)
+
+    def steps_basis(self) -> str:
+        """How the steps were counted, with the optimizers adopted and those stepped beside the run's."""
+        said = [self.basis, *(f"adopted {adopted}" for adopted in self.adopted)]
+        said += [
+            f"{name} stepped {steps} times beside it, not counted as steps" for name, steps in self.beside.values()
+        ]
+        return "; ".join(said)
 
     def _taken(self, optimizer, args, kwargs):
         self.taken += 1
@@ -98,6 +130,9 @@ class LoopEvents:
 
     def skipped_total(self) -> int:
         """Steps the loss scaler skipped so far: a sync point (log steps and the summary only)."""
+        if self._own_scaler:  # the last update() since the latest forward
+            self.skips.after_step()
+            self.skips.before_step()
         return self.skips.total() if self.skips is not None else 0
 
     def steps_before_last_forward(self) -> int:
@@ -116,9 +151,28 @@ class LoopEvents:
         return taken
 
     def close(self) -> None:
-        for handle in self._handles:
+        for handle in [
+            *self._handles,
+            *([self._own] if self._own else []),
+        ]:  # the run's optimizer's hook, adopted or not
             handle.remove()
         self._handles = []
         if self._wrapped is not None:
             vars(self._wrapped).pop("step", None)
             self._wrapped = None
+
+
+def parameter_ids(optimizer) -> set[int]:
+    return {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]}
+
+
+def without_hooks(optimizer, inner) -> str:
+    """Why the steps are Accelerate's synchronizing micro-batches."""
+    if optimizer is None:
+        return "no optimizer given to trainscope.Run: a loop that accumulates by hand is counted per micro-batch"
+    if isinstance(optimizer, DeepSpeedOptimizerWrapper):
+        return (
+            f"DeepSpeed's {type(inner).__name__} has no torch step hook: DeepSpeed's engine steps it inside "
+            "accelerator.backward at its gradient-accumulation boundary, which Accelerate's sync_gradients marks"
+        )
+    return f"{type(inner).__name__} has no step hooks: a loop that accumulates by hand is counted per micro-batch"

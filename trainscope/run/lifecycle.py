@@ -307,6 +307,7 @@ class RunLifecycle:
                 status="complete",
                 finished=now_iso(),
                 environment=self.metrics.env,  # the machine's peak joined it after the loop
+                instrument=self.driver.instrument_block(self.metrics),  # the optimizers adopted in the loop
                 summary=result,
                 warnings=self._warnings(self.record, result),
             )

@@ -14,9 +14,9 @@ from accelerate.utils import gather_object
 from trainscope.core import environment, precision
 from trainscope.core.environment import compile_stats, compiled_with
 from trainscope.core.faults import NonFiniteLoss
-from trainscope.core.precision import effective_precision
+from trainscope.core.precision import effective_precision, loop_autocast, seen_in_the_loop
 from trainscope.core.records import now_iso
-from trainscope.measure import flops_source, gap, operations, peak, summary
+from trainscope.measure import attention, flops_source, gap, operations, peak, summary
 from trainscope.measure.communication import block as communication_block
 from trainscope.measure.communication import measured as communication
 from trainscope.measure.flops import FULL, encoder_shape, mfu, training_of
@@ -68,10 +68,12 @@ class RunMetrics:
         self.events = LoopEvents(None, None)  # the loop's forwards and optimizer steps: hooked at attach
         self.operations = operations.NoWatch()  # the model's inputs kept in warm-up: set with the environment
         self.loop_peak_rss: int | None = None  # the peak RSS before the model was timed alone after the loop
+        self.scaler, self.kernels = None, None  # the loop's own GradScaler; the attention kernels seen (attach)
+        self._autocast = False  # the loop's own autocast dtype at its first training forward (False: none seen yet)
 
     # ---------------------------------------------------------------- before the loop
 
-    def attach(self, model, optimizer=None) -> None:
+    def attach(self, model, optimizer=None, scaler=None) -> None:
         """The FLOPs source of the model as it trains; the hooks that count the loop's optimizer steps and see its
         forwards (trainscope.run.events); the communication measurement of the prepared model (a do-nothing one
         unless it is DDP), and the prediction's check of the model and optimizer. The model is kept for the
@@ -86,14 +88,20 @@ class RunMetrics:
         self.flops = flops_source.source_for(
             unwrapped, self.model_config, self._given_flops, self.driver.unpadded, lambda: self.training, checkpointing
         )
-        self.events = LoopEvents(model, optimizer)
+        self.events = LoopEvents(model, optimizer, scaler)
+        self.scaler = scaler
+        if model is not None and self.compiled is None:  # a compiled model's attention is its compiler's kernels
+            self.kernels = attention.KernelWatch(model)
         self.events.forward_listeners.append(self._forward_started)
         self.events.step_listeners.append(self.flops.end)
         self.communication = communication.build(self.options, self.accelerator, model)
         self.prediction.attach(model, optimizer)
 
     def _forward_started(self, args, kwargs) -> None:
-        """A training forward began: the FLOPs counter counts it if its shape is new and the run still warms up."""
+        """A training forward began: the FLOPs counter counts it if its shape is new and the run still warms up; the
+        first one shows the loop's own autocast."""
+        if self._autocast is False:
+            self._autocast = loop_autocast(self.accelerator.device.type)
         self.flops.forward_started(args, kwargs, counting_allowed=self.timer.phase == "warmup")
 
     def detach(self) -> None:
@@ -101,6 +109,8 @@ class RunMetrics:
         self.flops.end()
         self.events.close()
         self.operations.close()
+        if self.kernels is not None:
+            self.kernels.close()
 
     def resume_from(self, resumed: dict | None) -> None:
         """Continue the counters and timing totals of a checkpointed part of the same run."""
@@ -117,7 +127,6 @@ class RunMetrics:
             "timing_mode": self.timing_mode,
             **self.started.facts,
             "ddp": self.communication.settings_in_effect(),
-            **self.driver.environment_facts(self, effective),
         }
         # the layers' shapes, seen in the warm-up's training forwards, for the timings after the loop
         model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
@@ -295,6 +304,7 @@ class RunMetrics:
         otherwise (its peers may be gone)."""
         if self.timer.running:
             self.timer.stop()
+        self._fold_seen()
         snapshot = self.snapshot.finish(self.loop.step)  # written now, outside the timed steps
         self.loop.finish()
         if gather:
@@ -310,6 +320,14 @@ class RunMetrics:
         else:
             self.driver.summarized(self.prediction.block, result, self.started)
         return result
+
+    def _fold_seen(self) -> None:
+        """What the loop's forwards showed, into the environment: the precision it ran in (before anything after the
+        loop is measured in it) and the attention kernels torch picked, with how the FLOPs count them."""
+        if self.env:
+            device, scaler = self.accelerator.device.type, self.accelerator.scaler
+            self.env.update(seen_in_the_loop(self.env, device, self._autocast, scaler, self.scaler))
+            self.env["sdpa_kernels"] = self.kernels.block(self.flops.basis) if self.kernels is not None else None
 
     def _rank_summary(self, final: bool = False) -> dict:
         """This rank's figures. `final`: every rank finished the run and is here, so the communication measurement

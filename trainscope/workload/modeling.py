@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from trainscope.core.errors import UserError
-from trainscope.core.precision import DTYPES
 from trainscope.core.records import redact
 from trainscope.measure.layers import transformer_layer_classes
 from trainscope.measure.shapes import shape_facts
@@ -360,30 +359,6 @@ def build_optimizer(model, settings, device: torch.device):
     else:
         choice = {"foreach": True}
     return torch.optim.AdamW(optimizer_groups(model, settings.weight_decay), lr=settings.learning_rate, **choice)
-
-
-def attention_kernels(config, attn_implementation: str, device: torch.device, precision_name: str) -> dict | None:
-    """The scaled-dot-product-attention kernel torch picks for this model's attention, in training (with its attention
-    dropout) and in evaluation (no dropout), asked of torch's own dispatcher (`torch._fused_sdp_choice`) with the
-    model's heads and head size in the precision in effect: on a CPU the fused flash kernel has no dropout, so
-    attention dropout in training runs the math path, which materializes the attention matrix. None for eager
-    attention or a model whose shape is not known."""
-    from torch.nn.attention import SDPBackend
-
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "dim", None)
-    choose = getattr(torch, "_fused_sdp_choice", None)
-    if attn_implementation != "sdpa" or not heads or not hidden or choose is None:
-        return None
-    dropout = dropout_facts(config)["attention"] or 0.0
-    dtype = DTYPES.get(precision_name, torch.float32)
-    q = torch.zeros(1, heads, 8, hidden // heads, device=device, dtype=dtype, requires_grad=True)
-    mask = torch.ones(1, 1, 8, 8, device=device, dtype=torch.bool)  # padding masks reach attention as a mask
-    try:
-        training, evaluation = (SDPBackend(choose(q, q, q, mask, p, False)).name for p in (dropout, 0.0))
-    except (RuntimeError, ValueError):
-        return None
-    return {"training": training, "evaluation": evaluation, "attention_dropout": dropout}
 
 
 def optimizer_facts(optimizer) -> dict:
