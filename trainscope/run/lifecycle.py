@@ -229,7 +229,7 @@ class RunLifecycle:
             if self.record:
                 self.record.append_step(line)
             self.accelerator.log({"train/loss": line["loss"], "train/lr": line["lr"]}, step=line["step"])
-            self.progress.set_postfix(loss=f"{line['loss']:.4f}")
+            self.progress.set_postfix(loss=f"{line['loss']:.4f}" if line["loss"] is not None else "n/a")
         every = self.options.save_every
         if every and metrics.loop.step % every == 0 and not metrics.done:
             self.save_checkpoint()

@@ -7,6 +7,8 @@ How it works: docs/design.md#in-the-code-the-metrics-component-trainscoperunmetr
 """
 
 import contextlib
+import math
+import sys
 
 import torch
 from accelerate.utils import gather_object
@@ -57,6 +59,8 @@ class RunMetrics:
         self.model = None
         self.run_shapes: dict | None = None  # the matmuls and one layer measured at the run's shapes, after the loop
         self._last_loss, self._graphs_after_first_step = None, None
+        self._line_step = 0  # the optimizer step of the latest step line
+        self.non_finite_losses: dict | None = None  # {micro_batches, first}: losses recorded non-finite, not raised
         self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
         self._evaluated = False  # an evaluation ran (a compiled model's first one compiles)
         self.compiled: dict | None = None  # how the model is compiled (read from the objects at attach), None: eager
@@ -224,17 +228,14 @@ class RunMetrics:
         over the timer's one clock. A collective: every rank calls it at the same step."""
         interval, timing = self.loop.take_interval(), self.timer.take_interval()
         world = self.accelerator.num_processes
-        # Gathered before any check, so every rank sees the same losses and stops together.
-        gathered = self.accelerator.gather(torch.stack(interval["losses"]).float()).view(world, -1)
-        finite = torch.isfinite(gathered).all(dim=0)
-        if not bool(finite.all()):  # sync point (log steps only)
-            first = int((~finite).nonzero()[0])
-            raise NonFiniteLoss(
-                f"loss became {gathered[:, first].tolist()} at optimizer step "
-                f"{self.loop.step - len(interval['losses']) + first + 1}: {self.driver.non_finite}"
-            )
-        self._last_loss = gathered.mean().item()
-        wall = timing["wall_s"]
+        losses = torch.stack(interval["losses"]).float()
+        if world > 1:  # gathered before any check, so every rank sees the same losses and stops together
+            losses = self.accelerator.gather(losses)
+        self._last_loss = losses.mean().item()  # the line's one sync point: any non-finite loss makes the mean so
+        non_finite = 0 if math.isfinite(self._last_loss) else self._non_finite(losses.view(world, -1))
+        tokens, wall, self._line_step = interval["tokens"], timing["wall_s"], self.loop.step
+        if tokens is not None:
+            tokens = (self.accelerator.reduce(tokens, reduction="sum") if world > 1 else tokens).item()
         return {
             "step": self.loop.step,
             "epoch": self.loop.epoch,
@@ -242,16 +243,38 @@ class RunMetrics:
             "lr": self._learning_rate(),
             "micro_batches": len(interval["losses"]),
             "samples": interval["samples"] * world,
-            "tokens": self.accelerator.reduce(interval["tokens"], reduction="sum").item()
-            if interval["tokens"] is not None
-            else None,
+            "tokens": tokens,
             "stage_s": timing["stage_s"],
             "wall_s": wall,
             "skipped_steps": self._skipped_total(),
             "exposed_communication_s": self.communication.take_interval(),
             "tflops_per_device": interval["flops"] / wall / 1e12 if interval["flops"] and wall > 0 else None,
             "time": now_iso(),
+            **({"non_finite_losses": non_finite} if non_finite else {}),
         }
+
+    def _non_finite(self, gathered: torch.Tensor) -> int:
+        """The interval's non-finite losses: raised where the driver stops on one (train.py), else recorded (the
+        summary's `non_finite_losses`) and warned once, the run going on as the loop does -- a loss scaler skips the
+        step it overflowed in. The line's loss is then the mean of the finite ones (None where none is)."""
+        finite = torch.isfinite(gathered).all(dim=0)
+        first, count = int((~finite).nonzero()[0]), int((~finite).sum())
+        since, step, trained = self._line_step + 1, self.loop.step, gathered.shape[1]
+        said = (
+            f"loss became {gathered[:, first].tolist()} at optimizer "
+            + (f"step {step}" if since == step else f"steps {since}-{step}")
+            + (f" (micro-batch {first + 1} of {trained})" if trained > 1 else "")
+        )
+        if self.driver.stop_on_non_finite:
+            raise NonFiniteLoss(f"{said}: {self.driver.non_finite}")
+        if self.non_finite_losses is None:
+            print(f"warning [non_finite_loss]: {said}; recorded, and the run goes on as the loop does "
+                  f"(if it should not: {self.driver.non_finite})", file=sys.stderr, flush=True)  # fmt: skip
+            self.non_finite_losses = {"micro_batches": 0, "first": said}
+        self.non_finite_losses["micro_batches"] += count
+        kept = gathered[torch.isfinite(gathered)]
+        self._last_loss = kept.mean().item() if kept.numel() else None
+        return count
 
     def _learning_rate(self) -> float | None:
         if self.scheduler is not None:
@@ -353,6 +376,7 @@ class RunMetrics:
             "test": test_scores,
             "evaluation_tokens": dict(self.evaluation_positions),
             "final_train_loss": self._last_loss,
+            "non_finite_losses": self.non_finite_losses,
             "wall_s": per_rank[0]["timing"]["run"]["wall_s"],
             "profile": (
                 {
