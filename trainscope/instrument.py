@@ -244,16 +244,8 @@ class Run:
         """`with run.stage("forward"): ...`: one of data, forward, backward, optimizer, eval; the rest is `other`."""
         self._require_open(f"run.stage({name!r})")
         self._settle()
-        if name == "backward":
-            return self._backward_stage()
-        return self.metrics.timer(name)
-
-    @contextlib.contextmanager
-    def _backward_stage(self):
-        """The backward stage: a FLOPs count of this micro-batch ends with it, whatever the loop calls inside."""
-        with self.metrics.timer("backward"):
-            yield
-        self.metrics.flops.end()
+        # a FLOPs count of this micro-batch ends with its backward stage, whatever the loop calls inside
+        return self.metrics.timer(name, self.metrics.flops.end if name == "backward" else None)
 
     def backward(self, loss, **kwargs) -> None:
         """`accelerator.backward(loss)`, with DDP's exposed communication stamped the moment it returns."""

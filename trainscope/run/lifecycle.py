@@ -272,6 +272,8 @@ class RunLifecycle:
             self._raise_failed(error)
         finally:
             self.signals.restore()
+            if self.record is not None:
+                self.record.close_steps()
 
     def _raise_failed(self, error: BaseException):
         raised = self._failed(error)
