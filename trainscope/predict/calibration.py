@@ -380,6 +380,15 @@ def _lock(path: Path):
     return held()
 
 
+def cached(device: torch.device) -> dict:
+    """This machine's cached calibration, or `{error}` saying how to make one (a training run makes none: its
+    prediction is then uncalibrated)."""
+    return read_calibration(device) or {
+        "error": "not calibrated on this machine: a training run does not calibrate; train.py --predict does on "
+        "first use (a minute, cached), make predict-calibrate in full"
+    }
+
+
 def ensure(device: torch.device, budget_s: float | None = None, shapes: dict | None = None) -> dict:
     """This machine's calibration: the cached one, else one made now (`first_use`, marked `made_now`) and cached;
     `{error}` where it is switched off (TRAINSCOPE_CALIBRATION=off) or could not be made (the prediction then says it

@@ -82,7 +82,8 @@ class RunLifecycle:
         """Resume if asked, write the record's header (with the prediction made before the run), say the warnings
         known now, start trackers and progress."""
         try:
-            self._open(metrics, model_facts, data_facts, prediction)
+            with self.started.cost.timing("start_s"):
+                self._open(metrics, model_facts, data_facts, prediction)
         except BaseException:
             self.signals.restore()
             raise
@@ -98,7 +99,8 @@ class RunLifecycle:
             names, self.run_dir.name, self.run_dir, self.options.tracker_group
         )
         if self.record:
-            self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
+            with self.started.cost.timing("writing_s"):
+                self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
             self._prepare_forced_exit()
             for warning in health.check(self.record.data, at_start=True):
                 print(f"warning [{warning['code']}]: {warning['message']}", flush=True)
@@ -185,7 +187,8 @@ class RunLifecycle:
         the driver's notes (`notes`)."""
         self.header.update(fields)
         if self.record is not None:
-            self.record.update(**fields)
+            with self.started.cost.timing("writing_s"):
+                self.record.update(**fields)
 
     # ---------------------------------------------------------------- the loop's boundaries
 
@@ -298,11 +301,14 @@ class RunLifecycle:
         elif self.signals.received:
             raise Interrupted(self.signals.received)
         self._begin_ending()
-        result = self.metrics.summarize(test_scores)
-        if self.sharding is not None:  # every rank's (a collective)
-            result["fsdp"] = gather_object([self.sharding.facts()])
-        if self.world > 1:  # every rank's (a collective): DDP's ranks end with the same parameters and scaler
-            result["end_state"] = gather_object([sharding.end_state(self.metrics.model, self.accelerator.scaler)])
+        cost = self.started.cost
+        with cost.timing("after_loop_s"):
+            result = self.metrics.summarize(test_scores)
+            if self.sharding is not None:  # every rank's (a collective)
+                result["fsdp"] = gather_object([self.sharding.facts()])
+            if self.world > 1:  # every rank's (a collective): DDP's ranks end with the same parameters and scaler
+                result["end_state"] = gather_object([sharding.end_state(self.metrics.model, self.accelerator.scaler)])
+            warnings = self._warnings(self.record, result) if self.record else None
         if self.record:
             self._forget_a_failure_the_run_outlived()
             self.record.update(
@@ -310,7 +316,8 @@ class RunLifecycle:
                 finished=now_iso(),
                 environment=self.metrics.env,  # the machine's peak joined it after the loop
                 summary=result,
-                warnings=self._warnings(self.record, result),
+                warnings=warnings,
+                instrument={**self.record.data["instrument"], "cost_s": cost.block()},
             )
             self.signals.prepare(self.record.path, None)  # complete stays complete, whatever comes now
             print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)

@@ -17,6 +17,7 @@ from trainscope.core import environment, precision
 from trainscope.core.environment import compile_stats, compiled_with
 from trainscope.core.faults import NonFiniteLoss
 from trainscope.core.precision import effective_precision
+from trainscope.core.record_view import option_words
 from trainscope.core.records import now_iso
 from trainscope.measure import flops_source, gap, operations, peak, summary
 from trainscope.measure.communication import block as communication_block
@@ -123,13 +124,18 @@ class RunMetrics:
             "ddp": self.communication.settings_in_effect(),
             **self.driver.environment_facts(self, effective),
         }
-        # the layers' shapes, seen in the warm-up's training forwards, for the timings after the loop
+        # the warm-up's last training micro-batch, kept for the model's timing after the loop where it is asked for
         model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
-        self.operations = operations.watch(
-            model,
-            lambda: self.timer.phase,
-            compiled=self.compiled is not None,
-            sharded="FSDP" in str(self.accelerator.distributed_type),
+        asked = f"not timed: {option_words('time_model', None, self.driver.options)} times the run's model alone"
+        self.operations = (
+            operations.watch(
+                model,
+                lambda: self.timer.phase,
+                compiled=self.compiled is not None,
+                sharded="FSDP" in str(self.accelerator.distributed_type),
+            )
+            if self.options.time_model
+            else operations.NoWatch(f"{asked} after the loop (trainscope tune asks for it)")
         )
         return self.env
 
