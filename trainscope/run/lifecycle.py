@@ -90,7 +90,8 @@ class RunLifecycle:
 
     def _open(self, metrics, model_facts: dict, data_facts: dict, prediction: dict | None) -> None:
         self.metrics = metrics
-        resumed = checkpoints.load(self.accelerator, self.started.resume_from) if self.started.resume_from else None
+        with self.started.cost.timing(None):  # the checkpoint --resume asked for: not trainscope's own work
+            resumed = checkpoints.load(self.accelerator, self.started.resume_from) if self.started.resume_from else None
         metrics.resume_from(resumed)
         self.sharding = sharding.attach(metrics.model) if metrics.model is not None else None
         env = metrics.environment()
@@ -308,9 +309,10 @@ class RunLifecycle:
                 result["fsdp"] = gather_object([self.sharding.facts()])
             if self.world > 1:  # every rank's (a collective): DDP's ranks end with the same parameters and scaler
                 result["end_state"] = gather_object([sharding.end_state(self.metrics.model, self.accelerator.scaler)])
-            warnings = self._warnings(self.record, result) if self.record else None
+            if self.record:
+                self._forget_a_failure_the_run_outlived()
+                warnings = self._warnings(self.record, result)
         if self.record:
-            self._forget_a_failure_the_run_outlived()
             self.record.update(
                 status="complete",
                 finished=now_iso(),

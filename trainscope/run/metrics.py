@@ -142,8 +142,8 @@ class RunMetrics:
     def _machine_peak(self, counts: dict) -> None:
         """This machine's matmul peak (trainscope.measure.peak: cached, or measured now by every local process at once)
         at the model's GEMM shapes for the run's own mean micro-batch (`counts`' phase), and a large square, into the
-        environment block: after the loop, outside every timed figure. A failed measurement is recorded, not fatal:
-        the run is what it measures."""
+        environment block: after the loop, in trainscope's own cost (instrument.cost_s). A failed measurement is
+        recorded, not fatal: the run is what it measures."""
         shape, sized = encoder_shape(self.model_config), mean_shape(counts, self.driver.unpadded)
         shapes = peak.transformer_shapes(*shape, sized[0] * sized[1]) if shape and sized else []
         try:
@@ -328,7 +328,7 @@ class RunMetrics:
         self.loop.finish()
         if gather:
             self._fold_skips()
-        if gather and not partial:  # every rank at once, after the timed loop: outside every timed figure
+        if gather and not partial:  # every rank at once, after the timed loop: trainscope's own cost after it
             self.run_shapes = self._measure_run_shapes()
         mine = self._rank_summary(final=gather and not partial)
         per_rank = gather_object([mine]) if gather else [mine]

@@ -51,15 +51,20 @@ class OwnCost:
     start_s: float = 0.0
     after_loop_s: float = 0.0
     writing_s: float = 0.0
+    nested_s: float = 0.0  # seconds of the blocks timed so far, nested ones included once
 
     @contextlib.contextmanager
-    def timing(self, part: str):
-        """Add the block's seconds to `part`, less the record's writes inside it (writing's own)."""
-        began, writing = time.perf_counter(), self.writing_s
+    def timing(self, part: str | None):
+        """Add the block's seconds to `part` (None: to none, what the run asked for: a checkpoint loaded to resume),
+        less the blocks timed inside it (the record's writes are writing's)."""
+        began, nested = time.perf_counter(), self.nested_s
         try:
             yield
         finally:
-            setattr(self, part, getattr(self, part) + time.perf_counter() - began - (self.writing_s - writing))
+            spent = time.perf_counter() - began
+            if part is not None:
+                setattr(self, part, getattr(self, part) + spent - (self.nested_s - nested))
+            self.nested_s = nested + spent
 
     def block(self) -> dict:
         """The record's `instrument.cost_s`: each part, their total, the run's wall time so far and the share."""

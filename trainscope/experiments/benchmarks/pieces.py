@@ -78,19 +78,6 @@ def lifted(*hooks: dict):
 NULL_PROGRESS = types.SimpleNamespace(update=lambda n=1: None, set_postfix=lambda **_: None, close=lambda: None)
 
 
-class Untimed:
-    """The run's stage timer with its stages untimed: every other call (phases, intervals) goes to the timer."""
-
-    def __init__(self, timer):
-        self.timer = timer
-
-    def __call__(self, stage: str, after=None):
-        return contextlib.nullcontext()
-
-    def __getattr__(self, name: str):
-        return getattr(self.timer, name)
-
-
 def run_pieces(run, model, optimizer) -> dict:
     """The pieces of trainscope.Run, each a function giving the context that switches it off."""
     metrics, lifecycle = run.metrics, run.lifecycle
@@ -100,7 +87,7 @@ def run_pieces(run, model, optimizer) -> dict:
         return replaced(metrics, "micro_batch", lambda batch, loss, *_: metrics.loop.interval_losses.append(loss))
 
     return {
-        "stage timer": lambda: replaced(metrics, "timer", Untimed(metrics.timer)),
+        "stage timer": lambda: replaced(type(metrics.timer), "__call__", lambda *_, **__: contextlib.nullcontext()),
         "forward hooks": lambda: lifted(model._forward_pre_hooks, model._forward_hooks),
         "step hook": lambda: lifted(inner._optimizer_step_post_hooks),
         "micro-batch counting": counting_off,
