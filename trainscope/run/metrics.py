@@ -110,6 +110,7 @@ class RunMetrics:
     def resume_from(self, resumed: dict | None) -> None:
         """Continue the counters and timing totals of a checkpointed part of the same run."""
         self.loop = LoopState(self.accelerator.device, resumed)
+        self._line_step = self.loop.step
         if resumed:
             self.timer.restore(resumed["timer"])
 
@@ -124,18 +125,15 @@ class RunMetrics:
             "ddp": self.communication.settings_in_effect(),
             **self.driver.environment_facts(self, effective),
         }
-        # the warm-up's last training micro-batch, kept for the model's timing after the loop where it is asked for
+        # the warm-up's last training micro-batch, kept where the model is to be timed alone after the loop
         model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
-        asked = f"not timed: {option_words('time_model', None, self.driver.options)} times the run's model alone"
+        sharded = "FSDP" in str(self.accelerator.distributed_type)
+        asked = option_words("time_model", None, self.driver.options)
+        not_asked = f"not timed: {asked} times the run's model alone after the loop (trainscope tune asks for it)"
         self.operations = (
-            operations.watch(
-                model,
-                lambda: self.timer.phase,
-                compiled=self.compiled is not None,
-                sharded="FSDP" in str(self.accelerator.distributed_type),
-            )
+            operations.watch(model, lambda: self.timer.phase, self.compiled is not None, sharded)
             if self.options.time_model
-            else operations.NoWatch(f"{asked} after the loop (trainscope tune asks for it)")
+            else operations.NoWatch(not_asked)
         )
         return self.env
 
@@ -274,8 +272,9 @@ class RunMetrics:
         if self.driver.stop_on_non_finite:
             raise NonFiniteLoss(f"{said}: {self.driver.non_finite}")
         if self.non_finite_losses is None:
-            print(f"warning [non_finite_loss]: {said}; recorded, and the run goes on as the loop does "
-                  f"(if it should not: {self.driver.non_finite})", file=sys.stderr, flush=True)  # fmt: skip
+            if self.accelerator.is_main_process:
+                print(f"warning [non_finite_loss]: {said}; recorded, and the run goes on as the loop does "
+                      f"(if it should not: {self.driver.non_finite})", file=sys.stderr, flush=True)  # fmt: skip
             self.non_finite_losses = {"micro_batches": 0, "first": said}
         self.non_finite_losses["micro_batches"] += count
         kept = gathered[torch.isfinite(gathered)]
