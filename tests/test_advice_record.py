@@ -297,8 +297,14 @@ LOOPS = {
 @pytest.fixture(scope="module")
 def loop_records(tmp_path_factory) -> dict:
     """One record of every conformance loop (hand accumulation, nanoGPT's micro-steps, PEFT's LoRA, the mnist CNN, the
-    HF Trainer, nlp_example on two DDP ranks), the causal LM and the plain loop of examples/, each run once."""
-    out = tmp_path_factory.mktemp("loops")
+    HF Trainer, nlp_example on two DDP ranks), the causal LM and the plain loop of examples/, each run once, each run's
+    model timed alone after its loop as trainscope tune's advice run asks (TRAINSCOPE_TIME_MODEL)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINSCOPE_TIME_MODEL", "1")
+        return _loop_records(tmp_path_factory.mktemp("loops"))
+
+
+def _loop_records(out) -> dict:
     records = {}
     for name, (main, args, folder) in LOOPS.items():
         where = out / name
@@ -314,6 +320,25 @@ def loop_records(tmp_path_factory) -> dict:
     assert run_in_forked_ranks(args, main=nlp_example.main) == 0
     records["ddp"] = read_record(where / "nlp_example")
     return records
+
+
+def test_a_record_whose_model_was_not_timed_says_how_to_get_the_estimates_that_read_it(tmp_path):
+    """By default a run does not time its model alone after the loop (seconds to minutes a run, the whole of a short
+    one's cost: asked for with time_model, as trainscope tune's advice run asks): the estimates that read it say how
+    to get them, and none fails."""
+    args = ["--steps", "40", "--output-dir", str(tmp_path), "--run-name", "plain"]
+    assert_ok(run_in_process(args, main=_example("plain_loop").main))
+    record = read_record(tmp_path / "plain")
+    view = RunView(record)
+    for estimate in (
+        estimates.guarded(estimates.batch, view),
+        estimates.guarded(estimates.threads, view, 1),
+        estimates.guarded(estimates.precision, view, "bf16"),
+    ):
+        assert estimate.gain is None and not estimate.failed, estimate
+        assert estimate.unavailable.startswith("not timed: time_model=True times the run's model alone after the loop")
+    found = advisor.advise(copy.deepcopy(record))
+    assert not [s for s in found if s.estimate_unavailable and "Error" in s.estimate_unavailable], found
 
 
 @pytest.mark.parametrize("name", [*LOOPS, "causal_lm", "plain_loop", "ddp"])

@@ -231,3 +231,44 @@ def test_a_loop_call_before_with_run_is_one_line_and_leaves_no_record(tmp_path):
         AcceleratorState._reset_state(reset_partial_state=True)
     assert all("\n" not in m and "used before `with run:`" in m and "docs/instrument.md" in m for m in messages)
     assert messages[0].startswith("trainscope.Run: run.data(...) used before `with run:`")
+
+
+def test_a_loop_with_its_own_loss_scaler_goes_past_a_non_finite_loss_recorded_and_warned(tmp_path):
+    """A loop with its own torch.amp.GradScaler whose loss overflows once -- the step the scaler exists to skip -- runs
+    to its end: trainscope records the non-finite loss and warns, and never raises it (a NonFiniteLoss ended the
+    run, and the loop with it)."""
+    from accelerate import Accelerator
+
+    import trainscope
+
+    scales = []  # the scaler's scale after each micro-batch: halved where it skipped the step
+
+    def main(_):
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        run = trainscope.Run(accelerator, model, optimizer, name="scaled", output_dir=str(tmp_path), log_every=1)
+        with run:
+            for x in run.data([torch.randn(8, 4) for _ in range(6)]):
+                loss = model(x).pow(2).mean()
+                if len(scales) == 2:
+                    loss = loss * float("inf")  # its loss overflowed
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+                run.count_micro_batch(x, loss)
+                scales.append(scaler.get_scale())
+
+    result = run_in_process([], main=main)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert scales == [2.0**8] * 2 + [2.0**7] * 4  # all six trained, the third's step skipped by the scaler
+    record, lines = read_record(tmp_path / "scaled"), read_steps(tmp_path / "scaled")
+    assert record["status"] == "complete"
+    assert record["summary"]["non_finite_losses"]["micro_batches"] == 1
+    assert sum(line.get("non_finite_losses", 0) for line in lines) == 1
+    assert all(line["loss"] is not None and line["loss"] == line["loss"] for line in lines)  # the finite ones' mean
+    assert "non_finite_loss" in [w["code"] for w in record["warnings"]]
+    assert result.stderr.count("warning [non_finite_loss]: loss became [inf] at optimizer step") == 1

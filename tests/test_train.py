@@ -300,3 +300,30 @@ def test_one_class_data_is_refused(runs, tmp_path):
 def test_resume_without_a_checkpoint_is_refused(runs):
     result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "never", "--resume"])
     assert result.returncode == 2 and "has no checkpoint" in error_line(result)
+
+
+def test_a_training_run_says_what_trainscope_cost_and_pays_no_first_use_calibration(runs, monkeypatch, tmp_path):
+    """trainscope's own work is bounded and said: a training run on a machine with no calibration predicts with none
+    rather than spend up to a minute calibrating (--predict or make predict-calibrate does), the model is not timed
+    alone after the loop unless asked (--time-model), and the record and the end-of-run table say what start-up,
+    after the loop and writing cost, measured at their bounds."""
+    from trainscope.predict import calibration
+    from trainscope.run.table import significant
+
+    monkeypatch.setenv("TRAINSCOPE_CACHE_DIR", str(tmp_path / "cache"))  # a machine with no calibration cached
+    monkeypatch.delenv(calibration.SWITCH_ENV)
+    monkeypatch.setattr(calibration, "first_use", lambda *a, **k: pytest.fail("a training run calibrated"))
+    result = run_in_process([*TINY, *ONE_THREAD, "--output-dir", str(runs), "--run-name", "cost", "--max-steps", "4"])
+    assert_ok(result)
+    record = read_record(runs / "cost")
+    state = record["prediction"]["calibration"]
+    assert state["state"] == "uncalibrated" and "train.py --predict does on first use" in state["error"]
+    operations = record["summary"]["measured_peak"]["run_shapes"]["operations"]
+    assert operations == {"reason": "not timed: --time-model times the run's model alone after the loop (trainscope "
+                          "tune asks for it)"}  # fmt: skip
+    cost = record["instrument"]["cost_s"]
+    parts = [cost[part] for part in ("start_s", "after_loop_s", "writing_s")]
+    assert all(part > 0 for part in parts) and cost["total_s"] == pytest.approx(sum(parts))
+    assert cost["start_s"] >= record["prediction"]["seconds"]  # the prediction is start-up's
+    assert record["summary"]["wall_s"] + cost["total_s"] < cost["run_s"]  # each part outside the loop's own wall
+    assert f"trainscope's own work {significant(cost['total_s'], 2)} s (" in result.stdout  # the end-of-run table

@@ -95,6 +95,10 @@ def test_a_loop_launched_on_one_thread_gets_its_share_of_the_cores_from_outside_
         and advice["environment"]["threads"]["thread_budget"] == 2
     )
     assert "threads_below_budget" in [w["code"] for w in advice["warnings"]]
+    # the advice run asks for the model timed alone after the loop (its estimates read it); the others do not pay it
+    assert advice["summary"]["measured_peak"]["run_shapes"]["operations"]["configurations"]
+    repeat = read_record(one_thread.runs / "repeat-r0")["summary"]["measured_peak"]["run_shapes"]["operations"]
+    assert repeat["reason"].startswith("not timed: time_model=True times the run's model alone")
     threads = trial(one_thread.result, ["OMP_NUM_THREADS=2"])
     assert threads["rule"] == "warning:threads_below_budget" and threads["kind"] == "exact"
     assert read_record(one_thread.runs / threads["runs"][0])["environment"]["threads"]["torch_threads"] == 2

@@ -151,6 +151,7 @@ class ClassifierDriver(Driver):
             "halve it and double --gradient-accumulation-steps, or add --gradient-checkpointing, a bf16/fp16 config "
             "or --lora",
             non_finite="lower --learning-rate, keep --max-grad-norm, or use bf16 instead of fp16",
+            stop_on_non_finite=settings.stop_on_non_finite_loss,
         )
         self.settings, self.prediction = settings, prediction
 

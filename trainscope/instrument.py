@@ -11,6 +11,7 @@ How it works: docs/instrument.md#the-loop.
 
 import contextlib
 import dataclasses
+import time
 
 from trainscope.core.errors import UserError
 from trainscope.run import overrides, startup
@@ -100,12 +101,14 @@ class Run:
         driver: Driver | None = None,
         **options,
     ):
+        began = time.perf_counter()  # trainscope's start-up: its cost, and the run's wall time, from here
         unwrapped = accelerator.unwrap_model(model)
         config = getattr(unwrapped, "config", None)
         model_name = getattr(config, "_name_or_path", None) or type(unwrapped).__name__
         driver = driver or Driver()
         run_options = _options(name, output_dir, options)
         started = startup.attach(run_options, accelerator, model_name, driver.exists)
+        started.cost.began = began
         settings = {
             **dataclasses.asdict(run_options),
             "steps": steps,
@@ -114,18 +117,20 @@ class Run:
         }
         facts = TrainingFacts(config, {"optimizer_steps": steps}, _model_facts(unwrapped))
         prepared = Prepared(accelerator, model, optimizer, scheduler, scaler)
-        self._attach(prepared, started, facts, driver, settings, flops)
+        self._attach(prepared, started, facts, driver, settings, flops, began)
 
     @classmethod
     def from_started(cls, prepared: Prepared, started, facts: TrainingFacts, driver: Driver) -> "Run":
         """A run whose start-up (trainscope.run.startup.start: process group, threads, seed, run folder) was its
         driver's own (train.py's: trainscope.classifier); its record's settings are every option it started with."""
         run = cls.__new__(cls)
-        run._attach(prepared, started, facts, driver, dataclasses.asdict(started.settings))
+        run._attach(prepared, started, facts, driver, dataclasses.asdict(started.settings), began=time.perf_counter())
         return run
 
-    def _attach(self, prepared: Prepared, started, facts: TrainingFacts, driver: Driver, settings: dict, flops=None):
-        """The measurements attached to the model (the record is written when the run opens)."""
+    def _attach(self, prepared: Prepared, started, facts: TrainingFacts, driver: Driver, settings: dict, flops=None,
+                began: float = 0.0):  # fmt: skip
+        """The measurements attached to the model (the record is written when the run opens); trainscope's start-up
+        from `began` to here is the run's cost."""
         self.accelerator, self.result = prepared.accelerator, None
         # the Accelerator's backward as it was when the run was made: a driver may route the Accelerator's own
         # backward through run.backward (the Trainer's callback does: its Trainer calls accelerator.backward)
@@ -136,6 +141,7 @@ class Run:
                                   flops, prepared.optimizer)  # fmt: skip
         self.metrics.attach(prepared.model, prepared.optimizer, prepared.scaler)
         self.lifecycle = RunLifecycle(prepared.accelerator, started, facts.plan, settings, driver)
+        started.cost.start_s += time.perf_counter() - began
 
     # ---------------------------------------------------------------- opening and closing
 
@@ -248,16 +254,8 @@ class Run:
         """`with run.stage("forward"): ...`: one of data, forward, backward, optimizer, eval; the rest is `other`."""
         self._require_open(f"run.stage({name!r})")
         self._settle()
-        if name == "backward":
-            return self._backward_stage()
-        return self.metrics.timer(name)
-
-    @contextlib.contextmanager
-    def _backward_stage(self):
-        """The backward stage: a FLOPs count of this micro-batch ends with it, whatever the loop calls inside."""
-        with self.metrics.timer("backward"):
-            yield
-        self.metrics.flops.end()
+        # a FLOPs count of this micro-batch ends with its backward stage, whatever the loop calls inside
+        return self.metrics.timer(name, self.metrics.flops.end if name == "backward" else None)
 
     def backward(self, loss, **kwargs) -> None:
         """`accelerator.backward(loss)`, with DDP's exposed communication stamped the moment it returns."""

@@ -5,7 +5,7 @@ the measured peak. trainscope.advice.advisor ranks them with the rules of trains
 How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadviceadvisorpy.
 """
 
-from trainscope.advice import changes
+from trainscope.advice import changes, estimates
 from trainscope.advice.rules import (
     MIN_GAIN,
     Suggestion,
@@ -359,7 +359,7 @@ def batch_at_peak(view: RunView, found: dict | None = None) -> list[Suggestion]:
     shapes, estimate = measured.get("run_shapes") or {}, measured.get("gap_estimate") or {}
     rate, doubled = shapes.get("tflops"), shapes.get("tflops_doubled")
     # a record with its model timed on twice the rows: the `batch` rule speaks
-    if view.on_cuda or not (rate and doubled and estimate.get("train_s")) or view.run_operations is not None:
+    if view.on_cuda or not (rate and doubled and estimate.get("train_s")) or estimates.timed(view):
         return []
     batch = view.setting("per_device_batch_size") or view.micro_batch_samples
     steps = view.setting("gradient_accumulation_steps", 1) or 1

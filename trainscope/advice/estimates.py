@@ -57,6 +57,12 @@ def guarded(compute, *args) -> Estimate:
 # ---------------------------------------------------------------- the run's own model
 
 
+def timed(view: RunView) -> bool:
+    """The record holds its model timed alone (the run asked for it: time_model, --time-model, trainscope tune's advice
+    run); else the rules that read the machine's rates at the run's shapes speak, and these estimates say why not."""
+    return bool((view.run_operations or {}).get("configurations"))
+
+
 def _configuration(operations: dict, name: str) -> dict:
     found = next((c for c in operations.get("configurations") or [] if c["name"] == name), None)
     if found is None:

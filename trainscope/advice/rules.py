@@ -355,7 +355,7 @@ def _bf16_at_start(view: RunView) -> str:
 
 def gpu_precision(view: RunView) -> list[Suggestion]:
     """A GPU record without its model timed (cpu_precision speaks where it was): the datasheet's peak ratio."""
-    if not view.on_cuda or view.precision != "fp32" or view.run_operations is not None:
+    if not view.on_cuda or view.precision != "fp32" or estimates.timed(view):
         return []
     fp32, bf16 = peak_tflops(view.device_name, "fp32"), peak_tflops(view.device_name, "bf16")
     if not fp32 or not bf16:
@@ -384,7 +384,7 @@ def cpu_precision(view: RunView) -> list[Suggestion]:
     against its share of the micro-batch (trainscope.advice.estimates.precision); on a CPU record without that timing,
     the matmul rates recorded at the model's GEMM shapes. The best precision by its estimate, where it leaves
     MIN_GAIN; an estimate that cannot be made is said where the CPU's bf16 matmuls measured faster."""
-    if view.precision != "fp32" or not (view.on_cpu or view.run_operations is not None):
+    if view.precision != "fp32" or not (view.on_cpu or estimates.timed(view)):
         return []
     targets = [p for p in estimates.precisions(view) if p in CONFIGS or (p == "tf32" and view.on_cuda)]
     if not targets and view.on_cpu and view.cpu_bf16:  # an older record: its bf16 matmuls timed at start-up only
@@ -433,7 +433,7 @@ def cpu_precision(view: RunView) -> list[Suggestion]:
 def batch(view: RunView) -> list[Suggestion]:
     """A doubled micro-batch on a CPU, from the run's own measurement: its model timed on twice the rows
     (trainscope.advice.estimates.batch). On a GPU the memory-based rules speak (gpu_batch, host_bound)."""
-    if view.on_cuda or view.run_operations is None:
+    if view.on_cuda or not estimates.timed(view):
         return []
     estimate = estimates.guarded(estimates.batch, view)
     if (estimate.gain is None and not estimate.failed) or (estimate.gain is not None and estimate.gain < MIN_GAIN):

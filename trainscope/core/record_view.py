@@ -68,6 +68,12 @@ class RunView:
         return option_words(name, value, self.options_as)
 
     @property
+    def own_cost(self) -> dict | None:
+        """What trainscope's own work cost the run, seconds (`instrument.cost_s`: start_s, after_loop_s, writing_s,
+        total_s, run_s, budget_s); None in older records and unfinished runs."""
+        return (self.record.get("instrument") or {}).get("cost_s")
+
+    @property
     def checkpoints_skipped(self) -> list[dict]:
         """Checkpoints --resume found unusable and passed over ({checkpoint, problem}), at the latest resume."""
         return self.record.get("checkpoints_skipped") or []

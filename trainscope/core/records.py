@@ -116,7 +116,9 @@ class RunRecord:
         self.directory = Path(directory)
         self.data: dict = {"schema_version": SCHEMA_VERSION}
         self._secrets = secret_values()
+        self._json_secrets = [json.dumps(secret)[1:-1] for secret in self._secrets]  # as they read inside JSON text
         self.lock = threading.RLock()  # the heartbeat thread may write a failure while the training thread writes
+        self._steps_fd = None  # steps.jsonl, open from the first step line to the run's end
 
     @property
     def path(self) -> Path:
@@ -137,16 +139,20 @@ class RunRecord:
             return (json.dumps(scrub({**self.data, **fields}, self._secrets), indent=2, default=str) + "\n").encode()
 
     def append_step(self, line: dict) -> None:
-        """One write call per line on an append-only descriptor: a kill loses at most this line."""
-        data = (json.dumps(scrub(line, self._secrets), default=str) + "\n").encode()
-        fd = os.open(self.steps_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        """One write call per line on an append-only descriptor kept open (`close_steps`): a kill loses at most this
+        line. Redacted as written (a step line is numbers: a walk of it would cost more than the line's text)."""
+        if self._steps_fd is None:
+            self._steps_fd = os.open(self.steps_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(self._steps_fd, (redact(json.dumps(line, default=str), self._json_secrets) + "\n").encode())
+
+    def close_steps(self) -> None:
+        if self._steps_fd is not None:
+            os.close(self._steps_fd)
+            self._steps_fd = None
 
     def truncate_steps(self, after_step: int) -> None:
         """Drop step lines past `after_step` (written after the checkpoint a resumed run restarts from)."""
+        self.close_steps()
         if not self.steps_path.exists():
             return
         kept = [line for line in read_steps(self.directory) if line["step"] <= after_step]

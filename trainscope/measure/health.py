@@ -1,13 +1,11 @@
 """Health warnings: conditions under which a run's figures are doubtful. One registry entry per warning.
 
-Each entry is defined once, with `@register`: its code, what it means, the check (a function of the
-record's typed view that returns the message, or None), the fix the advisor offers (text and, where
-the fix is a flag, the flags; `{option:value}` in its words is the option as the run's driver writes it, and words
-keyed by how it writes them where they differ: train.py's flags, a loop's keywords) and whether the condition is
-known when the run starts. Everything
-reads this registry: the warnings printed when a run starts (`at_start`) and at its end, the record's
-`warnings` list, the report (beside every figure drawn from the run) and the advisor (warnings first). A new warning is
-one function here, decorated with its code, meaning and fix.
+Each entry is defined once, with `@register`: its code, what it means, the check (a function of the record's typed
+view that returns the message, or None), the fix the advisor offers (text and, where the fix is a flag, the flags;
+`{option:value}` in its words is the option as the run's driver writes it, and words keyed by how it writes them where
+they differ: train.py's flags, a loop's keywords) and whether the condition is known when the run starts. Everything
+reads this registry: the warnings printed when a run starts (`at_start`) and at its end, the record's `warnings` list,
+the report (beside every figure drawn from the run) and the advisor (warnings first).
 
     health.check(record) -> [{code, message}]    # pure, in registry order; what is absent is not checked
 """
@@ -327,6 +325,17 @@ def _record_rebuilt(view: RunView):
 
 
 @register(
+    "non_finite_loss",
+    "a loss was NaN or infinite: recorded, and the run went on as its loop did",
+    "where the loop's loss scaler skipped those steps, nothing; else lower the learning rate, clip the gradients or "
+    "use bf16 instead of fp16",
+)
+def _non_finite_loss(view: RunView):
+    if found := view.summary.get("non_finite_losses"):
+        return f"{found['micro_batches']} loss(es) NaN or infinite, the first {found['first']}; the run went on"
+
+
+@register(
     "tuned_elsewhere",
     "the command was tuned by make tune on a machine of another kind (--tuned-on)",
     "run make tune on this machine: what it kept elsewhere (bf16 where bf16 was native or ran on AMX, threads and "
@@ -335,10 +344,7 @@ def _record_rebuilt(view: RunView):
 )
 def _tuned_elsewhere(view: RunView):
     tuned_on = view.setting("tuned_on")
-    if not tuned_on:
-        return None
-    differ = machine_kinds.kind_difference(tuned_on, machine_kinds.machine_kind(view))
-    if differ:
+    if differ := tuned_on and machine_kinds.kind_difference(tuned_on, machine_kinds.machine_kind(view)):
         return (
             f"this command was tuned on {tuned_on}, this run is on {machine_kinds.machine_kind(view)} ({differ}): "
             "the speed-ups make tune measured there need not hold here"
@@ -385,10 +391,8 @@ def _evaluation(view: RunView):
     },
 )
 def _steady(view: RunView):
-    if not view.throughput:
-        return None
     steps = view.optimizer_steps_timed or 0
-    if steps < MIN_STEADY_STEPS:
+    if view.throughput and steps < MIN_STEADY_STEPS:
         return (
             f"only {steps} steady-state optimizer steps (at least {MIN_STEADY_STEPS} wanted): throughput rests on "
             "few samples"
@@ -401,15 +405,12 @@ def _steady(view: RunView):
     "add the device's datasheet peak to trainscope/measure/flops.py",
 )
 def _mfu(view: RunView):
-    if view.on_cuda and "mfu" in view.summary and view.mfu is None:
-        known, variant = peak_tflops(view.device_name, view.precision or "fp32"), variant_reason(view.device_name)
+    unknown = view.on_cuda and "mfu" in view.summary and view.mfu is None
+    if unknown and peak_tflops(view.device_name, view.precision or "fp32") is None:
+        variant = variant_reason(view.device_name)
         return (
-            (
-                f"{view.device_name} is not in the datasheet peak table (trainscope/measure/flops.py) for {view.precision}"
-                f"{f' ({variant})' if variant else ''}: MFU is not computed rather than guessed"
-            )
-            if known is None
-            else None
+            f"{view.device_name} is not in the datasheet peak table (trainscope/measure/flops.py) for {view.precision}"
+            f"{f' ({variant})' if variant else ''}: MFU is not computed rather than guessed"
         )
 
 

@@ -1,9 +1,9 @@
 """The run's own model, timed as the run ran it and as a change would: what the advisor's precision, threads and batch
 estimates read from the record (trainscope.advice.estimates), so that no estimate needs the reading machine.
 
-`watch(model, phase)` keeps the inputs of the warm-up's last training forward (a forward pre-hook, taken off when the
-steady phase begins). After the loop, outside every timed figure, `measure` runs the model's forward and backward on
-those inputs alone: in the run's precision and threads, in every other precision the device runs (autocast from the
+Where the run asks for it (time_model), `watch(model, phase)` keeps the inputs of the warm-up's last training forward
+(a forward pre-hook, taken off when the steady phase begins), and after the loop, in trainscope's own cost, `measure`
+runs the model's forward and backward on those inputs alone: in the run's precision and threads, in every other precision the device runs (autocast from the
 fp32 weights with the outputs converted to fp32, as Accelerate's mixed precision runs it), at the other thread
 counts worth trying, and on twice the rows. Gradients are taken with torch.autograd.grad, so nothing accumulates into
 the parameters' .grad (nor fires the hooks that watch it: DDP's reducer, the communication measurement); buffers

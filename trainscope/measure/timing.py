@@ -31,7 +31,9 @@ PHASES = ("warmup", "steady", "snapshot")
 
 
 class HostClock:
-    """perf_counter marks, optionally after a device synchronize (the `sync` mode)."""
+    """perf_counter marks, optionally after a device synchronize (the `sync` mode): read at once."""
+
+    immediate = True
 
     def __init__(self, synchronize=None):
         self.synchronize = synchronize
@@ -56,6 +58,8 @@ class HostClock:
 
 class EventClock:
     """Device events recorded on the current stream; elapsed times read once they completed."""
+
+    immediate = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -131,6 +135,7 @@ class StageTimer:
         nvtx: Nvtx | None = None,
     ):
         self.clock = clock or HostClock()
+        self.immediate = getattr(self.clock, "immediate", False)  # a host clock's stages are charged as they end
         self.device = device or torch.device("cpu")
         self._synchronize = synchronizer(self.device)
         # per-stage allocator peaks: a probe with reset() and read() -> (allocated, reserved) bytes;
@@ -249,34 +254,15 @@ class StageTimer:
             self.paused_seconds += elapsed
 
     # ---- stages
-    @contextmanager
-    def __call__(self, stage: str):
+    def __call__(self, stage: str, after=None) -> "Stage":
+        """`with timer(stage):`; `after()` is called when the stage has ended (a FLOPs count closed with it)."""
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}: one of {STAGES} ('other' is what is left)")
         if not self._running:
             raise RuntimeError(f"stage {stage!r} timed outside start()/stop()")
         if self._active is not None:
             raise RuntimeError(f"stage {stage!r} started inside stage {self._active!r}: stages do not nest")
-        self._active = stage
-        sampling = self.memory is not None and self.sample_memory
-        if sampling:
-            self.memory.reset()
-        self.nvtx.push(stage)
-        begin = self.clock.mark()
-        try:
-            if self.profiler_labels:
-                with torch.profiler.record_function(stage):
-                    yield
-            else:
-                yield
-        finally:
-            end = self.clock.mark()
-            self.nvtx.pop()
-            if sampling:
-                self._record_memory(stage, *self.memory.read())
-            self._active = None
-            self._pending.append((self.phase, stage, begin, end))
-            self._resolve(block=False)
+        return Stage(self, stage, after)
 
     def set_memory_sampling(self, on: bool):
         """Sample per-stage peaks from now on (or stop). Switching on first folds the peak of the
@@ -299,6 +285,11 @@ class StageTimer:
         self.run_peak_allocated_bytes = max(self.run_peak_allocated_bytes, allocated)
         self.run_peak_reserved_bytes = max(self.run_peak_reserved_bytes, reserved)
 
+    def _charge(self, phase: str, stage: str, seconds: float) -> None:
+        self.stage_seconds[phase][stage] += seconds
+        self.stage_calls[phase][stage] += 1
+        self._interval[stage] += seconds
+
     def _resolve(self, block: bool):
         while self._pending:
             phase, stage, begin, end = self._pending[0]
@@ -307,10 +298,7 @@ class StageTimer:
                     return
                 self.clock.wait(end)
             self._pending.popleft()
-            seconds = self.clock.elapsed(begin, end)
-            self.stage_seconds[phase][stage] += seconds
-            self.stage_calls[phase][stage] += 1
-            self._interval[stage] += seconds
+            self._charge(phase, stage, self.clock.elapsed(begin, end))
 
     def flush(self):
         """Resolve every pending stage, waiting for the device if it has to (log steps, end of run)."""
@@ -353,6 +341,48 @@ class StageTimer:
             "max_reserved_gib": self.run_peak_reserved_bytes / GIB,
             "measurement_peak_allocated_gib": self.paused_peak_allocated_bytes / GIB,
         }
+
+
+class Stage:
+    """One `with timer(stage):`, a plain context manager (a generator's costs several times as much a call, every
+    stage of every step). A host clock's seconds are charged when the stage ends; device events wait in the timer's
+    queue until they complete."""
+
+    __slots__ = ("timer", "stage", "after", "sampling", "label", "begin")
+
+    def __init__(self, timer: StageTimer, stage: str, after=None):
+        self.timer, self.stage, self.after = timer, stage, after
+
+    def __enter__(self):
+        timer, stage = self.timer, self.stage
+        timer._active = stage
+        self.sampling = timer.memory is not None and timer.sample_memory
+        if self.sampling:
+            timer.memory.reset()
+        timer.nvtx.push(stage)
+        self.label = torch.profiler.record_function(stage) if timer.profiler_labels else None
+        self.begin = timer.clock.mark()
+        if self.label is not None:
+            self.label.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        timer, stage = self.timer, self.stage
+        if self.label is not None:
+            self.label.__exit__(*exc)
+        end = timer.clock.mark()
+        timer.nvtx.pop()
+        if self.sampling:
+            timer._record_memory(stage, *timer.memory.read())
+        timer._active = None
+        if timer.immediate:
+            timer._charge(timer.phase, stage, end - self.begin)
+        else:
+            timer._pending.append((timer.phase, stage, self.begin, end))
+            timer._resolve(block=False)
+        if self.after is not None:
+            self.after()
+        return False
 
 
 def stage_table(stage_seconds: dict, wall_seconds: float) -> dict:

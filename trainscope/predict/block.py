@@ -179,8 +179,13 @@ def sources(memory: dict, timing: dict) -> dict:
 
 def before_run(settings, started, tokenizer, data) -> dict:
     """The prediction of this launch, made on every process (peers measure what is missing at once, as the peak
-    does); the main process's is the record's. Never fails a run: an error becomes the block's `error`."""
+    does); the main process's is the record's, its seconds trainscope's start-up. Never fails a run: an error becomes
+    the block's `error`. A training run uses the machine's calibration where one is cached; the first-use calibration
+    (up to a minute of short runs) is made where a prediction is asked for (--predict), or by make predict-calibrate."""
+    fitted = None if settings.predict else calibration.cached(started.state.device)
     try:
-        return predict(planned_run_for(settings, started, tokenizer, data), store=started.state.is_local_main_process)
+        with started.cost.timing("start_s"):
+            planned = planned_run_for(settings, started, tokenizer, data)
+            return predict(planned, store=started.state.is_local_main_process, fitted=fitted)
     except Exception as error:  # the run goes on without a prediction; the record says why
         return {"version": VERSION, "error": one_line(error)}

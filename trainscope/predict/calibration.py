@@ -9,6 +9,7 @@ How it works: docs/predict.md#in-the-code-how-the-predictor-is-calibrated-trains
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -178,6 +179,22 @@ def _at_bound(name: str, value: float, low: float, high: float) -> str | None:
     return None
 
 
+def _fit_few(residual: np.ndarray) -> tuple[tuple, list, list]:
+    """From fewer than MIN_TIME_POINTS runs: ((0, 0, the median residual, at least 0), at_bound, not_fitted)."""
+    shapes = f"{len(residual)} shape{'s' if len(residual) != 1 else ''}"
+    wanted = float(np.median(residual)) if len(residual) else 0.0
+    at_bound = [
+        f"step_s at its lower bound 0 (fitted from {shapes}: their median residual {wanted * 1e3:+.1f} ms a step "
+        "wanted below it; make predict-calibrate for a full fit)"
+    ] if wanted < 0 else []  # fmt: skip
+    held = f"not fitted (from {shapes}, {MIN_TIME_POINTS} needed): held at"
+    not_fitted = [
+        f"operator_factor {held} 1, the operators as timed alone",
+        f"dispatch_s {held} 0, nothing per operator dispatched",
+    ]
+    return (0.0, 0.0, max(0.0, wanted)), at_bound, not_fitted
+
+
 def fit_time(points: list[dict]) -> dict:
     """The framework's own costs as this machine shows them, from the calibration runs: a step's residual (measured
     less predicted) = a x its non-matmul operators' time + d x the operators it dispatches + c, fitted on relative
@@ -193,23 +210,9 @@ def fit_time(points: list[dict]) -> dict:
     columns = np.array([[p["step_operator_s"], p["step_dispatches"], 1.0] for p in points], float)
     residual = np.array([p["step_residual_s"] for p in points], float)
     weights = np.array([1.0 / p["step_s"] for p in points], float)
-    few = len(points) < MIN_TIME_POINTS
-    shapes = f"{len(points)} shape{'s' if len(points) != 1 else ''}"
     at_bound, not_fitted = [], []
-    if few:
-        wanted = float(np.median(residual)) if len(points) else 0.0
-        slope, dispatch, constant = 0.0, 0.0, max(0.0, wanted)
-        if wanted < 0:
-            at_bound.append(
-                f"step_s at its lower bound 0 (fitted from {shapes}: their median residual {wanted * 1e3:+.1f} ms "
-                "a step wanted below it; make predict-calibrate for a full fit)"
-            )
-        not_fitted = [
-            f"operator_factor not fitted (from {shapes}, {MIN_TIME_POINTS} needed): held at 1, the operators as "
-            "timed alone",
-            f"dispatch_s not fitted (from {shapes}, {MIN_TIME_POINTS} needed): held at 0, nothing per operator "
-            "dispatched",
-        ]
+    if len(points) < MIN_TIME_POINTS:
+        (slope, dispatch, constant), at_bound, not_fitted = _fit_few(residual)
     else:
         slope, dispatch, constant = _bounded_least_squares(
             columns * weights[:, None], residual * weights, TIME_LOWER, TIME_UPPER
@@ -380,6 +383,15 @@ def _lock(path: Path):
     return held()
 
 
+def cached(device: torch.device) -> dict:
+    """This machine's cached calibration, or `{error}` saying how to make one (a training run makes none: its
+    prediction is then uncalibrated)."""
+    return read_calibration(device) or {
+        "error": "not calibrated on this machine: a training run does not calibrate; train.py --predict does on "
+        "first use (a minute, cached), make predict-calibrate in full"
+    }
+
+
 def ensure(device: torch.device, budget_s: float | None = None, shapes: dict | None = None) -> dict:
     """This machine's calibration: the cached one, else one made now (`first_use`, marked `made_now`) and cached;
     `{error}` where it is switched off (TRAINSCOPE_CALIBRATION=off) or could not be made (the prediction then says it
@@ -425,55 +437,12 @@ def _recent_failure(device: torch.device) -> dict:
 def first_use(device: torch.device, budget_s: float | None = None, shapes: dict | None = None) -> dict:
     """QUICK_SHAPES (or `shapes`) run in one worker process within `budget_s` seconds (FIRST_USE_BUDGET_S), fitted
     and cached."""
-    import tempfile
-
     shapes = QUICK_SHAPES if shapes is None else shapes
     budget_s = budget_s or FIRST_USE_BUDGET_S
     started = time.perf_counter()
-    print(
-        f"calibrating the predictor on this machine (first use, at most {budget_s:.0f} s; cached)",
-        file=sys.stderr,
-        flush=True,
-    )
-    with tempfile.TemporaryDirectory(prefix="trainscope-calibration-") as folder:
-        runs = Path(folder)
-        (runs / "shapes.json").write_text(json.dumps(shapes))
-        deadline = time.time() + budget_s  # the worker starts no shape it would not finish by then
-        command = [
-            sys.executable,
-            "-m",
-            "trainscope.predict.calibration",
-            "--worker",
-            str(runs),
-            "--deadline",
-            str(deadline),
-        ]
-        env = _uncalibrated_env({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else None)
-        for name in (
-            "RANK",
-            "LOCAL_RANK",
-            "WORLD_SIZE",
-            "LOCAL_WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "ACCELERATE_MIXED_PRECISION",
-        ):
-            env.pop(name, None)  # the worker is one process of its own, in fp32, whatever launched this one
-        before = cpu_seconds()
-        try:
-            subprocess.run(
-                command,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=max(1.0, deadline - time.time()),
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            pass  # killed at the budget: what finished in time is fitted
-        others = peak.other_cores(before, cpu_seconds())  # the worker's CPU is its children's, this process's own
-        records = {name: read_record(runs / name) for name in shapes if (runs / name / "record.json").exists()}
-        records = {name: r for name, r in records.items() if r.get("status") == "complete"}
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    say(f"calibrating the predictor on this machine (first use, at most {budget_s:.0f} s; cached)")
+    records, others = _quick_runs(device, shapes, budget_s)
     if not records:
         raise RuntimeError(f"the first-use calibration finished no run within {budget_s:.0f} s")
     if contradicting := contradictions(records):
@@ -489,12 +458,40 @@ def first_use(device: torch.device, budget_s: float | None = None, shapes: dict 
     fitted["others_cores"] = others
     if others is not None and others > BUSY_CORES:
         busy = f"other processes kept {others:.2f} cores busy while it ran: kept for this run only"
-        print(f"calibrated in {seconds:.0f} s, not cached ({busy})", file=sys.stderr, flush=True)
+        say(f"calibrated in {seconds:.0f} s, not cached ({busy})")
         return {**fitted, "made_now": True, "not_cached": busy}
     write_json_atomic(calibration_path(_device_of(records)), fitted)
     _failure_path(device).unlink(missing_ok=True)
-    print(f"calibrated in {seconds:.0f} s: {calibration_path(_device_of(records))}", file=sys.stderr, flush=True)
+    say(f"calibrated in {seconds:.0f} s: {calibration_path(_device_of(records))}")
     return {**fitted, "made_now": True}
+
+
+# What a launcher set that the worker, one process of its own in fp32, must not inherit.
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "ACCELERATE_MIXED_PRECISION")  # fmt: skip
+
+
+def _quick_runs(device: torch.device, shapes: dict, budget_s: float) -> tuple[dict, float | None]:
+    """The shapes' complete records, run by one worker process that starts no shape it would not finish within
+    `budget_s` (and is killed at it), and the cores other processes kept busy meanwhile."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="trainscope-calibration-") as folder:
+        runs = Path(folder)
+        (runs / "shapes.json").write_text(json.dumps(shapes))
+        deadline = time.time() + budget_s
+        command = [sys.executable, "-m", "trainscope.predict.calibration", "--worker", str(runs), "--deadline",
+                   str(deadline)]  # fmt: skip
+        env = _uncalibrated_env({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else None)
+        for name in LAUNCH_ENV:
+            env.pop(name, None)
+        before = cpu_seconds()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # killed at the budget: what finished in time is fitted
+            subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=max(1.0, deadline - time.time()), check=False)  # fmt: skip
+        others = peak.other_cores(before, cpu_seconds())  # the worker's CPU is its children's, this process's own
+        records = {name: read_record(runs / name) for name in shapes if (runs / name / "record.json").exists()}
+    return {name: r for name, r in records.items() if r.get("status") == "complete"}, others
 
 
 def _reset_peak_rss() -> None:

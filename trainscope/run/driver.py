@@ -51,6 +51,7 @@ class Driver:
     non_finite: str = (
         "lower the learning rate, clip the gradients (accelerator.clip_grad_norm_), or use bf16 instead of fp16"
     )
+    stop_on_non_finite: bool = False  # a non-finite loss ends the run (train.py's); else recorded and warned
 
     def instrument_block(self, metrics) -> dict:
         """The record's `instrument` block: who drove the run, how its options are written, where its steps and FLOPs

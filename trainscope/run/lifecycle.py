@@ -82,14 +82,16 @@ class RunLifecycle:
         """Resume if asked, write the record's header (with the prediction made before the run), say the warnings
         known now, start trackers and progress."""
         try:
-            self._open(metrics, model_facts, data_facts, prediction)
+            with self.started.cost.timing("start_s"):
+                self._open(metrics, model_facts, data_facts, prediction)
         except BaseException:
             self.signals.restore()
             raise
 
     def _open(self, metrics, model_facts: dict, data_facts: dict, prediction: dict | None) -> None:
         self.metrics = metrics
-        resumed = checkpoints.load(self.accelerator, self.started.resume_from) if self.started.resume_from else None
+        with self.started.cost.timing(None):  # the checkpoint --resume asked for: not trainscope's own work
+            resumed = checkpoints.load(self.accelerator, self.started.resume_from) if self.started.resume_from else None
         metrics.resume_from(resumed)
         self.sharding = sharding.attach(metrics.model) if metrics.model is not None else None
         env = metrics.environment()
@@ -98,7 +100,8 @@ class RunLifecycle:
             names, self.run_dir.name, self.run_dir, self.options.tracker_group
         )
         if self.record:
-            self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
+            with self.started.cost.timing("writing_s"):
+                self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
             self._prepare_forced_exit()
             for warning in health.check(self.record.data, at_start=True):
                 print(f"warning [{warning['code']}]: {warning['message']}", flush=True)
@@ -185,7 +188,8 @@ class RunLifecycle:
         the driver's notes (`notes`)."""
         self.header.update(fields)
         if self.record is not None:
-            self.record.update(**fields)
+            with self.started.cost.timing("writing_s"):
+                self.record.update(**fields)
 
     # ---------------------------------------------------------------- the loop's boundaries
 
@@ -229,7 +233,7 @@ class RunLifecycle:
             if self.record:
                 self.record.append_step(line)
             self.accelerator.log({"train/loss": line["loss"], "train/lr": line["lr"]}, step=line["step"])
-            self.progress.set_postfix(loss=f"{line['loss']:.4f}")
+            self.progress.set_postfix(loss=f"{line['loss']:.4f}" if line["loss"] is not None else "n/a")
         every = self.options.save_every
         if every and metrics.loop.step % every == 0 and not metrics.done:
             self.save_checkpoint()
@@ -272,6 +276,8 @@ class RunLifecycle:
             self._raise_failed(error)
         finally:
             self.signals.restore()
+            if self.record is not None:
+                self.record.close_steps()
 
     def _raise_failed(self, error: BaseException):
         raised = self._failed(error)
@@ -296,20 +302,25 @@ class RunLifecycle:
         elif self.signals.received:
             raise Interrupted(self.signals.received)
         self._begin_ending()
-        result = self.metrics.summarize(test_scores)
-        if self.sharding is not None:  # every rank's (a collective)
-            result["fsdp"] = gather_object([self.sharding.facts()])
-        if self.world > 1:  # every rank's (a collective): DDP's ranks end with the same parameters and scaler
-            result["end_state"] = gather_object([sharding.end_state(self.metrics.model, self.accelerator.scaler)])
+        cost = self.started.cost
+        with cost.timing("after_loop_s"):
+            result = self.metrics.summarize(test_scores)
+            if self.sharding is not None:  # every rank's (a collective)
+                result["fsdp"] = gather_object([self.sharding.facts()])
+            if self.world > 1:  # every rank's (a collective): DDP's ranks end with the same parameters and scaler
+                result["end_state"] = gather_object([sharding.end_state(self.metrics.model, self.accelerator.scaler)])
+            if self.record:
+                self._forget_a_failure_the_run_outlived()
+                warnings = self._warnings(self.record, result)
         if self.record:
-            self._forget_a_failure_the_run_outlived()
             self.record.update(
                 status="complete",
                 finished=now_iso(),
                 environment=self.metrics.env,  # the machine's peak joined it after the loop
-                instrument=self.driver.instrument_block(self.metrics),  # the optimizers adopted in the loop
+                # the optimizers adopted in the loop, and what trainscope's own work cost the run
+                instrument={**self.driver.instrument_block(self.metrics), "cost_s": cost.block()},
                 summary=result,
-                warnings=self._warnings(self.record, result),
+                warnings=warnings,
             )
             self.signals.prepare(self.record.path, None)  # complete stays complete, whatever comes now
             print("\n".join(table_lines(self.record.data, self.run_dir)), flush=True)

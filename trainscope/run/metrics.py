@@ -7,23 +7,27 @@ How it works: docs/design.md#in-the-code-the-metrics-component-trainscoperunmetr
 """
 
 import contextlib
+import math
+import sys
 
 import torch
 from accelerate.utils import gather_object
 
-from trainscope.core import environment, precision
+from trainscope.core import environment
 from trainscope.core.environment import compile_stats, compiled_with
 from trainscope.core.faults import NonFiniteLoss
 from trainscope.core.precision import effective_precision, loop_autocast, seen_in_the_loop
+from trainscope.core.record_view import option_words
 from trainscope.core.records import now_iso
-from trainscope.measure import attention, flops_source, gap, operations, peak, summary
+from trainscope.measure import attention, flops_source, operations, summary
 from trainscope.measure.communication import block as communication_block
 from trainscope.measure.communication import measured as communication
-from trainscope.measure.flops import FULL, encoder_shape, mfu, training_of
+from trainscope.measure.flops import FULL, mfu, training_of
 from trainscope.measure.flops_source import BatchFacts
 from trainscope.measure.memory import GIB, peak_rss_bytes
 from trainscope.measure.profiling import build_memory_snapshot, build_profiler
 from trainscope.measure.timing import PHASES, StageTimer, make_clock
+from trainscope.run import after_loop
 from trainscope.run.driver import Driver
 from trainscope.run.events import LoopEvents
 from trainscope.run.loop import LoopState
@@ -57,6 +61,8 @@ class RunMetrics:
         self.model = None
         self.run_shapes: dict | None = None  # the matmuls and one layer measured at the run's shapes, after the loop
         self._last_loss, self._graphs_after_first_step = None, None
+        self._line_step = 0  # the optimizer step of the latest step line
+        self.non_finite_losses: dict | None = None  # {micro_batches, first}: losses recorded non-finite, not raised
         self._evaluation_graphs = 0  # torch.compile graphs made for evaluation (eval mode): not recompiles
         self._evaluated = False  # an evaluation ran (a compiled model's first one compiles)
         self.compiled: dict | None = None  # how the model is compiled (read from the objects at attach), None: eager
@@ -115,6 +121,7 @@ class RunMetrics:
     def resume_from(self, resumed: dict | None) -> None:
         """Continue the counters and timing totals of a checkpointed part of the same run."""
         self.loop = LoopState(self.accelerator.device, resumed)
+        self._line_step = self.loop.step
         if resumed:
             self.timer.restore(resumed["timer"])
 
@@ -128,39 +135,19 @@ class RunMetrics:
             **self.started.facts,
             "ddp": self.communication.settings_in_effect(),
         }
-        # the layers' shapes, seen in the warm-up's training forwards, for the timings after the loop
+        # the warm-up's last training micro-batch, kept where the model is to be timed alone after the loop
         model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
-        self.operations = operations.watch(
-            model,
-            lambda: self.timer.phase,
-            compiled=self.compiled is not None,
-            sharded="FSDP" in str(self.accelerator.distributed_type),
+        sharded = "FSDP" in str(self.accelerator.distributed_type)
+        asked = option_words("time_model", None, self.driver.options)
+        not_asked = f"not timed: {asked} times the run's model alone after the loop (trainscope tune asks for it)"
+        self.operations = (
+            operations.watch(model, lambda: self.timer.phase, self.compiled is not None, sharded)
+            if self.options.time_model
+            else operations.NoWatch(not_asked)
         )
         return self.env
 
-    def _machine_peak(self, counts: dict) -> None:
-        """This machine's matmul peak (trainscope.measure.peak: cached, or measured now by every local process at once)
-        at the model's GEMM shapes for the run's own mean micro-batch (`counts`' phase), and a large square, into the
-        environment block: after the loop, outside every timed figure. A failed measurement is recorded, not fatal:
-        the run is what it measures."""
-        shape, sized = encoder_shape(self.model_config), mean_shape(counts, self.driver.unpadded)
-        shapes = peak.transformer_shapes(*shape, sized[0] * sized[1]) if shape and sized else []
-        try:
-            block = peak.machine_peak(
-                self.accelerator.device,
-                shapes,
-                processes=self.started.threads["local_processes"],
-                together=self._any_rank if self.accelerator.num_processes > 1 else None,
-                store=self.accelerator.is_local_main_process,
-            )
-            block["sized_at"] = {"batch": sized[0], "length": sized[1]} if shapes else None
-        except (RuntimeError, torch.OutOfMemoryError) as error:
-            block = {"error": " ".join(str(error).split())[:300]}
-        self.env["machine_peak"] = block
-        if self.accelerator.device.type == "cpu":
-            self.env["cpu_bf16"] = precision.cpu_bf16(precision.cpu_flags(), block)
-
-    def _any_rank(self, flag: bool) -> bool:
+    def any_rank(self, flag: bool) -> bool:
         """Whether any rank's flag is set (a collective; every rank calls it at the same point)."""
         total = self.accelerator.reduce(torch.tensor(int(flag), device=self.accelerator.device), reduction="sum")
         return bool(total.item())  # a sync point, once, after the loop
@@ -233,17 +220,14 @@ class RunMetrics:
         over the timer's one clock. A collective: every rank calls it at the same step."""
         interval, timing = self.loop.take_interval(), self.timer.take_interval()
         world = self.accelerator.num_processes
-        # Gathered before any check, so every rank sees the same losses and stops together.
-        gathered = self.accelerator.gather(torch.stack(interval["losses"]).float()).view(world, -1)
-        finite = torch.isfinite(gathered).all(dim=0)
-        if not bool(finite.all()):  # sync point (log steps only)
-            first = int((~finite).nonzero()[0])
-            raise NonFiniteLoss(
-                f"loss became {gathered[:, first].tolist()} at optimizer step "
-                f"{self.loop.step - len(interval['losses']) + first + 1}: {self.driver.non_finite}"
-            )
-        self._last_loss = gathered.mean().item()
-        wall = timing["wall_s"]
+        losses = torch.stack(interval["losses"]).float()
+        if world > 1:  # gathered before any check, so every rank sees the same losses and stops together
+            losses = self.accelerator.gather(losses)
+        self._last_loss = losses.mean().item()  # the line's one sync point: any non-finite loss makes the mean so
+        non_finite = 0 if math.isfinite(self._last_loss) else self._non_finite(losses.view(world, -1))
+        tokens, wall, self._line_step = interval["tokens"], timing["wall_s"], self.loop.step
+        if tokens is not None:
+            tokens = (self.accelerator.reduce(tokens, reduction="sum") if world > 1 else tokens).item()
         return {
             "step": self.loop.step,
             "epoch": self.loop.epoch,
@@ -251,16 +235,39 @@ class RunMetrics:
             "lr": self._learning_rate(),
             "micro_batches": len(interval["losses"]),
             "samples": interval["samples"] * world,
-            "tokens": self.accelerator.reduce(interval["tokens"], reduction="sum").item()
-            if interval["tokens"] is not None
-            else None,
+            "tokens": tokens,
             "stage_s": timing["stage_s"],
             "wall_s": wall,
             "skipped_steps": self._skipped_total(),
             "exposed_communication_s": self.communication.take_interval(),
             "tflops_per_device": interval["flops"] / wall / 1e12 if interval["flops"] and wall > 0 else None,
             "time": now_iso(),
+            **({"non_finite_losses": non_finite} if non_finite else {}),
         }
+
+    def _non_finite(self, gathered: torch.Tensor) -> int:
+        """The interval's non-finite losses: raised where the driver stops on one (train.py), else recorded (the
+        summary's `non_finite_losses`) and warned once, the run going on as the loop does -- a loss scaler skips the
+        step it overflowed in. The line's loss is then the mean of the finite ones (None where none is)."""
+        finite = torch.isfinite(gathered).all(dim=0)
+        first, count = int((~finite).nonzero()[0]), int((~finite).sum())
+        since, step, trained = self._line_step + 1, self.loop.step, gathered.shape[1]
+        said = (
+            f"loss became {gathered[:, first].tolist()} at optimizer "
+            + (f"step {step}" if since == step else f"steps {since}-{step}")
+            + (f" (micro-batch {first + 1} of {trained})" if trained > 1 else "")
+        )
+        if self.driver.stop_on_non_finite:
+            raise NonFiniteLoss(f"{said}: {self.driver.non_finite}")
+        if self.non_finite_losses is None:
+            if self.accelerator.is_main_process:
+                print(f"warning [non_finite_loss]: {said}; recorded, and the run goes on as the loop does "
+                      f"(if it should not: {self.driver.non_finite})", file=sys.stderr, flush=True)  # fmt: skip
+            self.non_finite_losses = {"micro_batches": 0, "first": said}
+        self.non_finite_losses["micro_batches"] += count
+        kept = gathered[torch.isfinite(gathered)]
+        self._last_loss = kept.mean().item() if kept.numel() else None
+        return count
 
     def _learning_rate(self) -> float | None:
         if self.scheduler is not None:
@@ -309,8 +316,8 @@ class RunMetrics:
         self.loop.finish()
         if gather:
             self._fold_skips()
-        if gather and not partial:  # every rank at once, after the timed loop: outside every timed figure
-            self.run_shapes = self._measure_run_shapes()
+        if gather and not partial:  # every rank at once, after the timed loop: trainscope's own cost after it
+            self.run_shapes = after_loop.run_shapes(self)
         mine = self._rank_summary(final=gather and not partial)
         per_rank = gather_object([mine]) if gather else [mine]
         result = self._summary(per_rank, self.evaluated(test_scores) if test_scores else None, snapshot)
@@ -365,12 +372,15 @@ class RunMetrics:
                 self.env.get("effective_precision", "fp32"),
             ),
             "model_flops": model_flops,
-            "measured_peak": measured_peak(self.env, throughput, per_rank, phase, self.run_shapes, model_flops),
+            "measured_peak": after_loop.measured_peak(
+                self.env, throughput, per_rank, phase, self.run_shapes, model_flops
+            ),
             "memory": summary.memory_across_ranks(per_rank),
             "validation": self.loop.evaluations,
             "test": test_scores,
             "evaluation_tokens": dict(self.evaluation_positions),
             "final_train_loss": self._last_loss,
+            "non_finite_losses": self.non_finite_losses,
             "wall_s": per_rank[0]["timing"]["run"]["wall_s"],
             "profile": (
                 {
@@ -406,91 +416,6 @@ class RunMetrics:
             "recomputed_tflops_per_device": recomputed / wall / world / 1e12 if recomputed and wall > 0 else 0.0,
         }
 
-    def _measure_run_shapes(self) -> dict | None:
-        """The matmul rate at the run's own GEMM shapes (its batch x mean padded length of the timed steps) and at
-        twice the tokens, and one encoder layer's forward and backward profiled apart at those shapes (the gap's
-        estimate without --profile): from the machine's cache, measured now on a miss. And, for any model whose
-        layers were watched, those layers timed alone in each precision, thread count and at twice the rows
-        (`operations`: trainscope.measure.operations). None when nothing was measurable."""
-        shape, counts = encoder_shape(self.model_config), self.loop.counts["steady"]
-        if not counts["samples"]:
-            counts = self.loop.counts["warmup"]
-        self._machine_peak(counts)
-        precision_name = self.env.get("effective_precision") or "fp32"
-        device, processes = self.accelerator.device, self.started.threads["local_processes"]
-        layers = self._measure_layers(precision_name)
-        sized = mean_shape(counts, self.driver.unpadded)
-        if not shape or not sized or precision_name not in peak.precisions(device):
-            return {"operations": layers} if layers else None
-        batch, length = sized
-        shapes, doubled = (peak.transformer_shapes(*shape, tokens) for tokens in (batch * length, 2 * batch * length))
-        store = self.accelerator.is_local_main_process
-        probe = self.driver.layer_breakdown(self, batch, length, precision_name)
-
-        try:
-            found = peak.rates(device, precision_name, shapes + doubled, processes=processes, store=store)
-            layer = peak.cached(device, probe[0], probe[1], processes=processes, store=store) if probe else None
-        except (RuntimeError, torch.OutOfMemoryError):
-            return {"operations": layers} if layers else None
-        rate = {
-            f"{name}{suffix}": peak.matmul_rate(found, group, peak.TRANSFORMER_WEIGHTS, which)
-            for name, group in (("tflops", shapes), ("tflops_doubled", doubled))
-            for suffix, which in (("", "tflops"), ("_low", "low"), ("_high", "high"))
-        }
-        return {
-            "batch": batch,
-            "length": length,
-            "tokens": batch * length,
-            "layers": shape[0],
-            **rate,
-            "layer": layer,
-            "operations": layers,
-        }
-
-    def _measure_layers(self, precision_name: str) -> dict | None:
-        """The model's forward and backward on the warm-up's last micro-batch, timed alone in each precision, thread
-        count and at twice the rows (trainscope.measure.operations), every rank at once as the run ran; scaled from
-        that micro-batch to the steady phase's mean (positions where the batches have them, else samples). {reason}
-        where nothing was kept."""
-        self.operations.close()
-        self.loop_peak_rss = peak_rss_bytes()  # the run's own: timing the model alone may raise the process's peak
-        if self.operations.inputs is None:
-            return {"reason": self.operations.reason}
-        steady, warmup = self.loop.counts["steady"], self.loop.counts["warmup"]
-        counts = steady if steady["optimizer_steps"] else warmup
-        key = "padded_tokens" if counts.get("padded_tokens") else "samples"
-        mean = counts[key] / counts["micro_batches"] if counts["micro_batches"] else None
-        kept = operations.positions(self.operations.inputs)
-        threads = self.started.threads
-        model = self.accelerator.unwrap_model(self.model)
-        try:
-            block = operations.measure(
-                model,
-                self.operations.inputs,
-                self.accelerator.device,
-                precision_name,
-                threads["torch_threads"],
-                budget=threads.get("thread_budget"),
-                scale=mean / kept if mean and kept else 1.0,
-            )
-        except (RuntimeError, ValueError, TypeError) as error:  # a model that will not run alone: said, not fatal
-            return {"reason": f"the model could not be timed alone: {' '.join(str(error).split())[:200]}"}
-        finally:
-            self.operations.inputs = None  # the batch kept for this is let go
-        return {
-            **block,
-            "basis": "the model's own forward and backward on the warm-up's last training micro-batch "
-            f"({kept} {'positions' if key == 'padded_tokens' else 'samples'}), timed alone after the loop; seconds "
-            f"scaled to the steady phase's mean micro-batch ({mean:.4g})"
-            if mean
-            else "the model's own forward and backward on the warm-up's last training micro-batch",
-            "precision": precision_name,
-            "threads": threads["torch_threads"],
-            "micro_batches_per_step": counts["micro_batches"] / counts["optimizer_steps"]
-            if counts["optimizer_steps"]
-            else None,
-        }
-
     def _compile_summary(self) -> dict | None:
         if self.compiled is None:
             return None
@@ -506,15 +431,6 @@ class RunMetrics:
         }
 
 
-def mean_shape(counts: dict, unpadded: bool = False) -> tuple[int, int] | None:
-    """A phase's mean micro-batch and mean padded length (the mean real length with --unpad: the matmuls' rows), the
-    length up to a multiple of 8 (later runs of similar data hit the cache); None where it trained no sample."""
-    if not counts["samples"]:
-        return None
-    batch = max(1, round(counts["samples"] / max(counts["micro_batches"], 1)))
-    return batch, -(-counts["tokens" if unpadded else "padded_tokens"] // counts["samples"] // 8) * 8 or 8
-
-
 def real_token_throughput(throughput: dict, source, ranks: int) -> dict:
     """The useful work beside the work done: training FLOPs on real tokens only (trainscope.measure.flops.real_training_flops)
     per device per second, and the share of the counted FLOPs that went to padding positions (all of padding's with
@@ -525,50 +441,4 @@ def real_token_throughput(throughput: dict, source, ranks: int) -> dict:
         "real_flops": real,
         "real_tflops_per_device": real / wall / ranks / 1e12 if real and wall and wall > 0 else None,
         "padding_flops_share": max(0.0, 1.0 - real / counted) if real and counted else None,
-    }
-
-
-def measured_peak(
-    env: dict,
-    throughput: dict,
-    per_rank: list[dict],
-    phase: str,
-    run_shapes: dict | None = None,
-    model_flops: dict | None = None,
-) -> dict | None:
-    """The run against its machine's measured matmul peak for the precision in effect: the achieved model TFLOP/s
-    (PaLM, frozen weights without weight gradients: trainscope.measure.flops) per device as a share of that peak -- named
-    apart from the datasheet MFU -- what the hardware executed (the model FLOPs and checkpointing's recomputation,
-    `executed_tflops`: what the above_measured_peak check holds against the peak), the gap estimate without a
-    profile (trainscope.measure.gap.estimate), and the rates and the layer measured at the run's own shapes (`run_shapes`).
-    None when no peak was measured for that precision."""
-    precision_name = env.get("effective_precision") or "fp32"
-    found = peak.peak_of(env.get("machine_peak"), precision_name)
-    if not found:
-        return None
-    achieved, real = throughput.get("tflops_per_device"), throughput.get("real_tflops_per_device")
-    stages = summary.combine_ranks(per_rank, phase)["seconds"]
-    flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank) / len(per_rank)
-    return {
-        "precision": precision_name,
-        "peak_tflops": found["peak_tflops"],
-        "peak_shape": found["peak_shape"],
-        "spread": found["spread"],
-        "measured": found["measured"],
-        "key_id": env["machine_peak"].get("key_id"),
-        "achieved_tflops": achieved,
-        "share": achieved / found["peak_tflops"] if achieved else None,
-        "executed_tflops": achieved + (model_flops or {}).get("recomputed_tflops_per_device", 0.0)
-        if achieved
-        else None,
-        "real_tflops": real,
-        "real_share": real / found["peak_tflops"] if real else None,
-        "gap_estimate": gap.estimate(
-            flops,
-            found["peak_tflops"],
-            {k: v["median"] for k, v in stages.items()},
-            throughput.get("train_wall_s"),
-            throughput.get("padding_flops_share"),
-        ),
-        "run_shapes": run_shapes,
     }

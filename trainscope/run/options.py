@@ -77,6 +77,13 @@ class RunOptions:
         help="On CUDA, read per-stage allocator peaks on every Nth optimizer step (one reset and one read per "
         "stage); 1 reads them every step, which costs time on fast GPUs.",
     )
+    time_model: bool = option(
+        default=False,
+        help="After the loop, time the run's own model alone on a warm-up micro-batch in every precision the device "
+        "runs, at other thread counts and on twice the rows: what the advisor's precision, threads and batch estimates "
+        "read (seconds after the loop, more for a large model; trainscope tune asks for it in its advice run). Off, "
+        "those estimates say how to get them.",
+    )
 
     # ---- communication (multi-process runs) ----
     measure_communication: Literal["auto", "on", "off"] = option(

@@ -1,7 +1,8 @@
 """What `trainscope tune` sets from outside a script for every run in it (environment variables, read when the run
-opens): where its record goes and the round's seed -- tune's own bookkeeping --, and what the run owns and can change
-without the script: the loader's workers and pinned memory (applied by `Run.data` where the batches stay the same),
-and compiled code drawing eager's random numbers.
+opens): where its record goes and the round's seed -- tune's own bookkeeping --, the run's model timed alone after
+its loop (the advice run's estimates), and what the run owns and can change without the script: the loader's workers
+and pinned memory (applied by `Run.data` where the batches stay the same), and compiled code drawing eager's random
+numbers.
 
 How it works: docs/tune.md#what-trainscope-tune-changes-and-how.
 """
@@ -15,6 +16,7 @@ SEED = "TRAINSCOPE_TUNE_SEED"  # set (random, numpy, torch) when the run opens; 
 WORKERS = "TRAINSCOPE_NUM_WORKERS"
 PIN_MEMORY = "TRAINSCOPE_PIN_MEMORY"
 EAGER_RANDOM = "TRAINSCOPE_EAGER_RANDOM"  # 1: compiled code draws eager's random numbers
+TIME_MODEL = "TRAINSCOPE_TIME_MODEL"  # 1: the run's model timed alone after the loop (the advice run's estimates)
 
 
 def settings(settings, environ=None):
@@ -35,6 +37,8 @@ def settings(settings, environ=None):
         changed["num_workers"] = int(environ[WORKERS])
     if environ.get(PIN_MEMORY) and "pin_memory" in fields:
         changed["pin_memory"] = environ[PIN_MEMORY] == "1"
+    if environ.get(TIME_MODEL) == "1":
+        changed["time_model"] = True
     if environ.get(EAGER_RANDOM) == "1":
         eager_random_numbers()
     return dataclasses.replace(settings, **changed) if changed else settings

@@ -38,6 +38,40 @@ from trainscope.run import checkpoints, overrides, trackers
 from trainscope.run.options import RunOptions
 from trainscope.run.overrides import eager_random_numbers
 
+FIXED_S, FIXED_SHARE = 1.0, 0.02  # trainscope's own work's budget on a warm cache: max(1 s, 2% of the run)
+
+
+@dataclass
+class OwnCost:
+    """What trainscope's own work cost the run, seconds, each part timed at the events that bound it: start-up (the
+    prediction, the run's attach and opening), after the loop (what the summary measures), writing (the record's
+    writes; its last, which carries these figures, not among them). `began`: the run's start."""
+
+    began: float = field(default_factory=time.perf_counter)
+    start_s: float = 0.0
+    after_loop_s: float = 0.0
+    writing_s: float = 0.0
+    nested_s: float = 0.0  # seconds of the blocks timed so far, nested ones included once
+
+    @contextlib.contextmanager
+    def timing(self, part: str | None):
+        """Add the block's seconds to `part` (None: to none, what the run asked for: a checkpoint loaded to resume),
+        less the blocks timed inside it (the record's writes are writing's)."""
+        began, nested = time.perf_counter(), self.nested_s
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - began
+            if part is not None:
+                setattr(self, part, getattr(self, part) + spent - (self.nested_s - nested))
+            self.nested_s = nested + spent
+
+    def block(self) -> dict:
+        """The record's `instrument.cost_s`: each part, their total, the run's wall time so far and the share."""
+        total, run = self.start_s + self.after_loop_s + self.writing_s, time.perf_counter() - self.began
+        parts = {"start_s": self.start_s, "after_loop_s": self.after_loop_s, "writing_s": self.writing_s}
+        return {**parts, "total_s": total, "run_s": run, "budget_s": max(FIXED_S, FIXED_SHARE * run)}
+
 
 @dataclass
 class Startup:
@@ -53,6 +87,7 @@ class Startup:
     watch: PeerWatch | None = None  # peers' heartbeats and errors through the launcher's store (several processes)
     resume_from: Path | None = None  # the checkpoint --resume continues from, chosen and checked at start
     checkpoints_skipped: list = field(default_factory=list)  # newer checkpoints found unusable ({checkpoint, problem})
+    cost: OwnCost = field(default_factory=OwnCost)  # what trainscope's own work has cost the run so far
 
 
 def configure_process(settings) -> dict:

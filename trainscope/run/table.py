@@ -48,6 +48,7 @@ def table_lines(record: dict, run_dir) -> list[str]:
     rows += [
         *communication_block.table_lines(view.communication),
         *prediction_lines(view.prediction_error),
+        *own_cost_lines(view),
         f"record: {run_dir / 'record.json'}",
     ]
     if view.profile:
@@ -146,6 +147,25 @@ def prediction_lines(errors: dict | None) -> list[str]:
             f"{furthest['share_of_total']:.0%} of its total)"
         )
     return lines
+
+
+def own_cost_lines(view: RunView) -> list[str]:
+    """What trainscope's own work cost the run, against its budget (max(1 s, 2% of the run) on a warm cache)."""
+    cost = view.own_cost
+    if not cost:
+        return []
+    over = cost["total_s"] > cost["budget_s"]
+    return [
+        f"trainscope's own work {significant(cost['total_s'], 2)} s ({percent(cost['total_s'] / cost['run_s'])} of the "
+        f"run's {significant(cost['run_s'])} s): start-up {significant(cost['start_s'], 2)} s, after the loop "
+        f"{significant(cost['after_loop_s'], 2)} s, writing {significant(cost['writing_s'], 2)} s"
+        + (
+            f" -- above its budget of {cost['budget_s']:.1f} s (max(1 s, 2% of the run)): caches filled now, for the "
+            f"next run, or the model timed alone ({view.option('time_model')})"
+            if over
+            else ""
+        )
+    ]
 
 
 def warning_line(warning: dict, view: RunView | None = None) -> str:

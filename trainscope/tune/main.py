@@ -49,6 +49,8 @@ class Launcher:
         argv, env = self.command.applied(arm.change)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, overrides.OUTPUT: str(self.runs / name)}
         env[overrides.SEED] = str(seed)
+        if arm.name == "advice":  # its record's estimates read the model timed alone after the loop
+            env[overrides.TIME_MODEL] = "1"
         timeout = max(600.0, 10 * self.longest) if self.longest else None
         shutil.rmtree(self.runs / name, ignore_errors=True)  # no earlier tuning's record read as this run's
         result = launching.run_captured(argv, env, timeout, cwd=Path.cwd())

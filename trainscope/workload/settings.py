@@ -226,6 +226,12 @@ class Settings(RunOptions):
     )
     warmup_fraction: float = option(default=0.1, help="Share of optimizer steps spent warming the learning rate up.")
     max_grad_norm: float | None = option(default=1.0, help="Clip the gradient norm to this value; 0 turns it off.")
+    stop_on_non_finite_loss: bool = option(
+        default=True,
+        help="End the run (exit 1, the record failed) at the first log step whose loss is NaN or infinite, naming "
+        "the step: train.py's own stop. Off: recorded and warned, and the run goes on, as trainscope.Run does in a "
+        "loop of one's own (whose loss scaler, say, skips the step its loss overflowed in).",
+    )
     seed: int = option(default=42, help="Seed for weights, data order and dropout (and the data, unless --data-seed).")
     data_seed: int | None = option(
         default=None,

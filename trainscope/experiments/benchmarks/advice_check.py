@@ -26,6 +26,7 @@ from trainscope.experiments.benchmarks import short_run
 from trainscope.measure import bench
 from trainscope.report.document import Bullets, Heading, Paragraph, markdown
 from trainscope.report.tables import Table
+from trainscope.run import overrides
 
 OUT = ROOT / "benchmarks" / "advice_check"
 QUIET_LOAD = 1.2  # the 1-minute load average under which the machine counts as quiet (2 cores: one spare)
@@ -129,13 +130,15 @@ def applicable(loop: Loop, change: Change) -> str | None:
     return None
 
 
-def run_once(loop: Loop, change: Change | None, out: Path, name: str, cache: Path) -> dict:
+def run_once(loop: Loop, change: Change | None, out: Path, name: str, cache: Path, time_model=False) -> dict:
     """One run of `loop` (with `change` applied) in a fresh interpreter; its record's steady figures."""
     change = change or Change("as it is")
     # this checkout's trainscope first, whatever the environment's path file points at
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRAINSCOPE_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     env.pop("ACCELERATE_MIXED_PRECISION", None)
+    if time_model:  # the advice run: its estimates read the model timed alone after the loop
+        env[overrides.TIME_MODEL] = "1"
     if change.precision:
         env["ACCELERATE_MIXED_PRECISION"] = change.precision  # as `accelerate launch --mixed_precision` sets it
     command = loop.command(out, name, change.batch_factor)
@@ -163,7 +166,7 @@ def check_loop(loop: Loop, pairs: int, changes: int, scratch: Path, log) -> dict
     """The advice run, its estimates, then each of the top `changes` applicable changes against the loop as it was
     in `pairs` alternating pairs."""
     cache = scratch / "cache"  # this benchmark's own: the advice run's model timing happens now, on this machine
-    advice = run_once(loop, None, scratch, f"{loop.name}-advice", cache)
+    advice = run_once(loop, None, scratch, f"{loop.name}-advice", cache, time_model=True)
     view = RunView(advice["record"])  # kept in the results: its estimates can be made again from it
     ranked = candidates(view)
     shown = [{"change": c.label, **_estimate_dict(e), "not_applied": applicable(loop, c)} for c, e in ranked]
