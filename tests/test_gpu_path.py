@@ -198,9 +198,9 @@ SINGLE_GPU_CHECKS = [
     "precision-tf32",
     "precision-fp16",
 ]
-LATER_CHECKS = ["loaders", "batch-search", "compile-bf16", "overhead"]
+LATER_CHECKS = ["loaders", "batch-search", "compile-bf16", "tune-bf16", "overhead"]
 ORDER = [*TWO_GPU_CHECKS, "compare-dp", *SINGLE_GPU_CHECKS, *LATER_CHECKS]
-COMPARISONS = ["compare-dp", "loaders", "overhead"]
+COMPARISONS = ["compare-dp", "loaders", "tune-bf16", "overhead"]
 # one GPU: the multi-process training checks as 2 processes sharing it over gloo (the bf16 hook too: gloo all-reduces
 # bf16); what needs two GPUs, and what the one-GPU plan leaves out, skipped
 SHARED_ON_ONE_GPU = [
@@ -271,6 +271,8 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
     from trainscope.experiments.benchmarks import overhead
     from trainscope.gpu import check as gpu_check
     from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.tune import main as tune_main
+    from trainscope.tune.command import Command
     from trainscope.workload.settings import parse_settings
 
     for step in [*gpu_check_plan.plan(gpus=2), *gpu_check_plan.plan(gpus=1)]:
@@ -291,6 +293,11 @@ def test_every_planned_command_is_accepted_by_the_parser_it_reaches():
             parse_settings(argv=[*overhead.TRAIN_ARGS, *train_args])
         elif step["name"] == "loaders":
             parse_settings(loaders_bench.SweepSettings, argv=command[2:])[1].validate()
+        elif step["name"] == "tune-bf16":
+            ours, launch = launching.split_args(command[4:])  # python -m trainscope tune [ours] -- <command>
+            assert tune_main.parser().parse_args(ours).only == {"compile"}
+            assert Command.parse(launch).script == "train.py" and str(launching.config_path("bf16")) in launch
+            parse_settings(argv=launch[launch.index(str(launching.TRAIN_SCRIPT)) + 1 :])
         else:
             parse_settings(compare_dp.CompareSettings, argv=command[2:])[1].validate()
 
@@ -1644,3 +1651,32 @@ def test_a_compiled_runs_first_evaluation_is_warm_up_not_steady(monkeypatch):
     metrics.timer.stop()
     summary = metrics.timer.summary()
     assert summary["warmup"]["seconds"]["eval"] >= 0.3 > 0.1 > summary["steady"]["seconds"]["eval"] >= 0.01
+
+
+@pytest.mark.parametrize(
+    "ratio, final_flags, met",
+    [
+        (2.6, ["--compile", "--compile-mode", "reduce-overhead"], True),
+        (1.7, ["--compile", "--compile-mode", "reduce-overhead"], False),  # kept, but under the 2x goal
+        (2.6, [], False),  # faster, but not kept (its result not the same)
+    ],
+)
+def test_the_tune_check_is_met_only_where_trainscope_tune_kept_cuda_graphs_at_twice_the_speed(ratio, final_flags, met):
+    """tune-bf16 (issue 66's GPU goal) reads trainscope tune's comparison.json: the trial of the compile mode, its
+    median speed ratio, and whether the tuning kept it."""
+    from trainscope.gpu import plan as gpu_check_plan
+    from trainscope.gpu import results as gpu_check_report
+
+    (step,) = gpu_check_plan.plan(gpus=1, only=["tune-bf16"])
+    command = step["command"]
+    assert command[command.index("--") + 1 :][-2:] == ["--max-steps", "50"] and "tune" in command
+    trial = {"flags": ["--compile", "--compile-mode", "reduce-overhead"], "speed": {"median_ratio": ratio, "pairs": 5}}
+    result = {
+        "name": "tune-bf16",
+        "seconds": 400.0,
+        "exit": 0,
+        "comparison": {"trials": [trial], "final_flags": final_flags},
+    }
+    (judged,) = gpu_check_report.judge_check(step, result, {"tune-bf16": result}, 1)
+    assert judged["met"] is met, judged
+    assert step["estimate_s"] + 210 <= 900  # a session of its own: the machine's start and transfers beside it

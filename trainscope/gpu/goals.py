@@ -306,6 +306,25 @@ def _overhead(step, result, results, gpus) -> Verdict:
     return within, f"{step['median']:+.2%} a step (interval up to {step['interval']['high']:+.2%})"
 
 
+# trainscope tune's CUDA graphs on the host-bound bf16 step: kept (faster, the same result) at this speed-up
+TUNED_GRAPHS_RATIO = 2.0
+
+
+def _tuned_graphs(step, result, results, gpus) -> Verdict:
+    comparison = result.get("comparison") or {}
+    trial = next((t for t in comparison.get("trials") or [] if "reduce-overhead" in (t.get("flags") or [])), None)
+    if trial is None:
+        return None, "not measured" + (" (no trial of the compile mode)" if comparison else "")
+    ratio, kept = (
+        (trial.get("speed") or {}).get("median_ratio"),
+        "reduce-overhead" in (comparison.get("final_flags") or []),
+    )
+    if ratio is None:
+        return None, "not measured (the trial's speed)"
+    said = f"{ratio:.2f}x (median of {trial['speed'].get('pairs')} pairs), {trial.get('verdict')}, result {trial.get('same_result')}"
+    return kept and ratio >= TUNED_GRAPHS_RATIO, said + ("; kept" if kept else "; not kept")
+
+
 def _cross(goal: str) -> Callable:
     def judge(step, result, results, gpus) -> Verdict:
         value = verdicts(results).get(goal)
@@ -389,6 +408,7 @@ GOALS = {
     "largest_batch": Goal("the search lands on a batch of at least 32", _largest_batch),
     "batch_arm": Goal("the batch-32 run completes", _batch_arm),
     "overhead": Goal("--timing events within its target against a bare loop", _overhead),
+    "tuned_graphs": Goal(f"CUDA graphs kept by trainscope tune at {TUNED_GRAPHS_RATIO:g}x or more", _tuned_graphs),
     **{goal: Goal(f"{goal} {direction} {target}", _cross(goal)) for goal, (target, direction, _) in CROSS.items()},
 }
 
