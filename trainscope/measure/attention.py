@@ -1,11 +1,9 @@
 """Attention as the model really runs it: the kernel torch picks for each `F.scaled_dot_product_attention` call, and
 its FLOPs counted whatever kernel runs it.
 
-torch's FlopCounterMode has no formula for the fused CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`, torch
-2.11 to 2.13: attention left out), and its formulas for the CUDA kernels' backward count the attention matrix that
-they recompute. Model FLOPs are the model's work as SDPA's math path does it (PaLM; recomputation is not the model's,
-as activation checkpointing's is not): torch's own forward formula, and twice it for the backward (the four matmuls
-autograd runs for the forward's two), for every fused kernel. How it is used: docs/instrument.md#attention.
+FlopCounterMode has no formula for the fused CPU kernel and counts the CUDA kernels' recomputation in their backward:
+every fused kernel is counted as SDPA's math path does the work (torch's forward formula, twice it backward). Why and
+how it is used: docs/instrument.md#attention.
 """
 
 import torch

@@ -288,19 +288,8 @@ def equivalence(
       with power None: not computed, as a simulation of the verdicts alone asks).
     """
     n = len(differences)
-    result = {
-        "n": n,
-        "margin": margin,
-        "alpha": alpha,
-        "confidence": 1 - 2 * alpha,
-        "mean": None,
-        "sd": None,
-        "interval": None,
-        "verdict": "undecided",
-        "needed": None,
-        "shows": None,
-        "p_changed": 1.0,
-    }
+    result = {"n": n, "margin": margin, "alpha": alpha, "confidence": 1 - 2 * alpha, "mean": None, "sd": None}
+    result |= {"interval": None, "verdict": "undecided", "needed": None, "shows": None, "p_changed": 1.0}
     if n == 0:
         return result
     mean = math.fsum(differences) / n
@@ -399,14 +388,9 @@ def pairs_to_show(
 ) -> int | None:
     """The fewest pairs that show a true difference `mean` (with this SD) "same" (|mean| < margin) or "changed"
     (|mean| > margin) with probability `power`, by the exact chances (`equivalence_chances`); None where
-    |mean| = margin or more than `most` would be needed.
-
-    The closed forms of Chow, Shao & Wang (Sample Size Calculations in Clinical Research, 2008, 3.2.3) are the two
-    limits of this: at a true difference of 0 either one-sided test can fail, each with probability beta / 2, so
-    n = (t_{1-alpha} + t_{1-beta/2})^2 sd^2 / margin^2; once |mean| is well away from 0 only the near side can, so
-    n = (t_{1-alpha} + t_{1-beta})^2 sd^2 / (margin - |mean|)^2. The first form applied at a mean away from 0 asks
-    about 1.4 times the seeds at 80% power ((1.645 + 1.282)^2 / (1.645 + 0.842)^2). The search starts where a
-    shifted-t approximation of the power (both sides) reaches `power`, then walks to the exact boundary."""
+    |mean| = margin or more than `most` would be needed. The search starts where a shifted-t approximation of the
+    power reaches `power`, then walks to the exact boundary; Chow, Shao & Wang's closed forms are its two limits
+    (docs/trust.md#in-the-code-the-one-benchmark-harness-trainscopemeasurebenchpy)."""
     if abs(mean) == margin or sd < 0:
         return None
     goal = 0 if abs(mean) < margin else 1

@@ -7,56 +7,23 @@ import dataclasses
 
 from trainscope.measure.shapes import decoder_shape, encoder_shape
 
-# Dense peak TFLOP/s (no 2:4 sparsity: datasheets print sparse tensor figures with an asterisk;
-# dense is half) per precision; fp16/bf16 are tensor-core figures with fp32 accumulate, as in training.
-# Keys are the tokens of the normalized device name (see `device_tokens`); the entry with the most
-# matching tokens wins, so "L40" never matches "L40S" and "H100 PCIe" beats "H100". A name that no
-# key matches has no MFU (A10G, the 150 W V100-FHHL, V100S).
-# Each entry names where its figures were checked. The vendor PDFs themselves were not reachable
-# from where this was written: "checked" means against a page that reproduces or cites the vendor's
-# table; "not confirmed here" means no such page was found and the figure is kept from the datasheet
-# as previously transcribed.
+# Dense peak TFLOP/s per precision (no 2:4 sparsity; fp16/bf16: tensor cores with fp32 accumulate). Keys are tokens
+# of the normalized device name (`device_tokens`); the entry with the most matching tokens wins. Where each entry's
+# figures come from and were checked: docs/peak.md#the-datasheet-peak-table.
 PEAK_TFLOPS = {
-    # H100 SXM5 ("H100 80GB HBM3"): datasheet 67 fp32, 989* tf32, 1,979* bf16/fp16, "1/2 lower without
-    # sparsity"; checked: archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html (datasheet table),
-    # glennklockwood.com/garden/processors/h100 (66.9 / 494.7 / 989.4 dense, citing NVIDIA).
-    ("h100",): {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},
-    # H100 PCIe: datasheet 51 fp32, 756* tf32, 1,513* bf16/fp16; checked: the same hpctech table.
+    ("h100",): {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},  # SXM5 ("H100 80GB HBM3")
     ("h100", "pcie"): {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5},
-    # H100 NVL: datasheet 60 fp32, 835* tf32, 1,671* bf16/fp16: not confirmed here.
     ("h100", "nvl"): {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
-    # H200 SXM: the H100 SXM's GH100 die and clocks; checked: 66.91 fp32 (hmc-tech.com H100 vs H200 SXM),
-    # ~989 dense bf16/fp16 (itkb.uw.cz H200 vs B300); the tf32 figure is not confirmed here.
     ("h200",): {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},
-    # H200 NVL: datasheet 60 fp32, 835* tf32, 1,671* bf16/fp16: not confirmed here.
     ("h200", "nvl"): {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
-    # A100 (SXM4 and PCIe, 40 and 80 GB: the same peaks): datasheet 19.5 fp32, 156 tf32, 312 bf16/fp16
-    # dense; checked: glennklockwood.com/garden/processors/A100 (citing nvidia-a100-datasheet r4).
-    ("a100",): {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-    # L4: datasheet 30.3 fp32, 120* tf32, 242* bf16/fp16; checked: store.sourcecode.com L4 sheet
-    # (tf32 120 with sparsity), grokipedia.com NVIDIA L4 vs L40S (fp16 242 with sparsity).
+    ("a100",): {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},  # SXM4 and PCIe, 40 and 80 GB
     ("l4",): {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
-    # L40: datasheet 90.5 fp32, 90.5 | 181* tf32, 181.05 | 362.1* bf16/fp16; checked: the L40/L40S
-    # datasheet table reproduced at mullet.se/product.html?product_id=355414.
     ("l40",): {"fp32": 90.5, "tf32": 90.5, "bf16": 181.05, "fp16": 181.05},
-    # L40S: datasheet 91.6 fp32, 183 | 366* tf32, 362.05 | 733* bf16/fp16 (366 is the sparse tf32
-    # figure); checked: the same mullet.se table, hmc-tech.com L40S (183.21 dense tf32).
     ("l40s",): {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05},
-    # A10: datasheet 31.2 fp32, 62.5 | 125* tf32, 125 | 250* bf16/fp16; checked only the fp32 figure
-    # (31.24, sysrqmts.com A10 PCIe); the tensor figures are not confirmed here.
     ("a10",): {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
-    # HGX B200, per GPU: 75 fp32, 2.2* PFLOPS tf32 (2.25 unrounded), 4.5* PFLOPS bf16/fp16; checked: the
-    # HGX B200 table reproduced at zdszero.github.io (.../Hardware.html), hmc-tech.com B200 (1.13 PFLOPS
-    # dense tf32, 2.25 dense bf16).
-    ("b200",): {"fp32": 75.0, "tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0},
-    # GeForce RTX 4090 (Ada whitepaper: fp16/bf16 with fp32 accumulate 165.2 | 330.4*, tf32 82.6 | 165.2*);
-    # checked: waredb.com/processor/nvidia-geforce-rtx-4090 (82.58 fp32 and tf32, 165.15 bf16/fp16).
+    ("b200",): {"fp32": 75.0, "tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0},  # HGX B200, per GPU
     ("rtx", "4090"): {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2},
-    # V100 SXM2 (no tf32 or bf16 units): 15.7 fp32, 125 tensor fp16; checked: developer.nvidia.com
-    # "Programming Tensor Cores in CUDA 9" (125 tensor TFLOPS), grokipedia (15.7 fp32).
-    ("v100", "sxm2"): {"fp32": 15.7, "fp16": 125.0},
-    # V100 PCIe (lower clocks than SXM2): 14 fp32, 112 tensor fp16; checked: io-tech.fi on NVIDIA's
-    # V100 PCIe announcement (14 fp32, 112 tensor), sysrqmts.com V100 PCIe 16 GB (14.13 fp32).
+    ("v100", "sxm2"): {"fp32": 15.7, "fp16": 125.0},  # no tf32 or bf16 units
     ("v100", "pcie"): {"fp32": 14.0, "fp16": 112.0},
 }
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro"}
@@ -177,7 +144,7 @@ def training_of(model, checkpointing: bool) -> Training:
     """What `model` (unwrapped: no DDP or compile wrapper) trains: the share of its encoder layers' matmul weights
     (their 2-D weights, adapters apart) with gradients, LoRA's adapter weights there (peft names them lora_A and
     lora_B), whether its input embeddings train; `checkpointing` as --gradient-checkpointing."""
-    from trainscope.measure.layers import transformer_layer_classes  # here: importing flops imports no torch
+    from trainscope.measure.layers import forced_input_grads, transformer_layer_classes  # flops imports no torch
 
     classes = set(transformer_layer_classes(model))
     seen = trained = adapters = 0
@@ -192,11 +159,7 @@ def training_of(model, checkpointing: bool) -> Training:
                 trained += parameter.numel() if parameter.requires_grad else 0
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
-    # transformers' enable_input_require_grads (which checkpointing a frozen model calls) hooks the embeddings so
-    # their output requires a gradient: the first layer's input gradients are then computed although nothing uses them
-    forced = any(
-        getattr(m, "_require_grads_hooks", None) or getattr(m, "_require_grads_hook", None) for m in model.modules()
-    )
+    forced = forced_input_grads(model)  # the first layer's input gradients computed although nothing uses them
     *first_trains, first_adapters = first_layer_projections(model, classes)
     return Training(
         trained_share=trained / seen if seen else 1.0,

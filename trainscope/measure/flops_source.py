@@ -169,11 +169,8 @@ class CountedFlops(NoFlops):
         key = shape_key(args, kwargs)
         if key is None:
             return
-        if (
-            key not in self.counted
-            and (counting_allowed or not self.counted)
-            and len(self.counted) < MAX_COUNTED_SHAPES
-        ):
+        counting = counting_allowed or not self.counted
+        if key not in self.counted and counting and len(self.counted) < MAX_COUNTED_SHAPES:
             from torch.utils.flop_counter import FlopCounterMode  # deferred: it loads torch's module tracker
 
             self._key = key  # fused attention counted as math's (FlopCounterMode has no formula for the CPU kernel)

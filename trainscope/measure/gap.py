@@ -22,35 +22,12 @@ CATEGORIES = (
     "outside operators",
 )
 MATMUL_OPS = frozenset(
-    {
-        "aten::mm",
-        "aten::addmm",
-        "aten::bmm",
-        "aten::baddbmm",
-        "aten::addbmm",
-        "aten::matmul",
-        "aten::linear",
-        "aten::_scaled_mm",
-        "aten::mv",
-        "aten::addmv",
-        "aten::dot",
-        "aten::vdot",
-        "aten::convolution",
-        "aten::_convolution",
-        "aten::mkldnn_convolution",
-    }
+    "aten::mm aten::addmm aten::bmm aten::baddbmm aten::addbmm aten::matmul aten::linear aten::_scaled_mm aten::mv "
+    "aten::addmv aten::dot aten::vdot aten::convolution aten::_convolution aten::mkldnn_convolution".split()
 )
 COPY_OPS = frozenset(
-    {
-        "aten::copy_",
-        "aten::to",
-        "aten::_to_copy",
-        "aten::contiguous",
-        "aten::clone",
-        "aten::copy",
-        "aten::_copy_from",
-        "aten::_copy_from_and_resize",
-    }
+    "aten::copy_ aten::to aten::_to_copy aten::contiguous aten::clone aten::copy aten::_copy_from "
+    "aten::_copy_from_and_resize".split()
 )
 # Substrings of lower-cased operator names (with underscores removed, so a backward node's CamelCase name matches
 # too), first match wins. log_softmax is the loss, not attention.
@@ -59,14 +36,9 @@ KEYWORDS = (
     ("optimizer", ("optimizer.", "fusedadam", "foreach", "fusedsgd", "clipgrad")),
     (
         "attention",
-        (
-            "scaleddotproduct",
-            "flashattention",
-            "efficientattention",
-            "cudnnattention",
-            "safesoftmax",
-            "aten::softmax",
-            "softmaxbackward",
+        tuple(
+            "scaleddotproduct flashattention efficientattention cudnnattention safesoftmax aten::softmax "
+            "softmaxbackward".split()
         ),
     ),
     ("dropout", ("dropout", "bernoulli")),
@@ -93,19 +65,9 @@ def _keyword_category(name: str) -> str | None:
 def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
     """Self time per category over the traced steps, from torch.profiler's `events()` (FunctionEvents).
 
-    `labels`: record_function names that are spans, not operators (the stage names): their self time is time
-    outside operators, with the steps' own markers (ProfilerStep#N); a generic operator directly inside the
-    `optimizer` stage (clipping's norms, zero_grad) is the optimizer's. On a CPU only the main thread (the one that
-    ran the steps) counts; on a GPU every thread's CPU operators count by the device time they launched.
-    Returns {basis, window_s, categories: {name: seconds}, calls, matmul_flops, matmul_s, attention_ops,
-    attention_total_s, attention_dropout_s}: the last two are everything inside attention (its matmuls, softmax,
-    masking and dropout, forward and backward: what a fused kernel replaces) and the dropout inside it.
-
-    On a GPU the collectives' kernels (NCCL's, on their own stream) run beside the compute kernels: only the part of
-    their device time when no compute kernel runs is communication's share of the window (the rest is
-    `communication_hidden_s`, hidden behind compute), so the categories add up to the device's busy time at most.
-    Kernels on several compute streams at once would still add up to more than the window: `overlap_s` says by how
-    much (the time outside operators is then 0).
+    `labels`: record_function names that are spans, not operators (the stage names). Returns {basis, window_s,
+    categories: {name: seconds}, communication_hidden_s, overlap_s, calls, matmul_flops, matmul_s, attention_ops,
+    attention_total_s, attention_dropout_s}: docs/peak.md#in-the-code-where-the-gap-goes-trainscopemeasuregappy.
     """
     events = list(events)
     hidden = hidden_communication_s(events) if on_device else 0.0

@@ -13,7 +13,18 @@ def transformer_layer_classes(model) -> list[str]:
     declared = [name for name in (getattr(model, "_no_split_modules", None) or []) if "Embedding" not in name]
     if declared:
         return sorted(declared)
+    longest = longest_module_list(model)
+    return [type(longest[0]).__name__] if longest is not None else []
+
+
+def longest_module_list(model) -> torch.nn.ModuleList | None:
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    return [type(max(lists, key=len)[0]).__name__]
+    return max(lists, key=len) if lists else None
+
+
+def forced_input_grads(model) -> bool:
+    """transformers' enable_input_require_grads (which peft calls with gradient checkpointing) hooks the embeddings
+    so their output needs a gradient although they are frozen."""
+    return any(
+        getattr(m, hook, None) for m in model.modules() for hook in ("_require_grads_hooks", "_require_grads_hook")
+    )

@@ -1,8 +1,5 @@
-"""The kind of machine a run ran on, as make tune writes it into the command it tunes (--tuned-on): the device
-type, the instruction set or compute capability, the bf16 path (AMX, AVX512-BF16, ... or emulated), the usable
-cores and the device's name; and what sets two kinds apart (the health warning `tuned_elsewhere`,
-trainscope.measure.health).
-"""
+"""The kind of machine a run ran on, as make tune writes it into the command it tunes (--tuned-on), and what sets two
+kinds apart (the health warning `tuned_elsewhere`)."""
 
 import re
 
@@ -33,10 +30,8 @@ def cpu_bf16_path(env: dict) -> str:
 
 
 def machine_kind(view: RunView) -> str:
-    """The machine a run ran on, as make tune writes it into the command it tunes (--tuned-on): the device type,
-    the CPU's vector instruction set or the GPU's compute capability, the bf16 path (on a CPU: AMX, AVX512-BF16,
-    SVE-BF16, ARM-BF16 or emulated; on a GPU native or emulated), the usable cores (what the threads and loader
-    workers make tune tunes are sized for; left out where the record lacks them) and the device's name --
+    """The device type, its instruction set or compute capability, the bf16 path, the usable cores (what make tune's
+    threads and loader workers are sized for; left out where the record lacks them) and the device's name:
     'cpu AVX512, bf16 AMX, 2 cores: Intel(R) Xeon(R) Processor', 'cpu AVX2, bf16 emulated, 2 cores: AMD EPYC'."""
     env = view.env
     if view.on_cuda:
@@ -50,8 +45,7 @@ def machine_kind(view: RunView) -> str:
     return f"{view.device.split(':')[0] or '?'} {isa}, bf16 {bf16}{counted}: {view.device_name}"
 
 
-# Older versions wrote 'cpu AVX512, bf16 native: AMD EPYC' (no bf16 path, no cores): still read, each field they
-# lack unknown.
+# Older versions wrote 'cpu AVX512, bf16 native: AMD EPYC' (no bf16 path, no cores): each field they lack unknown.
 MACHINE_KIND = re.compile(
     r"(?P<device>\S+) (?P<isa>[^,]+), bf16 (?P<bf16>[^,:]+?)(?:, (?P<cores>\d+) cores?)?: (?P<name>.*)"
 )

@@ -37,12 +37,8 @@ def peak_rss_bytes() -> int:
 
 
 class CudaMemoryProbe:
-    """The allocator's peak allocated and reserved bytes since the last reset: one call each.
-
-    `memory_stats_as_nested_dict` is one C call (max_memory_allocated() flattens the whole
-    statistics dict on every call). Allocator statistics are kept on the host when work is
-    enqueued, so neither call waits for the GPU.
-    """
+    """The allocator's peak allocated and reserved bytes since the last reset, in one C call (max_memory_allocated()
+    flattens the whole statistics dict each call). The statistics are kept on the host: no call waits for the GPU."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -58,12 +54,9 @@ class CudaMemoryProbe:
 
 
 class PeakMemory:
-    """`with PeakMemory(device) as peak: ...` then `peak.allocated_gib` (None on a CPU).
-
-    On entry the device's caches are emptied and its peak counters reset (as accelerate's
-    TorchTracemalloc does), so the figure belongs to the block alone, not to whatever ran before.
-    On a CPU there is no resettable counter: `rss_gib` holds the process's lifetime peak RSS.
-    """
+    """`with PeakMemory(device) as peak: ...` then `peak.allocated_gib` (None on a CPU). On entry the caches are emptied
+    and the peak counters reset (as accelerate's TorchTracemalloc does): the figure is the block's alone. A CPU has no
+    resettable counter: `rss_gib` holds the process's lifetime peak RSS."""
 
     def __init__(self, device: torch.device, probe=None):
         self.device = device

@@ -1,13 +1,8 @@
-"""The run's own model, timed as the run ran it and as a change would: what the advisor's precision, threads and batch
-estimates read from the record (trainscope.advice.estimates), so that no estimate needs the reading machine.
+"""The run's own model timed alone, as the run ran it and as a change would (other precisions, threads, twice the
+rows): what the advisor's estimates read from the record, so that no estimate needs the reading machine.
 
-Where the run asks for it (time_model), `watch(model, phase)` keeps the inputs of the warm-up's last training forward
-(a forward pre-hook, taken off when the steady phase begins), and after the loop, in trainscope's own cost, `measure`
-runs the model's forward and backward on those inputs alone: in the run's precision and threads, in every other precision the device runs (autocast from the
-fp32 weights with the outputs converted to fp32, as Accelerate's mixed precision runs it), at the other thread
-counts worth trying, and on twice the rows. Gradients are taken with torch.autograd.grad, so nothing accumulates into
-the parameters' .grad (nor fires the hooks that watch it: DDP's reducer, the communication measurement); buffers
-(batch norm's statistics), the modules' modes and the random state are put back.
+`watch(model, phase)` keeps the inputs of the warm-up's last training forward; `measure` times the model on them after
+the loop, taking gradients without accumulating them and putting buffers, modes and the random state back.
 
 How it works: docs/tune.md#in-the-code-estimates-from-the-runs-own-model-trainscopeadviceestimatespy.
 """
@@ -79,14 +74,19 @@ def watch(model: torch.nn.Module | None, phase, compiled: bool = False, sharded:
     return Watch(model, phase)
 
 
-def _detached(value):
+def _map_tensors(change, value):
+    """`value` with `change(tensor)` in place of each tensor of its dicts (ModelOutputs too), tuples and lists."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
+        return change(value)
+    if isinstance(value, dict) or hasattr(value, "keys"):
+        return {k: _map_tensors(change, v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
+        return type(value)(_map_tensors(change, v) for v in value)
     return value
+
+
+def _detached(value):
+    return _map_tensors(torch.Tensor.detach, value)
 
 
 def positions(inputs) -> int:
@@ -100,17 +100,8 @@ def doubled(inputs):
     """The kept inputs with every tensor whose first dimension is the batch's repeated along it: twice the rows."""
     args, kwargs = inputs
     samples = BatchFacts(kwargs if kwargs else args).samples
-
-    def twice(value):
-        if isinstance(value, torch.Tensor):
-            return torch.cat([value, value]) if value.dim() and value.shape[0] == samples else value
-        if isinstance(value, dict):
-            return {k: twice(v) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return type(value)(twice(v) for v in value)
-        return value
-
-    return twice(args), twice(kwargs)
+    twice = lambda t: torch.cat([t, t]) if t.dim() and t.shape[0] == samples else t
+    return _map_tensors(twice, args), _map_tensors(twice, kwargs)
 
 
 # ---------------------------------------------------------------- one training forward and backward, alone
@@ -122,19 +113,13 @@ def _precision_context(device: torch.device, precision_name: str):
     if dtype is not None:
         return torch.autocast(device.type, dtype=dtype)
     if device.type == "cuda":
-        return peak.Tf32(precision_name == "tf32")
+        return peak.tf32_allowed(precision_name == "tf32")
     return contextlib.nullcontext()
 
 
 def _to_fp32(value):
     """Every low-precision floating tensor of an output in fp32 (Accelerate's convert_outputs_to_fp32)."""
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
-    if isinstance(value, dict) or hasattr(value, "keys"):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_fp32(v) for v in value)
-    return value
+    return _map_tensors(lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t, value)
 
 
 def loss_of(output) -> torch.Tensor:
@@ -196,19 +181,10 @@ def training_call(model, inputs, device: torch.device, precision_name: str):
     return call
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # CUDA work is asynchronous: time the work, not its launch
-
-
 def host_seconds(call, device: torch.device, threads: int) -> float:
     """One call timed on the host between synchronizations, at `threads` intra-op threads."""
-    with peak.Threads(threads):
-        _synchronize(device)
-        started = time.perf_counter()
-        call()
-        _synchronize(device)
-        return time.perf_counter() - started
+    with peak.threads_set_to(threads):
+        return peak.call_seconds(device, call)
 
 
 def spread(values: list[float]) -> dict:

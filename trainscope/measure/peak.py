@@ -99,17 +99,9 @@ def _clocks_of(index: int) -> tuple:
     except Exception:  # no NVML binding or no NVML: ask nvidia-smi
         pass
     try:
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                f"--id={index}",
-                "--query-gpu=driver_version,clocks.max.sm,clocks.applications.graphics",
-                "--format=csv,noheader,nounits",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        query = "--query-gpu=driver_version,clocks.max.sm,clocks.applications.graphics"
+        command = ["nvidia-smi", f"--id={index}", query, "--format=csv,noheader,nounits"]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10).stdout.strip()
         driver, max_clock, application = [part.strip() for part in out.split(",")]
         return (("driver", driver), ("max_sm_clock_mhz", max_clock), ("application_clock_mhz", application))
     except (OSError, ValueError, subprocess.SubprocessError):
@@ -195,9 +187,9 @@ def cached(device: torch.device, name: str, measure_now, processes: int | None =
 # ---------------------------------------------------------------- measuring
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)  # CUDA work is asynchronous: time the matmul, not its launch
+        torch.cuda.synchronize(device)  # CUDA work is asynchronous: time the work, not its launch
 
 
 def _operands(device: torch.device, precision_name: str, shape: tuple):
@@ -209,12 +201,12 @@ def _operands(device: torch.device, precision_name: str, shape: tuple):
     return a, b
 
 
-def _call_seconds(device: torch.device, a, b) -> float:
+def call_seconds(device: torch.device, call) -> float:
     """One call timed on the host between synchronizations (a CPU's calls; a GPU's warm-up call)."""
-    _synchronize(device)
+    synchronize(device)
     started = time.perf_counter()
-    a @ b
-    _synchronize(device)
+    call()
+    synchronize(device)
     return time.perf_counter() - started
 
 
@@ -246,7 +238,7 @@ def device_call_seconds(call, calls: int, device: torch.device) -> list[float]:
         start.record()
         call()
         end.record()
-    _synchronize(device)  # the one sync point: every event has completed
+    synchronize(device)  # the one sync point: every event has completed
     del flush
     return [start.elapsed_time(end) / 1e3 for start, end in pairs]  # elapsed_time is in milliseconds
 
@@ -256,20 +248,15 @@ def calls_within(seconds_per_call: float, budget_s: float) -> int:
     return max(MIN_CALLS, min(GPU_MAX_CALLS, int(budget_s / max(seconds_per_call, 1e-9))))
 
 
-class Tf32:
+@contextlib.contextmanager
+def tf32_allowed(on: bool):
     """TF32 matmuls allowed for the duration of a tf32 measurement only, as they were afterwards."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        self.saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = self.on
-        return self
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32 = self.saved
-        return False
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops: float | None = None) -> Rate:
@@ -277,66 +264,44 @@ def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops
 
     Skipped when one call would take above MAX_CALL_S at `best_tflops` (the best rate seen on smaller shapes); a
     warm-up call that itself took above MAX_CALL_S is the one measurement (calls 1: a slow, emulated path)."""
-    flops = 2 * shape[0] * shape[1] * shape[2]
-    started = time.perf_counter()
+    shape, flops, started = tuple(shape), 2 * shape[0] * shape[1] * shape[2], time.perf_counter()
     if best_tflops and flops / (best_tflops * 1e12) > MAX_CALL_S:
-        return Rate(
-            precision_name,
-            tuple(shape),
-            best_tflops,
-            best_tflops,
-            best_tflops,
-            0,
-            now_iso(),
-            0.0,
-            skipped=f"about {flops / (best_tflops * 1e12):.1f} s per call at the best rate of a smaller "
-            f"shape ({best_tflops * 1e3:.1f} GFLOP/s), which stands for it",
+        why = (
+            f"about {flops / (best_tflops * 1e12):.1f} s per call at the best rate of a smaller shape "
+            f"({best_tflops * 1e3:.1f} GFLOP/s), which stands for it"
         )
-    with Tf32(precision_name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
-        a, b = _operands(device, precision_name, shape)
-        first = _call_seconds(device, a, b)  # warm-up: kernel selection, JIT, first touch of the output
+        return Rate(precision_name, shape, best_tflops, best_tflops, best_tflops, 0, now_iso(), 0.0, skipped=why)
+    with tf32_allowed(precision_name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
+        product = functools.partial(torch.matmul, *_operands(device, precision_name, shape))
+        first = call_seconds(device, product)  # warm-up: kernel selection, JIT, first touch of the output
         times = [first] if first > MAX_CALL_S else []
         if not times and device.type == "cuda":
-            times = device_call_seconds(lambda: a @ b, calls_within(first, SHAPE_BUDGET_S), device)  # noqa: F821 (called before the del below)
+            times = device_call_seconds(product, calls_within(first, SHAPE_BUDGET_S), device)
         while (
             first <= MAX_CALL_S
             and device.type != "cuda"
             and len(times) < MAX_CALLS
             and (len(times) < MIN_CALLS or first + sum(times) < SHAPE_BUDGET_S)
         ):
-            times.append(_call_seconds(device, a, b))
-        del a, b
+            times.append(call_seconds(device, product))
+        del product
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the operands' blocks back: the run's reserved-memory peak is not the benchmark's
-    rates = [flops / t / 1e12 for t in times]
-    return Rate(
-        precision_name,
-        tuple(shape),
-        statistics.median(rates),
-        min(rates),
-        max(rates),
-        len(times),
-        now_iso(),
-        time.perf_counter() - started,
-    )
+    rates, spent = [flops / t / 1e12 for t in times], time.perf_counter() - started
+    return Rate(precision_name, shape, statistics.median(rates), min(rates), max(rates), len(times), now_iso(), spent)
 
 
-class Threads:
-    """torch's intra-op threads set to `threads` for a measurement, put back afterwards."""
-
-    def __init__(self, threads: int | None):
-        self.threads = threads
-
-    def __enter__(self):
-        self.saved = torch.get_num_threads()
-        if self.threads and self.threads != self.saved:
-            torch.set_num_threads(self.threads)
-        return self
-
-    def __exit__(self, *exc):
-        if torch.get_num_threads() != self.saved:
-            torch.set_num_threads(self.saved)
-        return False
+@contextlib.contextmanager
+def threads_set_to(count: int | None):
+    """torch's intra-op threads set to `count` for a measurement, as they were afterwards."""
+    saved = torch.get_num_threads()
+    if count and count != saved:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != saved:
+            torch.set_num_threads(saved)
 
 
 # Other processes' cores (averaged over a measurement) above which its rates are not cached: a quarter of a core, the
@@ -346,7 +311,7 @@ BUSY_CORES = 0.25
 BUSY_ENV = "TRAINSCOPE_PEAK_CACHE_BUSY"
 
 
-def _cpu_seconds() -> tuple[float, float, float] | None:
+def cpu_seconds() -> tuple[float, float, float] | None:
     """(the machine's busy CPU seconds, this process's CPU seconds, a monotonic clock), or None where the machine's
     cannot be read."""
     busy = environment.machine_busy_seconds()
@@ -361,14 +326,11 @@ def too_busy(others: float | None, allowance: float = 0.0) -> bool:
 
 
 def other_cores(before, after) -> float | None:
-    """Cores other processes kept busy on average between two `_cpu_seconds` readings."""
+    """Cores other processes kept busy on average between two `cpu_seconds` readings."""
     if before is None or after is None or after[2] <= before[2]:
         return None
     others = (after[0] - before[0]) - (after[1] - before[1])
     return max(0.0, others) / (after[2] - before[2])
-
-
-cpu_seconds = _cpu_seconds  # public: trainscope.measure.operations reads the machine's load as the rates do
 
 
 def rates(
@@ -386,7 +348,7 @@ def rates(
     Misses are measured smallest first, after a probe of PROBE_SIDE^3; each shape's time per call is estimated at
     the best rate seen so far, and a shape estimated above MAX_CALL_S is skipped (see `measure`)."""
     shapes = [tuple(int(x) for x in s) for s in shapes]
-    with Threads(threads):
+    with threads_set_to(threads):
         key = machine_key(device, processes=processes)
         cached = _read_cache(key) if use_cache else {}
         found = {
@@ -394,13 +356,13 @@ def rates(
         }
         missing = sorted((s for s in shapes if s not in found), key=lambda s: s[0] * s[1] * s[2])
         if missing:
-            before = _cpu_seconds()
+            before = cpu_seconds()
             best = measure(device, precision_name, (PROBE_SIDE,) * 3).high  # the best call: noise only slows
             new = {}
             for s in missing:
                 new[s] = measure(device, precision_name, s, best)
                 best = max(best, new[s].high)
-            others = other_cores(before, _cpu_seconds())
+            others = other_cores(before, cpu_seconds())
             new = {s: dataclasses.replace(r, others_cores=others) for s, r in new.items()}
             # A rate measured while other processes took a core's share would be cached for every later run on
             # this machine: kept for this run only (its record says how busy the machine was), measured again next.
@@ -471,7 +433,7 @@ def machine_peak(
     shapes = [tuple(s) for s in shapes] + [square(device)]
     shapes = list(dict.fromkeys(shapes))
     names = precisions(device)
-    with Threads(threads):
+    with threads_set_to(threads):
         key = machine_key(device, processes=processes)
         cached = _read_cache(key)
         missing = any(_entry(p, s) not in cached for p in names for s in shapes)

@@ -1,11 +1,5 @@
-"""torch.profiler over a window of steps, and CUDA memory snapshots over a window of steps.
-
-The trace handler writes `*.pt.trace.json` files: TensorBoard's profiler plugin reads the folder
-(`tensorboard --logdir runs/<run>/profile`) and each file opens as a Chrome trace in
-chrome://tracing or https://ui.perfetto.dev. The timer labels every stage with
-`record_function(<stage>)`, so the trace shows data / forward / backward / optimizer / eval spans.
-The profiler counts the matmuls' FLOPs (`with_flops`), and every operator's self time is put in a
-category (trainscope.measure.gap): where the gap to the machine's measured matmul peak goes.
+"""torch.profiler over a window of steps (its traces, top operators and where the gap to the peak goes), and CUDA
+memory snapshots over a window of steps. How to read them: docs/timing.md#the-profiler.
 """
 
 import contextlib
@@ -17,8 +11,9 @@ import torch
 from torch.profiler import record_function
 
 from trainscope.core.precision import autocast_dtype
-from trainscope.measure import gap
+from trainscope.measure import gap, peak
 from trainscope.measure.communication.agreement import from_trace
+from trainscope.measure.layers import longest_module_list
 from trainscope.measure.memory import is_sharded
 from trainscope.measure.timing import STAGES
 
@@ -56,15 +51,10 @@ class StepProfiler:
         self.rank = rank
         self.top_operators: list[dict] = []
         self.breakdown: dict | None = None  # self time per category and the matmuls' FLOPs (trainscope.measure.gap)
-        self.communication = (
-            None  # what the trace says of DDP's all-reduces (trainscope.measure.communication.agreement)
-        )
+        self.communication = None  # what the trace says of DDP's all-reduces (communication.agreement.from_trace)
         self.window = {"first_step": wait + warmup + 1, "last_step": wait + warmup + active}
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.profiler = torch.profiler.profile(
-            activities=activities,
+            activities=_activities(device),
             schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
             on_trace_ready=self._trace_ready,
             record_shapes=True,
@@ -96,22 +86,14 @@ class StepProfiler:
 def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) -> list[dict]:
     """The operators with the most self time on the device (CUDA) or on the CPU, in seconds. Device events (kernels,
     copies, memsets) are left out: their time is already their operator's self device time."""
-    on_device = device.type == "cuda"
-    rows = []
+    on_device, rows = device.type == "cuda", []
     for event in averages:
-        if not str(getattr(event, "device_type", "CPU")).endswith("CPU"):
-            continue
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(event, "self_cuda_time_total", 0)
-        rows.append(
-            {
-                "name": event.key,
-                "calls": event.count,
-                "self_cpu_s": event.self_cpu_time_total / 1e6,
-                "self_device_s": device_us / 1e6 if on_device else None,
-            }
-        )
+        if str(getattr(event, "device_type", "CPU")).endswith("CPU"):
+            device_us = getattr(event, "self_device_time_total", None)
+            if device_us is None:
+                device_us = getattr(event, "self_cuda_time_total", 0)
+            cpu_s, device_s = event.self_cpu_time_total / 1e6, device_us / 1e6 if on_device else None
+            rows.append({"name": event.key, "calls": event.count, "self_cpu_s": cpu_s, "self_device_s": device_s})
     key = "self_device_s" if on_device else "self_cpu_s"
     # the stage labels (record_function spans) and the step markers are not operators
     rows = [r for r in rows if not r["name"].startswith("ProfilerStep") and r["name"] not in STAGES]
@@ -127,14 +109,9 @@ def build_profiler(settings, run_dir: Path, device: torch.device, rank: int):
 
 
 class MemorySnapshot:
-    """The CUDA allocator history over a window of optimizer steps (open it at https://pytorch.org/memory_viz).
-
-    Recording starts when step `after_step` has finished (the end of the timing warm-up) and stops once
-    `steps` more steps have finished (or at the end of a shorter run): the snapshot is then taken into
-    memory, and pickled to `path` only by `finish`, after the timed loop. Recording slows the steps it
-    covers, so they form the timer's `snapshot` phase (`covers`), kept out of the steady figures.
-    `backend` is torch.cuda.memory (a stand-in in tests).
-    """
+    """The CUDA allocator history over the `steps` optimizer steps after step `after_step` (the end of the timing
+    warm-up), taken into memory, pickled to `path` by `finish` after the timed loop (docs/timing.md#the-memory-snapshot).
+    `backend` is torch.cuda.memory (a stand-in in tests)."""
 
     def __init__(self, path: Path, after_step: int, steps: int, backend=None):
         self.path = Path(path)
@@ -200,10 +177,8 @@ def build_memory_snapshot(settings, run_dir: Path, device: torch.device, rank: i
 
 @contextlib.contextmanager
 def quiet_kineto():
-    """kineto writes a 'USDT: ... profiler_start' and a '... profiler_stop' line to stderr for every profiler, a probe
-    no one asked for included. Its level is read once, when the process's first profiler starts: set around this
-    one (and the environment restored), it quiets kineto if this is the first (a --profile window earlier in the run
-    keeps kineto's own messages); a level the user set stays."""
+    """kineto's start and stop lines kept off stderr for a probe no one asked for. kineto reads its level once, at the
+    process's first profiler: this quiets it only if this is the first; a level the user set stays."""
     if "KINETO_LOG_LEVEL" in os.environ:
         yield
         return
@@ -216,16 +191,15 @@ def quiet_kineto():
 
 def first_layer(model):
     """The first of the model's repeated blocks (its longest ModuleList), or None."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    return max(lists, key=len)[0] if lists else None
+    longest = longest_module_list(model)
+    return longest[0] if longest is not None else None
 
 
 def layer_breakdown(model, batch: int, length: int, precision_name: str, device: torch.device) -> dict | None:
-    """One encoder layer's forward and backward at the run's shapes, profiled apart: self time per category
-    (trainscope.measure.gap.categorize) in training mode (its dropout on) and the run's precision -- the cheap estimate of
-    where a run's time goes without --profile. The layer is a copy (the model's weights, gradients and DDP hooks are
-    untouched), its input from a private generator, the random state forked (the run's dropout masks unchanged).
-    None when the model has no repeated block that takes hidden states alone (or it fails on them)."""
+    """One encoder layer's forward and backward at the run's shapes, profiled apart in training mode and the run's
+    precision (self time per category: trainscope.measure.gap.categorize): where a run's time goes without --profile.
+    A copy of the layer, a private generator, the random state forked: the run is untouched. None when the model has
+    no repeated block that takes hidden states alone (or it fails on them)."""
     import copy
 
     layer = first_layer(model)
@@ -252,8 +226,7 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
         step()  # warm-up: kernels chosen, memory allocated
         with quiet_kineto(), torch.profiler.profile(activities=_activities(device), with_flops=True) as profiler:
             step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            peak.synchronize(device)
         return gap.categorize(profiler.events(), device.type == "cuda", ("forward", "backward"))
 
     try:
@@ -276,11 +249,5 @@ def _activities(device: torch.device) -> list:
 
 def operator_rows(top_operators: list[dict]) -> list[dict]:
     """The profiler's top operators with their self time in milliseconds (device time on CUDA, else CPU)."""
-    return [
-        {
-            "name": op["name"],
-            "calls": op["calls"],
-            "milliseconds": (op["self_device_s"] if op["self_device_s"] is not None else op["self_cpu_s"]) * 1e3,
-        }
-        for op in top_operators
-    ]
+    seconds = lambda op: op["self_device_s"] if op["self_device_s"] is not None else op["self_cpu_s"]
+    return [{"name": op["name"], "calls": op["calls"], "milliseconds": seconds(op) * 1e3} for op in top_operators]

@@ -50,12 +50,10 @@ class Sharding:
         found = [param_groups(module._get_fsdp_state()) for module in modules]
         groups = [group for module_groups in found if module_groups for group in module_groups]
         if None in found or not all(hasattr(group, comm) for group in groups for comm in COMMS):
-            self.collectives, self.not_counted = (
-                None,
-                (
-                    f"torch {torch.__version__}'s FSDP2 state keeps its parameter groups' communications neither where "
-                    "torch 2.13 (_fsdp_param_groups) nor where 2.11 (_fsdp_param_group) does"
-                ),
+            self.collectives = None
+            self.not_counted = (
+                f"torch {torch.__version__}'s FSDP2 state keeps its parameter groups' communications neither where "
+                "torch 2.13 (_fsdp_param_groups) nor where 2.11 (_fsdp_param_group) does"
             )
             return
         for group in groups:

@@ -25,14 +25,12 @@ def throughput(per_rank: list[dict], phase: str) -> dict:
     """Global training samples/s and tokens/s of a phase: all ranks' samples over the slowest rank's
     training time (its wall time less evaluation, which trains nothing)."""
     wall = max(rank["timing"][phase]["wall_s"] - rank["timing"][phase]["seconds"]["eval"] for rank in per_rank)
-    samples = sum(rank["counts"][phase]["samples"] for rank in per_rank)
-    tokens = sum(rank["counts"][phase]["tokens"] for rank in per_rank)
-    flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank)
-    padded = sum(rank["counts"][phase].get("padded_tokens") or 0 for rank in per_rank)
-    squares = sum(rank["counts"][phase].get("padded_squares") or 0 for rank in per_rank)
-    real_squares = sum(rank["counts"][phase].get("squares") or 0 for rank in per_rank)
+    total = lambda key: sum(rank["counts"][phase].get(key) or 0 for rank in per_rank)
+    samples, flops, padded, squares, real_squares = map(
+        total, ("samples", "flops", "padded_tokens", "padded_squares", "squares")
+    )
     steps = per_rank[0]["counts"][phase]["optimizer_steps"]
-    tokens = tokens or None  # a loop whose batches hold no tokens (trainscope.Run on any model) counts none
+    tokens = total("tokens") or None  # a loop whose batches hold no tokens (trainscope.Run on any model) counts none
     return {
         "samples": samples,
         "tokens": tokens,
@@ -75,6 +73,10 @@ EVENT_SPANS_BASIS = (
     "time); so the idle share, 1 - that / the step's host wall time, is a lower bound (the loop's bookkeeping "
     "kernels outside the stages, a few token counts a micro-batch, are counted idle)"
 )
+DEVICE_TIME_KEYS = tuple(
+    "basis phase threshold steps step_wall_s stage_spans_s busy_at_most_s idle_share_at_least tolerance_s over_wall "
+    "kernel_estimate kernel_estimate_reason host_bound host_bound_by reason".split()
+)
 KERNEL_ESTIMATE_BASIS = (
     "an estimate: forward and backward as one encoder layer's kernel time (profiled apart at the run's shapes, "
     "summary.measured_peak.run_shapes.layer) x the layers x the micro-batches of a step (the embeddings, head and "
@@ -96,23 +98,8 @@ def device_time(
     estimate (`kernel_estimate`), with the host-bound verdict (idle above HOST_BOUND_IDLE). Per optimizer step of
     `phase`, the median over ranks. Not applicable (every figure None, with the reason) without device events: a
     CPU's host clock, or `--timing sync`'s host clock after a synchronize (the device never runs ahead)."""
-    block = {
-        "basis": EVENT_SPANS_BASIS,
-        "phase": phase,
-        "threshold": HOST_BOUND_IDLE,
-        "steps": None,
-        "step_wall_s": None,
-        "stage_spans_s": None,
-        "busy_at_most_s": None,
-        "idle_share_at_least": None,
-        "tolerance_s": None,
-        "over_wall": [],
-        "kernel_estimate": None,
-        "kernel_estimate_reason": None,
-        "host_bound": None,
-        "host_bound_by": None,
-        "reason": None,
-    }
+    block = dict.fromkeys(DEVICE_TIME_KEYS) | {"basis": EVENT_SPANS_BASIS, "phase": phase, "over_wall": []}
+    block["threshold"] = HOST_BOUND_IDLE
     if mode != "events":
         why = (
             "host clocks (work on a CPU is synchronous: the host's time is the device's)"
@@ -142,17 +129,11 @@ def device_time(
         for r in ranks
         if r["busy"] > r["wall"] + r["tol"]
     ]
-    median = lambda key: statistics.median(r[key] for r in ranks)  # noqa: E731
+    median = lambda key: statistics.median(r[key] for r in ranks)
     spans = {stage: statistics.median(r["spans"][stage] for r in ranks) for stage in STEP_STAGES}
     wall, busy = median("wall"), median("busy")
-    block.update(
-        steps=ranks[0]["steps"],
-        step_wall_s=wall,
-        stage_spans_s=spans,
-        busy_at_most_s=busy,
-        tolerance_s=median("tol"),
-        over_wall=over,
-    )
+    block.update(steps=ranks[0]["steps"], step_wall_s=wall, stage_spans_s=spans, busy_at_most_s=busy, over_wall=over)
+    block["tolerance_s"] = median("tol")
     if over:
         return {**block, "reason": "the stages' device time is above the steps' wall time beyond the tolerance"}
     # within the tolerance the two clocks agree: a busy time that reads a hair above the wall is the whole wall

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from trainscope.measure.layers import transformer_layer_classes
+from trainscope.measure.layers import forced_input_grads, transformer_layer_classes
 from trainscope.measure.shapes import DECODER_LAYOUTS, decoder_shape, encoder_shape, is_decoder_config
 
 # A layer's projections by their names inside the layer, matched on the end of the name, in this order (a module
@@ -166,14 +166,6 @@ def walk_layer(layer, roles: dict, input_needs_grad: bool, query: int, post_norm
     return linear, square, out
 
 
-def _forced_input_grads(model) -> bool:
-    """transformers' enable_input_require_grads (which peft calls with gradient checkpointing) hooks the embeddings
-    so their output needs a gradient although they are frozen."""
-    return any(
-        getattr(m, "_require_grads_hooks", None) or getattr(m, "_require_grads_hook", None) for m in model.modules()
-    )
-
-
 def walk(model, config) -> WalkedFlops | None:
     """The FLOPs of `model` (unwrapped: no DDP or compile wrapper) as it trains, or None where its layers are not
     all of a layout walked here (then trainscope counts them with FlopCounterMode)."""
@@ -210,7 +202,7 @@ def walk(model, config) -> WalkedFlops | None:
     inside = {id(p) for m in (*layers, *head_modules, *final_norms) for p in m.parameters()}
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     needs = (
-        _forced_input_grads(model)
+        forced_input_grads(model)
         or _trains(getattr(embeddings, "weight", None))  # a tied LM head's weight is the embeddings' too
         or any(_trains(p) for p in model.parameters() if id(p) not in inside)
     )

@@ -6,12 +6,10 @@ once on real tensors of the traced shapes, the fastest of several calls, cached 
 How it works: docs/predict.md#in-the-code-what-each-operator-costs-trainscopepredictop_costspy.
 """
 
-import contextlib
 import json
 import os
 import pickle
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -121,41 +119,15 @@ def _shrink(spec) -> tuple:
     return (args, kwargs), total / sum(sizes)
 
 
-@contextlib.contextmanager
-def threads(count: int | None):
-    """torch's intra-op threads set to `count` for a measurement, as they were afterwards."""
-    saved = torch.get_num_threads()
-    if count and count != saved:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != saved:
-            torch.set_num_threads(saved)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_call(call, device: torch.device) -> float:
     """Seconds of `call()`: the fastest of the timed calls after one warm-up call (see the module's docstring); on a
     GPU each call is timed on the device between CUDA events (trainscope.measure.peak.device_call_seconds)."""
-    started = time.perf_counter()
-    call()
-    _synchronize(device)
+    first = peak.call_seconds(device, call)
     if device.type == "cuda":
-        return min(
-            peak.device_call_seconds(call, peak.calls_within(time.perf_counter() - started, CALL_BUDGET_S), device)
-        )
-    times, spent = [], 0.0
-    while len(times) < MAX_CALLS and (len(times) < MIN_CALLS or spent < CALL_BUDGET_S):
-        started = time.perf_counter()
-        call()
-        _synchronize(device)
-        times.append(time.perf_counter() - started)
-        spent += times[-1]
+        return min(peak.device_call_seconds(call, peak.calls_within(first, CALL_BUDGET_S), device))
+    times = []
+    while len(times) < MAX_CALLS and (len(times) < MIN_CALLS or sum(times) < CALL_BUDGET_S):
+        times.append(peak.call_seconds(device, call))
     return min(times)
 
 
@@ -254,7 +226,7 @@ class OpCosts:
         if op.key not in self.cached:
             self._timing_starts()
             try:
-                with threads(self.threads):
+                with peak.threads_set_to(self.threads):
                     self._store(op.key, op.name, benchmark(op.name, op.spec, self.device), None)
             except Unmeasurable as why:
                 self._store(op.key, op.name, None, str(why))
@@ -388,7 +360,7 @@ def _child(argv: list[str]) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     items = pickle.loads(Path(inputs).read_bytes())
-    with open(progress, "a") as out, threads(int(thread_count)):
+    with open(progress, "a") as out, peak.threads_set_to(int(thread_count)):
 
         def say(entry: dict) -> None:
             out.write(json.dumps(entry) + "\n")

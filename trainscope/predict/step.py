@@ -222,7 +222,7 @@ def copy_seconds_per_byte(costs: op_costs.OpCosts) -> float:
     if key not in costs.cached:
         size = 32 * 2**20
         source, target = torch.ones(size // 4, device=costs.device), torch.empty(size // 4, device=costs.device)
-        with op_costs.threads(costs.threads):
+        with peak.threads_set_to(costs.threads):
             costs.cached[key] = op_costs.time_call(lambda: target.copy_(source), costs.device) / size
         costs.measured += 1
     return costs.cached[key]

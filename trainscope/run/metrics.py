@@ -1,9 +1,5 @@
-"""The one metrics component of a training run: it measures and summarizes, nothing else.
-
-It owns the stage timer, the loop's counters, the communication measurement, the profiler and memory snapshot
-windows, the step lines and the summary with its health warnings; a new measurement goes here, never into train.py.
-
-How it works: docs/design.md#in-the-code-the-metrics-component-trainscoperunmetricspy.
+"""The one metrics component of a training run: it measures and summarizes, nothing else; a new measurement goes
+here, never into train.py. How it works: docs/design.md#in-the-code-the-metrics-component-trainscoperunmetricspy.
 """
 
 import contextlib
@@ -277,9 +273,9 @@ class RunMetrics:
 
     @contextlib.contextmanager
     def evaluation(self):
-        """The `eval` stage; of a compiled model, graphs compiled in it (eval mode) are told apart from recompiles, and
-        the first evaluation, which compiles the eval graphs (24.5 s on an H200 against 45 ms steps), is timed in the
-        warm-up phase with the first steps' compile: never in the steady figures."""
+        """The `eval` stage. Of a compiled model, graphs compiled in it (eval mode) are told apart from recompiles, and
+        the first evaluation, which compiles the eval graphs, is timed in the warm-up phase: never in the steady
+        figures."""
         before = compile_stats()["graphs"] if self.compiled else 0
         compiling = self.compiled is not None and not self._evaluated
         phase = self.timer.phase
@@ -355,6 +351,7 @@ class RunMetrics:
         throughput.update(real_token_throughput(throughput, self.flops, len(per_rank)))
         model_flops = self._model_flops(throughput, len(per_rank))
         communication_summary = communication_block.combine(per_rank, throughput)
+        device_name, shapes = self.env.get("device_name", ""), self.run_shapes
         return {
             "world_size": self.accelerator.num_processes,
             "optimizer_steps": self.loop.step,
@@ -366,15 +363,9 @@ class RunMetrics:
                 "per_rank": per_rank,
             },
             "throughput": throughput,
-            "mfu": mfu(
-                throughput["tflops_per_device"],
-                self.env.get("device_name", ""),
-                self.env.get("effective_precision", "fp32"),
-            ),
+            "mfu": mfu(throughput["tflops_per_device"], device_name, self.env.get("effective_precision", "fp32")),
             "model_flops": model_flops,
-            "measured_peak": after_loop.measured_peak(
-                self.env, throughput, per_rank, phase, self.run_shapes, model_flops
-            ),
+            "measured_peak": after_loop.measured_peak(self.env, throughput, per_rank, phase, shapes, model_flops),
             "memory": summary.memory_across_ranks(per_rank),
             "validation": self.loop.evaluations,
             "test": test_scores,
@@ -396,7 +387,7 @@ class RunMetrics:
             "compile": self._compile_summary(),
             "communication": communication_summary,
             "device_time": summary.device_time(
-                per_rank, phase, self.timing_mode, self.run_shapes, self.training.recomputed, communication_summary
+                per_rank, phase, self.timing_mode, shapes, self.training.recomputed, communication_summary
             ),
         }
 

@@ -5,8 +5,9 @@ equivalence verdict on paired differences.
 How it works: docs/ddp.md#in-the-code-how-the-communication-is-checked-trainscopemeasurecommunicationagreementpy.
 """
 
-import math
 import statistics
+
+from trainscope.measure import bench
 
 # Agreement between two instruments, stated before measuring: the 95% interval of the median paired difference
 # must lie within +-max(TOLERANCE_SHARE x the quantity, the clock's floor) for the exposed time and within
@@ -29,18 +30,10 @@ SAME_EVENTS_TOLERANCE_S = {"host": 0.003, "cuda events": 0.0002}
 
 
 def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
-    """Distribution-free confidence interval of the median: the order statistics x(j), x(n+1-j) with the largest j
-    for which P(Binomial(n, 1/2) <= j - 1) <= (1 - confidence) / 2 (Conover, Practical Nonparametric Statistics,
-    3rd ed., 1999, section 3.2). None with fewer values than any such interval needs (6 for 95%)."""
-    ordered = sorted(values)
-    n = len(ordered)
-    alpha, below, j = (1 - confidence) / 2, 0.0, 0
-    while j < n // 2:
-        below += math.comb(n, j) / 2**n  # P(B <= j)
-        if below > alpha:
-            break
-        j += 1
-    return (ordered[j - 1], ordered[n - j]) if j >= 1 else None
+    """Distribution-free confidence interval of the median (trainscope.measure.bench.median_interval, Conover 1999,
+    3.2); None with fewer values than any such interval needs (6 for 95%)."""
+    found = bench.median_interval(values, confidence) if values else None
+    return (found["low"], found["high"]) if found and found["confidence"] >= confidence else None
 
 
 def agreement(differences: list[float], tolerance: float) -> dict:
@@ -76,11 +69,7 @@ def same_events_tolerance(clock: str = "host") -> float:
 
 
 def spread_of(values: list[float]) -> dict | None:
-    return (
-        {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-        if values
-        else None
-    )
+    return bench.spread(values) if values else None
 
 
 # ---------------------------------------------------------------- DDP's logger and the profiler's trace (pure)
@@ -92,11 +81,8 @@ def by_iteration(rank: dict) -> dict:
 
 def ddp_agreement(ids: list[int], ranks: list[dict]) -> dict:
     """trainscope's exposed time and overlap against DDP's logger on exactly the iterations DDP sampled (warm-up
-    ones too: both instruments saw the same iteration): one pair per rank and iteration -- each rank's hooks and
-    its reducer stamp that rank's own events -- judged by `agreement`. (A median over two ranks is their mean: one
-    rank descheduled between its last hook and its reducer's stamp on a loaded machine moved its iteration's figure
-    by half its delay, and with 8 iterations the 95% interval of the median is their min-max, so that one
-    iteration made the verdict undecided.)"""
+    ones too): one pair per rank and iteration, not a median over ranks (each rank's hooks and its reducer stamp that
+    rank's own events; one descheduled rank would move a median over two by half its delay)."""
     ours = [{e["iteration"]: e for e in r["steps"] if e.get("exposed_s") is not None} for r in ranks]
     theirs = [by_iteration(r) for r in ranks]
     paired = sorted(set.intersection(*(set(o) & set(t) for o, t in zip(ours, theirs))))
@@ -180,17 +166,10 @@ def _device_kernel(event) -> bool:
 
 
 def from_trace(events) -> dict | None:
-    """Communication figures of a profiler trace (torch.profiler FunctionEvents), per `backward` stage span in order.
-
-    With device kernels in the trace (CUDA): the kernels launched by the operators inside the span (the launching
-    operator found by the kernel's correlation id), on the device's own timestamps. The collectives' time is their
-    NCCL kernels' (the host's `nccl:all_reduce` operator is their launch, not more communication), and the exposed
-    time runs from the end of the last compute kernel that started before the last collective did (backward's last
-    gradient: the last bucket's all-reduce waits for it) to the end of that collective; 0 where compute ran past it
-    (nothing waited). The copies of the averaged gradients after it are not compute it waits for. On the host (gloo): the time after the span's last autograd operation on any
-    thread (CUDA backward runs on the autograd engine's device thread, not the span's) and the collectives' summed
-    duration inside the span. An exposed time that comes out negative (the span ending before its own operations) is
-    no time: None, counted in `unphysical`, never clamped to 0."""
+    """Communication figures of a profiler trace (torch.profiler FunctionEvents), per `backward` stage span in order:
+    {spans, exposed_s, allreduce_s, basis, unphysical}: from the device kernels the span's operators launched on a
+    GPU, from its autograd operations on the host (docs/ddp.md, the trace). An exposed time that comes out negative
+    is no time: None, counted in `unphysical`, never clamped to 0."""
     events = list(events)
     spans = sorted((e for e in events if e.name == "backward"), key=lambda e: e.time_range.start)
     if not spans:

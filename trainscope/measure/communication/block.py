@@ -1,10 +1,7 @@
 """The summary's communication block, combined across ranks from every rank's measurements, and its lines in the
-end-of-run table.
-
-Across ranks, per step: the rank whose exposed time is least arrived last at the all-reduce, and its exposed
-time is the communication's exposure; every other rank's excess is its wait for that rank (a straggler, when one
-rank is the last in most steps and the others wait more than STRAGGLER_SHARE of a step for it). Only durations
-measured on each rank's own clock are compared, so ranks on different hosts are compared correctly.
+end-of-run table. Per step the rank whose exposed time is least arrived last at the all-reduce: its exposed time is
+the communication's, every other rank's excess its wait for that rank. Only durations on each rank's own clock are
+compared, so ranks on different hosts compare correctly.
 """
 
 import statistics
@@ -48,13 +45,8 @@ def combine(per_rank: list[dict], throughput: dict) -> dict | None:
     block.update({**ddp_figures(ids, ranks), **trace_figures(ids, ranks)})
     if not first["measured"] or not rows:
         block["agreement"] = {}
-        return {
-            "measured": False,
-            "reason": (
-                "--measure-communication off" if not first["measured"] else "no steady step measured on every rank"
-            ),
-            **block,
-        }
+        why = "--measure-communication off" if not first["measured"] else "no steady step measured on every rank"
+        return {"measured": False, "reason": why, **block}
     exposures = [row["exposed_s"] for row in rows]
     exposed = statistics.median(exposures)
     interval = median_interval(exposures)
@@ -159,13 +151,8 @@ def layout_figures(rank: dict, world: int) -> dict:
     buckets = rank.get("buckets")
     steps, micro = rank.get("optimizer_steps") or 0, rank.get("micro_batches") or 0
     if not buckets:
-        return {
-            "gradient_bytes": rank["gradient_bytes"],
-            "buckets": None,
-            "allreduces_per_optimizer_step": None,
-            "allreduces_per_micro_batch": None,
-            "allreduce_bytes_per_step": None,
-        }
+        unknown = ("buckets", "allreduces_per_optimizer_step", "allreduces_per_micro_batch", "allreduce_bytes_per_step")
+        return {"gradient_bytes": rank["gradient_bytes"], **dict.fromkeys(unknown)}
     return {
         "gradient_bytes": rank["gradient_bytes"],
         "buckets": len(buckets),

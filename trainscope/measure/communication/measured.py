@@ -244,11 +244,8 @@ class Communication:
             self.current = None
         self._resolve(block=False)
         self._read_ddp_logger()
-        if (
-            self.measure
-            and self.layout is None
-            and (getattr(self.ddp, "_has_rebuilt_buckets", False) or self.synchronized >= 3)
-        ):
+        rebuilt = getattr(self.ddp, "_has_rebuilt_buckets", False) or self.synchronized >= 3
+        if self.measure and self.layout is None and rebuilt:
             with paused() if paused is not None else contextlib.nullcontext():
                 self.layout = self._read_buckets()
             self._watch_first_bucket()
@@ -256,11 +253,8 @@ class Communication:
             self._consider_the_cut()
 
     def _consider_the_cut(self) -> None:
-        """Python hooks on every trainable parameter run in every backward (about 200 on a BERT-base). Once DDP's
-        buckets are known, the end of compute is the last gradient of the bucket DDP reduces last -- where that holds:
-        after CUT_AFTER synchronizing passes in a row whose last gradient came from that bucket (counted by every
-        hook), the hooks come off the other buckets' parameters and the countdown runs over that bucket's. A pass
-        whose last gradient came from another bucket keeps every hook for the rest of the run."""
+        """The gradient hooks cut to the bucket DDP reduces last after CUT_AFTER passes in a row took their last
+        gradient from it; one pass that did not keeps every hook (docs/ddp.md#in-the-code-how-the-communication-is-measured-trainscopemeasurecommunicationmeasuredpy)."""
         if len(self.layout) < 2:
             self.hooks_cut = {"reason": "one bucket: every parameter is in the last"}
             return
@@ -312,14 +306,9 @@ class Communication:
             return
         data = ddp_logging(self.ddp)
         if data and data.get("iteration") == previous and data.get("comm_s"):
-            self.ddp_iterations.append(
-                {
-                    "iteration": previous,
-                    "exposed_s": data["comm_s"] - data["overlap_s"],
-                    "comm_s": data["comm_s"],
-                    "overlap": data["overlap_s"] / data["comm_s"],
-                }
-            )
+            comm, overlap = data["comm_s"], data["overlap_s"]
+            entry = {"iteration": previous, "exposed_s": comm - overlap, "comm_s": comm, "overlap": overlap / comm}
+            self.ddp_iterations.append(entry)
 
     def _read_buckets(self, buckets=None) -> list[dict]:
         """DDP's buckets in launch order: which parameters, how many elements of which size. The reducer lends them
@@ -327,14 +316,8 @@ class Communication:
         index = {id(p): i for i, p in enumerate(self.parameters)}
         layout = []
         for bucket in buckets if buckets is not None else self.ddp.reducer._get_zeros_like_grad_buckets():
-            buffer = bucket.buffer()
-            layout.append(
-                {
-                    "parameters": [index[id(p)] for p in bucket.parameters() if id(p) in index],
-                    "numel": buffer.numel(),
-                    "element_size": buffer.element_size(),
-                }
-            )
+            buffer, parameters = bucket.buffer(), [index[id(p)] for p in bucket.parameters() if id(p) in index]
+            layout.append({"parameters": parameters, "numel": buffer.numel(), "element_size": buffer.element_size()})
         return layout
 
     def barrier(self) -> None:
@@ -353,18 +336,12 @@ class Communication:
         buckets = self.ddp.reducer._get_zeros_like_grad_buckets()
         self.layout = self._read_buckets(buckets)  # the final layout, whenever the buckets were rebuilt
         bucket_s, collective_s = [], [] if self.kind != "none" else None
+        repeated = lambda collective: [self._timed(collective) for _ in range(self.repetitions)]
         for bucket in buckets:
-            bucket_s.append(
-                [self._timed(lambda: self.ddp.reducer._run_comm_hook(bucket).wait()) for _ in range(self.repetitions)]  # noqa: B023 (called at once)
-            )
+            bucket_s.append(repeated(lambda: self.ddp.reducer._run_comm_hook(bucket).wait()))  # noqa: B023 (called at once)
             if collective_s is not None:
                 wire = torch.zeros(bucket.buffer().numel(), dtype=DTYPES[self.kind], device=bucket.buffer().device)
-                collective_s.append(
-                    [
-                        self._timed(lambda: torch.distributed.all_reduce(wire, group=self.ddp.process_group))  # noqa: B023 (called at once)
-                        for _ in range(self.repetitions)
-                    ]
-                )
+                collective_s.append(repeated(lambda: torch.distributed.all_reduce(wire, group=self.ddp.process_group)))  # noqa: B023 (called at once)
                 del wire
         del buckets
         timed = (
@@ -387,18 +364,10 @@ class Communication:
         self._resolve(block=True)
         transfer = self.time_transfer() if final and self.measure else None
         wire = DTYPES[self.kind].itemsize if self.kind in HALF else None
-        buckets = (
-            [
-                {
-                    "numel": b["numel"],
-                    "bytes": b["numel"] * (wire or b["element_size"]),
-                    "parameters": len(b["parameters"]),
-                }
-                for b in self.layout
-            ]
-            if self.layout
-            else None
-        )
+        buckets = None
+        if self.layout:
+            size = lambda b: b["numel"] * (wire or b["element_size"])
+            buckets = [{"numel": b["numel"], "bytes": size(b), "parameters": len(b["parameters"])} for b in self.layout]
         return {
             "method": METHOD,
             "measured": self.measure,
