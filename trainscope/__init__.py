@@ -13,17 +13,8 @@ __version__ = "0.4.0"  # the one version: pyproject.toml reads it (tool.setuptoo
 from trainscope.core.errors import UserError
 from trainscope.workload import embedded
 
-__all__ = [
-    "Run",
-    "TrainscopeCallback",
-    "UserError",
-    "classifier",
-    "embedded",
-    "fsdp_wrap_rule",
-    "one_line_endings",
-    "parse_settings",
-    "__version__",
-]
+__all__ = ["Run", "TrainscopeCallback", "UserError", "classifier", "embedded", "fsdp_wrap_rule",
+           "one_line_endings", "parse_settings", "__version__"]  # fmt: skip
 
 
 def __getattr__(name: str):

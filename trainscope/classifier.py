@@ -30,32 +30,11 @@ from trainscope.workload.modeling import (
 from trainscope.workload.settings import Settings, parse_settings, plan_steps
 from trainscope.workload.step import evaluate_split, load_metric, train_step, unmeasured
 
-__all__ = [
-    "ClassifierDriver",
-    "Settings",
-    "Training",
-    "build_accelerator",
-    "build_dataloaders",
-    "build_model",
-    "build_optimizer",
-    "build_scheduler",
-    "build_tokenizer",
-    "build_training",
-    "classification_loss",
-    "device_loader_options",
-    "dropout_draws",
-    "evaluate_split",
-    "fsdp_wrap_rule",
-    "load_classification_data",
-    "load_metric",
-    "optimizer_facts",
-    "parse_settings",
-    "plan_steps",
-    "predict",
-    "start",
-    "train_step",
-    "unmeasured",
-]
+__all__ = ["ClassifierDriver", "Settings", "Training", "build_accelerator", "build_dataloaders",
+           "build_model", "build_optimizer", "build_scheduler", "build_tokenizer", "build_training",
+           "classification_loss", "device_loader_options", "dropout_draws", "evaluate_split",
+           "fsdp_wrap_rule", "load_classification_data", "load_metric", "optimizer_facts",
+           "parse_settings", "plan_steps", "predict", "start", "train_step", "unmeasured"]  # fmt: skip
 
 
 EXISTS = "pass --overwrite, --resume or another --run-name"  # where the run folder exists already

@@ -25,18 +25,9 @@ from trainscope.measure import health
 
 # The rules of trainscope.advice.rules, then the host-bound rule.
 RULES = [
-    data_loading,
-    threads,
-    padding,
-    evaluation,
-    optimizer,
-    gpu_precision,
-    cpu_precision,
-    batch,
-    gpu_batch,
-    communication,
-    host_bound,
-]
+    data_loading, threads, padding, evaluation, optimizer, gpu_precision, cpu_precision, batch, gpu_batch,
+    communication, host_bound
+]  # fmt: skip
 
 
 def advise(record: dict, in_loop_terms: bool = True) -> list[Suggestion]:

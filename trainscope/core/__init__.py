@@ -3,19 +3,6 @@ environment and precision in effect, one-line errors, liveness of the ranks, the
 one way to launch train.py.
 """
 
-__all__ = [
-    "paths",
-    "script_help",
-    "records",
-    "record_view",
-    "results_view",
-    "communication_view",
-    "provenance",
-    "environment",
-    "precision",
-    "errors",
-    "faults",
-    "liveness",
-    "distributed",
-    "launching",
-]
+__all__ = ["paths", "script_help", "records", "record_view", "results_view", "communication_view",
+           "provenance", "environment", "precision", "errors", "faults", "liveness", "distributed",
+           "launching"]  # fmt: skip

@@ -5,37 +5,16 @@ measured time is resolved, and the share of the transfer hidden behind backward.
 """
 
 # The numeric communication figures an experiment sets side by side (RunView.communication_figures).
-COMMUNICATION_FIGURES = (
-    "exposed_s",
-    "exposed_share",
-    "transfer_s",
-    "hidden_share",
-    "window_s",
-    "overlap",
-    "bus_bandwidth_gbs",
-    "allreduces_per_optimizer_step",
-    "allreduce_bytes_per_step",
-    "gradient_bytes",
-    "ddp_exposed_s",
-    "ddp_comm_s",
-    "ddp_overlap",
-    "measurement_s",
+COMMUNICATION_FIGURES = tuple(
+    "exposed_s exposed_share transfer_s hidden_share window_s overlap bus_bandwidth_gbs allreduces_per_optimizer_step "
+    "allreduce_bytes_per_step gradient_bytes ddp_exposed_s ddp_comm_s ddp_overlap measurement_s".split()
 )
 
 
 # The communication block's figures RunView.communication_figures passes on as they were recorded.
-COMMUNICATION_BLOCK_FIGURES = (
-    "measured",
-    "world_size",
-    "bus_bandwidth_gbs",
-    "allreduce_bytes_per_step",
-    "allreduces_per_optimizer_step",
-    "gradient_bytes",
-    "buckets",
-    "ddp_exposed_s",
-    "ddp_comm_s",
-    "ddp_overlap",
-    "measurement_s",
+COMMUNICATION_BLOCK_FIGURES = tuple(
+    "measured world_size bus_bandwidth_gbs allreduce_bytes_per_step allreduces_per_optimizer_step gradient_bytes "
+    "buckets ddp_exposed_s ddp_comm_s ddp_overlap measurement_s".split()
 )
 
 

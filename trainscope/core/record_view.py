@@ -260,17 +260,9 @@ class RunView:
     @property
     def padding(self) -> dict:
         """Real and padded token positions of the steady training phase, and of evaluation where recorded."""
-        evaluation = self.summary.get("evaluation_tokens") or {}
-        return {
-            "train_tokens": self.throughput.get("tokens"),
-            "train_padded": self.throughput.get("padded_tokens"),
-            "train_samples": self.throughput.get("samples"),
-            "train_padded_squares": self.throughput.get("padded_squares"),
-            "eval_tokens": evaluation.get("tokens"),
-            "eval_padded": evaluation.get("padded_tokens"),
-            "eval_samples": evaluation.get("samples"),
-            "eval_padded_squares": evaluation.get("padded_squares"),
-        }
+        keys = {"tokens": "tokens", "padded": "padded_tokens", "samples": "samples", "padded_squares": "padded_squares"}
+        parts = (("train", self.throughput), ("eval", self.summary.get("evaluation_tokens") or {}))
+        return {f"{part}_{name}": found.get(key) for part, found in parts for name, key in keys.items()}
 
     def run_counts(self) -> dict:
         """Samples, real tokens and optimizer steps trained over the whole run, all ranks."""
@@ -363,20 +355,21 @@ class RunView:
     def micro_batch_s(self) -> float | None:
         """Training seconds per micro-batch over the phase the throughput covers (steady, else warm-up): the slowest
         rank's training time less evaluation over rank 0's micro-batches."""
-        wall = self.throughput.get("train_wall_s")
-        counts = (self.per_rank[0].get("counts") or {}) if self.per_rank else {}
-        phase = "steady" if (counts.get("steady") or {}).get("optimizer_steps") else "warmup"
-        micro_batches = (counts.get(phase) or {}).get("micro_batches")
+        wall, micro_batches = self.throughput.get("train_wall_s"), self._throughput_counts.get("micro_batches")
         return wall / micro_batches if wall and micro_batches else None
 
     @property
     def micro_batch_samples(self) -> int | None:
         """The mean samples per micro-batch of the phase the throughput covers, on rank 0 (a loop's own batch size,
         where its settings do not say it)."""
-        counts = (self.per_rank[0].get("counts") or {}) if self.per_rank else {}
-        phase = "steady" if (counts.get("steady") or {}).get("optimizer_steps") else "warmup"
-        found = counts.get(phase) or {}
+        found = self._throughput_counts
         return round(found["samples"] / found["micro_batches"]) if found.get("micro_batches") else None
+
+    @property
+    def _throughput_counts(self) -> dict:
+        """Rank 0's counts of the phase the throughput covers: steady, else warm-up."""
+        counts = (self.per_rank[0].get("counts") or {}) if self.per_rank else {}
+        return counts.get("steady" if (counts.get("steady") or {}).get("optimizer_steps") else "warmup") or {}
 
     @property
     def model_flops(self) -> dict:
@@ -393,11 +386,6 @@ class RunView:
     def padding_flops_share(self) -> float | None:
         """The share of the counted training FLOPs that went to padding positions; None in older records."""
         return self.throughput.get("padding_flops_share")
-
-    @property
-    def peak_share(self) -> float | None:
-        """Achieved model TFLOP/s over this machine's measured matmul peak: not the datasheet MFU (`mfu`)."""
-        return (self.measured_peak or {}).get("share")
 
     def measured_peak_tflops(self, precision: str | None = None) -> float | None:
         """This machine's measured matmul peak in `precision` (default: the run's), from the environment's block."""
@@ -448,15 +436,9 @@ class RunView:
 
     @property
     def communication_figures(self) -> dict | None:
-        """The communication block's headline figures, whatever schema measured them, physical or not given.
-
-        Schema 4 measures every step directly (trainscope.measure.communication.measured). Schema 3 and earlier estimated the
-        exposed time as the difference of two passes: that estimate reads as a time with the interval of its
-        calibration samples, and is `resolved` only when the interval excludes 0 and spans no more than the time
-        itself; its overlap (1 - exposed / window) and its agreement with DDP's logger (other steps) are not given.
-        `exposed_s` is given only where resolved; `exposed_median_s` is the median either way (the predictor's
-        estimate of the exposed share, trainscope.predict.remember_communication).
-        """
+        """The communication block's headline figures, whatever schema measured them, physical or not given: schema 3's
+        two-pass estimate reads as a time with its calibration samples' interval (no overlap, no agreement).
+        `exposed_s` is given only where resolved; `exposed_median_s` is the median either way."""
         block = self.communication
         if not block:
             return None
@@ -515,6 +497,7 @@ class RunView:
         """The figures an experiment or `make tune` compares, from one run record."""
         peak, kind = self.peak_memory
         communication = self.communication_figures or {}
+        compared = (*COMMUNICATION_FIGURES, "resolved", "exposed_interval", "agreement", "method")
         counts = self.run_counts()
         return {
             "run": self.name,
@@ -526,17 +509,7 @@ class RunView:
             "eval_s": self.eval_s,
             "train_tokens": counts["tokens"],
             "train_samples": counts["samples"],
-            "communication": (
-                {
-                    **{k: communication.get(k) for k in COMMUNICATION_FIGURES},
-                    "resolved": communication["resolved"],
-                    "exposed_interval": communication["exposed_interval"],
-                    "agreement": communication["agreement"],
-                    "method": communication["method"],
-                }
-                if communication.get("measured")
-                else None
-            ),
+            "communication": {k: communication.get(k) for k in compared} if communication.get("measured") else None,
             "peak_memory_gib": peak,
             "memory_kind": kind,
             "test_accuracy": self.test.get("accuracy"),

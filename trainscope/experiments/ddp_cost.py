@@ -31,6 +31,8 @@ SETTINGS = {
     "fp16_hook": ["--ddp-comm-hook", "fp16"],
     "bf16_hook": ["--ddp-comm-hook", "bf16"],
 }
+# the figures of each setting its rows keep
+PICKED = "exposed_s exposed_share transfer_s hidden_share overlap ddp_exposed_s ddp_overlap bus_bandwidth_gbs".split()
 
 
 def arguments(parser) -> None:
@@ -152,19 +154,7 @@ def rows(comparison: dict, runs: dict | None = None) -> list[dict]:
                 "rounds": rounds,
                 "method": found.get("method"),
                 "verdicts": found.get("verdicts") or [],
-                **{
-                    key: pick(key)
-                    for key in (
-                        "exposed_s",
-                        "exposed_share",
-                        "transfer_s",
-                        "hidden_share",
-                        "overlap",
-                        "ddp_exposed_s",
-                        "ddp_overlap",
-                        "bus_bandwidth_gbs",
-                    )
-                },
+                **{key: pick(key) for key in PICKED},
             }
         )
     return out
@@ -275,22 +265,11 @@ def settings_table(comparison: dict, runs: dict | None = None) -> Table:
                 num(r["ddp_overlap"], 0, percent=True),
             ]
         )
+    columns = ["setting", "flags", "s/step", "speed vs default", "verdict", "exposed ms", "DDP's exposed ms",
+               "agreement", "transfer ms", "hidden", "overlap", "DDP's overlap"]  # fmt: skip
     return Table(
         f"DDP settings against DDP's defaults ({comparison['rounds']} alternating rounds)",
-        [
-            "setting",
-            "flags",
-            "s/step",
-            "speed vs default",
-            "verdict",
-            "exposed ms",
-            "DDP's exposed ms",
-            "agreement",
-            "transfer ms",
-            "hidden",
-            "overlap",
-            "DDP's overlap",
-        ],
+        columns,
         cells,
         "ddp_cost",
         align="llrrlrrlrrrr",

@@ -76,6 +76,11 @@ def group_sources(group: OnMachine) -> list[tuple[str, dict]]:
     ]
 
 
+# the trials table's columns
+COLUMNS = ["trial", "change", "kind", "predicted", "speed (same work)", "verdict", "training only",
+           "evaluation only", "result"]  # fmt: skip
+
+
 def section(report, found: sections.Collected) -> None:
     groups = on_machines(found)
     main = main_run(found, groups)
@@ -311,17 +316,7 @@ def tune_table(result: dict, label: str = "tune") -> Table:
         f"make tune: each suggestion (the exact ones first, then the others on top of the kept exact ones), "
         f"then the kept ones together, against the baseline runs of its own rounds (Holm over {tests} test{'s' * (tests != 1)}, "
         "one look)",
-        [
-            "trial",
-            "change",
-            "kind",
-            "predicted",
-            "speed (same work)",
-            "verdict",
-            "training only",
-            "evaluation only",
-            "result",
-        ],
+        COLUMNS,
         rows,
         label,
         align="llllrlrrl",

@@ -16,6 +16,9 @@ from trainscope.report import sections
 from trainscope.report.sections import Headline
 from trainscope.report.tables import Table, num, pyplot
 
+PEAK_SHARE_COLUMNS = ["run", "precision", "peak GFLOP/s", "achieved GFLOP/s", "share of peak", "on real tokens GFLOP/s",
+                      "share on real tokens", "floor s", "training s"]  # fmt: skip
+
 
 def run(args, train_args: list[str]) -> dict:
     runs = Path(args.runs)
@@ -226,17 +229,7 @@ def peak_share_table(pairs: list[tuple[str, dict | None, dict]]) -> Table:
     return Table(
         "Each run against this machine's measured matmul peak (steady training, profiler off; the "
         "floor is the model FLOPs at the peak, an estimate; real tokens: padding positions not counted)",
-        [
-            "run",
-            "precision",
-            "peak GFLOP/s",
-            "achieved GFLOP/s",
-            "share of peak",
-            "on real tokens GFLOP/s",
-            "share on real tokens",
-            "floor s",
-            "training s",
-        ],
+        PEAK_SHARE_COLUMNS,
         [peak_share_row(plain, traced) for _name, plain, traced in pairs],
         "peak_share",
     )

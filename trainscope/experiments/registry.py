@@ -26,21 +26,10 @@ from trainscope.experiments.loaders import results as loaders
 # In the report's order; `compare` and `find-batch` have no section (a tool and a child process), `tune-confirm`
 # (trainscope tune --confirm's result) shows in the Optimization section.
 REGISTRY: list[Experiment] = [
-    profile.EXPERIMENT,
-    optimization.EXPERIMENT,
-    loaders.EXPERIMENT,
-    amp.EXPERIMENT,
-    data_parallel.EXPERIMENT,
-    ddp_cost.EXPERIMENT,
-    ckpt.EXPERIMENT,
-    batch.EXPERIMENT,
-    matrix.EXPERIMENT,
-    compiling.EXPERIMENT,
-    prediction.EXPERIMENT,
-    compare.EXPERIMENT,
-    batch.FIND_BATCH,
-    optimization.CONFIRM,
-]
+    profile.EXPERIMENT, optimization.EXPERIMENT, loaders.EXPERIMENT, amp.EXPERIMENT, data_parallel.EXPERIMENT,
+    ddp_cost.EXPERIMENT, ckpt.EXPERIMENT, batch.EXPERIMENT, matrix.EXPERIMENT, compiling.EXPERIMENT,
+    prediction.EXPERIMENT, compare.EXPERIMENT, batch.FIND_BATCH, optimization.CONFIRM
+]  # fmt: skip
 SECTIONS = [e for e in REGISTRY if e.section is not None]
 USAGE = """python -m trainscope.experiments NAME --runs DIR [options] -- [train.py flags]
 

@@ -3,19 +3,5 @@ read from the model itself), DDP communication, the profiler's windows, the mach
 it, the health warnings, and the benchmark harness that judges two arms in alternating rounds.
 """
 
-__all__ = [
-    "timing",
-    "memory",
-    "summary",
-    "flops",
-    "flops_source",
-    "shapes",
-    "layers",
-    "communication",
-    "profiling",
-    "peak",
-    "gap",
-    "health",
-    "machine_kinds",
-    "bench",
-]
+__all__ = ["timing", "memory", "summary", "flops", "flops_source", "shapes", "layers", "communication",
+           "profiling", "peak", "gap", "health", "machine_kinds", "bench"]  # fmt: skip

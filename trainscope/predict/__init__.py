@@ -30,45 +30,14 @@ from trainscope.predict.screen import screen_lines, show, source_lines
 from trainscope.predict.step import VERSION, PhaseModel, phase_models, quiet_fake_tensors, traced_length, traced_step
 from trainscope.predict.time_model import communication_seconds, predict_time
 
-__all__ = [
-    "MEMORY_SOURCES",
-    "VERSION",
-    "PredictionCheck",
-    "PhaseModel",
-    "PlannedRun",
-    "before_run",
-    "calibration_state",
-    "changed_settings",
-    "communication_seconds",
-    "current_rss_bytes",
-    "data_for",
-    "device_memory_bytes",
-    "evaluation_lengths",
-    "furthest_term",
-    "largest_batch",
-    "peak_memory",
-    "phase_models",
-    "precision_from_environment",
-    "predict",
-    "predict_time",
-    "prediction_errors",
-    "quiet_fake_tensors",
-    "remember_communication",
-    "same_work_seconds",
-    "saved_bytes_at",
-    "screen_lines",
-    "settings_of",
-    "show",
-    "source_lines",
-    "sources",
-    "speedup",
-    "token_lengths",
-    "traced_length",
-    "traced_step",
-    "training_lengths",
-    "planned_run_for",
-    "planned_run_of",
-]
+__all__ = ["MEMORY_SOURCES", "VERSION", "PredictionCheck", "PhaseModel", "PlannedRun", "before_run",
+           "calibration_state", "changed_settings", "communication_seconds", "current_rss_bytes",
+           "data_for", "device_memory_bytes", "evaluation_lengths", "furthest_term", "largest_batch",
+           "peak_memory", "phase_models", "precision_from_environment", "predict", "predict_time",
+           "prediction_errors", "quiet_fake_tensors", "remember_communication", "same_work_seconds",
+           "saved_bytes_at", "screen_lines", "settings_of", "show", "source_lines", "sources", "speedup",
+           "token_lengths", "traced_length", "traced_step", "training_lengths", "planned_run_for",
+           "planned_run_of"]  # fmt: skip
 
 
 def main(argv=None) -> None:

@@ -89,20 +89,9 @@ CALIBRATION_SHAPES = {
     "tiny-bs64": ("cpu", ["--model", "embedded:tiny-bert", "--per-device-batch-size", "64"]),
     "ddp-bs8": ("ddp", ["--per-device-batch-size", "8"]),
 }
-CALIBRATION_ARGS = [
-    "--max-train-samples",
-    "1000",
-    "--max-eval-samples",
-    "96",
-    "--max-test-samples",
-    "96",
-    "--max-steps",
-    "10",
-    "--log-every",
-    "10",
-    "--report-to",
-    "none",
-]
+CALIBRATION_ARGS = (
+    "--max-train-samples 1000 --max-eval-samples 96 --max-test-samples 96 --max-steps 10 --log-every 10 --report-to none"
+).split()
 
 
 def allocator_point(record: dict) -> tuple[float, float] | None:
@@ -343,24 +332,10 @@ QUICK_SHAPES = {
     "bs24": ["--per-device-batch-size", "24"],
     "bs16-ckpt": ["--per-device-batch-size", "16", "--gradient-checkpointing"],
 }
-QUICK_ARGS = [
-    "--max-train-samples",
-    "400",
-    "--max-eval-samples",
-    "32",
-    "--max-test-samples",
-    "32",
-    "--max-steps",
-    "5",
-    "--log-every",
-    "5",
-    "--timing-warmup-steps",
-    "2",
-    "--report-to",
-    "none",
-    "--threads",
-    "auto",
-]
+QUICK_ARGS = (
+    "--max-train-samples 400 --max-eval-samples 32 --max-test-samples 32 --max-steps 5 --log-every 5 "
+    "--timing-warmup-steps 2 --report-to none --threads auto"
+).split()
 
 
 def _lock(path: Path):

@@ -37,22 +37,16 @@ def traced_length(mean: float, batch: int, avoid: set, limit: int | None = None)
     raise ValueError(f"no sequence length to trace near {mean:.0f} within the model's {limit} positions")
 
 
+MODEL_DIMS = (
+    "hidden_size dim intermediate_size hidden_dim num_attention_heads n_heads vocab_size max_position_embeddings "
+    "type_vocab_size num_hidden_layers n_layers"
+).split()
+
+
 def model_dims(config, batch: int, eval_batch: int, labels: int) -> set:
     """Every size a traced tensor has besides the length, so the traced length can be chosen apart from them."""
     dims = {batch, eval_batch, labels, 1}
-    for name in (
-        "hidden_size",
-        "dim",
-        "intermediate_size",
-        "hidden_dim",
-        "num_attention_heads",
-        "n_heads",
-        "vocab_size",
-        "max_position_embeddings",
-        "type_vocab_size",
-        "num_hidden_layers",
-        "n_layers",
-    ):
+    for name in MODEL_DIMS:
         value = getattr(config, name, None)
         if isinstance(value, int):
             dims.add(value)
@@ -158,19 +152,9 @@ def traced_step(
 
 
 # The settings that change what a traced step is (everything else changes only how often it runs).
-TRACE_SETTINGS = (
-    "model",
-    "architecture_only",
-    "attn_implementation",
-    "gradient_checkpointing",
-    "lora",
-    "lora_r",
-    "lora_alpha",
-    "lora_dropout",
-    "lora_target_modules",
-    "max_grad_norm",
-    "weight_decay",
-    "optimizer_implementation",
+TRACE_SETTINGS = tuple(
+    "model architecture_only attn_implementation gradient_checkpointing lora lora_r lora_alpha lora_dropout "
+    "lora_target_modules max_grad_norm weight_decay optimizer_implementation".split()
 )
 
 

@@ -2,17 +2,5 @@
 (resume, checkpoints, signals, the endings) and the loop's counters.
 """
 
-__all__ = [
-    "options",
-    "driver",
-    "startup",
-    "metrics",
-    "table",
-    "lifecycle",
-    "signals",
-    "checkpoints",
-    "trackers",
-    "endings",
-    "loop",
-    "events",
-]
+__all__ = ["options", "driver", "startup", "metrics", "table", "lifecycle", "signals", "checkpoints",
+           "trackers", "endings", "loop", "events"]  # fmt: skip

@@ -12,11 +12,9 @@ from trainscope.measure.memory import peak_rss_bytes
 
 
 def run_shapes(metrics) -> dict | None:
-    """The matmul rate at the run's own GEMM shapes (its batch x mean padded length of the timed steps) and at
-    twice the tokens, and one encoder layer's forward and backward profiled apart at those shapes (the gap's
-    estimate without --profile): from the machine's cache, measured now on a miss. And, for any model whose
-    layers were watched, those layers timed alone in each precision, thread count and at twice the rows
-    (`operations`: trainscope.measure.operations). None when nothing was measurable."""
+    """The matmul rate at the run's own GEMM shapes (its batch x mean padded length) and at twice the tokens, and one
+    encoder layer profiled apart at those shapes: from the machine's cache, measured now on a miss; and the model
+    timed alone (`operations`, `model_alone`). None when nothing was measurable."""
     shape, counts = encoder_shape(metrics.model_config), metrics.loop.counts["steady"]
     if not counts["samples"]:
         counts = metrics.loop.counts["warmup"]
@@ -31,7 +29,6 @@ def run_shapes(metrics) -> dict | None:
     shapes, doubled = (peak.transformer_shapes(*shape, tokens) for tokens in (batch * length, 2 * batch * length))
     store = metrics.accelerator.is_local_main_process
     probe = metrics.driver.layer_breakdown(metrics, batch, length, precision_name)
-
     try:
         found = peak.rates(device, precision_name, shapes + doubled, processes=processes, store=store)
         layer = peak.cached(device, probe[0], probe[1], processes=processes, store=store) if probe else None
@@ -42,21 +39,13 @@ def run_shapes(metrics) -> dict | None:
         for name, group in (("tflops", shapes), ("tflops_doubled", doubled))
         for suffix, which in (("", "tflops"), ("_low", "low"), ("_high", "high"))
     }
-    return {
-        "batch": batch,
-        "length": length,
-        "tokens": batch * length,
-        "layers": shape[0],
-        **rate,
-        "layer": layer,
-        "operations": layers,
-    }
+    sized = {"batch": batch, "length": length, "tokens": batch * length, "layers": shape[0]}
+    return {**sized, **rate, "layer": layer, "operations": layers}
 
 
 def model_alone(metrics, precision_name: str) -> dict | None:
-    """The model's forward and backward on the warm-up's last micro-batch, timed alone in each precision, thread
-    count and at twice the rows (trainscope.measure.operations), every rank at once as the run ran; scaled from
-    that micro-batch to the steady phase's mean (positions where the batches have them, else samples). {reason}
+    """The model timed alone on the warm-up's last micro-batch (trainscope.measure.operations), every rank at once,
+    scaled to the steady phase's mean micro-batch (positions where the batches have them, else samples); {reason}
     where nothing was kept."""
     metrics.operations.close()
     metrics.loop_peak_rss = peak_rss_bytes()  # the run's own: timing the model alone may raise the process's peak
@@ -67,18 +56,11 @@ def model_alone(metrics, precision_name: str) -> dict | None:
     key = "padded_tokens" if counts.get("padded_tokens") else "samples"
     mean = counts[key] / counts["micro_batches"] if counts["micro_batches"] else None
     kept = operations.positions(metrics.operations.inputs)
-    threads = metrics.started.threads
-    model = metrics.accelerator.unwrap_model(metrics.model)
+    threads, scale = metrics.started.threads, mean / kept if mean and kept else 1.0
+    model, device = metrics.accelerator.unwrap_model(metrics.model), metrics.accelerator.device
     try:
-        block = operations.measure(
-            model,
-            metrics.operations.inputs,
-            metrics.accelerator.device,
-            precision_name,
-            threads["torch_threads"],
-            budget=threads.get("thread_budget"),
-            scale=mean / kept if mean and kept else 1.0,
-        )
+        inputs, budget = metrics.operations.inputs, threads.get("thread_budget")
+        block = operations.measure(model, inputs, device, precision_name, threads["torch_threads"], budget, scale)
     except (RuntimeError, ValueError, TypeError) as error:  # a model that will not run alone: said, not fatal
         return {"reason": f"the model could not be timed alone: {' '.join(str(error).split())[:200]}"}
     finally:
@@ -100,18 +82,15 @@ def model_alone(metrics, precision_name: str) -> dict | None:
 
 def machine_peak(metrics, counts: dict) -> None:
     """This machine's matmul peak (trainscope.measure.peak: cached, or measured now by every local process at once)
-    at the model's GEMM shapes for the run's own mean micro-batch (`counts`' phase), and a large square, into the
-    environment block: after the loop, in trainscope's own cost (instrument.cost_s). A failed measurement is
-    recorded, not fatal: the run is what it measures."""
+    at the model's GEMM shapes for the run's mean micro-batch, and a large square, into the environment block. A
+    failed measurement is recorded, not fatal: the run is what it measures."""
     shape, sized = encoder_shape(metrics.model_config), mean_shape(counts, metrics.driver.unpadded)
     shapes = peak.transformer_shapes(*shape, sized[0] * sized[1]) if shape and sized else []
+    accelerator, processes = metrics.accelerator, metrics.started.threads["local_processes"]
+    together = metrics.any_rank if accelerator.num_processes > 1 else None
     try:
         block = peak.machine_peak(
-            metrics.accelerator.device,
-            shapes,
-            processes=metrics.started.threads["local_processes"],
-            together=metrics.any_rank if metrics.accelerator.num_processes > 1 else None,
-            store=metrics.accelerator.is_local_main_process,
+            accelerator.device, shapes, None, processes, together, accelerator.is_local_main_process
         )
         block["sized_at"] = {"batch": sized[0], "length": sized[1]} if shapes else None
     except (RuntimeError, torch.OutOfMemoryError) as error:
@@ -139,11 +118,9 @@ def measured_peak(
     model_flops: dict | None = None,
 ) -> dict | None:
     """The run against its machine's measured matmul peak for the precision in effect: the achieved model TFLOP/s
-    (PaLM, frozen weights without weight gradients: trainscope.measure.flops) per device as a share of that peak -- named
-    apart from the datasheet MFU -- what the hardware executed (the model FLOPs and checkpointing's recomputation,
-    `executed_tflops`: what the above_measured_peak check holds against the peak), the gap estimate without a
-    profile (trainscope.measure.gap.estimate), and the rates and the layer measured at the run's own shapes (`run_shapes`).
-    None when no peak was measured for that precision."""
+    per device as a share of that peak (apart from the datasheet MFU), what the hardware executed (`executed_tflops`,
+    checkpointing's recomputation included), the gap estimate without a profile (trainscope.measure.gap.estimate)
+    and `run_shapes`. None when no peak was measured for that precision."""
     precision_name = env.get("effective_precision") or "fp32"
     found = peak.peak_of(env.get("machine_peak"), precision_name)
     if not found:
@@ -153,10 +130,7 @@ def measured_peak(
     flops = sum(rank["counts"][phase].get("flops") or 0 for rank in per_rank) / len(per_rank)
     return {
         "precision": precision_name,
-        "peak_tflops": found["peak_tflops"],
-        "peak_shape": found["peak_shape"],
-        "spread": found["spread"],
-        "measured": found["measured"],
+        **{key: found[key] for key in ("peak_tflops", "peak_shape", "spread", "measured")},
         "key_id": env["machine_peak"].get("key_id"),
         "achieved_tflops": achieved,
         "share": achieved / found["peak_tflops"] if achieved else None,

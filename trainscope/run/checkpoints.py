@@ -1,15 +1,6 @@
-"""Resumable checkpoints: Accelerate's save_state plus each rank's loop position and timing so far.
-
-runs/<run>/checkpoints/step_<N>/ holds Accelerate's files (model.safetensors, optimizer.bin, scheduler.bin,
-random_states_<R>.pkl) and loop_state_rank<R>.json of every rank, which also says how many processes wrote
-it. A checkpoint is written as .step_<N>.partial and renamed once every rank has written its part, so a
-run killed while saving leaves no half checkpoint for --resume to load; a save that fails (a full disk,
-any error) removes its .partial on every rank and ends the run in one line.
-
-`--resume` chooses before any data or model is loaded (`choose`): the latest checkpoint whose every
-part is present and readable (headers checked, not whole files read), falling back to the one before
-with a warning; it refuses in one line when none is usable, or when the checkpoint was written by
-another number of processes (the data order and the learning-rate schedule depend on it).
+"""Resumable checkpoints: Accelerate's save_state plus each rank's loop position and timing so far, written as
+.step_<N>.partial and renamed once every rank has written its part; `--resume` chooses a usable one (`choose`).
+How it works: docs/endings.md#checkpoints-and---resume.
 """
 
 import errno
@@ -30,10 +21,9 @@ def loop_state_name(rank: int) -> str:
 
 
 def save(accelerator, run_dir: Path, loop_state: dict) -> Path:
-    """runs/<run>/checkpoints/step_<N>/ with save_state and loop_state_rank<R>.json; keeps the latest two.
-
-    Refused before writing when the disk cannot hold it; a failure while writing removes the .partial
-    (on every rank that sees the failure, itself or a peer's) and ends in one line naming the folder."""
+    """runs/<run>/checkpoints/step_<N>/ with save_state and loop_state_rank<R>.json; keeps the latest two. Refused
+    before writing when the disk cannot hold it; a failure while writing removes the .partial (on every rank that
+    sees it, its own or a peer's) and ends in one line naming the folder."""
     checkpoints = Path(run_dir) / "checkpoints"
     directory = checkpoints / f"step_{loop_state['step']:08d}"
     partial = checkpoints / f".{directory.name}.partial"
@@ -56,7 +46,6 @@ def save(accelerator, run_dir: Path, loop_state: dict) -> Path:
         accelerator.wait_for_everyone()
     except BaseException as error:
         shutil.rmtree(partial, ignore_errors=True)
-
         if not isinstance(error, Exception) or lost_a_peer(error):  # a peer's failure: the run names it
             raise
         raise save_failed(error, directory, needed) from error

@@ -1,8 +1,6 @@
 """Who drives a run through trainscope.Run's API, and what it adds: the name its record gives it, how its options are
-written in the lines it prints (trainscope.Run's keywords, train.py's flags), what does not apply, and what a
-workload trainscope knows adds to the generic measurements. `Driver()` is a loop of one's own: it adds nothing and
-loads no model library; train.py's classifier adds the prediction made before the run and its check and one encoder
-layer profiled at the run's shapes (trainscope.classifier.ClassifierDriver).
+written in the lines it prints, what does not apply, and what a workload trainscope knows adds. `Driver()` is a loop of
+one's own: it adds nothing and loads no model library (train.py's: trainscope.classifier.ClassifierDriver).
 """
 
 import dataclasses
@@ -56,13 +54,8 @@ class Driver:
     def instrument_block(self, metrics) -> dict:
         """The record's `instrument` block: who drove the run, how its options are written, where its steps and FLOPs
         come from, what does not apply."""
-        return {
-            "api": self.api,
-            "options": self.options,
-            "flops_basis": metrics.flops.basis,
-            "steps_basis": metrics.events.steps_basis(),
-            "not_available": self.not_available,
-        }
+        said = {"api": self.api, "options": self.options, "flops_basis": metrics.flops.basis}
+        return {**said, "steps_basis": metrics.events.steps_basis(), "not_available": self.not_available}
 
     # ---------------------------------------------------------------- what a workload adds (here: nothing)
 

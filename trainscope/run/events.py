@@ -18,10 +18,9 @@ from trainscope.core.precision import SkippedSteps
 
 
 class LoopEvents:
-    """Training forwards (a forward pre-hook on the model the loop calls) and optimizer steps (a step post-hook on the
-    run's optimizer; torch's global one sees the others), each stamped with one sequence number, so that a step can be placed before
-    or after the micro-batch whose forward came last. `forward_listeners` are called with each training forward's
-    inputs (the FLOPs counter's shapes). `scaler`: the loop's own torch.amp.GradScaler, given to trainscope.Run."""
+    """Training forwards (a forward pre-hook on the model) and optimizer steps (a step post-hook on the run's
+    optimizer; torch's global one sees the others), each stamped with one sequence number, so that a step can be placed
+    before or after the micro-batch whose forward came last. `scaler`: the loop's own torch.amp.GradScaler."""
 
     def __init__(self, model, optimizer, scaler=None):
         self._sequence = itertools.count()
@@ -151,10 +150,7 @@ class LoopEvents:
         return taken
 
     def close(self) -> None:
-        for handle in [
-            *self._handles,
-            *([self._own] if self._own else []),
-        ]:  # the run's optimizer's hook, adopted or not
+        for handle in [*self._handles, *([self._own] if self._own else [])]:  # the run's optimizer's, adopted or not
             handle.remove()
         self._handles = []
         if self._wrapped is not None:

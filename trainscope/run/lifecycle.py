@@ -40,18 +40,14 @@ from trainscope.run.table import table_lines
 # torchrun gives the survivors between its SIGTERM and SIGKILL.
 WATCH_SILENCE_S = 10.0
 # What a record says of how a run ended (and of its latest resume), dropped when it is resumed.
-ENDING_KEYS = (
-    "finished",
-    "interruption",
-    "error",
-    "failed_at_step",
-    "failed_rank",
-    "lost_ranks",
-    "summary",
-    "warnings",
-    "record_rebuilt",
-    "checkpoints_skipped",
+ENDING_KEYS = tuple(
+    "finished interruption error failed_at_step failed_rank lost_ranks summary warnings record_rebuilt "
+    "checkpoints_skipped".split()
 )
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class RunLifecycle:
@@ -96,9 +92,8 @@ class RunLifecycle:
         self.sharding = sharding.attach(metrics.model) if metrics.model is not None else None
         env = metrics.environment()
         names = trackers.trackers_for(self.options.report_to)
-        init_kwargs, tracker_facts = trackers.init_kwargs(
-            names, self.run_dir.name, self.run_dir, self.options.tracker_group
-        )
+        run_dir, group = self.run_dir, self.options.tracker_group
+        init_kwargs, tracker_facts = trackers.init_kwargs(names, run_dir.name, run_dir, group)
         if self.record:
             with self.started.cost.timing("writing_s"):
                 self._write_header(resumed, env, model_facts, data_facts, tracker_facts, prediction)
@@ -153,27 +148,15 @@ class RunLifecycle:
     def _prepare_forced_exit(self, **failure) -> None:
         """The record a second signal writes (the handler may not build it): interrupted, forced, no summary; or,
         once the run is failing, the failure."""
-        if failure:
-            records = {
-                signum: self.record.render(status="failed", finished=FINISHED_MARK, failed_at_step=STEP_MARK, **failure)
-                for signum in STOP_SIGNALS
-            }
-        else:
-            records = {
-                signum: self.record.render(
-                    status="interrupted",
-                    finished=FINISHED_MARK,
-                    interruption={
-                        "signal": signal.Signals(signum).name,
-                        "step": STEP_MARK,
-                        "checkpoint": None,
-                        "forced": True,
-                        "received_here": True,
-                        "received_by": self.rank,
-                    },
-                )
-                for signum in STOP_SIGNALS
-            }
+
+        def fields(signum: int) -> dict:
+            if failure:
+                return {"status": "failed", "finished": FINISHED_MARK, "failed_at_step": STEP_MARK, **failure}
+            stop = {"signal": signal.Signals(signum).name, "step": STEP_MARK, "checkpoint": None, "forced": True}
+            stop.update(received_here=True, received_by=self.rank)
+            return {"status": "interrupted", "finished": FINISHED_MARK, "interruption": stop}
+
+        records = {signum: self.record.render(**fields(signum)) for signum in STOP_SIGNALS}
         self.signals.prepare(self.record.path, records, lambda: self.metrics.loop.step if self.metrics else 0)
 
     def batches(self, loader, epoch: int):
@@ -197,11 +180,9 @@ class RunLifecycle:
         """Say, once, from the training thread, that a signal was received (the handler does not print)."""
         if self.signals.received and not self._noticed:
             self._noticed = True
-            print(
+            _say(
                 f"\n{signal.Signals(self.signals.received).name} received: stopping at the next step boundary "
-                "and recording what was measured (send it again to exit at once)",
-                file=sys.stderr,
-                flush=True,
+                "and recording what was measured (send it again to exit at once)"
             )
 
     def check(self) -> None:
@@ -248,9 +229,8 @@ class RunLifecycle:
         """A checkpoint of this step (the one already written when --save-every just did)."""
         step = self.metrics.loop.step
         if self.saved_step != step:
-            self.saved_checkpoint = checkpoints.save(
-                self.accelerator, self.run_dir, self.metrics.checkpoint_state()
-            ).name
+            state = self.metrics.checkpoint_state()
+            self.saved_checkpoint = checkpoints.save(self.accelerator, self.run_dir, state).name
             self.saved_step = step
         return self.saved_checkpoint
 
@@ -328,11 +308,7 @@ class RunLifecycle:
         shut_down(self.accelerator)
         self._stop_watch()
         if late and not self._noticed:  # after every rank had agreed the run was complete
-            print(
-                f"{signal.Signals(late).name} received after the run completed: its record is complete",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"{signal.Signals(late).name} received after the run completed: its record is complete")
         return result
 
     def _forget_a_failure_the_run_outlived(self) -> None:
@@ -388,11 +364,8 @@ class RunLifecycle:
                 if self.options.save_on_interrupt
                 else f"; {option_words('save_on_interrupt', None, self.driver.options)} would have kept a checkpoint"
             )
-            print(
-                f"interrupted by {name} after optimizer step {step}: the record says so "
-                f"({self.run_dir / 'record.json'}){resume}",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"interrupted by {name} after optimizer step {step}: the record says so ({self.run_dir / 'record.json'}){resume}"
             )
         if unsaved is not None:
             report(unsaved)
@@ -494,7 +467,7 @@ class RunLifecycle:
         try:
             record.update(**fields)
         except OSError as error:
-            print(f"warning: the record could not be updated ({one_line(error)})", file=sys.stderr, flush=True)
+            _say(f"warning: the record could not be updated ({one_line(error)})")
 
     def _partial_summary(self, gather: bool) -> dict | None:
         """What was measured so far; this rank's alone when the ranks cannot all be reached."""
@@ -505,5 +478,5 @@ class RunLifecycle:
         except Exception as error:  # a dead peer, a device error: the record still says how the run ended
             if gather:
                 return self._partial_summary(gather=False)
-            print(f"warning: no partial summary ({one_line(error)})", file=sys.stderr, flush=True)
+            _say(f"warning: no partial summary ({one_line(error)})")
             return None

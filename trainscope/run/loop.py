@@ -9,30 +9,17 @@ FOLD_EVERY = 64
 
 # what each phase counts; squares: the sum of each sequence's real length squared (the attention term of the FLOPs
 # on real tokens)
-COUNTED = (
-    "samples",
-    "tokens",
-    "optimizer_steps",
-    "micro_batches",
-    "flops",
-    "padded_tokens",
-    "padded_squares",
-    "squares",
-)
+COUNTED = tuple("samples tokens optimizer_steps micro_batches flops padded_tokens padded_squares squares".split())
 
 
 class LoopState:
-    """Where the training loop is and what it has counted, checkpointed for --resume.
-
-    Per-micro-batch figures that live on the device (loss, token count) are kept there and read
-    only when a step line is written: reading them is a device sync.
-    """
+    """Where the training loop is and what it has counted, checkpointed for --resume. Per-micro-batch figures that
+    live on the device (loss, token count) stay there until a step line reads them: reading them is a device sync."""
 
     def __init__(self, device, checkpoint: dict | None = None):
         checkpoint = checkpoint or {}
         self.device = device
-        self.step = checkpoint.get("step", 0)
-        self.epoch = checkpoint.get("epoch", 0)
+        self.step, self.epoch = checkpoint.get("step", 0), checkpoint.get("epoch", 0)
         self.batches_in_epoch = checkpoint.get("batches_in_epoch", 0)
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
         self.counts = checkpoint.get("counts") or {}
@@ -126,19 +113,12 @@ class LoopState:
     def finish(self):
         """Fold the device-side token counts into `counts` (one sync, at the end)."""
         self._fold()
-        for phase, tokens in self._phase_tokens.items():
-            self.counts[phase]["tokens"] += tokens.item()
-            tokens.zero_()
-        for phase, squares in self._phase_squares.items():
-            self.counts[phase]["squares"] += squares.item()
-            squares.zero_()
+        for key, sums in (("tokens", self._phase_tokens), ("squares", self._phase_squares)):
+            for phase, total in sums.items():
+                self.counts[phase][key] += total.item()
+                total.zero_()
 
     def checkpoint(self) -> dict:
         self.finish()
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "batches_in_epoch": self.batches_in_epoch,
-            "skipped_steps": self.skipped_steps,
-            "counts": self.counts,
-        }
+        position = {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        return {**position, "skipped_steps": self.skipped_steps, "counts": self.counts}

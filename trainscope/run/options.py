@@ -12,19 +12,9 @@ from trainscope.core.script_help import option
 
 # The numeric options' bounds, checked in this order (the first one broken is the error): (fields, what breaks the
 # rule, what the option must be). A field left None (not given) is not checked.
+POSITIVE = "log_every save_every memory_snapshot_steps memory_every communication_samples distributed_timeout".split()
 NUMBER_RULES = (
-    (
-        (
-            "log_every",
-            "save_every",
-            "memory_snapshot_steps",
-            "memory_every",
-            "communication_samples",
-            "distributed_timeout",
-        ),
-        lambda value: value <= 0,
-        "a positive integer",
-    ),
+    (POSITIVE, lambda value: value <= 0, "a positive integer"),
     (("timing_warmup_steps", "profile_wait", "profile_warmup"), lambda value: value < 0, "0 or more"),
     (("profile_active",), lambda value: value < 1, "at least 1"),
 )

@@ -35,10 +35,9 @@ STEP_MARK, FINISHED_MARK = "<trainscope:step>", "<trainscope:finished>"
 
 
 class StopSignals:
-    """SIGINT, SIGTERM and SIGUSR1 in this process. The handler only notes the first (the training thread
-    acts on it at its next boundary). A second one, more than DUPLICATE_S after the first (a launcher that
-    forwards the terminal's Ctrl-C delivers the same keystroke twice within milliseconds), exits at once:
-    a message and a record prepared by the training thread (`prepare`) are written with system calls only."""
+    """SIGINT, SIGTERM and SIGUSR1 in this process. The handler only notes the first (the training thread acts on it
+    at its next boundary). A second one, more than DUPLICATE_S after the first (a launcher may deliver one Ctrl-C
+    twice within milliseconds), exits at once, writing a record prepared in advance (`prepare`) with system calls."""
 
     DUPLICATE_S = 1.0
 
@@ -112,12 +111,8 @@ def vote_of(value: int) -> tuple[int, int]:
 class StopVote:
     """Ranks agree on stopping without stalling a step: at a voting boundary (every K-th optimizer step's end, every
     gap between evaluation batches) each rank posts the signal it received (0 for none) in an asynchronous MAX
-    all-reduce, and at the next boundary of any kind reads it, long arrived. Every rank has the same boundaries, so
-    every rank reads the same value at the same boundary. CPU tensors over a gloo group, beside NCCL where the run's
-    own group is NCCL, because on NCCL the vote would be a CUDA tensor: reading it is a device synchronization at
-    every vote (the loop's only other sync points are the log steps), behind the step's gradient all-reduces on
-    NCCL's stream. Gloo's group costs one TCP
-    connection per peer (on several machines over GLOO_SOCKET_IFNAME's interface, as NCCL uses NCCL_SOCKET_IFNAME's)."""
+    all-reduce, and reads it at the next boundary, long arrived; every rank has the same boundaries. CPU tensors over
+    a gloo group beside NCCL: on NCCL reading the vote would be a device sync behind the gradient all-reduces."""
 
     def __init__(self, backend: str | None, timeout_s: float | None = None):
         import torch.distributed as dist

@@ -206,9 +206,7 @@ def peak_line(view: RunView) -> str:
 
 def device_time_lines(view: RunView) -> list[str]:
     """On a GPU, one line: the device's busy time against each step's wall time and the idle share that follows
-    (trainscope.measure.summary.device_time: the CUDA events' bound, and the kernel estimate where one layer was
-    profiled), with "host-bound" above the threshold; why not, where it is not measured (--timing sync). None on a
-    CPU."""
+    (trainscope.measure.summary.device_time), "host-bound" above the threshold; why not where it is not measured."""
     block = view.device_time
     if not block or not view.on_cuda:
         return []

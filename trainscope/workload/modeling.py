@@ -21,14 +21,8 @@ EMBEDDED_MODELS = (EMBEDDED_MODEL, TINY_MODEL)
 # Architectures peft has no default LoRA targets for.
 EXTRA_LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"]}
 # Models whose position ids start after the padding index (fairseq's convention): fewer usable positions.
-PADDING_OFFSET_POSITIONS = (
-    "roberta",
-    "xlm-roberta",
-    "xlm-roberta-xl",
-    "camembert",
-    "longformer",
-    "data2vec-text",
-    "roberta-prelayernorm",
+PADDING_OFFSET_POSITIONS = tuple(
+    "roberta xlm-roberta xlm-roberta-xl camembert longformer data2vec-text roberta-prelayernorm".split()
 )
 # Configuration attributes that set dropout, by what they drop (BERT and RoBERTa, DistilBERT, GPT-2 style names).
 DROPOUT_ATTRIBUTES = {

@@ -25,47 +25,24 @@ EMBEDDED_DATASET = "embedded:tweets"
 
 # The classifier's numeric settings' bounds, checked after the run options' (trainscope.run.options.NUMBER_RULES)
 # and in the same form.
+POSITIVE = (
+    "per_device_batch_size eval_batch_size epochs max_steps gradient_accumulation_steps max_seq_length "
+    "max_train_samples max_eval_samples max_test_samples lora_r prefetch_factor"
+).split()
+FINITE = (
+    "learning_rate weight_decay max_grad_norm lora_dropout hidden_dropout attention_dropout warmup_fraction "
+    "ddp_bucket_cap_mb validation_fraction test_fraction"
+).split()
 NUMBER_RULES = (
-    (
-        (
-            "per_device_batch_size",
-            "eval_batch_size",
-            "epochs",
-            "max_steps",
-            "gradient_accumulation_steps",
-            "max_seq_length",
-            "max_train_samples",
-            "max_eval_samples",
-            "max_test_samples",
-            "lora_r",
-            "prefetch_factor",
-        ),
-        lambda value: value <= 0,
-        "a positive integer",
-    ),
+    (POSITIVE, lambda value: value <= 0, "a positive integer"),
     (("num_workers",), lambda value: value < 0, "0 or more"),
-    (
-        (
-            "learning_rate",
-            "weight_decay",
-            "max_grad_norm",
-            "lora_dropout",
-            "hidden_dropout",
-            "attention_dropout",
-            "warmup_fraction",
-            "ddp_bucket_cap_mb",
-            "validation_fraction",
-            "test_fraction",
-        ),
-        lambda value: not math.isfinite(value),
-        "a finite number",
-    ),
+    (FINITE, lambda value: not math.isfinite(value), "a finite number"),
     (("learning_rate",), lambda value: value <= 0, "positive"),
     (("weight_decay",), lambda value: value < 0, "0 or more"),
     (("max_grad_norm",), lambda value: value < 0, "0 (off) or more"),
     (("ddp_bucket_cap_mb",), lambda value: value <= 0, "positive"),
     (
-        ("lora_dropout", "hidden_dropout", "attention_dropout", "warmup_fraction"),
+        "lora_dropout hidden_dropout attention_dropout warmup_fraction".split(),
         lambda value: not 0 <= value < 1,
         "in [0, 1)",
     ),

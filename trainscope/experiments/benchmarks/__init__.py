@@ -7,8 +7,8 @@ the diagnostic that locates a cost inside one process.
 
 `short_run` is the one list of a short train.py run's flags every benchmark builds on."""
 
-__all__ = ["overhead", "trainer_peer", "advice_check", "import_weight", "dropout_draw", "whole_run", "pieces",
-           "short_run"]  # fmt: skip
+__all__ = ["overhead", "trainer_peer", "advice_check", "import_weight", "dropout_draw", "whole_run",
+           "pieces", "short_run"]  # fmt: skip
 
 
 def short_run(samples: int, steps: int | None, warmup: int, log_every: int | None = None, held_out: int = 32) -> list:

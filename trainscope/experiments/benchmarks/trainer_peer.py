@@ -213,30 +213,15 @@ def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=scratch,
-        per_device_train_batch_size=settings.per_device_batch_size,
-        max_steps=settings.max_steps,
-        learning_rate=settings.learning_rate,
-        weight_decay=settings.weight_decay,
-        lr_scheduler_type=settings.lr_scheduler,
-        warmup_steps=int(settings.warmup_fraction * settings.max_steps),
-        max_grad_norm=settings.max_grad_norm or 0.0,
-        logging_steps=settings.log_every,
-        report_to=[],
-        save_strategy="no",
-        eval_strategy="no",
-        dataloader_num_workers=settings.num_workers,
-        dataloader_pin_memory=on_cuda,
-        seed=settings.seed,
-        data_seed=settings.seed,
-        optim="adamw_torch_fused",
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        tf32=settings.tf32 if on_cuda else None,
-        disable_tqdm=True,
-        use_cpu=not on_cuda,
-        dataloader_drop_last=False,
-    )
+        output_dir=scratch, per_device_train_batch_size=settings.per_device_batch_size, max_steps=settings.max_steps,
+        learning_rate=settings.learning_rate, weight_decay=settings.weight_decay,
+        lr_scheduler_type=settings.lr_scheduler, warmup_steps=int(settings.warmup_fraction * settings.max_steps),
+        max_grad_norm=settings.max_grad_norm or 0.0, logging_steps=settings.log_every, report_to=[],
+        save_strategy="no", eval_strategy="no", dataloader_num_workers=settings.num_workers,
+        dataloader_pin_memory=on_cuda, seed=settings.seed, data_seed=settings.seed, optim="adamw_torch_fused",
+        bf16=precision == "bf16", fp16=precision == "fp16", tf32=settings.tf32 if on_cuda else None,
+        disable_tqdm=True, use_cpu=not on_cuda, dataloader_drop_last=False
+    )  # fmt: skip
 
 
 def run_child(flags: list[str], train_args: list[str], config: str | None, what: str) -> dict:
