@@ -135,8 +135,8 @@ def test_the_causal_lm_records_tokens_and_formula_flops_in_one_process(tmp_path)
 def test_the_trainer_example_records_the_trainers_own_steps_and_samples(tmp_path):
     """examples/trainer_classifier.py: a Trainer script as transformers documents one, plus the callback's line; the
     record's optimizer steps and samples are the Trainer's own (its state's global_step, its batch size)."""
-    args = ["--steps", "6", "--max-texts", "400", "--batch-size", "8", "--output-dir", str(tmp_path), "--run-name", "tc"]
-    result = run_in_process(args, main=example_main("trainer_classifier"))
+    args = ["--steps", "6", "--max-texts", "400", "--batch-size", "8", "--output-dir", str(tmp_path)]
+    result = run_in_process([*args, "--run-name", "tc"], main=example_main("trainer_classifier"))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_record(tmp_path / "tc")["summary"]
     steady = 6 - summary["timing"]["warmup_steps"]  # the throughput's window: the steps after warm-up
