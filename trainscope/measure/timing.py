@@ -1,8 +1,5 @@
 """Stage timing: `with timer("forward"): ...`, charging every second of a run to exactly one stage.
 
-Stages add up to wall time (`other` is what the rest leave). On an accelerator each stage is charged its device
-time, by device events (`events`) or by synchronizing at each boundary (`sync`); on a CPU both are the host clock.
-
 How it works: docs/timing.md#in-the-code-the-stage-timer-trainscopemeasuretimingpy.
 """
 

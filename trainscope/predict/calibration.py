@@ -35,9 +35,7 @@ from trainscope.predict.kept import BUSY_CORES, NotKept, contradictions, cpu_sec
 
 SWITCH_ENV = "TRAINSCOPE_CALIBRATION"  # "off": no calibration on first use
 FIRST_USE_BUDGET_S = 60.0
-# In the key: calibrations cached before busy and self-contradicting ones were refused are not read (2), nor those
-# fitted against operator timings cached whatever the machine's load (3: op_costs.VERSION 4).
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 3  # in the key: bump when what a calibration means changes
 
 
 def calibration_key(device: torch.device) -> dict:

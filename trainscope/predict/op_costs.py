@@ -25,8 +25,7 @@ from trainscope.predict.trace import is_leaf_spec, is_rng_spec, is_tensor_spec, 
 MIN_CALLS, MAX_CALLS = 3, 20
 CALL_BUDGET_S = 0.02
 BENCH_CAP_BYTES = 256 * 2**20
-VERSION = 4  # bump when what a cached timing means changes (4: timings measured while other processes were busy are
-# no longer cached, so the caches written before, which may hold such timings, are not read)
+VERSION = 4  # bump when what a cached timing means changes: caches of another version are not read
 
 
 def gemm_precision(dtype: str, device: torch.device) -> str:
