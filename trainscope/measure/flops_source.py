@@ -144,12 +144,8 @@ def is_sequence(key: tuple | None) -> bool:
 
 
 class CountedFlops(NoFlops):
-    """FlopCounterMode around a training micro-batch's forward and backward (from the model's forward to the end of
-    its micro-batch: `run.backward`, the optimizer's step, `run.count_micro_batch` or the next forward, whichever comes first), once
-    per new input shape while counting is allowed (the warm-up steps; always the first). A shape not counted: for a
-    (batch, length) input, the counted positions' operators scaled by positions and attention's by positions x
-    length (with two lengths or more, positions' work fitted as per sample + per position); for any other input,
-    per sample from a count of the same trailing shape."""
+    """FlopCounterMode around a training micro-batch, once per new input shape while counting is allowed; a shape
+    not counted is estimated from those that were (docs/instrument.md#flops-of-the-model-as-it-trains)."""
 
     def __init__(self):
         self.counted: dict[tuple, dict] = {}  # shape -> {"total", "square"} counted

@@ -383,10 +383,8 @@ class Stage:
 
 
 def stage_table(stage_seconds: dict, wall_seconds: float) -> dict:
-    """{wall_s, seconds: {stage: s, other: s}, shares: {stage: fraction}, categories: {...}}.
-
-    `other` is wall - sum(stages). Shares are of wall time and sum to 1 (all zero for an empty wall).
-    """
+    """{wall_s, seconds: {stage: s, other: s}, shares: {stage: fraction}, categories: {...}}: `other` is wall less
+    the stages, shares are of wall time (all zero for an empty wall)."""
     seconds = {stage: float(stage_seconds.get(stage, 0.0)) for stage in STAGES}
     seconds["other"] = wall_seconds - sum(seconds.values())
     shares = {stage: (value / wall_seconds if wall_seconds > 0 else 0.0) for stage, value in seconds.items()}

@@ -180,8 +180,7 @@ def sources(memory: dict, timing: dict) -> dict:
 def before_run(settings, started, tokenizer, data) -> dict:
     """The prediction of this launch, made on every process (peers measure what is missing at once, as the peak
     does); the main process's is the record's, its seconds trainscope's start-up. Never fails a run: an error becomes
-    the block's `error`. A training run uses the machine's calibration where one is cached; the first-use calibration
-    (up to a minute of short runs) is made where a prediction is asked for (--predict), or by make predict-calibrate."""
+    the block's `error`. A training run only reads a cached calibration (docs/predict.md)."""
     fitted = None if settings.predict else calibration.cached(started.state.device)
     try:
         with started.cost.timing("start_s"):

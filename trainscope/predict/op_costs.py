@@ -240,11 +240,8 @@ class OpCosts:
             self._before = cpu_seconds()
 
     def save(self) -> None:
-        """The timings made now into the machine's cache, unless other processes kept more than peak.BUSY_CORES busy
-        (beyond the cores of the launch's other processes, timing theirs at once) while they were made: such timings
-        (an embedding lookup once cached at 8 ms on a 2-core machine, a steady step predicted at 2.25 times what it
-        measured in every run after) are kept for this run only, as the matmul peak's rates are, and timed again by
-        the next run."""
+        """The timings made now into the machine's cache, unless other processes (beyond the launch's) kept more than
+        peak.BUSY_CORES busy meanwhile: those serve this run only, as the matmul peak's rates do."""
         if not (self.store and self.measured):
             return
         if self._before is not None:
@@ -269,10 +266,9 @@ def time_guarded(
     items: list[tuple], device: torch.device, threads: int, timeout_s: float = GUARD_TIMEOUT_S
 ) -> dict | None:
     """Seconds of each (key, operator, spec) of `items`, timed by `python -m trainscope.predict.op_costs` in a child process
-    that says which operator it starts before it starts it: {key: (seconds, None) or (None, why not)}. An operator
-    that kills its child (a segmentation fault in a kernel given made-up inputs) is counted as unmeasured with the
-    signal, and a new child times the ones after it (GUARD_CRASHES children at most). None when the first child
-    could not time anything (it cannot use the device): the caller times them itself."""
+    that names each operator before it starts it: {key: (seconds, None) or (None, why not)}. An operator that kills
+    its child is unmeasured with the signal, and a new child times the rest (GUARD_CRASHES children at most). None
+    when the first child could not time anything: the caller times them itself."""
     import tempfile
 
     found: dict = {}
