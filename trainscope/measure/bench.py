@@ -9,6 +9,7 @@ import itertools
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def mann_whitney_p(x: list[float], y: list[float]) -> float:
             return _exact_p(n, m, round(observed))
         sums = [sum(c) for c in itertools.combinations(ranks, n)]
         return sum(abs(s - expected) >= distance for s in sums) / len(sums)
-    ties = sum(c**3 - c for c in _tie_counts(ranks))
+    ties = sum(c**3 - c for c in Counter(ranks).values())
     variance = n * m / 12 * ((n + m + 1) - ties / ((n + m) * (n + m - 1)))
     z = distance / math.sqrt(variance) if variance > 0 else 0.0
     return math.erfc(z / math.sqrt(2))
@@ -119,13 +120,6 @@ def min_rounds(level: float) -> int:
     while smallest_p(n) >= level:
         n += 1
     return n
-
-
-def _tie_counts(ranks: list[float]) -> list[int]:
-    counts = {}
-    for r in ranks:
-        counts[r] = counts.get(r, 0) + 1
-    return [c for c in counts.values() if c > 1]
 
 
 def holm(p_values: list[float]) -> list[float]:

@@ -414,10 +414,6 @@ def _mfu(view: RunView):
         )
 
 
-def _comm_transfer(block: dict):
-    return block.get("transfer_s", block.get("total_allreduce_s"))  # schema 3 named it total_allreduce_s
-
-
 @register(
     "comm_not_resolved",
     "the exposed communication's interval includes 0 or spans more than the time itself",
@@ -526,7 +522,7 @@ def _prediction_fit_at_bound(view: RunView):
 )
 def _exposed_above_total(view: RunView):
     block = view.communication or {}
-    exposed, total = block.get("exposed_s"), _comm_transfer(block)
+    exposed, total = block.get("exposed_s"), block.get("transfer_s", block.get("total_allreduce_s"))  # schema 3's name
     interval = block.get("exposed_interval") or ([exposed, exposed] if block.get("method") is None else None)
     if block.get("measured") and block.get("exposed_resolved", True) and exposed_above_transfer(interval, total):
         return (

@@ -55,7 +55,7 @@ class Watch(NoWatch):
             self.close()  # the steady phase: no hook runs in a timed step
             return
         self.forwards += 1
-        self.inputs = (_detached(args), _detached(kwargs))
+        self.inputs = (_map_tensors(torch.Tensor.detach, args), _map_tensors(torch.Tensor.detach, kwargs))
 
     def close(self) -> None:
         if self.handle is not None:
@@ -83,10 +83,6 @@ def _map_tensors(change, value):
     if isinstance(value, (tuple, list)):
         return type(value)(_map_tensors(change, v) for v in value)
     return value
-
-
-def _detached(value):
-    return _map_tensors(torch.Tensor.detach, value)
 
 
 def positions(inputs) -> int:

@@ -252,11 +252,6 @@ def fit(records: dict, method: str, seconds: float) -> dict:
     }
 
 
-def _uncalibrated_env(extra: dict | None = None) -> dict:
-    """Runs that calibrate are predicted uncalibrated, and calibrate nothing themselves."""
-    return {**os.environ, SWITCH_ENV: "off", **(extra or {})}
-
-
 def _forget(device: torch.device) -> None:
     for each in {device, torch.device("cpu")}:
         calibration_path(each).unlink(missing_ok=True)
@@ -447,7 +442,7 @@ def _quick_runs(device: torch.device, shapes: dict, budget_s: float) -> tuple[di
         deadline = time.time() + budget_s
         command = [sys.executable, "-m", "trainscope.predict.calibration", "--worker", str(runs), "--deadline",
                    str(deadline)]  # fmt: skip
-        env = _uncalibrated_env({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else None)
+        env = {**os.environ, SWITCH_ENV: "off", **({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else {})}
         for name in LAUNCH_ENV:
             env.pop(name, None)
         before = cpu_seconds()
