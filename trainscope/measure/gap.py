@@ -1,8 +1,5 @@
 """Where the gap between a run and its machine's measured matmul peak goes: pure functions.
 
-The floor is the matmuls' FLOPs at the machine's measured peak; the gap above it is split into categories of the
-profiled operators (`categorize`), or estimated from the model FLOPs without a profile (`estimate`).
-
 How it works: docs/peak.md#in-the-code-where-the-gap-goes-trainscopemeasuregappy.
 """
 

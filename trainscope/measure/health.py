@@ -1,11 +1,6 @@
-"""Health warnings: conditions under which a run's figures are doubtful. One registry entry per warning.
-
-Each entry is defined once, with `@register`: its code, what it means, the check (a function of the record's typed
-view that returns the message, or None), the fix the advisor offers (text and, where the fix is a flag, the flags;
-`{option:value}` in its words is the option as the run's driver writes it, and words keyed by how it writes them where
-they differ: train.py's flags, a loop's keywords) and whether the condition is known when the run starts. Everything
-reads this registry: the warnings printed when a run starts (`at_start`) and at its end, the record's `warnings` list,
-the report (beside every figure drawn from the run) and the advisor (warnings first).
+"""Health warnings: conditions under which a run's figures are doubtful. One registry entry per warning, defined
+with `@register` (how to add one: docs/design.md); its check is a function of the record's typed view returning the
+message or None.
 
     health.check(record) -> [{code, message}]    # pure, in registry order; what is absent is not checked
 """

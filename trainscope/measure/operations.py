@@ -1,9 +1,6 @@
 """The run's own model timed alone, as the run ran it and as a change would (other precisions, threads, twice the
 rows): what the advisor's estimates read from the record, so that no estimate needs the reading machine.
 
-`watch(model, phase)` keeps the inputs of the warm-up's last training forward; `measure` times the model on them after
-the loop, taking gradients without accumulating them and putting buffers, modes and the random state back.
-
 How it works: docs/tune.md#in-the-code-estimates-from-the-runs-own-model-trainscopeadviceestimatespy.
 """
 
@@ -230,11 +227,8 @@ def measure(
     scale: float = 1.0,
 ) -> dict:
     """Every configuration's seconds for one micro-batch ({median, low, high}, scaled by `scale`: the steady phase's
-    mean micro-batch against the one kept) and its `ratio` to the run's own (each round's call against the run's call
-    of the same round: the configurations are timed in interleaved rounds, their order alternating, so that what
-    slows the machine for a while slows them alike). A warm-up call each first; at least MIN_CALLS rounds, more
-    while they fit BUDGET_S a configuration. A configuration that fails (out of memory at twice the rows, a
-    precision the kernels lack) is recorded with its error and left out of the rounds."""
+    mean micro-batch against the one kept) and its `ratio` to the run's own, round by round in interleaved rounds
+    (docs/tune.md); a configuration that fails is recorded with its error and left out of the rounds."""
     started = time.perf_counter()
     others_before = peak.cpu_seconds()
     entries, calls = [], {}

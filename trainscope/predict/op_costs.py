@@ -1,8 +1,5 @@
 """What each traced operator (trainscope.predict.trace) costs on this machine, per call.
 
-Matrix products: their FLOPs at the machine's measured matmul rate (trainscope.measure.peak). Everything else: timed
-once on real tensors of the traced shapes, the fastest of several calls, cached per machine beside the peak's cache.
-
 How it works: docs/predict.md#in-the-code-what-each-operator-costs-trainscopepredictop_costspy.
 """
 

@@ -1,6 +1,5 @@
-"""DDP communication's second instruments: DDP's own logger and the profiler's trace, read and judged against
-trainscope's figures (trainscope.measure.communication.measured) on the same steps, each judged by `agreement`, an
-equivalence verdict on paired differences.
+"""DDP communication's second instruments: DDP's own logger and the profiler's trace, judged against trainscope's
+figures on the same steps by `agreement`.
 
 How it works: docs/ddp.md#in-the-code-how-the-communication-is-checked-trainscopemeasurecommunicationagreementpy.
 """
