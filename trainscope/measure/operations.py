@@ -18,8 +18,7 @@ from trainscope.measure.memory import is_sharded
 
 BUDGET_S = 0.1  # timed calls of one configuration, after its warm-up call (rounds go on while under it)
 MIN_CALLS, MAX_CALLS = 3, 20  # rounds of every configuration
-# Rounds cheaper than this get at least FEW_CALLS: a median of 5 per-round ratios outlasts one disturbed round (an
-# advice run of the causal LM read bf16 1.27x in 3 rounds where five others read 1.12x to 1.19x).
+# Rounds cheaper than this get at least FEW_CALLS: a median of 5 per-round ratios outlasts one disturbed round.
 CHEAP_ROUND_S, FEW_CALLS = 1.5, 5
 
 
