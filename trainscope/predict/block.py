@@ -31,14 +31,10 @@ def _random_state_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
+@_random_state_kept()
 def predict(planned: PlannedRun, store: bool = True, fitted: dict | None = None) -> dict:
     """The prediction block (docs/RECORD.md `prediction`), with this machine's calibration (made now on first use,
     trainscope.predict.calibration.ensure) or the one given (`fitted`: {} for none)."""
-    with _random_state_kept():
-        return _predict(planned, store, fitted)
-
-
-def _predict(planned: PlannedRun, store: bool, fitted: dict | None) -> dict:
     started = time.perf_counter()
     device = planned.device
     # before the costs are read: a first-use calibration times and caches costs of its own
