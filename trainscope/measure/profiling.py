@@ -89,10 +89,8 @@ def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) ->
     on_device, rows = device.type == "cuda", []
     for event in averages:
         if str(getattr(event, "device_type", "CPU")).endswith("CPU"):
-            device_us = getattr(event, "self_device_time_total", None)
-            if device_us is None:
-                device_us = getattr(event, "self_cuda_time_total", 0)
-            cpu_s, device_s = event.self_cpu_time_total / 1e6, device_us / 1e6 if on_device else None
+            cpu_s = event.self_cpu_time_total / 1e6
+            device_s = event.self_device_time_total / 1e6 if on_device else None
             rows.append({"name": event.key, "calls": event.count, "self_cpu_s": cpu_s, "self_device_s": device_s})
     key = "self_device_s" if on_device else "self_cpu_s"
     # the stage labels (record_function spans) and the step markers are not operators
