@@ -108,20 +108,9 @@ class Nvtx:
 
 
 class StageTimer:
-    """Times stages and the run's wall clock, kept apart from any formatting.
-
-    Usage::
-
-        timer.start()
-        with timer("data"): batch = next(it)
-        ...
-        timer.set_phase("steady")   # after the warm-up steps
-        ...
-        timer.stop()
-        timer.summary()
-
-    Misuse raises: a stage inside a stage, an unknown stage, timing outside start()/stop().
-    """
+    """Times stages and the run's wall clock, kept apart from any formatting: `start()`, `with timer("data"): ...`,
+    `set_phase("steady")` after the warm-up steps, `stop()`, `summary()`. Misuse raises: a stage inside a stage, an
+    unknown stage, timing outside start()/stop()."""
 
     def __init__(
         self,

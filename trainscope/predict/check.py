@@ -92,11 +92,8 @@ def _error(predicted, measured) -> dict | None:
 
 
 def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
-    """Each predicted quantity against the run's measurement: peak memory, and the peak above the memory the run held
-    before the model (measured in the same run and so the same on both sides: the error of what was predicted), the
-    steady step and its stages, the warm-up, evaluation and the whole run; each memory term measured in the run; the
-    residual (what the measured peak leaves after the measured terms, against what the prediction put there: not a
-    measurement of any one term); the measured term furthest off (its error as a share of its quantity's total)."""
+    """Each predicted quantity and term against the run's measurement, the residual and the measured term furthest
+    off (summary.prediction_error: docs/predict.md)."""
 
     view = RunView({"summary": summary})
     memory, timing = block["memory"], block["time"]
