@@ -1,9 +1,5 @@
 """Attention as the model really runs it: the kernel torch picks for each `F.scaled_dot_product_attention` call, and
-its FLOPs counted whatever kernel runs it.
-
-FlopCounterMode has no formula for the fused CPU kernel and counts the CUDA kernels' recomputation in their backward:
-every fused kernel is counted as SDPA's math path does the work (torch's forward formula, twice it backward). Why and
-how it is used: docs/instrument.md#attention.
+its FLOPs counted as SDPA's math path does the work whatever kernel runs it (why: docs/instrument.md#attention).
 """
 
 import torch
