@@ -140,9 +140,7 @@ def calibration_state(fitted: dict, device: torch.device) -> dict:
     }
 
 
-# What each term of a prediction rests on: derived from first principles (the traced step's shapes and bytes, at
-# this machine's benchmarked costs: the matmul peak, each operator timed alone, a measured all-reduce bandwidth),
-# fitted (the calibration), or measured in the same run before it starts (the process's memory, the collate).
+# What each memory term rests on (docs/predict.md): derived from the traced step, fitted, or measured in the run.
 MEMORY_SOURCES = {
     "baseline": "measured",
     "parameters": "derived",
