@@ -157,14 +157,11 @@ def _read_cache(key: dict, section: str = "rates") -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _store(
-    key: dict, rates: dict[str, Rate] | None = None, section: str = "rates", entries: dict | None = None
-) -> None:
-    """Merge `rates` (or `entries` of another section) into the key's cache file (atomic; a concurrent writer's new
+def _store(key: dict, section: str, entries: dict) -> None:
+    """Merge `entries` into a section ("rates", "probes") of the key's cache file (atomic; a concurrent writer's new
     entries may be lost: measured again next time)."""
     data = _read_file(key) or {"key": key}
-    new = {name: r.to_dict() for name, r in (rates or {}).items()} if section == "rates" else (entries or {})
-    data[section] = {**(data.get(section) if isinstance(data.get(section), dict) else {}), **new}
+    data[section] = {**(data.get(section) if isinstance(data.get(section), dict) else {}), **entries}
     try:
         write_json_atomic(_cache_path(key), data)
     except OSError:
@@ -180,7 +177,7 @@ def cached(device: torch.device, name: str, measure_now, processes: int | None =
     if found is None:
         found = measure_now()
         if found is not None and store:
-            _store(key, section="probes", entries={name: {**found, "measured": now_iso()}})
+            _store(key, "probes", {name: {**found, "measured": now_iso()}})
     return found
 
 
@@ -369,7 +366,7 @@ def rates(
             # The launch's other processes measure at the same time (machine_peak): their threads are allowed for.
             peers = ((processes or 1) - 1) * torch.get_num_threads()
             if store and not too_busy(others, allowance=peers):
-                _store(key, {_entry(precision_name, s): r for s, r in new.items()})
+                _store(key, "rates", {_entry(precision_name, s): r.to_dict() for s, r in new.items()})
             found.update(new)
     return {s: found[s] for s in shapes}
 
