@@ -236,9 +236,8 @@ def fit(records: dict, method: str, seconds: float) -> dict:
             timings[name] = timing
         if point is not None:
             points[name] = point
-    device = torch.device(next(iter(records.values()))["environment"]["device"].split(":")[0])
     return {
-        "key": calibration_key(device),
+        "key": calibration_key(_device_of(records)),
         "measured": now_iso(),
         "method": method,
         "seconds": seconds,
