@@ -207,11 +207,9 @@ def call_seconds(device: torch.device, call) -> float:
     return time.perf_counter() - started
 
 
-# On a GPU one call timed on the host is mostly launch and synchronization: a 4096x768x768 bf16 product runs in about
-# 10 us (host timing against CUDA events on an H200: docs/gpu.md#the-committed-gpu-runs). Calls are timed on the device
-# instead, as triton.testing.do_bench does: each between two CUDA events, a write over a buffer larger than the L2
-# cache before each (so every call reads its operands from memory, as a training step's first touch does, and the
-# host enqueues the next call while the device runs the flush), all enqueued at once, one synchronization at the end.
+# On a GPU one call timed on the host is mostly launch and synchronization. Calls are timed on the device instead, as
+# triton.testing.do_bench does: each between two CUDA events, after a write over a buffer larger than the L2 cache (so
+# every call reads its operands from memory), all enqueued at once, one synchronization at the end.
 GPU_MAX_CALLS = 50
 FLUSH_BYTES = 256 * 2**20  # at least twice any current GPU's L2 cache (H100 50 MB, H200 60 MB)
 
@@ -257,10 +255,9 @@ def tf32_allowed(on: bool):
 
 
 def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops: float | None = None) -> Rate:
-    """Time an (m, n, k) matmul in `precision_name` on `device` now, at torch's current threads (no cache).
-
-    Skipped when one call would take above MAX_CALL_S at `best_tflops` (the best rate seen on smaller shapes); a
-    warm-up call that itself took above MAX_CALL_S is the one measurement (calls 1: a slow, emulated path)."""
+    """Time an (m, n, k) matmul in `precision_name` on `device` now, at torch's current threads (no cache); skipped
+    above MAX_CALL_S a call at `best_tflops`, the best rate of smaller shapes (docs/peak.md); a warm-up call above
+    MAX_CALL_S is the one measurement."""
     shape, flops, started = tuple(shape), 2 * shape[0] * shape[1] * shape[2], time.perf_counter()
     if best_tflops and flops / (best_tflops * 1e12) > MAX_CALL_S:
         why = (
@@ -340,10 +337,8 @@ def rates(
     use_cache: bool = True,
 ) -> dict[tuple, Rate]:
     """Rates of several shapes in one precision: from the cache (unless `use_cache` is false), the misses measured
-    now and stored (unless `store` is false: a process measuring beside its peers leaves the writing to one).
-
-    Misses are measured smallest first, after a probe of PROBE_SIDE^3; each shape's time per call is estimated at
-    the best rate seen so far, and a shape estimated above MAX_CALL_S is skipped (see `measure`)."""
+    now (smallest first: docs/peak.md) and stored (unless `store` is false: a process measuring beside its peers
+    leaves the writing to one)."""
     shapes = [tuple(int(x) for x in s) for s in shapes]
     with threads_set_to(threads):
         key = machine_key(device, processes=processes)
