@@ -416,12 +416,9 @@ def machine_peak(
     together=None,
     store: bool = True,
 ) -> dict:
-    """The run record's block: every precision this device runs, at `shapes` and one large square.
-
-    `together(missing: bool) -> bool`, when given, is a collective across the launch's processes returning whether
-    any of them misses the cache: then every process measures, at once (what each gets while its peers run).
-    The peak of a precision is its best median over the shapes; the spread is that shape's.
-    """
+    """The run record's block: every precision this device runs, at `shapes` and one large square, its peak the best
+    median over the shapes (with that shape's spread). `together(missing) -> bool`, a collective across the launch's
+    processes, has every process measure at once where any of them misses the cache."""
     shapes = [tuple(s) for s in shapes] + [square(device)]
     shapes = list(dict.fromkeys(shapes))
     names = precisions(device)

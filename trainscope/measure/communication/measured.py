@@ -383,10 +383,9 @@ class Communication:
 
 
 def time_collective(collective, barrier, synchronize, clock=None, iterations: int = TRANSFER_ITERATIONS) -> float:
-    """Seconds of one `collective()` after `barrier()`. On the host: one call between synchronizations. With a device
-    clock (CUDA events, trainscope.measure.timing.EventClock): one warm-up call, then `iterations` calls back to back between
-    two events on the compute stream (each call's wait makes that stream wait for the communication stream),
-    averaged: launches queue behind the device's work instead of being timed."""
+    """Seconds of one `collective()` after `barrier()`: on the host one call between synchronizations; with CUDA
+    events one warm-up call, then the mean of `iterations` calls back to back between two events on the compute
+    stream (each call's wait makes it wait for the communication stream)."""
     barrier()
     if clock is None:
         started = time.perf_counter()
