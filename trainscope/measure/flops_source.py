@@ -1,6 +1,5 @@
-"""Where a run's model FLOPs come from: the model's layers walked as they train (a transformer of a layout trainscope
-knows: trainscope.measure.trained_flops), a figure the user gives, or FlopCounterMode on the training micro-batches
-themselves, once per new input shape while the run warms up, other shapes from what was counted.
+"""Where a run's model FLOPs come from: the model's layers walked as they train, a figure the user gives, or
+FlopCounterMode on the training micro-batches themselves.
 
 How it works: docs/instrument.md#flops-of-the-model-as-it-trains.
 """

@@ -426,8 +426,6 @@ def machine_peak(
         key = machine_key(device, processes=processes)
         cached = _read_cache(key)
         missing = any(_entry(p, s) not in cached for p in names for s in shapes)
-        # With peers: when any of them misses, all measure everything at once (each gets what it gets while the
-        # others run) rather than some reading a rate measured alone.
         any_missed = together(missing) if together is not None else missing
         use_cache = together is None or not any_missed
         block = {"key": key, "key_id": key_id(key), "cache": str(_cache_path(key)), "precisions": {}}
