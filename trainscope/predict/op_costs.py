@@ -64,8 +64,7 @@ class Unmeasurable(Exception):
 
 def materialize(spec, device: torch.device):
     """Real arguments of a spec (args, kwargs): tensors as `_materialize` makes them, and random-generator state as a
-    real call of the operator that made it in the trace returns it (its device, dtype and values are the kernel's own:
-    a fake tensor's may differ, trainscope.predict.trace.RNG_STATE_NAMES)."""
+    real call of the operator that made it in the trace returns it (trainscope.predict.trace.RNG_STATE_NAMES)."""
     produced = {}
 
     def make(leaf):
