@@ -435,10 +435,8 @@ def _exposed_not_resolved(view: RunView):
     "measure the peak again on a quiet machine (delete the trainscope cache folder named in the record)",
 )
 def _above_measured_peak(view: RunView):
-    """The measured peak checked against a second instrument: the FLOP/s the run's matmuls executed (its model FLOPs,
-    frozen weights without weight gradients, and activation checkpointing's recomputation: trainscope.measure.flops), and
-    with --profile the traced matmuls' rate (the profiler's FLOPs over their self time). Above the peak by more than
-    its spread is impossible for the one or the other."""
+    """The measured peak checked against the FLOP/s the run's matmuls executed (model FLOPs and recomputation) and,
+    with --profile, the traced matmuls' rate: either above the peak by more than its spread is impossible."""
 
     measured = view.measured_peak or {}
     peak, spread = measured.get("peak_tflops"), measured.get("spread") or 0.0

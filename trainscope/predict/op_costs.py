@@ -155,8 +155,7 @@ def _operator(name: str):
 class OpCosts:
     """Per-call seconds of traced operators on `device` at `threads` with `processes` local processes measuring at
     once, from the cache or timed now; `store` false leaves the writing to another process. `guarded` (default: on a
-    GPU) times the operators in a child process (`time_guarded`): a kernel that crashes on made-up inputs ends that
-    child, not the run."""
+    GPU) times them in a child process (`time_guarded`), which a kernel crashing on made-up inputs ends, not the run."""
 
     def __init__(
         self, device: torch.device, threads: int, processes: int, store: bool = True, guarded: bool | None = None
