@@ -215,10 +215,9 @@ class StageTimer:
 
     @contextmanager
     def paused(self):
-        """Time that belongs to no figure (a measurement's own work): the wall clocks of the phase and the
-        step line skip it, and on CUDA its allocations stay out of the run's memory peak (read apart, as
-        `paused_peak_allocated_bytes`). The pause's peak is its own: the allocator's peak counter is folded into
-        the run's peak and reset on entry, or the pause would read the peak of the backward before it."""
+        """Time that belongs to no figure (a measurement's own work): the phase's and the step line's wall clocks skip
+        it, and on CUDA its allocations stay out of the run's peak (`paused_peak_allocated_bytes`); the peak counter is
+        folded into the run's and reset on entry, or the pause would read the backward's peak before it."""
         if self._active is not None:
             raise RuntimeError(f"paused() inside stage {self._active!r}")
         if not self._running:
