@@ -109,8 +109,7 @@ def _clocks_of(index: int) -> tuple:
 
 
 def machine_key(device: torch.device, threads: int | None = None, processes: int | None = None) -> dict:
-    """What a measured rate belongs to (see the module's docstring); `threads` default: torch's now, `processes`
-    default: this launch's local processes."""
+    """What a measured rate belongs to (docs/peak.md); `threads` default: torch's now, `processes`: this launch's."""
     processes = environment.local_processes() if processes is None else processes
     common = {
         "device": device.type,

@@ -115,8 +115,7 @@ def _shrink(spec) -> tuple:
 
 
 def time_call(call, device: torch.device) -> float:
-    """Seconds of `call()`: the fastest of the timed calls after one warm-up call (see the module's docstring); on a
-    GPU each call is timed on the device between CUDA events (trainscope.measure.peak.device_call_seconds)."""
+    """Seconds of `call()`: the fastest of the timed calls after one warm-up call (on a GPU each between CUDA events)."""
     first = peak.call_seconds(device, call)
     if device.type == "cuda":
         return min(peak.device_call_seconds(call, peak.calls_within(first, CALL_BUDGET_S), device))
