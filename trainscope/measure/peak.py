@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import operator
 import os
 import platform
 import statistics
@@ -265,7 +266,7 @@ def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops
         )
         return Rate(precision_name, shape, best_tflops, best_tflops, best_tflops, 0, now_iso(), 0.0, skipped=why)
     with tf32_allowed(precision_name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
-        product = functools.partial(torch.matmul, *_operands(device, precision_name, shape))
+        product = functools.partial(operator.matmul, *_operands(device, precision_name, shape))  # a @ b
         first = call_seconds(device, product)  # warm-up: kernel selection, JIT, first touch of the output
         times = [first] if first > MAX_CALL_S else []
         if not times and device.type == "cuda":
