@@ -164,10 +164,8 @@ def planted_gpu(monkeypatch):
     from trainscope.measure import peak
 
     gpu = PlantedGPU(kernel_s=8e-6)
-    monkeypatch.setattr(peak, "time", SimpleNamespace(perf_counter=gpu.perf_counter))
-    monkeypatch.setattr(op_costs, "time", SimpleNamespace(perf_counter=gpu.perf_counter))
-    for module in (peak, op_costs):
-        monkeypatch.setattr(module, "_synchronize", gpu.synchronize)
+    monkeypatch.setattr(peak, "time", SimpleNamespace(perf_counter=gpu.perf_counter))  # op_costs times through peak
+    monkeypatch.setattr(peak, "synchronize", gpu.synchronize)
     monkeypatch.setattr(peak, "_new_event", gpu.event, raising=False)
     monkeypatch.setattr(peak, "_flush_buffer", gpu.flush_buffer, raising=False)
     monkeypatch.setattr(peak, "_operands", lambda device, precision, shape: (gpu.matrix(), gpu.matrix()))

@@ -183,7 +183,7 @@ def test_the_peak_cache_feeds_the_matmul_costs(tmp_path, monkeypatch):
     shape = (64, 32, 48)
     key = peak.machine_key(CPU, threads=1, processes=1)
     rate = peak.Rate("fp32", shape, 0.5, 0.5, 0.5, 3, "2026-01-01T00:00:00+00:00", 0.1)
-    peak._store(key, {peak._entry("fp32", shape): rate})
+    peak._store(key, "rates", {peak._entry("fp32", shape): rate.to_dict()})
     op = trace.Op("forward", "aten.mm.default", "k", ((), {}), gemm=shape, dtype="float32")
     assert op_costs.OpCosts(CPU, 1, 1, store=False).seconds(op) == pytest.approx(2 * 64 * 32 * 48 / 0.5e12)
 

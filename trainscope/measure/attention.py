@@ -1,9 +1,5 @@
 """Attention as the model really runs it: the kernel torch picks for each `F.scaled_dot_product_attention` call, and
-its FLOPs counted whatever kernel runs it.
-
-FlopCounterMode has no formula for the fused CPU kernel and counts the CUDA kernels' recomputation in their backward:
-every fused kernel is counted as SDPA's math path does the work (torch's forward formula, twice it backward). Why and
-how it is used: docs/instrument.md#attention.
+its FLOPs counted as SDPA's math path does the work whatever kernel runs it (why: docs/instrument.md#attention).
 """
 
 import torch
@@ -35,9 +31,8 @@ def flop_formulas() -> dict:
 
 
 class KernelWatch(torch.overrides.TorchFunctionMode):
-    """Which kernel torch picks (`torch._fused_sdp_choice`, what SDPA itself asks) for each
-    `F.scaled_dot_product_attention` call of the model's first training forward and its first evaluation forward,
-    from the call's own tensors, mask and dropout. The mode is on for those two forwards only."""
+    """Which kernel torch picks for each SDPA call of the model's first training and first evaluation forward
+    (docs/instrument.md#attention); the mode is on for those two forwards only."""
 
     def __init__(self, model):
         super().__init__()
@@ -81,8 +76,7 @@ class KernelWatch(torch.overrides.TorchFunctionMode):
             self.attention_dropout = dropout_p
 
     def block(self, flops_basis: str | None) -> dict:
-        """The record's `environment.sdpa_kernels`: each phase's kernels ("none": the forward called no
-        F.scaled_dot_product_attention, as eager attention; null: no such forward seen) and how its FLOPs count them."""
+        """The record's `environment.sdpa_kernels` (docs/instrument.md#attention)."""
         return {
             **{phase: None if kernels is None else "+".join(kernels) or "none" for phase, kernels in self.seen.items()},
             "attention_dropout": self.attention_dropout,

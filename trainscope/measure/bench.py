@@ -1,8 +1,4 @@
-"""The one benchmark harness: alternating rounds, a stated test with an effect size, provenance.
-
-Every comparison trainscope publishes runs its arms through `alternate` and judges them with `compare_samples`
-(Mann-Whitney U and a minimum effect); Holm's correction for several trials, Schuirmann's two one-sided tests for
-"the same result" (`equivalence`), and the results files with their provenance (`write_results`) live here too.
+"""The one benchmark harness: alternating rounds, a stated test with an effect size, equivalence, provenance.
 
 How it works: docs/trust.md#in-the-code-the-one-benchmark-harness-trainscopemeasurebenchpy.
 """
@@ -13,6 +9,7 @@ import itertools
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,10 +32,8 @@ def round_order(names: list[str], round_index: int) -> list[str]:
 def alternate(
     arms: dict[str, Callable[[int], dict]], rounds: int, log: Callable[[str], None] = print, first_round: int = 0
 ) -> list[dict]:
-    """Run every arm once per round, alternating the order; returns one {arm: result} per round.
-
-    An arm is called with the round index and returns a dict of measurements (e.g. samples_per_s).
-    """
+    """Run every arm (called with the round index, returning a dict of measurements) once per round, alternating
+    the order; returns one {arm: result} per round."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     results = []
@@ -62,13 +57,8 @@ def _brief(result: dict) -> str:
 
 
 def mann_whitney_p(x: list[float], y: list[float]) -> float:
-    """Two-sided p-value of the Mann-Whitney U test (Wilcoxon rank-sum) for samples x and y.
-
-    Exact: the rank sum of x under every assignment of the pooled mid-ranks to the two samples
-    (ties keep their mid-ranks), when there are at most EXACT_LIMIT assignments; else the normal
-    approximation with a tie correction. p = P(|W - E W| >= |w - E W|) under the null hypothesis that
-    both samples come from one distribution.
-    """
+    """Two-sided p-value of the Mann-Whitney U test of x against y: exact over the pooled mid-ranks' assignments
+    up to EXACT_LIMIT of them, else the normal approximation with a tie correction."""
     n, m = len(x), len(y)
     if n == 0 or m == 0:
         return 1.0
@@ -89,7 +79,7 @@ def mann_whitney_p(x: list[float], y: list[float]) -> float:
             return _exact_p(n, m, round(observed))
         sums = [sum(c) for c in itertools.combinations(ranks, n)]
         return sum(abs(s - expected) >= distance for s in sums) / len(sums)
-    ties = sum(c**3 - c for c in _tie_counts(ranks))
+    ties = sum(c**3 - c for c in Counter(ranks).values())
     variance = n * m / 12 * ((n + m + 1) - ties / ((n + m) * (n + m - 1)))
     z = distance / math.sqrt(variance) if variance > 0 else 0.0
     return math.erfc(z / math.sqrt(2))
@@ -97,9 +87,8 @@ def mann_whitney_p(x: list[float], y: list[float]) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _rank_sum_counts(n: int, m: int) -> tuple[int, ...]:
-    """How many n-subsets of the ranks 1..n+m have each rank sum, from the smallest, n(n+1)/2, upwards: the
-    exact null distribution of the Wilcoxon rank sum without ties (Mann & Whitney 1947), counted by dynamic
-    programming instead of enumerating the subsets."""
+    """How many n-subsets of the ranks 1..n+m have each rank sum, from the smallest, n(n+1)/2, upwards (the exact
+    null distribution without ties), by dynamic programming."""
     top = sum(range(m + 1, n + m + 1))
     ways = [[0] * (top + 1) for _ in range(n + 1)]  # ways[j][s]: j ranks chosen so far, summing to s
     ways[0][0] = 1
@@ -121,25 +110,16 @@ def _exact_p(n: int, m: int, rank_sum: int) -> float:
 
 
 def smallest_p(n: int, m: int | None = None) -> float:
-    """The smallest two-sided exact Mann-Whitney p-value of n against m measurements (m = n by default):
-    both extreme arrangements, 2 / C(n + m, n). A test at level `a` can say anything only where this is below a."""
+    """The smallest two-sided exact Mann-Whitney p-value of n against m measurements (m = n by default)."""
     return 2 / math.comb(n + (n if m is None else m), n)
 
 
 def min_rounds(level: float) -> int:
-    """The fewest alternating rounds (n against n) whose smallest exact p-value is below `level`: 4 for 0.05, 5
-    for 0.05/2 to 0.05/6 (Holm's first threshold over up to 6 tests), 6 for 0.05/7 to 0.05/23."""
+    """The fewest alternating rounds (n against n) whose smallest exact p-value is below `level` (4 for 0.05)."""
     n = 1
     while smallest_p(n) >= level:
         n += 1
     return n
-
-
-def _tie_counts(ranks: list[float]) -> list[int]:
-    counts = {}
-    for r in ranks:
-        counts[r] = counts.get(r, 0) + 1
-    return [c for c in counts.values() if c > 1]
 
 
 def holm(p_values: list[float]) -> list[float]:
@@ -275,18 +255,10 @@ EQUIVALENCE_POWER = 0.8  # the power the seeds needed are sized for
 def equivalence(
     differences: list[float], margin: float, alpha: float = EQUIVALENCE_ALPHA, power: float | None = EQUIVALENCE_POWER
 ) -> dict:
-    """Two one-sided tests (Schuirmann 1987) of paired differences against +-margin, with its three answers:
-
-    * "same": the (1 - 2 alpha) t interval of the mean difference lies inside (-margin, +margin) -- both
-      one-sided nulls (difference <= -margin, difference >= +margin) rejected at alpha;
-    * "changed": the interval lies wholly outside [-margin, +margin] -- the difference is shown to exceed the
-      margin; `p_changed` is that one-sided test's p-value (below alpha exactly when the interval is outside), so
-      a caller testing several metrics at once can correct it (Holm);
-    * "undecided": anything else (fewer than 2 differences included). Then `needed` is the number of pairs that
-      would show it with the given power at the observed mean and SD taken as true (`pairs_to_show`): "same"
-      where |mean| < margin, "changed" where |mean| > margin (`shows` says which), None where none would (or
-      with power None: not computed, as a simulation of the verdicts alone asks).
-    """
+    """Two one-sided tests (Schuirmann 1987) of paired differences against +-margin: "same" where the (1 - 2 alpha)
+    t interval of the mean lies inside (-margin, +margin), "changed" where wholly outside it (`p_changed`: that
+    one-sided p, for Holm), else "undecided" with `needed`, the pairs that would show `shows` at `power`
+    (`pairs_to_show`; None with power None)."""
     n = len(differences)
     result = {"n": n, "margin": margin, "alpha": alpha, "confidence": 1 - 2 * alpha, "mean": None, "sd": None}
     result |= {"interval": None, "verdict": "undecided", "needed": None, "shows": None, "p_changed": 1.0}
@@ -322,12 +294,9 @@ def changed_p(mean: float, sd: float, n: int, margin: float) -> float:
 def equivalence_chances(
     n: int, mean: float, sd: float, margin: float, alpha: float = EQUIVALENCE_ALPHA
 ) -> tuple[float, float]:
-    """(P("same"), P("changed")): how often `equivalence` answers each for n paired differences drawn from a normal
-    distribution of this mean and SD, exactly up to quadrature: the sample mean and SD are independent, the SD
-    (as u = s / sd) has the chi density of n - 1 degrees of freedom, and for each u the interval mean +- t s / sqrt n
-    lies inside the margin, or wholly outside it, with a normal probability. Simpson's rule over u (the tests
-    check it against simulation). The chance of "same" at a true difference of 0 is make tune's power to call a
-    change that alters nothing "same"."""
+    """(P("same"), P("changed")): how often `equivalence` answers each for n normal paired differences of this mean
+    and SD: for each u = s / sd (chi density, n - 1 degrees of freedom; Simpson's rule over u) the interval lies
+    inside, or wholly outside, the margin with a normal probability."""
     return _chance(n, mean, sd, margin, alpha, "same"), _chance(n, mean, sd, margin, alpha, "changed")
 
 
@@ -386,11 +355,9 @@ def pairs_to_show(
     power: float = EQUIVALENCE_POWER,
     most: int = 1000,
 ) -> int | None:
-    """The fewest pairs that show a true difference `mean` (with this SD) "same" (|mean| < margin) or "changed"
-    (|mean| > margin) with probability `power`, by the exact chances (`equivalence_chances`); None where
-    |mean| = margin or more than `most` would be needed. The search starts where a shifted-t approximation of the
-    power reaches `power`, then walks to the exact boundary; Chow, Shao & Wang's closed forms are its two limits
-    (docs/trust.md#in-the-code-the-one-benchmark-harness-trainscopemeasurebenchpy)."""
+    """The fewest pairs that show a true difference `mean` "same" (|mean| < margin) or "changed" (|mean| > margin)
+    with probability `power` by the exact chances (`equivalence_chances`), from a shifted-t approximation's start;
+    None where |mean| = margin or more than `most` would be needed."""
     if abs(mean) == margin or sd < 0:
         return None
     goal = 0 if abs(mean) < margin else 1
@@ -420,18 +387,15 @@ def pairs_to_show(
 
 def rejection_rate(n: int, m: int, level: float) -> float:
     """The exact size of the two-sided Mann-Whitney test of n against m untied measurements at `level`: the share
-    of the C(n + m, n) equally likely rank arrangements whose p-value is below it (6 against 6 at 0.05: 38/924 =
-    0.0411; 4 against 4: 2/70). The rate a fixed design's null simulation must hold."""
+    of the equally likely rank arrangements whose p-value is below it."""
     low = n * (n + 1) // 2
     counts = _rank_sum_counts(n, m)
     return sum(c for s, c in enumerate(counts, low) if _exact_p(n, m, s) < level) / math.comb(n + m, n)
 
 
 def median_interval(values: list[float], confidence: float = 0.95) -> dict:
-    """A distribution-free interval for the median of `values` (order statistics: the median lies between the k-th
-    smallest and the k-th largest of n with probability 1 - 2 P(Binomial(n, 1/2) < k)), the narrowest whose
-    confidence is at least `confidence`, or [min, max] with the confidence it has when n is too small for it (5
-    values: 93.75%). {low, high, confidence, n}."""
+    """A distribution-free interval for the median of `values` from order statistics, the narrowest whose confidence
+    is at least `confidence` (or [min, max] with the confidence it has): {low, high, confidence, n}."""
     ordered, n = sorted(values), len(values)
 
     def covers(k: int) -> float:  # 1 - 2 P(Binomial(n, 1/2) <= k - 1)

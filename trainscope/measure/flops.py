@@ -96,8 +96,7 @@ FULL = Training()
 def flops_coefficients(layers: int, hidden: int, intermediate: int, training: Training = FULL) -> dict:
     """FLOPs of one training micro-batch as a x (batch x length) + b x (batch x length^2), for the model FLOPs
     ("model": (a, b)) and for the recomputation of activation checkpointing ("recomputed": (a, b), zeros without
-    it): the module docstring's formula. Linear in the positions and their squares, so a run's totals follow from
-    its padded tokens and padded squares."""
+    it): docs/peak.md's formula, linear in the positions and their squares."""
     n, adapters = matmul_parameters(layers, hidden, intermediate), training.adapter_weights
     attention = layers * hidden
     forward = (2 * (n + adapters), 4 * attention)
@@ -110,9 +109,7 @@ def flops_coefficients(layers: int, hidden: int, intermediate: int, training: Tr
 
 def first_layer_skipped(hidden: int, training: Training) -> tuple[int, int]:
     """The backward matmuls autograd skips where the first layer's input needs no gradient, as (a, b) per token and
-    per token x length: the input gradients of its query, key and value projections and of their adapters' A, and
-    each attention backward matmul no trained projection needs (values': P^T dO; weights': dO V^T, for the queries'
-    or the keys'; queries': dS K; keys': dS^T Q)."""
+    per token x length (which ones: docs/peak.md#in-the-code-model-flops-from-the-formula-to-mfu-trainscopemeasureflopspy)."""
     query, key, value = training.first_layer_trains
     executed = value + (query or key) + query + key
     return 6 * hidden * hidden + 2 * training.first_layer_adapters, 2 * hidden * (4 - executed)

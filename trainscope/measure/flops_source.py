@@ -1,6 +1,5 @@
-"""Where a run's model FLOPs come from: the model's layers walked as they train (a transformer of a layout trainscope
-knows: trainscope.measure.trained_flops), a figure the user gives, or FlopCounterMode on the training micro-batches
-themselves, once per new input shape while the run warms up, other shapes from what was counted.
+"""Where a run's model FLOPs come from: the model's layers walked as they train, a figure the user gives, or
+FlopCounterMode on the training micro-batches themselves.
 
 How it works: docs/instrument.md#flops-of-the-model-as-it-trains.
 """
@@ -144,12 +143,8 @@ def is_sequence(key: tuple | None) -> bool:
 
 
 class CountedFlops(NoFlops):
-    """FlopCounterMode around a training micro-batch's forward and backward (from the model's forward to the end of
-    its micro-batch: `run.backward`, the optimizer's step, `run.count_micro_batch` or the next forward, whichever comes first), once
-    per new input shape while counting is allowed (the warm-up steps; always the first). A shape not counted: for a
-    (batch, length) input, the counted positions' operators scaled by positions and attention's by positions x
-    length (with two lengths or more, positions' work fitted as per sample + per position); for any other input,
-    per sample from a count of the same trailing shape."""
+    """FlopCounterMode around a training micro-batch, once per new input shape while counting is allowed; a shape
+    not counted is estimated from those that were (docs/instrument.md#flops-of-the-model-as-it-trains)."""
 
     def __init__(self):
         self.counted: dict[tuple, dict] = {}  # shape -> {"total", "square"} counted

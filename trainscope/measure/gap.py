@@ -1,8 +1,5 @@
 """Where the gap between a run and its machine's measured matmul peak goes: pure functions.
 
-The floor is the matmuls' FLOPs at the machine's measured peak; the gap above it is split into categories of the
-profiled operators (`categorize`), or estimated from the model FLOPs without a profile (`estimate`).
-
 How it works: docs/peak.md#in-the-code-where-the-gap-goes-trainscopemeasuregappy.
 """
 
@@ -63,12 +60,9 @@ def _keyword_category(name: str) -> str | None:
 
 
 def categorize(events, on_device: bool, labels: tuple[str, ...] = ()) -> dict:
-    """Self time per category over the traced steps, from torch.profiler's `events()` (FunctionEvents).
-
-    `labels`: record_function names that are spans, not operators (the stage names). Returns {basis, window_s,
-    categories: {name: seconds}, communication_hidden_s, overlap_s, calls, matmul_flops, matmul_s, attention_ops,
-    attention_total_s, attention_dropout_s}: docs/peak.md#in-the-code-where-the-gap-goes-trainscopemeasuregappy.
-    """
+    """Self time per category over the traced steps, from torch.profiler's `events()` (FunctionEvents); `labels`:
+    record_function names that are spans, not operators (the stage names). What it returns:
+    docs/peak.md#in-the-code-where-the-gap-goes-trainscopemeasuregappy."""
     events = list(events)
     hidden = hidden_communication_s(events) if on_device else 0.0
     events = [e for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU")]

@@ -1,11 +1,6 @@
-"""Health warnings: conditions under which a run's figures are doubtful. One registry entry per warning.
-
-Each entry is defined once, with `@register`: its code, what it means, the check (a function of the record's typed
-view that returns the message, or None), the fix the advisor offers (text and, where the fix is a flag, the flags;
-`{option:value}` in its words is the option as the run's driver writes it, and words keyed by how it writes them where
-they differ: train.py's flags, a loop's keywords) and whether the condition is known when the run starts. Everything
-reads this registry: the warnings printed when a run starts (`at_start`) and at its end, the record's `warnings` list,
-the report (beside every figure drawn from the run) and the advisor (warnings first).
+"""Health warnings: conditions under which a run's figures are doubtful. One registry entry per warning, defined
+with `@register` (how to add one: docs/design.md); its check is a function of the record's typed view returning the
+message or None.
 
     health.check(record) -> [{code, message}]    # pure, in registry order; what is absent is not checked
 """
@@ -414,10 +409,6 @@ def _mfu(view: RunView):
         )
 
 
-def _comm_transfer(block: dict):
-    return block.get("transfer_s", block.get("total_allreduce_s"))  # schema 3 named it total_allreduce_s
-
-
 @register(
     "comm_not_resolved",
     "the exposed communication's interval includes 0 or spans more than the time itself",
@@ -444,10 +435,8 @@ def _exposed_not_resolved(view: RunView):
     "measure the peak again on a quiet machine (delete the trainscope cache folder named in the record)",
 )
 def _above_measured_peak(view: RunView):
-    """The measured peak checked against a second instrument: the FLOP/s the run's matmuls executed (its model FLOPs,
-    frozen weights without weight gradients, and activation checkpointing's recomputation: trainscope.measure.flops), and
-    with --profile the traced matmuls' rate (the profiler's FLOPs over their self time). Above the peak by more than
-    its spread is impossible for the one or the other."""
+    """The measured peak checked against the FLOP/s the run's matmuls executed (model FLOPs and recomputation) and,
+    with --profile, the traced matmuls' rate: either above the peak by more than its spread is impossible."""
 
     measured = view.measured_peak or {}
     peak, spread = measured.get("peak_tflops"), measured.get("spread") or 0.0
@@ -526,7 +515,7 @@ def _prediction_fit_at_bound(view: RunView):
 )
 def _exposed_above_total(view: RunView):
     block = view.communication or {}
-    exposed, total = block.get("exposed_s"), _comm_transfer(block)
+    exposed, total = block.get("exposed_s"), block.get("transfer_s", block.get("total_allreduce_s"))  # schema 3's name
     interval = block.get("exposed_interval") or ([exposed, exposed] if block.get("method") is None else None)
     if block.get("measured") and block.get("exposed_resolved", True) and exposed_above_transfer(interval, total):
         return (

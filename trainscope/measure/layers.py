@@ -5,11 +5,8 @@ import torch
 
 
 def transformer_layer_classes(model) -> list[str]:
-    """Class names of the model's repeated blocks: what FSDP shards one by one.
-
-    The model's own `_no_split_modules` where it declares them; otherwise the class of the items of
-    its longest ModuleList (DistilBERT's TransformerBlock declares nothing).
-    """
+    """Class names of the model's repeated blocks (what FSDP shards one by one): the model's `_no_split_modules`,
+    else the class of the items of its longest ModuleList (DistilBERT declares nothing)."""
     declared = [name for name in (getattr(model, "_no_split_modules", None) or []) if "Embedding" not in name]
     if declared:
         return sorted(declared)

@@ -1,9 +1,6 @@
 """The run's own model timed alone, as the run ran it and as a change would (other precisions, threads, twice the
 rows): what the advisor's estimates read from the record, so that no estimate needs the reading machine.
 
-`watch(model, phase)` keeps the inputs of the warm-up's last training forward; `measure` times the model on them after
-the loop, taking gradients without accumulating them and putting buffers, modes and the random state back.
-
 How it works: docs/tune.md#in-the-code-estimates-from-the-runs-own-model-trainscopeadviceestimatespy.
 """
 
@@ -21,8 +18,7 @@ from trainscope.measure.memory import is_sharded
 
 BUDGET_S = 0.1  # timed calls of one configuration, after its warm-up call (rounds go on while under it)
 MIN_CALLS, MAX_CALLS = 3, 20  # rounds of every configuration
-# Rounds cheaper than this get at least FEW_CALLS: a median of 5 per-round ratios outlasts one disturbed round (an
-# advice run of the causal LM read bf16 1.27x in 3 rounds where five others read 1.12x to 1.19x).
+# Rounds cheaper than this get at least FEW_CALLS: a median of 5 per-round ratios outlasts one disturbed round.
 CHEAP_ROUND_S, FEW_CALLS = 1.5, 5
 
 
@@ -55,7 +51,7 @@ class Watch(NoWatch):
             self.close()  # the steady phase: no hook runs in a timed step
             return
         self.forwards += 1
-        self.inputs = (_detached(args), _detached(kwargs))
+        self.inputs = (_map_tensors(torch.Tensor.detach, args), _map_tensors(torch.Tensor.detach, kwargs))
 
     def close(self) -> None:
         if self.handle is not None:
@@ -83,10 +79,6 @@ def _map_tensors(change, value):
     if isinstance(value, (tuple, list)):
         return type(value)(_map_tensors(change, v) for v in value)
     return value
-
-
-def _detached(value):
-    return _map_tensors(torch.Tensor.detach, value)
 
 
 def positions(inputs) -> int:
@@ -234,11 +226,8 @@ def measure(
     scale: float = 1.0,
 ) -> dict:
     """Every configuration's seconds for one micro-batch ({median, low, high}, scaled by `scale`: the steady phase's
-    mean micro-batch against the one kept) and its `ratio` to the run's own (each round's call against the run's call
-    of the same round: the configurations are timed in interleaved rounds, their order alternating, so that what
-    slows the machine for a while slows them alike). A warm-up call each first; at least MIN_CALLS rounds, more
-    while they fit BUDGET_S a configuration. A configuration that fails (out of memory at twice the rows, a
-    precision the kernels lack) is recorded with its error and left out of the rounds."""
+    mean micro-batch against the one kept) and its `ratio` to the run's own, round by round in interleaved rounds
+    (docs/tune.md); a configuration that fails is recorded with its error and left out of the rounds."""
     started = time.perf_counter()
     others_before = peak.cpu_seconds()
     entries, calls = [], {}

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import operator
 import os
 import platform
 import statistics
@@ -109,8 +110,7 @@ def _clocks_of(index: int) -> tuple:
 
 
 def machine_key(device: torch.device, threads: int | None = None, processes: int | None = None) -> dict:
-    """What a measured rate belongs to (see the module's docstring); `threads` default: torch's now, `processes`
-    default: this launch's local processes."""
+    """What a measured rate belongs to (docs/peak.md); `threads` default: torch's now, `processes`: this launch's."""
     processes = environment.local_processes() if processes is None else processes
     common = {
         "device": device.type,
@@ -157,14 +157,11 @@ def _read_cache(key: dict, section: str = "rates") -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _store(
-    key: dict, rates: dict[str, Rate] | None = None, section: str = "rates", entries: dict | None = None
-) -> None:
-    """Merge `rates` (or `entries` of another section) into the key's cache file (atomic; a concurrent writer's new
+def _store(key: dict, section: str, entries: dict) -> None:
+    """Merge `entries` into a section ("rates", "probes") of the key's cache file (atomic; a concurrent writer's new
     entries may be lost: measured again next time)."""
     data = _read_file(key) or {"key": key}
-    new = {name: r.to_dict() for name, r in (rates or {}).items()} if section == "rates" else (entries or {})
-    data[section] = {**(data.get(section) if isinstance(data.get(section), dict) else {}), **new}
+    data[section] = {**(data.get(section) if isinstance(data.get(section), dict) else {}), **entries}
     try:
         write_json_atomic(_cache_path(key), data)
     except OSError:
@@ -180,7 +177,7 @@ def cached(device: torch.device, name: str, measure_now, processes: int | None =
     if found is None:
         found = measure_now()
         if found is not None and store:
-            _store(key, section="probes", entries={name: {**found, "measured": now_iso()}})
+            _store(key, "probes", {name: {**found, "measured": now_iso()}})
     return found
 
 
@@ -210,11 +207,9 @@ def call_seconds(device: torch.device, call) -> float:
     return time.perf_counter() - started
 
 
-# On a GPU one call timed on the host is mostly launch and synchronization: a 4096x768x768 bf16 product runs in about
-# 10 us (host timing against CUDA events on an H200: docs/gpu.md#the-committed-gpu-runs). Calls are timed on the device
-# instead, as triton.testing.do_bench does: each between two CUDA events, a write over a buffer larger than the L2
-# cache before each (so every call reads its operands from memory, as a training step's first touch does, and the
-# host enqueues the next call while the device runs the flush), all enqueued at once, one synchronization at the end.
+# On a GPU one call timed on the host is mostly launch and synchronization. Calls are timed on the device instead, as
+# triton.testing.do_bench does: each between two CUDA events, after a write over a buffer larger than the L2 cache (so
+# every call reads its operands from memory), all enqueued at once, one synchronization at the end.
 GPU_MAX_CALLS = 50
 FLUSH_BYTES = 256 * 2**20  # at least twice any current GPU's L2 cache (H100 50 MB, H200 60 MB)
 
@@ -260,10 +255,9 @@ def tf32_allowed(on: bool):
 
 
 def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops: float | None = None) -> Rate:
-    """Time an (m, n, k) matmul in `precision_name` on `device` now, at torch's current threads (no cache).
-
-    Skipped when one call would take above MAX_CALL_S at `best_tflops` (the best rate seen on smaller shapes); a
-    warm-up call that itself took above MAX_CALL_S is the one measurement (calls 1: a slow, emulated path)."""
+    """Time an (m, n, k) matmul in `precision_name` on `device` now, at torch's current threads (no cache); skipped
+    above MAX_CALL_S a call at `best_tflops`, the best rate of smaller shapes (docs/peak.md); a warm-up call above
+    MAX_CALL_S is the one measurement."""
     shape, flops, started = tuple(shape), 2 * shape[0] * shape[1] * shape[2], time.perf_counter()
     if best_tflops and flops / (best_tflops * 1e12) > MAX_CALL_S:
         why = (
@@ -272,7 +266,7 @@ def measure(device: torch.device, precision_name: str, shape: tuple, best_tflops
         )
         return Rate(precision_name, shape, best_tflops, best_tflops, best_tflops, 0, now_iso(), 0.0, skipped=why)
     with tf32_allowed(precision_name == "tf32") if device.type == "cuda" else contextlib.nullcontext():
-        product = functools.partial(torch.matmul, *_operands(device, precision_name, shape))
+        product = functools.partial(operator.matmul, *_operands(device, precision_name, shape))  # a @ b
         first = call_seconds(device, product)  # warm-up: kernel selection, JIT, first touch of the output
         times = [first] if first > MAX_CALL_S else []
         if not times and device.type == "cuda":
@@ -343,10 +337,8 @@ def rates(
     use_cache: bool = True,
 ) -> dict[tuple, Rate]:
     """Rates of several shapes in one precision: from the cache (unless `use_cache` is false), the misses measured
-    now and stored (unless `store` is false: a process measuring beside its peers leaves the writing to one).
-
-    Misses are measured smallest first, after a probe of PROBE_SIDE^3; each shape's time per call is estimated at
-    the best rate seen so far, and a shape estimated above MAX_CALL_S is skipped (see `measure`)."""
+    now (smallest first: docs/peak.md) and stored (unless `store` is false: a process measuring beside its peers
+    leaves the writing to one)."""
     shapes = [tuple(int(x) for x in s) for s in shapes]
     with threads_set_to(threads):
         key = machine_key(device, processes=processes)
@@ -369,7 +361,7 @@ def rates(
             # The launch's other processes measure at the same time (machine_peak): their threads are allowed for.
             peers = ((processes or 1) - 1) * torch.get_num_threads()
             if store and not too_busy(others, allowance=peers):
-                _store(key, {_entry(precision_name, s): r for s, r in new.items()})
+                _store(key, "rates", {_entry(precision_name, s): r.to_dict() for s, r in new.items()})
             found.update(new)
     return {s: found[s] for s in shapes}
 
@@ -424,12 +416,9 @@ def machine_peak(
     together=None,
     store: bool = True,
 ) -> dict:
-    """The run record's block: every precision this device runs, at `shapes` and one large square.
-
-    `together(missing: bool) -> bool`, when given, is a collective across the launch's processes returning whether
-    any of them misses the cache: then every process measures, at once (what each gets while its peers run).
-    The peak of a precision is its best median over the shapes; the spread is that shape's.
-    """
+    """The run record's block: every precision this device runs, at `shapes` and one large square, its peak the best
+    median over the shapes (with that shape's spread). `together(missing) -> bool`, a collective across the launch's
+    processes, has every process measure at once where any of them misses the cache."""
     shapes = [tuple(s) for s in shapes] + [square(device)]
     shapes = list(dict.fromkeys(shapes))
     names = precisions(device)
@@ -437,8 +426,6 @@ def machine_peak(
         key = machine_key(device, processes=processes)
         cached = _read_cache(key)
         missing = any(_entry(p, s) not in cached for p in names for s in shapes)
-        # With peers: when any of them misses, all measure everything at once (each gets what it gets while the
-        # others run) rather than some reading a rate measured alone.
         any_missed = together(missing) if together is not None else missing
         use_cache = together is None or not any_missed
         block = {"key": key, "key_id": key_id(key), "cache": str(_cache_path(key)), "precisions": {}}

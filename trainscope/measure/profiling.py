@@ -89,10 +89,8 @@ def top_operators(averages, device: torch.device, limit: int = TOP_OPERATORS) ->
     on_device, rows = device.type == "cuda", []
     for event in averages:
         if str(getattr(event, "device_type", "CPU")).endswith("CPU"):
-            device_us = getattr(event, "self_device_time_total", None)
-            if device_us is None:
-                device_us = getattr(event, "self_cuda_time_total", 0)
-            cpu_s, device_s = event.self_cpu_time_total / 1e6, device_us / 1e6 if on_device else None
+            cpu_s = event.self_cpu_time_total / 1e6
+            device_s = event.self_device_time_total / 1e6 if on_device else None
             rows.append({"name": event.key, "calls": event.count, "self_cpu_s": cpu_s, "self_device_s": device_s})
     key = "self_device_s" if on_device else "self_cpu_s"
     # the stage labels (record_function spans) and the step markers are not operators
@@ -189,12 +187,6 @@ def quiet_kineto():
         os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
-def first_layer(model):
-    """The first of the model's repeated blocks (its longest ModuleList), or None."""
-    longest = longest_module_list(model)
-    return longest[0] if longest is not None else None
-
-
 def layer_breakdown(model, batch: int, length: int, precision_name: str, device: torch.device) -> dict | None:
     """One encoder layer's forward and backward at the run's shapes, profiled apart in training mode and the run's
     precision (self time per category: trainscope.measure.gap.categorize): where a run's time goes without --profile.
@@ -202,7 +194,7 @@ def layer_breakdown(model, batch: int, length: int, precision_name: str, device:
     no repeated block that takes hidden states alone (or it fails on them)."""
     import copy
 
-    layer = first_layer(model)
+    layer = (longest_module_list(model) or [None])[0]  # the first of its repeated blocks
     width = next((m.in_features for m in layer.modules() if isinstance(m, torch.nn.Linear)), None) if layer else None
     if width is None or any(is_sharded(p) for p in layer.parameters()):  # FSDP2: a copy would gather its shards
         return None

@@ -1,7 +1,5 @@
-"""What each rank holds: the modules FSDP2's `fully_shard` manages (by class), this rank's share of the parameters
-(the DTensors' local shards against the whole tensors) and the all-gathers and reduce-scatters FSDP2 issued, counted
-at its own communication objects (each call passed on unchanged); and after training, the checksum of this rank's
-parameters and its loss scaler's state (`end_state`: DDP's ranks must end with the same)."""
+"""What each rank holds under FSDP2 (the modules `fully_shard` manages, its parameters' local share, the collectives
+FSDP2 issued) and, after training, its parameters' checksum and loss scaler (docs/RECORD.md `fsdp`, `end_state`)."""
 
 from collections import Counter
 

@@ -93,11 +93,9 @@ def device_time(
     recomputed: bool = False,
     communication: dict | None = None,
 ) -> dict:
-    """How busy the device was in each training step: the CUDA events' bound (`busy_at_most_s`, so
-    `idle_share_at_least`) and, where one encoder layer's kernels were profiled at the run's shapes, the kernel
-    estimate (`kernel_estimate`), with the host-bound verdict (idle above HOST_BOUND_IDLE). Per optimizer step of
-    `phase`, the median over ranks. Not applicable (every figure None, with the reason) without device events: a
-    CPU's host clock, or `--timing sync`'s host clock after a synchronize (the device never runs ahead)."""
+    """How busy the device was in each training step of `phase` (median over ranks): the CUDA events' bound, the
+    kernel estimate and the host-bound verdict (docs/timing.md#the-devices-idle-share); every figure None, with the
+    reason, without device events."""
     block = dict.fromkeys(DEVICE_TIME_KEYS) | {"basis": EVENT_SPANS_BASIS, "phase": phase, "over_wall": []}
     block["threshold"] = HOST_BOUND_IDLE
     if mode != "events":

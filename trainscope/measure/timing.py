@@ -1,8 +1,5 @@
 """Stage timing: `with timer("forward"): ...`, charging every second of a run to exactly one stage.
 
-Stages add up to wall time (`other` is what the rest leave). On an accelerator each stage is charged its device
-time, by device events (`events`) or by synchronizing at each boundary (`sync`); on a CPU both are the host clock.
-
 How it works: docs/timing.md#in-the-code-the-stage-timer-trainscopemeasuretimingpy.
 """
 
@@ -111,20 +108,9 @@ class Nvtx:
 
 
 class StageTimer:
-    """Times stages and the run's wall clock, kept apart from any formatting.
-
-    Usage::
-
-        timer.start()
-        with timer("data"): batch = next(it)
-        ...
-        timer.set_phase("steady")   # after the warm-up steps
-        ...
-        timer.stop()
-        timer.summary()
-
-    Misuse raises: a stage inside a stage, an unknown stage, timing outside start()/stop().
-    """
+    """Times stages and the run's wall clock, kept apart from any formatting: `start()`, `with timer("data"): ...`,
+    `set_phase("steady")` after the warm-up steps, `stop()`, `summary()`. Misuse raises: a stage inside a stage, an
+    unknown stage, timing outside start()/stop()."""
 
     def __init__(
         self,
@@ -229,10 +215,9 @@ class StageTimer:
 
     @contextmanager
     def paused(self):
-        """Time that belongs to no figure (a measurement's own work): the wall clocks of the phase and the
-        step line skip it, and on CUDA its allocations stay out of the run's memory peak (read apart, as
-        `paused_peak_allocated_bytes`). The pause's peak is its own: the allocator's peak counter is folded into
-        the run's peak and reset on entry, or the pause would read the peak of the backward before it."""
+        """Time that belongs to no figure (a measurement's own work): the phase's and the step line's wall clocks skip
+        it, and on CUDA its allocations stay out of the run's peak (`paused_peak_allocated_bytes`); the peak counter is
+        folded into the run's and reset on entry, or the pause would read the backward's peak before it."""
         if self._active is not None:
             raise RuntimeError(f"paused() inside stage {self._active!r}")
         if not self._running:
@@ -386,10 +371,8 @@ class Stage:
 
 
 def stage_table(stage_seconds: dict, wall_seconds: float) -> dict:
-    """{wall_s, seconds: {stage: s, other: s}, shares: {stage: fraction}, categories: {...}}.
-
-    `other` is wall - sum(stages). Shares are of wall time and sum to 1 (all zero for an empty wall).
-    """
+    """{wall_s, seconds: {stage: s, other: s}, shares: {stage: fraction}, categories: {...}}: `other` is wall less
+    the stages, shares are of wall time (all zero for an empty wall)."""
     seconds = {stage: float(stage_seconds.get(stage, 0.0)) for stage in STAGES}
     seconds["other"] = wall_seconds - sum(seconds.values())
     shares = {stage: (value / wall_seconds if wall_seconds > 0 else 0.0) for stage, value in seconds.items()}

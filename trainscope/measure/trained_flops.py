@@ -1,14 +1,8 @@
 """Model FLOPs of a transformer as it is built and as it trains: its layers walked one by one.
 
-Each projection (a linear map of `i` inputs and `o` outputs) costs 2io per token forward, 2io backward for its input's
-gradient where its input needs one, and 2io for its weight's gradient where the weight trains; LoRA's adapters are two
-such maps of rank r. Attention costs 4QT per token forward (scores and weighted sum over T positions, Q the query
-width: the full square, as FlopCounterMode counts eager and SDPA math attention) and, backward, 2QT for each of the
-value, probability, query and key gradients autograd computes. What needs a gradient follows the layer's dataflow from
-what trains: frozen layers below the first one that trains cost their forward only. The head is the one the built
-model has (an LM head on every position, a sequence classifier's on every position or on one per sequence), never
-read from `config.architectures`. Left out, as in PaLM's model FLOPs: embeddings, norms, activations, softmax, the
-loss and any recomputation. Checked against FlopCounterMode: tests/test_decoder_flops.py, tests/test_conformance.py.
+A projection of i inputs and o outputs costs 2io per token forward, 2io for its input's gradient where needed, 2io for
+its weight's where it trains; attention 4QT per token forward (Q the query width, T positions: the full square) and
+2QT for each gradient autograd computes. What is counted: docs/instrument.md#flops-of-the-model-as-it-trains.
 """
 
 import dataclasses

@@ -1,13 +1,8 @@
 """Predict a run before it runs -- peak memory per process, the steady step time and the run's time, "fits" or
-"does not fit" -- and, once it has run, how far off each predicted quantity was (docs/predict.md). This front holds
-the names the rest of trainscope uses -- train.py predicts before its run, the metrics component checks the
-prediction in it, make predict-check, tune and the advisor ask for predictions and speed-ups -- and the
-calibration's command:
-
-    python -m trainscope.predict --calibrate        # make predict-calibrate (trainscope.predict.calibration.main)
+"does not fit" -- and, once it has run, how far off each predicted quantity was (docs/predict.md): the names the rest
+of trainscope uses. `python -m trainscope.predict --calibrate` is make predict-calibrate.
 """
 
-from trainscope.predict import calibration
 from trainscope.predict.block import MEMORY_SOURCES, before_run, calibration_state, predict, sources
 from trainscope.predict.change import same_work_seconds, speedup
 from trainscope.predict.check import PredictionCheck, furthest_term, prediction_errors, remember_communication
@@ -38,8 +33,3 @@ __all__ = ["MEMORY_SOURCES", "VERSION", "PredictionCheck", "PhaseModel", "Planne
            "saved_bytes_at", "screen_lines", "settings_of", "show", "source_lines", "sources", "speedup",
            "token_lengths", "traced_length", "traced_step", "training_lengths", "planned_run_for",
            "planned_run_of"]  # fmt: skip
-
-
-def main(argv=None) -> None:
-    """The calibration's command (trainscope.predict.calibration.main): make predict-calibrate."""
-    calibration.main(argv)

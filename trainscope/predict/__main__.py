@@ -1,5 +1,5 @@
 """python -m trainscope.predict --calibrate: make predict-calibrate."""
 
-from trainscope.predict import main
+from trainscope.predict.calibration import main
 
 main()

@@ -31,14 +31,10 @@ def _random_state_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
+@_random_state_kept()
 def predict(planned: PlannedRun, store: bool = True, fitted: dict | None = None) -> dict:
     """The prediction block (docs/RECORD.md `prediction`), with this machine's calibration (made now on first use,
     trainscope.predict.calibration.ensure) or the one given (`fitted`: {} for none)."""
-    with _random_state_kept():
-        return _predict(planned, store, fitted)
-
-
-def _predict(planned: PlannedRun, store: bool, fitted: dict | None) -> dict:
     started = time.perf_counter()
     device = planned.device
     # before the costs are read: a first-use calibration times and caches costs of its own
@@ -144,9 +140,7 @@ def calibration_state(fitted: dict, device: torch.device) -> dict:
     }
 
 
-# What each term of a prediction rests on: derived from first principles (the traced step's shapes and bytes, at
-# this machine's benchmarked costs: the matmul peak, each operator timed alone, a measured all-reduce bandwidth),
-# fitted (the calibration), or measured in the same run before it starts (the process's memory, the collate).
+# What each memory term rests on (docs/predict.md): derived from the traced step, fitted, or measured in the run.
 MEMORY_SOURCES = {
     "baseline": "measured",
     "parameters": "derived",
@@ -180,8 +174,7 @@ def sources(memory: dict, timing: dict) -> dict:
 def before_run(settings, started, tokenizer, data) -> dict:
     """The prediction of this launch, made on every process (peers measure what is missing at once, as the peak
     does); the main process's is the record's, its seconds trainscope's start-up. Never fails a run: an error becomes
-    the block's `error`. A training run uses the machine's calibration where one is cached; the first-use calibration
-    (up to a minute of short runs) is made where a prediction is asked for (--predict), or by make predict-calibrate."""
+    the block's `error`. A training run only reads a cached calibration (docs/predict.md)."""
     fitted = None if settings.predict else calibration.cached(started.state.device)
     try:
         with started.cost.timing("start_s"):

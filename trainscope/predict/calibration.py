@@ -1,9 +1,6 @@
 """The predictor's fitted terms, once per machine: the allocator's share of a CPU process's peak RSS and the
 framework's own time, fitted on short training runs whose predictions are made uncalibrated (trainscope.predict).
 
-Made by itself on first use (`ensure`: four shapes within FIRST_USE_BUDGET_S, cached) or in full (`python -m
-trainscope.predict --calibrate`); each calibration records how it was made and which terms it could not fit.
-
 How it works: docs/predict.md#in-the-code-how-the-predictor-is-calibrated-trainscopepredictcalibrationpy.
 """
 
@@ -35,9 +32,7 @@ from trainscope.predict.kept import BUSY_CORES, NotKept, contradictions, cpu_sec
 
 SWITCH_ENV = "TRAINSCOPE_CALIBRATION"  # "off": no calibration on first use
 FIRST_USE_BUDGET_S = 60.0
-# In the key: calibrations cached before busy and self-contradicting ones were refused are not read (2), nor those
-# fitted against operator timings cached whatever the machine's load (3: op_costs.VERSION 4).
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 3  # in the key: bump when what a calibration means changes
 
 
 def calibration_key(device: torch.device) -> dict:
@@ -190,12 +185,8 @@ def fit_time(points: list[dict]) -> dict:
     residuals (each run's row over its measured step: the prediction is judged by its relative error), with
     -0.5 <= a <= 1 and d, c at least 0: a training step's operators scale by 1 + a (inside a step their inputs are
     colder than when timed alone), each dispatch costs d, each step c more (the loop). Each evaluation pass costs
-    the median of what its residual leaves after its dispatches, at least 0.
-
-    From fewer than MIN_TIME_POINTS runs only c is fitted (the median residual, at least 0); a and d are not fitted
-    (`not_fitted`: held at 0, the operators as timed alone and nothing per dispatch). Every term held at a bound
-    because the fit wanted beyond it -- the bounded fit's, c's or an evaluation pass's clamp at 0 -- is in
-    `at_bound` (each prediction made with it carries health's prediction_fit_at_bound)."""
+    the median of what its residual leaves after its dispatches, at least 0. From fewer than MIN_TIME_POINTS runs
+    only c (`not_fitted`); a term the fit held at a bound is in `at_bound` (docs/predict.md)."""
     columns = np.array([[p["step_operator_s"], p["step_dispatches"], 1.0] for p in points], float)
     residual = np.array([p["step_residual_s"] for p in points], float)
     weights = np.array([1.0 / p["step_s"] for p in points], float)
@@ -245,9 +236,8 @@ def fit(records: dict, method: str, seconds: float) -> dict:
             timings[name] = timing
         if point is not None:
             points[name] = point
-    device = torch.device(next(iter(records.values()))["environment"]["device"].split(":")[0])
     return {
-        "key": calibration_key(device),
+        "key": calibration_key(_device_of(records)),
         "measured": now_iso(),
         "method": method,
         "seconds": seconds,
@@ -259,11 +249,6 @@ def fit(records: dict, method: str, seconds: float) -> dict:
             "time": {k: v["step_residual_s"] / v["step_s"] for k, v in timings.items()},
         },
     }
-
-
-def _uncalibrated_env(extra: dict | None = None) -> dict:
-    """Runs that calibrate are predicted uncalibrated, and calibrate nothing themselves."""
-    return {**os.environ, SWITCH_ENV: "off", **(extra or {})}
 
 
 def _forget(device: torch.device) -> None:
@@ -369,9 +354,8 @@ def cached(device: torch.device) -> dict:
 
 def ensure(device: torch.device, budget_s: float | None = None, shapes: dict | None = None) -> dict:
     """This machine's calibration: the cached one, else one made now (`first_use`, marked `made_now`) and cached;
-    `{error}` where it is switched off (TRAINSCOPE_CALIBRATION=off) or could not be made (the prediction then says it
-    is uncalibrated, and why). A failure is remembered for RETRY_AFTER_S, so runs do not each spend the budget again.
-    Every process of a launch may call it: one calibrates, the others wait and read."""
+    `{error}` where switched off or not made (a failure is remembered for RETRY_AFTER_S). One process of a launch
+    calibrates, the others wait and read."""
     found = read_calibration(device)
     if found:
         return found
@@ -457,7 +441,7 @@ def _quick_runs(device: torch.device, shapes: dict, budget_s: float) -> tuple[di
         deadline = time.time() + budget_s
         command = [sys.executable, "-m", "trainscope.predict.calibration", "--worker", str(runs), "--deadline",
                    str(deadline)]  # fmt: skip
-        env = _uncalibrated_env({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else None)
+        env = {**os.environ, SWITCH_ENV: "off", **({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else {})}
         for name in LAUNCH_ENV:
             env.pop(name, None)
         before = cpu_seconds()

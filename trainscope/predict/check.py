@@ -92,11 +92,8 @@ def _error(predicted, measured) -> dict | None:
 
 
 def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
-    """Each predicted quantity against the run's measurement: peak memory, and the peak above the memory the run held
-    before the model (measured in the same run and so the same on both sides: the error of what was predicted), the
-    steady step and its stages, the warm-up, evaluation and the whole run; each memory term measured in the run; the
-    residual (what the measured peak leaves after the measured terms, against what the prediction put there: not a
-    measurement of any one term); the measured term furthest off (its error as a share of its quantity's total)."""
+    """Each predicted quantity and term against the run's measurement, the residual and the measured term furthest
+    off (summary.prediction_error: docs/predict.md)."""
 
     view = RunView({"summary": summary})
     memory, timing = block["memory"], block["time"]
@@ -148,13 +145,13 @@ def prediction_errors(block: dict, summary: dict, measured: dict) -> dict:
 def furthest_term(result: dict, peak: float | None, step: float | None) -> dict | None:
     """The measured term whose error moves its total most: |predicted - measured| over the measured total (memory
     terms over the peak, stage terms over the steady step). The residual is not a term: it is what is left."""
-    candidates = []
-    for name, entry in (result.get("memory_terms") or {}).items():
-        if entry and peak:
-            candidates.append((abs(entry["predicted"] - entry["measured"]) / peak, f"memory: {name}", entry))
-    for name, entry in (result.get("time_terms") or {}).items():
-        if entry and step:
-            candidates.append((abs(entry["predicted"] - entry["measured"]) / step, f"time: {name}", entry))
+    totals = (("memory", result.get("memory_terms"), peak), ("time", result.get("time_terms"), step))
+    candidates = [
+        (abs(entry["predicted"] - entry["measured"]) / total, f"{kind}: {name}", entry)
+        for kind, terms, total in totals
+        for name, entry in (terms or {}).items()
+        if entry and total
+    ]
     if not candidates:
         return None
     share, name, entry = max(candidates, key=lambda c: c[0])

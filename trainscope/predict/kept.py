@@ -21,8 +21,7 @@ class NotKept(RuntimeError):
 
 def contradictions(records: dict) -> list[str]:
     """Pairs of runs of one model, length, checkpointing and process count whose larger batch stepped faster than the
-    smaller: points no fit can reconcile (a machine busy during one of them: a cached calibration once put batch 24's
-    step at 0.067 s, below batch 8's 0.353 s)."""
+    smaller: points no fit can reconcile (a machine busy during one of them)."""
     groups = {}
     for name, record in records.items():
         view = RunView(record)

@@ -1,8 +1,5 @@
 """What each traced operator (trainscope.predict.trace) costs on this machine, per call.
 
-Matrix products: their FLOPs at the machine's measured matmul rate (trainscope.measure.peak). Everything else: timed
-once on real tensors of the traced shapes, the fastest of several calls, cached per machine beside the peak's cache.
-
 How it works: docs/predict.md#in-the-code-what-each-operator-costs-trainscopepredictop_costspy.
 """
 
@@ -25,8 +22,7 @@ from trainscope.predict.trace import is_leaf_spec, is_rng_spec, is_tensor_spec, 
 MIN_CALLS, MAX_CALLS = 3, 20
 CALL_BUDGET_S = 0.02
 BENCH_CAP_BYTES = 256 * 2**20
-VERSION = 4  # bump when what a cached timing means changes (4: timings measured while other processes were busy are
-# no longer cached, so the caches written before, which may hold such timings, are not read)
+VERSION = 4  # bump when what a cached timing means changes: caches of another version are not read
 
 
 def gemm_precision(dtype: str, device: torch.device) -> str:
@@ -68,8 +64,7 @@ class Unmeasurable(Exception):
 
 def materialize(spec, device: torch.device):
     """Real arguments of a spec (args, kwargs): tensors as `_materialize` makes them, and random-generator state as a
-    real call of the operator that made it in the trace returns it (its device, dtype and values are the kernel's own:
-    a fake tensor's may differ, trainscope.predict.trace.RNG_STATE_NAMES)."""
+    real call of the operator that made it in the trace returns it (trainscope.predict.trace.RNG_STATE_NAMES)."""
     produced = {}
 
     def make(leaf):
@@ -120,8 +115,7 @@ def _shrink(spec) -> tuple:
 
 
 def time_call(call, device: torch.device) -> float:
-    """Seconds of `call()`: the fastest of the timed calls after one warm-up call (see the module's docstring); on a
-    GPU each call is timed on the device between CUDA events (trainscope.measure.peak.device_call_seconds)."""
+    """Seconds of `call()`: the fastest of the timed calls after one warm-up call (on a GPU each between CUDA events)."""
     first = peak.call_seconds(device, call)
     if device.type == "cuda":
         return min(peak.device_call_seconds(call, peak.calls_within(first, CALL_BUDGET_S), device))
@@ -160,8 +154,7 @@ def _operator(name: str):
 class OpCosts:
     """Per-call seconds of traced operators on `device` at `threads` with `processes` local processes measuring at
     once, from the cache or timed now; `store` false leaves the writing to another process. `guarded` (default: on a
-    GPU) times the operators in a child process (`time_guarded`): a kernel that crashes on made-up inputs ends that
-    child, not the run."""
+    GPU) times them in a child process (`time_guarded`), which a kernel crashing on made-up inputs ends, not the run."""
 
     def __init__(
         self, device: torch.device, threads: int, processes: int, store: bool = True, guarded: bool | None = None
@@ -241,11 +234,8 @@ class OpCosts:
             self._before = cpu_seconds()
 
     def save(self) -> None:
-        """The timings made now into the machine's cache, unless other processes kept more than peak.BUSY_CORES busy
-        (beyond the cores of the launch's other processes, timing theirs at once) while they were made: such timings
-        (an embedding lookup once cached at 8 ms on a 2-core machine, a steady step predicted at 2.25 times what it
-        measured in every run after) are kept for this run only, as the matmul peak's rates are, and timed again by
-        the next run."""
+        """The timings made now into the machine's cache, unless other processes (beyond the launch's) kept more than
+        peak.BUSY_CORES busy meanwhile: those serve this run only, as the matmul peak's rates do."""
         if not (self.store and self.measured):
             return
         if self._before is not None:
@@ -270,10 +260,9 @@ def time_guarded(
     items: list[tuple], device: torch.device, threads: int, timeout_s: float = GUARD_TIMEOUT_S
 ) -> dict | None:
     """Seconds of each (key, operator, spec) of `items`, timed by `python -m trainscope.predict.op_costs` in a child process
-    that says which operator it starts before it starts it: {key: (seconds, None) or (None, why not)}. An operator
-    that kills its child (a segmentation fault in a kernel given made-up inputs) is counted as unmeasured with the
-    signal, and a new child times the ones after it (GUARD_CRASHES children at most). None when the first child
-    could not time anything (it cannot use the device): the caller times them itself."""
+    that names each operator before it starts it: {key: (seconds, None) or (None, why not)}. An operator that kills
+    its child is unmeasured with the signal, and a new child times the rest (GUARD_CRASHES children at most). None
+    when the first child could not time anything: the caller times them itself."""
     import tempfile
 
     found: dict = {}

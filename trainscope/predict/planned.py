@@ -222,43 +222,42 @@ def collate_seconds(split, collate, batch: int, seed: int = 0) -> float:
     return statistics.median(times[1:])
 
 
-def with_collate_costs(planned: PlannedRun, tokenizer, data) -> PlannedRun:
-    """The planned run with the seconds its training and evaluation batches take to collate, measured here."""
-    from trainscope.workload.data import build_collator  # deferred: it loads datasets
+def _planned_run(settings, tokenizer, data, label_names, **launch) -> PlannedRun:
+    """The planned run of `settings` on its tokenized `data` in `launch` (device, precision, processes,
+    local_processes, threads, rss_bytes), with the seconds its batches take to collate, measured here."""
+    from trainscope.workload.data import MODEL_INPUTS, build_collator  # deferred: it loads datasets
 
-    settings, pad = planned.settings, planned.pad_to_multiple_of
+    planned = PlannedRun(
+        settings=settings,
+        label_names=list(label_names),
+        input_names=[c for c in data.train.column_names if c in MODEL_INPUTS],
+        lengths={split: token_lengths(getattr(data, split)) for split in ("train", "validation", "test")},
+        plan=plan_steps(settings, len(data.train), launch["processes"]),
+        **launch,
+    )
+    collate = build_collator(tokenizer, settings, planned.pad_to_multiple_of)
     planned.collate_s = {
-        "train": collate_seconds(
-            data.train, build_collator(tokenizer, settings, pad), settings.per_device_batch_size, settings.seed
-        ),
-        "eval": collate_seconds(
-            data.validation, build_collator(tokenizer, settings, pad), settings.resolved_eval_batch_size, settings.seed
-        ),
+        "train": collate_seconds(data.train, collate, settings.per_device_batch_size, settings.seed),
+        "eval": collate_seconds(data.validation, collate, settings.resolved_eval_batch_size, settings.seed),
     }
     return planned
 
 
 def planned_run_for(settings, started, tokenizer, data, label_names=None) -> PlannedRun:
     """The planned run of this launch (train.py's settings, start-up, tokenizer and tokenized data)."""
-    from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
-
-    state = started.state
-    device = state.device
-    precision_name = precision_from_environment(device)
-    planned = PlannedRun(
-        settings=settings,
-        label_names=list(label_names or data.label_names),
-        input_names=[c for c in data.train.column_names if c in MODEL_INPUTS],
+    device = started.state.device
+    return _planned_run(
+        settings,
+        tokenizer,
+        data,
+        label_names or data.label_names,
         device=device,
-        precision=precision_name,
-        processes=state.num_processes,
+        precision=precision_from_environment(device),
+        processes=started.state.num_processes,
         local_processes=environment.local_processes(),
         threads=torch.get_num_threads(),
-        lengths={split: token_lengths(getattr(data, split)) for split in ("train", "validation", "test")},
         rss_bytes=current_rss_bytes(),
-        plan=plan_steps(settings, len(data.train), state.num_processes),
     )
-    return with_collate_costs(planned, tokenizer, data)
 
 
 # ---------------------------------------------------------------- another launch's: a record's, or a change's
@@ -321,8 +320,6 @@ def data_for(settings):
 def planned_run_of(record: dict | None, settings, config: str | None = None) -> PlannedRun:
     """The run `settings` would be on the machine and launch of `record` (or of this process when None), with
     `config`'s processes and precision where given."""
-    from trainscope.workload.data import MODEL_INPUTS  # deferred: it loads datasets
-
     view = RunView(record or {})
     device = torch.device((view.device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0])
     processes = view.world_size
@@ -336,17 +333,15 @@ def planned_run_of(record: dict | None, settings, config: str | None = None) -> 
         if settings.threads == "auto":
             threads = max(1, environment.usable_cores() // processes)
     tokenizer, data = data_for(settings)
-    planned = PlannedRun(
-        settings=settings,
-        label_names=list(data.label_names),
-        input_names=[c for c in data.train.column_names if c in MODEL_INPUTS],
+    return _planned_run(
+        settings,
+        tokenizer,
+        data,
+        data.label_names,
         device=device,
         precision=precision_name,
         processes=processes,
         local_processes=processes,
         threads=threads,
-        lengths={split: token_lengths(getattr(data, split)) for split in ("train", "validation", "test")},
         rss_bytes=None,
-        plan=plan_steps(settings, len(data.train), processes),
     )
-    return with_collate_costs(planned, tokenizer, data)

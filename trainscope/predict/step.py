@@ -92,22 +92,14 @@ def phase_models(traced: trace.Trace, costs: op_costs.OpCosts) -> dict[str, Phas
 
 
 def traced_step(
-    kind: str,
-    planned: PlannedRun,
-    batch: int,
-    length: int,
-    avoid: set,
-    costs: op_costs.OpCosts,
-    settings=None,
-    label_names=None,
+    kind: str, planned: PlannedRun, batch: int, length: int, avoid: set, costs: op_costs.OpCosts
 ) -> trace.Trace:
     """The training step (`kind` "train") or evaluation batch ("eval") traced, or read from the cache of traces
     (`<cache>/predict/traces/`) when it was traced before with the same model, settings, shapes and versions and
     every operator's cost is known here."""
     from trainscope.workload import modeling  # deferred: it loads transformers' models
 
-    settings = settings or planned.settings
-    label_names = label_names or planned.label_names
+    settings, label_names = planned.settings, planned.label_names
     config = modeling.model_config(settings, label_names)
     identity = {
         "kind": kind,

@@ -1,8 +1,5 @@
 """The run's training step and evaluation forward traced on fake tensors: every operator with its shapes, and the
-memory the step holds -- with nothing allocated and nothing computed.
-
-The model is built on the meta device as the run builds it, and a step runs as train_step runs it under torch's
-FakeTensorMode; every operator and tensor carries its power of the sequence length, so one trace tells any length.
+memory the step holds, each with its power of the sequence length.
 
 How it works: docs/predict.md#in-the-code-how-the-step-is-traced-trainscopepredicttracepy.
 """

@@ -1,6 +1,5 @@
-"""DDP communication's second instruments: DDP's own logger and the profiler's trace, read and judged against
-trainscope's figures (trainscope.measure.communication.measured) on the same steps, each judged by `agreement`, an
-equivalence verdict on paired differences.
+"""DDP communication's second instruments: DDP's own logger and the profiler's trace, judged against trainscope's
+figures on the same steps by `agreement`.
 
 How it works: docs/ddp.md#in-the-code-how-the-communication-is-checked-trainscopemeasurecommunicationagreementpy.
 """
@@ -79,7 +78,7 @@ def by_iteration(rank: dict) -> dict:
     return {d["iteration"]: d for d in rank.get("ddp_iterations") or []}
 
 
-def ddp_agreement(ids: list[int], ranks: list[dict]) -> dict:
+def ddp_agreement(ranks: list[dict]) -> dict:
     """trainscope's exposed time and overlap against DDP's logger on exactly the iterations DDP sampled (warm-up
     ones too): one pair per rank and iteration, not a median over ranks (each rank's hooks and its reducer stamp that
     rank's own events; one descheduled rank would move a median over two by half its delay)."""
@@ -123,7 +122,7 @@ def trace_steps(trace: dict) -> dict:
     }
 
 
-def trace_figures(ids: list[int], ranks: list[dict]) -> dict:
+def trace_figures(ranks: list[dict]) -> dict:
     """The profiler trace's figures, when the run was profiled: per traced step the least wait after backward's
     last operation over ranks (the others hold the wait for that one), the collectives' time as the median over
     ranks; medians over the traced steps."""
@@ -141,7 +140,7 @@ def trace_figures(ids: list[int], ranks: list[dict]) -> dict:
     }
 
 
-def trace_agreement(ids: list[int], ranks: list[dict]) -> dict | None:
+def trace_agreement(ranks: list[dict]) -> dict | None:
     """The trace's exposed time against trainscope's on the same traced steps, by the same rule as DDP's logger."""
     traces = [trace_steps(r["trace"]) if r.get("trace") else {} for r in ranks]
     if not all(traces):

@@ -38,11 +38,11 @@ def combine(per_rank: list[dict], throughput: dict) -> dict | None:
         "world_size": world,
         "clock": first["clock"],
         "comm_hook": first["comm_hook"],
-        **layout_figures(first, world),
+        **layout_figures(first),
         **transfer_figures(ranks, first, world),
     }
     rows = step_rows(ids, ranks)
-    block.update({**ddp_figures(ids, ranks), **trace_figures(ids, ranks)})
+    block.update({**ddp_figures(ranks), **trace_figures(ranks)})
     if not first["measured"] or not rows:
         block["agreement"] = {}
         why = "--measure-communication off" if not first["measured"] else "no steady step measured on every rank"
@@ -74,7 +74,7 @@ def combine(per_rank: list[dict], throughput: dict) -> dict | None:
         }
     )
     block["slowest_rank"] = max(block["per_rank"], key=lambda r: r["exposed_s"])["rank"]
-    block["agreement"] = {"ddp": ddp_agreement(ids, ranks), "trace": trace_agreement(ids, ranks)}
+    block["agreement"] = {"ddp": ddp_agreement(ranks), "trace": trace_agreement(ranks)}
     return block
 
 
@@ -146,7 +146,7 @@ def stragglers(ids: list[int], rows: list[dict], step_s: float | None) -> list[d
     return found
 
 
-def layout_figures(rank: dict, world: int) -> dict:
+def layout_figures(rank: dict) -> dict:
     """What DDP sends: one all-reduce per bucket per synchronizing step (the rebuilt buckets: steady steps)."""
     buckets = rank.get("buckets")
     steps, micro = rank.get("optimizer_steps") or 0, rank.get("micro_batches") or 0
@@ -192,7 +192,7 @@ def transfer_figures(ranks: list[dict], first: dict, world: int) -> dict:
     }
 
 
-def ddp_figures(ids: list[int], ranks: list[dict]) -> dict:
+def ddp_figures(ranks: list[dict]) -> dict:
     """DDP's own exposed time (comm - overlap) over the steady iterations every rank sampled: per iteration the
     least over ranks (the others hold the wait for that one), then the median."""
     phase = {e["iteration"]: e["phase"] for e in ranks[0]["steps"]}

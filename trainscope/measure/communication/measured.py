@@ -30,11 +30,8 @@ INTERCONNECTS = {
 
 
 def ring_allreduce_seconds(gradient_bytes: float, gpus: int, bandwidth_gbs: float, latency_us: float) -> float:
-    """Ring all-reduce time: 2(N-1) steps, each moving 1/N of the buffer over one link.
-
-    T = 2(N-1)/N * S / B + 2(N-1) * alpha   (Patarasuk & Yuan 2009; the NCCL performance notes
-    define bus bandwidth the same way). One GPU communicates nothing.
-    """
+    """Ring all-reduce time, 2(N-1) steps each moving 1/N of the buffer over one link (Patarasuk & Yuan 2009):
+    T = 2(N-1)/N * S / B + 2(N-1) * alpha. One GPU communicates nothing."""
     if gpus <= 1:
         return 0.0
     return 2 * (gpus - 1) / gpus * gradient_bytes / (bandwidth_gbs * 1e9) + 2 * (gpus - 1) * latency_us * 1e-6
@@ -386,10 +383,9 @@ class Communication:
 
 
 def time_collective(collective, barrier, synchronize, clock=None, iterations: int = TRANSFER_ITERATIONS) -> float:
-    """Seconds of one `collective()` after `barrier()`. On the host: one call between synchronizations. With a device
-    clock (CUDA events, trainscope.measure.timing.EventClock): one warm-up call, then `iterations` calls back to back between
-    two events on the compute stream (each call's wait makes that stream wait for the communication stream),
-    averaged: launches queue behind the device's work instead of being timed."""
+    """Seconds of one `collective()` after `barrier()`: on the host one call between synchronizations; with CUDA
+    events one warm-up call, then the mean of `iterations` calls back to back between two events on the compute
+    stream (each call's wait makes it wait for the communication stream)."""
     barrier()
     if clock is None:
         started = time.perf_counter()
