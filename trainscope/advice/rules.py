@@ -13,7 +13,6 @@ from trainscope.core.record_view import RunView
 from trainscope.measure.flops import matmul_parameters, padding_flops_share, peak_tflops
 
 MIN_GAIN = 1.02  # a gain below 2% is not worth a trial on a noisy machine
-NATIVE_BF16_MIN_SPEEDUP = 1.1  # a measured bf16 matmul speed-up below this is not worth a precision change
 
 
 @dataclass
