@@ -1,8 +1,4 @@
-"""What a change does to the result, and so what can decide that it keeps it: the catalogue make tune
-(trainscope tune: trainscope.tune) and the advisor (trainscope.advice.advisor) read.
-
-Each change is one entry (its flag or config, its kind, what it does, the settings it needs); its kind -- exact,
-numeric or training -- says how it is judged. A flag not in the catalogue is a training change.
+"""What a change does to the result, and so what can decide that it keeps it: the catalogue of changes.
 
 How it works: docs/tune.md#in-the-code-the-catalogue-of-changes-trainscopeadvicechangespy.
 """

@@ -201,12 +201,8 @@ def gap_evidence(view: RunView) -> dict | None:
     breakdown = view.gap_breakdown
     if breakdown and breakdown.get("window_s"):
         training = 1.0 - view.shares("run").get("eval", 0.0)
-        window = breakdown["window_s"]
-        shares = {k: v / window * training for k, v in breakdown["categories"].items()}
-        shares["attention total"] = breakdown.get("attention_total_s", 0.0) / window * training
-        shares["attention dropout"] = breakdown.get("attention_dropout_s", 0.0) / window * training
         return {
-            "shares": shares,
+            "shares": _scaled_shares(breakdown, training),
             "kind": "bound",
             "text": f"the profiled steps ({breakdown['basis']}) x training's {training:.0%} of the run",
         }
@@ -214,17 +210,22 @@ def gap_evidence(view: RunView) -> dict | None:
     if layer and layer.get("window_s"):
         run_shares = view.shares("run")
         compute = run_shares.get("forward", 0.0) + run_shares.get("backward", 0.0)
-        window = layer["window_s"]
-        shares = {k: v / window * compute for k, v in layer["categories"].items()}
-        shares["attention total"] = layer.get("attention_total_s", 0.0) / window * compute
-        shares["attention dropout"] = layer.get("attention_dropout_s", 0.0) / window * compute
         return {
-            "shares": shares,
+            "shares": _scaled_shares(layer, compute),
             "kind": "estimate",
             "text": f"one encoder layer profiled apart at batch {layer['batch']} x length {layer['length']} "
             f"({layer['precision']}), its shares taken for forward + backward's {compute:.0%} of the run",
         }
     return None
+
+
+def _scaled_shares(profiled: dict, scale: float) -> dict:
+    """A profiled window's categories and attention totals as shares of it, times `scale`."""
+    window = profiled["window_s"]
+    shares = {k: v / window * scale for k, v in profiled["categories"].items()}
+    shares["attention total"] = profiled.get("attention_total_s", 0.0) / window * scale
+    shares["attention dropout"] = profiled.get("attention_dropout_s", 0.0) / window * scale
+    return shares
 
 
 def _gap_suggestion(rule, change, evidence_text, flags, share, found, changes_result, factor=None, confidence="medium"):

@@ -1,9 +1,5 @@
 """Dropout masks drawn as torch draws them on a CPU, bit for bit and faster: the padding-free layers' masks (--unpad).
 
-`native/mt19937_bernoulli.c` is torch's serial `bernoulli_` loop, vectorizable: the same generator, draws and
-comparison, torch's generator state read and written back. It is built once per machine, checked against torch in a
-child process first, and used only where that check passed; elsewhere torch draws. `status()` says which.
-
 How it works: docs/same-result.md#in-the-code-how-the-dropout-masks-are-drawn-trainscopeworkloaddropout_drawspy.
 """
 
