@@ -10,11 +10,8 @@ from trainscope.workload.settings import Settings
 EXACT, NUMERIC, TRAINING = "exact", "numeric", "training"
 KINDS = (EXACT, NUMERIC, TRAINING)  # the order make tune tries them in; a change of several flags takes the last
 
-# Exact changes are judged in fp32 with one tolerance, tests and make tune alike (`exact_difference`). In bf16 or
-# fp16 a value rounds to a neighbouring number whenever the fp32 weights differ in their last bits, so a bound loose
-# enough for that rounding (bf16's 2^-8 = 3.9e-3) lets through a wrong dropout draw (5e-4 to 4e-3 on the test
-# model); in fp32 only the order of sums differs. 2^-18 = 3.8e-6 relative: 14x the largest difference an exact change
-# has shown (2.7e-7, --compile's full job; --unpad's 1.1e-7), 140x below the smallest a wrong draw made (5.3e-4).
+# Exact changes are judged in fp32 with one tolerance, tests and make tune alike (`exact_difference`): why fp32 and
+# why 2^-18 relative, docs/tune.md#kinds-of-change-exact-numeric-training.
 EXACT_PRECISION = "fp32"
 EXACT_TOLERANCE = 2.0**-18
 

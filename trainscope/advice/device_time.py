@@ -1,6 +1,4 @@
-"""The advisor's rules on where the device's time went: a GPU that waits for the host (`host_bound`), and the gap
-rules on the time above the matmul floor (trainscope.measure.gap): attention's kernel, dropout, fusion, the batch at
-the measured peak. trainscope.advice.advisor ranks them with the rules of trainscope.advice.rules.
+"""The advisor's rules on where the device's time went: a GPU that waits for the host, and the gap rules.
 
 How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadviceadvisorpy.
 """

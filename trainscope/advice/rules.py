@@ -1,7 +1,5 @@
 """The suggestion a rule returns and its gain (Amdahl on a share), and the rules that read the run's measured
-stages, its settings and its machine: data loading, threads, padding, evaluation, the optimizer, precision, the
-batch on a GPU, DDP communication. The advisor (trainscope.advice.advisor) lists them in RULES beside its own
-rules on where the device's time went (host-bound, the gap rules) and ranks what they find.
+stages, its settings and its machine; the advisor (trainscope.advice.advisor) ranks what they find.
 
 How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadviceadvisorpy.
 """
