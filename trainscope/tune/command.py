@@ -46,11 +46,11 @@ class Change:
     @property
     def kind(self) -> str:
         """exact, numeric or training: the strictest of its parts' (nothing changed: exact)."""
-        return max((changes.resolved(part)[0] for part in self.parts), key=changes.KINDS.index, default=changes.EXACT)
+        return changes.kind_of_parts(self.parts)
 
     @property
     def does(self) -> str:
-        return "; ".join(dict.fromkeys(changes.resolved(part)[1] for part in self.parts)) or "nothing"
+        return changes.does_of_parts(self.parts)
 
 
 LAUNCHERS = ("accelerate launch", "python", "torchrun")
