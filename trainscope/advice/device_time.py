@@ -27,13 +27,9 @@ BATCH_MIN_RATE_GAIN = 1.05
 
 
 def host_bound(view: RunView) -> list[Suggestion]:
-    """A GPU that idles above summary.device_time's threshold of each step waits for the host: what shortens the
-    host's part of the step helps, what shortens the device's does not. Measured where the CUDA events' bound on the
-    idle share passes the threshold, else estimated from one layer's kernels profiled at the run's shapes. One item
-    says so and ranks what helps; the changes with flags are items of their own: a doubled batch where memory
-    allows (the host's time per step outside the data stage stays), CUDA graphs (--compile-mode reduce-overhead,
-    less an assumed compile time), and from their own rules the fused optimizer and the loader's workers. --unpad is
-    not offered: its estimate counts FLOPs, and it adds host work. docs/tune.md#the-advisor."""
+    """A GPU that idles above summary.device_time's threshold of each step waits for the host: one item says so and
+    ranks what shortens the host's part of the step; a doubled batch and CUDA graphs are items of their own. What
+    it offers and why: docs/tune.md#the-advisor."""
     block = view.device_time
     if not view.on_cuda or not block.get("host_bound"):
         return []
