@@ -1,12 +1,7 @@
 """trainscope's public instrument: where the time and memory of *your* Accelerate training loop go.
 
-`trainscope.Run` is the one driver API of every front door: a loop of one's own (`Run(accelerator, model, ...)`),
-train.py (`Run.from_started`, with its classifier's driver: trainscope.classifier) and the Trainer's callback
-(trainscope.trainer). A run opens and closes (`with run:`, or `run.open()` and `run.close()`), times its fetches and
-stages (`run.data` or `run.fetch`, `run.stage`, `run.backward`, `run.evaluation`), counts what each micro-batch fed
-(`run.count_micro_batch`) and keeps its driver's notes (`run.note`).
-
-How it works: docs/instrument.md#the-loop.
+`trainscope.Run` is the one driver API of every front door (a loop of one's own, train.py, the Trainer's callback):
+docs/instrument.md#the-driver-api. How it works: docs/instrument.md#the-loop.
 """
 
 import contextlib

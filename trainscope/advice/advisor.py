@@ -1,5 +1,4 @@
-"""From one run record to "what to try next": every rule's suggestions (trainscope.advice.rules, and on where the
-device's time went trainscope.advice.device_time), the warnings' fixes, ranked, each with its evidence and its gain.
+"""From one run record to "what to try next": every rule's suggestions and the warnings' fixes, ranked.
 
 How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadviceadvisorpy.
 """

@@ -1,8 +1,4 @@
-"""What a change does to the result, and so what can decide that it keeps it: the catalogue make tune
-(trainscope tune: trainscope.tune) and the advisor (trainscope.advice.advisor) read.
-
-Each change is one entry (its flag or config, its kind, what it does, the settings it needs); its kind -- exact,
-numeric or training -- says how it is judged. A flag not in the catalogue is a training change.
+"""What a change does to the result, and so what can decide that it keeps it: the catalogue of changes.
 
 How it works: docs/tune.md#in-the-code-the-catalogue-of-changes-trainscopeadvicechangespy.
 """
@@ -14,11 +10,8 @@ from trainscope.workload.settings import Settings
 EXACT, NUMERIC, TRAINING = "exact", "numeric", "training"
 KINDS = (EXACT, NUMERIC, TRAINING)  # the order make tune tries them in; a change of several flags takes the last
 
-# Exact changes are judged in fp32 with one tolerance, tests and make tune alike (`exact_difference`). In bf16 or
-# fp16 a value rounds to a neighbouring number whenever the fp32 weights differ in their last bits, so a bound loose
-# enough for that rounding (bf16's 2^-8 = 3.9e-3) lets through a wrong dropout draw (5e-4 to 4e-3 on the test
-# model); in fp32 only the order of sums differs. 2^-18 = 3.8e-6 relative: 14x the largest difference an exact change
-# has shown (2.7e-7, --compile's full job; --unpad's 1.1e-7), 140x below the smallest a wrong draw made (5.3e-4).
+# Exact changes are judged in fp32 with one tolerance, tests and make tune alike (`exact_difference`): why fp32 and
+# why 2^-18 relative, docs/tune.md#kinds-of-change-exact-numeric-training.
 EXACT_PRECISION = "fp32"
 EXACT_TOLERANCE = 2.0**-18
 
@@ -99,14 +92,6 @@ CATALOGUE = {
 }
 
 
-def _setting(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
-def _known(names: set[str] | None) -> set[str]:
-    return names if names is not None else {f.name for f in fields(Settings)}
-
-
 def parts(flags: list[str], config: str | None) -> list[str]:
     """The catalogue keys of a change: its flags' names and its config."""
     return [f for f in flags if f.startswith("--")] + ([f"config:{config}"] if config else [])
@@ -114,32 +99,37 @@ def parts(flags: list[str], config: str | None) -> list[str]:
 
 def unavailable(flags: list[str], config: str | None = None, settings: set[str] | None = None) -> str | None:
     """Why this build cannot run the change (None: it can): a flag the settings do not know."""
-    known = _known(settings)
+    known = settings if settings is not None else {f.name for f in fields(Settings)}
     for part in parts(flags, config):
-        if part.startswith("--") and _setting(part) not in known:
+        if part.startswith("--") and part.lstrip("-").replace("-", "_") not in known:
             return f"not available in this build (train.py has no {part})"
     return None
 
 
-def resolved(part: str, settings: set[str] | None = None) -> tuple[str, str]:
-    """(kind, what it does) of one catalogue key in this build; a key not in the catalogue is a training change."""
+def resolved(part: str) -> tuple[str, str]:
+    """(kind, what it does) of one catalogue key; a key not in the catalogue is a training change."""
     entry = CATALOGUE.get(part)
     if entry is None:
         return TRAINING, "not in trainscope's catalogue of changes: taken to change what is learned"
     return entry.kind, entry.does
 
 
-def kind_of(flags: list[str], config: str | None = None, settings: set[str] | None = None) -> str:
-    """The kind of a change of several flags and a config: the strictest of its parts' (exact < numeric <
-    training); a change of nothing is exact."""
-    kinds = [resolved(part, settings)[0] for part in parts(flags, config)]
-    return max(kinds, key=KINDS.index, default=EXACT)
+def kind_of_parts(keys: list[str]) -> str:
+    """The strictest kind of a change's catalogue keys (exact < numeric < training); a change of nothing is exact."""
+    return max((resolved(key)[0] for key in keys), key=KINDS.index, default=EXACT)
 
 
-def does(flags: list[str], config: str | None = None, settings: set[str] | None = None) -> str:
-    """What the change does to the result, part by part where they differ."""
-    said = [resolved(part, settings)[1] for part in parts(flags, config)]
-    return "; ".join(dict.fromkeys(said)) if said else "nothing"
+def does_of_parts(keys: list[str]) -> str:
+    """What a change of these catalogue keys does to the result, key by key where they differ."""
+    return "; ".join(dict.fromkeys(resolved(key)[1] for key in keys)) or "nothing"
+
+
+def kind_of(flags: list[str], config: str | None = None) -> str:
+    return kind_of_parts(parts(flags, config))
+
+
+def does(flags: list[str], config: str | None = None) -> str:
+    return does_of_parts(parts(flags, config))
 
 
 # The same changes in a loop's own terms (a trainscope.Run record): what its author writes instead of train.py's

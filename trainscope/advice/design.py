@@ -1,6 +1,4 @@
-"""make tune's design, stated before anything is measured: the rounds, the family Holm corrects over, the margins
-and tolerance a result is judged the same by (Design), and the method in the words the result states it in. The
-judgement by it is trainscope.advice.judge's.
+"""make tune's design, stated before anything is measured (Design), and the method in the words the result states.
 
 How it works: docs/tune.md#in-the-code-how-make-tune-decides-trainscopeadvicejudgepy.
 """

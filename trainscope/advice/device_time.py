@@ -1,6 +1,4 @@
-"""The advisor's rules on where the device's time went: a GPU that waits for the host (`host_bound`), and the gap
-rules on the time above the matmul floor (trainscope.measure.gap): attention's kernel, dropout, fusion, the batch at
-the measured peak. trainscope.advice.advisor ranks them with the rules of trainscope.advice.rules.
+"""The advisor's rules on where the device's time went: a GPU that waits for the host, and the gap rules.
 
 How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadviceadvisorpy.
 """
@@ -29,13 +27,9 @@ BATCH_MIN_RATE_GAIN = 1.05
 
 
 def host_bound(view: RunView) -> list[Suggestion]:
-    """A GPU that idles above summary.device_time's threshold of each step waits for the host: what shortens the
-    host's part of the step helps, what shortens the device's does not. Measured where the CUDA events' bound on the
-    idle share passes the threshold, else estimated from one layer's kernels profiled at the run's shapes. One item
-    says so and ranks what helps; the changes with flags are items of their own: a doubled batch where memory
-    allows (the host's time per step outside the data stage stays), CUDA graphs (--compile-mode reduce-overhead,
-    less an assumed compile time), and from their own rules the fused optimizer and the loader's workers. --unpad is
-    not offered: its estimate counts FLOPs, and it adds host work. docs/tune.md#the-advisor."""
+    """A GPU that idles above summary.device_time's threshold of each step waits for the host: one item says so and
+    ranks what shortens the host's part of the step; a doubled batch and CUDA graphs are items of their own. What
+    it offers and why: docs/tune.md#the-advisor."""
     block = view.device_time
     if not view.on_cuda or not block.get("host_bound"):
         return []
@@ -201,12 +195,8 @@ def gap_evidence(view: RunView) -> dict | None:
     breakdown = view.gap_breakdown
     if breakdown and breakdown.get("window_s"):
         training = 1.0 - view.shares("run").get("eval", 0.0)
-        window = breakdown["window_s"]
-        shares = {k: v / window * training for k, v in breakdown["categories"].items()}
-        shares["attention total"] = breakdown.get("attention_total_s", 0.0) / window * training
-        shares["attention dropout"] = breakdown.get("attention_dropout_s", 0.0) / window * training
         return {
-            "shares": shares,
+            "shares": _scaled_shares(breakdown, training),
             "kind": "bound",
             "text": f"the profiled steps ({breakdown['basis']}) x training's {training:.0%} of the run",
         }
@@ -214,17 +204,22 @@ def gap_evidence(view: RunView) -> dict | None:
     if layer and layer.get("window_s"):
         run_shares = view.shares("run")
         compute = run_shares.get("forward", 0.0) + run_shares.get("backward", 0.0)
-        window = layer["window_s"]
-        shares = {k: v / window * compute for k, v in layer["categories"].items()}
-        shares["attention total"] = layer.get("attention_total_s", 0.0) / window * compute
-        shares["attention dropout"] = layer.get("attention_dropout_s", 0.0) / window * compute
         return {
-            "shares": shares,
+            "shares": _scaled_shares(layer, compute),
             "kind": "estimate",
             "text": f"one encoder layer profiled apart at batch {layer['batch']} x length {layer['length']} "
             f"({layer['precision']}), its shares taken for forward + backward's {compute:.0%} of the run",
         }
     return None
+
+
+def _scaled_shares(profiled: dict, scale: float) -> dict:
+    """A profiled window's categories and attention totals as shares of it, times `scale`."""
+    window = profiled["window_s"]
+    shares = {k: v / window * scale for k, v in profiled["categories"].items()}
+    shares["attention total"] = profiled.get("attention_total_s", 0.0) / window * scale
+    shares["attention dropout"] = profiled.get("attention_dropout_s", 0.0) / window * scale
+    return shares
 
 
 def _gap_suggestion(rule, change, evidence_text, flags, share, found, changes_result, factor=None, confidence="medium"):

@@ -1,7 +1,5 @@
 """Estimates from the run's own measurement: what another precision, thread count or a doubled batch would make of
-this run, read from the record alone (the run's own model timed in each configuration, `run_operations`, and
-Amdahl's law on the share the change touches), so the same record gives the same estimate anywhere. Each states an
-interval and what it assumes, or why the record cannot give one.
+this run, read from the record alone.
 
 How it works: docs/tune.md#in-the-code-estimates-from-the-runs-own-model-trainscopeadviceestimatespy."""
 

@@ -1,6 +1,4 @@
-"""make tune's decision, pure: the judgement of measured rounds by the design stated before anything is measured
-(trainscope.advice.design), the final choice and its words. A committed make tune judged again by these rules:
-trainscope.advice.rejudge.
+"""make tune's decision, pure: the judgement of measured rounds by the design stated before anything is measured.
 
 How it works: docs/tune.md#in-the-code-how-make-tune-decides-trainscopeadvicejudgepy.
 """

@@ -1,7 +1,5 @@
 """The suggestion a rule returns and its gain (Amdahl on a share), and the rules that read the run's measured
-stages, its settings and its machine: data loading, threads, padding, evaluation, the optimizer, precision, the
-batch on a GPU, DDP communication. The advisor (trainscope.advice.advisor) lists them in RULES beside its own
-rules on where the device's time went (host-bound, the gap rules) and ranks what they find.
+stages, its settings and its machine; the advisor (trainscope.advice.advisor) ranks what they find.
 
 How it works: docs/tune.md#in-the-code-how-the-advisor-reasons-trainscopeadviceadvisorpy.
 """
@@ -13,7 +11,6 @@ from trainscope.core.record_view import RunView
 from trainscope.measure.flops import matmul_parameters, padding_flops_share, peak_tflops
 
 MIN_GAIN = 1.02  # a gain below 2% is not worth a trial on a noisy machine
-NATIVE_BF16_MIN_SPEEDUP = 1.1  # a measured bf16 matmul speed-up below this is not worth a precision change
 
 
 @dataclass

@@ -1,13 +1,6 @@
-"""Errors the user reads: one line, once, from whichever rank failed, with secrets redacted.
-
-* `UserError`, `Fault` (trainscope.core.faults): bad input (exit status 2); a fault of the run's surroundings
-  (exit status 1), never a traceback.
-* `exit_with`: prints `error: <message>` and exits. In a launch of several processes every rank
-  that fails reports its first error, but a message that another rank of the same launch on the same
-  machine already printed is not printed again (every rank usually hits the same validation error;
-  a rank that fails because a peer failed reports the peer's line, under the peer's rank).
-* `redacted_output`: the scripts' stdout and stderr pass through `records.redact`, so a URL with
-  credentials never reaches the console: not in errors, warnings, progress lines or tracebacks.
+"""Errors the user reads: one line, once, from whichever rank failed, with secrets redacted (`exit_with`,
+`redacted_output`; `UserError` and `Fault` are trainscope.core.faults'). How: docs/endings.md#errors-in-one-line,
+docs/trust.md#secrets-never-appear.
 """
 
 import contextlib

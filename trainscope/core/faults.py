@@ -1,19 +1,15 @@
 """The two kinds of error a user reads, and their one line: the bottom of the error path, so that both the reporting
 (trainscope.core.errors) and the peers' watch (trainscope.core.liveness) raise and read them without importing each other.
-
-* `UserError`: bad input or an impossible setting; the message says what to do (exit status 2).
-* `Fault`: a fault of the run's surroundings -- a lost peer, a full disk, a collective that timed out: one line that
-  says what happened and what to do (exit status 1), never a traceback.
 """
 
 
 class UserError(Exception):
-    """Bad input or an impossible setting. The message is one line and says what to do."""
+    """Bad input or an impossible setting. The message is one line and says what to do (exit status 2)."""
 
 
 class Fault(Exception):
     """A fault of the run's surroundings (a lost peer, a full disk, a collective that timed out). The message is
-    one line and says what to do. `rank`: the rank whose line it is, when another rank raised it; `caused_by`:
+    one line and says what to do (exit status 1, never a traceback). `rank`: the rank whose line it is, when another rank raised it; `caused_by`:
     the peer whose failure or disappearance this rank's failure follows."""
 
     def __init__(self, message: str, rank: int | None = None, caused_by: int | None = None):

@@ -1,9 +1,5 @@
 """Which ranks are alive, which failed and with what error, judged through the launcher's store.
 
-Every rank beats and publishes its error line in the launcher's rendezvous store, which outlives any worker; a
-survivor judges each peer failed, vanished, alive or unknown, and a watch turns a peer's error or silence into a
-callback at once.
-
 How it works: docs/endings.md#in-the-code-how-a-ranks-death-is-told-trainscopecorelivenesspy.
 """
 

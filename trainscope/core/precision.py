@@ -1,8 +1,5 @@
 """The precision a run really computes in, and the fp16 loss scaler's skipped steps.
 
-What autocast really produces, TF32 read back after Accelerate's set-up, bf16 on a CPU by its two witnesses (the
-CPU flags and the measured matmul peak), and the steps a GradScaler skipped, counted on the device.
-
 How it works: docs/trust.md#in-the-code-the-precision-in-effect-trainscopecoreprecisionpy.
 """
 

@@ -1,8 +1,6 @@
 """Where a figure came from: commit (and whether the tree was dirty), exact command, date, machine,
-threads, package versions, and the sha256 of every input a report or result read.
-
-Every writer of a run record, benchmark result, sweep, comparison or report stamps its output with
-`collect()`; the record layer redacts secrets from it like from everything else it writes.
+threads, package versions, and the sha256 of every input a report or result read: `collect()` stamps every
+output (docs/trust.md#provenance-everywhere).
 """
 
 import hashlib

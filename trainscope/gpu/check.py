@@ -215,14 +215,9 @@ def execute(
     clock: Callable[[], float] = time.monotonic,
     started: float | None = None,
 ) -> dict:
-    """Run the checks in order within `budget_s` seconds from `started`, calling `write(report)` after each.
-
-    Before a check starts, the cold costs still unpaid are charged to the checks left (a check skipped hands its on)
-    and its estimate is scaled by what the checks so far took against theirs (`expected_s`); one that does not fit
-    in what is left is skipped ("over the budget"); a check that runs gets min(its timeout, what is left)
-    (`runner(step, timeout)` returns its result).
-    SIGINT or SIGTERM stops the checks: the report keeps what finished and says `interrupted`; Interrupted is
-    raised again after it is written."""
+    """Run the checks in order within `budget_s` seconds from `started`, calling `write(report)` after each;
+    `runner(step, timeout)` returns a check's result. How the budget is spent and an interruption kept:
+    docs/gpu.md#in-the-code-how-make-gpu-check-runs-trainscopegpucheckpy."""
     started = clock() if started is None else started
     report.update(status="running", budget_s=budget_s, checks=[], not_run=[step["name"] for step in steps])
     current, paid = None, set()

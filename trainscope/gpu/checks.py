@@ -1,6 +1,4 @@
-"""Every check of make gpu-check, declared once: its launch (a train.py run or a command of its own), what only a GPU
-run confirms (alone on its GPUs, and where 2 processes share one), its estimate and its goals (keys of
-trainscope.gpu.goals.GOALS). trainscope.gpu.plan orders them, fits them to the GPUs present and cuts the parts.
+"""Every check of make gpu-check, declared once; trainscope.gpu.plan orders them, fits them to the GPUs and cuts parts.
 
 How it works: docs/gpu.md#what-make-gpu-check-does.
 """

@@ -8,39 +8,23 @@ them out).
 import math
 from collections.abc import Callable
 
-# ---- what the estimates rest on. MEASURED_*: the gpu-checks on one NVIDIA H200 (the 2026-11-28 run of commit e7bc5f9,
-# torch 2.11, 2 processes sharing the GPU over gloo: benchmarks/gpu/h200-2026-11-28/, each check's seconds in
-# run1.json and run2.json, the records under records/; the earlier runs: benchmarks/gpu/nvidia-h200.*). ASSUMED_*:
-# not measured on GPU.
-# One process's launch less its steps, its operators timed before: precision-bf16 34.0 s less 50 steps of 0.045 s
-# and its 0.4 s prediction, unpad-bf16 33.3 s less 2.6 s and 0.3 s (start, data, model, the ending and the exit)
-MEASURED_LAUNCH_S = 31.0
-# Two processes' launch less their steps, DDP's bucket timing and their operators' timing: 34.1 (ddp-profile), 35.9
-# (ddp-comm-hook-bf16), 37.4 (ddp-communication-memory), 41.0 (ddp-fp16) and 41.1 s (ddp-comm-hook-fp16): the largest
-MEASURED_PROCESS_GROUP_S = 10.0
-MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.045, "fp16": 0.047}  # steady steps, batch 32 x 128 (bf16: precision-bf16;
-#                                                                  fp32 and fp16: benchmarks/gpu/nvidia-h200.*)
-# Two processes sharing one GPU over gloo, a steady step by config: fsdp2's 0.698 s, ddp-communication-memory's 0.311
-# (the hooks' 0.274 and 0.207), ddp-fp16's 0.303
-MEASURED_SHARED_STEP_S = {"fsdp": 0.70, "ddp": 0.31, "ddp_fp16": 0.31}
-# What a DDP check spends after training timing each bucket's all-reduce (its record's communication.measurement_s):
-# 9.0-10.7 s with the built-in all-reduce and the bf16 hook, 18.6 s with the fp16 hook
-MEASURED_BUCKET_TIMING_S = {"none": 11.0, "bf16": 11.0, "fp16": 19.0}
-# Extras of a check measured above its launch and steps: fsdp2's launch 49.7 s against the DDP checks' 41.1 (4.7 s
-# of it its two warm-up steps), ddp-profile's 20 traced steps at 0.641 s against 0.311
-MEASURED_EXTRA_S = {"fsdp": 9.0, "profile": 7.0}
+# MEASURED_*: the gpu-checks on one NVIDIA H200; ASSUMED_*: not measured on GPU. Where each figure comes from:
+# docs/gpu.md#what-the-estimates-rest-on.
+MEASURED_LAUNCH_S = 31.0  # one process's launch less its steps, its operators timed before
+MEASURED_PROCESS_GROUP_S = 10.0  # what two processes' launch adds
+MEASURED_STEP_S = {"fp32": 0.060, "bf16": 0.045, "fp16": 0.047}  # steady steps, batch 32 x 128
+MEASURED_SHARED_STEP_S = {"fsdp": 0.70, "ddp": 0.31, "ddp_fp16": 0.31}  # two processes sharing one GPU over gloo
+MEASURED_BUCKET_TIMING_S = {"none": 11.0, "bf16": 11.0, "fp16": 19.0}  # DDP's bucket timing after training, by hook
+MEASURED_EXTRA_S = {"fsdp": 9.0, "profile": 7.0}  # above a check's launch and steps
 MEASURED_COMPILE_S = 104.0  # a compiled bf16 launch less an eager one whose operators were timed before, and its steps
 ASSUMED_STEP_S = {"tf32": 0.06}  # not yet run on a GPU
 ASSUMED_COMPILE_PROCESSES = 1.5  # two processes compiling at once on one host's cores: 1.5x one compile
-# What only a machine's first launches pay (each part runs on a fresh machine): the predictor's calibration, once per
-# machine (fsdp2's record: 42.6 s), and the prediction's operators timed in a child process, once per precision and
-# process count: two processes 12.2 (fp32), 17.5 (fp16) and 17.6 s (bf16 under FSDP2); one process assumed (the
-# 2026-11-28 records of one process found theirs timed before)
+# What only a machine's first launches pay: the predictor's calibration (once per machine) and the prediction's
+# operators timed in a child process (once per precision and process count)
 MEASURED_CALIBRATION_S = 43.0
 OP_COSTS_S = {1: 8.0, 2: 17.5}
 ASSUMED_SCRIPT_S = 8.0  # a benchmark script's own start: imports, data, CUDA context
-ASSUMED_EXTRA_S = {"snapshot": 5.0, "search": 15.0}  # a snapshot's pickle (Python frames only), the batch search's
-#                                                     out-of-memory tries
+ASSUMED_EXTRA_S = {"snapshot": 5.0, "search": 15.0}  # a snapshot's pickle, the batch search's out-of-memory tries
 MEASURED_LOADER_PASS_S = 1.0  # loaders_bench: one pass over 4096 samples at batch 512 x 512, with and without workers
 ASSUMED_DP_LOOP_S = 2.0  # compare_dp.py: one in-process loop (22 MiniLM steps of 32)
 ASSUMED_SCALER_S = 10.0  # the scaler check's process: Python, torch, a CUDA context and 16 tiny steps
@@ -50,10 +34,7 @@ COMMAND_S = 600.0  # at most one command's time on a machine that lends its GPU 
 ASSUMED_COMMAND_SETUP_S = 30.0  # the command's own work before the check starts: the carried wheels installed
 PART_LIMIT_S = COMMAND_S - ASSUMED_COMMAND_SETUP_S
 SESSION_S = 900.0  # the device time one session is lent (15 minutes), the machine's start and transfers included
-# What a session spends besides the checks, not measured (the H200 sessions kept no timing of it): the machine's start
-# (a minute or more, 1-2 minutes a kind tried: the device tool's notes), `make setup` there (the venv over the
-# machine's torch, the requirements from carried wheels) and each command's transfers (the working tree there, the
-# results back)
+# What a session spends besides the checks (not measured): the machine's start, `make setup` there, the transfers
 ASSUMED_MACHINE_START_S = 120.0
 ASSUMED_SETUP_S = 60.0
 ASSUMED_TRANSFER_S = 30.0

@@ -2,9 +2,7 @@
 trainscope.gpu.checks names its goals (keys of GOALS); each goal says what it holds to, from the planned check, and
 judges a result: (met, what it read), met None where the figure is not there (not measured: not met either).
 
-The goals across checks (CROSS: timing-sync's clocks, compile-bf16's recompiles) have a target and read the figures
-of several checks; a speed ratio of two single runs is an observation (OBSERVATIONS), never a goal: one run each
-measures no noise.
+How it works: docs/gpu.md#what-make-gpu-check-does.
 """
 
 import functools

@@ -1,9 +1,4 @@
-"""make gpu-check's plan: the checks in the order they run, each with its command, what only a GPU run confirms,
-its estimated seconds and timeout, and the plan's total, default budget and parts.
-
-The checks are declared in trainscope.gpu.checks; the multi-process ones run first, and on one GPU as 2 processes
-sharing it over gloo. The plan is cut into parts, each one command that fits a session's device time (`--part K`);
-on one GPU it leaves out what `--only NAME` runs. Durations rest on trainscope.gpu.estimates.
+"""make gpu-check's plan: the checks in the order they run, their estimates and timeouts, the total and the parts.
 
 How it works: docs/gpu.md#what-make-gpu-check-does.
 """

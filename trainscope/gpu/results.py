@@ -1,6 +1,4 @@
-"""make gpu-check's results: each check's goals (declared in trainscope.gpu.checks, judged by trainscope.gpu.goals),
-whether it confirms what the plan says (only where it ran to its end and met every goal), and the results page. MFU
-is headlined on real tokens, against the datasheet peak of its precision.
+"""make gpu-check's results: each check's goals judged, whether it confirms what the plan says, the results page.
 
 How it works: docs/gpu.md#what-make-gpu-check-does."""
 

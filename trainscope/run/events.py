@@ -1,10 +1,6 @@
 """The loop's own events, in the order they happened: each training forward of the model and each optimizer step.
 
-An optimizer step is counted by the optimizer itself (torch's step hook, global, so that an optimizer the loop makes
-later to replace the one given is seen and adopted; with Accelerate's loss scaler, each synchronizing call of the
-prepared optimizer's step, and those the scaler skipped counted apart; with the loop's own GradScaler, its skipped
-steps counted apart by its scale), never by `accelerator.sync_gradients`, which a loop that accumulates by hand never
-turns off. How the order is used: docs/instrument.md#what-counts-as-a-step.
+How an optimizer step is counted and how the order is used: docs/instrument.md#what-counts-as-a-step.
 """
 
 import itertools

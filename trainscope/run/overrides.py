@@ -1,8 +1,5 @@
 """What `trainscope tune` sets from outside a script for every run in it (environment variables, read when the run
-opens): where its record goes and the round's seed -- tune's own bookkeeping --, the run's model timed alone after
-its loop (the advice run's estimates), and what the run owns and can change without the script: the loader's workers
-and pinned memory (applied by `Run.data` where the batches stay the same), and compiled code drawing eager's random
-numbers.
+opens).
 
 How it works: docs/tune.md#what-trainscope-tune-changes-and-how.
 """

@@ -140,12 +140,8 @@ def open_run_folder(options: RunOptions, state: PartialState, names: tuple, exis
     return started
 
 
-# The process group's backend where Accelerate's own choice (NCCL on CUDA, gloo on CPU processes) is not wanted.
-# "gloo" lets several processes share one GPU (NCCL refuses two ranks on one device): make gpu-check runs its
-# multi-process checks that way on a machine with one GPU, each code path on CUDA tensors, its speed not
-# representative (docs/gpu.md). Accelerate's PartialState keeps a backend it is given on CUDA (`_prepare_backend`:
-# the distributed type stays MULTI_GPU, so an FSDP config is still FSDP) and puts each process on
-# cuda:(local rank % GPUs present): with one GPU, all on cuda:0 (`share_device` makes its barriers and DDP say so).
+# The process group's backend where Accelerate's own choice (NCCL on CUDA, gloo on CPU processes) is not wanted:
+# "gloo" lets several processes share one GPU (docs/gpu.md#what-make-gpu-check-does).
 BACKEND_ENV = "TRAINSCOPE_DISTRIBUTED_BACKEND"
 BACKENDS = ("gloo", "nccl")
 
@@ -208,14 +204,8 @@ def open_process_group(settings: RunOptions, cpu: bool, environ=None) -> tuple[P
 
 def share_device(state: PartialState) -> dict | None:
     """Where processes share a GPU, the state's local process index made the index of the GPU it runs on; returns
-    the launcher's local rank and that device, or None where each process has the GPU of its local rank.
-
-    Accelerate puts a process on cuda:(local rank % GPUs present) (`set_device`) but names cuda:<local rank> elsewhere:
-    every barrier (`wait_for_everyone` and `main_process_first` call `barrier(device_ids=[local_process_index])`,
-    where the process group allocates a tensor: an invalid device ordinal) and DDP's `device_ids` (whose inputs are
-    then copied to that device). With the index set once here, Accelerate's and torch's own code names the device
-    the process runs on. Each process sharing a GPU is then a local main process (`is_local_main_process`): the
-    once-per-machine writes it guards (the measured peak's cache) are atomic, and each prints its progress bar."""
+    the launcher's local rank and that device, or None where each process has the GPU of its local rank. Why:
+    docs/gpu.md#what-make-gpu-check-does (Accelerate names cuda:<local rank> in its barriers and DDP's device_ids)."""
     device = state.device
     if device is None or device.type != "cuda" or device.index in (None, state.local_process_index):
         return None
@@ -301,10 +291,7 @@ def cpu_fallback(environ=None) -> dict | None:
     }
 
 
-# Accelerate turns FSDP on for multi-GPU (and other accelerator) states only; on CPU processes an FSDP config runs as
-# DDP. With this variable set to 1 an FSDP config's run on CPU processes is FSDP2 over gloo all the same: Accelerate's
-# own FSDP2 prepare (fsdp2_prepare_model, with the plugin the launcher's config gives) and torch's fully_shard on a
-# CPU mesh -- the code path of an FSDP run on GPUs, checked on a laptop or in CI; not its speed (docs/gpu.md).
+# Set to 1: an FSDP config's run on CPU processes is FSDP2 over gloo, not DDP (docs/gpu.md#fsdp2-without-a-gpu).
 FSDP_ON_CPU = "TRAINSCOPE_FSDP_ON_CPU"
 
 

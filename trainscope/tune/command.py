@@ -1,9 +1,4 @@
-"""The user's command as `trainscope tune` runs it, and a change applied to it from outside the script: through
-what Accelerate and torch read at start-up -- `accelerate launch`'s own flags (which it exports to the script's
-environment, over any the environment had), else the environment itself (`Accelerator()` reads
-ACCELERATE_MIXED_PRECISION and its dynamo plugin ACCELERATE_DYNAMO_*, torch OMP_NUM_THREADS) --, what trainscope.Run
-owns (trainscope.run.overrides), and for train.py its own flags. Whether a change took is read from the trial's
-record (`not_applied`): a script whose code fixes a setting keeps it, and tune says so.
+"""The user's command as `trainscope tune` runs it, and a change applied to it from outside the script.
 
 How it works: docs/tune.md#what-trainscope-tune-changes-and-how.
 """
@@ -51,11 +46,11 @@ class Change:
     @property
     def kind(self) -> str:
         """exact, numeric or training: the strictest of its parts' (nothing changed: exact)."""
-        return max((changes.resolved(part)[0] for part in self.parts), key=changes.KINDS.index, default=changes.EXACT)
+        return changes.kind_of_parts(self.parts)
 
     @property
     def does(self) -> str:
-        return "; ".join(dict.fromkeys(changes.resolved(part)[1] for part in self.parts)) or "nothing"
+        return changes.does_of_parts(self.parts)
 
 
 LAUNCHERS = ("accelerate launch", "python", "torchrun")

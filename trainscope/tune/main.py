@@ -1,13 +1,6 @@
 """trainscope tune -- <your training command>: what makes your training faster with the same result, tried.
 
-It runs the command as it is, twice on one seed (is it deterministic?), asks the advisor what the first run's
-record supports, and tries each change that can be made from outside the script, with no edit to it: mixed
-precision, torch.compile and its mode (Accelerate's launcher flags or environment), threads, the loader's workers and
-pinned memory (trainscope.Run's), and train.py's own flags. Alternating rounds, one seed a round: speed on the same
-work by the project's test, the result by the runs' step losses (exact changes) or an equivalence test on paired
-seeds (numeric ones). Kept: faster with the same result. It ends with the command to use and
-<runs>/comparison.{json,md}. Any loop that writes a trainscope record works (trainscope.Run, TrainscopeCallback,
-train.py). How it works: docs/tune.md.
+How it works: docs/tune.md.
 """
 
 import argparse

@@ -1,6 +1,4 @@
-"""The world `trainscope tune` measures, behind a runner and a clock (a test passes simulated ones): trials run in
-alternating rounds within the budget, the exact ones first and stacked, the others on top of them; the decision
-itself is trainscope.advice.judge's, by the design stated before measuring (trainscope.advice.design).
+"""The world `trainscope tune` measures, behind a runner and a clock (a test passes simulated ones).
 
 How it works: docs/tune.md#in-the-code-how-trainscope-tune-runs-trainscopetune.
 """

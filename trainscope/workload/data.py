@@ -502,24 +502,19 @@ def build_dataloaders(
         from transformers.trainer_pt_utils import LengthGroupedSampler
 
         lengths = [len(ids) for ids in data.train["input_ids"]]
-        sampler = LengthGroupedSampler(settings.per_device_batch_size, lengths=lengths, generator=generator())
-        train = torch.utils.data.DataLoader(
-            data.train,
-            batch_size=settings.per_device_batch_size,
-            sampler=sampler,
-            collate_fn=collate,
-            generator=generator(),
-            **options,
-        )
+        order = {
+            "sampler": LengthGroupedSampler(settings.per_device_batch_size, lengths=lengths, generator=generator())
+        }
     else:
-        train = torch.utils.data.DataLoader(
-            data.train,
-            batch_size=settings.per_device_batch_size,
-            shuffle=True,
-            collate_fn=collate,
-            generator=generator(),
-            **options,
-        )
+        order = {"shuffle": True}
+    train = torch.utils.data.DataLoader(
+        data.train,
+        batch_size=settings.per_device_batch_size,
+        collate_fn=collate,
+        generator=generator(),
+        **order,
+        **options,
+    )
     evaluation = [
         torch.utils.data.DataLoader(
             by_length(split) if settings.eval_order == "length" else split,

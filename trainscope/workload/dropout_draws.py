@@ -1,9 +1,5 @@
 """Dropout masks drawn as torch draws them on a CPU, bit for bit and faster: the padding-free layers' masks (--unpad).
 
-`native/mt19937_bernoulli.c` is torch's serial `bernoulli_` loop, vectorizable: the same generator, draws and
-comparison, torch's generator state read and written back. It is built once per machine, checked against torch in a
-child process first, and used only where that check passed; elsewhere torch draws. `status()` says which.
-
 How it works: docs/same-result.md#in-the-code-how-the-dropout-masks-are-drawn-trainscopeworkloaddropout_drawspy.
 """
 
@@ -23,6 +19,7 @@ from pathlib import Path
 import torch
 
 from trainscope.core.paths import ROOT, cache_dir
+from trainscope.core.records import write_json_atomic
 
 SOURCE = Path(__file__).parent / "native" / "mt19937_bernoulli.c"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -283,14 +280,7 @@ def _verdict(library: Path) -> dict:
         return kept
     verdict = _check_in_child(library)
     try:
-        handle, partial = tempfile.mkstemp(suffix=".json", dir=marker.parent)
-        try:
-            with os.fdopen(handle, "w") as file:
-                json.dump(verdict, file, indent=1)
-            os.replace(partial, marker)
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+        write_json_atomic(marker, verdict)
     except OSError:
         pass
     return verdict

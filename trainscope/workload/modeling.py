@@ -366,13 +366,8 @@ def optimizer_facts(optimizer) -> dict:
 
 def fsdp_wrap_rule(model, accelerator) -> list[str] | None:
     """In FSDP runs, the layer classes sharded one by one (None in other runs): the ones the config names
-    (fsdp_transformer_layer_cls_to_wrap), else the model's repeated block.
-
-    Accelerate's transformer wrap policy would take them from the model's `_no_split_modules`, which for
-    BERT and RoBERTa holds the embeddings class beside the layer's: Accelerate's FSDP2 prepare then shards
-    the embeddings, and shards the input embedding's weight a second time (fsdp2_prepare_model's
-    `fully_shard(input_embed)`), which fails ("Invariant encountered" in DeviceMesh); a model that declares
-    none would have only its root sharded.
+    (fsdp_transformer_layer_cls_to_wrap), else the model's repeated block -- not `_no_split_modules`, whose
+    embeddings class makes Accelerate's FSDP2 prepare shard the input embedding twice (docs/gpu.md#fsdp2-without-a-gpu).
     """
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is None:

@@ -1,10 +1,5 @@
 """Padding-free encoder layers for the BERT family (--unpad): the same model, its token-wise work on real tokens.
 
-Every token-wise operation of an encoder layer runs on the batch's N real tokens instead of all B x T padded
-positions; attention runs on the padded layout, and every dropout mask is drawn for the padded shape with the padded
-model's random numbers, so a seeded run matches the padded one to the precision's rounding. Applied by
-trainscope.workload.modeling after LoRA and checkpointing.
-
 How it works: docs/same-result.md#in-the-code-how-the-padding-free-layers-work-trainscopeworkloadunpadpy.
 """
 
