@@ -11,7 +11,6 @@ How it works: docs/benchmarks.md#in-the-code-how-make-bench-overhead-compares-tr
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -260,10 +259,7 @@ def main() -> None:
             done.append(whole_run.measure(script, args.pairs, args.warm_rounds, runner, on_round=partial))
     report = {**header, "scripts": done}
     bench.publish(Path(args.out), report, markdown(page(report)))
-    failed = [line for found in done for line in whole_run.failures(found)]
-    if failed:
-        print("error: " + "; ".join(failed), file=sys.stderr)
-        raise SystemExit(1)
+    whole_run.exit_if_failed(done)
 
 
 if __name__ == "__main__":

@@ -453,10 +453,7 @@ def main() -> None:
         "median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
         file=sys.stderr,
     )
-    failed = whole_run.failures(report["callback_cost"])
-    if failed:
-        print("error: " + "; ".join(failed), file=sys.stderr)
-        raise SystemExit(1)
+    whole_run.exit_if_failed([report["callback_cost"]])
 
 
 if __name__ == "__main__":
