@@ -399,9 +399,7 @@ EXPERIMENT = Experiment(
 
 
 # ---------------------------------------------------------------- make tune-confirm's results
-# Since make tune-confirm is trainscope tune --confirm its result is a tune result (its experiment "tune-confirm",
-# so that one kept beside, tune_confirm_<suffix>/, is read as make tune-confirm's); before, an experiment's
-# comparison of two arms, make train's command and make tune's, on paired seeds (the committed tune_confirm*/).
+# a tune result (experiment "tune-confirm"), or an older two-arm comparison on paired seeds (committed tune_confirm*/)
 BASELINE, TUNED = "make-train", "make-tune"
 
 

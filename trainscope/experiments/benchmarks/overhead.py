@@ -160,9 +160,8 @@ def instruments_alone(argv: list[str]) -> None:
         torch.set_num_threads(int(settings.threads))
     accelerator = Accelerator()
     model = accelerator.prepare(torch.nn.Linear(4, 1))
-    # torch's own SGD, not Accelerate's wrapper: AcceleratedOptimizer.step asks importlib for lomo_optim twice a call
-    # (accelerate 1.15's is_lomo_available, uncached: about 160 us on machine B), which the bare loop pays as train.py
-    # does; what is timed here is trainscope's own work (its step hook), not Accelerate's
+    # torch's own SGD, not Accelerate's wrapper (its step looks lomo_optim up on every call, as the bare loop's does):
+    # what is timed here is trainscope's own work (its step hook), not Accelerate's
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps, shape = settings.max_steps or 1000, (settings.per_device_batch_size, settings.max_seq_length)
     mask = torch.ones(shape, dtype=torch.long)
