@@ -126,10 +126,7 @@ def kept_beside(runs_dir: Path, experiments) -> dict:
 
 def _experiment_named(path: Path) -> str | None:
     """The experiment a comparison.json names, or None (none there, or not one)."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
+    value = _read_json(path, Collected())  # what it lacks is said where the folder's own inputs are read
     return value.get("experiment") if isinstance(value, dict) else None
 
 
