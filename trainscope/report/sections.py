@@ -109,9 +109,8 @@ def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
 
 
 def kept_beside(runs_dir: Path, experiments) -> dict:
-    """{folder name: experiment} of the folders <runs>/<folder>_<suffix>/ kept beside the declared folder of an
-    experiment declared `kept_beside`, by name: those whose comparison.json names that experiment (each holds one
-    machine's or one command's results, e.g. the committed tune_amx/ and tune_confirm_grouped/)."""
+    """{folder name: experiment} of the folders <runs>/<folder>_<suffix>/ whose comparison.json names an experiment
+    declared `kept_beside` (docs/design.md#in-the-code-what-the-reports-sections-share-trainscopereportsectionspy)."""
     declared = {e.folder for e in experiments if e.folder}
     beside = [e for e in experiments if e.folder and getattr(e, "kept_beside", False)]
     kept = {}
@@ -259,11 +258,8 @@ def time_breakdown(record: dict) -> dict:
 
 
 def pick_breakdown_run(found: Collected) -> dict | None:
-    """The report's main run (where the time went): the run named by report.py --run; else make train's, the newest
-    unprofiled run of train.py directly under the runs folder (a make train-lm run, an experiment's runs and your own
-    loop's are not train.py's or not there) measured on the machine of make profile's runs where there are some (the
-    section shows them beside it); else make profile's unprofiled default run. Never simply the newest run:
-    docs/design.md#which-run-the-report-calls-the-main-run."""
+    """The report's main run (where the time went), chosen as docs/design.md#which-run-the-report-calls-the-main-run
+    says."""
     return breakdown_choice(found)[0]
 
 
