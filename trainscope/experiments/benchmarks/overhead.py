@@ -21,7 +21,7 @@ from trainscope.core import launching
 from trainscope.core.paths import ROOT
 from trainscope.experiments.benchmarks import short_run, whole_run
 from trainscope.measure import bench
-from trainscope.measure.timing import synchronizer
+from trainscope.measure.timing import HostClock, synchronizer
 from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.workload.settings import parse_settings
 
@@ -104,13 +104,7 @@ def bare_train(task, settings, training) -> tuple[int, float]:
     """train.py's loop and evaluations, unmeasured: (the training samples after the warm-up steps, the seconds they
     took less the evaluations', timed as train.py's phase boundaries: the device's work done, then the host clock)."""
     accelerator, model, metric = training.accelerator, training.model, task.load_metric()
-    synchronize = synchronizer(accelerator.device)
-
-    def now() -> float:
-        if synchronize is not None:
-            synchronize()
-        return time.perf_counter()
-
+    now = HostClock(synchronizer(accelerator.device)).mark
     warmup, total = settings.timing_warmup_steps, training.plan["optimizer_steps"]
     step, samples, evaluation_s = 0, 0, 0.0
     window_started = now() if warmup == 0 else None
