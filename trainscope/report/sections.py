@@ -279,18 +279,13 @@ def breakdown_choice(found: Collected) -> tuple[dict | None, str]:
     return default, "make profile's run" + ("; make train's ran on another machine" if trained else "")
 
 
-def all_runs(found: Collected) -> list[dict]:
-    """Every complete record collected: the experiments' folders, those kept beside them, and the others."""
-    kept = [r for folders in found.folders.values() for f in folders if f.kept for r in f.runs.values()]
-    return [*found.other_runs, *(r for runs in found.runs.values() for r in runs.values()), *kept]
-
-
 def named_run(found: Collected, name: str) -> dict | None:
-    """The run called `name` (its run name, or its folder's path under the runs folder), None where none is."""
-    wanted = Path(name)
+    """The run called `name` (its run name, or its folder's path under the runs folder) among every complete record
+    collected (the experiments' folders, those kept beside them, and the others), None where none is."""
+    kept = [r for folders in found.folders.values() for f in folders if f.kept for r in f.runs.values()]
+    records = [*found.other_runs, *(r for runs in found.runs.values() for r in runs.values()), *kept]
     return next(
-        (r for r in all_runs(found) if RunView(r).name == name or (r.get("path") and Path(r["path"]) == wanted)),
-        None,
+        (r for r in records if RunView(r).name == name or (r.get("path") and Path(r["path"]) == Path(name))), None
     )
 
 
