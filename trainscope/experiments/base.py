@@ -1,11 +1,6 @@
-"""What every experiment shares: its declaration, arms launched by the README's command in alternating
-rounds, the comparison of each arm with the baseline, and its results file.
-
-Every arm gets the same seed, data, steps and launcher; rounds alternate the order of the arms
-(trainscope.measure.bench), and each comparison with the first arm (the baseline) is a median of per-round
-ratios with min-max and a verdict. A config that cannot run here (a 2-process DDP config with one GPU)
-is skipped with its reason; a run that was planned and fails stops the experiment with a non-zero exit.
-"""
+"""What every experiment shares: its declaration (docs/design.md#how-to-add), arms with the same seed, data, steps and
+launcher in alternating rounds (trainscope.measure.bench), each compared with the first (the baseline), and its
+results file. A config this machine cannot run is skipped with its reason; a planned run that fails stops it."""
 
 import argparse
 import shlex

@@ -66,13 +66,9 @@ def largest_and_predicted(args, train_args: list[str], user) -> tuple[int | None
     child (no CUDA context here while the runs use the GPU; neither with --search-from 0), on a CPU only the
     prediction, made here."""
     searching = launching.cuda_devices() and args.search_from
-    if searching:
-        batch_search.refuse_multi_process(
-            args.config, launching.config_facts(launching.config_path(args.config))["num_processes"]
-        )
     largest, predicted = None, None
     if searching:
-        found = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], args.search_from, predict=True)
+        found = largest_fitting_batch(args.config, [*train_args, *SMALL_EVAL], args.search_from)
         largest, predicted, start = found["largest_batch"], found.get("predicted"), found.get("start", args.search_from)
     elif not launching.cuda_devices():
         predicted = predicted_largest_batch(args.config, user)
@@ -182,16 +178,12 @@ def predicted_largest_batch(
         return None
 
 
-def largest_fitting_batch(
-    config: str, train_args: list[str], start: int, grow: bool = False, predict: bool = False
-) -> dict:
-    """{largest_batch, ...}: the largest batch (halving from `start`; with `grow`, first doubling while it fits)
-    whose training steps fit in device memory, found in a child process launched with the config (its precision), so
-    nothing stays allocated here; with `predict` the child first predicts the largest batch and searches from it
-    (doubling or halving: {predicted, start} too). A multi-process config is refused before anything is launched
-    (see trainscope.experiments.batch_search)."""
-    from trainscope import predict  # deferred: it loads transformers' models (through the predictor)
-
+def largest_fitting_batch(config: str, train_args: list[str], start: int) -> dict:
+    """{largest_batch, predicted, start}: the largest batch whose training steps fit in device memory, found in a
+    child process launched with the config (its precision), so nothing stays allocated here; the child first
+    predicts the largest batch and searches from it, doubling or halving (from `start`, halving, where it cannot
+    predict). A multi-process config is refused before anything is launched (see
+    trainscope.experiments.batch_search)."""
     batch_search.refuse_multi_process(config, launching.config_facts(launching.config_path(config))["num_processes"])
     command = [
         *launching.accelerate_launch(config),
@@ -200,8 +192,7 @@ def largest_fitting_batch(
         "find-batch",
         "--start",
         str(start),
-        *(["--grow"] if grow else []),
-        *(["--predict"] if predict else []),
+        "--predict",
         "--",
         *train_args,
     ]
@@ -227,7 +218,7 @@ def find_batch(args, train_args: list[str]) -> None:
         build_scheduler,
         build_tokenizer,
     )
-    from trainscope.workload.step import train_step  # deferred: it loads transformers' models
+    from trainscope.workload.step import train_step, unmeasured  # deferred: it loads transformers' models
 
     (settings,) = parse_settings(argv=train_args)
     startup.configure_process(settings)
@@ -248,30 +239,23 @@ def find_batch(args, train_args: list[str]) -> None:
                 "attention_mask": torch.ones(shape, dtype=torch.long, device=accelerator.device),
                 "labels": torch.zeros(batch_size, dtype=torch.long, device=accelerator.device),
             }
-            train_step(accelerator, model, batch, optimizer, scheduler, _untimed, trial.max_grad_norm)
+            train_step(accelerator, model, batch, optimizer, scheduler, unmeasured, trial.max_grad_norm)
         del model, optimizer, scheduler
 
     if not args.predict:
-        print(json.dumps({"largest_batch": batch_search.search(two_steps, args.start, grow=args.grow)}))
+        print(json.dumps({"largest_batch": batch_search.search(two_steps, args.start)}))
         return
 
     predicted = predicted_largest_batch(
         None, settings, accelerator.device, predict.precision_from_environment(accelerator.device)
     )
     start = predicted["batch"] if predicted and predicted["batch"] >= 1 else args.start
-    largest = batch_search.search(two_steps, start, grow=args.grow or bool(predicted))
+    largest = batch_search.search(two_steps, start, grow=bool(predicted))
     print(json.dumps({"largest_batch": largest, "predicted": predicted, "start": start}))
-
-
-def _untimed(stage: str):
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def find_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=int, required=True)
-    parser.add_argument("--grow", action="store_true", help="double from --start while it fits (a predicted start)")
     parser.add_argument(
         "--predict",
         action="store_true",

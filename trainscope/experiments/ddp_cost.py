@@ -1,11 +1,5 @@
-"""make ddp-cost: what DDP communication costs here, and which bucket size, flag or compression hook hides it.
-
-Each DDP setting runs against DDP's defaults (no communication hook: the reducer's built-in all-reduce) in
-alternating rounds; every run measures its communication on every step (trainscope.measure.communication.measured: exposed
-time, overlap, the buckets' transfer alone, beside DDP's own logger on the same iterations). The report
-shows, per setting, a step split into the rest / the transfer hidden behind backward / exposed communication,
-and per rank the exposure and the wait for a straggler; every sentence is computed from the figures it cites.
-"""
+"""make ddp-cost: what DDP communication costs here, and which bucket size, flag or compression hook hides it: each
+setting against DDP's defaults (no communication hook) in alternating rounds; what is measured: docs/ddp.md."""
 
 from pathlib import Path
 

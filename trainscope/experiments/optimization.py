@@ -33,19 +33,14 @@ class OnMachine:
         return f"Measured on {self.machine.text}" if self.machine else "Measured on a machine its inputs do not name"
 
 
-def folder_machine(folder: Folder) -> Machine | None:
-    """The machine that measured a folder's results: its runs' one machine, else its comparison's provenance."""
-    machines = sections.machines(folder.runs.items())
-    return next(iter(machines)) if len(machines) == 1 else results_machine(folder.comparison)
-
-
 def on_machines(found: sections.Collected) -> list[OnMachine]:
     """make tune's and make tune-confirm's results grouped by machine, in the order of their folders (make tune's
     first: its declared folder, then those kept beside it by name)."""
     groups: dict = {}
     for experiment, kind in ((EXPERIMENT, "tunes"), (CONFIRM, "confirms")):
         for folder in sections.folders_of(found, experiment):
-            machine = folder_machine(folder)
+            machines = sections.machines(folder.runs.items())  # its runs' one machine, else its provenance's
+            machine = next(iter(machines)) if len(machines) == 1 else results_machine(folder.comparison)
             getattr(groups.setdefault(machine, OnMachine(machine)), kind).append(folder)
     return list(groups.values())
 
@@ -399,9 +394,7 @@ EXPERIMENT = Experiment(
 
 
 # ---------------------------------------------------------------- make tune-confirm's results
-# Since make tune-confirm is trainscope tune --confirm its result is a tune result (its experiment "tune-confirm",
-# so that one kept beside, tune_confirm_<suffix>/, is read as make tune-confirm's); before, an experiment's
-# comparison of two arms, make train's command and make tune's, on paired seeds (the committed tune_confirm*/).
+# a tune result (experiment "tune-confirm"), or an older two-arm comparison on paired seeds (committed tune_confirm*/)
 BASELINE, TUNED = "make-train", "make-tune"
 
 

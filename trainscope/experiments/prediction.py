@@ -222,25 +222,23 @@ def summarize(rows: list[dict]) -> dict:
     for row in rows:
         for term, entry in row["terms"].items():
             if entry.get("share_of_total") is not None:
-                shares.setdefault(term, []).append((entry["share_of_total"], abs(entry["error"] or 0.0)))
-    result["terms"] = {
-        term: {
-            "median_share_of_total": statistics.median(s for s, _ in values),
-            "median_abs_error": statistics.median(e for _, e in values),
-            "runs": len(values),
-        }
-        for term, values in shares.items()
-    }
+                shares.setdefault(term, []).append(entry)
+    result["terms"] = {term: share_summary(entries) for term, entries in shares.items()}
     if result["terms"]:
         result["furthest_term"] = max(result["terms"], key=lambda t: result["terms"][t]["median_share_of_total"])
     residuals = [r["residual"] for r in rows if r.get("residual") and r["residual"].get("share_of_total") is not None]
     if residuals:
-        result["residual"] = {
-            "median_share_of_total": statistics.median(e["share_of_total"] for e in residuals),
-            "median_abs_error": statistics.median(abs(e["error"] or 0.0) for e in residuals),
-            "runs": len(residuals),
-        }
+        result["residual"] = share_summary(residuals)
     return result
+
+
+def share_summary(entries: list[dict]) -> dict:
+    """A term's (or the residual's) median share of its total's error and median |error| over the runs."""
+    return {
+        "median_share_of_total": statistics.median(e["share_of_total"] for e in entries),
+        "median_abs_error": statistics.median(abs(e["error"] or 0.0) for e in entries),
+        "runs": len(entries),
+    }
 
 
 def _pct(value) -> str:

@@ -84,9 +84,8 @@ class Book:
         mark = f"\n#pagemark({string(self._label(anchor))})" if anchor else ""
         self.source.append(f"#heading(level: {level}, outlined: {str(level < 3).lower()})[{inline(text)}]{label}{mark}")
 
-    def text(self, text: str, size: float = BODY, tint: str | None = None):
+    def text(self, text: str, tint: str | None = None):
         body = " \\\n".join(inline(line) for line in str(text).split("\n"))
-        body = f"#text(size: {size}pt)[{body}]" if size != BODY else body
         if tint:
             body = f"#block(fill: rgb({string(tint)}), inset: 4pt, width: 100%)[{body}]"
         self.source.append(body)

@@ -109,9 +109,8 @@ def collect(runs_dir: Path, results_dir: Path, experiments) -> Collected:
 
 
 def kept_beside(runs_dir: Path, experiments) -> dict:
-    """{folder name: experiment} of the folders <runs>/<folder>_<suffix>/ kept beside the declared folder of an
-    experiment declared `kept_beside`, by name: those whose comparison.json names that experiment (each holds one
-    machine's or one command's results, e.g. the committed tune_amx/ and tune_confirm_grouped/)."""
+    """{folder name: experiment} of the folders <runs>/<folder>_<suffix>/ whose comparison.json names an experiment
+    declared `kept_beside` (docs/design.md#in-the-code-what-the-reports-sections-share-trainscopereportsectionspy)."""
     declared = {e.folder for e in experiments if e.folder}
     beside = [e for e in experiments if e.folder and getattr(e, "kept_beside", False)]
     kept = {}
@@ -126,10 +125,7 @@ def kept_beside(runs_dir: Path, experiments) -> dict:
 
 def _experiment_named(path: Path) -> str | None:
     """The experiment a comparison.json names, or None (none there, or not one)."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
+    value = _read_json(path, Collected())  # what it lacks is said where the folder's own inputs are read
     return value.get("experiment") if isinstance(value, dict) else None
 
 
@@ -262,11 +258,8 @@ def time_breakdown(record: dict) -> dict:
 
 
 def pick_breakdown_run(found: Collected) -> dict | None:
-    """The report's main run (where the time went): the run named by report.py --run; else make train's, the newest
-    unprofiled run of train.py directly under the runs folder (a make train-lm run, an experiment's runs and your own
-    loop's are not train.py's or not there) measured on the machine of make profile's runs where there are some (the
-    section shows them beside it); else make profile's unprofiled default run. Never simply the newest run:
-    docs/design.md#which-run-the-report-calls-the-main-run."""
+    """The report's main run (where the time went), chosen as docs/design.md#which-run-the-report-calls-the-main-run
+    says."""
     return breakdown_choice(found)[0]
 
 
@@ -286,18 +279,13 @@ def breakdown_choice(found: Collected) -> tuple[dict | None, str]:
     return default, "make profile's run" + ("; make train's ran on another machine" if trained else "")
 
 
-def all_runs(found: Collected) -> list[dict]:
-    """Every complete record collected: the experiments' folders, those kept beside them, and the others."""
-    kept = [r for folders in found.folders.values() for f in folders if f.kept for r in f.runs.values()]
-    return [*found.other_runs, *(r for runs in found.runs.values() for r in runs.values()), *kept]
-
-
 def named_run(found: Collected, name: str) -> dict | None:
-    """The run called `name` (its run name, or its folder's path under the runs folder), None where none is."""
-    wanted = Path(name)
+    """The run called `name` (its run name, or its folder's path under the runs folder) among every complete record
+    collected (the experiments' folders, those kept beside them, and the others), None where none is."""
+    kept = [r for folders in found.folders.values() for f in folders if f.kept for r in f.runs.values()]
+    records = [*found.other_runs, *(r for runs in found.runs.values() for r in runs.values()), *kept]
     return next(
-        (r for r in all_runs(found) if RunView(r).name == name or (r.get("path") and Path(r["path"]) == wanted)),
-        None,
+        (r for r in records if RunView(r).name == name or (r.get("path") and Path(r["path"]) == Path(name))), None
     )
 
 

@@ -11,13 +11,8 @@ from trainscope.report.tables import Table, save_figure
 
 
 class ReportWriter:
-    """Each section goes to report.md, to report.pdf, and to its own PNG/PDF figures and .tex tables.
-
-    A section's answer (a `Headline`: its headline figure and its verdict, or the line saying why it has
-    none) and the machines its figures come from are declared before the section is written: the machines head
-    the section and follow every figure's caption and table's title; the answer goes under the section's heading
-    ('In short') and, with the page the section landed on, to the report's first page of answers, grouped by
-    machine."""
+    """Each section goes to report.md, to report.pdf, and to its own PNG/PDF figures and .tex tables; its answer and
+    machines are declared (`answer`) before it is written (docs/benchmarks.md#the-committed-report)."""
 
     QUESTIONS = "The assignment's questions, answered"
     ANSWERS = "At a glance"

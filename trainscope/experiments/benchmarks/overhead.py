@@ -11,7 +11,6 @@ How it works: docs/benchmarks.md#in-the-code-how-make-bench-overhead-compares-tr
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from trainscope.core import launching
 from trainscope.core.paths import ROOT
 from trainscope.experiments.benchmarks import short_run, whole_run
 from trainscope.measure import bench
-from trainscope.measure.timing import synchronizer
+from trainscope.measure.timing import HostClock, synchronizer
 from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.workload.settings import parse_settings
 
@@ -105,13 +104,7 @@ def bare_train(task, settings, training) -> tuple[int, float]:
     """train.py's loop and evaluations, unmeasured: (the training samples after the warm-up steps, the seconds they
     took less the evaluations', timed as train.py's phase boundaries: the device's work done, then the host clock)."""
     accelerator, model, metric = training.accelerator, training.model, task.load_metric()
-    synchronize = synchronizer(accelerator.device)
-
-    def now() -> float:
-        if synchronize is not None:
-            synchronize()
-        return time.perf_counter()
-
+    now = HostClock(synchronizer(accelerator.device)).mark
     warmup, total = settings.timing_warmup_steps, training.plan["optimizer_steps"]
     step, samples, evaluation_s = 0, 0, 0.0
     window_started = now() if warmup == 0 else None
@@ -161,9 +154,8 @@ def instruments_alone(argv: list[str]) -> None:
         torch.set_num_threads(int(settings.threads))
     accelerator = Accelerator()
     model = accelerator.prepare(torch.nn.Linear(4, 1))
-    # torch's own SGD, not Accelerate's wrapper: AcceleratedOptimizer.step asks importlib for lomo_optim twice a call
-    # (accelerate 1.15's is_lomo_available, uncached: about 160 us on machine B), which the bare loop pays as train.py
-    # does; what is timed here is trainscope's own work (its step hook), not Accelerate's
+    # torch's own SGD, not Accelerate's wrapper (its step looks lomo_optim up on every call, as the bare loop's does):
+    # what is timed here is trainscope's own work (its step hook), not Accelerate's
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps, shape = settings.max_steps or 1000, (settings.per_device_batch_size, settings.max_seq_length)
     mask = torch.ones(shape, dtype=torch.long)
@@ -260,10 +252,7 @@ def main() -> None:
             done.append(whole_run.measure(script, args.pairs, args.warm_rounds, runner, on_round=partial))
     report = {**header, "scripts": done}
     bench.publish(Path(args.out), report, markdown(page(report)))
-    failed = [line for found in done for line in whole_run.failures(found)]
-    if failed:
-        print("error: " + "; ".join(failed), file=sys.stderr)
-        raise SystemExit(1)
+    whole_run.exit_if_failed(done)
 
 
 if __name__ == "__main__":

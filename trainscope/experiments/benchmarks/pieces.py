@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from trainscope.experiments.benchmarks import short_run
+from trainscope.experiments.loaders.sweep import endless
 from trainscope.measure import bench
 from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.report.tables import Table, spread_cell
@@ -170,7 +171,7 @@ def train_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tup
         run = Run.from_started(training.prepared, started, task.facts(training, data), driver)
         pieces = {name: off for name, off in run_pieces(run, model, optimizer).items() if name in pieces_wanted}
         blocks = Blocks([ALL, NONE, *pieces], rounds, steps)
-        source = forever(training.train_loader)
+        source = endless(training.train_loader)  # one stream every block reads on from
 
         def bare_step():
             batch = next(source)
@@ -304,12 +305,6 @@ def model_hooks(model) -> tuple:
 def step_hooks(optimizer) -> tuple:
     inner = getattr(optimizer, "optimizer", optimizer)
     return inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks
-
-
-def forever(loader):
-    """The loader's batches, epoch after epoch: one stream every block reads on from."""
-    while True:
-        yield from loader
 
 
 def figures(blocks: Blocks) -> dict:

@@ -78,7 +78,7 @@ def trainer_loop(argv: list[str], precision: str, with_callback: bool = False) -
         trainer.train()
         figures = steady_figures(settings, clock)
         if with_callback:
-            figures["stage_shares"] = stage_shares(RunView(read_record(Path(scratch) / "callback")))
+            figures["stage_shares"] = RunView(read_record(Path(scratch) / "callback")).shares("steady")
     print(json.dumps(figures))
 
 
@@ -145,11 +145,6 @@ def callback_alone(argv: list[str]) -> None:
             bare.append(timed[False])
     print(json.dumps({"us_per_step": statistics.median(differences), "trainer_us_per_step": statistics.median(bare),
                       "blocks": ALONE_BLOCKS, "threads": torch.get_num_threads(), "steps": steps}))  # fmt: skip
-
-
-def stage_shares(view: RunView) -> dict:
-    """Each stage's median share of the steady phase's wall time."""
-    return dict(view.shares("steady"))
 
 
 def peer_trainer_class(loader):
@@ -224,19 +219,15 @@ def training_arguments(settings, precision: str, scratch: str, on_cuda: bool):
     )  # fmt: skip
 
 
-def run_child(flags: list[str], train_args: list[str], config: str | None, what: str) -> dict:
-    """This module as a child by `accelerate launch` (`flags`: which child), the JSON its last line prints."""
-    command = [*launching.accelerate_launch(config), "-m", "trainscope.experiments.benchmarks.trainer_peer", *flags,
+def run_trainer(train_args: list[str], precision: str, config: str | None, with_callback: bool = False) -> dict:
+    """This module's `--trainer` child by `accelerate launch`, the JSON its last line prints."""
+    command = [*launching.accelerate_launch(config), "-m", "trainscope.experiments.benchmarks.trainer_peer",
+               "--trainer", "--precision", precision, *(["--with-callback"] if with_callback else []),
                *train_args]  # fmt: skip
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
-        raise SystemExit(f"error: {what} failed: {launching.failure_reason(result)}")
+        raise SystemExit(f"error: the Trainer arm failed: {launching.failure_reason(result)}")
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def run_trainer(train_args: list[str], precision: str, config: str | None, with_callback: bool = False) -> dict:
-    flags = ["--trainer", "--precision", precision, *(["--with-callback"] if with_callback else [])]
-    return run_child(flags, train_args, config, "the Trainer arm")
 
 
 def run_train_py(train_args: list[str], config: str | None, launcher: str, output_dir: Path, name: str) -> dict:
@@ -258,7 +249,7 @@ def run_train_py(train_args: list[str], config: str | None, launcher: str, outpu
         "tokens_at": tokens_at,
         "effective_precision": view.precision,
         "warnings": view.warning_codes,
-        "stage_shares": stage_shares(view),
+        "stage_shares": view.shares("steady"),  # each stage's median share of the steady wall time
     }
 
 
@@ -453,10 +444,7 @@ def main() -> None:
         "median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
         file=sys.stderr,
     )
-    failed = whole_run.failures(report["callback_cost"])
-    if failed:
-        print("error: " + "; ".join(failed), file=sys.stderr)
-        raise SystemExit(1)
+    whole_run.exit_if_failed([report["callback_cost"]])
 
 
 if __name__ == "__main__":

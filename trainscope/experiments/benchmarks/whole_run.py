@@ -188,15 +188,19 @@ def figures(script: Script, rounds: list[dict]) -> dict:
     }
 
 
-def failures(found: dict) -> list[str]:
-    """The checks that failed: a direct figure outside the rounds' interval of the per-step cost."""
-    return [
+def exit_if_failed(scripts: list[dict]) -> None:
+    """Exits 1 naming the checks that failed: a direct figure outside the rounds' interval of the per-step cost."""
+    failed = [
         f"{found['script']} ({label}): the direct figure {found['direct']['share']:+.2%} lies {arm['agreement']} the "
         f"rounds' interval of the per-step cost ({arm['per_step']['interval']['low']:+.2%} to "
         f"{arm['per_step']['interval']['high']:+.2%}): one of the two misses a cost"
+        for found in scripts
         for label, arm in found["arms"].items()
         if arm["agreement"] in ("below", "above")
     ]
+    if failed:
+        print("error: " + "; ".join(failed), file=sys.stderr)
+        raise SystemExit(1)
 
 
 # ---------------------------------------------------------------- the page

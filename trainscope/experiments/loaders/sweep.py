@@ -200,15 +200,11 @@ def endless(loader):
 # ---------------------------------------------------------------- summary (pure)
 
 
+SETTING = ("mode", "batch_size", "pin_memory", "persistent_workers", "prefetch_factor", "num_workers")
+
+
 def setting_key(row) -> tuple:
-    return (
-        row["mode"],
-        row["batch_size"],
-        row["pin_memory"],
-        row["persistent_workers"],
-        row["prefetch_factor"],
-        row["num_workers"],
-    )
+    return tuple(row[name] for name in SETTING)
 
 
 def summarize(rows: list[dict], knee_tolerance: float) -> dict:
@@ -222,12 +218,7 @@ def summarize(rows: list[dict], knee_tolerance: float) -> dict:
         metric = "data_share" if key[0] == "in-training" else "pass_s"
         values = [r[metric] for r in group]
         entry = {
-            "mode": key[0],
-            "batch_size": key[1],
-            "pin_memory": key[2],
-            "persistent_workers": key[3],
-            "prefetch_factor": key[4],
-            "num_workers": key[5],
+            **dict(zip(SETTING, key)),
             "metric": metric,
             "median": statistics.median(values),
             "min": min(values),
