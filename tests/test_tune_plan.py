@@ -372,8 +372,10 @@ def test_confirm_tries_the_change_an_earlier_tuning_kept_against_the_command_as_
     assert confirmed["verdict"] == "faster" and confirmed["result"].startswith("same over 6 seeds")
     assert result["final_command"] == f"X=1 ACCELERATE_MIXED_PRECISION=bf16 {' '.join(TRAIN)} --tf32"
     earlier.write_text('{"final_change": {}}')
+    ran = []  # said before any run: the probe's two runs cost 80 s on examples/causal_lm.py
     with pytest.raises(UserError, match="kept no change, nothing to confirm"):
-        run_tune(monkeypatch, None, planted(), confirm=str(earlier))
+        run_tune(monkeypatch, None, lambda *run: ran.append(run), confirm=str(earlier))
+    assert ran == []
 
 
 def test_make_tune_confirms_result_is_read_by_the_report_beside_make_tunes(monkeypatch, tmp_path):

@@ -147,24 +147,25 @@ def probed(tuner: Tuner, args, runs: Path, log) -> tuple[dict, dict, dict]:
     return first, read_record(runs / first["run"]), probe
 
 
-def to_try(args, record: dict, view: RunView, deterministic: bool) -> tuple[list, list, list]:
+def to_try(args, record: dict, view: RunView, deterministic: bool, kept: Change | None) -> tuple[list, list, list]:
     """(the suggestions, the trials to plan, [(suggestion, why it is not tried)]): the advice's changes that can be
-    made from outside the script, or --confirm's one change."""
-    if args.confirm:
+    made from outside the script, or --confirm's one change (`kept`)."""
+    if kept is not None:
         said = advisor.Suggestion("confirm", f"the change {args.confirm} kept", "an earlier tuning", [])
-        return [said], [trial_of(said, confirmed(args.confirm), deterministic)], []
+        return [said], [trial_of(said, kept, deterministic)], []
     suggestions = advisor.advise(record, in_loop_terms=False)
     return (suggestions, *candidates(suggestions, view, args.only, deterministic))
 
 
 def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -> dict:
     runs = Path(args.runs).resolve()
+    kept = confirmed(args.confirm) if args.confirm else None  # a result that cannot be confirmed: said before any run
     tuner = Tuner(runner or Launcher(command, runs), args.budget, clock, log)
     first, record, probe = probed(tuner, args, runs, log)
     view = RunView(record)
     if view.options_as == "flags":  # train.py: its exact changes' fp32 pairs with TF32 off too
         tuner.exact_pair = Change(mixed_precision="no", flags=("--tf32", "false"))
-    suggestions, found, skipped = to_try(args, record, view, probe["verdict"] == "exact")
+    suggestions, found, skipped = to_try(args, record, view, probe["verdict"] == "exact", kept)
     precision = view.precision if view.precision in ("bf16", "fp16") else "tf32" if view.tf32_in_effect else "fp32"
     run_s = tuner.run_s["repeat"]
     tried, over = plan_trials(found, run_s, tuner.remaining(), args.rounds, args.max_suggestions, precision != "fp32")
