@@ -406,3 +406,24 @@ def test_make_tune_confirms_result_is_read_by_the_report_beside_make_tunes(monke
     )
     glance = text.split("## At a glance")[1].split("\n## ")[0]
     assert f"on the full job (make tune-confirm): training samples/s {ratio:.4f} (" in glance
+
+
+def test_a_budget_that_holds_no_trial_says_the_budget_or_the_rounds_that_would(monkeypatch):
+    """examples/causal_lm.py on 2 cores: runs of 43 s, the default 600 s left 504 s after the probe for one trial of
+    12 runs; the line names what holds one (a budget, or 5 rounds) instead of only the flags' names."""
+    now, lines, inner = [0.0], [], planted()
+
+    def run(arm, round_index, run_seed):
+        now[0] += 43.0
+        return inner(arm, round_index, run_seed)
+
+    monkeypatch.setattr(tune.advisor, "advise", lambda record, in_loop_terms=True: NUMERIC[:1])
+    monkeypatch.setattr(tune, "read_record", lambda folder: {})
+    args = SimpleNamespace(runs="unused", budget=600, rounds=6, seed=42, only=None, max_suggestions=4, confirm=None,
+                           accuracy_margin=0.01, loss_margin=0.02)  # fmt: skip
+    result = tune.tune(args, Command.parse(TRAIN), run, clock=lambda: now[0], log=lines.append)
+    assert result["trials"] == [] and now[0] == 2 * 43.0  # the probe only
+    assert (
+        "the budget holds no trial: one takes 12 runs of about 43 s; --budget 660 holds one, or --rounds 5 (10 runs)"
+        in lines
+    )

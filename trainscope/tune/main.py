@@ -186,8 +186,11 @@ def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -
     not_tried = skipped + [(t.suggestion, "over the time budget or --max-suggestions") for t in over]
     for s, why in not_tried:
         log(f"not tried ({s.rule}): {s.change}: {why}")
-    if over and not tried:
-        log(f"the budget holds no trial: one takes {2 * args.rounds} runs of about {run_s:.0f} s (--budget, --rounds)")
+    if over and not tried:  # what would hold one: a budget, or fewer rounds (4 at least: 4 against 4 passes Holm of 1)
+        used, fits = args.budget - tuner.remaining(), int(tuner.remaining() // (2 * run_s))
+        log(f"the budget holds no trial: one takes {2 * args.rounds} runs of about {run_s:.0f} s; --budget "
+            f"{math.ceil((used + 2 * args.rounds * run_s) / 60) * 60:.0f} holds one"
+            + (f", or --rounds {fits} ({2 * fits} runs)" if 4 <= fits < args.rounds else ""))  # fmt: skip
     judged, ran = tuner.decide(design, Arm("baseline"), exact, others)
     not_tried += [(t.suggestion, tuner.failed[t.name]) for t in tried if t.name in tuner.failed]
     result = {"experiment": "tune-confirm" if args.confirm else "tune", "command": command.text(Change()), "script": command.script,
