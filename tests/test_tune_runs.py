@@ -108,8 +108,10 @@ def test_a_loop_launched_on_one_thread_gets_its_share_of_the_cores_from_outside_
     assert (
         one_thread.result["final_command"] == " ".join(PLAIN) and one_thread.result["determinism"]["verdict"] == "exact"
     )
-    batch = next(n for n in one_thread.result["not_tried"] if n["flags"][:1] == ["--per-device-batch-size"])
-    assert batch["why"] == "not from outside the script: the training DataLoader's batch_size=512"
+    # a doubled batch is suggested where the model timed alone on twice the rows says it gains (a timing: on a busy
+    # machine it may not); where it is, it is said in the script's words (tests/test_tune_plan.py plants it)
+    for batch in (n for n in one_thread.result["not_tried"] if n["flags"][:1] == ["--per-device-batch-size"]):
+        assert batch["why"] == "not from outside the script: the training DataLoader's batch_size=512"
 
 
 def test_a_new_user_sees_a_line_a_run_and_the_command_to_use(one_thread):
