@@ -49,7 +49,7 @@ def arguments(argv=None):
     add("--learning-rate", type=float, default=3e-4, help="AdamW's learning rate.")
     add("--log-every", type=int, default=10, help="A step line every N optimizer steps.")
     add("--output-dir", default="runs", help="Where run records go.")
-    add("--run-name", default=None, help="The run's folder; default <model>-loop-<precision>-<time>.")
+    add("--run-name", default=None, help="The run's folder; default <model class>-<precision>-<N>p-<date-time>.")
     add("--overwrite", action="store_true", help="Replace a run folder of the same name.")
     add("--without-trainscope", action="store_true", help="The same loop without trainscope's lines; nothing written.")
     return parser.parse_args(argv)

@@ -41,7 +41,7 @@ def arguments(argv=None):
     add("--steps", type=int, default=100, help="Optimizer steps.")
     add("--learning-rate", type=float, default=5e-4, help="AdamW's learning rate.")
     add("--output-dir", default="runs", help="Where run records go (the Trainer's own output under <it>/trainer).")
-    add("--run-name", default=None, help="The run's folder; default <model>-trainer-<precision>-<time>.")
+    add("--run-name", default=None, help="The run's folder; default <model class>-<precision>-<N>p-<date-time>.")
     return parser.parse_args(argv)
 
 
