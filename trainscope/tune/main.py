@@ -25,7 +25,7 @@ from trainscope.measure import bench, machine_kinds
 from trainscope.report.document import Bullets, Heading, Paragraph, markdown
 from trainscope.run import overrides
 from trainscope.tune.command import Change, Command, not_applied, outside
-from trainscope.tune.tuner import Arm, Trial, TrialFailed, Tuner, plan_trials
+from trainscope.tune.tuner import Arm, Trial, TrialFailed, Tuner, plan_cost, plan_trials
 
 BUDGET_S = 600  # about 10 minutes: a 2-core CPU's tuning of a short loop
 
@@ -186,11 +186,14 @@ def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -
     not_tried = skipped + [(t.suggestion, "over the time budget or --max-suggestions") for t in over]
     for s, why in not_tried:
         log(f"not tried ({s.rule}): {s.change}: {why}")
-    if over and not tried:  # what would hold one: a budget, or fewer rounds (4 at least: 4 against 4 passes Holm of 1)
-        used, fits = args.budget - tuner.remaining(), int(tuner.remaining() // (2 * run_s))
-        log(f"the budget holds no trial: one takes {2 * args.rounds} runs of about {run_s:.0f} s; --budget "
-            f"{math.ceil((used + 2 * args.rounds * run_s) / 60) * 60:.0f} holds one"
-            + (f", or --rounds {fits} ({2 * fits} runs)" if 4 <= fits < args.rounds else ""))  # fmt: skip
+    if over and not tried:  # what would hold the first: a budget, or rounds (4 at least: 4 against 4 passes Holm of 1)
+        exact, fp32 = int(over[0].kind == changes.EXACT), precision != "fp32"
+        runs = {r: plan_cost(exact, 1 - exact, r, fp32) for r in range(4, args.rounds + 1)}
+        fits = max((r for r in runs if runs[r] * run_s <= tuner.remaining()), default=None)
+        needed = args.budget - tuner.remaining() + plan_cost(exact, 1 - exact, args.rounds, fp32) * run_s
+        log(f"the budget holds no trial: one takes {plan_cost(exact, 1 - exact, args.rounds, fp32)} runs of about "
+            f"{run_s:.0f} s; --budget {math.ceil(needed / 60) * 60:.0f} holds one"
+            + (f", or --rounds {fits} ({runs[fits]} runs)" if fits else ""))  # fmt: skip
     judged, ran = tuner.decide(design, Arm("baseline"), exact, others)
     not_tried += [(t.suggestion, tuner.failed[t.name]) for t in tried if t.name in tuner.failed]
     result = {"experiment": "tune-confirm" if args.confirm else "tune", "command": command.text(Change()), "script": command.script,
