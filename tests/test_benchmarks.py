@@ -388,17 +388,24 @@ def test_same_batches_catches_a_trainer_that_saw_other_batches():
     assert not trainer_peer.same_batches(missing)
 
 
-@pytest.mark.parametrize("script", ["train", "trainer"])
+PIECES_FLAGS = {
+    "train": ["--max-train-samples", "256", "--timing-warmup-steps", "2"],
+    "trainer": ["--max-train-samples", "256", "--timing-warmup-steps", "2"],
+    "loop": ["--max-texts", "300", "--batch-size", "2", "--seq-length", "16", "--threads", "1"],
+}
+
+
+@pytest.mark.parametrize("script", list(PIECES_FLAGS))
 def test_the_pieces_diagnostic_locates_a_delay_planted_in_one_piece(script, tmp_path, monkeypatch):
-    """3 ms of CPU work planted in trainscope's count of each micro-batch (RunMetrics.micro_batch; the second
+    """3 ms of CPU work (15 ms in the causal LM's step of about 50 ms) planted in trainscope's count of each micro-batch (RunMetrics.micro_batch; the second
     instrument: the process's CPU clock it spins on): the A/B by block inside one process finds it, in CPU time, in
-    that piece and in the total, not in another piece switched off the same way; in train.py's loop and under the
-    Trainer's callback alike. (CPU time: the wall clock of blocks this short moves by more than the plant while the
+    that piece and in the total, not in another piece switched off the same way; in train.py's loop, under the
+    Trainer's callback and in examples/causal_lm.py's Run loop alike. (CPU time: the wall clock of blocks this short moves by more than the plant while the
     test's peers share the cores.)"""
     from trainscope.experiments.benchmarks import pieces
     from trainscope.run.metrics import RunMetrics
 
-    planted_us, counted = 3000, RunMetrics.micro_batch
+    planted_us, counted = 15000 if script == "loop" else 3000, RunMetrics.micro_batch  # the loop's step: ~50 ms
 
     def slowed(self, *args, **kwargs):
         until = time.process_time() + planted_us * 1e-6
@@ -409,7 +416,7 @@ def test_the_pieces_diagnostic_locates_a_delay_planted_in_one_piece(script, tmp_
     monkeypatch.setattr(RunMetrics, "micro_batch", slowed)
     out = tmp_path / "pieces"
     args = [script, "--rounds", "5", "--block-steps", "16", "--pieces", "micro-batch counting", "stop checks",
-            "--out", str(out), "--max-train-samples", "256", "--timing-warmup-steps", "2"]  # fmt: skip
+            "--out", str(out), *PIECES_FLAGS[script]]  # fmt: skip
     completed = run_in_process(args, main=pieces.main)
     assert completed.returncode == 0, completed.stderr[-3000:]
     figures = json.loads(out.with_suffix(".json").read_text())["figures"]

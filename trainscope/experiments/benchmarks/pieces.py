@@ -2,9 +2,11 @@
 instrument on ("all"), none of it ("none") and each piece off in turn, in alternating order; a piece's cost is "all"
 less the block without it, per step.
 
-    python -m trainscope.experiments.benchmarks.pieces train|trainer [--rounds 7] [--block-steps 30] [train.py flags]
+    python -m trainscope.experiments.benchmarks.pieces train|trainer|loop [--rounds 7] [--block-steps 30] [flags]
 
-`train`: train.py's step driven by trainscope.Run; `trainer`: a transformers.Trainer with TrainscopeCallback. A
+`train`: train.py's step driven by trainscope.Run; `trainer`: a transformers.Trainer with TrainscopeCallback (both
+take train.py's flags); `loop`: examples/causal_lm.py's Run loop (its flags, make bench-overhead's by default, and
+--threads for Run's threads=, "auto" as the example has it). A
 diagnostic, not a committed benchmark (the load average is printed with its figures).
 How it works: docs/benchmarks.md#in-the-code-where-the-cost-goes-trainscopeexperimentsbenchmarkspiecespy."""
 
@@ -12,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import os
 import tempfile
 import time
@@ -20,16 +23,20 @@ from pathlib import Path
 
 import torch
 
+from trainscope.core.paths import ROOT
 from trainscope.experiments.benchmarks import short_run
+from trainscope.experiments.benchmarks.overhead import LOOP_ARGS
 from trainscope.experiments.loaders.sweep import endless
 from trainscope.measure import bench
 from trainscope.report.document import Heading, Paragraph, markdown
 from trainscope.report.tables import Table, spread_cell
 from trainscope.workload.settings import parse_settings
+from trainscope.workload.step import unmeasured
 
 DEFAULT_ARGS = ["--threads", "1", "--model", "embedded:tiny-bert", "--per-device-batch-size", "16",
                 "--max-seq-length", "64", *short_run(samples=2000, steps=None, warmup=20)]  # fmt: skip
 ALL, NONE = "all", "none"
+LOOP_WARMUP = 3  # the loop's untimed first steps: its run's warm-up (2 by default) and one more
 
 
 @contextlib.contextmanager
@@ -151,6 +158,27 @@ class Blocks:
             rows[index][name] = (now - self._began[key]) / self.steps * 1e6
 
 
+def driven(blocks: Blocks, run, model, optimizer, pieces: dict, bare_step, measured_steps, warmup: int) -> None:
+    """The run opened, its warm-up steps, then each block of the plan: "none" the bare step with the hooks lifted,
+    any other every piece on but the one it names; the run finished."""
+
+    def block(index: int, name: str) -> None:
+        off = lifted(*model_hooks(model), *step_hooks(optimizer)) if name == NONE else None
+        with off or (pieces[name]() if name in pieces else contextlib.nullcontext()):
+            steps = bare_step if name == NONE else measured_steps
+            steps(1)
+            blocks.begin()
+            steps(blocks.steps)
+            blocks.end(index, name)
+
+    model.train()
+    with run, blocks.watching_the_collector():
+        measured_steps(warmup)  # the run's warm-up (FLOPs counted, shapes watched)
+        for index, name in blocks.schedule():
+            block(index, name)
+        run.finish()
+
+
 def train_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tuple[Blocks, dict]:
     """train.py's run, its loop driven block by block (see the module's docstring)."""
     from trainscope import classifier as task  # deferred: it loads transformers' models and datasets
@@ -173,10 +201,10 @@ def train_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tup
         blocks = Blocks([ALL, NONE, *pieces], rounds, steps)
         source = endless(training.train_loader)  # one stream every block reads on from
 
-        def bare_step():
-            batch = next(source)
-            task.train_step(accelerator, model, batch, optimizer, training.scheduler, task.unmeasured,
-                            settings.max_grad_norm)  # fmt: skip
+        def bare_steps(count: int):
+            for _ in range(count):
+                task.train_step(accelerator, model, next(source), optimizer, training.scheduler, task.unmeasured,
+                                settings.max_grad_norm)  # fmt: skip
 
         def measured_steps(count: int):
             batches = run.data(source)  # a generator is its own iterator: each block's run.data goes on from it
@@ -186,27 +214,70 @@ def train_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tup
                                           settings.max_grad_norm, run.backward)  # fmt: skip
                 run.count_micro_batch(batch, loss)
 
-        def block(index: int, name: str) -> None:
-            if name == NONE:
-                with lifted(*model_hooks(model), *step_hooks(optimizer)):
-                    bare_step()
-                    blocks.begin()
-                    for _ in range(steps):
-                        bare_step()
-                    return blocks.end(index, name)
-            with pieces[name]() if name in pieces else contextlib.nullcontext():
-                measured_steps(1)
-                blocks.begin()
-                measured_steps(steps)
-                blocks.end(index, name)
-
-        model.train()
-        with run, blocks.watching_the_collector():
-            measured_steps(settings.timing_warmup_steps)  # the run's warm-up (FLOPs counted, shapes watched)
-            for index, name in blocks.schedule():
-                block(index, name)
-            run.finish()
+        driven(blocks, run, model, optimizer, pieces, bare_steps, measured_steps, settings.timing_warmup_steps)
     return blocks, {"planned_steps": steps_in_all, "threads": torch.get_num_threads()}
+
+
+def loop_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tuple[Blocks, dict]:
+    """examples/causal_lm.py's loop as that script writes it, driven block by block: its model, data and optimizer
+    built by the example's own functions from its flags (see the module's docstring)."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from trainscope.instrument import Run
+
+    example = causal_lm_example()
+    steps_in_all = LOOP_WARMUP + rounds * (len(pieces_wanted) + 2) * (steps + 1) + 1
+    threads = argparse.ArgumentParser(add_help=False)
+    threads.add_argument("--threads", default="auto")  # Run's threads= (the example's "auto"), a number or launcher
+    threads, argv = threads.parse_known_args(argv)
+    args = example.arguments([*argv, "--steps", str(steps_in_all)])
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    tokenizer, model = example.build(args)
+    rows = example.blocks(example.load_texts(args), tokenizer, args.seq_length)
+    loader = DataLoader(rows, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    source = endless(loader)
+
+    def one_step(ids, stage, backward):
+        with stage("forward"):
+            loss = model(input_ids=ids, labels=ids).loss
+        with stage("backward"):
+            backward(loss)
+        with stage("optimizer"):
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    with tempfile.TemporaryDirectory() as scratch:
+        run = Run(accelerator, model, optimizer, steps=steps_in_all, name="pieces", output_dir=scratch,
+                  log_every=args.log_every, threads=threads.threads)  # fmt: skip
+        pieces = {name: off for name, off in run_pieces(run, model, optimizer).items() if name in pieces_wanted}
+        blocks = Blocks([ALL, NONE, *pieces], rounds, steps)
+
+        def bare_steps(count: int):
+            for _ in range(count):
+                one_step(next(source), unmeasured, accelerator.backward)
+
+        def measured_steps(count: int):
+            batches = run.data(source)
+            for _ in range(count):
+                ids = next(batches)
+                run.count_micro_batch({"input_ids": ids}, one_step(ids, run.stage, run.backward))
+
+        driven(blocks, run, model, optimizer, pieces, bare_steps, measured_steps, LOOP_WARMUP)
+    return blocks, {"planned_steps": steps_in_all, "threads": torch.get_num_threads()}
+
+
+def causal_lm_example():
+    """examples/causal_lm.py as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("causal_lm_example", ROOT / "examples" / "causal_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def trainer_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tuple[Blocks, dict]:
@@ -374,13 +445,18 @@ def page(report: dict) -> list:
     ]
 
 
+MEASURES = {"train": train_blocks, "trainer": trainer_blocks, "loop": loop_blocks}
+
+
 def load() -> str:
     return ", ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("script", choices=["train", "trainer"], help="train.py's loop or a Trainer with the callback")
+    parser.add_argument(
+        "script", choices=list(MEASURES), help="train.py's loop, a Trainer with the callback, or a Run loop"
+    )
     parser.add_argument("--rounds", type=int, default=7, help="rounds of blocks (default 7)")
     parser.add_argument("--block-steps", type=int, default=30, help="timed optimizer steps a block (default 30)")
     parser.add_argument("--pieces", nargs="+", default=None, choices=list(WHAT), help="pieces (default: every one)")
@@ -389,10 +465,9 @@ def main(argv=None) -> None:
     if args.rounds < 1 or args.block_steps < 1:
         parser.error("--rounds and --block-steps must be at least 1")
     wanted = args.pieces or [p for p in WHAT if args.script == "trainer" or "wrapper" not in p]
-    train_args = [*DEFAULT_ARGS, *train_args]
+    train_args = [*(LOOP_ARGS if args.script == "loop" else DEFAULT_ARGS), *train_args]
     before = load()
-    measure = train_blocks if args.script == "train" else trainer_blocks
-    blocks, facts = measure(train_args, args.rounds, args.block_steps, wanted)
+    blocks, facts = MEASURES[args.script](train_args, args.rounds, args.block_steps, wanted)
     report = {"script": args.script, "args": train_args, "load_before": before, "load_after": load(), **facts,
               "figures": figures(blocks)}  # fmt: skip
     lines = markdown(page(report))
