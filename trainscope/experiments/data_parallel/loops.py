@@ -34,19 +34,13 @@ from trainscope.report.tables import save_figure
 # SuperPOD (8 x A100 80GB per node), tokens/s relative to one node.
 ANCHORS = [
     {
-        "what": "NeMo BERT 4B, 2 nodes (16 A100)",
-        "gpus": 16,
-        "speedup_over_8": 1.89,
-        "efficiency": 1.89 / 2,
+        "what": f"NeMo BERT 4B, {nodes} nodes ({8 * nodes} A100)",
+        "gpus": 8 * nodes,
+        "speedup_over_8": speedup,
+        "efficiency": speedup / nodes,
         "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
-    },
-    {
-        "what": "NeMo BERT 4B, 16 nodes (128 A100)",
-        "gpus": 128,
-        "speedup_over_8": 12.71,
-        "efficiency": 12.71 / 16,
-        "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
-    },
+    }
+    for nodes, speedup in ((2, 1.89), (16, 12.71))
 ]
 # ---------------------------------------------------------------- helpers the loops share
 
@@ -285,18 +279,16 @@ def hardware(gpus: int, processes: int, cores: int) -> dict:
 
 
 def summarize_variant(rounds: list[dict]) -> dict:
-    first = rounds[0]
+    timed = ("wall_s", "samples_per_s", "step_s")
     return {
-        **{k: v for k, v in first.items() if k not in ("wall_s", "samples_per_s", "step_s")},
+        **{k: v for k, v in rounds[0].items() if k not in timed},
         "status": "measured",
         "rounds": [
-            {k: r[k] for k in ("wall_s", "samples_per_s", "step_s", "peak_memory_gib") if k in r}
+            {k: r[k] for k in (*timed, "peak_memory_gib") if k in r}
             | ({"per_rank_wall_s": r["per_rank_wall_s"]} if "per_rank_wall_s" in r else {})
             for r in rounds
         ],
-        "wall_s": bench.spread([r["wall_s"] for r in rounds]),
-        "samples_per_s": bench.spread([r["samples_per_s"] for r in rounds]),
-        "step_s": bench.spread([r["step_s"] for r in rounds]),
+        **{k: bench.spread([r[k] for r in rounds]) for k in timed},
     }
 
 
