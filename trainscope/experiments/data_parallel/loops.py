@@ -181,21 +181,9 @@ def launch_ddp(script: Path, processes: int, argv: list[str], global_batch: int)
         torch.cuda.empty_cache()  # this process's cached blocks (DataParallel's, on every GPU) would crowd the workers
     with tempfile.TemporaryDirectory() as scratch:
         result_file = Path(scratch) / "ddp.json"
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        command = [
-            torchrun,
-            "--standalone",
-            "--nproc_per_node",
-            str(processes),
-            str(script),
-            *argv,
-            "--global-batch-size",
-            str(global_batch),
-            "--role",
-            "ddp-worker",
-            "--result-file",
-            str(result_file),
-        ]
+        torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)]
+        worker = ["--global-batch-size", str(global_batch), "--role", "ddp-worker", "--result-file", str(result_file)]
+        command = [*torchrun, str(script), *argv, *worker]
         env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
         completed = launching.run_captured(command, env)
         if completed.returncode != 0:
