@@ -204,7 +204,7 @@ def headline(found: sections.Collected):
 def answer(found: sections.Collected) -> list[sections.Answer] | None:
     """Mixed precision against fp32 in words: first where it means something (a CPU with native bf16, a GPU), then
     a CPU that emulates bf16, said as such."""
-    native, gpus, emulating = [], [], []
+    native, emulating = [], []
     for folder, machine in cpu_folders(found):
         for name, against in folder.comparison["comparisons"].items():
             if not against.get("speed"):
@@ -230,16 +230,15 @@ def answer(found: sections.Collected) -> list[sections.Answer] | None:
     seen = {}  # a GPU's results files in one sentence: each file one run per precision
     for _, machine, rows in gpu_runs(found):
         seen.setdefault(machine, []).append(gpu_observation(rows))
-    for machine, observed in seen.items():
-        gpus.append(
-            sections.Answer(
-                f"On a GPU, one run per precision in each check: {'; in another: '.join(observed)}; observations "
-                "without an interval, at a size where the host bounds the step",
-                machine,
-            )
+    gpus = [
+        sections.Answer(
+            f"On a GPU, one run per precision in each check: {'; in another: '.join(observed)}; observations "
+            "without an interval, at a size where the host bounds the step",
+            machine,
         )
-    answers = [*native, *gpus, *emulating]
-    return answers or None
+        for machine, observed in seen.items()
+    ]
+    return [*native, *gpus, *emulating] or None
 
 
 EXPERIMENT = Experiment(

@@ -88,23 +88,8 @@ def largest_and_predicted(args, train_args: list[str], user) -> tuple[int | None
 def batch_arms(args, user_batch: int, largest: int | None) -> list:
     """One arm per swept batch size, the user's first (the baseline); those above the largest that fits skipped."""
     sizes = sorted(args.batch_sizes, key=lambda b: (b != user_batch, b))
-    arms = [
-        planned_arm(
-            f"bs{b}",
-            args.config,
-            [
-                "--per-device-batch-size",
-                str(b),
-                "--gradient-accumulation-steps",
-                "1",
-                "--max-steps",
-                str(args.steps),
-                "--log-every",
-                str(args.steps),
-            ],
-        )
-        for b in sizes
-    ]
+    flags = f"--gradient-accumulation-steps 1 --max-steps {args.steps} --log-every {args.steps}".split()
+    arms = [planned_arm(f"bs{b}", args.config, ["--per-device-batch-size", str(b), *flags]) for b in sizes]
     for arm, b in zip(arms, sizes):
         if largest and b > largest and arm.skipped is None:
             arm.skipped = f"above the largest batch that fits ({largest})"
@@ -185,17 +170,8 @@ def largest_fitting_batch(config: str, train_args: list[str], start: int) -> dic
     predict). A multi-process config is refused before anything is launched (see
     trainscope.experiments.batch_search)."""
     batch_search.refuse_multi_process(config, launching.config_facts(launching.config_path(config))["num_processes"])
-    command = [
-        *launching.accelerate_launch(config),
-        "-m",
-        "trainscope.experiments",
-        "find-batch",
-        "--start",
-        str(start),
-        "--predict",
-        "--",
-        *train_args,
-    ]
+    child = f"-m trainscope.experiments find-batch --start {start} --predict --".split()
+    command = [*launching.accelerate_launch(config), *child, *train_args]
     result = launching.run_captured(command, launching.training_env())
     if result.returncode != 0:
         raise ExperimentFailed(f"the batch-size search failed: {launching.failure_reason(result)}")

@@ -52,14 +52,8 @@ def run(args, train_args: list[str]) -> dict:
     summary = experiment(
         runs, "ddp_cost", arms, [*train_args, "--communication-samples", str(args.samples)], args.rounds
     )
-    results = {
-        arm.name: [
-            RunView(read_record(runs / run)).headline()["communication"] for run in summary["arms"][arm.name]["runs"]
-        ]
-        for arm in arms
-        if arm.skipped is None
-    }
-    summary["communication"] = {name: aggregate(rows) for name, rows in results.items()}
+    records = {run: read_record(runs / run) for arm in summary["arms"].values() for run in arm.get("runs", [])}
+    summary["communication"] = setting_figures(summary, records)
     faster = [n for n, c in summary["comparisons"].items() if c["speed"]["verdict"] == "faster"]
     best = max(faster, key=lambda n: summary["comparisons"][n]["speed"]["median_ratio"]) if faster else "default"
     summary["best"] = {

@@ -15,6 +15,7 @@ from trainscope.experiments.base import (
     arm_table,
     arms_headline,
     experiment,
+    planned_arm,
     runs_option,
 )
 from trainscope.report import sections
@@ -48,10 +49,7 @@ def parse_variant(variant: str) -> Arm:
         raise ExperimentFailed(f"unknown switch(es) {unknown} in {variant!r}: choose from {', '.join(SWITCHES)}")
     if not launching.config_path(config).exists():
         raise ExperimentFailed(f"no {launching.config_path(config)} for variant {variant!r}")
-    plan = launching.plan(config)
-    return Arm(
-        variant, config, [flag for s in switches for flag in SWITCHES[s]], None if plan.runnable else plan.reason
-    )
+    return planned_arm(variant, config, [flag for s in switches for flag in SWITCHES[s]])
 
 
 def run(args, train_args: list[str]) -> dict:

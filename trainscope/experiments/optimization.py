@@ -426,18 +426,15 @@ def confirm_table(comparison: dict, label: str = "tune_confirm") -> Table:
     accuracy with the equivalence test."""
     arms, against = comparison["arms"], comparison["comparisons"][TUNED]
     equivalence = against.get("equivalence") or {}
-    rows = []
-    for name in (BASELINE, TUNED):
-        arm = arms[name]
-        accuracy = arm.get("test_accuracy") or {}
-        rows.append(
-            [
-                name,
-                comparison.get("commands", {}).get(name, ""),
-                _ranged(arm.get("samples_per_s"), 1),
-                _ranged(accuracy, 4),
-            ]
-        )
+    rows = [
+        [
+            name,
+            comparison.get("commands", {}).get(name, ""),
+            _ranged(arms[name].get("samples_per_s"), 1),
+            _ranged(arms[name].get("test_accuracy"), 4),
+        ]
+        for name in (BASELINE, TUNED)
+    ]
     speed = against["speed"]
     metrics = equivalence.get("metrics", {})
     rows.append(

@@ -84,11 +84,10 @@ def machine_load() -> dict:
 def other_cores(load: dict) -> float | None:
     """Cores other processes kept busy on average while the shapes ran (trainscope.measure.peak.other_cores); None
     where /proc/stat could not be read."""
-    readings = [load[when] for when in ("before", "after")]
     return peak.other_cores(
         *[
             (r["machine_cpu_s"], r["own_cpu_s"], r["monotonic_s"]) if r.get("machine_cpu_s") is not None else None
-            for r in readings
+            for r in (load["before"], load["after"])
         ]
     )
 

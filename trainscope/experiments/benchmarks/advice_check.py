@@ -181,15 +181,13 @@ def check_loop(loop: Loop, pairs: int, changes: int, scratch: Path, log) -> dict
         }
         rounds = bench.alternate(arms, pairs, log=lambda line: log(f"{loop.name}: {line}"))
         comparison = bench.compare_rounds(rounds, change.label, "as it is", "samples_per_s")
-        interval = bench.median_interval(comparison["ratios"])
-        median = comparison["median_ratio"]
         results.append(
             {
                 "change": change.label,
                 **_estimate_dict(estimate),
                 "measured": comparison,
-                "measured_interval": interval,
-                "inside": estimate.low <= median <= estimate.high,
+                "measured_interval": bench.median_interval(comparison["ratios"]),
+                "inside": estimate.low <= comparison["median_ratio"] <= estimate.high,
                 "rounds": rounds,
             }
         )

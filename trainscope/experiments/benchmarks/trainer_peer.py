@@ -8,6 +8,7 @@ How it works: docs/benchmarks.md#in-the-code-how-make-bench-trainer-compares-tra
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -238,15 +239,12 @@ def run_train_py(train_args: list[str], config: str | None, launcher: str, outpu
         raise SystemExit(f"error: train.py ({launcher}) failed: {launching.failure_reason(result)}")
     view = RunView(read_record(output_dir / name))
     steps = read_steps(output_dir / name)
-    cumulative, tokens_at = 0, {}
-    for line in steps:
-        cumulative += line["tokens"]
-        tokens_at[str(line["step"])] = cumulative
+    so_far = itertools.accumulate(line["tokens"] for line in steps)
     return {
         "samples_per_s": view.samples_per_s,
         "tokens_per_s": view.tokens_per_s,
         "threads": view.torch_threads,
-        "tokens_at": tokens_at,
+        "tokens_at": {str(line["step"]): tokens for line, tokens in zip(steps, so_far)},
         "effective_precision": view.precision,
         "warnings": view.warning_codes,
         "stage_shares": view.shares("steady"),  # each stage's median share of the steady wall time

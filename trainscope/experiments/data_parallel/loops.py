@@ -34,19 +34,13 @@ from trainscope.report.tables import save_figure
 # SuperPOD (8 x A100 80GB per node), tokens/s relative to one node.
 ANCHORS = [
     {
-        "what": "NeMo BERT 4B, 2 nodes (16 A100)",
-        "gpus": 16,
-        "speedup_over_8": 1.89,
-        "efficiency": 1.89 / 2,
+        "what": f"NeMo BERT 4B, {nodes} nodes ({8 * nodes} A100)",
+        "gpus": 8 * nodes,
+        "speedup_over_8": speedup,
+        "efficiency": speedup / nodes,
         "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
-    },
-    {
-        "what": "NeMo BERT 4B, 16 nodes (128 A100)",
-        "gpus": 128,
-        "speedup_over_8": 12.71,
-        "efficiency": 12.71 / 16,
-        "source": "https://docs.nvidia.com/nemo-framework/user-guide/latest/llms/bert/performance.html",
-    },
+    }
+    for nodes, speedup in ((2, 1.89), (16, 12.71))
 ]
 # ---------------------------------------------------------------- helpers the loops share
 
@@ -187,21 +181,9 @@ def launch_ddp(script: Path, processes: int, argv: list[str], global_batch: int)
         torch.cuda.empty_cache()  # this process's cached blocks (DataParallel's, on every GPU) would crowd the workers
     with tempfile.TemporaryDirectory() as scratch:
         result_file = Path(scratch) / "ddp.json"
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        command = [
-            torchrun,
-            "--standalone",
-            "--nproc_per_node",
-            str(processes),
-            str(script),
-            *argv,
-            "--global-batch-size",
-            str(global_batch),
-            "--role",
-            "ddp-worker",
-            "--result-file",
-            str(result_file),
-        ]
+        torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)]
+        worker = ["--global-batch-size", str(global_batch), "--role", "ddp-worker", "--result-file", str(result_file)]
+        command = [*torchrun, str(script), *argv, *worker]
         env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
         completed = launching.run_captured(command, env)
         if completed.returncode != 0:
@@ -285,18 +267,16 @@ def hardware(gpus: int, processes: int, cores: int) -> dict:
 
 
 def summarize_variant(rounds: list[dict]) -> dict:
-    first = rounds[0]
+    timed = ("wall_s", "samples_per_s", "step_s")
     return {
-        **{k: v for k, v in first.items() if k not in ("wall_s", "samples_per_s", "step_s")},
+        **{k: v for k, v in rounds[0].items() if k not in timed},
         "status": "measured",
         "rounds": [
-            {k: r[k] for k in ("wall_s", "samples_per_s", "step_s", "peak_memory_gib") if k in r}
+            {k: r[k] for k in (*timed, "peak_memory_gib") if k in r}
             | ({"per_rank_wall_s": r["per_rank_wall_s"]} if "per_rank_wall_s" in r else {})
             for r in rounds
         ],
-        "wall_s": bench.spread([r["wall_s"] for r in rounds]),
-        "samples_per_s": bench.spread([r["samples_per_s"] for r in rounds]),
-        "step_s": bench.spread([r["step_s"] for r in rounds]),
+        **{k: bench.spread([r[k] for r in rounds]) for k in timed},
     }
 
 

@@ -55,13 +55,9 @@ class CompareSettings:
     result_file: str | None = option(default=None, help="Internal: where a DDP worker writes its result.")
 
     def validate(self):
-        for flag, value in (
-            ("steps", self.steps),
-            ("global-batch-size", self.global_batch_size),
-            ("rounds", self.rounds),
-        ):
-            if value < 1:
-                raise UserError(f"--{flag} must be at least 1, got {value}")
+        for name in ("steps", "global_batch_size", "rounds"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be 0 or more, got {self.warmup_steps}")
         if self.ddp_processes is not None and self.ddp_processes < 1:

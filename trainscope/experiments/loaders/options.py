@@ -76,13 +76,8 @@ class SweepSettings:
         for flag, values in (("prefetch-factors", self.prefetch_factors), ("batch-sizes", self.batch_sizes or [1])):
             if any(v <= 0 for v in values):
                 raise UserError(f"--{flag} must be positive, got {values}")
-        for flag, value in (
-            ("repeats", self.repeats),
-            ("passes", self.passes),
-            ("train-steps", self.train_steps),
-            ("processes-per-node", self.processes_per_node),
-        ):
-            if value < 1:
-                raise UserError(f"--{flag} must be at least 1, got {value}")
+        for name in ("repeats", "passes", "train_steps", "processes_per_node"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.knee_tolerance < 1:  # checked up front: a sweep must not end without its knee
             raise UserError(f"--knee-tolerance must be at least 0 and below 1, got {self.knee_tolerance}")

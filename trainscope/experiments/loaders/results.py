@@ -112,18 +112,17 @@ def knees(report: dict) -> list[tuple[str, dict, dict | None]]:
 
 def knee_table(report: dict) -> Table:
     """The knee of each curve against the default."""
-    rows = []
-    for name, curve, against in knees(report):
-        rows.append(
-            [
-                name,
-                str(curve["knee_workers"]),
-                str(curve["best_workers"]),
-                bench.ratio_text(against) if against else KNEE_IS_DEFAULT,
-                against["verdict"] if against else "",
-                f"`{curve['flags']}`",
-            ]
-        )
+    rows = [
+        [
+            name,
+            str(curve["knee_workers"]),
+            str(curve["best_workers"]),
+            bench.ratio_text(against) if against else KNEE_IS_DEFAULT,
+            against["verdict"] if against else "",
+            f"`{curve['flags']}`",
+        ]
+        for name, curve, against in knees(report)
+    ]
     return Table(
         "The knee of each curve against PyTorch's default (0 workers)",
         ["curve", "knee (workers)", "best (workers)", "knee vs default", "verdict", "flags"],
