@@ -270,19 +270,11 @@ def time_guarded(
     environ = _child_environment()
     with tempfile.TemporaryDirectory(prefix="trainscope-op-costs-") as folder:
         inputs, progress = Path(folder) / "ops.pickle", Path(folder) / "progress.jsonl"
+        command = [sys.executable, "-m", "trainscope.predict.op_costs", *map(str, (inputs, progress, device, threads))]
         while len(found) < len(items):
             left = [(key, name, pickle.dumps(spec)) for key, name, spec in items if key not in found]
             inputs.write_bytes(pickle.dumps(left))
             progress.write_text("")
-            command = [
-                sys.executable,
-                "-m",
-                "trainscope.predict.op_costs",
-                str(inputs),
-                str(progress),
-                str(device),
-                str(threads),
-            ]
             succeeded, ended = _run_child(command, environ, timeout_s)
             started, timed_now = _read_progress(progress, found)
             if succeeded:
@@ -302,11 +294,10 @@ def time_guarded(
 def _child_environment() -> dict:
     """This process's environment for a guarded benchmark's child: faulthandler on (a crash prints its stack), and
     the package importable as `-m trainscope.predict.op_costs` from any folder."""
-    package_root = str(ROOT)
     return {
         **os.environ,
         "PYTHONFAULTHANDLER": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
 
 
