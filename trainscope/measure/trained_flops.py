@@ -211,12 +211,9 @@ def walk(model, config) -> WalkedFlops | None:
     head = _Cost()
     for module in head_modules:
         needs = projection(module, needs, head)
-    per_token = linear.forward + linear.backward
-    per_sample = 0
-    if head_kind.endswith("per sequence"):
-        per_sample = head.forward + head.backward
-    else:
-        per_token += head.forward + head.backward
+    once = head_kind.endswith("per sequence")  # a sequence classifier's head: one position per sequence
+    per_token = linear.forward + linear.backward + (0 if once else head.forward + head.backward)
+    per_sample = head.forward + head.backward if once else 0
     return WalkedFlops(
         per_token=int(per_token),
         per_square=int(square.forward + square.backward),
