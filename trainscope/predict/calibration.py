@@ -46,11 +46,7 @@ def calibration_path(device: torch.device) -> Path:
 
 
 def read_calibration(device: torch.device) -> dict:
-    try:
-        data = json.loads(calibration_path(device).read_text())
-        return data if data.get("key") == calibration_key(device) else {}
-    except (OSError, ValueError, AttributeError):
-        return {}
+    return peak.read_keyed(calibration_path(device), calibration_key(device))
 
 
 def fit_allocator(points: list[tuple[float, float]]) -> dict:

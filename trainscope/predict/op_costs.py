@@ -163,21 +163,13 @@ class OpCosts:
         self.guarded = device.type == "cuda" if guarded is None else guarded
         self.key = {**peak.machine_key(device, threads=threads, processes=processes), "op_costs": VERSION}
         self.path = cache_dir() / "predict" / f"{peak.key_id(self.key)}.json"
-        self.cached, self.reasons = self._read()
+        stored = peak.read_keyed(self.path, self.key)
+        self.cached, self.reasons = stored.get("seconds", {}), stored.get("unmeasured", {})
         self.measured = 0  # operators timed now (not from the cache)
         self.unmeasured: set = set()  # operators that could not be timed (counted as free), with the reason if known
         self._before = None  # the machine's and this process's CPU seconds at the first timing here (kept.cpu_seconds)
         self.others_cores: float | None = None  # other processes' cores while they were timed (at save)
         self.not_cached: str | None = None  # why the timings made now were kept for this run only
-
-    def _read(self) -> tuple[dict, dict]:
-        try:
-            data = json.loads(self.path.read_text())
-            if data.get("key") == self.key:
-                return data.get("seconds", {}), data.get("unmeasured", {})
-        except (OSError, ValueError, AttributeError):
-            pass
-        return {}, {}
 
     def prepare(self, ops) -> None:
         """Time every operator of `ops` not known here yet, all at once: in one guarded child process when guarded
