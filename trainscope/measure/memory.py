@@ -1,12 +1,11 @@
 """Peak memory: device allocator peaks on CUDA, peak resident set size on a CPU; what a tensor holds on this rank."""
 
-import gc
 import resource
 import sys
 
 import torch
 
-from trainscope.core.paths import GIB
+from trainscope.core.paths import GIB  # noqa: F401  (imported from here by timing, predict and run)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,29 +50,3 @@ class CudaMemoryProbe:
         if not stats:
             return 0, 0
         return stats["allocated_bytes"]["all"]["peak"], stats["reserved_bytes"]["all"]["peak"]
-
-
-class PeakMemory:
-    """`with PeakMemory(device) as peak: ...` then `peak.allocated_gib` (None on a CPU). On entry the caches are emptied
-    and the peak counters reset (as accelerate's TorchTracemalloc does): the figure is the block's alone. A CPU has no
-    resettable counter: `rss_gib` holds the process's lifetime peak RSS."""
-
-    def __init__(self, device: torch.device, probe=None):
-        self.device = device
-        self.probe = probe if probe is not None else (CudaMemoryProbe(device) if device.type == "cuda" else None)
-        self.allocated_gib = self.reserved_gib = self.rss_gib = None
-
-    def __enter__(self):
-        if self.probe is not None:
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            self.probe.reset()
-        return self
-
-    def __exit__(self, *exc):
-        if self.probe is not None:
-            allocated, reserved = self.probe.read()
-            self.allocated_gib, self.reserved_gib = allocated / GIB, reserved / GIB
-        self.rss_gib = peak_rss_bytes() / GIB
-        return False

@@ -144,23 +144,24 @@ def _entry(precision_name: str, shape: tuple) -> str:
     return f"{precision_name} {'x'.join(map(str, shape))}"
 
 
-def _read_file(key: dict) -> dict:
+def read_keyed(path: Path, key: dict) -> dict:
+    """The JSON object stored at `path` for `key` (its "key" field), else {}: absent, unreadable or another key's."""
     try:
-        data = json.loads(_cache_path(key).read_text())
+        data = json.loads(path.read_text())
         return data if isinstance(data, dict) and data.get("key") == key else {}
     except (OSError, ValueError):
         return {}  # absent or unreadable: measured again, and rewritten whole
 
 
 def _read_cache(key: dict, section: str = "rates") -> dict:
-    found = _read_file(key).get(section)
+    found = read_keyed(_cache_path(key), key).get(section)
     return found if isinstance(found, dict) else {}
 
 
 def _store(key: dict, section: str, entries: dict) -> None:
     """Merge `entries` into a section ("rates", "probes") of the key's cache file (atomic; a concurrent writer's new
     entries may be lost: measured again next time)."""
-    data = _read_file(key) or {"key": key}
+    data = read_keyed(_cache_path(key), key) or {"key": key}
     data[section] = {**(data.get(section) if isinstance(data.get(section), dict) else {}), **entries}
     try:
         write_json_atomic(_cache_path(key), data)

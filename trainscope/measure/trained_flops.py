@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from trainscope.measure.layers import forced_input_grads, transformer_layer_classes
-from trainscope.measure.shapes import DECODER_LAYOUTS, decoder_shape, encoder_shape, is_decoder_config
+from trainscope.measure.shapes import decoder_shape, encoder_shape, is_decoder_config
 
 # A layer's projections by their names inside the layer, matched on the end of the name, in this order (a module
 # takes the first role it matches: BERT's attention.output.dense is `o` before `down` could take it as output.dense).
@@ -164,16 +164,10 @@ def walk(model, config) -> WalkedFlops | None:
     """The FLOPs of `model` (unwrapped: no DDP or compile wrapper) as it trains, or None where its layers are not
     all of a layout walked here (then trainscope counts them with FlopCounterMode)."""
     decoder = is_decoder_config(config)
-    if decoder:
-        shape = decoder_shape(config)
-        if shape is None or getattr(config, "model_type", None) not in DECODER_LAYOUTS:
-            return None
-        query = shape.query
-    else:
-        shape = encoder_shape(config)
-        if shape is None:
-            return None
-        query = shape[1]
+    shape = decoder_shape(config) if decoder else encoder_shape(config)  # a decoder's: None outside DECODER_LAYOUTS
+    if shape is None:
+        return None
+    query = shape.query if decoder else shape[1]
     classes = set(transformer_layer_classes(model))
     names = {id(m): n for n, m in model.named_modules()}
     layers = [m for m in model.modules() if type(m).__name__ in classes and "Embedding" not in type(m).__name__]
@@ -211,12 +205,9 @@ def walk(model, config) -> WalkedFlops | None:
     head = _Cost()
     for module in head_modules:
         needs = projection(module, needs, head)
-    per_token = linear.forward + linear.backward
-    per_sample = 0
-    if head_kind.endswith("per sequence"):
-        per_sample = head.forward + head.backward
-    else:
-        per_token += head.forward + head.backward
+    once = head_kind.endswith("per sequence")  # a sequence classifier's head: one position per sequence
+    per_token = linear.forward + linear.backward + (0 if once else head.forward + head.backward)
+    per_sample = head.forward + head.backward if once else 0
     return WalkedFlops(
         per_token=int(per_token),
         per_square=int(square.forward + square.backward),

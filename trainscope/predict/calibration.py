@@ -46,11 +46,7 @@ def calibration_path(device: torch.device) -> Path:
 
 
 def read_calibration(device: torch.device) -> dict:
-    try:
-        data = json.loads(calibration_path(device).read_text())
-        return data if data.get("key") == calibration_key(device) else {}
-    except (OSError, ValueError, AttributeError):
-        return {}
+    return peak.read_keyed(calibration_path(device), calibration_key(device))
 
 
 def fit_allocator(points: list[tuple[float, float]]) -> dict:
@@ -130,17 +126,13 @@ def _bounded_least_squares(columns: np.ndarray, target: np.ndarray, lower: list,
     handful of coefficients: every combination is cheap)."""
     best, best_cost = np.zeros(columns.shape[1]), math.inf
     for held in itertools.product(*[(None, lo, hi) for lo, hi in zip(lower, upper)]):
-        free = [i for i, h in enumerate(held) if h is None]
-        x = np.array([0.0 if h is None or not math.isfinite(h) else h for h in held], float)
         if any(h is not None and not math.isfinite(h) for h in held):
             continue
+        free = [i for i, h in enumerate(held) if h is None]
+        fixed = [i for i, h in enumerate(held) if h is not None]
+        x = np.array([0.0 if h is None else h for h in held], float)
         if free:
-            rest = (
-                target
-                - columns[:, [i for i in range(len(x)) if i not in free]]
-                @ x[[i for i in range(len(x)) if i not in free]]
-            )
-            x[free] = np.linalg.lstsq(columns[:, free], rest, rcond=None)[0]
+            x[free] = np.linalg.lstsq(columns[:, free], target - columns[:, fixed] @ x[fixed], rcond=None)[0]
         if all(lo - 1e-12 <= v <= hi + 1e-12 for v, lo, hi in zip(x, lower, upper)):
             cost = float(np.sum((columns @ x - target) ** 2))
             if cost < best_cost:

@@ -163,21 +163,13 @@ class OpCosts:
         self.guarded = device.type == "cuda" if guarded is None else guarded
         self.key = {**peak.machine_key(device, threads=threads, processes=processes), "op_costs": VERSION}
         self.path = cache_dir() / "predict" / f"{peak.key_id(self.key)}.json"
-        self.cached, self.reasons = self._read()
+        stored = peak.read_keyed(self.path, self.key)
+        self.cached, self.reasons = stored.get("seconds", {}), stored.get("unmeasured", {})
         self.measured = 0  # operators timed now (not from the cache)
         self.unmeasured: set = set()  # operators that could not be timed (counted as free), with the reason if known
         self._before = None  # the machine's and this process's CPU seconds at the first timing here (kept.cpu_seconds)
         self.others_cores: float | None = None  # other processes' cores while they were timed (at save)
         self.not_cached: str | None = None  # why the timings made now were kept for this run only
-
-    def _read(self) -> tuple[dict, dict]:
-        try:
-            data = json.loads(self.path.read_text())
-            if data.get("key") == self.key:
-                return data.get("seconds", {}), data.get("unmeasured", {})
-        except (OSError, ValueError, AttributeError):
-            pass
-        return {}, {}
 
     def prepare(self, ops) -> None:
         """Time every operator of `ops` not known here yet, all at once: in one guarded child process when guarded
@@ -270,19 +262,11 @@ def time_guarded(
     environ = _child_environment()
     with tempfile.TemporaryDirectory(prefix="trainscope-op-costs-") as folder:
         inputs, progress = Path(folder) / "ops.pickle", Path(folder) / "progress.jsonl"
+        command = [sys.executable, "-m", "trainscope.predict.op_costs", *map(str, (inputs, progress, device, threads))]
         while len(found) < len(items):
             left = [(key, name, pickle.dumps(spec)) for key, name, spec in items if key not in found]
             inputs.write_bytes(pickle.dumps(left))
             progress.write_text("")
-            command = [
-                sys.executable,
-                "-m",
-                "trainscope.predict.op_costs",
-                str(inputs),
-                str(progress),
-                str(device),
-                str(threads),
-            ]
             succeeded, ended = _run_child(command, environ, timeout_s)
             started, timed_now = _read_progress(progress, found)
             if succeeded:
@@ -302,11 +286,10 @@ def time_guarded(
 def _child_environment() -> dict:
     """This process's environment for a guarded benchmark's child: faulthandler on (a crash prints its stack), and
     the package importable as `-m trainscope.predict.op_costs` from any folder."""
-    package_root = str(ROOT)
     return {
         **os.environ,
         "PYTHONFAULTHANDLER": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
 
 

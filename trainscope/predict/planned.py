@@ -289,6 +289,11 @@ def changed_settings(settings, flags) -> object:
 
 
 _DATA_MEMO: dict = {}
+# The settings a run's tokenizer and tokenized data depend on: what `data_for` keeps them by.
+DATA_SETTINGS = tuple(
+    "model tokenizer dataset dataset_config max_seq_length max_train_samples max_eval_samples max_test_samples "
+    "resolved_data_seed text_column label_column validation_fraction test_fraction".split()
+)
 
 
 def data_for(settings):
@@ -296,21 +301,7 @@ def data_for(settings):
     from trainscope.workload.data import load_classification_data  # deferred: it loads datasets
     from trainscope.workload.modeling import build_tokenizer  # deferred: it loads transformers' models
 
-    key = (
-        settings.model,
-        settings.tokenizer,
-        settings.dataset,
-        settings.dataset_config,
-        settings.max_seq_length,
-        settings.max_train_samples,
-        settings.max_eval_samples,
-        settings.max_test_samples,
-        settings.resolved_data_seed,
-        settings.text_column,
-        settings.label_column,
-        settings.validation_fraction,
-        settings.test_fraction,
-    )
+    key = tuple(getattr(settings, name) for name in DATA_SETTINGS)
     if key not in _DATA_MEMO:
         tokenizer = build_tokenizer(settings)
         _DATA_MEMO[key] = (tokenizer, load_classification_data(settings, tokenizer, contextlib.nullcontext))
@@ -328,8 +319,7 @@ def planned_run_of(record: dict | None, settings, config: str | None = None) -> 
     if config:
         facts = launching.config_facts(launching.config_path(config))
         processes = facts["num_processes"]
-        requested = facts["mixed_precision"]
-        precision_name = precision_from_environment(device, {"ACCELERATE_MIXED_PRECISION": requested})
+        precision_name = precision_from_environment(device, {"ACCELERATE_MIXED_PRECISION": facts["mixed_precision"]})
         if settings.threads == "auto":
             threads = max(1, environment.usable_cores() // processes)
     tokenizer, data = data_for(settings)

@@ -122,22 +122,12 @@ def traced_step(
     except (OSError, ValueError, KeyError, TypeError):
         pass
     build = lambda: on_meta(lambda: modeling.build_architecture(settings, label_names, config=config))  # noqa: E731
+    shared = (build, planned.input_names, batch, length, planned.precision, planned.device)
     with quiet_fake_tensors():
         if kind == "train":
-            made = trace.trace_training(
-                build,
-                planned.input_names,
-                batch,
-                length,
-                planned.precision,
-                planned.device,
-                settings,
-                avoid,
-            )
+            made = trace.trace_training(*shared, settings, avoid)
         else:
-            made = trace.trace_evaluation(
-                build, planned.input_names, batch, length, planned.precision, planned.device, avoid
-            )
+            made = trace.trace_evaluation(*shared, avoid)
     if costs.store:
         write_json_atomic(path, made.to_dict())
     return made
