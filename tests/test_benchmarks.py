@@ -72,6 +72,8 @@ def test_trainer_peer_runs_the_same_batches_by_each_launcher(tmp_path, monkeypat
     assert cost["direct"]["share"] == pytest.approx(alone["us_per_step"] * 1e-6 / bare["step_s"])
     text = out.with_suffix(".md").read_text()
     assert "What trainscope's callback costs a Trainer script's whole run" in text and "The direct figure" in text
+    (command,) = [line for line in text.splitlines() if "--with-callback" in line]
+    assert "--max-train-samples 1600" not in command  # its own short run's flags, not the peer's defaults before them
     assert report["same_batches"] is True  # the Trainer saw train.py's batches, step for step
     # every arm ran with the same threads, the Trainer included
     assert {arm["threads"][0] for arm in report["arms"].values()} == {1}

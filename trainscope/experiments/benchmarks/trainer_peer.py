@@ -277,7 +277,10 @@ def cost_script(train_args: list[str], precision: str, config: str | None, steps
     )  # fmt: skip
 
 
-def measure(args, train_args: list[str]) -> dict:
+def measure(args, user_args: list[str]) -> dict:
+    """The peer comparison on DEFAULT_ARGS then the user's flags; the callback's cost on the user's flags then
+    COST_ARGS (its own short run: not the peer's defaults written before it, overridden)."""
+    train_args = [*DEFAULT_ARGS, *user_args]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIG_FOR[(device, args.precision)]
     with tempfile.TemporaryDirectory() as scratch:
@@ -290,7 +293,7 @@ def measure(args, train_args: list[str]) -> dict:
         if config is not None:
             arms.pop("python")  # a precision needs its config: python train.py runs fp32 only
         rounds = bench.alternate(arms, args.pairs)
-        script = cost_script(train_args, args.precision, config, args.cost_steps)
+        script = cost_script(user_args, args.precision, config, args.cost_steps)
         cost = whole_run.measure(script, args.cost_pairs, args.warm_rounds, whole_run.launcher(Path(scratch)))
     comparisons = {
         "accelerate_over_trainer": bench.compare_rounds(rounds, "accelerate", "trainer", "samples_per_s"),
@@ -436,7 +439,7 @@ def main() -> None:
         parser.error("--pairs and --cost-pairs must be at least 1, --warm-rounds at least 0")
     if (("cuda" if torch.cuda.is_available() else "cpu"), args.precision) not in CONFIG_FOR:
         parser.error(f"{args.precision} cannot run on this device")
-    report = measure(args, [*DEFAULT_ARGS, *train_args])
+    report = measure(args, train_args)
     bench.publish(Path(args.out), report, markdown(page(report)))
     print(
         "median speed-ups: " + ", ".join(f"{k} {v['median_ratio']:.3f}" for k, v in report["comparisons"].items()),
