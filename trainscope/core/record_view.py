@@ -11,7 +11,7 @@ from trainscope.core.communication_view import (
     resolved,
     two_pass_readings,
 )
-from trainscope.core.results_view import Machine
+from trainscope.core.results_view import Machine, reader
 
 TRAINING_STAGES = ("data", "forward", "backward", "optimizer", "other")
 
@@ -26,41 +26,30 @@ def option_words(name: str, value=None, options_as: str = "flags") -> str:
     return f"{flag} {value}" if value is not None else flag
 
 
-def _read(block: str, key: str, empty: type | None = None) -> property:
-    """A RunView property reading `key` of one of its blocks (record, env, summary, throughput): the value, None where
-    absent; with `empty` (dict or list), a new empty one where the value is absent or empty."""
-
-    def read(self):
-        found = getattr(self, block).get(key)
-        return (found or empty()) if empty else found
-
-    return property(read)
-
-
 class RunView:
     def __init__(self, record: dict):
         self.record = record
 
     # ---------------------------------------------------------------- identity and conditions
 
-    path = _read("record", "path")  # set by the report's reader
-    status = _read("record", "status")
-    finished = _read("record", "finished", str)
+    path = reader("record", "path")  # set by the report's reader
+    status = reader("record", "status")
+    finished = reader("record", "finished", str)
     # Checkpoints --resume found unusable and passed over ({checkpoint, problem}), at the latest resume.
-    checkpoints_skipped = _read("record", "checkpoints_skipped", list)
+    checkpoints_skipped = reader("record", "checkpoints_skipped", list)
     # Why the record a resumed run continued could not be read (the run then began a new one).
-    record_rebuilt = _read("record", "record_rebuilt")
-    settings = _read("record", "settings", dict)
-    env = _read("record", "environment", dict)
-    precision = _read("env", "effective_precision")
-    requested_precision = _read("env", "requested_precision")
-    threads = _read("env", "threads", dict)
-    backend = _read("env", "backend")
-    model_facts = _read("record", "model", dict)
-    plan = _read("record", "plan", dict)
-    trackers = _read("record", "trackers", dict)
-    warnings = _read("record", "warnings", list)
-    steps = _read("record", "steps", list)  # attached by the report's reader
+    record_rebuilt = reader("record", "record_rebuilt")
+    settings = reader("record", "settings", dict)
+    env = reader("record", "environment", dict)
+    precision = reader("env", "effective_precision")
+    requested_precision = reader("env", "requested_precision")
+    threads = reader("env", "threads", dict)
+    backend = reader("env", "backend")
+    model_facts = reader("record", "model", dict)
+    plan = reader("record", "plan", dict)
+    trackers = reader("record", "trackers", dict)
+    warnings = reader("record", "warnings", list)
+    steps = reader("record", "steps", list)  # attached by the report's reader
 
     @property
     def name(self) -> str:
@@ -142,42 +131,42 @@ class RunView:
 
     # ---------------------------------------------------------------- the summary
 
-    summary = _read("record", "summary", dict)
-    wall_s = _read("summary", "wall_s")
-    throughput = _read("summary", "throughput", dict)
-    samples_per_s = _read("throughput", "samples_per_s")
-    tokens_per_s = _read("throughput", "tokens_per_s")
-    step_s = _read("throughput", "step_s")
-    optimizer_steps_timed = _read("throughput", "optimizer_steps")
-    memory = _read("summary", "memory", dict)
+    summary = reader("record", "summary", dict)
+    wall_s = reader("summary", "wall_s")
+    throughput = reader("summary", "throughput", dict)
+    samples_per_s = reader("throughput", "samples_per_s")
+    tokens_per_s = reader("throughput", "tokens_per_s")
+    step_s = reader("throughput", "step_s")
+    optimizer_steps_timed = reader("throughput", "optimizer_steps")
+    memory = reader("summary", "memory", dict)
     # The device's busy time and idle share per training step (trainscope.measure.summary.device_time): the CUDA events'
     # bound `busy_at_most_s` / `idle_share_at_least`, the `kernel_estimate`, `host_bound` (and `host_bound_by`), or the
     # `reason` they are None (a CPU's host clocks, --timing sync); {} in older records.
-    device_time = _read("summary", "device_time", dict)
-    device_memory_gib = _read("env", "device_memory_gib")
-    validation = _read("summary", "validation", list)
-    test = _read("summary", "test", dict)
-    mfu = _read("summary", "mfu")
+    device_time = reader("summary", "device_time", dict)
+    device_memory_gib = reader("env", "device_memory_gib")
+    validation = reader("summary", "validation", list)
+    test = reader("summary", "test", dict)
+    mfu = reader("summary", "mfu")
     # The machine's measured matmul peak block (trainscope.measure.peak.machine_peak; schema 5).
-    machine_peak = _read("env", "machine_peak")
+    machine_peak = reader("env", "machine_peak")
     # The run against its machine's measured peak for the precision in effect: {precision, peak_tflops, peak_shape,
     # spread, measured, key_id, achieved_tflops, share, gap_estimate} (schema 5).
-    measured_peak = _read("summary", "measured_peak")
+    measured_peak = reader("summary", "measured_peak")
     # What the model FLOPs count (trainscope.measure.flops): {trained_share, adapter_weights, input_gradient,
     # recomputed, recomputed_tflops_per_device}; {} in older records (PaLM's 6N for every run: LoRA overstated).
-    model_flops = _read("summary", "model_flops", dict)
+    model_flops = reader("summary", "model_flops", dict)
     # Model TFLOP/s per device on real tokens only (padding positions not counted); None in older records.
-    real_tflops_per_device = _read("throughput", "real_tflops_per_device")
+    real_tflops_per_device = reader("throughput", "real_tflops_per_device")
     # The share of the counted training FLOPs that went to padding positions; None in older records.
-    padding_flops_share = _read("throughput", "padding_flops_share")
+    padding_flops_share = reader("throughput", "padding_flops_share")
     # The attention kernel torch picks for this model in training and evaluation ({training, evaluation,
     # attention_dropout}), or None (eager attention, older records).
-    sdpa_kernels = _read("env", "sdpa_kernels")
-    compile = _read("summary", "compile")
-    profile = _read("summary", "profile")
-    communication = _read("summary", "communication")
+    sdpa_kernels = reader("env", "sdpa_kernels")
+    compile = reader("summary", "compile")
+    profile = reader("summary", "profile")
+    communication = reader("summary", "communication")
     # Each predicted quantity against what the run measured (summary `prediction_error`).
-    prediction_error = _read("summary", "prediction_error")
+    prediction_error = reader("summary", "prediction_error")
 
     @property
     def partial(self) -> bool:
