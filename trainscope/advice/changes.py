@@ -34,62 +34,42 @@ class Change:
     does: str  # what it does to the result, in words
 
 
-CATALOGUE = {
-    change.flag: change
-    for change in (
-        # ---- exact: the same samples, order and random draws
-        Change(
-            "--unpad",
-            EXACT,
-            "nothing: the token-wise layers run on the real tokens only, with the padded model's "
-            "dropout draws (rounding only)",
-        ),
-        Change(
-            "--eval-order", EXACT, "nothing: evaluation in length order, the same samples and metrics (rounding only)"
-        ),
-        Change("--eval-batch-size", EXACT, "nothing: evaluation in other batches (rounding only)"),
-        Change("--optimizer-implementation", EXACT, "nothing: the same update, up to rounding"),
-        Change(
-            "--compile",
-            EXACT,
-            "nothing: fused kernels with eager's random numbers (inductor's fallback_random; rounding only)",
-        ),
-        Change(
-            "--compile-mode",
-            EXACT,
-            "nothing: the compiled kernels replayed as CUDA graphs with eager's random numbers (rounding only)",
-        ),
-        Change("--num-workers", EXACT, "nothing: the same batches, loaded in worker processes"),
-        Change("--pin-memory", EXACT, "nothing: the same batches, in page-locked memory"),
-        Change("--persistent-workers", EXACT, "nothing: the same batches, the workers kept between epochs"),
-        Change("--prefetch-factor", EXACT, "nothing: the same batches, loaded further ahead"),
-        Change("--threads", EXACT, "nothing: the same operations over other threads (rounding only)"),
-        Change(
-            "--gradient-checkpointing",
-            EXACT,
-            "nothing: activations recomputed with the same random state (rounding only)",
-        ),
-        Change(
-            "--ddp-bucket-cap-mb", EXACT, "nothing: the same gradients, all-reduced in other buckets (rounding only)"
-        ),
-        # ---- numeric: another rounding
-        Change("config:bf16", NUMERIC, "bf16 autocast rounding"),
-        Change("config:fp16", NUMERIC, "fp16 autocast rounding and loss scaling"),
-        Change("--tf32", NUMERIC, "TF32 matmuls (10-bit mantissas)"),
-        Change("--ddp-comm-hook", NUMERIC, "gradients rounded before the all-reduce"),
-        # ---- training: what is learned
-        Change("--hidden-dropout", TRAINING, "the hidden states' dropout: regularization"),
-        Change("--attention-dropout", TRAINING, "the attention weights' dropout: regularization"),
-        Change("--lora-dropout", TRAINING, "the LoRA branch's dropout: regularization"),
-        Change("--group-by-length", TRAINING, "the order of the training batches"),
-        Change(
-            "--per-device-batch-size",
-            TRAINING,
-            "the batches (their dropout draws; the effective batch unless accumulation compensates)",
-        ),
-        Change("--gradient-accumulation-steps", TRAINING, "the effective batch and the optimizer's steps"),
-    )
+# what each change does to the result, by kind
+_DOES = {
+    EXACT: {  # the same samples, order and random draws
+        "--unpad": "nothing: the token-wise layers run on the real tokens only, with the padded model's "
+        "dropout draws (rounding only)",
+        "--eval-order": "nothing: evaluation in length order, the same samples and metrics (rounding only)",
+        "--eval-batch-size": "nothing: evaluation in other batches (rounding only)",
+        "--optimizer-implementation": "nothing: the same update, up to rounding",
+        "--compile": "nothing: fused kernels with eager's random numbers (inductor's fallback_random; rounding only)",
+        "--compile-mode": "nothing: the compiled kernels replayed as CUDA graphs with eager's random numbers "
+        "(rounding only)",
+        "--num-workers": "nothing: the same batches, loaded in worker processes",
+        "--pin-memory": "nothing: the same batches, in page-locked memory",
+        "--persistent-workers": "nothing: the same batches, the workers kept between epochs",
+        "--prefetch-factor": "nothing: the same batches, loaded further ahead",
+        "--threads": "nothing: the same operations over other threads (rounding only)",
+        "--gradient-checkpointing": "nothing: activations recomputed with the same random state (rounding only)",
+        "--ddp-bucket-cap-mb": "nothing: the same gradients, all-reduced in other buckets (rounding only)",
+    },
+    NUMERIC: {  # another rounding
+        "config:bf16": "bf16 autocast rounding",
+        "config:fp16": "fp16 autocast rounding and loss scaling",
+        "--tf32": "TF32 matmuls (10-bit mantissas)",
+        "--ddp-comm-hook": "gradients rounded before the all-reduce",
+    },
+    TRAINING: {  # what is learned
+        "--hidden-dropout": "the hidden states' dropout: regularization",
+        "--attention-dropout": "the attention weights' dropout: regularization",
+        "--lora-dropout": "the LoRA branch's dropout: regularization",
+        "--group-by-length": "the order of the training batches",
+        "--per-device-batch-size": "the batches (their dropout draws; the effective batch unless accumulation "
+        "compensates)",
+        "--gradient-accumulation-steps": "the effective batch and the optimizer's steps",
+    },
 }
+CATALOGUE = {flag: Change(flag, kind, text) for kind, table in _DOES.items() for flag, text in table.items()}
 
 
 def parts(flags: list[str], config: str | None) -> list[str]:

@@ -102,7 +102,6 @@ def _host_bound_batch(view: RunView, said: str, wall: float, spans: dict, busy: 
         factor=f"per sample: the host's {(wall - data) * 1e3:.1f} ms a step outside the data stage unchanged (the "
         f"kernels launched do not grow with the batch), the data stage ({data * 1e3:.1f} ms) and the device's "
         f"{busy * 1e3:.1f} ms doubled",
-        confidence="medium",
         changes_result=None if steps % 2 == 0 else "the effective batch doubles",
     )
 

@@ -119,10 +119,8 @@ def measure(
         "equivalence": equivalent(design, base, mine),
     }
     if kind == changes.EXACT:
-        if design.exact_check:
-            entry["exactness"] = exactness(design, *(fp32_pair or ([], [])))
-        else:
-            entry["exactness"] = exactness(design, base, mine)
+        pair = (fp32_pair or ([], [])) if design.exact_check else (base, mine)
+        entry["exactness"] = exactness(design, *pair)
         entry["same_result"] = {"exact": True, "not exact": False}.get(entry["exactness"]["verdict"])
         entry["result"] = entry["exactness"]["text"]
     elif kind == changes.TRAINING and not all(full_job(r) for r in mine):

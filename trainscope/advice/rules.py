@@ -207,7 +207,7 @@ def padding(view: RunView) -> list[Suggestion]:
     )
     if eval_saved is not None:
         evidence += f" ({1 - pad['eval_tokens'] / pad['eval_padded']:.0%} of its positions padding)"
-    found = [
+    return [
         Suggestion(
             "padding",
             "batch sequences of similar length (and evaluate in length order)",
@@ -219,8 +219,7 @@ def padding(view: RunView) -> list[Suggestion]:
             confidence="high",
             changes_result=order_change(view, "grouped by length") + "; evaluation in length order (the same samples)",
         )
-    ]
-    return found + padding_free(view, evidence, train_share, eval_share, eval_saved)
+    ] + padding_free(view, evidence, train_share, eval_share, eval_saved)
 
 
 def padding_free(
@@ -238,39 +237,33 @@ def padding_free(
         attention = 12 * shape["layers"] * shape["hidden"]
         padded = tokenwise * pad["train_padded"] + attention * pad["train_padded_squares"]
         saved = tokenwise * (pad["train_padded"] - pad["train_tokens"]) / padded
-        gain = amdahl(train_share * saved)
-        if gain >= MIN_GAIN:
-            found.append(
-                Suggestion(
-                    "unpad",
-                    "run the encoder's token-wise layers on the real tokens only (padding-free layers)",
-                    evidence,
-                    ["--unpad"],
-                    gain=gain,
-                    gain_kind="estimate",
-                    factor=f"forward and backward time x(1 - {saved:.0%}): the token-wise matmul "
-                    "FLOPs on padding positions, taken as time (attention stays padded)",
-                    confidence="medium",
-                    changes_result=changes.does(["--unpad"]),
-                )
+        found.append(
+            Suggestion(
+                "unpad",
+                "run the encoder's token-wise layers on the real tokens only (padding-free layers)",
+                evidence,
+                ["--unpad"],
+                gain=amdahl(train_share * saved),
+                gain_kind="estimate",
+                factor=f"forward and backward time x(1 - {saved:.0%}): the token-wise matmul "
+                "FLOPs on padding positions, taken as time (attention stays padded)",
+                changes_result=changes.does(["--unpad"]),
             )
+        )
     if eval_saved and view.setting("eval_order") != "length":  # in length order already: what is left stays
-        gain = amdahl(eval_share * eval_saved)
-        if gain >= MIN_GAIN:
-            found.append(
-                Suggestion(
-                    "eval_order",
-                    "evaluate in length order (the same samples, less padding)",
-                    evidence,
-                    ["--eval-order", "length"],
-                    gain=gain,
-                    gain_kind="estimate",
-                    factor=f"evaluation time x(1 - {eval_saved:.0%}): its padding FLOPs taken as time",
-                    confidence="medium",
-                    changes_result=changes.does(["--eval-order"]),
-                )
+        found.append(
+            Suggestion(
+                "eval_order",
+                "evaluate in length order (the same samples, less padding)",
+                evidence,
+                ["--eval-order", "length"],
+                gain=amdahl(eval_share * eval_saved),
+                gain_kind="estimate",
+                factor=f"evaluation time x(1 - {eval_saved:.0%}): its padding FLOPs taken as time",
+                changes_result=changes.does(["--eval-order"]),
             )
-    return found
+        )
+    return [suggestion for suggestion in found if suggestion.gain >= MIN_GAIN]
 
 
 def order_change(view: RunView, how: str) -> str:
@@ -421,7 +414,6 @@ def cpu_precision(view: RunView) -> list[Suggestion]:
             interval=(estimate.low, estimate.high) if estimate else None,
             assumes=estimate.assumes if estimate else None,
             estimate_unavailable=failed,
-            confidence="medium",
             changes_result=f"{target} rounding" + (" (losses agree to about 1e-2)" if target == "bf16" else ""),
         )
     ]
@@ -480,7 +472,6 @@ def gpu_batch(view: RunView) -> list[Suggestion]:
                 gain=min(2.0, 0.5 / max(mfu, 1e-3)),
                 gain_kind="estimate",
                 factor="MFU rising towards 50% with the batch (assumed)",
-                confidence="medium",
                 changes_result=None if steps % 2 == 0 else "the effective batch doubles",
             )
         )
@@ -491,7 +482,6 @@ def gpu_batch(view: RunView) -> list[Suggestion]:
                 "add --gradient-checkpointing (or --lora) to make room",
                 f"{used:.1f} of {total:.0f} GiB allocated at the peak",
                 ["--gradient-checkpointing"],
-                confidence="medium",
             )
         )
     return found

@@ -11,7 +11,7 @@ from trainscope.core.communication_view import (
     resolved,
     two_pass_readings,
 )
-from trainscope.core.results_view import Machine
+from trainscope.core.results_view import Machine, reader
 
 TRAINING_STAGES = ("data", "forward", "backward", "optimizer", "other")
 
@@ -32,21 +32,28 @@ class RunView:
 
     # ---------------------------------------------------------------- identity and conditions
 
+    path = reader("record", "path")  # set by the report's reader
+    status = reader("record", "status")
+    finished = reader("record", "finished", str)
+    # Checkpoints --resume found unusable and passed over ({checkpoint, problem}), at the latest resume.
+    checkpoints_skipped = reader("record", "checkpoints_skipped", list)
+    # Why the record a resumed run continued could not be read (the run then began a new one).
+    record_rebuilt = reader("record", "record_rebuilt")
+    settings = reader("record", "settings", dict)
+    env = reader("record", "environment", dict)
+    precision = reader("env", "effective_precision")
+    requested_precision = reader("env", "requested_precision")
+    threads = reader("env", "threads", dict)
+    backend = reader("env", "backend")
+    model_facts = reader("record", "model", dict)
+    plan = reader("record", "plan", dict)
+    trackers = reader("record", "trackers", dict)
+    warnings = reader("record", "warnings", list)
+    steps = reader("record", "steps", list)  # attached by the report's reader
+
     @property
     def name(self) -> str:
         return self.record.get("run_name", "?")
-
-    @property
-    def path(self) -> str | None:
-        return self.record.get("path")  # set by the report's reader
-
-    @property
-    def status(self) -> str | None:
-        return self.record.get("status")
-
-    @property
-    def finished(self) -> str:
-        return self.record.get("finished") or ""
 
     @property
     def script(self) -> str | None:
@@ -73,26 +80,8 @@ class RunView:
         total_s, run_s, budget_s); None in older records and unfinished runs."""
         return (self.record.get("instrument") or {}).get("cost_s")
 
-    @property
-    def checkpoints_skipped(self) -> list[dict]:
-        """Checkpoints --resume found unusable and passed over ({checkpoint, problem}), at the latest resume."""
-        return self.record.get("checkpoints_skipped") or []
-
-    @property
-    def record_rebuilt(self) -> str | None:
-        """Why the record a resumed run continued could not be read (the run then began a new one)."""
-        return self.record.get("record_rebuilt")
-
-    @property
-    def settings(self) -> dict:
-        return self.record.get("settings") or {}
-
     def setting(self, name: str, default=None):
         return self.settings.get(name, default)
-
-    @property
-    def env(self) -> dict:
-        return self.record.get("environment") or {}
 
     @property
     def device(self) -> str:
@@ -111,10 +100,6 @@ class RunView:
         return self.env.get("device_name", "?")
 
     @property
-    def precision(self) -> str | None:
-        return self.env.get("effective_precision")
-
-    @property
     def machine(self) -> "Machine":
         """The machine that measured this run: its GPU where it ran on one, its CPU's model and ISA class
         (environment, and the provenance's `machine` block for a GPU run's host), its usable cores."""
@@ -131,17 +116,9 @@ class RunView:
         )
 
     @property
-    def requested_precision(self) -> str | None:
-        return self.env.get("requested_precision")
-
-    @property
     def tf32_in_effect(self) -> bool:
         """Whether TF32 matmuls were in effect (asked for or not)."""
         return bool(self.env.get("tf32_in_effect"))
-
-    @property
-    def threads(self) -> dict:
-        return self.env.get("threads") or {}
 
     @property
     def torch_threads(self) -> int | None:
@@ -149,38 +126,47 @@ class RunView:
         return self.threads.get("torch_threads", self.env.get("torch_threads"))
 
     @property
-    def backend(self) -> str | None:
-        return self.env.get("backend")
-
-    @property
-    def model_facts(self) -> dict:
-        return self.record.get("model") or {}
-
-    @property
-    def plan(self) -> dict:
-        return self.record.get("plan") or {}
-
-    @property
-    def trackers(self) -> dict:
-        return self.record.get("trackers") or {}
-
-    @property
-    def warnings(self) -> list[dict]:
-        return self.record.get("warnings") or []
-
-    @property
     def warning_codes(self) -> list[str]:
         return [w["code"] for w in self.warnings]
 
-    @property
-    def steps(self) -> list[dict]:
-        return self.record.get("steps") or []  # attached by the report's reader
-
     # ---------------------------------------------------------------- the summary
 
-    @property
-    def summary(self) -> dict:
-        return self.record.get("summary") or {}
+    summary = reader("record", "summary", dict)
+    wall_s = reader("summary", "wall_s")
+    throughput = reader("summary", "throughput", dict)
+    samples_per_s = reader("throughput", "samples_per_s")
+    tokens_per_s = reader("throughput", "tokens_per_s")
+    step_s = reader("throughput", "step_s")
+    optimizer_steps_timed = reader("throughput", "optimizer_steps")
+    memory = reader("summary", "memory", dict)
+    # The device's busy time and idle share per training step (trainscope.measure.summary.device_time): the CUDA events'
+    # bound `busy_at_most_s` / `idle_share_at_least`, the `kernel_estimate`, `host_bound` (and `host_bound_by`), or the
+    # `reason` they are None (a CPU's host clocks, --timing sync); {} in older records.
+    device_time = reader("summary", "device_time", dict)
+    device_memory_gib = reader("env", "device_memory_gib")
+    validation = reader("summary", "validation", list)
+    test = reader("summary", "test", dict)
+    mfu = reader("summary", "mfu")
+    # The machine's measured matmul peak block (trainscope.measure.peak.machine_peak; schema 5).
+    machine_peak = reader("env", "machine_peak")
+    # The run against its machine's measured peak for the precision in effect: {precision, peak_tflops, peak_shape,
+    # spread, measured, key_id, achieved_tflops, share, gap_estimate} (schema 5).
+    measured_peak = reader("summary", "measured_peak")
+    # What the model FLOPs count (trainscope.measure.flops): {trained_share, adapter_weights, input_gradient,
+    # recomputed, recomputed_tflops_per_device}; {} in older records (PaLM's 6N for every run: LoRA overstated).
+    model_flops = reader("summary", "model_flops", dict)
+    # Model TFLOP/s per device on real tokens only (padding positions not counted); None in older records.
+    real_tflops_per_device = reader("throughput", "real_tflops_per_device")
+    # The share of the counted training FLOPs that went to padding positions; None in older records.
+    padding_flops_share = reader("throughput", "padding_flops_share")
+    # The attention kernel torch picks for this model in training and evaluation ({training, evaluation,
+    # attention_dropout}), or None (eager attention, older records).
+    sdpa_kernels = reader("env", "sdpa_kernels")
+    compile = reader("summary", "compile")
+    profile = reader("summary", "profile")
+    communication = reader("summary", "communication")
+    # Each predicted quantity against what the run measured (summary `prediction_error`).
+    prediction_error = reader("summary", "prediction_error")
 
     @property
     def partial(self) -> bool:
@@ -229,33 +215,9 @@ class RunView:
         return {stage: seconds.get(stage, 0.0) / steps for stage in TRAINING_STAGES}
 
     @property
-    def wall_s(self) -> float | None:
-        return self.summary.get("wall_s")
-
-    @property
     def eval_s(self) -> float:
         """Evaluation seconds of the whole run (median over ranks)."""
         return self.stage_seconds("run").get("eval", 0.0)
-
-    @property
-    def throughput(self) -> dict:
-        return self.summary.get("throughput") or {}
-
-    @property
-    def samples_per_s(self) -> float | None:
-        return self.throughput.get("samples_per_s")
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self.throughput.get("tokens_per_s")
-
-    @property
-    def step_s(self) -> float | None:
-        return self.throughput.get("step_s")
-
-    @property
-    def optimizer_steps_timed(self) -> int | None:
-        return self.throughput.get("optimizer_steps")
 
     @property
     def padding(self) -> dict:
@@ -282,10 +244,6 @@ class RunView:
         return None if wall is None else wall - self.eval_s
 
     @property
-    def memory(self) -> dict:
-        return self.summary.get("memory") or {}
-
-    @property
     def peak_memory(self) -> tuple[float | None, str]:
         """The one peak-memory figure to show: (GiB, kind), the device allocator's max over ranks where there
         is one (CUDA), else the processes' peak RSS."""
@@ -297,13 +255,6 @@ class RunView:
         return None, "unknown"
 
     @property
-    def device_time(self) -> dict:
-        """The device's busy time and idle share per training step (trainscope.measure.summary.device_time): the CUDA events'
-        bound `busy_at_most_s` / `idle_share_at_least`, the `kernel_estimate`, `host_bound` (and `host_bound_by`), or
-        the `reason` they are None (a CPU's host clocks, --timing sync); {} in older records."""
-        return self.summary.get("device_time") or {}
-
-    @property
     def host_bound(self) -> bool:
         """The device idled above summary.device_time's threshold in each step, measured or estimated."""
         return bool(self.device_time.get("host_bound"))
@@ -313,35 +264,8 @@ class RunView:
         return (self.memory.get("max_allocated_gib") or {}).get("max")
 
     @property
-    def device_memory_gib(self) -> float | None:
-        return self.env.get("device_memory_gib")
-
-    @property
-    def validation(self) -> list[dict]:
-        return self.summary.get("validation") or []
-
-    @property
     def last_validation(self) -> dict:
         return self.validation[-1] if self.validation else {}
-
-    @property
-    def test(self) -> dict:
-        return self.summary.get("test") or {}
-
-    @property
-    def mfu(self) -> float | None:
-        return self.summary.get("mfu")
-
-    @property
-    def machine_peak(self) -> dict | None:
-        """The machine's measured matmul peak block (trainscope.measure.peak.machine_peak; schema 5)."""
-        return self.env.get("machine_peak")
-
-    @property
-    def measured_peak(self) -> dict | None:
-        """The run against its machine's measured peak for the precision in effect: {precision, peak_tflops,
-        peak_shape, spread, measured, key_id, achieved_tflops, share, gap_estimate} (schema 5)."""
-        return self.summary.get("measured_peak")
 
     @property
     def run_operations(self) -> dict | None:
@@ -371,22 +295,6 @@ class RunView:
         counts = (self.per_rank[0].get("counts") or {}) if self.per_rank else {}
         return counts.get("steady" if (counts.get("steady") or {}).get("optimizer_steps") else "warmup") or {}
 
-    @property
-    def model_flops(self) -> dict:
-        """What the model FLOPs count (trainscope.measure.flops): {trained_share, adapter_weights, input_gradient, recomputed,
-        recomputed_tflops_per_device}; {} in older records (PaLM's 6N for every run: LoRA overstated)."""
-        return self.summary.get("model_flops") or {}
-
-    @property
-    def real_tflops_per_device(self) -> float | None:
-        """Model TFLOP/s per device on real tokens only (padding positions not counted); None in older records."""
-        return self.throughput.get("real_tflops_per_device")
-
-    @property
-    def padding_flops_share(self) -> float | None:
-        """The share of the counted training FLOPs that went to padding positions; None in older records."""
-        return self.throughput.get("padding_flops_share")
-
     def measured_peak_tflops(self, precision: str | None = None) -> float | None:
         """This machine's measured matmul peak in `precision` (default: the run's), from the environment's block."""
         found = ((self.machine_peak or {}).get("precisions") or {}).get(precision or self.precision)
@@ -412,27 +320,9 @@ class RunView:
         return {}
 
     @property
-    def sdpa_kernels(self) -> dict | None:
-        """The attention kernel torch picks for this model in training and evaluation ({training, evaluation,
-        attention_dropout}), or None (eager attention, older records)."""
-        return self.env.get("sdpa_kernels")
-
-    @property
-    def compile(self) -> dict | None:
-        return self.summary.get("compile")
-
-    @property
-    def profile(self) -> dict | None:
-        return self.summary.get("profile")
-
-    @property
     def gap_breakdown(self) -> dict | None:
         """With --profile: self time per category over the traced steps and the matmuls' FLOPs (trainscope.measure.gap)."""
         return (self.profile or {}).get("breakdown")
-
-    @property
-    def communication(self) -> dict | None:
-        return self.summary.get("communication")
 
     @property
     def communication_figures(self) -> dict | None:
@@ -472,11 +362,6 @@ class RunView:
         """The prediction made before the run (trainscope.predict), or None (an older record, or none made)."""
         block = self.record.get("prediction")
         return block if block and not block.get("error") else None
-
-    @property
-    def prediction_error(self) -> dict | None:
-        """Each predicted quantity against what the run measured (summary `prediction_error`)."""
-        return self.summary.get("prediction_error")
 
     @property
     def prediction_baseline_gib(self) -> float:

@@ -101,6 +101,17 @@ def machines_text(grouped: dict) -> str:
     )
 
 
+def reader(block: str, key: str, empty: type | None = None) -> property:
+    """A view's property reading `key` of one of its blocks (RunView's record, env, summary, throughput): the value,
+    None where absent; with `empty` (dict, list or str), a new empty one where the value is absent or empty."""
+
+    def read(self):
+        found = getattr(self, block).get(key)
+        return (found or empty()) if empty else found
+
+    return property(read)
+
+
 class LoaderSweepView:
     """The typed view of a DataLoader sweep's results file (loaders.json, written by trainscope.experiments.loaders.sweep for
     loaders_bench.py): its readers (the script's Markdown and recommendations, the report's section) ask it."""
@@ -108,33 +119,14 @@ class LoaderSweepView:
     def __init__(self, result: dict):
         self.result = result
 
-    @property
-    def settings_summary(self) -> list[dict]:
-        """Per setting swept: its median, min and max over the repeats (pass time or data share)."""
-        return (self.result.get("summary") or {}).get("settings") or []
-
-    @property
-    def curves(self) -> dict:
-        """Per curve (mode, batch, pin, persistent, prefetch): the best setting, the knee and its flags."""
-        return (self.result.get("summary") or {}).get("curves") or {}
-
-    @property
-    def rows(self) -> list[dict]:
-        """Every timed pass or training measurement, per setting and repeat."""
-        return self.result.get("rows") or []
-
-    @property
-    def machine(self) -> dict:
-        return self.result.get("machine") or {}
-
-    @property
-    def dataset_rows(self) -> int | None:
-        return self.result.get("dataset_rows")
-
-    @property
-    def repeats(self) -> int | None:
-        return (self.result.get("sweep") or {}).get("repeats")
-
-    @property
-    def default_workers(self) -> int | None:
-        return self.result.get("pytorch_default_num_workers")
+    _summary = reader("result", "summary", dict)
+    _sweep = reader("result", "sweep", dict)
+    # Per setting swept: its median, min and max over the repeats (pass time or data share).
+    settings_summary = reader("_summary", "settings", list)
+    # Per curve (mode, batch, pin, persistent, prefetch): the best setting, the knee and its flags.
+    curves = reader("_summary", "curves", dict)
+    rows = reader("result", "rows", list)  # every timed pass or training measurement, per setting and repeat
+    machine = reader("result", "machine", dict)
+    dataset_rows = reader("result", "dataset_rows")
+    repeats = reader("_sweep", "repeats")
+    default_workers = reader("result", "pytorch_default_num_workers")
