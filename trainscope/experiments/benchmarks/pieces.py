@@ -6,8 +6,8 @@ less the block without it, per step.
 
 `train`: train.py's step driven by trainscope.Run; `trainer`: a transformers.Trainer with TrainscopeCallback (both
 take train.py's flags); `loop`: examples/causal_lm.py's Run loop (its flags, make bench-overhead's by default, and
---threads for Run's threads=, "auto" as the example has it). A
-diagnostic, not a committed benchmark (the load average is printed with its figures).
+--threads for Run's threads=, "auto" as the example has it). A diagnostic: the load average is printed with its
+figures; one run of each is committed (benchmarks/pieces_<script>.{json,md}).
 How it works: docs/benchmarks.md#in-the-code-where-the-cost-goes-trainscopeexperimentsbenchmarkspiecespy."""
 
 import argparse
