@@ -15,11 +15,11 @@ import torch
 
 from trainscope import predict
 from trainscope.core.environment import usable_cores
+from trainscope.core.paths import GIB
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, write_json_atomic
 from trainscope.experiments.base import Experiment, ExperimentFailed, planned_arm, run_arm, runs_option
 from trainscope.measure import bench, peak
-from trainscope.measure.memory import GIB
 from trainscope.predict import calibration
 from trainscope.predict.kept import BUSY_CORES, cpu_seconds
 from trainscope.report import document, sections

@@ -5,8 +5,6 @@ import sys
 
 import torch
 
-from trainscope.core.paths import GIB  # noqa: F401  (imported from here by timing, predict and run)
-
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard (FSDP2 shards parameters, gradients and optimizer state

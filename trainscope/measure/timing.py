@@ -9,7 +9,8 @@ from contextlib import contextmanager
 
 import torch
 
-from trainscope.measure.memory import GIB, CudaMemoryProbe
+from trainscope.core.paths import GIB
+from trainscope.measure.memory import CudaMemoryProbe
 
 STAGES = ("data", "forward", "backward", "optimizer", "eval")
 ALL_STAGES = (*STAGES, "other")

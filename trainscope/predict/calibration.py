@@ -23,11 +23,10 @@ import torch
 from trainscope.core import launching
 from trainscope.core.errors import one_line
 from trainscope.core.launching import split_args, train_in_this_process
-from trainscope.core.paths import cache_dir
+from trainscope.core.paths import GIB, cache_dir
 from trainscope.core.record_view import RunView
 from trainscope.core.records import now_iso, read_record, write_json_atomic
 from trainscope.measure import peak
-from trainscope.measure.memory import GIB
 from trainscope.predict.kept import BUSY_CORES, NotKept, contradictions, cpu_seconds
 
 SWITCH_ENV = "TRAINSCOPE_CALIBRATION"  # "off": no calibration on first use

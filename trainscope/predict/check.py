@@ -5,9 +5,10 @@ all-reduce a multi-process run measured, kept for the next prediction on this ma
 import torch
 
 from trainscope.core import environment
+from trainscope.core.paths import GIB
 from trainscope.core.record_view import RunView
 from trainscope.core.records import now_iso
-from trainscope.measure.memory import GIB, is_sharded, local_bytes, local_tensor
+from trainscope.measure.memory import is_sharded, local_bytes, local_tensor
 from trainscope.predict import op_costs
 from trainscope.predict.memory_model import saved_bytes_at
 

@@ -5,7 +5,7 @@ shape, and the largest batch that fits."""
 
 import torch
 
-from trainscope.measure.memory import GIB
+from trainscope.core.paths import GIB
 from trainscope.predict import calibration, trace
 from trainscope.predict.planned import device_memory_bytes
 from trainscope.predict.step import model_dims, on_meta, quiet_fake_tensors, traced_length

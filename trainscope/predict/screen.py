@@ -2,7 +2,7 @@
 table's lines on the prediction's error are trainscope.run.table's, from the record alone)."""
 
 from trainscope.core.errors import UserError
-from trainscope.measure.memory import GIB
+from trainscope.core.paths import GIB
 
 
 def screen_lines(block: dict, settings, wall_s: float | None = None) -> list[str]:

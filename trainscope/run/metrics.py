@@ -12,6 +12,7 @@ from accelerate.utils import gather_object
 from trainscope.core import environment
 from trainscope.core.environment import compile_stats, compiled_with
 from trainscope.core.faults import NonFiniteLoss
+from trainscope.core.paths import GIB
 from trainscope.core.precision import effective_precision, loop_autocast, seen_in_the_loop
 from trainscope.core.record_view import option_words
 from trainscope.core.records import now_iso
@@ -20,7 +21,7 @@ from trainscope.measure.communication import block as communication_block
 from trainscope.measure.communication import measured as communication
 from trainscope.measure.flops import FULL, mfu, training_of
 from trainscope.measure.flops_source import BatchFacts
-from trainscope.measure.memory import GIB, peak_rss_bytes
+from trainscope.measure.memory import peak_rss_bytes
 from trainscope.measure.profiling import build_memory_snapshot, build_profiler
 from trainscope.measure.timing import PHASES, StageTimer, make_clock
 from trainscope.run import after_loop

@@ -19,13 +19,14 @@ import torch
 
 from trainscope.core import environment, launching
 from trainscope.core.errors import UserError
+from trainscope.core.paths import GIB
 from trainscope.core.record_view import RunView
 from trainscope.core.records import read_record, write_text_atomic
 from trainscope.experiments.data_parallel.options import CompareSettings
 from trainscope.experiments.data_parallel.results import figure, projection_table, results_table
 from trainscope.measure import bench
 from trainscope.measure.communication.measured import INTERCONNECTS, ring_allreduce_seconds
-from trainscope.measure.memory import GIB, CudaMemoryProbe, peak_rss_bytes
+from trainscope.measure.memory import CudaMemoryProbe, peak_rss_bytes
 from trainscope.report import document
 from trainscope.report.document import Bullets, Code, Heading, Paragraph
 from trainscope.report.tables import save_figure
