@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import sys
 
+from trainscope.core.faults import UserError
+
 TRAIN_FLAGS = """Every train.py flag is taken too (the model, data, batch size, precision, ...):
 `python train.py --help` lists them."""
 
@@ -14,6 +16,13 @@ def option(*, help: str, **kwargs) -> dataclasses.Field:
     """A settings field with its --help text: what transformers' HfArg(help=...) makes, without importing
     transformers (HfArgumentParser reads the help from the same metadata)."""
     return dataclasses.field(metadata={"help": help}, **kwargs)
+
+
+def require_at_least_one(settings, *names: str) -> None:
+    """A UserError naming the first of `names` (fields of the settings) below 1, by its flag."""
+    for name in names:
+        if getattr(settings, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
 
 
 def own_parser(own, description: str | None) -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ that the script answers --help before it imports torch."""
 from dataclasses import dataclass
 
 from trainscope.core.errors import UserError
-from trainscope.core.script_help import option
+from trainscope.core.script_help import option, require_at_least_one
 
 ASSUMED_COMPUTE_STEP_S = 0.1
 
@@ -55,9 +55,7 @@ class CompareSettings:
     result_file: str | None = option(default=None, help="Internal: where a DDP worker writes its result.")
 
     def validate(self):
-        for name in ("steps", "global_batch_size", "rounds"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        require_at_least_one(self, "steps", "global_batch_size", "rounds")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be 0 or more, got {self.warmup_steps}")
         if self.ddp_processes is not None and self.ddp_processes < 1:

@@ -4,7 +4,7 @@ that the script answers --help before it imports torch."""
 from dataclasses import dataclass
 
 from trainscope.core.errors import UserError
-from trainscope.core.script_help import option
+from trainscope.core.script_help import option, require_at_least_one
 
 MODES = ("pretokenized", "device-copy", "on-the-fly", "in-training")
 MAX_WORKERS = 64
@@ -76,8 +76,6 @@ class SweepSettings:
         for flag, values in (("prefetch-factors", self.prefetch_factors), ("batch-sizes", self.batch_sizes or [1])):
             if any(v <= 0 for v in values):
                 raise UserError(f"--{flag} must be positive, got {values}")
-        for name in ("repeats", "passes", "train_steps", "processes_per_node"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        require_at_least_one(self, "repeats", "passes", "train_steps", "processes_per_node")
         if not 0 <= self.knee_tolerance < 1:  # checked up front: a sweep must not end without its knee
             raise UserError(f"--knee-tolerance must be at least 0 and below 1, got {self.knee_tolerance}")
