@@ -94,7 +94,8 @@ def build(args):
     return tokenizer, AutoModelForCausalLM.from_pretrained(args.model)
 
 
-def train(args) -> dict:
+def set_up(args):
+    """The accelerator, and the model, optimizer, training and held-out loaders it prepared."""
     accelerator = Accelerator()
     torch.manual_seed(0)
     tokenizer, model = build(args)
@@ -104,7 +105,11 @@ def train(args) -> dict:
     evaluation = DataLoader(rows[-held_out:], batch_size=args.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     trainscope.fsdp_wrap_rule(model, accelerator)  # an FSDP config: each decoder layer sharded
-    model, optimizer, loader, evaluation = accelerator.prepare(model, optimizer, loader, evaluation)
+    return accelerator, *accelerator.prepare(model, optimizer, loader, evaluation)
+
+
+def train(args) -> dict:
+    accelerator, model, optimizer, loader, evaluation = set_up(args)
     if args.without_trainscope:
         return train_without_trainscope(args, accelerator, model, optimizer, loader, evaluation)
 

@@ -158,14 +158,22 @@ class Blocks:
             rows[index][name] = (now - self._began[key]) / self.steps * 1e6
 
 
-def driven(blocks: Blocks, run, model, optimizer, pieces: dict, bare_step, measured_steps, warmup: int) -> None:
+def steps_needed(warmup: int, rounds: int, steps: int, pieces_wanted) -> int:
+    """The optimizer steps a plan takes: the warm-up, each round's blocks ("all", "none" and one a piece) of one
+    untimed step and `steps` timed ones, and one more."""
+    return warmup + rounds * (len(pieces_wanted) + 2) * (steps + 1) + 1
+
+
+def driven(blocks: Blocks, run, model, optimizer, pieces: dict, bare_steps, measured_steps, warmup: int) -> None:
     """The run opened, its warm-up steps, then each block of the plan: "none" the bare step with the hooks lifted,
     any other every piece on but the one it names; the run finished."""
 
     def block(index: int, name: str) -> None:
-        off = lifted(*model_hooks(model), *step_hooks(optimizer)) if name == NONE else None
-        with off or (pieces[name]() if name in pieces else contextlib.nullcontext()):
-            steps = bare_step if name == NONE else measured_steps
+        if name == NONE:
+            switch, steps = lifted(*model_hooks(model), *step_hooks(optimizer)), bare_steps
+        else:
+            switch, steps = pieces[name]() if name in pieces else contextlib.nullcontext(), measured_steps
+        with switch:
             steps(1)
             blocks.begin()
             steps(blocks.steps)
@@ -185,7 +193,7 @@ def train_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tup
     from trainscope.instrument import Run
 
     (settings,) = parse_settings(argv=argv)
-    steps_in_all = settings.timing_warmup_steps + rounds * (len(pieces_wanted) + 2) * (steps + 1) + 1
+    steps_in_all = steps_needed(settings.timing_warmup_steps, rounds, steps, pieces_wanted)
     settings = dataclasses.replace(settings, max_steps=steps_in_all)
     with tempfile.TemporaryDirectory() as scratch:
         started = task.start(dataclasses.replace(settings, output_dir=scratch, run_name="pieces", overwrite=False))
@@ -221,24 +229,15 @@ def train_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tup
 def loop_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> tuple[Blocks, dict]:
     """examples/causal_lm.py's loop as that script writes it, driven block by block: its model, data and optimizer
     built by the example's own functions from its flags (see the module's docstring)."""
-    from accelerate import Accelerator
-    from torch.utils.data import DataLoader
-
     from trainscope.instrument import Run
 
     example = causal_lm_example()
-    steps_in_all = LOOP_WARMUP + rounds * (len(pieces_wanted) + 2) * (steps + 1) + 1
+    steps_in_all = steps_needed(LOOP_WARMUP, rounds, steps, pieces_wanted)
     threads = argparse.ArgumentParser(add_help=False)
     threads.add_argument("--threads", default="auto")  # Run's threads= (the example's "auto"), a number or launcher
     threads, argv = threads.parse_known_args(argv)
     args = example.arguments([*argv, "--steps", str(steps_in_all)])
-    accelerator = Accelerator()
-    torch.manual_seed(0)
-    tokenizer, model = example.build(args)
-    rows = example.blocks(example.load_texts(args), tokenizer, args.seq_length)
-    loader = DataLoader(rows, batch_size=args.batch_size, shuffle=True, drop_last=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator, model, optimizer, loader, _ = example.set_up(args)
     source = endless(loader)
 
     def one_step(ids, stage, backward):
@@ -290,7 +289,7 @@ def trainer_blocks(argv: list[str], rounds: int, steps: int, pieces_wanted) -> t
 
     (settings,) = parse_settings(argv=argv)
     warmup = settings.timing_warmup_steps
-    settings = dataclasses.replace(settings, max_steps=warmup + rounds * (len(pieces_wanted) + 2) * (steps + 1) + 1)
+    settings = dataclasses.replace(settings, max_steps=steps_needed(warmup, rounds, steps, pieces_wanted))
     blocks = Blocks([ALL, NONE], rounds, steps)
 
     class Switch(TrainerCallback):
