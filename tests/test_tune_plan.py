@@ -408,16 +408,20 @@ def test_make_tune_confirms_result_is_read_by_the_report_beside_make_tunes(monke
     assert f"on the full job (make tune-confirm): training samples/s {ratio:.4f} (" in glance
 
 
-def test_a_budget_that_holds_no_trial_says_the_budget_or_the_rounds_that_would(monkeypatch):
+@pytest.mark.parametrize("kind", ["numeric", "exact"])
+def test_a_budget_that_holds_no_trial_says_the_budget_or_the_rounds_that_would(kind, monkeypatch):
     """examples/causal_lm.py on 2 cores: runs of 43 s, the default 600 s left 504 s after the probe for one trial of
-    12 runs; the line names what holds one (a budget, or 5 rounds) instead of only the flags' names."""
+    12 runs; the line names what holds one (a budget, or 5 rounds) instead of only the flags' names; and the run
+    ends with no trial whichever kind the first change is (an exact one's count once took the exact trials' list)."""
     now, lines, inner = [0.0], [], planted()
 
     def run(arm, round_index, run_seed):
         now[0] += 43.0
         return inner(arm, round_index, run_seed)
 
-    monkeypatch.setattr(tune.advisor, "advise", lambda record, in_loop_terms=True: NUMERIC[:1])
+    ideas = NUMERIC[:1] if kind == "numeric" else [suggestion("threads", ["--threads", "2"])]
+    assert ideas[0].kind == kind
+    monkeypatch.setattr(tune.advisor, "advise", lambda record, in_loop_terms=True: ideas)
     monkeypatch.setattr(tune, "read_record", lambda folder: {})
     args = SimpleNamespace(runs="unused", budget=600, rounds=6, seed=42, only=None, max_suggestions=4, confirm=None,
                            accuracy_margin=0.01, loss_margin=0.02)  # fmt: skip

@@ -187,13 +187,13 @@ def tune(args, command: Command, runner=None, clock=time.monotonic, log=print) -
     for s, why in not_tried:
         log(f"not tried ({s.rule}): {s.change}: {why}")
     if over and not tried:  # what would hold the first: a budget, or rounds (4 at least: 4 against 4 passes Holm of 1)
-        exact, fp32 = int(over[0].kind == changes.EXACT), precision != "fp32"
-        runs = {r: plan_cost(exact, 1 - exact, r, fp32) for r in range(4, args.rounds + 1)}
-        fits = max((r for r in runs if runs[r] * run_s <= tuner.remaining()), default=None)
-        needed = args.budget - tuner.remaining() + plan_cost(exact, 1 - exact, args.rounds, fp32) * run_s
-        log(f"the budget holds no trial: one takes {plan_cost(exact, 1 - exact, args.rounds, fp32)} runs of about "
-            f"{run_s:.0f} s; --budget {math.ceil(needed / 60) * 60:.0f} holds one"
-            + (f", or --rounds {fits} ({runs[fits]} runs)" if fits else ""))  # fmt: skip
+        is_exact, fp32 = int(over[0].kind == changes.EXACT), precision != "fp32"
+        cost = {r: plan_cost(is_exact, 1 - is_exact, r, fp32) for r in {*range(4, args.rounds + 1), args.rounds}}
+        fits = max((r for r in cost if r >= 4 and cost[r] * run_s <= tuner.remaining()), default=None)
+        needed = args.budget - tuner.remaining() + cost[args.rounds] * run_s
+        log(f"the budget holds no trial: one takes {cost[args.rounds]} runs of about {run_s:.0f} s; --budget "
+            f"{math.ceil(needed / 60) * 60:.0f} holds one"
+            + (f", or --rounds {fits} ({cost[fits]} runs)" if fits else ""))  # fmt: skip
     judged, ran = tuner.decide(design, Arm("baseline"), exact, others)
     not_tried += [(t.suggestion, tuner.failed[t.name]) for t in tried if t.name in tuner.failed]
     result = {"experiment": "tune-confirm" if args.confirm else "tune", "command": command.text(Change()), "script": command.script,
